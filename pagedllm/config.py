@@ -1,0 +1,91 @@
+"""The engine's one configuration record, validated when it is built.
+
+Values the engine computes while it starts (the number of KV blocks, the EOS
+ids) are not written back here; they live on the objects that compute them
+(``ModelRunner.num_kv_blocks``, ``Tokenizer.eos_token_ids``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("reference", "sdpa")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to start an engine.
+
+    Args:
+        model: path of a GGUF file or a Hugging Face model folder.
+        tokenizer: tokenizer folder; None takes the model's own.
+        dtype: weights and activations dtype.
+        device: "cpu" or "cuda".
+        block_size: token slots per KV block.
+        num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: memory for the KV pool; None picks a share of
+            free memory.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens computed in one step; at least
+            ``max_model_len`` because a prompt is prefilled in one step.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        seed: seed of the random stream of requests that bring no seed.
+        attention_backend: "sdpa" (batched, default) or "reference" (plain
+            per-sequence torch, for testing).
+        num_threads: torch intra-op threads; None keeps torch's default.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    attention_backend: str = "sdpa"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value: object, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        positive_int("block_size", self.block_size)
+        positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        positive_int("max_model_len", self.max_model_len)
+        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive_int("num_threads", self.num_threads, allow_none=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): prompts are prefilled in one step"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
+                f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
+            )

@@ -1,0 +1,1 @@
+"""Bookkeeping (sequence, block manager, scheduler) and the engine loop."""

@@ -1,0 +1,230 @@
+"""The KV block pool: free list, reference counts and the prefix cache.
+
+The model runner pre-allocates one cache tensor cut into ``num_blocks`` blocks
+of ``block_size`` token slots. This class decides which sequence owns which
+block; it never touches the tensor and never imports torch.
+
+Free list and prefix cache share one structure::
+
+    free list (LRU order, oldest first)         hash -> block (prefix cache)
+    [ 5, 9, 2, 14, ... ]                        {h(A): 9, h(A,B): 2}
+      ^ popped first when a block is needed
+
+A block whose reference count falls to 0 goes to the *tail* of the free list
+but keeps its hash, so a later prompt with the same prefix can take it back
+(a cache hit) until it is popped for someone else (an eviction). Blocks of a
+freed sequence are pushed tail-first, so a prompt's first blocks, the most
+shareable ones, are evicted last. Both pop and remove are O(1) (an
+``OrderedDict`` is the free list).
+
+A block's hash chains the hash of the block before it with the block's token
+ids, so a hit on block ``i`` means the whole prefix up to it matches; a hit
+still compares the stored token ids to rule out hash collisions.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from pagedllm.engine.sequence import Sequence
+
+_NO_PARENT = 0
+
+
+def hash_block(parent_hash: int, token_ids: list[int]) -> int:
+    """Chained hash of one full block: (parent hash, token ids) -> 64-bit int."""
+    h = xxhash.xxh3_64()
+    h.update(parent_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    """Hands out KV cache blocks to sequences.
+
+    Args:
+        num_blocks: blocks in the pool (the cache tensor's first dimension).
+        block_size: token slots per block.
+        enable_prefix_caching: reuse full blocks whose chained hash matches.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # The free list: block ids with ref count 0, least recently freed first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.ref_counts: list[int] = [0] * num_blocks
+        # Prefix cache: each registered block remembers its hash and tokens.
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Prefix-cache statistics, in tokens (for metrics and benchmarks).
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    # --- pool state ----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any sequence (cached-but-unreferenced count as free)."""
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences, 0..1."""
+        return self.num_used_blocks / self.num_blocks
+
+    # --- hashing -------------------------------------------------------------
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Chained hashes of the first ``num_full_blocks`` blocks (memoised on seq)."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _NO_PARENT
+            hashes.append(hash_block(parent, seq.block_tokens(i)))
+        return hashes[:num_full_blocks]
+
+    def _lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Physical blocks holding the longest cached prefix of ``seq``.
+
+        Only blocks inside the first ``len(seq) - 1`` tokens count: the last
+        token is always computed, because its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        num_lookup = (len(seq) - 1) // self.block_size
+        hits: list[int] = []
+        for i, h in enumerate(self._block_hashes(seq, num_lookup)):
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_token_ids[block] != tuple(seq.block_tokens(i)):
+                break
+            hits.append(block)
+        return hits
+
+    # --- free list -----------------------------------------------------------
+    def _pop_free_block(self) -> int:
+        """Take the least recently freed block, evicting its cached hash."""
+        block, _ = self.free_blocks.popitem(last=False)
+        self._uncache(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _uncache(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hash[block] = None
+            self.block_token_ids[block] = None
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None  # to the tail: evicted last
+
+    # --- the allocator API ---------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether ``allocate(seq)`` would succeed now."""
+        hits = self._lookup_prefix(seq)
+        return self._num_blocks_short(seq, hits) <= 0
+
+    def _num_blocks_short(self, seq: Sequence, hits: list[int]) -> int:
+        # hits that sit in the free list leave it when taken, so they count
+        # against the free blocks as well
+        num_new = seq.num_blocks - len(hits)
+        num_free_hits = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return num_new + num_free_hits - self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens.
+
+        Reuses cached prefix blocks where possible and sets
+        ``seq.num_computed_tokens`` to the number of tokens whose K/V is
+        already there. Returns False, taking nothing, when the pool is short.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        hits = self._lookup_prefix(seq)
+        if self._num_blocks_short(seq, hits) > 0:
+            return False
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        table = list(hits)
+        for _ in range(seq.num_blocks - len(hits)):
+            table.append(self._pop_free_block())
+        seq.block_table = table
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        return True
+
+    def record_prefix_lookup(self, seq: Sequence) -> None:
+        """Count an admitted sequence's tokens as prefix-cache queries and hits."""
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += len(seq)
+            self.num_prefix_hits += seq.num_cached_tokens
+
+    def can_append_slot(self, seq: Sequence) -> bool:
+        """Whether the next token of ``seq`` has a slot or one can be given."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> bool:
+        """Make sure the block table covers every token of ``seq``.
+
+        Called before a decode step: the newest token's K/V is about to be
+        written. A new block is taken only when the last one is full. Returns
+        False, taking nothing, when the pool is empty.
+        """
+        missing = seq.num_blocks - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if missing > self.num_free_blocks:
+            return False
+        for _ in range(missing):
+            seq.block_table.append(self._pop_free_block())
+        return True
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the full blocks among the first ``num_tokens`` tokens.
+
+        Called when those tokens are scheduled: their K/V is written in this
+        step, before any later reader runs attention over them.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_tokens, len(seq)) // self.block_size
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(num_full - 1, -1, -1):
+            block = seq.block_table[i]
+            if self.block_hash[block] is not None:
+                break  # blocks before it were published earlier
+            h = hashes[i]
+            if h in self.hash_to_block:
+                continue  # same content already cached in another block
+            self.block_hash[block] = h
+            self.block_token_ids[block] = tuple(seq.block_tokens(i))
+            self.hash_to_block[h] = block
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks at ref count 0 become free."""
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay allocated)."""
+        for block in range(self.num_blocks):
+            self._uncache(block)

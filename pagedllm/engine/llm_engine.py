@@ -1,0 +1,209 @@
+"""The engine loop: add requests, step, collect outputs.
+
+A thin coordinator. Each ``step()``::
+
+    Scheduler.schedule()  -> SchedulerOutput   (who runs, which blocks)
+    ModelRunner.execute() -> sampled tokens    (slot mapping, attention, sampler)
+    Scheduler.update()                          (tokens now in the cache)
+    append tokens, detokenize, check stops      (finished sequences free blocks)
+    -> RequestOutput for every request that moved
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.detokenizer import detokenize_incrementally
+from pagedllm.engine.request import Request
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.loader import iter_weights, load_model_config
+from pagedllm.loader.tokenizer import Tokenizer
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        config: the validated engine configuration.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = load_model_config(config.model)
+        self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
+        self.model_runner = ModelRunner(config, self.model_config, iter_weights(config.model, self.model_config))
+        self.block_manager = BlockManager(
+            self.model_runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._arrivals = itertools.count()
+        self._request_ids = itertools.count()
+        # statistics for benchmarks and metrics
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+        self.peak_used_blocks = 0
+
+    # --- requests ------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._request_ids))
+
+    def process_prompt(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        """Text or token ids -> (text or None, validated token ids)."""
+        if isinstance(prompt, str):
+            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self.process_prompt(prompt["prompt"])
+        else:
+            raise ValueError(
+                "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+                f"got {type(prompt).__name__}"
+            )
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, which leaves no room for output within "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        return text, list(ids)
+
+    def add_request(
+        self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Validate and queue a request; ValueError leaves the engine unchanged."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.process_prompt(prompt)
+        req = Request(
+            request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
+        )
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests now and free their blocks; unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --- the loop ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return outputs of requests that progressed."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
+        params = [self.requests[s.seq.request_id].params for s in output.scheduled]
+        try:
+            tokens = self.model_runner.execute(output, params)
+        except Exception:
+            # the step is lost, not the engine: fail the requests in it so their
+            # blocks return to the pool, then let the caller see the error
+            for s in output.scheduled:
+                self.abort_request(s.seq.request_id)
+            raise
+        self.scheduler.update(output)
+        touched: dict[str, Request] = {}
+        for s, token in zip(output.scheduled, tokens):
+            if s.is_prefill:
+                self.num_prompt_tokens_computed += s.num_new_tokens
+            if token is None:
+                continue
+            seq = s.seq
+            seq.append_token(token)
+            self.num_generated_tokens += 1
+            req = self.requests[seq.request_id]
+            delta = detokenize_incrementally(self.tokenizer, seq, req.params.skip_special_tokens)
+            status = self._check_stop(seq, req.params, len(delta))
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._make_output(req))
+            if req.is_finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams, delta_len: int) -> SequenceStatus | None:
+        token = seq.token_ids[-1]
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.stop_reason = None
+            return SequenceStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token in params.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        for stop in params.stop_strings if delta_len else ():
+            # only a match that ends inside the newest delta is new
+            start = max(0, len(seq.output_text) - delta_len - len(stop) + 1)
+            idx = seq.output_text.find(stop, start)
+            if idx != -1:
+                end = idx + len(stop) if params.include_stop_str_in_output else idx
+                seq.output_text = seq.output_text[:end]
+                seq.stop_reason = stop
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if len(seq) >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.output_text,
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.status.value if seq.is_finished else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.is_finished,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+            metrics={"arrival_time": req.arrival_time, "finished_time": time.monotonic() if req.is_finished else None},
+        )

@@ -1,0 +1,135 @@
+"""One generated sequence: its tokens, its block table and its progress.
+
+Plain Python on purpose: the block manager and the scheduler work on these
+objects with integer lists only, so they are testable without torch.
+
+Token accounting (``num_computed_tokens`` is how many tokens have their K/V
+in the cache)::
+
+    token_ids:  p0 p1 p2 p3 p4 | o0 o1 o2
+                <-- prompt ---> <- output ->
+    computed:   [=========================]   <- K/V written for these
+                                           ^ the newest sampled token, whose
+                                             K/V the next decode step writes
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+
+class Sequence:
+    """A token sequence with a block table.
+
+    Args:
+        token_ids: the prompt's token ids.
+        block_size: tokens per KV block (needed to count blocks).
+        request_id: the request this sequence belongs to.
+        index: which of the request's ``n`` outputs this is.
+        rng: the random stream its sampler draws from; it lives here, not in
+            the runner, so that a preempted and recomputed sequence keeps
+            drawing the same numbers.
+        arrival: ordering key for FCFS and for choosing a preemption victim.
+    """
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        block_size: int,
+        request_id: str = "",
+        index: int = 0,
+        rng: random.Random | None = None,
+        arrival: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.seq_id: int = next(_seq_counter)
+        self.request_id = request_id
+        self.index = index
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens: int = len(token_ids)
+        self.block_size = block_size
+        # logical block i -> physical block id
+        self.block_table: list[int] = []
+        # chained hashes of the full blocks, filled lazily by the block manager
+        self.block_hashes: list[int] = []
+        self.num_computed_tokens: int = 0
+        # prompt tokens found in the prefix cache at the last admission
+        self.num_cached_tokens: int = 0
+        self.status = SequenceStatus.WAITING
+        self.rng = rng if rng is not None else random.Random(0)
+        self.arrival: int = self.seq_id if arrival is None else arrival
+        self.num_preemptions: int = 0
+        # detokenizer state
+        self.output_text: str = ""
+        self.prefix_offset: int = 0
+        self.read_offset: int = 0
+        self.stop_reason: int | str | None = None
+
+    # --- lengths -----------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold K/V for every token (ceil division)."""
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.token_ids) // self.block_size
+
+    def block_tokens(self, i: int) -> list[int]:
+        """Token ids of logical block ``i``."""
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Forget the cache state after preemption; tokens are kept."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, "
+            f"status={self.status.value})"
+        )

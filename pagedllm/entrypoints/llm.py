@@ -1,0 +1,138 @@
+"""The offline API: ``LLM(...).generate(prompts, params)``, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.loader import load_model_config, resolve_model_path
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Batch generation with a paged KV cache.
+
+    Args:
+        model: a ``.gguf`` file or a Hugging Face folder; None loads the
+            bundled SmolLM2-135M-Instruct.
+        max_model_len: longest prompt + output; None takes the model's.
+        max_num_batched_tokens: token budget per step; None takes
+            ``max(max_model_len, 8192)``.
+        **kwargs: any other ``EngineConfig`` field (block_size, num_kv_blocks,
+            kv_cache_memory_bytes, max_num_seqs, enable_prefix_caching, dtype,
+            device, seed, attention_backend, num_threads, tokenizer).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        path = resolve_model_path(model)
+        if max_model_len is None:
+            max_model_len = load_model_config(path).max_position_embeddings
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(max_model_len, 8192)
+        unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
+        config = EngineConfig(
+            model=path,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine(config)
+
+    def get_tokenizer(self) -> Any:
+        """The underlying Hugging Face tokenizer."""
+        return self.llm_engine.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids":
+        [...]}``. Every prompt is validated before any is queued, so a bad
+        one raises ValueError and leaves nothing behind.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
+        engine = self.llm_engine
+        for prompt in prompts:
+            engine.process_prompt(prompt)  # raises before anything is queued
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid = engine.new_request_id()
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one or many conversations, then generate."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.llm_engine.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template)
+            for c in conversations
+        ]
+        # the template already holds the BOS/special tokens it wants
+        token_prompts = [
+            {"prompt": p, "prompt_token_ids": self.get_tokenizer().encode(p, add_special_tokens=False)}
+            for p in prompts
+        ]
+        return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(done) < len(request_ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+                if not engine.has_unfinished_requests() and len(done) < len(request_ids):
+                    raise RuntimeError("the engine went idle before every request finished")
+        finally:
+            bar.close()
+        return [done[rid] for rid in request_ids]

@@ -1,0 +1,113 @@
+"""Weights and configuration from a GGUF file, dequantized at load.
+
+GGUF stores tensors under llama.cpp names and, for the ``llama`` architecture,
+with the rows of Q and K permuted for llama.cpp's interleaved RoPE. We rename
+to Hugging Face names and undo that permutation, so the model code is the
+same for both formats.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from pagedllm.loader.model_config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _field(reader: GGUFReader, key: str, default: object = None) -> object:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader: GGUFReader) -> ModelArchConfig:
+    """Architecture facts from the GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
+
+    def key(name: str, default: object = None) -> object:
+        return _field(reader, f"{arch}.{name}", default)
+
+    hidden = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    vocab = key("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 2048)),
+        tie_word_embeddings=not has_output,
+        attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+        qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (per head: interleaved -> halves)."""
+    shape = w.shape
+    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def iter_weights(path: str, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor in the file."""
+    reader = GGUFReader(path)
+    for t in reader.tensors:
+        m = _LAYER_RE.match(t.name)
+        if m:
+            suffix = _LAYER_NAMES.get(m.group(2))
+            name = None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
+        else:
+            name = _GLOBAL_NAMES.get(t.name)
+        if name is None:
+            raise ValueError(f"unexpected tensor {t.name!r} in {path}")
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if config.architecture in ("llama", "mistral"):
+            if ".q_proj." in name:
+                w = _unpermute_rope_rows(w, config.num_attention_heads)
+            elif ".k_proj." in name:
+                w = _unpermute_rope_rows(w, config.num_key_value_heads)
+        if not w.flags.writeable or not w.flags.c_contiguous:
+            w = np.array(w, order="C")
+        yield name, torch.from_numpy(w)

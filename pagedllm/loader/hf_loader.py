@@ -1,0 +1,21 @@
+"""Weights from a Hugging Face folder of ``*.safetensors`` files."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every shard in ``path``."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path!r} has no *.safetensors files")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

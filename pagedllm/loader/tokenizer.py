@@ -1,0 +1,53 @@
+"""The tokenizer, its EOS ids and its chat template."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with what the engine needs from it.
+
+    Loads from a model folder or, for a ``.gguf`` file, from the vocabulary,
+    merges and chat template stored in the GGUF metadata.
+    """
+
+    def __init__(self, path: str, extra_eos_token_ids: tuple[int, ...] = ()) -> None:
+        if path.endswith(".gguf"):
+            self.hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        else:
+            self.hf = AutoTokenizer.from_pretrained(path)
+        eos = set(extra_eos_token_ids)
+        if self.hf.eos_token_id is not None:
+            eos.add(self.hf.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size: int = len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        """Render a conversation to the prompt text the model was tuned on."""
+        if chat_template is None and not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )

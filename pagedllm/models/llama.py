@@ -1,0 +1,238 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3.
+
+They differ in three switches read from ``ModelArchConfig``: q/k/v biases
+(Qwen2), a per-head RMSNorm on q and k (Qwen3) and tied embeddings. Tokens of
+all sequences in a step are flattened into one batch ``[num_tokens, hidden]``;
+only attention needs to know where one sequence ends, and it learns that from
+``AttentionMetadata``.
+
+Parameter names follow Hugging Face's, except that q/k/v and gate/up are
+stored fused (``qkv_proj``, ``gate_up_proj``) so each is one matmul;
+``load_weights`` writes the separate checkpoint tensors into their slices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.runner.attention import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 as the reference does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]``, with Llama 3 scaling if asked."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return inv_freq
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept,
+    # the band between interpolated smoothly
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_band, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a cos/sin table for every position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.settings = (head_dim, max_position, theta, scaling)
+        self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+        self.build_tables()
+
+    def build_tables(self) -> None:
+        """Fill the cos/sin tables (again after a model built on the meta device)."""
+        head_dim, max_position, theta, scaling = self.settings
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
+        with torch.device("cpu"):
+            self.cos = emb.cos().to(self.cos.device)
+            self.sin = emb.sin().to(self.sin.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary  # shared by all layers
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions, x, kv_cache, meta):  # noqa: ANN001, ANN201
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[n, vocab]`` in float32, for the rows that sample only."""
+        return self.lm_head(hidden).float()
+
+    # --- weights -------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters."""
+        cfg = self.config
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            target, offset, size = name, 0, None
+            for part, (fused_name, off, sz) in fused.items():
+                if f".{part}." in name:
+                    target, offset, size = name.replace(part, fused_name), off, sz
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            dest = param.data if size is None else param.data.narrow(0, offset, size)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        expected = self._expected_checkpoint_names(fused)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _expected_checkpoint_names(self, fused: dict[str, tuple[str, int, int]]) -> set[str]:
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            split = [part for part, (fname, _, _) in fused.items() if f".{fname}." in name]
+            if split:
+                fused_name = fused[split[0]][0]
+                suffix = name.split(f".{fused_name}.")[1]
+                if suffix == "bias" and fused_name == "gate_up_proj":
+                    continue
+                names.update(name.replace(fused_name, part) for part in split)
+            else:
+                names.add(name)
+        return names

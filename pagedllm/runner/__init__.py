@@ -1,0 +1,1 @@
+"""Model execution: the KV cache, attention backends and the sampler."""

@@ -1,0 +1,171 @@
+"""Paged attention: write new K/V through the slot mapping, read through block tables.
+
+The KV cache of one layer is a pair of tensors ``[num_blocks, block_size,
+num_kv_heads, head_dim]``. Viewed flat, ``[num_blocks * block_size, ...]``,
+slot ``s`` is row ``s``: the slot mapping says where each new token's K/V
+goes, and a sequence's block table says which blocks hold its context::
+
+    block_table [7, 2]   block_size 4   context of 6 tokens
+    cache rows:  7*4+0 .. 7*4+3 (tokens 0-3), 2*4+0 .. 2*4+1 (tokens 4-5)
+
+Two backends share one interface: ``ReferenceAttention`` (per sequence, plain
+torch, easy to check) and ``SdpaAttention`` (decodes batched, torch SDPA).
+Tests compare them on scattered block tables.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step addressing, built on the CPU by the model runner.
+
+    Sequences are ordered prefills first, then decodes; sequence ``i`` owns
+    batch tokens ``query_start_loc[i] .. query_start_loc[i+1]-1``, which sit at
+    positions ``num_computed[i] .. seq_lens[i]-1`` of that sequence.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot per new token
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, padded with 0
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int64: context length after this step
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs]
+    num_computed: list[int]  # [num_seqs]: tokens whose K/V was cached before this step
+    num_prefills: int  # sequences [0, num_prefills) are prefills
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
+) -> torch.Tensor:
+    """K or V of one sequence's first ``seq_len`` tokens: [seq_len, num_kv_heads, head_dim]."""
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks]]  # [num_blocks, block_size, kv_heads, head_dim]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+class AttentionBackend(ABC):
+    """Computes attention for a batch of sequences over the paged cache."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        # every new token's K/V goes in first, so queries later in the batch
+        # (and other sequences sharing a cached prefix) can read it
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class ReferenceAttention(AttentionBackend):
+    """One sequence at a time, explicit softmax: the path to check others against."""
+
+    name = "reference"
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[2]
+        for i in range(meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            seq_len, num_computed = meta.seq_lens[i], meta.num_computed[i]
+            keys = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size)
+            values = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size)
+            keys = keys.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+            values = values.repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys.float()) * scale
+            q_pos = torch.arange(num_computed, seq_len).unsqueeze(1)  # [q_len, 1]
+            k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, seq_len]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            probs = scores.softmax(dim=-1)
+            out[start:end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
+        return out
+
+
+class SdpaAttention(AttentionBackend):
+    """Prefills one by one, all decodes in one batched call, via torch SDPA."""
+
+    name = "sdpa"
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
+        out = torch.empty_like(q)
+        for i in range(meta.num_prefills):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            seq_len, num_computed = meta.seq_lens[i], meta.num_computed[i]
+            qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+            if num_computed == 0:
+                # nothing cached before: the new K/V is the whole context
+                ki, vi, mask, causal = k[start:end], v[start:end], None, True
+            else:
+                ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size)
+                vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size)
+                q_pos = torch.arange(num_computed, seq_len).unsqueeze(1)
+                mask, causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
+            out[start:end] = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1), vi.transpose(0, 1),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            ).transpose(0, 1)
+
+        num_decodes = meta.num_seqs - meta.num_prefills
+        if num_decodes:
+            first = meta.query_start_loc[meta.num_prefills]
+            tables = meta.block_tables[meta.num_prefills :]  # [B, max_blocks]
+            seq_lens = meta.seq_lens_tensor[meta.num_prefills :]  # [B]
+            max_blocks = (max(meta.seq_lens[meta.num_prefills :]) + meta.block_size - 1) // meta.block_size
+            tables = tables[:, :max_blocks]
+            # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
+            keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+            values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+            length = keys.shape[2]
+            mask = (torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+            qd = q[first:].unsqueeze(2)  # [B, num_heads, 1, head_dim]
+            out[first:] = F.scaled_dot_product_attention(
+                qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            ).squeeze(2)
+        return out
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """Backend by name: "reference" or "sdpa"."""
+    backends = {"reference": ReferenceAttention, "sdpa": SdpaAttention}
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends)}")
+    return backends[name]()

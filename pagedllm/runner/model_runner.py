@@ -1,0 +1,194 @@
+"""Owns the model and the KV cache; turns a SchedulerOutput into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.block_table import slot_mapping
+from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.runner.attention import AttentionMetadata, make_backend
+from pagedllm.runner.sampler import Sampler, SamplingTensors
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# when neither num_kv_blocks nor kv_cache_memory_bytes is given
+_DEFAULT_KV_SHARE = 0.25
+_DEFAULT_KV_CAP_BYTES = 4 << 30
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+class ModelRunner:
+    """Loads the weights, allocates the KV cache once, runs steps.
+
+    The cache is one tensor ``[2, num_layers, num_kv_blocks, block_size,
+    num_kv_heads, head_dim]`` (K and V), zero-filled at start-up and never
+    resized; ``num_kv_blocks`` is decided here and read by the engine.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelArchConfig,
+        weights: Iterable[tuple[str, torch.Tensor]],
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device")
+        self.dtype = _DTYPES[config.dtype]
+        self.backend = make_backend(config.attention_backend)
+
+        start = time.perf_counter()
+        # built on the meta device: no time spent on random init of weights
+        # that the checkpoint overwrites anyway
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, self.backend)
+        model = model.to_empty(device="cpu")
+        if model_config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_weights(weights)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # RoPE tables stay float32 whatever the model dtype
+        self.model.model.rotary.float().build_tables()
+        self.load_seconds = time.perf_counter() - start
+
+        self.block_size = config.block_size
+        self.num_kv_blocks = self._decide_num_kv_blocks()
+        min_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
+        if self.num_kv_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache has room for {self.num_kv_blocks} blocks, fewer than one sequence of "
+                f"max_model_len={config.max_model_len} needs ({min_blocks}); lower max_model_len or "
+                "give the cache more memory"
+            )
+        mc = model_config
+        # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            2, mc.num_hidden_layers, self.num_kv_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
+        self.sampler = Sampler()
+
+    # --- sizing --------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+    def _decide_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = min(int(_available_memory_bytes(self.device) * _DEFAULT_KV_SHARE), _DEFAULT_KV_CAP_BYTES)
+        return max(1, budget // self.kv_bytes_per_block)
+
+    # --- one step ------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Build input ids, positions and attention metadata on the CPU.
+
+        Sequences with more than one new token (prefills) go first, as the
+        attention backends expect.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        num_computed: list[int] = []
+        tables: list[list[int]] = []
+        for s in scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            seq = s.seq
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(slot_mapping(seq.block_table, self.block_size, start, end))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            num_computed.append(start)
+            tables.append(seq.block_table)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        num_prefills = sum(1 for s in scheduled if s.num_new_tokens > 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            num_computed=num_computed,
+            num_prefills=num_prefills,
+            block_size=self.block_size,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+        )
+
+    def _sampling_tensors(self, scheduled: list[ScheduledSequence], params: list) -> SamplingTensors:
+        vocab = self.model_config.vocab_size
+        temps, top_ks, top_ps, min_ps, uniforms = [], [], [], [], []
+        for s, p in zip(scheduled, params):
+            temps.append(p.temperature)
+            top_ks.append(p.top_k if p.top_k > 0 else vocab)
+            top_ps.append(p.top_p)
+            min_ps.append(p.min_p)
+            # greedy rows draw nothing, so they never disturb a seeded stream
+            uniforms.append(s.seq.rng.random() if p.temperature > 0 else 0.0)
+        random_rows = [i for i, t in enumerate(temps) if t > 0]
+        return SamplingTensors(
+            temperatures=torch.tensor(temps, dtype=torch.float32),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32),
+            uniforms=torch.tensor(uniforms, dtype=torch.float64),
+            any_random=bool(random_rows),
+            needs_sort=any(top_ks[i] < vocab or top_ps[i] < 1.0 for i in random_rows),
+        )
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, params: list) -> list[int | None]:
+        """Run one step. ``params[i]`` are the SamplingParams of ``output.scheduled[i]``.
+
+        Returns the sampled token of each scheduled sequence, None for one
+        whose step does not reach its last token.
+        """
+        order = sorted(range(len(output.scheduled)), key=lambda i: output.scheduled[i].num_new_tokens == 1)
+        scheduled = [output.scheduled[i] for i in order]
+        input_ids, positions, meta = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sample_pos = [i for i, s in enumerate(scheduled) if s.samples]
+        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in sample_pos], dtype=torch.int64)
+        logits = self.model.compute_logits(hidden[last_rows.to(self.device)]).cpu()
+        tensors = self._sampling_tensors([scheduled[i] for i in sample_pos], [params[order[i]] for i in sample_pos])
+        tokens = self.sampler(logits, tensors).tolist()
+        result: list[int | None] = [None] * len(scheduled)
+        for row, i in enumerate(sample_pos):
+            result[order[i]] = tokens[row]
+        return result
+

@@ -1,0 +1,78 @@
+"""Turning logits into next tokens: greedy, temperature, top-k, top-p, min-p.
+
+Randomness comes in from outside as one uniform number per row, drawn by the
+sequence's own ``random.Random``; sampling is the inverse CDF at that number.
+So a request's seed fully decides its tokens, whatever else is in the batch,
+and a preempted sequence keeps its random stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings, one entry per sampled sequence."""
+
+    temperatures: torch.Tensor  # [B] float32; 0 means greedy
+    top_ks: torch.Tensor  # [B] int64; vocab size when disabled
+    top_ps: torch.Tensor  # [B] float32
+    min_ps: torch.Tensor  # [B] float32
+    uniforms: torch.Tensor  # [B] float64 in [0, 1)
+    any_random: bool
+    needs_sort: bool  # some row uses top-k or top-p
+
+
+class Sampler:
+    """Picks one token per row of ``logits``."""
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        # logits: [B, vocab] float32 -> [B] int64
+        tokens = logits.argmax(dim=-1)
+        if not t.any_random:
+            return tokens
+        rows = (t.temperatures > 0).nonzero().squeeze(1)
+        scaled = logits[rows] / t.temperatures[rows].unsqueeze(1)
+        sampled = _sample_rows(
+            scaled, t.top_ks[rows], t.top_ps[rows], t.min_ps[rows], t.uniforms[rows], t.needs_sort
+        )
+        tokens[rows] = sampled
+        return tokens
+
+
+def _sample_rows(
+    logits: torch.Tensor,  # [R, vocab]
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    uniforms: torch.Tensor,
+    needs_sort: bool,
+) -> torch.Tensor:
+    vocab = logits.shape[1]
+    if needs_sort:
+        logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        logits = logits.masked_fill(ranks >= top_ks.unsqueeze(1), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        # keep a token while the mass before it is still below top_p; the
+        # most likely token is always kept
+        mass_before = probs.cumsum(dim=-1) - probs
+        logits = logits.masked_fill(mass_before >= top_ps.unsqueeze(1), float("-inf"))
+    else:
+        order = None
+    probs = logits.softmax(dim=-1)
+    if bool((min_ps > 0).any()):
+        threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    cdf = probs.double().cumsum(dim=-1)  # [R, vocab]
+    targets = uniforms.unsqueeze(1) * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=vocab - 1)
+    # a pick can land on a zero-probability tail token only by rounding;
+    # step back to the last token with mass
+    picks = torch.minimum(picks, (probs > 0).cumsum(dim=-1).argmax(dim=-1))
+    if order is not None:
+        picks = order.gather(1, picks.unsqueeze(1)).squeeze(1)
+    return picks
