@@ -160,7 +160,7 @@ class BlockManager:
             return False
         for block in hits:
             if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
+                pass
             self.ref_counts[block] += 1
         table = list(hits)
         for _ in range(seq.num_blocks - len(hits)):

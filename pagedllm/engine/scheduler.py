@@ -130,14 +130,19 @@ class Scheduler:
         decodes: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
 
-        # 1. running sequences, oldest first, each needs one slot
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        # 1. running sequences, oldest first, each needs one slot. Ties in
+        #    ``arrival`` are broken by seq_id, so the victim (the newest) is
+        #    never a sequence already scheduled earlier in this loop.
+        def age(s: Sequence) -> tuple[int, int]:
+            return (s.arrival, s.seq_id)
+
+        for seq in sorted(self.running, key=age):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget < 1:
                 break
             while not self.block_manager.append_slot(seq):
-                victim = max(self.running, key=lambda s: s.arrival)
+                victim = max(self.running, key=age)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

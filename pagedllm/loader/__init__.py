@@ -48,7 +48,7 @@ def resolve_model_path(model: str | None) -> str:
 
 def load_model_config(path: str) -> ModelArchConfig:
     if path.endswith(".gguf"):
-        return gguf_loader.read_config(gguf_loader.GGUFReader(path))
+        return gguf_loader.read_config(gguf_loader.open_reader(path))
     return from_hf_folder(path)
 
 

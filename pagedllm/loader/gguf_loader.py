@@ -8,6 +8,7 @@ same for both formats.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 
@@ -40,6 +41,12 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@functools.lru_cache(maxsize=2)
+def open_reader(path: str) -> GGUFReader:
+    """Parse a GGUF file once (its metadata takes seconds to read); data stays memory-mapped."""
+    return GGUFReader(path)
 
 
 def _field(reader: GGUFReader, key: str, default: object = None) -> object:
@@ -92,7 +99,7 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def iter_weights(path: str, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor in the file."""
-    reader = GGUFReader(path)
+    reader = open_reader(path)
     for t in reader.tensors:
         m = _LAYER_RE.match(t.name)
         if m:

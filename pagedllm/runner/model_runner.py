@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # when neither num_kv_blocks nor kv_cache_memory_bytes is given
 _DEFAULT_KV_SHARE = 0.25
-_DEFAULT_KV_CAP_BYTES = 4 << 30
+_DEFAULT_KV_CAP_BYTES = 2 << 30
 
 
 def _available_memory_bytes(device: torch.device) -> int:

@@ -1,0 +1,181 @@
+"""``pagedllm generate | chat | bench throughput``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from pagedllm.sampling_params import SamplingParams
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "reference"])
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.9)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = dict(
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        num_threads=args.num_threads,
+    )
+    return kwargs
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    outs = llm.generate(list(args.prompts), params, use_tqdm=len(args.prompts) > 1)
+    elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for out in outs:
+        print(f"\n=== prompt: {out.prompt!r}")
+        for c in out.outputs:
+            num_tokens += len(c.token_ids)
+            label = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{label}{c.text}")
+            print(f"    ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
+    bm = engine.block_manager
+    print(
+        f"\n{len(outs)} prompts, {num_tokens} output tokens in {elapsed:.2f}s "
+        f"({num_tokens / elapsed:.1f} tokens/s); KV blocks: peak {engine.peak_used_blocks} used of "
+        f"{bm.num_blocks} (block_size {bm.block_size}), {bm.num_used_blocks} held now"
+    )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(args.model, **_engine_kwargs(args))
+    engine = llm.llm_engine
+    tokenizer = engine.tokenizer
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("pagedllm chat: type a message, /reset to forget, /exit or Ctrl-D to quit.", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(history)
+        ids = tokenizer.hf.encode(text, add_special_tokens=False)
+        rid = engine.new_request_id()
+        engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params)
+        shown = 0
+        reply = ""
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    reply = out.outputs[0].text
+                    print(reply[shown:], end="", flush=True)
+                    shown = len(reply)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print(flush=True)
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedllm.bench import throughput
+
+    if args.bench_command == "throughput":
+        throughput.run(args, _engine_kwargs(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate continuations of prompts")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    _engine_arguments(gen)
+    _sampling_arguments(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, tokens streamed as they come")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _engine_arguments(chat)
+    _sampling_arguments(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagedllm.bench import throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput on random-token prompts")
+    throughput.add_arguments(tp)
+    _engine_arguments(tp)
+    tp.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
