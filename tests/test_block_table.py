@@ -141,6 +141,20 @@ def test_sequence_block_tokens_and_growth():
     assert seq.prompt_token_ids == [10, 11, 12, 13, 14]
 
 
+def test_sequence_reset_for_recompute_keeps_tokens():
+    seq = Sequence([1, 2, 3, 4, 5], block_size=4)
+    seq.append_token(6)
+    seq.block_table = [3, 9]
+    seq.num_computed_tokens = 5
+    seq.reset_for_recompute()
+    assert seq.block_table == []
+    assert seq.num_computed_tokens == 0
+    assert seq.token_ids == [1, 2, 3, 4, 5, 6]
+    assert seq.num_prompt_tokens == 5 and seq.output_token_ids == [6]
+    assert seq.num_preemptions == 1
+    assert seq.status.value == "waiting" and not seq.is_finished
+
+
 def test_sequence_rejects_bad_block_size():
     with pytest.raises(ValueError):
         Sequence([1, 2], block_size=0)

@@ -396,7 +396,7 @@ def test_preemption_recompute_reuses_its_cached_first_block():
 
 
 # --- prefix caching through the scheduler ---------------------------------------------
-def test_prefix_hit_in_later_step():
+def test_prefix_hit_within_and_across_steps():
     bm, sched = make(caching=True)
     prompt = list(range(9))
     a = mk(prompt)
@@ -404,16 +404,46 @@ def test_prefix_hit_in_later_step():
     sched.add(a)
     sched.add(b)
     out = step(sched)
-    # same step: a's blocks are published only after the step is planned
-    assert view(out) == [(a, 0, 9), (b, 0, 9)]
+    # a's full blocks are published as soon as a is scheduled (their K/V is
+    # written in this step, before attention reads it), so b, admitted right
+    # after a in the same step, already shares them
+    assert view(out) == [(a, 0, 9), (b, 8, 1)]
+    assert b.block_table[:2] == a.block_table[:2]
     c = mk(prompt)
     sched.add(c)
     out = step(sched)
     assert view(out)[0] == (c, 8, 1)
     assert c.block_table[:2] == a.block_table[:2]
-    assert bm.ref_counts[a.block_table[0]] == 2
+    assert bm.ref_counts[a.block_table[0]] == 3
     assert bm.num_prefix_queries == 27
-    assert bm.num_prefix_hits == 8
+    assert bm.num_prefix_hits == 16
+
+
+def test_budget_rejected_admission_leaves_the_cache_alone():
+    bm, sched = make(num_blocks=6, max_num_batched_tokens=8, caching=True)
+    # an earlier prompt left its two full blocks cached at the head of the LRU
+    p = mk(range(9))
+    bm.allocate(p)
+    bm.cache_full_blocks(p, len(p))
+    bm.free(p)
+    cached = dict(bm.hash_to_block)
+    assert list(bm.free_blocks) == [3, 4, 5, 2, 1, 0]
+    a = mk(range(100, 104))
+    sched.add(a)
+    step(sched)
+    w = mk(range(200, 208))  # 8 tokens, but a's decode takes 1 of the 8
+    sched.add(w)
+    for _ in range(3):
+        out = step(sched)
+        assert [s.seq for s in out.scheduled] == [a]
+        assert list(sched.waiting) == [w] and w.block_table == []
+        # the waiting head took nothing, so it evicted nothing
+        assert all(bm.hash_to_block.get(h) == blk for h, blk in cached.items())
+    assert bm.num_free_blocks == 6 - len(a.block_table)
+    # the earlier prompt still hits both blocks
+    again = mk(range(9))
+    assert bm.allocate(again)
+    assert again.num_cached_tokens == 8
 
 
 # --- finish -----------------------------------------------------------------------------

@@ -112,6 +112,10 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` that ``allocate(seq)`` would find cached right now."""
+        return len(self._lookup_prefix(seq)) * self.block_size
+
     # --- free list -----------------------------------------------------------
     def _pop_free_block(self) -> int:
         """Take the least recently freed block, evicting its cached hash."""
@@ -160,7 +164,7 @@ class BlockManager:
             return False
         for block in hits:
             if self.ref_counts[block] == 0:
-                pass
+                del self.free_blocks[block]
             self.ref_counts[block] += 1
         table = list(hits)
         for _ in range(seq.num_blocks - len(hits)):

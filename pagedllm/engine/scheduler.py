@@ -151,6 +151,7 @@ class Scheduler:
                 continue
             num_new = len(seq) - seq.num_computed_tokens
             decodes.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            self.block_manager.cache_full_blocks(seq, len(seq))
             budget -= num_new
 
         # 2. admissions, first come first served; none after a preemption,
@@ -159,25 +160,25 @@ class Scheduler:
         num_seqs = len(decodes)
         while self.waiting and not preempted and num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
+            # check the budget before allocating: allocating and freeing again
+            # would pop (evict) cached blocks from the free list for nothing
+            if len(seq) - self.block_manager.num_cached_prefix_tokens(seq) > budget:
+                break
             if not self.block_manager.allocate(seq):
                 break
             num_new = len(seq) - seq.num_computed_tokens
-            if num_new > budget:
-                self.block_manager.free(seq)
-                seq.num_cached_tokens = 0
-                break
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             prefills.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            # published at once, so an identical prompt admitted next in this
+            # same step already hits these blocks
+            self.block_manager.cache_full_blocks(seq, len(seq))
             budget -= num_new
             num_seqs += 1
 
-        scheduled = prefills + decodes
-        for s in scheduled:
-            self.block_manager.cache_full_blocks(s.seq, s.num_computed_tokens + s.num_new_tokens)
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+        return SchedulerOutput(scheduled=prefills + decodes, preempted=preempted)
 
     def update(self, output: SchedulerOutput) -> None:
         """Record that the step ran: the scheduled tokens are now in the cache."""

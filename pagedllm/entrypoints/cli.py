@@ -69,11 +69,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
     start = time.perf_counter()
-    outs = llm.generate(list(args.prompts), params, use_tqdm=len(args.prompts) > 1)
+    show_bar = len(args.prompts) > 1
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outs = llm.chat(conversations, params, use_tqdm=show_bar)
+    else:
+        outs = llm.generate(list(args.prompts), params, use_tqdm=show_bar)
     elapsed = time.perf_counter() - start
     num_tokens = 0
-    for out in outs:
-        print(f"\n=== prompt: {out.prompt!r}")
+    for prompt, out in zip(args.prompts, outs):  # outputs come in prompt order
+        print(f"\n=== prompt: {prompt!r}")
         for c in out.outputs:
             num_tokens += len(c.token_ids)
             label = f"[{c.index}] " if len(out.outputs) > 1 else ""
@@ -146,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate continuations of prompts")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     _engine_arguments(gen)
     _sampling_arguments(gen, max_tokens=64)
     gen.set_defaults(func=cmd_generate)

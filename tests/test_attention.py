@@ -1,0 +1,110 @@
+"""Attention backends agree with each other and with dense attention, on scattered blocks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.engine.block_table import slot_mapping
+from pagedllm.runner.attention import AttentionMetadata, ReferenceAttention, SdpaAttention, gather_context
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
+
+
+def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
+    """Textbook attention over a contiguous context; queries sit at positions q_start..."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+    q_pos = torch.arange(q_start, q_start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _build_step(seqs: list[tuple[int, int]], seed: int):  # noqa: ANN202
+    """A step over sequences given as (num_computed, num_new), prefills first.
+
+    Each sequence gets a random, non-contiguous set of physical blocks; its
+    cached part is written into the cache beforehand, its new part is fed as
+    the step's K/V. Returns inputs, metadata and each sequence's full K/V.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    qs, ks, vs, slots, tables, full = [], [], [], [], [], []
+    query_start_loc, seq_lens, num_computed = [0], [], []
+    for computed, new in seqs:
+        total = computed + new
+        table = [free.pop() for _ in range((total + BLOCK_SIZE - 1) // BLOCK_SIZE)]
+        k_all = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        v_all = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
+        old = torch.tensor(slot_mapping(table, BLOCK_SIZE, 0, computed), dtype=torch.int64)
+        k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = k_all[:computed]
+        v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = v_all[:computed]
+        qs.append(q)
+        ks.append(k_all[computed:])
+        vs.append(v_all[computed:])
+        slots.extend(slot_mapping(table, BLOCK_SIZE, computed, total))
+        tables.append(table)
+        full.append((k_all, v_all))
+        query_start_loc.append(query_start_loc[-1] + new)
+        seq_lens.append(total)
+        num_computed.append(computed)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        num_computed=num_computed,
+        num_prefills=sum(1 for _, n in seqs if n > 1),
+        block_size=BLOCK_SIZE,
+    )
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, full
+
+
+# prefills (fresh and with a cached prefix), then decodes of various lengths
+STEPS = [
+    [(0, 7), (8, 5), (0, 1)],
+    [(0, 13), (5, 9), (3, 1), (17, 1), (31, 1)],
+    [(4, 1), (9, 1), (16, 1)],
+    [(0, 32)],
+]
+
+
+@pytest.mark.parametrize("seqs", STEPS)
+@pytest.mark.parametrize("backend", [ReferenceAttention(), SdpaAttention()], ids=lambda b: b.name)
+def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend) -> None:  # noqa: ANN001
+    q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=len(seqs))
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    for i, (computed, _new) in enumerate(seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        want = _dense_causal(q[start:end], full[i][0], full[i][1], computed)
+        torch.testing.assert_close(out[start:end], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seqs", STEPS)
+def test_backends_agree(seqs: list[tuple[int, int]]) -> None:
+    q, k, v, k_cache, v_cache, meta, _ = _build_step(seqs, seed=99)
+    ref = ReferenceAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
+    fast = SdpaAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_writes_new_kv_through_the_slot_mapping() -> None:
+    seqs = [(0, 6), (5, 1)]
+    q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=3)
+    SdpaAttention().forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    for i, (computed, new) in enumerate(seqs):
+        k_seq = gather_context(k_cache, meta.block_tables[i], computed + new, BLOCK_SIZE)
+        v_seq = gather_context(v_cache, meta.block_tables[i], computed + new, BLOCK_SIZE)
+        torch.testing.assert_close(k_seq, full[i][0])
+        torch.testing.assert_close(v_seq, full[i][1])

@@ -1,0 +1,125 @@
+"""Greedy tokens equal transformers' on the same float32 weights, however we batch or page."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from conftest import TINY_ARCHS, hf_greedy
+
+from pagedllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+def _token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(smollm_path: str):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def smollm() -> LLM:
+    return LLM(num_kv_blocks=512, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dirs: dict[str, str]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return {
+        arch: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for arch, path in tiny_model_dirs.items()
+    }
+
+
+def test_smollm_gguf_greedy_matches_transformers(smollm: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    prompts = [smollm_tokenizer.encode(t) for t in texts]
+    outs = smollm.generate(_token_prompts(prompts), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm, prompt, 24)
+
+
+def test_smollm_batch_equals_one_at_a_time(smollm: LLM, smollm_tokenizer) -> None:  # noqa: ANN001
+    texts = [
+        "Hi",
+        "The three primary colors are",
+        "List five fruits:",
+        "In 1969, the first humans to walk on the Moon were",
+        "Translate to French: good morning",
+        "A long time ago in a galaxy far, far away, there lived a young farmer who dreamed of",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in smollm.generate(texts, params, use_tqdm=False)]
+    alone = [smollm.generate(t, params, use_tqdm=False)[0].outputs[0].token_ids for t in texts]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_models_greedy_match_transformers(arch: str, backend: str, tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
+    # block_size 8: prompts shorter than, equal to and spanning several blocks
+    llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8, attention_backend=backend)
+    prompts = _random_prompts([1, 5, 8, 16, 37], seed=7)
+    outs = llm.generate(_token_prompts(prompts), GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_tiny[arch], prompt, GREEDY.max_tokens)
+    assert llm.llm_engine.block_manager.num_free_blocks == 64
+
+
+def test_preemption_gives_the_same_tokens(tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
+    prompts = _random_prompts([12, 20, 9, 30, 17, 25, 14, 22], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ample = LLM(tiny_model_dirs["llama"], num_kv_blocks=256, max_model_len=128, block_size=4)
+    # 8 sequences growing to ~60 tokens need ~120 blocks of 4; give them 40
+    tight = LLM(tiny_model_dirs["llama"], num_kv_blocks=40, max_model_len=128, block_size=4)
+    want = [o.outputs[0].token_ids for o in ample.generate(_token_prompts(prompts), params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tight.generate(_token_prompts(prompts), params, use_tqdm=False)]
+    assert ample.llm_engine.scheduler.num_preemptions == 0
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert got == want
+    assert want[0] == hf_greedy(hf_tiny["llama"], prompts[0], 40)
+    assert tight.llm_engine.block_manager.num_free_blocks == 40
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
+    prefix = _random_prompts([45], seed=11)[0]
+    tails = _random_prompts([3, 10, 1, 7], seed=12)
+    prompts = [prefix + t for t in tails]
+    cached = LLM(tiny_model_dirs["qwen3"], num_kv_blocks=128, max_model_len=256, block_size=8)
+    plain = LLM(tiny_model_dirs["qwen3"], num_kv_blocks=128, max_model_len=256, block_size=8,
+                enable_prefix_caching=False)
+    # the first request fills the cache, the rest hit its 5 full prefix blocks
+    first = cached.generate(_token_prompts(prompts[:1]), GREEDY, use_tqdm=False)
+    rest = cached.generate(_token_prompts(prompts[1:]), GREEDY, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 40 for o in rest)
+    want = plain.generate(_token_prompts(prompts), GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in want)
+    assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in want]
+    assert rest[0].outputs[0].token_ids == hf_greedy(hf_tiny["qwen3"], prompts[1], GREEDY.max_tokens)
+
+
+def test_identical_prompts_in_one_step_share_the_cache(tiny_model_dirs) -> None:  # noqa: ANN001
+    # both are admitted in the same step; the second reads blocks the first
+    # writes in that very step
+    prompt = _random_prompts([33], seed=5)[0]
+    llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=64, max_model_len=128, block_size=8)
+    outs = llm.generate(_token_prompts([prompt, prompt]), GREEDY, use_tqdm=False)
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens == 32
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
