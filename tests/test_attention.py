@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from pagedllm.engine.block_table import slot_mapping
-from pagedllm.runner.attention import AttentionMetadata, ReferenceAttention, SdpaAttention, gather_context
+from pagedllm.runner.attention import (
+    AttentionMetadata,
+    ReferenceAttention,
+    SdpaAttention,
+    gather_context,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 

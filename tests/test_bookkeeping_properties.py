@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -26,6 +26,8 @@ from pagedllm.engine.sequence import Sequence, SequenceStatus
 
 # a tiny alphabet so that prompts share prefixes and the cache gets hits
 TOKENS = st.integers(0, 2)
+# publish a sequence's full blocks right after allocating it, mostly
+PUBLISH = st.integers(0, 3).map(bool)
 
 
 def chained_hash(seq: Sequence, i: int) -> int:
@@ -97,13 +99,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.block_size = block_size
         self.live: list[Sequence] = []  # hold blocks
         self.waiting: list[Sequence] = []  # preempted, hold none
+        self.prompts: list[list[int]] = []
 
     # --- helpers ---------------------------------------------------------------
-    def _allocate(self, seq: Sequence) -> None:
+    def _allocate(self, seq: Sequence, publish: bool) -> None:
         predicted = self.bm.can_allocate(seq)
         before = snapshot(self.bm)
         ok = self.bm.allocate(seq)
         assert ok == predicted, "can_allocate disagrees with allocate"
+        if ok and publish:
+            # as the scheduler does when it admits a sequence
+            self.bm.cache_full_blocks(seq, len(seq))
+        event(f"allocate ok={ok} hit={seq.num_cached_tokens > 0}")
         if ok:
             assert len(seq.block_table) == seq.num_blocks
             bs = self.block_size
@@ -129,16 +136,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert seq.num_computed_tokens == 0
 
     # --- rules -------------------------------------------------------------------
-    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=12))
-    def allocate(self, tokens):
-        self._allocate(Sequence(tokens, self.block_size))
+    @rule(data=st.data())
+    def allocate(self, data):
+        # prompts up to a little more than the pool holds
+        cap = self.bm.num_blocks * self.block_size + 2
+        tokens = data.draw(st.lists(TOKENS, min_size=1, max_size=min(cap, 12)))
+        self.prompts.append(tokens)
+        self._allocate(Sequence(tokens, self.block_size), data.draw(PUBLISH))
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def allocate_sharing_a_prefix(self, data):
+        # a prompt that starts like an earlier one, so the prefix cache hits
+        base = data.draw(st.sampled_from(self.prompts))
+        k = data.draw(st.one_of(st.just(len(base)), st.integers(1, len(base))))
+        tokens = base[:k] + data.draw(st.lists(TOKENS, max_size=2 * self.block_size))
+        self._allocate(Sequence(tokens, self.block_size), data.draw(PUBLISH))
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
     def readmit(self, data):
         seq = data.draw(st.sampled_from(self.waiting))
         self.waiting.remove(seq)
-        self._allocate(seq)
+        self._allocate(seq, data.draw(PUBLISH))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=TOKENS)
@@ -160,6 +180,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 1 if (len(seq) - 1) % self.block_size == 0 else 0
             )
         else:
+            event("append_slot failed")
             assert snapshot(self.bm) == before
             assert seq.block_table == old_blocks
             # the scheduler's answer: give the pool back and recompute later
@@ -199,8 +220,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def preempt(self, data):
         self._preempt(data.draw(st.sampled_from(self.live)))
 
-    @rule()
-    def reset_prefix_cache(self):
+    @rule(roll=st.integers(0, 4))
+    def reset_prefix_cache(self, roll):
+        if roll:
+            return  # rarely: it empties the cache the other rules try to hit
         self.bm.reset_prefix_cache()
         assert self.bm.hash_to_block == {}
 
@@ -289,6 +312,7 @@ def test_scheduler_runs_every_request_to_completion(
         scheduled = [s.seq for s in out.scheduled]
         assert len(set(map(id, scheduled))) == len(scheduled)
         if out.preempted:
+            event("scheduler: preemption")
             # no admissions in a step that preempted: only old runners run
             assert all(id(s.seq) in running_before for s in out.scheduled)
             # the preempted wait at the front, oldest first
@@ -298,6 +322,8 @@ def test_scheduler_runs_every_request_to_completion(
             )
         for s in out.scheduled:
             seq = s.seq
+            if s.num_new_tokens > 1 and s.num_computed_tokens > 0:
+                event("scheduler: prefill with a prefix hit")
             assert seq.status == SequenceStatus.RUNNING and seq not in out.preempted
             assert s.num_computed_tokens + s.num_new_tokens == len(seq)
             assert len(seq.block_table) == seq.num_blocks

@@ -118,6 +118,11 @@ def test_invalid_values_raise_value_error_naming_the_field(kwargs, field):
     assert repr(kwargs[field]) in message
 
 
+def test_nan_temperature_raises():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+
+
 @pytest.mark.parametrize("stop", ["", ["", "x"], ["x", ""]])
 def test_empty_stop_string_raises(stop):
     with pytest.raises(ValueError, match="empty"):

@@ -446,6 +446,49 @@ def test_budget_rejected_admission_leaves_the_cache_alone():
     assert again.num_cached_tokens == 8
 
 
+def test_budget_counts_only_uncached_tokens():
+    bm, sched = make(max_num_batched_tokens=8, caching=True)
+    p = mk(range(9))
+    bm.allocate(p)
+    bm.cache_full_blocks(p, len(p))
+    bm.free(p)
+    a = mk(range(100, 104))
+    sched.add(a)
+    step(sched)
+    # 12 tokens > the 7 left beside a's decode, but 8 of them are cached
+    w = mk(list(range(8)) + [50, 51, 52, 53])
+    sched.add(w)
+    out = step(sched)
+    assert view(out) == [(w, 8, 4), (a, 4, 1)]
+    assert out.num_batched_tokens == 5
+
+
+def test_no_admission_in_a_preempting_step_even_if_the_head_fits():
+    bm, sched = make(num_blocks=4, caching=True)
+    a = mk(range(8))
+    v = mk(range(8))
+    sched.add(a)
+    sched.add(v)
+    out = step(sched)
+    # v shares a's first block; its second block (the last-token block) is
+    # its own copy of a's, since a prompt's last token is never served from cache
+    assert view(out) == [(a, 0, 8), (v, 4, 4)]
+    assert a.block_table == [0, 1] and v.block_table == [0, 2]
+    # both need a third block; one is free: a takes it, v preempts itself
+    out = step(sched)
+    assert out.preempted == [v]
+    assert view(out) == [(a, 8, 1)]
+    # v would fit right now (both its full blocks are a's, plus the one free
+    # block), but a step that preempted admits nothing
+    assert bm.num_free_blocks == 1
+    assert bm.num_cached_prefix_tokens(v) == 8
+    assert list(sched.waiting) == [v]
+    out = step(sched)
+    assert view(out) == [(v, 8, 1), (a, 9, 1)]
+    assert v.block_table[:2] == a.block_table[:2]
+    assert bm.num_free_blocks == 0
+
+
 # --- finish -----------------------------------------------------------------------------
 def test_finish_frees_blocks_at_once():
     bm, sched = make()

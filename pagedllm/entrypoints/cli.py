@@ -122,7 +122,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         text = tokenizer.apply_chat_template(history)
         ids = tokenizer.hf.encode(text, add_special_tokens=False)
         rid = engine.new_request_id()
-        engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params)
+        try:
+            engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params)
+        except ValueError as e:
+            # e.g. the conversation outgrew max_model_len: say so, keep the session
+            print(f"error: {e}; /reset starts a new conversation", flush=True)
+            history.pop()
+            continue
         shown = 0
         reply = ""
         try:

@@ -72,6 +72,10 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -160,15 +160,13 @@ class ModelRunner:
             min_ps.append(p.min_p)
             # greedy rows draw nothing, so they never disturb a seeded stream
             uniforms.append(s.seq.rng.random() if p.temperature > 0 else 0.0)
-        random_rows = [i for i, t in enumerate(temps) if t > 0]
         return SamplingTensors(
             temperatures=torch.tensor(temps, dtype=torch.float32),
             top_ks=torch.tensor(top_ks, dtype=torch.int64),
             top_ps=torch.tensor(top_ps, dtype=torch.float32),
             min_ps=torch.tensor(min_ps, dtype=torch.float32),
             uniforms=torch.tensor(uniforms, dtype=torch.float64),
-            any_random=bool(random_rows),
-            needs_sort=any(top_ks[i] < vocab or top_ps[i] < 1.0 for i in random_rows),
+            any_random=any(t > 0 for t in temps),
         )
 
     @torch.inference_mode()

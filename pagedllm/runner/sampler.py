@@ -23,7 +23,6 @@ class SamplingTensors:
     min_ps: torch.Tensor  # [B] float32
     uniforms: torch.Tensor  # [B] float64 in [0, 1)
     any_random: bool
-    needs_sort: bool  # some row uses top-k or top-p
 
 
 class Sampler:
@@ -34,12 +33,20 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not t.any_random:
             return tokens
-        rows = (t.temperatures > 0).nonzero().squeeze(1)
-        scaled = logits[rows] / t.temperatures[rows].unsqueeze(1)
-        sampled = _sample_rows(
-            scaled, t.top_ks[rows], t.top_ps[rows], t.min_ps[rows], t.uniforms[rows], t.needs_sort
-        )
-        tokens[rows] = sampled
+        vocab = logits.shape[1]
+        random_rows = t.temperatures > 0
+        # rows with top-k/top-p walk their CDF in probability order, the others
+        # in vocabulary order; each row's order depends on its own settings
+        # only, so its token never depends on what else is in the batch
+        truncated = (t.top_ks < vocab) | (t.top_ps < 1.0)
+        for needs_sort in (False, True):
+            rows = (random_rows & (truncated == needs_sort)).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            scaled = logits[rows] / t.temperatures[rows].unsqueeze(1)
+            tokens[rows] = _sample_rows(
+                scaled, t.top_ks[rows], t.top_ps[rows], t.min_ps[rows], t.uniforms[rows], needs_sort
+            )
         return tokens
 
 

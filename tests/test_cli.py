@@ -1,0 +1,200 @@
+"""The ``pagedllm`` console script, run for real in subprocesses.
+
+Every model-loading command gets ``--num-threads 1``: on a small shared CPU
+box two OpenMP threads stall each other when another process runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.bench.workload import make_workload
+from pagedllm.entrypoints import cli
+
+SCRIPT = Path(sys.executable).parent / "pagedllm"
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+ENGINE = ["--num-kv-blocks", "128", "--max-model-len", "1024", "--num-threads", "1"]
+TIMEOUT = 300
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(
+        [*COMMAND, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )
+
+
+def assert_no_traceback(proc: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stdout, proc.stdout
+
+
+# --- generate ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def generate_run():
+    return run_cli("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "8", *ENGINE)
+
+
+def test_generate_prints_prompt_text_and_stats(generate_run):
+    proc = generate_run
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    lines = proc.stdout.splitlines()
+    assert "=== prompt: 'The capital of France is'" in lines
+    i = lines.index("=== prompt: 'The capital of France is'")
+    text = lines[i + 1]
+    assert text.strip()  # the continuation
+    assert "Paris" in text  # greedy SmolLM2 knows this much
+    # a one-line continuation is followed by its token count; a longer one spans lines
+    assert "    (8 tokens, finish_reason=length)" in lines[i + 1 :]
+    stats = lines[-1]
+    # 5 prompt tokens + 8 output tokens fit in one block of 16
+    m = re.fullmatch(
+        r"1 prompts, 8 output tokens in ([\d.]+)s \(([\d.]+) tokens/s\); "
+        r"KV blocks: peak (\d+) used of 128 \(block_size 16\), 0 held now",
+        stats,
+    )
+    assert m, stats
+    assert float(m.group(2)) > 0
+    assert int(m.group(3)) == 1
+
+
+def test_generate_chat_many_prompts_in_order():
+    proc = run_cli(
+        "generate", "--chat", "Hello", "What is the capital of France?",
+        "--temperature", "0", "--max-tokens", "8", *ENGINE,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    out = proc.stdout
+    first = out.index("=== prompt: 'Hello'")
+    second = out.index("=== prompt: 'What is the capital of France?'")
+    assert first < second
+    assert "Paris" in out[second:]
+    # the chat template's markers are not echoed as text
+    assert "<|im_start|>" not in out
+    assert re.search(r"^2 prompts, \d+ output tokens in ", out.splitlines()[-1])
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+def test_invalid_flag_value_exits_nonzero_without_traceback():
+    proc = run_cli("generate", "hello", "--top-p", "2", *ENGINE)
+    assert proc.returncode != 0
+    assert_no_traceback(proc)
+    assert "top_p" in proc.stderr
+    assert "2.0" in proc.stderr
+    assert proc.stderr.strip().startswith("error:")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["generate", "hi", "--temperature", "-1"], ["temperature"]),
+        (["generate", "hi", "--max-tokens", "0"], ["max_tokens"]),
+        (["generate", "hi", "--n", "0"], ["n must"]),
+        (["generate", "hi", "--top-k", "-2"], ["top_k"]),
+        (["generate", "hi", "--min-p", "1.5"], ["min_p"]),
+        (["generate", "hi", "--stop", ""], ["empty"]),
+        (["generate", "hi", "--num-kv-blocks", "4", "--max-model-len", "1024"], ["num_kv_blocks"]),
+        (["generate", "hi", "--block-size", "0"], ["block_size"]),
+        (["generate", "hi", "--model", "/no/such/model.gguf"], ["/no/such/model.gguf"]),
+        (["chat", "--top-p", "0"], ["top_p"]),
+        (["bench", "throughput", "--num-requests", "0"], ["num_requests"]),
+        (["bench", "throughput", "--min-len", "9", "--max-len", "8"], ["min_len"]),
+    ],
+)
+def test_bad_values_give_an_error_line_and_status_2(capsys, argv, words):
+    # in-process: these fail before any model weights are read
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    for w in words:
+        assert w in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["generate"],  # no prompt
+        ["generate", "hi", "--max-tokens", "many"],
+        ["generate", "hi", "--dtype", "int3"],
+        ["bench"],
+        ["nonsense"],
+    ],
+)
+def test_usage_errors_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("generate", "chat", "bench"):
+        assert cmd in out
+
+
+# --- chat ----------------------------------------------------------------------------
+
+
+def test_chat_replies_and_reset_forgets():
+    proc = run_cli(
+        "chat", "--temperature", "0", "--max-tokens", "8", *ENGINE, stdin="Hello\n/reset\nHello\n/exit\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    out = proc.stdout
+    assert out.startswith("pagedllm chat:")
+    # "> " is printed before each input line: Hello, /reset, Hello, /exit
+    turns = out.split("> ")
+    assert len(turns) == 5, out
+    first, reset, second, last = turns[1], turns[2], turns[3], turns[4]
+    assert first.strip(), out  # a reply was printed
+    assert reset == ""  # /reset prints nothing
+    # greedy, and the history was forgotten: the same question gets the same reply
+    assert second == first
+    assert last == ""
+
+
+# --- bench --------------------------------------------------------------------------
+
+
+def test_bench_throughput_json():
+    proc = run_cli(
+        "bench", "throughput", "--num-requests", "4", "--min-len", "8", "--max-len", "16",
+        "--workload-seed", "7", "--json",
+        "--num-kv-blocks", "128", "--max-model-len", "512", "--num-threads", "1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    workload = make_workload(4, 8, 16, 7)
+    assert result["num_requests"] == 4
+    assert result["output_tokens"] == sum(r.output_len for r in workload)
+    assert result["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in workload)
+    assert result["num_kv_blocks"] == 128
+    # four sequences of at most 32 tokens hold at most 2 blocks each
+    assert 4 <= result["peak_kv_blocks_used"] <= 8
+    assert result["num_preemptions"] == 0
+    assert result["elapsed_s"] > 0 and result["output_tokens_per_s"] > 0
