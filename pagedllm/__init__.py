@@ -1,8 +1,24 @@
 """pagedllm: a small LLM inference engine built on PagedAttention."""
 
-from pagedllm.entrypoints.llm import LLM
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # LLM pulls in torch and transformers; importing the torch-free
+    # bookkeeping (pagedllm.engine.*) must not
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

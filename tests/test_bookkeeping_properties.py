@@ -110,7 +110,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if ok and publish:
             # as the scheduler does when it admits a sequence
             self.bm.cache_full_blocks(seq, len(seq))
-        event(f"allocate ok={ok} hit={seq.num_cached_tokens > 0}")
+        event(f"allocate ok={ok} hit={ok and seq.num_cached_tokens > 0}")
         if ok:
             assert len(seq.block_table) == seq.num_blocks
             bs = self.block_size

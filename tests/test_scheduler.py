@@ -23,7 +23,9 @@ def mk(tokens, **kw):
 
 def make(num_blocks=8, max_num_seqs=8, max_num_batched_tokens=64, caching=False):
     bm = BlockManager(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=caching)
-    return bm, Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return bm, Scheduler(
+        bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:

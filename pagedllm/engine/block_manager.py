@@ -182,7 +182,7 @@ class BlockManager:
 
     def can_append_slot(self, seq: Sequence) -> bool:
         """Whether the next token of ``seq`` has a slot or one can be given."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence) -> bool:
         """Make sure the block table covers every token of ``seq``.
