@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "BeamSearchOutput",
+]
 __version__ = "0.1.0"
 
 

@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: {token_id: Logprob} for the chosen token and the top alternatives
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     """One of a request's ``n`` outputs.
@@ -18,7 +31,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -36,5 +49,30 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    prompt_logprobs: list | None = None
+    # first entry None (nothing precedes the first token), then one per token
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam: ``tokens`` holds prompt and output ids, as in vLLM."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / generated_len ** length_penalty
+    finish_reason: str
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[-self.num_output_tokens :] if self.num_output_tokens else []
+
+    num_output_tokens: int = 0
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

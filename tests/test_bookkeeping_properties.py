@@ -164,17 +164,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), token=TOKENS)
     def append(self, data, token):
         seq = data.draw(st.sampled_from(self.live))
+        # as in the engine: the step that produced the last token wrote the
+        # K/V of every token before it
+        seq.num_computed_tokens = len(seq)
         old_blocks = list(seq.block_table)
         seq.append_token(token)
+        write_from = seq.num_computed_tokens // self.block_size
+        shared = [i for i in range(write_from, len(old_blocks)) if self.bm.ref_counts[old_blocks[i]] > 1]
         missing = seq.num_blocks - len(seq.block_table)
-        fits = missing <= self.bm.num_free_blocks
+        fits = missing + len(shared) <= self.bm.num_free_blocks
         before = snapshot(self.bm)
         assert self.bm.can_append_slot(seq) == fits
         ok = self.bm.append_slot(seq)
         assert ok == fits
         if ok:
+            copies = self.bm.take_copies()
             assert len(seq.block_table) == seq.num_blocks
-            assert seq.block_table[: len(old_blocks)] == old_blocks
+            for i, old in enumerate(old_blocks):
+                if i in shared:
+                    # copy-on-write: a private copy replaces the shared block
+                    new = seq.block_table[i]
+                    assert new != old and self.bm.ref_counts[new] == 1
+                    assert (old, new) in copies
+                    event("copy-on-write")
+                else:
+                    assert seq.block_table[i] == old
+            assert len(copies) == len(shared)
             # at most one new block per token, and only at a block boundary
             assert len(seq.block_table) - len(old_blocks) == (
                 1 if (len(seq) - 1) % self.block_size == 0 else 0
@@ -185,6 +200,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.block_table == old_blocks
             # the scheduler's answer: give the pool back and recompute later
             self._preempt(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.live))
+        child = parent.fork(index=parent.index + 1)
+        refs_before = list(self.bm.ref_counts)
+        free_before = self.bm.num_free_blocks
+        self.bm.fork(parent, child)
+        # sharing takes no block from the pool
+        assert self.bm.num_free_blocks == free_before
+        assert child.block_table == parent.block_table
+        for b in set(parent.block_table):
+            assert self.bm.ref_counts[b] == refs_before[b] + parent.block_table.count(b)
+        self.live.append(child)
+        event("fork")
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -20,6 +20,19 @@ shareable ones, are evicted last. Both pop and remove are O(1) (an
 A block's hash chains the hash of the block before it with the block's token
 ids, so a hit on block ``i`` means the whole prefix up to it matches; a hit
 still compares the stored token ids to rule out hash collisions.
+
+Copy-on-write. ``fork`` makes a second block table point at the same blocks
+(ref counts go up). Before a sequence writes a token into a block whose ref
+count is above 1, ``append_slot`` gives it a private copy::
+
+    A, B, C after fork:   [47, 12]  [47, 12]  [47, 12]   refs 47:3, 12:3
+    A writes into 12:     [47, 91]                        copy 12 -> 91, 12:2
+    B writes into 12:               [47, 34]              copy 12 -> 34, 12:1
+    C writes into 12:                         [47, 12]    ref 1: in place
+
+The copies are recorded as (source, destination) pairs; the model runner
+copies the K/V data inside the cache tensor before the step runs. Full blocks
+are never written again, so they are never copied.
 """
 
 from __future__ import annotations
@@ -69,6 +82,9 @@ class BlockManager:
         # Prefix-cache statistics, in tokens (for metrics and benchmarks).
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # copy-on-write copies decided since the last take_copies()
+        self._pending_copies: list[tuple[int, int]] = []
+        self.num_cow_copies = 0
 
     # --- pool state ----------------------------------------------------------
     @property
@@ -101,7 +117,7 @@ class BlockManager:
         Only blocks inside the first ``len(seq) - 1`` tokens count: the last
         token is always computed, because its logits are needed to sample.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.allow_prefix_hits:
             return []
         num_lookup = (len(seq) - 1) // self.block_size
         hits: list[int] = []
@@ -136,6 +152,11 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self.free_blocks[block] = None  # to the tail: evicted last
+            if self._pending_copies:
+                # a copy into a block freed before the step runs is moot, and
+                # the block may be handed out again (even as another copy's
+                # destination) within the same step
+                self._pending_copies = [c for c in self._pending_copies if c[1] != block]
 
     # --- the allocator API ---------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
@@ -180,25 +201,51 @@ class BlockManager:
             self.num_prefix_queries += len(seq)
             self.num_prefix_hits += seq.num_cached_tokens
 
+    def _shared_write_blocks(self, seq: Sequence) -> list[int]:
+        """Logical indices of shared blocks that the next step writes into."""
+        first = seq.num_computed_tokens // self.block_size
+        return [i for i in range(first, len(seq.block_table)) if self.ref_counts[seq.block_table[i]] > 1]
+
     def can_append_slot(self, seq: Sequence) -> bool:
-        """Whether the next token of ``seq`` has a slot or one can be given."""
-        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
+        """Whether ``append_slot(seq)`` would succeed now."""
+        missing = max(0, seq.num_blocks - len(seq.block_table))
+        return missing + len(self._shared_write_blocks(seq)) <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence) -> bool:
-        """Make sure the block table covers every token of ``seq``.
+        """Make every token that the next step writes land in a private block.
 
-        Called before a decode step: the newest token's K/V is about to be
-        written. A new block is taken only when the last one is full. Returns
-        False, taking nothing, when the pool is empty.
+        Called before a decode step: tokens ``num_computed_tokens ..
+        len(seq)-1`` are about to be written. A new block is taken when the
+        last one is full; a shared block in that range is first copied
+        (copy-on-write). Returns False, taking nothing, when the pool is short.
         """
-        missing = seq.num_blocks - len(seq.block_table)
-        if missing <= 0:
-            return True
-        if missing > self.num_free_blocks:
+        shared = self._shared_write_blocks(seq)
+        missing = max(0, seq.num_blocks - len(seq.block_table))
+        if missing + len(shared) > self.num_free_blocks:
             return False
+        for i in shared:
+            old = seq.block_table[i]
+            new = self._pop_free_block()
+            self.ref_counts[old] -= 1  # still > 0: others hold it
+            seq.block_table[i] = new
+            self._pending_copies.append((old, new))
+            self.num_cow_copies += 1
         for _ in range(missing):
             seq.block_table.append(self._pop_free_block())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (ref counts go up)."""
+        if child.block_table:
+            raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        child.block_table = list(parent.block_table)
+        for block in child.block_table:
+            self.ref_counts[block] += 1
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies decided since the last call."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the full blocks among the first ``num_tokens`` tokens.

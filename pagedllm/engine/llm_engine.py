@@ -17,6 +17,7 @@ import random
 import time
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.detokenizer import detokenize_incrementally
 from pagedllm.engine.request import Request
@@ -24,8 +25,9 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.runner.sampler import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -99,13 +101,40 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.num_samples > self.config.max_num_seqs:
+            raise ValueError(
+                f"the request runs {params.num_samples} sequences (n/best_of), more than "
+                f"max_num_seqs={self.config.max_num_seqs}"
+            )
         text, ids = self.process_prompt(prompt)
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )
         self.requests[request_id] = req
-        for seq in req.seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(req.seqs[0])  # the others are forked from it at admission
+
+    def add_beam_search_request(
+        self, request_id: str, prompt: str | dict | list[int], params: BeamSearchParams
+    ) -> None:
+        """Queue a beam-search request; it yields one RequestOutput, at the end."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width {params.beam_width} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.process_prompt(prompt)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        beam = BeamSearch(params, len(ids), self.config.max_model_len, eos)
+        # beams take the greedy path through the runner and report their
+        # top-K next tokens; the search, not the sampler, picks what follows
+        inner = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        inner.logprobs = beam.num_candidates
+        req = Request(request_id, text, ids, inner, self.config.block_size, self._rng, next(self._arrivals))
+        req.beam = beam
+        beam.start(req.seqs[0])
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their blocks; unknown ids are ignored."""
@@ -133,7 +162,7 @@ class LLMEngine:
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         params = [self.requests[s.seq.request_id].params for s in output.scheduled]
         try:
-            tokens = self.model_runner.execute(output, params)
+            results = self.model_runner.execute(output, params)
         except Exception:
             # the step is lost, not the engine: fail the requests in it so their
             # blocks return to the pool, then let the caller see the error
@@ -141,27 +170,101 @@ class LLMEngine:
                 self.abort_request(s.seq.request_id)
             raise
         self.scheduler.update(output)
+        for seq in output.preempted:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.beam is not None:
+                req.beam.results.pop(seq.seq_id, None)  # recomputed later, reported again
         touched: dict[str, Request] = {}
-        for s, token in zip(output.scheduled, tokens):
+        for s, result in zip(output.scheduled, results):
             if s.is_prefill:
                 self.num_prompt_tokens_computed += s.num_new_tokens
-            if token is None:
-                continue
-            seq = s.seq
-            seq.append_token(token)
-            self.num_generated_tokens += 1
-            req = self.requests[seq.request_id]
-            delta = detokenize_incrementally(self.tokenizer, seq, req.params.skip_special_tokens)
-            status = self._check_stop(seq, req.params, len(delta))
-            if status is not None:
-                self.scheduler.finish(seq, status)
-            touched[req.request_id] = req
+            req = self.requests[s.seq.request_id]
+            if result.prompt_logprobs is not None and req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] + [self._position_logprobs(t) for t in result.prompt_logprobs]
+            for seq, sample in zip((s.seq, *s.forks), result.samples):
+                if req.beam is not None:
+                    req.beam.add_result(seq, list(sample.top))
+                else:
+                    self._append_sample(req, seq, sample)
+                touched[req.request_id] = req
+        for req in touched.values():
+            if req.beam is not None and req.beam.ready:
+                self._advance_beams(req)
         outputs = []
         for req in touched.values():
-            outputs.append(self._make_output(req))
             if req.is_finished:
                 del self.requests[req.request_id]
+                outputs.append(self._make_output(req))
+            elif req.beam is None and req.params.num_samples == req.params.n:
+                # with best_of > n the winners are known only at the end
+                outputs.append(self._make_output(req))
         return outputs
+
+    def _advance_beams(self, req: Request) -> None:
+        """Apply one beam-search decision: fork chosen beams, free pruned ones."""
+        beam = req.beam
+        step = beam.advance()
+        for seq in step.dropped:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if step.done:
+            for seq in beam.live:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            req.beam_done = True
+            return
+        used: set[int] = set()
+        appends: list[tuple[Sequence, int]] = []
+        live: list[tuple[Sequence, float]] = []
+        for c in step.next_beams:
+            if c.parent.seq_id not in used:
+                used.add(c.parent.seq_id)
+                seq = c.parent
+            else:
+                # a second continuation of the same beam: share its blocks
+                seq = c.parent.fork(index=len(req.seqs))
+                self.scheduler.fork_running(c.parent, seq)
+                req.seqs.append(seq)
+            appends.append((seq, c.token_id))
+            live.append((seq, c.cumulative_logprob))
+        for seq, token in appends:  # after the forks, which copy the parent's tokens
+            seq.append_token(token)
+            self.num_generated_tokens += 1
+        beam.set_live(live)
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for i, h in enumerate(req.beam.finished):
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(list(h.token_ids)),
+                    token_ids=list(h.token_ids),
+                    cumulative_logprob=h.cumulative_logprob,
+                    finish_reason=h.finish_reason,
+                )
+            )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True,
+                             metrics={"beam_scores": [h.score for h in req.beam.finished]})
+
+    def _append_sample(self, req: Request, seq: Sequence, sample: TokenLogprobs) -> None:
+        seq.append_token(sample.token_id)
+        seq.cumulative_logprob += sample.logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._position_logprobs(sample))
+        self.num_generated_tokens += 1
+        delta = detokenize_incrementally(self.tokenizer, seq, req.params.skip_special_tokens)
+        status = self._check_stop(seq, req.params, len(delta))
+        if status is not None:
+            self.scheduler.finish(seq, status)
+
+    def _position_logprobs(self, t: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's shape: {token_id: Logprob} for the chosen token and the top alternatives."""
+        decode = self.tokenizer.decode
+        entries = {t.token_id: Logprob(t.logprob, t.rank, decode([t.token_id], skip_special_tokens=False))}
+        for rank, (token_id, logprob) in enumerate(t.top, start=1):
+            if token_id not in entries:
+                entries[token_id] = Logprob(logprob, rank, decode([token_id], skip_special_tokens=False))
+        return entries
 
     def _check_stop(self, seq: Sequence, params: SamplingParams, delta_len: int) -> SequenceStatus | None:
         token = seq.token_ids[-1]
@@ -187,13 +290,21 @@ class LLMEngine:
         return None
 
     def _make_output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
+        seqs = req.seqs
+        if len(seqs) > req.params.n:
+            # best_of: the n samples with the highest cumulative logprob
+            seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[: req.params.n]
         outs = []
-        for seq in req.seqs:
+        for index, seq in enumerate(seqs):
             outs.append(
                 CompletionOutput(
-                    index=seq.index,
+                    index=index,
                     text=seq.output_text,
                     token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
                     finish_reason=seq.status.value if seq.is_finished else None,
                     stop_reason=seq.stop_reason,
                 )
@@ -205,5 +316,6 @@ class LLMEngine:
             outputs=outs,
             finished=req.is_finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+            prompt_logprobs=req.prompt_logprobs,
             metrics={"arrival_time": req.arrival_time, "finished_time": time.monotonic() if req.is_finished else None},
         )

@@ -5,16 +5,18 @@ from __future__ import annotations
 import random
 import time
 
+from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 
 
 class Request:
-    """Groups the ``n`` sequences sampled from one prompt.
+    """Groups the sequences sampled from one prompt (``best_of`` or ``n`` of them).
 
-    For now each sequence is independent (its own blocks; the prefix cache
-    lets them share full prompt blocks). Each gets its own random stream:
-    from ``(seed, index)`` when the request has a seed, else from the engine.
+    Only the first is queued; the others wait in its ``fork_children`` and
+    are forked from it when it is admitted, so they share its prefill and its
+    blocks. Each gets its own random stream: from ``(seed, index)`` when the
+    request has a seed, else from the engine's stream.
     """
 
     def __init__(
@@ -32,13 +34,24 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival_time = time.monotonic()
+        self.prompt_logprobs: list | None = None
         self.seqs: list[Sequence] = []
-        for i in range(params.n):
+        for i in range(params.num_samples):
             rng = random.Random(f"{params.seed}:{i}") if params.seed is not None else random.Random(
                 engine_rng.getrandbits(64)
             )
-            self.seqs.append(Sequence(prompt_token_ids, block_size, request_id, i, rng, arrival))
+            seq = Sequence(prompt_token_ids, block_size, request_id, i, rng, arrival)
+            seq.allow_prefix_hits = params.prompt_logprobs is None
+            if params.logprobs is not None:
+                seq.logprobs = []
+            self.seqs.append(seq)
+        self.seqs[0].fork_children = self.seqs[1:]
+        # set for beam-search requests: the beams are forked as the search goes
+        self.beam: BeamSearch | None = None
+        self.beam_done = False
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam_done
         return all(s.is_finished for s in self.seqs)

@@ -11,6 +11,11 @@ Each step the scheduler
 
 Prefills and decodes share one step. The result is one ``SchedulerOutput``
 record that the model runner turns into tensors.
+
+Several samples of one prompt (``n``, ``best_of``) are admitted as one
+sequence whose ``fork_children`` are forked from it at admission: they share
+its blocks and its prefill, and sample their first tokens from its logits.
+Preemption takes a whole request (all its samples) at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class ScheduledSequence:
     seq: Sequence
     num_computed_tokens: int
     num_new_tokens: int
+    # samples forked from ``seq`` at admission: they ride on its prefill and
+    # sample their own first token from its last logits
+    forks: tuple[Sequence, ...] = ()
 
     @property
     def is_prefill(self) -> bool:
@@ -51,10 +59,13 @@ class SchedulerOutput:
 
     ``scheduled`` lists prefills first, then decodes. ``preempted`` are the
     sequences that lost their blocks while this step was planned.
+    ``blocks_to_copy`` are the copy-on-write (source, destination) block
+    pairs that must be copied in the cache before the step runs.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -63,6 +74,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def _age(seq: Sequence) -> tuple[int, int]:
+    """Arrival order; ties (the samples of one request) broken by seq_id."""
+    return (seq.arrival, seq.seq_id)
 
 
 class Scheduler:
@@ -111,10 +127,18 @@ class Scheduler:
             raise ValueError(f"{status} is not a finished status")
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)  # (a not-yet-forked sample is in no queue)
         self.block_manager.free(seq)
         seq.status = status
+
+    def fork_running(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` as a running copy of ``parent``, sharing its blocks (beam search)."""
+        if parent.status != SequenceStatus.RUNNING:
+            raise ValueError("only a running sequence can be forked")
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     # --- the step ------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -124,42 +148,54 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _preempt_request(self, victim: Sequence) -> list[Sequence]:
+        """Preempt every running sample of the victim's request, newest first.
+
+        Pushed to the front newest first, so they wait oldest first.
+        """
+        group = sorted((s for s in self.running if s.request_id == victim.request_id), key=_age, reverse=True)
+        for s in group:
+            self._preempt(s)
+        return group
+
     def schedule(self) -> SchedulerOutput:
         """Plan one step: decodes of running sequences, then admissions."""
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
 
-        # 1. running sequences, oldest first, each needs one slot. Ties in
-        #    ``arrival`` are broken by seq_id, so the victim (the newest) is
-        #    never a sequence already scheduled earlier in this loop.
-        def age(s: Sequence) -> tuple[int, int]:
-            return (s.arrival, s.seq_id)
-
-        for seq in sorted(self.running, key=age):
+        # 1. running sequences, oldest first, each needs one slot; the victim
+        #    of a preemption is the newest request (all its samples)
+        for seq in sorted(self.running, key=_age):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if budget < 1:
+            num_new = len(seq) - seq.num_computed_tokens
+            if num_new == 0:
+                continue  # a beam waiting for its siblings' results
+            if budget < num_new:
                 break
             while not self.block_manager.append_slot(seq):
-                victim = max(self.running, key=age)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
+                victim = max(self.running, key=_age)
+                preempted.extend(self._preempt_request(victim))
+                if seq.status != SequenceStatus.RUNNING:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            num_new = len(seq) - seq.num_computed_tokens
             decodes.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             self.block_manager.cache_full_blocks(seq, len(seq))
             budget -= num_new
+        if preempted:
+            # a preempted request may have had older samples scheduled already
+            decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
 
         # 2. admissions, first come first served; none after a preemption,
         #    since the pool just proved too small for what is running
         prefills: list[ScheduledSequence] = []
         num_seqs = len(decodes)
-        while self.waiting and not preempted and num_seqs < self.max_num_seqs:
+        while self.waiting and not preempted:
             seq = self.waiting[0]
+            if num_seqs + 1 + len(seq.fork_children) > self.max_num_seqs:
+                break
             # check the budget before allocating: allocating and freeing again
             # would pop (evict) cached blocks from the free list for nothing
             if len(seq) - self.block_manager.num_cached_prefix_tokens(seq) > budget:
@@ -171,16 +207,29 @@ class Scheduler:
             self.block_manager.record_prefix_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            prefills.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            forks = tuple(seq.fork_children)
+            seq.fork_children = []
+            for child in forks:
+                self.block_manager.fork(seq, child)
+                child.num_computed_tokens = seq.num_computed_tokens
+                child.num_cached_tokens = seq.num_cached_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            prefills.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, forks))
             # published at once, so an identical prompt admitted next in this
             # same step already hits these blocks
             self.block_manager.cache_full_blocks(seq, len(seq))
             budget -= num_new
-            num_seqs += 1
+            num_seqs += 1 + len(forks)
 
-        return SchedulerOutput(scheduled=prefills + decodes, preempted=preempted)
+        return SchedulerOutput(
+            scheduled=prefills + decodes,
+            preempted=preempted,
+            blocks_to_copy=self.block_manager.take_copies(),
+        )
 
     def update(self, output: SchedulerOutput) -> None:
         """Record that the step ran: the scheduled tokens are now in the cache."""
         for s in output.scheduled:
-            s.seq.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            for seq in (s.seq, *s.forks):
+                seq.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens

@@ -42,7 +42,7 @@ class Sequence:
     Args:
         token_ids: the prompt's token ids.
         block_size: tokens per KV block (needed to count blocks).
-        request_id: the request this sequence belongs to.
+        request_id: the request this sequence belongs to (default: its own).
         index: which of the request's ``n`` outputs this is.
         rng: the random stream its sampler draws from; it lives here, not in
             the runner, so that a preempted and recomputed sequence keeps
@@ -54,7 +54,7 @@ class Sequence:
         self,
         token_ids: list[int],
         block_size: int,
-        request_id: str = "",
+        request_id: str | None = None,
         index: int = 0,
         rng: random.Random | None = None,
         arrival: int | None = None,
@@ -62,7 +62,8 @@ class Sequence:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.seq_id: int = next(_seq_counter)
-        self.request_id = request_id
+        # samples of one request share the id (preemption takes them together)
+        self.request_id = request_id if request_id is not None else f"seq-{self.seq_id}"
         self.index = index
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens: int = len(token_ids)
@@ -78,6 +79,15 @@ class Sequence:
         self.rng = rng if rng is not None else random.Random(0)
         self.arrival: int = self.seq_id if arrival is None else arrival
         self.num_preemptions: int = 0
+        # samples that share this sequence's prefill (n > 1, best_of): forked
+        # from it, blocks and all, when the scheduler admits it
+        self.fork_children: list[Sequence] = []
+        # a request that wants prompt logprobs needs every prompt position
+        # computed, so it takes no prefix-cache hits
+        self.allow_prefix_hits: bool = True
+        self.cumulative_logprob: float = 0.0
+        # per output token: {token_id: (logprob, rank)}, when logprobs are asked for
+        self.logprobs: list[dict[int, tuple[float, int]]] | None = None
         # detokenizer state
         self.output_text: str = ""
         self.prefix_offset: int = 0
@@ -119,6 +129,24 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def fork(self, index: int, rng: random.Random | None = None) -> Sequence:
+        """A new sequence with this one's tokens, progress and text, but no blocks.
+
+        The block manager's ``fork`` then shares this sequence's blocks with it.
+        """
+        child = Sequence(self.prompt_token_ids, self.block_size, self.request_id, index,
+                         rng if rng is not None else self.rng, self.arrival)
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.allow_prefix_hits = self.allow_prefix_hits
+        child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.output_text = self.output_text
+        child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
+        return child
 
     def reset_for_recompute(self) -> None:
         """Forget the cache state after preemption; tokens are kept."""

@@ -8,9 +8,10 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.loader import load_model_config, resolve_model_path
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -123,6 +124,52 @@ class LLM:
             for p in prompts
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; beams share KV blocks and fork copy-on-write.
+
+        Scoring and stopping follow transformers' ``generate(num_beams=...,
+        length_penalty=...)``. Each output lists up to ``beam_width`` finished
+        beams, best first.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        engine = self.llm_engine
+        for prompt in prompts:
+            engine.process_prompt(prompt)
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                rid = engine.new_request_id()
+                engine.add_beam_search_request(rid, prompt, params)
+                ids.append(rid)
+            outs = self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        results = []
+        for out in outs:
+            scores = out.metrics["beam_scores"]
+            results.append(
+                BeamSearchOutput(
+                    [
+                        BeamSearchSequence(
+                            tokens=out.prompt_token_ids + c.token_ids,
+                            text=c.text,
+                            cum_logprob=c.cumulative_logprob,
+                            score=score,
+                            finish_reason=c.finish_reason,
+                            num_output_tokens=len(c.token_ids),
+                        )
+                        for c, score in zip(out.outputs, scores)
+                    ]
+                )
+            )
+        return results
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.block_table import slot_mapping
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.engine.sequence import Sequence
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.runner.attention import AttentionMetadata, make_backend
-from pagedllm.runner.sampler import Sampler, SamplingTensors
+from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -150,16 +153,16 @@ class ModelRunner:
             meta,
         )
 
-    def _sampling_tensors(self, scheduled: list[ScheduledSequence], params: list) -> SamplingTensors:
+    def _sampling_tensors(self, rows: list[tuple[Sequence, SamplingParams]]) -> SamplingTensors:
         vocab = self.model_config.vocab_size
         temps, top_ks, top_ps, min_ps, uniforms = [], [], [], [], []
-        for s, p in zip(scheduled, params):
+        for seq, p in rows:
             temps.append(p.temperature)
             top_ks.append(p.top_k if p.top_k > 0 else vocab)
             top_ps.append(p.top_p)
             min_ps.append(p.min_p)
             # greedy rows draw nothing, so they never disturb a seeded stream
-            uniforms.append(s.seq.rng.random() if p.temperature > 0 else 0.0)
+            uniforms.append(seq.rng.random() if p.temperature > 0 else 0.0)
         return SamplingTensors(
             temperatures=torch.tensor(temps, dtype=torch.float32),
             top_ks=torch.tensor(top_ks, dtype=torch.int64),
@@ -169,24 +172,71 @@ class ModelRunner:
             any_random=any(t > 0 for t in temps),
         )
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy K and V of every layer from source to destination blocks, in one op."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
+        # kv_cache: [2, num_layers, num_kv_blocks, ...]; blocks are dim 2
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, params: list) -> list[int | None]:
+    def execute(self, output: SchedulerOutput, params: list[SamplingParams]) -> list[StepResult]:
         """Run one step. ``params[i]`` are the SamplingParams of ``output.scheduled[i]``.
 
-        Returns the sampled token of each scheduled sequence, None for one
-        whose step does not reach its last token.
+        Returns one ``StepResult`` per scheduled sequence: a sampled token for
+        it and for each of its forks when the step reaches its last token,
+        and prompt logprobs when asked for.
         """
+        self.copy_blocks(output.blocks_to_copy)
         order = sorted(range(len(output.scheduled)), key=lambda i: output.scheduled[i].num_new_tokens == 1)
         scheduled = [output.scheduled[i] for i in order]
         input_ids, positions, meta = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sample_pos = [i for i, s in enumerate(scheduled) if s.samples]
-        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in sample_pos], dtype=torch.int64)
-        logits = self.model.compute_logits(hidden[last_rows.to(self.device)]).cpu()
-        tensors = self._sampling_tensors([scheduled[i] for i in sample_pos], [params[order[i]] for i in sample_pos])
-        tokens = self.sampler(logits, tensors).tolist()
-        result: list[int | None] = [None] * len(scheduled)
-        for row, i in enumerate(sample_pos):
-            result[order[i]] = tokens[row]
-        return result
 
+        # one row per sample; forks reuse their parent's last hidden state
+        rows: list[tuple[Sequence, SamplingParams]] = []
+        hidden_rows: list[int] = []
+        for i, s in enumerate(scheduled):
+            if s.samples:
+                for seq in (s.seq, *s.forks):
+                    rows.append((seq, params[order[i]]))
+                    hidden_rows.append(meta.query_start_loc[i + 1] - 1)
+        results = [StepResult() for _ in scheduled]
+        if rows:
+            index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
+            tokens = self.sampler(logits, self._sampling_tensors(rows))
+            num_top = [p.logprobs or 0 for _, p in rows]
+            samples = token_logprobs(logits, tokens, num_top)
+            it = iter(samples)
+            for i, s in enumerate(scheduled):
+                if s.samples:
+                    results[i].samples = [next(it) for _ in range(1 + len(s.forks))]
+        for i, s in enumerate(scheduled):
+            p = params[order[i]]
+            if p.prompt_logprobs is not None and s.num_computed_tokens == 0 and s.is_prefill:
+                results[i].prompt_logprobs = self._prompt_logprobs(hidden, meta, i, s, p.prompt_logprobs)
+        unordered: list[StepResult] = [StepResult()] * len(scheduled)
+        for i, r in zip(order, results):
+            unordered[i] = r
+        return unordered
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, meta: AttentionMetadata, i: int, s: ScheduledSequence, num_top: int
+    ) -> list[TokenLogprobs]:
+        """Logprobs of prompt tokens 1..P-1, each given the tokens before it."""
+        num_prompt = s.seq.num_prompt_tokens
+        start = meta.query_start_loc[i]
+        logits = self.model.compute_logits(hidden[start : start + num_prompt - 1]).cpu()
+        targets = torch.tensor(s.seq.token_ids[1:num_prompt], dtype=torch.int64)
+        return token_logprobs(logits, targets, [num_top] * len(targets))
+
+
+@dataclass
+class StepResult:
+    """What one step produced for one scheduled sequence."""
+
+    samples: list[TokenLogprobs] = field(default_factory=list)  # [seq, *forks] when it sampled
+    prompt_logprobs: list[TokenLogprobs] | None = None

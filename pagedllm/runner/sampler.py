@@ -83,3 +83,33 @@ def _sample_rows(
     if order is not None:
         picks = order.gather(1, picks.unsqueeze(1)).squeeze(1)
     return picks
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token with its log-probability, its rank (1 = most likely) and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Logprobs of ``tokens`` under the raw model distribution (before temperature and filters).
+
+    logits: [R, vocab] float32; tokens: [R]; num_top[r]: alternatives to list for row r.
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))  # [R, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    k = max(num_top, default=0)
+    top_vals = top_ids = None
+    if k > 0:
+        top_vals, top_ids = logprobs.topk(k, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out = []
+    for r, (tok, lp, rank) in enumerate(zip(tokens.tolist(), chosen.squeeze(1).tolist(), ranks.tolist())):
+        top = tuple(zip(top_ids[r][: num_top[r]], top_vals[r][: num_top[r]])) if k and num_top[r] else ()
+        out.append(TokenLogprobs(tok, lp, rank, top))
+    return out
