@@ -12,6 +12,8 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("reference", "sdpa")
+KV_ALLOCATORS = ("paged", "contiguous")
+CONTIGUOUS_RESERVES = ("max_tokens", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,13 @@ class EngineConfig:
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens computed in one step; at least
             ``max_model_len`` because a prompt is prefilled in one step.
-        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes;
+            None means on for the paged allocator, off for the contiguous one.
+        kv_allocator: "paged" (PagedAttention: blocks on demand) or
+            "contiguous" (the baseline: one run reserved per request).
+        contiguous_reserve: what a contiguous run covers: "max_tokens"
+            (prompt + max_tokens, or max_model_len when max_tokens is None) or
+            "max_model_len" (as when the output length is unknown).
         seed: seed of the random stream of requests that bring no seed.
         attention_backend: "sdpa" (batched, default) or "reference" (plain
             per-sequence torch, for testing).
@@ -48,10 +56,19 @@ class EngineConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None
+    kv_allocator: str = "paged"
+    contiguous_reserve: str = "max_tokens"
     seed: int = 0
     attention_backend: str = "sdpa"
     num_threads: int | None = None
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on, once the default is resolved."""
+        if self.enable_prefix_caching is None:
+            return self.kv_allocator == "paged"
+        return self.enable_prefix_caching
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -70,6 +87,16 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.kv_allocator not in KV_ALLOCATORS:
+            raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
+        if self.contiguous_reserve not in CONTIGUOUS_RESERVES:
+            raise ValueError(
+                f"contiguous_reserve must be one of {CONTIGUOUS_RESERVES}, got {self.contiguous_reserve!r}"
+            )
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ValueError(f"enable_prefix_caching must be a bool or None, got {self.enable_prefix_caching!r}")
+        if self.kv_allocator == "contiguous" and self.enable_prefix_caching:
+            raise ValueError("the contiguous allocator has no prefix caching; leave enable_prefix_caching unset")
         positive_int("block_size", self.block_size)
         positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)

@@ -19,6 +19,7 @@ import time
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
 from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.contiguous_allocator import ContiguousAllocator
 from pagedllm.engine.detokenizer import detokenize_incrementally
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
@@ -45,9 +46,11 @@ class LLMEngine:
         self.model_config = load_model_config(config.model)
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
         self.model_runner = ModelRunner(config, self.model_config, iter_weights(config.model, self.model_config))
-        self.block_manager = BlockManager(
-            self.model_runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
+        num_blocks = self.model_runner.num_kv_blocks
+        if config.kv_allocator == "contiguous":
+            self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
+        else:
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -101,6 +104,8 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.num_samples > 1 and self.config.kv_allocator == "contiguous":
+            raise ValueError("n > 1 and best_of need block sharing, which the contiguous allocator lacks")
         if params.num_samples > self.config.max_num_seqs:
             raise ValueError(
                 f"the request runs {params.num_samples} sequences (n/best_of), more than "
@@ -110,6 +115,12 @@ class LLMEngine:
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )
+        if self.config.contiguous_reserve == "max_tokens" and params.max_tokens is not None:
+            reserve = min(len(ids) + params.max_tokens, self.config.max_model_len)
+        else:
+            reserve = self.config.max_model_len
+        for seq in req.seqs:
+            seq.reserve_len = reserve
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])  # the others are forked from it at admission
 
@@ -119,6 +130,8 @@ class LLMEngine:
         """Queue a beam-search request; it yields one RequestOutput, at the end."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if self.config.kv_allocator == "contiguous":
+            raise ValueError("beam search needs block sharing, which the contiguous allocator lacks")
         if params.beam_width > self.config.max_num_seqs:
             raise ValueError(f"beam_width {params.beam_width} exceeds max_num_seqs={self.config.max_num_seqs}")
         if request_id in self.requests:

@@ -79,6 +79,9 @@ class Sequence:
         self.rng = rng if rng is not None else random.Random(0)
         self.arrival: int = self.seq_id if arrival is None else arrival
         self.num_preemptions: int = 0
+        # longest this sequence may grow (prompt + max_tokens, or the context):
+        # what a contiguous allocator reserves up front
+        self.reserve_len: int = len(token_ids)
         # samples that share this sequence's prefill (n > 1, best_of): forked
         # from it, blocks and all, when the scheduler admits it
         self.fork_children: list[Sequence] = []
@@ -142,6 +145,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.allow_prefix_hits = self.allow_prefix_hits
+        child.reserve_len = self.reserve_len
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.output_text = self.output_text

@@ -1,0 +1,195 @@
+"""``pagedllm bench memory``: paged vs contiguous KV allocation on one workload.
+
+Same model, kernels and number of KV slots; only the allocation policy
+differs. The workload was fixed before any result was seen:
+
+- 48 requests, all arriving at once; prompts of 32-128 random tokens;
+- output lengths long-tailed: lognormal (median 96 tokens, sigma 1.0),
+  capped so that prompt + output fits max_model_len (1024); EOS ignored, so
+  each request stops exactly at its length;
+- 4096 KV slots (256 blocks of 16), max_num_seqs 64, prefix caching off
+  for both (nothing is shared: the policy is the only difference);
+- contiguous reserves max_model_len per request (the output length is not
+  known up front, the case the seed describes); ``--contiguous-reserve
+  max_tokens`` instead reserves prompt + the true output length, the
+  baseline's best case.
+
+Per step we record slots written (K/V present), reserved but empty, free,
+and requests running. ``waste_fraction`` is reserved-but-empty over reserved
+slots, averaged over steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from pagedllm.bench.workload import TOKEN_ID_HIGH, TOKEN_ID_LOW
+
+
+@dataclass(frozen=True)
+class MemoryWorkload:
+    num_requests: int = 48
+    min_prompt: int = 32
+    max_prompt: int = 128
+    median_output: int = 96
+    sigma: float = 1.0
+    max_model_len: int = 1024
+    block_size: int = 16
+    num_kv_slots: int = 4096
+    seed: int = 2024
+
+    def requests(self) -> list[tuple[list[int], int]]:
+        rng = random.Random(self.seed)
+        out = []
+        for _ in range(self.num_requests):
+            prompt_len = rng.randint(self.min_prompt, self.max_prompt)
+            output_len = int(rng.lognormvariate(math.log(self.median_output), self.sigma))
+            output_len = max(1, min(output_len, self.max_model_len - prompt_len))
+            ids = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(prompt_len)]
+            out.append((ids, output_len))
+        return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=MemoryWorkload.num_requests)
+    p.add_argument("--num-kv-slots", type=int, default=MemoryWorkload.num_kv_slots)
+    p.add_argument("--bench-max-model-len", type=int, default=MemoryWorkload.max_model_len)
+    p.add_argument("--contiguous-reserve", default="max_model_len", choices=["max_model_len", "max_tokens"])
+    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    p.add_argument("--plot", default=None, help="write a PNG of slot use over time (matplotlib)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-threads", type=int, default=None)
+
+
+def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, reserve: str,
+                  num_threads: int | None) -> tuple[dict, dict]:
+    """Run the workload under one allocator; return its summary and its timeline."""
+    from pagedllm import LLM, SamplingParams
+
+    bs = workload.block_size
+    llm = LLM(
+        model,
+        kv_allocator=allocator,
+        contiguous_reserve=reserve,
+        enable_prefix_caching=False,
+        num_kv_blocks=workload.num_kv_slots // bs,
+        block_size=bs,
+        max_model_len=workload.max_model_len,
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+        num_threads=num_threads,
+    )
+    engine = llm.llm_engine
+    # warm-up outside the measurement
+    llm.generate([{"prompt_token_ids": [TOKEN_ID_LOW] * 8}], SamplingParams(max_tokens=2), use_tqdm=False)
+    requests = workload.requests()
+    for i, (ids, out_len) in enumerate(requests):
+        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+        engine.add_request(f"mem-{i}", {"prompt_token_ids": ids}, params)
+    scheduler, pool = engine.scheduler, engine.block_manager
+    timeline = {"t": [], "written": [], "empty": [], "free": [], "running": []}
+    wastes: list[float] = []
+    num_out = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                num_out += len(out.outputs[0].token_ids)
+        written = sum(s.num_computed_tokens for s in scheduler.running)
+        reserved = pool.num_used_blocks * bs
+        if reserved:
+            wastes.append((reserved - written) / reserved)
+        timeline["t"].append(time.perf_counter() - start)
+        timeline["written"].append(written)
+        timeline["empty"].append(reserved - written)
+        timeline["free"].append(pool.num_free_blocks * bs)
+        timeline["running"].append(scheduler.num_running)
+    elapsed = time.perf_counter() - start
+    if pool.num_free_blocks != pool.num_blocks:
+        raise RuntimeError(f"{allocator}: {pool.num_used_blocks} blocks still held after the run")
+    running = [r for r in timeline["running"]]
+    summary = {
+        "waste_fraction": round(sum(wastes) / len(wastes), 4),
+        "peak_running": max(running),
+        "mean_running": round(sum(running) / len(running), 2),
+        "fragmentation_waits": getattr(pool, "num_fragmentation_waits", 0),
+        "num_preemptions": scheduler.num_preemptions,
+        "num_steps": len(running),
+        "output_tokens": num_out,
+        "output_tokens_per_s": round(num_out / elapsed, 2),
+        "elapsed_s": round(elapsed, 2),
+    }
+    if allocator == "contiguous":
+        summary["reserve"] = reserve
+    return summary, timeline
+
+
+def plot(timelines: dict[str, dict], path: str, kv_slots: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 3.2 * len(timelines)), sharex=True)
+    for ax, (name, tl) in zip(axes, timelines.items()):
+        ax.stackplot(tl["t"], tl["written"], tl["empty"], tl["free"],
+                     labels=["written", "reserved but empty", "free"],
+                     colors=["#2a9d8f", "#e76f51", "#d9d9d9"])
+        ax.set_ylim(0, kv_slots)
+        ax.set_ylabel("KV slots")
+        ax.set_title(name)
+        twin = ax.twinx()
+        twin.plot(tl["t"], tl["running"], color="black", linewidth=1.2, label="requests running")
+        twin.set_ylabel("requests running")
+        twin.set_ylim(0, max(max(t["running"]) for t in timelines.values()) * 1.1)
+        if ax is axes[0]:
+            h1, l1 = ax.get_legend_handles_labels()
+            h2, l2 = twin.get_legend_handles_labels()
+            ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> dict:
+    workload = MemoryWorkload(
+        num_requests=args.num_requests, num_kv_slots=args.num_kv_slots, max_model_len=args.bench_max_model_len
+    )
+    results, timelines = {}, {}
+    for allocator in ("contiguous", "paged"):
+        summary, timeline = run_allocator(args.model, workload, allocator, args.contiguous_reserve, args.num_threads)
+        results[allocator] = summary
+        label = f"contiguous (reserve {args.contiguous_reserve})" if allocator == "contiguous" else "paged"
+        timelines[label] = timeline
+        print(f"{allocator:>10}: " + ", ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+    c, p = results["contiguous"], results["paged"]
+    ratios = {
+        "mean_running": round(p["mean_running"] / c["mean_running"], 2),
+        "output_tokens_per_s": round(p["output_tokens_per_s"] / c["output_tokens_per_s"], 2),
+    }
+    print(f"paged / contiguous: mean concurrency x{ratios['mean_running']}, throughput x{ratios['output_tokens_per_s']}")
+    if args.plot:
+        plot(timelines, args.plot, workload.num_kv_slots)
+        print(f"plot written to {args.plot}")
+    report = {
+        "workload": {
+            "num_requests": workload.num_requests,
+            "prompt_len": [workload.min_prompt, workload.max_prompt],
+            "output_len": f"lognormal(median={workload.median_output}, sigma={workload.sigma}), capped",
+            "max_model_len": workload.max_model_len,
+            "block_size": workload.block_size,
+            "seed": workload.seed,
+            "contiguous_reserve": args.contiguous_reserve,
+        },
+        "kv_slots": workload.num_kv_slots,
+        "allocators": results,
+        "ratios_paged_over_contiguous": ratios,
+    }
+    if args.json:
+        print(json.dumps(report))
+    return report

@@ -1,0 +1,139 @@
+"""The pre-PagedAttention baseline: one contiguous run of slots per request.
+
+Same KV tensor, same block size, same attention path (a run of blocks
+``[s, s+1, ..., s+k-1]`` is just a block table whose ids happen to be
+consecutive); only the policy differs from ``BlockManager``:
+
+- on admission a sequence reserves its *maximum* length up front
+  (``seq.reserve_len``: prompt + max_tokens, or max_model_len when the
+  output length is taken as unknown), as one run of consecutive blocks,
+  found by a first-fit scan from block 0 (O(num_blocks), not O(1));
+- the run is released whole when the sequence ends; nothing is shared and
+  nothing is cached.
+
+::
+
+    blocks: [AAAA....][BB......][    free    ][CCCCCC..]     A, B, C written: '=' ,
+             ^ reserved for A's max length     reserved-but-empty: '.'
+
+When no run is long enough the request waits. A wait while the free blocks
+would suffice in total is *external fragmentation*, counted in
+``num_fragmentation_waits``.
+"""
+
+from __future__ import annotations
+
+from pagedllm.engine.sequence import Sequence
+
+
+class ContiguousAllocator:
+    """First-fit contiguous reservation over the block pool.
+
+    Offers the methods the scheduler calls on ``BlockManager``.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
+    """
+
+    enable_prefix_caching = False
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.is_free: list[bool] = [True] * num_blocks
+        self._num_free = num_blocks
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.num_fragmentation_waits = 0
+        self.num_capacity_waits = 0
+        # kept for the engine's statistics; always 0 here
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+        self.num_cow_copies = 0
+
+    # --- pool state ----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self._num_free
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def reserved_blocks(self, seq: Sequence) -> int:
+        """Blocks a sequence reserves: its maximum length, rounded up."""
+        return max(seq.num_blocks, (seq.reserve_len + self.block_size - 1) // self.block_size)
+
+    def find_run(self, num: int) -> int | None:
+        """Start of the first run of ``num`` free blocks, scanning from block 0."""
+        run = 0
+        for block, free in enumerate(self.is_free):
+            run = run + 1 if free else 0
+            if run == num:
+                return block - num + 1
+        return None
+
+    # --- the allocator API ---------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.find_run(self.reserved_blocks(seq)) is not None
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Reserve one run for the sequence's maximum length; False (and a counted wait) if none fits."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        num = self.reserved_blocks(seq)
+        start = self.find_run(num)
+        if start is None:
+            if num <= self._num_free:
+                self.num_fragmentation_waits += 1
+            else:
+                self.num_capacity_waits += 1
+            return False
+        for block in range(start, start + num):
+            self.is_free[block] = False
+            self.ref_counts[block] = 1
+        self._num_free -= num
+        seq.block_table = list(range(start, start + num))
+        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
+        return True
+
+    def can_append_slot(self, seq: Sequence) -> bool:
+        return seq.num_blocks <= len(seq.block_table)
+
+    def append_slot(self, seq: Sequence) -> bool:
+        """The reservation already covers the maximum length; a longer sequence cannot grow."""
+        return seq.num_blocks <= len(seq.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the whole run."""
+        for block in seq.block_table:
+            self.is_free[block] = True
+            self.ref_counts[block] = 0
+        self._num_free += len(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        raise ValueError("the contiguous allocator shares no blocks (n > 1, best_of and beam search need 'paged')")
+
+    # --- no prefix cache, no copy-on-write -----------------------------------
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        return 0
+
+    def record_prefix_lookup(self, seq: Sequence) -> None:
+        pass
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        pass
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        return []

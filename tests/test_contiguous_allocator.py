@@ -1,0 +1,109 @@
+"""The contiguous baseline: first fit, whole-run release, fragmentation waits; same tokens as paged."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm.engine.contiguous_allocator import ContiguousAllocator
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.sequence import Sequence
+
+
+def _seq(prompt_len: int, reserve_len: int, block_size: int = 4) -> Sequence:
+    seq = Sequence(list(range(100, 100 + prompt_len)), block_size)
+    seq.reserve_len = reserve_len
+    return seq
+
+
+def test_reserves_the_maximum_length_as_one_first_fit_run() -> None:
+    pool = ContiguousAllocator(num_blocks=10, block_size=4)
+    a = _seq(3, reserve_len=9)  # ceil(9 / 4) = 3 blocks although 3 tokens need 1
+    b = _seq(5, reserve_len=8)  # 2 blocks
+    assert pool.allocate(a) and pool.allocate(b)
+    assert a.block_table == [0, 1, 2]
+    assert b.block_table == [3, 4]
+    assert pool.num_free_blocks == 5
+    # decode never needs another block: the reservation covers the maximum
+    for t in range(6):
+        a.append_token(t)
+        assert pool.append_slot(a)
+    assert a.block_table == [0, 1, 2]
+
+
+def test_release_returns_the_run_and_first_fit_reuses_the_lowest_hole() -> None:
+    pool = ContiguousAllocator(num_blocks=8, block_size=4)
+    a, b, c = _seq(4, 8), _seq(4, 8), _seq(4, 8)
+    for s in (a, b, c):
+        assert pool.allocate(s)
+    assert [a.block_table, b.block_table, c.block_table] == [[0, 1], [2, 3], [4, 5]]
+    pool.free(a)
+    assert pool.num_free_blocks == 4 and pool.is_free[:2] == [True, True]
+    d = _seq(2, 4)  # one block: first fit takes block 0
+    assert pool.allocate(d)
+    assert d.block_table == [0]
+
+
+def test_a_request_waits_when_no_run_fits_although_enough_blocks_are_free() -> None:
+    pool = ContiguousAllocator(num_blocks=8, block_size=4)
+    seqs = [_seq(4, 8) for _ in range(4)]  # 4 runs of 2 blocks fill the pool
+    for s in seqs:
+        assert pool.allocate(s)
+    pool.free(seqs[0])
+    pool.free(seqs[2])  # free: blocks 0-1 and 4-5, 4 in total but no run of 3
+    big = _seq(4, 12)
+    assert pool.num_free_blocks == 4
+    assert pool.allocate(big) is False
+    assert big.block_table == [] and pool.num_free_blocks == 4
+    assert pool.num_fragmentation_waits == 1
+    huge = _seq(4, 20)  # 5 blocks: more than is free at all, not fragmentation
+    assert pool.allocate(huge) is False
+    assert pool.num_fragmentation_waits == 1 and pool.num_capacity_waits == 1
+    pool.free(seqs[1])  # blocks 0-5 now one run
+    assert pool.allocate(big) and big.block_table == [0, 1, 2]
+
+
+def test_scheduler_keeps_requests_waiting_until_a_run_is_free() -> None:
+    pool = ContiguousAllocator(num_blocks=6, block_size=4)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [_seq(4, 12) for _ in range(3)]  # 3 blocks each: two fit at a time
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == seqs[:2]
+    assert list(sched.waiting) == [seqs[2]]
+    sched.update(out)
+    sched.finish(seqs[0], seqs[0].status.FINISHED_LENGTH)
+    out = sched.schedule()
+    assert seqs[2] in [s.seq for s in out.scheduled]
+    assert seqs[2].block_table == [0, 1, 2]
+
+
+def test_sharing_is_refused() -> None:
+    pool = ContiguousAllocator(num_blocks=4, block_size=4)
+    a = _seq(4, 8)
+    assert pool.allocate(a)
+    with pytest.raises(ValueError):
+        pool.fork(a, a.fork(1))
+
+
+def test_same_greedy_tokens_under_both_allocators(tiny_model_dirs) -> None:  # noqa: ANN001
+    from pagedllm import LLM, SamplingParams
+
+    rng = random.Random(21)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 49000) for _ in range(n)]} for n in (5, 17, 30, 9, 41, 12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(num_kv_blocks=48, max_model_len=128, block_size=8)
+    paged = LLM(tiny_model_dirs["llama"], **kwargs)
+    contiguous = LLM(tiny_model_dirs["llama"], kv_allocator="contiguous", contiguous_reserve="max_model_len", **kwargs)
+    want = [o.outputs[0].token_ids for o in paged.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in contiguous.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    pool = contiguous.llm_engine.block_manager
+    assert isinstance(pool, ContiguousAllocator)
+    assert pool.num_free_blocks == 48
+    # 48 blocks hold three 16-block reservations at a time: the other requests waited
+    assert pool.num_capacity_waits + pool.num_fragmentation_waits > 0
+    with pytest.raises(ValueError):
+        contiguous.generate(prompts[0], SamplingParams(n=2), use_tqdm=False)
