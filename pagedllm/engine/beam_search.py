@@ -151,6 +151,17 @@ class BeamSearch:
         step.done = not step.next_beams or not self.improvement_possible
         return step
 
+    def abort(self) -> None:
+        """End the search early: live beams join the hypotheses as "abort"."""
+        for seq in self.live:
+            logprob = self.scores[seq.seq_id]
+            generated = len(seq) - self.prompt_len
+            score = self._normalise(logprob, generated) if generated else logprob
+            self.finished.append(Hypothesis(tuple(seq.token_ids[self.prompt_len :]), logprob, score, "abort"))
+        self.finished.sort(key=lambda h: h.score, reverse=True)
+        del self.finished[self.params.beam_width :]
+        self.live = []
+
     def set_live(self, beams: list[tuple[Sequence, float]]) -> None:
         """The engine reports the sequences now carrying the next beams."""
         self.live = [s for s, _ in beams]

@@ -171,7 +171,7 @@ class LLMEngine:
         """Run one scheduled step; return outputs of requests that progressed."""
         output = self.scheduler.schedule()
         if output.is_empty:
-            return []
+            return self._resolve_stall() if self.requests else []
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         params = [self.requests[s.seq.request_id].params for s in output.scheduled]
         try:
@@ -212,6 +212,28 @@ class LLMEngine:
                 # with best_of > n the winners are known only at the end
                 outputs.append(self._make_output(req))
         return outputs
+
+    def _resolve_stall(self) -> list[RequestOutput]:
+        """Nothing could be scheduled although requests are unfinished.
+
+        Only beam search gets here: admitted beams wait for siblings that the
+        pool cannot admit (after a preemption the beams no longer share
+        blocks). The newest such request is ended with finish_reason "abort",
+        keeping the hypotheses found so far, and its blocks are freed.
+        """
+        stalled = [r for r in self.requests.values() if r.beam is not None]
+        if not stalled:
+            raise RuntimeError("the scheduler made no progress with no beam search in flight")
+        req = max(stalled, key=lambda r: r.seqs[0].arrival)
+        logger.warning("request %s: the KV pool cannot hold its %d beams; aborting it",
+                       req.request_id, req.beam.params.beam_width)
+        req.beam.abort()
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        req.beam_done = True
+        del self.requests[req.request_id]
+        return [self._make_output(req)]
 
     def _advance_beams(self, req: Request) -> None:
         """Apply one beam-search decision: fork chosen beams, free pruned ones."""

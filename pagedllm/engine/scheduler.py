@@ -182,11 +182,13 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             decodes.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
-            self.block_manager.cache_full_blocks(seq, len(seq))
             budget -= num_new
         if preempted:
             # a preempted request may have had older samples scheduled already
             decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
+        # published only now: a block of a decode dropped above is never written
+        for d in decodes:
+            self.block_manager.cache_full_blocks(d.seq, len(d.seq))
 
         # 2. admissions, first come first served; none after a preemption,
         #    since the pool just proved too small for what is running
