@@ -107,3 +107,23 @@ def test_same_greedy_tokens_under_both_allocators(tiny_model_dirs) -> None:  # n
     assert pool.num_capacity_waits + pool.num_fragmentation_waits > 0
     with pytest.raises(ValueError):
         contiguous.generate(prompts[0], SamplingParams(n=2), use_tqdm=False)
+
+
+def test_bench_memory_reports_both_allocators(tmp_path) -> None:  # noqa: ANN001
+    import json
+    import subprocess
+    import sys
+
+    plot = tmp_path / "memory.png"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "memory", "--num-requests", "6",
+           "--num-kv-slots", "512", "--bench-max-model-len", "128", "--json", "--plot", str(plot)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["kv_slots"] == 512
+    c, p = report["allocators"]["contiguous"], report["allocators"]["paged"]
+    assert c["output_tokens"] == p["output_tokens"] > 0
+    # 512 slots hold four 128-token reservations: contiguous never runs more than 4
+    assert c["peak_running"] <= 4 < p["peak_running"]
+    # paged wastes at most each request's last partial block
+    assert p["waste_fraction"] < c["waste_fraction"]
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"

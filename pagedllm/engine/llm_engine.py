@@ -171,7 +171,9 @@ class LLMEngine:
         """Run one scheduled step; return outputs of requests that progressed."""
         output = self.scheduler.schedule()
         if output.is_empty:
-            return self._resolve_stall() if self.requests else []
+            # an empty step right after a preemption is normal: admissions wait
+            # for the next one; without a preemption it is a stall
+            return self._resolve_stall() if self.requests and not output.preempted else []
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         params = [self.requests[s.seq.request_id].params for s in output.scheduled]
         try:

@@ -1,4 +1,4 @@
-"""``pagedllm generate | chat | bench throughput``."""
+"""``pagedllm generate | chat | serve | bench {throughput, sharing, serve, memory}``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"])
+    g.add_argument("--contiguous-reserve", default="max_tokens", choices=["max_tokens", "max_model_len"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "reference"])
@@ -46,7 +48,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
+        kv_allocator=args.kv_allocator,
+        contiguous_reserve=args.contiguous_reserve,
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
@@ -151,6 +155,72 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    """``pagedllm bench memory``: the contiguous baseline against paging, same KV slots."""
+    from pagedllm.bench import memory
+
+    memory.run(args)
+    return 0
+
+
+def cmd_bench_sharing(args: argparse.Namespace) -> int:
+    """``pagedllm bench sharing``: n samples with copy-on-write sharing vs n independent requests."""
+    from pagedllm.bench import sharing
+
+    sharing.run(args, _engine_kwargs(args))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start the OpenAI-compatible server (``pagedllm serve [MODEL]``)."""
+    import logging
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.server import ServerSettings, default_model_name, run_server
+
+    if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
+        raise ValueError("give the model either as an argument or with --model, not both")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = LLM(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
+    engine = llm.llm_engine
+    settings = ServerSettings(
+        model_name=args.served_model_name or default_model_name(engine.config.model),
+        model_path=engine.config.model,
+        api_key=args.api_key or None,
+        max_waiting=args.max_waiting,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
+    run_server(engine, settings)
+    return 0
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: the model's file or folder name)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    g.add_argument("--max-waiting", type=int, default=1024,
+                   help="most requests waiting for their first token; past it new requests get 429")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """``pagedllm bench serve``: streaming clients against a running server."""
+    from pagedllm.bench import serve as bench_serve
+
+    bench_serve.run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_arguments(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
+    _serve_arguments(serve)
+    _engine_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from pagedllm.bench import throughput
@@ -176,6 +251,31 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_arguments(tp)
     _engine_arguments(tp)
     tp.set_defaults(func=cmd_bench)
+
+    from pagedllm.bench import sharing as bench_sharing
+
+    sh = bench_sub.add_parser(
+        "sharing", help="n=8 samples of long prompts: copy-on-write block sharing vs independent requests"
+    )
+    bench_sharing.add_arguments(sh)
+    _engine_arguments(sh)
+    sh.set_defaults(func=cmd_bench_sharing)
+
+    from pagedllm.bench import serve as bench_serve
+
+    bs = bench_sub.add_parser(
+        "serve", help="concurrent streaming clients against a running server: TTFT, TPOT, ITL, latency"
+    )
+    bench_serve.add_arguments(bs)
+    bs.set_defaults(func=cmd_bench_serve)
+
+    from pagedllm.bench import memory as bench_memory
+
+    mem = bench_sub.add_parser(
+        "memory", help="paged vs contiguous KV allocation on one workload: waste, concurrency, throughput"
+    )
+    bench_memory.add_arguments(mem)
+    mem.set_defaults(func=cmd_bench_memory)
     return parser
 
 

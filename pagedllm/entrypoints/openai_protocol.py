@@ -1,0 +1,327 @@
+"""Request schemas of the OpenAI-compatible server, and their checks.
+
+Requests are validated strictly (``extra="forbid"``, no type coercion), the
+way OpenAI's API answers: an unknown field or a string where a number belongs
+is a 400, never silently dropped or converted. Fields OpenAI defines that
+pagedllm does not implement yet (echo, penalties, logit_bias, tools...)
+are accepted only at their default value; anything else is a 400 that says
+the field is not supported, so no client believes it got what it asked for.
+
+vLLM's extra sampling fields are accepted too: ``top_k``, ``min_p``,
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens`` (and ``add_generation_prompt`` for chat).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pagedllm.sampling_params import SamplingParams
+
+# OpenAI's own upper bound on ``n``; also keeps one request from creating an
+# unbounded number of sequences
+MAX_N = 128
+
+
+class APIError(Exception):
+    """An error the server answers with an OpenAI-style body and a status.
+
+    Args:
+        status_code: the HTTP status.
+        message: what went wrong, for the client.
+        type: OpenAI's error type (``invalid_request_error``...).
+        code: OpenAI's error code, or None.
+        param: the request field at fault, or None.
+    """
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def unsupported(param: str, what: str | None = None) -> APIError:
+    """A 400 for an OpenAI field pagedllm does not implement (yet)."""
+    return bad_request(
+        f"'{param}' is not supported by this server yet{f' ({what})' if what else ''}; "
+        "leave it unset or at its default",
+        param,
+        "unsupported_parameter",
+    )
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: only ``include_usage`` is defined by OpenAI."""
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own records; nothing to do here
+    # OpenAI fields not implemented: accepted only at their defaults
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+
+    def _check_common(self) -> None:
+        if self.presence_penalty not in (None, 0):
+            raise unsupported("presence_penalty")
+        if self.frequency_penalty not in (None, 0):
+            raise unsupported("frequency_penalty")
+        if self.logit_bias:
+            raise unsupported("logit_bias")
+        if self.repetition_penalty not in (None, 1):
+            raise unsupported("repetition_penalty")
+        if self.min_tokens != 0:
+            raise unsupported("min_tokens")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+        if self.n > MAX_N:
+            raise bad_request(f"n must be at most {MAX_N}, got {self.n}", "n")
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None = None, best_of: int | None = None
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n,
+                best_of=best_of,
+                logprobs=logprobs,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            param = str(e).split(" ", 1)[0]
+            if param == "logprobs" and isinstance(self, ChatCompletionRequest):
+                param = "top_logprobs"
+            raise bad_request(str(e), param if param in type(self).model_fields else None) from e
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``.
+
+    ``prompt`` is a string, a list of strings, a list of token ids or a list
+    of token-id lists; each prompt gets ``n`` choices, numbered
+    ``prompt_index * n + i`` as in OpenAI's API.
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Check the request and build its SamplingParams; raises APIError (400).
+
+        ``logprobs=k``: each output token's logprob and the k most likely
+        alternatives. ``best_of``: sample that many, return the ``n`` with the
+        highest cumulative logprob (known only at the end, so not streamable).
+        """
+        self._check_common()
+        if self.echo:
+            raise unsupported("echo")
+        if self.suffix is not None:
+            raise unsupported("suffix")
+        if self.best_of is not None and self.best_of != self.n and self.stream:
+            raise bad_request("best_of cannot be streamed: the best outputs are known only at the end", "best_of")
+        if self.best_of is not None and self.best_of > MAX_N:
+            raise bad_request(f"best_of must be at most {MAX_N}, got {self.best_of}", "best_of")
+        return self._sampling_params(self.max_tokens, self.logprobs, self.best_of)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # one prompt given as token ids
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise bad_request("prompt must not be an empty list", "prompt")
+        return prompts
+
+
+class ContentPart(_Strict):
+    """One part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, str]:
+        """The dict a chat template reads; text parts are joined by newlines, as vLLM does."""
+        if self.content is None:
+            content = ""
+        elif isinstance(self.content, str):
+            content = self.content
+        else:
+            content = "\n".join(part.text for part in self.content)
+        out = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: only plain text is supported."""
+
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Check the request and build its SamplingParams; raises APIError (400).
+
+        With no ``max_tokens``/``max_completion_tokens`` the reply may run to
+        the end of the context, as in vLLM.
+        """
+        self._check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise unsupported("response_format", "only {'type': 'text'}")
+        if self.tools:
+            raise unsupported("tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice")
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The conversation as the chat template expects it."""
+        return [m.to_template_dict() for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize``: a prompt, or a conversation rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_request(model: type[_Strict] | type[TokenizeRequest], raw: bytes) -> Any:
+    """Validate a JSON body; malformed JSON or a schema violation is an APIError (400)."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise bad_request(*_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> tuple[str, str | None, str]:
+    """(message, param, code) for the first field at fault."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {first['msg']}", None, "invalid_json"
+    if not first["loc"]:
+        return f"the request body must be a JSON object: {first['msg']}", None, "invalid_type"
+    field = str(first["loc"][0])
+    if first["type"] == "extra_forbidden":
+        return f"unrecognized request argument supplied: {field}", field, "unknown_parameter"
+    if first["type"] == "missing":
+        return f"missing required parameter: '{field}'", field, "missing_required_parameter"
+    if field == "prompt":
+        return (
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            field,
+            "invalid_type",
+        )
+    value = repr(first.get("input"))
+    if len(value) > 80:
+        value = value[:77] + "..."
+    return f"invalid value for '{field}': {first['msg']} (got {value})", field, "invalid_type"

@@ -1,0 +1,1014 @@
+"""``pagedllm serve``: an OpenAI-compatible HTTP server, as vLLM's.
+
+Threads: uvicorn's event loop answers HTTP; one engine thread owns the
+``LLMEngine`` (which is not thread-safe). Handlers never touch the engine:
+they send commands (add requests, abort, tokenize) to the engine thread,
+which applies them between steps and steps while work exists. Outputs go
+back to each request's ``asyncio.Queue`` through ``call_soon_threadsafe``.
+torch releases the GIL in its kernels, so the loop stays responsive while
+the engine computes.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+server-sent-event streaming), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    parse_request,
+)
+from pagedllm.entrypoints.server_metrics import ServerMetrics
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A prompt as the engine thread turns it into (text or None, token ids).
+PromptEncoder = Callable[[LLMEngine], tuple[str | None, list[int]]]
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+class EngineStepError(RuntimeError):
+    """The engine step that carried this request failed; the request is lost."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown or a crash)."""
+
+
+def _server_error(message: str) -> APIError:
+    return APIError(500, message, "server_error", "internal_error")
+
+
+def _engine_failure(e: EngineStepError | EngineDeadError) -> APIError:
+    """500 for a failed step, 503 for a server that is stopping."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error", "engine_unavailable")
+    return _server_error(str(e))
+
+
+# --- the engine thread ---------------------------------------------------------------
+
+
+class _RequestStream:
+    """One engine request's path from the engine thread to its HTTP handler.
+
+    The timing fields are touched only by the engine thread, ``waiting`` only
+    by the event loop.
+    """
+
+    def __init__(
+        self, request_id: str, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop,
+        owner: AsyncEngine,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.queue = queue
+        self.loop = loop
+        self.owner = owner
+        self.arrival = time.monotonic()
+        self.waiting = True  # counted in owner.num_waiting until its first output
+        self.first_token_time: float | None = None
+        self.last_token_time: dict[int, float] = {}
+        self.num_tokens: dict[int, int] = {}
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand an output or an error to the handler (from the engine thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        self.owner.release_waiting(self)
+        self.queue.put_nowait((self.index, item))
+
+    def observe(self, out: RequestOutput, now: float, metrics: ServerMetrics | None) -> None:
+        """Time to first token, inter-token latencies and end-to-end latency (engine thread)."""
+        if metrics is None:
+            return
+        for c in out.outputs:
+            n = len(c.token_ids)
+            prev = self.num_tokens.get(c.index, 0)
+            if n <= prev:
+                continue
+            if self.first_token_time is None:
+                self.first_token_time = now
+                metrics.time_to_first_token.observe(now - self.arrival)
+            last = self.last_token_time.get(c.index)
+            if last is not None:
+                # one step makes one token per sequence; more would share the gap
+                for _ in range(n - prev):
+                    metrics.inter_token_latency.observe((now - last) / (n - prev))
+            self.num_tokens[c.index] = n
+            self.last_token_time[c.index] = now
+        if out.finished:
+            metrics.e2e_request_latency.observe(now - self.arrival)
+            metrics.request_success(out.outputs[0].finish_reason or "abort")
+
+
+# queued to a submission's reader once the submission is aborted
+_ABORTED = object()
+
+
+class Submission:
+    """The engine requests of one API request (one per prompt) and their outputs."""
+
+    def __init__(self, owner: AsyncEngine, streams: list[_RequestStream], queue: asyncio.Queue) -> None:
+        self.owner = owner
+        self.streams = streams
+        self.queue = queue
+        self.prompt_token_counts: list[int] = []
+        self.finished: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        """Every prompt has finished (or the submission was aborted)."""
+        return len(self.finished) == len(self.streams)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as the engine makes them; raises on failure.
+
+        Ends early, without error, once ``abort()`` ran.
+        """
+        while not self.done:
+            index, item = await self.queue.get()
+            if item is _ABORTED or self.done:
+                return
+            if isinstance(item, BaseException):
+                self.abort()  # the other prompts of a failed request are not worth finishing
+                raise item
+            if item.finished:
+                self.finished.add(index)
+            yield index, item
+
+    def abort(self) -> None:
+        """Abort every unfinished engine request of this submission; their blocks are freed at once."""
+        ids = [s.request_id for s in self.streams if s.index not in self.finished]
+        self.finished.update(range(len(self.streams)))
+        if ids:
+            self.owner.abort(ids)
+            for s in self.streams:
+                self.owner.release_waiting(s)
+            self.queue.put_nowait((-1, _ABORTED))  # wakes a reader blocked on the queue
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on its own thread, fed by commands from the event loop.
+
+    Args:
+        engine: the engine; no other thread may use it once ``start()`` ran.
+        metrics: where to record statistics, or None.
+        max_waiting: most accepted requests still waiting for their first
+            token; past it ``add_requests`` raises a 429 APIError. None: no limit.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.num_waiting = 0  # event-loop side only
+        self._cv = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._streams: dict[str, _RequestStream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self.crash: BaseException | None = None
+        self.draining = False  # shutting down: no new requests
+
+    # --- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests in flight get an EngineDeadError."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread runs and is not stopping."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in flight or commands queued (read from the event loop; a snapshot)."""
+        return bool(self._streams) or bool(self._commands)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, give those in flight ``timeout`` seconds, then stop.
+
+        Requests still running then end with an error (an error event for a
+        stream), so no connection is left to be cut mid-response.
+        """
+        self.draining = True
+        if self.has_work:
+            logger.info("shutting down: requests in flight get %.0fs to finish", timeout)
+        deadline = time.monotonic() + timeout
+        while self.has_work and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.stop)
+
+    # --- commands (from the event loop) ---------------------------------------------
+    def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller, who decides
+                fut.set_exception(e)
+
+        with self._cv:
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            self._commands.append(run)
+            self._cv.notify()
+        return fut
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps."""
+        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (fire and forget); their blocks are freed before the next step."""
+        def run() -> None:
+            self.engine.abort_request(request_ids)
+            for rid in request_ids:
+                self._streams.pop(rid, None)
+
+        with contextlib.suppress(EngineDeadError):
+            self._submit(run)
+
+    def release_waiting(self, stream: _RequestStream) -> None:
+        """The request has left the waiting count (first output, error or abort)."""
+        if stream.waiting:
+            stream.waiting = False
+            self.num_waiting -= 1
+
+    async def add_requests(
+        self, request_id: str, prompts: list[PromptEncoder], params: SamplingParams, param: str = "prompt"
+    ) -> Submission:
+        """Queue one engine request per prompt, all or none.
+
+        Raises APIError: 429 past ``max_waiting``, 400 for a prompt the engine
+        rejects (too long for the context, token ids outside the vocabulary...);
+        ``param`` names the request field that holds the prompt.
+        """
+        if self.draining or not self.is_alive:
+            raise APIError(503, "the server is shutting down", "server_error", "engine_unavailable")
+        if self.max_waiting is not None and self.num_waiting + len(prompts) > self.max_waiting:
+            raise APIError(
+                429,
+                f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); retry later",
+                "rate_limit_error",
+                "too_many_waiting_requests",
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, self) for i in range(len(prompts))]
+        self.num_waiting += len(streams)
+        sub = Submission(self, streams, queue)
+
+        def add(engine: LLMEngine) -> list[int]:
+            prepared = [_prepare_prompt(engine, encode, params) for encode in prompts]
+            added: list[str] = []
+            try:
+                for stream, (text, ids) in zip(streams, prepared):
+                    engine.add_request(stream.request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+                    added.append(stream.request_id)
+                    self._streams[stream.request_id] = stream
+            except BaseException:
+                engine.abort_request(added)
+                for rid in added:
+                    self._streams.pop(rid, None)
+                raise
+            counts = [len(ids) for _, ids in prepared]
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(sum(counts))
+            return counts
+
+        try:
+            sub.prompt_token_counts = await self.call(add)
+        except BaseException as e:
+            for s in streams:
+                self.release_waiting(s)
+            if isinstance(e, asyncio.CancelledError):
+                # the add may have run already: take the requests back out
+                self.abort([s.request_id for s in streams])
+                raise
+            raise _to_api_error(e, param) from e
+        return sub
+
+    # --- the loop (engine thread) -----------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    command()
+                if engine.has_unfinished_requests() and not self._step():
+                    # nothing could be scheduled: wait for a command rather than spin
+                    with self._cv:
+                        if not self._commands and not self._stopping:
+                            self._cv.wait(0.01)
+                if self.metrics is not None:
+                    self.metrics.update_from_engine(engine)
+        except BaseException as e:  # a bug in the loop itself: say so, fail everyone
+            logger.exception("the engine thread crashed")
+            self.crash = e
+        finally:
+            with self._cv:
+                self._stopping = True
+                pending = list(self._commands)
+                self._commands.clear()
+            for command in pending:
+                command()  # answered, so no caller waits forever
+            for stream in self._streams.values():
+                stream.put(EngineDeadError("the server is shutting down; the request was not finished"))
+            self._streams.clear()
+
+    def _step(self) -> bool:
+        """One engine step; its outputs go to their handlers. False if nothing ran."""
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            # the engine has aborted the requests of the failed step; fail those
+            # (and only those) and keep serving the rest
+            logger.exception("an engine step failed")
+            lost = [rid for rid in self._streams if rid not in engine.requests]
+            if not lost and engine.requests:
+                # the failure took no request with it (e.g. a scheduler that cannot
+                # progress): stepping again would fail again. End the newest
+                # request, the likeliest culprit, as the engine does with stalled
+                # beams; if that was not it, the next step takes the next one.
+                victim = next(reversed(engine.requests))
+                engine.abort_request(victim)
+                lost = [victim] if victim in self._streams else []
+            for rid in lost:
+                self._streams.pop(rid).put(EngineStepError(f"the engine failed on this request: {e}"))
+            return True
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            stream.observe(out, now, self.metrics)
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+        return bool(outputs)
+
+
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt plus max_tokens, does not fit in max_model_len."""
+
+
+def _prepare_prompt(engine: LLMEngine, encode: PromptEncoder, params: SamplingParams) -> tuple[str | None, list[int]]:
+    """Tokenize and check one prompt on the engine thread (the tokenizer is not shared)."""
+    text, ids = encode(engine)
+    limit = engine.config.max_model_len
+    if len(ids) >= limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{len(ids)} tokens, which leaves no room for output. Please reduce the length of the prompt."
+        )
+    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} "
+            "in the completion). Please reduce the length of the prompt or of max_tokens."
+        )
+    return engine.process_prompt({"prompt": text, "prompt_token_ids": ids})
+
+
+def _to_api_error(e: BaseException, param: str | None = None) -> APIError:
+    """Map what adding a request (or tokenizing) can raise to the client's error."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextLengthError):
+        return bad_request(str(e), param, "context_length_exceeded")
+    if isinstance(e, (ValueError, jinja2.TemplateError)):
+        return bad_request(str(e), param)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error", "engine_unavailable")
+    logger.error("request failed: %r", e)
+    return _server_error(f"the request failed: {type(e).__name__}: {e}")
+
+
+def _encode_text(text: str) -> PromptEncoder:
+    def encode(engine: LLMEngine) -> tuple[str | None, list[int]]:
+        if not text:
+            raise ValueError("the prompt is empty")
+        return text, engine.tokenizer.encode(text)
+
+    return encode
+
+
+def _encode_ids(ids: list[int]) -> PromptEncoder:
+    return lambda engine: (None, list(ids))
+
+
+def _encode_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> PromptEncoder:
+    def encode(engine: LLMEngine) -> tuple[str | None, list[int]]:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        # the template already holds the special tokens it wants
+        return text, engine.tokenizer.hf.encode(text, add_special_tokens=False)
+
+    return encode
+
+
+# --- responses -----------------------------------------------------------------------
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that abort the request when the client goes away.
+
+    Whatever the ASGI version, a task listens for ``http.disconnect`` beside
+    the stream, so a client that leaves while its request waits (no bytes to
+    send) is noticed at once; ``on_close`` runs however the response ends.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client is gone
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
+    """Call ``on_disconnect`` if the client leaves before its (non-streamed) answer."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _DeltaTracker:
+    """Text and tokens already streamed per choice.
+
+    With stop strings the engine may cut text it has already produced (a stop
+    string that spans tokens is found only when complete), so the last
+    ``longest stop - 1`` characters are held back until the choice finishes,
+    as vLLM does. Tokens (for logprobs) go out with the next chunk that has
+    text, or with the last one.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        stops = params.stop_strings
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent: dict[int, int] = {}
+        self.tokens_sent: dict[int, int] = {}
+        self.text_offset: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def delta(self, choice: int, c: CompletionOutput) -> tuple[str, bool, int, int] | None:
+        """(new text, finished, first new token, end of new tokens) for a choice, or None."""
+        if choice in self.done:
+            return None
+        finished = c.finish_reason is not None
+        sent = self.sent.get(choice, 0)
+        end = len(c.text) if finished else max(sent, len(c.text) - self.hold)
+        text = c.text[sent:end]
+        if not text and not finished:
+            return None
+        self.sent[choice] = end
+        first_token = self.tokens_sent.get(choice, 0)
+        self.tokens_sent[choice] = len(c.token_ids)
+        if finished:
+            self.done.add(choice)
+        return text, finished, first_token, len(c.token_ids)
+
+
+# JSON has no -inf; vLLM reports impossible tokens at this logprob instead
+_MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB) if value == value else _MIN_LOGPROB  # NaN too
+
+
+def _completion_logprobs(
+    c: CompletionOutput, start: int, end: int, offset: int
+) -> tuple[dict[str, Any] | None, int]:
+    """OpenAI's completions ``logprobs`` for tokens ``start:end``, and the next text offset.
+
+    ``top_logprobs`` maps each alternative's text to its logprob and, as in
+    vLLM, always holds the chosen token.
+    """
+    if c.logprobs is None:
+        return None, offset
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token_id, position in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        chosen = position[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(_lp(chosen.logprob))
+        ranked = sorted(position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+        top.append({(lp.decoded_token or ""): _lp(lp.logprob) for lp in ranked})
+        offsets.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    return body, offset
+
+
+def _chat_logprobs(c: CompletionOutput, start: int, end: int, top_n: int) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if c.logprobs is None:
+        return None
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, position in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        chosen = position[token_id]
+        ranked = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top_n), key=lambda lp: lp.rank
+        )
+        item = entry(chosen.decoded_token or "", chosen.logprob)
+        item["top_logprobs"] = [entry(lp.decoded_token or "", lp.logprob) for lp in ranked]
+        content.append(item)
+    return {"content": content}
+
+
+@dataclass
+class ServerSettings:
+    """What ``pagedllm serve`` needs besides the engine.
+
+    Args:
+        model_name: the name clients use in ``model``.
+        model_path: where the weights came from (shown in /v1/models).
+        api_key: when set, every /v1 route needs ``Authorization: Bearer <key>``.
+        max_waiting: most requests waiting for their first token before new
+            ones get 429; None: no limit.
+        host: address to bind (loopback by default).
+        port: TCP port.
+        log_level: uvicorn's log level.
+    """
+
+    model_name: str
+    model_path: str = ""
+    api_key: str | None = None
+    max_waiting: int | None = 1024
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class _APIKeyMiddleware:
+    """Bearer authentication on /v1 routes, checked before the body is read."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
+            scope["path"] == "/v1" or scope["path"].startswith("/v1/")
+        ):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine thread.
+
+    Args:
+        async_engine: the engine wrapper (not started yet).
+        settings: names, key and limits.
+    """
+    engine = async_engine.engine
+    metrics = async_engine.metrics
+    max_model_len = engine.config.max_model_len
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not async_engine.is_alive:
+            async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.stop)
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=settings.api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, str(exc.detail), kind, None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s", request.url.path)
+        err = _server_error(f"internal error: {type(exc).__name__}")
+        return JSONResponse(err.body(), status_code=500)
+
+    def check_model(name: str | None) -> None:
+        # vLLM's leniency: no model means the served one
+        if name is not None and name != settings.model_name:
+            raise APIError(
+                404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found", "model"
+            )
+
+    async def run(
+        request: Request, sub: Submission, make_response: Callable[[list[RequestOutput]], dict[str, Any]]
+    ) -> JSONResponse:
+        """Wait for every prompt of a non-streamed request; abort if the client leaves."""
+        watcher = asyncio.create_task(_watch_disconnect(request, sub.abort))
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for index, out in sub.outputs():
+                if out.finished:
+                    final[index] = out
+        except (EngineStepError, EngineDeadError) as e:
+            raise _engine_failure(e) from e
+        finally:
+            watcher.cancel()
+            sub.abort()  # no-op unless something above failed
+        if len(final) < len(sub.streams):  # the client left; nobody reads this
+            raise APIError(499, "the client closed the request", "invalid_request_error", "client_closed")
+        return JSONResponse(make_response([final[i] for i in range(len(sub.streams))]))
+
+    # --- completions -----------------------------------------------------------------
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+        encoders = [_encode_text(p) if isinstance(p, str) else _encode_ids(p) for p in prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        sub = await async_engine.add_requests(rid, encoders, params)
+        created = int(time.time())
+        n = params.n
+
+        def choice_finish(c: CompletionOutput) -> dict[str, Any]:
+            return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+        if not req.stream:
+            def response(outs: list[RequestOutput]) -> dict[str, Any]:
+                choices = [
+                    {
+                        "index": i * n + c.index, "text": c.text,
+                        "logprobs": _completion_logprobs(c, 0, len(c.token_ids), 0)[0], **choice_finish(c),
+                    }
+                    for i, out in enumerate(outs)
+                    for c in out.outputs
+                ]
+                completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
+                return {
+                    "id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
+                    "choices": choices, "usage": _usage(sum(sub.prompt_token_counts), completion),
+                }
+
+            return await run(request, sub, response)
+
+        include_usage = req.include_usage
+
+        async def events() -> AsyncIterator[str]:
+            tracker = _DeltaTracker(params)
+            tokens: dict[int, int] = {}
+
+            def chunk(choices: list[dict[str, Any]]) -> str:
+                body: dict[str, Any] = {
+                    "id": rid, "object": "text_completion", "created": created,
+                    "model": settings.model_name, "choices": choices,
+                }
+                if include_usage:
+                    body["usage"] = None
+                return _sse(body)
+
+            try:
+                async for index, out in sub.outputs():
+                    for c in out.outputs:
+                        choice = index * n + c.index
+                        tokens[choice] = len(c.token_ids)
+                        d = tracker.delta(choice, c)
+                        if d is None:
+                            continue
+                        text, finished, first, end = d
+                        fin = choice_finish(c) if finished else {"finish_reason": None, "stop_reason": None}
+                        logprobs, tracker.text_offset[choice] = _completion_logprobs(
+                            c, first, end, tracker.text_offset.get(choice, 0)
+                        )
+                        yield chunk([{"index": choice, "text": text, "logprobs": logprobs, **fin}])
+                if include_usage:
+                    yield _sse({
+                        "id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
+                        "choices": [], "usage": _usage(sum(sub.prompt_token_counts), sum(tokens.values())),
+                    })
+            except (EngineStepError, EngineDeadError) as e:
+                yield _sse(_engine_failure(e).body())
+            except Exception as e:  # a bug here fails this stream only, with a message
+                logger.exception("streaming failed")
+                yield _sse(_server_error(f"internal error: {type(e).__name__}").body())
+            yield _sse("[DONE]")
+
+        return _SSEResponse(events(), on_close=sub.abort)
+
+    # --- chat completions --------------------------------------------------------------
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        check_model(req.model)
+        params = req.to_sampling_params()
+        encoder = _encode_chat(req.template_messages(), req.add_generation_prompt)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        sub = await async_engine.add_requests(rid, [encoder], params, "messages")
+        created = int(time.time())
+        top_n = req.top_logprobs or 0
+
+        if not req.stream:
+            def response(outs: list[RequestOutput]) -> dict[str, Any]:
+                out = outs[0]
+                choices = [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": _chat_logprobs(c, 0, len(c.token_ids), top_n),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    for c in out.outputs
+                ]
+                completion = sum(len(c.token_ids) for c in out.outputs)
+                return {
+                    "id": rid, "object": "chat.completion", "created": created, "model": settings.model_name,
+                    "choices": choices, "usage": _usage(sub.prompt_token_counts[0], completion),
+                }
+
+            return await run(request, sub, response)
+
+        include_usage = req.include_usage
+
+        async def events() -> AsyncIterator[str]:
+            tracker = _DeltaTracker(params)
+            tokens: dict[int, int] = {}
+            first = True
+
+            def chunk(choices: list[dict[str, Any]]) -> str:
+                body: dict[str, Any] = {
+                    "id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": settings.model_name, "choices": choices,
+                }
+                if include_usage:
+                    body["usage"] = None
+                return _sse(body)
+
+            try:
+                async for _, out in sub.outputs():
+                    if first:
+                        # as OpenAI: each choice opens with the role
+                        first = False
+                        for c in out.outputs:
+                            yield chunk([{
+                                "index": c.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None,
+                            }])
+                    for c in out.outputs:
+                        tokens[c.index] = len(c.token_ids)
+                        d = tracker.delta(c.index, c)
+                        if d is None:
+                            continue
+                        text, finished, first, end = d
+                        delta = {"content": text} if text else {}
+                        fin = (
+                            {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                            if finished else {"finish_reason": None}
+                        )
+                        logprobs = _chat_logprobs(c, first, end, top_n)
+                        yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, **fin}])
+                if include_usage:
+                    yield _sse({
+                        "id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": settings.model_name, "choices": [],
+                        "usage": _usage(sub.prompt_token_counts[0], sum(tokens.values())),
+                    })
+            except (EngineStepError, EngineDeadError) as e:
+                yield _sse(_engine_failure(e).body())
+            except Exception as e:  # a bug here fails this stream only, with a message
+                logger.exception("streaming failed")
+                yield _sse(_server_error(f"internal error: {type(e).__name__}").body())
+            yield _sse("[DONE]")
+
+        return _SSEResponse(events(), on_close=sub.abort)
+
+    # --- models, health, metrics ---------------------------------------------------------
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": settings.model_name, "object": "model", "created": settings.created, "owned_by": "pagedllm",
+            "root": settings.model_path or settings.model_name, "parent": None, "max_model_len": max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive or async_engine.draining:
+            err = APIError(503, "the engine is not running", "server_error", "engine_unavailable")
+            return JSONResponse(err.body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            raise APIError(404, "metrics are disabled", "not_found_error", None)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- tokenizer ---------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req: TokenizeRequest = parse_request(TokenizeRequest, await request.body())
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        messages = [m.to_template_dict() for m in req.messages] if req.messages is not None else None
+
+        def work(engine: LLMEngine) -> tuple[list[int], list[str] | None]:
+            hf = engine.tokenizer.hf
+            if messages is not None:
+                if not messages:
+                    raise ValueError("messages must not be empty")
+                text = engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+                add_special = bool(req.add_special_tokens)  # the template holds its own
+            else:
+                text = req.prompt or ""
+                add_special = req.add_special_tokens is not False
+            ids = hf.encode(text, add_special_tokens=add_special)
+            strs = hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return ids, strs
+
+        try:
+            ids, strs = await async_engine.call(work)
+        except Exception as e:
+            raise _to_api_error(e) from e
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, await request.body())
+        check_model(req.model)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        try:
+            text = await async_engine.call(lambda e: e.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        except Exception as e:
+            raise _to_api_error(e) from e
+        return {"prompt": text}
+
+    return app
+
+
+def default_model_name(model_path: str) -> str:
+    """The name a model is served under: its file or folder name."""
+    return os.path.basename(os.path.normpath(model_path))
+
+
+def create_server_app(engine: LLMEngine, settings: ServerSettings, enable_metrics: bool = True) -> FastAPI:
+    """An app around ``engine``, with its own metrics registry and engine thread.
+
+    ``app.state.async_engine`` is the engine wrapper (for ``make_uvicorn_server``).
+    """
+    metrics = ServerMetrics(settings.model_name) if enable_metrics else None
+    if metrics is not None:
+        metrics.update_from_engine(engine)
+    async_engine = AsyncEngine(engine, metrics, settings.max_waiting)
+    app = build_app(async_engine, settings)
+    app.state.async_engine = async_engine
+    return app
+
+
+# seconds requests in flight get to finish when the server is asked to stop
+SHUTDOWN_GRACE_S = 5.0
+
+
+def make_uvicorn_server(app: FastAPI, settings: ServerSettings) -> Any:
+    """A uvicorn server that drains the engine before closing connections.
+
+    uvicorn alone would wait for open streams and then cancel them mid-flight;
+    here requests in flight get ``SHUTDOWN_GRACE_S`` to finish, then end with
+    an error event (streams) or a 503, and connections close cleanly.
+    """
+    import uvicorn
+
+    async_engine: AsyncEngine = app.state.async_engine
+
+    class _DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list | None = None) -> None:
+            await async_engine.drain(SHUTDOWN_GRACE_S)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+    )
+    return _DrainingServer(config)
+
+
+def run_server(engine: LLMEngine, settings: ServerSettings) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM)."""
+    app = create_server_app(engine, settings)
+    logger.info("serving %s on http://%s:%d", settings.model_name, settings.host, settings.port)
+    make_uvicorn_server(app, settings).run()

@@ -1,0 +1,112 @@
+"""Prometheus metrics of the OpenAI-compatible server.
+
+Every metric lives in the server's own ``CollectorRegistry`` (one per app),
+never in prometheus-client's global default registry, so two servers in one
+process (tests) do not collide. Names follow vLLM's with a ``pagedllm:``
+prefix. All updates come from the engine thread, except the prompt-token
+counter, which is bumped when a request is accepted; prometheus-client
+metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
+
+# vLLM's buckets, in seconds
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """The server's metrics and the engine counters they mirror.
+
+    Args:
+        model_name: the served model name, set as the ``model_name`` label.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.kv_cache_usage = gauge(
+            "pagedllm:kv_cache_usage_perc",
+            "KV cache usage, 0 to 1: blocks held by requests over all blocks",
+        )
+        self.num_kv_blocks = gauge("pagedllm:num_kv_blocks", "KV cache blocks in the pool")
+        self.num_requests_running = gauge("pagedllm:num_requests_running", "Requests with a sequence running")
+        self.num_requests_waiting = gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.prefix_cache_queries = counter(
+            "pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_preemptions = counter("pagedllm:num_preemptions", "Sequences preempted (recomputed later)")
+        self.prompt_tokens = counter("pagedllm:prompt_tokens", "Prompt tokens of accepted requests")
+        self.prompt_tokens_computed = counter(
+            "pagedllm:prompt_tokens_computed",
+            "Prompt tokens computed by prefills (prefix-cache hits excluded, recomputation included)",
+        )
+        self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens")
+        self._request_success = Counter(
+            "pagedllm:request_success",
+            "Requests finished, by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._model_name = model_name
+        self.time_to_first_token = histogram(
+            "pagedllm:time_to_first_token_seconds", "Time from arrival to the first token", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "pagedllm:inter_token_latency_seconds", "Time between two tokens of a sequence", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "pagedllm:e2e_request_latency_seconds", "Time from arrival to the last token", E2E_BUCKETS
+        )
+        # engine totals already exported, so each update adds only the difference
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "computed": 0, "generated": 0}
+
+    def request_success(self, finished_reason: str) -> None:
+        """Count a finished request under its (first output's) finish reason."""
+        self._request_success.labels(self._model_name, finished_reason).inc()
+
+    def update_from_engine(self, engine: LLMEngine) -> None:
+        """Refresh gauges and counters from the engine; call on the engine's own thread."""
+        bm = engine.block_manager
+        self.kv_cache_usage.set(bm.usage)
+        self.num_kv_blocks.set(bm.num_blocks)
+        running = sum(
+            1 for req in engine.requests.values() if any(s.status.value == "running" for s in req.seqs)
+        )
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(len(engine.requests) - running)
+        totals = {
+            "queries": (bm.num_prefix_queries, self.prefix_cache_queries),
+            "hits": (bm.num_prefix_hits, self.prefix_cache_hits),
+            "preemptions": (engine.scheduler.num_preemptions, self.num_preemptions),
+            "computed": (engine.num_prompt_tokens_computed, self.prompt_tokens_computed),
+            "generated": (engine.num_generated_tokens, self.generation_tokens),
+        }
+        for key, (total, metric) in totals.items():
+            delta = total - self._seen[key]
+            if delta > 0:
+                metric.inc(delta)
+            self._seen[key] = total
