@@ -39,6 +39,11 @@ def _tiny_config(arch: str):  # noqa: ANN202
     )
     if arch == "llama":
         return LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "llama3":
+        # Llama 3 RoPE scaling: long wavelengths slowed, short ones kept
+        scaling = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                       high_freq_factor=4.0, original_max_position_embeddings=64)
+        return LlamaConfig(**common, rope_parameters=scaling)
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=10000.0)
     if arch == "qwen3":
@@ -64,7 +69,7 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) 
     from transformers import AutoModelForCausalLM
 
     dirs = {}
-    for arch in TINY_ARCHS:
+    for arch in (*TINY_ARCHS, "llama3"):
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
         path = tmp_path_factory.mktemp(f"tiny-{arch}")

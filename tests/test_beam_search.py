@@ -82,9 +82,7 @@ def pool_is_whole(llm: LLM) -> bool:
 # --- SmolLM2 ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm():
-    threads = torch.get_num_threads()
-    yield LLM(num_kv_blocks=256, max_model_len=1024, num_threads=1)
-    torch.set_num_threads(threads)
+    return LLM(num_kv_blocks=256, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

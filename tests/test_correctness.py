@@ -82,6 +82,22 @@ def test_tiny_models_greedy_match_transformers(arch: str, backend: str, tiny_mod
     assert llm.llm_engine.block_manager.num_free_blocks == 64
 
 
+def test_llama3_rope_scaling_matches_transformers(tiny_model_dirs) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.loader import load_model_config
+
+    path = tiny_model_dirs["llama3"]
+    assert load_model_config(path).rope_scaling["rope_type"] == "llama3"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, num_kv_blocks=64, max_model_len=256, block_size=8)
+    # long prompts: positions past original_max_position_embeddings (64)
+    prompts = _random_prompts([70, 100], seed=8)
+    outs = llm.generate(_token_prompts(prompts), GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+
+
 def test_preemption_gives_the_same_tokens(tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
     prompts = _random_prompts([12, 20, 9, 30, 17, 25, 14, 22], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

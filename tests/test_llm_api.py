@@ -8,7 +8,6 @@ Generation lengths are kept small: every decode step costs real model time.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, CompletionOutput, RequestOutput, SamplingParams
 from pagedllm.engine.detokenizer import detokenize_incrementally
@@ -23,12 +22,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    # One intra-op thread: on a small shared CPU box two OpenMP threads stall
-    # each other whenever another process runs (measured 10-20x slower steps).
-    # The setting is process-wide, so the previous value is restored afterwards.
-    threads = torch.get_num_threads()
-    yield LLM(num_kv_blocks=256, max_model_len=1024, num_threads=1)
-    torch.set_num_threads(threads)
+    return LLM(num_kv_blocks=256, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,7 @@ SAMPLE = dict(temperature=1.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    # one intra-op thread: two OpenMP threads on a busy 2-core box stall each
-    # other (see test_llm_api); the setting is process-wide, so restore it
-    threads = torch.get_num_threads()
-    yield LLM(num_kv_blocks=256, max_model_len=1024, num_threads=1)
-    torch.set_num_threads(threads)
+    return LLM(num_kv_blocks=256, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
