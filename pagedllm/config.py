@@ -79,6 +79,8 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be a non-empty path or None, got {self.tokenizer!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -95,6 +97,8 @@ class EngineConfig:
             )
         if self.enable_prefix_caching not in (None, True, False):
             raise ValueError(f"enable_prefix_caching must be a bool or None, got {self.enable_prefix_caching!r}")
+        if self.kv_allocator == "paged" and self.contiguous_reserve != "max_tokens":
+            raise ValueError("contiguous_reserve applies to kv_allocator='contiguous' only")
         if self.kv_allocator == "contiguous" and self.enable_prefix_caching:
             raise ValueError("the contiguous allocator has no prefix caching; leave enable_prefix_caching unset")
         positive_int("block_size", self.block_size)

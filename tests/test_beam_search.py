@@ -330,3 +330,9 @@ def test_engine_rejects_bad_beam_requests_and_keeps_nothing(tiny):
     with pytest.raises(ValueError):
         small.beam_search([{"prompt_token_ids": [5, 6]}], BeamSearchParams(3, 4))
     assert pool_is_whole(llm) and pool_is_whole(small)
+
+
+@pytest.mark.parametrize("penalty", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_length_penalty_raises(penalty):
+    with pytest.raises(ValueError, match="finite"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=penalty)

@@ -534,3 +534,48 @@ def test_engine_abort_a_request_that_never_ran(llm):
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
     assert bm.num_free_blocks == bm.num_blocks
+
+
+# --- failures and edge cases ------------------------------------------------------
+
+
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(llm):
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(1000, 1040))}  # 2 full blocks of 16 to publish
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    execute = engine.model_runner.execute
+
+    def failing_execute(output, params):
+        raise RuntimeError("injected fault")
+
+    engine.model_runner.execute = failing_execute
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            llm.generate(prompt, greedy, use_tqdm=False)
+    finally:
+        engine.model_runner.execute = execute
+    pool = engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+    # the blocks were published when the step was planned but never written:
+    # a later prompt with that prefix must compute them, not hit them
+    out = llm.generate(prompt, greedy, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(smollm_path):
+    # SmolLM2 has 8192 positions
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(max_model_len=8193, num_kv_blocks=600)
+
+
+def test_one_token_prompt_has_prompt_logprobs_with_only_none(llm):
+    out = llm.generate({"prompt_token_ids": [504]}, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    assert out.prompt_logprobs == [None]
+
+
+def test_tiny_temperature_is_greedy(llm):
+    greedy = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    tiny = llm.generate("The capital of France is", SamplingParams(temperature=1e-30, max_tokens=8, seed=1),
+                        use_tqdm=False)
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids

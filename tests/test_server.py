@@ -333,6 +333,8 @@ def test_streamed_chat_sse_format(server, model_name, ref):
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # the role opens the stream once, never again
+    assert sum("role" in c["choices"][0]["delta"] for c in chunks) == 1
     assert all("usage" not in c for c in chunks)  # not asked for
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == ref["chat"].outputs[0].text

@@ -72,10 +72,12 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     from pagedllm import LLM, SamplingParams
 
     bs = workload.block_size
+    policy = {"kv_allocator": allocator}
+    if allocator == "contiguous":
+        policy["contiguous_reserve"] = reserve
     llm = LLM(
         model,
-        kv_allocator=allocator,
-        contiguous_reserve=reserve,
+        **policy,
         enable_prefix_caching=False,
         num_kv_blocks=workload.num_kv_slots // bs,
         block_size=bs,

@@ -23,6 +23,7 @@ blocks go back to the pool.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagedllm.engine.sequence import Sequence
@@ -50,8 +51,12 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in [1, 8], got {self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if (
+            not isinstance(self.length_penalty, (int, float))
+            or isinstance(self.length_penalty, bool)
+            or not math.isfinite(self.length_penalty)
+        ):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
 
 @dataclass(frozen=True)

@@ -137,3 +137,6 @@ class ContiguousAllocator:
 
     def take_copies(self) -> list[tuple[int, int]]:
         return []
+
+    def reset_prefix_cache(self) -> None:
+        pass

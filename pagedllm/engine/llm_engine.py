@@ -44,6 +44,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = load_model_config(config.model)
+        if config.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.model_config.max_position_embeddings}"
+            )
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
         self.model_runner = ModelRunner(config, self.model_config, iter_weights(config.model, self.model_config))
         num_blocks = self.model_runner.num_kv_blocks
@@ -60,12 +65,14 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.peak_used_blocks = 0
+        # whether the last step() ran the model (False: nothing was schedulable)
+        self.last_step_scheduled = False
 
     # --- requests ------------------------------------------------------------
     def new_request_id(self) -> str:
         return str(next(self._request_ids))
 
-    def process_prompt(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         """Text or token ids -> (text or None, validated token ids)."""
         if isinstance(prompt, str):
             text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
@@ -94,7 +101,7 @@ class LLMEngine:
         return text, list(ids)
 
     def add_request(
-        self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | dict, params: SamplingParams | None = None
     ) -> None:
         """Validate and queue a request; ValueError leaves the engine unchanged."""
         if not isinstance(request_id, str):
@@ -125,7 +132,7 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])  # the others are forked from it at admission
 
     def add_beam_search_request(
-        self, request_id: str, prompt: str | dict | list[int], params: BeamSearchParams
+        self, request_id: str, prompt: str | dict, params: BeamSearchParams
     ) -> None:
         """Queue a beam-search request; it yields one RequestOutput, at the end."""
         if not isinstance(params, BeamSearchParams):
@@ -170,25 +177,31 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of requests that progressed."""
         output = self.scheduler.schedule()
+        self.last_step_scheduled = False
         if output.is_empty:
             # an empty step right after a preemption is normal: admissions wait
             # for the next one; without a preemption it is a stall
             return self._resolve_stall() if self.requests and not output.preempted else []
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         params = [self.requests[s.seq.request_id].params for s in output.scheduled]
-        try:
-            results = self.model_runner.execute(output, params)
-        except Exception:
-            # the step is lost, not the engine: fail the requests in it so their
-            # blocks return to the pool, then let the caller see the error
-            for s in output.scheduled:
-                self.abort_request(s.seq.request_id)
-            raise
-        self.scheduler.update(output)
         for seq in output.preempted:
             req = self.requests.get(seq.request_id)
             if req is not None and req.beam is not None:
                 req.beam.results.pop(seq.seq_id, None)  # recomputed later, reported again
+        self.last_step_scheduled = True
+        try:
+            results = self.model_runner.execute(output, params)
+        except BaseException:
+            # the step is lost, not the engine: fail the requests in it so their
+            # blocks return to the pool. Blocks published to the prefix cache
+            # when the step was planned may never have been written, so the
+            # cache is emptied (blocks in use stay allocated). Then let the
+            # caller see the error (KeyboardInterrupt included).
+            self.block_manager.reset_prefix_cache()
+            for s in output.scheduled:
+                self.abort_request(s.seq.request_id)
+            raise
+        self.scheduler.update(output)
         touched: dict[str, Request] = {}
         for s, result in zip(output.scheduled, results):
             if s.is_prefill:

@@ -45,7 +45,8 @@ class ScheduledSequence:
 
     @property
     def is_prefill(self) -> bool:
-        return self.num_new_tokens > 1 or self.num_computed_tokens < self.seq.num_prompt_tokens - 1
+        """True while prompt tokens are being computed (a one-token prompt too)."""
+        return self.num_computed_tokens < self.seq.num_prompt_tokens
 
     @property
     def samples(self) -> bool:
@@ -193,7 +194,9 @@ class Scheduler:
         # 2. admissions, first come first served; none after a preemption,
         #    since the pool just proved too small for what is running
         prefills: list[ScheduledSequence] = []
-        num_seqs = len(decodes)
+        # every running sequence counts, also those the budget left out of this
+        # step and beams waiting for their siblings
+        num_seqs = len(self.running)
         while self.waiting and not preempted:
             seq = self.waiting[0]
             if num_seqs + 1 + len(seq.fork_children) > self.max_num_seqs:

@@ -100,6 +100,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
+    if args.n != 1:
+        raise ValueError("chat shows one reply per turn; --n must be 1")
     params = _sampling_params(args)
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine

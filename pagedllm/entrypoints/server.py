@@ -405,7 +405,7 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
             stream.put(out)
-        return bool(outputs)
+        return bool(outputs) or engine.last_step_scheduled
 
 
 class ContextLengthError(ValueError):
@@ -863,13 +863,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                         d = tracker.delta(c.index, c)
                         if d is None:
                             continue
-                        text, finished, first, end = d
+                        text, finished, first_token, end = d
                         delta = {"content": text} if text else {}
                         fin = (
                             {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                             if finished else {"finish_reason": None}
                         )
-                        logprobs = _chat_logprobs(c, first, end, top_n)
+                        logprobs = _chat_logprobs(c, first_token, end, top_n)
                         yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, **fin}])
                 if include_usage:
                     yield _sse({

@@ -63,8 +63,11 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("sliding-window attention is not supported")
+    window = cfg.get("sliding_window")
+    # Qwen2 configs carry a window but switch it off with use_sliding_window
+    window_on = cfg.get("use_sliding_window", model_type == "mistral")
+    if window_on and window is not None and window < cfg.get("max_position_embeddings", 2048):
+        raise ValueError(f"sliding-window attention (window {window}) is not supported")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope_settings(cfg)

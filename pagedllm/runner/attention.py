@@ -112,8 +112,8 @@ class ReferenceAttention(AttentionBackend):
             keys = keys.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
             values = values.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys.float()) * scale
-            q_pos = torch.arange(num_computed, seq_len).unsqueeze(1)  # [q_len, 1]
-            k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, seq_len]
+            q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)  # [1, seq_len]
             scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
             probs = scores.softmax(dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
@@ -137,8 +137,9 @@ class SdpaAttention(AttentionBackend):
             else:
                 ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size)
                 vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size)
-                q_pos = torch.arange(num_computed, seq_len).unsqueeze(1)
-                mask, causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
+                q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
+                # [q_len, seq_len]: a query sees keys up to its own position
+                mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
             out[start:end] = F.scaled_dot_product_attention(
                 qi, ki.transpose(0, 1), vi.transpose(0, 1),
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,

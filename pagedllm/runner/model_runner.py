@@ -25,6 +25,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # when neither num_kv_blocks nor kv_cache_memory_bytes is given
 _DEFAULT_KV_SHARE = 0.25
 _DEFAULT_KV_CAP_BYTES = 2 << 30
+_MIN_TEMPERATURE = 1e-5
 
 
 def _available_memory_bytes(device: torch.device) -> int:
@@ -157,12 +158,13 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         temps, top_ks, top_ps, min_ps, uniforms = [], [], [], [], []
         for seq, p in rows:
-            temps.append(p.temperature)
+            # below this, dividing logits by the temperature overflows: greedy
+            temps.append(p.temperature if p.temperature >= _MIN_TEMPERATURE else 0.0)
             top_ks.append(p.top_k if p.top_k > 0 else vocab)
             top_ps.append(p.top_p)
             min_ps.append(p.min_p)
             # greedy rows draw nothing, so they never disturb a seeded stream
-            uniforms.append(seq.rng.random() if p.temperature > 0 else 0.0)
+            uniforms.append(seq.rng.random() if temps[-1] > 0 else 0.0)
         return SamplingTensors(
             temperatures=torch.tensor(temps, dtype=torch.float32),
             top_ks=torch.tensor(top_ks, dtype=torch.int64),
@@ -216,7 +218,7 @@ class ModelRunner:
                     results[i].samples = [next(it) for _ in range(1 + len(s.forks))]
         for i, s in enumerate(scheduled):
             p = params[order[i]]
-            if p.prompt_logprobs is not None and s.num_computed_tokens == 0 and s.is_prefill:
+            if p.prompt_logprobs is not None and s.num_computed_tokens == 0:
                 results[i].prompt_logprobs = self._prompt_logprobs(hidden, meta, i, s, p.prompt_logprobs)
         unordered: list[StepResult] = [StepResult()] * len(scheduled)
         for i, r in zip(order, results):
