@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedllm.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -171,3 +176,40 @@ class BeamSearch:
         """The engine reports the sequences now carrying the next beams."""
         self.live = [s for s, _ in beams]
         self.scores = {s.seq_id: score for s, score in beams}
+
+
+def apply_beam_step(req: Request, scheduler: Scheduler) -> int:
+    """Carry out one ``advance`` of ``req``'s search; return the tokens appended.
+
+    Pruned beams are finished (their blocks freed); a beam continued in
+    several ways is forked, sharing its blocks; each continuation then gets
+    its token.
+    """
+    beam = req.beam
+    step = beam.advance()
+    for seq in step.dropped:
+        scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    if step.done:
+        for seq in beam.live:
+            if not seq.is_finished:
+                scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        req.beam_done = True
+        return 0
+    used: set[int] = set()
+    appends: list[tuple[Sequence, int]] = []
+    live: list[tuple[Sequence, float]] = []
+    for c in step.next_beams:
+        if c.parent.seq_id not in used:
+            used.add(c.parent.seq_id)
+            seq = c.parent
+        else:
+            # a second continuation of the same beam: share its blocks
+            seq = c.parent.fork(index=len(req.seqs))
+            scheduler.fork_running(c.parent, seq)
+            req.seqs.append(seq)
+        appends.append((seq, c.token_id))
+        live.append((seq, c.cumulative_logprob))
+    for seq, token in appends:  # after the forks, which copy the parent's tokens
+        seq.append_token(token)
+    beam.set_live(live)
+    return len(appends)

@@ -5,7 +5,7 @@ A thin coordinator. Each ``step()``::
     Scheduler.schedule()  -> SchedulerOutput   (who runs, which blocks)
     ModelRunner.execute() -> sampled tokens    (slot mapping, attention, sampler)
     Scheduler.update()                          (tokens now in the cache)
-    append tokens, detokenize, check stops      (finished sequences free blocks)
+    OutputProcessor / apply_beam_step           (append, detokenize, stop; beams fork)
     -> RequestOutput for every request that moved
 """
 
@@ -14,21 +14,19 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import time
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams
+from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
-from pagedllm.engine.detokenizer import detokenize_incrementally
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.sequence import SequenceStatus
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
-from pagedllm.runner.sampler import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,6 +55,7 @@ class LLMEngine:
         else:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -208,24 +207,26 @@ class LLMEngine:
                 self.num_prompt_tokens_computed += s.num_new_tokens
             req = self.requests[s.seq.request_id]
             if result.prompt_logprobs is not None and req.prompt_logprobs is None:
-                req.prompt_logprobs = [None] + [self._position_logprobs(t) for t in result.prompt_logprobs]
+                req.prompt_logprobs = [None] + [self.output_processor.position_logprobs(t)
+                                                for t in result.prompt_logprobs]
             for seq, sample in zip((s.seq, *s.forks), result.samples):
                 if req.beam is not None:
                     req.beam.add_result(seq, list(sample.top))
                 else:
-                    self._append_sample(req, seq, sample)
+                    self.output_processor.append_sample(req, seq, sample)
+                    self.num_generated_tokens += 1
                 touched[req.request_id] = req
         for req in touched.values():
             if req.beam is not None and req.beam.ready:
-                self._advance_beams(req)
+                self.num_generated_tokens += apply_beam_step(req, self.scheduler)
         outputs = []
         for req in touched.values():
             if req.is_finished:
                 del self.requests[req.request_id]
-                outputs.append(self._make_output(req))
+                outputs.append(self.output_processor.make_output(req))
             elif req.beam is None and req.params.num_samples == req.params.n:
                 # with best_of > n the winners are known only at the end
-                outputs.append(self._make_output(req))
+                outputs.append(self.output_processor.make_output(req))
         return outputs
 
     def _resolve_stall(self) -> list[RequestOutput]:
@@ -248,124 +249,4 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         req.beam_done = True
         del self.requests[req.request_id]
-        return [self._make_output(req)]
-
-    def _advance_beams(self, req: Request) -> None:
-        """Apply one beam-search decision: fork chosen beams, free pruned ones."""
-        beam = req.beam
-        step = beam.advance()
-        for seq in step.dropped:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        if step.done:
-            for seq in beam.live:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            req.beam_done = True
-            return
-        used: set[int] = set()
-        appends: list[tuple[Sequence, int]] = []
-        live: list[tuple[Sequence, float]] = []
-        for c in step.next_beams:
-            if c.parent.seq_id not in used:
-                used.add(c.parent.seq_id)
-                seq = c.parent
-            else:
-                # a second continuation of the same beam: share its blocks
-                seq = c.parent.fork(index=len(req.seqs))
-                self.scheduler.fork_running(c.parent, seq)
-                req.seqs.append(seq)
-            appends.append((seq, c.token_id))
-            live.append((seq, c.cumulative_logprob))
-        for seq, token in appends:  # after the forks, which copy the parent's tokens
-            seq.append_token(token)
-            self.num_generated_tokens += 1
-        beam.set_live(live)
-
-    def _beam_output(self, req: Request) -> RequestOutput:
-        outs = []
-        for i, h in enumerate(req.beam.finished):
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    text=self.tokenizer.decode(list(h.token_ids)),
-                    token_ids=list(h.token_ids),
-                    cumulative_logprob=h.cumulative_logprob,
-                    finish_reason=h.finish_reason,
-                )
-            )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True,
-                             metrics={"beam_scores": [h.score for h in req.beam.finished]})
-
-    def _append_sample(self, req: Request, seq: Sequence, sample: TokenLogprobs) -> None:
-        seq.append_token(sample.token_id)
-        seq.cumulative_logprob += sample.logprob
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._position_logprobs(sample))
-        self.num_generated_tokens += 1
-        delta = detokenize_incrementally(self.tokenizer, seq, req.params.skip_special_tokens)
-        status = self._check_stop(seq, req.params, len(delta))
-        if status is not None:
-            self.scheduler.finish(seq, status)
-
-    def _position_logprobs(self, t: TokenLogprobs) -> dict[int, Logprob]:
-        """vLLM's shape: {token_id: Logprob} for the chosen token and the top alternatives."""
-        decode = self.tokenizer.decode
-        entries = {t.token_id: Logprob(t.logprob, t.rank, decode([t.token_id], skip_special_tokens=False))}
-        for rank, (token_id, logprob) in enumerate(t.top, start=1):
-            if token_id not in entries:
-                entries[token_id] = Logprob(logprob, rank, decode([token_id], skip_special_tokens=False))
-        return entries
-
-    def _check_stop(self, seq: Sequence, params: SamplingParams, delta_len: int) -> SequenceStatus | None:
-        token = seq.token_ids[-1]
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            seq.stop_reason = None
-            return SequenceStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token in params.stop_token_ids:
-            seq.stop_reason = token
-            return SequenceStatus.FINISHED_STOPPED
-        for stop in params.stop_strings if delta_len else ():
-            # only a match that ends inside the newest delta is new
-            start = max(0, len(seq.output_text) - delta_len - len(stop) + 1)
-            idx = seq.output_text.find(stop, start)
-            if idx != -1:
-                end = idx + len(stop) if params.include_stop_str_in_output else idx
-                seq.output_text = seq.output_text[:end]
-                seq.stop_reason = stop
-                return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if len(seq) >= self.config.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        if req.beam is not None:
-            return self._beam_output(req)
-        seqs = req.seqs
-        if len(seqs) > req.params.n:
-            # best_of: the n samples with the highest cumulative logprob
-            seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[: req.params.n]
-        outs = []
-        for index, seq in enumerate(seqs):
-            outs.append(
-                CompletionOutput(
-                    index=index,
-                    text=seq.output_text,
-                    token_ids=seq.output_token_ids,
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                    finish_reason=seq.status.value if seq.is_finished else None,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=outs,
-            finished=req.is_finished,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-            prompt_logprobs=req.prompt_logprobs,
-            metrics={"arrival_time": req.arrival_time, "finished_time": time.monotonic() if req.is_finished else None},
-        )
+        return [self.output_processor.make_output(req)]
