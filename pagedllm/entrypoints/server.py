@@ -508,6 +508,31 @@ async def _watch_disconnect(request: Request, on_disconnect: Callable[[], None])
             return
 
 
+
+async def _sse_stream(
+    header: dict[str, Any],
+    include_usage: bool,
+    choices: AsyncIterator[list[dict[str, Any]]],
+    usage: Callable[[], dict[str, Any]],
+) -> AsyncIterator[str]:
+    """One streamed response as server-sent events: a chunk per batch of
+    choices, then (if asked) a usage chunk, then ``[DONE]``. A failure ends
+    this stream only, with an error event."""
+    try:
+        async for batch in choices:
+            body: dict[str, Any] = {**header, "choices": batch}
+            if include_usage:
+                body["usage"] = None  # OpenAI: null on every chunk but the last
+            yield _sse(body)
+        if include_usage:
+            yield _sse({**header, "choices": [], "usage": usage()})
+    except (EngineStepError, EngineDeadError) as e:
+        yield _sse(_engine_failure(e).body())
+    except Exception as e:  # a bug here fails this stream only, with a message
+        logger.exception("streaming failed")
+        yield _sse(_server_error(f"internal error: {type(e).__name__}").body())
+    yield _sse("[DONE]")
+
 def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -756,48 +781,30 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
             return await run(request, sub, response)
 
-        include_usage = req.include_usage
+        tokens: dict[int, int] = {}
 
-        async def events() -> AsyncIterator[str]:
+        async def choices() -> AsyncIterator[list[dict[str, Any]]]:
             tracker = _DeltaTracker(params)
-            tokens: dict[int, int] = {}
+            async for index, out in sub.outputs():
+                for c in out.outputs:
+                    choice = index * n + c.index
+                    tokens[choice] = len(c.token_ids)
+                    d = tracker.delta(choice, c)
+                    if d is None:
+                        continue
+                    text, finished, first_token, end = d
+                    fin = choice_finish(c) if finished else {"finish_reason": None, "stop_reason": None}
+                    logprobs, tracker.text_offset[choice] = _completion_logprobs(
+                        c, first_token, end, tracker.text_offset.get(choice, 0)
+                    )
+                    yield [{"index": choice, "text": text, "logprobs": logprobs, **fin}]
 
-            def chunk(choices: list[dict[str, Any]]) -> str:
-                body: dict[str, Any] = {
-                    "id": rid, "object": "text_completion", "created": created,
-                    "model": settings.model_name, "choices": choices,
-                }
-                if include_usage:
-                    body["usage"] = None
-                return _sse(body)
-
-            try:
-                async for index, out in sub.outputs():
-                    for c in out.outputs:
-                        choice = index * n + c.index
-                        tokens[choice] = len(c.token_ids)
-                        d = tracker.delta(choice, c)
-                        if d is None:
-                            continue
-                        text, finished, first, end = d
-                        fin = choice_finish(c) if finished else {"finish_reason": None, "stop_reason": None}
-                        logprobs, tracker.text_offset[choice] = _completion_logprobs(
-                            c, first, end, tracker.text_offset.get(choice, 0)
-                        )
-                        yield chunk([{"index": choice, "text": text, "logprobs": logprobs, **fin}])
-                if include_usage:
-                    yield _sse({
-                        "id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-                        "choices": [], "usage": _usage(sum(sub.prompt_token_counts), sum(tokens.values())),
-                    })
-            except (EngineStepError, EngineDeadError) as e:
-                yield _sse(_engine_failure(e).body())
-            except Exception as e:  # a bug here fails this stream only, with a message
-                logger.exception("streaming failed")
-                yield _sse(_server_error(f"internal error: {type(e).__name__}").body())
-            yield _sse("[DONE]")
-
-        return _SSEResponse(events(), on_close=sub.abort)
+        header = {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name}
+        events = _sse_stream(
+            header, req.include_usage, choices(),
+            lambda: _usage(sum(sub.prompt_token_counts), sum(tokens.values())),
+        )
+        return _SSEResponse(events, on_close=sub.abort)
 
     # --- chat completions --------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=None)
@@ -832,59 +839,40 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
             return await run(request, sub, response)
 
-        include_usage = req.include_usage
+        tokens: dict[int, int] = {}
 
-        async def events() -> AsyncIterator[str]:
+        async def choices() -> AsyncIterator[list[dict[str, Any]]]:
             tracker = _DeltaTracker(params)
-            tokens: dict[int, int] = {}
             first = True
-
-            def chunk(choices: list[dict[str, Any]]) -> str:
-                body: dict[str, Any] = {
-                    "id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": settings.model_name, "choices": choices,
-                }
-                if include_usage:
-                    body["usage"] = None
-                return _sse(body)
-
-            try:
-                async for _, out in sub.outputs():
-                    if first:
-                        # as OpenAI: each choice opens with the role
-                        first = False
-                        for c in out.outputs:
-                            yield chunk([{
-                                "index": c.index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None,
-                            }])
+            async for _, out in sub.outputs():
+                if first:
+                    # as OpenAI: each choice opens with the role, once
+                    first = False
                     for c in out.outputs:
-                        tokens[c.index] = len(c.token_ids)
-                        d = tracker.delta(c.index, c)
-                        if d is None:
-                            continue
-                        text, finished, first_token, end = d
-                        delta = {"content": text} if text else {}
-                        fin = (
-                            {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                            if finished else {"finish_reason": None}
-                        )
-                        logprobs = _chat_logprobs(c, first_token, end, top_n)
-                        yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs, **fin}])
-                if include_usage:
-                    yield _sse({
-                        "id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": settings.model_name, "choices": [],
-                        "usage": _usage(sub.prompt_token_counts[0], sum(tokens.values())),
-                    })
-            except (EngineStepError, EngineDeadError) as e:
-                yield _sse(_engine_failure(e).body())
-            except Exception as e:  # a bug here fails this stream only, with a message
-                logger.exception("streaming failed")
-                yield _sse(_server_error(f"internal error: {type(e).__name__}").body())
-            yield _sse("[DONE]")
+                        yield [{
+                            "index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None,
+                        }]
+                for c in out.outputs:
+                    tokens[c.index] = len(c.token_ids)
+                    d = tracker.delta(c.index, c)
+                    if d is None:
+                        continue
+                    text, finished, first_token, end = d
+                    delta = {"content": text} if text else {}
+                    fin = (
+                        {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        if finished else {"finish_reason": None}
+                    )
+                    logprobs = _chat_logprobs(c, first_token, end, top_n)
+                    yield [{"index": c.index, "delta": delta, "logprobs": logprobs, **fin}]
 
-        return _SSEResponse(events(), on_close=sub.abort)
+        header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_name}
+        events = _sse_stream(
+            header, req.include_usage, choices(),
+            lambda: _usage(sub.prompt_token_counts[0], sum(tokens.values())),
+        )
+        return _SSEResponse(events, on_close=sub.abort)
 
     # --- models, health, metrics ---------------------------------------------------------
     def model_card() -> dict[str, Any]:
