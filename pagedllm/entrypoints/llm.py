@@ -89,8 +89,8 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts"
                 )
         engine = self.llm_engine
-        for prompt in prompts:
-            engine.process_prompt(prompt)  # raises before anything is queued
+        # validated (and tokenized, once) before anything is queued
+        prompts = self._validated(prompts)
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -139,8 +139,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         engine = self.llm_engine
-        for prompt in prompts:
-            engine.process_prompt(prompt)
+        prompts = self._validated(prompts)
         ids: list[str] = []
         try:
             for prompt in prompts:
@@ -170,6 +169,14 @@ class LLM:
                 )
             )
         return results
+
+    def _validated(self, prompts: list[PromptType]) -> list[dict[str, Any]]:
+        """Each prompt as {"prompt", "prompt_token_ids"}; ValueError on the first bad one."""
+        out = []
+        for prompt in prompts:
+            text, token_ids = self.llm_engine.process_prompt(prompt)
+            out.append({"prompt": text, "prompt_token_ids": token_ids})
+        return out
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
