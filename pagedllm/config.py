@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("reference", "sdpa")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 KV_ALLOCATORS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max_tokens", "max_model_len")
+QUANTIZATIONS = (None, "int8")
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,16 @@ class EngineConfig:
             (prompt + max_tokens, or max_model_len when max_tokens is None) or
             "max_model_len" (as when the output length is unknown).
         seed: seed of the random stream of requests that bring no seed.
-        attention_backend: "sdpa" (batched, default) or "reference" (plain
-            per-sequence torch, for testing).
+        attention_backend: "auto" (default: "cpu_paged" for float32 on the
+            CPU when its native kernel builds, else "sdpa"), "cpu_paged"
+            (decode reads KV blocks in place), "sdpa" (decode through torch
+            SDPA on a gathered copy) or "reference" (plain per-sequence torch,
+            for testing).
         num_threads: torch intra-op threads; None keeps torch's default.
+        quantization: None (weights in ``dtype``) or "int8": weight-only int8
+            linear layers with one float scale per output channel (CPU only;
+            activations stay in ``dtype``). Quarters the weight bytes read per
+            decode step; outputs differ slightly from the float model.
     """
 
     model: str
@@ -60,8 +68,9 @@ class EngineConfig:
     kv_allocator: str = "paged"
     contiguous_reserve: str = "max_tokens"
     seed: int = 0
-    attention_backend: str = "sdpa"
+    attention_backend: str = "auto"
     num_threads: int | None = None
+    quantization: str | None = None
 
     @property
     def prefix_caching(self) -> bool:
@@ -101,6 +110,10 @@ class EngineConfig:
             raise ValueError("contiguous_reserve applies to kv_allocator='contiguous' only")
         if self.kv_allocator == "contiguous" and self.enable_prefix_caching:
             raise ValueError("the contiguous allocator has no prefix caching; leave enable_prefix_caching unset")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "int8" and self.device != "cpu":
+            raise ValueError("quantization='int8' runs on the CPU only (torch's int8 weight-only kernel)")
         positive_int("block_size", self.block_size)
         positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)

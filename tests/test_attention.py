@@ -10,9 +10,11 @@ import torch
 from pagedllm.engine.block_table import slot_mapping
 from pagedllm.runner.attention import (
     AttentionMetadata,
+    CpuPagedAttention,
     ReferenceAttention,
     SdpaAttention,
     gather_context,
+    make_backend,
 )
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
@@ -86,7 +88,9 @@ STEPS = [
 
 
 @pytest.mark.parametrize("seqs", STEPS)
-@pytest.mark.parametrize("backend", [ReferenceAttention(), SdpaAttention()], ids=lambda b: b.name)
+@pytest.mark.parametrize(
+    "backend", [ReferenceAttention(), SdpaAttention(), CpuPagedAttention()], ids=lambda b: b.name
+)
 def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend) -> None:  # noqa: ANN001
     q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=len(seqs))
     out = backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
@@ -100,8 +104,60 @@ def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend) -
 def test_backends_agree(seqs: list[tuple[int, int]]) -> None:
     q, k, v, k_cache, v_cache, meta, _ = _build_step(seqs, seed=99)
     ref = ReferenceAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
-    fast = SdpaAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
-    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    for backend in (SdpaAttention(), CpuPagedAttention()):
+        fast = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 32, 5), (4, 1, 128, 1)])
+def test_cpu_paged_decode_on_model_sized_heads(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes."""
+    gen = torch.Generator().manual_seed(7)
+    rng = random.Random(7)
+    num_blocks = 1000
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    seq_lens = [1, block_size, block_size + 1, 97, 300]
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    shared = ids[:2]  # the first two blocks of every sequence long enough: a shared prefix
+    tables = []
+    for n in seq_lens:
+        need = (n + block_size - 1) // block_size
+        tables.append((shared + [ids.pop() for _ in range(need)])[:need])
+    width = max(len(t) for t in tables) + 3  # padding past the longest table
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64),
+        query_start_loc=list(range(len(seq_lens) + 1)),
+        seq_lens=seq_lens,
+        num_computed=[n - 1 for n in seq_lens],
+        num_prefills=0,
+        block_size=block_size,
+    )
+    scale = head_dim**-0.5
+    got = CpuPagedAttention().attend(q, None, None, k_cache, v_cache, meta, scale)
+    for i, n in enumerate(seq_lens):
+        keys = gather_context(k_cache, meta.block_tables[i], n, block_size)
+        values = gather_context(v_cache, meta.block_tables[i], n, block_size)
+        group = num_heads // num_kv_heads
+        want = torch.einsum(
+            "hk,khd->hd",
+            (torch.einsum("hd,khd->hk", q[i], keys.repeat_interleave(group, 1)) * scale).softmax(-1),
+            values.repeat_interleave(group, 1),
+        )
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_choice() -> None:
+    assert make_backend("auto", "cpu", torch.float32).name == "cpu_paged"
+    assert make_backend("auto", "cpu", torch.bfloat16).name == "sdpa"
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        make_backend("cpu_paged", "cpu", torch.float16)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("flash", "cpu", torch.float32)
 
 
 def test_forward_writes_new_kv_through_the_slot_mapping() -> None:

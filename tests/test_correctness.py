@@ -70,7 +70,7 @@ def test_smollm_batch_equals_one_at_a_time(smollm: LLM, smollm_tokenizer) -> Non
     assert batched == alone
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["cpu_paged", "sdpa", "reference"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_models_greedy_match_transformers(arch: str, backend: str, tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
     # block_size 8: prompts shorter than, equal to and spanning several blocks

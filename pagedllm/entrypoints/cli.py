@@ -1,4 +1,4 @@
-"""``pagedllm generate | chat | serve | bench {throughput, sharing, serve, memory}``."""
+"""``pagedllm generate | chat | serve | bench {throughput, latency, sharing, serve, memory}``."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--contiguous-reserve", default="max_tokens", choices=["max_tokens", "max_model_len"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--attention-backend", default="sdpa", choices=["sdpa", "reference"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linear layers (CPU)")
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -55,6 +56,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
+        quantization=args.quantization,
     )
     return kwargs
 
@@ -157,6 +159,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    """``pagedllm bench latency``: time to first token and decode tokens/s at a fixed batch size."""
+    from pagedllm.bench import latency
+
+    latency.run(args, _engine_kwargs(args))
+    return 0
+
+
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     """``pagedllm bench memory``: the contiguous baseline against paging, same KV slots."""
     from pagedllm.bench import memory
@@ -253,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_arguments(tp)
     _engine_arguments(tp)
     tp.set_defaults(func=cmd_bench)
+
+    from pagedllm.bench import latency as bench_latency
+
+    lat = bench_sub.add_parser("latency", help="time to first token and decode tokens/s (single sequence or a batch)")
+    bench_latency.add_arguments(lat)
+    _engine_arguments(lat)
+    lat.set_defaults(func=cmd_bench_latency)
 
     from pagedllm.bench import sharing as bench_sharing
 

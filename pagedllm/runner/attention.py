@@ -8,9 +8,11 @@ goes, and a sequence's block table says which blocks hold its context::
     block_table [7, 2]   block_size 4   context of 6 tokens
     cache rows:  7*4+0 .. 7*4+3 (tokens 0-3), 2*4+0 .. 2*4+1 (tokens 4-5)
 
-Two backends share one interface: ``ReferenceAttention`` (per sequence, plain
-torch, easy to check) and ``SdpaAttention`` (decodes batched, torch SDPA).
-Tests compare them on scattered block tables.
+Three backends share one interface: ``ReferenceAttention`` (per sequence,
+plain torch, easy to check), ``SdpaAttention`` (decodes batched through torch
+SDPA on a gathered copy of the context) and ``CpuPagedAttention`` (decodes
+read the blocks in place with a native kernel). Tests compare them on
+scattered block tables.
 """
 
 from __future__ import annotations
@@ -121,12 +123,24 @@ class ReferenceAttention(AttentionBackend):
 
 
 class SdpaAttention(AttentionBackend):
-    """Prefills one by one, all decodes in one batched call, via torch SDPA."""
+    """Prefills one by one, all decodes in one batched call, via torch SDPA.
+
+    The decode path gathers each sequence's blocks into a padded contiguous
+    tensor first (``k_cache[block_tables]``): simple and device-agnostic, but
+    a copy of every context in every layer at every step.
+    """
 
     name = "sdpa"
 
     def attend(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
         out = torch.empty_like(q)
+        self._prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        if meta.num_seqs > meta.num_prefills:
+            first = meta.query_start_loc[meta.num_prefills]
+            self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:])
+        return out
+
+    def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         for i in range(meta.num_prefills):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             seq_len, num_computed = meta.seq_lens[i], meta.num_computed[i]
@@ -145,28 +159,77 @@ class SdpaAttention(AttentionBackend):
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
             ).transpose(0, 1)
 
-        num_decodes = meta.num_seqs - meta.num_prefills
-        if num_decodes:
-            first = meta.query_start_loc[meta.num_prefills]
-            tables = meta.block_tables[meta.num_prefills :]  # [B, max_blocks]
-            seq_lens = meta.seq_lens_tensor[meta.num_prefills :]  # [B]
-            max_blocks = (max(meta.seq_lens[meta.num_prefills :]) + meta.block_size - 1) // meta.block_size
-            tables = tables[:, :max_blocks]
-            # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-            keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-            values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-            length = keys.shape[2]
-            mask = (torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
-            qd = q[first:].unsqueeze(2)  # [B, num_heads, 1, head_dim]
-            out[first:] = F.scaled_dot_product_attention(
-                qd, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-            ).squeeze(2)
-        return out
+    def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+        """One new token per sequence ``meta.num_prefills ..``; ``q``/``out`` are ``[B, num_heads, head_dim]``."""
+        tables = meta.block_tables[meta.num_prefills :]  # [B, max_blocks]
+        seq_lens = meta.seq_lens_tensor[meta.num_prefills :]  # [B]
+        max_blocks = (max(meta.seq_lens[meta.num_prefills :]) + meta.block_size - 1) // meta.block_size
+        tables = tables[:, :max_blocks]
+        # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        length = keys.shape[2]
+        mask = (torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+        out[:] = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        ).squeeze(2)
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """Backend by name: "reference" or "sdpa"."""
-    backends = {"reference": ReferenceAttention, "sdpa": SdpaAttention}
+class CpuPagedAttention(SdpaAttention):
+    """SDPA prefills; decodes read K/V from their blocks in place with a native kernel.
+
+    The kernel (``kernels/paged_decode.c``) walks each sequence's block table
+    and never copies the context, which is where the SDPA backend spends its
+    decode time on the CPU. Float32 CPU tensors only.
+    """
+
+    name = "cpu_paged"
+
+    def __init__(self) -> None:
+        from pagedllm.runner.kernels import load_paged_decode, paged_decode_failure
+
+        lib = load_paged_decode()
+        if lib is None:
+            raise ValueError(f"the cpu_paged attention backend cannot be built here: {paged_decode_failure()}")
+        self._kernel = lib.paged_decode_f32
+
+    def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
+        q = q.contiguous()
+        result = out if out.is_contiguous() else torch.empty_like(q)
+        tables = meta.block_tables[meta.num_prefills :]
+        seq_lens = meta.seq_lens_tensor[meta.num_prefills :]
+        if not (tables.is_contiguous() and seq_lens.is_contiguous()):
+            tables, seq_lens = tables.contiguous(), seq_lens.contiguous()
+        num_seqs, num_heads, head_dim = q.shape
+        failed = self._kernel(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), result.data_ptr(),
+            num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], torch.get_num_threads(), scale,
+        )
+        if failed:
+            raise MemoryError("paged decode kernel: out of memory for its scratch buffers")
+        if result is not out:
+            out.copy_(result)
+
+
+def make_backend(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """Backend by name: "auto", "cpu_paged", "sdpa" or "reference".
+
+    "auto" takes ``cpu_paged`` for float32 on the CPU when its kernel builds,
+    and ``sdpa`` otherwise.
+    """
+    backends = {"reference": ReferenceAttention, "sdpa": SdpaAttention, "cpu_paged": CpuPagedAttention}
+    if name == "auto":
+        if device == "cpu" and dtype == torch.float32:
+            from pagedllm.runner.kernels import load_paged_decode
+
+            if load_paged_decode() is not None:
+                return CpuPagedAttention()
+        return SdpaAttention()
     if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends)}")
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends) + ['auto']}")
+    if name == "cpu_paged" and (device != "cpu" or dtype != torch.float32):
+        raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
     return backends[name]()

@@ -61,7 +61,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         self.dtype = _DTYPES[config.dtype]
-        self.backend = make_backend(config.attention_backend)
+        self.backend = make_backend(config.attention_backend, self.device.type, self.dtype)
 
         start = time.perf_counter()
         # built on the meta device: no time spent on random init of weights
