@@ -113,7 +113,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "int8" and self.device != "cpu":
-            raise ValueError("quantization='int8' runs on the CPU only (torch's int8 weight-only kernel)")
+            raise ValueError("quantization='int8' runs on the CPU only (its kernel is native CPU code)")
+        if self.quantization == "int8" and self.dtype != "float32":
+            raise ValueError("quantization='int8' computes in float32; leave dtype at 'float32'")
         positive_int("block_size", self.block_size)
         positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)

@@ -186,11 +186,11 @@ class CpuPagedAttention(SdpaAttention):
     name = "cpu_paged"
 
     def __init__(self) -> None:
-        from pagedllm.runner.kernels import load_paged_decode, paged_decode_failure
+        from pagedllm.runner.kernels import kernels_failure, load_kernels
 
-        lib = load_paged_decode()
+        lib = load_kernels()
         if lib is None:
-            raise ValueError(f"the cpu_paged attention backend cannot be built here: {paged_decode_failure()}")
+            raise ValueError(f"the cpu_paged attention backend cannot be built here: {kernels_failure()}")
         self._kernel = lib.paged_decode_f32
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
@@ -223,9 +223,9 @@ def make_backend(name: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     backends = {"reference": ReferenceAttention, "sdpa": SdpaAttention, "cpu_paged": CpuPagedAttention}
     if name == "auto":
         if device == "cpu" and dtype == torch.float32:
-            from pagedllm.runner.kernels import load_paged_decode
+            from pagedllm.runner.kernels import load_kernels
 
-            if load_paged_decode() is not None:
+            if load_kernels() is not None:
                 return CpuPagedAttention()
         return SdpaAttention()
     if name not in backends:

@@ -14,6 +14,7 @@ from pagedllm.engine.block_table import slot_mapping
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.models.int8_linear import quantize_model_int8
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
@@ -73,6 +74,8 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if config.quantization == "int8":
+            quantize_model_int8(self.model)
         # RoPE tables stay float32 whatever the model dtype
         self.model.model.rotary.float().build_tables()
         self.load_seconds = time.perf_counter() - start

@@ -1,13 +1,16 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
-The paged decode kernel (``paged_decode.c``) is plain C with OpenMP and no
-torch headers, so it builds in about a second with gcc and is called through
-ctypes on tensors' data pointers. The built library is cached under
+Two kernels, plain C with OpenMP and no torch headers, built into one shared
+library in about a second with gcc and called through ctypes on tensors'
+data pointers: ``paged_decode.c`` (decode attention reading KV blocks in
+place) and ``int8_linear.c`` (weight-only int8 matmul for a few rows). The
+built library is cached under
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
 the flags, the compiler and this CPU's feature flags (it is built with
 ``-march=native``). Where no compiler is found or the build fails,
-``load_paged_decode`` returns None with the reason logged once, and the
-engine uses the pure-torch backend instead.
+``load_kernels`` returns None with the reason logged once; the engine then
+uses the pure-torch paths (the "auto" attention backend falls back to SDPA,
+int8 layers to a dequantized matmul).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # -ffast-math is avoided on purpose: linking with it would switch the whole
 # process to flush-to-zero. Reassociation alone lets gcc vectorise the dot
 # products.
@@ -59,7 +62,7 @@ def _build(compiler: str, output: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_CFLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+            [compiler, *_CFLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
             check=True, capture_output=True, text=True, timeout=120,
         )
         os.replace(tmp, output)
@@ -68,41 +71,48 @@ def _build(compiler: str, output: Path) -> None:
             os.unlink(tmp)
 
 
-def load_paged_decode() -> ctypes.CDLL | None:
-    """The compiled paged decode library, or None when it cannot be built here."""
-    if "paged_decode" in _loaded:
-        return _loaded["paged_decode"]
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be built here."""
+    if "lib" in _loaded:
+        return _loaded["lib"]
     lib = None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     try:
         if compiler is None:
             raise RuntimeError("no C compiler (gcc or cc) on PATH")
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        sources = "\0".join(p.read_text() for p in _SOURCES)
         key = hashlib.sha256(
-            "\0".join([_SOURCE.read_text(), " ".join(_CFLAGS), version, platform.machine(), _cpu_flags()]).encode()
+            "\0".join([sources, " ".join(_CFLAGS), version, platform.machine(), _cpu_flags()]).encode()
         ).hexdigest()[:16]
-        path = _cache_dir() / f"paged_decode-{key}.so"
+        path = _cache_dir() / f"pagedllm_kernels-{key}.so"
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
-        fn = lib.paged_decode_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # q, k_cache, v_cache
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # block_tables, table_stride, seq_lens
-            ctypes.c_void_p,  # out
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # num_seqs, num_heads, num_kv_heads, head_dim
-            ctypes.c_int, ctypes.c_int, ctypes.c_float,  # block_size, num_threads, scale
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.paged_decode_f32.restype = i32
+        lib.paged_decode_f32.argtypes = [
+            ptr, ptr, ptr,  # q, k_cache, v_cache
+            ptr, i64, ptr,  # block_tables, table_stride, seq_lens
+            ptr,  # out
+            i32, i32, i32, i32,  # num_seqs, num_heads, num_kv_heads, head_dim
+            i32, i32, ctypes.c_float,  # block_size, num_threads, scale
+        ]
+        lib.int8_linear_f32.restype = None
+        lib.int8_linear_f32.argtypes = [
+            ptr, i64, i64, ptr,  # x, num_rows, in_features, w
+            ptr, ptr, i64, ptr,  # scales, bias, out_features, out
+            i32,  # num_threads
         ]
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        _failure["paged_decode"] = detail
-        logger.warning("paged decode kernel unavailable, using the torch path: %s", detail)
+        _failure["lib"] = detail
+        logger.warning("native CPU kernels unavailable, using the torch paths: %s", detail)
         lib = None
-    _loaded["paged_decode"] = lib
+    _loaded["lib"] = lib
     return lib
 
 
-def paged_decode_failure() -> str | None:
-    """Why the kernel could not be loaded (None if it loaded or was not tried)."""
-    return _failure.get("paged_decode")
+def kernels_failure() -> str | None:
+    """Why the kernels could not be loaded (None if they loaded or were not tried)."""
+    return _failure.get("lib")

@@ -1,0 +1,90 @@
+"""Weight-only int8 linear layers (``EngineConfig.quantization="int8"``).
+
+Each output channel ``n`` keeps int8 weights and one float32 scale::
+
+    scale[n] = max_k |W[n, k]| / 127        q[n, k] = round(W[n, k] / scale[n])
+    y[m, n]  = scale[n] * sum_k x[m, k] * q[n, k]  (+ bias[n])
+
+Decoding a few sequences reads every weight once per step and does little
+arithmetic with it, so its speed is set by memory bandwidth; int8 weights are
+a quarter of the float32 bytes. Those calls (at most ``SMALL_BATCH_ROWS``
+rows) go to the native kernel in ``runner/kernels/int8_linear.c``. Larger
+calls (prefills, big decode batches) are compute-bound, and float32 GEMM is
+faster there than any int8 path torch offers on this CPU, so they multiply
+by the dequantized weights ``q * scale``, kept as a float32 copy: the same
+numbers, so a sequence's tokens do not depend on its batch. The copy means
+int8 buys speed, not memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.runner.kernels import load_kernels
+
+# rows at or below which the int8 kernel beats float32 GEMM on the bytes it
+# saves (measured on a 2-core Zen 3 for SmolLM2's layer shapes; see BENCHMARKS.md)
+SMALL_BATCH_ROWS = 4
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (q ``[N, K]`` int8, scale ``[N]`` float32)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+    q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """A linear layer whose weights are int8 with per-output-channel scales."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        q, scale = quantize_per_channel(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("qweight", q.contiguous())  # [out_features, in_features] int8
+        self.register_buffer("scales", scale.contiguous())  # [out_features] float32
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("bias", bias)
+        # [out_features, in_features] float32: q * scale, for calls with many rows
+        self.register_buffer("dequantized", (q.float() * scale.unsqueeze(1)).contiguous())
+        self._kernel = None
+        lib = load_kernels()
+        if lib is not None:
+            self._kernel = lib.int8_linear_f32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self._kernel is None or rows.shape[0] > SMALL_BATCH_ROWS or x.dtype != torch.float32:
+            return F.linear(x, self.dequantized.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)  # [num_rows, out_features]
+        self._kernel(
+            rows.data_ptr(), rows.shape[0], self.in_features, self.qweight.data_ptr(), self.scales.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(), self.out_features, out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def quantize_model_int8(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` in ``model`` with ``Int8Linear``; returns how many.
+
+    A tied LM head is quantized as a separate copy: the embedding table keeps
+    its float32 rows for lookups.
+    """
+    if load_kernels() is None:
+        from pagedllm.runner.kernels import kernels_failure
+
+        raise ValueError(f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}")
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int8Linear(mod))
+    return len(targets)
