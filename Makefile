@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/pagedllm bench throughput
+
+# every peer on the same workload (vLLM CPU, llama.cpp, transformers), each
+# installed into its own virtualenv outside the project; long, not in CI
+bench-peers: setup
+	benchmarks/peers/run_all.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -62,15 +62,15 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(args.input_len)] for _ in range(args.batch_size)
     ]
     engine_kwargs = dict(engine_kwargs)
+    if engine_kwargs.get("max_model_len") is None:
+        engine_kwargs["max_model_len"] = max(2048, args.input_len + args.output_len)
     # every prompt must prefill in the first step for TTFT to mean one thing
     engine_kwargs["max_num_batched_tokens"] = max(
-        engine_kwargs.get("max_num_batched_tokens") or 0, args.batch_size * args.input_len
+        engine_kwargs.get("max_num_batched_tokens") or 0, args.batch_size * args.input_len, engine_kwargs["max_model_len"]
     )
     engine_kwargs["max_num_seqs"] = max(engine_kwargs.get("max_num_seqs") or 0, args.batch_size)
     # the same prompts run several times: cache hits would fake the prefill time
     engine_kwargs["enable_prefix_caching"] = False
-    if engine_kwargs.get("max_model_len") is None:
-        engine_kwargs["max_model_len"] = max(2048, args.input_len + args.output_len)
     llm = LLM(args.model, **engine_kwargs)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

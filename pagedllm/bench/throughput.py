@@ -15,7 +15,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-len", type=int, default=32, help="shortest prompt and output, tokens")
     p.add_argument("--max-len", type=int, default=256, help="longest prompt and output, tokens")
     p.add_argument("--workload-seed", type=int, default=1234)
-    p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    p.add_argument("--json", action="store_true", help="print one JSON line of results per engine")
+    p.add_argument(
+        "--compare", action="append", default=[], choices=["transformers", "transformers-padded", "transformers-cb"],
+        help="also run a peer on the same workload in this process: transformers' padded generate "
+        "(transformers-padded), its continuous batching (transformers-cb), or both (transformers)",
+    )
+    p.add_argument("--peer-batch-size", type=int, default=16, help="batch size of transformers' padded generate")
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
@@ -61,4 +67,33 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     )
     if args.json:
         print(json.dumps(result))
+    peers = _run_peers(args, workload)
+    for peer in peers:
+        ratio = result["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        peer["pagedllm_speedup"] = round(ratio, 2)
+        print(
+            f"{peer['engine']}: {peer['output_tokens_per_s']:.1f} output tok/s in {peer['elapsed_s']:.1f}s; "
+            f"pagedllm is {ratio:.2f}x"
+        )
+        if args.json:
+            print(json.dumps(peer))
+    result["peers"] = peers
     return result
+
+
+def _run_peers(args: argparse.Namespace, workload: list) -> list[dict]:
+    wanted = set()
+    for name in args.compare:
+        wanted |= {"transformers-padded", "transformers-cb"} if name == "transformers" else {name}
+    if not wanted:
+        return []
+    from pagedllm.bench import transformers_peer
+    from pagedllm.loader import resolve_model_path
+
+    model = transformers_peer.load_model(resolve_model_path(args.model))
+    peers = []
+    if "transformers-padded" in wanted:
+        peers.append(transformers_peer.run_padded(model, workload, args.peer_batch_size))
+    if "transformers-cb" in wanted:
+        peers.append(transformers_peer.run_continuous(model, workload))
+    return peers
