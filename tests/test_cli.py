@@ -117,6 +117,9 @@ def test_invalid_flag_value_exits_nonzero_without_traceback():
         (["chat", "--top-p", "0"], ["top_p"]),
         (["bench", "throughput", "--num-requests", "0"], ["num_requests"]),
         (["bench", "throughput", "--min-len", "9", "--max-len", "8"], ["min_len"]),
+        (["bench", "latency", "--output-len", "1"], ["--output-len"]),
+        (["bench", "latency", "--batch-size", "0"], ["--batch-size"]),
+        (["generate", "hi", "--quantization", "int8", "--dtype", "bfloat16"], ["float32"]),
     ],
 )
 def test_bad_values_give_an_error_line_and_status_2(capsys, argv, words):
@@ -198,3 +201,44 @@ def test_bench_throughput_json():
     assert 4 <= result["peak_kv_blocks_used"] <= 8
     assert result["num_preemptions"] == 0
     assert result["elapsed_s"] > 0 and result["output_tokens_per_s"] > 0
+
+
+def test_bench_throughput_compare_transformers(tiny_model_dirs):
+    """Our line, then one line per transformers peer, on the same workload and model."""
+    proc = run_cli(
+        "bench", "throughput", "--model", tiny_model_dirs["llama"], "--num-requests", "5", "--min-len", "4",
+        "--max-len", "12", "--json", "--compare", "transformers", "--peer-batch-size", "2",
+        "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["engine"] for r in lines] == ["pagedllm", "transformers-generate-padded", "transformers-continuous-batching"]
+    want_out = sum(r.output_len for r in make_workload(5, 4, 12, 1234))
+    for r in lines:
+        assert r["num_requests"] == 5 and r["output_tokens"] == want_out
+    padded = lines[1]
+    # batches of 2, 2, 1 each generate their longest output for every row
+    lengths = [r.output_len for r in make_workload(5, 4, 12, 1234)]
+    assert padded["generated_tokens_incl_padding"] == 2 * max(lengths[0:2]) + 2 * max(lengths[2:4]) + lengths[4]
+    for peer in lines[1:]:
+        assert peer["pagedllm_speedup"] == pytest.approx(
+            lines[0]["output_tokens_per_s"] / peer["output_tokens_per_s"], rel=0.02
+        )
+
+
+@pytest.mark.parametrize("extra", [[], ["--quantization", "int8"]], ids=["float32", "int8"])
+def test_bench_latency_json(extra):
+    proc = run_cli(
+        "bench", "latency", "--batch-size", "2", "--input-len", "16", "--output-len", "5", "--num-iters", "2",
+        "--json", "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1", *extra,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (r["batch_size"], r["input_len"], r["output_len"], r["num_iters"]) == (2, 16, 5, 2)
+    assert r["weight_dtype"] == ("int8" if extra else "float32")
+    # the rate and GFLOP/s figures are consistent with each other and the parameter count
+    assert r["decode_gflops"] == pytest.approx(r["decode_tokens_per_s"] * 2 * r["num_params"] / 1e9, rel=0.01)
+    assert r["prefill_tokens_per_s"] == pytest.approx(2 * 16 / (r["ttft_ms"] / 1000), rel=0.01)
+    assert 130e6 < r["num_params"] < 140e6  # SmolLM2-135M

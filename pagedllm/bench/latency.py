@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         decode_rates.append(args.batch_size * len(rest) / sum(rest))
         step_ms.append(1000 * statistics.median(rest))
 
-    num_params = sum(p.numel() for p in engine.model_runner.model.parameters())
+    num_params = engine.model_runner.num_params
     ttft, rate = statistics.median(ttfts), statistics.median(decode_rates)
     result = {
         "bench": "latency",

@@ -74,6 +74,8 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # weights of the architecture (a tied embedding counted once), before any quantization
+        self.num_params = sum(p.numel() for p in self.model.parameters())
         if config.quantization == "int8":
             quantize_model_int8(self.model)
         # RoPE tables stay float32 whatever the model dtype
