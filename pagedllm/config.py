@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 KV_ALLOCATORS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max_tokens", "max_model_len")
 QUANTIZATIONS = (None, "int8")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class EngineConfig:
             linear layers with one float scale per output channel (CPU only;
             activations stay in ``dtype``). Quarters the weight bytes read per
             decode step; outputs differ slightly from the float model.
+        linear_backend: "auto" (default: "onednn" for float32 on the CPU when
+            torch has oneDNN, else "torch"), "onednn" (weights packed once
+            into oneDNN's layout) or "torch" (``F.linear``).
     """
 
     model: str
@@ -71,6 +75,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     quantization: str | None = None
+    linear_backend: str = "auto"
 
     @property
     def prefix_caching(self) -> bool:
@@ -116,6 +121,10 @@ class EngineConfig:
             raise ValueError("quantization='int8' runs on the CPU only (its kernel is native CPU code)")
         if self.quantization == "int8" and self.dtype != "float32":
             raise ValueError("quantization='int8' computes in float32; leave dtype at 'float32'")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.linear_backend == "onednn" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("linear_backend='onednn' runs float32 on the CPU only")
         positive_int("block_size", self.block_size)
         positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)

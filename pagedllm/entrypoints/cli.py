@@ -26,6 +26,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linear layers (CPU)")
+    g.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -57,6 +58,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         quantization=args.quantization,
+        linear_backend=args.linear_backend,
     )
     return kwargs
 

@@ -28,7 +28,8 @@ class LLM:
             ``max(max_model_len, 8192)``.
         **kwargs: any other ``EngineConfig`` field (block_size, num_kv_blocks,
             kv_cache_memory_bytes, max_num_seqs, enable_prefix_caching, dtype,
-            device, seed, attention_backend, num_threads, quantization, tokenizer).
+            device, seed, attention_backend, num_threads, quantization, linear_backend,
+            tokenizer).
     """
 
     def __init__(

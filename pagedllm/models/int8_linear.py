@@ -9,11 +9,12 @@ Decoding a few sequences reads every weight once per step and does little
 arithmetic with it, so its speed is set by memory bandwidth; int8 weights are
 a quarter of the float32 bytes. Those calls (at most ``SMALL_BATCH_ROWS``
 rows) go to the native kernel in ``runner/kernels/int8_linear.c``. Larger
-calls (prefills, big decode batches) are compute-bound, and float32 GEMM is
-faster there than any int8 path torch offers on this CPU, so they multiply
-by the dequantized weights ``q * scale``, kept as a float32 copy: the same
-numbers, so a sequence's tokens do not depend on its batch. The copy means
-int8 buys speed, not memory.
+calls (prefills, big decode batches) are compute-bound, and float32 GEMM
+(oneDNN where available) is faster there than any int8 path torch offers on
+these CPUs, so they multiply by the dequantized weights ``q * scale``, kept
+as a float32 copy: the same numbers, so a sequence's tokens barely depend on
+its batch (only the summation order differs). The copy means int8 buys
+small-batch speed, not memory.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.models.onednn_linear import onednn_linear, pack_weight
 from pagedllm.runner.kernels import load_kernels
 
 # rows at or below which the int8 kernel beats float32 GEMM on the bytes it
-# saves (measured on a 2-core Zen 3 for SmolLM2's layer shapes; see BENCHMARKS.md)
+# saves (measured on the 2-vCPU EPYC for SmolLM2's layer shapes: equal at 8
+# rows against oneDNN; see BENCHMARKS.md)
 SMALL_BATCH_ROWS = 4
 
 
@@ -40,7 +43,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class Int8Linear(nn.Module):
     """A linear layer whose weights are int8 with per-output-channel scales."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, use_onednn: bool = False) -> None:
         super().__init__()
         q, scale = quantize_per_channel(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -49,7 +52,10 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
         # [out_features, in_features] float32: q * scale, for calls with many rows
-        self.register_buffer("dequantized", (q.float() * scale.unsqueeze(1)).contiguous())
+        # (packed for oneDNN when it is used)
+        dequantized = (q.float() * scale.unsqueeze(1)).contiguous()
+        self.use_onednn = use_onednn
+        self.register_buffer("dequantized", pack_weight(dequantized) if use_onednn else dequantized)
         self._kernel = None
         lib = load_kernels()
         if lib is not None:
@@ -57,8 +63,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self._kernel is None or rows.shape[0] > SMALL_BATCH_ROWS or x.dtype != torch.float32:
-            return F.linear(x, self.dequantized.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if x.dtype != torch.float32:
+            raise ValueError(f"Int8Linear computes in float32, got {x.dtype}")
+        if self._kernel is None or rows.shape[0] > SMALL_BATCH_ROWS:
+            if self.use_onednn:
+                return onednn_linear(x, self.dequantized, self.bias)
+            return F.linear(x, self.dequantized, self.bias)
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)  # [num_rows, out_features]
         self._kernel(
@@ -72,7 +82,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
-def quantize_model_int8(model: nn.Module) -> int:
+def quantize_model_int8(model: nn.Module, use_onednn: bool = False) -> int:
     """Replace every ``nn.Linear`` in ``model`` with ``Int8Linear``; returns how many.
 
     A tied LM head is quantized as a separate copy: the embedding table keeps
@@ -86,5 +96,5 @@ def quantize_model_int8(model: nn.Module) -> int:
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod))
+        setattr(parent, child, Int8Linear(mod, use_onednn))
     return len(targets)

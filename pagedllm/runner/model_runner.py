@@ -16,6 +16,7 @@ from pagedllm.engine.sequence import Sequence
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.int8_linear import quantize_model_int8
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.onednn_linear import onednn_available, use_onednn_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
 from pagedllm.sampling_params import SamplingParams
@@ -27,6 +28,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _DEFAULT_KV_SHARE = 0.25
 _DEFAULT_KV_CAP_BYTES = 2 << 30
 _MIN_TEMPERATURE = 1e-5
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def _available_memory_bytes(device: torch.device) -> int:
@@ -62,6 +72,12 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         self.dtype = _DTYPES[config.dtype]
+        if self.device.type == "cpu" and self.dtype != torch.float32 and not _cpu_has_native_bf16():
+            # measured here: a bf16 matmul on a Zen 3 core is ~300x slower than float32
+            logger.warning(
+                "dtype=%s on a CPU without native bf16/fp16 matmul (no avx512_bf16 or amx): expect it to be "
+                "far slower than float32; dtype='float32' is the fast choice here", config.dtype,
+            )
         self.backend = make_backend(config.attention_backend, self.device.type, self.dtype)
 
         start = time.perf_counter()
@@ -76,8 +92,15 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         # weights of the architecture (a tied embedding counted once), before any quantization
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        # "auto" resolved here; the decision lives on the runner, not in the config
+        self.linear_backend = config.linear_backend
+        if self.linear_backend == "auto":
+            cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
+            self.linear_backend = "onednn" if cpu_float32 and onednn_available() else "torch"
         if config.quantization == "int8":
-            quantize_model_int8(self.model)
+            quantize_model_int8(self.model, use_onednn=self.linear_backend == "onednn")
+        elif self.linear_backend == "onednn":
+            use_onednn_linear(self.model)
         # RoPE tables stay float32 whatever the model dtype
         self.model.model.rotary.float().build_tables()
         self.load_seconds = time.perf_counter() - start
