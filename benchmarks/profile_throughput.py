@@ -57,7 +57,11 @@ def main() -> None:
     engine.scheduler.update = _timed(phases, "scheduler update", engine.scheduler.update)
     runner.prepare = _timed(phases, "prepare (ids, positions, slot mapping, block tables)", runner.prepare)
     runner.copy_blocks = _timed(phases, "copy-on-write block copies", runner.copy_blocks)
-    model.forward = _timed(phases, "decoder layers (forward)", model.forward)
+    model.forward = _timed(phases, "decoder layers (forward), less attention", model.forward)
+    backend = runner.backend
+    backend.attend = _timed(phases, f"attention ({backend.name})", backend.attend)
+    if hasattr(backend, "_decodes"):  # the share of decodes within attention
+        backend._decodes = _timed(phases, "  of which decode attention", backend._decodes)
     model.compute_logits = _timed(phases, "lm_head (sampling rows only)", model.compute_logits)
     runner.sampler = _timed(phases, "sampler", runner.sampler)
     runner._sampling_tensors = _timed(phases, "sampling tensors", runner._sampling_tensors)
@@ -79,16 +83,21 @@ def main() -> None:
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"{args.num_requests} requests, {num_out} output tokens, {steps} steps, {wall:.2f}s wall, "
           f"{num_out / wall:.1f} output tok/s")
+    # attention runs inside the forward pass: report the forward without it
+    phases["decoder layers (forward), less attention"] -= phases[f"attention ({backend.name})"]
     print(f"{'phase':<56} {'seconds':>8} {'% wall':>7} {'ms/step':>8}")
     for name, sec in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"{name:<56} {sec:8.2f} {100 * sec / wall:6.1f}% {1000 * sec / steps:8.2f}")
-    rest = wall - sum(phases.values())
+    rest = wall - sum(v for k, v in phases.items() if not k.startswith("  "))
     print(f"{'other (engine loop, LLM.generate, tokenizer)':<56} {rest:8.2f} {100 * rest / wall:6.1f}% {1000 * rest / steps:8.2f}")
 
     if args.no_torch_profile:
         return
     # second run, torch ops only (the profiler's own overhead inflates wall time)
     del model.forward  # back to the class's method
+    del backend.attend
+    if "_decodes" in vars(backend):
+        del backend._decodes
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
