@@ -238,7 +238,7 @@ class ModelRunner:
             index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
             tokens = self.sampler(logits, self._sampling_tensors(rows))
-            num_top = [p.logprobs or 0 for _, p in rows]
+            num_top = [p.logprobs for _, p in rows]
             samples = token_logprobs(logits, tokens, num_top)
             it = iter(samples)
             for i, s in enumerate(scheduled):

@@ -91,25 +91,39 @@ class TokenLogprobs:
 
     token_id: int
     logprob: float
-    rank: int
+    rank: int  # 0 when the request did not ask for logprobs (not computed)
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[TokenLogprobs]:
     """Logprobs of ``tokens`` under the raw model distribution (before temperature and filters).
 
-    logits: [R, vocab] float32; tokens: [R]; num_top[r]: alternatives to list for row r.
+    logits: [R, vocab] float32; tokens: [R]; num_top[r]: alternatives to list
+    for row r, or None when the row's request did not ask for logprobs: it
+    then gets its token's logprob only (for the cumulative logprob) and rank 0,
+    which saves a full pass over the vocabulary for rank and top-k.
     """
-    logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1))  # [R, 1]
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    k = max(num_top, default=0)
-    top_vals = top_ids = None
-    if k > 0:
-        top_vals, top_ids = logprobs.topk(k, dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out = []
-    for r, (tok, lp, rank) in enumerate(zip(tokens.tolist(), chosen.squeeze(1).tolist(), ranks.tolist())):
-        top = tuple(zip(top_ids[r][: num_top[r]], top_vals[r][: num_top[r]])) if k and num_top[r] else ()
-        out.append(TokenLogprobs(tok, lp, rank, top))
-    return out
+    # log p(token) = logit - logsumexp(logits): one reduction, no [R, vocab] output
+    lse = torch.logsumexp(logits, dim=-1)  # [R]
+    chosen_logits = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [R]
+    chosen = (chosen_logits - lse).tolist()
+    ranks = [0] * len(num_top)
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(num_top)
+    asked = [r for r, k in enumerate(num_top) if k is not None]
+    if asked:
+        rows = torch.tensor(asked, dtype=torch.int64)
+        sub = logits[rows]  # [A, vocab]
+        # rank among raw logits: the same order as among logprobs
+        for r, rank in zip(asked, ((sub > chosen_logits[rows].unsqueeze(1)).sum(dim=-1) + 1).tolist()):
+            ranks[r] = rank
+        k = max(num_top[r] for r in asked)
+        if k > 0:
+            top_vals, top_ids = sub.topk(k, dim=-1)
+            top_vals = (top_vals - lse[rows].unsqueeze(1)).tolist()
+            top_ids = top_ids.tolist()
+            for i, r in enumerate(asked):
+                tops[r] = tuple(zip(top_ids[i][: num_top[r]], top_vals[i][: num_top[r]]))
+    return [
+        TokenLogprobs(tok, lp, rank, top)
+        for tok, lp, rank, top in zip(tokens.tolist(), chosen, ranks, tops)
+    ]

@@ -36,6 +36,13 @@ static inline void axpy(float *y, float a, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* Blocks are scattered, so the hardware prefetcher loses the stream at
+   every block boundary; ask for the next block (n_floats from p) while the
+   current one is being used. */
+static inline void prefetch_block(const float *p, int64_t n_floats) {
+    for (int64_t i = 0; i < n_floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* Attention of sequence b's query heads for kv heads [h0, h1). Scores go to
    `scores` (room for (h1 - h0) * group * len floats). Token rows are read
    whole (all the task's kv heads at once), so a block is one contiguous
@@ -53,6 +60,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
         const int64_t block = table[t0 / block_size];
         const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
         const float *kb = k_cache + block * block_size * row;
+        if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_size * row, block_size * row);
         for (int64_t i = 0; i < n; i++) {
             const float *krow = kb + i * row;
             for (int j = 0; j < nq; j++) {
@@ -81,6 +89,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
         const int64_t block = table[t0 / block_size];
         const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
         const float *vb = v_cache + block * block_size * row;
+        if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_size * row, block_size * row);
         for (int64_t i = 0; i < n; i++) {
             const float *vrow = vb + i * row;
             for (int j = 0; j < nq; j++) {
