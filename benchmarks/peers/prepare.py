@@ -131,7 +131,10 @@ def main() -> None:
         f.write(gguf + "\n")
     write_workload(
         os.path.join(args.out, "workload.json"),
-        args.num_requests, args.min_len, args.max_len, args.workload_seed,
+        args.num_requests,
+        args.min_len,
+        args.max_len,
+        args.workload_seed,
     )
     write_hf_folder(gguf, os.path.join(args.out, HF_DIR_NAME))
 

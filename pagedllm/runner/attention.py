@@ -154,10 +154,15 @@ class SdpaAttention(AttentionBackend):
                 q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
                 # [q_len, seq_len]: a query sees keys up to its own position
                 mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
+            group = q.shape[1] // ki.shape[1]
+            if group > 1:
+                # K/V heads repeated for the query heads that share them: SDPA with
+                # enable_gqa takes torch's slow math path on the CPU, this its fused kernel
+                ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             out[start:end] = F.scaled_dot_product_attention(
-                qi, ki.transpose(0, 1), vi.transpose(0, 1),
-                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-            ).transpose(0, 1)
+                qi.unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=scale,
+            )[0].transpose(0, 1)  # [1, num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         """One new token per sequence ``meta.num_prefills ..``; ``q``/``out`` are ``[B, num_heads, head_dim]``."""

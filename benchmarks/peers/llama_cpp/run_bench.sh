@@ -39,7 +39,7 @@ tag() {  # add "tool" to each JSON line, pass other lines to stderr
     while IFS= read -r line || [ -n "$line" ]; do
         case "$line" in
             \{*) printf '{"tool": "%s", %s\n' "$tool" "${line#\{}" ;;
-            *) [ -n "$line" ] && printf '%s\n' "$line" >&2 ;;
+            *) if [ -n "$line" ]; then printf '%s\n' "$line" >&2; fi ;;
         esac
     done
 }

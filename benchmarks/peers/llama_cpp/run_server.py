@@ -31,7 +31,9 @@ import time
 import urllib.error
 import urllib.request
 
-DEFAULT_BIN = os.path.join(os.environ.get("LLAMACPP_PREFIX", "/work/peer-venvs/llamacpp"), "bin", "llama-server")
+DEFAULT_BIN = os.path.join(
+    os.environ.get("LLAMACPP_PREFIX", "/work/peer-venvs/llamacpp"), "bin", "llama-server"
+)
 
 
 def fail(msg: str, log_path: str | None = None) -> None:
@@ -51,7 +53,10 @@ def free_port() -> int:
 
 def post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -83,13 +88,28 @@ def server_version(binary: str) -> str:
     return "unknown"
 
 
+def read_source(binary: str) -> str | None:
+    """What install.sh built the binary from (PREFIX/VERSION), if known."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.dirname(binary)), "VERSION")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="llama-server throughput on the peer workload")
     p.add_argument("--data", default=os.environ.get("PEER_DATA", "/work/peer-data"))
-    p.add_argument("--model", default=None, help="GGUF file (default: the one named in DATA/model.txt)")
+    p.add_argument(
+        "--model", default=None, help="GGUF file (default: the one named in DATA/model.txt)"
+    )
     p.add_argument("--server-bin", default=DEFAULT_BIN)
-    p.add_argument("-np", "--parallel", type=int, default=16, help="server slots (concurrent sequences)")
-    p.add_argument("--ctx-per-slot", type=int, default=512, help="context tokens per slot; -c = np * this")
+    p.add_argument(
+        "-np", "--parallel", type=int, default=16, help="server slots (concurrent sequences)"
+    )
+    p.add_argument(
+        "--ctx-per-slot", type=int, default=512, help="context tokens per slot; -c = np * this"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=None, help="-b (default: llama-server's)")
     p.add_argument("--ubatch-size", type=int, default=None, help="-ub (default: llama-server's)")
@@ -124,10 +144,24 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     ctx = args.parallel * args.ctx_per_slot
     server_args = [
-        "-m", model, "--host", "127.0.0.1", "--port", str(port),
-        "-np", str(args.parallel), "-c", str(ctx),
-        "--threads", str(args.threads), "--threads-batch", str(args.threads),
-        "--no-webui", "--cache-ram", "0", "--no-kv-unified",
+        "-m",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(args.parallel),
+        "-c",
+        str(ctx),
+        "--threads",
+        str(args.threads),
+        "--threads-batch",
+        str(args.threads),
+        "--no-webui",
+        "--cache-ram",
+        "0",
+        "--no-kv-unified",
     ]
     if args.batch_size:
         server_args += ["-b", str(args.batch_size)]
@@ -137,7 +171,10 @@ def main() -> None:
 
     log_fd, log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
     proc = subprocess.Popen(
-        [args.server_bin, *server_args], stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
+        [args.server_bin, *server_args],
+        stdin=subprocess.DEVNULL,
+        stdout=log_fd,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     os.close(log_fd)
@@ -160,8 +197,12 @@ def main() -> None:
 
         def body(ids: list[int], n: int) -> dict:
             return {
-                "prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
-                "cache_prompt": False, "stream": False,
+                "prompt": ids,
+                "n_predict": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_prompt": False,
+                "stream": False,
             }
 
         # warm-up: one short request
@@ -175,12 +216,17 @@ def main() -> None:
             r = workload[i]
             gate.wait()
             try:
-                results[i] = post(base + "/completion", body(r["prompt_token_ids"], r["output_len"]),
-                                  args.request_timeout)
+                results[i] = post(
+                    base + "/completion",
+                    body(r["prompt_token_ids"], r["output_len"]),
+                    args.request_timeout,
+                )
             except Exception as e:  # noqa: BLE001 - collected and reported below
                 errors.append(f"request {i}: {type(e).__name__}: {e}")
 
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(workload))]
+        threads = [
+            threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(workload))
+        ]
         for t in threads:
             t.start()
         gate.wait()
@@ -197,13 +243,19 @@ def main() -> None:
             if res is None or res.get("tokens_predicted") != r["output_len"]
         ]
         if bad:
-            fail(f"{len(bad)} replies have the wrong token count, e.g. {bad[:3]} (index, got, want)", log_path)
+            fail(
+                f"{len(bad)} replies have the wrong token count, e.g. {bad[:3]} (index, got, want)",
+                log_path,
+            )
         bad_prompt = [
-            i for i, (res, r) in enumerate(zip(results, workload))
+            i
+            for i, (res, r) in enumerate(zip(results, workload))
             if res.get("tokens_evaluated") not in (None, len(r["prompt_token_ids"]))
         ]
         if bad_prompt:
-            fail(f"{len(bad_prompt)} replies evaluated a different prompt length, e.g. request {bad_prompt[0]}")
+            fail(
+                f"{len(bad_prompt)} replies evaluated a different prompt length, e.g. request {bad_prompt[0]}"
+            )
 
         num_prompt = sum(len(r["prompt_token_ids"]) for r in workload)
         num_out = sum(res["tokens_predicted"] for res in results)
@@ -211,6 +263,7 @@ def main() -> None:
         result = {
             "engine": f"llama.cpp-server-np{args.parallel}",
             "version": server_version(args.server_bin),
+            "source": read_source(args.server_bin),
             "num_requests": len(workload),
             "prompt_tokens": num_prompt,
             "output_tokens": num_out,
@@ -225,9 +278,15 @@ def main() -> None:
             "batch_size": args.batch_size,
             "ubatch_size": args.ubatch_size,
             "kv_cache_type": "f16 (llama-server default)",
-            "server_args": " ".join(a if a != model else os.path.basename(model) for a in server_args),
-            "mean_server_prompt_ms": round(sum(t.get("prompt_ms", 0) for t in timings) / len(timings), 1),
-            "mean_server_predicted_ms": round(sum(t.get("predicted_ms", 0) for t in timings) / len(timings), 1),
+            "server_args": " ".join(
+                a if a != model else os.path.basename(model) for a in server_args
+            ),
+            "mean_server_prompt_ms": round(
+                sum(t.get("prompt_ms", 0) for t in timings) / len(timings), 1
+            ),
+            "mean_server_predicted_ms": round(
+                sum(t.get("predicted_ms", 0) for t in timings) / len(timings), 1
+            ),
             "load_s": round(load_s, 1),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         }

