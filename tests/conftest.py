@@ -57,6 +57,16 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_smollm(smollm_path: str):  # noqa: ANN201
+    """transformers' own load of the bundled GGUF (float32): the oracle; read once, it is slow to parse."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm_tokenizer(smollm_path: str):  # noqa: ANN201
     from transformers import AutoTokenizer
 

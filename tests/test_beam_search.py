@@ -9,7 +9,6 @@ tokens, scored by a teacher-forced forward pass. The block checks watch
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -83,15 +82,6 @@ def pool_is_whole(llm: LLM) -> bool:
 @pytest.fixture(scope="module")
 def smollm():
     return LLM(num_kv_blocks=256, max_model_len=1024)
-
-
-@pytest.fixture(scope="module")
-def hf_smollm(smollm_path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    ).eval()
 
 
 def smollm_prompt(llm: LLM, which: str) -> list[int]:

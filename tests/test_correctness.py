@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -21,15 +20,6 @@ def _random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 def _token_prompts(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
-
-
-@pytest.fixture(scope="module")
-def hf_smollm(smollm_path: str):  # noqa: ANN201
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    ).eval()
 
 
 @pytest.fixture(scope="module")

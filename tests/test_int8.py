@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import copy
 
 import pytest
 import torch
@@ -78,13 +78,8 @@ def smollm_int8() -> LLM:
     return LLM(num_kv_blocks=256, max_model_len=512, quantization="int8")
 
 
-def test_smollm_int8_greedy_matches_quantized_transformers(smollm_int8: LLM, smollm_path: str, smollm_tokenizer) -> None:  # noqa: ANN001
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    ).eval()
-    hf = _quantize_hf_model(hf)
+def test_smollm_int8_greedy_matches_quantized_transformers(smollm_int8: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
+    hf = _quantize_hf_model(copy.deepcopy(hf_smollm))  # the shared oracle stays float32
     texts = ["The capital of France is", "def fibonacci(n):"]
     for text in texts:
         prompt = smollm_tokenizer.encode(text)

@@ -1,0 +1,63 @@
+"""Decode attention over scattered blocks: the cpu_paged kernel vs the SDPA gather.
+
+One decode step of a SmolLM2-shaped model (30 layers, 9 query / 3 KV heads,
+head_dim 64, 16-token blocks) over a 2 GiB float32 cache, each sequence's
+blocks shuffled across the first 600 blocks of every layer, as the engine's
+cache looks mid-run. Each layer reads its own part of the cache, so K/V come
+from memory, not from the last-level cache.
+
+    .venv/bin/python benchmarks/micro_attention.py [--batch 24] [--context 250]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from pagedllm.runner.attention import AttentionMetadata, CpuPagedAttention, SdpaAttention
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=24)
+    p.add_argument("--context", type=int, default=250)
+    args = p.parse_args()
+    num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 30, 2912, 16, 9, 3, 64
+    kv = torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim).normal_()
+    rng = random.Random(0)
+    ids = list(range(600))
+    rng.shuffle(ids)
+    per_seq = (args.context + block_size - 1) // block_size
+    if per_seq * args.batch > len(ids):
+        raise ValueError("batch x context needs more than 600 blocks")
+    tables = [[ids.pop() for _ in range(per_seq)] for _ in range(args.batch)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_tables=torch.tensor(tables),
+        seq_lens_tensor=torch.full((args.batch,), args.context),
+        query_start_loc=list(range(args.batch + 1)),
+        seq_lens=[args.context] * args.batch,
+        num_computed=[args.context - 1] * args.batch,
+        num_prefills=0,
+        block_size=block_size,
+    )
+    q = torch.randn(args.batch, num_heads, head_dim)
+    with torch.inference_mode():
+        for backend in (CpuPagedAttention(), SdpaAttention()):
+            def step(backend=backend) -> None:  # noqa: ANN001
+                for i in range(num_layers):
+                    backend.attend(q, None, None, kv[0, i], kv[1, i], meta, head_dim**-0.5)
+
+            step()
+            start = time.perf_counter()
+            for _ in range(10):
+                step()
+            ms = (time.perf_counter() - start) / 10 * 1e3
+            print(f"{backend.name:>10}: {ms:6.1f} ms per decode step ({args.batch} sequences x {args.context} tokens, {num_layers} layers)")
+
+
+if __name__ == "__main__":
+    main()
