@@ -52,7 +52,9 @@ class EngineConfig:
         quantization: None (weights in ``dtype``) or "int8": weight-only int8
             linear layers with one float scale per output channel (CPU only;
             activations stay in ``dtype``). Quarters the weight bytes read per
-            decode step; outputs differ slightly from the float model.
+            small-batch decode step, which is what makes it faster; a float32
+            copy is kept for large batches, so it costs memory rather than
+            saving it. Outputs differ slightly from the float model.
         linear_backend: "auto" (default: "onednn" for float32 on the CPU when
             torch has oneDNN, else "torch"), "onednn" (weights packed once
             into oneDNN's layout) or "torch" (``F.linear``).

@@ -88,10 +88,10 @@ STEPS = [
 
 
 @pytest.mark.parametrize("seqs", STEPS)
-@pytest.mark.parametrize(
-    "backend", [ReferenceAttention(), SdpaAttention(), CpuPagedAttention()], ids=lambda b: b.name
-)
-def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("backend_name", ["reference", "sdpa", "cpu_paged"])
+def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend_name: str) -> None:
+    # built here, not at collection: cpu_paged compiles its kernel on first use
+    backend = make_backend(backend_name)
     q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=len(seqs))
     out = backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
     for i, (computed, _new) in enumerate(seqs):
@@ -139,6 +139,14 @@ def test_cpu_paged_decode_on_model_sized_heads(num_heads: int, num_kv_heads: int
     )
     scale = head_dim**-0.5
     got = CpuPagedAttention().attend(q, None, None, k_cache, v_cache, meta, scale)
+    # what the kernel would read past a too-short table or in a wrong dtype is refused
+    bad = AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
+    with pytest.raises(ValueError, match="longer than its block table"):
+        CpuPagedAttention().attend(q, None, None, k_cache, v_cache, bad, scale)
+    with pytest.raises(ValueError, match="float32"):
+        CpuPagedAttention().attend(q, None, None, k_cache.half(), v_cache.half(), meta, scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        CpuPagedAttention().attend(q[..., :-1].contiguous(), None, None, k_cache, v_cache, meta, scale)
     for i, n in enumerate(seq_lens):
         keys = gather_context(k_cache, meta.block_tables[i], n, block_size)
         values = gather_context(v_cache, meta.block_tables[i], n, block_size)

@@ -106,3 +106,18 @@ def test_tiny_qwen2_int8_with_biases_matches_quantized_transformers(tiny_model_d
     prompt = list(range(300, 317))
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 16)
+
+
+def test_int8_kernel_rows_do_not_depend_on_their_batch() -> None:
+    """Up to SMALL_BATCH_ROWS rows, a row's output is bit-identical alone or with others."""
+    gen = torch.Generator().manual_seed(5)
+    linear = nn.Linear(584, 300, bias=True)  # 584 = 36 x 16 + 8: the tail path runs too
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(300, 584, generator=gen))
+    layer = Int8Linear(linear)
+    x = torch.randn(SMALL_BATCH_ROWS, 584, generator=gen)
+    together = layer(x)
+    for rows in range(1, SMALL_BATCH_ROWS + 1):
+        assert torch.equal(layer(x[:rows]), together[:rows])
+    for r in range(SMALL_BATCH_ROWS):
+        assert torch.equal(layer(x[r : r + 1]), together[r : r + 1])

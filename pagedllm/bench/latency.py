@@ -6,7 +6,8 @@ batch, all sequences are prefilled together and then decode in lock step, so
 the decode rate is the engine's batched decode throughput; it is also
 expressed as GFLOP/s, counting 2 x parameters FLOPs per token (the matmul
 work; attention is left out, as in the usual rule of thumb), which can be set
-against the machine's matmul rate.
+against the machine's matmul rate (an untied embedding table is not counted:
+it is looked up, not multiplied).
 
 Each step is timed from the engine's side (``LLMEngine.step``), so the
 figures include scheduling, metadata building, the model, sampling and
@@ -63,7 +64,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     ]
     engine_kwargs = dict(engine_kwargs)
     if engine_kwargs.get("max_model_len") is None:
-        engine_kwargs["max_model_len"] = max(2048, args.input_len + args.output_len)
+        from pagedllm.loader import load_model_config, resolve_model_path
+
+        model_max = load_model_config(resolve_model_path(args.model)).max_position_embeddings
+        engine_kwargs["max_model_len"] = min(model_max, max(2048, args.input_len + args.output_len))
     # every prompt must prefill in the first step for TTFT to mean one thing
     engine_kwargs["max_num_batched_tokens"] = max(
         engine_kwargs.get("max_num_batched_tokens") or 0, args.batch_size * args.input_len, engine_kwargs["max_model_len"]
@@ -85,7 +89,11 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         decode_rates.append(args.batch_size * len(rest) / sum(rest))
         step_ms.append(1000 * statistics.median(rest))
 
+    # matmul weights: an untied embedding table is only looked up, not multiplied
+    mc = engine.model_config
     num_params = engine.model_runner.num_params
+    if not mc.tie_word_embeddings:
+        num_params -= mc.vocab_size * mc.hidden_size
     ttft, rate = statistics.median(ttfts), statistics.median(decode_rates)
     result = {
         "bench": "latency",

@@ -155,13 +155,13 @@ class SdpaAttention(AttentionBackend):
                 # [q_len, seq_len]: a query sees keys up to its own position
                 mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
             group = q.shape[1] // ki.shape[1]
-            if group > 1:
+            if group > 1 and q.device.type == "cpu":
                 # K/V heads repeated for the query heads that share them: SDPA with
                 # enable_gqa takes torch's slow math path on the CPU, this its fused kernel
                 ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             out[start:end] = F.scaled_dot_product_attention(
                 qi.unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=scale,
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=ki.shape[1] != q.shape[1],
             )[0].transpose(0, 1)  # [1, num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
@@ -199,19 +199,33 @@ class CpuPagedAttention(SdpaAttention):
         self._kernel = lib.paged_decode_f32
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
-        if q.dtype != torch.float32 or q.device.type != "cpu":
+        # the kernel trusts its pointers: everything it assumes is checked here,
+        # so a bad input raises instead of reading outside a buffer
+        num_seqs, num_heads, head_dim = q.shape
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k_cache, v_cache)):
             raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+            raise ValueError("cpu_paged needs contiguous K and V caches of one shape")
+        _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+        if cache_head_dim != head_dim or block_size != meta.block_size or num_heads % num_kv_heads:
+            raise ValueError(
+                f"cpu_paged: queries {tuple(q.shape)} do not fit a cache of {tuple(k_cache.shape)} "
+                f"with block_size {meta.block_size}"
+            )
+        if meta.block_tables.dtype != torch.int64 or meta.seq_lens_tensor.dtype != torch.int64:
+            raise ValueError("cpu_paged needs int64 block tables and sequence lengths")
+        if max(meta.seq_lens[meta.num_prefills :]) > meta.block_tables.shape[1] * block_size:
+            raise ValueError("cpu_paged: a sequence is longer than its block table")
         q = q.contiguous()
         result = out if out.is_contiguous() else torch.empty_like(q)
         tables = meta.block_tables[meta.num_prefills :]
         seq_lens = meta.seq_lens_tensor[meta.num_prefills :]
         if not (tables.is_contiguous() and seq_lens.is_contiguous()):
             tables, seq_lens = tables.contiguous(), seq_lens.contiguous()
-        num_seqs, num_heads, head_dim = q.shape
         failed = self._kernel(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), result.data_ptr(),
-            num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], torch.get_num_threads(), scale,
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(), scale,
         )
         if failed:
             raise MemoryError("paged decode kernel: out of memory for its scratch buffers")

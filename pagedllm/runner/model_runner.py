@@ -31,12 +31,13 @@ _MIN_TEMPERATURE = 1e-5
 
 
 def _cpu_has_native_bf16() -> bool:
+    # x86 lists "flags", Arm "Features" (where bf16 is the Armv8.6 extension)
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16", "bf16"))
 
 
 def _available_memory_bytes(device: torch.device) -> int:

@@ -91,7 +91,7 @@ class TokenLogprobs:
 
     token_id: int
     logprob: float
-    rank: int  # 0 when the request did not ask for logprobs (not computed)
+    rank: int | None  # None when the request did not ask for logprobs (not computed)
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
 
 
@@ -100,14 +100,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int
 
     logits: [R, vocab] float32; tokens: [R]; num_top[r]: alternatives to list
     for row r, or None when the row's request did not ask for logprobs: it
-    then gets its token's logprob only (for the cumulative logprob) and rank 0,
+    then gets its token's logprob only (for the cumulative logprob) and no rank,
     which saves a full pass over the vocabulary for rank and top-k.
     """
     # log p(token) = logit - logsumexp(logits): one reduction, no [R, vocab] output
     lse = torch.logsumexp(logits, dim=-1)  # [R]
     chosen_logits = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [R]
     chosen = (chosen_logits - lse).tolist()
-    ranks = [0] * len(num_top)
+    ranks: list[int | None] = [None] * len(num_top)
     tops: list[tuple[tuple[int, float], ...]] = [()] * len(num_top)
     asked = [r for r, k in enumerate(num_top) if k is not None]
     if asked:

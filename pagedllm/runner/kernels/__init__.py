@@ -65,6 +65,7 @@ def _build(compiler: str, output: Path) -> None:
             [compiler, *_CFLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
             check=True, capture_output=True, text=True, timeout=120,
         )
+        os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache dir must stay usable
         os.replace(tmp, output)
     finally:
         if os.path.exists(tmp):

@@ -14,35 +14,41 @@
  * w [out_features, in_features] int8, scales and bias [out_features] float32,
  * out [num_rows, out_features] float32. bias may be NULL.
  */
+#include <math.h>
 #include <stdint.h>
+/* The vector loops are written out with intrinsics; the scalar tails use
+   fmaf in source order so that both dot-product paths agree bit for bit
+   (the library is built with -fassociative-math for the attention kernel,
+   which would otherwise let gcc regroup the tails differently). */
+#pragma GCC optimize("no-associative-math")
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
+/* One activation row against one weight row. On AVX2 it adds in exactly the
+   order dot4_i8 (below) uses for each of its rows: two 8-lane accumulators
+   over 16-wide steps, then the scalar tail. So a row's result does not
+   depend on whether it was computed alone or in a group of four, and a
+   sequence's tokens do not depend on how many others decode beside it (up
+   to SMALL_BATCH_ROWS; larger calls use the dequantized GEMM). */
 static inline float dot_i8(const float *x, const int8_t *w, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
-    /* four independent accumulators: one FMA chain would wait on its own
-       latency instead of on memory */
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
-#define LOAD_W8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), LOAD_W8(w + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), LOAD_W8(w + i + 8), acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), LOAD_W8(w + i + 16), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), LOAD_W8(w + i + 24), acc3);
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + i))));
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + i + 8))));
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), w0, a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), w1, b);
     }
-    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), LOAD_W8(w + i), acc0);
-#undef LOAD_W8
-    __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_shuffle_ps(half, half, 1));
-    s = _mm_cvtss_f32(half);
+    __m256 acc = _mm256_add_ps(a, b);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    s = _mm_cvtss_f32(h);
 #endif
-    for (; i < n; i++) s += x[i] * (float)w[i];
+    for (; i < n; i++) s = fmaf(x[i], (float)w[i], s);
     return s;
 }
 
@@ -80,10 +86,10 @@ static inline void dot4_i8(const float *x, int64_t ldx, const int8_t *w, int64_t
     out[3] = hsum256(_mm256_add_ps(a3, b3));
     for (; i < n; i++) {
         const float wi = (float)w[i];
-        out[0] += x0[i] * wi;
-        out[1] += x1[i] * wi;
-        out[2] += x2[i] * wi;
-        out[3] += x3[i] * wi;
+        out[0] = fmaf(x0[i], wi, out[0]);
+        out[1] = fmaf(x1[i], wi, out[1]);
+        out[2] = fmaf(x2[i], wi, out[2]);
+        out[3] = fmaf(x3[i], wi, out[3]);
     }
 }
 #endif
