@@ -140,9 +140,10 @@ def test_cpu_paged_decode_on_model_sized_heads(num_heads: int, num_kv_heads: int
     scale = head_dim**-0.5
     got = CpuPagedAttention().attend(q, None, None, k_cache, v_cache, meta, scale)
     # what the kernel would read past a too-short table or in a wrong dtype is refused
-    bad = AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
     with pytest.raises(ValueError, match="longer than its block table"):
-        CpuPagedAttention().attend(q, None, None, k_cache, v_cache, bad, scale)
+        AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
+    with pytest.raises(ValueError, match="int64"):
+        AttentionMetadata(**{**meta.__dict__, "block_tables": meta.block_tables.int()})
     with pytest.raises(ValueError, match="float32"):
         CpuPagedAttention().attend(q, None, None, k_cache.half(), v_cache.half(), meta, scale)
     with pytest.raises(ValueError, match="do not fit"):
@@ -177,3 +178,28 @@ def test_forward_writes_new_kv_through_the_slot_mapping() -> None:
         v_seq = gather_context(v_cache, meta.block_tables[i], computed + new, BLOCK_SIZE)
         torch.testing.assert_close(k_seq, full[i][0])
         torch.testing.assert_close(v_seq, full[i][1])
+
+
+def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    from pagedllm.runner import kernels
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    kernels._load.cache_clear()
+    try:
+        assert kernels.load_kernels() is None
+        assert "no-such-compiler" in kernels.kernels_failure()
+        assert make_backend("auto", "cpu", torch.float32).name == "sdpa"
+        with pytest.raises(ValueError, match="cannot be built here"):
+            make_backend("cpu_paged", "cpu", torch.float32)
+        from torch import nn
+
+        from pagedllm.models.int8_linear import quantize_model_int8
+
+        with pytest.raises(ValueError, match="int8.*cannot be built here"):
+            quantize_model_int8(nn.Sequential(nn.Linear(4, 4)))
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.so"))
+    finally:
+        monkeypatch.undo()
+        kernels._load.cache_clear()
+    assert kernels.load_kernels() is not None  # the real compiler again, for the tests after this one

@@ -63,3 +63,17 @@ def test_linear_backends_agree_on_greedy_tokens(tiny_model_dirs: dict[str, str])
     assert tokens["torch"] == tokens["onednn"]
     auto = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=64, max_model_len=256, block_size=8)
     assert auto.llm_engine.model_runner.linear_backend == "onednn"
+
+
+def test_bfloat16_on_a_cpu_without_native_bf16_warns(tiny_model_dirs: dict[str, str], monkeypatch, caplog) -> None:  # noqa: ANN001
+    from pagedllm.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "_cpu_has_native_bf16", lambda: False)
+    with caplog.at_level("WARNING", logger="pagedllm.runner.model_runner"):
+        LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16")
+    assert any("without native bf16" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(model_runner, "_cpu_has_native_bf16", lambda: True)
+    with caplog.at_level("WARNING", logger="pagedllm.runner.model_runner"):
+        LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16")
+    assert not any("without native bf16" in r.getMessage() for r in caplog.records)

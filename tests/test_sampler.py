@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.runner.sampler import Sampler, SamplingTensors
+from pagedllm.runner.sampler import Sampler, SamplingTensors, token_logprobs
 
 VOCAB = 6
 # distinct probabilities (no ties) so that "sorted order" is unambiguous
@@ -399,3 +399,22 @@ def test_sampler_does_not_modify_the_logits():
     before = logits.clone()
     Sampler()(logits, make_tensors(temperatures=[0.5, 1.0], uniforms=[0.3, 0.9], top_ks=[2, 0], top_ps=[1.0, 0.7]))
     assert torch.equal(logits, before)
+
+
+def test_token_logprobs_rank_and_top_only_when_asked():
+    """Rows that asked for logprobs get rank and top-k; the others their token's logprob only."""
+    logits = torch.tensor([[2.0, 0.5, 1.0, -1.0], [0.1, 0.2, 3.0, 0.0], [1.0, 1.0, 0.0, 5.0]])
+    tokens = torch.tensor([2, 2, 0])
+    out = token_logprobs(logits, tokens, [None, 2, 0])
+    # independent of the implementation: log p = logit - log(sum(exp(logits)))
+    for row, t in enumerate(out):
+        want = logits[row, tokens[row]].item() - math.log(sum(math.exp(v) for v in logits[row].tolist()))
+        assert t.logprob == pytest.approx(want, abs=1e-6)
+        assert t.token_id == tokens[row].item()
+    assert out[0].rank is None and out[0].top == ()
+    # row 1: token 2 is the most likely; top 2 are tokens 2 then 1
+    assert out[1].rank == 1
+    assert [tid for tid, _ in out[1].top] == [2, 1]
+    assert out[1].top[0][1] == pytest.approx(out[1].logprob, abs=1e-6)
+    # row 2: token 0 ties with token 1 behind token 3, so rank 2; no alternatives asked
+    assert out[2].rank == 2 and out[2].top == ()

@@ -8,7 +8,7 @@ import json
 import platform
 import time
 
-from pagedllm.bench.workload import make_workload
+from pagedllm.bench.workload import make_workload, throughput_record
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,24 +42,17 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     elapsed = time.perf_counter() - start
 
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    num_prompt = sum(len(r.prompt_token_ids) for r in workload)
     expected_out = sum(r.output_len for r in workload)
     if num_out != expected_out:
         raise RuntimeError(f"generated {num_out} tokens, the workload asks for {expected_out}")
-    result = {
-        "engine": "pagedllm",
-        "num_requests": len(workload),
-        "prompt_tokens": num_prompt,
-        "output_tokens": num_out,
-        "elapsed_s": round(elapsed, 3),
-        "requests_per_s": round(len(workload) / elapsed, 3),
-        "output_tokens_per_s": round(num_out / elapsed, 2),
-        "total_tokens_per_s": round((num_out + num_prompt) / elapsed, 2),
-        "num_kv_blocks": engine.block_manager.num_blocks,
-        "peak_kv_blocks_used": engine.peak_used_blocks,
-        "num_preemptions": engine.scheduler.num_preemptions,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-    }
+    result = throughput_record(
+        "pagedllm", workload, elapsed,
+        num_kv_blocks=engine.block_manager.num_blocks,
+        peak_kv_blocks_used=engine.peak_used_blocks,
+        num_preemptions=engine.scheduler.num_preemptions,
+        machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+    )
+    num_prompt = result["prompt_tokens"]
     print(
         f"{result['num_requests']} requests, {num_prompt} prompt + {num_out} output tokens in "
         f"{elapsed:.2f}s: {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.1f} "

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 
-from pagedllm.bench.workload import BenchRequest
+from pagedllm.bench.workload import BenchRequest, throughput_record
 
 
 def load_model(model_path: str):  # noqa: ANN201
@@ -37,20 +37,7 @@ def load_model(model_path: str):  # noqa: ANN201
 def _result(name: str, workload: list[BenchRequest], elapsed: float, extra: dict) -> dict:
     import transformers
 
-    num_out = sum(r.output_len for r in workload)
-    num_prompt = sum(len(r.prompt_token_ids) for r in workload)
-    return {
-        "engine": name,
-        "version": transformers.__version__,
-        "num_requests": len(workload),
-        "prompt_tokens": num_prompt,
-        "output_tokens": num_out,
-        "elapsed_s": round(elapsed, 3),
-        "requests_per_s": round(len(workload) / elapsed, 3),
-        "output_tokens_per_s": round(num_out / elapsed, 2),
-        "total_tokens_per_s": round((num_out + num_prompt) / elapsed, 2),
-        **extra,
-    }
+    return throughput_record(name, workload, elapsed, version=transformers.__version__, **extra)
 
 
 def warm_up(model, workload: list[BenchRequest]) -> None:  # noqa: ANN001

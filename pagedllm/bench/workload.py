@@ -32,3 +32,24 @@ def make_workload(num_requests: int, min_len: int, max_len: int, seed: int) -> l
         ids = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(prompt_len)]
         requests.append(BenchRequest(ids, output_len))
     return requests
+
+
+def throughput_record(engine: str, workload: list[BenchRequest], elapsed: float, **extra: object) -> dict:
+    """The result line every engine's throughput run prints: the same fields for ours and the peers'.
+
+    Output tokens are the workload's (each request produces exactly its
+    ``output_len``; runners check that before calling this).
+    """
+    num_out = sum(r.output_len for r in workload)
+    num_prompt = sum(len(r.prompt_token_ids) for r in workload)
+    return {
+        "engine": engine,
+        "num_requests": len(workload),
+        "prompt_tokens": num_prompt,
+        "output_tokens": num_out,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(len(workload) / elapsed, 3),
+        "output_tokens_per_s": round(num_out / elapsed, 2),
+        "total_tokens_per_s": round((num_out + num_prompt) / elapsed, 2),
+        **extra,
+    }

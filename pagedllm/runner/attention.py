@@ -42,6 +42,14 @@ class AttentionMetadata:
     num_prefills: int  # sequences [0, num_prefills) are prefills
     block_size: int
 
+    def __post_init__(self) -> None:
+        # checked once per step, here, rather than in every layer: native
+        # kernels trust these tensors with raw pointers
+        if self.block_tables.dtype != torch.int64 or self.seq_lens_tensor.dtype != torch.int64:
+            raise ValueError("block_tables and seq_lens_tensor must be int64")
+        if self.seq_lens and max(self.seq_lens) > self.block_tables.shape[1] * self.block_size:
+            raise ValueError("a sequence is longer than its block table")
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
@@ -199,8 +207,9 @@ class CpuPagedAttention(SdpaAttention):
         self._kernel = lib.paged_decode_f32
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
-        # the kernel trusts its pointers: everything it assumes is checked here,
-        # so a bad input raises instead of reading outside a buffer
+        # the kernel trusts its pointers: what it assumes of the tensors is checked
+        # here (the metadata checks itself), so a bad input raises instead of
+        # reading outside a buffer
         num_seqs, num_heads, head_dim = q.shape
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k_cache, v_cache)):
             raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
@@ -212,10 +221,6 @@ class CpuPagedAttention(SdpaAttention):
                 f"cpu_paged: queries {tuple(q.shape)} do not fit a cache of {tuple(k_cache.shape)} "
                 f"with block_size {meta.block_size}"
             )
-        if meta.block_tables.dtype != torch.int64 or meta.seq_lens_tensor.dtype != torch.int64:
-            raise ValueError("cpu_paged needs int64 block tables and sequence lengths")
-        if max(meta.seq_lens[meta.num_prefills :]) > meta.block_tables.shape[1] * block_size:
-            raise ValueError("cpu_paged: a sequence is longer than its block table")
         q = q.contiguous()
         result = out if out.is_contiguous() else torch.empty_like(q)
         tables = meta.block_tables[meta.num_prefills :]

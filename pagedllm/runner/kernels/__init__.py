@@ -16,6 +16,7 @@ int8 layers to a dequantized matmul).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -35,8 +36,6 @@ _CFLAGS = [
     "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
     "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
 ]
-_loaded: dict[str, ctypes.CDLL | None] = {}
-_failure: dict[str, str] = {}
 
 
 def _cpu_flags() -> str:
@@ -72,11 +71,9 @@ def _build(compiler: str, output: Path) -> None:
             os.unlink(tmp)
 
 
-def load_kernels() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None when it cannot be built here."""
-    if "lib" in _loaded:
-        return _loaded["lib"]
-    lib = None
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """Build (once per process) and load the library: (library, None) or (None, why not)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     try:
         if compiler is None:
@@ -90,30 +87,33 @@ def load_kernels() -> ctypes.CDLL | None:
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
-        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        lib.paged_decode_f32.restype = i32
-        lib.paged_decode_f32.argtypes = [
-            ptr, ptr, ptr,  # q, k_cache, v_cache
-            ptr, i64, ptr,  # block_tables, table_stride, seq_lens
-            ptr,  # out
-            i32, i32, i32, i32,  # num_seqs, num_heads, num_kv_heads, head_dim
-            i32, i32, ctypes.c_float,  # block_size, num_threads, scale
-        ]
-        lib.int8_linear_f32.restype = None
-        lib.int8_linear_f32.argtypes = [
-            ptr, i64, i64, ptr,  # x, num_rows, in_features, w
-            ptr, ptr, i64, ptr,  # scales, bias, out_features, out
-            i32,  # num_threads
-        ]
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        _failure["lib"] = detail
         logger.warning("native CPU kernels unavailable, using the torch paths: %s", detail)
-        lib = None
-    _loaded["lib"] = lib
-    return lib
+        return None, detail
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.paged_decode_f32.restype = i32
+    lib.paged_decode_f32.argtypes = [
+        ptr, ptr, ptr,  # q, k_cache, v_cache
+        ptr, i64, ptr,  # block_tables, table_stride, seq_lens
+        ptr,  # out
+        i32, i32, i32, i32,  # num_seqs, num_heads, num_kv_heads, head_dim
+        i32, i32, ctypes.c_float,  # block_size, num_threads, scale
+    ]
+    lib.int8_linear_f32.restype = None
+    lib.int8_linear_f32.argtypes = [
+        ptr, i64, i64, ptr,  # x, num_rows, in_features, w
+        ptr, ptr, i64, ptr,  # scales, bias, out_features, out
+        i32,  # num_threads
+    ]
+    return lib, None
+
+
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be built here."""
+    return _load()[0]
 
 
 def kernels_failure() -> str | None:
-    """Why the kernels could not be loaded (None if they loaded or were not tried)."""
-    return _failure.get("lib")
+    """Why the kernels could not be loaded (None if they loaded)."""
+    return _load()[1]
