@@ -73,11 +73,6 @@ def _quantize_hf_model(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.fixture(scope="module")
-def smollm_int8() -> LLM:
-    return LLM(num_kv_blocks=256, max_model_len=512, quantization="int8")
-
-
 def test_smollm_int8_greedy_matches_quantized_transformers(smollm_int8: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
     hf = _quantize_hf_model(copy.deepcopy(hf_smollm))  # the shared oracle stays float32
     texts = ["The capital of France is", "def fibonacci(n):"]

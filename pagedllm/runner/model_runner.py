@@ -18,6 +18,7 @@ from pagedllm.models.int8_linear import quantize_model_int8
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.onednn_linear import onednn_available, use_onednn_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
+from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -123,6 +124,11 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
         self.sampler = Sampler()
+        # small int8 decode steps run the whole decoder in one native call
+        # (runner/fused_decode.py); it reads the cache the way cpu_paged does
+        self.fused_decode: FusedDecode | None = None
+        if config.quantization == "int8" and self.backend.name == "cpu_paged":
+            self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
 
     # --- sizing --------------------------------------------------------------
     @property
@@ -224,7 +230,10 @@ class ModelRunner:
         order = sorted(range(len(output.scheduled)), key=lambda i: output.scheduled[i].num_new_tokens == 1)
         scheduled = [output.scheduled[i] for i in order]
         input_ids, positions, meta = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.fused_decode is not None and self.fused_decode.accepts(meta, input_ids.shape[0]):
+            hidden = self.fused_decode(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # one row per sample; forks reuse their parent's last hidden state
         rows: list[tuple[Sequence, SamplingParams]] = []

@@ -1,10 +1,12 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
-Two kernels, plain C with OpenMP and no torch headers, built into one shared
-library in about a second with gcc and called through ctypes on tensors'
-data pointers: ``paged_decode.c`` (decode attention reading KV blocks in
-place) and ``int8_linear.c`` (weight-only int8 matmul for a few rows). The
-built library is cached under
+Three kernels, plain C with OpenMP and no torch headers, built into one
+shared library in a few seconds with gcc and called through ctypes on
+tensors' data pointers: ``paged_decode.c`` (decode attention reading KV
+blocks in place), ``int8_linear.c`` (weight-only int8 matmul for a few rows)
+and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
+built from the other two through the shared headers ``paged_attention.h``
+and ``int8_dot.h``). The built library is cached under
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
 the flags, the compiler and this CPU's feature flags (it is built with
 ``-march=native``). Where no compiler is found or the build fails,
@@ -29,6 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -ffast-math is avoided on purpose: linking with it would switch the whole
 # process to flush-to-zero. Reassociation alone lets gcc vectorise the dot
 # products.
@@ -79,7 +82,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         if compiler is None:
             raise RuntimeError("no C compiler (gcc or cc) on PATH")
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        sources = "\0".join(p.read_text() for p in _SOURCES)
+        sources = "\0".join(p.read_text() for p in [*_SOURCES, *_HEADERS])
         key = hashlib.sha256(
             "\0".join([sources, " ".join(_CFLAGS), version, platform.machine(), _cpu_flags()]).encode()
         ).hexdigest()[:16]
@@ -104,6 +107,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.int8_linear_f32.argtypes = [
         ptr, i64, i64, ptr,  # x, num_rows, in_features, w
         ptr, ptr, i64, ptr,  # scales, bias, out_features, out
+        i32,  # num_threads
+    ]
+    lib.decode_step_i8.restype = i32
+    lib.decode_step_i8.argtypes = [
+        ptr, ptr, i64, ptr, ptr,  # model, x, num_rows, positions, slots
+        ptr, i64, ptr, ptr,  # block_tables, table_stride, seq_lens, out
         i32,  # num_threads
     ]
     return lib, None

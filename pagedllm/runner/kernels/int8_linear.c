@@ -6,134 +6,32 @@
  * Decode with few sequences is bound by memory bandwidth: every weight is
  * read once per step and used for only a few rows. Reading one byte per
  * weight instead of four is the whole point; the int8 -> float conversion
- * happens in registers (gcc vectorises the loop with -O3 -march=native).
- * Each weight row is loaded once and applied to every activation row while
- * it is still in L1.
+ * happens in registers. The dot products and the tile loop live in
+ * int8_dot.h, shared with the fused decode step (decode_step.c).
  *
  * Layouts (contiguous): x [num_rows, in_features] float32,
  * w [out_features, in_features] int8, scales and bias [out_features] float32,
  * out [num_rows, out_features] float32. bias may be NULL.
  */
-#include <math.h>
-#include <stdint.h>
-/* The vector loops are written out with intrinsics; the scalar tails use
-   fmaf in source order so that both dot-product paths agree bit for bit
-   (the library is built with -fassociative-math for the attention kernel,
-   which would otherwise let gcc regroup the tails differently). */
-#pragma GCC optimize("no-associative-math")
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "int8_dot.h"
 
-/* One activation row against one weight row. On AVX2 it adds in exactly the
-   order dot4_i8 (below) uses for each of its rows: two 8-lane accumulators
-   over 16-wide steps, then the scalar tail. So a row's result does not
-   depend on whether it was computed alone or in a group of four, and a
-   sequence's tokens do not depend on how many others decode beside it (up
-   to SMALL_BATCH_ROWS; larger calls use the dequantized GEMM). */
-static inline float dot_i8(const float *x, const int8_t *w, int64_t n) {
-    int64_t i = 0;
-    float s = 0.0f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + i))));
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + i + 8))));
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), w0, a);
-        b = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), w1, b);
-    }
-    __m256 acc = _mm256_add_ps(a, b);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    s = _mm_cvtss_f32(h);
-#endif
-    for (; i < n; i++) s = fmaf(x[i], (float)w[i], s);
-    return s;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum256(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-    return _mm_cvtss_f32(h);
-}
-
-/* Four activation rows against one weight row: each group of 8 weights is
-   widened to float once and used four times, which halves the work per
-   multiply-add compared with four separate dot products. */
-static inline void dot4_i8(const float *x, int64_t ldx, const int8_t *w, int64_t n, float out[4]) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + i))));
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + i + 8))));
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i), w0, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i), w0, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i), w0, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i), w0, a3);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + i + 8), w1, b0);
-        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + i + 8), w1, b1);
-        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(x2 + i + 8), w1, b2);
-        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(x3 + i + 8), w1, b3);
-    }
-    out[0] = hsum256(_mm256_add_ps(a0, b0));
-    out[1] = hsum256(_mm256_add_ps(a1, b1));
-    out[2] = hsum256(_mm256_add_ps(a2, b2));
-    out[3] = hsum256(_mm256_add_ps(a3, b3));
-    for (; i < n; i++) {
-        const float wi = (float)w[i];
-        out[0] = fmaf(x0[i], wi, out[0]);
-        out[1] = fmaf(x1[i], wi, out[1]);
-        out[2] = fmaf(x2[i], wi, out[2]);
-        out[3] = fmaf(x3[i], wi, out[3]);
-    }
-}
-#endif
-
-/* Rows are taken in chunks of ROW_CHUNK and output channels in tiles of
-   TILE_N. Within a chunk, a tile's int8 rows (TILE_N * in_features bytes)
-   stay in L1/L2 while each group of four activation rows passes over them,
-   and the chunk's activations (ROW_CHUNK * in_features floats) stay in L2:
+/* Rows are taken in chunks of ROW_CHUNK so that a chunk's activations
+   (ROW_CHUNK * in_features floats) stay in L2 while the tiles pass:
 
        for each chunk of 64 rows:            (weights re-read once per chunk)
          parallel for each tile of 32 output channels:
            for each group of 4 rows:  4 x 32 dot products of length in_features
 */
-#define TILE_N 32
 #define ROW_CHUNK 64
 
 void int8_linear_f32(const float *x, int64_t num_rows, int64_t in_features, const int8_t *w,
                      const float *scales, const float *bias, int64_t out_features, float *out,
                      int num_threads) {
-    const int64_t num_tiles = (out_features + TILE_N - 1) / TILE_N;
+    const int64_t num_tiles = int8_num_tiles(out_features);
     for (int64_t m0 = 0; m0 < num_rows; m0 += ROW_CHUNK) {
         const int64_t m1 = m0 + ROW_CHUNK < num_rows ? m0 + ROW_CHUNK : num_rows;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t tile = 0; tile < num_tiles; tile++) {
-            const int64_t n0 = tile * TILE_N;
-            const int64_t n1 = n0 + TILE_N < out_features ? n0 + TILE_N : out_features;
-            int64_t m = m0;
-#if defined(__AVX2__) && defined(__FMA__)
-            float acc[4];
-            for (; m + 4 <= m1; m += 4) {
-                for (int64_t n = n0; n < n1; n++) {
-                    dot4_i8(x + m * in_features, in_features, w + n * in_features, in_features, acc);
-                    const float b = bias ? bias[n] : 0.0f;
-                    for (int r = 0; r < 4; r++) out[(m + r) * out_features + n] = scales[n] * acc[r] + b;
-                }
-            }
-#endif
-            for (; m < m1; m++) {
-                for (int64_t n = n0; n < n1; n++) {
-                    const float b = bias ? bias[n] : 0.0f;
-                    out[m * out_features + n] =
-                        scales[n] * dot_i8(x + m * in_features, w + n * in_features, in_features) + b;
-                }
-            }
-        }
+        for (int64_t tile = 0; tile < num_tiles; tile++)
+            int8_linear_tile(x, m0, m1, in_features, w, scales, bias, out_features, out, tile);
     }
 }

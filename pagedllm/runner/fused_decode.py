@@ -1,0 +1,136 @@
+"""Small int8 decode steps in one native call (``kernels/decode_step.c``).
+
+With few sequences decoding and int8 weights, a step of SmolLM2-135M reads
+its ~135 MB of weights in a few milliseconds, and the layer-by-layer path
+spends longer again in Python and torch dispatch: about 20 small ops and 5
+kernel calls per layer, 30 layers. ``FusedDecode`` hands the whole decoder
+to one C function instead: the embedding lookup, the LM head and sampling
+stay in torch; everything between runs in one OpenMP region.
+
+It is used automatically when the engine runs int8 weights with the
+``cpu_paged`` attention backend and a step is decode-only with at most
+``SMALL_BATCH_ROWS`` tokens (where the int8 kernel is used layer by layer
+too, so both paths compute the linear layers with the same arithmetic);
+other steps take the layer-by-layer path. Tests compare the two.
+
+The C side reads raw pointers to the model's weights, the RoPE tables and
+the KV cache, collected once here into ``ctypes`` structures that mirror
+the C ones; this object keeps the tensors they point into alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedllm.models.int8_linear import SMALL_BATCH_ROWS, Int8Linear
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.runner.attention import AttentionMetadata
+from pagedllm.runner.kernels import load_kernels
+
+_ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr)]
+
+
+class _DecodeLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+        ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+        ("k_cache", _ptr), ("v_cache", _ptr),
+    ]
+
+
+class _DecodeModel(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i64), ("hidden_size", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+        ("head_dim", _i64), ("intermediate_size", _i64), ("num_slots", _i64), ("max_position", _i64),
+        ("block_size", _i64), ("norm_eps", _f32), ("scale", _f32),
+        ("final_norm", _ptr), ("cos", _ptr), ("sin", _ptr), ("layers", ctypes.POINTER(_DecodeLayer)),
+    ]
+
+
+class FusedDecode:
+    """The decoder of an int8 ``LlamaForCausalLM`` for small decode steps, in one call.
+
+    Args:
+        model: the model, every linear layer of its decoder an ``Int8Linear``.
+        kv_caches: per layer (K, V) caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_size: tokens per KV block.
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int
+    ) -> None:
+        lib = load_kernels()
+        if lib is None:
+            raise ValueError("the fused decode step needs the native CPU kernels")
+        self._kernel = lib.decode_step_i8
+        cfg = model.config
+        self.model = model
+        # the tensors the C structures point into; held so they outlive the pointers
+        self._tensors: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            if t.dtype not in (torch.float32, torch.int8) or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("the fused decode step needs contiguous float32/int8 CPU tensors")
+            self._tensors.append(t)
+            return t.data_ptr()
+
+        def qlinear(layer: torch.nn.Module) -> _QLinear:
+            if not isinstance(layer, Int8Linear):
+                raise ValueError(f"the fused decode step needs int8 linear layers, got {type(layer).__name__}")
+            return _QLinear(keep(layer.qweight), keep(layer.scales), keep(layer.bias))
+
+        layers = model.model.layers
+        self._layers = (_DecodeLayer * len(layers))()
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
+            attn = layer.self_attn
+            if k_cache.shape != v_cache.shape or k_cache.shape[1:] != (block_size, cfg.num_key_value_heads, cfg.head_dim):
+                raise ValueError(f"layer {i}: KV cache of shape {tuple(k_cache.shape)} does not fit the model")
+            self._layers[i] = _DecodeLayer(
+                keep(layer.input_layernorm.weight.data), keep(layer.post_attention_layernorm.weight.data),
+                keep(attn.q_norm.weight.data if attn.q_norm is not None else None),
+                keep(attn.k_norm.weight.data if attn.k_norm is not None else None),
+                qlinear(attn.qkv_proj), qlinear(attn.o_proj), qlinear(layer.mlp.gate_up_proj),
+                qlinear(layer.mlp.down_proj), keep(k_cache), keep(v_cache),
+            )
+        rotary = model.model.rotary
+        num_blocks = kv_caches[0][0].shape[0]
+        self._model = _DecodeModel(
+            len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, num_blocks * block_size, rotary.cos.shape[0], block_size,
+            cfg.rms_norm_eps, layers[0].self_attn.scale,
+            keep(model.model.norm.weight.data), keep(rotary.cos), keep(rotary.sin), self._layers,
+        )
+
+    @staticmethod
+    def accepts(meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether a step fits: decode tokens only (one per sequence), at most ``SMALL_BATCH_ROWS``."""
+        return meta.num_prefills == 0 and num_tokens == meta.num_seqs and num_tokens <= SMALL_BATCH_ROWS
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden]`` (after the last norm), as the model's forward."""
+        if not self.accepts(meta, input_ids.shape[0]):
+            raise ValueError("the fused decode step takes decode-only steps of at most "
+                             f"{SMALL_BATCH_ROWS} sequences")
+        if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
+            raise ValueError("positions and the slot mapping must be int64")
+        x = self.model.model.embed_tokens(input_ids).contiguous()  # [num_tokens, hidden], the residual stream
+        out = torch.empty_like(x)  # [num_tokens, hidden]
+        tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens_tensor.contiguous()
+        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        status = self._kernel(
+            ctypes.byref(self._model), x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )
+        if status == 1:
+            raise MemoryError("fused decode step: out of memory for its scratch buffers")
+        if status == 2:
+            raise ValueError("fused decode step: a slot or position is outside the cache or the RoPE table")
+        return out

@@ -1,0 +1,139 @@
+"""The fused int8 decode step computes what the layer-by-layer path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.int8_linear import SMALL_BATCH_ROWS
+from pagedllm.runner.attention import AttentionMetadata
+from pagedllm.runner.fused_decode import FusedDecode
+
+
+class _Checked:
+    """Wraps a runner's FusedDecode: every fused step is recomputed layer by layer and compared."""
+
+    def __init__(self, runner) -> None:  # noqa: ANN001
+        self.runner, self.fused, self.num_calls = runner, runner.fused_decode, 0
+
+    def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return self.fused.accepts(meta, num_tokens)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.num_calls += 1
+        got = self.fused(input_ids, positions, meta)
+        slots = meta.slot_mapping
+        k_after_fused = [k.flatten(0, 1)[slots].clone() for k, _ in self.runner.kv_caches]
+        # the eager path writes the same slots again (same values up to rounding) and reads the same blocks
+        want = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for before, (k, _) in zip(k_after_fused, self.runner.kv_caches):
+            torch.testing.assert_close(before, k.flatten(0, 1)[slots], rtol=1e-5, atol=1e-5)
+        return got
+
+
+def _prompts(num: int, seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    # lengths cross block boundaries of the 8-token blocks used below
+    return [
+        {"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=gen).tolist()}
+        for n in torch.randint(3, 40, (num,), generator=gen)
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
+def test_fused_step_equals_layer_by_layer_tiny(arch: str, tiny_model_dirs: dict[str, str]) -> None:
+    # llama/qwen2: head_dim 16 (the generic attention path), GQA 4 on 2; qwen2: q/k/v biases;
+    # qwen3: per-head q/k norms, head_dim 32; llama3: scaled RoPE
+    llm = LLM(tiny_model_dirs[arch], num_kv_blocks=96, max_model_len=256, block_size=8, quantization="int8")
+    runner = llm.llm_engine.model_runner
+    assert isinstance(runner.fused_decode, FusedDecode)
+    checked = runner.fused_decode = _Checked(runner)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(_prompts(SMALL_BATCH_ROWS, 1), params, use_tqdm=False)]
+    assert checked.num_calls == 23  # every decode step of the batch
+    runner.fused_decode = None
+    eager = [o.outputs[0].token_ids for o in llm.generate(_prompts(SMALL_BATCH_ROWS, 1), params, use_tqdm=False)]
+    assert fused == eager
+    assert llm.llm_engine.block_manager.num_free_blocks == 96
+
+
+def test_fused_step_equals_layer_by_layer_smollm(smollm_int8: LLM) -> None:
+    runner = smollm_int8.llm_engine.model_runner
+    fused = runner.fused_decode
+    checked = runner.fused_decode = _Checked(runner)
+    try:
+        texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        smollm_int8.generate(texts, params, use_tqdm=False)
+        assert checked.num_calls == 15
+        # samples of one prompt fork its blocks (copy-on-write before the step), seeded sampling
+        sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+        with_fused = [c.token_ids for c in smollm_int8.generate(texts[0], sampled, use_tqdm=False)[0].outputs]
+        assert checked.num_calls == 26
+    finally:
+        runner.fused_decode = fused
+    runner.fused_decode = None
+    try:
+        without = [c.token_ids for c in smollm_int8.generate(texts[0], sampled, use_tqdm=False)[0].outputs]
+    finally:
+        runner.fused_decode = fused
+    assert with_fused == without
+    assert smollm_int8.llm_engine.block_manager.num_free_blocks == 256
+
+
+def test_fused_step_only_for_small_decode_steps(smollm_int8: LLM) -> None:
+    runner = smollm_int8.llm_engine.model_runner
+    fused = runner.fused_decode
+    checked = runner.fused_decode = _Checked(runner)
+    try:
+        # 5 sequences decode together: the layer-by-layer path, until one finishes
+        texts = ["a", "b c", "d e f", "g h", "i"]
+        lengths = [4, 6, 6, 6, 6]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        smollm_int8.generate(texts, params, use_tqdm=False)
+        # steps: 1 prefill, 3 decodes with 5 sequences, then 2 with 4 (fused)
+        assert checked.num_calls == 2
+    finally:
+        runner.fused_decode = fused
+
+
+def test_fused_decode_only_with_int8_and_cpu_paged(tiny_model_dirs: dict[str, str]) -> None:
+    path = tiny_model_dirs["llama"]
+    assert LLM(path, num_kv_blocks=32, max_model_len=128, block_size=8).llm_engine.model_runner.fused_decode is None
+    llm = LLM(path, num_kv_blocks=32, max_model_len=128, block_size=8, quantization="int8", attention_backend="sdpa")
+    assert llm.llm_engine.model_runner.fused_decode is None
+
+
+def test_fused_decode_refuses_bad_steps(smollm_int8: LLM) -> None:
+    runner = smollm_int8.llm_engine.model_runner
+    fused: FusedDecode = runner.fused_decode
+    num_slots = runner.num_kv_blocks * runner.block_size
+
+    def meta(slot: int, num_seqs: int = 1, num_prefills: int = 0) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([slot] * num_seqs), block_tables=torch.zeros(num_seqs, 1, dtype=torch.int64),
+            seq_lens_tensor=torch.ones(num_seqs, dtype=torch.int64), query_start_loc=list(range(num_seqs + 1)),
+            seq_lens=[1] * num_seqs, num_computed=[0] * num_seqs, num_prefills=num_prefills,
+            block_size=runner.block_size,
+        )
+
+    ids, pos = torch.tensor([5]), torch.tensor([0])
+    before = runner.kv_cache.clone()
+    with pytest.raises(ValueError, match="outside the cache"):
+        fused(ids, pos, meta(num_slots))
+    with pytest.raises(ValueError, match="outside the cache"):
+        fused(ids, torch.tensor([10**6]), meta(0))
+    assert torch.equal(before, runner.kv_cache)  # nothing written
+    many = SMALL_BATCH_ROWS + 1
+    assert not fused.accepts(meta(0, many), many)
+    with pytest.raises(ValueError, match="decode-only"):
+        fused(torch.tensor([5] * many), torch.tensor([0] * many), meta(0, many))
+    with pytest.raises(ValueError, match="int64"):
+        fused(ids, pos.int(), meta(0))
+    # a valid one-token step writes its slot and returns one normed hidden row
+    out = fused(ids, pos, meta(3))
+    assert out.shape == (1, runner.model_config.hidden_size) and torch.isfinite(out).all()
+    assert runner.kv_cache[:, :, 0, 3].abs().sum() > 0
+    runner.kv_cache.copy_(before)
