@@ -10,15 +10,15 @@
 #define PAGEDLLM_INT8_DOT_H
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h> /* before the pragma below: the intrinsics keep the default options */
+#endif
 /* The vector loops are written out with intrinsics; the scalar tails use
    fmaf in source order so that both dot-product paths agree bit for bit
    (the library is built with -fassociative-math for the attention kernel,
    which would otherwise let gcc regroup the tails differently). */
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 /* One activation row against one weight row. On AVX2 it adds in exactly the
    order dot4_i8 (below) uses for each of its rows: two 8-lane accumulators

@@ -13,6 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 static inline float dot(const float *a, const float *b, int n) {
     float s = 0.0f;
@@ -88,11 +91,150 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
     }
 }
 
-/* attend_one with the common head sizes given loops of known length, which
-   gcc unrolls fully. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp of 8 floats: exp(x) = 2^n * exp(r) with n = round(x / ln 2) and
+   |r| <= ln(2) / 2, exp(r) by its degree-6 Taylor polynomial (relative error
+   below 2e-7, about the float32 rounding of expf). ln 2 is split in a part
+   exact in float and a small rest so that r keeps its precision. Inputs
+   below -87 (scores far under the row's max) give 0. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* 2^n: n + 127 in the exponent bits */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* The sums of the 8 lanes of each of a, b, c, d, as 4 floats */
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd); /* [a0 b0 c0 d0 | a1 b1 c1 d1] partial sums */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* attend_one with 8-wide vectors for head_dim a multiple of 8 (the same
+   three passes). Scores: four tokens at a time, each q . k kept as a vector
+   of partial sums and the four reduced together, instead of one horizontal
+   sum per dot product. Values: a 64-float slice of one head's output stays
+   in registers while a block's value rows are added into it. */
+static inline __attribute__((always_inline)) void attend_vec(const float *q, const float *k_cache, const float *v_cache,
+                       const int64_t *table, int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim,
+                       int block_size, float scale, int h0, int h1, float *scores) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int nq = (h1 - h0) * group;
+    const float *qh = q + (int64_t)h0 * group * head_dim;
+    const __m256 vscale = _mm256_set1_ps(scale);
+
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t block = table[t0 / block_size];
+        const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
+        const float *kb = k_cache + block * block_size * row;
+        if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_size * row, block_size * row);
+        for (int j = 0; j < nq; j++) {
+            const float *qj = qh + (int64_t)j * head_dim;
+            const float *kj = kb + (int64_t)(h0 + j / group) * head_dim;
+            float *sj = scores + (int64_t)j * len + t0;
+            int64_t i = 0;
+            for (; i + 4 <= n; i += 4) {
+                const float *k0 = kj + i * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+                       a3 = _mm256_setzero_ps();
+                for (int d = 0; d < head_dim; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qj + d);
+                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+                }
+                _mm_storeu_ps(sj + i, _mm_mul_ps(hsum4x8(a0, a1, a2, a3), _mm256_castps256_ps128(vscale)));
+            }
+            for (; i < n; i++) sj[i] = scale * dot(qj, kj + i * row, head_dim);
+        }
+    }
+    for (int j = 0; j < nq; j++) {
+        float *sj = scores + (int64_t)j * len;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; t++) m = sj[t] > m ? sj[t] : m;
+        const __m256 vm = _mm256_set1_ps(m);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vm));
+            _mm256_storeu_ps(sj + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = _mm_cvtss_f32(hsum4x8(vsum, vsum, vsum, vsum));
+        for (; t < len; t++) {
+            sj[t] = expf(sj[t] - m);
+            sum += sj[t];
+        }
+        const float inv = 1.0f / sum;
+        for (t = 0; t < len; t++) sj[t] *= inv;
+    }
+    float *o = out + (int64_t)h0 * group * head_dim;
+    memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t block = table[t0 / block_size];
+        const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
+        const float *vb = v_cache + block * block_size * row;
+        if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_size * row, block_size * row);
+        for (int j = 0; j < nq; j++) {
+            const float *vj = vb + (int64_t)(h0 + j / group) * head_dim;
+            const float *pj = scores + (int64_t)j * len + t0;
+            for (int d0 = 0; d0 < head_dim; d0 += 64) {
+                float *oj = o + (int64_t)j * head_dim + d0;
+                const int width = head_dim - d0 < 64 ? head_dim - d0 : 64;
+                if (width == 64) {
+                    __m256 acc[8];
+                    for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(oj + 8 * c);
+                    for (int64_t i = 0; i < n; i++) {
+                        const __m256 p = _mm256_set1_ps(pj[i]);
+                        const float *v = vj + i * row + d0;
+                        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                    }
+                    for (int c = 0; c < 8; c++) _mm256_storeu_ps(oj + 8 * c, acc[c]);
+                } else {
+                    for (int64_t i = 0; i < n; i++) axpy(oj, pj[i], vj + i * row + d0, width);
+                }
+            }
+        }
+    }
+}
+#endif
+
+
+/* The vector path on AVX2 for head sizes that are multiples of 8, attend_one
+   otherwise; the common head sizes get loops of known length, which gcc
+   unrolls fully. */
 static inline void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
                           int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim, int block_size,
                           float scale, int h0, int h1, float *scores) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (head_dim == 64)
+        attend_vec(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0, h1,
+                   scores);
+    else if (head_dim == 128)
+        attend_vec(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale, h0, h1,
+                   scores);
+    else if (head_dim % 8 == 0)
+        attend_vec(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size, scale, h0,
+                   h1, scores);
+    else
+#else
     if (head_dim == 64)
         attend_one(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0, h1,
                    scores);
@@ -100,6 +242,7 @@ static inline void attend(const float *q, const float *k_cache, const float *v_c
         attend_one(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale, h0, h1,
                    scores);
     else
+#endif
         attend_one(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size, scale, h0,
                    h1, scores);
 }
