@@ -129,7 +129,9 @@ static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
    three passes). Scores: four tokens at a time, each q . k kept as a vector
    of partial sums and the four reduced together, instead of one horizontal
    sum per dot product. Values: a 64-float slice of one head's output stays
-   in registers while a block's value rows are added into it. */
+   in registers while a block's value rows are added into it. Where the
+   compiler targets AVX-512 (-march=native on such a CPU), the inner loops
+   use 16 lanes. */
 static inline __attribute__((always_inline)) void attend_vec(const float *q, const float *k_cache, const float *v_cache,
                        const int64_t *table, int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim,
                        int block_size, float scale, int h0, int h1, float *scores) {
@@ -153,7 +155,24 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
                 const float *k0 = kj + i * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
                 __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
                        a3 = _mm256_setzero_ps();
-                for (int d = 0; d < head_dim; d += 8) {
+                int d = 0;
+#ifdef __AVX512F__
+                /* 16 lanes where the CPU has them, folded to 8 before the reduction */
+                __m512 w0 = _mm512_setzero_ps(), w1 = _mm512_setzero_ps(), w2 = _mm512_setzero_ps(),
+                       w3 = _mm512_setzero_ps();
+                for (; d + 16 <= head_dim; d += 16) {
+                    const __m512 qv = _mm512_loadu_ps(qj + d);
+                    w0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), w0);
+                    w1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), w1);
+                    w2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), w2);
+                    w3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), w3);
+                }
+                a0 = _mm256_add_ps(_mm512_castps512_ps256(w0), _mm512_extractf32x8_ps(w0, 1));
+                a1 = _mm256_add_ps(_mm512_castps512_ps256(w1), _mm512_extractf32x8_ps(w1, 1));
+                a2 = _mm256_add_ps(_mm512_castps512_ps256(w2), _mm512_extractf32x8_ps(w2, 1));
+                a3 = _mm256_add_ps(_mm512_castps512_ps256(w3), _mm512_extractf32x8_ps(w3, 1));
+#endif
+                for (; d < head_dim; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qj + d);
                     a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
                     a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
@@ -199,6 +218,16 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
                 float *oj = o + (int64_t)j * head_dim + d0;
                 const int width = head_dim - d0 < 64 ? head_dim - d0 : 64;
                 if (width == 64) {
+#ifdef __AVX512F__
+                    __m512 acc[4];
+                    for (int c = 0; c < 4; c++) acc[c] = _mm512_loadu_ps(oj + 16 * c);
+                    for (int64_t i = 0; i < n; i++) {
+                        const __m512 p = _mm512_set1_ps(pj[i]);
+                        const float *v = vj + i * row + d0;
+                        for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+                    }
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(oj + 16 * c, acc[c]);
+#else
                     __m256 acc[8];
                     for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(oj + 8 * c);
                     for (int64_t i = 0; i < n; i++) {
@@ -207,6 +236,7 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
                         for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
                     }
                     for (int c = 0; c < 8; c++) _mm256_storeu_ps(oj + 8 * c, acc[c]);
+#endif
                 } else {
                     for (int64_t i = 0; i < n; i++) axpy(oj, pj[i], vj + i * row + d0, width);
                 }
