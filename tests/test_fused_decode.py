@@ -88,12 +88,13 @@ def test_fused_step_only_for_small_decode_steps(smollm_int8: LLM) -> None:
     fused = runner.fused_decode
     checked = runner.fused_decode = _Checked(runner)
     try:
-        # 5 sequences decode together: the layer-by-layer path, until one finishes
-        texts = ["a", "b c", "d e f", "g h", "i"]
-        lengths = [4, 6, 6, 6, 6]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-        smollm_int8.generate(texts, params, use_tqdm=False)
-        # steps: 1 prefill, 3 decodes with 5 sequences, then 2 with 4 (fused)
+        # one sequence more than the fused step takes: the layer-by-layer path
+        # until the short one finishes, then the fused one
+        num_seqs = SMALL_BATCH_ROWS + 1
+        prompts = _prompts(num_seqs, 3)
+        params = [SamplingParams(temperature=0, max_tokens=4 if i == 0 else 6, ignore_eos=True) for i in range(num_seqs)]
+        smollm_int8.generate(prompts, params, use_tqdm=False)
+        # steps: 1 prefill, 3 decodes of all sequences, then 2 without the first (fused)
         assert checked.num_calls == 2
     finally:
         runner.fused_decode = fused

@@ -84,8 +84,10 @@ def test_smollm_int8_greedy_matches_quantized_transformers(smollm_int8: LLM, hf_
 
 
 def test_smollm_int8_batch_equals_one_at_a_time(smollm_int8: LLM) -> None:
-    # 6 sequences decode through the dequantized float32 path, 1 through the kernel
-    texts = ["Hi", "The three primary colors are", "List five fruits:", "Water boils at", "My name is", "2 + 2 ="]
+    # 10 sequences decode through the dequantized float32 path, 1 through the kernel
+    texts = ["Hi", "The three primary colors are", "List five fruits:", "Water boils at", "My name is", "2 + 2 =",
+             "Paris is", "Dogs are", "The sun", "Rain falls"]
+    assert len(texts) > SMALL_BATCH_ROWS
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in smollm_int8.generate(texts, params, use_tqdm=False)]
     alone = [smollm_int8.generate(t, params, use_tqdm=False)[0].outputs[0].token_ids for t in texts]

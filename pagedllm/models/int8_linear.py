@@ -27,9 +27,11 @@ from pagedllm.models.onednn_linear import onednn_linear, pack_weight
 from pagedllm.runner.kernels import load_kernels
 
 # rows at or below which the int8 kernel beats float32 GEMM on the bytes it
-# saves (measured on the 2-vCPU EPYC for SmolLM2's layer shapes: equal at 8
-# rows against oneDNN; see BENCHMARKS.md)
-SMALL_BATCH_ROWS = 4
+# saves, measured on the 2-vCPU EPYC for SmolLM2's layer shapes: the kernel
+# alone matches oneDNN at 8 rows; with the whole step fused
+# (runner/fused_decode.py), 8 sequences decode at 444 tok/s fused against 309
+# layer by layer, 16 at 429 fused against 486 (BENCHMARKS.md)
+SMALL_BATCH_ROWS = 8
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
