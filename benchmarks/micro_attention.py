@@ -1,12 +1,13 @@
 """Decode attention over scattered blocks: the cpu_paged kernel vs the SDPA gather.
 
 One decode step of a SmolLM2-shaped model (30 layers, 9 query / 3 KV heads,
-head_dim 64, 16-token blocks) over a 2 GiB float32 cache, each sequence's
-blocks shuffled across the first 600 blocks of every layer, as the engine's
-cache looks mid-run. Each layer reads its own part of the cache, so K/V come
-from memory, not from the last-level cache.
+head_dim 64, 16-token blocks by default) over a 2 GiB float32 cache, each
+sequence's blocks shuffled across the first 9600 tokens' worth of blocks of
+every layer, as the engine's cache looks mid-run. Each layer reads its own
+part of the cache, so K/V come from memory, not from the last-level cache.
+The rate printed is the context's K/V bytes over the time.
 
-    .venv/bin/python benchmarks/micro_attention.py [--batch 24] [--context 250]
+    .venv/bin/python benchmarks/micro_attention.py [--batch 24] [--context 250] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=24)
     p.add_argument("--context", type=int, default=250)
+    p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args()
-    num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 30, 2912, 16, 9, 3, 64
+    block_size = args.block_size
+    # the same 2 GiB and the same 9600-token region whatever the block size
+    num_layers, num_blocks, num_heads, num_kv_heads, head_dim = 30, 2912 * 16 // block_size, 9, 3, 64
     kv = torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim).normal_()
     rng = random.Random(0)
-    ids = list(range(600))
+    ids = list(range(9600 // block_size))
     rng.shuffle(ids)
     per_seq = (args.context + block_size - 1) // block_size
     if per_seq * args.batch > len(ids):
-        raise ValueError("batch x context needs more than 600 blocks")
+        raise ValueError("batch x context needs more than 9600 tokens of blocks")
     tables = [[ids.pop() for _ in range(per_seq)] for _ in range(args.batch)]
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.int64),
@@ -56,7 +60,9 @@ def main() -> None:
             for _ in range(10):
                 step()
             ms = (time.perf_counter() - start) / 10 * 1e3
-            print(f"{backend.name:>10}: {ms:6.1f} ms per decode step ({args.batch} sequences x {args.context} tokens, {num_layers} layers)")
+            kv_bytes = 2 * num_layers * args.batch * args.context * num_kv_heads * head_dim * 4
+            print(f"{backend.name:>10}: {ms:6.1f} ms per decode step ({args.batch} sequences x {args.context} tokens, "
+                  f"{num_layers} layers, {block_size}-token blocks): {kv_bytes / ms / 1e6:.1f} GB/s of K/V")
 
 
 if __name__ == "__main__":
