@@ -109,7 +109,11 @@ def test_backends_agree(seqs: list[tuple[int, int]]) -> None:
         torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 32, 5), (4, 1, 128, 1)])
+# head_dim 20 and 6 take the scalar path (not a multiple of 8), 96 the vector path with a 32-float tail
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (8, 8, 32, 5), (4, 1, 128, 1), (6, 2, 20, 4), (2, 2, 6, 3), (4, 2, 96, 8)],
+)
 def test_cpu_paged_decode_on_model_sized_heads(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes."""
     gen = torch.Generator().manual_seed(7)

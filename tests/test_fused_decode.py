@@ -12,7 +12,12 @@ from pagedllm.runner.fused_decode import FusedDecode
 
 
 class _Checked:
-    """Wraps a runner's FusedDecode: every fused step is recomputed layer by layer and compared."""
+    """Wraps a runner's FusedDecode: every fused step is recomputed layer by layer and compared.
+
+    The fused step's K/V writes are kept (later steps read them), but first
+    the slots are reset and the layer-by-layer path writes them again, so
+    both the hidden states and the K/V each path writes are compared.
+    """
 
     def __init__(self, runner) -> None:  # noqa: ANN001
         self.runner, self.fused, self.num_calls = runner, runner.fused_decode, 0
@@ -22,14 +27,18 @@ class _Checked:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.num_calls += 1
-        got = self.fused(input_ids, positions, meta)
         slots = meta.slot_mapping
-        k_after_fused = [k.flatten(0, 1)[slots].clone() for k, _ in self.runner.kv_caches]
-        # the eager path writes the same slots again (same values up to rounding) and reads the same blocks
+        caches = [c.flatten(0, 1) for pair in self.runner.kv_caches for c in pair]  # K and V of every layer
+        before = [c[slots].clone() for c in caches]
+        got = self.fused(input_ids, positions, meta)
+        fused_kv = [c[slots].clone() for c in caches]
+        for c, b in zip(caches, before):
+            c[slots] = b
         want = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
+        for c, f in zip(caches, fused_kv):
+            torch.testing.assert_close(f, c[slots], rtol=1e-5, atol=1e-5)
+            c[slots] = f
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for before, (k, _) in zip(k_after_fused, self.runner.kv_caches):
-            torch.testing.assert_close(before, k.flatten(0, 1)[slots], rtol=1e-5, atol=1e-5)
         return got
 
 
@@ -44,8 +53,8 @@ def _prompts(num: int, seed: int) -> list[dict]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
 def test_fused_step_equals_layer_by_layer_tiny(arch: str, tiny_model_dirs: dict[str, str]) -> None:
-    # llama/qwen2: head_dim 16 (the generic attention path), GQA 4 on 2; qwen2: q/k/v biases;
-    # qwen3: per-head q/k norms, head_dim 32; llama3: scaled RoPE
+    # llama/qwen2: head_dim 16, GQA 4 on 2; qwen2: q/k/v biases; qwen3: per-head q/k norms,
+    # head_dim 32; llama3: scaled RoPE
     llm = LLM(tiny_model_dirs[arch], num_kv_blocks=96, max_model_len=256, block_size=8, quantization="int8")
     runner = llm.llm_engine.model_runner
     assert isinstance(runner.fused_decode, FusedDecode)
@@ -110,31 +119,40 @@ def test_fused_decode_only_with_int8_and_cpu_paged(tiny_model_dirs: dict[str, st
 def test_fused_decode_refuses_bad_steps(smollm_int8: LLM) -> None:
     runner = smollm_int8.llm_engine.model_runner
     fused: FusedDecode = runner.fused_decode
-    num_slots = runner.num_kv_blocks * runner.block_size
+    bs = runner.block_size
+    num_slots = runner.num_kv_blocks * bs
 
-    def meta(slot: int, num_seqs: int = 1, num_prefills: int = 0) -> AttentionMetadata:
+    def meta(slot: int, block: int = 0, seq_len: int = 1, num_seqs: int = 1) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=torch.tensor([slot] * num_seqs), block_tables=torch.zeros(num_seqs, 1, dtype=torch.int64),
-            seq_lens_tensor=torch.ones(num_seqs, dtype=torch.int64), query_start_loc=list(range(num_seqs + 1)),
-            seq_lens=[1] * num_seqs, num_computed=[0] * num_seqs, num_prefills=num_prefills,
-            block_size=runner.block_size,
+            slot_mapping=torch.tensor([slot] * num_seqs),
+            block_tables=torch.tensor([[block]] * num_seqs, dtype=torch.int64),
+            seq_lens_tensor=torch.full((num_seqs,), seq_len, dtype=torch.int64),
+            query_start_loc=list(range(num_seqs + 1)), seq_lens=[seq_len] * num_seqs,
+            num_computed=[seq_len - 1] * num_seqs, num_prefills=0, block_size=bs,
         )
 
     ids, pos = torch.tensor([5]), torch.tensor([0])
     before = runner.kv_cache.clone()
-    with pytest.raises(ValueError, match="outside the cache"):
-        fused(ids, pos, meta(num_slots))
-    with pytest.raises(ValueError, match="outside the cache"):
+    for bad in (
+        meta(num_slots),  # slot outside the cache
+        meta(3),  # not position 0's place in block 0
+        meta(num_slots, block=runner.num_kv_blocks),  # block outside the cache
+        meta(1, seq_len=2),  # decoding position 0 of a 2-token sequence
+    ):
+        with pytest.raises(ValueError, match="inconsistent addressing"):
+            fused(ids, pos, bad)
+    with pytest.raises(ValueError, match="inconsistent addressing"):
         fused(ids, torch.tensor([10**6]), meta(0))
     assert torch.equal(before, runner.kv_cache)  # nothing written
     many = SMALL_BATCH_ROWS + 1
-    assert not fused.accepts(meta(0, many), many)
+    assert not fused.accepts(meta(0, num_seqs=many), many)
     with pytest.raises(ValueError, match="decode-only"):
-        fused(torch.tensor([5] * many), torch.tensor([0] * many), meta(0, many))
+        fused(torch.tensor([5] * many), torch.tensor([0] * many), meta(0, num_seqs=many))
     with pytest.raises(ValueError, match="int64"):
         fused(ids, pos.int(), meta(0))
     # a valid one-token step writes its slot and returns one normed hidden row
-    out = fused(ids, pos, meta(3))
+    block = runner.num_kv_blocks - 1
+    out = fused(ids, pos, meta(block * bs, block=block))
     assert out.shape == (1, runner.model_config.hidden_size) and torch.isfinite(out).all()
-    assert runner.kv_cache[:, :, 0, 3].abs().sum() > 0
+    assert runner.kv_cache[:, :, block, 0].abs().sum() > 0
     runner.kv_cache.copy_(before)

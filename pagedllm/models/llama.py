@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.models.native_ops import NativeOps
 from pagedllm.runner.attention import AttentionBackend, AttentionMetadata
 
 
@@ -31,12 +32,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.native: NativeOps | None = None  # see LlamaForCausalLM.use_native_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.add_rms_norm(x, None, self.weight, self.eps)
         # one call instead of five small ops (same arithmetic: x * rsqrt(mean(x^2) + eps));
         # the weight is applied after casting back, in the input dtype, as the reference does
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``x += delta`` in place (the residual add), then the norm of the sum."""
+        if self.native is not None:
+            return self.native.add_rms_norm(x, delta, self.weight, self.eps)
+        return self(x.add_(delta))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -110,6 +120,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        self.native: NativeOps | None = None
 
     def forward(
         self,
@@ -121,7 +132,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if self.q_norm is None and self.native is not None:
+            # q and k sit side by side in qkv: rotated in place in one pass
+            cos, sin = (t.view(-1, self.head_dim) for t in cos_sin)
+            self.native.rope_(qkv, num_qk_heads, self.head_dim, cos, sin)
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:
             # q and k sit side by side in qkv: rotate both heads at once
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, self.head_dim)
             q, k = RotaryEmbedding.apply(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
@@ -139,8 +156,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.native: NativeOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -154,8 +174,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, cos_sin, x, kv_cache, meta):  # noqa: ANN001, ANN201
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # the residual stream x is updated in place: x += attn(...), x += mlp(...)
+        attn_out = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
+        h = self.post_attention_layernorm.add_forward(x, attn_out)
+        return x.add_(self.mlp(h))
 
 
 class LlamaModel(nn.Module):
@@ -191,6 +213,18 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(cos_sin, x, kv_cache, meta)
         return self.model.norm(x)
+
+    def use_native_ops(self, ops: NativeOps | None) -> None:
+        """Run norms (with the residual add), RoPE and SiLU-and-multiply through ``ops``; None: plain torch.
+
+        Qwen3's per-head q/k norms and the RoPE after them stay in torch.
+        """
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.native = ops
+        for layer in self.model.layers:
+            if layer.self_attn.q_norm is not None:
+                layer.self_attn.q_norm.native = layer.self_attn.k_norm.native = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` in float32, for the rows that sample only."""

@@ -74,18 +74,21 @@ class FusedDecode:
         # the tensors the C structures point into; held so they outlive the pointers
         self._tensors: list[torch.Tensor] = []
 
-        def keep(t: torch.Tensor | None) -> int | None:
+        def keep(t: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> int | None:
             if t is None:
                 return None
-            if t.dtype not in (torch.float32, torch.int8) or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("the fused decode step needs contiguous float32/int8 CPU tensors")
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"the fused decode step needs contiguous {dtype} CPU tensors, got {t.dtype}")
             self._tensors.append(t)
             return t.data_ptr()
 
         def qlinear(layer: torch.nn.Module) -> _QLinear:
             if not isinstance(layer, Int8Linear):
                 raise ValueError(f"the fused decode step needs int8 linear layers, got {type(layer).__name__}")
-            return _QLinear(keep(layer.qweight), keep(layer.scales), keep(layer.bias))
+            return _QLinear(keep(layer.qweight, torch.int8), keep(layer.scales), keep(layer.bias))
+
+        if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
+            raise ValueError("the fused decode step needs whole query-head groups and an even head_dim")
 
         layers = model.model.layers
         self._layers = (_DecodeLayer * len(layers))()
@@ -101,6 +104,9 @@ class FusedDecode:
                 qlinear(layer.mlp.down_proj), keep(k_cache), keep(v_cache),
             )
         rotary = model.model.rotary
+        # the C side holds raw pointers into these tables: rebuilding them
+        # (RotaryEmbedding.build_tables) afterwards needs a new FusedDecode
+        self._rope_tables = (rotary.cos, rotary.sin)
         num_blocks = kv_caches[0][0].shape[0]
         self._model = _DecodeModel(
             len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -121,6 +127,9 @@ class FusedDecode:
                              f"{SMALL_BATCH_ROWS} sequences")
         if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
             raise ValueError("positions and the slot mapping must be int64")
+        rotary = self.model.model.rotary
+        if rotary.cos is not self._rope_tables[0] or rotary.sin is not self._rope_tables[1]:
+            raise ValueError("the model's RoPE tables were rebuilt after the fused decode step was set up")
         x = self.model.model.embed_tokens(input_ids).contiguous()  # [num_tokens, hidden], the residual stream
         out = torch.empty_like(x)  # [num_tokens, hidden]
         tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens_tensor.contiguous()
@@ -132,5 +141,9 @@ class FusedDecode:
         if status == 1:
             raise MemoryError("fused decode step: out of memory for its scratch buffers")
         if status == 2:
-            raise ValueError("fused decode step: a slot or position is outside the cache or the RoPE table")
+            raise ValueError(
+                "fused decode step: inconsistent addressing (a position outside the RoPE table or the cache, "
+                "a sequence length other than position + 1, or a slot that is not the position's place in "
+                "the block table)"
+            )
         return out

@@ -16,9 +16,11 @@ from pagedllm.engine.sequence import Sequence
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.int8_linear import quantize_model_int8
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.native_ops import NativeOps
 from pagedllm.models.onednn_linear import onednn_available, use_onednn_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.fused_decode import FusedDecode
+from pagedllm.runner.kernels import load_kernels
 from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -103,6 +105,10 @@ class ModelRunner:
             quantize_model_int8(self.model, use_onednn=self.linear_backend == "onednn")
         elif self.linear_backend == "onednn":
             use_onednn_linear(self.model)
+        # norms, RoPE and SiLU-and-multiply as single native calls where they build
+        lib = load_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        self.native_ops = NativeOps(lib) if lib is not None else None
+        self.model.use_native_ops(self.native_ops)
         # RoPE tables stay float32 whatever the model dtype
         self.model.model.rotary.float().build_tables()
         self.load_seconds = time.perf_counter() - start

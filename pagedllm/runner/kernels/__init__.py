@@ -1,12 +1,13 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
-Three kernels, plain C with OpenMP and no torch headers, built into one
-shared library in a few seconds with gcc and called through ctypes on
-tensors' data pointers: ``paged_decode.c`` (decode attention reading KV
-blocks in place), ``int8_linear.c`` (weight-only int8 matmul for a few rows)
+Plain C with OpenMP and no torch headers, built into one shared library in
+a few seconds with gcc and called through ctypes on tensors' data pointers:
+``paged_decode.c`` (decode attention reading KV blocks in place),
+``int8_linear.c`` (weight-only int8 matmul for a few rows),
+``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply)
 and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
-built from the other two through the shared headers ``paged_attention.h``
-and ``int8_dot.h``). The built library is cached under
+built from the others through the shared headers ``paged_attention.h``,
+``int8_dot.h`` and ``elementwise.h``). The built library is cached under
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
 the flags, the compiler and this CPU's feature flags (it is built with
 ``-march=native``). Where no compiler is found or the build fails,
@@ -109,6 +110,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ptr, ptr, i64, ptr,  # scales, bias, out_features, out
         i32,  # num_threads
     ]
+    f32 = ctypes.c_float
+    lib.add_rms_norm_f32.restype = None
+    lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]  # x, delta, w, y, rows, n, eps, threads
+    lib.rope_f32.restype = None
+    lib.rope_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]  # x, rows, stride, heads, head_dim, cos, sin, threads
+    lib.silu_mul_f32.restype = None
+    lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]  # gate_up, out, rows, inter, threads
     lib.decode_step_i8.restype = i32
     lib.decode_step_i8.argtypes = [
         ptr, ptr, i64, ptr, ptr,  # model, x, num_rows, positions, slots

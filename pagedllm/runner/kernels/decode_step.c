@@ -19,10 +19,12 @@
  *     h = rms_norm(x) * post_norm
  *     x += (silu(h @ Wgate) * (h @ Wup)) @ Wdown
  *
- * and after the last layer out = rms_norm(x) * final_norm.
+ * and after the last layer out = rms_norm(x) * final_norm. Norms, RoPE and
+ * SiLU come from elementwise.h, as in the layer-by-layer path.
  */
 #include <stdlib.h>
 
+#include "elementwise.h"
 #include "int8_dot.h"
 #include "paged_attention.h"
 
@@ -49,23 +51,8 @@ typedef struct {
     const DecodeLayer *layers; /* [num_layers] */
 } DecodeModel;
 
-/* y = w * (x / sqrt(mean(x^2) + eps)), row by row */
 static void rms_norm_rows(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
-    }
-}
-
-/* v = v * cos + roll(v, half) * sin for one head (see RotaryEmbedding) */
-static void rope_head(float *v, const float *cos, const float *sin, int64_t head_dim, float *tmp) {
-    const int64_t half = head_dim / 2;
-    memcpy(tmp, v, sizeof(float) * (size_t)head_dim);
-    for (int64_t i = 0; i < head_dim; i++) v[i] = tmp[i] * cos[i] + tmp[(i + half) % head_dim] * sin[i];
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * n, w, y + r * n, n, eps);
 }
 
 static void linear_tiles(const QLinear *l, const float *x, int64_t rows, int64_t in_features, int64_t out_features,
@@ -77,18 +64,31 @@ static void linear_tiles(const QLinear *l, const float *x, int64_t rows, int64_t
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated,
-   2 when a slot or position is out of range (nothing is written then). */
+   2 when the addressing is inconsistent: a position outside the RoPE table,
+   a sequence length other than position + 1, a block id outside the cache or
+   a slot that is not the position's place in the block table (nothing is
+   written then). */
 int decode_step_i8(const DecodeModel *m, float *x, int64_t num_rows, const int64_t *positions, const int64_t *slots,
                    const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, float *out,
                    int num_threads) {
     const int64_t hidden = m->hidden_size, hd = m->head_dim, inter = m->intermediate_size;
     const int64_t q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd, qkv_size = q_size + 2 * kv_size;
     const int64_t group = m->num_heads / m->num_kv_heads;
+    /* the pointers below are trusted, so what they must satisfy is checked
+       first: few rows, cheap. Each row decodes the token at its last position,
+       its slot is that position's place in its block table, and every block
+       it reads is in the cache. */
+    const int64_t num_blocks = m->num_slots / m->block_size;
     int64_t max_len = 1;
     for (int64_t r = 0; r < num_rows; r++) {
-        if (slots[r] < 0 || slots[r] >= m->num_slots || positions[r] < 0 || positions[r] >= m->max_position)
+        const int64_t pos = positions[r], len = seq_lens[r];
+        const int64_t *table = block_tables + r * table_stride;
+        if (pos < 0 || pos >= m->max_position || len != pos + 1 || (len + m->block_size - 1) / m->block_size > table_stride)
             return 2;
-        if (seq_lens[r] > max_len) max_len = seq_lens[r];
+        for (int64_t b = 0; b < (len + m->block_size - 1) / m->block_size; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) return 2;
+        if (slots[r] != table[pos / m->block_size] * m->block_size + pos % m->block_size) return 2;
+        if (len > max_len) max_len = len;
     }
     /* h [rows, hidden], qkv [rows, qkv_size], attn [rows, q_size], tmp [rows, hidden],
        gate_up [rows, 2 * inter], act [rows, inter], rope scratch [head_dim] */
@@ -142,11 +142,8 @@ int decode_step_i8(const DecodeModel *m, float *x, int64_t num_rows, const int64
             }
             linear_tiles(&L->gate_up, h, num_rows, hidden, 2 * inter, gate_up);
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < num_rows * inter; i++) {
-                const int64_t r = i / inter, c = i % inter;
-                const float g = gate_up[r * 2 * inter + c], u = gate_up[r * 2 * inter + inter + c];
-                act[i] = g / (1.0f + expf(-g)) * u;
-            }
+            for (int64_t r = 0; r < num_rows; r++)
+                silu_mul_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, act + r * inter, inter);
             linear_tiles(&L->down, act, num_rows, inter, hidden, tmp);
 #pragma omp single
             for (int64_t i = 0; i < num_rows * hidden; i++) x[i] += tmp[i];

@@ -1,0 +1,44 @@
+/*
+ * The Llama family's elementwise pieces, one row at a time: RMSNorm, RoPE
+ * (rotate-half, sign folded into the sin table) and SiLU-and-multiply.
+ * Shared by elementwise.c (called from the layer-by-layer model) and
+ * decode_step.c (the fused decode step), so both compute them alike.
+ */
+#ifndef PAGEDLLM_ELEMENTWISE_H
+#define PAGEDLLM_ELEMENTWISE_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+/* y = w * (x / sqrt(mean(x^2) + eps)) for one row of n; y may be x */
+static inline void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * inv);
+}
+
+/* v = v * cos + roll(v, half) * sin for one head, in place (tmp: head_dim floats) */
+static inline void rope_head(float *v, const float *cos, const float *sin, int64_t head_dim, float *tmp) {
+    const int64_t half = head_dim / 2;
+    memcpy(tmp, v, sizeof(float) * (size_t)head_dim);
+    for (int64_t i = 0; i < half; i++) v[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+    for (int64_t i = half; i < head_dim; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
+}
+
+/* out[c] = silu(gate[c]) * up[c] = gate[c] / (1 + exp(-gate[c])) * up[c] */
+static inline void silu_mul_row(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; c + 8 <= n; c += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + c);
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + c)));
+    }
+#endif
+    for (; c < n; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+}
+#endif

@@ -1,0 +1,101 @@
+"""Native elementwise ops (RMSNorm + residual, RoPE, SiLU-and-multiply) against their torch twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.llama import RMSNorm, RotaryEmbedding
+from pagedllm.models.native_ops import NativeOps
+from pagedllm.runner.kernels import load_kernels
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeOps:
+    lib = load_kernels()
+    assert lib is not None, "the native kernels must build on the test machine"
+    return NativeOps(lib)
+
+
+# 1 and 5 rows stay on one thread, 300 x 576 floats are split over threads
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(ops: NativeOps, rows: int, with_delta: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    x = torch.randn(rows, 576, generator=gen) * 3
+    delta = torch.randn(rows, 576, generator=gen) if with_delta else None
+    want_x = x + delta if with_delta else x.clone()
+    want = norm(want_x)  # the torch path (norm.native is None)
+    got = ops.add_rms_norm(x, delta, norm.weight.data, norm.eps)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, want_x)  # the residual add happened in place, exactly
+
+
+@pytest.mark.parametrize("head_dim", [16, 20, 64, 128])
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_rope_matches_torch(ops: NativeOps, head_dim: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim + rows)
+    num_heads, num_kv_heads = 6, 2
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    cos, sin = rotary.cos_sin(positions, torch.float32)  # [rows, 1, head_dim] each
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)  # q, k, v side by side
+    qk_heads = num_heads + num_kv_heads
+    want = RotaryEmbedding.apply(qkv[:, : qk_heads * head_dim].view(rows, qk_heads, head_dim), (cos, sin))
+    v_before = qkv[:, qk_heads * head_dim :].clone()
+    ops.rope_(qkv, qk_heads, head_dim, cos.view(rows, head_dim), sin.view(rows, head_dim))
+    torch.testing.assert_close(qkv[:, : qk_heads * head_dim].view(rows, qk_heads, head_dim), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, qk_heads * head_dim :], v_before)  # v is not rotated
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 37), (64, 1536)])
+def test_silu_mul_matches_torch(ops: NativeOps, rows: int, inter: int) -> None:
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6  # large |gate| too: exp near its limits
+    gate_up[0, 0], gate_up[-1, inter - 1] = 100.0, -100.0
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_native_ops_refuse_what_they_cannot_run(ops: NativeOps) -> None:
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="float32"):
+        ops.add_rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), None, w, 1e-6)
+    with pytest.raises(ValueError, match="rows of 8"):
+        ops.add_rms_norm(torch.ones(2, 9), None, w, 1e-6)
+    with pytest.raises(ValueError, match="shaped like x"):
+        ops.add_rms_norm(torch.ones(2, 8), torch.ones(3, 8), w, 1e-6)
+    with pytest.raises(ValueError, match="does not hold"):
+        ops.rope_(torch.ones(2, 16), 3, 8, torch.ones(2, 8), torch.ones(2, 8))
+    with pytest.raises(ValueError, match="even"):
+        ops.rope_(torch.ones(2, 14), 2, 7, torch.ones(2, 7), torch.ones(2, 7))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.silu_mul(torch.ones(8, 4).t())
+
+
+def test_engine_uses_native_ops_and_matches_the_torch_path(tiny_model_dirs: dict[str, str]) -> None:
+    """Greedy tokens with the native ops equal those of the plain torch ops (and the test
+    suite compares the default, native, path with transformers)."""
+    prompts = [{"prompt_token_ids": list(range(200 + 7 * i, 230 + 11 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for arch in ("llama", "qwen3"):  # qwen3: its q/k norms and RoPE stay in torch
+        llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8)
+        runner = llm.llm_engine.model_runner
+        assert runner.native_ops is not None
+        assert runner.model.model.layers[0].mlp.native is runner.native_ops
+        native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner.model.use_native_ops(None)
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert native == plain, arch
+
+
+def test_no_native_ops_off_the_float32_cpu_path(tiny_model_dirs: dict[str, str]) -> None:
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8, dtype="bfloat16")
+    runner = llm.llm_engine.model_runner
+    assert runner.native_ops is None
+    assert all(m.native is None for m in runner.model.model.layers[0].modules() if hasattr(m, "native"))
