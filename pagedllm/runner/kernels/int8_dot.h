@@ -16,7 +16,8 @@
 /* The vector loops are written out with intrinsics; the scalar tails use
    fmaf in source order so that both dot-product paths agree bit for bit
    (the library is built with -fassociative-math for the attention kernel,
-   which would otherwise let gcc regroup the tails differently). */
+   which would otherwise let gcc regroup the tails differently). The pragma is
+   gcc's: built with CC=clang the bit-for-bit agreement is not guaranteed. */
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")
 
