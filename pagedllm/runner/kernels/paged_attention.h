@@ -91,12 +91,50 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* attend_one with 8-wide vectors for head_dim a multiple of 8 (the same
-   three passes). Scores: four tokens at a time, each q . k kept as a vector
+   three passes). Scores: four keys at a time, each q . k kept as a vector
    of partial sums and the four reduced together, instead of one horizontal
    sum per dot product. Values: a 64-float slice of one head's output stays
-   in registers while a block's value rows are added into it. Where the
-   compiler targets AVX-512 (-march=native on such a CPU), the inner loops
-   use 16 lanes. */
+   in registers while value rows are added into it. Where the compiler
+   targets AVX-512 (-march=native on such a CPU), the inner loops use 16
+   lanes.
+
+   Blocks are taken four at a time and read side by side: the four keys of
+   one reduction are token i of each of the four blocks, and values are
+   added token i of each block in turn. A block is one short contiguous run
+   somewhere in the cache; the memory system streams several runs at once
+   only when they are read together. */
+#define KV_STREAMS 4
+
+/* q . k for four keys at once: the four dot products as 4 floats */
+static inline __attribute__((always_inline)) __m128 dot4_keys(const float *qj, const float *k0, const float *k1,
+                                                              const float *k2, const float *k3, int head_dim) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int d = 0;
+#ifdef __AVX512F__
+    /* 16 lanes where the CPU has them, folded to 8 before the reduction */
+    __m512 w0 = _mm512_setzero_ps(), w1 = _mm512_setzero_ps(), w2 = _mm512_setzero_ps(), w3 = _mm512_setzero_ps();
+    for (; d + 16 <= head_dim; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qj + d);
+        w0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), w0);
+        w1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), w1);
+        w2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), w2);
+        w3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), w3);
+    }
+    a0 = _mm256_add_ps(_mm512_castps512_ps256(w0), _mm512_extractf32x8_ps(w0, 1));
+    a1 = _mm256_add_ps(_mm512_castps512_ps256(w1), _mm512_extractf32x8_ps(w1, 1));
+    a2 = _mm256_add_ps(_mm512_castps512_ps256(w2), _mm512_extractf32x8_ps(w2, 1));
+    a3 = _mm256_add_ps(_mm512_castps512_ps256(w3), _mm512_extractf32x8_ps(w3, 1));
+#endif
+    for (; d < head_dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qj + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+    return hsum4x8(a0, a1, a2, a3);
+}
+
 static inline __attribute__((always_inline)) void attend_vec(const float *q, const float *k_cache, const float *v_cache,
                        const int64_t *table, int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim,
                        int block_size, float scale, int h0, int h1, float *scores) {
@@ -104,51 +142,48 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int nq = (h1 - h0) * group;
     const float *qh = q + (int64_t)h0 * group * head_dim;
-    const __m256 vscale = _mm256_set1_ps(scale);
+    const __m128 vscale = _mm_set1_ps(scale);
+    const int64_t span = (int64_t)KV_STREAMS * block_size; /* tokens per group of blocks */
 
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t block = table[t0 / block_size];
-        const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
-        const float *kb = k_cache + block * block_size * row;
-        if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_size * row, block_size * row);
-        for (int j = 0; j < nq; j++) {
-            const float *qj = qh + (int64_t)j * head_dim;
-            const float *kj = kb + (int64_t)(h0 + j / group) * head_dim;
-            float *sj = scores + (int64_t)j * len + t0;
-            int64_t i = 0;
-            for (; i + 4 <= n; i += 4) {
-                const float *k0 = kj + i * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-                       a3 = _mm256_setzero_ps();
-                int d = 0;
-#ifdef __AVX512F__
-                /* 16 lanes where the CPU has them, folded to 8 before the reduction */
-                __m512 w0 = _mm512_setzero_ps(), w1 = _mm512_setzero_ps(), w2 = _mm512_setzero_ps(),
-                       w3 = _mm512_setzero_ps();
-                for (; d + 16 <= head_dim; d += 16) {
-                    const __m512 qv = _mm512_loadu_ps(qj + d);
-                    w0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), w0);
-                    w1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), w1);
-                    w2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), w2);
-                    w3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), w3);
-                }
-                a0 = _mm256_add_ps(_mm512_castps512_ps256(w0), _mm512_extractf32x8_ps(w0, 1));
-                a1 = _mm256_add_ps(_mm512_castps512_ps256(w1), _mm512_extractf32x8_ps(w1, 1));
-                a2 = _mm256_add_ps(_mm512_castps512_ps256(w2), _mm512_extractf32x8_ps(w2, 1));
-                a3 = _mm256_add_ps(_mm512_castps512_ps256(w3), _mm512_extractf32x8_ps(w3, 1));
-#endif
-                for (; d < head_dim; d += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qj + d);
-                    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-                    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-                    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
-                }
-                _mm_storeu_ps(sj + i, _mm_mul_ps(hsum4x8(a0, a1, a2, a3), _mm256_castps256_ps128(vscale)));
+    /* scores[j][t] = scale * q_j . k_t */
+    for (int64_t t0 = 0; t0 < len; t0 += span) {
+        const float *kb[KV_STREAMS];
+        int64_t n[KV_STREAMS];
+        int nb = 0;
+        for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
+            const int64_t tb = t0 + (int64_t)nb * block_size;
+            kb[nb] = k_cache + table[tb / block_size] * block_size * row;
+            n[nb] = (len - tb < block_size) ? len - tb : block_size;
+        }
+        /* all four blocks are full except, at most, the sequence's last one */
+        const int64_t full = nb == KV_STREAMS ? n[KV_STREAMS - 1] : 0; /* tokens every block has */
+        for (int64_t i = 0; i < full; i++) {
+            for (int j = 0; j < nq; j++) {
+                const int64_t off = (int64_t)(h0 + j / group) * head_dim + i * row;
+                float s4[4];
+                _mm_storeu_ps(s4, _mm_mul_ps(dot4_keys(qh + (int64_t)j * head_dim, kb[0] + off, kb[1] + off,
+                                                       kb[2] + off, kb[3] + off, head_dim), vscale));
+                float *sj = scores + (int64_t)j * len + t0 + i;
+                for (int g = 0; g < 4; g++) sj[(int64_t)g * block_size] = s4[g];
             }
-            for (; i < n; i++) sj[i] = scale * dot(qj, kj + i * row, head_dim);
+        }
+        /* the rest (the sequence's last group, the tokens past a partial last
+           block): block by block, four tokens of one block per reduction */
+        for (int g = 0; g < nb; g++) {
+            for (int j = 0; j < nq; j++) {
+                const float *qj = qh + (int64_t)j * head_dim;
+                const float *kj = kb[g] + (int64_t)(h0 + j / group) * head_dim;
+                float *sj = scores + (int64_t)j * len + t0 + (int64_t)g * block_size;
+                int64_t i = full;
+                for (; i + 4 <= n[g]; i += 4)
+                    _mm_storeu_ps(sj + i, _mm_mul_ps(dot4_keys(qj, kj + i * row, kj + (i + 1) * row,
+                                                               kj + (i + 2) * row, kj + (i + 3) * row, head_dim),
+                                                     vscale));
+                for (; i < n[g]; i++) sj[i] = scale * dot(qj, kj + i * row, head_dim);
+            }
         }
     }
+    /* softmax per query head */
     for (int j = 0; j < nq; j++) {
         float *sj = scores + (int64_t)j * len;
         float m = -INFINITY;
@@ -169,15 +204,20 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
         const float inv = 1.0f / sum;
         for (t = 0; t < len; t++) sj[t] *= inv;
     }
+    /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
     memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
-    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t block = table[t0 / block_size];
-        const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
-        const float *vb = v_cache + block * block_size * row;
-        if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_size * row, block_size * row);
+    for (int64_t t0 = 0; t0 < len; t0 += span) {
+        const float *vb[KV_STREAMS];
+        int64_t n[KV_STREAMS];
+        int nb = 0;
+        for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
+            const int64_t tb = t0 + (int64_t)nb * block_size;
+            vb[nb] = v_cache + table[tb / block_size] * block_size * row;
+            n[nb] = (len - tb < block_size) ? len - tb : block_size;
+        }
         for (int j = 0; j < nq; j++) {
-            const float *vj = vb + (int64_t)(h0 + j / group) * head_dim;
+            const int64_t kv_off = (int64_t)(h0 + j / group) * head_dim;
             const float *pj = scores + (int64_t)j * len + t0;
             for (int d0 = 0; d0 < head_dim; d0 += 64) {
                 float *oj = o + (int64_t)j * head_dim + d0;
@@ -186,24 +226,30 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
 #ifdef __AVX512F__
                     __m512 acc[4];
                     for (int c = 0; c < 4; c++) acc[c] = _mm512_loadu_ps(oj + 16 * c);
-                    for (int64_t i = 0; i < n; i++) {
-                        const __m512 p = _mm512_set1_ps(pj[i]);
-                        const float *v = vj + i * row + d0;
-                        for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
-                    }
+                    for (int64_t i = 0; i < block_size; i++)
+                        for (int g = 0; g < nb; g++) {
+                            if (i >= n[g]) continue;
+                            const __m512 p = _mm512_set1_ps(pj[(int64_t)g * block_size + i]);
+                            const float *v = vb[g] + i * row + kv_off + d0;
+                            for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+                        }
                     for (int c = 0; c < 4; c++) _mm512_storeu_ps(oj + 16 * c, acc[c]);
 #else
                     __m256 acc[8];
                     for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(oj + 8 * c);
-                    for (int64_t i = 0; i < n; i++) {
-                        const __m256 p = _mm256_set1_ps(pj[i]);
-                        const float *v = vj + i * row + d0;
-                        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
-                    }
+                    for (int64_t i = 0; i < block_size; i++)
+                        for (int g = 0; g < nb; g++) {
+                            if (i >= n[g]) continue;
+                            const __m256 p = _mm256_set1_ps(pj[(int64_t)g * block_size + i]);
+                            const float *v = vb[g] + i * row + kv_off + d0;
+                            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                        }
                     for (int c = 0; c < 8; c++) _mm256_storeu_ps(oj + 8 * c, acc[c]);
 #endif
                 } else {
-                    for (int64_t i = 0; i < n; i++) axpy(oj, pj[i], vj + i * row + d0, width);
+                    for (int g = 0; g < nb; g++)
+                        for (int64_t i = 0; i < n[g]; i++)
+                            axpy(oj, pj[(int64_t)g * block_size + i], vb[g] + i * row + kv_off + d0, width);
                 }
             }
         }
