@@ -156,3 +156,26 @@ def test_fused_decode_refuses_bad_steps(smollm_int8: LLM) -> None:
     assert out.shape == (1, runner.model_config.hidden_size) and torch.isfinite(out).all()
     assert runner.kv_cache[:, :, block, 0].abs().sum() > 0
     runner.kv_cache.copy_(before)
+
+
+def test_fused_step_under_preemption(tiny_model_dirs: dict[str, str]) -> None:
+    """A pool too small for every sequence: preempted ones are recomputed layer by layer, the
+    decodes run fused, and the tokens equal a run without the fused step; the pool ends whole."""
+    prompts = _prompts(6, 11)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results = []
+    for fused_on in (True, False):
+        llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=24, max_model_len=96, block_size=8, quantization="int8")
+        engine = llm.llm_engine
+        runner = engine.model_runner
+        checked = None
+        if fused_on:
+            checked = runner.fused_decode = _Checked(runner)
+        else:
+            runner.fused_decode = None
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == 24
+        if checked is not None:
+            assert checked.num_calls > 0
+    assert results[0] == results[1]
