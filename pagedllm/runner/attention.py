@@ -150,27 +150,31 @@ class SdpaAttention(AttentionBackend):
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         for i in range(meta.num_prefills):
-            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            seq_len, num_computed = meta.seq_lens[i], meta.num_computed[i]
-            qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-            if num_computed == 0:
-                # nothing cached before: the new K/V is the whole context
-                ki, vi, mask, causal = k[start:end], v[start:end], None, True
-            else:
-                ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size)
-                vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size)
-                q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
-                # [q_len, seq_len]: a query sees keys up to its own position
-                mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
-            group = q.shape[1] // ki.shape[1]
-            if group > 1 and q.device.type == "cpu":
-                # K/V heads repeated for the query heads that share them: SDPA with
-                # enable_gqa takes torch's slow math path on the CPU, this its fused kernel
-                ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
-            out[start:end] = F.scaled_dot_product_attention(
-                qi.unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=ki.shape[1] != q.shape[1],
-            )[0].transpose(0, 1)  # [1, num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
+            self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out)
+
+    def _prefill_one(self, i, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+        """Prefill sequence ``i`` through torch SDPA."""
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        seq_len, num_computed = meta.seq_lens[i], meta.num_computed[i]
+        qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        if num_computed == 0:
+            # nothing cached before: the new K/V is the whole context
+            ki, vi, mask, causal = k[start:end], v[start:end], None, True
+        else:
+            ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size)
+            vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size)
+            q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
+            # [q_len, seq_len]: a query sees keys up to its own position
+            mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
+        group = q.shape[1] // ki.shape[1]
+        if group > 1 and q.device.type == "cpu":
+            # K/V heads repeated for the query heads that share them: SDPA with
+            # enable_gqa takes torch's slow math path on the CPU, this its fused kernel
+            ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
+        out[start:end] = F.scaled_dot_product_attention(
+            qi.unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=ki.shape[1] != q.shape[1],
+        )[0].transpose(0, 1)  # [1, num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         """One new token per sequence ``meta.num_prefills ..``; ``q``/``out`` are ``[B, num_heads, head_dim]``."""
@@ -189,11 +193,15 @@ class SdpaAttention(AttentionBackend):
 
 
 class CpuPagedAttention(SdpaAttention):
-    """SDPA prefills; decodes read K/V from their blocks in place with a native kernel.
+    """Native kernels for decodes and for prompts computed from scratch; SDPA for the rest.
 
-    The kernel (``kernels/paged_decode.c``) walks each sequence's block table
-    and never copies the context, which is where the SDPA backend spends its
-    decode time on the CPU. Float32 CPU tensors only.
+    The decode kernel (``kernels/paged_decode.c``) walks each sequence's
+    block table and never copies the context, which is where the SDPA
+    backend spends its decode time on the CPU. Prompts with nothing cached
+    attend over their own new K/V rows, all of them in one call
+    (``kernels/prefill_attention.c``); prompts that continue cached context
+    (prefix-cache hits, chunked prefills) go through SDPA as in the parent
+    class. Float32 CPU tensors only.
     """
 
     name = "cpu_paged"
@@ -205,6 +213,34 @@ class CpuPagedAttention(SdpaAttention):
         if lib is None:
             raise ValueError(f"the cpu_paged attention backend cannot be built here: {kernels_failure()}")
         self._kernel = lib.paged_decode_f32
+        self._prefill_kernel = lib.prefill_attention_f32
+
+    def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+        # prompts computed from scratch read their K/V from this step's rows, all
+        # in one native call; prompts that continue cached context go through SDPA
+        fresh = [i for i in range(meta.num_prefills) if meta.num_computed[i] == 0]
+        for i in range(meta.num_prefills):
+            if meta.num_computed[i] != 0:
+                self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out)
+        if not fresh:
+            return
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        tensors = (q, k, v, out)
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
+        if any(t.stride(2) != 1 or t.stride(1) != head_dim for t in tensors) or num_heads % num_kv_heads:
+            raise ValueError("cpu_paged prefill needs rows of whole, contiguous heads and whole query-head groups")
+        bounds = torch.tensor(
+            [b for i in fresh for b in (meta.query_start_loc[i], meta.query_start_loc[i + 1])], dtype=torch.int64
+        )  # [2 * num_fresh]: each prompt's first and one-past-last row
+        failed = self._prefill_kernel(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            out.data_ptr(), out.stride(0), bounds.data_ptr(), len(fresh), num_heads, num_kv_heads, head_dim,
+            scale, torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("prefill attention kernel: out of memory for its scratch buffers")
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         # the kernel trusts its pointers: what it assumes of the tensors is checked

@@ -4,7 +4,8 @@ Plain C with OpenMP and no torch headers, built into one shared library in
 a few seconds with gcc and called through ctypes on tensors' data pointers:
 ``paged_decode.c`` (decode attention reading KV blocks in place),
 ``int8_linear.c`` (weight-only int8 matmul for a few rows),
-``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply)
+``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
+``prefill_attention.c`` (causal attention of prompts computed from scratch)
 and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
 built from the others through the shared headers ``paged_attention.h``,
 ``int8_dot.h`` and ``elementwise.h``). The built library is cached under
@@ -117,6 +118,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.rope_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]  # x, rows, stride, heads, head_dim, cos, sin, threads
     lib.silu_mul_f32.restype = None
     lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]  # gate_up, out, rows, inter, threads
+    lib.prefill_attention_f32.restype = i32
+    lib.prefill_attention_f32.argtypes = [
+        ptr, i64, ptr, i64, ptr, i64, ptr, i64,  # q, k, v, out with their row strides
+        ptr, i32, i32, i32, i32, f32, i32,  # bounds, num_seqs, num_heads, num_kv_heads, head_dim, scale, threads
+    ]
     lib.decode_step_i8.restype = i32
     lib.decode_step_i8.argtypes = [
         ptr, ptr, i64, ptr, ptr,  # model, x, num_rows, positions, slots
