@@ -229,7 +229,11 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm, 
     assert final is not None and final.finished and steps == 5
     assert [c.token_ids for c in final.outputs] == [c.token_ids for c in ranked[:2]]
     for got, want in zip(final.outputs, ranked[:2]):
-        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-6)
+        # the second request finds the first one's prompt blocks in the prefix
+        # cache, so its prompt runs through SDPA over cached context instead of
+        # the fresh-prompt kernel: the same sums in another order, which float32
+        # reproduces to about an ulp (2e-6 at this magnitude), not bit for bit
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-6)
     assert [c.index for c in final.outputs] == [0, 1]
 
 
