@@ -207,3 +207,24 @@ def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp
         monkeypatch.undo()
         kernels._load.cache_clear()
     assert kernels.load_kernels() is not None  # the real compiler again, for the tests after this one
+
+
+def test_cpu_paged_decode_propagates_nan_like_the_reference() -> None:
+    """A NaN key poisons its head's output (as in torch), in the vector softmax too; other heads are finite."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, num_kv_heads, head_dim, seq_len = 8, 16, 2, 64, 40
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache[5, 3, 0, 7] = float("nan")  # token 3 of the sequence's first block, kv head 0
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_tables=torch.tensor([[5, 1, 6]], dtype=torch.int64),
+        seq_lens_tensor=torch.tensor([seq_len], dtype=torch.int64),
+        query_start_loc=[0, 1], seq_lens=[seq_len], num_computed=[seq_len - 1], num_prefills=0,
+        block_size=block_size,
+    )
+    q = torch.randn(1, 4, head_dim, generator=gen)  # query heads 0-1 read kv head 0, 2-3 kv head 1
+    got = CpuPagedAttention().attend(q, None, None, k_cache, v_cache, meta, head_dim**-0.5)
+    want = make_backend("reference").attend(q, None, None, k_cache, v_cache, meta, head_dim**-0.5)
+    assert got[0, :2].isnan().all() and want[0, :2].isnan().all()
+    torch.testing.assert_close(got[0, 2:], want[0, 2:], rtol=1e-5, atol=1e-5)

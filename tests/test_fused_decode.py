@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -42,6 +44,17 @@ class _Checked:
         return got
 
 
+@contextmanager
+def _fused_step(runner, replacement):  # noqa: ANN001, ANN202
+    """Swap the runner's fused step (``_Checked``, None to turn it off) for the block, then restore it."""
+    kept = runner.fused_decode
+    runner.fused_decode = replacement
+    try:
+        yield replacement
+    finally:
+        runner.fused_decode = kept
+
+
 def _prompts(num: int, seed: int) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     # lengths cross block boundaries of the 8-token blocks used below
@@ -70,33 +83,23 @@ def test_fused_step_equals_layer_by_layer_tiny(arch: str, tiny_model_dirs: dict[
 
 def test_fused_step_equals_layer_by_layer_smollm(smollm_int8: LLM) -> None:
     runner = smollm_int8.llm_engine.model_runner
-    fused = runner.fused_decode
-    checked = runner.fused_decode = _Checked(runner)
-    try:
-        texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        smollm_int8.generate(texts, params, use_tqdm=False)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    # samples of one prompt fork its blocks (copy-on-write before the step), seeded sampling
+    sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+    with _fused_step(runner, _Checked(runner)) as checked:
+        smollm_int8.generate(texts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         assert checked.num_calls == 15
-        # samples of one prompt fork its blocks (copy-on-write before the step), seeded sampling
-        sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
         with_fused = [c.token_ids for c in smollm_int8.generate(texts[0], sampled, use_tqdm=False)[0].outputs]
         assert checked.num_calls == 26
-    finally:
-        runner.fused_decode = fused
-    runner.fused_decode = None
-    try:
+    with _fused_step(runner, None):
         without = [c.token_ids for c in smollm_int8.generate(texts[0], sampled, use_tqdm=False)[0].outputs]
-    finally:
-        runner.fused_decode = fused
     assert with_fused == without
     assert smollm_int8.llm_engine.block_manager.num_free_blocks == 256
 
 
 def test_fused_step_only_for_small_decode_steps(smollm_int8: LLM) -> None:
     runner = smollm_int8.llm_engine.model_runner
-    fused = runner.fused_decode
-    checked = runner.fused_decode = _Checked(runner)
-    try:
+    with _fused_step(runner, _Checked(runner)) as checked:
         # one sequence more than the fused step takes: the layer-by-layer path
         # until the short one finishes, then the fused one
         num_seqs = SMALL_BATCH_ROWS + 1
@@ -105,8 +108,6 @@ def test_fused_step_only_for_small_decode_steps(smollm_int8: LLM) -> None:
         smollm_int8.generate(prompts, params, use_tqdm=False)
         # steps: 1 prefill, 3 decodes of all sequences, then 2 without the first (fused)
         assert checked.num_calls == 2
-    finally:
-        runner.fused_decode = fused
 
 
 def test_fused_decode_only_with_int8_and_cpu_paged(tiny_model_dirs: dict[str, str]) -> None:
@@ -168,12 +169,8 @@ def test_fused_step_under_preemption(tiny_model_dirs: dict[str, str]) -> None:
         llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=24, max_model_len=96, block_size=8, quantization="int8")
         engine = llm.llm_engine
         runner = engine.model_runner
-        checked = None
-        if fused_on:
-            checked = runner.fused_decode = _Checked(runner)
-        else:
-            runner.fused_decode = None
-        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        with _fused_step(runner, _Checked(runner) if fused_on else None) as checked:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert engine.scheduler.num_preemptions > 0
         assert engine.block_manager.num_free_blocks == 24
         if checked is not None:

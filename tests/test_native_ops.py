@@ -60,6 +60,10 @@ def test_silu_mul_matches_torch(ops: NativeOps, rows: int, inter: int) -> None:
     gate_up[0, 0], gate_up[-1, inter - 1] = 100.0, -100.0
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    # a NaN gate gives NaN, as torch's silu does
+    gate_up[0, :inter] = float("nan")
+    got = ops.silu_mul(gate_up)
+    assert got[0].isnan().all() and not got[1:].isnan().any()
 
 
 def test_native_ops_refuse_what_they_cannot_run(ops: NativeOps) -> None:

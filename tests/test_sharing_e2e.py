@@ -231,9 +231,10 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm, 
     for got, want in zip(final.outputs, ranked[:2]):
         # the second request finds the first one's prompt blocks in the prefix
         # cache, so its prompt runs through SDPA over cached context instead of
-        # the fresh-prompt kernel: the same sums in another order, which float32
-        # reproduces to about an ulp (2e-6 at this magnitude), not bit for bit
-        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-6)
+        # the fresh-prompt kernel: the same sums in another order, so float32
+        # results agree to a few 1e-5 over 5 tokens, not bit for bit (still 10x
+        # tighter than the comparison with transformers above)
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
     assert [c.index for c in final.outputs] == [0, 1]
 
 

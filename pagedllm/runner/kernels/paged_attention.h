@@ -32,6 +32,30 @@ static inline void prefetch_block(const float *p, int64_t n_floats) {
     for (int64_t i = 0; i < n_floats; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
+/* softmax of s[0, n) in place (the vector exp on AVX2) */
+static inline void softmax_row(float *s, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+    int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        _mm256_storeu_ps(s + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = _mm_cvtss_f32(hsum4x8(vsum, vsum, vsum, vsum));
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+    for (t = 0; t < n; t++) s[t] *= inv;
+}
+
 /* Attention of sequence b's query heads for kv heads [h0, h1). Scores go to
    `scores` (room for (h1 - h0) * group * len floats). Token rows are read
    whole (all the task's kv heads at once), so a block is one contiguous
@@ -58,19 +82,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
             }
         }
     }
-    /* softmax per query head */
-    for (int j = 0; j < nq; j++) {
-        float *sj = scores + (int64_t)j * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = sj[t] > m ? sj[t] : m;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            sj[t] = expf(sj[t] - m);
-            sum += sj[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
-    }
+    for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
     /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
     memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
@@ -104,6 +116,19 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
    somewhere in the cache; the memory system streams several runs at once
    only when they are read together. */
 #define KV_STREAMS 4
+
+/* The next group of up to KV_STREAMS blocks from token t0: each block's
+   base in `cache` and its token count. Returns how many blocks. */
+static inline int block_group(const float *cache, const int64_t *table, int64_t t0, int64_t len, int block_size,
+                              int64_t row, const float **base, int64_t *n) {
+    int nb = 0;
+    for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
+        const int64_t tb = t0 + (int64_t)nb * block_size;
+        base[nb] = cache + table[tb / block_size] * block_size * row;
+        n[nb] = (len - tb < block_size) ? len - tb : block_size;
+    }
+    return nb;
+}
 
 /* q . k for four keys at once: the four dot products as 4 floats */
 static inline __attribute__((always_inline)) __m128 dot4_keys(const float *qj, const float *k0, const float *k1,
@@ -149,12 +174,7 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
     for (int64_t t0 = 0; t0 < len; t0 += span) {
         const float *kb[KV_STREAMS];
         int64_t n[KV_STREAMS];
-        int nb = 0;
-        for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
-            const int64_t tb = t0 + (int64_t)nb * block_size;
-            kb[nb] = k_cache + table[tb / block_size] * block_size * row;
-            n[nb] = (len - tb < block_size) ? len - tb : block_size;
-        }
+        const int nb = block_group(k_cache, table, t0, len, block_size, row, kb, n);
         /* all four blocks are full except, at most, the sequence's last one */
         const int64_t full = nb == KV_STREAMS ? n[KV_STREAMS - 1] : 0; /* tokens every block has */
         for (int64_t i = 0; i < full; i++) {
@@ -183,39 +203,14 @@ static inline __attribute__((always_inline)) void attend_vec(const float *q, con
             }
         }
     }
-    /* softmax per query head */
-    for (int j = 0; j < nq; j++) {
-        float *sj = scores + (int64_t)j * len;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = sj[t] > m ? sj[t] : m;
-        const __m256 vm = _mm256_set1_ps(m);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sj + t), vm));
-            _mm256_storeu_ps(sj + t, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = _mm_cvtss_f32(hsum4x8(vsum, vsum, vsum, vsum));
-        for (; t < len; t++) {
-            sj[t] = expf(sj[t] - m);
-            sum += sj[t];
-        }
-        const float inv = 1.0f / sum;
-        for (t = 0; t < len; t++) sj[t] *= inv;
-    }
+    for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
     /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
     memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
     for (int64_t t0 = 0; t0 < len; t0 += span) {
         const float *vb[KV_STREAMS];
         int64_t n[KV_STREAMS];
-        int nb = 0;
-        for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
-            const int64_t tb = t0 + (int64_t)nb * block_size;
-            vb[nb] = v_cache + table[tb / block_size] * block_size * row;
-            n[nb] = (len - tb < block_size) ? len - tb : block_size;
-        }
+        const int nb = block_group(v_cache, table, t0, len, block_size, row, vb, n);
         for (int j = 0; j < nq; j++) {
             const int64_t kv_off = (int64_t)(h0 + j / group) * head_dim;
             const float *pj = scores + (int64_t)j * len + t0;

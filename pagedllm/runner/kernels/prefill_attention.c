@@ -6,8 +6,8 @@
  * Sequence s owns rows bounds[2s] .. bounds[2s+1]-1; query i of a sequence
  * attends to keys 0..i of the same sequence. Each (sequence, query head) is
  * one task; a task walks its queries, computes the scores with the decode
- * kernel's four-keys-per-reduction dot product, the softmax with the vector
- * exp, and the weighted sum of values in registers. This replaces one torch
+ * kernel's four-keys-per-reduction dot product and softmax (paged_attention.h),
+ * and the weighted sum of values in registers. This replaces one torch
  * SDPA call per prompt and layer (plus the K/V head repeat it needs on the
  * CPU), whose fixed cost dominates for prompts of a few hundred tokens.
  *
@@ -36,25 +36,7 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
         }
 #endif
         for (; t < n; t++) scores[t] = scale * dot(qi, k + t * k_stride, head_dim);
-        float m = -INFINITY;
-        for (t = 0; t < n; t++) m = scores[t] > m ? scores[t] : m;
-        float sum = 0.0f;
-        t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 vm = _mm256_set1_ps(m);
-        __m256 vsum = _mm256_setzero_ps();
-        for (; t + 8 <= n; t += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vm));
-            _mm256_storeu_ps(scores + t, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        sum = _mm_cvtss_f32(hsum4x8(vsum, vsum, vsum, vsum));
-#endif
-        for (; t < n; t++) {
-            scores[t] = expf(scores[t] - m);
-            sum += scores[t];
-        }
-        const float inv = 1.0f / sum;
+        softmax_row(scores, n);
         float *oi = out + i * out_stride;
         memset(oi, 0, sizeof(float) * (size_t)head_dim);
         int d0 = 0;
@@ -67,14 +49,10 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
                 const float *vt = v + t * v_stride + d0;
                 for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * c), acc[c]);
             }
-            const __m256 vinv = _mm256_set1_ps(inv);
-            for (int c = 0; c < 8; c++) _mm256_storeu_ps(oi + d0 + 8 * c, _mm256_mul_ps(acc[c], vinv));
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(oi + d0 + 8 * c, acc[c]);
         }
 #endif
-        if (d0 < head_dim) {
-            for (t = 0; t < n; t++) axpy(oi + d0, scores[t], v + t * v_stride + d0, head_dim - d0);
-            for (int d = d0; d < head_dim; d++) oi[d] *= inv;
-        }
+        for (t = 0; t < n && d0 < head_dim; t++) axpy(oi + d0, scores[t], v + t * v_stride + d0, head_dim - d0);
     }
 }
 
