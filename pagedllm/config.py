@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 KV_ALLOCATORS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max_tokens", "max_model_len")
 QUANTIZATIONS = (None, "int8")
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "packed", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,9 @@ class EngineConfig:
             free memory.
         max_model_len: longest sequence (prompt + output) in tokens.
         max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: most tokens computed in one step; at least
-            ``max_model_len`` because a prompt is prefilled in one step.
+        max_num_batched_tokens: most tokens computed in one step; a prompt
+            longer than what is left of it is prefilled in chunks over
+            several steps (chunked prefill).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes;
             None means on for the paged allocator, off for the contiguous one.
         kv_allocator: "paged" (PagedAttention: blocks on demand) or
@@ -55,9 +56,11 @@ class EngineConfig:
             small-batch decode step, which is what makes it faster; a float32
             copy is kept for large batches, so it costs memory rather than
             saving it. Outputs differ slightly from the float model.
-        linear_backend: "auto" (default: "onednn" for float32 on the CPU when
-            torch has oneDNN, else "torch"), "onednn" (weights packed once
-            into oneDNN's layout) or "torch" (``F.linear``).
+        linear_backend: "auto" (default: "packed" for float32 on the CPU
+            when the native kernels build, else "onednn" when torch has
+            oneDNN, else "torch"), "packed" (our kernel over weights packed
+            once into column panels), "onednn" (weights packed once into
+            oneDNN's layout) or "torch" (``F.linear``).
     """
 
     model: str
@@ -125,8 +128,8 @@ class EngineConfig:
             raise ValueError("quantization='int8' computes in float32; leave dtype at 'float32'")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
-        if self.linear_backend == "onednn" and (self.device != "cpu" or self.dtype != "float32"):
-            raise ValueError("linear_backend='onednn' runs float32 on the CPU only")
+        if self.linear_backend in ("packed", "onednn") and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"linear_backend={self.linear_backend!r} runs float32 on the CPU only")
         positive_int("block_size", self.block_size)
         positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
@@ -136,11 +139,6 @@ class EngineConfig:
         positive_int("num_threads", self.num_threads, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}): prompts are prefilled in one step"
-            )
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "

@@ -97,6 +97,17 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) 
     return dirs
 
 
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_model_dirs: dict[str, str]) -> dict:
+    """transformers' own models on the tiny folders' weights: the oracle for them."""
+    from transformers import AutoModelForCausalLM
+
+    return {
+        arch: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for arch, path in tiny_model_dirs.items()
+    }
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
     """Greedy decoding with transformers' own KV cache: the oracle.
 

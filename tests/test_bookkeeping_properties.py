@@ -298,18 +298,20 @@ request = st.tuples(
     extra_blocks=st.integers(0, 6),
     caching=st.booleans(),
     max_num_seqs=st.integers(1, 4),
-    extra_tokens=st.integers(0, 8),
+    extra_tokens=st.integers(-12, 8),
     requests=st.lists(request, min_size=1, max_size=8),
 )
 def test_scheduler_runs_every_request_to_completion(
     block_size, extra_blocks, caching, max_num_seqs, extra_tokens, requests
 ):
     # liveness needs: the pool can hold any one sequence at its longest (its
-    # final token's K/V is never written), and one step can recompute it
+    # final token's K/V is never written). The token budget may be smaller
+    # than a prompt (down to 1): such prompts are prefilled in chunks
     longest = max(len(p) + m - 1 for _, p, m, _ in requests)
     num_blocks = -(-longest // block_size) + extra_blocks
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=longest + extra_tokens)
+    budget = max(1, longest + extra_tokens)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
 
     def gen(idx: int, k: int) -> int:
         return (idx * 7 + k * 3) % 3  # the k-th output of request idx
@@ -354,11 +356,18 @@ def test_scheduler_runs_every_request_to_completion(
         for s in out.scheduled:
             seq = s.seq
             if s.num_new_tokens > 1 and s.num_computed_tokens > 0:
-                event("scheduler: prefill with a prefix hit")
+                event("scheduler: prefill with a prefix hit or a later chunk")
+            if not s.samples:
+                event("scheduler: a prompt in chunks")
+                # only the budget cuts a prompt short, and only one per step
+                assert s.is_prefill
+                assert out.num_batched_tokens == sched.max_num_batched_tokens
+                assert sum(1 for x in out.scheduled if not x.samples) == 1
             assert seq.status == SequenceStatus.RUNNING and seq not in out.preempted
-            assert s.num_computed_tokens + s.num_new_tokens == len(seq)
+            assert s.num_computed_tokens == seq.num_computed_tokens
+            assert s.num_computed_tokens + s.num_new_tokens <= len(seq)
+            assert s.samples == (s.num_computed_tokens + s.num_new_tokens == len(seq))
             assert len(seq.block_table) == seq.num_blocks
-            assert s.samples
         for p in out.preempted:
             assert p.status == SequenceStatus.WAITING and p.block_table == []
             assert p.num_computed_tokens == 0
@@ -369,6 +378,8 @@ def test_scheduler_runs_every_request_to_completion(
         sched.update(out)
         for s in out.scheduled:
             seq = s.seq
+            if not s.samples:
+                continue
             seq.append_token(gen(int(seq.request_id), seq.num_output_tokens))
             if seq.num_output_tokens == max_tokens[seq.seq_id]:
                 sched.finish(seq, SequenceStatus.FINISHED_LENGTH)

@@ -27,16 +27,6 @@ def smollm() -> LLM:
     return LLM(num_kv_blocks=512, max_model_len=1024)
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dirs: dict[str, str]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    return {
-        arch: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        for arch, path in tiny_model_dirs.items()
-    }
-
-
 def test_smollm_gguf_greedy_matches_transformers(smollm: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     prompts = [smollm_tokenizer.encode(t) for t in texts]

@@ -1,4 +1,4 @@
-"""oneDNN packed linear layers compute what F.linear computes, and the engine picks them sensibly."""
+"""The float32 linear backends (our packed panels, oneDNN) compute what F.linear computes; the engine picks one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.models.int8_linear import Int8Linear
 from pagedllm.models.onednn_linear import OneDnnLinear, onednn_available, use_onednn_linear
+from pagedllm.models.packed_linear import (
+    PackedLinear,
+    pack_weight_panels,
+    packed_linear,
+    packed_linear_available,
+    use_packed_linear,
+)
+from pagedllm.runner.kernels import load_kernels
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -50,19 +59,102 @@ def test_linear_backend_validation() -> None:
         EngineConfig(model="m", linear_backend="mkl")
     with pytest.raises(ValueError, match="float32 on the CPU"):
         EngineConfig(model="m", linear_backend="onednn", dtype="bfloat16")
+    with pytest.raises(ValueError, match="'packed' runs float32 on the CPU"):
+        EngineConfig(model="m", linear_backend="packed", device="cuda")
 
 
 def test_linear_backends_agree_on_greedy_tokens(tiny_model_dirs: dict[str, str]) -> None:
     prompts = [{"prompt_token_ids": list(range(200 + i, 230 + 3 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = {}
-    for backend in ("torch", "onednn"):
+    for backend in ("torch", "onednn", "packed"):
         llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=64, max_model_len=256, block_size=8, linear_backend=backend)
         assert llm.llm_engine.model_runner.linear_backend == backend
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert tokens["torch"] == tokens["onednn"]
+    assert tokens["torch"] == tokens["onednn"] == tokens["packed"]
     auto = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=64, max_model_len=256, block_size=8)
-    assert auto.llm_engine.model_runner.linear_backend == "onednn"
+    assert auto.llm_engine.model_runner.linear_backend == "packed"
+    layer = auto.llm_engine.model_runner.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, PackedLinear)
+
+
+# --- our packed-panel kernel ----------------------------------------------------
+packed_only = pytest.mark.skipif(not packed_linear_available(), reason="native kernels do not build here")
+
+
+@packed_only
+@pytest.mark.parametrize("bias", [False, True])
+# rows: one tile or less, a partial last tile (6 rows per tile), many tiles
+# and, with 700 x 576 inputs, several row blocks; columns: whole panels,
+# a partial last panel (64 / 16 per panel with AVX-512 / AVX2), fewer than one
+@pytest.mark.parametrize("num_rows", [1, 5, 6, 7, 13, 40, 700])
+@pytest.mark.parametrize(("out_features", "in_features"), [(128, 576), (100, 96), (7, 33), (960, 1536)])
+def test_packed_linear_matches_float64_reference(
+    num_rows: int, out_features: int, in_features: int, bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(num_rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(num_rows, in_features, generator=gen)
+    got = packed_linear(x, pack_weight_panels(weight), b, out_features)
+    want = x.double() @ weight.double().T + (0 if b is None else b.double())
+    assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
+    # a float32 sum of in_features products: error grows like sqrt(in_features)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * in_features**0.5 * 4)
+
+
+@packed_only
+def test_packed_linear_layout_and_padding() -> None:
+    panel = load_kernels().packed_linear_panel()
+    assert panel in (8, 16, 64)
+    weight = torch.arange(3 * 5, dtype=torch.float32).view(3, 5)  # [out 3, in 5]
+    packed = pack_weight_panels(weight)
+    assert packed.shape == (1, 5, panel)
+    # panel[k, j] = W[j, k] for the real columns, zero beyond them
+    torch.testing.assert_close(packed[0, :, :3], weight.T)
+    assert packed[0, :, 3:].abs().sum() == 0
+
+
+@packed_only
+def test_packed_linear_module_inputs_and_errors() -> None:
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(96, 200, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(200, 96, generator=gen) * 0.1)
+    layer = PackedLinear(linear)
+    assert not hasattr(layer, "weight")  # the plain copy is gone
+    x = torch.randn(2, 9, 192, generator=gen)[..., ::2]  # non-contiguous, batch dims
+    torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        layer(x.double())
+    with pytest.raises(ValueError, match="features"):
+        layer(torch.randn(3, 95))
+    empty = layer(torch.randn(0, 96))
+    assert empty.shape == (0, 200)
+
+
+@packed_only
+def test_use_packed_linear_replaces_every_linear_and_keeps_embeddings() -> None:
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    x = model[0](torch.tensor([1, 2, 3]))
+    want = model[1:](x)
+    assert use_packed_linear(model) == 2
+    assert isinstance(model[1], PackedLinear) and isinstance(model[3], PackedLinear)
+    assert isinstance(model[0], nn.Embedding)
+    torch.testing.assert_close(model[1:](x), want, rtol=1e-5, atol=1e-5)
+
+
+@packed_only
+def test_int8_large_calls_go_through_the_packed_dequantized_copy() -> None:
+    gen = torch.Generator().manual_seed(5)
+    linear = nn.Linear(64, 96, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(96, 64, generator=gen))
+    plain, packed = Int8Linear(linear, "torch"), Int8Linear(linear, "packed")
+    x = torch.randn(30, 64, generator=gen)  # more rows than the int8 kernel takes
+    torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="dense_backend"):
+        Int8Linear(linear, "mkl")
 
 
 def test_bfloat16_on_a_cpu_without_native_bf16_warns(tiny_model_dirs: dict[str, str], monkeypatch, caplog) -> None:  # noqa: ANN001

@@ -168,27 +168,108 @@ def test_decodes_are_ordered_by_arrival():
 
 
 # --- budgets ---------------------------------------------------------------------------
-def test_token_budget_defers_prefill():
+def test_token_budget_chunks_prefill():
     bm, sched = make(max_num_batched_tokens=10)
     a = mk(range(6))
     b = mk(range(100, 106))
     c = mk(range(200, 202))  # small, but behind b: FCFS
     for s in (a, b, c):
         sched.add(s)
-    out = step(sched)
-    assert view(out) == [(a, 0, 6)]  # 6 + 6 > 10
-    assert list(sched.waiting) == [b, c]
-    assert b.block_table == [] and b.num_computed_tokens == 0
-    assert bm.num_free_blocks == 8 - 2
-    out = step(sched)
-    # 6 (b) + 2 (c) + 1 (a) = 9 <= 10
-    assert {(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled} == {
-        (a.seq_id, 1),
-        (b.seq_id, 6),
-        (c.seq_id, 2),
-    }
-    assert out.num_batched_tokens == 9
+    out = sched.schedule()
+    # a whole, then the first 4 tokens of b with the budget left: 6 + 4 = 10
+    assert view(out) == [(a, 0, 6), (b, 0, 4)]
+    assert out.scheduled[0].samples and not out.scheduled[1].samples
+    assert out.scheduled[1].is_prefill
+    step(sched, out)
+    assert list(sched.waiting) == [c]
+    assert b.block_table == [2, 3]  # blocks for all of b from admission on
+    assert b.num_computed_tokens == 4 and b.num_output_tokens == 0
+    assert bm.num_free_blocks == 8 - 4
+    out = sched.schedule()
+    # decode a (1), the rest of b (2), all of c (2)
+    assert view(out) == [(b, 4, 2), (c, 0, 2), (a, 6, 1)]
+    assert all(s.samples for s in out.scheduled)
+    step(sched, out)
+    assert out.num_batched_tokens == 5
     assert sched.num_waiting == 0
+    assert b.num_output_tokens == 1
+
+
+def test_long_prompt_is_chunked_over_steps_while_others_decode():
+    bm, sched = make(num_blocks=16, max_num_batched_tokens=4)
+    a = mk(range(2))
+    sched.add(a)
+    step(sched)
+    long = mk(range(100, 111))  # 11 tokens, budget 4 per step
+    sched.add(long)
+    plans = [view(step(sched)) for _ in range(4)]
+    assert plans == [
+        [(long, 0, 3), (a, 2, 1)],
+        [(long, 3, 3), (a, 3, 1)],
+        [(long, 6, 3), (a, 4, 1)],
+        [(long, 9, 2), (a, 5, 1)],
+    ]
+    assert long.num_output_tokens == 1 and long.num_computed_tokens == 11
+    assert len(long.block_table) == 3
+    assert view(step(sched)) == [(a, 6, 1), (long, 11, 1)]
+
+
+def test_prompt_bigger_than_budget_runs_alone():
+    # max_num_batched_tokens below the prompt length: no deadlock
+    _, sched = make(num_blocks=8, max_num_batched_tokens=3)
+    a = mk(range(8))
+    sched.add(a)
+    assert [view(step(sched)) for _ in range(3)] == [[(a, 0, 3)], [(a, 3, 3)], [(a, 6, 2)]]
+    assert a.num_output_tokens == 1
+
+
+def test_chunked_prompt_publishes_only_computed_blocks():
+    bm, sched = make(num_blocks=16, max_num_batched_tokens=6, caching=True)
+    a = mk(range(12))
+    sched.add(a)
+    step(sched)  # tokens 0..5: block 0 full, block 1 half computed
+    twin = mk(range(12))
+    assert bm.num_cached_prefix_tokens(twin) == 4
+    step(sched)  # tokens 6..11
+    assert bm.num_cached_prefix_tokens(twin) == 8  # never the block of the last token
+
+
+def test_forks_wait_for_a_chunked_prompt_to_complete():
+    bm, sched = make(num_blocks=8, max_num_batched_tokens=4)
+    parent = mk(range(6))
+    kids = [parent.fork(i) for i in (1, 2)]
+    parent.fork_children = list(kids)
+    sched.add(parent)
+    out = step(sched)
+    assert view(out) == [(parent, 0, 4)] and out.scheduled[0].forks == ()
+    assert parent.fork_children == kids and all(k.block_table == [] for k in kids)
+    assert sched.running == [parent]
+    out = step(sched)
+    assert view(out) == [(parent, 4, 2)]
+    assert out.scheduled[0].forks == tuple(kids)
+    assert all(k.block_table == parent.block_table for k in kids)
+    assert bm.ref_counts[parent.block_table[0]] == 3
+    assert all(k.num_computed_tokens == 6 for k in kids)
+
+
+def test_preempted_chunked_prompt_starts_over_and_keeps_its_forks():
+    bm, sched = make(num_blocks=4, max_num_batched_tokens=4)
+    a = mk(range(7))  # 2 blocks
+    sched.add(a)
+    step(sched)
+    step(sched)
+    parent = mk(range(100, 108))  # 2 blocks: the whole pool is taken
+    kid = parent.fork(1)
+    parent.fork_children = [kid]
+    sched.add(parent)
+    out = step(sched)
+    assert view(out) == [(parent, 0, 3), (a, 7, 1)]
+    # a needs a third block at token 8: the newest request (parent, mid-prompt) yields
+    out = step(sched)
+    assert out.preempted == [parent] and view(out) == [(a, 8, 1)]
+    assert parent.block_table == [] and parent.num_computed_tokens == 0
+    assert parent.fork_children == [kid] and list(sched.waiting) == [parent]
+    assert bm.num_free_blocks == 1
 
 
 def test_token_budget_counts_decodes_first():
@@ -202,8 +283,9 @@ def test_token_budget_counts_decodes_first():
     c = mk(range(200, 207))  # 7 tokens, but 2 are taken by decodes
     sched.add(c)
     out = step(sched)
-    assert out.num_batched_tokens == 2
-    assert list(sched.waiting) == [c]
+    assert view(out) == [(c, 0, 6), (a, 4, 1), (b, 4, 1)]
+    assert out.num_batched_tokens == 8
+    assert c.num_output_tokens == 0
 
 
 def test_max_num_seqs():
@@ -421,7 +503,7 @@ def test_prefix_hit_within_and_across_steps():
     assert bm.num_prefix_hits == 16
 
 
-def test_budget_rejected_admission_leaves_the_cache_alone():
+def test_pool_rejected_admission_leaves_the_cache_alone():
     bm, sched = make(num_blocks=6, max_num_batched_tokens=8, caching=True)
     # an earlier prompt left its two full blocks cached at the head of the LRU
     p = mk(range(9))
@@ -433,7 +515,7 @@ def test_budget_rejected_admission_leaves_the_cache_alone():
     a = mk(range(100, 104))
     sched.add(a)
     step(sched)
-    w = mk(range(200, 208))  # 8 tokens, but a's decode takes 1 of the 8
+    w = mk(range(200, 220))  # 20 tokens = 5 blocks; a holds 2 of the 6
     sched.add(w)
     for _ in range(3):
         out = step(sched)

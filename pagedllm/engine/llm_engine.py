@@ -206,9 +206,14 @@ class LLMEngine:
             if s.is_prefill:
                 self.num_prompt_tokens_computed += s.num_new_tokens
             req = self.requests[s.seq.request_id]
-            if result.prompt_logprobs is not None and req.prompt_logprobs is None:
-                req.prompt_logprobs = [None] + [self.output_processor.position_logprobs(t)
-                                                for t in result.prompt_logprobs]
+            if result.prompt_logprobs is not None:
+                # a prompt in chunks brings them a chunk at a time; a recomputed
+                # one (after preemption) brings again what is already there
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None]
+                for pos, t in enumerate(result.prompt_logprobs, start=result.prompt_logprobs_start):
+                    if pos == len(req.prompt_logprobs):
+                        req.prompt_logprobs.append(self.output_processor.position_logprobs(t))
             for seq, sample in zip((s.seq, *s.forks), result.samples):
                 if req.beam is not None:
                     req.beam.add_result(seq, list(sample.top))

@@ -5,17 +5,29 @@ Each step the scheduler
      pool has no block left it *preempts* the newest running sequence: frees
      its blocks and puts it back at the front of the waiting queue, to be
      recomputed later from its tokens (prompt + what it generated so far);
-  2. admits waiting sequences first come first served (prefill), as long as
+  2. continues prompts that an earlier step prefilled only in part (chunked
+     prefill), oldest first, with the token budget the decodes left;
+  3. admits waiting sequences first come first served (prefill), as long as
      the token budget, ``max_num_seqs`` and the pool allow. ``allocate()``
      returning False stops admission: the request waits, nothing crashes.
 
-Prefills and decodes share one step. The result is one ``SchedulerOutput``
-record that the model runner turns into tensors.
+Prefills and decodes share one step. A prompt longer than the budget left
+is computed in chunks over several steps (``max_num_batched_tokens`` may be
+smaller than ``max_model_len``); it holds blocks for all its tokens from
+admission on, and samples only in the step that computes its last token::
+
+    budget 8 tokens, prompt A of 12 tokens, B decoding
+    step 1:  B x1 | A[0:7]     (A: 7 of 12 computed, no sample)
+    step 2:  B x1 | A[7:12]    (A samples its first token)
+
+The result is one ``SchedulerOutput`` record that the model runner turns
+into tensors.
 
 Several samples of one prompt (``n``, ``best_of``) are admitted as one
-sequence whose ``fork_children`` are forked from it at admission: they share
-its blocks and its prefill, and sample their first tokens from its logits.
-Preemption takes a whole request (all its samples) at a time.
+sequence whose ``fork_children`` are forked from it in the step that
+completes its prompt: they share its blocks and its prefill, and sample
+their first tokens from its logits. Preemption takes a whole request (all
+its samples) at a time.
 """
 
 from __future__ import annotations
@@ -159,21 +171,43 @@ class Scheduler:
             self._preempt(s)
         return group
 
+    def _start_forks(self, seq: Sequence) -> tuple[Sequence, ...]:
+        """Start the samples waiting on ``seq``'s prompt as running copies sharing its blocks."""
+        forks = tuple(seq.fork_children)
+        seq.fork_children = []
+        for child in forks:
+            self.block_manager.fork(seq, child)
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.num_cached_tokens = seq.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        return forks
+
+    def _chunk(self, seq: Sequence, budget: int) -> ScheduledSequence:
+        """Schedule as much of ``seq``'s pending tokens as ``budget`` allows (at least one)."""
+        num_new = min(len(seq) - seq.num_computed_tokens, budget)
+        completes = seq.num_computed_tokens + num_new == len(seq)
+        forks = self._start_forks(seq) if completes else ()
+        # published at once, so an identical prompt admitted next in this same
+        # step already hits these blocks; only what this step computes
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        return ScheduledSequence(seq, seq.num_computed_tokens, num_new, forks)
+
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: decodes of running sequences, then admissions."""
+        """Plan one step: decodes of running sequences, unfinished prefills, then admissions."""
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
 
-        # 1. running sequences, oldest first, each needs one slot; the victim
-        #    of a preemption is the newest request (all its samples)
+        # 1. running sequences with one new token, oldest first; the victim of
+        #    a preemption is the newest request (all its samples)
         for seq in sorted(self.running, key=_age):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = len(seq) - seq.num_computed_tokens
-            if num_new == 0:
-                continue  # a beam waiting for its siblings' results
-            if budget < num_new:
+            if num_new != 1:
+                continue  # 0: a beam waiting for its siblings; > 1: a prompt in chunks (step 2)
+            if budget < 1:
                 break
             while not self.block_manager.append_slot(seq):
                 victim = max(self.running, key=_age)
@@ -182,50 +216,47 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            decodes.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
-            budget -= num_new
+            decodes.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
+            budget -= 1
         if preempted:
             # a preempted request may have had older samples scheduled already
             decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
-        # published only now: a block of a decode dropped above is never written
-        for d in decodes:
-            self.block_manager.cache_full_blocks(d.seq, len(d.seq))
+        # published only now: a block of a decode dropped above is never written;
+        # a prompt's last token (its final one-token chunk) may start its forks
+        for i, d in enumerate(decodes):
+            decodes[i] = self._chunk(d.seq, 1)
 
-        # 2. admissions, first come first served; none after a preemption,
-        #    since the pool just proved too small for what is running
+        # 2. prompts prefilled in part by earlier steps: their blocks are
+        #    already allocated, so they only need budget
         prefills: list[ScheduledSequence] = []
-        # every running sequence counts, also those the budget left out of this
-        # step and beams waiting for their siblings
-        num_seqs = len(self.running)
-        while self.waiting and not preempted:
+        for seq in sorted(self.running, key=_age):
+            if budget < 1:
+                break
+            if seq.status == SequenceStatus.RUNNING and len(seq) - seq.num_computed_tokens > 1:
+                chunk = self._chunk(seq, budget)
+                prefills.append(chunk)
+                budget -= chunk.num_new_tokens
+
+        # 3. admissions, first come first served; none after a preemption,
+        #    since the pool just proved too small for what is running.
+        # Every running sequence counts, also those the budget left out of
+        # this step, beams waiting for their siblings and the samples that
+        # wait for a prompt in chunks to complete
+        num_seqs = len(self.running) + sum(len(s.fork_children) for s in self.running)
+        while self.waiting and not preempted and budget >= 1:
             seq = self.waiting[0]
             if num_seqs + 1 + len(seq.fork_children) > self.max_num_seqs:
                 break
-            # check the budget before allocating: allocating and freeing again
-            # would pop (evict) cached blocks from the free list for nothing
-            if len(seq) - self.block_manager.num_cached_prefix_tokens(seq) > budget:
-                break
             if not self.block_manager.allocate(seq):
                 break
-            num_new = len(seq) - seq.num_computed_tokens
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            forks = tuple(seq.fork_children)
-            seq.fork_children = []
-            for child in forks:
-                self.block_manager.fork(seq, child)
-                child.num_computed_tokens = seq.num_computed_tokens
-                child.num_cached_tokens = seq.num_cached_tokens
-                child.status = SequenceStatus.RUNNING
-                self.running.append(child)
-            prefills.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, forks))
-            # published at once, so an identical prompt admitted next in this
-            # same step already hits these blocks
-            self.block_manager.cache_full_blocks(seq, len(seq))
-            budget -= num_new
-            num_seqs += 1 + len(forks)
+            num_seqs += 1 + len(seq.fork_children)
+            chunk = self._chunk(seq, budget)
+            prefills.append(chunk)
+            budget -= chunk.num_new_tokens
 
         return SchedulerOutput(
             scheduled=prefills + decodes,

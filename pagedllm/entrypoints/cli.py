@@ -26,7 +26,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linear layers (CPU)")
-    g.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
+    g.add_argument("--linear-backend", default="auto", choices=["auto", "packed", "onednn", "torch"])
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:

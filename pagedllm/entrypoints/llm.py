@@ -17,6 +17,13 @@ from pagedllm.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 
 
+# the CPU figure is measured (throughput workload, 512-8192 tokens: 532, 557,
+# 555, 552, 481, 464 output tok/s for 512, 1024, 1536, 2048, 4096, 8192);
+# the GPU one is vLLM's offline default, not measured here
+_DEFAULT_CPU_BATCHED_TOKENS = 2048
+_DEFAULT_GPU_BATCHED_TOKENS = 8192
+
+
 class LLM:
     """Batch generation with a paged KV cache.
 
@@ -24,8 +31,10 @@ class LLM:
         model: a ``.gguf`` file or a Hugging Face folder; None loads the
             bundled SmolLM2-135M-Instruct.
         max_model_len: longest prompt + output; None takes the model's.
-        max_num_batched_tokens: token budget per step; None takes
-            ``max(max_model_len, 8192)``.
+        max_num_batched_tokens: token budget per step; longer prompts are
+            prefilled in chunks. None takes 2048 on the CPU (measured best
+            for throughput there: activations stay in cache, BENCHMARKS.md)
+            and 8192 on a GPU.
         **kwargs: any other ``EngineConfig`` field (block_size, num_kv_blocks,
             kv_cache_memory_bytes, max_num_seqs, enable_prefix_caching, dtype,
             device, seed, attention_backend, num_threads, quantization, linear_backend,
@@ -44,7 +53,8 @@ class LLM:
         if max_model_len is None:
             max_model_len = load_model_config(path).max_position_embeddings
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(max_model_len, 8192)
+            on_gpu = kwargs.get("device", "cpu") == "cuda"
+            max_num_batched_tokens = _DEFAULT_GPU_BATCHED_TOKENS if on_gpu else _DEFAULT_CPU_BATCHED_TOKENS
         unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")

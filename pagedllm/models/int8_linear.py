@@ -10,7 +10,7 @@ arithmetic with it, so its speed is set by memory bandwidth; int8 weights are
 a quarter of the float32 bytes. Those calls (at most ``SMALL_BATCH_ROWS``
 rows) go to the native kernel in ``runner/kernels/int8_linear.c``. Larger
 calls (prefills, big decode batches) are compute-bound, and float32 GEMM
-(oneDNN where available) is faster there than any int8 path torch offers on
+(the packed-panel kernel or oneDNN) is faster there than any int8 path torch offers on
 these CPUs, so they multiply by the dequantized weights ``q * scale``, kept
 as a float32 copy: the same numbers, so a sequence's tokens barely depend on
 its batch (only the summation order differs). The copy means int8 buys
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.models.onednn_linear import onednn_linear, pack_weight
+from pagedllm.models.packed_linear import pack_weight_panels, packed_linear
 from pagedllm.runner.kernels import load_kernels
 
 # rows at or below which the int8 kernel beats float32 GEMM on the bytes it
@@ -32,6 +33,9 @@ from pagedllm.runner.kernels import load_kernels
 # (runner/fused_decode.py), 8 sequences decode at 444 tok/s fused against 309
 # layer by layer, 16 at 429 fused against 486 (BENCHMARKS.md)
 SMALL_BATCH_ROWS = 8
+
+# how each float32 backend stores the dequantized copy
+_DENSE_PACKERS = {"torch": lambda w: w, "onednn": pack_weight, "packed": pack_weight_panels}
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +49,7 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class Int8Linear(nn.Module):
     """A linear layer whose weights are int8 with per-output-channel scales."""
 
-    def __init__(self, linear: nn.Linear, use_onednn: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, dense_backend: str = "torch") -> None:
         super().__init__()
         q, scale = quantize_per_channel(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -53,11 +57,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.contiguous())  # [out_features] float32
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias)
-        # [out_features, in_features] float32: q * scale, for calls with many rows
-        # (packed for oneDNN when it is used)
+        # [out_features, in_features] float32: q * scale, for calls with many rows,
+        # in the layout of the float32 linear backend that multiplies by it
         dequantized = (q.float() * scale.unsqueeze(1)).contiguous()
-        self.use_onednn = use_onednn
-        self.register_buffer("dequantized", pack_weight(dequantized) if use_onednn else dequantized)
+        if dense_backend not in _DENSE_PACKERS:
+            raise ValueError(f"dense_backend must be one of {sorted(_DENSE_PACKERS)}, got {dense_backend!r}")
+        self.dense_backend = dense_backend
+        self.register_buffer("dequantized", _DENSE_PACKERS[dense_backend](dequantized))
         self._kernel = None
         lib = load_kernels()
         if lib is not None:
@@ -68,7 +74,9 @@ class Int8Linear(nn.Module):
         if x.dtype != torch.float32:
             raise ValueError(f"Int8Linear computes in float32, got {x.dtype}")
         if self._kernel is None or rows.shape[0] > SMALL_BATCH_ROWS:
-            if self.use_onednn:
+            if self.dense_backend == "packed":
+                return packed_linear(x, self.dequantized, self.bias, self.out_features)
+            if self.dense_backend == "onednn":
                 return onednn_linear(x, self.dequantized, self.bias)
             return F.linear(x, self.dequantized, self.bias)
         rows = rows.contiguous()
@@ -84,8 +92,11 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 
 
-def quantize_model_int8(model: nn.Module, use_onednn: bool = False) -> int:
+def quantize_model_int8(model: nn.Module, dense_backend: str = "torch") -> int:
     """Replace every ``nn.Linear`` in ``model`` with ``Int8Linear``; returns how many.
+
+    ``dense_backend`` ("packed", "onednn" or "torch") multiplies calls with
+    more than ``SMALL_BATCH_ROWS`` rows by the dequantized weights.
 
     A tied LM head is quantized as a separate copy: the embedding table keeps
     its float32 rows for lookups.
@@ -98,5 +109,5 @@ def quantize_model_int8(model: nn.Module, use_onednn: bool = False) -> int:
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod, use_onednn))
+        setattr(parent, child, Int8Linear(mod, dense_backend))
     return len(targets)

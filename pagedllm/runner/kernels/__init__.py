@@ -4,6 +4,7 @@ Plain C with OpenMP and no torch headers, built into one shared library in
 a few seconds with gcc and called through ctypes on tensors' data pointers:
 ``paged_decode.c`` (decode attention reading KV blocks in place),
 ``int8_linear.c`` (weight-only int8 matmul for a few rows),
+``packed_linear.c`` (float32 matmul over weights packed into column panels),
 ``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
 ``prefill_attention.c`` (causal attention of prompts computed from scratch)
 and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
@@ -110,6 +111,15 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ptr, i64, i64, ptr,  # x, num_rows, in_features, w
         ptr, ptr, i64, ptr,  # scales, bias, out_features, out
         i32,  # num_threads
+    ]
+    lib.packed_linear_panel.restype = i32
+    lib.packed_linear_panel.argtypes = []
+    lib.packed_linear_pack.restype = None
+    lib.packed_linear_pack.argtypes = [ptr, i64, i64, ptr]  # w, out_features, in_features, packed
+    lib.packed_linear_f32.restype = None
+    lib.packed_linear_f32.argtypes = [
+        ptr, i64, i64, ptr,  # x, num_rows, in_features, packed
+        ptr, i64, ptr, i32,  # bias, out_features, out, num_threads
     ]
     f32 = ctypes.c_float
     lib.add_rms_norm_f32.restype = None

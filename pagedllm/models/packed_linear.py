@@ -1,0 +1,98 @@
+"""Float32 linear layers through our own packed-panel kernel (CPU).
+
+The weight ``[out, in]`` is reordered once at load into column panels
+(``runner/kernels/packed_linear.c`` draws the layout) and the plain copy is
+dropped, so memory does not grow. The kernel keeps a 6-row x one-panel tile
+of sums in registers and, while it computes one panel, prefetches the next
+one into L2; at the row counts a decode step has (8-64) that is where oneDNN's
+packed matmul loses time waiting on memory. Measured on SmolLM2's shapes
+(BENCHMARKS.md, "Packed-panel linear layers"): 1.2-1.35x oneDNN from 8 to
+1024 rows, so ``EngineConfig.linear_backend="auto"`` takes it for float32 on
+the CPU when the native kernels build.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.runner.kernels import load_kernels
+
+
+def packed_linear_available() -> bool:
+    """Whether the native kernel library (and so this linear) builds here."""
+    return load_kernels() is not None
+
+
+def _library():  # noqa: ANN202
+    lib = load_kernels()
+    if lib is None:
+        from pagedllm.runner.kernels import kernels_failure
+
+        raise ValueError(f"linear_backend='packed' needs the native CPU kernels, which cannot be built here: "
+                         f"{kernels_failure()}")
+    return lib
+
+
+def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[out, in]`` weight as ``[num_panels, in, panel]`` column panels (zero-padded)."""
+    lib = _library()
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    out_features, in_features = w.shape
+    panel = lib.packed_linear_panel()
+    num_panels = (out_features + panel - 1) // panel
+    packed = torch.empty(num_panels, in_features, panel, dtype=torch.float32)  # [num_panels, in, panel]
+    lib.packed_linear_pack(w.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` for float32 ``x`` ``[..., in]`` and a weight packed by ``pack_weight_panels``."""
+    lib = _library()
+    in_features = packed.shape[1]
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"packed linear computes float32 on the CPU, got {x.dtype} on {x.device}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
+    rows = x.reshape(-1, in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
+    lib.packed_linear_f32(
+        rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads(),
+    )
+    return out.view(*x.shape[:-1], out_features)
+
+
+class PackedLinear(nn.Module):
+    """A float32 linear layer whose weight lives only in column panels."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight", pack_weight_panels(linear.weight))
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed panels"
+
+
+def use_packed_linear(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` in ``model`` with ``PackedLinear``; returns how many.
+
+    A tied LM head gets its own packed copy; the embedding keeps its rows.
+    """
+    _library()
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear(mod))
+    return len(targets)

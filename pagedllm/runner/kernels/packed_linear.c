@@ -1,0 +1,192 @@
+/* Float32 linear layer over weights packed once into column panels.
+ *
+ *   y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])      x: [M, K]  W: [N, K]  y: [M, N]
+ *
+ * The weight is reordered at load time into panels of PANEL output columns
+ * (64 with AVX-512, 16 with AVX2), each stored k-major so one k step of a
+ * panel is PANEL contiguous floats:
+ *
+ *   W [N, K] row-major                   packed [num_panels, K, PANEL]
+ *   n=0   w00 w01 w02 ...                panel 0: k=0: w00 w10 ... w63,0
+ *   n=1   w10 w11 w12 ...                         k=1: w01 w11 ... w63,1
+ *   ...                                  panel 1: k=0: w64,0 ...
+ *
+ * (the last panel is padded with zero columns). A tile of MR=6 rows by one
+ * panel keeps its 6 x PANEL sums in registers for the whole K loop: per k
+ * step it loads PANEL weights once and broadcasts 6 activations, so each
+ * weight load feeds 6 FMAs. Work units are (panel, 6-row chunk), panel-major,
+ * split evenly over the threads, so a thread runs all row chunks of a panel
+ * back to back and the panel is read from memory once, then from L2.
+ *
+ * Why not oneDNN's packed matmul (models/onednn_linear.py), which this
+ * replaces by default: at decode sizes (8-64 rows) the first row chunk of a
+ * panel waits on memory. Here, while one panel is computed, each of its row
+ * chunks also prefetches a share of the next panel's cache lines into L2, so
+ * the stream from memory overlaps the arithmetic. Measured on SmolLM2's
+ * shapes (benchmarks/micro_linear.py, BENCHMARKS.md): 1.2-1.35x oneDNN from 8
+ * to 1024 rows.
+ *
+ * The sum over k runs in order, one FMA per term, so results differ from
+ * other GEMMs only by rounding (the order of additions).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#define PANEL 64
+#define VEC_WIDTH 16
+typedef __m512 vec_t;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSET1(x) _mm512_set1_ps(x)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VZERO() _mm512_setzero_ps()
+#define VADD(a, b) _mm512_add_ps(a, b)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PANEL 16
+#define VEC_WIDTH 8
+typedef __m256 vec_t;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSET1(x) _mm256_set1_ps(x)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VZERO() _mm256_setzero_ps()
+#define VADD(a, b) _mm256_add_ps(a, b)
+#else
+#define PANEL 8
+#define SCALAR_PANELS 1
+#endif
+
+#define MR 6 /* rows per tile: 6 x (PANEL / VEC_WIDTH) sums + the panel's vectors fit the register file */
+#define CACHE_LINE 64
+
+/* Output columns per panel in this build; the caller sizes the packed buffer with it. */
+int packed_linear_panel(void) { return PANEL; }
+
+/* W [n, k] row-major -> packed [ceil(n / PANEL), k, PANEL], zero-padded. */
+void packed_linear_pack(const float *w, int64_t n, int64_t k, float *packed) {
+    int64_t num_panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int j = 0; j < PANEL; j++) {
+                int64_t col = p * PANEL + j;
+                packed[(p * k + kk) * PANEL + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+#ifdef SCALAR_PANELS
+static void tile(const float *x, int64_t ldx, const float *b, int64_t k, float *y, int64_t ldy,
+                 const float *bias, int num_cols, int num_rows, const char *prefetch, int64_t num_prefetch) {
+    (void)prefetch;
+    (void)num_prefetch;
+    for (int r = 0; r < num_rows; r++)
+        for (int j = 0; j < num_cols; j++) {
+            float sum = 0.0f;
+            for (int64_t kk = 0; kk < k; kk++) sum += x[r * ldx + kk] * b[kk * PANEL + j];
+            y[r * ldy + j] = sum + (bias ? bias[j] : 0.0f);
+        }
+}
+#else
+#define NUM_VECS (PANEL / VEC_WIDTH)
+
+/* num_rows (<= MR) rows of x times one panel. Always inlined with a constant
+ * num_rows, so the row loops unroll and the sums stay in registers.
+ * prefetch / num_prefetch: cache lines of the next panel to pull into L2, one
+ * per k step. */
+static inline __attribute__((always_inline)) void tile(
+    const float *x, int64_t ldx, const float *b, int64_t k, float *y, int64_t ldy, const float *bias,
+    int num_cols, const int num_rows, const char *prefetch, int64_t num_prefetch) {
+    vec_t acc[MR][NUM_VECS];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NUM_VECS; c++) acc[r][c] = VZERO();
+    for (int64_t kk = 0; kk < k; kk++) {
+        if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
+        vec_t wv[NUM_VECS];
+#pragma GCC unroll 8
+        for (int c = 0; c < NUM_VECS; c++) wv[c] = VLOAD(b + kk * PANEL + c * VEC_WIDTH);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            if (r < num_rows) {
+                vec_t a = VSET1(x[r * ldx + kk]);
+#pragma GCC unroll 8
+                for (int c = 0; c < NUM_VECS; c++) acc[r][c] = VFMA(a, wv[c], acc[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) {
+        if (r >= num_rows) continue;
+        if (num_cols == PANEL) {
+#pragma GCC unroll 8
+            for (int c = 0; c < NUM_VECS; c++) {
+                vec_t v = acc[r][c];
+                if (bias) v = VADD(v, VLOAD(bias + c * VEC_WIDTH));
+                VSTORE(y + r * ldy + c * VEC_WIDTH, v);
+            }
+        } else { /* the last, zero-padded panel: only its real columns are written */
+            float sums[PANEL];
+            for (int c = 0; c < NUM_VECS; c++) VSTORE(sums + c * VEC_WIDTH, acc[r][c]);
+            for (int j = 0; j < num_cols; j++) y[r * ldy + j] = sums[j] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+#endif
+
+/* Rows [row0, row0 + m) of x times all panels: units (panel, 6-row chunk), panel-major. */
+static void row_block(const float *x, int64_t m, int64_t k, const float *packed, const float *bias,
+                      int64_t n, float *y, int num_threads) {
+    int64_t num_panels = (n + PANEL - 1) / PANEL;
+    int64_t num_chunks = (m + MR - 1) / MR;
+    int64_t num_units = num_panels * num_chunks;
+    int64_t panel_lines = k * PANEL * (int64_t)sizeof(float) / CACHE_LINE;
+    /* each row chunk prefetches its share of the next panel */
+    int64_t lines_per_chunk = (panel_lines + num_chunks - 1) / num_chunks;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t u = 0; u < num_units; u++) {
+        int64_t p = u / num_chunks, chunk = u % num_chunks;
+        int64_t row0 = chunk * MR;
+        int num_rows = (int)(m - row0 < MR ? m - row0 : MR);
+        int num_cols = (int)(n - p * PANEL < PANEL ? n - p * PANEL : PANEL);
+        const float *b = packed + p * k * PANEL;
+        const float *bias_p = bias ? bias + p * PANEL : NULL;
+        const float *xr = x + row0 * k;
+        float *yr = y + row0 * n + p * PANEL;
+        const char *prefetch = NULL;
+        int64_t num_prefetch = 0;
+        int64_t first_line = chunk * lines_per_chunk;
+        if (p + 1 < num_panels && first_line < panel_lines) {
+            prefetch = (const char *)(packed + (p + 1) * k * PANEL) + first_line * CACHE_LINE;
+            num_prefetch = panel_lines - first_line < lines_per_chunk ? panel_lines - first_line : lines_per_chunk;
+        }
+        switch (num_rows) {
+            case 6: tile(xr, k, b, k, yr, n, bias_p, num_cols, 6, prefetch, num_prefetch); break;
+            case 5: tile(xr, k, b, k, yr, n, bias_p, num_cols, 5, prefetch, num_prefetch); break;
+            case 4: tile(xr, k, b, k, yr, n, bias_p, num_cols, 4, prefetch, num_prefetch); break;
+            case 3: tile(xr, k, b, k, yr, n, bias_p, num_cols, 3, prefetch, num_prefetch); break;
+            case 2: tile(xr, k, b, k, yr, n, bias_p, num_cols, 2, prefetch, num_prefetch); break;
+            default: tile(xr, k, b, k, yr, n, bias_p, num_cols, 1, prefetch, num_prefetch); break;
+        }
+    }
+}
+
+#ifndef BLOCK_BYTES
+#define BLOCK_BYTES (256 * 1024)
+#endif
+
+/* y [m, n] = x [m, k] @ W^T (+ bias), W packed by packed_linear_pack.
+ * Long inputs (prefills) go in blocks of rows whose activations fit in L2
+ * with room for a panel: otherwise every panel would stream all of x again
+ * from memory (measured: 257 GFLOP/s over 8192-row prefills unblocked). */
+void packed_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, const float *bias,
+                       int64_t n, float *y, int num_threads) {
+    int64_t block_rows = BLOCK_BYTES / (k * (int64_t)sizeof(float)) / MR * MR;
+    if (block_rows < 8 * MR) block_rows = 8 * MR;
+    for (int64_t row0 = 0; row0 < m; row0 += block_rows) {
+        int64_t rows = m - row0 < block_rows ? m - row0 : block_rows;
+        row_block(x + row0 * k, rows, k, packed, bias, n, y + row0 * n, num_threads);
+    }
+}
