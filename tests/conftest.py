@@ -114,7 +114,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
     A plain argmax loop rather than ``generate``, so that no generation
     config (EOS handling, min lengths) can change which token wins.
     """
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     out: list[int] = []
     past = None
     with torch.inference_mode():
@@ -123,5 +123,5 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
             past = res.past_key_values
             token = int(res.logits[0, -1].argmax())
             out.append(token)
-            ids = torch.tensor([[token]])
+            ids = torch.tensor([[token]], device=model.device)
     return out

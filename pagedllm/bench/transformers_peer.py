@@ -45,7 +45,7 @@ def warm_up(model, workload: list[BenchRequest]) -> None:  # noqa: ANN001
     import torch
 
     with torch.inference_mode():
-        ids = torch.tensor([workload[0].prompt_token_ids])
+        ids = torch.tensor([workload[0].prompt_token_ids], device=model.device)
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
                        do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -62,8 +62,10 @@ def run_padded(model, workload: list[BenchRequest], batch_size: int = 16) -> dic
         for first in range(0, len(workload), batch_size):
             batch = workload[first : first + batch_size]
             width = max(len(r.prompt_token_ids) for r in batch)
-            ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+            ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+                               device=model.device)
+            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                                 for r in batch], device=model.device)
             max_new = max(r.output_len for r in batch)
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
