@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.runner.sampler import Sampler, SamplingTensors, token_logprobs
+from pagedllm.runner.sampler import Sampler, SamplingTensors, logit_stats, token_logprobs
 
 VOCAB = 6
 # distinct probabilities (no ties) so that "sorted order" is unambiguous
@@ -418,3 +418,31 @@ def test_token_logprobs_rank_and_top_only_when_asked():
     assert out[1].top[0][1] == pytest.approx(out[1].logprob, abs=1e-6)
     # row 2: token 0 ties with token 1 behind token 3, so rank 2; no alternatives asked
     assert out[2].rank == 2 and out[2].top == ()
+
+
+# --- logit_stats: the native argmax + logsumexp ---------------------------------
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 7), (3, 8), (5, 49152), (40, 1003), (2, 17)])
+def test_logit_stats_match_torch(rows: int, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    stats = logit_stats(logits)
+    assert stats.argmax.tolist() == logits.argmax(dim=-1).tolist()
+    torch.testing.assert_close(stats.lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_logit_stats_ties_masks_and_nan_follow_torch() -> None:
+    logits = torch.randn(5, 43)  # 43: vector lanes for 0..39 (40 with AVX2 x 8), a scalar tail after
+    # ties: the first index wins, across lanes and between the lanes and the tail
+    logits[0, :] = 0.0
+    logits[0, [11, 3, 37]] = 5.0  # 3 and 11 share a lane (AVX2 and AVX-512 alike)
+    logits[1, :] = 0.0
+    logits[1, [41, 33]] = 2.0
+    logits[2, :] = float("-inf")  # every token masked
+    logits[3, ::2] = float("-inf")  # half masked
+    logits[4, 11] = float("nan")  # a broken row: torch ranks NaN first
+    stats = logit_stats(logits)
+    want_lse = torch.logsumexp(logits, dim=-1)
+    assert stats.argmax.tolist() == logits.argmax(dim=-1).tolist() == [3, 33, 0, stats.argmax[3].item(), 11]
+    torch.testing.assert_close(stats.lse[[0, 1, 3]], want_lse[[0, 1, 3]])
+    assert stats.lse[2].item() == float("-inf") == want_lse[2].item()
+    assert torch.isnan(stats.lse[4]) and torch.isnan(want_lse[4])

@@ -22,7 +22,7 @@ from pagedllm.models.packed_linear import use_packed_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.kernels import load_kernels
-from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
+from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, logit_stats, token_logprobs
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -261,9 +261,10 @@ class ModelRunner:
         if rows:
             index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
-            tokens = self.sampler(logits, self._sampling_tensors(rows))
+            stats = logit_stats(logits)
+            tokens = self.sampler(logits, self._sampling_tensors(rows), argmax=stats.argmax)
             num_top = [p.logprobs for _, p in rows]
-            samples = token_logprobs(logits, tokens, num_top)
+            samples = token_logprobs(logits, tokens, num_top, lse=stats.lse)
             it = iter(samples)
             for i, s in enumerate(scheduled):
                 if s.samples:

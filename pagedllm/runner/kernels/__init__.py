@@ -5,6 +5,7 @@ a few seconds with gcc and called through ctypes on tensors' data pointers:
 ``paged_decode.c`` (decode attention reading KV blocks in place),
 ``int8_linear.c`` (weight-only int8 matmul for a few rows),
 ``packed_linear.c`` (float32 matmul over weights packed into column panels),
+``logit_stats.c`` (per-row argmax and logsumexp of the logits),
 ``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
 ``prefill_attention.c`` (causal attention of prompts computed from scratch)
 and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
@@ -121,6 +122,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ptr, i64, i64, ptr,  # x, num_rows, in_features, packed
         ptr, i64, ptr, i32,  # bias, out_features, out, num_threads
     ]
+    lib.logit_stats_f32.restype = None
+    lib.logit_stats_f32.argtypes = [ptr, i64, i64, ptr, ptr, i32]  # logits, rows, vocab, argmax, lse, threads
     f32 = ctypes.c_float
     lib.add_rms_norm_f32.restype = None
     lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]  # x, delta, w, y, rows, n, eps, threads
