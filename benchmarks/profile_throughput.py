@@ -69,6 +69,7 @@ def main() -> None:
     runner.sampler = _timed(phases, "sampler", runner.sampler)
     runner._sampling_tensors = _timed(phases, "sampling tensors", runner._sampling_tensors)
     mr.token_logprobs = _timed(phases, "logprobs of sampled tokens", mr.token_logprobs)
+    mr.logit_stats = _timed(phases, "logit stats (argmax + logsumexp)", mr.logit_stats)
     engine.output_processor.append_sample = _timed(phases, "output: append, detokenize, stops", engine.output_processor.append_sample)
     engine.output_processor.make_output = _timed(phases, "output: RequestOutput objects", engine.output_processor.make_output)
     steps = 0

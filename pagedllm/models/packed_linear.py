@@ -2,8 +2,8 @@
 
 The weight ``[out, in]`` is reordered once at load into column panels
 (``runner/kernels/packed_linear.c`` draws the layout) and the plain copy is
-dropped, so memory does not grow. The kernel keeps a 6-row x one-panel tile
-of sums in registers and, while it computes one panel, prefetches the next
+dropped, so memory does not grow. The kernel keeps an 8-row (6 with AVX2)
+x one-panel tile of sums in registers and, while it computes one panel, prefetches the next
 one into L2; at the row counts a decode step has (8-64) that is where oneDNN's
 packed matmul loses time waiting on memory. Measured on SmolLM2's shapes
 (BENCHMARKS.md, "Packed-panel linear layers"): 1.2-1.35x oneDNN from 8 to

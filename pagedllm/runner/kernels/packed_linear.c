@@ -3,18 +3,20 @@
  *   y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])      x: [M, K]  W: [N, K]  y: [M, N]
  *
  * The weight is reordered at load time into panels of PANEL output columns
- * (64 with AVX-512, 16 with AVX2), each stored k-major so one k step of a
+ * (48 with AVX-512, 16 with AVX2), each stored k-major so one k step of a
  * panel is PANEL contiguous floats:
  *
  *   W [N, K] row-major                   packed [num_panels, K, PANEL]
- *   n=0   w00 w01 w02 ...                panel 0: k=0: w00 w10 ... w63,0
- *   n=1   w10 w11 w12 ...                         k=1: w01 w11 ... w63,1
- *   ...                                  panel 1: k=0: w64,0 ...
+ *   n=0   w00 w01 w02 ...                panel 0: k=0: w00 w10 ... w47,0
+ *   n=1   w10 w11 w12 ...                         k=1: w01 w11 ... w47,1
+ *   ...                                  panel 1: k=0: w48,0 ...
  *
- * (the last panel is padded with zero columns). A tile of MR=6 rows by one
- * panel keeps its 6 x PANEL sums in registers for the whole K loop: per k
- * step it loads PANEL weights once and broadcasts 6 activations, so each
- * weight load feeds 6 FMAs. Work units are (panel, 6-row chunk), panel-major,
+ * (the last panel is padded with zero columns). A tile of MR rows (8 with
+ * AVX-512, 6 with AVX2) by one panel keeps its MR x PANEL sums in registers
+ * for the whole K loop: per k step it loads PANEL weights once and
+ * broadcasts MR activations, so each weight load feeds MR FMAs. 8 x 48
+ * measured 2-4% faster than 6 x 64 end to end: decode batches of 40 and 64
+ * rows are whole 8-row chunks. Work units are (panel, MR-row chunk), panel-major,
  * split evenly over the threads, so a thread runs all row chunks of a panel
  * back to back and the panel is read from memory once, then from L2.
  *
@@ -33,8 +35,11 @@
 #include <omp.h>
 #include <stdint.h>
 
+/* tile shape per ISA: MR rows x PANEL columns of sums stay in registers
+ * (AVX-512: 8 x 3 zmm = 24 of 32 registers; AVX2: 6 x 2 ymm = 12 of 16) */
 #if defined(__AVX512F__)
-#define PANEL 64
+#define PANEL 48
+#define MR 8
 #define VEC_WIDTH 16
 typedef __m512 vec_t;
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -45,6 +50,7 @@ typedef __m512 vec_t;
 #define VADD(a, b) _mm512_add_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PANEL 16
+#define MR 6
 #define VEC_WIDTH 8
 typedef __m256 vec_t;
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -55,10 +61,9 @@ typedef __m256 vec_t;
 #define VADD(a, b) _mm256_add_ps(a, b)
 #else
 #define PANEL 8
+#define MR 6
 #define SCALAR_PANELS 1
 #endif
-
-#define MR 6 /* rows per tile: 6 x (PANEL / VEC_WIDTH) sums + the panel's vectors fit the register file */
 #define CACHE_LINE 64
 
 /* Output columns per panel in this build; the caller sizes the packed buffer with it. */
@@ -136,7 +141,7 @@ static inline __attribute__((always_inline)) void tile(
 }
 #endif
 
-/* Rows [row0, row0 + m) of x times all panels: units (panel, 6-row chunk), panel-major. */
+/* Rows [row0, row0 + m) of x times all panels: units (panel, MR-row chunk), panel-major. */
 static void row_block(const float *x, int64_t m, int64_t k, const float *packed, const float *bias,
                       int64_t n, float *y, int num_threads) {
     int64_t num_panels = (n + PANEL - 1) / PANEL;
@@ -163,6 +168,10 @@ static void row_block(const float *x, int64_t m, int64_t k, const float *packed,
             num_prefetch = panel_lines - first_line < lines_per_chunk ? panel_lines - first_line : lines_per_chunk;
         }
         switch (num_rows) {
+#if MR > 6
+            case 8: tile(xr, k, b, k, yr, n, bias_p, num_cols, 8, prefetch, num_prefetch); break;
+            case 7: tile(xr, k, b, k, yr, n, bias_p, num_cols, 7, prefetch, num_prefetch); break;
+#endif
             case 6: tile(xr, k, b, k, yr, n, bias_p, num_cols, 6, prefetch, num_prefetch); break;
             case 5: tile(xr, k, b, k, yr, n, bias_p, num_cols, 5, prefetch, num_prefetch); break;
             case 4: tile(xr, k, b, k, yr, n, bias_p, num_cols, 4, prefetch, num_prefetch); break;
