@@ -22,7 +22,13 @@ from pagedllm.models.packed_linear import use_packed_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.kernels import load_kernels
-from pagedllm.runner.sampler import Sampler, SamplingTensors, TokenLogprobs, logit_stats, token_logprobs
+from pagedllm.runner.sampler import (
+    Sampler,
+    SamplingTensors,
+    TokenLogprobs,
+    logit_stats,
+    token_logprobs,
+)
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
