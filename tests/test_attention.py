@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -173,15 +174,33 @@ def test_auto_backend_choice() -> None:
         make_backend("flash", "cpu", torch.float32)
 
 
-def test_forward_writes_new_kv_through_the_slot_mapping() -> None:
+@pytest.mark.parametrize("backend_name", ["sdpa", "cpu_paged"])
+def test_forward_writes_new_kv_through_the_slot_mapping(backend_name: str) -> None:
     seqs = [(0, 6), (5, 1)]
     q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=3)
-    SdpaAttention().forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    # K and V as the model hands them over: strided views into one fused qkv row
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [tokens, (H + 2 KVH) * D]
+    q_width, kv_width = q[0].numel(), k[0].numel()
+    k = fused[:, q_width : q_width + kv_width].view(-1, NUM_KV_HEADS, HEAD_DIM)
+    v = fused[:, q_width + kv_width :].view(-1, NUM_KV_HEADS, HEAD_DIM)
+    assert not k.is_contiguous()
+    make_backend(backend_name).forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
     for i, (computed, new) in enumerate(seqs):
         k_seq = gather_context(k_cache, meta.block_tables[i], computed + new, BLOCK_SIZE)
         v_seq = gather_context(v_cache, meta.block_tables[i], computed + new, BLOCK_SIZE)
         torch.testing.assert_close(k_seq, full[i][0])
         torch.testing.assert_close(v_seq, full[i][1])
+
+
+def test_cpu_paged_refuses_a_slot_outside_the_cache_before_writing() -> None:
+    q, k, v, k_cache, v_cache, meta, _ = _build_step([(0, 6), (5, 1)], seed=4)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    bad = meta.slot_mapping.clone()
+    bad[-1] = NUM_BLOCKS * BLOCK_SIZE  # one past the last slot
+    meta = dataclasses.replace(meta, slot_mapping=bad)
+    with pytest.raises(ValueError, match="outside the KV cache"):
+        make_backend("cpu_paged").forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
 def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp_path) -> None:  # noqa: ANN001

@@ -214,6 +214,32 @@ class CpuPagedAttention(SdpaAttention):
             raise ValueError(f"the cpu_paged attention backend cannot be built here: {kernels_failure()}")
         self._kernel = lib.paged_decode_f32
         self._prefill_kernel = lib.prefill_attention_f32
+        self._write_kernel = lib.write_kv_f32
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
+        # as the base class, with the K/V write as one native call (two
+        # index_copy_ calls otherwise; 0.24 s of the throughput workload)
+        num_tokens, num_kv_heads, head_dim = k.shape
+        dense_rows = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
+        if (
+            not dense_rows
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (k, v, k_cache, v_cache))
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.shape[2:] != (num_kv_heads, head_dim)
+            or v_cache.shape != k_cache.shape
+            or meta.slot_mapping.shape != (num_tokens,)
+            or meta.slot_mapping.dtype != torch.int64
+        ):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        slots = meta.slot_mapping.contiguous()
+        failed = self._write_kernel(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), num_tokens, num_kv_heads * head_dim, k_cache.shape[0] * k_cache.shape[1],
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise ValueError("slot mapping points outside the KV cache")
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         # prompts computed from scratch read their K/V from this step's rows, all

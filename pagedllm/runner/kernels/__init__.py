@@ -6,6 +6,7 @@ a few seconds with gcc and called through ctypes on tensors' data pointers:
 ``int8_linear.c`` (weight-only int8 matmul for a few rows),
 ``packed_linear.c`` (float32 matmul over weights packed into column panels),
 ``logit_stats.c`` (per-row argmax and logsumexp of the logits),
+``kv_write.c`` (new K/V rows into their cache slots),
 ``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
 ``prefill_attention.c`` (causal attention of prompts computed from scratch)
 and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
@@ -121,6 +122,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.packed_linear_f32.argtypes = [
         ptr, i64, i64, ptr,  # x, num_rows, in_features, packed
         ptr, i64, ptr, i32,  # bias, out_features, out, num_threads
+    ]
+    lib.write_kv_f32.restype = i32
+    lib.write_kv_f32.argtypes = [
+        ptr, i64, ptr, i64, ptr, ptr,  # k, k_stride, v, v_stride, k_cache, v_cache
+        ptr, i64, i64, i64, i32,  # slots, num_tokens, row floats, num_slots, num_threads
     ]
     lib.logit_stats_f32.restype = None
     lib.logit_stats_f32.argtypes = [ptr, i64, i64, ptr, ptr, i32]  # logits, rows, vocab, argmax, lse, threads
