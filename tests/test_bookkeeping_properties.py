@@ -359,8 +359,8 @@ def test_scheduler_runs_every_request_to_completion(
                 event("scheduler: prefill with a prefix hit or a later chunk")
             if not s.samples:
                 event("scheduler: a prompt in chunks")
-                # only the budget cuts a prompt short, and only one per step
-                assert s.is_prefill
+                # only the budget cuts a prompt (or a preempted sequence's
+                # recomputation) short, and only one per step
                 assert out.num_batched_tokens == sched.max_num_batched_tokens
                 assert sum(1 for x in out.scheduled if not x.samples) == 1
             assert seq.status == SequenceStatus.RUNNING and seq not in out.preempted
