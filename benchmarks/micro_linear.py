@@ -1,13 +1,16 @@
-"""Linear layers on SmolLM2's shapes: F.linear (MKL) vs oneDNN packed vs int8 kernel.
+"""Linear layers on SmolLM2's shapes: F.linear (MKL) vs oneDNN packed vs our packed panels vs int8.
 
-A stack of 60 [1728 x 576] weights (60M, more than the last-level cache, so
-weights stream from memory as in a real step), called with M rows each.
+The decoder's four weights per layer (qkv 960 x 576, o 576 x 576, gate_up
+3072 x 576, down 576 x 1536) for 30 layers: 106M weights, 424 MB in float32,
+more than the last-level cache, so weights stream from memory as in a real
+step. Each is called with M rows (the same activations every call).
 
-    .venv/bin/python benchmarks/micro_linear.py
+    .venv/bin/python benchmarks/micro_linear.py [--rows 1 8 40 64]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -16,6 +19,9 @@ from torch import nn
 
 import pagedllm.models.int8_linear as int8_linear
 from pagedllm.models.onednn_linear import onednn_linear, pack_weight
+from pagedllm.models.packed_linear import pack_weight_panels, packed_linear
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) per layer
 
 
 def _ms(fn, n: int = 10) -> float:  # noqa: ANN001
@@ -27,21 +33,30 @@ def _ms(fn, n: int = 10) -> float:  # noqa: ANN001
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 40, 64, 256, 1024])
+    p.add_argument("--no-mkl", action="store_true", help="skip F.linear (slow at large row counts)")
+    args = p.parse_args()
     torch.manual_seed(0)
-    layers = [nn.Linear(576, 1728, bias=False) for _ in range(60)]
-    packed = [pack_weight(layer.weight) for layer in layers]
-    int8_linear.SMALL_BATCH_ROWS = 1 << 30  # time the kernel itself at every M
+    layers = [nn.Linear(k, n, bias=False) for n, k in SHAPES]
+    onednn = [pack_weight(layer.weight) for layer in layers]
+    panels = [pack_weight_panels(layer.weight) for layer in layers]
+    int8_linear.SMALL_BATCH_ROWS = 1 << 30  # time the int8 kernel itself at every M
     quantized = [int8_linear.Int8Linear(layer) for layer in layers]
-    flops_per_row = 2 * 60 * 576 * 1728
-    print(f"{'rows':>5} {'F.linear ms':>12} {'oneDNN ms':>10} {'int8 ms':>8}   GFLOP/s (F.linear / oneDNN / int8)")
+    flops_per_row = sum(2 * n * k for n, k in SHAPES)
+    print(f"{'rows':>5} {'F.linear':>9} {'oneDNN':>9} {'packed':>9} {'int8':>9}  (ms)   GFLOP/s: F.linear / oneDNN / "
+          "packed / int8   packed / oneDNN")
     with torch.inference_mode():
-        for rows in (1, 2, 4, 8, 16, 32, 64, 256):
-            x = torch.randn(rows, 576)
-            a = _ms(lambda x=x: [F.linear(x, layer.weight) for layer in layers])
-            b = _ms(lambda x=x: [onednn_linear(x, p, None) for p in packed])
-            c = _ms(lambda x=x: [q(x) for q in quantized])
-            g = [rows * flops_per_row / (t * 1e6) for t in (a, b, c)]
-            print(f"{rows:>5} {a:>12.2f} {b:>10.2f} {c:>8.2f}   {g[0]:.0f} / {g[1]:.0f} / {g[2]:.0f}")
+        for rows in args.rows:
+            xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+            a = float("nan") if args.no_mkl else _ms(lambda xs=xs: [F.linear(xs[la.in_features], la.weight) for la in layers])
+            b = _ms(lambda xs=xs: [onednn_linear(xs[la.in_features], w, None) for la, w in zip(layers, onednn)])
+            c = _ms(lambda xs=xs: [packed_linear(xs[la.in_features], w, None, la.out_features)
+                             for la, w in zip(layers, panels)])
+            d = _ms(lambda xs=xs: [q(xs[q.in_features]) for q in quantized]) if rows <= 256 else float("nan")
+            g = [rows * flops_per_row / (t * 1e6) for t in (a, b, c, d)]
+            print(f"{rows:>5} {a:>9.2f} {b:>9.2f} {c:>9.2f} {d:>9.2f}         "
+                  f"{g[0]:.0f} / {g[1]:.0f} / {g[2]:.0f} / {g[3]:.0f}   {b / c:.2f}x")
 
 
 if __name__ == "__main__":

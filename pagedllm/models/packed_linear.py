@@ -6,8 +6,8 @@ dropped, so memory does not grow. The kernel keeps an 8-row (6 with AVX2)
 x one-panel tile of sums in registers and, while it computes one panel, prefetches the next
 one into L2; at the row counts a decode step has (8-64) that is where oneDNN's
 packed matmul loses time waiting on memory. Measured on SmolLM2's shapes
-(BENCHMARKS.md, "Packed-panel linear layers"): 1.2-1.35x oneDNN from 8 to
-1024 rows, so ``EngineConfig.linear_backend="auto"`` takes it for float32 on
+(BENCHMARKS.md, "Packed-panel linear layers"): 1.17-1.56x oneDNN from 1 to
+64 rows and even with it at 256-1024, so ``EngineConfig.linear_backend="auto"`` takes it for float32 on
 the CPU when the native kernels build.
 """
 
