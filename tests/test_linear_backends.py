@@ -131,6 +131,11 @@ def test_packed_linear_module_inputs_and_errors() -> None:
         layer(torch.randn(3, 95))
     empty = layer(torch.randn(0, 96))
     assert empty.shape == (0, 200)
+    # a buffer that does not cover the outputs, or of another panel width, is refused
+    with pytest.raises(ValueError, match="does not fit"):
+        packed_linear(torch.randn(2, 96), layer.packed_weight, None, 10_000)
+    with pytest.raises(ValueError, match="does not fit"):
+        packed_linear(torch.randn(2, 96), layer.packed_weight[:, :, :4].contiguous(), None, 4)
 
 
 @packed_only

@@ -446,3 +446,12 @@ def test_logit_stats_ties_masks_and_nan_follow_torch() -> None:
     torch.testing.assert_close(stats.lse[[0, 1, 3]], want_lse[[0, 1, 3]])
     assert stats.lse[2].item() == float("-inf") == want_lse[2].item()
     assert torch.isnan(stats.lse[4]) and torch.isnan(want_lse[4])
+
+
+def test_logit_stats_nan_among_masked_logits_follows_torch() -> None:
+    logits = torch.full((2, 21), float("-inf"))
+    logits[0, 5] = float("nan")  # nothing finite: the NaN must not hide behind the -inf max
+    logits[1, 3] = 1.0
+    stats = logit_stats(logits)
+    assert stats.argmax.tolist() == logits.argmax(dim=-1).tolist() == [5, 3]
+    assert torch.isnan(stats.lse[0]) and stats.lse[1].item() == pytest.approx(1.0)

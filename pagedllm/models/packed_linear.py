@@ -13,6 +13,8 @@ the CPU when the native kernels build.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -34,6 +36,12 @@ def _library():  # noqa: ANN202
     return lib
 
 
+@functools.cache
+def _panel_width() -> int:
+    """Output columns per panel in this build of the kernels (48 with AVX-512, 16 with AVX2)."""
+    return _library().packed_linear_panel()
+
+
 def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[out, in]`` weight as ``[num_panels, in, panel]`` column panels (zero-padded)."""
     lib = _library()
@@ -41,7 +49,7 @@ def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
     out_features, in_features = w.shape
-    panel = lib.packed_linear_panel()
+    panel = _panel_width()
     num_panels = (out_features + panel - 1) // panel
     packed = torch.empty(num_panels, in_features, panel, dtype=torch.float32)  # [num_panels, in, panel]
     lib.packed_linear_pack(w.data_ptr(), out_features, in_features, packed.data_ptr())
@@ -51,7 +59,16 @@ def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W.T + bias`` for float32 ``x`` ``[..., in]`` and a weight packed by ``pack_weight_panels``."""
     lib = _library()
-    in_features = packed.shape[1]
+    num_panels, in_features, panel = packed.shape
+    # the kernel trusts the buffer's size: a weight packed for another panel
+    # width (another CPU) or fewer outputs would be read past its end
+    if panel != _panel_width() or num_panels * panel < out_features or in_features < 1:
+        raise ValueError(
+            f"packed weight {tuple(packed.shape)} does not fit this build's {_panel_width()}-column "
+            f"panels and {out_features} outputs; pack it here with pack_weight_panels"
+        )
+    if not packed.is_contiguous() or packed.dtype != torch.float32:
+        raise ValueError("packed weight must be a contiguous float32 tensor")
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"packed linear computes float32 on the CPU, got {x.dtype} on {x.device}")
     if x.shape[-1] != in_features:

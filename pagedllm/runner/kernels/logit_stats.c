@@ -49,8 +49,13 @@ static void row_stats(const float *x, int64_t n, int64_t *argmax, float *lse) {
             best_i = i;
         }
     *argmax = best_i;
-    if (best == -INFINITY) { /* every logit masked: no mass anywhere */
+    if (best == -INFINITY) { /* every logit masked: no mass anywhere, unless a NaN hid from the max */
         *lse = -INFINITY;
+        for (int64_t j = 0; j < n; j++)
+            if (x[j] != x[j]) {
+                *lse = NAN; /* the caller redoes the row in torch */
+                break;
+            }
         return;
     }
     double sum = 0.0;

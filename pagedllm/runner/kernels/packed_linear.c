@@ -23,8 +23,12 @@
  * Why not oneDNN's packed matmul (models/onednn_linear.py), which this
  * replaces by default: at decode sizes (8-64 rows) the first row chunk of a
  * panel waits on memory. Here, while one panel is computed, each of its row
- * chunks also prefetches a share of the next panel's cache lines into L2, so
- * the stream from memory overlaps the arithmetic. Measured on SmolLM2's
+ * chunks also prefetches a share of the next panel's cache lines into L2, one
+ * line per k step, so the stream from memory overlaps the arithmetic. A
+ * panel is PANEL / 16 lines per k step (3 with AVX-512), so the whole next
+ * panel is covered from 3 row chunks on (17+ rows); fewer rows cover a third
+ * or two thirds of it (more prefetches per k step were tried, with 64-column
+ * panels, and were no faster). Measured on SmolLM2's
  * shapes (benchmarks/micro_linear.py, BENCHMARKS.md): 1.17-1.56x oneDNN from
  * 1 to 64 rows, even with it at 256-1024.
  *
