@@ -42,14 +42,23 @@ def test_onednn_linear_matches_f_linear(num_rows: int, bias: bool) -> None:
     torch.testing.assert_close(packed(x.unsqueeze(0)), want.unsqueeze(0), rtol=1e-4, atol=1e-4)
 
 
-def test_use_onednn_linear_replaces_every_linear_and_keeps_embeddings() -> None:
+@pytest.mark.parametrize(
+    ("swap", "layer_type"),
+    [
+        (use_onednn_linear, OneDnnLinear),
+        pytest.param(use_packed_linear, PackedLinear, marks=pytest.mark.skipif(
+            not packed_linear_available(), reason="native kernels do not build here")),
+    ],
+)
+def test_swapping_replaces_every_linear_and_keeps_embeddings(swap, layer_type) -> None:  # noqa: ANN001
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
     x = model[0](torch.tensor([1, 2, 3]))
     want = model[1:](x)
-    assert use_onednn_linear(model) == 2
-    assert isinstance(model[1], OneDnnLinear) and isinstance(model[3], OneDnnLinear)
+    assert swap(model) == 2
+    assert isinstance(model[1], layer_type) and isinstance(model[3], layer_type)
     assert isinstance(model[0], nn.Embedding)
     torch.testing.assert_close(model[1:](x), want, rtol=1e-5, atol=1e-5)
+    assert swap(model) == 0  # already swapped layers are left alone
     with pytest.raises(ValueError, match="float32"):
         model[1](x.double())
 
@@ -136,17 +145,6 @@ def test_packed_linear_module_inputs_and_errors() -> None:
         packed_linear(torch.randn(2, 96), layer.packed_weight, None, 10_000)
     with pytest.raises(ValueError, match="does not fit"):
         packed_linear(torch.randn(2, 96), layer.packed_weight[:, :, :4].contiguous(), None, 4)
-
-
-@packed_only
-def test_use_packed_linear_replaces_every_linear_and_keeps_embeddings() -> None:
-    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
-    x = model[0](torch.tensor([1, 2, 3]))
-    want = model[1:](x)
-    assert use_packed_linear(model) == 2
-    assert isinstance(model[1], PackedLinear) and isinstance(model[3], PackedLinear)
-    assert isinstance(model[0], nn.Embedding)
-    torch.testing.assert_close(model[1:](x), want, rtol=1e-5, atol=1e-5)
 
 
 @packed_only

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.models.linear_swap import replace_linear_layers
 from pagedllm.models.onednn_linear import onednn_linear, pack_weight
 from pagedllm.models.packed_linear import pack_weight_panels, packed_linear
 from pagedllm.runner.kernels import load_kernels
@@ -105,9 +106,4 @@ def quantize_model_int8(model: nn.Module, dense_backend: str = "torch") -> int:
         from pagedllm.runner.kernels import kernels_failure
 
         raise ValueError(f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}")
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod, dense_backend))
-    return len(targets)
+    return replace_linear_layers(model, lambda linear: Int8Linear(linear, dense_backend))

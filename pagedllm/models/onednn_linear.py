@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.models.linear_swap import replace_linear_layers
+
 
 def onednn_available() -> bool:
     """Whether torch has oneDNN and its packed-weight linear op."""
@@ -63,10 +65,5 @@ def use_onednn_linear(model: nn.Module) -> int:
     """
     if not onednn_available():
         raise ValueError("linear_backend='onednn' needs a torch build with oneDNN (mkldnn)")
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, OneDnnLinear(mod))
-    return len(targets)
+    return replace_linear_layers(model, OneDnnLinear)
 

@@ -18,6 +18,7 @@ import functools
 import torch
 from torch import nn
 
+from pagedllm.models.linear_swap import replace_linear_layers
 from pagedllm.runner.kernels import load_kernels
 
 
@@ -107,9 +108,4 @@ def use_packed_linear(model: nn.Module) -> int:
     A tied LM head gets its own packed copy; the embedding keeps its rows.
     """
     _library()
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(mod))
-    return len(targets)
+    return replace_linear_layers(model, PackedLinear)
