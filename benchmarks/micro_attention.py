@@ -8,6 +8,9 @@ part of the cache, so K/V come from memory, not from the last-level cache.
 The rate printed is the context's K/V bytes over the time.
 
     .venv/bin/python benchmarks/micro_attention.py [--batch 24] [--context 250] [--block-size 16]
+        [--kv-cache-dtype float32|float16|bfloat16]
+
+With a 2-byte cache the cache is half the bytes (same tokens, same layout).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=24)
     p.add_argument("--context", type=int, default=250)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     args = p.parse_args()
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
     block_size = args.block_size
     # the same 2 GiB and the same 9600-token region whatever the block size
     num_layers, num_blocks, num_heads, num_kv_heads, head_dim = 30, 2912 * 16 // block_size, 9, 3, 64
-    kv = torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim).normal_()
+    kv = torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype).normal_()
     rng = random.Random(0)
     ids = list(range(9600 // block_size))
     rng.shuffle(ids)
@@ -60,9 +65,9 @@ def main() -> None:
             for _ in range(10):
                 step()
             ms = (time.perf_counter() - start) / 10 * 1e3
-            kv_bytes = 2 * num_layers * args.batch * args.context * num_kv_heads * head_dim * 4
+            kv_bytes = 2 * num_layers * args.batch * args.context * num_kv_heads * head_dim * kv.element_size()
             print(f"{backend.name:>10}: {ms:6.1f} ms per decode step ({args.batch} sequences x {args.context} tokens, "
-                  f"{num_layers} layers, {block_size}-token blocks): {kv_bytes / ms / 1e6:.1f} GB/s of K/V")
+                  f"{num_layers} layers, {block_size}-token blocks, {args.kv_cache_dtype}): {kv_bytes / ms / 1e6:.1f} GB/s of K/V")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 KV_ALLOCATORS = ("paged", "contiguous")
@@ -27,6 +28,12 @@ class EngineConfig:
         tokenizer: tokenizer folder; None takes the model's own.
         dtype: weights and activations dtype.
         device: "cpu" or "cuda".
+        kv_cache_dtype: what the KV cache stores: "auto" (default: ``dtype``),
+            or "float32", "float16", "bfloat16". A 2-byte cache with float32
+            activations halves the cache's memory (twice the blocks for the
+            same bytes) and the bytes decode attention reads; K and V are
+            rounded when written, so outputs differ slightly from a float32
+            cache. Attention still computes in ``dtype``.
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for the KV pool; None picks a share of
@@ -67,6 +74,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -102,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"tokenizer must be a non-empty path or None, got {self.tokenizer!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -32,16 +32,17 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _build_step(seqs: list[tuple[int, int]], seed: int):  # noqa: ANN202
+def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = torch.float32):  # noqa: ANN202
     """A step over sequences given as (num_computed, num_new), prefills first.
 
     Each sequence gets a random, non-contiguous set of physical blocks; its
     cached part is written into the cache beforehand, its new part is fed as
-    the step's K/V. Returns inputs, metadata and each sequence's full K/V.
+    the step's K/V. Returns inputs, metadata and each sequence's full K/V
+    (in float32, as a cache of ``kv_dtype`` holds it).
     """
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
@@ -54,14 +55,14 @@ def _build_step(seqs: list[tuple[int, int]], seed: int):  # noqa: ANN202
         v_all = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
         old = torch.tensor(slot_mapping(table, BLOCK_SIZE, 0, computed), dtype=torch.int64)
-        k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = k_all[:computed]
-        v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = v_all[:computed]
+        k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = k_all[:computed].to(kv_dtype)
+        v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = v_all[:computed].to(kv_dtype)
         qs.append(q)
         ks.append(k_all[computed:])
         vs.append(v_all[computed:])
         slots.extend(slot_mapping(table, BLOCK_SIZE, computed, total))
         tables.append(table)
-        full.append((k_all, v_all))
+        full.append((k_all.to(kv_dtype).float(), v_all.to(kv_dtype).float()))
         query_start_loc.append(query_start_loc[-1] + new)
         seq_lens.append(total)
         num_computed.append(computed)
@@ -88,12 +89,17 @@ STEPS = [
 ]
 
 
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("seqs", STEPS)
 @pytest.mark.parametrize("backend_name", ["reference", "sdpa", "cpu_paged"])
-def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend_name: str) -> None:
+def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend_name: str, kv_dtype: torch.dtype) -> None:
+    """With a 2-byte cache, every token's K/V (new ones too) is seen as the cache holds it."""
     # built here, not at collection: cpu_paged compiles its kernel on first use
     backend = make_backend(backend_name)
-    q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=len(seqs))
+    q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=len(seqs), kv_dtype=kv_dtype)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
     for i, (computed, _new) in enumerate(seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -101,9 +107,10 @@ def test_backend_matches_dense_attention(seqs: list[tuple[int, int]], backend_na
         torch.testing.assert_close(out[start:end], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("seqs", STEPS)
-def test_backends_agree(seqs: list[tuple[int, int]]) -> None:
-    q, k, v, k_cache, v_cache, meta, _ = _build_step(seqs, seed=99)
+def test_backends_agree(seqs: list[tuple[int, int]], kv_dtype: torch.dtype) -> None:
+    q, k, v, k_cache, v_cache, meta, _ = _build_step(seqs, seed=99, kv_dtype=kv_dtype)
     ref = ReferenceAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
     for backend in (SdpaAttention(), CpuPagedAttention()):
         fast = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, HEAD_DIM**-0.5)
@@ -111,17 +118,24 @@ def test_backends_agree(seqs: list[tuple[int, int]]) -> None:
 
 
 # head_dim 20 and 6 take the scalar path (not a multiple of 8), 96 the vector path with a 32-float tail
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (8, 8, 32, 5), (4, 1, 128, 1), (6, 2, 20, 4), (2, 2, 6, 3), (4, 2, 96, 8)],
 )
-def test_cpu_paged_decode_on_model_sized_heads(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-    """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes."""
+def test_cpu_paged_decode_on_model_sized_heads(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
+) -> None:
+    """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes.
+
+    2-byte caches are widened as they are read: the result equals float32
+    attention over the widened cache.
+    """
     gen = torch.Generator().manual_seed(7)
     rng = random.Random(7)
     num_blocks = 1000
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     seq_lens = [1, block_size, block_size + 1, 97, 300]
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -149,13 +163,18 @@ def test_cpu_paged_decode_on_model_sized_heads(num_heads: int, num_kv_heads: int
         AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
     with pytest.raises(ValueError, match="int64"):
         AttentionMetadata(**{**meta.__dict__, "block_tables": meta.block_tables.int()})
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        CpuPagedAttention().attend(q, None, None, k_cache.double(), v_cache.double(), meta, scale)
+    with pytest.raises(ValueError, match="of one dtype"):
+        other = torch.float16 if kv_dtype != torch.float16 else torch.bfloat16
+        CpuPagedAttention().attend(q, None, None, k_cache, v_cache.to(other), meta, scale)
     with pytest.raises(ValueError, match="float32"):
-        CpuPagedAttention().attend(q, None, None, k_cache.half(), v_cache.half(), meta, scale)
+        CpuPagedAttention().attend(q.half(), None, None, k_cache, v_cache, meta, scale)
     with pytest.raises(ValueError, match="do not fit"):
         CpuPagedAttention().attend(q[..., :-1].contiguous(), None, None, k_cache, v_cache, meta, scale)
     for i, n in enumerate(seq_lens):
-        keys = gather_context(k_cache, meta.block_tables[i], n, block_size)
-        values = gather_context(v_cache, meta.block_tables[i], n, block_size)
+        keys = gather_context(k_cache, meta.block_tables[i], n, block_size).float()
+        values = gather_context(v_cache, meta.block_tables[i], n, block_size).float()
         group = num_heads // num_kv_heads
         want = torch.einsum(
             "hk,khd->hd",
@@ -174,10 +193,11 @@ def test_auto_backend_choice() -> None:
         make_backend("flash", "cpu", torch.float32)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("backend_name", ["sdpa", "cpu_paged"])
-def test_forward_writes_new_kv_through_the_slot_mapping(backend_name: str) -> None:
+def test_forward_writes_new_kv_through_the_slot_mapping(backend_name: str, kv_dtype: torch.dtype) -> None:
     seqs = [(0, 6), (5, 1)]
-    q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=3)
+    q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=3, kv_dtype=kv_dtype)
     # K and V as the model hands them over: strided views into one fused qkv row
     fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [tokens, (H + 2 KVH) * D]
     q_width, kv_width = q[0].numel(), k[0].numel()
@@ -188,8 +208,8 @@ def test_forward_writes_new_kv_through_the_slot_mapping(backend_name: str) -> No
     for i, (computed, new) in enumerate(seqs):
         k_seq = gather_context(k_cache, meta.block_tables[i], computed + new, BLOCK_SIZE)
         v_seq = gather_context(v_cache, meta.block_tables[i], computed + new, BLOCK_SIZE)
-        torch.testing.assert_close(k_seq, full[i][0])
-        torch.testing.assert_close(v_seq, full[i][1])
+        # exact: the cache holds each value rounded once, as torch's .to(kv_dtype) rounds it
+        assert torch.equal(k_seq.float(), full[i][0]) and torch.equal(v_seq.float(), full[i][1])
 
 
 def test_cpu_paged_refuses_a_slot_outside_the_cache_before_writing() -> None:
@@ -247,3 +267,31 @@ def test_cpu_paged_decode_propagates_nan_like_the_reference() -> None:
     want = make_backend("reference").attend(q, None, None, k_cache, v_cache, meta, head_dim**-0.5)
     assert got[0, :2].isnan().all() and want[0, :2].isnan().all()
     torch.testing.assert_close(got[0, 2:], want[0, 2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_native_kv_write_rounds_like_torch(kv_dtype: torch.dtype) -> None:
+    """The native write rounds each value as ``.to(kv_dtype)`` does, bit for bit, edge values included."""
+    info = torch.finfo(kv_dtype)
+    # exact ties between two neighbours (to even), one ulp either side, overflow, subnormals, signed zeros, inf, NaN
+    one_ulp = 2.0 ** -(info.bits - 6 if kv_dtype == torch.float16 else 7)
+    special = torch.tensor(
+        [1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -(1 + one_ulp / 2), 1 + one_ulp * 0.49, 1 + one_ulp * 0.51,
+         info.max * 1.01, -info.max * 1.01, info.tiny / 3, -info.tiny / 5, 0.0, -0.0,
+         float("inf"), float("-inf"), float("nan"), 3.14159, -2.71828],
+        dtype=torch.float32,
+    )
+    q, k, v, _, _, meta, _ = _build_step([(0, 6), (5, 1)], seed=5)
+    k = k.clone()
+    k.view(-1)[: special.numel()] = special
+    v = v.clone()
+    v.view(-1)[-special.numel() :] = special
+    native = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=kv_dtype) for _ in range(2)]
+    plain = [c.clone() for c in native]
+    make_backend("cpu_paged").forward(q, k, v, *native, meta, HEAD_DIM**-0.5)
+    SdpaAttention().forward(q, k, v, *plain, meta, HEAD_DIM**-0.5)  # torch's index_copy_ of k.to(kv_dtype)
+    for a, b in zip(native, plain):
+        nan = torch.isnan(b.float())
+        # a NaN stays a NaN (its payload bits are not compared: torch's vector and scalar paths differ there)
+        assert nan.any() and torch.equal(torch.isnan(a.float()), nan)
+        assert torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])

@@ -23,6 +23,10 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--contiguous-reserve", default="max_tokens", choices=["max_tokens", "max_model_len"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+        help="what the KV cache stores (auto: --dtype); 2-byte caches halve the bytes decode attention reads",
+    )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linear layers (CPU)")
@@ -55,6 +59,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         contiguous_reserve=args.contiguous_reserve,
         dtype=args.dtype,
         device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         quantization=args.quantization,

@@ -37,7 +37,7 @@ class LLM:
             and 8192 on a GPU.
         **kwargs: any other ``EngineConfig`` field (block_size, num_kv_blocks,
             kv_cache_memory_bytes, max_num_seqs, enable_prefix_caching, dtype,
-            device, seed, attention_backend, num_threads, quantization, linear_backend,
+            kv_cache_dtype, device, seed, attention_backend, num_threads, quantization, linear_backend,
             tokenizer).
     """
 

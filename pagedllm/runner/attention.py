@@ -13,6 +13,14 @@ plain torch, easy to check), ``SdpaAttention`` (decodes batched through torch
 SDPA on a gathered copy of the context) and ``CpuPagedAttention`` (decodes
 read the blocks in place with a native kernel). Tests compare them on
 scattered block tables.
+
+The cache may hold a narrower dtype than the model computes in
+(``EngineConfig.kv_cache_dtype``): new K/V are rounded to it when written
+and widened back to the queries' dtype when read; attention itself runs in
+the model's dtype. Prompts computed from scratch attend over their new K/V
+without reading the cache, so those are rounded the same way first
+(``as_stored``): every path sees a token's K/V exactly as the cache holds
+it, and a prompt gives the same result whole or in chunks.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.runner.kernels import KV_TYPE_CODES
 
 
 @dataclass(frozen=True)
@@ -58,10 +68,15 @@ class AttentionMetadata:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
+    """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots (rounded to the cache's dtype)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``x`` as the cache holds it (rounded to the cache's dtype), back in ``x``'s dtype."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def gather_context(
@@ -71,6 +86,10 @@ def gather_context(
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = cache[block_table[:num_blocks]]  # [num_blocks, block_size, kv_heads, head_dim]
     return blocks.flatten(0, 1)[:seq_len]
+
+
+# the native kernels' numbering of cache dtypes, keyed by torch dtype
+_KV_TYPE_CODES = {getattr(torch, name): code for name, code in KV_TYPE_CODES.items()}
 
 
 class AttentionBackend(ABC):
@@ -91,6 +110,8 @@ class AttentionBackend(ABC):
         # every new token's K/V goes in first, so queries later in the batch
         # (and other sequences sharing a cached prefix) can read it
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_prefills:
+            k, v = as_stored(k, k_cache), as_stored(v, v_cache)
         return self.attend(q, k, v, k_cache, v_cache, meta, scale)
 
     @abstractmethod
@@ -161,8 +182,8 @@ class SdpaAttention(AttentionBackend):
             # nothing cached before: the new K/V is the whole context
             ki, vi, mask, causal = k[start:end], v[start:end], None, True
         else:
-            ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size)
-            vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size)
+            ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size).to(q.dtype)
+            vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size).to(q.dtype)
             q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
             # [q_len, seq_len]: a query sees keys up to its own position
             mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
@@ -183,8 +204,8 @@ class SdpaAttention(AttentionBackend):
         max_blocks = (max(meta.seq_lens[meta.num_prefills :]) + meta.block_size - 1) // meta.block_size
         tables = tables[:, :max_blocks]
         # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         length = keys.shape[2]
         mask = (torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
         out[:] = F.scaled_dot_product_attention(
@@ -201,7 +222,8 @@ class CpuPagedAttention(SdpaAttention):
     attend over their own new K/V rows, all of them in one call
     (``kernels/prefill_attention.c``); prompts that continue cached context
     (prefix-cache hits, chunked prefills) go through SDPA as in the parent
-    class. Float32 CPU tensors only.
+    class. Float32 queries on the CPU; the cache may be float32, float16 or
+    bfloat16.
     """
 
     name = "cpu_paged"
@@ -212,9 +234,9 @@ class CpuPagedAttention(SdpaAttention):
         lib = load_kernels()
         if lib is None:
             raise ValueError(f"the cpu_paged attention backend cannot be built here: {kernels_failure()}")
-        self._kernel = lib.paged_decode_f32
+        self._kernel = lib.paged_decode
         self._prefill_kernel = lib.prefill_attention_f32
-        self._write_kernel = lib.write_kv_f32
+        self._write_kernel = lib.write_kv
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
         # as the base class, with the K/V write as one native call (two
@@ -223,7 +245,10 @@ class CpuPagedAttention(SdpaAttention):
         dense_rows = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
         if (
             not dense_rows
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (k, v, k_cache, v_cache))
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (k, v))
+            or k_cache.dtype not in _KV_TYPE_CODES
+            or v_cache.dtype != k_cache.dtype
+            or k_cache.device.type != "cpu"
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or k_cache.shape[2:] != (num_kv_heads, head_dim)
             or v_cache.shape != k_cache.shape
@@ -234,11 +259,16 @@ class CpuPagedAttention(SdpaAttention):
         slots = meta.slot_mapping.contiguous()
         failed = self._write_kernel(
             k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            _KV_TYPE_CODES[k_cache.dtype],
             slots.data_ptr(), num_tokens, num_kv_heads * head_dim, k_cache.shape[0] * k_cache.shape[1],
             torch.get_num_threads(),
         )
-        if failed:
+        if failed == 2:
             raise ValueError("slot mapping points outside the KV cache")
+        if failed:
+            raise ValueError(f"the K/V write kernel does not know the cache dtype {k_cache.dtype}")
+        if meta.num_prefills:
+            k, v = as_stored(k, k_cache), as_stored(v, v_cache)
         return self.attend(q, k, v, k_cache, v_cache, meta, scale)
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
@@ -273,8 +303,12 @@ class CpuPagedAttention(SdpaAttention):
         # here (the metadata checks itself), so a bad input raises instead of
         # reading outside a buffer
         num_seqs, num_heads, head_dim = q.shape
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k_cache, v_cache)):
+        if q.dtype != torch.float32 or any(t.device.type != "cpu" for t in (q, k_cache, v_cache)):
             raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
+        if k_cache.dtype not in _KV_TYPE_CODES or v_cache.dtype != k_cache.dtype:
+            raise ValueError(
+                f"cpu_paged reads float32, float16 or bfloat16 caches of one dtype, got {k_cache.dtype} / {v_cache.dtype}"
+            )
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
             raise ValueError("cpu_paged needs contiguous K and V caches of one shape")
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -290,12 +324,14 @@ class CpuPagedAttention(SdpaAttention):
         if not (tables.is_contiguous() and seq_lens.is_contiguous()):
             tables, seq_lens = tables.contiguous(), seq_lens.contiguous()
         failed = self._kernel(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _KV_TYPE_CODES[k_cache.dtype],
             tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), result.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(), scale,
         )
-        if failed:
+        if failed == 1:
             raise MemoryError("paged decode kernel: out of memory for its scratch buffers")
+        if failed:
+            raise ValueError(f"the paged decode kernel does not know the cache dtype {k_cache.dtype}")
         if result is not out:
             out.copy_(result)
 

@@ -83,6 +83,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         self.dtype = _DTYPES[config.dtype]
+        # what the cache stores ("auto": the model's dtype); resolved here, not in the config
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         if self.device.type == "cpu" and self.dtype != torch.float32 and not _cpu_has_native_bf16():
             # measured here: a bf16 matmul on a Zen 3 core is ~300x slower than float32
             logger.warning(
@@ -140,21 +142,23 @@ class ModelRunner:
         # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             2, mc.num_hidden_layers, self.num_kv_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
         self.sampler = Sampler()
         # small int8 decode steps run the whole decoder in one native call
-        # (runner/fused_decode.py); it reads the cache the way cpu_paged does
+        # (runner/fused_decode.py); it reads the cache the way cpu_paged does,
+        # float32 caches only (a 2-byte cache takes the layer-by-layer path)
         self.fused_decode: FusedDecode | None = None
-        if config.quantization == "int8" and self.backend.name == "cpu_paged":
+        fused_ok = self.backend.name == "cpu_paged" and self.kv_cache_dtype == torch.float32
+        if config.quantization == "int8" and fused_ok:
             self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
 
     # --- sizing --------------------------------------------------------------
     @property
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
 
     def _decide_num_kv_blocks(self) -> int:

@@ -55,6 +55,10 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help='vLLM\'s cache_dtype: "auto" (the model dtype) or, on its CPU backend, "fp8" / "fp8_e5m2" / "fp8_e4m3"',
+    )
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
     p.add_argument("--no-detokenize", action="store_true", help="SamplingParams(detokenize=False)")
     args = p.parse_args()
@@ -103,6 +107,8 @@ def main() -> None:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.block_size is not None:
         engine_kwargs["block_size"] = args.block_size
+    if args.kv_cache_dtype != "auto":
+        engine_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
 
     t0 = time.perf_counter()
     try:
@@ -152,6 +158,7 @@ def main() -> None:
         "total_tokens_per_s": round((num_out + num_prompt) / elapsed, 2),
         "dtype": args.dtype,
         "kv_cache_gib": args.kv_cache_gib,
+        "kv_cache_dtype": getattr(cache, "cache_dtype", args.kv_cache_dtype),
         "num_kv_blocks": getattr(cache, "num_gpu_blocks", None),
         "block_size": getattr(cache, "block_size", None),
         "max_num_seqs": sched.max_num_seqs,

@@ -2,15 +2,17 @@
 
 Plain C with OpenMP and no torch headers, built into one shared library in
 a few seconds with gcc and called through ctypes on tensors' data pointers:
-``paged_decode.c`` (decode attention reading KV blocks in place),
+``paged_decode.c`` (decode attention reading KV blocks in place, from a
+float32, float16 or bfloat16 cache),
 ``int8_linear.c`` (weight-only int8 matmul for a few rows),
 ``packed_linear.c`` (float32 matmul over weights packed into column panels),
 ``logit_stats.c`` (per-row argmax and logsumexp of the logits),
-``kv_write.c`` (new K/V rows into their cache slots),
+``kv_write.c`` (new K/V rows into their cache slots, rounded to the cache's dtype),
 ``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
 ``prefill_attention.c`` (causal attention of prompts computed from scratch)
 and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
-built from the others through the shared headers ``paged_attention.h``,
+built from the others through the shared headers ``paged_attention.h``
+(with ``paged_attention_kv.h``, instantiated once per cache dtype),
 ``int8_dot.h`` and ``elementwise.h``). The built library is cached under
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
 the flags, the compiler and this CPU's feature flags (it is built with
@@ -100,9 +102,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         logger.warning("native CPU kernels unavailable, using the torch paths: %s", detail)
         return None, detail
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.paged_decode_f32.restype = i32
-    lib.paged_decode_f32.argtypes = [
-        ptr, ptr, ptr,  # q, k_cache, v_cache
+    lib.paged_decode.restype = i32
+    lib.paged_decode.argtypes = [
+        ptr, ptr, ptr, i32,  # q, k_cache, v_cache, kv_type (KV_TYPE_CODES)
         ptr, i64, ptr,  # block_tables, table_stride, seq_lens
         ptr,  # out
         i32, i32, i32, i32,  # num_seqs, num_heads, num_kv_heads, head_dim
@@ -123,10 +125,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ptr, i64, i64, ptr,  # x, num_rows, in_features, packed
         ptr, i64, ptr, i32,  # bias, out_features, out, num_threads
     ]
-    lib.write_kv_f32.restype = i32
-    lib.write_kv_f32.argtypes = [
-        ptr, i64, ptr, i64, ptr, ptr,  # k, k_stride, v, v_stride, k_cache, v_cache
-        ptr, i64, i64, i64, i32,  # slots, num_tokens, row floats, num_slots, num_threads
+    lib.write_kv.restype = i32
+    lib.write_kv.argtypes = [
+        ptr, i64, ptr, i64, ptr, ptr, i32,  # k, k_stride, v, v_stride, k_cache, v_cache, kv_type
+        ptr, i64, i64, i64, i32,  # slots, num_tokens, row elements, num_slots, num_threads
     ]
     lib.logit_stats_f32.restype = None
     lib.logit_stats_f32.argtypes = [ptr, i64, i64, ptr, ptr, i32]  # logits, rows, vocab, argmax, lse, threads
@@ -149,6 +151,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         i32,  # num_threads
     ]
     return lib, None
+
+
+# the kernels' numbering of KV cache element types (paged_attention.h)
+KV_TYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def load_kernels() -> ctypes.CDLL | None:

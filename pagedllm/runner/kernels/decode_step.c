@@ -8,7 +8,7 @@
  * kernel calls per layer. Here every layer of the Llama family runs in one
  * OpenMP region with the same arithmetic as the layer-by-layer path: the
  * linear layers share int8_linear_tile (int8_dot.h) with int8_linear.c and
- * attention shares attend (paged_attention.h) with paged_decode.c.
+ * attention shares attend_f32 (paged_attention.h) with paged_decode.c.
  *
  * Per layer, with x the residual stream [num_rows, hidden]:
  *
@@ -130,7 +130,7 @@ int decode_step_i8(const DecodeModel *m, float *x, int64_t num_rows, const int64
             for (int64_t task = 0; task < num_rows * m->num_kv_heads; task++) {
                 const int64_t r = task / m->num_kv_heads;
                 const int kvh = (int)(task % m->num_kv_heads);
-                attend(qkv + r * qkv_size, L->k_cache, L->v_cache, block_tables + r * table_stride, seq_lens[r],
+                attend_f32(qkv + r * qkv_size, L->k_cache, L->v_cache, block_tables + r * table_stride, seq_lens[r],
                        attn + r * q_size, (int)m->num_heads, (int)m->num_kv_heads, (int)hd, (int)m->block_size,
                        m->scale, kvh, kvh + 1, scores);
             }

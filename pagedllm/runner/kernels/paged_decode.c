@@ -1,5 +1,6 @@
 /*
- * Decode attention that reads the paged KV cache in place (float32, CPU).
+ * Decode attention that reads the paged KV cache in place (CPU; float32
+ * queries, a float32, float16 or bfloat16 cache).
  *
  * One query token per sequence. For each (sequence, kv head) pair, the
  * kernel walks the sequence's block table and reads each key/value row
@@ -12,12 +13,14 @@
  *
  * Layouts (all contiguous, float32 unless noted):
  *   q, out       [num_seqs, num_heads, head_dim]
- *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], of
+ *                kv_type KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16
  *   block_tables [num_seqs, table_stride] int64
  *   seq_lens     [num_seqs] int64
  *
  * Softmax is computed exactly (scores, max, exp, sum, then the weighted sum
- * of values), in float32, as torch's reference does. Parallel with OpenMP
+ * of values), in float32, as torch's reference does; a 2-byte cache is
+ * widened to float32 as it is read. Parallel with OpenMP
  * (the library links the same libgomp as torch, so both share one thread
  * pool).
  */
@@ -25,13 +28,15 @@
 
 #include "paged_attention.h"
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated.
-   Work is split by sequence; with fewer sequences than threads, by
-   (sequence, kv head) so that one long sequence still uses every core. */
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                     float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                     int block_size, int num_threads, float scale) {
+/* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for
+   an unknown kv_type. Work is split by sequence; with fewer sequences than
+   threads, by (sequence, kv head) so that one long sequence still uses
+   every core. */
+int paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_type,
+                 const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
+                 float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                 int block_size, int num_threads, float scale) {
+    if (kv_type != KV_FLOAT32 && kv_type != KV_FLOAT16 && kv_type != KV_BFLOAT16) return 2;
     int64_t max_len = 1;
     for (int b = 0; b < num_seqs; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
@@ -56,8 +61,15 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
             float *ob = out + (int64_t)b * num_heads * head_dim;
             const int64_t *table = block_tables + b * table_stride;
             const int h0 = part * heads_per_part, h1 = (part + 1) * heads_per_part;
-            attend(qb, k_cache, v_cache, table, seq_lens[b], ob, num_heads, num_kv_heads, head_dim, block_size, scale,
-                   h0, h1, scores);
+            if (kv_type == KV_FLOAT32)
+                attend_f32(qb, (const float *)k_cache, (const float *)v_cache, table, seq_lens[b], ob, num_heads,
+                           num_kv_heads, head_dim, block_size, scale, h0, h1, scores);
+            else if (kv_type == KV_FLOAT16)
+                attend_f16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, seq_lens[b], ob,
+                           num_heads, num_kv_heads, head_dim, block_size, scale, h0, h1, scores);
+            else
+                attend_bf16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, seq_lens[b], ob,
+                            num_heads, num_kv_heads, head_dim, block_size, scale, h0, h1, scores);
         }
         free(scores);
     }

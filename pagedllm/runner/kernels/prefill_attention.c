@@ -31,7 +31,7 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
         const __m128 vscale = _mm_set1_ps(scale);
         for (; t + 4 <= n; t += 4) {
             const float *k0 = k + t * k_stride;
-            _mm_storeu_ps(scores + t, _mm_mul_ps(dot4_keys(qi, k0, k0 + k_stride, k0 + 2 * k_stride,
+            _mm_storeu_ps(scores + t, _mm_mul_ps(dot4_keys_f32(qi, k0, k0 + k_stride, k0 + 2 * k_stride,
                                                            k0 + 3 * k_stride, head_dim), vscale));
         }
 #endif

@@ -1,0 +1,280 @@
+/*
+ * Paged decode attention for one KV cache element type. Included by
+ * paged_attention.h once per type (float32, float16, bfloat16) with:
+ *
+ *   KV_T          the cache's element type (float, or uint16_t bits)
+ *   KV_NAME(f)    f with the type's suffix: attend_f32, attend_f16, ...
+ *   KV_LOAD1(p)   one element at p as a float
+ *   KV_LOAD8(p)   eight elements at p as a __m256  (AVX2 builds)
+ *   KV_LOAD16(p)  sixteen elements at p as a __m512 (AVX-512 builds)
+ *
+ * Queries, scores and outputs are float32 whatever the cache holds; only
+ * the reads of K and V rows convert. Decode attention is bound by the bytes
+ * it reads (every context token of every layer, once per step), so a 2-byte
+ * cache halves its memory traffic; the conversion is one instruction per
+ * vector.
+ */
+
+static inline float KV_NAME(dot_kv)(const float *a, const KV_T *b, int n) {
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s += a[i] * KV_LOAD1(b + i);
+    return s;
+}
+
+static inline void KV_NAME(axpy_kv)(float *y, float a, const KV_T *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * KV_LOAD1(x + i);
+}
+
+/* Attention of sequence b's query heads for kv heads [h0, h1). Scores go to
+   `scores` (room for (h1 - h0) * group * len floats). Token rows are read
+   whole (all the task's kv heads at once), so a block is one contiguous
+   sweep of memory, which is what the hardware prefetcher follows best. */
+static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
+    const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t len, float *out,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per cache slot */
+    const int nq = (h1 - h0) * group;                     /* query heads in this task */
+    const float *qh = q + (int64_t)h0 * group * head_dim;
+    const int64_t block_bytes = (int64_t)block_size * row * (int64_t)sizeof(KV_T);
+
+    /* scores[j][t] = scale * q_j . k_t for the task's query heads j */
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t block = table[t0 / block_size];
+        const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
+        const KV_T *kb = k_cache + block * block_size * row;
+        if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_size * row, block_bytes);
+        for (int64_t i = 0; i < n; i++) {
+            const KV_T *krow = kb + i * row;
+            for (int j = 0; j < nq; j++) {
+                const int kvh = h0 + j / group;
+                scores[(int64_t)j * len + t0 + i] =
+                    scale * KV_NAME(dot_kv)(qh + (int64_t)j * head_dim, krow + (int64_t)kvh * head_dim, head_dim);
+            }
+        }
+    }
+    for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
+    /* out_j = sum_t p_j[t] * v_t */
+    float *o = out + (int64_t)h0 * group * head_dim;
+    memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t block = table[t0 / block_size];
+        const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
+        const KV_T *vb = v_cache + block * block_size * row;
+        if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_size * row, block_bytes);
+        for (int64_t i = 0; i < n; i++) {
+            const KV_T *vrow = vb + i * row;
+            for (int j = 0; j < nq; j++) {
+                const int kvh = h0 + j / group;
+                KV_NAME(axpy_kv)(o + (int64_t)j * head_dim, scores[(int64_t)j * len + t0 + i],
+                                 vrow + (int64_t)kvh * head_dim, head_dim);
+            }
+        }
+    }
+}
+
+#if KV_VECTOR
+/* attend_one with 8-wide vectors for head_dim a multiple of 8 (the same
+   three passes). Scores: four keys at a time, each q . k kept as a vector
+   of partial sums and the four reduced together, instead of one horizontal
+   sum per dot product. Values: a 64-float slice of one head's output stays
+   in registers while value rows are added into it. Where the compiler
+   targets AVX-512 (-march=native on such a CPU), the inner loops use 16
+   lanes.
+
+   Blocks are taken four at a time and read side by side: the four keys of
+   one reduction are token i of each of the four blocks, and values are
+   added token i of each block in turn. A block is one short contiguous run
+   somewhere in the cache; the memory system streams several runs at once
+   only when they are read together. */
+
+/* The next group of up to KV_STREAMS blocks from token t0: each block's
+   base in `cache` and its token count. Returns how many blocks. */
+static inline int KV_NAME(block_group)(const KV_T *cache, const int64_t *table, int64_t t0, int64_t len,
+                                       int block_size, int64_t row, const KV_T **base, int64_t *n) {
+    int nb = 0;
+    for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
+        const int64_t tb = t0 + (int64_t)nb * block_size;
+        base[nb] = cache + table[tb / block_size] * block_size * row;
+        n[nb] = (len - tb < block_size) ? len - tb : block_size;
+    }
+    return nb;
+}
+
+/* Ask for rows [r0, r1) of each block of a group (row_bytes each) to be
+   brought into cache. The hardware prefetcher loses the stream at every
+   block boundary and needs a while to find a new one; the kernel prefetches
+   the next group of blocks a slice at a time while it works on this one. */
+static inline void KV_NAME(prefetch_rows)(const KV_T *const *base, const int64_t *n, int nb, int64_t r0, int64_t r1,
+                                          int64_t row) {
+    for (int g = 0; g < nb; g++) {
+        const int64_t end = r1 < n[g] ? r1 : n[g];
+        if (r0 < end) prefetch_block(base[g] + r0 * row, (end - r0) * row * (int64_t)sizeof(KV_T));
+    }
+}
+
+/* q . k for four keys at once: the four dot products as 4 floats */
+static inline __attribute__((always_inline)) __m128 KV_NAME(dot4_keys)(const float *qj, const KV_T *k0,
+                                                                       const KV_T *k1, const KV_T *k2,
+                                                                       const KV_T *k3, int head_dim) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int d = 0;
+#ifdef __AVX512F__
+    /* 16 lanes where the CPU has them, folded to 8 before the reduction */
+    __m512 w0 = _mm512_setzero_ps(), w1 = _mm512_setzero_ps(), w2 = _mm512_setzero_ps(), w3 = _mm512_setzero_ps();
+    for (; d + 16 <= head_dim; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qj + d);
+        w0 = _mm512_fmadd_ps(qv, KV_LOAD16(k0 + d), w0);
+        w1 = _mm512_fmadd_ps(qv, KV_LOAD16(k1 + d), w1);
+        w2 = _mm512_fmadd_ps(qv, KV_LOAD16(k2 + d), w2);
+        w3 = _mm512_fmadd_ps(qv, KV_LOAD16(k3 + d), w3);
+    }
+    a0 = _mm256_add_ps(_mm512_castps512_ps256(w0), _mm512_extractf32x8_ps(w0, 1));
+    a1 = _mm256_add_ps(_mm512_castps512_ps256(w1), _mm512_extractf32x8_ps(w1, 1));
+    a2 = _mm256_add_ps(_mm512_castps512_ps256(w2), _mm512_extractf32x8_ps(w2, 1));
+    a3 = _mm256_add_ps(_mm512_castps512_ps256(w3), _mm512_extractf32x8_ps(w3, 1));
+#endif
+    for (; d < head_dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qj + d);
+        a0 = _mm256_fmadd_ps(qv, KV_LOAD8(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, KV_LOAD8(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, KV_LOAD8(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, KV_LOAD8(k3 + d), a3);
+    }
+    return hsum4x8(a0, a1, a2, a3);
+}
+
+static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
+    const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t len, float *out,
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int nq = (h1 - h0) * group;
+    const float *qh = q + (int64_t)h0 * group * head_dim;
+    const __m128 vscale = _mm_set1_ps(scale);
+    const int64_t span = (int64_t)KV_STREAMS * block_size; /* tokens per group of blocks */
+
+    /* scores[j][t] = scale * q_j . k_t */
+    const KV_T *kb[KV_STREAMS], *kn[KV_STREAMS];
+    int64_t n[KV_STREAMS], nn[KV_STREAMS];
+    int nb = KV_NAME(block_group)(k_cache, table, 0, len, block_size, row, kb, n);
+    for (int64_t t0 = 0; t0 < len; t0 += span) {
+        /* the next group, prefetched row by row as this one is read */
+        const int nbn = KV_NAME(block_group)(k_cache, table, t0 + span, len, block_size, row, kn, nn);
+        /* all four blocks are full except, at most, the sequence's last one */
+        const int64_t full = nb == KV_STREAMS ? n[KV_STREAMS - 1] : 0; /* tokens every block has */
+        if (full == 0) KV_NAME(prefetch_rows)(kn, nn, nbn, 0, block_size, row);
+        for (int64_t i = 0; i < full; i++) {
+            KV_NAME(prefetch_rows)(kn, nn, nbn, i, i + 1, row);
+            for (int j = 0; j < nq; j++) {
+                const int64_t off = (int64_t)(h0 + j / group) * head_dim + i * row;
+                float s4[4];
+                _mm_storeu_ps(s4, _mm_mul_ps(KV_NAME(dot4_keys)(qh + (int64_t)j * head_dim, kb[0] + off,
+                                                                kb[1] + off, kb[2] + off, kb[3] + off, head_dim),
+                                             vscale));
+                float *sj = scores + (int64_t)j * len + t0 + i;
+                for (int g = 0; g < 4; g++) sj[(int64_t)g * block_size] = s4[g];
+            }
+        }
+        /* the rest (the sequence's last group, the tokens past a partial last
+           block): block by block, four tokens of one block per reduction */
+        for (int g = 0; g < nb; g++) {
+            for (int j = 0; j < nq; j++) {
+                const float *qj = qh + (int64_t)j * head_dim;
+                const KV_T *kj = kb[g] + (int64_t)(h0 + j / group) * head_dim;
+                float *sj = scores + (int64_t)j * len + t0 + (int64_t)g * block_size;
+                int64_t i = full;
+                for (; i + 4 <= n[g]; i += 4)
+                    _mm_storeu_ps(sj + i, _mm_mul_ps(KV_NAME(dot4_keys)(qj, kj + i * row, kj + (i + 1) * row,
+                                                                        kj + (i + 2) * row, kj + (i + 3) * row,
+                                                                        head_dim),
+                                                     vscale));
+                for (; i < n[g]; i++) sj[i] = scale * KV_NAME(dot_kv)(qj, kj + i * row, head_dim);
+            }
+        }
+        for (int g = 0; g < nbn; g++) kb[g] = kn[g], n[g] = nn[g];
+        nb = nbn;
+    }
+    for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
+    /* out_j = sum_t p_j[t] * v_t */
+    float *o = out + (int64_t)h0 * group * head_dim;
+    memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
+    const KV_T *vb[KV_STREAMS], *vn[KV_STREAMS];
+    nb = KV_NAME(block_group)(v_cache, table, 0, len, block_size, row, vb, n);
+    const int64_t rows_per_head = (block_size + nq - 1) / nq; /* next group's rows prefetched per query head */
+    for (int64_t t0 = 0; t0 < len; t0 += span) {
+        const int nbn = KV_NAME(block_group)(v_cache, table, t0 + span, len, block_size, row, vn, nn);
+        for (int j = 0; j < nq; j++) {
+            KV_NAME(prefetch_rows)(vn, nn, nbn, j * rows_per_head, (j + 1) * rows_per_head, row);
+            const int64_t kv_off = (int64_t)(h0 + j / group) * head_dim;
+            const float *pj = scores + (int64_t)j * len + t0;
+            for (int d0 = 0; d0 < head_dim; d0 += 64) {
+                float *oj = o + (int64_t)j * head_dim + d0;
+                const int width = head_dim - d0 < 64 ? head_dim - d0 : 64;
+                if (width == 64) {
+#ifdef __AVX512F__
+                    __m512 acc[4];
+                    for (int c = 0; c < 4; c++) acc[c] = _mm512_loadu_ps(oj + 16 * c);
+                    for (int64_t i = 0; i < block_size; i++)
+                        for (int g = 0; g < nb; g++) {
+                            if (i >= n[g]) continue;
+                            const __m512 p = _mm512_set1_ps(pj[(int64_t)g * block_size + i]);
+                            const KV_T *v = vb[g] + i * row + kv_off + d0;
+                            for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(p, KV_LOAD16(v + 16 * c), acc[c]);
+                        }
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(oj + 16 * c, acc[c]);
+#else
+                    __m256 acc[8];
+                    for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(oj + 8 * c);
+                    for (int64_t i = 0; i < block_size; i++)
+                        for (int g = 0; g < nb; g++) {
+                            if (i >= n[g]) continue;
+                            const __m256 p = _mm256_set1_ps(pj[(int64_t)g * block_size + i]);
+                            const KV_T *v = vb[g] + i * row + kv_off + d0;
+                            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, KV_LOAD8(v + 8 * c), acc[c]);
+                        }
+                    for (int c = 0; c < 8; c++) _mm256_storeu_ps(oj + 8 * c, acc[c]);
+#endif
+                } else {
+                    for (int g = 0; g < nb; g++)
+                        for (int64_t i = 0; i < n[g]; i++)
+                            KV_NAME(axpy_kv)(oj, pj[(int64_t)g * block_size + i], vb[g] + i * row + kv_off + d0,
+                                             width);
+                }
+            }
+        }
+        for (int g = 0; g < nbn; g++) vb[g] = vn[g], n[g] = nn[g];
+        nb = nbn;
+    }
+}
+#endif /* KV_VECTOR */
+
+/* The vector path for head sizes that are multiples of 8 where the build
+   has it, attend_one otherwise; the common head sizes get loops of known
+   length, which gcc unrolls fully. */
+static inline void KV_NAME(attend)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
+                                   int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim,
+                                   int block_size, float scale, int h0, int h1, float *scores) {
+#if KV_VECTOR
+    if (head_dim == 64)
+        KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
+                            h1, scores);
+    else if (head_dim == 128)
+        KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
+                            h0, h1, scores);
+    else if (head_dim % 8 == 0)
+        KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
+                            scale, h0, h1, scores);
+    else
+#else
+    if (head_dim == 64)
+        KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
+                            h1, scores);
+    else if (head_dim == 128)
+        KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
+                            h0, h1, scores);
+    else
+#endif
+        KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
+                            scale, h0, h1, scores);
+}
