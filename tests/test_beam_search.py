@@ -261,6 +261,33 @@ def test_beam_search_under_preemption_finds_the_same_beams(tiny_model_dirs):
     assert tight == ample
 
 
+def test_beam_searches_stay_within_max_num_seqs(tiny_model_dirs):
+    """Each search holds its beam width from admission: 3 searches of width 4 under max_num_seqs=4 run one at a time."""
+    prompts = [{"prompt_token_ids": random_prompt(10, seed=s)} for s in (5, 6, 7)]
+    params = BeamSearchParams(4, 12, ignore_eos=True)
+
+    def run(max_num_seqs):
+        llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=256, max_model_len=64, block_size=4, max_num_seqs=max_num_seqs)
+        sched = llm.llm_engine.scheduler
+        plan, most = sched.schedule, []
+
+        def recording():
+            out = plan()
+            most.append(sched.num_running)
+            return out
+
+        sched.schedule = recording
+        outs = llm.beam_search(prompts, params)
+        assert pool_is_whole(llm)
+        return [[(s.tokens, round(s.score, 5)) for s in o.sequences] for o in outs], max(most)
+
+    roomy, most = run(16)
+    assert most > 4  # the searches overlap when there is room
+    limited, most = run(4)
+    assert most <= 4
+    assert limited == roomy
+
+
 def test_beam_search_that_outgrows_the_pool_does_not_hang(tiny_model_dirs):
     # 8 beams of up to 60 tokens cannot all live in 16 blocks of 4 once a
     # preemption has broken their sharing: the request must end, not spin

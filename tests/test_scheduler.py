@@ -306,6 +306,41 @@ def test_max_num_seqs():
     assert sched.num_running == 2
 
 
+def test_a_reservation_holds_places_against_max_num_seqs():
+    """A beam search (reserving its width) holds that many places from admission, beams forked or not."""
+    bm, sched = make(num_blocks=16, max_num_seqs=4)
+    beam = mk(range(3), request_id="beam")
+    beam.num_reserved_seqs = 3
+    other, third = mk(range(10, 13), request_id="other"), mk(range(20, 23), request_id="third")
+    for s in (beam, other, third):
+        sched.add(s)
+    out = step(sched)
+    # beam holds 3 places with 1 sequence running: one place left, for `other`
+    assert [s.seq for s in out.scheduled] == [beam, other]
+    assert list(sched.waiting) == [third]
+    # two forked beams stay within the reservation: still no room for `third`
+    for index in (1, 2):
+        child = beam.fork(index=index)
+        sched.fork_running(beam, child)
+        assert child.num_reserved_seqs == 3
+    out = step(sched)
+    assert sched.num_running == 4 and list(sched.waiting) == [third]
+    # a preempted beam re-admitted alone takes its request's whole reservation again
+    preempted = sched._preempt_request(beam)
+    assert len(preempted) == 3 and sched.num_running == 1
+    sched.finish(other, FINISHED)
+    out = step(sched)
+    assert [s.seq for s in out.scheduled][:1] == [preempted[-1]]
+    running_beams = [s for s in sched.running if s.request_id == "beam"]
+    assert len(running_beams) == 3  # re-admitted together: they fit in the reservation
+    assert third in sched.running and not sched.waiting  # 3 reserved + 1 = max_num_seqs
+    for s in running_beams:
+        sched.finish(s, FINISHED)
+    step(sched)
+    assert sched.num_running == 1
+    assert bm.num_free_blocks == bm.num_blocks - len(third.block_table)
+
+
 # --- a request that does not fit waits ---------------------------------------------------
 def test_request_too_big_for_free_pool_waits():
     bm, sched = make(num_blocks=4)

@@ -151,6 +151,8 @@ class LLMEngine:
         inner.logprobs = beam.num_candidates
         req = Request(request_id, text, ids, inner, self.config.block_size, self._rng, next(self._arrivals))
         req.beam = beam
+        # the beams it will fork count against max_num_seqs from admission on
+        req.seqs[0].num_reserved_seqs = params.beam_width
         beam.start(req.seqs[0])
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])

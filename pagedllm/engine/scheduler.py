@@ -28,6 +28,14 @@ sequence whose ``fork_children`` are forked from it in the step that
 completes its prompt: they share its blocks and its prefill, and sample
 their first tokens from its logits. Preemption takes a whole request (all
 its samples) at a time.
+
+``max_num_seqs`` counts, per request, the larger of the sequences it runs
+(its waiting forks included) and the places it reserved
+(``Sequence.num_reserved_seqs``: a beam search's width, since its beams fork
+while it runs)::
+
+    max_num_seqs 4: beam request (width 4) running 1 beam -> holds 4,
+                    so nothing else is admitted until it finishes
 """
 
 from __future__ import annotations
@@ -241,11 +249,21 @@ class Scheduler:
         #    since the pool just proved too small for what is running.
         # Every running sequence counts, also those the budget left out of
         # this step, beams waiting for their siblings and the samples that
-        # wait for a prompt in chunks to complete
-        num_seqs = len(self.running) + sum(len(s.fork_children) for s in self.running)
+        # wait for a prompt in chunks to complete; a request counts at least
+        # the places it reserved
+        running: dict[str, int] = {}
+        reserved: dict[str, int] = {}
+        for s in self.running:
+            running[s.request_id] = running.get(s.request_id, 0) + 1 + len(s.fork_children)
+            reserved[s.request_id] = max(reserved.get(s.request_id, 1), s.num_reserved_seqs)
+        num_seqs = sum(max(n, reserved[r]) for r, n in running.items())
         while self.waiting and not preempted and budget >= 1:
             seq = self.waiting[0]
-            if num_seqs + 1 + len(seq.fork_children) > self.max_num_seqs:
+            rid = seq.request_id
+            held = max(running.get(rid, 0), reserved.get(rid, 0))
+            new_running = running.get(rid, 0) + 1 + len(seq.fork_children)
+            new_reserved = max(reserved.get(rid, 1), seq.num_reserved_seqs)
+            if num_seqs - held + max(new_running, new_reserved) > self.max_num_seqs:
                 break
             if not self.block_manager.allocate(seq):
                 break
@@ -253,7 +271,8 @@ class Scheduler:
             self.block_manager.record_prefix_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_seqs += 1 + len(seq.fork_children)
+            running[rid], reserved[rid] = new_running, new_reserved
+            num_seqs += max(new_running, new_reserved) - held
             chunk = self._chunk(seq, budget)
             prefills.append(chunk)
             budget -= chunk.num_new_tokens

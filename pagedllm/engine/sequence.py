@@ -85,6 +85,10 @@ class Sequence:
         # samples that share this sequence's prefill (n > 1, best_of): forked
         # from it, blocks and all, when the scheduler admits it
         self.fork_children: list[Sequence] = []
+        # sequences this one's request may run at once, counted against
+        # max_num_seqs from admission on: a beam search forks up to its beam
+        # width while it runs, so it holds that many places from the start
+        self.num_reserved_seqs: int = 1
         # a request that wants prompt logprobs needs every prompt position
         # computed, so it takes no prefix-cache hits
         self.allow_prefix_hits: bool = True
@@ -146,6 +150,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.allow_prefix_hits = self.allow_prefix_hits
         child.reserve_len = self.reserve_len
+        child.num_reserved_seqs = self.num_reserved_seqs
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.output_text = self.output_text
