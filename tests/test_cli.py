@@ -227,6 +227,24 @@ def test_bench_throughput_compare_transformers(tiny_model_dirs):
         )
 
 
+def test_bench_throughput_peer_model(tiny_model_dirs, tmp_path):
+    """--peer-model: the transformers peer loads that folder (the harness's HF copy), not --model."""
+    common = ["bench", "throughput", "--model", tiny_model_dirs["llama"], "--num-requests", "3", "--min-len", "4",
+              "--max-len", "8", "--json", "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1"]
+    proc = run_cli(*common, "--compare", "transformers-padded", "--peer-model", tiny_model_dirs["qwen2"])
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["engine"] for r in lines] == ["pagedllm", "transformers-generate-padded"]
+    assert lines[1]["model"] == tiny_model_dirs["qwen2"]
+    for bad, message in [
+        (["--compare", "transformers", "--peer-model", str(tmp_path / "nowhere")], "does not exist"),
+        (["--peer-model", tiny_model_dirs["qwen2"]], "give --compare too"),
+    ]:
+        proc = run_cli(*common, *bad)
+        assert proc.returncode != 0 and message in proc.stderr
+        assert_no_traceback(proc)
+
+
 @pytest.mark.parametrize("extra", [[], ["--quantization", "int8"]], ids=["float32", "int8"])
 def test_bench_latency_json(extra):
     proc = run_cli(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import time
 
@@ -23,11 +24,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(transformers-padded), its continuous batching (transformers-cb), or both (transformers)",
     )
     p.add_argument("--peer-batch-size", type=int, default=16, help="batch size of transformers' padded generate")
+    p.add_argument(
+        "--peer-model", default=None,
+        help="what the transformers peers load: a .gguf or a Hugging Face folder, e.g. the float32 folder that "
+        "benchmarks/peers/prepare.py writes (default: --model, the GGUF dequantized in process)",
+    )
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     from pagedllm import LLM, SamplingParams
 
+    if args.peer_model is not None and not args.compare:
+        raise ValueError("--peer-model is what the --compare peers load; give --compare too")
+    if args.peer_model is not None and not os.path.exists(args.peer_model):
+        raise ValueError(f"--peer-model {args.peer_model!r} does not exist")
     workload = make_workload(args.num_requests, args.min_len, args.max_len, args.workload_seed)
     llm = LLM(args.model, **engine_kwargs)
     # warm-up: first calls pay for allocator and kernel set-up
@@ -87,10 +97,13 @@ def _run_peers(args: argparse.Namespace, workload: list) -> list[dict]:
     from pagedllm.bench import transformers_peer
     from pagedllm.loader import resolve_model_path
 
-    model = transformers_peer.load_model(resolve_model_path(args.model))
+    path = args.peer_model if args.peer_model is not None else resolve_model_path(args.model)
+    model = transformers_peer.load_model(path)
     peers = []
     if "transformers-padded" in wanted:
         peers.append(transformers_peer.run_padded(model, workload, args.peer_batch_size))
     if "transformers-cb" in wanted:
         peers.append(transformers_peer.run_continuous(model, workload))
+    for peer in peers:
+        peer["model"] = path
     return peers
