@@ -359,15 +359,19 @@ def test_scheduler_runs_every_request_to_completion(
                 event("scheduler: prefill with a prefix hit or a later chunk")
             if not s.samples:
                 event("scheduler: a prompt in chunks")
-                # only the budget cuts a prompt (or a preempted sequence's
-                # recomputation) short, and only one per step
-                assert out.num_batched_tokens == sched.max_num_batched_tokens
-                assert sum(1 for x in out.scheduled if not x.samples) == 1
+                # only the budget or an empty pool cuts a prompt (or a
+                # preempted sequence's recomputation) short; the budget cuts one per step
+                assert out.num_batched_tokens == sched.max_num_batched_tokens or bm.num_free_blocks == 0
+                if bm.num_free_blocks > 0:
+                    assert sum(1 for x in out.scheduled if not x.samples) == 1
+                else:
+                    event("scheduler: a chunk cut by the pool")
             assert seq.status == SequenceStatus.RUNNING and seq not in out.preempted
             assert s.num_computed_tokens == seq.num_computed_tokens
             assert s.num_computed_tokens + s.num_new_tokens <= len(seq)
             assert s.samples == (s.num_computed_tokens + s.num_new_tokens == len(seq))
-            assert len(seq.block_table) == seq.num_blocks
+            # blocks for what is computed through this step, no more (chunks take theirs as they come)
+            assert len(seq.block_table) == -(-(s.num_computed_tokens + s.num_new_tokens) // seq.block_size)
         for p in out.preempted:
             assert p.status == SequenceStatus.WAITING and p.block_table == []
             assert p.num_computed_tokens == 0

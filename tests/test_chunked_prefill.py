@@ -117,8 +117,41 @@ def test_abort_in_the_middle_of_a_chunked_prompt_frees_its_blocks(tiny_model_dir
     engine.add_request("long", _prompts([50], seed=1)[0], SamplingParams(n=2, max_tokens=4, seed=0))
     assert engine.step() == []  # the first 8 of 50 prompt tokens: nothing to report
     seq = engine.scheduler.running[0]
-    assert seq.num_computed_tokens == 8 and len(seq.block_table) == 7
-    assert engine.block_manager.num_free_blocks == 32 - 7
+    # blocks come chunk by chunk: one block of 8 per step
+    assert seq.num_computed_tokens == 8 and len(seq.block_table) == 1
+    assert engine.step() == []
+    assert seq.num_computed_tokens == 16 and len(seq.block_table) == 2
+    assert engine.block_manager.num_free_blocks == 32 - 2
     engine.abort_request("long")
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == 32
+
+
+def test_chunks_take_blocks_as_they_go_and_a_tight_pool_gives_the_same_tokens(tiny_model_dirs) -> None:  # noqa: ANN001
+    """Under a pool too small for every prompt at once, chunks are cut to the free blocks and requests
+    preempted; the greedy tokens still equal an ample pool's and the pool ends whole."""
+    prompts = _prompts([60, 45, 70, 30, 52], seed=33)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kwargs = dict(max_model_len=128, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=False)
+    ample = LLM(tiny_model_dirs["llama"], num_kv_blocks=256, **kwargs)
+    want = _tokens(ample.generate(prompts, params, use_tqdm=False))
+    assert ample.llm_engine.scheduler.num_preemptions == 0
+
+    tight = LLM(tiny_model_dirs["llama"], num_kv_blocks=40, **kwargs)  # 160 slots for 257 prompt tokens
+    engine, bm = tight.llm_engine, tight.llm_engine.block_manager
+    plan, cut_by_pool = engine.scheduler.schedule, []
+
+    def recording() -> SchedulerOutput:
+        out = plan()
+        # a prompt chunk shorter than both its remaining prompt and the budget left: cut by the pool
+        for s in out.scheduled:
+            if not s.samples and out.num_batched_tokens < engine.scheduler.max_num_batched_tokens:
+                cut_by_pool.append(bm.num_free_blocks)
+        return out
+
+    engine.scheduler.schedule = recording
+    got = _tokens(tight.generate(prompts, params, use_tqdm=False))
+    assert got == want
+    assert cut_by_pool and all(free == 0 for free in cut_by_pool)
+    assert engine.scheduler.num_preemptions > 0
+    assert bm.num_free_blocks == bm.num_blocks

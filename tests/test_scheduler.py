@@ -182,13 +182,14 @@ def test_token_budget_chunks_prefill():
     assert out.scheduled[1].is_prefill
     step(sched, out)
     assert list(sched.waiting) == [c]
-    assert b.block_table == [2, 3]  # blocks for all of b from admission on
+    assert b.block_table == [2]  # blocks for its first chunk only; later chunks take theirs
     assert b.num_computed_tokens == 4 and b.num_output_tokens == 0
-    assert bm.num_free_blocks == 8 - 4
+    assert bm.num_free_blocks == 8 - 3
     out = sched.schedule()
     # decode a (1), the rest of b (2), all of c (2)
     assert view(out) == [(b, 4, 2), (c, 0, 2), (a, 6, 1)]
     assert all(s.samples for s in out.scheduled)
+    assert b.block_table == [2, 3] and c.block_table == [4]  # b's second chunk took its block first
     step(sched, out)
     assert out.num_batched_tokens == 5
     assert sched.num_waiting == 0
@@ -253,23 +254,24 @@ def test_forks_wait_for_a_chunked_prompt_to_complete():
 
 
 def test_preempted_chunked_prompt_starts_over_and_keeps_its_forks():
-    bm, sched = make(num_blocks=4, max_num_batched_tokens=4)
+    bm, sched = make(num_blocks=3, max_num_batched_tokens=4)
     a = mk(range(7))  # 2 blocks
     sched.add(a)
     step(sched)
     step(sched)
-    parent = mk(range(100, 108))  # 2 blocks: the whole pool is taken
+    parent = mk(range(100, 108))  # its first chunk takes the last free block
     kid = parent.fork(1)
     parent.fork_children = [kid]
     sched.add(parent)
     out = step(sched)
     assert view(out) == [(parent, 0, 3), (a, 7, 1)]
+    assert parent.block_table == [2] and bm.num_free_blocks == 0
     # a needs a third block at token 8: the newest request (parent, mid-prompt) yields
     out = step(sched)
     assert out.preempted == [parent] and view(out) == [(a, 8, 1)]
     assert parent.block_table == [] and parent.num_computed_tokens == 0
     assert parent.fork_children == [kid] and list(sched.waiting) == [parent]
-    assert bm.num_free_blocks == 1
+    assert a.block_table == [0, 1, 2] and bm.num_free_blocks == 0
 
 
 def test_token_budget_counts_decodes_first():
@@ -539,7 +541,7 @@ def test_prefix_hit_within_and_across_steps():
 
 
 def test_pool_rejected_admission_leaves_the_cache_alone():
-    bm, sched = make(num_blocks=6, max_num_batched_tokens=8, caching=True)
+    bm, sched = make(num_blocks=6, max_num_batched_tokens=24, caching=True)
     # an earlier prompt left its two full blocks cached at the head of the LRU
     p = mk(range(9))
     bm.allocate(p)
@@ -550,7 +552,7 @@ def test_pool_rejected_admission_leaves_the_cache_alone():
     a = mk(range(100, 104))
     sched.add(a)
     step(sched)
-    w = mk(range(200, 220))  # 20 tokens = 5 blocks; a holds 2 of the 6
+    w = mk(range(200, 220))  # 20 tokens in one chunk = 5 blocks; a holds 2 of the 6
     sched.add(w)
     for _ in range(3):
         out = step(sched)

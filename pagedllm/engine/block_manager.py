@@ -159,36 +159,49 @@ class BlockManager:
                 self._pending_copies = [c for c in self._pending_copies if c[1] != block]
 
     # --- the allocator API ---------------------------------------------------
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether ``allocate(seq)`` would succeed now."""
+    def can_allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
+        """Whether ``allocate(seq, max_num_new_tokens)`` would succeed now."""
         hits = self._lookup_prefix(seq)
-        return self._num_blocks_short(seq, hits) <= 0
+        return self._num_blocks_short(seq, hits, max_num_new_tokens) <= 0
 
-    def _num_blocks_short(self, seq: Sequence, hits: list[int]) -> int:
+    def _num_blocks_needed(self, seq: Sequence, hits: list[int], max_num_new_tokens: int | None) -> int:
+        """Blocks covering the cached prefix plus the first chunk of new tokens."""
+        num_tokens = len(seq)
+        if max_num_new_tokens is not None:
+            num_tokens = min(num_tokens, len(hits) * self.block_size + max_num_new_tokens)
+        return -(-num_tokens // self.block_size)
+
+    def _num_blocks_short(self, seq: Sequence, hits: list[int], max_num_new_tokens: int | None) -> int:
         # hits that sit in the free list leave it when taken, so they count
         # against the free blocks as well
-        num_new = seq.num_blocks - len(hits)
+        num_new = self._num_blocks_needed(seq, hits, max_num_new_tokens) - len(hits)
         num_free_hits = sum(1 for b in hits if self.ref_counts[b] == 0)
         return num_new + num_free_hits - self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Give a waiting sequence blocks for all its tokens.
+    def allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
+        """Give a waiting sequence blocks for its cached prefix and its first chunk.
 
         Reuses cached prefix blocks where possible and sets
         ``seq.num_computed_tokens`` to the number of tokens whose K/V is
-        already there. Returns False, taking nothing, when the pool is short.
+        already there. The new tokens after them get blocks up to
+        ``max_num_new_tokens`` (None: all of them); a prompt computed in
+        chunks takes the blocks of later chunks as it reaches them
+        (``append_slots``). Returns False, taking nothing, when the pool is
+        short.
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        if max_num_new_tokens is not None and max_num_new_tokens < 1:
+            raise ValueError(f"max_num_new_tokens must be >= 1, got {max_num_new_tokens}")
         hits = self._lookup_prefix(seq)
-        if self._num_blocks_short(seq, hits) > 0:
+        if self._num_blocks_short(seq, hits, max_num_new_tokens) > 0:
             return False
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
         table = list(hits)
-        for _ in range(seq.num_blocks - len(hits)):
+        for _ in range(self._num_blocks_needed(seq, hits, max_num_new_tokens) - len(hits)):
             table.append(self._pop_free_block())
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
@@ -206,21 +219,37 @@ class BlockManager:
         first = seq.num_computed_tokens // self.block_size
         return [i for i in range(first, len(seq.block_table)) if self.ref_counts[seq.block_table[i]] > 1]
 
-    def can_append_slot(self, seq: Sequence) -> bool:
-        """Whether ``append_slot(seq)`` would succeed now."""
-        missing = max(0, seq.num_blocks - len(seq.block_table))
+    def _num_blocks_missing(self, seq: Sequence, num_new_tokens: int | None) -> int:
+        end = len(seq) if num_new_tokens is None else seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-end // self.block_size) - len(seq.block_table))
+
+    def can_append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
+        """Whether ``append_slot(seq, num_new_tokens)`` would succeed now."""
+        missing = self._num_blocks_missing(seq, num_new_tokens)
         return missing + len(self._shared_write_blocks(seq)) <= self.num_free_blocks
 
-    def append_slot(self, seq: Sequence) -> bool:
+    def num_appendable_tokens(self, seq: Sequence) -> int:
+        """Tokens past ``num_computed_tokens`` that ``append_slot`` could give slots to now.
+
+        What the blocks already held and the free blocks cover, less one free
+        block for each shared block in the write range (its copy).
+        """
+        shared = len(self._shared_write_blocks(seq))
+        capacity = (len(seq.block_table) + self.num_free_blocks - shared) * self.block_size
+        return max(0, capacity - seq.num_computed_tokens)
+
+    def append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
         """Make every token that the next step writes land in a private block.
 
-        Called before a decode step: tokens ``num_computed_tokens ..
-        len(seq)-1`` are about to be written. A new block is taken when the
-        last one is full; a shared block in that range is first copied
-        (copy-on-write). Returns False, taking nothing, when the pool is short.
+        Called before a step that computes ``num_new_tokens`` tokens of
+        ``seq`` from ``num_computed_tokens`` on (None: up to ``len(seq)``;
+        a decode's one token, or the next chunk of a prompt). New blocks are
+        taken past the last one; a shared block in that range is first
+        copied (copy-on-write). Returns False, taking nothing, when the pool
+        is short.
         """
         shared = self._shared_write_blocks(seq)
-        missing = max(0, seq.num_blocks - len(seq.block_table))
+        missing = self._num_blocks_missing(seq, num_new_tokens)
         if missing + len(shared) > self.num_free_blocks:
             return False
         for i in shared:

@@ -82,11 +82,15 @@ class ContiguousAllocator:
         return None
 
     # --- the allocator API ---------------------------------------------------
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
         return self.find_run(self.reserved_blocks(seq)) is not None
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Reserve one run for the sequence's maximum length; False (and a counted wait) if none fits."""
+    def allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
+        """Reserve one run for the sequence's maximum length; False (and a counted wait) if none fits.
+
+        The run covers every token from the start, so ``max_num_new_tokens``
+        (what the first chunk of a prompt needs) is always within it.
+        """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         num = self.reserved_blocks(seq)
@@ -106,11 +110,15 @@ class ContiguousAllocator:
         seq.num_computed_tokens = 0
         return True
 
-    def can_append_slot(self, seq: Sequence) -> bool:
+    def can_append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
         return seq.num_blocks <= len(seq.block_table)
 
-    def append_slot(self, seq: Sequence) -> bool:
-        """The reservation already covers the maximum length; a longer sequence cannot grow."""
+    def num_appendable_tokens(self, seq: Sequence) -> int:
+        """Tokens past ``num_computed_tokens`` that the reserved run still has slots for."""
+        return max(0, len(seq.block_table) * self.block_size - seq.num_computed_tokens)
+
+    def append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
+        """The reservation already covers the maximum length (every chunk); a longer sequence cannot grow."""
         return seq.num_blocks <= len(seq.block_table)
 
     def free(self, seq: Sequence) -> None:

@@ -6,15 +6,17 @@ Each step the scheduler
      its blocks and puts it back at the front of the waiting queue, to be
      recomputed later from its tokens (prompt + what it generated so far);
   2. continues prompts that an earlier step prefilled only in part (chunked
-     prefill), oldest first, with the token budget the decodes left;
+     prefill), oldest first, with the token budget the decodes left; a
+     chunk takes its blocks now and is cut to what the pool holds, and a
+     prompt that cannot get a slot for one token preempts as a decode does;
   3. admits waiting sequences first come first served (prefill), as long as
      the token budget, ``max_num_seqs`` and the pool allow. ``allocate()``
      returning False stops admission: the request waits, nothing crashes.
 
 Prefills and decodes share one step. A prompt longer than the budget left
 is computed in chunks over several steps (``max_num_batched_tokens`` may be
-smaller than ``max_model_len``); it holds blocks for all its tokens from
-admission on, and samples only in the step that computes its last token::
+smaller than ``max_model_len``); it takes blocks chunk by chunk, as vLLM
+does, and samples only in the step that computes its last token::
 
     budget 8 tokens, prompt A of 12 tokens, B decoding
     step 1:  B x1 | A[0:7]     (A: 7 of 12 computed, no sample)
@@ -217,33 +219,55 @@ class Scheduler:
                 continue  # 0: a beam waiting for its siblings; > 1: a prompt in chunks (step 2)
             if budget < 1:
                 break
+            num_preempted = len(preempted)
             while not self.block_manager.append_slot(seq):
                 victim = max(self.running, key=_age)
                 preempted.extend(self._preempt_request(victim))
                 if seq.status != SequenceStatus.RUNNING:
                     break
+            if len(preempted) > num_preempted:
+                # a preempted request may have had older samples planned already:
+                # they leave the plan and their budget comes back
+                decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
+                budget = self.max_num_batched_tokens - len(decodes)
             if seq.status != SequenceStatus.RUNNING:
                 continue
             decodes.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
             budget -= 1
-        if preempted:
-            # a preempted request may have had older samples scheduled already
-            decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
-        # published only now: a block of a decode dropped above is never written;
-        # a prompt's last token (its final one-token chunk) may start its forks
-        for i, d in enumerate(decodes):
-            decodes[i] = self._chunk(d.seq, 1)
 
-        # 2. prompts prefilled in part by earlier steps: their blocks are
-        #    already allocated, so they only need budget
-        prefills: list[ScheduledSequence] = []
+        # 2. prompts prefilled in part by earlier steps, oldest first: the next
+        #    chunk takes its blocks now, cut to what the pool holds; when not
+        #    one token fits, the newest request is preempted as for a decode
+        continued: list[tuple[Sequence, int]] = []
         for seq in sorted(self.running, key=_age):
             if budget < 1:
                 break
-            if seq.status == SequenceStatus.RUNNING and len(seq) - seq.num_computed_tokens > 1:
-                chunk = self._chunk(seq, budget)
-                prefills.append(chunk)
-                budget -= chunk.num_new_tokens
+            if seq.status != SequenceStatus.RUNNING or len(seq) - seq.num_computed_tokens <= 1:
+                continue
+            num_preempted = len(preempted)
+            while self.block_manager.num_appendable_tokens(seq) < 1:
+                victim = max(self.running, key=_age)
+                preempted.extend(self._preempt_request(victim))
+                if seq.status != SequenceStatus.RUNNING:
+                    break
+            if len(preempted) > num_preempted:
+                # what the victims had planned leaves the plan; its budget comes back
+                decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
+                continued = [(s, n) for s, n in continued if s.status == SequenceStatus.RUNNING]
+                budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            num_new = min(len(seq) - seq.num_computed_tokens, budget, self.block_manager.num_appendable_tokens(seq))
+            if not self.block_manager.append_slot(seq, num_new):
+                raise RuntimeError("append_slot refused the tokens num_appendable_tokens promised")
+            continued.append((seq, num_new))
+            budget -= num_new
+
+        # published only now: a block of a sequence dropped above is never
+        # written; a prompt's last token (its final one-token chunk) may start its forks
+        for i, d in enumerate(decodes):
+            decodes[i] = self._chunk(d.seq, 1)
+        prefills = [self._chunk(seq, n) for seq, n in continued]
 
         # 3. admissions, first come first served; none after a preemption,
         #    since the pool just proved too small for what is running.
@@ -265,7 +289,8 @@ class Scheduler:
             new_reserved = max(reserved.get(rid, 1), seq.num_reserved_seqs)
             if num_seqs - held + max(new_running, new_reserved) > self.max_num_seqs:
                 break
-            if not self.block_manager.allocate(seq):
+            # blocks for the cached prefix and the first chunk; later chunks take theirs in step 2
+            if not self.block_manager.allocate(seq, budget):
                 break
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(seq)
