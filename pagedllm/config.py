@@ -32,8 +32,8 @@ class EngineConfig:
             or "float32", "float16", "bfloat16". A 2-byte cache with float32
             activations halves the cache's memory (twice the blocks for the
             same bytes) and the bytes decode attention reads; K and V are
-            rounded when written, so outputs differ slightly from a float32
-            cache. Attention still computes in ``dtype``.
+            rounded when written (float16 saturating at +-65504), so outputs
+            differ slightly from a float32 cache. Attention still computes in ``dtype``.
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for the KV pool; None picks a share of

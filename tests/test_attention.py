@@ -295,3 +295,40 @@ def test_native_kv_write_rounds_like_torch(kv_dtype: torch.dtype) -> None:
         # a NaN stays a NaN (its payload bits are not compared: torch's vector and scalar paths differ there)
         assert nan.any() and torch.equal(torch.isnan(a.float()), nan)
         assert torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
+def test_float16_cache_saturates_instead_of_storing_inf() -> None:
+    """A K/V beyond float16's range is stored as +-65504 by every backend, so no inf lingers in a freed slot
+    for SDPA's padded gather to turn into NaN."""
+    q, k, v, _, _, meta, _ = _build_step([(0, 6), (5, 1)], seed=6)
+    k, v = k.clone(), v.clone()
+    k.view(-1)[:3] = torch.tensor([1e6, -7e4, float("inf")])
+    v.view(-1)[:2] = torch.tensor([2e5, -float("inf")])
+    for backend in (make_backend("cpu_paged"), SdpaAttention(), ReferenceAttention()):
+        caches = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float16) for _ in range(2)]
+        out = backend.forward(q, k, v, *caches, meta, HEAD_DIM**-0.5)
+        assert torch.isfinite(out).all(), backend.name
+        for cache in caches:
+            assert torch.isfinite(cache).all() and cache.abs().max().item() == 65504.0
+
+
+@pytest.mark.parametrize("head_dim", [3, 6, 12])
+def test_cpu_paged_prefill_with_head_sizes_off_the_vector_width(head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    num_tokens, num_blocks = 11, 8
+    q = torch.randn(num_tokens, 4, head_dim, generator=gen)
+    k, v = (torch.randn(num_tokens, 2, head_dim, generator=gen) for _ in range(2))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64),
+        block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int64),
+        seq_lens_tensor=torch.tensor([num_tokens]),
+        query_start_loc=[0, num_tokens],
+        seq_lens=[num_tokens],
+        num_computed=[0],
+        num_prefills=1,
+        block_size=4,
+    )
+    caches = [torch.zeros(num_blocks, 4, 2, head_dim) for _ in range(4)]
+    got = CpuPagedAttention().forward(q, k, v, caches[0], caches[1], meta, head_dim**-0.5)
+    want = ReferenceAttention().forward(q, k, v, caches[2], caches[3], meta, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -639,3 +639,23 @@ def test_can_allocate_has_no_side_effects():
     for s in (mk(range(9)), mk(range(20)), mk([5])):
         bm.can_allocate(s)
         assert snapshot(bm) == before
+
+
+def test_chunk_arguments_are_validated():
+    from pagedllm.engine.contiguous_allocator import ContiguousAllocator
+
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    seq = Sequence(list(range(10)), block_size=4)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="max_num_new_tokens"):
+            bm.can_allocate(seq, bad)
+        with pytest.raises(ValueError, match="max_num_new_tokens"):
+            bm.allocate(seq, bad)
+        with pytest.raises(ValueError, match="max_num_new_tokens"):
+            ContiguousAllocator(8, 4).allocate(seq, bad)
+    assert bm.allocate(seq, 5) and seq.block_table == [0, 1]
+    seq.num_computed_tokens = 5
+    for bad in (0, 6):  # 5 tokens are left to compute
+        with pytest.raises(ValueError, match="num_new_tokens must be 1..5"):
+            bm.append_slot(seq, bad)
+    assert bm.append_slot(seq, 5) and len(seq.block_table) == 3

@@ -47,6 +47,11 @@ from pagedllm.engine.sequence import Sequence
 _NO_PARENT = 0
 
 
+def _check_max_new(max_num_new_tokens: int | None) -> None:
+    if max_num_new_tokens is not None and max_num_new_tokens < 1:
+        raise ValueError(f"max_num_new_tokens must be >= 1, got {max_num_new_tokens}")
+
+
 def hash_block(parent_hash: int, token_ids: list[int]) -> int:
     """Chained hash of one full block: (parent hash, token ids) -> 64-bit int."""
     h = xxhash.xxh3_64()
@@ -161,6 +166,7 @@ class BlockManager:
     # --- the allocator API ---------------------------------------------------
     def can_allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
         """Whether ``allocate(seq, max_num_new_tokens)`` would succeed now."""
+        _check_max_new(max_num_new_tokens)
         hits = self._lookup_prefix(seq)
         return self._num_blocks_short(seq, hits, max_num_new_tokens) <= 0
 
@@ -186,13 +192,12 @@ class BlockManager:
         already there. The new tokens after them get blocks up to
         ``max_num_new_tokens`` (None: all of them); a prompt computed in
         chunks takes the blocks of later chunks as it reaches them
-        (``append_slots``). Returns False, taking nothing, when the pool is
+        (``append_slot``). Returns False, taking nothing, when the pool is
         short.
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        if max_num_new_tokens is not None and max_num_new_tokens < 1:
-            raise ValueError(f"max_num_new_tokens must be >= 1, got {max_num_new_tokens}")
+        _check_max_new(max_num_new_tokens)
         hits = self._lookup_prefix(seq)
         if self._num_blocks_short(seq, hits, max_num_new_tokens) > 0:
             return False
@@ -220,6 +225,11 @@ class BlockManager:
         return [i for i in range(first, len(seq.block_table)) if self.ref_counts[seq.block_table[i]] > 1]
 
     def _num_blocks_missing(self, seq: Sequence, num_new_tokens: int | None) -> int:
+        if num_new_tokens is not None and not 1 <= num_new_tokens <= len(seq) - seq.num_computed_tokens:
+            raise ValueError(
+                f"num_new_tokens must be 1..{len(seq) - seq.num_computed_tokens} (the uncomputed tokens), "
+                f"got {num_new_tokens}"
+            )
         end = len(seq) if num_new_tokens is None else seq.num_computed_tokens + num_new_tokens
         return max(0, -(-end // self.block_size) - len(seq.block_table))
 

@@ -93,6 +93,8 @@ class ContiguousAllocator:
         """
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        if max_num_new_tokens is not None and max_num_new_tokens < 1:
+            raise ValueError(f"max_num_new_tokens must be >= 1, got {max_num_new_tokens}")
         num = self.reserved_blocks(seq)
         start = self.find_run(num)
         if start is None:

@@ -65,18 +65,29 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to a cache of ``dtype``; float16 saturates at +-65504 first.
+
+    An inf in the cache would stay in its slot after the block is freed, and
+    a padded read (SDPA's gather) turns even a masked inf into NaN.
+    """
+    if dtype == torch.float16 and x.dtype != torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    return x.to(dtype)
+
+
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots (rounded to the cache's dtype)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, to_cache_dtype(k, k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, to_cache_dtype(v, v_cache.dtype))
 
 
 def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """``x`` as the cache holds it (rounded to the cache's dtype), back in ``x``'s dtype."""
-    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+    return x if cache.dtype == x.dtype else to_cache_dtype(x, cache.dtype).to(x.dtype)
 
 
 def gather_context(

@@ -10,7 +10,8 @@
  * torch's index_copy_ does the same in two calls per layer (K, then V);
  * this is one, and it refuses a slot outside the cache before writing.
  * A 2-byte cache gets each value rounded to nearest, ties to even, as
- * torch's .to(float16 / bfloat16) rounds.
+ * torch's .to(float16 / bfloat16) rounds; float16 first saturates to
+ * +-65504 (its largest finite value), so a large K/V never becomes inf.
  * Returns 0, 2 when a slot is out of range (nothing written then), or 3
  * for an unknown kv_type.
  */
@@ -34,7 +35,12 @@ static void write_row(void *cache, int kv_type, int64_t slot, const float *src, 
         memcpy((float *)cache + slot * row, src, (size_t)row * sizeof(float));
     } else if (kv_type == KV_FLOAT16) {
         _Float16 *dst = (_Float16 *)cache + slot * row;
-        for (int64_t i = 0; i < row; i++) dst[i] = (_Float16)src[i];
+        for (int64_t i = 0; i < row; i++) {
+            float x = src[i]; /* NaN fails both tests and stays NaN */
+            if (x > 65504.0f) x = 65504.0f;
+            if (x < -65504.0f) x = -65504.0f;
+            dst[i] = (_Float16)x;
+        }
     } else {
         uint16_t *dst = (uint16_t *)cache + slot * row;
         for (int64_t i = 0; i < row; i++) dst[i] = f32_to_bf16_bits(src[i]);

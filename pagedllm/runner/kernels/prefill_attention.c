@@ -29,7 +29,8 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
         int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
         const __m128 vscale = _mm_set1_ps(scale);
-        for (; t + 4 <= n; t += 4) {
+        /* the four-key product works on whole vectors: head sizes that are multiples of 8 */
+        for (; head_dim % 8 == 0 && t + 4 <= n; t += 4) {
             const float *k0 = k + t * k_stride;
             _mm_storeu_ps(scores + t, _mm_mul_ps(dot4_keys_f32(qi, k0, k0 + k_stride, k0 + 2 * k_stride,
                                                            k0 + 3 * k_stride, head_dim), vscale));
