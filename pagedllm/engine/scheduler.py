@@ -43,6 +43,7 @@ while it runs)::
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.engine.block_manager import BlockManager
@@ -181,6 +182,15 @@ class Scheduler:
             self._preempt(s)
         return group
 
+    def _preempt_until(self, seq: Sequence, fits: Callable[[], bool]) -> list[Sequence]:
+        """Preempt the newest request until ``fits()`` or ``seq`` itself was preempted; return the preempted."""
+        victims: list[Sequence] = []
+        while not fits():
+            victims.extend(self._preempt_request(max(self.running, key=_age)))
+            if seq.status != SequenceStatus.RUNNING:
+                break
+        return victims
+
     def _start_forks(self, seq: Sequence) -> tuple[Sequence, ...]:
         """Start the samples waiting on ``seq``'s prompt as running copies sharing its blocks."""
         forks = tuple(seq.fork_children)
@@ -219,15 +229,11 @@ class Scheduler:
                 continue  # 0: a beam waiting for its siblings; > 1: a prompt in chunks (step 2)
             if budget < 1:
                 break
-            num_preempted = len(preempted)
-            while not self.block_manager.append_slot(seq):
-                victim = max(self.running, key=_age)
-                preempted.extend(self._preempt_request(victim))
-                if seq.status != SequenceStatus.RUNNING:
-                    break
-            if len(preempted) > num_preempted:
+            victims = self._preempt_until(seq, lambda seq=seq: self.block_manager.append_slot(seq))
+            if victims:
                 # a preempted request may have had older samples planned already:
                 # they leave the plan and their budget comes back
+                preempted.extend(victims)
                 decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
                 budget = self.max_num_batched_tokens - len(decodes)
             if seq.status != SequenceStatus.RUNNING:
@@ -244,14 +250,10 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING or len(seq) - seq.num_computed_tokens <= 1:
                 continue
-            num_preempted = len(preempted)
-            while self.block_manager.num_appendable_tokens(seq) < 1:
-                victim = max(self.running, key=_age)
-                preempted.extend(self._preempt_request(victim))
-                if seq.status != SequenceStatus.RUNNING:
-                    break
-            if len(preempted) > num_preempted:
+            victims = self._preempt_until(seq, lambda seq=seq: self.block_manager.num_appendable_tokens(seq) >= 1)
+            if victims:
                 # what the victims had planned leaves the plan; its budget comes back
+                preempted.extend(victims)
                 decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
                 continued = [(s, n) for s, n in continued if s.status == SequenceStatus.RUNNING]
                 budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
