@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--linear-backend", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--no-torch-profile", action="store_true")
     args = p.parse_args()
 
@@ -51,7 +52,7 @@ def main() -> None:
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
     llm = LLM(
         attention_backend=args.attention_backend, quantization=args.quantization, linear_backend=args.linear_backend,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
     )
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

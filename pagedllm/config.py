@@ -26,7 +26,12 @@ class EngineConfig:
     Args:
         model: path of a GGUF file or a Hugging Face model folder.
         tokenizer: tokenizer folder; None takes the model's own.
-        dtype: weights and activations dtype.
+        dtype: weights and activations dtype, "float32" (default), "bfloat16"
+            or "float16". On the CPU, "bfloat16" rounds every weight to bf16
+            but computes only the linear layers with bf16 operands (float32
+            sums); activations between them stay float32 and the KV cache
+            (``kv_cache_dtype="auto"``) stores bf16. Fast where the CPU has
+            AVX512-BF16; see ``models/bf16_linear.py``.
         device: "cpu" or "cuda".
         kv_cache_dtype: what the KV cache stores: "auto" (default: ``dtype``),
             or "float32", "float16", "bfloat16". A 2-byte cache with float32
@@ -64,10 +69,11 @@ class EngineConfig:
             copy is kept for large batches, so it costs memory rather than
             saving it. Outputs differ slightly from the float model.
         linear_backend: "auto" (default: "packed" for float32 on the CPU
-            when the native kernels build, else "onednn" when torch has
-            oneDNN, else "torch"), "packed" (our kernel over weights packed
-            once into column panels), "onednn" (weights packed once into
-            oneDNN's layout) or "torch" (``F.linear``).
+            when the native kernels build, and for bfloat16 when they do on a
+            CPU with AVX512-BF16; else "onednn" when torch has oneDNN, else
+            "torch"), "packed" (our kernel over weights packed once into
+            column panels), "onednn" (weights packed once into oneDNN's
+            layout) or "torch" (``F.linear``).
     """
 
     model: str
@@ -138,8 +144,8 @@ class EngineConfig:
             raise ValueError("quantization='int8' computes in float32; leave dtype at 'float32'")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
-        if self.linear_backend in ("packed", "onednn") and (self.device != "cpu" or self.dtype != "float32"):
-            raise ValueError(f"linear_backend={self.linear_backend!r} runs float32 on the CPU only")
+        if self.linear_backend in ("packed", "onednn") and (self.device != "cpu" or self.dtype == "float16"):
+            raise ValueError(f"linear_backend={self.linear_backend!r} runs float32 or bfloat16 weights on the CPU only")
         positive_int("block_size", self.block_size)
         positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)

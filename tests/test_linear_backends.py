@@ -66,10 +66,12 @@ def test_swapping_replaces_every_linear_and_keeps_embeddings(swap, layer_type) -
 def test_linear_backend_validation() -> None:
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         EngineConfig(model="m", linear_backend="mkl")
-    with pytest.raises(ValueError, match="float32 on the CPU"):
-        EngineConfig(model="m", linear_backend="onednn", dtype="bfloat16")
-    with pytest.raises(ValueError, match="'packed' runs float32 on the CPU"):
+    with pytest.raises(ValueError, match="runs float32 or bfloat16 weights on the CPU only"):
+        EngineConfig(model="m", linear_backend="onednn", dtype="float16")
+    with pytest.raises(ValueError, match="'packed' runs float32 or bfloat16 weights on the CPU only"):
         EngineConfig(model="m", linear_backend="packed", device="cuda")
+    # bf16 weights on the CPU are what dtype="bfloat16" means there (tests/test_bf16_cpu.py)
+    assert EngineConfig(model="m", linear_backend="onednn", dtype="bfloat16").linear_backend == "onednn"
 
 
 def test_linear_backends_agree_on_greedy_tokens(tiny_model_dirs: dict[str, str]) -> None:

@@ -99,7 +99,8 @@ def test_engine_uses_native_ops_and_matches_the_torch_path(tiny_model_dirs: dict
 
 
 def test_no_native_ops_off_the_float32_cpu_path(tiny_model_dirs: dict[str, str]) -> None:
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8, dtype="bfloat16")
+    """float16 on the CPU is a plain torch model (bfloat16 keeps float32 activations, so it uses them)."""
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8, dtype="float16")
     runner = llm.llm_engine.model_runner
     assert runner.native_ops is None
     assert all(m.native is None for m in runner.model.model.layers[0].modules() if hasattr(m, "native"))

@@ -1,4 +1,4 @@
-"""Linear layers through oneDNN with weights packed once at load (CPU, float32).
+"""Linear layers through oneDNN with weights packed once at load (CPU; float32 or bf16 weights).
 
 ``F.linear`` on the CPU goes to MKL's sgemm, which re-reads the weight in
 its plain ``[out, in]`` layout at every call and, on AMD CPUs, takes a
@@ -25,9 +25,9 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 ``[out, in]`` weight reordered into oneDNN's layout (an opaque tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A ``[out, in]`` weight in ``dtype`` (float32 or bfloat16) reordered into oneDNN's layout (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -40,30 +40,40 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class OneDnnLinear(nn.Module):
-    """A float32 linear layer whose weight lives only in oneDNN's packed layout."""
+    """A linear layer whose weight lives only in oneDNN's packed layout; float32 in and out.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    ``weight_dtype=torch.bfloat16`` packs the weight in bf16 and rounds each
+    input to bf16 for the matmul, then widens the result back to float32
+    (what ``dtype="bfloat16"`` means on the CPU, see ``ModelRunner``).
+    """
+
+    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if weight_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"OneDnnLinear packs float32 or bfloat16 weights, got {weight_dtype}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", pack_weight(linear.weight))
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.weight_dtype = weight_dtype
+        self.register_buffer("packed_weight", pack_weight(linear.weight, weight_dtype))
+        bias = None if linear.bias is None else linear.bias.detach().to(weight_dtype).contiguous()
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            raise ValueError(f"OneDnnLinear computes in float32, got {x.dtype}")
-        return onednn_linear(x, self.packed_weight, self.bias)
+            raise ValueError(f"OneDnnLinear takes float32 activations, got {x.dtype}")
+        if self.weight_dtype == torch.float32:
+            return onednn_linear(x, self.packed_weight, self.bias)
+        return onednn_linear(x.to(self.weight_dtype), self.packed_weight, self.bias).float()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed {self.weight_dtype}"
 
 
-def use_onednn_linear(model: nn.Module) -> int:
+def use_onednn_linear(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> int:
     """Replace every ``nn.Linear`` in ``model`` with ``OneDnnLinear``; returns how many.
 
     A tied LM head gets its own packed copy; the embedding keeps its rows.
     """
     if not onednn_available():
         raise ValueError("linear_backend='onednn' needs a torch build with oneDNN (mkldnn)")
-    return replace_linear_layers(model, OneDnnLinear)
+    return replace_linear_layers(model, lambda linear: OneDnnLinear(linear, weight_dtype))
 

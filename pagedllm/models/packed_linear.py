@@ -109,3 +109,81 @@ def use_packed_linear(model: nn.Module) -> int:
     """
     _library()
     return replace_linear_layers(model, PackedLinear)
+
+
+# --- bfloat16 weights --------------------------------------------------------
+
+
+def packed_linear_bf16_native() -> bool:
+    """Whether this build runs the bf16 kernel on AVX512-BF16 (else a slow scalar loop)."""
+    return bool(_library().packed_linear_bf16_native())
+
+
+def pack_weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A ``[out, in]`` weight rounded to bf16 as ``[num_panels, ceil(in / 2), panel, 2]`` k-pair panels."""
+    lib = _library()
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    out_features, in_features = w.shape
+    panel = lib.packed_linear_bf16_panel()
+    num_panels = (out_features + panel - 1) // panel
+    # [num_panels, in / 2 (k pairs), panel, 2]
+    packed = torch.empty(num_panels, (in_features + 1) // 2, panel, 2, dtype=torch.bfloat16)
+    lib.packed_linear_bf16_pack(w.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def packed_linear_bf16(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int
+) -> torch.Tensor:
+    """``bf16(x) @ W.T + bias`` in float32 for float32 ``x`` ``[..., in]`` and a weight from ``pack_weight_panels_bf16``."""
+    lib = _library()
+    num_panels, num_pairs, panel, _ = packed.shape
+    if panel != lib.packed_linear_bf16_panel() or num_panels * panel < out_features or num_pairs != (in_features + 1) // 2:
+        raise ValueError(f"packed bf16 weight {tuple(packed.shape)} does not fit {out_features}x{in_features}")
+    if not packed.is_contiguous() or packed.dtype != torch.bfloat16:
+        raise ValueError("packed weight must be a contiguous bfloat16 tensor")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"the bf16 packed linear takes float32 activations on the CPU, got {x.dtype} on {x.device}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
+    rows = x.reshape(-1, in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
+    status = lib.packed_linear_bf16(
+        rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("packed_linear_bf16: no memory for the bf16 copy of the activations")
+    return out.view(*x.shape[:-1], out_features)
+
+
+class PackedLinearBF16(nn.Module):
+    """A linear layer with bfloat16 weights in k-pair panels, float32 activations in and out.
+
+    What ``dtype="bfloat16"`` means on the CPU (see ``ModelRunner``): the
+    matmuls multiply bf16 values (AVX512-BF16) and sum in float32; the bias,
+    if any, is the checkpoint's value rounded to bf16 and added in float32.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight", pack_weight_panels_bf16(linear.weight))
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).float().contiguous()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear_bf16(x, self.packed_weight, self.bias, self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 packed panels"
+
+
+def use_packed_linear_bf16(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` in ``model`` with ``PackedLinearBF16``; returns how many."""
+    _library()
+    return replace_linear_layers(model, PackedLinearBF16)

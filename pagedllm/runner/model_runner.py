@@ -14,11 +14,12 @@ from pagedllm.engine.block_table import slot_mapping
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.models.bf16_linear import use_bf16_linear
 from pagedllm.models.int8_linear import quantize_model_int8
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.native_ops import NativeOps
 from pagedllm.models.onednn_linear import onednn_available, use_onednn_linear
-from pagedllm.models.packed_linear import use_packed_linear
+from pagedllm.models.packed_linear import packed_linear_bf16_native, use_packed_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.kernels import load_kernels
@@ -83,6 +84,10 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         self.dtype = _DTYPES[config.dtype]
+        # what activations are computed in: the model's dtype, except bf16 on the CPU, where only
+        # the linear layers multiply bf16 values and the rest stays float32 (models/bf16_linear.py)
+        self.bf16_matmul_only = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.compute_dtype = torch.float32 if self.bf16_matmul_only else self.dtype
         # what the cache stores ("auto": the model's dtype); resolved here, not in the config
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
         if self.device.type == "cpu" and self.dtype != torch.float32 and not _cpu_has_native_bf16():
@@ -91,7 +96,7 @@ class ModelRunner:
                 "dtype=%s on a CPU without native bf16/fp16 matmul (no avx512_bf16 or amx): expect it to be "
                 "far slower than float32; dtype='float32' is the fast choice here", config.dtype,
             )
-        self.backend = make_backend(config.attention_backend, self.device.type, self.dtype)
+        self.backend = make_backend(config.attention_backend, self.device.type, self.compute_dtype)
 
         start = time.perf_counter()
         # built on the meta device: no time spent on random init of weights
@@ -102,27 +107,32 @@ class ModelRunner:
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.load_weights(weights)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # every weight rounded to dtype once; with bf16 matmuls only, held as float32 after that (exact)
+        model = model.to(device=self.device, dtype=self.dtype)
+        self.model = model.to(dtype=self.compute_dtype).eval()
         # weights of the architecture (a tied embedding counted once), before any quantization
         self.num_params = sum(p.numel() for p in self.model.parameters())
         # "auto" resolved here; the decision lives on the runner, not in the config
         self.linear_backend = config.linear_backend
         if self.linear_backend == "auto":
             self.linear_backend = "torch"
-            if self.device.type == "cpu" and self.dtype == torch.float32:
-                # our packed-panel kernel measured 1.17-1.56x oneDNN at 1-64 rows here, oneDNN 2-4x MKL
-                if load_kernels() is not None:
+            if self.device.type == "cpu" and self.compute_dtype == torch.float32:
+                # float32: our packed-panel kernel measured 1.17-1.56x oneDNN at 1-64 rows here, oneDNN 2-4x MKL;
+                # bf16: ours where the CPU has AVX512-BF16 (its fallback is a scalar loop), else oneDNN's
+                if load_kernels() is not None and (not self.bf16_matmul_only or packed_linear_bf16_native()):
                     self.linear_backend = "packed"
                 elif onednn_available():
                     self.linear_backend = "onednn"
         if config.quantization == "int8":
             quantize_model_int8(self.model, dense_backend=self.linear_backend)
+        elif self.bf16_matmul_only:
+            use_bf16_linear(self.model, self.linear_backend)
         elif self.linear_backend == "packed":
             use_packed_linear(self.model)
         elif self.linear_backend == "onednn":
             use_onednn_linear(self.model)
         # norms, RoPE and SiLU-and-multiply as single native calls where they build
-        lib = load_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        lib = load_kernels() if self.device.type == "cpu" and self.compute_dtype == torch.float32 else None
         self.native_ops = NativeOps(lib) if lib is not None else None
         self.model.use_native_ops(self.native_ops)
         # RoPE tables stay float32 whatever the model dtype

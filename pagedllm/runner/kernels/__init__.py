@@ -6,6 +6,7 @@ a few seconds with gcc and called through ctypes on tensors' data pointers:
 float32, float16 or bfloat16 cache),
 ``int8_linear.c`` (weight-only int8 matmul for a few rows),
 ``packed_linear.c`` (float32 matmul over weights packed into column panels),
+``packed_linear_bf16.c`` (the same with bfloat16 weights and products, float32 in and out),
 ``logit_stats.c`` (per-row argmax and logsumexp of the logits),
 ``kv_write.c`` (new K/V rows into their cache slots, rounded to the cache's dtype),
 ``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
@@ -124,6 +125,17 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.packed_linear_f32.argtypes = [
         ptr, i64, i64, ptr,  # x, num_rows, in_features, packed
         ptr, i64, ptr, i32,  # bias, out_features, out, num_threads
+    ]
+    lib.packed_linear_bf16_panel.restype = i32
+    lib.packed_linear_bf16_panel.argtypes = []
+    lib.packed_linear_bf16_native.restype = i32
+    lib.packed_linear_bf16_native.argtypes = []
+    lib.packed_linear_bf16_pack.restype = None
+    lib.packed_linear_bf16_pack.argtypes = [ptr, i64, i64, ptr]  # w (float32), out_features, in_features, packed
+    lib.packed_linear_bf16.restype = i32
+    lib.packed_linear_bf16.argtypes = [
+        ptr, i64, i64, ptr,  # x (float32), num_rows, in_features, packed (bf16)
+        ptr, i64, ptr, i32,  # bias (float32), out_features, out (float32), num_threads
     ]
     lib.write_kv.restype = i32
     lib.write_kv.argtypes = [

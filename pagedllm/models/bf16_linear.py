@@ -1,0 +1,69 @@
+"""bfloat16 on the CPU: bf16 matmuls inside a float32 model.
+
+``dtype="bfloat16"`` on the CPU does not run the whole model in bf16. Every
+weight is rounded to bf16 once at load (the same values vLLM's bf16 model
+holds), but only the linear layers compute with bf16 operands; what lies
+between them stays float32:
+
+    x (float32) --round to bf16--> [ bf16 x bf16 products, float32 sums ] --> y (float32)
+         |                                    linear layer
+    residual stream, RMSNorm, RoPE, SiLU, softmax: float32 (our native kernels)
+    KV cache: bfloat16 by default (kv_cache_dtype="auto" follows dtype)
+
+Why: on a CPU with AVX512-BF16 a bf16 dot product does twice the
+multiply-adds of a float32 FMA and reads half the weight bytes, and that is
+where the time goes (BENCHMARKS.md, "bfloat16 on the CPU"); the elementwise
+work gains nothing from bf16, and keeping it in float32 keeps its rounding
+out of the residual stream. On a GPU ``dtype="bfloat16"`` is a plain bf16
+model.
+
+Three implementations, picked by ``EngineConfig.linear_backend``:
+"packed" (``PackedLinearBF16``, our kernel: it rounds the float32 input
+itself and writes float32, no extra copies), "onednn" (``OneDnnLinear`` with
+bf16 weights, with a rounding copy before and a widening copy after) and
+"torch" (``TorchBF16Linear`` below: ``F.linear`` on bf16 tensors, the same
+copies).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.models.linear_swap import replace_linear_layers
+from pagedllm.models.onednn_linear import use_onednn_linear
+from pagedllm.models.packed_linear import use_packed_linear_bf16
+
+
+class TorchBF16Linear(nn.Module):
+    """A linear layer with a bf16 weight through ``F.linear``; float32 in and out."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise ValueError(f"TorchBF16Linear takes float32 activations, got {x.dtype}")
+        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weight"
+
+
+def use_bf16_linear(model: nn.Module, backend: str) -> int:
+    """Replace every ``nn.Linear`` of a float32 ``model`` with a bf16-weight layer of ``backend``.
+
+    ``backend``: "packed", "onednn" or "torch". Returns how many layers were replaced.
+    """
+    if backend == "packed":
+        return use_packed_linear_bf16(model)
+    if backend == "onednn":
+        return use_onednn_linear(model, torch.bfloat16)
+    if backend == "torch":
+        return replace_linear_layers(model, TorchBF16Linear)
+    raise ValueError(f"no bf16 linear layer for backend {backend!r}; choose packed, onednn or torch")

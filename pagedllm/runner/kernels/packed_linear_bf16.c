@@ -1,0 +1,215 @@
+/* bfloat16 linear layer: float32 activations in and out, bf16 weights and products.
+ *
+ *   y[m, n] = sum_k bf16(x[m, k]) * W[n, k] (+ bias[n])   x, y float32; W bfloat16
+ *
+ * The same panel scheme as packed_linear.c (read its comment first), with
+ * one change of layout: AVX512-BF16's dot instruction takes PAIRS of bf16
+ * values per 32-bit lane (lane j: acc[j] += a[2j] * b[2j] + a[2j+1] * b[2j+1]),
+ * so a panel stores two k values next to each other for every column:
+ *
+ *   W [N, K] row-major                 packed [num_panels, K/2, PANEL, 2]   (bf16)
+ *                                      panel 0: k-pair 0: w00 w01 | w10 w11 | ... | w47,0 w47,1
+ *                                               k-pair 1: w02 w03 | w12 w13 | ...
+ *
+ * and each activation row is rounded to bf16 once per call into pairs
+ * (x[k], x[k+1]), broadcast as one 32-bit value. An odd K is padded with a
+ * zero k on both sides. Per k pair a panel is PANEL * 4 bytes (3 cache lines
+ * at PANEL = 48), half the bytes of the float32 panel per k, and one
+ * instruction does twice the multiply-adds of a float32 FMA.
+ *
+ * Products of two bf16 values are exact in float32, sums are float32, so
+ * the result differs from a float64 product of the bf16-rounded operands
+ * only by float32 rounding of the sums (the instruction may also flush
+ * denormal inputs to zero).
+ *
+ * Why ours and not oneDNN's bf16 matmul: activations stay float32 between
+ * layers, so oneDNN needed a rounding copy before and a widening copy after
+ * every call, and at decode sizes (8-64 rows) its packed matmul waits on
+ * memory (packed_linear.c); measured in BENCHMARKS.md ("bfloat16 on the CPU").
+ *
+ * Without AVX512-BF16 a scalar loop computes the same sums (same products,
+ * float32 sums); correct everywhere, fast only where the instruction exists.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BF_PANEL 48
+#define BF_MR 8
+#define CACHE_LINE 64
+
+/* float32 -> bfloat16 bits, round to nearest even (NaN kept quiet) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int packed_linear_bf16_panel(void) { return BF_PANEL; }
+
+/* 1 where this build has the AVX512-BF16 dot instruction, 0 where it runs the scalar loop */
+int packed_linear_bf16_native(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* W [n, k] float32 row-major -> packed [ceil(n / PANEL), ceil(k / 2), PANEL, 2] bf16, zero-padded. */
+void packed_linear_bf16_pack(const float *w, int64_t n, int64_t k, uint16_t *packed) {
+    int64_t num_panels = (n + BF_PANEL - 1) / BF_PANEL;
+    int64_t k2 = (k + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++)
+        for (int64_t kk = 0; kk < k2; kk++)
+            for (int j = 0; j < BF_PANEL; j++)
+                for (int h = 0; h < 2; h++) {
+                    int64_t col = p * BF_PANEL + j, kidx = 2 * kk + h;
+                    float v = (col < n && kidx < k) ? w[col * k + kidx] : 0.0f;
+                    packed[((p * k2 + kk) * BF_PANEL + j) * 2 + h] = to_bf16(v);
+                }
+}
+
+#if defined(__AVX512BF16__)
+#define NUM_VECS (BF_PANEL / 16)
+
+/* num_rows (<= BF_MR) rows of pairs xp [rows, k2] (uint32 = two bf16) times one panel. */
+static inline __attribute__((always_inline)) void bf_tile(
+    const uint32_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
+    int num_cols, const int num_rows, const char *prefetch, int64_t num_prefetch) {
+    __m512 acc[BF_MR][NUM_VECS];
+#pragma GCC unroll 8
+    for (int r = 0; r < BF_MR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < NUM_VECS; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k2; kk++) {
+        if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
+        __m512bh wv[NUM_VECS];
+#pragma GCC unroll 8
+        for (int c = 0; c < NUM_VECS; c++)
+            wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(b + (kk * BF_PANEL + c * 16) * 2));
+#pragma GCC unroll 8
+        for (int r = 0; r < BF_MR; r++) {
+            if (r < num_rows) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[r * k2 + kk]);
+#pragma GCC unroll 8
+                for (int c = 0; c < NUM_VECS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < BF_MR; r++) {
+        if (r >= num_rows) continue;
+        if (num_cols == BF_PANEL) {
+#pragma GCC unroll 8
+            for (int c = 0; c < NUM_VECS; c++) {
+                __m512 v = acc[r][c];
+                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c * 16));
+                _mm512_storeu_ps(y + r * ldy + c * 16, v);
+            }
+        } else { /* the last, zero-padded panel: only its real columns are written */
+            float sums[BF_PANEL];
+            for (int c = 0; c < NUM_VECS; c++) _mm512_storeu_ps(sums + c * 16, acc[r][c]);
+            for (int j = 0; j < num_cols; j++) y[r * ldy + j] = sums[j] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+#else
+static void bf_tile(const uint32_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
+                    int num_cols, int num_rows, const char *prefetch, int64_t num_prefetch) {
+    (void)prefetch;
+    (void)num_prefetch;
+    for (int r = 0; r < num_rows; r++)
+        for (int j = 0; j < num_cols; j++) {
+            float sum = 0.0f;
+            for (int64_t kk = 0; kk < k2; kk++) {
+                uint32_t pair = xp[r * k2 + kk];
+                const uint16_t *wp = b + (kk * BF_PANEL + j) * 2;
+                sum += from_bf16((uint16_t)(pair & 0xffffu)) * from_bf16(wp[0]) +
+                       from_bf16((uint16_t)(pair >> 16)) * from_bf16(wp[1]);
+            }
+            y[r * ldy + j] = sum + (bias ? bias[j] : 0.0f);
+        }
+}
+#endif
+
+/* Rows [0, m) of the pairs xp times all panels: units (panel, MR-row chunk), panel-major,
+ * each row chunk prefetching its share of the next panel (as packed_linear.c). */
+static void bf_row_block(const uint32_t *xp, int64_t m, int64_t k2, const uint16_t *packed, const float *bias,
+                         int64_t n, float *y, int num_threads) {
+    int64_t num_panels = (n + BF_PANEL - 1) / BF_PANEL;
+    int64_t num_chunks = (m + BF_MR - 1) / BF_MR;
+    int64_t num_units = num_panels * num_chunks;
+    int64_t panel_lines = k2 * BF_PANEL * 4 / CACHE_LINE;
+    int64_t lines_per_chunk = (panel_lines + num_chunks - 1) / num_chunks;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t u = 0; u < num_units; u++) {
+        int64_t p = u / num_chunks, chunk = u % num_chunks;
+        int64_t row0 = chunk * BF_MR;
+        int num_rows = (int)(m - row0 < BF_MR ? m - row0 : BF_MR);
+        int num_cols = (int)(n - p * BF_PANEL < BF_PANEL ? n - p * BF_PANEL : BF_PANEL);
+        const uint16_t *b = packed + p * k2 * BF_PANEL * 2;
+        const float *bias_p = bias ? bias + p * BF_PANEL : NULL;
+        const uint32_t *xr = xp + row0 * k2;
+        float *yr = y + row0 * n + p * BF_PANEL;
+        const char *prefetch = NULL;
+        int64_t num_prefetch = 0;
+        int64_t first_line = chunk * lines_per_chunk;
+        if (p + 1 < num_panels && first_line < panel_lines) {
+            prefetch = (const char *)(packed + (p + 1) * k2 * BF_PANEL * 2) + first_line * CACHE_LINE;
+            num_prefetch = panel_lines - first_line < lines_per_chunk ? panel_lines - first_line : lines_per_chunk;
+        }
+        switch (num_rows) {
+            case 8: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 8, prefetch, num_prefetch); break;
+            case 7: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 7, prefetch, num_prefetch); break;
+            case 6: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 6, prefetch, num_prefetch); break;
+            case 5: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 5, prefetch, num_prefetch); break;
+            case 4: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 4, prefetch, num_prefetch); break;
+            case 3: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 3, prefetch, num_prefetch); break;
+            case 2: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 2, prefetch, num_prefetch); break;
+            default: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 1, prefetch, num_prefetch); break;
+        }
+    }
+}
+
+#define BF_BLOCK_BYTES (256 * 1024)
+
+/* y [m, n] = bf16(x [m, k]) @ W^T (+ bias), W packed by packed_linear_bf16_pack.
+ * Rows go in blocks whose bf16 pairs fit in L2 beside a panel (as packed_linear_f32);
+ * each block is rounded to pairs into a scratch buffer first.
+ * Returns 0, or -1 when the scratch buffer cannot be allocated. */
+int packed_linear_bf16(const float *x, int64_t m, int64_t k, const uint16_t *packed, const float *bias,
+                       int64_t n, float *y, int num_threads) {
+    int64_t k2 = (k + 1) / 2;
+    int64_t block_rows = BF_BLOCK_BYTES / (k2 * 4) / BF_MR * BF_MR;
+    if (block_rows < 8 * BF_MR) block_rows = 8 * BF_MR;
+    int64_t scratch_rows = m < block_rows ? m : block_rows;
+    uint32_t *xp = (uint32_t *)malloc((size_t)(scratch_rows * k2) * sizeof(uint32_t));
+    if (xp == NULL) return -1;
+    for (int64_t row0 = 0; row0 < m; row0 += block_rows) {
+        int64_t rows = m - row0 < block_rows ? m - row0 : block_rows;
+        const float *xb = x + row0 * k;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t kk = 0; kk < k2; kk++) {
+                float lo = xb[r * k + 2 * kk];
+                float hi = 2 * kk + 1 < k ? xb[r * k + 2 * kk + 1] : 0.0f;
+                xp[r * k2 + kk] = (uint32_t)to_bf16(lo) | ((uint32_t)to_bf16(hi) << 16);
+            }
+        bf_row_block(xp, rows, k2, packed, bias, n, y + row0 * n, num_threads);
+    }
+    free(xp);
+    return 0;
+}
