@@ -11,8 +11,9 @@
  *                                      panel 0: k-pair 0: w00 w01 | w10 w11 | ... | w47,0 w47,1
  *                                               k-pair 1: w02 w03 | w12 w13 | ...
  *
- * and each activation row is rounded to bf16 once per call into pairs
- * (x[k], x[k+1]), broadcast as one 32-bit value. An odd K is padded with a
+ * and each activation row is rounded to bf16 once per call (denormals
+ * flushed to zero, as the instruction does), then read as pairs
+ * (x[k], x[k+1]), each broadcast as one 32-bit value. An odd K is padded with a
  * zero k on both sides. Per k pair a panel is PANEL * 4 bytes (3 cache lines
  * at PANEL = 48), half the bytes of the float32 panel per k, and one
  * instruction does twice the multiply-adds of a float32 FMA.
@@ -40,13 +41,30 @@
 #define BF_MR 8
 #define CACHE_LINE 64
 
-/* float32 -> bfloat16 bits, round to nearest even (NaN kept quiet) */
+/* float32 -> bfloat16 bits, round to nearest even, NaN kept quiet, denormals
+ * flushed to a signed zero: what AVX512-BF16's conversion instruction does,
+ * so the vector and scalar paths round alike. */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* one row of k floats -> kpad bf16 values (kpad = k rounded up to even; the pad is zero) */
+static inline void row_to_bf16(const float *x, int64_t k, int64_t kpad, uint16_t *out) {
+    int64_t j = 0;
+#if defined(__AVX512BF16__)
+    for (; j + 32 <= k; j += 32) {
+        /* the instruction puts its second operand in the low half */
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(x + j));
+        _mm512_storeu_si512((void *)(out + j), (__m512i)v);
+    }
+#endif
+    for (; j < k; j++) out[j] = to_bf16(x[j]);
+    for (; j < kpad; j++) out[j] = 0;
 }
 
 static inline float from_bf16(uint16_t h) {
@@ -54,6 +72,13 @@ static inline float from_bf16(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* two bf16 values as one 32-bit lane; memcpy, not a cast, since the buffer was written as uint16_t */
+static inline uint32_t load_pair(const uint16_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
 int packed_linear_bf16_panel(void) { return BF_PANEL; }
@@ -85,9 +110,9 @@ void packed_linear_bf16_pack(const float *w, int64_t n, int64_t k, uint16_t *pac
 #if defined(__AVX512BF16__)
 #define NUM_VECS (BF_PANEL / 16)
 
-/* num_rows (<= BF_MR) rows of pairs xp [rows, k2] (uint32 = two bf16) times one panel. */
+/* num_rows (<= BF_MR) bf16 rows xp [rows, 2 * k2] times one panel, a pair of k at a time. */
 static inline __attribute__((always_inline)) void bf_tile(
-    const uint32_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
+    const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
     int num_cols, const int num_rows, const char *prefetch, int64_t num_prefetch) {
     __m512 acc[BF_MR][NUM_VECS];
 #pragma GCC unroll 8
@@ -103,7 +128,7 @@ static inline __attribute__((always_inline)) void bf_tile(
 #pragma GCC unroll 8
         for (int r = 0; r < BF_MR; r++) {
             if (r < num_rows) {
-                __m512bh a = (__m512bh)_mm512_set1_epi32((int)xp[r * k2 + kk]);
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)load_pair(xp + (r * k2 + kk) * 2));
 #pragma GCC unroll 8
                 for (int c = 0; c < NUM_VECS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
             }
@@ -127,7 +152,7 @@ static inline __attribute__((always_inline)) void bf_tile(
     }
 }
 #else
-static void bf_tile(const uint32_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
+static void bf_tile(const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
                     int num_cols, int num_rows, const char *prefetch, int64_t num_prefetch) {
     (void)prefetch;
     (void)num_prefetch;
@@ -135,19 +160,17 @@ static void bf_tile(const uint32_t *xp, int64_t k2, const uint16_t *b, float *y,
         for (int j = 0; j < num_cols; j++) {
             float sum = 0.0f;
             for (int64_t kk = 0; kk < k2; kk++) {
-                uint32_t pair = xp[r * k2 + kk];
-                const uint16_t *wp = b + (kk * BF_PANEL + j) * 2;
-                sum += from_bf16((uint16_t)(pair & 0xffffu)) * from_bf16(wp[0]) +
-                       from_bf16((uint16_t)(pair >> 16)) * from_bf16(wp[1]);
+                const uint16_t *xq = xp + (r * k2 + kk) * 2, *wp = b + (kk * BF_PANEL + j) * 2;
+                sum += from_bf16(xq[0]) * from_bf16(wp[0]) + from_bf16(xq[1]) * from_bf16(wp[1]);
             }
             y[r * ldy + j] = sum + (bias ? bias[j] : 0.0f);
         }
 }
 #endif
 
-/* Rows [0, m) of the pairs xp times all panels: units (panel, MR-row chunk), panel-major,
+/* Rows [0, m) of the bf16 rows xp times all panels: units (panel, MR-row chunk), panel-major,
  * each row chunk prefetching its share of the next panel (as packed_linear.c). */
-static void bf_row_block(const uint32_t *xp, int64_t m, int64_t k2, const uint16_t *packed, const float *bias,
+static void bf_row_block(const uint16_t *xp, int64_t m, int64_t k2, const uint16_t *packed, const float *bias,
                          int64_t n, float *y, int num_threads) {
     int64_t num_panels = (n + BF_PANEL - 1) / BF_PANEL;
     int64_t num_chunks = (m + BF_MR - 1) / BF_MR;
@@ -162,7 +185,7 @@ static void bf_row_block(const uint32_t *xp, int64_t m, int64_t k2, const uint16
         int num_cols = (int)(n - p * BF_PANEL < BF_PANEL ? n - p * BF_PANEL : BF_PANEL);
         const uint16_t *b = packed + p * k2 * BF_PANEL * 2;
         const float *bias_p = bias ? bias + p * BF_PANEL : NULL;
-        const uint32_t *xr = xp + row0 * k2;
+        const uint16_t *xr = xp + row0 * k2 * 2;
         float *yr = y + row0 * n + p * BF_PANEL;
         const char *prefetch = NULL;
         int64_t num_prefetch = 0;
@@ -185,31 +208,29 @@ static void bf_row_block(const uint32_t *xp, int64_t m, int64_t k2, const uint16
 }
 
 #define BF_BLOCK_BYTES (256 * 1024)
+/* below this many activations a block is rounded by one thread: a parallel region costs more */
+#define BF_PARALLEL_CONVERT 32768
 
 /* y [m, n] = bf16(x [m, k]) @ W^T (+ bias), W packed by packed_linear_bf16_pack.
- * Rows go in blocks whose bf16 pairs fit in L2 beside a panel (as packed_linear_f32);
- * each block is rounded to pairs into a scratch buffer first.
+ * Rows go in blocks whose bf16 rows fit in L2 beside a panel (as packed_linear_f32);
+ * each block is rounded to bf16 into a scratch buffer first. A bf16 row of
+ * even length is exactly the pairs the tile broadcasts (x[2i] in the low half).
  * Returns 0, or -1 when the scratch buffer cannot be allocated. */
 int packed_linear_bf16(const float *x, int64_t m, int64_t k, const uint16_t *packed, const float *bias,
                        int64_t n, float *y, int num_threads) {
-    int64_t k2 = (k + 1) / 2;
-    int64_t block_rows = BF_BLOCK_BYTES / (k2 * 4) / BF_MR * BF_MR;
+    int64_t k2 = (k + 1) / 2, kpad = 2 * k2;
+    int64_t block_rows = BF_BLOCK_BYTES / (kpad * 2) / BF_MR * BF_MR;
     if (block_rows < 8 * BF_MR) block_rows = 8 * BF_MR;
     int64_t scratch_rows = m < block_rows ? m : block_rows;
-    uint32_t *xp = (uint32_t *)malloc((size_t)(scratch_rows * k2) * sizeof(uint32_t));
-    if (xp == NULL) return -1;
+    uint16_t *xb = (uint16_t *)malloc((size_t)(scratch_rows * kpad) * sizeof(uint16_t));
+    if (xb == NULL) return -1;
     for (int64_t row0 = 0; row0 < m; row0 += block_rows) {
         int64_t rows = m - row0 < block_rows ? m - row0 : block_rows;
-        const float *xb = x + row0 * k;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t kk = 0; kk < k2; kk++) {
-                float lo = xb[r * k + 2 * kk];
-                float hi = 2 * kk + 1 < k ? xb[r * k + 2 * kk + 1] : 0.0f;
-                xp[r * k2 + kk] = (uint32_t)to_bf16(lo) | ((uint32_t)to_bf16(hi) << 16);
-            }
-        bf_row_block(xp, rows, k2, packed, bias, n, y + row0 * n, num_threads);
+        const float *xr = x + row0 * k;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= BF_PARALLEL_CONVERT)
+        for (int64_t r = 0; r < rows; r++) row_to_bf16(xr + r * k, k, kpad, xb + r * kpad);
+        bf_row_block(xb, rows, k2, packed, bias, n, y + row0 * n, num_threads);
     }
-    free(xp);
+    free(xb);
     return 0;
 }
