@@ -119,6 +119,7 @@ static inline __attribute__((always_inline)) void bf_tile(
     for (int r = 0; r < BF_MR; r++)
 #pragma GCC unroll 8
         for (int c = 0; c < NUM_VECS; c++) acc[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 4
     for (int64_t kk = 0; kk < k2; kk++) {
         if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
         __m512bh wv[NUM_VECS];
