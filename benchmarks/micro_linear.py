@@ -6,6 +6,12 @@ more than the last-level cache, so weights stream from memory as in a real
 step. Each is called with M rows (the same activations every call).
 
     .venv/bin/python benchmarks/micro_linear.py [--rows 1 8 40 64]
+    .venv/bin/python benchmarks/micro_linear.py --bf16    # the dtype="bfloat16" layers instead
+
+With ``--bf16`` the same 30 layers hold bf16 weights (212 MB) and take
+float32 rows, as ``dtype="bfloat16"`` runs them on the CPU: our k-pair
+panel kernel against oneDNN's bf16 matmul with its rounding copies, and
+the float32 panel kernel for reference.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pagedllm.models.int8_linear as int8_linear
+from pagedllm.models.bf16_linear import use_bf16_linear
 from pagedllm.models.onednn_linear import onednn_linear, pack_weight
 from pagedllm.models.packed_linear import pack_weight_panels, packed_linear
 
@@ -36,9 +43,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 40, 64, 256, 1024])
     p.add_argument("--no-mkl", action="store_true", help="skip F.linear (slow at large row counts)")
+    p.add_argument("--bf16", action="store_true", help="time the bf16-weight layers of dtype='bfloat16'")
     args = p.parse_args()
     torch.manual_seed(0)
     layers = [nn.Linear(k, n, bias=False) for n, k in SHAPES]
+    if args.bf16:
+        _bf16(layers, args.rows)
+        return
     onednn = [pack_weight(layer.weight) for layer in layers]
     panels = [pack_weight_panels(layer.weight) for layer in layers]
     int8_linear.SMALL_BATCH_ROWS = 1 << 30  # time the int8 kernel itself at every M
@@ -57,6 +68,28 @@ def main() -> None:
             g = [rows * flops_per_row / (t * 1e6) for t in (a, b, c, d)]
             print(f"{rows:>5} {a:>9.2f} {b:>9.2f} {c:>9.2f} {d:>9.2f}         "
                   f"{g[0]:.0f} / {g[1]:.0f} / {g[2]:.0f} / {g[3]:.0f}   {b / c:.2f}x")
+
+
+def _bf16(layers: list[nn.Linear], rows_list: list[int]) -> None:
+    panels32 = [pack_weight_panels(layer.weight) for layer in layers]
+    ours, onednn = nn.ModuleList(layers), nn.ModuleList(nn.Linear(la.in_features, la.out_features, bias=False) for la in layers)
+    with torch.no_grad():
+        for src, dst in zip(layers, onednn):
+            dst.weight.copy_(src.weight)
+    use_bf16_linear(ours, "packed")
+    use_bf16_linear(onednn, "onednn")
+    flops_per_row = sum(2 * n * k for n, k in SHAPES)
+    print(f"{'rows':>5} {'bf16 ours':>10} {'bf16 oneDNN':>12} {'f32 packed':>11}  (ms)   GFLOP/s: ours / oneDNN / "
+          "float32   ours / oneDNN")
+    with torch.inference_mode():
+        for rows in rows_list:
+            xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+            a = _ms(lambda xs=xs: [m(xs[m.in_features]) for m in ours])
+            b = _ms(lambda xs=xs: [m(xs[m.in_features]) for m in onednn])
+            c = _ms(lambda xs=xs: [packed_linear(xs[la.in_features], w, None, la.out_features)
+                             for la, w in zip(layers, panels32)])
+            g = [rows * flops_per_row / (t * 1e6) for t in (a, b, c)]
+            print(f"{rows:>5} {a:>10.2f} {b:>12.2f} {c:>11.2f}         {g[0]:.0f} / {g[1]:.0f} / {g[2]:.0f}   {b / a:.2f}x")
 
 
 if __name__ == "__main__":
