@@ -15,7 +15,9 @@ multiply-adds of a float32 FMA and reads half the weight bytes, and that is
 where the time goes (BENCHMARKS.md, "bfloat16 on the CPU"); the elementwise
 work gains nothing from bf16, and keeping it in float32 keeps its rounding
 out of the residual stream. On a GPU ``dtype="bfloat16"`` is a plain bf16
-model.
+model. Memory: the linear weights take half their float32 bytes; the
+embedding table and the norms stay float32 copies of their bf16 values
+(SmolLM2: 113 MB of embedding, beside the LM head's own 57 MB bf16 panels).
 
 Three implementations, picked by ``EngineConfig.linear_backend``:
 "packed" (``PackedLinearBF16``, our kernel: it rounds the float32 input
