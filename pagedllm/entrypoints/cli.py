@@ -21,7 +21,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"])
     g.add_argument("--contiguous-reserve", default="max_tokens", choices=["max_tokens", "max_model_len"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="float32 (default); bfloat16 on the CPU: bf16 weights and matmuls around float32 "
+        "activations, a bf16 KV cache (fast with AVX512-BF16)",
+    )
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
