@@ -43,6 +43,16 @@ def _panel_width() -> int:
     return _library().packed_linear_panel()
 
 
+def _float32_rows(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
+    """``x`` ``[..., in]`` as contiguous float32 CPU rows ``[num_rows, in]``; ``what`` names the layer in errors."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"{what} takes float32 activations on the CPU, got {x.dtype} on {x.device}")
+    if x.shape[-1] != in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
+    rows = x.reshape(-1, in_features)
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
 def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[out, in]`` weight as ``[num_panels, in, panel]`` column panels (zero-padded)."""
     lib = _library()
@@ -70,13 +80,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         )
     if not packed.is_contiguous() or packed.dtype != torch.float32:
         raise ValueError("packed weight must be a contiguous float32 tensor")
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"packed linear computes float32 on the CPU, got {x.dtype} on {x.device}")
-    if x.shape[-1] != in_features:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
-    rows = x.reshape(-1, in_features)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = _float32_rows(x, in_features, "packed linear")
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
     lib.packed_linear_f32(
         rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(),
@@ -114,6 +118,12 @@ def use_packed_linear(model: nn.Module) -> int:
 # --- bfloat16 weights --------------------------------------------------------
 
 
+@functools.cache
+def _panel_width_bf16() -> int:
+    """Output columns per bf16 panel in this build of the kernels."""
+    return _library().packed_linear_bf16_panel()
+
+
 def packed_linear_bf16_native() -> bool:
     """Whether this build runs the bf16 kernel on AVX512-BF16 (else a slow scalar loop)."""
     return bool(_library().packed_linear_bf16_native())
@@ -126,7 +136,7 @@ def pack_weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
     out_features, in_features = w.shape
-    panel = lib.packed_linear_bf16_panel()
+    panel = _panel_width_bf16()
     num_panels = (out_features + panel - 1) // panel
     # [num_panels, in / 2 (k pairs), panel, 2]
     packed = torch.empty(num_panels, (in_features + 1) // 2, panel, 2, dtype=torch.bfloat16)
@@ -140,17 +150,11 @@ def packed_linear_bf16(
     """``bf16(x) @ W.T + bias`` in float32 for float32 ``x`` ``[..., in]`` and a weight from ``pack_weight_panels_bf16``."""
     lib = _library()
     num_panels, num_pairs, panel, _ = packed.shape
-    if panel != lib.packed_linear_bf16_panel() or num_panels * panel < out_features or num_pairs != (in_features + 1) // 2:
+    if panel != _panel_width_bf16() or num_panels * panel < out_features or num_pairs != (in_features + 1) // 2:
         raise ValueError(f"packed bf16 weight {tuple(packed.shape)} does not fit {out_features}x{in_features}")
     if not packed.is_contiguous() or packed.dtype != torch.bfloat16:
         raise ValueError("packed weight must be a contiguous bfloat16 tensor")
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"the bf16 packed linear takes float32 activations on the CPU, got {x.dtype} on {x.device}")
-    if x.shape[-1] != in_features:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
-    rows = x.reshape(-1, in_features)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = _float32_rows(x, in_features, "the bf16 packed linear")
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
     status = lib.packed_linear_bf16(
         rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(),

@@ -14,7 +14,7 @@ float32, float16 or bfloat16 cache),
 and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
 built from the others through the shared headers ``paged_attention.h``
 (with ``paged_attention_kv.h``, instantiated once per cache dtype),
-``int8_dot.h`` and ``elementwise.h``). The built library is cached under
+``int8_dot.h`` and ``elementwise.h``; the two panel matmuls share ``panel_units.h``). The built library is cached under
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
 the flags, the compiler and this CPU's feature flags (it is built with
 ``-march=native``). Where no compiler is found or the build fails,

@@ -39,6 +39,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "panel_units.h"
+
 /* tile shape per ISA: MR rows x PANEL columns of sums stay in registers
  * (AVX-512: 8 x 3 zmm = 24 of 32 registers; AVX2: 6 x 2 ymm = 12 of 16) */
 #if defined(__AVX512F__)
@@ -145,32 +147,21 @@ static inline __attribute__((always_inline)) void tile(
 }
 #endif
 
-/* Rows [row0, row0 + m) of x times all panels: units (panel, MR-row chunk), panel-major. */
+/* Rows [row0, row0 + m) of x times all panels, split into units as panel_units.h draws. */
 static void row_block(const float *x, int64_t m, int64_t k, const float *packed, const float *bias,
                       int64_t n, float *y, int num_threads) {
-    int64_t num_panels = (n + PANEL - 1) / PANEL;
-    int64_t num_chunks = (m + MR - 1) / MR;
-    int64_t num_units = num_panels * num_chunks;
-    int64_t panel_lines = k * PANEL * (int64_t)sizeof(float) / CACHE_LINE;
-    /* each row chunk prefetches its share of the next panel */
-    int64_t lines_per_chunk = (panel_lines + num_chunks - 1) / num_chunks;
+    const panel_split split = panel_split_of(m, n, MR, PANEL, k * PANEL * (int64_t)sizeof(float));
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t u = 0; u < num_units; u++) {
-        int64_t p = u / num_chunks, chunk = u % num_chunks;
-        int64_t row0 = chunk * MR;
-        int num_rows = (int)(m - row0 < MR ? m - row0 : MR);
-        int num_cols = (int)(n - p * PANEL < PANEL ? n - p * PANEL : PANEL);
+    for (int64_t u = 0; u < split.num_units; u++) {
+        const panel_unit w = panel_unit_at(&split, u, m, n, MR, PANEL);
+        const int64_t p = w.panel;
+        const int num_rows = w.num_rows, num_cols = w.num_cols;
         const float *b = packed + p * k * PANEL;
         const float *bias_p = bias ? bias + p * PANEL : NULL;
-        const float *xr = x + row0 * k;
-        float *yr = y + row0 * n + p * PANEL;
-        const char *prefetch = NULL;
-        int64_t num_prefetch = 0;
-        int64_t first_line = chunk * lines_per_chunk;
-        if (p + 1 < num_panels && first_line < panel_lines) {
-            prefetch = (const char *)(packed + (p + 1) * k * PANEL) + first_line * CACHE_LINE;
-            num_prefetch = panel_lines - first_line < lines_per_chunk ? panel_lines - first_line : lines_per_chunk;
-        }
+        const float *xr = x + w.row0 * k;
+        float *yr = y + w.row0 * n + p * PANEL;
+        const int64_t num_prefetch = w.num_prefetch;
+        const char *prefetch = num_prefetch ? (const char *)(packed + (p + 1) * k * PANEL) + w.first_line * CACHE_LINE : NULL;
         switch (num_rows) {
 #if MR > 6
             case 8: tile(xr, k, b, k, yr, n, bias_p, num_cols, 8, prefetch, num_prefetch); break;

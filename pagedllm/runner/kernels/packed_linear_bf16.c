@@ -37,6 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "panel_units.h"
+
 #define BF_PANEL 48
 #define BF_MR 8
 #define CACHE_LINE 64
@@ -169,32 +171,22 @@ static void bf_tile(const uint16_t *xp, int64_t k2, const uint16_t *b, float *y,
 }
 #endif
 
-/* Rows [0, m) of the bf16 rows xp times all panels: units (panel, MR-row chunk), panel-major,
- * each row chunk prefetching its share of the next panel (as packed_linear.c). */
+/* Rows [0, m) of the bf16 rows xp times all panels, split into units as panel_units.h draws. */
 static void bf_row_block(const uint16_t *xp, int64_t m, int64_t k2, const uint16_t *packed, const float *bias,
                          int64_t n, float *y, int num_threads) {
-    int64_t num_panels = (n + BF_PANEL - 1) / BF_PANEL;
-    int64_t num_chunks = (m + BF_MR - 1) / BF_MR;
-    int64_t num_units = num_panels * num_chunks;
-    int64_t panel_lines = k2 * BF_PANEL * 4 / CACHE_LINE;
-    int64_t lines_per_chunk = (panel_lines + num_chunks - 1) / num_chunks;
+    const panel_split split = panel_split_of(m, n, BF_MR, BF_PANEL, k2 * BF_PANEL * 4);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t u = 0; u < num_units; u++) {
-        int64_t p = u / num_chunks, chunk = u % num_chunks;
-        int64_t row0 = chunk * BF_MR;
-        int num_rows = (int)(m - row0 < BF_MR ? m - row0 : BF_MR);
-        int num_cols = (int)(n - p * BF_PANEL < BF_PANEL ? n - p * BF_PANEL : BF_PANEL);
+    for (int64_t u = 0; u < split.num_units; u++) {
+        const panel_unit w = panel_unit_at(&split, u, m, n, BF_MR, BF_PANEL);
+        const int64_t p = w.panel;
+        const int num_rows = w.num_rows, num_cols = w.num_cols;
         const uint16_t *b = packed + p * k2 * BF_PANEL * 2;
         const float *bias_p = bias ? bias + p * BF_PANEL : NULL;
-        const uint16_t *xr = xp + row0 * k2 * 2;
-        float *yr = y + row0 * n + p * BF_PANEL;
-        const char *prefetch = NULL;
-        int64_t num_prefetch = 0;
-        int64_t first_line = chunk * lines_per_chunk;
-        if (p + 1 < num_panels && first_line < panel_lines) {
-            prefetch = (const char *)(packed + (p + 1) * k2 * BF_PANEL * 2) + first_line * CACHE_LINE;
-            num_prefetch = panel_lines - first_line < lines_per_chunk ? panel_lines - first_line : lines_per_chunk;
-        }
+        const uint16_t *xr = xp + w.row0 * k2 * 2;
+        float *yr = y + w.row0 * n + p * BF_PANEL;
+        const int64_t num_prefetch = w.num_prefetch;
+        const char *prefetch =
+            num_prefetch ? (const char *)(packed + (p + 1) * k2 * BF_PANEL * 2) + w.first_line * CACHE_LINE : NULL;
         switch (num_rows) {
             case 8: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 8, prefetch, num_prefetch); break;
             case 7: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 7, prefetch, num_prefetch); break;
