@@ -1,0 +1,159 @@
+/* The bf16 panel tile of packed_linear_bf16.c (its comment draws the
+ * layout) and the activation rounding, shared with decode_step.c so the
+ * fused decode step multiplies exactly as the layer-by-layer path does.
+ */
+#ifndef PAGEDLLM_PANEL_BF16_H
+#define PAGEDLLM_PANEL_BF16_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "panel_units.h"
+
+#define BF_PANEL 48
+#define BF_MR 8
+#define CACHE_LINE 64
+
+/* float32 -> bfloat16 bits, round to nearest even, NaN kept quiet, denormals
+ * flushed to a signed zero: what AVX512-BF16's conversion instruction does,
+ * so the vector and scalar paths round alike. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    if ((u & 0x7f800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* one row of k floats -> kpad bf16 values (kpad = k rounded up to even; the pad is zero) */
+static inline void row_to_bf16(const float *x, int64_t k, int64_t kpad, uint16_t *out) {
+    int64_t j = 0;
+#if defined(__AVX512BF16__)
+    for (; j + 32 <= k; j += 32) {
+        /* the instruction puts its second operand in the low half */
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(x + j));
+        _mm512_storeu_si512((void *)(out + j), (__m512i)v);
+    }
+#endif
+    for (; j < k; j++) out[j] = to_bf16(x[j]);
+    for (; j < kpad; j++) out[j] = 0;
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* two bf16 values as one 32-bit lane; memcpy, not a cast, since the buffer was written as uint16_t */
+static inline uint32_t load_pair(const uint16_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(__AVX512BF16__)
+#define BF_NUM_VECS (BF_PANEL / 16)
+
+/* num_rows (<= BF_MR) bf16 rows xp [rows, 2 * k2] times one panel, a pair of k at a time. */
+static inline __attribute__((always_inline)) void bf_tile(
+    const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
+    int num_cols, const int num_rows, const char *prefetch, int64_t num_prefetch) {
+    __m512 acc[BF_MR][BF_NUM_VECS];
+#pragma GCC unroll 8
+    for (int r = 0; r < BF_MR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < BF_NUM_VECS; c++) acc[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t kk = 0; kk < k2; kk++) {
+        if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
+        __m512bh wv[BF_NUM_VECS];
+#pragma GCC unroll 8
+        for (int c = 0; c < BF_NUM_VECS; c++)
+            wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(b + (kk * BF_PANEL + c * 16) * 2));
+#pragma GCC unroll 8
+        for (int r = 0; r < BF_MR; r++) {
+            if (r < num_rows) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)load_pair(xp + (r * k2 + kk) * 2));
+#pragma GCC unroll 8
+                for (int c = 0; c < BF_NUM_VECS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < BF_MR; r++) {
+        if (r >= num_rows) continue;
+        if (num_cols == BF_PANEL) {
+#pragma GCC unroll 8
+            for (int c = 0; c < BF_NUM_VECS; c++) {
+                __m512 v = acc[r][c];
+                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c * 16));
+                _mm512_storeu_ps(y + r * ldy + c * 16, v);
+            }
+        } else { /* the last, zero-padded panel: only its real columns are written */
+            float sums[BF_PANEL];
+            for (int c = 0; c < BF_NUM_VECS; c++) _mm512_storeu_ps(sums + c * 16, acc[r][c]);
+            for (int j = 0; j < num_cols; j++) y[r * ldy + j] = sums[j] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+#else
+static void bf_tile(const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
+                    int num_cols, int num_rows, const char *prefetch, int64_t num_prefetch) {
+    (void)prefetch;
+    (void)num_prefetch;
+    for (int r = 0; r < num_rows; r++)
+        for (int j = 0; j < num_cols; j++) {
+            float sum = 0.0f;
+            for (int64_t kk = 0; kk < k2; kk++) {
+                const uint16_t *xq = xp + (r * k2 + kk) * 2, *wp = b + (kk * BF_PANEL + j) * 2;
+                sum += from_bf16(xq[0]) * from_bf16(wp[0]) + from_bf16(xq[1]) * from_bf16(wp[1]);
+            }
+            y[r * ldy + j] = sum + (bias ? bias[j] : 0.0f);
+        }
+}
+#endif
+
+/* Rows [0, m) of the bf16 rows xp times all panels, split into units as panel_units.h draws.
+ * An orphaned "omp for": inside a parallel region the team shares the units
+ * (and meets at its closing barrier); outside one, the caller runs them all. */
+static inline void bf16_panel_units(const uint16_t *xp, int64_t m, int64_t k2, const uint16_t *packed,
+                                    const float *bias, int64_t n, float *y) {
+    const panel_split split = panel_split_of(m, n, BF_MR, BF_PANEL, k2 * BF_PANEL * 4);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < split.num_units; u++) {
+        const panel_unit w = panel_unit_at(&split, u, m, n, BF_MR, BF_PANEL);
+        const int64_t p = w.panel;
+        const int num_rows = w.num_rows, num_cols = w.num_cols;
+        const uint16_t *b = packed + p * k2 * BF_PANEL * 2;
+        const float *bias_p = bias ? bias + p * BF_PANEL : NULL;
+        const uint16_t *xr = xp + w.row0 * k2 * 2;
+        float *yr = y + w.row0 * n + p * BF_PANEL;
+        const int64_t num_prefetch = w.num_prefetch;
+        const char *prefetch =
+            num_prefetch ? (const char *)(packed + (p + 1) * k2 * BF_PANEL * 2) + w.first_line * CACHE_LINE : NULL;
+        switch (num_rows) {
+            case 8: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 8, prefetch, num_prefetch); break;
+            case 7: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 7, prefetch, num_prefetch); break;
+            case 6: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 6, prefetch, num_prefetch); break;
+            case 5: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 5, prefetch, num_prefetch); break;
+            case 4: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 4, prefetch, num_prefetch); break;
+            case 3: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 3, prefetch, num_prefetch); break;
+            case 2: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 2, prefetch, num_prefetch); break;
+            default: bf_tile(xr, k2, b, yr, n, bias_p, num_cols, 1, prefetch, num_prefetch); break;
+        }
+    }
+}
+
+#define BF_BLOCK_BYTES (256 * 1024)
+
+/* Rows per block: a block's bf16 rows (kpad values each) fit in L2 beside a panel. */
+static inline int64_t bf16_block_rows(int64_t kpad) {
+    int64_t rows = BF_BLOCK_BYTES / (kpad * 2) / BF_MR * BF_MR;
+    return rows < 8 * BF_MR ? 8 * BF_MR : rows;
+}
+
+#endif
