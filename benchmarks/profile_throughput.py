@@ -63,11 +63,19 @@ def main() -> None:
     engine.scheduler.update = _timed(phases, "scheduler update", engine.scheduler.update)
     runner.prepare = _timed(phases, "prepare (ids, positions, slot mapping, block tables)", runner.prepare)
     runner.copy_blocks = _timed(phases, "copy-on-write block copies", runner.copy_blocks)
-    model.forward = _timed(phases, "decoder layers (forward), less attention", model.forward)
+    model.forward = _timed(phases, "decoder layers (forward), less attention", model.forward)  # prefills, mixed steps
     backend = runner.backend
     backend.attend = _timed(phases, f"attention ({backend.name})", backend.attend)
     if hasattr(backend, "_decodes"):  # the share of decodes within attention
         backend._decodes = _timed(phases, "  of which decode attention", backend._decodes)
+    if runner.fused_decode is not None:  # decode-only steps run the whole decoder in one native call
+        fused = runner.fused_decode
+
+        class _TimedFused:
+            accepts = staticmethod(fused.accepts)
+            __call__ = staticmethod(_timed(phases, "fused decode steps (whole decoder, one call)", fused))
+
+        runner.fused_decode = _TimedFused()
     model.compute_logits = _timed(phases, "lm_head (sampling rows only)", model.compute_logits)
     runner.sampler = _timed(phases, "sampler", runner.sampler)
     runner._sampling_tensors = _timed(phases, "sampling tensors", runner._sampling_tensors)
@@ -105,6 +113,8 @@ def main() -> None:
     del backend.attend
     if "_decodes" in vars(backend):
         del backend._decodes
+    if runner.fused_decode is not None:
+        runner.fused_decode = fused
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))

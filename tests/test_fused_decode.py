@@ -1,4 +1,4 @@
-"""The fused int8 decode step computes what the layer-by-layer path computes."""
+"""The fused decode step (int8 rows, float32 panels, bf16 panels) computes what the layer-by-layer path computes."""
 
 from __future__ import annotations
 
@@ -21,14 +21,17 @@ class _Checked:
     both the hidden states and the K/V each path writes are compared.
     """
 
-    def __init__(self, runner) -> None:  # noqa: ANN001
-        self.runner, self.fused, self.num_calls = runner, runner.fused_decode, 0
+    def __init__(self, runner, tol: float = 1e-4, kv_tol: float | None = None) -> None:  # noqa: ANN001
+        self.runner, self.fused, self.num_calls, self.tol = runner, runner.fused_decode, 0, tol
+        self.kv_tol = tol / 10 if kv_tol is None else kv_tol
+        self.num_rows: list[int] = []
 
     def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return self.fused.accepts(meta, num_tokens)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.num_calls += 1
+        self.num_rows.append(input_ids.shape[0])
         slots = meta.slot_mapping
         caches = [c.flatten(0, 1) for pair in self.runner.kv_caches for c in pair]  # K and V of every layer
         before = [c[slots].clone() for c in caches]
@@ -38,9 +41,9 @@ class _Checked:
             c[slots] = b
         want = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
         for c, f in zip(caches, fused_kv):
-            torch.testing.assert_close(f, c[slots], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(f, c[slots], rtol=self.kv_tol, atol=self.kv_tol)
             c[slots] = f
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=self.tol, atol=self.tol)
         return got
 
 
@@ -110,11 +113,56 @@ def test_fused_step_only_for_small_decode_steps(smollm_int8: LLM) -> None:
         assert checked.num_calls == 2
 
 
-def test_fused_decode_only_with_int8_and_cpu_paged(tiny_model_dirs: dict[str, str]) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [("float32", "auto"), ("float32", "bfloat16"), ("bfloat16", "auto"), ("bfloat16", "float16")],
+)
+def test_fused_panel_step_equals_layer_by_layer(arch: str, dtype: str, kv_cache_dtype: str, tiny_model_dirs) -> None:  # noqa: ANN001
+    """Float32 and bf16 panels: any number of decode rows runs fused, with the layer path's arithmetic
+    (the same tiles, K/V rounding and attention), for each cache dtype."""
+    # no prefix caching: the second run of the same prompts must compute its prefills alike
+    llm = LLM(tiny_model_dirs[arch], num_kv_blocks=160, max_model_len=256, block_size=8, dtype=dtype,
+              kv_cache_dtype=kv_cache_dtype, linear_backend="packed", enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    assert isinstance(runner.fused_decode, FusedDecode) and runner.fused_decode.max_rows is None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # both paths run the same tile, rounding, attention and elementwise row functions
+    tol = kv_tol = 1e-5
+    # 12 sequences: more than the int8 limit, and enough to split attention by sequence;
+    # 2 sequences: attention split by (sequence, kv head)
+    for num_seqs in (12, 2):
+        with _fused_step(runner, _Checked(runner, tol=tol, kv_tol=kv_tol)) as checked:
+            fused = [o.outputs[0].token_ids for o in llm.generate(_prompts(num_seqs, 5), params, use_tqdm=False)]
+        assert checked.num_calls == 11 and checked.num_rows[0] == num_seqs
+        with _fused_step(runner, None):
+            eager = [o.outputs[0].token_ids for o in llm.generate(_prompts(num_seqs, 5), params, use_tqdm=False)]
+        assert fused == eager
+    assert llm.llm_engine.block_manager.num_free_blocks == 160
+
+
+def test_fused_decode_only_with_int8_or_packed_and_cpu_paged(tiny_model_dirs: dict[str, str]) -> None:
     path = tiny_model_dirs["llama"]
-    assert LLM(path, num_kv_blocks=32, max_model_len=128, block_size=8).llm_engine.model_runner.fused_decode is None
-    llm = LLM(path, num_kv_blocks=32, max_model_len=128, block_size=8, quantization="int8", attention_backend="sdpa")
-    assert llm.llm_engine.model_runner.fused_decode is None
+    kw = {"num_kv_blocks": 32, "max_model_len": 128, "block_size": 8}
+    assert LLM(path, **kw).llm_engine.model_runner.fused_decode is not None  # packed float32: the default
+    assert LLM(path, linear_backend="torch", **kw).llm_engine.model_runner.fused_decode is None
+    assert LLM(path, linear_backend="onednn", **kw).llm_engine.model_runner.fused_decode is None
+    for quantization in (None, "int8"):
+        llm = LLM(path, quantization=quantization, attention_backend="sdpa", **kw)
+        assert llm.llm_engine.model_runner.fused_decode is None
+
+
+def test_fused_decode_refuses_mixed_linear_kinds(tiny_model_dirs: dict[str, str]) -> None:
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8)
+    runner = llm.llm_engine.model_runner
+    layer = runner.model.model.layers[1]
+    kept = layer.mlp.down_proj
+    layer.mlp.down_proj = torch.nn.Linear(kept.in_features, kept.out_features, bias=False)
+    try:
+        with pytest.raises(ValueError, match="one kind"):
+            FusedDecode(runner.model, runner.kv_caches, runner.block_size)
+    finally:
+        layer.mlp.down_proj = kept
 
 
 def test_fused_decode_refuses_bad_steps(smollm_int8: LLM) -> None:

@@ -98,10 +98,17 @@ def test_half_cache_sdpa_and_native_kernel_agree() -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-def test_int8_with_a_half_cache_runs_layer_by_layer() -> None:
-    """The fused int8 decode step reads float32 caches only; with a 2-byte cache it is not used."""
+def test_int8_with_a_half_cache_runs_fused() -> None:
+    """The fused int8 decode step reads a 2-byte cache too, and agrees with the layer-by-layer path."""
     llm = _engine("float16", quantization="int8")
-    assert llm.llm_engine.model_runner.fused_decode is None
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * len(PROMPTS)
+    runner = llm.llm_engine.model_runner
+    assert runner.fused_decode is not None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    kept, runner.fused_decode = runner.fused_decode, None
+    try:
+        eager = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        runner.fused_decode = kept
+    assert [len(t) for t in fused] == [8] * len(PROMPTS) and fused == eager
     assert _pool_whole(llm)

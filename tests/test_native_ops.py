@@ -38,7 +38,8 @@ def test_add_rms_norm_matches_torch(ops: NativeOps, rows: int, with_delta: bool)
 
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 128])
 @pytest.mark.parametrize("rows", [1, 7, 200])
-def test_rope_matches_torch(ops: NativeOps, head_dim: int, rows: int) -> None:
+@pytest.mark.parametrize("head_norms", [False, True])
+def test_rope_matches_torch(ops: NativeOps, head_dim: int, rows: int, head_norms: bool) -> None:
     gen = torch.Generator().manual_seed(head_dim + rows)
     num_heads, num_kv_heads = 6, 2
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
@@ -46,11 +47,20 @@ def test_rope_matches_torch(ops: NativeOps, head_dim: int, rows: int) -> None:
     cos, sin = rotary.cos_sin(positions, torch.float32)  # [rows, 1, head_dim] each
     qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)  # q, k, v side by side
     qk_heads = num_heads + num_kv_heads
-    want = RotaryEmbedding.apply(qkv[:, : qk_heads * head_dim].view(rows, qk_heads, head_dim), (cos, sin))
+    q = qkv[:, : num_heads * head_dim].view(rows, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : qk_heads * head_dim].view(rows, num_kv_heads, head_dim)
+    norms = (None, None)
+    if head_norms:  # Qwen3: each q and k head RMS-normed (torch path: norm.native is None) before RoPE
+        q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+        q_norm.weight.data, k_norm.weight.data = torch.rand(head_dim, generator=gen) + 0.5, torch.rand(head_dim, generator=gen)
+        q, k = q_norm(q), k_norm(k)
+        norms = (q_norm.weight.data, k_norm.weight.data)
+    want = RotaryEmbedding.apply(torch.cat([q, k], dim=1), (cos, sin))
     v_before = qkv[:, qk_heads * head_dim :].clone()
-    ops.rope_(qkv, qk_heads, head_dim, cos.view(rows, head_dim), sin.view(rows, head_dim))
+    ops.qk_norm_rope_(qkv, num_heads, num_kv_heads, head_dim, cos.view(rows, head_dim), sin.view(rows, head_dim),
+                      *norms, 1e-6)
     torch.testing.assert_close(qkv[:, : qk_heads * head_dim].view(rows, qk_heads, head_dim), want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(qkv[:, qk_heads * head_dim :], v_before)  # v is not rotated
+    assert torch.equal(qkv[:, qk_heads * head_dim :], v_before)  # v is neither normed nor rotated
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 37), (64, 1536)])
@@ -75,9 +85,13 @@ def test_native_ops_refuse_what_they_cannot_run(ops: NativeOps) -> None:
     with pytest.raises(ValueError, match="shaped like x"):
         ops.add_rms_norm(torch.ones(2, 8), torch.ones(3, 8), w, 1e-6)
     with pytest.raises(ValueError, match="does not hold"):
-        ops.rope_(torch.ones(2, 16), 3, 8, torch.ones(2, 8), torch.ones(2, 8))
+        ops.qk_norm_rope_(torch.ones(2, 16), 2, 1, 8, torch.ones(2, 8), torch.ones(2, 8))
     with pytest.raises(ValueError, match="even"):
-        ops.rope_(torch.ones(2, 14), 2, 7, torch.ones(2, 7), torch.ones(2, 7))
+        ops.qk_norm_rope_(torch.ones(2, 14), 1, 1, 7, torch.ones(2, 7), torch.ones(2, 7))
+    with pytest.raises(ValueError, match="both"):
+        ops.qk_norm_rope_(torch.ones(2, 16), 1, 1, 8, torch.ones(2, 8), torch.ones(2, 8), torch.ones(8), None)
+    with pytest.raises(ValueError, match="head norm weight"):
+        ops.qk_norm_rope_(torch.ones(2, 16), 1, 1, 8, torch.ones(2, 8), torch.ones(2, 8), torch.ones(7), torch.ones(7))
     with pytest.raises(ValueError, match="contiguous"):
         ops.silu_mul(torch.ones(8, 4).t())
 

@@ -132,10 +132,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None and self.native is not None:
-            # q and k sit side by side in qkv: rotated in place in one pass
+        if self.native is not None:
+            # q and k sit side by side in qkv: normed (Qwen3) and rotated in place in one pass
             cos, sin = (t.view(-1, self.head_dim) for t in cos_sin)
-            self.native.rope_(qkv, num_qk_heads, self.head_dim, cos, sin)
+            q_norm, k_norm = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            self.native.qk_norm_rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, q_norm, k_norm, eps)
             q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
         elif self.q_norm is None:
@@ -215,16 +217,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def use_native_ops(self, ops: NativeOps | None) -> None:
-        """Run norms (with the residual add), RoPE and SiLU-and-multiply through ``ops``; None: plain torch.
-
-        Qwen3's per-head q/k norms and the RoPE after them stay in torch.
-        """
+        """Run norms (with the residual add), RoPE (with Qwen3's per-head q/k norms) and
+        SiLU-and-multiply through ``ops``; None: plain torch."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.native = ops
-        for layer in self.model.layers:
-            if layer.self_attn.q_norm is not None:
-                layer.self_attn.q_norm.native = layer.self_attn.k_norm.native = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` in float32, for the rows that sample only."""

@@ -24,7 +24,7 @@ def _check_rows(name: str, t: torch.Tensor, row_len: int) -> None:
 
 
 class NativeOps:
-    """RMSNorm (with the residual add), RoPE and SiLU-and-multiply as single native calls."""
+    """RMSNorm (with the residual add), RoPE (after Qwen3's per-head norms) and SiLU-and-multiply as single native calls."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -51,13 +51,19 @@ class NativeOps:
         )
         return y
 
-    def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate the first ``num_heads`` heads of each row of ``x`` in place.
+    def qk_norm_rope_(
+        self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+        sin: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+    ) -> None:
+        """RoPE in place on the q and k heads of each row of ``x``, each head first RMS-normed when given norms.
 
-        x: ``[num_tokens, >= num_heads * head_dim]`` with contiguous rows (a
-        slice of the fused qkv output); cos, sin: ``[num_tokens, head_dim]``
-        contiguous, sin signed as in ``RotaryEmbedding``.
+        x: ``[num_tokens, >= (num_q_heads + num_kv_heads) * head_dim]`` with
+        contiguous rows (the fused qkv output: q heads, then k heads);
+        cos, sin: ``[num_tokens, head_dim]`` contiguous, sin signed as in
+        ``RotaryEmbedding``; q_norm, k_norm: ``[head_dim]`` per-head RMSNorm
+        weights (Qwen3), both or neither.
         """
+        num_heads = num_q_heads + num_kv_heads
         if head_dim > 1024 or head_dim % 2:
             raise ValueError(f"native rope: head_dim must be even and <= 1024, got {head_dim}")
         if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim or x.dtype != torch.float32:
@@ -66,9 +72,15 @@ class NativeOps:
             _check_rows("rope", t, head_dim)
             if not t.is_contiguous() or t.shape[0] != x.shape[0]:
                 raise ValueError("native rope: cos and sin must be contiguous [num_tokens, head_dim]")
-        self._lib.rope_f32(
-            x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-            torch.get_num_threads(),
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("native rope: give both q and k norm weights, or neither")
+        for w in (q_norm, k_norm):
+            if w is not None and (w.shape != (head_dim,) or w.dtype != torch.float32 or not w.is_contiguous()):
+                raise ValueError(f"native rope: a head norm weight must be contiguous float32 [{head_dim}]")
+        self._lib.qk_norm_rope_f32(
+            x.data_ptr(), x.shape[0], x.stride(0), num_q_heads, num_kv_heads, head_dim,
+            None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
+            cos.data_ptr(), sin.data_ptr(), torch.get_num_threads(),
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,25 @@
-"""Small int8 decode steps in one native call (``kernels/decode_step.c``).
+"""Decode steps in one native call (``kernels/decode_step.c``).
 
-With few sequences decoding and int8 weights, a step of SmolLM2-135M reads
-its ~135 MB of weights in a few milliseconds, and the layer-by-layer path
-spends longer again in Python and torch dispatch: about 20 small ops and 5
-kernel calls per layer, 30 layers. ``FusedDecode`` hands the whole decoder
-to one C function instead: the embedding lookup, the LM head and sampling
-stay in torch; everything between runs in one OpenMP region.
+A decode step of SmolLM2-135M runs 30 layers; layer by layer from Python
+each is about 20 small ops and 5 kernel calls, and their dispatch costs
+more than the elementwise work itself: ~10% of the throughput workload's
+time with bf16 panels, more with few sequences and int8 weights.
+``FusedDecode`` hands the whole decoder to one C function instead: the
+embedding lookup, the LM head and sampling stay in torch; everything
+between runs in one OpenMP region, with the arithmetic of the layer-by-layer
+path (the same tile functions, K/V rounding and attention).
 
-It is used automatically when the engine runs int8 weights with the
-``cpu_paged`` attention backend and a step is decode-only with at most
-``SMALL_BATCH_ROWS`` tokens (where the int8 kernel is used layer by layer
-too, so both paths compute the linear layers with the same arithmetic);
-other steps take the layer-by-layer path. Tests compare the two.
+The runner uses it for decode-only steps when the attention backend is
+``cpu_paged`` and every linear layer of the decoder is one of:
+
+- ``Int8Linear`` (``quantization="int8"``), for steps of at most
+  ``SMALL_BATCH_ROWS`` tokens: above that the layer-by-layer path switches
+  to a dequantized GEMM, so the two would not compute alike;
+- ``PackedLinear`` (float32 panels, the default on the CPU), any number of tokens;
+- ``PackedLinearBF16`` (``dtype="bfloat16"`` on the CPU), any number of tokens.
+
+Other steps (prefills, mixed steps) take the layer-by-layer path. Tests
+compare the two.
 
 The C side reads raw pointers to the model's weights, the RoPE tables and
 the KV cache, collected once here into ``ctypes`` structures that mirror
@@ -26,20 +34,30 @@ import torch
 
 from pagedllm.models.int8_linear import SMALL_BATCH_ROWS, Int8Linear
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.packed_linear import PackedLinear, PackedLinearBF16
 from pagedllm.runner.attention import AttentionMetadata
-from pagedllm.runner.kernels import load_kernels
+from pagedllm.runner.kernels import KV_TYPE_CODES, load_kernels
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
+# the kernel's numbering of linear-layer kinds (decode_step.c, LINEAR_*), and the
+# largest decode step each kind takes (None: any)
+_LINEAR_KINDS: dict[type, tuple[int, int | None]] = {
+    Int8Linear: (0, SMALL_BATCH_ROWS),
+    PackedLinear: (1, None),
+    PackedLinearBF16: (2, None),
+}
+_CACHE_CODES = {getattr(torch, name): code for name, code in KV_TYPE_CODES.items()}
 
-class _QLinear(ctypes.Structure):
+
+class _Linear(ctypes.Structure):
     _fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr)]
 
 
 class _DecodeLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-        ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("k_cache", _ptr), ("v_cache", _ptr),
     ]
 
@@ -48,17 +66,19 @@ class _DecodeModel(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden_size", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
         ("head_dim", _i64), ("intermediate_size", _i64), ("num_slots", _i64), ("max_position", _i64),
-        ("block_size", _i64), ("norm_eps", _f32), ("scale", _f32),
+        ("block_size", _i64), ("linear_kind", _i64), ("kv_type", _i64), ("norm_eps", _f32), ("scale", _f32),
         ("final_norm", _ptr), ("cos", _ptr), ("sin", _ptr), ("layers", ctypes.POINTER(_DecodeLayer)),
     ]
 
 
 class FusedDecode:
-    """The decoder of an int8 ``LlamaForCausalLM`` for small decode steps, in one call.
+    """The decoder of a ``LlamaForCausalLM`` for decode steps, in one native call.
 
     Args:
-        model: the model, every linear layer of its decoder an ``Int8Linear``.
-        kv_caches: per layer (K, V) caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        model: the model; every linear layer of its decoder an ``Int8Linear``,
+            a ``PackedLinear`` or a ``PackedLinearBF16``, all of one kind.
+        kv_caches: per layer (K, V) caches ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+            float32, float16 or bfloat16.
         block_size: tokens per KV block.
     """
 
@@ -68,7 +88,7 @@ class FusedDecode:
         lib = load_kernels()
         if lib is None:
             raise ValueError("the fused decode step needs the native CPU kernels")
-        self._kernel = lib.decode_step_i8
+        self._kernel = lib.decode_step
         cfg = model.config
         self.model = model
         # the tensors the C structures point into; held so they outlive the pointers
@@ -82,15 +102,26 @@ class FusedDecode:
             self._tensors.append(t)
             return t.data_ptr()
 
-        def qlinear(layer: torch.nn.Module) -> _QLinear:
-            if not isinstance(layer, Int8Linear):
-                raise ValueError(f"the fused decode step needs int8 linear layers, got {type(layer).__name__}")
-            return _QLinear(keep(layer.qweight, torch.int8), keep(layer.scales), keep(layer.bias))
+        layers = model.model.layers
+        kind = type(layers[0].self_attn.qkv_proj)
+        if kind not in _LINEAR_KINDS:
+            raise ValueError(f"the fused decode step runs int8 or packed linear layers, got {kind.__name__}")
+        self.linear_kind, self.max_rows = _LINEAR_KINDS[kind]
+
+        def linear(layer: torch.nn.Module) -> _Linear:
+            if type(layer) is not kind:
+                raise ValueError(f"the fused decode step needs linear layers of one kind, got {kind.__name__} "
+                                 f"and {type(layer).__name__}")
+            if isinstance(layer, Int8Linear):
+                return _Linear(keep(layer.qweight, torch.int8), keep(layer.scales), keep(layer.bias))
+            return _Linear(keep(layer.packed_weight, layer.packed_weight.dtype), None, keep(layer.bias))
 
         if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
             raise ValueError("the fused decode step needs whole query-head groups and an even head_dim")
+        cache_dtype = kv_caches[0][0].dtype
+        if cache_dtype not in _CACHE_CODES:
+            raise ValueError(f"the fused decode step reads float32, float16 or bfloat16 caches, got {cache_dtype}")
 
-        layers = model.model.layers
         self._layers = (_DecodeLayer * len(layers))()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             attn = layer.self_attn
@@ -100,8 +131,8 @@ class FusedDecode:
                 keep(layer.input_layernorm.weight.data), keep(layer.post_attention_layernorm.weight.data),
                 keep(attn.q_norm.weight.data if attn.q_norm is not None else None),
                 keep(attn.k_norm.weight.data if attn.k_norm is not None else None),
-                qlinear(attn.qkv_proj), qlinear(attn.o_proj), qlinear(layer.mlp.gate_up_proj),
-                qlinear(layer.mlp.down_proj), keep(k_cache), keep(v_cache),
+                linear(attn.qkv_proj), linear(attn.o_proj), linear(layer.mlp.gate_up_proj),
+                linear(layer.mlp.down_proj), keep(k_cache, cache_dtype), keep(v_cache, cache_dtype),
             )
         rotary = model.model.rotary
         # the C side holds raw pointers into these tables: rebuilding them
@@ -111,20 +142,23 @@ class FusedDecode:
         self._model = _DecodeModel(
             len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             cfg.intermediate_size, num_blocks * block_size, rotary.cos.shape[0], block_size,
+            self.linear_kind, _CACHE_CODES[cache_dtype],
             cfg.rms_norm_eps, layers[0].self_attn.scale,
             keep(model.model.norm.weight.data), keep(rotary.cos), keep(rotary.sin), self._layers,
         )
 
-    @staticmethod
-    def accepts(meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether a step fits: decode tokens only (one per sequence), at most ``SMALL_BATCH_ROWS``."""
-        return meta.num_prefills == 0 and num_tokens == meta.num_seqs and num_tokens <= SMALL_BATCH_ROWS
+    def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether a step fits: decode tokens only (one per sequence), at most ``max_rows`` of them."""
+        return (
+            meta.num_prefills == 0 and num_tokens == meta.num_seqs
+            and (self.max_rows is None or num_tokens <= self.max_rows)
+        )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]`` (after the last norm), as the model's forward."""
         if not self.accepts(meta, input_ids.shape[0]):
-            raise ValueError("the fused decode step takes decode-only steps of at most "
-                             f"{SMALL_BATCH_ROWS} sequences")
+            limit = "" if self.max_rows is None else f" of at most {self.max_rows} sequences"
+            raise ValueError(f"the fused decode step takes decode-only steps{limit}")
         if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
             raise ValueError("positions and the slot mapping must be int64")
         rotary = self.model.model.rotary
@@ -146,4 +180,6 @@ class FusedDecode:
                 "a sequence length other than position + 1, or a slot that is not the position's place in "
                 "the block table)"
             )
+        if status:
+            raise ValueError("fused decode step: the kernel does not know this linear kind or cache dtype")
         return out

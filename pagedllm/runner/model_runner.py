@@ -156,12 +156,11 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
         self.sampler = Sampler()
-        # small int8 decode steps run the whole decoder in one native call
-        # (runner/fused_decode.py); it reads the cache the way cpu_paged does,
-        # float32 caches only (a 2-byte cache takes the layer-by-layer path)
+        # decode steps run the whole decoder in one native call (runner/fused_decode.py)
+        # where its linear layers are int8 or packed panels; it reads the cache the
+        # way cpu_paged does, so only with that backend
         self.fused_decode: FusedDecode | None = None
-        fused_ok = self.backend.name == "cpu_paged" and self.kv_cache_dtype == torch.float32
-        if config.quantization == "int8" and fused_ok:
+        if self.backend.name == "cpu_paged" and (config.quantization == "int8" or self.linear_backend == "packed"):
             self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
 
     # --- sizing --------------------------------------------------------------

@@ -11,10 +11,11 @@ float32, float16 or bfloat16 cache),
 ``kv_write.c`` (new K/V rows into their cache slots, rounded to the cache's dtype),
 ``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
 ``prefill_attention.c`` (causal attention of prompts computed from scratch)
-and ``decode_step.c`` (a whole decoder step for a few int8 decode tokens,
+and ``decode_step.c`` (a whole decoder step for decode tokens,
 built from the others through the shared headers ``paged_attention.h``
 (with ``paged_attention_kv.h``, instantiated once per cache dtype),
-``int8_dot.h`` and ``elementwise.h``; the two panel matmuls share ``panel_units.h``). The built library is cached under
+``int8_dot.h``, ``panel_f32.h``, ``panel_bf16.h``, ``kv_rows.h`` and ``elementwise.h``; the two panel
+matmuls share ``panel_units.h``). The built library is cached under
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
 the flags, the compiler and this CPU's feature flags (it is built with
 ``-march=native``). Where no compiler is found or the build fails,
@@ -147,8 +148,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     f32 = ctypes.c_float
     lib.add_rms_norm_f32.restype = None
     lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]  # x, delta, w, y, rows, n, eps, threads
-    lib.rope_f32.restype = None
-    lib.rope_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]  # x, rows, stride, heads, head_dim, cos, sin, threads
+    lib.qk_norm_rope_f32.restype = None
+    lib.qk_norm_rope_f32.argtypes = [
+        ptr, i64, i64, i64, i64, i64,  # x, rows, row_stride, num_q_heads, num_kv_heads, head_dim
+        ptr, ptr, f32, ptr, ptr, i32,  # q_norm, k_norm, eps, cos, sin, threads
+    ]
     lib.silu_mul_f32.restype = None
     lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]  # gate_up, out, rows, inter, threads
     lib.prefill_attention_f32.restype = i32
@@ -156,8 +160,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ptr, i64, ptr, i64, ptr, i64, ptr, i64,  # q, k, v, out with their row strides
         ptr, i32, i32, i32, i32, f32, i32,  # bounds, num_seqs, num_heads, num_kv_heads, head_dim, scale, threads
     ]
-    lib.decode_step_i8.restype = i32
-    lib.decode_step_i8.argtypes = [
+    lib.decode_step.restype = i32
+    lib.decode_step.argtypes = [
         ptr, ptr, i64, ptr, ptr,  # model, x, num_rows, positions, slots
         ptr, i64, ptr, ptr,  # block_tables, table_stride, seq_lens, out
         i32,  # num_threads

@@ -3,7 +3,8 @@
  * pass instead of the several torch ops (and their dispatch) it replaces:
  *
  *   add_rms_norm_f32  x += delta (optional), y = rms_norm(x) * w
- *   rope_f32          RoPE in place on the first num_heads heads of each row
+ *   qk_norm_rope_f32  RoPE in place on the q and k heads of each row, after
+ *                     their per-head RMSNorm where the model has one (Qwen3)
  *   silu_mul_f32      out = silu(gate) * up, gate_up = [gate | up] per row
  *
  * Rows are split over threads when there are enough of them to pay for it.
@@ -26,15 +27,18 @@ void add_rms_norm_f32(float *x, const float *delta, const float *w, float *y, in
     }
 }
 
-/* x: rows of row_stride floats whose first num_heads * head_dim are the heads
-   to rotate; cos, sin: [rows, head_dim]. head_dim <= 1024. */
-void rope_f32(float *x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim, const float *cos,
-              const float *sin, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * num_heads * head_dim >= PARALLEL_MIN_FLOATS)
+/* x: rows of row_stride floats starting with num_q_heads q heads and
+   num_kv_heads k heads; each head is RMS-normed first with q_norm / k_norm
+   ([head_dim], or NULL: no norm), then rotated. cos, sin: [rows, head_dim].
+   head_dim <= 1024. */
+void qk_norm_rope_f32(float *x, int64_t rows, int64_t row_stride, int64_t num_q_heads, int64_t num_kv_heads,
+                      int64_t head_dim, const float *q_norm, const float *k_norm, float eps, const float *cos,
+                      const float *sin, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * (num_q_heads + num_kv_heads) * head_dim >= PARALLEL_MIN_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
         float tmp[1024];
-        for (int64_t h = 0; h < num_heads; h++)
-            rope_head(x + r * row_stride + h * head_dim, cos + r * head_dim, sin + r * head_dim, head_dim, tmp);
+        qk_norm_rope_row(x + r * row_stride, num_q_heads, num_kv_heads, head_dim, q_norm, k_norm, eps,
+                         cos + r * head_dim, sin + r * head_dim, tmp);
     }
 }
 

@@ -28,6 +28,20 @@ static inline void rope_head(float *v, const float *cos, const float *sin, int64
     for (int64_t i = half; i < head_dim; i++) v[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
+/* The q and k heads of one qkv row (num_q_heads q heads, then num_kv_heads k
+   heads, side by side): each first RMS-normed with q_norm / k_norm when given
+   (Qwen3), then rotated, in place. tmp: head_dim floats. */
+static inline void qk_norm_rope_row(float *row, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                                    const float *q_norm, const float *k_norm, float eps, const float *cos,
+                                    const float *sin, float *tmp) {
+    for (int64_t j = 0; j < num_q_heads + num_kv_heads; j++) {
+        float *head = row + j * head_dim;
+        const float *norm = j < num_q_heads ? q_norm : k_norm;
+        if (norm != NULL) rms_norm_row(head, norm, head, head_dim, eps);
+        rope_head(head, cos, sin, head_dim, tmp);
+    }
+}
+
 /* out[c] = silu(gate[c]) * up[c] = gate[c] / (1 + exp(-gate[c])) * up[c] */
 static inline void silu_mul_row(const float *gate, const float *up, float *out, int64_t n) {
     int64_t c = 0;
