@@ -7,7 +7,8 @@ processing), once under ``torch.profiler`` for the top operators by self CPU
 time. The wrapping is done here, from outside, so the engine carries no
 profiling code.
 
-    .venv/bin/python benchmarks/profile_throughput.py [--num-requests 32] [--quantization int8]
+    .venv/bin/python benchmarks/profile_throughput.py [--num-requests 32] [--quantization int8] \
+        [--dtype bfloat16] [--layer-by-layer] [--kernel-timers]
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.workload import make_workload
+from pagedllm.models import packed_linear as pl
+from pagedllm.models.native_ops import NativeOps
 from pagedllm.runner import model_runner as mr
 
 
@@ -45,6 +48,10 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-torch-profile", action="store_true")
+    p.add_argument("--layer-by-layer", action="store_true",
+                   help="turn the fused decode step off: every step runs the model layer by layer")
+    p.add_argument("--kernel-timers", action="store_true",
+                   help="also time each linear-layer and elementwise kernel call (with its Python wrapper)")
     args = p.parse_args()
 
     workload = make_workload(args.num_requests, args.min_len, args.max_len, 1234)
@@ -56,6 +63,8 @@ def main() -> None:
     )
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    if args.layer_by_layer:
+        runner.fused_decode = None
 
     phases: dict[str, float] = defaultdict(float)
     model = runner.model
@@ -68,6 +77,11 @@ def main() -> None:
     backend.attend = _timed(phases, f"attention ({backend.name})", backend.attend)
     if hasattr(backend, "_decodes"):  # the share of decodes within attention
         backend._decodes = _timed(phases, "  of which decode attention", backend._decodes)
+    if args.kernel_timers:  # inside the forward pass: reported as "  of which ..."
+        for fn_name in ("packed_linear", "packed_linear_bf16"):
+            setattr(pl, fn_name, _timed(phases, "  of which linear kernels (incl. lm_head)", getattr(pl, fn_name)))
+        for op in ("add_rms_norm", "qk_norm_rope_", "silu_mul"):
+            setattr(NativeOps, op, _timed(phases, "  of which norms, RoPE, SiLU", getattr(NativeOps, op)))
     if runner.fused_decode is not None:  # decode-only steps run the whole decoder in one native call
         fused = runner.fused_decode
 
