@@ -332,3 +332,39 @@ def test_cpu_paged_prefill_with_head_sizes_off_the_vector_width(head_dim: int) -
     got = CpuPagedAttention().forward(q, k, v, caches[0], caches[1], meta, head_dim**-0.5)
     want = ReferenceAttention().forward(q, k, v, caches[2], caches[3], meta, head_dim**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+def test_cpu_paged_prefill_of_long_prompts_matches_reference(head_dim: int) -> None:
+    """Fresh prompts whose lengths cross the tiled kernel's query tiles (4 or 8) and key tiles
+    (16 or 32) and its zero-padded transposed keys; 48 takes the one-query path with AVX-512."""
+    gen = torch.Generator().manual_seed(head_dim)
+    lens = [7, 8, 9, 33, 100, 257, 1]
+    num_tokens, num_heads, num_kv_heads, block_size = sum(lens), 9, 3, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 2
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # views into qkv, as the model passes them
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    starts, tables, next_block = [0], [], 0
+    for n in lens:
+        starts.append(starts[-1] + n)
+        per_seq = (n + block_size - 1) // block_size
+        tables.append(list(range(next_block, next_block + per_seq)))
+        next_block += per_seq
+    width = max(len(t) for t in tables)
+    slots = [b * block_size + i % block_size for t, n in zip(tables, lens) for i, b in enumerate(t[j // block_size] for j in range(n))]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        seq_lens_tensor=torch.tensor(lens),
+        query_start_loc=starts,
+        seq_lens=lens,
+        num_computed=[0] * len(lens),
+        num_prefills=len(lens) - 1,  # the 1-token prompt sits last, where decodes go
+        block_size=block_size,
+    )
+    caches = [torch.zeros(next_block, block_size, num_kv_heads, head_dim) for _ in range(4)]
+    got = CpuPagedAttention().forward(q, k, v, caches[0], caches[1], meta, head_dim**-0.5)
+    want = ReferenceAttention().forward(q, k, v, caches[2], caches[3], meta, head_dim**-0.5)
+    # rows of up to 257 keys, summed in other orders than torch's: a little above float32's 1e-5
+    torch.testing.assert_close(got, want, rtol=3e-5, atol=3e-5)

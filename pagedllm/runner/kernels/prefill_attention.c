@@ -14,10 +14,155 @@
  * Layouts: row r of q/k/v/out starts at ptr + r * *_stride; within a row,
  * heads are contiguous runs of head_dim floats (q, out: num_heads heads;
  * k, v: num_kv_heads).
+ *
+ * Where the head size is a multiple of PF_DCHUNK, a task works like a small
+ * GEMM instead (prefill_head_tiled): the head's keys are copied transposed
+ * once, kt [head_dim][keys], so that a tile of PF_Q queries x PF_KEYS keys of
+ * scores is PF_Q broadcasts and PF_Q x 2 vector FMAs per head dimension,
+ * every key vector loaded once for PF_Q queries; after the softmax of each
+ * query's row (zero past its own position, which is the causal mask), the
+ * weighted sum of values runs the same way over PF_Q queries x PF_DCHUNK
+ * dimensions. One query at a time (prefill_head) every key and value row
+ * was loaded again for every query and each score needed a horizontal sum;
+ * measured in BENCHMARKS.md ("Sixth round").
+ *
+ *     scores tile (PF_Q x PF_KEYS)      values tile (PF_Q x PF_DCHUNK)
+ *     for d in head_dim:                for t in keys of the block:
+ *       k = kt[d][t0 : t0 + PF_KEYS]      v = v_t[d0 : d0 + PF_DCHUNK]
+ *       for each query i: s_i += q_i[d] * k       for each query i: o_i += p_i[t] * v
  */
 #include <stdlib.h>
 
 #include "paged_attention.h"
+
+#if defined(__AVX512F__)
+#define PF_W 16 /* floats per vector */
+#define PF_Q 8  /* queries per tile: 8 x 2 accumulators of 32 */
+typedef __m512 pf_vec;
+#define PF_LOAD(p) _mm512_loadu_ps(p)
+#define PF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define PF_SET1(x) _mm512_set1_ps(x)
+#define PF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define PF_MUL(a, b) _mm512_mul_ps(a, b)
+#define PF_ZERO() _mm512_setzero_ps()
+#define PF_TILED 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PF_W 8
+#define PF_Q 4 /* 4 x 2 accumulators of 16 */
+typedef __m256 pf_vec;
+#define PF_LOAD(p) _mm256_loadu_ps(p)
+#define PF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define PF_SET1(x) _mm256_set1_ps(x)
+#define PF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define PF_MUL(a, b) _mm256_mul_ps(a, b)
+#define PF_ZERO() _mm256_setzero_ps()
+#define PF_TILED 1
+#else
+#define PF_TILED 0
+#endif
+
+#if PF_TILED
+#define PF_KEYS (2 * PF_W)   /* keys per scores tile */
+#define PF_DCHUNK (2 * PF_W) /* head dimensions per values tile */
+
+static inline int64_t pf_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/* exp(s[t] - max) in place for t < n; returns their sum (the softmax without its division) */
+static inline float exp_row(float *s, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+    int64_t t = 0;
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        _mm256_storeu_ps(s + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = _mm_cvtss_f32(hsum4x8(vsum, vsum, vsum, vsum));
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* One (sequence, kv head): every query head of its group, in tiles of PF_Q
+   queries; the same products as prefill_head, summed in another order. The
+   keys are transposed once for the group. kt: [head_dim][round_up(len,
+   PF_KEYS)] scratch; p: [PF_Q][same] scratch. head_dim is a multiple of
+   PF_DCHUNK; q, out point at the group's first query head. */
+static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+                                int64_t v_stride, float *out, int64_t out_stride, int64_t len, int head_dim,
+                                int group, float scale, float *kt, float *p) {
+    const int64_t ld = pf_round_up(len, PF_KEYS);
+    for (int64_t t = 0; t < len; t++)
+        for (int d = 0; d < head_dim; d++) kt[d * ld + t] = k[t * k_stride + d];
+    for (int d = 0; d < head_dim; d++)
+        for (int64_t t = len; t < ld; t++) kt[d * ld + t] = 0.0f;
+    const pf_vec vscale = PF_SET1(scale);
+    for (int g = 0; g < group; g++) {
+        const float *qh = q + (int64_t)g * head_dim;
+        float *oh = out + (int64_t)g * head_dim;
+        for (int64_t i0 = 0; i0 < len; i0 += PF_Q) {
+            const int nq = len - i0 < PF_Q ? (int)(len - i0) : PF_Q;
+            const int64_t n = i0 + nq; /* keys [0, n) cover every query of the tile */
+            const float *qrow[PF_Q];   /* a short last tile repeats its last query; those rows are dropped */
+            for (int qi = 0; qi < PF_Q; qi++) qrow[qi] = qh + (i0 + (qi < nq ? qi : nq - 1)) * q_stride;
+            for (int64_t t0 = 0; t0 < n; t0 += PF_KEYS) {
+                pf_vec acc[PF_Q][2];
+#pragma GCC unroll 8
+                for (int qi = 0; qi < PF_Q; qi++) acc[qi][0] = acc[qi][1] = PF_ZERO();
+                for (int d = 0; d < head_dim; d++) {
+                    const pf_vec k0 = PF_LOAD(kt + d * ld + t0), k1 = PF_LOAD(kt + d * ld + t0 + PF_W);
+#pragma GCC unroll 8
+                    for (int qi = 0; qi < PF_Q; qi++) {
+                        const pf_vec a = PF_SET1(qrow[qi][d]);
+                        acc[qi][0] = PF_FMA(a, k0, acc[qi][0]);
+                        acc[qi][1] = PF_FMA(a, k1, acc[qi][1]);
+                    }
+                }
+#pragma GCC unroll 8
+                for (int qi = 0; qi < PF_Q; qi++) {
+                    PF_STORE(p + qi * ld + t0, PF_MUL(acc[qi][0], vscale));
+                    PF_STORE(p + qi * ld + t0 + PF_W, PF_MUL(acc[qi][1], vscale));
+                }
+            }
+            /* each query sees keys [0, i]: exp over those, zero weight after (the causal
+               mask); the division by the sum is left to the output */
+            float inv[PF_Q];
+            for (int qi = 0; qi < PF_Q; qi++) {
+                float *pi = p + qi * ld;
+                const int64_t own = qi < nq ? i0 + qi + 1 : 0;
+                inv[qi] = own ? 1.0f / exp_row(pi, own) : 0.0f;
+                for (int64_t t = own; t < n; t++) pi[t] = 0.0f;
+            }
+            for (int d0 = 0; d0 < head_dim; d0 += PF_DCHUNK) {
+                pf_vec acc[PF_Q][2];
+#pragma GCC unroll 8
+                for (int qi = 0; qi < PF_Q; qi++) acc[qi][0] = acc[qi][1] = PF_ZERO();
+                for (int64_t t = 0; t < n; t++) {
+                    const float *vt = v + t * v_stride + d0;
+                    const pf_vec v0 = PF_LOAD(vt), v1 = PF_LOAD(vt + PF_W);
+#pragma GCC unroll 8
+                    for (int qi = 0; qi < PF_Q; qi++) {
+                        const pf_vec a = PF_SET1(p[qi * ld + t]);
+                        acc[qi][0] = PF_FMA(a, v0, acc[qi][0]);
+                        acc[qi][1] = PF_FMA(a, v1, acc[qi][1]);
+                    }
+                }
+                for (int qi = 0; qi < nq; qi++) {
+                    float *oi = oh + (i0 + qi) * out_stride + d0;
+                    const pf_vec vinv = PF_SET1(inv[qi]);
+                    PF_STORE(oi, PF_MUL(acc[qi][0], vinv));
+                    PF_STORE(oi + PF_W, PF_MUL(acc[qi][1], vinv));
+                }
+            }
+        }
+    }
+}
+#endif
 
 /* one (sequence, query head): queries [0, len) against keys [0, i] each */
 static void prefill_head(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
@@ -65,23 +210,50 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
     for (int s = 0; s < num_seqs; s++)
         if (bounds[2 * s + 1] - bounds[2 * s] > max_len) max_len = bounds[2 * s + 1] - bounds[2 * s];
     const int group = num_heads / num_kv_heads;
+#if PF_TILED
+    const int tiled = head_dim % PF_DCHUNK == 0;
+    /* scores [max_len], or kt [head_dim][ld] and p [PF_Q][ld] when tiled */
+    const int64_t ld = pf_round_up(max_len, PF_KEYS);
+    const int64_t scratch = tiled ? (int64_t)(head_dim + PF_Q) * ld : max_len;
+#else
+    const int64_t scratch = max_len;
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)max_len);
+        float *scores = (float *)malloc(sizeof(float) * (size_t)scratch);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
+#if PF_TILED
+        if (tiled) {
+            /* one task per (sequence, kv head): its keys are transposed once for the group */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < (int64_t)num_seqs * num_heads; task++) {
-            if (scores == NULL) continue;
-            const int s = (int)(task / num_heads), h = (int)(task % num_heads), kvh = h / group;
-            const int64_t r0 = bounds[2 * s];
-            prefill_head(q + r0 * q_stride + (int64_t)h * head_dim, q_stride, k + r0 * k_stride + (int64_t)kvh * head_dim,
-                         k_stride, v + r0 * v_stride + (int64_t)kvh * head_dim, v_stride,
-                         out + r0 * out_stride + (int64_t)h * head_dim, out_stride, bounds[2 * s + 1] - r0, head_dim,
-                         scale, scores);
+            for (int64_t task = 0; task < (int64_t)num_seqs * num_kv_heads; task++) {
+                if (scores == NULL) continue;
+                const int s = (int)(task / num_kv_heads), kvh = (int)(task % num_kv_heads);
+                const int64_t r0 = bounds[2 * s], len = bounds[2 * s + 1] - r0;
+                prefill_group_tiled(q + r0 * q_stride + (int64_t)kvh * group * head_dim, q_stride,
+                                    k + r0 * k_stride + (int64_t)kvh * head_dim, k_stride,
+                                    v + r0 * v_stride + (int64_t)kvh * head_dim, v_stride,
+                                    out + r0 * out_stride + (int64_t)kvh * group * head_dim, out_stride, len, head_dim,
+                                    group, scale, scores, scores + (int64_t)head_dim * pf_round_up(len, PF_KEYS));
+            }
+        } else
+#endif
+        {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < (int64_t)num_seqs * num_heads; task++) {
+                if (scores == NULL) continue;
+                const int s = (int)(task / num_heads), h = (int)(task % num_heads), kvh = h / group;
+                const int64_t r0 = bounds[2 * s];
+                prefill_head(q + r0 * q_stride + (int64_t)h * head_dim, q_stride,
+                             k + r0 * k_stride + (int64_t)kvh * head_dim, k_stride,
+                             v + r0 * v_stride + (int64_t)kvh * head_dim, v_stride,
+                             out + r0 * out_stride + (int64_t)h * head_dim, out_stride, bounds[2 * s + 1] - r0,
+                             head_dim, scale, scores);
+            }
         }
         free(scores);
     }
