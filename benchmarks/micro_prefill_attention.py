@@ -6,7 +6,7 @@ q/k/v as views into one fused qkv tensor as the model hands them over.
 Prints the time per layer and GFLOP/s counting the causal products only
 (4 x head_dim FLOPs per query-key pair and head: scores and weighted sum).
 
-    .venv/bin/python benchmarks/micro_prefill_attention.py [--tokens 2048] [--head-dim 64]
+    .venv/bin/python benchmarks/micro_prefill_attention.py [--tokens 2048] [--head-dim 64] [--one-prompt]
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--one-prompt", action="store_true", help="one prompt of --tokens tokens instead")
     args = p.parse_args()
     num_heads, num_kv_heads, head_dim = 9, 3, args.head_dim
     rng = random.Random(1234)
-    lens: list[int] = []
+    lens: list[int] = [args.tokens] if args.one_prompt else []
     while sum(lens) < args.tokens:
         lens.append(min(rng.randint(32, 256), args.tokens - sum(lens)))
     num_tokens = sum(lens)

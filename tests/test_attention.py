@@ -335,11 +335,12 @@ def test_cpu_paged_prefill_with_head_sizes_off_the_vector_width(head_dim: int) -
 
 
 @pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
-def test_cpu_paged_prefill_of_long_prompts_matches_reference(head_dim: int) -> None:
+@pytest.mark.parametrize("lens", [[7, 8, 9, 33, 100, 257, 1], [203]])
+def test_cpu_paged_prefill_of_long_prompts_matches_reference(head_dim: int, lens: list[int]) -> None:
     """Fresh prompts whose lengths cross the tiled kernel's query tiles (4 or 8) and key tiles
-    (16 or 32) and its zero-padded transposed keys; 48 takes the one-query path with AVX-512."""
+    (16 or 32) and its zero-padded transposed keys; 48 takes the one-query path with AVX-512.
+    Many prompts: a task per (prompt, kv head); one prompt: a task per query head."""
     gen = torch.Generator().manual_seed(head_dim)
-    lens = [7, 8, 9, 33, 100, 257, 1]
     num_tokens, num_heads, num_kv_heads, block_size = sum(lens), 9, 3, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 2
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # views into qkv, as the model passes them
@@ -360,7 +361,7 @@ def test_cpu_paged_prefill_of_long_prompts_matches_reference(head_dim: int) -> N
         query_start_loc=starts,
         seq_lens=lens,
         num_computed=[0] * len(lens),
-        num_prefills=len(lens) - 1,  # the 1-token prompt sits last, where decodes go
+        num_prefills=sum(1 for n in lens if n > 1),  # a 1-token prompt sits last, where decodes go
         block_size=block_size,
     )
     caches = [torch.zeros(next_block, block_size, num_kv_heads, head_dim) for _ in range(4)]

@@ -116,7 +116,10 @@ def test_fused_step_only_for_small_decode_steps(smollm_int8: LLM) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype"),
-    [("float32", "auto"), ("float32", "bfloat16"), ("bfloat16", "auto"), ("bfloat16", "float16")],
+    [
+        ("float32", "auto"), ("float32", "bfloat16"), ("float32", "float16"),
+        ("bfloat16", "auto"), ("bfloat16", "float16"), ("bfloat16", "float32"),
+    ],
 )
 def test_fused_panel_step_equals_layer_by_layer(arch: str, dtype: str, kv_cache_dtype: str, tiny_model_dirs) -> None:  # noqa: ANN001
     """Float32 and bf16 panels: any number of decode rows runs fused, with the layer path's arithmetic
@@ -163,6 +166,27 @@ def test_fused_decode_refuses_mixed_linear_kinds(tiny_model_dirs: dict[str, str]
             FusedDecode(runner.model, runner.kv_caches, runner.block_size)
     finally:
         layer.mlp.down_proj = kept
+
+
+def test_fused_decode_refuses_mismatched_inputs_and_weights(tiny_model_dirs: dict[str, str]) -> None:
+    """The kernel trusts its pointers: inputs of the wrong length and weights of another shape are refused."""
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8)
+    runner = llm.llm_engine.model_runner
+    fused = runner.fused_decode
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 9]), block_tables=torch.tensor([[0], [1]]), seq_lens_tensor=torch.tensor([1, 2]),
+        query_start_loc=[0, 1, 2], seq_lens=[1, 2], num_computed=[0, 1], num_prefills=0, block_size=8,
+    )
+    with pytest.raises(ValueError, match="as many positions"):
+        fused(torch.tensor([5, 6]), torch.tensor([0]), meta)  # one position for two tokens
+    layer = runner.model.model.layers[0].mlp.down_proj
+    kept = layer.packed_weight
+    layer.packed_weight = kept[:, :-1].contiguous()  # one input feature short
+    try:
+        with pytest.raises(ValueError, match="does not fit"):
+            FusedDecode(runner.model, runner.kv_caches, runner.block_size)
+    finally:
+        layer.packed_weight = kept
 
 
 def test_fused_decode_refuses_bad_steps(smollm_int8: LLM) -> None:

@@ -101,11 +101,14 @@ def test_engine_uses_native_ops_and_matches_the_torch_path(tiny_model_dirs: dict
     suite compares the default, native, path with transformers)."""
     prompts = [{"prompt_token_ids": list(range(200 + 7 * i, 230 + 11 * i))} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for arch in ("llama", "qwen3"):  # qwen3: its q/k norms and RoPE stay in torch
+    for arch in ("llama", "qwen3"):  # qwen3: its q/k norms run natively in the same pass as RoPE
         llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8)
         runner = llm.llm_engine.model_runner
         assert runner.native_ops is not None
         assert runner.model.model.layers[0].mlp.native is runner.native_ops
+        # every step layer by layer, so the switch below decides every step's ops
+        # (the fused decode step is compared with this path in test_fused_decode.py)
+        runner.fused_decode = None
         native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner.model.use_native_ops(None)
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -124,6 +124,15 @@ def _panel_width_bf16() -> int:
     return _library().packed_linear_bf16_panel()
 
 
+def panel_width(dtype: torch.dtype) -> int:
+    """Output columns per panel this build packs float32 or bfloat16 weights into."""
+    if dtype == torch.float32:
+        return _panel_width()
+    if dtype == torch.bfloat16:
+        return _panel_width_bf16()
+    raise ValueError(f"packed panels hold float32 or bfloat16 weights, not {dtype}")
+
+
 def packed_linear_bf16_native() -> bool:
     """Whether this build runs the bf16 kernel on AVX512-BF16 (else a slow scalar loop)."""
     return bool(_library().packed_linear_bf16_native())
@@ -150,7 +159,10 @@ def packed_linear_bf16(
     """``bf16(x) @ W.T + bias`` in float32 for float32 ``x`` ``[..., in]`` and a weight from ``pack_weight_panels_bf16``."""
     lib = _library()
     num_panels, num_pairs, panel, _ = packed.shape
-    if panel != _panel_width_bf16() or num_panels * panel < out_features or num_pairs != (in_features + 1) // 2:
+    if (
+        panel != _panel_width_bf16() or num_panels * panel < out_features or num_pairs != (in_features + 1) // 2
+        or in_features < 1
+    ):
         raise ValueError(f"packed bf16 weight {tuple(packed.shape)} does not fit {out_features}x{in_features}")
     if not packed.is_contiguous() or packed.dtype != torch.bfloat16:
         raise ValueError("packed weight must be a contiguous bfloat16 tensor")

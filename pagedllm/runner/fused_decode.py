@@ -34,7 +34,7 @@ import torch
 
 from pagedllm.models.int8_linear import SMALL_BATCH_ROWS, Int8Linear
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.packed_linear import PackedLinear, PackedLinearBF16
+from pagedllm.models.packed_linear import PackedLinear, PackedLinearBF16, panel_width
 from pagedllm.runner.attention import AttentionMetadata
 from pagedllm.runner.kernels import KV_TYPE_CODES, load_kernels
 
@@ -108,13 +108,33 @@ class FusedDecode:
             raise ValueError(f"the fused decode step runs int8 or packed linear layers, got {kind.__name__}")
         self.linear_kind, self.max_rows = _LINEAR_KINDS[kind]
 
-        def linear(layer: torch.nn.Module) -> _Linear:
+        def linear(layer: torch.nn.Module, in_features: int, out_features: int) -> _Linear:
+            # the kernel trusts these buffers' sizes: a layer of another shape or panel width
+            # (packed on another CPU) is refused here, as the layer-by-layer kernels refuse it
             if type(layer) is not kind:
                 raise ValueError(f"the fused decode step needs linear layers of one kind, got {kind.__name__} "
                                  f"and {type(layer).__name__}")
+            if (layer.in_features, layer.out_features) != (in_features, out_features):
+                raise ValueError(f"a {in_features} -> {out_features} layer of the model is "
+                                 f"{layer.in_features} -> {layer.out_features}")
+            if layer.bias is not None and layer.bias.shape != (out_features,):
+                raise ValueError(f"bias of shape {tuple(layer.bias.shape)} for {out_features} outputs")
             if isinstance(layer, Int8Linear):
+                if layer.qweight.shape != (out_features, in_features) or layer.scales.shape != (out_features,):
+                    raise ValueError(f"int8 weight {tuple(layer.qweight.shape)} does not fit {out_features}x{in_features}")
                 return _Linear(keep(layer.qweight, torch.int8), keep(layer.scales), keep(layer.bias))
-            return _Linear(keep(layer.packed_weight, layer.packed_weight.dtype), None, keep(layer.bias))
+            if isinstance(layer, PackedLinear):
+                dtype = torch.float32
+                panel = panel_width(dtype)
+                fits = layer.packed_weight.shape[1:] == (in_features, panel)
+            else:
+                dtype = torch.bfloat16
+                panel = panel_width(dtype)
+                fits = layer.packed_weight.shape[1:] == ((in_features + 1) // 2, panel, 2)
+            if not fits or layer.packed_weight.shape[0] * panel < out_features:
+                raise ValueError(f"packed weight {tuple(layer.packed_weight.shape)} does not fit "
+                                 f"{out_features}x{in_features} in this build's {panel}-column panels")
+            return _Linear(keep(layer.packed_weight, dtype), None, keep(layer.bias))
 
         if cfg.num_attention_heads % cfg.num_key_value_heads or cfg.head_dim % 2:
             raise ValueError("the fused decode step needs whole query-head groups and an even head_dim")
@@ -122,6 +142,8 @@ class FusedDecode:
         if cache_dtype not in _CACHE_CODES:
             raise ValueError(f"the fused decode step reads float32, float16 or bfloat16 caches, got {cache_dtype}")
 
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         self._layers = (_DecodeLayer * len(layers))()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             attn = layer.self_attn
@@ -131,8 +153,9 @@ class FusedDecode:
                 keep(layer.input_layernorm.weight.data), keep(layer.post_attention_layernorm.weight.data),
                 keep(attn.q_norm.weight.data if attn.q_norm is not None else None),
                 keep(attn.k_norm.weight.data if attn.k_norm is not None else None),
-                linear(attn.qkv_proj), linear(attn.o_proj), linear(layer.mlp.gate_up_proj),
-                linear(layer.mlp.down_proj), keep(k_cache, cache_dtype), keep(v_cache, cache_dtype),
+                linear(attn.qkv_proj, hidden, q_size + 2 * kv_size), linear(attn.o_proj, q_size, hidden),
+                linear(layer.mlp.gate_up_proj, hidden, 2 * inter), linear(layer.mlp.down_proj, inter, hidden),
+                keep(k_cache, cache_dtype), keep(v_cache, cache_dtype),
             )
         rotary = model.model.rotary
         # the C side holds raw pointers into these tables: rebuilding them
@@ -159,8 +182,20 @@ class FusedDecode:
         if not self.accepts(meta, input_ids.shape[0]):
             limit = "" if self.max_rows is None else f" of at most {self.max_rows} sequences"
             raise ValueError(f"the fused decode step takes decode-only steps{limit}")
+        num_tokens = input_ids.shape[0]
         if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
             raise ValueError("positions and the slot mapping must be int64")
+        # the kernel reads one position, slot, length and block-table row per token
+        if (
+            input_ids.dim() != 1 or positions.shape != (num_tokens,) or meta.slot_mapping.shape != (num_tokens,)
+            or meta.seq_lens_tensor.shape != (num_tokens,) or meta.seq_lens_tensor.dtype != torch.int64
+            or meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_tokens
+            or meta.block_tables.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"fused decode step: {num_tokens} tokens need as many positions, slots and sequence lengths "
+                "(int64) and block-table rows"
+            )
         rotary = self.model.model.rotary
         if rotary.cos is not self._rope_tables[0] or rotary.sin is not self._rope_tables[1]:
             raise ValueError("the model's RoPE tables were rebuilt after the fused decode step was set up")

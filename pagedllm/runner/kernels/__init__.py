@@ -9,7 +9,7 @@ float32, float16 or bfloat16 cache),
 ``packed_linear_bf16.c`` (the same with bfloat16 weights and products, float32 in and out),
 ``logit_stats.c`` (per-row argmax and logsumexp of the logits),
 ``kv_write.c`` (new K/V rows into their cache slots, rounded to the cache's dtype),
-``elementwise.c`` (RMSNorm with the residual add, RoPE, SiLU-and-multiply),
+``elementwise.c`` (RMSNorm with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply),
 ``prefill_attention.c`` (causal attention of prompts computed from scratch)
 and ``decode_step.c`` (a whole decoder step for decode tokens,
 built from the others through the shared headers ``paged_attention.h``

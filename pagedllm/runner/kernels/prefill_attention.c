@@ -4,20 +4,23 @@
  * float32).
  *
  * Sequence s owns rows bounds[2s] .. bounds[2s+1]-1; query i of a sequence
- * attends to keys 0..i of the same sequence. Each (sequence, query head) is
- * one task; a task walks its queries, computes the scores with the decode
- * kernel's four-keys-per-reduction dot product and softmax (paged_attention.h),
- * and the weighted sum of values in registers. This replaces one torch
- * SDPA call per prompt and layer (plus the K/V head repeat it needs on the
- * CPU), whose fixed cost dominates for prompts of a few hundred tokens.
+ * attends to keys 0..i of the same sequence. Where the head size does not
+ * fit the tiles below, each (sequence, query head) is one task that walks
+ * its queries one at a time (prefill_head): the scores with the decode
+ * kernel's four-keys-per-reduction dot product and softmax
+ * (paged_attention.h), the weighted sum of values in registers. Either
+ * way this replaces one torch SDPA call per prompt and layer (plus the K/V
+ * head repeat it needs on the CPU), whose fixed cost dominates for prompts
+ * of a few hundred tokens.
  *
  * Layouts: row r of q/k/v/out starts at ptr + r * *_stride; within a row,
  * heads are contiguous runs of head_dim floats (q, out: num_heads heads;
  * k, v: num_kv_heads).
  *
  * Where the head size is a multiple of PF_DCHUNK, a task works like a small
- * GEMM instead (prefill_head_tiled): the head's keys are copied transposed
- * once, kt [head_dim][keys], so that a tile of PF_Q queries x PF_KEYS keys of
+ * GEMM instead (prefill_group_tiled; a task is a (sequence, kv head), or a
+ * (sequence, query head) when there are too few of those for the threads):
+ * the head's keys are copied transposed once, kt [head_dim][keys], so that a tile of PF_Q queries x PF_KEYS keys of
  * scores is PF_Q broadcasts and PF_Q x 2 vector FMAs per head dimension,
  * every key vector loaded once for PF_Q queries; after the softmax of each
  * query's row (zero past its own position, which is the causal mask), the
@@ -228,17 +231,24 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
         }
 #if PF_TILED
         if (tiled) {
-            /* one task per (sequence, kv head): its keys are transposed once for the group */
+            /* one task per (sequence, kv head), its keys transposed once for the group; with
+               too few of those to keep every thread busy (one long prompt), one per query
+               head, each transposing the keys again (cheap next to the len^2 work) */
+            const int per_head = (int64_t)num_seqs * num_kv_heads < 2 * (int64_t)num_threads;
+            const int heads_per_task = per_head ? 1 : group;
+            const int64_t num_tasks = (int64_t)num_seqs * num_heads / heads_per_task;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < (int64_t)num_seqs * num_kv_heads; task++) {
+            for (int64_t task = 0; task < num_tasks; task++) {
                 if (scores == NULL) continue;
-                const int s = (int)(task / num_kv_heads), kvh = (int)(task % num_kv_heads);
+                const int s = (int)(task / (num_heads / heads_per_task));
+                const int h = (int)(task % (num_heads / heads_per_task)) * heads_per_task, kvh = h / group;
                 const int64_t r0 = bounds[2 * s], len = bounds[2 * s + 1] - r0;
-                prefill_group_tiled(q + r0 * q_stride + (int64_t)kvh * group * head_dim, q_stride,
+                prefill_group_tiled(q + r0 * q_stride + (int64_t)h * head_dim, q_stride,
                                     k + r0 * k_stride + (int64_t)kvh * head_dim, k_stride,
                                     v + r0 * v_stride + (int64_t)kvh * head_dim, v_stride,
-                                    out + r0 * out_stride + (int64_t)kvh * group * head_dim, out_stride, len, head_dim,
-                                    group, scale, scores, scores + (int64_t)head_dim * pf_round_up(len, PF_KEYS));
+                                    out + r0 * out_stride + (int64_t)h * head_dim, out_stride, len, head_dim,
+                                    heads_per_task, scale, scores,
+                                    scores + (int64_t)head_dim * pf_round_up(len, PF_KEYS));
             }
         } else
 #endif
