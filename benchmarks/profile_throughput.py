@@ -77,10 +77,14 @@ def main() -> None:
     backend.attend = _timed(phases, f"attention ({backend.name})", backend.attend)
     if hasattr(backend, "_decodes"):  # the share of decodes within attention
         backend._decodes = _timed(phases, "  of which decode attention", backend._decodes)
-    if args.kernel_timers:  # inside the forward pass: reported as "  of which ..."
+    # (module, name, original) of every patch below that outlives this run, undone before the torch profile
+    patched: list[tuple[object, str, object]] = []
+    if args.kernel_timers:  # reported as "  of which ...": the linears include the LM head's
         for fn_name in ("packed_linear", "packed_linear_bf16"):
+            patched.append((pl, fn_name, getattr(pl, fn_name)))
             setattr(pl, fn_name, _timed(phases, "  of which linear kernels (incl. lm_head)", getattr(pl, fn_name)))
         for op in ("add_rms_norm", "qk_norm_rope_", "silu_mul"):
+            patched.append((NativeOps, op, getattr(NativeOps, op)))
             setattr(NativeOps, op, _timed(phases, "  of which norms, RoPE, SiLU", getattr(NativeOps, op)))
     if runner.fused_decode is not None:  # decode-only steps run the whole decoder in one native call
         fused = runner.fused_decode
@@ -129,6 +133,8 @@ def main() -> None:
         del backend._decodes
     if runner.fused_decode is not None:
         runner.fused_decode = fused
+    for owner, name, original in patched:
+        setattr(owner, name, original)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
