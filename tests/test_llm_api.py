@@ -545,7 +545,7 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(llm):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     execute = engine.model_runner.execute
 
-    def failing_execute(output, params):
+    def failing_execute(output, params, num_top):
         raise RuntimeError("injected fault")
 
     engine.model_runner.execute = failing_execute

@@ -163,10 +163,10 @@ def guarded(ref: dict) -> Iterator[dict]:
     engine = llm.llm_engine
     execute = engine.model_runner.execute
 
-    def faulty_execute(output, params):  # noqa: ANN001, ANN202 - the runner's own signature
+    def faulty_execute(output, params, num_top):  # noqa: ANN001, ANN202 - the runner's own signature
         if any(s.seq.prompt_token_ids[: len(POISON)] == POISON for s in output.scheduled):
             raise RuntimeError("injected fault")
-        return execute(output, params)
+        return execute(output, params, num_top)
 
     engine.model_runner.execute = faulty_execute
     step = engine.step

@@ -148,9 +148,9 @@ class LLMEngine:
         # beams take the greedy path through the runner and report their
         # top-K next tokens; the search, not the sampler, picks what follows
         inner = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
-        inner.logprobs = beam.num_candidates
         req = Request(request_id, text, ids, inner, self.config.block_size, self._rng, next(self._arrivals))
         req.beam = beam
+        req.num_top_logprobs = beam.num_candidates  # may exceed what SamplingParams.logprobs allows
         # the beams it will fork count against max_num_seqs from admission on
         req.seqs[0].num_reserved_seqs = params.beam_width
         beam.start(req.seqs[0])
@@ -184,14 +184,16 @@ class LLMEngine:
             # for the next one; without a preemption it is a stall
             return self._resolve_stall() if self.requests and not output.preempted else []
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
-        params = [self.requests[s.seq.request_id].params for s in output.scheduled]
+        reqs = [self.requests[s.seq.request_id] for s in output.scheduled]
+        params = [r.params for r in reqs]
+        num_top = [r.num_top_logprobs for r in reqs]
         for seq in output.preempted:
             req = self.requests.get(seq.request_id)
             if req is not None and req.beam is not None:
                 req.beam.results.pop(seq.seq_id, None)  # recomputed later, reported again
         self.last_step_scheduled = True
         try:
-            results = self.model_runner.execute(output, params)
+            results = self.model_runner.execute(output, params, num_top)
         except BaseException:
             # the step is lost, not the engine: fail the requests in it so their
             # blocks return to the pool. Blocks published to the prefix cache

@@ -33,6 +33,9 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        # top candidates the runner reports per sampled position: what the user asked for,
+        # or, for a beam search, the candidates its next step chooses from
+        self.num_top_logprobs: int | None = params.logprobs
         self.arrival_time = time.monotonic()
         self.prompt_logprobs: list | None = None
         self.seqs: list[Sequence] = []

@@ -252,8 +252,12 @@ class ModelRunner:
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, params: list[SamplingParams]) -> list[StepResult]:
-        """Run one step. ``params[i]`` are the SamplingParams of ``output.scheduled[i]``.
+    def execute(
+        self, output: SchedulerOutput, params: list[SamplingParams], num_top: list[int | None]
+    ) -> list[StepResult]:
+        """Run one step. ``params[i]`` are the SamplingParams of ``output.scheduled[i]``,
+        ``num_top[i]`` how many top candidates to report with each of its samples
+        (None: the sampled token's logprob only).
 
         Returns one ``StepResult`` per scheduled sequence: a sampled token for
         it and for each of its forks when the step reaches its last token,
@@ -269,12 +273,16 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # one row per sample; forks reuse their parent's last hidden state
+        if len(params) != len(output.scheduled) or len(num_top) != len(output.scheduled):
+            raise ValueError("execute needs one SamplingParams and one num_top per scheduled sequence")
         rows: list[tuple[Sequence, SamplingParams]] = []
+        row_num_top: list[int | None] = []
         hidden_rows: list[int] = []
         for i, s in enumerate(scheduled):
             if s.samples:
                 for seq in (s.seq, *s.forks):
                     rows.append((seq, params[order[i]]))
+                    row_num_top.append(num_top[order[i]])
                     hidden_rows.append(meta.query_start_loc[i + 1] - 1)
         results = [StepResult() for _ in scheduled]
         if rows:
@@ -282,8 +290,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
             stats = logit_stats(logits)
             tokens = self.sampler(logits, self._sampling_tensors(rows), argmax=stats.argmax)
-            num_top = [p.logprobs for _, p in rows]
-            samples = token_logprobs(logits, tokens, num_top, lse=stats.lse)
+            samples = token_logprobs(logits, tokens, row_num_top, lse=stats.lse)
             it = iter(samples)
             for i, s in enumerate(scheduled):
                 if s.samples:
