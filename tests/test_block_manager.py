@@ -576,6 +576,26 @@ def test_record_prefix_lookup_counts_tokens():
     assert bm.num_prefix_hits == 8
 
 
+def test_unpublish_unconfirmed_forgets_only_the_last_plans_blocks():
+    """A failed step's blocks leave the prefix cache; blocks confirmed by an earlier step stay."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = mk(range(9))  # 2 full blocks of 4
+    assert bm.allocate(a)
+    bm.cache_full_blocks(a, len(a))
+    bm.confirm_published()  # its step ran
+    b = mk(range(100, 109))
+    assert bm.allocate(b)
+    bm.cache_full_blocks(b, len(b))  # planned, never run
+    bm.unpublish_unconfirmed()
+    assert sorted(bm.hash_to_block.values()) == a.block_table[:2]
+    assert bm.block_hash[b.block_table[0]] is None and bm.block_hash[b.block_table[1]] is None
+    assert bm.ref_counts[:6] == [1] * 6  # nothing freed: the blocks stay with their sequences
+    assert bm.num_cached_prefix_tokens(mk(range(9))) == 8
+    assert bm.num_cached_prefix_tokens(mk(range(100, 109))) == 0
+    bm.unpublish_unconfirmed()  # nothing left to forget
+    assert sorted(bm.hash_to_block.values()) == a.block_table[:2]
+
+
 def test_reset_prefix_cache():
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = mk(range(9))

@@ -563,6 +563,28 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(llm):
     assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
+def test_a_failed_step_keeps_what_earlier_steps_cached(llm):
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cached = {"prompt_token_ids": list(range(2000, 2040))}  # 2 full blocks of 16
+    failing = {"prompt_token_ids": list(range(3000, 3040))}
+    llm.generate(cached, greedy, use_tqdm=False)
+    execute = engine.model_runner.execute
+
+    def failing_execute(output, params, num_top):
+        raise RuntimeError("injected fault")
+
+    engine.model_runner.execute = failing_execute
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            llm.generate(failing, greedy, use_tqdm=False)
+    finally:
+        engine.model_runner.execute = execute
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert llm.generate(cached, greedy, use_tqdm=False)[0].num_cached_tokens == 32  # still cached
+    assert llm.generate(failing, greedy, use_tqdm=False)[0].num_cached_tokens == 0  # never written
+
+
 def test_max_model_len_beyond_the_models_positions_is_refused(smollm_path):
     # SmolLM2 has 8192 positions
     with pytest.raises(ValueError, match="max_position_embeddings"):

@@ -87,6 +87,8 @@ class BlockManager:
         # Prefix-cache statistics, in tokens (for metrics and benchmarks).
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # blocks published since the last step ran: their K/V is written only when it does
+        self._unconfirmed: list[int] = []
         # copy-on-write copies decided since the last take_copies()
         self._pending_copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
@@ -306,6 +308,21 @@ class BlockManager:
             self.block_hash[block] = h
             self.block_token_ids[block] = tuple(seq.block_tokens(i))
             self.hash_to_block[h] = block
+            self._unconfirmed.append(block)
+
+    def confirm_published(self) -> None:
+        """The step planned with the blocks published since the last call has run: they hold their K/V."""
+        self._unconfirmed.clear()
+
+    def unpublish_unconfirmed(self) -> None:
+        """Take the blocks published since the last ``confirm_published`` out of the prefix cache.
+
+        For a step that failed: it never wrote them, so no later prompt may
+        hit them. Blocks stay allocated; what earlier steps cached stays cached.
+        """
+        for block in self._unconfirmed:
+            self._uncache(block)
+        self._unconfirmed.clear()
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks at ref count 0 become free."""

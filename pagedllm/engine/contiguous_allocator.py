@@ -148,5 +148,11 @@ class ContiguousAllocator:
     def take_copies(self) -> list[tuple[int, int]]:
         return []
 
+    def confirm_published(self) -> None:
+        pass
+
+    def unpublish_unconfirmed(self) -> None:
+        pass
+
     def reset_prefix_cache(self) -> None:
         pass

@@ -177,6 +177,8 @@ class LLMEngine:
     # --- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of requests that progressed."""
+        # blocks published by a plan that never ran (its schedule raised) must not be hit
+        self.block_manager.unpublish_unconfirmed()
         output = self.scheduler.schedule()
         self.last_step_scheduled = False
         if output.is_empty:
@@ -197,13 +199,14 @@ class LLMEngine:
         except BaseException:
             # the step is lost, not the engine: fail the requests in it so their
             # blocks return to the pool. Blocks published to the prefix cache
-            # when the step was planned may never have been written, so the
-            # cache is emptied (blocks in use stay allocated). Then let the
-            # caller see the error (KeyboardInterrupt included).
-            self.block_manager.reset_prefix_cache()
+            # when the step was planned were never written, so they leave the
+            # cache; what earlier steps cached stays. Then let the caller see
+            # the error (KeyboardInterrupt included).
+            self.block_manager.unpublish_unconfirmed()
             for s in output.scheduled:
                 self.abort_request(s.seq.request_id)
             raise
+        self.block_manager.confirm_published()
         self.scheduler.update(output)
         touched: dict[str, Request] = {}
         for s, result in zip(output.scheduled, results):
