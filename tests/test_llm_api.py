@@ -7,6 +7,8 @@ Generation lengths are kept small: every decode step costs real model time.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 
 from pagedllm import LLM, CompletionOutput, RequestOutput, SamplingParams
@@ -539,21 +541,27 @@ def test_engine_abort_a_request_that_never_ran(llm):
 # --- failures and edge cases ------------------------------------------------------
 
 
-def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(llm):
-    engine = llm.llm_engine
-    prompt = {"prompt_token_ids": list(range(1000, 1040))}  # 2 full blocks of 16 to publish
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+@contextmanager
+def _failing_steps(engine):  # noqa: ANN001, ANN202
+    """Every model step raises inside the block; the runner is restored after it."""
     execute = engine.model_runner.execute
 
-    def failing_execute(output, params, num_top):
+    def failing_execute(output, params, num_top):  # noqa: ANN001, ANN202 - the runner's own signature
         raise RuntimeError("injected fault")
 
     engine.model_runner.execute = failing_execute
     try:
-        with pytest.raises(RuntimeError, match="injected fault"):
-            llm.generate(prompt, greedy, use_tqdm=False)
+        yield
     finally:
         engine.model_runner.execute = execute
+
+
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(llm):
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(1000, 1040))}  # 2 full blocks of 16 to publish
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with _failing_steps(engine), pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate(prompt, greedy, use_tqdm=False)
     pool = engine.block_manager
     assert pool.num_free_blocks == pool.num_blocks
     # the blocks were published when the step was planned but never written:
@@ -569,17 +577,8 @@ def test_a_failed_step_keeps_what_earlier_steps_cached(llm):
     cached = {"prompt_token_ids": list(range(2000, 2040))}  # 2 full blocks of 16
     failing = {"prompt_token_ids": list(range(3000, 3040))}
     llm.generate(cached, greedy, use_tqdm=False)
-    execute = engine.model_runner.execute
-
-    def failing_execute(output, params, num_top):
-        raise RuntimeError("injected fault")
-
-    engine.model_runner.execute = failing_execute
-    try:
-        with pytest.raises(RuntimeError, match="injected fault"):
-            llm.generate(failing, greedy, use_tqdm=False)
-    finally:
-        engine.model_runner.execute = execute
+    with _failing_steps(engine), pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate(failing, greedy, use_tqdm=False)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert llm.generate(cached, greedy, use_tqdm=False)[0].num_cached_tokens == 32  # still cached
     assert llm.generate(failing, greedy, use_tqdm=False)[0].num_cached_tokens == 0  # never written

@@ -53,12 +53,17 @@ def _float32_rows(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
     return rows if rows.is_contiguous() else rows.contiguous()
 
 
+def _float32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A 2-D weight as a contiguous float32 CPU tensor, what the packing kernels read."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    return weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
 def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[out, in]`` weight as ``[num_panels, in, panel]`` column panels (zero-padded)."""
     lib = _library()
-    if weight.dim() != 2:
-        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
-    w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    w = _float32_weight(weight)
     out_features, in_features = w.shape
     panel = _panel_width()
     num_panels = (out_features + panel - 1) // panel
@@ -141,9 +146,7 @@ def packed_linear_bf16_native() -> bool:
 def pack_weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     """A ``[out, in]`` weight rounded to bf16 as ``[num_panels, ceil(in / 2), panel, 2]`` k-pair panels."""
     lib = _library()
-    if weight.dim() != 2:
-        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
-    w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    w = _float32_weight(weight)
     out_features, in_features = w.shape
     panel = _panel_width_bf16()
     num_panels = (out_features + panel - 1) // panel

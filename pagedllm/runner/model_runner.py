@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.block_table import slot_mapping
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.loader.model_config import ModelArchConfig
@@ -22,6 +21,7 @@ from pagedllm.models.onednn_linear import onednn_available, use_onednn_linear
 from pagedllm.models.packed_linear import packed_linear_bf16_native, use_packed_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.fused_decode import FusedDecode
+from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.kernels import load_kernels
 from pagedllm.runner.sampler import (
     Sampler,
@@ -156,6 +156,7 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
         self.sampler = Sampler()
+        self.input_batch = InputBatch(self.block_size, self.device)
         # decode steps run the whole decoder in one native call (runner/fused_decode.py)
         # where its linear layers are int8 or packed panels; it reads the cache the
         # way cpu_paged does, so only with that backend
@@ -180,47 +181,12 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Build input ids, positions and attention metadata on the CPU.
+        """Build input ids, positions and attention metadata on the CPU (``runner/input_batch.py``).
 
         Sequences with more than one new token (prefills) go first, as the
-        attention backends expect.
+        attention backends expect. The tensors are valid until the next call.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        num_computed: list[int] = []
-        tables: list[list[int]] = []
-        for s in scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            seq = s.seq
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(slot_mapping(seq.block_table, self.block_size, start, end))
-            query_start_loc.append(len(input_ids))
-            seq_lens.append(end)
-            num_computed.append(start)
-            tables.append(seq.block_table)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        num_prefills = sum(1 for s in scheduled if s.num_new_tokens > 1)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            num_computed=num_computed,
-            num_prefills=num_prefills,
-            block_size=self.block_size,
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta,
-        )
+        return self.input_batch.build(scheduled)
 
     def _sampling_tensors(self, rows: list[tuple[Sequence, SamplingParams]]) -> SamplingTensors:
         vocab = self.model_config.vocab_size

@@ -34,8 +34,9 @@ static inline void prefetch_block(const void *p, int64_t n_bytes) {
     for (int64_t i = 0; i < n_bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
 }
 
-/* softmax of s[0, n) in place (the vector exp on AVX2) */
-static inline void softmax_row(float *s, int64_t n) {
+/* exp(s[t] - max) in place for t < n (the vector exp on AVX2); returns their
+   sum: the softmax without its division, which a caller may fold elsewhere */
+static inline float exp_row(float *s, int64_t n) {
     float m = -INFINITY;
     for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
     float sum = 0.0f;
@@ -54,8 +55,13 @@ static inline void softmax_row(float *s, int64_t n) {
         s[t] = expf(s[t] - m);
         sum += s[t];
     }
-    const float inv = 1.0f / sum;
-    for (t = 0; t < n; t++) s[t] *= inv;
+    return sum;
+}
+
+/* softmax of s[0, n) in place */
+static inline void softmax_row(float *s, int64_t n) {
+    const float inv = 1.0f / exp_row(s, n);
+    for (int64_t t = 0; t < n; t++) s[t] *= inv;
 }
 
 

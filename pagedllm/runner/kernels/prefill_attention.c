@@ -70,27 +70,6 @@ typedef __m256 pf_vec;
 
 static inline int64_t pf_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-/* exp(s[t] - max) in place for t < n; returns their sum (the softmax without its division) */
-static inline float exp_row(float *s, int64_t n) {
-    float m = -INFINITY;
-    for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-    float sum = 0.0f;
-    int64_t t = 0;
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 vsum = _mm256_setzero_ps();
-    for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
-        _mm256_storeu_ps(s + t, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    sum = _mm_cvtss_f32(hsum4x8(vsum, vsum, vsum, vsum));
-    for (; t < n; t++) {
-        s[t] = expf(s[t] - m);
-        sum += s[t];
-    }
-    return sum;
-}
-
 /* One (sequence, kv head): every query head of its group, in tiles of PF_Q
    queries; the same products as prefill_head, summed in another order. The
    keys are transposed once for the group. kt: [head_dim][round_up(len,

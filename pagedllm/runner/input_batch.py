@@ -1,0 +1,109 @@
+"""A step's input tensors and attention metadata, built with numpy in reused buffers.
+
+Per scheduled sequence only a few integers are read in Python (where its new
+tokens start and end, its block table); everything per token is computed in
+numpy over the whole step, into int64 buffers that live as long as the runner
+and grow when a step needs more room:
+
+    query_start_loc  [0, 5, 6, 7]              (a 5-token prefill, two decodes)
+    seq_index        [0 0 0 0 0 1 2]           np.repeat(arange(num_seqs), num_new)
+    positions        [0 1 2 3 4 9 4]           num_computed[seq_index] + (j - query_start_loc[seq_index])
+    slots            block_tables[seq_index, positions // B] * B + positions % B
+
+The slot formula is ``block_table.batch_slot_mapping``, the one place it is
+written. The tensors handed out share memory with the buffers (on the CPU),
+so they are valid until the next ``build``: the runner uses them within one
+step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.engine.block_table import batch_slot_mapping
+from pagedllm.engine.scheduler import ScheduledSequence
+from pagedllm.runner.attention import AttentionMetadata
+
+
+class InputBatch:
+    """Builds ``(input_ids, positions, AttentionMetadata)`` for one step at a time.
+
+    Args:
+        block_size: tokens per KV block.
+        device: where the tensors go (CPU: views of the buffers; other devices: copies).
+    """
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        # flat int64 buffers, grown on demand: [token ids | positions | slots] per token,
+        # block tables (num_seqs x max_blocks, contiguous) and sequence lengths per sequence
+        self._tokens = np.zeros((3, 0), dtype=np.int64)
+        self._tables = np.zeros(0, dtype=np.int64)
+        self._seq_lens = np.zeros(0, dtype=np.int64)
+
+    def _room(self, num_tokens: int, num_seqs: int, num_table_entries: int) -> None:
+        if self._tokens.shape[1] < num_tokens:
+            self._tokens = np.zeros((3, max(num_tokens, 2 * self._tokens.shape[1])), dtype=np.int64)
+        if self._tables.shape[0] < num_table_entries:
+            self._tables = np.zeros(max(num_table_entries, 2 * self._tables.shape[0]), dtype=np.int64)
+        if self._seq_lens.shape[0] < num_seqs:
+            self._seq_lens = np.zeros(max(num_seqs, 2 * self._seq_lens.shape[0]), dtype=np.int64)
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+    def build(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids and positions ``[num_tokens]`` and the step's metadata.
+
+        ``scheduled`` must list prefills (more than one new token) first, as
+        the attention backends expect.
+        """
+        if not scheduled:
+            raise ValueError("a step needs at least one scheduled sequence")
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        num_computed = [s.num_computed_tokens for s in scheduled]
+        num_new = [s.num_new_tokens for s in scheduled]
+        seq_lens = [c + n for c, n in zip(num_computed, num_new)]
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        for s, end in zip(scheduled, seq_lens):
+            if s.num_computed_tokens < 0 or s.num_new_tokens < 0 or end > len(s.seq.block_table) * bs:
+                raise ValueError(
+                    f"token range [{s.num_computed_tokens}, {end}) does not fit "
+                    f"{len(s.seq.block_table)} blocks of {bs}"
+                )
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        self._room(num_tokens, num_seqs, num_seqs * max_blocks)
+
+        input_ids, positions, slots = self._tokens[:, :num_tokens]
+        # [num_seqs, max_blocks], padded with block 0 (never read: lengths bound every read)
+        tables = self._tables[: num_seqs * max_blocks].reshape(num_seqs, max_blocks)
+        tables.fill(0)
+        for i, s in enumerate(scheduled):
+            tables[i, : len(s.seq.block_table)] = s.seq.block_table
+        input_ids[:] = np.fromiter(
+            (t for s, c, e in zip(scheduled, num_computed, seq_lens) for t in s.seq.token_ids[c:e]),
+            dtype=np.int64, count=num_tokens,
+        )
+        seq_index = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
+        np.add(np.arange(num_tokens), np.repeat(np.asarray(num_computed) - query_start_loc[:-1], num_new), out=positions)
+        slots[:] = batch_slot_mapping(tables, seq_index, positions, bs)
+        lens = self._seq_lens[:num_seqs]
+        lens[:] = seq_lens
+
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(tables),
+            seq_lens_tensor=self._tensor(lens),
+            query_start_loc=query_start_loc.tolist(),
+            seq_lens=seq_lens,
+            num_computed=num_computed,
+            num_prefills=sum(1 for n in num_new if n > 1),
+            block_size=bs,
+        )
+        return self._tensor(input_ids), self._tensor(positions), meta
