@@ -21,7 +21,7 @@ from torch import nn
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.models.bf16_linear import TorchBF16Linear, use_bf16_linear
-from pagedllm.models.onednn_linear import OneDnnLinear, onednn_available
+from pagedllm.models.onednn_linear import OneDnnLinear, onednn_available, onednn_bf16_supported
 from pagedllm.models.packed_linear import (
     PackedLinearBF16,
     pack_weight_panels_bf16,
@@ -118,8 +118,9 @@ def test_packed_bf16_refuses_what_it_cannot_compute() -> None:
 def test_bf16_linear_backends_compute_the_same_scheme(backend: str) -> None:
     if backend == "packed" and not packed_linear_available():
         pytest.skip("the native CPU kernels do not build here")
-    if backend == "onednn" and not onednn_available():
-        pytest.skip("torch has no oneDNN here")
+    if backend == "onednn" and not onednn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU (needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); "
+                    "test_onednn_bf16_is_refused_where_the_cpu_lacks_it covers the refusal")
     gen = torch.Generator().manual_seed(11)
     model = nn.Sequential(nn.Linear(96, 130, bias=True), nn.Linear(130, 40, bias=False))
     with torch.no_grad():
@@ -190,8 +191,8 @@ def test_tiny_models_in_bf16_match_transformers_computing_the_same_scheme(arch: 
     for backend in ("packed", "onednn", "torch"):
         if backend == "packed" and not packed_linear_available():
             continue
-        if backend == "onednn" and not onednn_available():
-            continue
+        if backend == "onednn" and not onednn_bf16_supported():
+            continue  # no bf16 kernels in oneDNN on this CPU: refused, see the test below
         llm = LLM(
             tiny_model_dirs[arch], dtype="bfloat16", kv_cache_dtype="float32", linear_backend=backend,
             num_kv_blocks=64, max_model_len=256, block_size=8,
@@ -236,6 +237,14 @@ def test_smollm_bf16_defaults_and_closeness_to_float32(hf_smollm, smollm_tokeniz
             worst_gap = max(worst_gap, float(row.max() - row[ids[pos]]))
     # measured 0.0 (every token is float32's best); bf16 weights move logits by hundredths, a wrong layer by units
     assert worst_gap < 0.1, worst_gap
+
+
+def test_onednn_bf16_is_refused_where_the_cpu_lacks_it() -> None:
+    """oneDNN's bf16 needs AVX-512 or AVX-NE-CONVERT: elsewhere a clear ValueError, not torch's RuntimeError."""
+    if not onednn_available() or onednn_bf16_supported():
+        pytest.skip("this CPU runs oneDNN's bf16 kernels; the refusal cannot happen here")
+    with pytest.raises(ValueError, match="linear_backend='packed'"):
+        use_bf16_linear(nn.Sequential(nn.Linear(8, 8)), "onednn")
 
 
 def test_bf16_config_validation() -> None:

@@ -162,15 +162,18 @@ def test_int8_large_calls_go_through_the_packed_dequantized_copy() -> None:
         Int8Linear(linear, "mkl")
 
 
-def test_bfloat16_on_a_cpu_without_native_bf16_warns(tiny_model_dirs: dict[str, str], monkeypatch, caplog) -> None:  # noqa: ANN001
-    from pagedllm.runner import model_runner
+def test_bfloat16_on_a_slow_cpu_path_warns(tiny_model_dirs: dict[str, str], caplog) -> None:  # noqa: ANN001
+    """bf16 through torch's own matmul on the CPU is the slow path: say so; the default picks a fast one."""
+    from pagedllm.models.packed_linear import packed_linear_bf16_native
 
-    monkeypatch.setattr(model_runner, "_cpu_has_native_bf16", lambda: False)
     with caplog.at_level("WARNING", logger="pagedllm.runner.model_runner"):
-        LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16")
-    assert any("without native bf16" in r.getMessage() for r in caplog.records)
+        LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16",
+            linear_backend="torch")
+    assert any("slow path" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    monkeypatch.setattr(model_runner, "_cpu_has_native_bf16", lambda: True)
     with caplog.at_level("WARNING", logger="pagedllm.runner.model_runner"):
-        LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16")
-    assert not any("without native bf16" in r.getMessage() for r in caplog.records)
+        llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16")
+    if packed_linear_available() and packed_linear_bf16_native():
+        # AVX512-BF16 or AVX2: the packed kernel, whatever the CPU's other features
+        assert llm.llm_engine.model_runner.linear_backend == "packed"
+        assert not any("slow path" in r.getMessage() for r in caplog.records)

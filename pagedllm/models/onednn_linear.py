@@ -25,6 +25,11 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN can run bf16 matmuls on this CPU (torch asks the CPU's features)."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A ``[out, in]`` weight in ``dtype`` (float32 or bfloat16) reordered into oneDNN's layout (an opaque tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
@@ -51,6 +56,12 @@ class OneDnnLinear(nn.Module):
         super().__init__()
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"OneDnnLinear packs float32 or bfloat16 weights, got {weight_dtype}")
+        if weight_dtype == torch.bfloat16 and not onednn_bf16_supported():
+            # oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT; it would raise deep inside torch
+            raise ValueError(
+                "linear_backend='onednn' with dtype='bfloat16' needs a CPU with AVX-512 (BW/VL/DQ) or "
+                "AVX-NE-CONVERT; this one has neither: use linear_backend='packed' (or 'auto')"
+            )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_dtype = weight_dtype
         self.register_buffer("packed_weight", pack_weight(linear.weight, weight_dtype))

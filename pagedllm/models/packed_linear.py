@@ -138,9 +138,18 @@ def panel_width(dtype: torch.dtype) -> int:
     raise ValueError(f"packed panels hold float32 or bfloat16 weights, not {dtype}")
 
 
+_BF16_ISAS = {2: "avx512_bf16", 1: "avx2", 0: "scalar"}
+
+
+def packed_linear_bf16_isa() -> str:
+    """How this build of the bf16 kernel multiplies: "avx512_bf16" (the bf16 dot
+    instruction), "avx2" (bf16 widened to float32 in registers, FMA) or "scalar"."""
+    return _BF16_ISAS[int(_library().packed_linear_bf16_native())]
+
+
 def packed_linear_bf16_native() -> bool:
-    """Whether this build runs the bf16 kernel on AVX512-BF16 (else a slow scalar loop)."""
-    return bool(_library().packed_linear_bf16_native())
+    """Whether this build runs the bf16 kernel in vector code (AVX512-BF16 or AVX2), not the scalar loop."""
+    return packed_linear_bf16_isa() != "scalar"
 
 
 def pack_weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pagedllm.models.bf16_linear import use_bf16_linear
 from pagedllm.models.int8_linear import quantize_model_int8
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.native_ops import NativeOps
-from pagedllm.models.onednn_linear import onednn_available, use_onednn_linear
+from pagedllm.models.onednn_linear import onednn_available, onednn_bf16_supported, use_onednn_linear
 from pagedllm.models.packed_linear import packed_linear_bf16_native, use_packed_linear
 from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.fused_decode import FusedDecode
@@ -90,12 +90,6 @@ class ModelRunner:
         self.compute_dtype = torch.float32 if self.bf16_matmul_only else self.dtype
         # what the cache stores ("auto": the model's dtype); resolved here, not in the config
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        if self.device.type == "cpu" and self.dtype != torch.float32 and not _cpu_has_native_bf16():
-            # measured here: a bf16 matmul on a Zen 3 core is ~300x slower than float32
-            logger.warning(
-                "dtype=%s on a CPU without native bf16/fp16 matmul (no avx512_bf16 or amx): expect it to be "
-                "far slower than float32; dtype='float32' is the fast choice here", config.dtype,
-            )
         self.backend = make_backend(config.attention_backend, self.device.type, self.compute_dtype)
 
         start = time.perf_counter()
@@ -118,11 +112,13 @@ class ModelRunner:
             self.linear_backend = "torch"
             if self.device.type == "cpu" and self.compute_dtype == torch.float32:
                 # float32: our packed-panel kernel measured 1.17-1.56x oneDNN at 1-64 rows here, oneDNN 2-4x MKL;
-                # bf16: ours where the CPU has AVX512-BF16 (its fallback is a scalar loop), else oneDNN's
+                # bf16: ours in vector code (AVX512-BF16's dot product, or AVX2 widening bf16 in
+                # registers); oneDNN only where it has bf16 kernels (AVX-512), else its reorder raises
                 if load_kernels() is not None and (not self.bf16_matmul_only or packed_linear_bf16_native()):
                     self.linear_backend = "packed"
-                elif onednn_available():
+                elif onednn_available() and (not self.bf16_matmul_only or onednn_bf16_supported()):
                     self.linear_backend = "onednn"
+        self._warn_if_slow_half_precision()
         if config.quantization == "int8":
             quantize_model_int8(self.model, dense_backend=self.linear_backend)
         elif self.bf16_matmul_only:
@@ -163,6 +159,22 @@ class ModelRunner:
         self.fused_decode: FusedDecode | None = None
         if self.backend.name == "cpu_paged" and (config.quantization == "int8" or self.linear_backend == "packed"):
             self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
+
+    def _warn_if_slow_half_precision(self) -> None:
+        """Say so when a 2-byte dtype on the CPU runs on a path far slower than float32."""
+        if self.device.type != "cpu" or self.dtype == torch.float32:
+            return
+        fast = self.bf16_matmul_only and (
+            (self.linear_backend == "packed" and packed_linear_bf16_native())
+            or (self.linear_backend == "onednn" and _cpu_has_native_bf16())
+        )
+        if not fast:
+            # measured here: a torch bf16 matmul on a Zen 3 core is ~300x slower than float32
+            logger.warning(
+                "dtype=%s on this CPU runs on a slow path (linear_backend=%s, no native bf16 kernel for it): "
+                "expect it to be far slower than float32; dtype='float32' is the fast choice here",
+                self.config.dtype, self.linear_backend,
+            )
 
     # --- sizing --------------------------------------------------------------
     @property

@@ -28,8 +28,10 @@
  * every call, and at decode sizes (8-64 rows) its packed matmul waits on
  * memory (packed_linear.c); measured in BENCHMARKS.md ("bfloat16 on the CPU").
  *
- * Without AVX512-BF16 a scalar loop computes the same sums (same products,
- * float32 sums); correct everywhere, fast only where the instruction exists.
+ * Without AVX512-BF16, AVX2 widens the bf16 pairs to float32 in registers
+ * and multiplies with FMA (panel_bf16.h): the same products, float32 sums,
+ * half the weight bytes of float32 panels. Without AVX2 a scalar loop
+ * computes the same sums; correct everywhere, slow.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -39,9 +41,12 @@
 
 int packed_linear_bf16_panel(void) { return BF_PANEL; }
 
-/* 1 where this build has the AVX512-BF16 dot instruction, 0 where it runs the scalar loop */
+/* How this build multiplies: 2 with AVX512-BF16's dot instruction, 1 by widening
+ * bf16 to float32 in AVX2 registers (FMA), 0 in the scalar loop */
 int packed_linear_bf16_native(void) {
 #if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
