@@ -52,6 +52,8 @@ class RequestOutput:
     # first entry None (nothing precedes the first token), then one per token
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)
+    # set when the request failed on its own inside a step (finished, outputs "abort"); the others went on
+    error: str | None = None
 
 
 @dataclass

@@ -6,10 +6,49 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# bounds of what the engine's tensors and counters hold: counts and token ids
+# go into int32/int64 tensors, settings into float32 ones; a value past them
+# is refused here rather than overflowing inside a step shared with others
+MAX_INT32 = 2**31 - 1
+INT64_RANGE = (-(2**63), 2**63 - 1)
+MAX_FLOAT32 = 3.4028234663852886e38
 
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_int(name: str, value: object, low: int, high: int = MAX_INT32, none_ok: bool = False) -> None:
+    """Raise ValueError unless ``value`` is an integer in ``[low, high]`` (or None when allowed)."""
+    if value is None and none_ok:
+        return
+    if not _is_int(value) or not low <= value <= high:
+        suffix = " or None" if none_ok else ""
+        raise ValueError(f"{name} must be an integer in [{low}, {high}]{suffix}, got {_short(value)}")
+
+
+def check_float(name: str, value: object, low: float, high: float = MAX_FLOAT32, low_open: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a finite number in ``[low, high]`` (``(low, high]`` if ``low_open``)."""
+    if not _is_number(value) or value > high or value < low or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {_short(value)}")
+
+
+def check_text(name: str, text: str) -> None:
+    """Raise ValueError for a string that is not valid Unicode text (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid UTF-8 text: {e.reason} at position {e.start}") from None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass
@@ -56,32 +95,18 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.best_of is not None and (
-            isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or self.best_of < self.n
-        ):
-            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
-            ):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        check_int("n", self.n, 1)
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {_short(self.best_of)}")
+        check_int("best_of", self.best_of, 1, none_ok=True)
+        check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, none_ok=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, none_ok=True)
+        check_float("temperature", self.temperature, 0.0)
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_int("top_k", self.top_k, -1)  # 0 or -1 disables
+        check_float("min_p", self.min_p, 0.0, 1.0)
+        check_int("seed", self.seed, *INT64_RANGE, none_ok=True)
+        check_int("max_tokens", self.max_tokens, 1, none_ok=True)
         if self.stop is None:
             stops: list[str] = []
         elif isinstance(self.stop, str):
@@ -89,16 +114,23 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
             stops = list(self.stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise ValueError(f"stop must be a string or a list of strings, got {_short(self.stop)}")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        for s in stops:
+            check_text("stop", s)
         self._stop_list = stops
         if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-            ):
-                raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {_short(self.stop_token_ids)}")
+            if not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+                raise ValueError(
+                    f"stop_token_ids must be a list of integers in [0, {MAX_INT32}], got {_short(self.stop_token_ids)}"
+                )
             self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {_short(getattr(self, name))}")
 
     @property
     def num_samples(self) -> int:

@@ -167,14 +167,28 @@ def test_max_tokens_gives_length(llm):
 
 
 def test_context_limit_ends_generation_with_length(llm):
-    # a prompt 3 tokens short of max_model_len gets 3 tokens whatever max_tokens says
+    # a prompt 3 tokens short of max_model_len with no max_tokens runs to the end of the context
     max_len = llm.llm_engine.config.max_model_len
     ids = [100 + (i * 37) % 5000 for i in range(max_len - 3)]
-    (out,) = gen(llm, [{"prompt_token_ids": ids}], greedy(max_tokens=50, ignore_eos=True))
+    (out,) = gen(llm, [{"prompt_token_ids": ids}], greedy(max_tokens=None, ignore_eos=True))
     c = out.outputs[0]
     assert len(c.token_ids) == 3
     assert len(out.prompt_token_ids) + len(c.token_ids) == max_len
     assert c.finish_reason == "length"
+
+
+def test_prompt_plus_max_tokens_past_the_context_is_refused_as_the_server_does(llm):
+    """One rule offline and on the server: prompt + max_tokens > max_model_len is a ValueError, not a cut."""
+    from pagedllm.engine.llm_engine import ContextLengthError
+
+    engine = llm.llm_engine
+    max_len = engine.config.max_model_len
+    ids = [100 + (i * 37) % 5000 for i in range(max_len - 3)]
+    with pytest.raises(ContextLengthError, match=f"{max_len - 3} in the prompt, 4 in the completion"):
+        gen(llm, [{"prompt_token_ids": ids}], greedy(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+    (out,) = gen(llm, [{"prompt_token_ids": ids}], greedy(max_tokens=3, ignore_eos=True))  # exactly fits
+    assert len(out.outputs[0].token_ids) == 3
 
 
 # --- seeds and n -----------------------------------------------------------------

@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,14 +31,22 @@ import openai
 import pytest
 import torch
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import (
+    assert_openai_error,
+    free_port,
+    launch_server,
+    metrics,
+    sse_events,
+    stop_server,
+    wait_healthy,
+    wait_kv_free,
+)
 
 from pagedllm.entrypoints import cli
 from pagedllm.loader import bundled_model_path
 
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1"]
 MAX_MODEL_LEN = 1024
-STARTUP_TIMEOUT = 180
 API_KEY = "test-secret-key"
 GUARDED_NAME = "guarded-smollm"
 POISON = [31337, 31338, 31339]  # a prompt starting with these makes the guarded engine fail its step
@@ -53,26 +59,6 @@ SEEDED = dict(n=3, temperature=1.0, top_p=0.95, seed=1234, max_tokens=10)
 BEST_OF = dict(n=2, best_of=4, temperature=1.0, seed=99, max_tokens=8)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text() if log else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"no /health from {url} within {STARTUP_TIMEOUT}s")
-
-
 # --- the subprocess server ------------------------------------------------------------
 
 
@@ -81,22 +67,11 @@ def server_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
     """Start ``pagedllm serve`` (not waiting for it, so the in-process model loads meanwhile)."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    with open(log, "w") as out:
-        # output to a file: a pipe nobody reads would block the server once full
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *ENGINE],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )
+    proc = launch_server(["--port", str(port), *ENGINE], log)
     try:
         yield f"http://127.0.0.1:{port}", proc, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -198,51 +173,6 @@ def guarded_client(guarded: dict, key: str = API_KEY) -> OpenAI:
 
 
 # --- helpers -------------------------------------------------------------------------
-
-
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, keyed by name (labels other than model_name appended)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            extra = {k: v for k, v in s.labels.items() if k not in ("model_name", "le")}
-            if "le" in s.labels:
-                continue
-            key = s.name + (json.dumps(extra, sort_keys=True) if extra else "")
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
-def kv_usage(url: str) -> float:
-    return metrics(url)["pagedllm:kv_cache_usage_perc"]
-
-
-def wait_kv_free(url: str, timeout: float = 15.0) -> float:
-    deadline = time.monotonic() + timeout
-    usage = kv_usage(url)
-    while usage > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        usage = kv_usage(url)
-    return usage
-
-
-def sse_events(lines: Iterator[str]) -> Iterator[str]:
-    """The data of each server-sent event."""
-    for line in lines:
-        if line.startswith("data: "):
-            yield line[len("data: ") :]
-
-
-def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    err = body["error"]
-    assert set(err) >= {"message", "type", "code"}
-    assert err["message"]
-    if code is not None:
-        assert err["code"] == code
-    return err
 
 
 # --- models, health, tokenizer --------------------------------------------------------
@@ -435,8 +365,8 @@ def test_malformed_json_and_wrong_types_are_400(server, model_name):
         400, "invalid_json",
     )
     assert "JSON" in err["message"]
-    assert_openai_error(httpx.post(url, content=b"[1, 2]"), 400)
-    assert_openai_error(httpx.post(url, content=b""), 400)
+    assert_openai_error(httpx.post(url, content=b"[1, 2]", headers={"Content-Type": "application/json"}), 400)
+    assert_openai_error(httpx.post(url, content=b"", headers={"Content-Type": "application/json"}), 400)
     for bad in (
         {"prompt": "x", "max_tokens": "5"},
         {"prompt": "x", "temperature": "hot"},
@@ -716,7 +646,7 @@ def test_metrics_are_exported(server, client, model_name):
 # --- the guarded server: API key, back-pressure, failures -------------------------------
 
 
-def test_api_key_is_enforced_on_v1_routes(guarded):
+def test_api_key_is_enforced_on_every_route_but_health_and_metrics(guarded):
     url = guarded["url"]
     wrong = guarded_client(guarded, "wrong-key")
     with pytest.raises(openai.AuthenticationError) as e:
@@ -739,7 +669,12 @@ def test_api_key_is_enforced_on_v1_routes(guarded):
     # served name, not the file name
     with pytest.raises(openai.NotFoundError):
         ok.completions.create(model=os.path.basename(bundled_model_path()), prompt="Hi", max_tokens=2)
-    # only /v1 is guarded, as in vLLM
+    # the tokenizer routes cost CPU, so they are guarded too; only probes and scrapers are open
+    assert_openai_error(httpx.post(f"{url}/tokenize", json={"prompt": "Hi"}), 401, "invalid_api_key")
+    assert_openai_error(httpx.post(f"{url}/detokenize", json={"tokens": [1]}), 401, "invalid_api_key")
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "Hi"}, headers=keyed).json()["count"] >= 1
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}, headers=keyed).status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 200
 
@@ -762,11 +697,13 @@ def test_past_max_waiting_new_requests_get_429(guarded):
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model=GUARDED_NAME, prompt="Hi", max_tokens=2)
     assert e.value.status_code == 429
-    err = assert_openai_error(httpx.post(
+    resp = httpx.post(
         f"{url}/v1/chat/completions", json={"messages": CHAT_MESSAGES, "max_tokens": 2},
         headers={"Authorization": f"Bearer {API_KEY}"},
-    ), 429)
+    )
+    err = assert_openai_error(resp, 429)
     assert "waiting" in err["message"]
+    assert int(resp.headers["retry-after"]) >= 1  # when to come back, for clients that honour it
     a[1].close()
     a[0].close()
     # once A is gone, the waiting ones run to the end
@@ -875,6 +812,10 @@ def test_bench_serve_without_a_server_is_an_error(capsys):
 def test_serve_flags_are_checked_before_loading(capsys):
     assert cli.main(["serve", "--max-waiting", "0"]) == 2
     assert "max-waiting" in capsys.readouterr().err
+    assert cli.main(["serve", "--max-request-bytes", "0"]) == 2
+    assert "max-request-bytes" in capsys.readouterr().err
+    assert cli.main(["serve", "--allowed-hosts", ","]) == 2
+    assert "comma-separated" in capsys.readouterr().err
 
 
 # --- last: the subprocess server never failed, and stops cleanly ---------------------------

@@ -23,12 +23,15 @@ blocks go back to the pool.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.sampling_params import check_float, check_int
+
+# (2**31) ** 32 is about 4e297, inside a float64
+MAX_LENGTH_PENALTY = 32.0
 
 if TYPE_CHECKING:
     from pagedllm.engine.request import Request
@@ -52,16 +55,12 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 8:
-            raise ValueError(f"beam_width must be an integer in [1, 8], got {self.beam_width!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if (
-            not isinstance(self.length_penalty, (int, float))
-            or isinstance(self.length_penalty, bool)
-            or not math.isfinite(self.length_penalty)
-        ):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        check_int("beam_width", self.beam_width, 1, 8)
+        check_int("max_tokens", self.max_tokens, 1)
+        # len ** length_penalty must stay a finite float for any length below 2**31
+        check_float("length_penalty", self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
 
 @dataclass(frozen=True)

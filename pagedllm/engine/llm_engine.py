@@ -27,9 +27,13 @@ from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, check_text
 
 logger = logging.getLogger(__name__)
+
+
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt plus max_tokens, does not fit in max_model_len."""
 
 
 class LLMEngine:
@@ -71,14 +75,22 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._request_ids))
 
-    def process_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """Text or token ids -> (text or None, validated token ids)."""
+    def process_prompt(
+        self, prompt: str | dict, params: SamplingParams | None = None
+    ) -> tuple[str | None, list[int]]:
+        """Text or token ids -> (text or None, validated token ids).
+
+        With ``params``, the prompt plus ``params.max_tokens`` must fit in
+        ``max_model_len`` too: the one rule of the offline API and the server
+        (``ContextLengthError``, a ValueError).
+        """
         if isinstance(prompt, str):
+            check_text("the prompt", prompt)
             text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
         elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self.process_prompt(prompt["prompt"])
+            return self.process_prompt(prompt["prompt"], params)
         else:
             raise ValueError(
                 "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
@@ -92,12 +104,28 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens, which leaves no room for output within "
-                f"max_model_len={self.config.max_model_len}"
-            )
+        self.check_prompt_len(len(ids), params)
         return text, list(ids)
+
+    def check_prompt_len(self, num_prompt_tokens: int, params: SamplingParams | None = None) -> None:
+        """Raise ContextLengthError unless the prompt (plus ``params.max_tokens``) fits in max_model_len.
+
+        Reads only the configuration, so any thread may call it.
+        """
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens (max_model_len). However, the "
+                f"prompt has {num_prompt_tokens} tokens, which leaves no room for output. Please reduce "
+                "the length of the prompt."
+            )
+        if params is not None and params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens (max_model_len). However, "
+                f"{num_prompt_tokens + params.max_tokens} tokens were requested ({num_prompt_tokens} in the "
+                f"prompt, {params.max_tokens} in the completion). Please reduce the length of the prompt or "
+                "of max_tokens."
+            )
 
     def add_request(
         self, request_id: str, prompt: str | dict, params: SamplingParams | None = None
@@ -117,7 +145,7 @@ class LLMEngine:
                 f"the request runs {params.num_samples} sequences (n/best_of), more than "
                 f"max_num_seqs={self.config.max_num_seqs}"
             )
-        text, ids = self.process_prompt(prompt)
+        text, ids = self.process_prompt(prompt, params)
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )
@@ -208,10 +236,14 @@ class LLMEngine:
             raise
         self.block_manager.confirm_published()
         self.scheduler.update(output)
+        # a sequence that failed alone (its own sampling settings) fails its request only
+        failed = {s.seq.request_id: r.error for s, r in zip(output.scheduled, results) if r.error is not None}
         touched: dict[str, Request] = {}
         for s, result in zip(output.scheduled, results):
             if s.is_prefill:
                 self.num_prompt_tokens_computed += s.num_new_tokens
+            if s.seq.request_id in failed:
+                continue
             req = self.requests[s.seq.request_id]
             if result.prompt_logprobs is not None:
                 # a prompt in chunks brings them a chunk at a time; a recomputed
@@ -231,7 +263,7 @@ class LLMEngine:
         for req in touched.values():
             if req.beam is not None and req.beam.ready:
                 self.num_generated_tokens += apply_beam_step(req, self.scheduler)
-        outputs = []
+        outputs = [self._fail_request(rid, error) for rid, error in failed.items()]
         for req in touched.values():
             if req.is_finished:
                 del self.requests[req.request_id]
@@ -240,6 +272,20 @@ class LLMEngine:
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
         return outputs
+
+    def _fail_request(self, request_id: str, error: BaseException) -> RequestOutput:
+        """End a request whose own computation raised: free its blocks, report it with ``error`` set."""
+        req = self.requests.pop(request_id)
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if req.beam is not None:
+            req.beam.abort()
+            req.beam_done = True
+        out = self.output_processor.make_output(req)
+        out.error = f"{type(error).__name__}: {error}"
+        logger.error("request %s failed alone: %s", request_id, out.error)
+        return out
 
     def _resolve_stall(self) -> list[RequestOutput]:
         """Nothing could be scheduled although requests are unfinished.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -203,25 +204,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
         raise ValueError("give the model either as an argument or with --model, not both")
+    # the server's own flags are checked before the model loads
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
-    engine = llm.llm_engine
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     settings = ServerSettings(
-        model_name=args.served_model_name or default_model_name(engine.config.model),
-        model_path=engine.config.model,
+        model_name=args.served_model_name or "",
         api_key=args.api_key or None,
         max_waiting=args.max_waiting,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        max_request_bytes=args.max_request_bytes,
+        allowed_hosts=_comma_list(args.allowed_hosts),
+        allowed_origins=_comma_list(args.allowed_origins),
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = LLM(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
+    engine = llm.llm_engine
+    settings = dataclasses.replace(
+        settings, model_name=settings.model_name or default_model_name(engine.config.model),
+        model_path=engine.config.model,
     )
     run_server(engine, settings)
     return 0
 
 
+def _comma_list(value: str | None) -> list[str] | None:
+    """``"a,b"`` -> ``["a", "b"]``; None stays None."""
+    if value is None:
+        return None
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"expected a comma-separated list, got {value!r}")
+    return items
+
+
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.server_guards import DEFAULT_MAX_REQUEST_BYTES
+
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")
     g = p.add_argument_group("server")
@@ -229,9 +251,17 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model's file or folder name)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="most requests waiting for their first token; past it new requests get 429")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated Host names accepted besides loopback ones ('*': any); "
+                        "bound to loopback, other names are refused (DNS rebinding)")
+    g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated origins browsers may call from (CORS); default: none")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -101,7 +101,7 @@ class LLM:
                 )
         engine = self.llm_engine
         # validated (and tokenized, once) before anything is queued
-        prompts = self._validated(prompts)
+        prompts = self._validated(prompts, params_list)
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -181,11 +181,15 @@ class LLM:
             )
         return results
 
-    def _validated(self, prompts: list[PromptType]) -> list[dict[str, Any]]:
+    def _validated(
+        self, prompts: list[PromptType], params: list[SamplingParams] | None = None
+    ) -> list[dict[str, Any]]:
         """Each prompt as {"prompt", "prompt_token_ids"}; ValueError on the first bad one."""
         out = []
-        for prompt in prompts:
-            text, token_ids = self.llm_engine.process_prompt(prompt)
+        for i, prompt in enumerate(prompts):
+            if params is not None and not isinstance(params[i], SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(params[i]).__name__}")
+            text, token_ids = self.llm_engine.process_prompt(prompt, None if params is None else params[i])
             out.append({"prompt": text, "prompt_token_ids": token_ids})
         return out
 
@@ -204,4 +208,23 @@ class LLM:
                     raise RuntimeError("the engine went idle before every request finished")
         finally:
             bar.close()
-        return [done[rid] for rid in request_ids]
+        outputs = [done[rid] for rid in request_ids]
+        failed = [out for out in outputs if out.error is not None]
+        if failed:
+            # the others ran to the end; they travel with the error, not lost with it
+            raise RequestFailedError(
+                f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}", outputs
+            )
+        return outputs
+
+
+class RequestFailedError(RuntimeError):
+    """Some requests of a ``generate`` call failed on their own inside a step.
+
+    ``outputs`` holds every request's output in prompt order: the failed ones
+    have ``error`` set (and finish_reason "abort"), the others are complete.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs

@@ -14,6 +14,7 @@ vLLM's extra sampling fields are accepted too: ``top_k``, ``min_p``,
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -34,6 +35,7 @@ class APIError(Exception):
         type: OpenAI's error type (``invalid_request_error``...).
         code: OpenAI's error code, or None.
         param: the request field at fault, or None.
+        headers: extra response headers (``Retry-After`` on a 429...).
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
         code: str | None = None,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -50,6 +53,7 @@ class APIError(Exception):
         self.type = type
         self.code = code
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -144,7 +148,7 @@ class _SamplingRequest(_Strict):
                 skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as e:
-            param = str(e).split(" ", 1)[0]
+            param = re.match(r"\w*", str(e)).group(0)  # the messages start with the field's name
             if param == "logprobs" and isinstance(self, ChatCompletionRequest):
                 param = "top_logprobs"
             raise bad_request(str(e), param if param in type(self).model_fields else None) from e
@@ -213,14 +217,13 @@ class ChatMessage(_Strict):
     """One message of a conversation."""
 
     role: str
-    content: str | list[ContentPart] | None = None
+    # required: OpenAI allows a message without content only for an assistant's tool calls
+    content: str | list[ContentPart]
     name: str | None = None
 
     def to_template_dict(self) -> dict[str, str]:
         """The dict a chat template reads; text parts are joined by newlines, as vLLM does."""
-        if self.content is None:
-            content = ""
-        elif isinstance(self.content, str):
+        if isinstance(self.content, str):
             content = self.content
         else:
             content = "\n".join(part.text for part in self.content)
@@ -311,10 +314,12 @@ def _describe(e: ValidationError) -> tuple[str, str | None, str]:
     if not first["loc"]:
         return f"the request body must be a JSON object: {first['msg']}", None, "invalid_type"
     field = str(first["loc"][0])
+    # where inside the field: messages[0].content, not just messages
+    where = field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"][1:])
     if first["type"] == "extra_forbidden":
-        return f"unrecognized request argument supplied: {field}", field, "unknown_parameter"
+        return f"unrecognized request argument supplied: {where}", field, "unknown_parameter"
     if first["type"] == "missing":
-        return f"missing required parameter: '{field}'", field, "missing_required_parameter"
+        return f"missing required parameter: '{where}'", field, "missing_required_parameter"
     if field == "prompt":
         return (
             "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",

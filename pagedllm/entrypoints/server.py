@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -33,12 +32,13 @@ from typing import Any, TypeVar
 import anyio
 import jinja2
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import ContextLengthError, LLMEngine
 from pagedllm.entrypoints.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -46,18 +46,30 @@ from pagedllm.entrypoints.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     bad_request,
-    parse_request,
+)
+from pagedllm.entrypoints.server_guards import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    ClientGone,
+    HostCheckMiddleware,
+    client_gone_response,
+    is_loopback,
+    read_json,
 )
 from pagedllm.entrypoints.server_metrics import ServerMetrics
+from pagedllm.entrypoints.tokenizer_worker import TokenizerWorker
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, check_text
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A prompt as the engine thread turns it into (text or None, token ids).
-PromptEncoder = Callable[[LLMEngine], tuple[str | None, list[int]]]
+# A prompt as the engine queues it: (text or None, token ids).
+Prompt = tuple[str | None, list[int]]
+# seconds a client told 429 is asked to wait before it retries
+RETRY_AFTER_S = 1
 
 
 # --- errors ------------------------------------------------------------------------
@@ -287,22 +299,31 @@ class AsyncEngine:
             self.num_waiting -= 1
 
     async def add_requests(
-        self, request_id: str, prompts: list[PromptEncoder], params: SamplingParams, param: str = "prompt"
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param: str = "prompt"
     ) -> Submission:
-        """Queue one engine request per prompt, all or none.
+        """Queue one engine request per (text, token ids) prompt, all or none.
 
-        Raises APIError: 429 past ``max_waiting``, 400 for a prompt the engine
-        rejects (too long for the context, token ids outside the vocabulary...);
-        ``param`` names the request field that holds the prompt.
+        The prompts arrive tokenized (off the engine thread); the engine thread
+        only checks and queues them. Raises APIError: 400 for more prompts
+        than ``max_waiting`` could ever admit, 429 (with ``Retry-After``) past
+        ``max_waiting`` now, 400 for a prompt the engine rejects (too long for
+        the context, token ids outside the vocabulary...); ``param`` names the
+        request field that holds the prompt.
         """
         if self.draining or not self.is_alive:
             raise APIError(503, "the server is shutting down", "server_error", "engine_unavailable")
+        if self.max_waiting is not None and len(prompts) > self.max_waiting:
+            raise bad_request(
+                f"the request has {len(prompts)} prompts, more than this server ever queues at once "
+                f"(--max-waiting {self.max_waiting}); send them in smaller requests", param, "too_many_prompts",
+            )
         if self.max_waiting is not None and self.num_waiting + len(prompts) > self.max_waiting:
             raise APIError(
                 429,
                 f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); retry later",
                 "rate_limit_error",
                 "too_many_waiting_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -311,10 +332,9 @@ class AsyncEngine:
         sub = Submission(self, streams, queue)
 
         def add(engine: LLMEngine) -> list[int]:
-            prepared = [_prepare_prompt(engine, encode, params) for encode in prompts]
             added: list[str] = []
             try:
-                for stream, (text, ids) in zip(streams, prepared):
+                for stream, (text, ids) in zip(streams, prompts):
                     engine.add_request(stream.request_id, {"prompt": text, "prompt_token_ids": ids}, params)
                     added.append(stream.request_id)
                     self._streams[stream.request_id] = stream
@@ -323,7 +343,7 @@ class AsyncEngine:
                 for rid in added:
                     self._streams.pop(rid, None)
                 raise
-            counts = [len(ids) for _, ids in prepared]
+            counts = [len(ids) for _, ids in prompts]
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(sum(counts))
             return counts
@@ -401,33 +421,16 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted while the step ran
+            if out.error is not None:
+                # this request failed alone; the step's others carry on
+                del self._streams[out.request_id]
+                stream.put(EngineStepError(f"the engine failed on this request: {out.error}"))
+                continue
             stream.observe(out, now, self.metrics)
             if out.finished:
                 del self._streams[out.request_id]
             stream.put(out)
         return bool(outputs) or engine.last_step_scheduled
-
-
-class ContextLengthError(ValueError):
-    """The prompt, or the prompt plus max_tokens, does not fit in max_model_len."""
-
-
-def _prepare_prompt(engine: LLMEngine, encode: PromptEncoder, params: SamplingParams) -> tuple[str | None, list[int]]:
-    """Tokenize and check one prompt on the engine thread (the tokenizer is not shared)."""
-    text, ids = encode(engine)
-    limit = engine.config.max_model_len
-    if len(ids) >= limit:
-        raise ContextLengthError(
-            f"This model's maximum context length is {limit} tokens. However, your prompt has "
-            f"{len(ids)} tokens, which leaves no room for output. Please reduce the length of the prompt."
-        )
-    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-        raise ContextLengthError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} "
-            "in the completion). Please reduce the length of the prompt or of max_tokens."
-        )
-    return engine.process_prompt({"prompt": text, "prompt_token_ids": ids})
 
 
 def _to_api_error(e: BaseException, param: str | None = None) -> APIError:
@@ -444,26 +447,43 @@ def _to_api_error(e: BaseException, param: str | None = None) -> APIError:
     return _server_error(f"the request failed: {type(e).__name__}: {e}")
 
 
-def _encode_text(text: str) -> PromptEncoder:
-    def encode(engine: LLMEngine) -> tuple[str | None, list[int]]:
+class PromptEncoder:
+    """Turns request prompts into (text, token ids) off the engine thread.
+
+    Text goes to the tokenizer process (``tokenizer_worker.py``); a prompt
+    that cannot fit in the context is refused from its token count. Chat
+    templates render on a worker thread of this process.
+    """
+
+    def __init__(self, engine: LLMEngine, worker: TokenizerWorker) -> None:
+        self.engine = engine  # only its configuration and chat template are read here
+        self.worker = worker
+
+    async def text(self, text: str, params: SamplingParams | None, add_special_tokens: bool = True) -> Prompt:
+        """A text prompt, tokenized; ValueError (ContextLengthError) when it is empty or too long."""
         if not text:
             raise ValueError("the prompt is empty")
-        return text, engine.tokenizer.encode(text)
+        check_text("the prompt", text)
+        count, ids = await self.worker.encode(text, add_special_tokens, limit=self.engine.config.max_model_len)
+        self.engine.check_prompt_len(count, params)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
 
-    return encode
+    async def token_ids(self, ids: list[int], params: SamplingParams) -> Prompt:
+        """A prompt given as token ids (checked against the vocabulary on the engine thread)."""
+        self.engine.check_prompt_len(len(ids), params)
+        return None, list(ids)
 
+    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The conversation through the model's chat template."""
+        render = self.engine.tokenizer.apply_chat_template
+        return await asyncio.to_thread(render, messages, add_generation_prompt)
 
-def _encode_ids(ids: list[int]) -> PromptEncoder:
-    return lambda engine: (None, list(ids))
-
-
-def _encode_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> PromptEncoder:
-    def encode(engine: LLMEngine) -> tuple[str | None, list[int]]:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt)
-        # the template already holds the special tokens it wants
-        return text, engine.tokenizer.hf.encode(text, add_special_tokens=False)
-
-    return encode
+    async def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool, params: SamplingParams) -> Prompt:
+        """A conversation, rendered and tokenized (the template holds its own special tokens)."""
+        text = await self.render_chat(messages, add_generation_prompt)
+        return await self.text(text, params, add_special_tokens=False)
 
 
 # --- responses -----------------------------------------------------------------------
@@ -641,6 +661,12 @@ class ServerSettings:
         host: address to bind (loopback by default).
         port: TCP port.
         log_level: uvicorn's log level.
+        max_request_bytes: largest request body; larger ones get 413 unread.
+        allowed_hosts: ``Host`` names accepted besides loopback ones while
+            bound to loopback (``["*"]``: any); None: loopback names only.
+            Bound elsewhere, None accepts any name.
+        allowed_origins: origins a browser may call from (CORS); None: no
+            CORS headers at all, so no other origin can read an answer.
     """
 
     model_name: str
@@ -650,27 +676,27 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: list[str] | None = None
+    allowed_origins: list[str] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 1):
+            raise ValueError(f"max_waiting must be an integer >= 1 or None, got {self.max_waiting!r}")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")
+        for name in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) and v for v in value)):
+                raise ValueError(f"{name} must be a list of non-empty strings or None, got {value!r}")
 
-class _APIKeyMiddleware:
-    """Bearer authentication on /v1 routes, checked before the body is read."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
-            scope["path"] == "/v1" or scope["path"].startswith("/v1/")
-        ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = APIError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
-                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    @property
+    def host_check(self) -> list[str] | None:
+        """The extra Host names to allow, or None when no Host check applies."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        return [] if is_loopback(self.host) else None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -681,16 +707,33 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the engine thread.
+def _add_guards(app: FastAPI, settings: ServerSettings) -> None:
+    """The middleware every request passes (``server_guards.py``), outermost first:
+    Host check, CORS, API key, body size."""
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    if settings.host_check is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.host_check)
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: TokenizerWorker) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine thread and the tokenizer process.
 
     Args:
         async_engine: the engine wrapper (not started yet).
         settings: names, key and limits.
+        tokenizer: the tokenizer process; the app closes it when it stops.
     """
     engine = async_engine.engine
     metrics = async_engine.metrics
     max_model_len = engine.config.max_model_len
+    prompts = PromptEncoder(engine, tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -700,14 +743,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(async_engine.stop)
+            await asyncio.to_thread(tokenizer.close)
 
     app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    if settings.api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=settings.api_key)
+    _add_guards(app, settings)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return client_gone_response()  # nobody reads it; no traceback either
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -750,13 +797,18 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # --- completions -----------------------------------------------------------------
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        req: CompletionRequest = await read_json(request, CompletionRequest)
         check_model(req.model)
         params = req.to_sampling_params()
-        prompts = req.prompts()
-        encoders = [_encode_text(p) if isinstance(p, str) else _encode_ids(p) for p in prompts]
+        try:
+            encoded = [
+                await (prompts.text(p, params) if isinstance(p, str) else prompts.token_ids(p, params))
+                for p in req.prompts()
+            ]
+        except Exception as e:
+            raise _to_api_error(e, "prompt") from e
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = await async_engine.add_requests(rid, encoders, params)
+        sub = await async_engine.add_requests(rid, encoded, params)
         created = int(time.time())
         n = params.n
 
@@ -809,12 +861,15 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # --- chat completions --------------------------------------------------------------
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
         check_model(req.model)
         params = req.to_sampling_params()
-        encoder = _encode_chat(req.template_messages(), req.add_generation_prompt)
+        try:
+            encoded = await prompts.chat(req.template_messages(), req.add_generation_prompt, params)
+        except Exception as e:
+            raise _to_api_error(e, "messages") from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await async_engine.add_requests(rid, [encoder], params, "messages")
+        sub = await async_engine.add_requests(rid, [encoded], params, "messages")
         created = int(time.time())
         top_n = req.top_logprobs or 0
 
@@ -905,45 +960,42 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     # --- tokenizer ---------------------------------------------------------------------
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req: TokenizeRequest = parse_request(TokenizeRequest, await request.body())
+    async def tokenize(request: Request) -> Response:
+        req: TokenizeRequest = await read_json(request, TokenizeRequest)
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
-        messages = [m.to_template_dict() for m in req.messages] if req.messages is not None else None
-
-        def work(engine: LLMEngine) -> tuple[list[int], list[str] | None]:
-            hf = engine.tokenizer.hf
-            if messages is not None:
-                if not messages:
+        try:
+            if req.messages is not None:
+                if not req.messages:
                     raise ValueError("messages must not be empty")
-                text = engine.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+                text = await prompts.render_chat([m.to_template_dict() for m in req.messages], req.add_generation_prompt)
                 add_special = bool(req.add_special_tokens)  # the template holds its own
             else:
                 text = req.prompt or ""
                 add_special = req.add_special_tokens is not False
-            ids = hf.encode(text, add_special_tokens=add_special)
-            strs = hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
-            return ids, strs
-
-        try:
-            ids, strs = await async_engine.call(work)
+            check_text("the prompt", text)
+            count, ids_json, strs_json = await tokenizer.tokenize_json(text, add_special, req.return_token_strs)
         except Exception as e:
-            raise _to_api_error(e) from e
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+            raise _to_api_error(e, "messages" if req.messages is not None else "prompt") from e
+        # the id list is serialised in the tokenizer process: no long JSON encode here
+        body = b'{"count": %d, "max_model_len": %d, "tokens": %s, "token_strs": %s}' % (
+            count, max_model_len, ids_json, strs_json
+        )
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req: DetokenizeRequest = parse_request(DetokenizeRequest, await request.body())
+        req: DetokenizeRequest = await read_json(request, DetokenizeRequest)
         check_model(req.model)
         vocab = engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
         try:
-            text = await async_engine.call(lambda e: e.tokenizer.decode(req.tokens, skip_special_tokens=False))
+            text = await tokenizer.decode(req.tokens)
         except Exception as e:
-            raise _to_api_error(e) from e
+            raise _to_api_error(e, "tokens") from e
         return {"prompt": text}
 
     return app
@@ -963,7 +1015,7 @@ def create_server_app(engine: LLMEngine, settings: ServerSettings, enable_metric
     if metrics is not None:
         metrics.update_from_engine(engine)
     async_engine = AsyncEngine(engine, metrics, settings.max_waiting)
-    app = build_app(async_engine, settings)
+    app = build_app(async_engine, settings, TokenizerWorker(engine.tokenizer.hf))
     app.state.async_engine = async_engine
     return app
 

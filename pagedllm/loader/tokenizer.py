@@ -7,6 +7,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from pagedllm.sampling_params import check_text
+
 
 class Tokenizer:
     """A Hugging Face tokenizer with what the engine needs from it.
@@ -48,6 +50,8 @@ class Tokenizer:
             raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
         if not messages:
             raise ValueError("messages must not be empty")
+        for i, m in enumerate(messages):
+            check_text(f"messages[{i}].content", m["content"])
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
         )

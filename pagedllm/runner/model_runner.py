@@ -200,17 +200,24 @@ class ModelRunner:
         """
         return self.input_batch.build(scheduled)
 
-    def _sampling_tensors(self, rows: list[tuple[Sequence, SamplingParams]]) -> SamplingTensors:
+    def _draw_uniforms(self, rows: list[tuple[Sequence, SamplingParams]]) -> list[float]:
+        """One uniform number per row from its sequence's own stream, drawn once per step.
+
+        Greedy rows draw nothing, so they never disturb a seeded stream; the
+        numbers are kept, so sampling a row again (alone, after a failure
+        elsewhere in the batch) gives it the token it would have had.
+        """
+        return [seq.rng.random() if p.temperature >= _MIN_TEMPERATURE else 0.0 for seq, p in rows]
+
+    def _sampling_tensors(self, rows: list[tuple[Sequence, SamplingParams]], uniforms: list[float]) -> SamplingTensors:
         vocab = self.model_config.vocab_size
-        temps, top_ks, top_ps, min_ps, uniforms = [], [], [], [], []
-        for seq, p in rows:
+        temps, top_ks, top_ps, min_ps = [], [], [], []
+        for _, p in rows:
             # below this, dividing logits by the temperature overflows: greedy
             temps.append(p.temperature if p.temperature >= _MIN_TEMPERATURE else 0.0)
-            top_ks.append(p.top_k if p.top_k > 0 else vocab)
+            top_ks.append(min(p.top_k, vocab) if p.top_k > 0 else vocab)
             top_ps.append(p.top_p)
             min_ps.append(p.min_p)
-            # greedy rows draw nothing, so they never disturb a seeded stream
-            uniforms.append(seq.rng.random() if temps[-1] > 0 else 0.0)
         return SamplingTensors(
             temperatures=torch.tensor(temps, dtype=torch.float32),
             top_ks=torch.tensor(top_ks, dtype=torch.int64),
@@ -219,6 +226,15 @@ class ModelRunner:
             uniforms=torch.tensor(uniforms, dtype=torch.float64),
             any_random=any(t > 0 for t in temps),
         )
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[tuple[Sequence, SamplingParams]], uniforms: list[float],
+        num_top: list[int | None],
+    ) -> list[TokenLogprobs]:
+        """Sample one token per row of ``logits`` ``[len(rows), vocab]`` and score it."""
+        stats = logit_stats(logits)
+        tokens = self.sampler(logits, self._sampling_tensors(rows, uniforms), argmax=stats.argmax)
+        return token_logprobs(logits, tokens, num_top, lse=stats.lse)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy K and V of every layer from source to destination blocks, in one op."""
@@ -250,40 +266,72 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        # one row per sample; forks reuse their parent's last hidden state
         if len(params) != len(output.scheduled) or len(num_top) != len(output.scheduled):
             raise ValueError("execute needs one SamplingParams and one num_top per scheduled sequence")
-        rows: list[tuple[Sequence, SamplingParams]] = []
-        row_num_top: list[int | None] = []
-        hidden_rows: list[int] = []
-        for i, s in enumerate(scheduled):
-            if s.samples:
-                for seq in (s.seq, *s.forks):
-                    rows.append((seq, params[order[i]]))
-                    row_num_top.append(num_top[order[i]])
-                    hidden_rows.append(meta.query_start_loc[i + 1] - 1)
         results = [StepResult() for _ in scheduled]
-        if rows:
-            index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
-            stats = logit_stats(logits)
-            tokens = self.sampler(logits, self._sampling_tensors(rows), argmax=stats.argmax)
-            samples = token_logprobs(logits, tokens, row_num_top, lse=stats.lse)
-            it = iter(samples)
-            for i, s in enumerate(scheduled):
-                if s.samples:
-                    results[i].samples = [next(it) for _ in range(1 + len(s.forks))]
+        self._sample_step(hidden, meta, scheduled, [params[i] for i in order], [num_top[i] for i in order], results)
         for i, s in enumerate(scheduled):
             p = params[order[i]]
             # every chunk that scores prompt tokens; a one-token prompt gets its empty list
             first_chunk = s.num_computed_tokens == 0
-            if p.prompt_logprobs is not None and (first_chunk or s.num_computed_tokens < s.seq.num_prompt_tokens - 1):
-                results[i].prompt_logprobs = self._prompt_logprobs(hidden, meta, i, s, p.prompt_logprobs)
+            if results[i].error is None and p.prompt_logprobs is not None and (
+                first_chunk or s.num_computed_tokens < s.seq.num_prompt_tokens - 1
+            ):
+                try:
+                    results[i].prompt_logprobs = self._prompt_logprobs(hidden, meta, i, s, p.prompt_logprobs)
+                except Exception as e:  # this sequence's alone: the others keep theirs
+                    results[i].error = e
                 results[i].prompt_logprobs_start = s.num_computed_tokens + 1
         unordered: list[StepResult] = [StepResult()] * len(scheduled)
         for i, r in zip(order, results):
             unordered[i] = r
         return unordered
+
+    def _sample_step(
+        self, hidden: torch.Tensor, meta: AttentionMetadata, scheduled: list[ScheduledSequence],
+        params: list[SamplingParams], num_top: list[int | None], results: list[StepResult],
+    ) -> None:
+        """Sample every sequence that reached its last token this step into ``results``.
+
+        One batched call normally. If it raises, each scheduled sequence (with
+        its forks) is sampled alone with the random numbers already drawn, so
+        a failure caused by one request's settings lands in that sequence's
+        ``StepResult.error`` and the others get the tokens they would have had.
+        """
+        rows: list[tuple[Sequence, SamplingParams]] = []  # one row per sample; forks reuse their parent's state
+        row_num_top: list[int | None] = []
+        hidden_rows: list[int] = []
+        owners: list[int] = []  # the scheduled sequence of each row
+        for i, s in enumerate(scheduled):
+            if s.samples:
+                for seq in (s.seq, *s.forks):
+                    rows.append((seq, params[i]))
+                    row_num_top.append(num_top[i])
+                    hidden_rows.append(meta.query_start_loc[i + 1] - 1)
+                    owners.append(i)
+        if not rows:
+            return
+        uniforms = self._draw_uniforms(rows)
+        index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
+        try:
+            samples = self._sample(logits, rows, uniforms, row_num_top)
+        except Exception:
+            logger.warning("sampling the batch failed; sampling its %d sequences one by one", len(set(owners)))
+            samples = None
+        if samples is not None:
+            for owner, sample in zip(owners, samples):
+                results[owner].samples.append(sample)
+            return
+        for i in sorted(set(owners)):
+            mine = [r for r, owner in enumerate(owners) if owner == i]
+            try:
+                results[i].samples = self._sample(
+                    logits[mine], [rows[r] for r in mine], [uniforms[r] for r in mine], [row_num_top[r] for r in mine]
+                )
+            except Exception as e:
+                logger.exception("sequence %s failed while sampling", scheduled[i].seq.request_id)
+                results[i].error = e
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, meta: AttentionMetadata, i: int, s: ScheduledSequence, num_top: int
@@ -309,3 +357,5 @@ class StepResult:
     samples: list[TokenLogprobs] = field(default_factory=list)  # [seq, *forks] when it sampled
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_start: int = 1  # the prompt position of prompt_logprobs[0]
+    # set when this sequence alone failed (its sampling settings); the step's other results stand
+    error: Exception | None = None

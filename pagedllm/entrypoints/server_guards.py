@@ -1,0 +1,195 @@
+"""What a request must pass before a route sees it: Host, API key, body size, content type.
+
+A server on loopback is reachable from every web page the user opens: a page
+can POST to ``127.0.0.1:8000`` without a CORS preflight when the body is a
+"simple" content type (``text/plain``, forms), and a DNS-rebinding page
+(``evil.example`` resolving to 127.0.0.1) can even read the answers. Two
+checks close that, as ASGI middleware ahead of the app:
+
+- **Host**: bound to a loopback address, the server answers only requests
+  whose ``Host`` names loopback (``localhost``, ``127.x.y.z``, ``[::1]``) or a
+  host listed with ``--allowed-hosts``; a rebinding page sends its own name.
+- **Content type**: JSON routes take ``application/json`` only (415 else), so
+  a cross-origin page must ask first (preflight), and without
+  ``--allowed-origins`` the server never says yes.
+
+Then the key (``--api-key``, on every route but ``/health`` and ``/metrics``)
+and the body size (``--max-request-bytes``: a declared ``Content-Length``
+over it is refused before a byte is read; a chunked body is counted as it
+arrives). Every refusal is an OpenAI-style JSON error.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai_protocol import APIError, parse_request
+
+# the default --max-request-bytes: a 128-prompt batch of 2048 token ids is under 2 MiB
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# routes open without the API key: probes and scrapers that hold no key
+OPEN_ROUTES = ("/health", "/metrics")
+LOOPBACK_NAMES = ("localhost",)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request body arrived."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or a Host name is loopback (127.0.0.0/8, ::1, localhost)."""
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(header: str) -> str:
+    """The host part of a ``Host`` header: ``[::1]:8000`` -> ``::1``, ``a.b:80`` -> ``a.b``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+async def _send_error(scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
+    await JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+class HostCheckMiddleware:
+    """Refuse requests whose ``Host`` is not allowed (400), before anything else runs.
+
+    Args:
+        app: the wrapped app.
+        allowed_hosts: names let through besides loopback ones; ``"*"`` lets
+            every name through.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str]) -> None:
+        self.app = app
+        self.allow_all = "*" in allowed_hosts
+        self.allowed = {h.lower().strip("[]") for h in allowed_hosts}
+
+    def allows(self, host_header: str) -> bool:
+        name = _host_name(host_header)
+        return self.allow_all or is_loopback(name) or name in self.allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = (_header(scope, b"host") or b"").decode("latin-1")
+            if not self.allows(host):
+                err = APIError(
+                    400, f"the Host header {host!r} is not allowed on this server; start it with "
+                    "--allowed-hosts to accept it", "invalid_request_error", "invalid_host",
+                )
+                await _send_error(scope, receive, send, err)
+                return
+        await self.app(scope, receive, send)
+
+
+class APIKeyMiddleware:
+    """Bearer authentication on every route but ``OPEN_ROUTES``, checked before the body is read.
+
+    The comparison is constant-time. CORS preflights (``OPTIONS``) carry no
+    credentials by design, so they pass to the CORS layer.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_ROUTES:
+            given = _header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given, self.expected):
+                err = APIError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+                err.headers = {"WWW-Authenticate": "Bearer"}
+                await _send_error(scope, receive, send, err)
+                return
+        await self.app(scope, receive, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
+        "invalid_request_error", "request_too_large",
+    )
+
+
+class BodyLimitMiddleware:
+    """413 for a body over ``max_bytes``: at once from ``Content-Length``, or as a chunked body grows."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > self.max_bytes
+            except ValueError:
+                too_big = False  # the HTTP server refuses a malformed length itself
+            if too_big:
+                # answered unread; the connection is closed rather than drained
+                err = _too_large(self.max_bytes)
+                err.headers = {"Connection": "close"}
+                await _send_error(scope, receive, send, err)
+                return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _too_large(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def read_json(request: Request, model: type[BaseModel]) -> Any:
+    """A JSON route's body validated as ``model``: 415 unless it is declared JSON, 400 if invalid."""
+    content_type = request.headers.get("content-type", "")
+    if not _is_json(content_type):
+        raise APIError(
+            415, f"the request body must be JSON (Content-Type: application/json), got {content_type or 'none'!r}",
+            "invalid_request_error", "unsupported_media_type",
+        )
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return parse_request(model, body)
+
+
+def client_gone_response() -> Response:
+    """What is 'sent' to a client that already left: nothing anyone reads (nginx's 499)."""
+    return Response(status_code=499)

@@ -1,0 +1,103 @@
+"""Helpers of the tests that run real servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read_text() if log else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"no /health from {url} within {STARTUP_TIMEOUT}s")
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name (labels other than model_name appended)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            extra = {k: v for k, v in s.labels.items() if k not in ("model_name", "le")}
+            if "le" in s.labels:
+                continue
+            key = s.name + (json.dumps(extra, sort_keys=True) if extra else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def kv_usage(url: str) -> float:
+    return metrics(url)["pagedllm:kv_cache_usage_perc"]
+
+
+def wait_kv_free(url: str, timeout: float = 15.0) -> float:
+    deadline = time.monotonic() + timeout
+    usage = kv_usage(url)
+    while usage > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        usage = kv_usage(url)
+    return usage
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[str]:
+    """The data of each server-sent event."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    err = body["error"]
+    assert set(err) >= {"message", "type", "code"}
+    assert err["message"]
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def launch_server(args: list[str], log: Path) -> subprocess.Popen:
+    """``pagedllm serve ARGS`` in a subprocess, its output in ``log`` (not waited for)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with open(log, "w") as out:
+        # output to a file: a pipe nobody reads would block the server once full
+        return subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it does not exit in 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
