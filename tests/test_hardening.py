@@ -23,7 +23,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import assert_openai_error, free_port, launch_server, sse_events, stop_server, wait_healthy, wait_kv_free
+from server_helpers import (
+    assert_openai_error,
+    free_port,
+    launch_server,
+    sse_events,
+    stop_server,
+    wait_healthy,
+    wait_kv_free,
+)
 
 from pagedllm import BeamSearchParams, SamplingParams
 
