@@ -423,6 +423,17 @@ COMPLETION = st.fixed_dictionaries(
      "max_tokens": MAX_TOKENS},
     optional={**SAMPLING_FIELDS, "logprobs": ODD_INTS, "echo": JSONISH, "best_of": ODD_INTS, "suffix": JSONISH},
 )
+# well-formed requests with sampled settings, so that a good share of the fuzz really generates
+SANE = {
+    "n": st.integers(1, 2), "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50),
+    "seed": st.integers(-(2**63), 2**63 - 1), "stop": st.lists(st.text(min_size=1, max_size=2), max_size=2),
+    "ignore_eos": st.booleans(), "stream": st.booleans(), "min_p": st.floats(0, 1),
+}
+SANE_COMPLETION = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(min_size=1, max_size=12), st.lists(st.integers(0, 49151), min_size=1, max_size=6)),
+     "max_tokens": st.integers(1, 3)},
+    optional={**SANE, "logprobs": st.integers(0, 5)},
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"])},
     optional={"content": st.one_of(st.text(max_size=12), JSONISH), "name": JSONISH},
@@ -435,6 +446,14 @@ CHAT = st.fixed_dictionaries(
 
 
 FUZZ_STATUSES: dict[int, int] = {}
+
+
+SANE_CHAT = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                 "content": st.text(max_size=12)}), min_size=1, max_size=2),
+     "max_tokens": st.integers(1, 3)},
+    optional={**SANE, "logprobs": st.booleans()},
+)
 
 
 def _fuzz_one(url: str, route: str, body: dict) -> None:
@@ -450,13 +469,13 @@ def _fuzz_one(url: str, route: str, body: dict) -> None:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(body=COMPLETION)
+@given(body=st.one_of(COMPLETION, SANE_COMPLETION))
 def _fuzz_completions(url: str, body: dict) -> None:
     _fuzz_one(url, "/v1/completions", body)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(body=CHAT)
+@given(body=st.one_of(CHAT, SANE_CHAT))
 def _fuzz_chat(url: str, body: dict) -> None:
     _fuzz_one(url, "/v1/chat/completions", body)
 
@@ -467,7 +486,7 @@ def test_a_bounded_fuzz_of_both_routes_gets_no_5xx_and_leaks_no_block(hard_serve
     _fuzz_chat(url)
     print("fuzz statuses:", FUZZ_STATUSES)
     # both kinds happened: real generations (the pool was used) and refusals
-    assert FUZZ_STATUSES.get(200, 0) >= 10 and FUZZ_STATUSES.get(400, 0) >= 100
+    assert FUZZ_STATUSES.get(200, 0) >= 50 and FUZZ_STATUSES.get(400, 0) >= 50
     assert wait_kv_free(url) == 0
     assert httpx.get(f"{url}/health").status_code == 200
     log = Path(hard_server["log"]).read_text()

@@ -1,4 +1,4 @@
-"""``pagedllm generate | chat | serve | bench {throughput, latency, sharing, serve, memory}``."""
+"""``pagedllm generate | chat | serve | env | bench {throughput, latency, sharing, serve, memory}``."""
 
 from __future__ import annotations
 
@@ -266,6 +266,20 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    """``pagedllm env``: CPU features, torch, the kernels and the backends, for bug reports."""
+    from pagedllm.entrypoints import env_report
+
+    report = env_report.collect()
+    if args.load:
+        from pagedllm import LLM
+
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=64, max_model_len=512)
+        report["loaded"] = env_report.loaded_model_report(llm)
+    print(env_report.to_json(report) if args.json else env_report.format_report(report))
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """``pagedllm bench serve``: streaming clients against a running server."""
     from pagedllm.bench import serve as bench_serve
@@ -291,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_arguments(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
 
+    env = sub.add_parser("env", help="CPU features, torch, native kernels and layer backends (for bug reports)")
+    env.add_argument("--json", action="store_true")
+    env.add_argument("--load", action="store_true", help="also load a model and list the layers it runs")
+    env.add_argument("--model", default=None, help="the model --load loads (default: bundled SmolLM2)")
+    env.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    env.add_argument("--quantization", default=None, choices=["int8"])
+    env.set_defaults(func=cmd_env)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _serve_arguments(serve)
     _engine_arguments(serve)

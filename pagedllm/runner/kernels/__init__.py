@@ -18,7 +18,8 @@ built from the others through the shared headers ``paged_attention.h``
 matmuls share ``panel_units.h``). The built library is cached under
 ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
 the flags, the compiler and this CPU's feature flags (it is built with
-``-march=native``). Where no compiler is found or the build fails,
+``-march=native``, or for the instruction set ``$PAGEDLLM_KERNEL_ISA`` names:
+``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``; see ``ISA_VARIANTS``). Where no compiler is found or the build fails,
 ``load_kernels`` returns None with the reason logged once; the engine then
 uses the pure-torch paths (the "auto" attention backend falls back to SDPA,
 int8 layers to a dequantized matmul).
@@ -45,7 +46,7 @@ _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # process to flush-to-zero. Reassociation alone lets gcc vectorise the dot
 # products.
 _CFLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+    "-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
     "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
 ]
 
@@ -61,19 +62,64 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> Path:
+# PAGEDLLM_KERNEL_ISA: which instruction set the kernels are compiled for. "native"
+# (the default) is this CPU's own (-march=native); the others force one of the
+# code paths the sources hold (#if __AVX512BF16__ / __AVX512F__ / __AVX2__ /
+# plain C), so every path can be tested on a CPU that runs it. Each needs the
+# CPU features listed; asking for one the CPU lacks is an error, not a crash.
+ISA_VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "native": (["-march=native"], ()),
+    "avx512_bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mf16c", "-mfma"],
+                    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16")),
+    "avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")),
+    "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c", "bmi2", "movbe")),
+    "scalar": (["-march=x86-64"], ()),
+}
+
+
+def kernel_isa() -> str:
+    """The variant asked for with ``PAGEDLLM_KERNEL_ISA`` ("native" when unset); ValueError if unknown."""
+    isa = os.environ.get("PAGEDLLM_KERNEL_ISA", "native") or "native"
+    if isa not in ISA_VARIANTS:
+        raise ValueError(f"PAGEDLLM_KERNEL_ISA must be one of {sorted(ISA_VARIANTS)}, got {isa!r}")
+    return isa
+
+
+def runnable_isas() -> list[str]:
+    """The variants this CPU can execute (all need x86-64 but "native")."""
+    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    return [name for name, (_, needs) in ISA_VARIANTS.items() if all(f in flags for f in needs)]
+
+
+def build_flags() -> list[str]:
+    """The compiler flags of the kernel build for the chosen ISA variant."""
+    isa = kernel_isa()
+    if isa not in runnable_isas():
+        raise ValueError(f"PAGEDLLM_KERNEL_ISA={isa!r} needs CPU features {ISA_VARIANTS[isa][1]} this CPU lacks")
+    return [*_CFLAGS, *ISA_VARIANTS[isa][0]]
+
+
+def cache_dir() -> Path:
+    """Where built kernel libraries are kept (``$PAGEDLLM_CACHE_DIR/kernels``, default ``~/.cache/pagedllm``)."""
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
     return Path(root) / "kernels"
 
 
-def _build(compiler: str, output: Path) -> None:
+def compiler_path() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else gcc or cc on PATH."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _build(compiler: str, output: Path, flags: list[str]) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: concurrent processes never load a half-written file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=output.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_CFLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"],
+            [compiler, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"],
             check=True, capture_output=True, text=True, timeout=120,
         )
         os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache dir must stay usable
@@ -84,25 +130,26 @@ def _build(compiler: str, output: Path) -> None:
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """Build (once per process) and load the library: (library, None) or (None, why not)."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """Build (once per process) and load the library: (library, None, path) or (None, why not, None)."""
+    compiler = compiler_path()
+    flags = build_flags()  # a forced ISA this CPU cannot run is the caller's error, raised here
     try:
         if compiler is None:
             raise RuntimeError("no C compiler (gcc or cc) on PATH")
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         sources = "\0".join(p.read_text() for p in [*_SOURCES, *_HEADERS])
         key = hashlib.sha256(
-            "\0".join([sources, " ".join(_CFLAGS), version, platform.machine(), _cpu_flags()]).encode()
+            "\0".join([sources, " ".join(flags), version, platform.machine(), _cpu_flags()]).encode()
         ).hexdigest()[:16]
-        path = _cache_dir() / f"pagedllm_kernels-{key}.so"
+        path = cache_dir() / f"pagedllm_kernels-{kernel_isa()}-{key}.so"
         if not path.exists():
-            _build(compiler, path)
+            _build(compiler, path, flags)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         logger.warning("native CPU kernels unavailable, using the torch paths: %s", detail)
-        return None, detail
+        return None, detail, None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.paged_decode.restype = i32
     lib.paged_decode.argtypes = [
@@ -166,7 +213,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ptr, i64, ptr, ptr,  # block_tables, table_stride, seq_lens, out
         i32,  # num_threads
     ]
-    return lib, None
+    return lib, None, str(path)
 
 
 # the kernels' numbering of KV cache element types (paged_attention.h)
@@ -181,3 +228,8 @@ def load_kernels() -> ctypes.CDLL | None:
 def kernels_failure() -> str | None:
     """Why the kernels could not be loaded (None if they loaded)."""
     return _load()[1]
+
+
+def library_path() -> str | None:
+    """The built library in use (None if the kernels did not load)."""
+    return _load()[2]

@@ -1,0 +1,161 @@
+"""``pagedllm env``: what this machine gives the engine, for bug reports.
+
+The CPU's model and the SIMD features the kernels look for, torch's build and
+what its CPU backends can do here, the native kernels (compiler, flags, where
+the built library is cached, or why it did not build) and which backend each
+kind of layer runs on: what ``"auto"`` resolves to, and with ``--load`` the
+classes a loaded model actually holds.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from collections import Counter
+from typing import Any
+
+# the features the kernels (or torch's kernels they are measured against) use
+CPU_FEATURES = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+    "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8",
+)
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _compiler() -> dict[str, Any]:
+    from pagedllm.runner.kernels import compiler_path
+
+    path = compiler_path()
+    if path is None:
+        return {"path": None, "version": None}
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        version = f"unknown ({e})"
+    return {"path": path, "version": version.splitlines()[0] if version else None}
+
+
+def _kernels() -> dict[str, Any]:
+    from pagedllm.runner import kernels
+
+    lib = kernels.load_kernels()
+    out: dict[str, Any] = {
+        "isa": kernels.kernel_isa(),
+        "runnable_isas": kernels.runnable_isas(),
+        "loaded": lib is not None,
+        "failure": kernels.kernels_failure(),
+        "cflags": " ".join(kernels.build_flags()),
+        "cache_dir": str(kernels.cache_dir()),
+        "compiler": _compiler(),
+    }
+    if lib is not None:
+        from pagedllm.models.packed_linear import packed_linear_bf16_isa
+
+        out["bf16_linear_isa"] = packed_linear_bf16_isa()
+        out["library"] = kernels.library_path()
+    return out
+
+
+def _auto_backends() -> dict[str, Any]:
+    """What "auto" picks here for float32 and bfloat16 on the CPU (no model needed)."""
+    import torch
+
+    from pagedllm.models.onednn_linear import onednn_available, onednn_bf16_supported
+    from pagedllm.runner.attention import make_backend
+    from pagedllm.runner.kernels import load_kernels
+
+    native = load_kernels() is not None
+    bf16_vector = False
+    if native:
+        from pagedllm.models.packed_linear import packed_linear_bf16_native
+
+        bf16_vector = packed_linear_bf16_native()
+    f32_linear = "packed" if native else ("onednn" if onednn_available() else "torch")
+    if native and bf16_vector:
+        bf16_linear = "packed"
+    elif onednn_bf16_supported():
+        bf16_linear = "onednn"
+    else:
+        bf16_linear = "torch (slow: no bf16 kernel for this CPU)"
+    return {
+        "float32": {"linear": f32_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
+                    "norms_rope_silu": "native" if native else "torch", "fused_decode": native},
+        "bfloat16": {"linear": bf16_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
+                     "fused_decode": native and bf16_linear == "packed"},
+        "int8": {"linear": "int8 rows" if native else "refused (no kernels)"},
+    }
+
+
+def loaded_model_report(llm: Any) -> dict[str, Any]:
+    """The layer classes and backends a loaded ``LLM`` runs."""
+    runner = llm.llm_engine.model_runner
+    layers = Counter(type(m).__name__ for m in runner.model.modules() if not list(m.children()))
+    return {
+        "model": llm.llm_engine.config.model,
+        "dtype": llm.llm_engine.config.dtype,
+        "linear_backend": runner.linear_backend,
+        "attention_backend": runner.backend.name,
+        "native_ops": runner.native_ops is not None,
+        "fused_decode": runner.fused_decode is not None,
+        "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
+        "layer_classes": dict(sorted(layers.items())),
+    }
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``pagedllm env`` prints, as plain data."""
+    import torch
+
+    from pagedllm import __version__
+
+    model, flags = _cpuinfo()
+    return {
+        "pagedllm": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": {"model": model, "machine": platform.machine(),
+                "features": [f for f in CPU_FEATURES if f in flags]},
+        "torch": {
+            "version": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "num_threads": torch.get_num_threads(),
+            "onednn": torch.backends.mkldnn.is_available(),
+            "onednn_bf16": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "cuda": torch.cuda.is_available(),
+        },
+        "kernels": _kernels(),
+        "auto": _auto_backends(),
+    }
+
+
+def format_report(report: dict[str, Any], indent: int = 0) -> str:
+    """The report as indented ``key: value`` lines."""
+    lines = []
+    for key, value in report.items():
+        if isinstance(value, dict):
+            lines.append(" " * indent + f"{key}:")
+            lines.append(format_report(value, indent + 2))
+        else:
+            shown = ", ".join(value) if isinstance(value, list) else value
+            lines.append(" " * indent + f"{key}: {shown}")
+    return "\n".join(lines)
+
+
+def to_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2)

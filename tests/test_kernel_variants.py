@@ -1,0 +1,69 @@
+"""Every kernel code path this CPU can execute, against the plain-torch references.
+
+The kernels hold one code path per instruction set (AVX512-BF16, AVX-512,
+AVX2+FMA, plain C), chosen when they are compiled. The rest of the suite runs
+the ``native`` build (this CPU's best); here each other variant this CPU can
+run is forced with ``PAGEDLLM_KERNEL_ISA``, built into a fresh cache folder
+and put through the kernel-level tests in a subprocess: the same tests, the
+same tolerances, another code path. A variant this CPU cannot execute is
+refused with a clear error, not run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.runner.kernels import ISA_VARIANTS, runnable_isas
+
+HERE = Path(__file__).resolve().parent
+# kernel-level tests: each compares a native op with its torch reference at edge shapes
+KERNEL_TESTS = [
+    "test_native_ops.py",
+    "test_attention.py",
+    "test_bf16_cpu.py::test_packed_bf16_kernel_matches_a_float64_product_of_the_rounded_operands",
+    "test_bf16_cpu.py::test_packed_bf16_rounds_activations_like_torch",
+    "test_bf16_cpu.py::test_bf16_linear_backends_compute_the_same_scheme",
+    "test_linear_backends.py",
+    "test_int8.py",
+    "test_fused_decode.py",
+]
+OTHER_VARIANTS = [isa for isa in ISA_VARIANTS if isa != "native"]
+
+
+@pytest.mark.parametrize("isa", OTHER_VARIANTS)
+def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> None:
+    runnable = runnable_isas()
+    if isa not in runnable:
+        pytest.skip(f"this CPU cannot execute the {isa} code path (needs {ISA_VARIANTS[isa][1]})")
+    if isa == next(v for v in OTHER_VARIANTS if v in runnable):
+        # the sources choose their path by __AVX512BF16__ / __AVX512F__ / __AVX2__: the native
+        # build compiles the best one this CPU runs, and the whole suite runs that build
+        pytest.skip(f"{isa} is this CPU's best code path: the native build, which the whole suite runs, compiles it")
+    env = dict(os.environ, PAGEDLLM_KERNEL_ISA=isa, PAGEDLLM_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[str(HERE / t) for t in KERNEL_TESTS]],
+        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1]
+    built = list((tmp_path / "cache" / "kernels").glob(f"pagedllm_kernels-{isa}-*.so"))
+    assert built, "the forced variant was not the one built"
+
+
+def test_a_variant_the_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.runner import kernels
+
+    missing = [isa for isa in ISA_VARIANTS if isa not in runnable_isas()]
+    if not missing:
+        pytest.skip("this CPU runs every variant")
+    monkeypatch.setenv("PAGEDLLM_KERNEL_ISA", missing[0])
+    with pytest.raises(ValueError, match="this CPU lacks"):
+        kernels.build_flags()
+    monkeypatch.setenv("PAGEDLLM_KERNEL_ISA", "sse9")
+    with pytest.raises(ValueError, match="must be one of"):
+        kernels.kernel_isa()
