@@ -25,7 +25,7 @@ from torch import nn
 
 import pagedllm.models.int8_linear as int8_linear
 from pagedllm.models.bf16_linear import use_bf16_linear
-from pagedllm.models.onednn_linear import onednn_linear, pack_weight
+from pagedllm.models.onednn_linear import onednn_bf16_supported, onednn_linear, pack_weight
 from pagedllm.models.packed_linear import pack_weight_panels, packed_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) per layer
@@ -77,7 +77,10 @@ def _bf16(layers: list[nn.Linear], rows_list: list[int]) -> None:
         for src, dst in zip(layers, onednn):
             dst.weight.copy_(src.weight)
     use_bf16_linear(ours, "packed")
-    use_bf16_linear(onednn, "onednn")
+    # oneDNN's bf16 needs AVX-512 or AVX-NE-CONVERT; elsewhere it is left out (n/a)
+    have_onednn = onednn_bf16_supported()
+    if have_onednn:
+        use_bf16_linear(onednn, "onednn")
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
     print(f"{'rows':>5} {'bf16 ours':>10} {'bf16 oneDNN':>12} {'f32 packed':>11}  (ms)   GFLOP/s: ours / oneDNN / "
           "float32   ours / oneDNN")
@@ -85,7 +88,7 @@ def _bf16(layers: list[nn.Linear], rows_list: list[int]) -> None:
         for rows in rows_list:
             xs = {k: torch.randn(rows, k) for k in (576, 1536)}
             a = _ms(lambda xs=xs: [m(xs[m.in_features]) for m in ours])
-            b = _ms(lambda xs=xs: [m(xs[m.in_features]) for m in onednn])
+            b = _ms(lambda xs=xs: [m(xs[m.in_features]) for m in onednn]) if have_onednn else float("nan")
             c = _ms(lambda xs=xs: [packed_linear(xs[la.in_features], w, None, la.out_features)
                              for la, w in zip(layers, panels32)])
             g = [rows * flops_per_row / (t * 1e6) for t in (a, b, c)]

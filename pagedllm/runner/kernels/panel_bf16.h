@@ -109,42 +109,45 @@ static inline __attribute__((always_inline)) void bf_tile(
  *
  * Products of two bf16 values are exact in float32, so this computes the
  * AVX512-BF16 path's sums up to float32 rounding order. The tile runs in
- * sub-tiles of BF_AVX2_ROWS rows x BF_AVX2_VECS vectors (8 accumulators of
- * the 16 ymm registers); a one-row decode call streams each panel once. */
-#define BF_AVX2_ROWS 4
-#define BF_AVX2_VECS 2
+ * sub-tiles of num_rows x num_vecs vectors of 8 columns, sized so that the
+ * accumulators, the widened weights and the broadcast pair stay in the 16 ymm
+ * registers: one row takes the whole panel (6 vectors: it streams each
+ * panel once, in order), more rows go 4 x 2. Both counts are compile-time
+ * constants at every call, so the loops unroll and nothing spills. */
+#define BF_AVX2_MAX_ROWS 4
 
 static inline __attribute__((always_inline)) void bf_subtile_avx2(
     const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
-    int col0, int num_cols, int num_rows, const char *prefetch, int64_t num_prefetch) {
+    const int col0, int num_cols, const int num_rows, const int num_vecs, const char *prefetch,
+    int64_t num_prefetch) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-    __m256 acc[BF_AVX2_ROWS][BF_AVX2_VECS];
-    for (int r = 0; r < BF_AVX2_ROWS; r++)
-        for (int c = 0; c < BF_AVX2_VECS; c++) acc[r][c] = _mm256_setzero_ps();
+    __m256 acc[BF_AVX2_MAX_ROWS][BF_PANEL / 8];
+#pragma GCC unroll 8
+    for (int r = 0; r < num_rows; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < num_vecs; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k2; kk++) {
         if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
-        __m256 we[BF_AVX2_VECS], wo[BF_AVX2_VECS];
-        for (int c = 0; c < BF_AVX2_VECS; c++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(b + (kk * BF_PANEL + col0 + c * 8) * 2));
-            we[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            wo[c] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        }
-        for (int r = 0; r < BF_AVX2_ROWS; r++) {
-            if (r < num_rows) {
-                __m256i pair = _mm256_set1_epi32((int)load_pair(xp + (r * k2 + kk) * 2));
-                __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-                __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
-                for (int c = 0; c < BF_AVX2_VECS; c++) {
-                    acc[r][c] = _mm256_fmadd_ps(xe, we[c], acc[r][c]);
-                    acc[r][c] = _mm256_fmadd_ps(xo, wo[c], acc[r][c]);
-                }
+        const uint16_t *bk = b + (kk * BF_PANEL + col0) * 2;
+#pragma GCC unroll 8
+        for (int r = 0; r < num_rows; r++) {
+            const __m256i pair = _mm256_set1_epi32((int)load_pair(xp + (r * k2 + kk) * 2));
+            const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+            const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+#pragma GCC unroll 8
+            for (int c = 0; c < num_vecs; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(bk + c * 16));
+                acc[r][c] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(v, high)), acc[r][c]);
             }
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < num_rows; r++) {
-        float sums[BF_AVX2_VECS * 8];
-        for (int c = 0; c < BF_AVX2_VECS; c++) _mm256_storeu_ps(sums + c * 8, acc[r][c]);
-        for (int j = 0; j < BF_AVX2_VECS * 8 && col0 + j < num_cols; j++)
+        float sums[BF_PANEL];
+#pragma GCC unroll 8
+        for (int c = 0; c < num_vecs; c++) _mm256_storeu_ps(sums + c * 8, acc[r][c]);
+        for (int j = 0; j < num_vecs * 8 && col0 + j < num_cols; j++)
             y[r * ldy + col0 + j] = sums[j] + (bias ? bias[col0 + j] : 0.0f);
     }
 }
@@ -152,12 +155,19 @@ static inline __attribute__((always_inline)) void bf_subtile_avx2(
 static inline __attribute__((always_inline)) void bf_tile(
     const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
     int num_cols, const int num_rows, const char *prefetch, int64_t num_prefetch) {
-    for (int r0 = 0; r0 < num_rows; r0 += BF_AVX2_ROWS) {
-        const int rows = num_rows - r0 < BF_AVX2_ROWS ? num_rows - r0 : BF_AVX2_ROWS;
-        for (int col0 = 0; col0 < num_cols; col0 += BF_AVX2_VECS * 8) {
-            /* the next panel is prefetched once, by the first sub-tile */
+    if (num_rows == 1) {
+        bf_subtile_avx2(xp, k2, b, y, ldy, bias, 0, num_cols, 1, BF_PANEL / 8, prefetch, num_prefetch);
+        return;
+    }
+    /* the next panel is prefetched once, by the first sub-tile */
+#pragma GCC unroll 2
+    for (int r0 = 0; r0 < num_rows; r0 += BF_AVX2_MAX_ROWS) {
+        const int rows = num_rows - r0 < BF_AVX2_MAX_ROWS ? num_rows - r0 : BF_AVX2_MAX_ROWS;
+#pragma GCC unroll 3
+        for (int col0 = 0; col0 < BF_PANEL; col0 += 16) {
+            if (col0 >= num_cols) break;
             const int64_t pf = (r0 == 0 && col0 == 0) ? num_prefetch : 0;
-            bf_subtile_avx2(xp + r0 * k2 * 2, k2, b, y + r0 * ldy, ldy, bias, col0, num_cols, rows, prefetch, pf);
+            bf_subtile_avx2(xp + r0 * k2 * 2, k2, b, y + r0 * ldy, ldy, bias, col0, num_cols, rows, 2, prefetch, pf);
         }
     }
 }
