@@ -260,3 +260,23 @@ def test_bench_latency_json(extra):
     assert r["decode_gflops"] == pytest.approx(r["decode_tokens_per_s"] * 2 * r["num_params"] / 1e9, rel=0.01)
     assert r["prefill_tokens_per_s"] == pytest.approx(2 * 16 / (r["ttft_ms"] / 1000), rel=0.01)
     assert 130e6 < r["num_params"] < 140e6  # SmolLM2-135M
+
+
+def test_env_reports_the_cpu_the_kernels_and_the_backends(tiny_model_dirs):
+    proc = run_cli("env", "--json", "--load", "--model", tiny_model_dirs["llama"], "--dtype", "bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    # each feature the kernels care about is listed exactly when /proc/cpuinfo has it
+    from pagedllm.entrypoints.env_report import CPU_FEATURES
+
+    assert report["cpu"]["features"] == [f for f in CPU_FEATURES if f in flags]
+    assert report["kernels"]["isa"] == "native" and "native" in report["kernels"]["runnable_isas"]
+    if report["kernels"]["loaded"]:
+        assert Path(report["kernels"]["library"]).exists()
+        assert report["kernels"]["bf16_linear_isa"] == ("avx512_bf16" if "avx512_bf16" in flags else
+                                                         "avx2" if {"avx2", "fma"} <= flags else "scalar")
+    loaded = report["loaded"]
+    assert loaded["dtype"] == "bfloat16" and loaded["linear_backend"] == report["auto"]["bfloat16"]["linear"]
+    assert sum(loaded["layer_classes"].values()) > 0
