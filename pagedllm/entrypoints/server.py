@@ -2,11 +2,18 @@
 
 Threads: uvicorn's event loop answers HTTP; one engine thread owns the
 ``LLMEngine`` (which is not thread-safe). Handlers never touch the engine:
-they send commands (add requests, abort, tokenize) to the engine thread,
+they send commands (add tokenized requests, abort) to the engine thread,
 which applies them between steps and steps while work exists. Outputs go
 back to each request's ``asyncio.Queue`` through ``call_soon_threadsafe``.
 torch releases the GIL in its kernels, so the loop stays responsive while
-the engine computes.
+the engine computes. Prompts are tokenized before they reach the engine
+thread, in a tokenizer process of the server's own (``tokenizer_worker.py``),
+so no prompt's size delays another request's next token. Every request first
+passes the guards of ``server_guards.py`` (Host, API key, body size, JSON).
+
+A program that builds the app itself (``create_server_app``) starts the
+tokenizer process with ``multiprocessing``'s spawn method, so its main
+module needs the usual ``if __name__ == "__main__":`` guard.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 server-sent-event streaming), ``GET /v1/models``, ``GET /health``,
