@@ -22,20 +22,16 @@ CPU_FEATURES = (
 )
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = platform.processor() or platform.machine(), set()
+def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
+                if key.strip() == "model name":
+                    return value.strip()
     except OSError:
         pass
-    return model, flags
+    return platform.processor() or platform.machine()
 
 
 def _compiler() -> dict[str, Any]:
@@ -123,20 +119,22 @@ def collect() -> dict[str, Any]:
     import torch
 
     from pagedllm import __version__
+    from pagedllm.models.onednn_linear import onednn_bf16_supported
+    from pagedllm.runner.kernels import cpu_flags
 
-    model, flags = _cpuinfo()
+    flags = cpu_flags()
     return {
         "pagedllm": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": {"model": model, "machine": platform.machine(),
+        "cpu": {"model": _cpu_model(), "machine": platform.machine(),
                 "features": [f for f in CPU_FEATURES if f in flags]},
         "torch": {
             "version": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "num_threads": torch.get_num_threads(),
             "onednn": torch.backends.mkldnn.is_available(),
-            "onednn_bf16": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "onednn_bf16": onednn_bf16_supported(),
             "cuda": torch.cuda.is_available(),
         },
         "kernels": _kernels(),

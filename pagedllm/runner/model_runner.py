@@ -41,16 +41,6 @@ _DEFAULT_KV_CAP_BYTES = 2 << 30
 _MIN_TEMPERATURE = 1e-5
 
 
-def _cpu_has_native_bf16() -> bool:
-    # x86 lists "flags", Arm "Features" (where bf16 is the Armv8.6 extension)
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16", "bf16"))
-
-
 def _available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -166,7 +156,7 @@ class ModelRunner:
             return
         fast = self.bf16_matmul_only and (
             (self.linear_backend == "packed" and packed_linear_bf16_native())
-            or (self.linear_backend == "onednn" and _cpu_has_native_bf16())
+            or (self.linear_backend == "onednn" and onednn_bf16_supported())
         )
         if not fast:
             # measured here: a torch bf16 matmul on a Zen 3 core is ~300x slower than float32
@@ -200,6 +190,11 @@ class ModelRunner:
         """
         return self.input_batch.build(scheduled)
 
+    @staticmethod
+    def _temperature(p: SamplingParams) -> float:
+        # below this, dividing logits by the temperature overflows: greedy
+        return p.temperature if p.temperature >= _MIN_TEMPERATURE else 0.0
+
     def _draw_uniforms(self, rows: list[tuple[Sequence, SamplingParams]]) -> list[float]:
         """One uniform number per row from its sequence's own stream, drawn once per step.
 
@@ -207,14 +202,13 @@ class ModelRunner:
         numbers are kept, so sampling a row again (alone, after a failure
         elsewhere in the batch) gives it the token it would have had.
         """
-        return [seq.rng.random() if p.temperature >= _MIN_TEMPERATURE else 0.0 for seq, p in rows]
+        return [seq.rng.random() if self._temperature(p) > 0 else 0.0 for seq, p in rows]
 
     def _sampling_tensors(self, rows: list[tuple[Sequence, SamplingParams]], uniforms: list[float]) -> SamplingTensors:
         vocab = self.model_config.vocab_size
         temps, top_ks, top_ps, min_ps = [], [], [], []
         for _, p in rows:
-            # below this, dividing logits by the temperature overflows: greedy
-            temps.append(p.temperature if p.temperature >= _MIN_TEMPERATURE else 0.0)
+            temps.append(self._temperature(p))
             top_ks.append(min(p.top_k, vocab) if p.top_k > 0 else vocab)
             top_ps.append(p.top_p)
             min_ps.append(p.min_p)

@@ -62,6 +62,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (x86 "flags", Arm "Features")."""
+    return frozenset(_cpu_flags().split(":", 1)[-1].split())
+
+
 # PAGEDLLM_KERNEL_ISA: which instruction set the kernels are compiled for. "native"
 # (the default) is this CPU's own (-march=native); the others force one of the
 # code paths the sources hold (#if __AVX512BF16__ / __AVX512F__ / __AVX2__ /
@@ -87,7 +92,7 @@ def kernel_isa() -> str:
 
 def runnable_isas() -> list[str]:
     """The variants this CPU can execute (all need x86-64 but "native")."""
-    flags = set(_cpu_flags().split(":", 1)[-1].split())
+    flags = cpu_flags()
     if platform.machine() not in ("x86_64", "AMD64"):
         return ["native"]
     return [name for name, (_, needs) in ISA_VARIANTS.items() if all(f in flags for f in needs)]
