@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pagedllm.runner.attention import AttentionMetadata, CpuPagedAttention, SdpaAttention
+from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention, SdpaAttention
 
 
 def main() -> None:

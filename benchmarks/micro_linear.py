@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import pagedllm.models.int8_linear as int8_linear
-from pagedllm.models.bf16_linear import use_bf16_linear
-from pagedllm.models.onednn_linear import onednn_bf16_supported, onednn_linear, pack_weight
-from pagedllm.models.packed_linear import pack_weight_panels, packed_linear
+import pagedllm.layers.int8_linear as int8_linear
+from pagedllm.layers.bf16_linear import use_bf16_linear
+from pagedllm.layers.onednn_linear import onednn_bf16_supported, onednn_linear, pack_weight
+from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) per layer
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pagedllm.runner.attention import AttentionMetadata, CpuPagedAttention, SdpaAttention
+from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention, SdpaAttention
 
 
 def main() -> None:

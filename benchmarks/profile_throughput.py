@@ -21,8 +21,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.workload import make_workload
-from pagedllm.models import packed_linear as pl
-from pagedllm.models.native_ops import NativeOps
+from pagedllm.layers import packed_linear as pl
+from pagedllm.layers.native_ops import NativeOps
 from pagedllm.runner import model_runner as mr
 
 

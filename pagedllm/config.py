@@ -31,7 +31,7 @@ class EngineConfig:
             but computes only the linear layers with bf16 operands (float32
             sums); activations between them stay float32 and the KV cache
             (``kv_cache_dtype="auto"``) stores bf16. Fast where the CPU has
-            AVX512-BF16; see ``models/bf16_linear.py``.
+            AVX512-BF16; see ``layers/bf16_linear.py``.
         device: "cpu" or "cuda".
         kv_cache_dtype: what the KV cache stores: "auto" (default: ``dtype``),
             or "float32", "float16", "bfloat16". A 2-byte cache with float32

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm.engine.block_table import slot_mapping
-from pagedllm.runner.attention import (
+from pagedllm.layers.attention import (
     AttentionMetadata,
     CpuPagedAttention,
     ReferenceAttention,
@@ -224,7 +224,7 @@ def test_cpu_paged_refuses_a_slot_outside_the_cache_before_writing() -> None:
 
 
 def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp_path) -> None:  # noqa: ANN001
-    from pagedllm.runner import kernels
+    from pagedllm import kernels
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
@@ -237,7 +237,7 @@ def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp
             make_backend("cpu_paged", "cpu", torch.float32)
         from torch import nn
 
-        from pagedllm.models.int8_linear import quantize_model_int8
+        from pagedllm.layers.int8_linear import quantize_model_int8
 
         with pytest.raises(ValueError, match="int8.*cannot be built here"):
             quantize_model_int8(nn.Sequential(nn.Linear(4, 4)))

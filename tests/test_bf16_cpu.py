@@ -20,9 +20,9 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.models.bf16_linear import TorchBF16Linear, use_bf16_linear
-from pagedllm.models.onednn_linear import OneDnnLinear, onednn_available, onednn_bf16_supported
-from pagedllm.models.packed_linear import (
+from pagedllm.layers.bf16_linear import TorchBF16Linear, use_bf16_linear
+from pagedllm.layers.onednn_linear import OneDnnLinear, onednn_available, onednn_bf16_supported
+from pagedllm.layers.packed_linear import (
     PackedLinearBF16,
     pack_weight_panels_bf16,
     packed_linear_available,

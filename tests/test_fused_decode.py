@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.int8_linear import SMALL_BATCH_ROWS
-from pagedllm.runner.attention import AttentionMetadata
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS
 from pagedllm.runner.fused_decode import FusedDecode
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.models.int8_linear import SMALL_BATCH_ROWS, Int8Linear, quantize_per_channel
+from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS, Int8Linear, quantize_per_channel
 
 
 def test_quantize_per_channel_round_trip() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.runner.kernels import ISA_VARIANTS, runnable_isas
+from pagedllm.kernels import ISA_VARIANTS, runnable_isas
 
 HERE = Path(__file__).resolve().parent
 # kernel-level tests: each compares a native op with its torch reference at edge shapes
@@ -56,7 +56,7 @@ def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> 
 
 
 def test_a_variant_the_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedllm.runner import kernels
+    from pagedllm import kernels
 
     missing = [isa for isa in ISA_VARIANTS if isa not in runnable_isas()]
     if not missing:

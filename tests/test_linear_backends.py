@@ -9,16 +9,16 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.models.int8_linear import Int8Linear
-from pagedllm.models.onednn_linear import OneDnnLinear, onednn_available, use_onednn_linear
-from pagedllm.models.packed_linear import (
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.int8_linear import Int8Linear
+from pagedllm.layers.onednn_linear import OneDnnLinear, onednn_available, use_onednn_linear
+from pagedllm.layers.packed_linear import (
     PackedLinear,
     pack_weight_panels,
     packed_linear,
     packed_linear_available,
     use_packed_linear,
 )
-from pagedllm.runner.kernels import load_kernels
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -164,7 +164,7 @@ def test_int8_large_calls_go_through_the_packed_dequantized_copy() -> None:
 
 def test_bfloat16_on_a_slow_cpu_path_warns(tiny_model_dirs: dict[str, str], caplog) -> None:  # noqa: ANN001
     """bf16 through torch's own matmul on the CPU is the slow path: say so; the default picks a fast one."""
-    from pagedllm.models.packed_linear import packed_linear_bf16_native
+    from pagedllm.layers.packed_linear import packed_linear_bf16_native
 
     with caplog.at_level("WARNING", logger="pagedllm.runner.model_runner"):
         LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16",

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.llama import RMSNorm, RotaryEmbedding
-from pagedllm.models.native_ops import NativeOps
-from pagedllm.runner.kernels import load_kernels
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.native_ops import NativeOps
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_engine_uses_native_ops_and_matches_the_torch_path(tiny_model_dirs: dict
         llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8)
         runner = llm.llm_engine.model_runner
         assert runner.native_ops is not None
-        assert runner.model.model.layers[0].mlp.native is runner.native_ops
+        assert runner.model.model.layers[0].mlp.act_fn.native is runner.native_ops
         # every step layer by layer, so the switch below decides every step's ops
         # (the fused decode step is compared with this path in test_fused_decode.py)
         runner.fused_decode = None

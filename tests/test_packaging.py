@@ -25,7 +25,7 @@ CHECK = r"""
 import json, sys
 import pagedllm
 from pagedllm import LLM, SamplingParams
-from pagedllm.runner.kernels import kernels_failure, load_kernels
+from pagedllm.kernels import kernels_failure, load_kernels
 
 site = sys.argv[1]
 assert pagedllm.__file__.startswith(site), pagedllm.__file__

@@ -35,7 +35,7 @@ def _cpu_model() -> str:
 
 
 def _compiler() -> dict[str, Any]:
-    from pagedllm.runner.kernels import compiler_path
+    from pagedllm.kernels import compiler_path
 
     path = compiler_path()
     if path is None:
@@ -48,7 +48,7 @@ def _compiler() -> dict[str, Any]:
 
 
 def _kernels() -> dict[str, Any]:
-    from pagedllm.runner import kernels
+    from pagedllm import kernels
 
     lib = kernels.load_kernels()
     out: dict[str, Any] = {
@@ -61,7 +61,7 @@ def _kernels() -> dict[str, Any]:
         "compiler": _compiler(),
     }
     if lib is not None:
-        from pagedllm.models.packed_linear import packed_linear_bf16_isa
+        from pagedllm.layers.packed_linear import packed_linear_bf16_isa
 
         out["bf16_linear_isa"] = packed_linear_bf16_isa()
         out["library"] = kernels.library_path()
@@ -72,14 +72,14 @@ def _auto_backends() -> dict[str, Any]:
     """What "auto" picks here for float32 and bfloat16 on the CPU (no model needed)."""
     import torch
 
-    from pagedllm.models.onednn_linear import onednn_available, onednn_bf16_supported
-    from pagedllm.runner.attention import make_backend
-    from pagedllm.runner.kernels import load_kernels
+    from pagedllm.kernels import load_kernels
+    from pagedllm.layers.attention import make_backend
+    from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported
 
     native = load_kernels() is not None
     bf16_vector = False
     if native:
-        from pagedllm.models.packed_linear import packed_linear_bf16_native
+        from pagedllm.layers.packed_linear import packed_linear_bf16_native
 
         bf16_vector = packed_linear_bf16_native()
     f32_linear = "packed" if native else ("onednn" if onednn_available() else "torch")
@@ -119,8 +119,8 @@ def collect() -> dict[str, Any]:
     import torch
 
     from pagedllm import __version__
-    from pagedllm.models.onednn_linear import onednn_bf16_supported
-    from pagedllm.runner.kernels import cpu_flags
+    from pagedllm.kernels import cpu_flags
+    from pagedllm.layers.onednn_linear import onednn_bf16_supported
 
     flags = cpu_flags()
     return {

@@ -13,97 +13,17 @@ stored fused (``qkv_proj``, ``gate_up_proj``) so each is one matmul;
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
+from pagedllm.layers.native_ops import NativeOps
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.native_ops import NativeOps
-from pagedllm.runner.attention import AttentionBackend, AttentionMetadata
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as the reference does."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.native: NativeOps | None = None  # see LlamaForCausalLM.use_native_ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.add_rms_norm(x, None, self.weight, self.eps)
-        # one call instead of five small ops (same arithmetic: x * rsqrt(mean(x^2) + eps));
-        # the weight is applied after casting back, in the input dtype, as the reference does
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """``x += delta`` in place (the residual add), then the norm of the sum."""
-        if self.native is not None:
-            return self.native.add_rms_norm(x, delta, self.weight, self.eps)
-        return self(x.add_(delta))
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """RoPE inverse frequencies ``[head_dim // 2]``, with Llama 3 scaling if asked."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        return inv_freq
-    # Llama 3: long wavelengths are slowed by `factor`, short ones kept,
-    # the band between interpolated smoothly
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(in_band, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a cos/sin table for every position.
-
-    ``cos_sin`` looks the step's positions up once; every layer then applies
-    the same pair. Rotate-half is written as a roll by half the head and a
-    sign folded into the sin table (exact: only signs change)::
-
-        rotate_half([x1, x2]) = [-x2, x1] = roll([x1, x2], half) * [-1, +1]
-    """
-
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
-        super().__init__()
-        self.settings = (head_dim, max_position, theta, scaling)
-        self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
-        self.build_tables()
-
-    def build_tables(self) -> None:
-        """Fill the cos/sin tables (again after a model built on the meta device)."""
-        head_dim, max_position, theta, scaling = self.settings
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
-        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])  # [head_dim]
-        with torch.device("cpu"):
-            self.cos = emb.cos().to(self.cos.device)
-            self.sin = (emb.sin() * sign).to(self.sin.device)  # signed: see the class docstring
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for the step's tokens, each ``[num_tokens, 1, head_dim]``."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by its tokens' angles."""
-        cos, sin = cos_sin
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -158,13 +78,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.native: NativeOps | None = None
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.down_proj(self.native.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -220,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         """Run norms (with the residual add), RoPE (with Qwen3's per-head q/k norms) and
         SiLU-and-multiply through ``ops``; None: plain torch."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, Attention, SiluAndMul)):
                 module.native = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,11 +32,11 @@ import ctypes
 
 import torch
 
-from pagedllm.models.int8_linear import SMALL_BATCH_ROWS, Int8Linear
+from pagedllm.kernels import KV_TYPE_CODES, load_kernels
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS, Int8Linear
+from pagedllm.layers.packed_linear import PackedLinear, PackedLinearBF16, panel_width
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.packed_linear import PackedLinear, PackedLinearBF16, panel_width
-from pagedllm.runner.attention import AttentionMetadata
-from pagedllm.runner.kernels import KV_TYPE_CODES, load_kernels
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

@@ -23,7 +23,7 @@ import torch
 
 from pagedllm.engine.block_table import batch_slot_mapping
 from pagedllm.engine.scheduler import ScheduledSequence
-from pagedllm.runner.attention import AttentionMetadata
+from pagedllm.layers.attention import AttentionMetadata
 
 
 class InputBatch:

@@ -12,17 +12,17 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.attention import AttentionMetadata, make_backend
+from pagedllm.layers.bf16_linear import use_bf16_linear
+from pagedllm.layers.int8_linear import quantize_model_int8
+from pagedllm.layers.native_ops import NativeOps
+from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported, use_onednn_linear
+from pagedllm.layers.packed_linear import packed_linear_bf16_native, use_packed_linear
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.bf16_linear import use_bf16_linear
-from pagedllm.models.int8_linear import quantize_model_int8
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.native_ops import NativeOps
-from pagedllm.models.onednn_linear import onednn_available, onednn_bf16_supported, use_onednn_linear
-from pagedllm.models.packed_linear import packed_linear_bf16_native, use_packed_linear
-from pagedllm.runner.attention import AttentionMetadata, make_backend
 from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.input_batch import InputBatch
-from pagedllm.runner.kernels import load_kernels
 from pagedllm.runner.sampler import (
     Sampler,
     SamplingTensors,
@@ -75,7 +75,7 @@ class ModelRunner:
             raise ValueError("device='cuda' but torch sees no CUDA device")
         self.dtype = _DTYPES[config.dtype]
         # what activations are computed in: the model's dtype, except bf16 on the CPU, where only
-        # the linear layers multiply bf16 values and the rest stays float32 (models/bf16_linear.py)
+        # the linear layers multiply bf16 values and the rest stays float32 (layers/bf16_linear.py)
         self.bf16_matmul_only = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.compute_dtype = torch.float32 if self.bf16_matmul_only else self.dtype
         # what the cache stores ("auto": the model's dtype); resolved here, not in the config

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.runner.kernels import load_kernels
+from pagedllm.kernels import load_kernels
 
 
 @dataclass(frozen=True)

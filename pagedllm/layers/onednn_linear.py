@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.models.linear_swap import replace_linear_layers
+from pagedllm.layers.linear_swap import replace_linear_layers
 
 
 def onednn_available() -> bool:

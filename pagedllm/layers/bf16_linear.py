@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.linear_swap import replace_linear_layers
-from pagedllm.models.onednn_linear import use_onednn_linear
-from pagedllm.models.packed_linear import use_packed_linear_bf16
+from pagedllm.layers.linear_swap import replace_linear_layers
+from pagedllm.layers.onednn_linear import use_onednn_linear
+from pagedllm.layers.packed_linear import use_packed_linear_bf16
 
 
 class TorchBF16Linear(nn.Module):

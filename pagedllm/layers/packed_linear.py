@@ -1,7 +1,7 @@
 """Float32 linear layers through our own packed-panel kernel (CPU).
 
 The weight ``[out, in]`` is reordered once at load into column panels
-(``runner/kernels/packed_linear.c`` draws the layout) and the plain copy is
+(``kernels/packed_linear.c`` draws the layout) and the plain copy is
 dropped, so memory does not grow. The kernel keeps an 8-row (6 with AVX2)
 x one-panel tile of sums in registers and, while it computes one panel, prefetches the next
 one into L2; at the row counts a decode step has (8-64) that is where oneDNN's
@@ -18,8 +18,8 @@ import functools
 import torch
 from torch import nn
 
-from pagedllm.models.linear_swap import replace_linear_layers
-from pagedllm.runner.kernels import load_kernels
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.linear_swap import replace_linear_layers
 
 
 def packed_linear_available() -> bool:
@@ -30,7 +30,7 @@ def packed_linear_available() -> bool:
 def _library():  # noqa: ANN202
     lib = load_kernels()
     if lib is None:
-        from pagedllm.runner.kernels import kernels_failure
+        from pagedllm.kernels import kernels_failure
 
         raise ValueError(f"linear_backend='packed' needs the native CPU kernels, which cannot be built here: "
                          f"{kernels_failure()}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.runner.kernels import KV_TYPE_CODES
+from pagedllm.kernels import KV_TYPE_CODES
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ class CpuPagedAttention(SdpaAttention):
     name = "cpu_paged"
 
     def __init__(self) -> None:
-        from pagedllm.runner.kernels import kernels_failure, load_kernels
+        from pagedllm.kernels import kernels_failure, load_kernels
 
         lib = load_kernels()
         if lib is None:
@@ -356,7 +356,7 @@ def make_backend(name: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     backends = {"reference": ReferenceAttention, "sdpa": SdpaAttention, "cpu_paged": CpuPagedAttention}
     if name == "auto":
         if device == "cpu" and dtype == torch.float32:
-            from pagedllm.runner.kernels import load_kernels
+            from pagedllm.kernels import load_kernels
 
             if load_kernels() is not None:
                 return CpuPagedAttention()

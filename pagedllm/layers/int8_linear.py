@@ -8,7 +8,7 @@ Each output channel ``n`` keeps int8 weights and one float32 scale::
 Decoding a few sequences reads every weight once per step and does little
 arithmetic with it, so its speed is set by memory bandwidth; int8 weights are
 a quarter of the float32 bytes. Those calls (at most ``SMALL_BATCH_ROWS``
-rows) go to the native kernel in ``runner/kernels/int8_linear.c``. Larger
+rows) go to the native kernel in ``kernels/int8_linear.c``. Larger
 calls (prefills, big decode batches) are compute-bound, and float32 GEMM
 (the packed-panel kernel or oneDNN) is faster there than any int8 path torch offers on
 these CPUs, so they multiply by the dequantized weights ``q * scale``, kept
@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.linear_swap import replace_linear_layers
-from pagedllm.models.onednn_linear import onednn_linear, pack_weight
-from pagedllm.models.packed_linear import pack_weight_panels, packed_linear
-from pagedllm.runner.kernels import load_kernels
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.linear_swap import replace_linear_layers
+from pagedllm.layers.onednn_linear import onednn_linear, pack_weight
+from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
 
 # rows at or below which the int8 kernel beats float32 GEMM on the bytes it
 # saves, measured on the 2-vCPU EPYC for SmolLM2's layer shapes: the kernel
@@ -103,7 +103,7 @@ def quantize_model_int8(model: nn.Module, dense_backend: str = "torch") -> int:
     its float32 rows for lookups.
     """
     if load_kernels() is None:
-        from pagedllm.runner.kernels import kernels_failure
+        from pagedllm.kernels import kernels_failure
 
         raise ValueError(f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}")
     return replace_linear_layers(model, lambda linear: Int8Linear(linear, dense_backend))

@@ -1,0 +1,1 @@
+"""Building blocks the models are written from: linear methods, attention backends, norms, rotary embeddings, activations."""
