@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.engine.block_table import slot_mapping
+from pagedllm.block_table import slot_mapping
 from pagedllm.layers.attention import (
     AttentionMetadata,
     CpuPagedAttention,

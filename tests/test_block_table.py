@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.block_table import physical_block, slot_for, slot_mapping
 from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.block_table import physical_block, slot_for, slot_mapping
 from pagedllm.engine.sequence import Sequence
 
 SEED_TABLE = [47, 12, 83]

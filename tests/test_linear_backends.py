@@ -166,12 +166,12 @@ def test_bfloat16_on_a_slow_cpu_path_warns(tiny_model_dirs: dict[str, str], capl
     """bf16 through torch's own matmul on the CPU is the slow path: say so; the default picks a fast one."""
     from pagedllm.layers.packed_linear import packed_linear_bf16_native
 
-    with caplog.at_level("WARNING", logger="pagedllm.runner.model_runner"):
+    with caplog.at_level("WARNING", logger="pagedllm.runner.model_loader"):
         LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16",
             linear_backend="torch")
     assert any("slow path" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="pagedllm.runner.model_runner"):
+    with caplog.at_level("WARNING", logger="pagedllm.runner.model_loader"):
         llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16")
     if packed_linear_available() and packed_linear_bf16_native():
         # AVX512-BF16 or AVX2: the packed kernel, whatever the CPU's other features

@@ -560,7 +560,7 @@ def _failing_steps(engine):  # noqa: ANN001, ANN202
     """Every model step raises inside the block; the runner is restored after it."""
     execute = engine.model_runner.execute
 
-    def failing_execute(output, params, num_top):  # noqa: ANN001, ANN202 - the runner's own signature
+    def failing_execute(record):  # noqa: ANN001, ANN202 - the runner's own signature
         raise RuntimeError("injected fault")
 
     engine.model_runner.execute = failing_execute

@@ -138,10 +138,11 @@ def guarded(ref: dict) -> Iterator[dict]:
     engine = llm.llm_engine
     execute = engine.model_runner.execute
 
-    def faulty_execute(output, params, num_top):  # noqa: ANN001, ANN202 - the runner's own signature
-        if any(s.seq.prompt_token_ids[: len(POISON)] == POISON for s in output.scheduled):
+    def faulty_execute(record):  # noqa: ANN001, ANN202 - the runner's own signature
+        # a poisoned prompt's first step starts with the poison tokens
+        if any(s.num_computed_tokens == 0 and list(s.token_ids[: len(POISON)]) == POISON for s in record.sequences):
             raise RuntimeError("injected fault")
-        return execute(output, params, num_top)
+        return execute(record)
 
     engine.model_runner.execute = faulty_execute
     step = engine.step

@@ -9,7 +9,7 @@ import sys
 def test_engine_bookkeeping_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import pagedllm.engine.sequence, pagedllm.engine.block_table\n"
+        "import pagedllm.engine.sequence, pagedllm.block_table\n"
         "import pagedllm.engine.block_manager, pagedllm.engine.scheduler\n"
         "from pagedllm import SamplingParams\n"
         "print('torch' in sys.modules)\n"

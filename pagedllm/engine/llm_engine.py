@@ -3,6 +3,7 @@
 A thin coordinator. Each ``step()``::
 
     Scheduler.schedule()  -> SchedulerOutput   (who runs, which blocks)
+    build_step_record()   -> StepRecord        (plain data: tokens, block tables, sampling specs)
     ModelRunner.execute() -> sampled tokens    (slot mapping, attention, sampler)
     Scheduler.update()                          (tokens now in the cache)
     OutputProcessor / apply_beam_step           (append, detokenize, stop; beams fork)
@@ -23,10 +24,12 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import SequenceStatus
+from pagedllm.engine.step_builder import build_step_record
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.runner.process_settings import apply_process_settings
 from pagedllm.sampling_params import SamplingParams, check_text
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ class LLMEngine:
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
+        apply_process_settings(config)
         self.model_runner = ModelRunner(config, self.model_config, iter_weights(config.model, self.model_config))
         num_blocks = self.model_runner.num_kv_blocks
         if config.kv_allocator == "contiguous":
@@ -223,7 +227,7 @@ class LLMEngine:
                 req.beam.results.pop(seq.seq_id, None)  # recomputed later, reported again
         self.last_step_scheduled = True
         try:
-            results = self.model_runner.execute(output, params, num_top)
+            results = self.model_runner.execute(build_step_record(output, params, num_top))
         except BaseException:
             # the step is lost, not the engine: fail the requests in it so their
             # blocks return to the pool. Blocks published to the prefix cache

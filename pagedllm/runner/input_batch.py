@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.engine.block_table import batch_slot_mapping
-from pagedllm.engine.scheduler import ScheduledSequence
+from pagedllm.block_table import batch_slot_mapping
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.step_record import SequenceStep
 
 
 class InputBatch:
@@ -55,25 +55,25 @@ class InputBatch:
         t = torch.from_numpy(a)
         return t if self.device.type == "cpu" else t.to(self.device)
 
-    def build(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def build(self, steps: list[SequenceStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Input ids and positions ``[num_tokens]`` and the step's metadata.
 
-        ``scheduled`` must list prefills (more than one new token) first, as
+        ``steps`` must list prefills (more than one new token) first, as
         the attention backends expect.
         """
-        if not scheduled:
+        if not steps:
             raise ValueError("a step needs at least one scheduled sequence")
         bs = self.block_size
-        num_seqs = len(scheduled)
-        num_computed = [s.num_computed_tokens for s in scheduled]
-        num_new = [s.num_new_tokens for s in scheduled]
-        seq_lens = [c + n for c, n in zip(num_computed, num_new)]
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        for s, end in zip(scheduled, seq_lens):
-            if s.num_computed_tokens < 0 or s.num_new_tokens < 0 or end > len(s.seq.block_table) * bs:
+        num_seqs = len(steps)
+        num_computed = [s.num_computed_tokens for s in steps]
+        num_new = [s.num_new_tokens for s in steps]
+        seq_lens = [s.seq_len for s in steps]
+        max_blocks = max(len(s.block_table) for s in steps)
+        for s in steps:
+            if s.num_computed_tokens < 0 or s.seq_len > len(s.block_table) * bs:
                 raise ValueError(
-                    f"token range [{s.num_computed_tokens}, {end}) does not fit "
-                    f"{len(s.seq.block_table)} blocks of {bs}"
+                    f"token range [{s.num_computed_tokens}, {s.seq_len}) does not fit "
+                    f"{len(s.block_table)} blocks of {bs}"
                 )
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start_loc[1:])
@@ -84,12 +84,9 @@ class InputBatch:
         # [num_seqs, max_blocks], padded with block 0 (never read: lengths bound every read)
         tables = self._tables[: num_seqs * max_blocks].reshape(num_seqs, max_blocks)
         tables.fill(0)
-        for i, s in enumerate(scheduled):
-            tables[i, : len(s.seq.block_table)] = s.seq.block_table
-        input_ids[:] = np.fromiter(
-            (t for s, c, e in zip(scheduled, num_computed, seq_lens) for t in s.seq.token_ids[c:e]),
-            dtype=np.int64, count=num_tokens,
-        )
+        for i, s in enumerate(steps):
+            tables[i, : len(s.block_table)] = s.block_table
+        input_ids[:] = np.fromiter((t for s in steps for t in s.token_ids), dtype=np.int64, count=num_tokens)
         seq_index = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
         np.add(np.arange(num_tokens), np.repeat(np.asarray(num_computed) - query_start_loc[:-1], num_new), out=positions)
         slots[:] = batch_slot_mapping(tables, seq_index, positions, bs)

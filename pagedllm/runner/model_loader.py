@@ -1,0 +1,141 @@
+"""Builds the model the runner steps: construct, load the checkpoint, cast, pick and apply the linear method.
+
+Decisions the config leaves open ("auto") are taken here, once, and
+returned in ``LoadedModel``; nothing here is kept as module state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.config import EngineConfig
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.attention import AttentionBackend
+from pagedllm.layers.bf16_linear import use_bf16_linear
+from pagedllm.layers.int8_linear import quantize_model_int8
+from pagedllm.layers.native_ops import NativeOps
+from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported, use_onednn_linear
+from pagedllm.layers.packed_linear import packed_linear_bf16_native, use_packed_linear
+from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes a run uses, resolved from ``EngineConfig.dtype`` and the device.
+
+    ``compute`` is what activations are computed in: the model's dtype,
+    except bf16 on the CPU, where only the linear layers multiply bf16
+    values and the rest stays float32 (``layers/bf16_linear.py``).
+    """
+
+    weights: torch.dtype
+    compute: torch.dtype
+    bf16_matmul_only: bool
+
+
+def resolve_precision(config: EngineConfig, device: torch.device) -> Precision:
+    """The dtypes of a run of ``config`` on ``device``."""
+    dtype = DTYPES[config.dtype]
+    bf16_matmul_only = device.type == "cpu" and dtype == torch.bfloat16
+    return Precision(dtype, torch.float32 if bf16_matmul_only else dtype, bf16_matmul_only)
+
+
+def resolve_linear_backend(config: EngineConfig, device: torch.device, precision: Precision) -> str:
+    """``config.linear_backend`` with "auto" resolved for this device, dtype and CPU."""
+    if config.linear_backend != "auto":
+        return config.linear_backend
+    if device.type != "cpu" or precision.compute != torch.float32:
+        return "torch"
+    # float32: our packed-panel kernel measured 1.17-1.56x oneDNN at 1-64 rows here, oneDNN 2-4x MKL;
+    # bf16: ours in vector code (AVX512-BF16's dot product, or AVX2 widening bf16 in
+    # registers); oneDNN only where it has bf16 kernels (AVX-512), else its reorder raises
+    if load_kernels() is not None and (not precision.bf16_matmul_only or packed_linear_bf16_native()):
+        return "packed"
+    if onednn_available() and (not precision.bf16_matmul_only or onednn_bf16_supported()):
+        return "onednn"
+    return "torch"
+
+
+def _warn_if_slow_half_precision(config: EngineConfig, device: torch.device, precision: Precision, linear: str) -> None:
+    """Say so when a 2-byte dtype on the CPU runs on a path far slower than float32."""
+    if device.type != "cpu" or precision.weights == torch.float32:
+        return
+    fast = precision.bf16_matmul_only and (
+        (linear == "packed" and packed_linear_bf16_native()) or (linear == "onednn" and onednn_bf16_supported())
+    )
+    if not fast:
+        # measured here: a torch bf16 matmul on a Zen 3 core is ~300x slower than float32
+        logger.warning(
+            "dtype=%s on this CPU runs on a slow path (linear_backend=%s, no native bf16 kernel for it): "
+            "expect it to be far slower than float32; dtype='float32' is the fast choice here",
+            config.dtype, linear,
+        )
+
+
+def _apply_linear_method(model: nn.Module, config: EngineConfig, precision: Precision, linear: str) -> None:
+    """Swap the model's linear layers for the chosen implementation, packing or quantizing their weights."""
+    if config.quantization == "int8":
+        quantize_model_int8(model, dense_backend=linear)
+    elif precision.bf16_matmul_only:
+        use_bf16_linear(model, linear)
+    elif linear == "packed":
+        use_packed_linear(model)
+    elif linear == "onednn":
+        use_onednn_linear(model)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to step, and the decisions taken while loading it."""
+
+    model: nn.Module
+    precision: Precision
+    linear_backend: str
+    native_ops: NativeOps | None
+    num_params: int  # weights of the architecture (a tied embedding counted once), before quantization
+    load_seconds: float
+
+
+def load_model(
+    config: EngineConfig,
+    model_config: ModelArchConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    backend: AttentionBackend,
+    device: torch.device,
+) -> LoadedModel:
+    """Build the model on ``device`` from checkpoint ``weights``, in the config's dtype and linear method."""
+    start = time.perf_counter()
+    precision = resolve_precision(config, device)
+    # built on the meta device: no time spent on random init of weights
+    # that the checkpoint overwrites anyway
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config, backend)
+    model = model.to_empty(device="cpu")
+    if model_config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_weights(weights)
+    # every weight rounded to dtype once; with bf16 matmuls only, held as float32 after that (exact)
+    model = model.to(device=device, dtype=precision.weights)
+    model = model.to(dtype=precision.compute).eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    linear = resolve_linear_backend(config, device, precision)
+    _warn_if_slow_half_precision(config, device, precision, linear)
+    _apply_linear_method(model, config, precision, linear)
+    # norms, RoPE and SiLU-and-multiply as single native calls where they build
+    lib = load_kernels() if device.type == "cpu" and precision.compute == torch.float32 else None
+    native_ops = NativeOps(lib) if lib is not None else None
+    model.use_native_ops(native_ops)
+    # RoPE tables stay float32 whatever the model dtype
+    model.model.rotary.float().build_tables()
+    return LoadedModel(model, precision, linear, native_ops, num_params, time.perf_counter() - start)

@@ -1,0 +1,75 @@
+"""The one record a step hands the model runner: plain data, no live objects, no torch.
+
+The engine builds it from the scheduler's plan (``engine/step_builder.py``);
+the runner (``runner/model_runner.py``) reads nothing else. Everything the
+runner needs about a sequence is copied in: the new tokens, where they start,
+the block table, the sampling settings already resolved, and the random
+numbers the sampler will use, drawn by the engine from each sequence's own
+stream. So the runner never touches bookkeeping state, and a step can be
+checked, logged or sent to another process as it is::
+
+    StepRecord
+      sequences: SequenceStep ...     prefills and decodes, in the scheduler's order
+        token_ids                     tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+        block_table                   physical blocks holding tokens 0 .. end
+        sampling, uniforms            one uniform per sampled row (the sequence, then its forks);
+                                      empty when the step does not reach the last token
+        prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
+      blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """How a sequence's rows sample, resolved: ``temperature`` 0.0 means greedy.
+
+    ``top_k`` <= 0 keeps the whole vocabulary; ``num_top_logprobs`` is how
+    many top candidates to report with each sample (None: the sampled
+    token's logprob only).
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    num_top_logprobs: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceStep:
+    """One scheduled sequence's share of a step."""
+
+    request_id: str
+    num_computed_tokens: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sampling: SamplingSpec
+    uniforms: tuple[float, ...] = ()
+    prompt_logprobs: int | None = None  # top candidates per scored prompt token; None: none scored
+    prompt_targets: tuple[int, ...] = ()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the context after this step."""
+        return self.num_computed_tokens + len(self.token_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """Rows this step samples for the sequence (its forks included); 0 mid-prompt."""
+        return len(self.uniforms)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Everything the runner computes one step from."""
+
+    sequences: tuple[SequenceStep, ...]
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
