@@ -25,6 +25,7 @@ from torch import nn
 
 import pagedllm.layers.int8_linear as int8_linear
 from pagedllm.layers.bf16_linear import use_bf16_linear
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_linear import onednn_bf16_supported, onednn_linear, pack_weight
 from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
 
@@ -53,7 +54,7 @@ def main() -> None:
     onednn = [pack_weight(layer.weight) for layer in layers]
     panels = [pack_weight_panels(layer.weight) for layer in layers]
     int8_linear.SMALL_BATCH_ROWS = 1 << 30  # time the int8 kernel itself at every M
-    quantized = [int8_linear.Int8Linear(layer) for layer in layers]
+    quantized = [Linear.from_linear(layer, int8_linear.Int8LinearMethod()) for layer in layers]
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
     print(f"{'rows':>5} {'F.linear':>9} {'oneDNN':>9} {'packed':>9} {'int8':>9}  (ms)   GFLOP/s: F.linear / oneDNN / "
           "packed / int8   packed / oneDNN")

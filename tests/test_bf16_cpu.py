@@ -20,10 +20,14 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.layers.bf16_linear import TorchBF16Linear, use_bf16_linear
-from pagedllm.layers.onednn_linear import OneDnnLinear, onednn_available, onednn_bf16_supported
+from pagedllm.layers.bf16_linear import TorchBF16LinearMethod, use_bf16_linear
+from pagedllm.layers.onednn_linear import (
+    OneDnnLinearMethod,
+    onednn_available,
+    onednn_bf16_supported,
+)
 from pagedllm.layers.packed_linear import (
-    PackedLinearBF16,
+    PackedBF16LinearMethod,
     pack_weight_panels_bf16,
     packed_linear_available,
     packed_linear_bf16,
@@ -128,8 +132,8 @@ def test_bf16_linear_backends_compute_the_same_scheme(backend: str) -> None:
             p.copy_(torch.randn(p.shape, generator=gen))
     first_w, first_b, second_w = model[0].weight.clone(), model[0].bias.clone(), model[1].weight.clone()
     assert use_bf16_linear(model, backend) == 2
-    kind = {"packed": PackedLinearBF16, "onednn": OneDnnLinear, "torch": TorchBF16Linear}[backend]
-    assert all(isinstance(m, kind) for m in model)
+    kind = {"packed": PackedBF16LinearMethod, "onednn": OneDnnLinearMethod, "torch": TorchBF16LinearMethod}[backend]
+    assert all(isinstance(m.quant_method, kind) for m in model)
     x = torch.randn(20, 96, generator=gen)
     got = model(x)
     assert got.dtype == torch.float32
@@ -220,7 +224,7 @@ def test_smollm_bf16_defaults_and_closeness_to_float32(hf_smollm, smollm_tokeniz
     assert runner.compute_dtype == torch.float32
     if packed_linear_available() and packed_linear_bf16_native():
         assert runner.linear_backend == "packed"
-        assert isinstance(runner.model.model.layers[0].mlp.down_proj, PackedLinearBF16)
+        assert isinstance(runner.model.model.layers[0].mlp.down_proj.quant_method, PackedBF16LinearMethod)
         assert runner.backend.name == "cpu_paged" and runner.native_ops is not None
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, logprobs=0, ignore_eos=True), use_tqdm=False)

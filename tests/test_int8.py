@@ -11,7 +11,8 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS, Int8Linear, quantize_per_channel
+from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS, Int8LinearMethod, quantize_per_channel
+from pagedllm.layers.linear import Linear
 
 
 def test_quantize_per_channel_round_trip() -> None:
@@ -42,7 +43,7 @@ def test_int8_linear_kernel_matches_dequantized_matmul(num_rows: int, bias: bool
         linear.weight.copy_(torch.randn(1000, 576, generator=gen))
         if bias:
             linear.bias.copy_(torch.randn(1000, generator=gen))
-    layer = Int8Linear(linear)
+    layer = Linear.from_linear(linear, Int8LinearMethod())
     x = torch.randn(num_rows, 576, generator=gen)
     q, scale = quantize_per_channel(linear.weight)
     want = x @ (q.float() * scale.unsqueeze(1)).T + (linear.bias.detach() if bias else 0)
@@ -111,7 +112,7 @@ def test_int8_kernel_rows_do_not_depend_on_their_batch() -> None:
     linear = nn.Linear(584, 300, bias=True)  # 584 = 36 x 16 + 8: the tail path runs too
     with torch.no_grad():
         linear.weight.copy_(torch.randn(300, 584, generator=gen))
-    layer = Int8Linear(linear)
+    layer = Linear.from_linear(linear, Int8LinearMethod())
     x = torch.randn(SMALL_BATCH_ROWS, 584, generator=gen)
     together = layer(x)
     for rows in range(1, SMALL_BATCH_ROWS + 1):

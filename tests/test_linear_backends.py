@@ -10,10 +10,11 @@ from torch import nn
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.int8_linear import Int8Linear
-from pagedllm.layers.onednn_linear import OneDnnLinear, onednn_available, use_onednn_linear
+from pagedllm.layers.int8_linear import Int8LinearMethod
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.onednn_linear import OneDnnLinearMethod, onednn_available, use_onednn_linear
 from pagedllm.layers.packed_linear import (
-    PackedLinear,
+    PackedLinearMethod,
     pack_weight_panels,
     packed_linear,
     packed_linear_available,
@@ -32,7 +33,7 @@ def test_onednn_linear_matches_f_linear(num_rows: int, bias: bool) -> None:
         linear.weight.copy_(torch.randn(1536, 576, generator=gen) * 0.05)
         if bias:
             linear.bias.copy_(torch.randn(1536, generator=gen))
-    packed = OneDnnLinear(linear)
+    packed = Linear.from_linear(linear, OneDnnLinearMethod())
     x = torch.randn(num_rows, 576, generator=gen)
     want = F.linear(x, linear.weight, linear.bias)
     torch.testing.assert_close(packed(x), want, rtol=1e-4, atol=1e-4)
@@ -43,19 +44,20 @@ def test_onednn_linear_matches_f_linear(num_rows: int, bias: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("swap", "layer_type"),
+    ("swap", "method_type"),
     [
-        (use_onednn_linear, OneDnnLinear),
-        pytest.param(use_packed_linear, PackedLinear, marks=pytest.mark.skipif(
+        (use_onednn_linear, OneDnnLinearMethod),
+        pytest.param(use_packed_linear, PackedLinearMethod, marks=pytest.mark.skipif(
             not packed_linear_available(), reason="native kernels do not build here")),
     ],
 )
-def test_swapping_replaces_every_linear_and_keeps_embeddings(swap, layer_type) -> None:  # noqa: ANN001
+def test_swapping_replaces_every_linear_and_keeps_embeddings(swap, method_type) -> None:  # noqa: ANN001
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
     x = model[0](torch.tensor([1, 2, 3]))
     want = model[1:](x)
     assert swap(model) == 2
-    assert isinstance(model[1], layer_type) and isinstance(model[3], layer_type)
+    for layer in (model[1], model[3]):
+        assert isinstance(layer, Linear) and isinstance(layer.quant_method, method_type)
     assert isinstance(model[0], nn.Embedding)
     torch.testing.assert_close(model[1:](x), want, rtol=1e-5, atol=1e-5)
     assert swap(model) == 0  # already swapped layers are left alone
@@ -86,7 +88,7 @@ def test_linear_backends_agree_on_greedy_tokens(tiny_model_dirs: dict[str, str])
     auto = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=64, max_model_len=256, block_size=8)
     assert auto.llm_engine.model_runner.linear_backend == "packed"
     layer = auto.llm_engine.model_runner.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, PackedLinear)
+    assert isinstance(layer.mlp.down_proj.quant_method, PackedLinearMethod)
 
 
 # --- our packed-panel kernel ----------------------------------------------------
@@ -132,8 +134,8 @@ def test_packed_linear_module_inputs_and_errors() -> None:
     linear = nn.Linear(96, 200, bias=True)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(200, 96, generator=gen) * 0.1)
-    layer = PackedLinear(linear)
-    assert not hasattr(layer, "weight")  # the plain copy is gone
+    layer = Linear.from_linear(linear, PackedLinearMethod())
+    assert layer.weight is None and "weight" not in dict(layer.named_parameters())  # the plain copy is gone
     x = torch.randn(2, 9, 192, generator=gen)[..., ::2]  # non-contiguous, batch dims
     torch.testing.assert_close(layer(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="float32"):
@@ -155,11 +157,12 @@ def test_int8_large_calls_go_through_the_packed_dequantized_copy() -> None:
     linear = nn.Linear(64, 96, bias=True)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(96, 64, generator=gen))
-    plain, packed = Int8Linear(linear, "torch"), Int8Linear(linear, "packed")
+    plain = Linear.from_linear(linear, Int8LinearMethod("torch"))
+    packed = Linear.from_linear(linear, Int8LinearMethod("packed"))
     x = torch.randn(30, 64, generator=gen)  # more rows than the int8 kernel takes
     torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="dense_backend"):
-        Int8Linear(linear, "mkl")
+        Int8LinearMethod("mkl")
 
 
 def test_bfloat16_on_a_slow_cpu_path_warns(tiny_model_dirs: dict[str, str], caplog) -> None:  # noqa: ANN001

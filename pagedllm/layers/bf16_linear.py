@@ -20,10 +20,10 @@ embedding table and the norms stay float32 copies of their bf16 values
 (SmolLM2: 113 MB of embedding, beside the LM head's own 57 MB bf16 panels).
 
 Three implementations, picked by ``EngineConfig.linear_backend``:
-"packed" (``PackedLinearBF16``, our kernel: it rounds the float32 input
-itself and writes float32, no extra copies), "onednn" (``OneDnnLinear`` with
+"packed" (``PackedBF16LinearMethod``, our kernel: it rounds the float32 input
+itself and writes float32, no extra copies), "onednn" (``OneDnnLinearMethod`` with
 bf16 weights, with a rounding copy before and a widening copy after) and
-"torch" (``TorchBF16Linear`` below: ``F.linear`` on bf16 tensors, the same
+"torch" (``TorchBF16LinearMethod`` below: ``F.linear`` on bf16 tensors, the same
 copies).
 """
 
@@ -33,28 +33,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.linear_swap import replace_linear_layers
+from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
 from pagedllm.layers.onednn_linear import use_onednn_linear
 from pagedllm.layers.packed_linear import use_packed_linear_bf16
 
 
-class TorchBF16Linear(nn.Module):
-    """A linear layer with a bf16 weight through ``F.linear``; float32 in and out."""
+class TorchBF16LinearMethod(LinearMethod):
+    """A bf16 weight through ``F.linear``; float32 in and out."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).contiguous()
-        self.register_buffer("bias", bias)
+    name = "torch_bf16"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        replace_parameter(layer, "weight", layer.weight.detach().to(torch.bfloat16).contiguous())
+        bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16).contiguous()
+        replace_parameter(layer, "bias", bias)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            raise ValueError(f"TorchBF16Linear takes float32 activations, got {x.dtype}")
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weight"
+            raise ValueError(f"bf16 linear layers take float32 activations, got {x.dtype}")
+        return F.linear(x.to(torch.bfloat16), layer.weight, layer.bias).float()
 
 
 def use_bf16_linear(model: nn.Module, backend: str) -> int:
@@ -67,5 +64,5 @@ def use_bf16_linear(model: nn.Module, backend: str) -> int:
     if backend == "onednn":
         return use_onednn_linear(model, torch.bfloat16)
     if backend == "torch":
-        return replace_linear_layers(model, TorchBF16Linear)
+        return apply_linear_method(model, TorchBF16LinearMethod())
     raise ValueError(f"no bf16 linear layer for backend {backend!r}; choose packed, onednn or torch")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.linear_swap import replace_linear_layers
+from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
 from pagedllm.layers.onednn_linear import onednn_linear, pack_weight
 from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
 
@@ -47,54 +47,64 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-class Int8Linear(nn.Module):
-    """A linear layer whose weights are int8 with per-output-channel scales."""
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (q * scale).T + bias`` through the native int8 kernel, for float32 ``x`` ``[..., in]``."""
+    lib = load_kernels()
+    if lib is None:
+        from pagedllm.kernels import kernels_failure
 
-    def __init__(self, linear: nn.Linear, dense_backend: str = "torch") -> None:
-        super().__init__()
-        q, scale = quantize_per_channel(linear.weight)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("qweight", q.contiguous())  # [out_features, in_features] int8
-        self.register_buffer("scales", scale.contiguous())  # [out_features] float32
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.register_buffer("bias", bias)
-        # [out_features, in_features] float32: q * scale, for calls with many rows,
-        # in the layout of the float32 linear backend that multiplies by it
-        dequantized = (q.float() * scale.unsqueeze(1)).contiguous()
+        raise ValueError(f"the int8 kernel cannot be built here: {kernels_failure()}")
+    out_features, in_features = qweight.shape
+    rows = x.reshape(-1, in_features).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
+    lib.int8_linear_f32(
+        rows.data_ptr(), rows.shape[0], in_features, qweight.data_ptr(), scales.data_ptr(),
+        None if bias is None else bias.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads(),
+    )
+    return out.view(*x.shape[:-1], out_features)
+
+
+class Int8LinearMethod(LinearMethod):
+    """int8 weights with per-output-channel scales; a few rows go to the int8 kernel, more to float32 GEMM.
+
+    ``dense_backend`` ("packed", "onednn" or "torch") is the float32 layout of
+    the dequantized copy that calls of more than ``SMALL_BATCH_ROWS`` rows
+    multiply by.
+    """
+
+    name = "int8"
+
+    def __init__(self, dense_backend: str = "torch") -> None:
         if dense_backend not in _DENSE_PACKERS:
             raise ValueError(f"dense_backend must be one of {sorted(_DENSE_PACKERS)}, got {dense_backend!r}")
         self.dense_backend = dense_backend
-        self.register_buffer("dequantized", _DENSE_PACKERS[dense_backend](dequantized))
-        self._kernel = None
-        lib = load_kernels()
-        if lib is not None:
-            self._kernel = lib.int8_linear_f32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        q, scale = quantize_per_channel(layer.weight)
+        replace_parameter(layer, "qweight", q.contiguous())  # [out_features, in_features] int8
+        replace_parameter(layer, "scales", scale.contiguous())  # [out_features] float32
+        # [out_features, in_features] float32: q * scale, for calls with many rows,
+        # in the layout of the float32 linear backend that multiplies by it
+        dequantized = (q.float() * scale.unsqueeze(1)).contiguous()
+        replace_parameter(layer, "dequantized", _DENSE_PACKERS[self.dense_backend](dequantized))
+        replace_parameter(layer, "weight", None)
+        replace_parameter(layer, "bias", None if layer.bias is None else layer.bias.detach().float().contiguous())
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            raise ValueError(f"Int8Linear computes in float32, got {x.dtype}")
-        if self._kernel is None or rows.shape[0] > SMALL_BATCH_ROWS:
-            if self.dense_backend == "packed":
-                return packed_linear(x, self.dequantized, self.bias, self.out_features)
-            if self.dense_backend == "onednn":
-                return onednn_linear(x, self.dequantized, self.bias)
-            return F.linear(x, self.dequantized, self.bias)
-        rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)  # [num_rows, out_features]
-        self._kernel(
-            rows.data_ptr(), rows.shape[0], self.in_features, self.qweight.data_ptr(), self.scales.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(), self.out_features, out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+            raise ValueError(f"int8 linear layers compute in float32, got {x.dtype}")
+        num_rows = x.numel() // layer.in_features
+        if load_kernels() is not None and num_rows <= SMALL_BATCH_ROWS:
+            return int8_linear(x, layer.qweight, layer.scales, layer.bias)
+        if self.dense_backend == "packed":
+            return packed_linear(x, layer.dequantized, layer.bias, layer.out_features)
+        if self.dense_backend == "onednn":
+            return onednn_linear(x, layer.dequantized, layer.bias)
+        return F.linear(x, layer.dequantized, layer.bias)
 
 
 def quantize_model_int8(model: nn.Module, dense_backend: str = "torch") -> int:
-    """Replace every ``nn.Linear`` in ``model`` with ``Int8Linear``; returns how many.
+    """Give every linear layer of ``model`` int8 weights; returns how many.
 
     ``dense_backend`` ("packed", "onednn" or "torch") multiplies calls with
     more than ``SMALL_BATCH_ROWS`` rows by the dequantized weights.
@@ -106,4 +116,4 @@ def quantize_model_int8(model: nn.Module, dense_backend: str = "torch") -> int:
         from pagedllm.kernels import kernels_failure
 
         raise ValueError(f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}")
-    return replace_linear_layers(model, lambda linear: Int8Linear(linear, dense_backend))
+    return apply_linear_method(model, Int8LinearMethod(dense_backend))

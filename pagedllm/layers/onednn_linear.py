@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.linear_swap import replace_linear_layers
+from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
 
 
 def onednn_available() -> bool:
@@ -44,47 +44,45 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-class OneDnnLinear(nn.Module):
-    """A linear layer whose weight lives only in oneDNN's packed layout; float32 in and out.
+class OneDnnLinearMethod(LinearMethod):
+    """The weight only in oneDNN's packed layout; float32 in and out.
 
     ``weight_dtype=torch.bfloat16`` packs the weight in bf16 and rounds each
     input to bf16 for the matmul, then widens the result back to float32
-    (what ``dtype="bfloat16"`` means on the CPU, see ``ModelRunner``).
+    (what ``dtype="bfloat16"`` means on the CPU, see ``runner/model_loader.py``).
     """
 
-    def __init__(self, linear: nn.Linear, weight_dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
+    def __init__(self, weight_dtype: torch.dtype = torch.float32) -> None:
         if weight_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"OneDnnLinear packs float32 or bfloat16 weights, got {weight_dtype}")
+            raise ValueError(f"oneDNN linear layers pack float32 or bfloat16 weights, got {weight_dtype}")
+        if not onednn_available():
+            raise ValueError("linear_backend='onednn' needs a torch build with oneDNN (mkldnn)")
         if weight_dtype == torch.bfloat16 and not onednn_bf16_supported():
             # oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT; it would raise deep inside torch
             raise ValueError(
                 "linear_backend='onednn' with dtype='bfloat16' needs a CPU with AVX-512 (BW/VL/DQ) or "
                 "AVX-NE-CONVERT; this one has neither: use linear_backend='packed' (or 'auto')"
             )
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_dtype = weight_dtype
-        self.register_buffer("packed_weight", pack_weight(linear.weight, weight_dtype))
-        bias = None if linear.bias is None else linear.bias.detach().to(weight_dtype).contiguous()
-        self.register_buffer("bias", bias)
+        self.name = "onednn" if weight_dtype == torch.float32 else "onednn_bf16"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        replace_parameter(layer, "packed_weight", pack_weight(layer.weight, self.weight_dtype))
+        replace_parameter(layer, "weight", None)
+        bias = None if layer.bias is None else layer.bias.detach().to(self.weight_dtype).contiguous()
+        replace_parameter(layer, "bias", bias)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            raise ValueError(f"OneDnnLinear takes float32 activations, got {x.dtype}")
+            raise ValueError(f"oneDNN linear layers take float32 activations, got {x.dtype}")
         if self.weight_dtype == torch.float32:
-            return onednn_linear(x, self.packed_weight, self.bias)
-        return onednn_linear(x.to(self.weight_dtype), self.packed_weight, self.bias).float()
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed {self.weight_dtype}"
+            return onednn_linear(x, layer.packed_weight, layer.bias)
+        return onednn_linear(x.to(self.weight_dtype), layer.packed_weight, layer.bias).float()
 
 
 def use_onednn_linear(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> int:
-    """Replace every ``nn.Linear`` in ``model`` with ``OneDnnLinear``; returns how many.
+    """Give every linear layer of ``model`` oneDNN-packed weights; returns how many.
 
     A tied LM head gets its own packed copy; the embedding keeps its rows.
     """
-    if not onednn_available():
-        raise ValueError("linear_backend='onednn' needs a torch build with oneDNN (mkldnn)")
-    return replace_linear_layers(model, lambda linear: OneDnnLinear(linear, weight_dtype))
-
+    return apply_linear_method(model, OneDnnLinearMethod(weight_dtype))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.linear_swap import replace_linear_layers
+from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
 
 
 def packed_linear_available() -> bool:
@@ -94,30 +94,28 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
-class PackedLinear(nn.Module):
-    """A float32 linear layer whose weight lives only in column panels."""
+class PackedLinearMethod(LinearMethod):
+    """Float32 weights in column panels (``pack_weight_panels``); the plain copy is dropped."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", pack_weight_panels(linear.weight))
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self.register_buffer("bias", bias)
+    name = "packed"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        _library()
+        replace_parameter(layer, "packed_weight", pack_weight_panels(layer.weight))
+        replace_parameter(layer, "weight", None)
+        replace_parameter(layer, "bias", None if layer.bias is None else layer.bias.detach().float().contiguous())
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed panels"
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, layer.packed_weight, layer.bias, layer.out_features)
 
 
 def use_packed_linear(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` with ``PackedLinear``; returns how many.
+    """Give every linear layer of ``model`` float32 packed panels; returns how many.
 
     A tied LM head gets its own packed copy; the embedding keeps its rows.
     """
     _library()
-    return replace_linear_layers(model, PackedLinear)
+    return apply_linear_method(model, PackedLinearMethod())
 
 
 # --- bfloat16 weights --------------------------------------------------------
@@ -189,29 +187,29 @@ def packed_linear_bf16(
     return out.view(*x.shape[:-1], out_features)
 
 
-class PackedLinearBF16(nn.Module):
-    """A linear layer with bfloat16 weights in k-pair panels, float32 activations in and out.
+class PackedBF16LinearMethod(LinearMethod):
+    """bfloat16 weights in k-pair panels, float32 activations in and out.
 
-    What ``dtype="bfloat16"`` means on the CPU (see ``ModelRunner``): the
-    matmuls multiply bf16 values (AVX512-BF16) and sum in float32; the bias,
-    if any, is the checkpoint's value rounded to bf16 and added in float32.
+    What ``dtype="bfloat16"`` means on the CPU (see ``runner/model_loader.py``):
+    the matmuls multiply bf16 values (AVX512-BF16, or AVX2 widening them in
+    registers) and sum in float32; the bias, if any, is the checkpoint's
+    value rounded to bf16 and added in float32.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", pack_weight_panels_bf16(linear.weight))
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16).float().contiguous()
-        self.register_buffer("bias", bias)
+    name = "packed_bf16"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear_bf16(x, self.packed_weight, self.bias, self.out_features, self.in_features)
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        _library()
+        replace_parameter(layer, "packed_weight", pack_weight_panels_bf16(layer.weight))
+        replace_parameter(layer, "weight", None)
+        bias = None if layer.bias is None else layer.bias.detach().to(torch.bfloat16).float().contiguous()
+        replace_parameter(layer, "bias", bias)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 packed panels"
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear_bf16(x, layer.packed_weight, layer.bias, layer.out_features, layer.in_features)
 
 
 def use_packed_linear_bf16(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` with ``PackedLinearBF16``; returns how many."""
+    """Give every linear layer of ``model`` bf16 packed panels; returns how many."""
     _library()
-    return replace_linear_layers(model, PackedLinearBF16)
+    return apply_linear_method(model, PackedBF16LinearMethod())

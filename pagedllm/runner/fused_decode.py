@@ -12,11 +12,11 @@ path (the same tile functions, K/V rounding and attention).
 The runner uses it for decode-only steps when the attention backend is
 ``cpu_paged`` and every linear layer of the decoder is one of:
 
-- ``Int8Linear`` (``quantization="int8"``), for steps of at most
+- ``Int8LinearMethod`` (``quantization="int8"``), for steps of at most
   ``SMALL_BATCH_ROWS`` tokens: above that the layer-by-layer path switches
   to a dequantized GEMM, so the two would not compute alike;
-- ``PackedLinear`` (float32 panels, the default on the CPU), any number of tokens;
-- ``PackedLinearBF16`` (``dtype="bfloat16"`` on the CPU), any number of tokens.
+- ``PackedLinearMethod`` (float32 panels, the default on the CPU), any number of tokens;
+- ``PackedBF16LinearMethod`` (``dtype="bfloat16"`` on the CPU), any number of tokens.
 
 Other steps (prefills, mixed steps) take the layer-by-layer path. Tests
 compare the two.
@@ -34,8 +34,9 @@ import torch
 
 from pagedllm.kernels import KV_TYPE_CODES, load_kernels
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS, Int8Linear
-from pagedllm.layers.packed_linear import PackedLinear, PackedLinearBF16, panel_width
+from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS, Int8LinearMethod
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.packed_linear import PackedBF16LinearMethod, PackedLinearMethod, panel_width
 from pagedllm.models.llama import LlamaForCausalLM
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -43,9 +44,9 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # the kernel's numbering of linear-layer kinds (decode_step.c, LINEAR_*), and the
 # largest decode step each kind takes (None: any)
 _LINEAR_KINDS: dict[type, tuple[int, int | None]] = {
-    Int8Linear: (0, SMALL_BATCH_ROWS),
-    PackedLinear: (1, None),
-    PackedLinearBF16: (2, None),
+    Int8LinearMethod: (0, SMALL_BATCH_ROWS),
+    PackedLinearMethod: (1, None),
+    PackedBF16LinearMethod: (2, None),
 }
 _CACHE_CODES = {getattr(torch, name): code for name, code in KV_TYPE_CODES.items()}
 
@@ -75,8 +76,8 @@ class FusedDecode:
     """The decoder of a ``LlamaForCausalLM`` for decode steps, in one native call.
 
     Args:
-        model: the model; every linear layer of its decoder an ``Int8Linear``,
-            a ``PackedLinear`` or a ``PackedLinearBF16``, all of one kind.
+        model: the model; every linear layer of its decoder with an
+            ``Int8LinearMethod``, a ``PackedLinearMethod`` or a ``PackedBF16LinearMethod``, all of one kind.
         kv_caches: per layer (K, V) caches ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             float32, float16 or bfloat16.
         block_size: tokens per KV block.
@@ -103,7 +104,7 @@ class FusedDecode:
             return t.data_ptr()
 
         layers = model.model.layers
-        kind = type(layers[0].self_attn.qkv_proj)
+        kind = type(getattr(layers[0].self_attn.qkv_proj, "quant_method", None))
         if kind not in _LINEAR_KINDS:
             raise ValueError(f"the fused decode step runs int8 or packed linear layers, got {kind.__name__}")
         self.linear_kind, self.max_rows = _LINEAR_KINDS[kind]
@@ -111,19 +112,20 @@ class FusedDecode:
         def linear(layer: torch.nn.Module, in_features: int, out_features: int) -> _Linear:
             # the kernel trusts these buffers' sizes: a layer of another shape or panel width
             # (packed on another CPU) is refused here, as the layer-by-layer kernels refuse it
-            if type(layer) is not kind:
+            if not isinstance(layer, Linear) or type(layer.quant_method) is not kind:
+                got = type(layer.quant_method).__name__ if isinstance(layer, Linear) else type(layer).__name__
                 raise ValueError(f"the fused decode step needs linear layers of one kind, got {kind.__name__} "
-                                 f"and {type(layer).__name__}")
+                                 f"and {got}")
             if (layer.in_features, layer.out_features) != (in_features, out_features):
                 raise ValueError(f"a {in_features} -> {out_features} layer of the model is "
                                  f"{layer.in_features} -> {layer.out_features}")
             if layer.bias is not None and layer.bias.shape != (out_features,):
                 raise ValueError(f"bias of shape {tuple(layer.bias.shape)} for {out_features} outputs")
-            if isinstance(layer, Int8Linear):
+            if kind is Int8LinearMethod:
                 if layer.qweight.shape != (out_features, in_features) or layer.scales.shape != (out_features,):
                     raise ValueError(f"int8 weight {tuple(layer.qweight.shape)} does not fit {out_features}x{in_features}")
                 return _Linear(keep(layer.qweight, torch.int8), keep(layer.scales), keep(layer.bias))
-            if isinstance(layer, PackedLinear):
+            if kind is PackedLinearMethod:
                 dtype = torch.float32
                 panel = panel_width(dtype)
                 fits = layer.packed_weight.shape[1:] == (in_features, panel)

@@ -15,13 +15,22 @@ import torch
 from torch import nn
 
 from pagedllm.config import EngineConfig
-from pagedllm.kernels import load_kernels
+from pagedllm.kernels import kernels_failure, load_kernels
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.layers.bf16_linear import use_bf16_linear
-from pagedllm.layers.int8_linear import quantize_model_int8
+from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
+from pagedllm.layers.int8_linear import Int8LinearMethod
+from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, apply_linear_method
 from pagedllm.layers.native_ops import NativeOps
-from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported, use_onednn_linear
-from pagedllm.layers.packed_linear import packed_linear_bf16_native, use_packed_linear
+from pagedllm.layers.onednn_linear import (
+    OneDnnLinearMethod,
+    onednn_available,
+    onednn_bf16_supported,
+)
+from pagedllm.layers.packed_linear import (
+    PackedBF16LinearMethod,
+    PackedLinearMethod,
+    packed_linear_bf16_native,
+)
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.llama import LlamaForCausalLM
 
@@ -83,16 +92,20 @@ def _warn_if_slow_half_precision(config: EngineConfig, device: torch.device, pre
         )
 
 
-def _apply_linear_method(model: nn.Module, config: EngineConfig, precision: Precision, linear: str) -> None:
-    """Swap the model's linear layers for the chosen implementation, packing or quantizing their weights."""
+def make_linear_method(config: EngineConfig, precision: Precision, linear: str) -> LinearMethod:
+    """The one linear method every layer gets, from the quantization, dtype and resolved backend."""
     if config.quantization == "int8":
-        quantize_model_int8(model, dense_backend=linear)
-    elif precision.bf16_matmul_only:
-        use_bf16_linear(model, linear)
-    elif linear == "packed":
-        use_packed_linear(model)
-    elif linear == "onednn":
-        use_onednn_linear(model)
+        if load_kernels() is None:
+            raise ValueError(
+                f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}"
+            )
+        return Int8LinearMethod(dense_backend=linear)
+    if precision.bf16_matmul_only:
+        methods = {"packed": PackedBF16LinearMethod, "onednn": lambda: OneDnnLinearMethod(torch.bfloat16),
+                   "torch": TorchBF16LinearMethod}
+        return methods[linear]()
+    methods = {"packed": PackedLinearMethod, "onednn": OneDnnLinearMethod, "torch": UnquantizedLinearMethod}
+    return methods[linear]()
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,7 @@ def load_model(
     num_params = sum(p.numel() for p in model.parameters())
     linear = resolve_linear_backend(config, device, precision)
     _warn_if_slow_half_precision(config, device, precision, linear)
-    _apply_linear_method(model, config, precision, linear)
+    apply_linear_method(model, make_linear_method(config, precision, linear))
     # norms, RoPE and SiLU-and-multiply as single native calls where they build
     lib = load_kernels() if device.type == "cpu" and precision.compute == torch.float32 else None
     native_ops = NativeOps(lib) if lib is not None else None
