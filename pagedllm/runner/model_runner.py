@@ -20,7 +20,7 @@ from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported, use_onednn_linear
 from pagedllm.layers.packed_linear import packed_linear_bf16_native, use_packed_linear
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.registry import model_class
 from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.sampler import (
@@ -86,7 +86,7 @@ class ModelRunner:
         # built on the meta device: no time spent on random init of weights
         # that the checkpoint overwrites anyway
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, self.backend)
+            model = model_class(model_config)(model_config, self.backend)
         model = model.to_empty(device="cpu")
         if model_config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -145,9 +145,13 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size, self.device)
         # decode steps run the whole decoder in one native call (runner/fused_decode.py)
         # where its linear layers are int8 or packed panels; it reads the cache the
-        # way cpu_paged does, so only with that backend
+        # way cpu_paged does, so only with that backend, and only for the models it implements
         self.fused_decode: FusedDecode | None = None
-        if self.backend.name == "cpu_paged" and (config.quantization == "int8" or self.linear_backend == "packed"):
+        if (
+            self.backend.name == "cpu_paged"
+            and (config.quantization == "int8" or self.linear_backend == "packed")
+            and FusedDecode.supports(self.model)
+        ):
             self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
 
     def _warn_if_slow_half_precision(self) -> None:
