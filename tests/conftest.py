@@ -48,6 +48,38 @@ def _tiny_config(arch: str):  # noqa: ANN202
         return Qwen2Config(**common, rope_theta=10000.0)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=32, rope_theta=10000.0)
+    return _tiny_window_config(arch, common)
+
+
+# sliding-window models (tests/test_gemma3_sliding_window.py): a window of 8
+# tokens, shorter than most prompts, and both kinds of layer where the family has them
+TINY_WINDOW = 8
+TINY_WINDOW_ARCHS = ("gemma3", "mistral", "qwen2_window")
+
+
+def _tiny_window_config(arch: str, common: dict):  # noqa: ANN202
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
+
+    if arch == "mistral":
+        return MistralConfig(**common, rope_theta=10000.0, sliding_window=TINY_WINDOW)
+    if arch == "qwen2_window":
+        # layer 0 full, layers 1-2 sliding (max_window_layers=1)
+        return Qwen2Config(**{**common, "num_hidden_layers": 3}, rope_theta=10000.0, use_sliding_window=True,
+                           sliding_window=TINY_WINDOW, max_window_layers=1)
+    if arch in ("gemma3", "gemma3_tied"):
+        # sliding, full, sliding, sliding, full; global layers with linear RoPE scaling; a
+        # small score cap, which transformers' Gemma 3 ignores. Tied as Gemma 3 ships, a tiny
+        # random model repeats its last token (its hidden state stays near that token's
+        # embedding), so the main one is untied and "gemma3_tied" checks the tied head only
+        layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+        return Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 5, "tie_word_embeddings": arch == "gemma3_tied"}, head_dim=32,
+            pad_token_id=0,
+            sliding_window=TINY_WINDOW, layer_types=layer_types, query_pre_attn_scalar=32,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+            attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+        )
     raise ValueError(arch)
 
 

@@ -20,3 +20,21 @@ class SiluAndMul(nn.Module):
             return self.native.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(gate) * up`` for ``x`` ``[num_tokens, 2 * inter]`` -> ``[num_tokens, inter]`` (Gemma's MLP).
+
+    ``approximate``: "tanh" (transformers' ``gelu_pytorch_tanh``, Gemma's
+    default) or "none" (exact erf GELU). Plain torch: there is no native kernel.
+    """
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"GeluAndMul: approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return nn.functional.gelu(gate, approximate=self.approximate) * up

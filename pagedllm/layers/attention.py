@@ -21,6 +21,16 @@ the model's dtype. Prompts computed from scratch attend over their new K/V
 without reading the cache, so those are rounded the same way first
 (``as_stored``): every path sees a token's K/V exactly as the cache holds
 it, and a prompt gives the same result whole or in chunks.
+
+Two per-layer options change which scores count (``forward``'s keywords):
+``sliding_window=w`` lets the query at position ``i`` see only keys at
+``i - w < j <= i`` (transformers' sliding-window mask), and ``softcap=c``
+bounds every score by ``c * tanh(score / c)`` before the mask (Gemma's
+``attn_logit_softcapping``). A window is a mask only: the cache keeps
+every block of the sequence, out-of-window ones included. SDPA takes no
+softcap, so softcapped scores go through an explicit softmax
+(``explicit_attention``); ``CpuPagedAttention``'s kernels know neither
+option yet and hand such layers to the SDPA path.
 """
 
 from __future__ import annotations
@@ -90,6 +100,41 @@ def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return x if cache.dtype == x.dtype else to_cache_dtype(x, cache.dtype).to(x.dtype)
 
 
+def visible_keys(q_pos: torch.Tensor, seq_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Which keys each query sees: ``[q_len, seq_len]`` bool for queries at positions ``q_pos`` ``[q_len]``.
+
+    Causal (``j <= i``) and, with a window ``w``, ``j > i - w``, as
+    transformers' ``sliding_window_overlay``.
+    """
+    k_pos = torch.arange(seq_len, device=q_pos.device).unsqueeze(0)  # [1, seq_len]
+    q_pos = q_pos.unsqueeze(1)  # [q_len, 1]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def explicit_attention(
+    q: torch.Tensor,  # [..., heads, q_len, head_dim]
+    k: torch.Tensor,  # [..., heads, kv_len, head_dim]
+    v: torch.Tensor,  # [..., heads, kv_len, head_dim]
+    mask: torch.Tensor,  # bool, broadcastable to [..., heads, q_len, kv_len]; True: attend
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [..., heads, q_len, head_dim]
+    """Softmax attention written out, for what SDPA cannot do (a softcap on the scores).
+
+    As transformers' eager attention: scores in the queries' dtype, capped,
+    masked, softmax in float32, probabilities back in the queries' dtype.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
 ) -> torch.Tensor:
@@ -117,13 +162,17 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write the new K/V, then attend; ``sliding_window`` / ``softcap``: see the module docstring."""
         # every new token's K/V goes in first, so queries later in the batch
         # (and other sequences sharing a cached prefix) can read it
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_prefills:
             k, v = as_stored(k, k_cache), as_stored(v, v_cache)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
 
     @abstractmethod
     def attend(
@@ -135,6 +184,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -143,7 +195,7 @@ class ReferenceAttention(AttentionBackend):
 
     name = "reference"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]
         for i in range(meta.num_seqs):
@@ -154,9 +206,10 @@ class ReferenceAttention(AttentionBackend):
             keys = keys.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
             values = values.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys.float()) * scale
-            q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
-            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)  # [1, seq_len]
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            q_pos = torch.arange(num_computed, seq_len, device=q.device)
+            scores = scores.masked_fill(~visible_keys(q_pos, seq_len, sliding_window), float("-inf"))
             probs = scores.softmax(dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
         return out
@@ -168,48 +221,75 @@ class SdpaAttention(AttentionBackend):
     The decode path gathers each sequence's blocks into a padded contiguous
     tensor first (``k_cache[block_tables]``): simple and device-agnostic, but
     a copy of every context in every layer at every step.
+
+    A layer with a sliding window or a softcap always runs the methods of
+    this class (``_prefill_one``, ``_sdpa_decodes``), never a subclass's
+    ``_prefills`` / ``_decodes``: those may be native kernels that know
+    neither option (``CpuPagedAttention``).
     """
 
     name = "sdpa"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
         out = torch.empty_like(q)
-        self._prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        plain = sliding_window is None and softcap is None
+        if plain:
+            self._prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        else:
+            for i in range(meta.num_prefills):
+                self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window, softcap)
         if meta.num_seqs > meta.num_prefills:
             first = meta.query_start_loc[meta.num_prefills]
-            self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:])
+            if plain:
+                self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:])
+            else:
+                self._sdpa_decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window, softcap)
         return out
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         for i in range(meta.num_prefills):
             self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out)
 
-    def _prefill_one(self, i, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
-        """Prefill sequence ``i`` through torch SDPA."""
+    def _prefill_one(  # noqa: ANN001
+        self, i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window=None, softcap=None,
+    ) -> None:
+        """Prefill sequence ``i`` through torch SDPA (an explicit softmax when scores are softcapped)."""
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len, num_computed = meta.seq_lens[i], meta.num_computed[i]
         qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
         if num_computed == 0:
             # nothing cached before: the new K/V is the whole context
-            ki, vi, mask, causal = k[start:end], v[start:end], None, True
+            ki, vi = k[start:end], v[start:end]
         else:
             ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size).to(q.dtype)
             vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size).to(q.dtype)
-            q_pos = torch.arange(num_computed, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
-            # [q_len, seq_len]: a query sees keys up to its own position
-            mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
+        mask = None  # plain causal over fresh K/V: SDPA's is_causal, no mask tensor
+        if num_computed or sliding_window is not None or softcap is not None:
+            # [q_len, seq_len]: a query sees keys up to its own position, within its window
+            mask = visible_keys(torch.arange(num_computed, seq_len, device=q.device), seq_len, sliding_window)
         group = q.shape[1] // ki.shape[1]
-        if group > 1 and q.device.type == "cpu":
+        if group > 1 and (q.device.type == "cpu" or softcap is not None):
             # K/V heads repeated for the query heads that share them: SDPA with
             # enable_gqa takes torch's slow math path on the CPU, this its fused kernel
             ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
+        if softcap is not None:
+            out[start:end] = explicit_attention(
+                qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, scale, softcap
+            ).transpose(0, 1)  # [num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
+            return
         out[start:end] = F.scaled_dot_product_attention(
             qi.unsqueeze(0), ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=ki.shape[1] != q.shape[1],
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=ki.shape[1] != q.shape[1],
         )[0].transpose(0, 1)  # [1, num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         """One new token per sequence ``meta.num_prefills ..``; ``q``/``out`` are ``[B, num_heads, head_dim]``."""
+        self._sdpa_decodes(q, k_cache, v_cache, meta, scale, out)
+
+    def _sdpa_decodes(  # noqa: ANN001
+        self, q, k_cache, v_cache, meta, scale, out, sliding_window=None, softcap=None,
+    ) -> None:
+        """``_decodes`` through SDPA, with an optional window and softcap (see ``attend``)."""
         tables = meta.block_tables[meta.num_prefills :]  # [B, max_blocks]
         seq_lens = meta.seq_lens_tensor[meta.num_prefills :]  # [B]
         max_blocks = (max(meta.seq_lens[meta.num_prefills :]) + meta.block_size - 1) // meta.block_size
@@ -218,7 +298,17 @@ class SdpaAttention(AttentionBackend):
         keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         length = keys.shape[2]
-        mask = (torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+        k_pos = torch.arange(length, device=q.device).unsqueeze(0)  # [1, L]
+        # each query sits at position seq_len - 1: keys before seq_len, and within the window
+        mask = k_pos < seq_lens.unsqueeze(1)  # [B, L]
+        if sliding_window is not None:
+            mask &= k_pos >= seq_lens.unsqueeze(1) - sliding_window
+        mask = mask[:, None, None, :]  # [B, 1, 1, L]
+        if softcap is not None:
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            out[:] = explicit_attention(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+            return
         out[:] = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         ).squeeze(2)
@@ -235,6 +325,10 @@ class CpuPagedAttention(SdpaAttention):
     (prefix-cache hits, chunked prefills) go through SDPA as in the parent
     class. Float32 queries on the CPU; the cache may be float32, float16 or
     bfloat16.
+
+    The kernels take no sliding window or softcap yet: a layer with either
+    runs the parent's SDPA code in full (``SdpaAttention.attend``), only the
+    K/V write staying native.
     """
 
     name = "cpu_paged"
@@ -249,7 +343,8 @@ class CpuPagedAttention(SdpaAttention):
         self._prefill_kernel = lib.prefill_attention_f32
         self._write_kernel = lib.write_kv
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):  # noqa: ANN001, ANN201
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
+        options = {"sliding_window": sliding_window, "softcap": softcap}
         # as the base class, with the K/V write as one native call (two
         # index_copy_ calls otherwise; 0.24 s of the throughput workload)
         num_tokens, num_kv_heads, head_dim = k.shape
@@ -266,7 +361,7 @@ class CpuPagedAttention(SdpaAttention):
             or meta.slot_mapping.shape != (num_tokens,)
             or meta.slot_mapping.dtype != torch.int64
         ):
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, **options)
         slots = meta.slot_mapping.contiguous()
         failed = self._write_kernel(
             k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -280,7 +375,7 @@ class CpuPagedAttention(SdpaAttention):
             raise ValueError(f"the K/V write kernel does not know the cache dtype {k_cache.dtype}")
         if meta.num_prefills:
             k, v = as_stored(k, k_cache), as_stored(v, v_cache)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, **options)
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         # prompts computed from scratch read their K/V from this step's rows, all

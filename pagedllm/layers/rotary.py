@@ -1,4 +1,4 @@
-"""Rotary position embeddings: inverse frequencies (with Llama 3 scaling) and cos/sin tables."""
+"""Rotary position embeddings: inverse frequencies (with Llama 3 or linear scaling) and cos/sin tables."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """RoPE inverse frequencies ``[head_dim // 2]``, with Llama 3 scaling if asked."""
+    """RoPE inverse frequencies ``[head_dim // 2]``, with Llama 3 or linear scaling if asked."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
         return inv_freq
+    if kind == "linear":
+        # positions divided by `factor`, folded into the frequencies (transformers does the same)
+        return inv_freq / scaling["factor"]
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept,
     # the band between interpolated smoothly
     factor = scaling["factor"]

@@ -19,6 +19,10 @@ from gguf.quants import dequantize
 
 from pagedllm.loader.model_config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 
+# Gemma 3 loads from Hugging Face folders only: its GGUF tensor names and norm
+# weights (llama.cpp stores 1 + w) are not mapped here
+GGUF_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a != "gemma3")
+
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -57,8 +61,8 @@ def _field(reader: GGUFReader, key: str, default: object = None) -> object:
 def read_config(reader: GGUFReader) -> ModelArchConfig:
     """Architecture facts from the GGUF metadata."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {GGUF_ARCHITECTURES}")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
 

@@ -3,19 +3,39 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+SUPPORTED_ROPE_SCALING = ("default", "llama3", "linear")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# hidden_activation of Gemma's MLP -> the approximation torch's gelu takes
+GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape and numerics of a decoder (the Llama family, Gemma 3).
 
     ``attention_bias`` adds biases to q/k/v (Qwen2); ``qk_norm`` applies an
-    RMSNorm per head to q and k before RoPE (Qwen3).
+    RMSNorm per head to q and k before RoPE (Qwen3, Gemma 3).
+
+    ``sliding_windows`` holds one entry per layer: None for full attention,
+    ``w`` for a layer whose query at position ``i`` sees keys at ``i - w < j
+    <= i`` (as transformers' masking); empty means every layer is full. The
+    KV cache still keeps every block of such a layer: the window is a mask.
+
+    The rest is Gemma 3's: ``layer_types`` ("sliding_attention" /
+    "full_attention" per layer) chooses the RoPE of each layer, sliding
+    layers taking ``local_rope_theta`` / ``local_rope_scaling``;
+    ``attn_scale`` replaces ``head_dim**-0.5``; the softcaps bound attention
+    scores and final logits by ``cap * tanh(x / cap)`` (transformers' Gemma 3
+    caps logits only, so its configs' score cap is read as None); ``hidden_act`` is the
+    MLP's gate activation (a key of ``GELU_APPROXIMATIONS`` or "silu").
     """
 
     architecture: str
@@ -34,6 +54,14 @@ class ModelArchConfig:
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sliding_windows: tuple[int | None, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    hidden_act: str = "silu"
+    attn_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -42,10 +70,54 @@ class ModelArchConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("default", "llama3", None):
-                raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, llama3)")
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            if scaling is not None:
+                kind = scaling.get("rope_type", scaling.get("type"))
+                if kind not in (*SUPPORTED_ROPE_SCALING, None):
+                    raise ValueError(f"unsupported rope scaling {kind!r} (supported: {SUPPORTED_ROPE_SCALING})")
+        self._check_layers()
+        if self.hidden_act != "silu" and self.hidden_act not in GELU_APPROXIMATIONS:
+            raise ValueError(f"unsupported hidden activation {self.hidden_act!r}")
+        for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or null, got {value!r}")
+
+    def _check_layers(self) -> None:
+        for name in ("sliding_windows", "layer_types"):
+            entries = getattr(self, name)
+            if entries and len(entries) != self.num_hidden_layers:
+                raise ValueError(f"{name} has {len(entries)} entries for {self.num_hidden_layers} layers")
+        for w in self.sliding_windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+                raise ValueError(f"a sliding window must be a positive number of tokens or null, got {w!r}")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"unsupported layer types {bad}; supported: {LAYER_TYPES}")
+
+    def sliding_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` in tokens; None: full attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(w is not None for w in self.sliding_windows)
+
+
+# config.json's model_type -> our architecture name
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3"}
+# what transformers' config classes assume when config.json leaves a key out
+_DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
+_QWEN_MAX_WINDOW_LAYERS = 28
+_GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                    "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
+
+
+def _scaling_or_none(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+        return None
+    return scaling or None
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -53,32 +125,120 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    return float(theta), scaling
+    return float(theta), _scaling_or_none(scaling)
 
 
-def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelArchConfig:
-    """Build from a Hugging Face ``config.json`` dictionary."""
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    window = cfg.get("sliding_window")
-    # Qwen2 configs carry a window but switch it off with use_sliding_window
-    window_on = cfg.get("use_sliding_window", model_type == "mistral")
-    if window_on and window is not None and window < cfg.get("max_position_embeddings", 2048):
-        raise ValueError(f"sliding-window attention (window {window}) is not supported")
-    num_heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    theta, scaling = _rope_settings(cfg)
-    eos: list[int] = []
+def _gemma3_rope_settings(cfg: dict[str, Any]) -> tuple[float, dict | None, float, dict | None]:
+    """(theta, scaling) of full-attention layers, then of sliding ones, as Gemma3TextConfig reads them.
+
+    transformers 5 writes ``rope_parameters`` keyed by layer type; older
+    configs have ``rope_theta`` / ``rope_scaling`` (full layers) and
+    ``rope_local_base_freq`` (sliding layers).
+    """
+    params = cfg.get("rope_parameters") or {}
+    if params and not set(params) & set(LAYER_TYPES):
+        raise ValueError(f"gemma3: rope_parameters must be keyed by layer type {LAYER_TYPES}, got {sorted(params)}")
+    full = dict(params.get("full_attention") or {})
+    if not params and cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    local = dict(params.get("sliding_attention") or {})
+    theta = float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+    local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+    return theta, _scaling_or_none(full), local_theta, _scaling_or_none(local)
+
+
+def _layer_types(cfg: dict[str, Any], arch: str, window: int | None) -> tuple[str, ...]:
+    """Per-layer attention kind: config.json's ``layer_types``, else derived as transformers' config does."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types") is not None:
+        return tuple(cfg["layer_types"])
+    if arch == "gemma3":
+        # every pattern-th layer is global (Gemma3TextConfig.__post_init__)
+        pattern = cfg.get("sliding_window_pattern", _GEMMA3_DEFAULTS["sliding_window_pattern"])
+        if not isinstance(pattern, int) or pattern <= 0:
+            raise ValueError(f"gemma3: sliding_window_pattern must be a positive integer, got {pattern!r}")
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
+    # Qwen2/Qwen3: layers from max_window_layers on slide, when the window is on
+    first = cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS)
+    return tuple("sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n))
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
+    """(window per layer, layer types) as transformers' models apply them; () where the family has none."""
+    if arch not in ("mistral", "qwen2", "qwen3", "gemma3"):
+        return (), ()
+    window = cfg.get("sliding_window", _DEFAULT_WINDOW)
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window but switch it off with use_sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window!r}")
+    types = _layer_types(cfg, arch, window)
+    if arch == "mistral":
+        # MistralAttention applies config.sliding_window to every layer (layer_types are ignored)
+        types = ("sliding_attention" if window is not None else "full_attention",) * cfg["num_hidden_layers"]
+    if arch == "gemma3" and window is None and "sliding_attention" in types:
+        raise ValueError("gemma3: sliding_attention layers need a sliding_window")
+    # a window as long as the positions RoPE covers never masks anything: full attention
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    if window is not None and window >= max_pos:
+        window = None
+    return tuple(window if t == "sliding_attention" else None for t in types), types
+
+
+def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArchConfig fields only Gemma 3 sets."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma3 with use_bidirectional_attention is not supported (causal decoding only)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in GELU_APPROXIMATIONS:
+        raise ValueError(f"gemma3: unsupported hidden_activation {act!r}; supported: {sorted(GELU_APPROXIMATIONS)}")
+    theta, scaling, local_theta, local_scaling = _gemma3_rope_settings(cfg)
+    scalar = cfg.get("query_pre_attn_scalar", _GEMMA3_DEFAULTS["query_pre_attn_scalar"])
+    if not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ValueError(f"gemma3: query_pre_attn_scalar must be positive, got {scalar!r}")
+    if cfg.get("attn_logit_softcapping") is not None:
+        # Gemma3Attention keeps the value but never hands it to the attention
+        # function (Gemma 2 does): Gemma 3's scores are not capped, so neither are ours
+        logger.warning(
+            "gemma3: attn_logit_softcapping=%s is ignored, as transformers' Gemma 3 ignores it",
+            cfg["attn_logit_softcapping"],
+        )
+    return dict(
+        rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta, local_rope_scaling=local_scaling,
+        hidden_act=act, attn_scale=float(scalar) ** -0.5, attn_logit_softcapping=None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+    )
+
+
+def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any] | None) -> tuple[int, ...]:
     for source in (generation_config or {}, cfg):
         value = source.get("eos_token_id")
         if value is not None:
-            eos = value if isinstance(value, list) else [value]
-            break
+            return tuple(value if isinstance(value, list) else [value])
+    return ()
+
+
+def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelArchConfig:
+    """Build from a Hugging Face ``config.json`` dictionary; unsupported settings raise ValueError."""
+    model_type = cfg.get("model_type")
+    if model_type == "gemma3":
+        # Gemma3ForConditionalGeneration: its text weights sit under other names beside a vision tower
+        raise ValueError(
+            "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
+            "use a text-only Gemma3ForCausalLM checkpoint (model_type 'gemma3_text')"
+        )
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_MODEL_TYPES)}")
+    arch = _MODEL_TYPES[model_type]
+    if arch == "gemma3":
+        cfg = {**_GEMMA3_DEFAULTS, **cfg}
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    theta, scaling = _rope_settings(cfg)
+    windows, types = _sliding_windows(cfg, arch)
+    extra = _gemma3_settings(cfg) if arch == "gemma3" else {"rope_theta": theta, "rope_scaling": scaling}
     return ModelArchConfig(
-        architecture=model_type,
+        architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -87,13 +247,14 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
-        rope_scaling=scaling,
-        eos_token_ids=tuple(eos),
+        qk_norm=arch in ("qwen3", "gemma3"),  # per-head RMSNorm on q and k
+        eos_token_ids=_eos_ids(cfg, generation_config),
+        sliding_windows=windows,
+        layer_types=types,
+        **extra,
     )
 
 

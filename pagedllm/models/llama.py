@@ -1,7 +1,8 @@
 """The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3.
 
-They differ in three switches read from ``ModelArchConfig``: q/k/v biases
-(Qwen2), a per-head RMSNorm on q and k (Qwen3) and tied embeddings. Tokens of
+They differ in four switches read from ``ModelArchConfig``: q/k/v biases
+(Qwen2), a per-head RMSNorm on q and k (Qwen3), tied embeddings and a
+per-layer sliding window (Mistral, Qwen2/Qwen3 with ``use_sliding_window``). Tokens of
 all sequences in a step are flattened into one batch ``[num_tokens, hidden]``;
 only attention needs to know where one sequence ends, and it learns that from
 ``AttentionMetadata``.
@@ -24,11 +25,12 @@ from pagedllm.layers.linear import Linear
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.weights import fused_projections, load_hf_weights
 from pagedllm.loader.model_config import ModelArchConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -41,6 +43,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window(layer)  # None: full attention
         self.native: NativeOps | None = None
 
     def forward(
@@ -70,7 +73,9 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
             q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window
+        )
         return self.o_proj(out.flatten(1))
 
 
@@ -86,10 +91,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -105,7 +110,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
 
@@ -151,50 +156,5 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
-        fused = {
-            "q_proj": ("qkv_proj", 0, q_size),
-            "k_proj": ("qkv_proj", q_size, kv_size),
-            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
-        }
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            target, offset, size = name, 0, None
-            for part, (fused_name, off, sz) in fused.items():
-                if f".{part}." in name:
-                    target, offset, size = name.replace(part, fused_name), off, sz
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            dest = param.data if size is None else param.data.narrow(0, offset, size)
-            if dest.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(name)
-        expected = self._expected_checkpoint_names(fused)
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-
-    def _expected_checkpoint_names(self, fused: dict[str, tuple[str, int, int]]) -> set[str]:
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            split = [part for part, (fname, _, _) in fused.items() if f".{fname}." in name]
-            if split:
-                fused_name = fused[split[0]][0]
-                suffix = name.split(f".{fused_name}.")[1]
-                if suffix == "bias" and fused_name == "gate_up_proj":
-                    continue
-                names.update(name.replace(fused_name, part) for part in split)
-            else:
-                names.add(name)
-        return names
+        fused = fused_projections(q_size, kv_size, cfg.intermediate_size)
+        load_hf_weights(self, weights, fused, cfg.tie_word_embeddings)

@@ -83,9 +83,21 @@ class FusedDecode:
         block_size: tokens per KV block.
     """
 
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """Whether the C decoder implements ``model``: a ``LlamaForCausalLM`` with full attention in every layer.
+
+        The kernel has no sliding window (it reads each sequence's whole
+        context) and knows the Llama layer only; any other model or a
+        windowed layer must take the layer-by-layer path.
+        """
+        return type(model) is LlamaForCausalLM and not model.config.has_sliding_window
+
     def __init__(
         self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int
     ) -> None:
+        if not self.supports(model):
+            raise ValueError("the fused decode step runs Llama-family models without sliding windows only")
         lib = load_kernels()
         if lib is None:
             raise ValueError("the fused decode step needs the native CPU kernels")

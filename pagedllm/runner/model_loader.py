@@ -32,7 +32,7 @@ from pagedllm.layers.packed_linear import (
     packed_linear_bf16_native,
 )
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def load_model(
     # built on the meta device: no time spent on random init of weights
     # that the checkpoint overwrites anyway
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, backend)
+        model = model_class(model_config)(model_config, backend)
     model = model.to_empty(device="cpu")
     if model_config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -68,9 +68,13 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size, self.device)
         # decode steps run the whole decoder in one native call (runner/fused_decode.py)
         # where its linear layers are int8 or packed panels; it reads the cache the
-        # way cpu_paged does, so only with that backend
+        # way cpu_paged does, so only with that backend, and only for the models it implements
         self.fused_decode: FusedDecode | None = None
-        if self.backend.name == "cpu_paged" and (config.quantization == "int8" or self.linear_backend == "packed"):
+        if (
+            self.backend.name == "cpu_paged"
+            and (config.quantization == "int8" or self.linear_backend == "packed")
+            and FusedDecode.supports(self.model)
+        ):
             self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
 
     @property

@@ -1,0 +1,77 @@
+"""Checkpoint loading shared by the model families: Hugging Face names into fused parameters.
+
+Models store q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``) so
+each is one matmul; a checkpoint has them apart. ``fused_projections`` says
+where each separate tensor goes, ``load_hf_weights`` copies them there and
+checks that every parameter was written exactly once by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# checkpoint part -> (fused parameter, row offset, rows)
+FusedMap = dict[str, tuple[str, int, int]]
+
+
+def fused_projections(q_size: int, kv_size: int, intermediate_size: int) -> FusedMap:
+    """Where q/k/v and gate/up of a checkpoint go in ``qkv_proj`` / ``gate_up_proj``."""
+    return {
+        "q_proj": ("qkv_proj", 0, q_size),
+        "k_proj": ("qkv_proj", q_size, kv_size),
+        "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+        "gate_proj": ("gate_up_proj", 0, intermediate_size),
+        "up_proj": ("gate_up_proj", intermediate_size, intermediate_size),
+    }
+
+
+def load_hf_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], fused: FusedMap, tied_lm_head: bool
+) -> None:
+    """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters.
+
+    ``tied_lm_head``: the LM head shares the embedding, so a checkpoint's
+    ``lm_head.weight`` is skipped and not expected. Raises ValueError for a
+    tensor with no place, a wrong shape, or a parameter left unwritten.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb" in name or (name == "lm_head.weight" and tied_lm_head):
+            continue
+        target, offset, size = name, 0, None
+        for part, (fused_name, off, sz) in fused.items():
+            if f".{part}." in name:
+                target, offset, size = name.replace(part, fused_name), off, sz
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        dest = param.data if size is None else param.data.narrow(0, offset, size)
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        loaded.add(name)
+    missing = _expected_checkpoint_names(model, fused, tied_lm_head) - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: bool) -> set[str]:
+    names: set[str] = set()
+    for name, _ in model.named_parameters():
+        if name == "lm_head.weight" and tied_lm_head:
+            continue
+        split = [part for part, (fname, _, _) in fused.items() if f".{fname}." in name]
+        if split:
+            fused_name = fused[split[0]][0]
+            suffix = name.split(f".{fused_name}.")[1]
+            if suffix == "bias" and fused_name == "gate_up_proj":
+                continue
+            names.update(name.replace(fused_name, part) for part in split)
+        else:
+            names.add(name)
+    return names
