@@ -8,7 +8,7 @@ Each output channel ``n`` keeps int8 weights and one float32 scale::
 Decoding a few sequences reads every weight once per step and does little
 arithmetic with it, so its speed is set by memory bandwidth; int8 weights are
 a quarter of the float32 bytes. Those calls (at most ``SMALL_BATCH_ROWS``
-rows) go to the native kernel in ``kernels/int8_linear.c``. Larger
+rows) go to the native kernel in ``kernels/int8_linear.cpp``. Larger
 calls (prefills, big decode batches) are compute-bound, and float32 GEMM
 (the packed-panel kernel or oneDNN) is faster there than any int8 path torch offers on
 these CPUs, so they multiply by the dequantized weights ``q * scale``, kept
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import load_kernels
+from pagedllm.kernels import kernels_available, load_kernels
 from pagedllm.layers.linear_swap import replace_linear_layers
 from pagedllm.layers.onednn_linear import onednn_linear, pack_weight
 from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
@@ -65,10 +65,9 @@ class Int8Linear(nn.Module):
             raise ValueError(f"dense_backend must be one of {sorted(_DENSE_PACKERS)}, got {dense_backend!r}")
         self.dense_backend = dense_backend
         self.register_buffer("dequantized", _DENSE_PACKERS[dense_backend](dequantized))
-        self._kernel = None
-        lib = load_kernels()
-        if lib is not None:
-            self._kernel = lib.int8_linear_f32
+        # the op (torch.ops.pagedllm.int8_linear), None where the kernels cannot be built
+        ops = load_kernels()
+        self._kernel = None if ops is None else ops.int8_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -80,13 +79,7 @@ class Int8Linear(nn.Module):
             if self.dense_backend == "onednn":
                 return onednn_linear(x, self.dequantized, self.bias)
             return F.linear(x, self.dequantized, self.bias)
-        rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)  # [num_rows, out_features]
-        self._kernel(
-            rows.data_ptr(), rows.shape[0], self.in_features, self.qweight.data_ptr(), self.scales.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(), self.out_features, out.data_ptr(),
-            torch.get_num_threads(),
-        )
+        out = self._kernel(rows.contiguous(), self.qweight, self.scales, self.bias)  # [num_rows, out_features]
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -102,7 +95,7 @@ def quantize_model_int8(model: nn.Module, dense_backend: str = "torch") -> int:
     A tied LM head is quantized as a separate copy: the embedding table keeps
     its float32 rows for lookups.
     """
-    if load_kernels() is None:
+    if not kernels_available():
         from pagedllm.kernels import kernels_failure
 
         raise ValueError(f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}")
