@@ -4,7 +4,7 @@ One decode step's kernels, 40 sequences of 216 tokens, 30 layers: the four
 bf16 GEMMs of every layer and the paged attention over a bf16 cache, as the
 fused decode step runs them. Printed: both phases one after the other on all
 threads (what the engine does), each on one thread alone, and each on one
-thread at the same time (Python threads; ctypes releases the GIL), which is
+thread at the same time (Python threads; torch ops release the GIL), which is
 what a two-batch overlap would run. No dependencies are modelled, so the
 concurrent time is a lower bound for any overlap scheme.
 
@@ -28,12 +28,11 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o
 
 
 def main() -> None:
-    lib = load_kernels()
-    if lib is None:
+    ops = load_kernels()  # torch.ops.pagedllm
+    if ops is None:
         raise SystemExit("the native kernels do not build here")
     weights = [[pack_weight_panels_bf16(torch.randn(n, k) * 0.02) for n, k in SHAPES] for _ in range(LAYERS)]
     xs = {k: torch.randn(ROWS, k) for k in (576, 1536)}  # [rows, in]
-    ys = {n: torch.empty(ROWS, n) for n, _ in SHAPES}  # [rows, out]
     num_blocks = 2912 * 16 // BLOCK_SIZE
     # [2, layers, num_blocks, block_size, num_kv_heads, head_dim]; each sequence's blocks shuffled
     kv = torch.empty(2, LAYERS, num_blocks, BLOCK_SIZE, 3, 64, dtype=torch.bfloat16).normal_()
@@ -45,16 +44,17 @@ def main() -> None:
     q = torch.randn(ROWS, 9, 64)  # [rows, num_heads, head_dim]
     out = torch.empty_like(q)
 
+    # the ops run on torch's thread count, which set_num_threads sets for the calling thread
     def gemms(num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
         for layer in weights:
             for (n, k), w in zip(SHAPES, layer):
-                lib.packed_linear_bf16(xs[k].data_ptr(), ROWS, k, w.data_ptr(), None, n, ys[n].data_ptr(), num_threads)
+                ops.packed_linear_bf16(xs[k], w, None, n)  # [rows, n]
 
     def attention(num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
         for i in range(LAYERS):
-            lib.paged_decode(q.data_ptr(), kv[0, i].data_ptr(), kv[1, i].data_ptr(), 2, tables.data_ptr(),
-                             tables.stride(0), lens.data_ptr(), out.data_ptr(), ROWS, 9, 3, 64, BLOCK_SIZE,
-                             num_threads, 0.125)
+            ops.paged_decode(q, kv[0, i], kv[1, i], tables, lens, 0.125, out)
 
     def ms(fn: Callable[[int], None], num_threads: int, repeats: int = 5) -> float:
         fn(num_threads)

@@ -226,7 +226,7 @@ def test_cpu_paged_refuses_a_slot_outside_the_cache_before_writing() -> None:
 def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp_path) -> None:  # noqa: ANN001
     from pagedllm import kernels
 
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # what cpp_extension compiles with
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     kernels._load.cache_clear()
     try:

@@ -2,11 +2,12 @@
 
 The kernels hold one code path per instruction set (AVX512-BF16, AVX-512,
 AVX2+FMA, plain C), chosen when they are compiled. The rest of the suite runs
-the ``native`` build (this CPU's best); here each other variant this CPU can
-run is forced with ``PAGEDLLM_KERNEL_ISA``, built into a fresh cache folder
-and put through the kernel-level tests in a subprocess: the same tests, the
-same tolerances, another code path. A variant this CPU cannot execute is
-refused with a clear error, not run.
+the default build (the best named variant this CPU runs); here each other
+variant this CPU can run (``native`` among them) is forced with
+``PAGEDLLM_KERNEL_ISA``, built into a fresh cache folder and put through the
+kernel-level tests in a subprocess (one variant per process: the op namespace
+is registered once): the same tests, the same tolerances, another code path.
+A variant this CPU cannot execute is refused with a clear error, not run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.kernels import ISA_VARIANTS, runnable_isas
+from pagedllm.kernels import ISA_VARIANTS, default_isa, runnable_isas
 
 HERE = Path(__file__).resolve().parent
 # kernel-level tests: each compares a native op with its torch reference at edge shapes
@@ -32,18 +33,14 @@ KERNEL_TESTS = [
     "test_int8.py",
     "test_fused_decode.py",
 ]
-OTHER_VARIANTS = [isa for isa in ISA_VARIANTS if isa != "native"]
 
 
-@pytest.mark.parametrize("isa", OTHER_VARIANTS)
+@pytest.mark.parametrize("isa", list(ISA_VARIANTS))
 def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> None:
-    runnable = runnable_isas()
-    if isa not in runnable:
+    if isa not in runnable_isas():
         pytest.skip(f"this CPU cannot execute the {isa} code path (needs {ISA_VARIANTS[isa][1]})")
-    if isa == next(v for v in OTHER_VARIANTS if v in runnable):
-        # the sources choose their path by __AVX512BF16__ / __AVX512F__ / __AVX2__: the native
-        # build compiles the best one this CPU runs, and the whole suite runs that build
-        pytest.skip(f"{isa} is this CPU's best code path: the native build, which the whole suite runs, compiles it")
+    if isa == default_isa():
+        pytest.skip(f"{isa} is this CPU's default build, which the whole suite runs")
     env = dict(os.environ, PAGEDLLM_KERNEL_ISA=isa, PAGEDLLM_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[str(HERE / t) for t in KERNEL_TESTS]],
@@ -51,7 +48,7 @@ def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> 
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1]
-    built = list((tmp_path / "cache" / "kernels").glob(f"pagedllm_kernels-{isa}-*.so"))
+    built = list((tmp_path / "cache" / "kernels").glob(f"{isa}-*/pagedllm_kernels.so"))
     assert built, "the forced variant was not the one built"
 
 
@@ -67,3 +64,15 @@ def test_a_variant_the_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("PAGEDLLM_KERNEL_ISA", "sse9")
     with pytest.raises(ValueError, match="must be one of"):
         kernels.kernel_isa()
+
+
+def test_the_default_variant_is_the_best_this_cpu_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm import kernels
+
+    monkeypatch.delenv("PAGEDLLM_KERNEL_ISA", raising=False)
+    runnable = runnable_isas()
+    if runnable == ["native"]:
+        assert kernels.kernel_isa() == "native"  # not x86-64: -march=native is the only build
+        return
+    best = next(isa for isa in ("avx512_bf16", "avx512", "avx2", "scalar") if isa in runnable)
+    assert kernels.kernel_isa() == default_isa() == best

@@ -25,17 +25,21 @@ CHECK = r"""
 import json, sys
 import pagedllm
 from pagedllm import LLM, SamplingParams
+from pagedllm import kernels
 from pagedllm.kernels import kernels_failure, load_kernels
 
 site = sys.argv[1]
 assert pagedllm.__file__.startswith(site), pagedllm.__file__
 assert load_kernels() is not None, kernels_failure()
+import torch
+assert torch.ops.pagedllm.packed_linear_panel() > 0  # the typed ops are registered
 llm = LLM(sys.argv[2], num_kv_blocks=32, max_model_len=128, block_size=8)
 runner = llm.llm_engine.model_runner
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                    use_tqdm=False)
 print(json.dumps({"file": pagedllm.__file__, "linear": runner.linear_backend, "attention": runner.backend.name,
                   "native_ops": runner.native_ops is not None, "fused": runner.fused_decode is not None,
+                  "library": kernels.library_path(),
                   "tokens": out[0].outputs[0].token_ids}))
 """
 
@@ -84,4 +88,5 @@ def test_a_wheel_install_builds_and_uses_the_native_kernels(
     # the fast CPU path, as from the checkout: packed linears, paged attention in place, fused decode
     assert got == got | {"linear": "packed", "attention": "cpu_paged", "native_ops": True, "fused": True}
     assert len(got["tokens"]) == 4
-    assert list((tmp_path / "cache" / "kernels").glob("*.so")), "the kernels were not built from the wheel"
+    assert got["library"].startswith(str(tmp_path / "cache")), got["library"]
+    assert list((tmp_path / "cache" / "kernels").glob("*/pagedllm_kernels.so")), "the kernels were not built from the wheel"

@@ -1,7 +1,7 @@
 """``pagedllm env``: what this machine gives the engine, for bug reports.
 
 The CPU's model and the SIMD features the kernels look for, torch's build and
-what its CPU backends can do here, the native kernels (compiler, flags, where
+what its CPU backends can do here, the native kernels (ISA variant, C++ compiler, flags, where
 the built library is cached, or why it did not build) and which backend each
 kind of layer runs on: what ``"auto"`` resolves to, and with ``--load`` the
 classes a loaded model actually holds.
@@ -53,6 +53,7 @@ def _kernels() -> dict[str, Any]:
     lib = kernels.load_kernels()
     out: dict[str, Any] = {
         "isa": kernels.kernel_isa(),
+        "default_isa": kernels.default_isa(),
         "runnable_isas": kernels.runnable_isas(),
         "loaded": lib is not None,
         "failure": kernels.kernels_failure(),

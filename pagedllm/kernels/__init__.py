@@ -1,33 +1,47 @@
-"""Native CPU kernels, compiled on first use with the system C compiler.
+"""Native CPU kernels as typed torch ops (``torch.ops.pagedllm.*``), compiled on first use.
 
-Plain C with OpenMP and no torch headers, built into one shared library in
-a few seconds with gcc and called through ctypes on tensors' data pointers:
-``paged_decode.c`` (decode attention reading KV blocks in place, from a
+The kernels are C++ files with OpenMP and no torch headers:
+``paged_decode.cpp`` (decode attention reading KV blocks in place, from a
 float32, float16 or bfloat16 cache),
-``int8_linear.c`` (weight-only int8 matmul for a few rows),
-``packed_linear.c`` (float32 matmul over weights packed into column panels),
-``packed_linear_bf16.c`` (the same with bfloat16 weights and products, float32 in and out),
-``logit_stats.c`` (per-row argmax and logsumexp of the logits),
-``kv_write.c`` (new K/V rows into their cache slots, rounded to the cache's dtype),
-``elementwise.c`` (RMSNorm with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply),
-``prefill_attention.c`` (causal attention of prompts computed from scratch)
-and ``decode_step.c`` (a whole decoder step for decode tokens,
+``int8_linear.cpp`` (weight-only int8 matmul for a few rows),
+``packed_linear.cpp`` (float32 matmul over weights packed into column panels),
+``packed_linear_bf16.cpp`` (the same with bfloat16 weights and products, float32 in and out),
+``logit_stats.cpp`` (per-row argmax and logsumexp of the logits),
+``kv_write.cpp`` (new K/V rows into their cache slots, rounded to the cache's dtype),
+``elementwise.cpp`` (RMSNorm with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply),
+``prefill_attention.cpp`` (causal attention of prompts computed from scratch)
+and ``decode_step.cpp`` (a whole decoder step for decode tokens,
 built from the others through the shared headers ``paged_attention.h``
 (with ``paged_attention_kv.h``, instantiated once per cache dtype),
 ``int8_dot.h``, ``panel_f32.h``, ``panel_bf16.h``, ``kv_rows.h`` and ``elementwise.h``; the two panel
-matmuls share ``panel_units.h``). The built library is cached under
-``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``), keyed by the source,
-the flags, the compiler and this CPU's feature flags (it is built with
-``-march=native``, or for the instruction set ``$PAGEDLLM_KERNEL_ISA`` names:
-``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``; see ``ISA_VARIANTS``). Where no compiler is found or the build fails,
-``load_kernels`` returns None with the reason logged once; the engine then
-uses the pure-torch paths (the "auto" attention backend falls back to SDPA,
-int8 layers to a dequantized matmul).
+matmuls share ``panel_units.h``). ``kernels.h`` and ``decode_step.h``
+declare their entry points. One binding file, ``ops.cpp`` (with
+``fused_decoder.h``), registers the ops' schemas (``TORCH_LIBRARY(pagedllm,
+...)``) and CPU implementations that check their tensors (dtype, device,
+contiguity, shapes, the indices a kernel trusts) and raise ValueError, then
+call the kernels on the data pointers; the fused decode step's model is a
+torch custom class, ``torch.classes.pagedllm.FusedDecoder``. Fake (meta)
+implementations for tracing live in ``meta.py``.
+
+Everything is built by ``torch.utils.cpp_extension.load`` (ninja, the C++
+compiler ``$CXX`` or ``c++``) into one library, once per process, at first
+use: in ``$PAGEDLLM_CACHE_DIR/kernels/<variant>-<hash>`` (default
+``~/.cache/pagedllm``), the hash covering the sources, the flags, the
+compiler and torch's version (and, for ``native``, this CPU's flags).
+cpp_extension locks the build folder, so concurrent processes build once.
+The variant is ``$PAGEDLLM_KERNEL_ISA`` (see ``ISA_VARIANTS``); by default
+the best named one this CPU runs (``avx512_bf16`` > ``avx512`` > ``avx2`` >
+``scalar`` on x86-64, by /proc/cpuinfo), so a cache shared between machines
+never hands one CPU code built for another; ``native`` (``-march=native``)
+is the default elsewhere and an explicit choice on x86-64. One variant per
+process: the op namespace is registered once. Where no compiler is found or
+the build fails, ``load_kernels`` returns None with the reason logged once;
+the engine then uses the pure-torch paths (the "auto" attention backend
+falls back to SDPA, int8 layers to a dequantized matmul).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -35,20 +49,23 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+_HERE = Path(__file__).parent
+_SOURCES = sorted(_HERE.glob("*.cpp"))
+_HEADERS = sorted(_HERE.glob("*.h"))
+_LIBRARY_NAME = "pagedllm_kernels"
 # -ffast-math is avoided on purpose: linking with it would switch the whole
 # process to flush-to-zero. Reassociation alone lets gcc vectorise the dot
-# products.
+# products. c++20: torch's headers warn under c++17.
 _CFLAGS = [
-    "-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+    "-O3", "-std=c++20", "-fopenmp", "-fno-math-errno",
     "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
 ]
+_LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -67,11 +84,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_flags().split(":", 1)[-1].split())
 
 
-# PAGEDLLM_KERNEL_ISA: which instruction set the kernels are compiled for. "native"
-# (the default) is this CPU's own (-march=native); the others force one of the
-# code paths the sources hold (#if __AVX512BF16__ / __AVX512F__ / __AVX2__ /
-# plain C), so every path can be tested on a CPU that runs it. Each needs the
-# CPU features listed; asking for one the CPU lacks is an error, not a crash.
+# PAGEDLLM_KERNEL_ISA: which instruction set the kernels are compiled for.
+# The named x86-64 variants select one of the code paths the sources hold
+# (#if __AVX512BF16__ / __AVX512F__ / __AVX2__ / plain C), so every path can
+# be tested on a CPU that runs it; "native" is whatever -march=native gives.
+# Each needs the CPU features listed; asking for one the CPU lacks is an
+# error, not a crash. Best first: the default is the first this CPU runs.
 ISA_VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
     "avx512_bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mf16c", "-mfma"],
@@ -82,20 +100,30 @@ ISA_VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 
 
-def kernel_isa() -> str:
-    """The variant asked for with ``PAGEDLLM_KERNEL_ISA`` ("native" when unset); ValueError if unknown."""
-    isa = os.environ.get("PAGEDLLM_KERNEL_ISA", "native") or "native"
-    if isa not in ISA_VARIANTS:
-        raise ValueError(f"PAGEDLLM_KERNEL_ISA must be one of {sorted(ISA_VARIANTS)}, got {isa!r}")
-    return isa
+def _is_x86_64() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
 
 
 def runnable_isas() -> list[str]:
     """The variants this CPU can execute (all need x86-64 but "native")."""
     flags = cpu_flags()
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not _is_x86_64():
         return ["native"]
     return [name for name, (_, needs) in ISA_VARIANTS.items() if all(f in flags for f in needs)]
+
+
+def default_isa() -> str:
+    """The variant used when ``PAGEDLLM_KERNEL_ISA`` is unset: the best named one this CPU runs ("native" off x86-64)."""
+    runnable = runnable_isas()
+    return next((isa for isa in ISA_VARIANTS if isa != "native" and isa in runnable), "native")
+
+
+def kernel_isa() -> str:
+    """The variant asked for with ``PAGEDLLM_KERNEL_ISA`` (``default_isa()`` when unset); ValueError if unknown."""
+    isa = os.environ.get("PAGEDLLM_KERNEL_ISA") or default_isa()
+    if isa not in ISA_VARIANTS:
+        raise ValueError(f"PAGEDLLM_KERNEL_ISA must be one of {sorted(ISA_VARIANTS)}, got {isa!r}")
+    return isa
 
 
 def build_flags() -> list[str]:
@@ -113,121 +141,83 @@ def cache_dir() -> Path:
 
 
 def compiler_path() -> str | None:
-    """The C compiler the kernels are built with: ``$CC``, else gcc or cc on PATH."""
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    """The C++ compiler cpp_extension builds the kernels with: ``$CXX``, else ``c++`` (None when not found)."""
+    return shutil.which(os.environ.get("CXX") or "c++")
 
 
-def _build(compiler: str, output: Path, flags: list[str]) -> None:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: concurrent processes never load a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=output.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"],
-            check=True, capture_output=True, text=True, timeout=120,
-        )
-        os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache dir must stay usable
-        os.replace(tmp, output)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def _build_dir(isa: str, flags: list[str], compiler: str) -> Path:
+    """``<cache>/kernels/<variant>-<hash of the sources, flags, compiler, torch (and CPU for native)>``."""
+    import torch
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    sources = "\0".join(p.name + "\0" + p.read_text() for p in [*_SOURCES, *_HEADERS])
+    # a named variant's code runs on every CPU with its features: the build folder can be
+    # shared between machines; -march=native is this CPU's own
+    cpu = _cpu_flags() if isa == "native" else ""
+    key = hashlib.sha256(
+        "\0".join([sources, " ".join(flags), version, torch.__version__, platform.machine(), cpu]).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"{isa}-{key}"
+
+
+def _loaded_builds() -> list[str]:
+    """The builds of the kernels this process has loaded (at most one: the op namespace is registered once)."""
+    import torch
+
+    return [str(p) for p in getattr(torch.ops, "loaded_libraries", ()) if Path(p).name.startswith(_LIBRARY_NAME)]
+
+
+def _compile(build_dir: Path, flags: list[str]) -> str:
+    """Build (or find built) and load the library, once per process; its path."""
+    from torch.utils import cpp_extension
+
+    path = str(build_dir / f"{_LIBRARY_NAME}.so")
+    loaded = _loaded_builds()
+    if path in loaded:
+        # loaded before _load's cache was cleared: loading again would make cpp_extension
+        # rebuild under a new name and register the namespace twice
+        return path
+    if loaded:
+        raise RuntimeError(f"this process already loaded another build of the kernels ({loaded[0]}); "
+                           "one variant per process")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=_LIBRARY_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=list(flags),
+        extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False, verbose=False,
+    )
+    return path
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
-    """Build (once per process) and load the library: (library, None, path) or (None, why not, None)."""
-    compiler = compiler_path()
+def _load() -> tuple[Any, str | None, str | None]:
+    """Build (once per process) and load the ops: (torch.ops.pagedllm, None, path) or (None, why not, None)."""
+    isa = kernel_isa()
     flags = build_flags()  # a forced ISA this CPU cannot run is the caller's error, raised here
     try:
+        compiler = compiler_path()
         if compiler is None:
-            raise RuntimeError("no C compiler (gcc or cc) on PATH")
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        sources = "\0".join(p.read_text() for p in [*_SOURCES, *_HEADERS])
-        key = hashlib.sha256(
-            "\0".join([sources, " ".join(flags), version, platform.machine(), _cpu_flags()]).encode()
-        ).hexdigest()[:16]
-        path = cache_dir() / f"pagedllm_kernels-{kernel_isa()}-{key}.so"
-        if not path.exists():
-            _build(compiler, path, flags)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
+            raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX') or 'c++'} not found")
+        path = _compile(_build_dir(isa, flags, compiler), flags)
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "output", None) or getattr(e, "stderr", None) or str(e)
         logger.warning("native CPU kernels unavailable, using the torch paths: %s", detail)
-        return None, detail, None
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.paged_decode.restype = i32
-    lib.paged_decode.argtypes = [
-        ptr, ptr, ptr, i32,  # q, k_cache, v_cache, kv_type (KV_TYPE_CODES)
-        ptr, i64, ptr,  # block_tables, table_stride, seq_lens
-        ptr,  # out
-        i32, i32, i32, i32,  # num_seqs, num_heads, num_kv_heads, head_dim
-        i32, i32, ctypes.c_float,  # block_size, num_threads, scale
-    ]
-    lib.int8_linear_f32.restype = None
-    lib.int8_linear_f32.argtypes = [
-        ptr, i64, i64, ptr,  # x, num_rows, in_features, w
-        ptr, ptr, i64, ptr,  # scales, bias, out_features, out
-        i32,  # num_threads
-    ]
-    lib.packed_linear_panel.restype = i32
-    lib.packed_linear_panel.argtypes = []
-    lib.packed_linear_pack.restype = None
-    lib.packed_linear_pack.argtypes = [ptr, i64, i64, ptr]  # w, out_features, in_features, packed
-    lib.packed_linear_f32.restype = None
-    lib.packed_linear_f32.argtypes = [
-        ptr, i64, i64, ptr,  # x, num_rows, in_features, packed
-        ptr, i64, ptr, i32,  # bias, out_features, out, num_threads
-    ]
-    lib.packed_linear_bf16_panel.restype = i32
-    lib.packed_linear_bf16_panel.argtypes = []
-    lib.packed_linear_bf16_native.restype = i32
-    lib.packed_linear_bf16_native.argtypes = []
-    lib.packed_linear_bf16_pack.restype = None
-    lib.packed_linear_bf16_pack.argtypes = [ptr, i64, i64, ptr]  # w (float32), out_features, in_features, packed
-    lib.packed_linear_bf16.restype = i32
-    lib.packed_linear_bf16.argtypes = [
-        ptr, i64, i64, ptr,  # x (float32), num_rows, in_features, packed (bf16)
-        ptr, i64, ptr, i32,  # bias (float32), out_features, out (float32), num_threads
-    ]
-    lib.write_kv.restype = i32
-    lib.write_kv.argtypes = [
-        ptr, i64, ptr, i64, ptr, ptr, i32,  # k, k_stride, v, v_stride, k_cache, v_cache, kv_type
-        ptr, i64, i64, i64, i32,  # slots, num_tokens, row elements, num_slots, num_threads
-    ]
-    lib.logit_stats_f32.restype = None
-    lib.logit_stats_f32.argtypes = [ptr, i64, i64, ptr, ptr, i32]  # logits, rows, vocab, argmax, lse, threads
-    f32 = ctypes.c_float
-    lib.add_rms_norm_f32.restype = None
-    lib.add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]  # x, delta, w, y, rows, n, eps, threads
-    lib.qk_norm_rope_f32.restype = None
-    lib.qk_norm_rope_f32.argtypes = [
-        ptr, i64, i64, i64, i64, i64,  # x, rows, row_stride, num_q_heads, num_kv_heads, head_dim
-        ptr, ptr, f32, ptr, ptr, i32,  # q_norm, k_norm, eps, cos, sin, threads
-    ]
-    lib.silu_mul_f32.restype = None
-    lib.silu_mul_f32.argtypes = [ptr, ptr, i64, i64, i32]  # gate_up, out, rows, inter, threads
-    lib.prefill_attention_f32.restype = i32
-    lib.prefill_attention_f32.argtypes = [
-        ptr, i64, ptr, i64, ptr, i64, ptr, i64,  # q, k, v, out with their row strides
-        ptr, i32, i32, i32, i32, f32, i32,  # bounds, num_seqs, num_heads, num_kv_heads, head_dim, scale, threads
-    ]
-    lib.decode_step.restype = i32
-    lib.decode_step.argtypes = [
-        ptr, ptr, i64, ptr, ptr,  # model, x, num_rows, positions, slots
-        ptr, i64, ptr, ptr,  # block_tables, table_stride, seq_lens, out
-        i32,  # num_threads
-    ]
-    return lib, None, str(path)
+        return None, str(detail), None
+    import torch
+
+    from pagedllm.kernels.meta import register_fakes
+
+    register_fakes()
+    return torch.ops.pagedllm, None, path
 
 
-# the kernels' numbering of KV cache element types (paged_attention.h)
-KV_TYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-
-
-def load_kernels() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None when it cannot be built here."""
+def load_kernels() -> Any | None:  # noqa: ANN401 (torch's op namespace has no useful static type)
+    """The ops' namespace ``torch.ops.pagedllm`` once the library is loaded, or None when it cannot be built here."""
     return _load()[0]
+
+
+def kernels_available() -> bool:
+    """Whether the native ops are loaded (built here, or found built in the cache)."""
+    return _load()[0] is not None
 
 
 def kernels_failure() -> str | None:

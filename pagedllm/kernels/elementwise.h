@@ -1,8 +1,8 @@
 /*
  * The Llama family's elementwise pieces, one row at a time: RMSNorm, RoPE
  * (rotate-half, sign folded into the sin table) and SiLU-and-multiply.
- * Shared by elementwise.c (called from the layer-by-layer model) and
- * decode_step.c (the fused decode step), so both compute them alike.
+ * Shared by elementwise.cpp (called from the layer-by-layer model) and
+ * decode_step.cpp (the fused decode step), so both compute them alike.
  */
 #ifndef PAGEDLLM_ELEMENTWISE_H
 #define PAGEDLLM_ELEMENTWISE_H

@@ -1,7 +1,7 @@
 /*
  * Decode attention of one sequence's query heads over its paged K/V,
- * reading the blocks in place. Shared by paged_decode.c (attention only),
- * decode_step.c (a whole decoder step) and prefill_attention.c (which uses
+ * reading the blocks in place. Shared by paged_decode.cpp (attention only),
+ * decode_step.cpp (a whole decoder step) and prefill_attention.cpp (which uses
  * the float32 dot products and the softmax).
  *
  * Layouts (all contiguous):

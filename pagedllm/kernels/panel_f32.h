@@ -1,5 +1,5 @@
-/* The float32 panel tile of packed_linear.c (its comment draws the layout),
- * shared with decode_step.c so the fused decode step multiplies exactly as
+/* The float32 panel tile of packed_linear.cpp (its comment draws the layout),
+ * shared with decode_step.cpp so the fused decode step multiplies exactly as
  * the layer-by-layer path does.
  */
 #ifndef PAGEDLLM_PANEL_F32_H

@@ -41,8 +41,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import KV_TYPE_CODES
-
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -144,8 +142,8 @@ def gather_context(
     return blocks.flatten(0, 1)[:seq_len]
 
 
-# the native kernels' numbering of cache dtypes, keyed by torch dtype
-_KV_TYPE_CODES = {getattr(torch, name): code for name, code in KV_TYPE_CODES.items()}
+# the cache dtypes the native kernels read and write
+_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class AttentionBackend(ABC):
@@ -317,11 +315,11 @@ class SdpaAttention(AttentionBackend):
 class CpuPagedAttention(SdpaAttention):
     """Native kernels for decodes and for prompts computed from scratch; SDPA for the rest.
 
-    The decode kernel (``kernels/paged_decode.c``) walks each sequence's
+    The decode kernel (``kernels/paged_decode.cpp``) walks each sequence's
     block table and never copies the context, which is where the SDPA
     backend spends its decode time on the CPU. Prompts with nothing cached
     attend over their own new K/V rows, all of them in one call
-    (``kernels/prefill_attention.c``); prompts that continue cached context
+    (``kernels/prefill_attention.cpp``); prompts that continue cached context
     (prefix-cache hits, chunked prefills) go through SDPA as in the parent
     class. Float32 queries on the CPU; the cache may be float32, float16 or
     bfloat16.
@@ -336,43 +334,27 @@ class CpuPagedAttention(SdpaAttention):
     def __init__(self) -> None:
         from pagedllm.kernels import kernels_failure, load_kernels
 
-        lib = load_kernels()
-        if lib is None:
+        ops = load_kernels()
+        if ops is None:
             raise ValueError(f"the cpu_paged attention backend cannot be built here: {kernels_failure()}")
-        self._kernel = lib.paged_decode
-        self._prefill_kernel = lib.prefill_attention_f32
-        self._write_kernel = lib.write_kv
+        self._ops = ops  # torch.ops.pagedllm
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
         options = {"sliding_window": sliding_window, "softcap": softcap}
-        # as the base class, with the K/V write as one native call (two
-        # index_copy_ calls otherwise; 0.24 s of the throughput workload)
-        num_tokens, num_kv_heads, head_dim = k.shape
-        dense_rows = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
+        # as the base class, with the K/V write as one native op (two
+        # index_copy_ calls otherwise; 0.24 s of the throughput workload);
+        # what the op does not take goes the torch way, as the base class
+        # (the op checks the rest, a slot outside the cache among it)
+        head_dim = k.shape[2]
         if (
-            not dense_rows
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (k, v))
-            or k_cache.dtype not in _KV_TYPE_CODES
+            any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(2) != 1 or t.stride(1) != head_dim
+                for t in (k, v))
+            or k_cache.dtype not in _NATIVE_CACHE_DTYPES
             or v_cache.dtype != k_cache.dtype
-            or k_cache.device.type != "cpu"
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or k_cache.shape[2:] != (num_kv_heads, head_dim)
-            or v_cache.shape != k_cache.shape
-            or meta.slot_mapping.shape != (num_tokens,)
-            or meta.slot_mapping.dtype != torch.int64
         ):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, **options)
-        slots = meta.slot_mapping.contiguous()
-        failed = self._write_kernel(
-            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            _KV_TYPE_CODES[k_cache.dtype],
-            slots.data_ptr(), num_tokens, num_kv_heads * head_dim, k_cache.shape[0] * k_cache.shape[1],
-            torch.get_num_threads(),
-        )
-        if failed == 2:
-            raise ValueError("slot mapping points outside the KV cache")
-        if failed:
-            raise ValueError(f"the K/V write kernel does not know the cache dtype {k_cache.dtype}")
+        self._ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping.contiguous())
         if meta.num_prefills:
             k, v = as_stored(k, k_cache), as_stored(v, v_cache)
         return self.attend(q, k, v, k_cache, v_cache, meta, scale, **options)
@@ -386,58 +368,22 @@ class CpuPagedAttention(SdpaAttention):
                 self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out)
         if not fresh:
             return
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
-        tensors = (q, k, v, out)
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
-            raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
-        if any(t.stride(2) != 1 or t.stride(1) != head_dim for t in tensors) or num_heads % num_kv_heads:
-            raise ValueError("cpu_paged prefill needs rows of whole, contiguous heads and whole query-head groups")
         bounds = torch.tensor(
             [b for i in fresh for b in (meta.query_start_loc[i], meta.query_start_loc[i + 1])], dtype=torch.int64
         )  # [2 * num_fresh]: each prompt's first and one-past-last row
-        failed = self._prefill_kernel(
-            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-            out.data_ptr(), out.stride(0), bounds.data_ptr(), len(fresh), num_heads, num_kv_heads, head_dim,
-            scale, torch.get_num_threads(),
-        )
-        if failed:
-            raise MemoryError("prefill attention kernel: out of memory for its scratch buffers")
+        # the op checks dtypes, head layout and bounds (ValueError)
+        self._ops.prefill_attention(q, k, v, out, bounds, scale)
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
-        # the kernel trusts its pointers: what it assumes of the tensors is checked
-        # here (the metadata checks itself), so a bad input raises instead of
-        # reading outside a buffer
-        num_seqs, num_heads, head_dim = q.shape
-        if q.dtype != torch.float32 or any(t.device.type != "cpu" for t in (q, k_cache, v_cache)):
-            raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
-        if k_cache.dtype not in _KV_TYPE_CODES or v_cache.dtype != k_cache.dtype:
-            raise ValueError(
-                f"cpu_paged reads float32, float16 or bfloat16 caches of one dtype, got {k_cache.dtype} / {v_cache.dtype}"
-            )
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
-            raise ValueError("cpu_paged needs contiguous K and V caches of one shape")
-        _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-        if cache_head_dim != head_dim or block_size != meta.block_size or num_heads % num_kv_heads:
-            raise ValueError(
-                f"cpu_paged: queries {tuple(q.shape)} do not fit a cache of {tuple(k_cache.shape)} "
-                f"with block_size {meta.block_size}"
-            )
+        # the op checks the tensors and every block a sequence reads (ValueError);
+        # the block size the metadata was built for is known only here
+        if k_cache.dim() == 4 and k_cache.shape[1] != meta.block_size:
+            raise ValueError(f"cpu_paged: a cache of {tuple(k_cache.shape)} does not have block_size {meta.block_size}")
         q = q.contiguous()
-        result = out if out.is_contiguous() else torch.empty_like(q)
+        result = out if out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
         tables = meta.block_tables[meta.num_prefills :]
-        seq_lens = meta.seq_lens_tensor[meta.num_prefills :]
-        if not (tables.is_contiguous() and seq_lens.is_contiguous()):
-            tables, seq_lens = tables.contiguous(), seq_lens.contiguous()
-        failed = self._kernel(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _KV_TYPE_CODES[k_cache.dtype],
-            tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), result.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, block_size, torch.get_num_threads(), scale,
-        )
-        if failed == 1:
-            raise MemoryError("paged decode kernel: out of memory for its scratch buffers")
-        if failed:
-            raise ValueError(f"the paged decode kernel does not know the cache dtype {k_cache.dtype}")
+        seq_lens = meta.seq_lens_tensor[meta.num_prefills :].contiguous()
+        self._ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, result)
         if result is not out:
             out.copy_(result)
 
@@ -451,9 +397,9 @@ def make_backend(name: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     backends = {"reference": ReferenceAttention, "sdpa": SdpaAttention, "cpu_paged": CpuPagedAttention}
     if name == "auto":
         if device == "cpu" and dtype == torch.float32:
-            from pagedllm.kernels import load_kernels
+            from pagedllm.kernels import kernels_available
 
-            if load_kernels() is not None:
+            if kernels_available():
                 return CpuPagedAttention()
         return SdpaAttention()
     if name not in backends:

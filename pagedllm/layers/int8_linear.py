@@ -8,7 +8,7 @@ Each output channel ``n`` keeps int8 weights and one float32 scale::
 Decoding a few sequences reads every weight once per step and does little
 arithmetic with it, so its speed is set by memory bandwidth; int8 weights are
 a quarter of the float32 bytes. Those calls (at most ``SMALL_BATCH_ROWS``
-rows) go to the native kernel in ``kernels/int8_linear.c``. Larger
+rows) go to the native kernel in ``kernels/int8_linear.cpp``. Larger
 calls (prefills, big decode batches) are compute-bound, and float32 GEMM
 (the packed-panel kernel or oneDNN) is faster there than any int8 path torch offers on
 these CPUs, so they multiply by the dequantized weights ``q * scale``, kept
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels import load_kernels
+from pagedllm.kernels import kernels_available, load_kernels
 from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
 from pagedllm.layers.onednn_linear import onednn_linear, pack_weight
 from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
@@ -55,12 +55,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
         raise ValueError(f"the int8 kernel cannot be built here: {kernels_failure()}")
     out_features, in_features = qweight.shape
-    rows = x.reshape(-1, in_features).contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
-    lib.int8_linear_f32(
-        rows.data_ptr(), rows.shape[0], in_features, qweight.data_ptr(), scales.data_ptr(),
-        None if bias is None else bias.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads(),
-    )
+    out = lib.int8_linear(x.reshape(-1, in_features).contiguous(), qweight, scales, bias)  # [num_rows, out_features]
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -112,7 +107,7 @@ def quantize_model_int8(model: nn.Module, dense_backend: str = "torch") -> int:
     A tied LM head is quantized as a separate copy: the embedding table keeps
     its float32 rows for lookups.
     """
-    if load_kernels() is None:
+    if not kernels_available():
         from pagedllm.kernels import kernels_failure
 
         raise ValueError(f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}")

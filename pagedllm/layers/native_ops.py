@@ -1,4 +1,4 @@
-"""Fused elementwise ops for float32 on the CPU (``kernels/elementwise.c``).
+"""Fused elementwise ops for float32 on the CPU (``kernels/elementwise.cpp``).
 
 Between its matmuls a Llama layer runs about twenty small torch ops: the
 residual add and RMSNorm (five ops inside), RoPE on q and k (multiply, roll,
@@ -11,23 +11,22 @@ runs the plain torch ops otherwise; tests compare the two.
 
 from __future__ import annotations
 
-import ctypes
+from typing import Any
 
 import torch
 
 
-def _check_rows(name: str, t: torch.Tensor, row_len: int) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu":
-        raise ValueError(f"native {name} takes float32 CPU tensors, got {t.dtype} on {t.device}")
-    if t.dim() != 2 or t.shape[1] != row_len or t.stride(1) != 1:
-        raise ValueError(f"native {name}: expected rows of {row_len} contiguous floats, got {tuple(t.shape)}")
-
-
 class NativeOps:
-    """RMSNorm (with the residual add), RoPE (after Qwen3's per-head norms) and SiLU-and-multiply as single native calls."""
+    """RMSNorm (with the residual add), RoPE (after Qwen3's per-head norms) and SiLU-and-multiply as single native ops.
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
+    Each method calls one ``torch.ops.pagedllm`` op, which checks its
+    tensors (dtype, shapes, contiguity) and raises ValueError for what it
+    cannot run.
+    """
+
+    def __init__(self, ops: Any = None) -> None:  # noqa: ANN401 (torch's op namespace)
+        # the namespace load_kernels() returned; the ops are reached through torch.ops either way
+        self._ops = ops if ops is not None else torch.ops.pagedllm
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -36,20 +35,7 @@ class NativeOps:
 
         x, delta: ``[num_tokens, hidden]`` contiguous; weight ``[hidden]``.
         """
-        hidden = weight.shape[0]
-        _check_rows("rms_norm", x, hidden)
-        if not x.is_contiguous() or not weight.is_contiguous():
-            raise ValueError("native rms_norm needs contiguous x and weight")
-        if delta is not None:
-            _check_rows("rms_norm", delta, hidden)
-            if delta.shape != x.shape or not delta.is_contiguous():
-                raise ValueError("native rms_norm: delta must be contiguous and shaped like x")
-        y = torch.empty_like(x)  # [num_tokens, hidden]
-        self._lib.add_rms_norm_f32(
-            x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), y.data_ptr(),
-            x.shape[0], hidden, eps, torch.get_num_threads(),
-        )
-        return y
+        return self._ops.add_rms_norm(x, delta, weight, eps)
 
     def qk_norm_rope_(
         self, x: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
@@ -63,32 +49,8 @@ class NativeOps:
         ``RotaryEmbedding``; q_norm, k_norm: ``[head_dim]`` per-head RMSNorm
         weights (Qwen3), both or neither.
         """
-        num_heads = num_q_heads + num_kv_heads
-        if head_dim > 1024 or head_dim % 2:
-            raise ValueError(f"native rope: head_dim must be even and <= 1024, got {head_dim}")
-        if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim or x.dtype != torch.float32:
-            raise ValueError(f"native rope: x of shape {tuple(x.shape)} does not hold {num_heads} float32 heads")
-        for t in (cos, sin):
-            _check_rows("rope", t, head_dim)
-            if not t.is_contiguous() or t.shape[0] != x.shape[0]:
-                raise ValueError("native rope: cos and sin must be contiguous [num_tokens, head_dim]")
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("native rope: give both q and k norm weights, or neither")
-        for w in (q_norm, k_norm):
-            if w is not None and (w.shape != (head_dim,) or w.dtype != torch.float32 or not w.is_contiguous()):
-                raise ValueError(f"native rope: a head norm weight must be contiguous float32 [{head_dim}]")
-        self._lib.qk_norm_rope_f32(
-            x.data_ptr(), x.shape[0], x.stride(0), num_q_heads, num_kv_heads, head_dim,
-            None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
-            cos.data_ptr(), sin.data_ptr(), torch.get_num_threads(),
-        )
+        self._ops.qk_norm_rope(x, num_q_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for rows ``[gate | up]`` of ``gate_up`` ``[num_tokens, 2 * inter]``."""
-        inter = gate_up.shape[1] // 2
-        _check_rows("silu_mul", gate_up, 2 * inter)
-        if not gate_up.is_contiguous():
-            raise ValueError("native silu_mul needs a contiguous gate_up")
-        out = torch.empty(gate_up.shape[0], inter, dtype=torch.float32)  # [num_tokens, inter]
-        self._lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
-        return out
+        """``silu(gate) * up`` ``[num_tokens, inter]`` for rows ``[gate | up]`` of ``gate_up`` ``[num_tokens, 2 * inter]``."""
+        return self._ops.silu_mul(gate_up)

@@ -1,7 +1,7 @@
 """Float32 linear layers through our own packed-panel kernel (CPU).
 
 The weight ``[out, in]`` is reordered once at load into column panels
-(``kernels/packed_linear.c`` draws the layout) and the plain copy is
+(``kernels/packed_linear.cpp`` draws the layout) and the plain copy is
 dropped, so memory does not grow. The kernel keeps an 8-row (6 with AVX2)
 x one-panel tile of sums in registers and, while it computes one panel, prefetches the next
 one into L2; at the row counts a decode step has (8-64) that is where oneDNN's
@@ -18,23 +18,24 @@ import functools
 import torch
 from torch import nn
 
-from pagedllm.kernels import load_kernels
+from pagedllm.kernels import kernels_available, load_kernels
 from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
 
 
 def packed_linear_available() -> bool:
     """Whether the native kernel library (and so this linear) builds here."""
-    return load_kernels() is not None
+    return kernels_available()
 
 
-def _library():  # noqa: ANN202
-    lib = load_kernels()
-    if lib is None:
+def _library():  # noqa: ANN202 (torch's op namespace)
+    """``torch.ops.pagedllm``; ValueError naming the reason when the kernels cannot be built here."""
+    ops = load_kernels()
+    if ops is None:
         from pagedllm.kernels import kernels_failure
 
         raise ValueError(f"linear_backend='packed' needs the native CPU kernels, which cannot be built here: "
                          f"{kernels_failure()}")
-    return lib
+    return ops
 
 
 @functools.cache
@@ -43,10 +44,8 @@ def _panel_width() -> int:
     return _library().packed_linear_panel()
 
 
-def _float32_rows(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
-    """``x`` ``[..., in]`` as contiguous float32 CPU rows ``[num_rows, in]``; ``what`` names the layer in errors."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"{what} takes float32 activations on the CPU, got {x.dtype} on {x.device}")
+def _float32_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``x`` ``[..., in]`` as contiguous rows ``[num_rows, in]`` (the op checks dtype and device)."""
     if x.shape[-1] != in_features:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features}")
     rows = x.reshape(-1, in_features)
@@ -54,43 +53,20 @@ def _float32_rows(x: torch.Tensor, in_features: int, what: str) -> torch.Tensor:
 
 
 def _float32_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A 2-D weight as a contiguous float32 CPU tensor, what the packing kernels read."""
-    if weight.dim() != 2:
-        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    """A weight as a contiguous float32 CPU tensor, what the packing ops read (they check it is 2-D)."""
     return weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def pack_weight_panels(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[out, in]`` weight as ``[num_panels, in, panel]`` column panels (zero-padded)."""
-    lib = _library()
-    w = _float32_weight(weight)
-    out_features, in_features = w.shape
-    panel = _panel_width()
-    num_panels = (out_features + panel - 1) // panel
-    packed = torch.empty(num_panels, in_features, panel, dtype=torch.float32)  # [num_panels, in, panel]
-    lib.packed_linear_pack(w.data_ptr(), out_features, in_features, packed.data_ptr())
-    return packed
+    return _library().pack_panels(_float32_weight(weight))  # [num_panels, in, panel]
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W.T + bias`` for float32 ``x`` ``[..., in]`` and a weight packed by ``pack_weight_panels``."""
-    lib = _library()
-    num_panels, in_features, panel = packed.shape
-    # the kernel trusts the buffer's size: a weight packed for another panel
-    # width (another CPU) or fewer outputs would be read past its end
-    if panel != _panel_width() or num_panels * panel < out_features or in_features < 1:
-        raise ValueError(
-            f"packed weight {tuple(packed.shape)} does not fit this build's {_panel_width()}-column "
-            f"panels and {out_features} outputs; pack it here with pack_weight_panels"
-        )
-    if not packed.is_contiguous() or packed.dtype != torch.float32:
-        raise ValueError("packed weight must be a contiguous float32 tensor")
-    rows = _float32_rows(x, in_features, "packed linear")
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
-    lib.packed_linear_f32(
-        rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(),
-        None if bias is None else bias.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads(),
-    )
+    # the op checks that the buffer covers out_features in this build's panel width
+    rows = _float32_rows(x, packed.shape[1] if packed.dim() == 3 else x.shape[-1])
+    out = _library().packed_linear(rows, packed, bias, out_features)  # [num_rows, out_features]
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -152,38 +128,20 @@ def packed_linear_bf16_native() -> bool:
 
 def pack_weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     """A ``[out, in]`` weight rounded to bf16 as ``[num_panels, ceil(in / 2), panel, 2]`` k-pair panels."""
-    lib = _library()
-    w = _float32_weight(weight)
-    out_features, in_features = w.shape
-    panel = _panel_width_bf16()
-    num_panels = (out_features + panel - 1) // panel
-    # [num_panels, in / 2 (k pairs), panel, 2]
-    packed = torch.empty(num_panels, (in_features + 1) // 2, panel, 2, dtype=torch.bfloat16)
-    lib.packed_linear_bf16_pack(w.data_ptr(), out_features, in_features, packed.data_ptr())
-    return packed
+    # [num_panels, ceil(in / 2) k pairs, panel, 2] bfloat16
+    return _library().pack_panels_bf16(_float32_weight(weight))
 
 
 def packed_linear_bf16(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int
 ) -> torch.Tensor:
     """``bf16(x) @ W.T + bias`` in float32 for float32 ``x`` ``[..., in]`` and a weight from ``pack_weight_panels_bf16``."""
-    lib = _library()
-    num_panels, num_pairs, panel, _ = packed.shape
-    if (
-        panel != _panel_width_bf16() or num_panels * panel < out_features or num_pairs != (in_features + 1) // 2
-        or in_features < 1
-    ):
+    # in_features is the caller's claim about the packed buffer: the op checks the buffer
+    # against the activations' width, so a claim it does not match is refused first
+    if packed.dim() != 4 or packed.shape[1] != (in_features + 1) // 2:
         raise ValueError(f"packed bf16 weight {tuple(packed.shape)} does not fit {out_features}x{in_features}")
-    if not packed.is_contiguous() or packed.dtype != torch.bfloat16:
-        raise ValueError("packed weight must be a contiguous bfloat16 tensor")
-    rows = _float32_rows(x, in_features, "the bf16 packed linear")
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)  # [num_rows, out_features]
-    status = lib.packed_linear_bf16(
-        rows.data_ptr(), rows.shape[0], in_features, packed.data_ptr(),
-        None if bias is None else bias.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads(),
-    )
-    if status != 0:
-        raise MemoryError("packed_linear_bf16: no memory for the bf16 copy of the activations")
+    rows = _float32_rows(x, in_features)
+    out = _library().packed_linear_bf16(rows, packed, bias, out_features)  # [num_rows, out_features]
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -26,18 +26,14 @@ class LogitStats:
 def logit_stats(logits: torch.Tensor) -> LogitStats:
     """Argmax and logsumexp of each row of ``logits`` ``[R, vocab]``.
 
-    One native pass for float32 CPU logits (``kernels/logit_stats.c``, about
+    One native pass for float32 CPU logits (``kernels/logit_stats.cpp``, about
     a tenth of torch's two reductions at 40 x 49152), torch otherwise. Rows
     holding NaN are redone in torch, which ranks NaN highest.
     """
-    lib = load_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if lib is None or logits.dim() != 2 or logits.shape[0] == 0:
+    ops = load_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if ops is None or logits.dim() != 2 or logits.shape[0] == 0:
         return LogitStats(logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1))
-    logits = logits.contiguous()
-    num_rows, vocab = logits.shape
-    argmax = torch.empty(num_rows, dtype=torch.int64)
-    lse = torch.empty(num_rows, dtype=torch.float32)
-    lib.logit_stats_f32(logits.data_ptr(), num_rows, vocab, argmax.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+    argmax, lse = ops.logit_stats(logits.contiguous())  # [rows] int64, [rows] float32
     bad = torch.isnan(lse)
     if bool(bad.any()):
         argmax[bad] = logits[bad].argmax(dim=-1)

@@ -34,6 +34,7 @@
  *       k = kt[d][t0 : t0 + PF_KEYS]      v = v_t[d0 : d0 + PF_DCHUNK]
  *       for each query i: s_i += q_i[d] * k       for each query i: o_i += p_i[t] * v
  */
+#include "kernels.h"
 #include <stdlib.h>
 
 #include "paged_attention.h"

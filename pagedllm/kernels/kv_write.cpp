@@ -13,6 +13,7 @@
  * Returns 0, 2 when a slot is out of range (nothing written then), or 3
  * for an unknown kv_type.
  */
+#include "kernels.h"
 #include <omp.h>
 #include <stdint.h>
 

@@ -27,42 +27,13 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "decode_step.h"
 #include "elementwise.h"
 #include "int8_dot.h"
 #include "kv_rows.h"
 #include "paged_attention.h"
 #include "panel_bf16.h"
 #include "panel_f32.h"
-
-/* how the linear layers' weights are stored; the Python side numbers them alike (fused_decode.py) */
-enum { LINEAR_INT8 = 0, LINEAR_F32_PANELS = 1, LINEAR_BF16_PANELS = 2 };
-
-typedef struct {
-    /* int8 [out, in]; float32 panels [num_panels, in, PANEL];
-       bf16 panels [num_panels, ceil(in / 2), BF_PANEL, 2] */
-    const void *weight;
-    const float *scales; /* int8: [out_features]; NULL otherwise */
-    const float *bias;   /* [out_features] or NULL */
-} StepLinear;
-
-typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] */
-    const float *q_norm, *k_norm;        /* [head_dim], NULL unless the model norms q and k (Qwen3) */
-    StepLinear qkv, o, gate_up, down;    /* gate_up: gate outputs first, then up */
-    void *k_cache, *v_cache;             /* [num_blocks, block_size, num_kv_heads, head_dim] of kv_type */
-} DecodeLayer;
-
-typedef struct {
-    int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
-    int64_t num_slots, max_position;
-    int64_t block_size;
-    int64_t linear_kind; /* LINEAR_* */
-    int64_t kv_type;     /* KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16 */
-    float norm_eps, scale;
-    const float *final_norm;   /* [hidden] */
-    const float *cos, *sin;    /* [max_position, head_dim]; sin carries rotate-half's signs */
-    const DecodeLayer *layers; /* [num_layers] */
-} DecodeModel;
 
 /* bf16 values the scratch for rounded activations holds: the largest block of rows of any layer */
 static int64_t bf16_scratch_values(int64_t num_rows, int64_t hidden, int64_t q_size, int64_t inter) {
@@ -160,7 +131,7 @@ int decode_step(const DecodeModel *m, float *x, int64_t num_rows, const int64_t 
     float *tmp = attn + num_rows * q_size, *gate_up = tmp + num_rows * hidden;
     float *act = gate_up + num_rows * 2 * inter;
     uint16_t *xb = (uint16_t *)(act + num_rows * inter);
-    /* attention tasks as paged_decode.c splits them: by sequence, or by
+    /* attention tasks as paged_decode.cpp splits them: by sequence, or by
        (sequence, kv head) when there are too few sequences to keep every thread busy */
     const int parts = num_rows < 2 * num_threads ? (int)m->num_kv_heads : 1;
     const int heads_per_part = (int)m->num_kv_heads / parts;

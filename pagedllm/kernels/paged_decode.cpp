@@ -24,6 +24,7 @@
  * (the library links the same libgomp as torch, so both share one thread
  * pool).
  */
+#include "kernels.h"
 #include <stdlib.h>
 
 #include "paged_attention.h"

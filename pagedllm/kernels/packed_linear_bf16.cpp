@@ -2,7 +2,7 @@
  *
  *   y[m, n] = sum_k bf16(x[m, k]) * W[n, k] (+ bias[n])   x, y float32; W bfloat16
  *
- * The same panel scheme as packed_linear.c (read its comment first), with
+ * The same panel scheme as packed_linear.cpp (read its comment first), with
  * one change of layout: AVX512-BF16's dot instruction takes PAIRS of bf16
  * values per 32-bit lane (lane j: acc[j] += a[2j] * b[2j] + a[2j+1] * b[2j+1]),
  * so a panel stores two k values next to each other for every column:
@@ -26,13 +26,14 @@
  * Why ours and not oneDNN's bf16 matmul: activations stay float32 between
  * layers, so oneDNN needed a rounding copy before and a widening copy after
  * every call, and at decode sizes (8-64 rows) its packed matmul waits on
- * memory (packed_linear.c); measured in BENCHMARKS.md ("bfloat16 on the CPU").
+ * memory (packed_linear.cpp); measured in BENCHMARKS.md ("bfloat16 on the CPU").
  *
  * Without AVX512-BF16, AVX2 widens the bf16 pairs to float32 in registers
  * and multiplies with FMA (panel_bf16.h): the same products, float32 sums,
  * half the weight bytes of float32 panels. Without AVX2 a scalar loop
  * computes the same sums; correct everywhere, slow.
  */
+#include "kernels.h"
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>

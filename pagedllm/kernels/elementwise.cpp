@@ -9,6 +9,7 @@
  *
  * Rows are split over threads when there are enough of them to pay for it.
  */
+#include "kernels.h"
 #include "elementwise.h"
 
 /* below this many floats a call stays on one thread */

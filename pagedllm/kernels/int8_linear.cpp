@@ -7,12 +7,13 @@
  * read once per step and used for only a few rows. Reading one byte per
  * weight instead of four is the whole point; the int8 -> float conversion
  * happens in registers. The dot products and the tile loop live in
- * int8_dot.h, shared with the fused decode step (decode_step.c).
+ * int8_dot.h, shared with the fused decode step (decode_step.cpp).
  *
  * Layouts (contiguous): x [num_rows, in_features] float32,
  * w [out_features, in_features] int8, scales and bias [out_features] float32,
  * out [num_rows, out_features] float32. bias may be NULL.
  */
+#include "kernels.h"
 #include "int8_dot.h"
 
 /* Rows are taken in chunks of ROW_CHUNK so that a chunk's activations

@@ -35,6 +35,7 @@
  * The sum over k runs in order, one FMA per term, so results differ from
  * other GEMMs only by rounding (the order of additions).
  */
+#include "kernels.h"
 #include <omp.h>
 #include <stdint.h>
 

@@ -10,6 +10,7 @@
  * a NaN logsumexp, and the caller falls back to torch for it (torch treats
  * NaN as the maximum). A row of -inf only gets lse = -inf.
  */
+#include "kernels.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

@@ -1,0 +1,84 @@
+"""Fake (meta) implementations of the ``torch.ops.pagedllm`` ops, for tracing.
+
+torch.compile, FakeTensor and meta tensors run these instead of the CPU
+kernels: each gives its outputs' shapes and dtypes (new tensors for the ops
+that return them, nothing for those that only write into their arguments)
+without touching data. Registered once per process, after the library is
+loaded (``pagedllm.kernels._load``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_NS = "pagedllm::"
+
+
+def _rows_out(x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A new ``[num_rows, out_features]`` tensor like ``x``'s rows."""
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _register_returning() -> None:
+    reg = torch.library.register_fake
+
+    @reg(_NS + "add_rms_norm")
+    def _(x, delta, weight, eps):  # noqa: ANN001, ANN202
+        return torch.empty_like(x)  # [num_tokens, hidden]
+
+    @reg(_NS + "silu_mul")
+    def _(gate_up):  # noqa: ANN001, ANN202
+        return _rows_out(gate_up, gate_up.shape[1] // 2)  # [num_tokens, inter]
+
+    @reg(_NS + "int8_linear")
+    def _(x, weight, scales, bias):  # noqa: ANN001, ANN202
+        return _rows_out(x, weight.shape[0])  # [num_rows, out_features]
+
+    @reg(_NS + "pack_panels")
+    def _(weight):  # noqa: ANN001, ANN202
+        panel = torch.ops.pagedllm.packed_linear_panel()
+        n, k = weight.shape
+        return weight.new_empty((n + panel - 1) // panel, k, panel)  # [num_panels, in, panel]
+
+    @reg(_NS + "pack_panels_bf16")
+    def _(weight):  # noqa: ANN001, ANN202
+        panel = torch.ops.pagedllm.packed_linear_bf16_panel()
+        n, k = weight.shape
+        # [num_panels, ceil(in / 2), panel, 2]
+        return weight.new_empty((n + panel - 1) // panel, (k + 1) // 2, panel, 2, dtype=torch.bfloat16)
+
+    @reg(_NS + "packed_linear")
+    def _(x, packed, bias, out_features):  # noqa: ANN001, ANN202
+        return _rows_out(x, out_features)  # [num_rows, out_features]
+
+    @reg(_NS + "packed_linear_bf16")
+    def _(x, packed, bias, out_features):  # noqa: ANN001, ANN202
+        return _rows_out(x, out_features)  # [num_rows, out_features]
+
+    @reg(_NS + "logit_stats")
+    def _(logits):  # noqa: ANN001, ANN202
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows)  # argmax [rows], lse [rows]
+
+    @reg(_NS + "decode_step")
+    def _(model, x, positions, slots, block_tables, seq_lens):  # noqa: ANN001, ANN202
+        return torch.empty_like(x)  # [num_tokens, hidden]
+
+
+def _register_in_place() -> None:
+    # ops that only write into their (a!) arguments: nothing to make, but
+    # FakeTensor needs a kernel to run
+    reg = torch.library.register_fake
+    reg(_NS + "qk_norm_rope")(lambda x, nq, nkv, hd, cos, sin, qn, kn, eps: None)
+    reg(_NS + "write_kv")(lambda k, v, k_cache, v_cache, slots: None)
+    reg(_NS + "paged_decode")(lambda q, k_cache, v_cache, tables, seq_lens, scale, out: None)
+    reg(_NS + "prefill_attention")(lambda q, k, v, out, bounds, scale: None)
+
+
+@functools.cache
+def register_fakes() -> None:
+    """Register every op's fake implementation (once per process; the ops must be loaded)."""
+    _register_returning()
+    _register_in_place()

@@ -1,0 +1,413 @@
+/*
+ * The kernels as typed torch ops: the schemas (TORCH_LIBRARY), their CPU
+ * implementations (TORCH_LIBRARY_IMPL) and the fused decode step's model
+ * holder (a torch custom class). Every kernel trusts its pointers and sizes;
+ * this file is where what they trust is checked, so a bad tensor raises a
+ * Python ValueError (TORCH_CHECK_VALUE) instead of reading outside a buffer.
+ * A kernel's allocation failure raises torch.OutOfMemoryError (a
+ * RuntimeError).
+ *
+ * Only this file includes <torch/library.h> (about 15 s to compile); the
+ * kernel files are plain C++ and compile in parallel next to it.
+ *
+ * The kernels parallelise with OpenMP. The library is linked with -fopenmp
+ * against libgomp.so.1 by soname, and torch's wheel ships its own
+ * libgomp.so.1 (torch/lib) that is already loaded when this library is, so
+ * the dynamic linker binds both to that one runtime and one thread pool
+ * (checked in /proc/<pid>/maps: a single libgomp mapping, torch's).
+ */
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "decode_step.h"
+#include "kernels.h"
+#include "paged_attention.h"
+#include "panel_bf16.h"
+#include "panel_f32.h"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+/* dtype names as Python spells them, for the error messages */
+std::string dtype_name(at::ScalarType t) {
+    switch (t) {
+        case at::kFloat: return "float32";
+        case at::kDouble: return "float64";
+        case at::kHalf: return "float16";
+        case at::kBFloat16: return "bfloat16";
+        case at::kLong: return "int64";
+        case at::kInt: return "int32";
+        case at::kChar: return "int8";
+        default: return c10::toString(t);
+    }
+}
+
+std::string shape_of(const Tensor &t) { return c10::str(t.sizes()); }
+
+int num_threads() { return at::get_num_threads(); }
+
+/* a CPU tensor of dtype, contiguous, of exactly the given shape */
+void check_tensor(const Tensor &t, at::ScalarType dtype, at::IntArrayRef shape, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype, op, ": ", name, " must be a ",
+                      dtype_name(dtype), " CPU tensor, got ", dtype_name(t.scalar_type()), " on ", t.device());
+    TORCH_CHECK_VALUE(t.sizes() == shape, op, ": ", name, " must be of shape ", shape, ", got ", shape_of(t));
+    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_optional(const OptTensor &t, at::ScalarType dtype, at::IntArrayRef shape, const char *op,
+                    const char *name) {
+    if (t.has_value()) check_tensor(*t, dtype, shape, op, name);
+}
+
+template <typename T>
+const T *ptr_or_null(const OptTensor &t) {
+    return t.has_value() ? t->data_ptr<T>() : nullptr;
+}
+
+/* rows of row_len contiguous float32 values: [rows, row_len], contiguous */
+void check_f32_rows(const Tensor &t, int64_t row_len, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, " takes float32 CPU tensors, got ",
+                      dtype_name(t.scalar_type()), " on ", t.device(), " for ", name);
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == row_len, op, ": expected ", name, " as rows of ", row_len,
+                      " floats, got ", shape_of(t));
+    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+/* the kernels' numbering of KV cache element types (paged_attention.h), -1 for others */
+int kv_type_of(at::ScalarType t) {
+    switch (t) {
+        case at::kFloat: return KV_FLOAT32;
+        case at::kHalf: return KV_FLOAT16;
+        case at::kBFloat16: return KV_BFLOAT16;
+        default: return -1;
+    }
+}
+
+/* K and V caches [num_blocks, block_size, num_kv_heads, head_dim] of one dtype the kernels read; its KV_* code */
+int check_caches(const Tensor &k_cache, const Tensor &v_cache, const char *op) {
+    const int kv_type = kv_type_of(k_cache.scalar_type());
+    TORCH_CHECK_VALUE(kv_type >= 0 && v_cache.scalar_type() == k_cache.scalar_type(), op,
+                      " reads float32, float16 or bfloat16 caches of one dtype, got ",
+                      dtype_name(k_cache.scalar_type()), " / ", dtype_name(v_cache.scalar_type()));
+    TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu(), op, ": the caches must be on the CPU");
+    TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
+                      ": K and V caches must be [num_blocks, block_size, num_kv_heads, head_dim] of one shape, got ",
+                      shape_of(k_cache), " and ", shape_of(v_cache));
+    TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), op, " needs contiguous K and V caches");
+    return kv_type;
+}
+
+/* [num_tokens, heads, head_dim] float32 whose rows hold whole, contiguous heads (any row stride) */
+void check_head_rows(const Tensor &t, int64_t heads, int64_t head_dim, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, " takes float32 CPU tensors, got ",
+                      dtype_name(t.scalar_type()), " on ", t.device(), " for ", name);
+    TORCH_CHECK_VALUE(t.dim() == 3 && t.size(1) == heads && t.size(2) == head_dim, op, ": ", name, " must be [",
+                      "num_tokens, ", heads, ", ", head_dim, "], got ", shape_of(t));
+    TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(1) == head_dim && (t.size(0) <= 1 || t.stride(0) >= heads * head_dim),
+                      op, ": ", name, " needs rows of whole, contiguous heads");
+}
+
+/* an int64 CPU vector of n values, contiguous */
+void check_index_vector(const Tensor &t, int64_t n, const char *op, const char *name) {
+    check_tensor(t, at::kLong, {n}, op, name);
+}
+
+[[noreturn]] void out_of_memory(const char *op) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, op, ": out of memory for its scratch buffers");
+}
+
+// --- elementwise ------------------------------------------------------------
+
+Tensor add_rms_norm(const Tensor &x, const OptTensor &delta, const Tensor &weight, double eps) {
+    const int64_t hidden = weight.numel();
+    check_f32_rows(x, hidden, "native rms_norm", "x");
+    check_tensor(weight, at::kFloat, {hidden}, "native rms_norm", "weight");
+    if (delta.has_value()) {
+        check_f32_rows(*delta, hidden, "native rms_norm", "delta");
+        TORCH_CHECK_VALUE(delta->sizes() == x.sizes(), "native rms_norm: delta must be contiguous and shaped like x");
+    }
+    Tensor y = at::empty_like(x);  // [num_tokens, hidden]
+    add_rms_norm_f32(x.data_ptr<float>(), ptr_or_null<float>(delta), weight.data_ptr<float>(), y.data_ptr<float>(),
+                     x.size(0), hidden, (float)eps, num_threads());
+    return y;
+}
+
+void qk_norm_rope(const Tensor &x, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, const Tensor &cos,
+                  const Tensor &sin, const OptTensor &q_norm, const OptTensor &k_norm, double eps) {
+    const char *op = "native rope";
+    const int64_t num_heads = num_q_heads + num_kv_heads;
+    TORCH_CHECK_VALUE(head_dim > 0 && head_dim <= 1024 && head_dim % 2 == 0 && num_q_heads >= 0 && num_kv_heads >= 0,
+                      op, ": head_dim must be even and <= 1024, got ", head_dim);
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+                          x.size(1) >= num_heads * head_dim && (x.size(0) <= 1 || x.stride(0) >= x.size(1)),
+                      op, ": x of shape ", shape_of(x), " does not hold ", num_heads, " float32 heads of ", head_dim);
+    for (const Tensor *t : {&cos, &sin}) {
+        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                              t->dim() == 2 && t->size(0) == x.size(0) && t->size(1) == head_dim,
+                          op, ": cos and sin must be contiguous float32 [num_tokens, head_dim]");
+    }
+    TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), op, ": give both q and k norm weights, or neither");
+    for (const OptTensor *w : {&q_norm, &k_norm}) {
+        TORCH_CHECK_VALUE(!w->has_value() || ((*w)->sizes() == at::IntArrayRef{head_dim} &&
+                                              (*w)->scalar_type() == at::kFloat && (*w)->device().is_cpu() &&
+                                              (*w)->is_contiguous()),
+                          op, ": a head norm weight must be contiguous float32 [", head_dim, "]");
+    }
+    qk_norm_rope_f32(x.data_ptr<float>(), x.size(0), x.stride(0), num_q_heads, num_kv_heads, head_dim,
+                     ptr_or_null<float>(q_norm), ptr_or_null<float>(k_norm), (float)eps, cos.data_ptr<float>(),
+                     sin.data_ptr<float>(), num_threads());
+}
+
+Tensor silu_mul(const Tensor &gate_up) {
+    TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+                      "native silu_mul: gate_up must be [num_tokens, 2 * inter], got ", shape_of(gate_up));
+    const int64_t inter = gate_up.size(1) / 2;
+    check_f32_rows(gate_up, 2 * inter, "native silu_mul", "gate_up");
+    Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());  // [num_tokens, inter]
+    silu_mul_f32(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter, num_threads());
+    return out;
+}
+
+// --- linear layers ------------------------------------------------------------
+
+Tensor int8_linear(const Tensor &x, const Tensor &w, const Tensor &scales, const OptTensor &bias) {
+    const char *op = "int8_linear";
+    TORCH_CHECK_VALUE(w.dim() == 2, op, ": expected a 2-D int8 weight, got shape ", shape_of(w));
+    const int64_t out_features = w.size(0), in_features = w.size(1);
+    check_f32_rows(x, in_features, op, "x");
+    check_tensor(w, at::kChar, {out_features, in_features}, op, "weight");
+    check_tensor(scales, at::kFloat, {out_features}, op, "scales");
+    check_optional(bias, at::kFloat, {out_features}, op, "bias");
+    Tensor out = at::empty({x.size(0), out_features}, x.options());  // [num_rows, out_features]
+    int8_linear_f32(x.data_ptr<float>(), x.size(0), in_features, w.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                    ptr_or_null<float>(bias), out_features, out.data_ptr<float>(), num_threads());
+    return out;
+}
+
+/* a weight to pack: float32 [out, in], contiguous, both sizes positive */
+void check_weight_to_pack(const Tensor &w, const char *op) {
+    TORCH_CHECK_VALUE(w.dim() == 2, op, ": expected a 2-D weight [out, in], got shape ", shape_of(w));
+    TORCH_CHECK_VALUE(w.size(0) > 0 && w.size(1) > 0, op, ": the weight is empty, shape ", shape_of(w));
+    check_tensor(w, at::kFloat, w.sizes(), op, "weight");
+}
+
+Tensor pack_panels(const Tensor &w) {
+    check_weight_to_pack(w, "pack_panels");
+    const int64_t n = w.size(0), k = w.size(1), num_panels = (n + PANEL - 1) / PANEL;
+    Tensor packed = at::empty({num_panels, k, PANEL}, w.options());  // [num_panels, in, PANEL]
+    packed_linear_pack(w.data_ptr<float>(), n, k, packed.data_ptr<float>());
+    return packed;
+}
+
+Tensor pack_panels_bf16(const Tensor &w) {
+    check_weight_to_pack(w, "pack_panels_bf16");
+    const int64_t n = w.size(0), k = w.size(1), num_panels = (n + BF_PANEL - 1) / BF_PANEL;
+    // [num_panels, ceil(in / 2) k pairs, BF_PANEL, 2]
+    Tensor packed = at::empty({num_panels, (k + 1) / 2, BF_PANEL, 2}, w.options().dtype(at::kBFloat16));
+    packed_linear_bf16_pack(w.data_ptr<float>(), n, k, reinterpret_cast<uint16_t *>(packed.data_ptr()));
+    return packed;
+}
+
+/* x [rows, in] float32 activations of a packed linear layer */
+void check_activations(const Tensor &x, int64_t in_features, const char *op) {
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat, op,
+                      " takes float32 activations on the CPU, got ", dtype_name(x.scalar_type()), " on ", x.device());
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == in_features, op, ": input has ", x.size(-1),
+                      " features, the weight expects ", in_features);
+    TORCH_CHECK_VALUE(x.is_contiguous(), op, ": the activations must be contiguous");
+}
+
+Tensor packed_linear(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features) {
+    const char *op = "packed_linear";
+    // the kernel trusts the buffer's size: a weight packed for another panel
+    // width (another CPU) or fewer outputs would be read past its end
+    TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == PANEL && packed.size(1) >= 1 && out_features >= 0 &&
+                          packed.size(0) * PANEL >= out_features,
+                      "packed weight ", shape_of(packed), " does not fit this build's ", PANEL, "-column panels and ",
+                      out_features, " outputs; pack it here with pack_weight_panels");
+    check_tensor(packed, at::kFloat, packed.sizes(), op, "the packed weight");
+    const int64_t in_features = packed.size(1);
+    check_activations(x, in_features, op);
+    check_optional(bias, at::kFloat, {out_features}, op, "bias");
+    Tensor out = at::empty({x.size(0), out_features}, x.options());  // [num_rows, out_features]
+    packed_linear_f32(x.data_ptr<float>(), x.size(0), in_features, packed.data_ptr<float>(), ptr_or_null<float>(bias),
+                      out_features, out.data_ptr<float>(), num_threads());
+    return out;
+}
+
+Tensor packed_linear_bf16_op(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features) {
+    const char *op = "packed_linear_bf16";
+    TORCH_CHECK_VALUE(x.dim() == 2, op, ": expected activations [num_rows, in], got ", shape_of(x));
+    const int64_t in_features = x.size(1);
+    TORCH_CHECK_VALUE(packed.dim() == 4 && packed.size(2) == BF_PANEL && packed.size(3) == 2 && in_features >= 1 &&
+                          packed.size(1) == (in_features + 1) / 2 && out_features >= 0 &&
+                          packed.size(0) * BF_PANEL >= out_features,
+                      "packed bf16 weight ", shape_of(packed), " does not fit ", out_features, "x", in_features,
+                      " in this build's ", BF_PANEL, "-column panels");
+    check_tensor(packed, at::kBFloat16, packed.sizes(), op, "the packed weight");
+    check_activations(x, in_features, op);
+    check_optional(bias, at::kFloat, {out_features}, op, "bias");
+    Tensor out = at::empty({x.size(0), out_features}, x.options());  // [num_rows, out_features]
+    if (x.size(0) == 0) return out;
+    const int status = packed_linear_bf16(x.data_ptr<float>(), x.size(0), in_features,
+                                          reinterpret_cast<const uint16_t *>(packed.data_ptr()),
+                                          ptr_or_null<float>(bias), out_features, out.data_ptr<float>(), num_threads());
+    if (status != 0) out_of_memory(op);
+    return out;
+}
+
+// --- attention and the KV cache -------------------------------------------------
+
+void write_kv_op(const Tensor &k, const Tensor &v, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slots) {
+    const char *op = "write_kv";
+    const int kv_type = check_caches(k_cache, v_cache, op);
+    const int64_t num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+    check_head_rows(k, num_kv_heads, head_dim, op, "k");
+    check_head_rows(v, num_kv_heads, head_dim, op, "v");
+    TORCH_CHECK_VALUE(v.size(0) == k.size(0), op, ": k and v must have as many rows");
+    check_index_vector(slots, k.size(0), op, "the slot mapping");
+    const int status = write_kv(k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0), k_cache.data_ptr(),
+                                v_cache.data_ptr(), kv_type, slots.data_ptr<int64_t>(), k.size(0),
+                                num_kv_heads * head_dim, k_cache.size(0) * k_cache.size(1), num_threads());
+    TORCH_CHECK_VALUE(status != 2, "slot mapping points outside the KV cache");
+    TORCH_CHECK_VALUE(status == 0, op, ": unknown cache dtype");
+}
+
+/* sequence b's length and block table: within the table and every block it reads inside the cache */
+void check_block_tables(const Tensor &tables, const Tensor &seq_lens, int64_t num_blocks, int64_t block_size,
+                        const char *op) {
+    const int64_t num_seqs = seq_lens.size(0), width = tables.size(1);
+    const int64_t *lens = seq_lens.data_ptr<int64_t>(), *t = tables.data_ptr<int64_t>();
+    for (int64_t b = 0; b < num_seqs; b++) {
+        TORCH_CHECK_VALUE(lens[b] >= 1 && lens[b] <= width * block_size, op, ": sequence ", b, " of length ",
+                          lens[b], " does not fit its block table of ", width, " blocks");
+        for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; i++) {
+            const int64_t block = t[b * tables.stride(0) + i];
+            TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, op, ": block ", block, " of sequence ", b,
+                              " is outside the cache of ", num_blocks, " blocks");
+        }
+    }
+}
+
+void paged_decode_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
+                     const Tensor &seq_lens, double scale, const Tensor &out) {
+    const char *op = "paged_decode";
+    TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat, op,
+                      " runs float32 queries on the CPU, got ", dtype_name(q.scalar_type()), " on ", q.device());
+    const int kv_type = check_caches(k_cache, v_cache, op);
+    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == k_cache.size(3) && num_kv_heads > 0 && q.size(1) % num_kv_heads == 0,
+                      op, ": queries ", shape_of(q), " do not fit a cache of ", shape_of(k_cache));
+    const int64_t num_seqs = q.size(0);
+    check_tensor(q, at::kFloat, q.sizes(), op, "q");
+    check_tensor(out, at::kFloat, q.sizes(), op, "out");
+    check_index_vector(seq_lens, num_seqs, op, "seq_lens");
+    TORCH_CHECK_VALUE(block_tables.device().is_cpu() && block_tables.scalar_type() == at::kLong &&
+                          block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
+                      op, ": block_tables must be int64 [num_seqs, max_blocks] with contiguous rows, got ",
+                      shape_of(block_tables));
+    check_block_tables(block_tables, seq_lens, num_blocks, block_size, op);
+    const int status = paged_decode(q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type,
+                                    block_tables.data_ptr<int64_t>(), block_tables.stride(0),
+                                    seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), (int)num_seqs,
+                                    (int)q.size(1), (int)num_kv_heads, (int)q.size(2), (int)block_size,
+                                    num_threads(), (float)scale);
+    if (status == 1) out_of_memory(op);
+    TORCH_CHECK_VALUE(status == 0, op, ": unknown cache dtype");
+}
+
+void prefill_attention_op(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out, const Tensor &bounds,
+                          double scale) {
+    const char *op = "prefill_attention";
+    TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
+                      ": needs whole query-head groups, got q ", shape_of(q), " and k ", shape_of(k));
+    const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), head_dim = q.size(2), rows = q.size(0);
+    check_head_rows(q, num_heads, head_dim, op, "q");
+    check_head_rows(out, num_heads, head_dim, op, "out");
+    check_head_rows(k, num_kv_heads, head_dim, op, "k");
+    check_head_rows(v, num_kv_heads, head_dim, op, "v");
+    TORCH_CHECK_VALUE(k.size(0) == rows && v.size(0) == rows && out.size(0) == rows, op,
+                      ": q, k, v and out must have as many rows");
+    TORCH_CHECK_VALUE(bounds.dim() == 1 && bounds.size(0) % 2 == 0, op, ": bounds must be [2 * num_seqs]");
+    check_index_vector(bounds, bounds.size(0), op, "bounds");
+    const int64_t *b = bounds.data_ptr<int64_t>();
+    for (int64_t i = 0; i < bounds.size(0); i += 2)
+        TORCH_CHECK_VALUE(0 <= b[i] && b[i] <= b[i + 1] && b[i + 1] <= rows, op, ": rows [", b[i], ", ", b[i + 1],
+                          ") of a prompt are outside the ", rows, " rows given");
+    const int status = prefill_attention_f32(q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0),
+                                             v.data_ptr<float>(), v.stride(0), out.data_ptr<float>(), out.stride(0),
+                                             b, (int)(bounds.size(0) / 2), (int)num_heads, (int)num_kv_heads,
+                                             (int)head_dim, (float)scale, num_threads());
+    if (status != 0) out_of_memory(op);
+}
+
+// --- sampling -------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor> logit_stats(const Tensor &logits) {
+    TORCH_CHECK_VALUE(logits.dim() == 2, "logit_stats: logits must be [rows, vocab], got ", shape_of(logits));
+    check_f32_rows(logits, logits.size(1), "logit_stats", "logits");
+    const int64_t rows = logits.size(0);
+    Tensor argmax = at::empty({rows}, logits.options().dtype(at::kLong));  // [rows]
+    Tensor lse = at::empty({rows}, logits.options());                      // [rows]
+    logit_stats_f32(logits.data_ptr<float>(), rows, logits.size(1), argmax.data_ptr<int64_t>(), lse.data_ptr<float>(),
+                    num_threads());
+    return {argmax, lse};
+}
+
+int64_t panel_f32() { return PANEL; }
+int64_t panel_bf16() { return BF_PANEL; }
+int64_t bf16_native() { return packed_linear_bf16_native(); }
+
+}  // namespace
+
+#include "fused_decoder.h"
+
+TORCH_LIBRARY(pagedllm, m) {
+    m.class_<FusedDecoder>("FusedDecoder")
+        .def(torch::init<std::vector<std::optional<Tensor>>, std::vector<int64_t>, std::vector<double>>());
+    m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+    m.def("qk_norm_rope(Tensor(a!) x, int num_q_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
+          "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
+    m.def("silu_mul(Tensor gate_up) -> Tensor");
+    m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+    m.def("pack_panels(Tensor weight) -> Tensor");
+    m.def("pack_panels_bf16(Tensor weight) -> Tensor");
+    m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+    m.def("packed_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+    m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+    m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+          "float scale, Tensor(a!) out) -> ()");
+    m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
+    m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
+    m.def("decode_step(__torch__.torch.classes.pagedllm.FusedDecoder model, Tensor(a!) x, Tensor positions, "
+          "Tensor slots, Tensor block_tables, Tensor seq_lens) -> Tensor");
+    // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key
+    m.def("packed_linear_panel() -> int", &panel_f32);
+    m.def("packed_linear_bf16_panel() -> int", &panel_bf16);
+    m.def("packed_linear_bf16_native() -> int", &bf16_native);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("qk_norm_rope", &qk_norm_rope);
+    m.impl("silu_mul", &silu_mul);
+    m.impl("int8_linear", &int8_linear);
+    m.impl("pack_panels", &pack_panels);
+    m.impl("pack_panels_bf16", &pack_panels_bf16);
+    m.impl("packed_linear", &packed_linear);
+    m.impl("packed_linear_bf16", &packed_linear_bf16_op);
+    m.impl("write_kv", &write_kv_op);
+    m.impl("paged_decode", &paged_decode_op);
+    m.impl("prefill_attention", &prefill_attention_op);
+    m.impl("logit_stats", &logit_stats);
+    m.impl("decode_step", &decode_step_op);
+}

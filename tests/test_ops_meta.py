@@ -1,0 +1,78 @@
+"""The ``torch.ops.pagedllm`` ops trace: fake (meta) shapes, schemas, in-place declarations.
+
+Every op that returns a tensor is called on meta tensors (its fake
+implementation, ``kernels/meta.py``) and must give the shapes and dtypes the
+CPU kernel gives; ``torch.library.opcheck`` then checks a few against the
+real kernels (the schema's mutation declarations, FakeTensor, AOT dispatch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import load_kernels
+
+pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels unavailable")
+
+ops = torch.ops.pagedllm
+
+
+def _same_meta(real: torch.Tensor, fake: torch.Tensor) -> None:
+    assert fake.device.type == "meta"
+    assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+
+
+def test_fake_shapes_match_the_kernels() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 24, generator=gen), torch.randn(40, 24, generator=gen)
+
+    def both(fn, *args):  # noqa: ANN001, ANN202
+        real = fn(*args)
+        fake = fn(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+        return real, fake
+
+    _same_meta(*both(ops.add_rms_norm, x.clone(), None, torch.ones(24), 1e-6))
+    _same_meta(*both(ops.silu_mul, x))
+    q, scales = torch.randint(-127, 128, (40, 24), dtype=torch.int8, generator=gen), torch.rand(40, generator=gen)
+    _same_meta(*both(ops.int8_linear, x, q, scales, None))
+    for pack, linear in ((ops.pack_panels, ops.packed_linear), (ops.pack_panels_bf16, ops.packed_linear_bf16)):
+        real_packed, fake_packed = both(pack, w)
+        _same_meta(real_packed, fake_packed)
+        _same_meta(linear(x, real_packed, None, 40), linear(x.to("meta"), fake_packed, None, 40))
+    real_stats, fake_stats = both(ops.logit_stats, torch.randn(3, 100, generator=gen))
+    for real, fake in zip(real_stats, fake_stats, strict=True):
+        _same_meta(real, fake)
+
+
+def test_in_place_ops_run_on_meta_tensors() -> None:
+    # nothing is returned; the fake kernel must accept what the CPU kernel accepts
+    meta = torch.device("meta")
+    qkv = torch.empty(3, 4 * 8, device=meta)  # [tokens, (2 q + 1 k + 1 v heads) * head_dim]
+    ops.qk_norm_rope(qkv, 2, 1, 8, torch.empty(3, 8, device=meta), torch.empty(3, 8, device=meta), None, None, 1e-6)
+    cache = torch.empty(4, 2, 1, 8, device=meta)  # [blocks, block_size, kv_heads, head_dim]
+    kv = torch.empty(3, 1, 8, device=meta)
+    ops.write_kv(kv, kv, cache, cache.clone(), torch.empty(3, dtype=torch.int64, device=meta))
+    q = torch.empty(3, 2, 8, device=meta)
+    tables, lens = torch.empty(3, 2, dtype=torch.int64, device=meta), torch.empty(3, dtype=torch.int64, device=meta)
+    ops.paged_decode(q, cache, cache, tables, lens, 0.5, torch.empty_like(q))
+    ops.prefill_attention(q, kv, kv, torch.empty_like(q), torch.empty(2, dtype=torch.int64, device=meta), 0.5)
+
+
+@pytest.mark.parametrize("case", ["add_rms_norm", "silu_mul", "packed_linear", "logit_stats", "write_kv"])
+def test_opcheck(case: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 16, generator=gen)
+    if case == "add_rms_norm":
+        op, args = ops.add_rms_norm.default, (x.clone(), torch.randn(4, 16, generator=gen), torch.rand(16), 1e-6)
+    elif case == "silu_mul":
+        op, args = ops.silu_mul.default, (x,)
+    elif case == "packed_linear":
+        op, args = ops.packed_linear.default, (x, ops.pack_panels(torch.randn(20, 16, generator=gen)), None, 20)
+    elif case == "logit_stats":
+        op, args = ops.logit_stats.default, (x,)
+    else:
+        cache = torch.zeros(4, 2, 2, 8)  # [blocks, block_size, kv_heads, head_dim]
+        kv = x.view(4, 2, 8)
+        op, args = ops.write_kv.default, (kv, kv, cache, cache.clone(), torch.tensor([0, 3, 5, 6]))
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
