@@ -76,3 +76,21 @@ def test_the_default_variant_is_the_best_this_cpu_runs(monkeypatch: pytest.Monke
         return
     best = next(isa for isa in ("avx512_bf16", "avx512", "avx2", "scalar") if isa in runnable)
     assert kernels.kernel_isa() == default_isa() == best
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path) -> None:  # noqa: ANN001
+    """cpp_extension waits on its lock file forever: one older than any build is removed, a fresh one kept."""
+    import os
+    import time
+
+    from pagedllm import kernels
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels._clear_stale_lock(lock)
+    assert lock.exists()  # a build may be running
+    old = time.time() - kernels._STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock(lock)
+    assert not lock.exists()
+    kernels._clear_stale_lock(lock)  # nothing there: nothing to do

@@ -49,6 +49,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,24 @@ def _loaded_builds() -> list[str]:
     return [str(p) for p in getattr(torch.ops, "loaded_libraries", ()) if Path(p).name.startswith(_LIBRARY_NAME)]
 
 
+# cpp_extension waits, without end, while its lock file exists; a build killed
+# mid-way (a timeout, Ctrl-C) leaves it behind. No build here takes this long
+# (measured: 4 minutes at most on 2 loaded cores), so an older lock is stale.
+_STALE_LOCK_SECONDS = 20 * 60
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove a build lock left by a killed build, so the next build does not wait forever."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_SECONDS:
+        logger.warning("removing the kernel build lock %s, left %.0f minutes ago by a build that did not finish",
+                       lock, age / 60)
+        lock.unlink(missing_ok=True)
+
+
 def _compile(build_dir: Path, flags: list[str]) -> str:
     """Build (or find built) and load the library, once per process; its path."""
     from torch.utils import cpp_extension
@@ -181,6 +200,7 @@ def _compile(build_dir: Path, flags: list[str]) -> str:
         raise RuntimeError(f"this process already loaded another build of the kernels ({loaded[0]}); "
                            "one variant per process")
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir / "lock")
     cpp_extension.load(
         name=_LIBRARY_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=list(flags),
         extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False, verbose=False,
