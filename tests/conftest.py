@@ -116,15 +116,20 @@ def smollm_tokenizer(smollm_path: str):  # noqa: ANN201
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
     """Tiny random-weight Llama, Qwen2 and Qwen3 models saved as safetensors folders."""
+    return save_tiny_models((*TINY_ARCHS, "llama3"), tmp_path_factory, smollm_tokenizer)
+
+
+def save_tiny_models(archs: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[str, str]:  # noqa: ANN001
+    """Each architecture's tiny random-weight model (seeded) saved with the tokenizer; arch -> folder."""
     from transformers import AutoModelForCausalLM
 
     dirs = {}
-    for arch in (*TINY_ARCHS, "llama3"):
+    for arch in archs:
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
         path = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(path, safe_serialization=True)
-        smollm_tokenizer.save_pretrained(path)
+        tokenizer.save_pretrained(path)
         dirs[arch] = str(path)
     return dirs
 

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_WINDOW, TINY_WINDOW_ARCHS, _tiny_config, hf_greedy
+from conftest import TINY_WINDOW, TINY_WINDOW_ARCHS, _tiny_config, hf_greedy, save_tiny_models
 from test_attention import HEAD_DIM, STEPS, _build_step
 
 from pagedllm import LLM, SamplingParams
@@ -42,17 +42,7 @@ def _tokens(outs) -> list[list[int]]:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def window_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
     """Tiny random-weight windowed models saved as safetensors folders."""
-    from transformers import AutoModelForCausalLM
-
-    dirs = {}
-    for arch in (*TINY_WINDOW_ARCHS, "gemma3_tied"):
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
-        path = tmp_path_factory.mktemp(f"tiny-{arch}")
-        model.save_pretrained(path, safe_serialization=True)
-        smollm_tokenizer.save_pretrained(path)
-        dirs[arch] = str(path)
-    return dirs
+    return save_tiny_models((*TINY_WINDOW_ARCHS, "gemma3_tied"), tmp_path_factory, smollm_tokenizer)
 
 
 @pytest.fixture(scope="module")
