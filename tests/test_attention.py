@@ -126,7 +126,7 @@ def test_backends_agree(seqs: list[tuple[int, int]], kv_dtype: torch.dtype) -> N
 def test_cpu_paged_decode_on_model_sized_heads(
     num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype
 ) -> None:
-    """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes.
+    """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes, with and without windows.
 
     2-byte caches are widened as they are read: the result equals float32
     attention over the widened cache.
@@ -172,16 +172,27 @@ def test_cpu_paged_decode_on_model_sized_heads(
         CpuPagedAttention().attend(q.half(), None, None, k_cache, v_cache, meta, scale)
     with pytest.raises(ValueError, match="do not fit"):
         CpuPagedAttention().attend(q[..., :-1].contiguous(), None, None, k_cache, v_cache, meta, scale)
-    for i, n in enumerate(seq_lens):
-        keys = gather_context(k_cache, meta.block_tables[i], n, block_size).float()
-        values = gather_context(v_cache, meta.block_tables[i], n, block_size).float()
-        group = num_heads // num_kv_heads
-        want = torch.einsum(
-            "hk,khd->hd",
-            (torch.einsum("hd,khd->hk", q[i], keys.repeat_interleave(group, 1)) * scale).softmax(-1),
-            values.repeat_interleave(group, 1),
+    with pytest.raises(ValueError, match="window must be"):
+        torch.ops.pagedllm.paged_decode(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_tensor, scale, torch.empty_like(q), -1
         )
-        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+    # sliding windows (the last w keys): starting mid-block, on a block edge, one key, past the start
+    windows = [None, 1, block_size, block_size + 3, 96, 1000]
+    for window in windows:
+        out = got if window is None else CpuPagedAttention().attend(
+            q, None, None, k_cache, v_cache, meta, scale, sliding_window=window
+        )
+        for i, n in enumerate(seq_lens):
+            start = 0 if window is None else max(0, n - window)
+            keys = gather_context(k_cache, meta.block_tables[i], n, block_size).float()[start:]
+            values = gather_context(v_cache, meta.block_tables[i], n, block_size).float()[start:]
+            group = num_heads // num_kv_heads
+            want = torch.einsum(
+                "hk,khd->hd",
+                (torch.einsum("hd,khd->hk", q[i], keys.repeat_interleave(group, 1)) * scale).softmax(-1),
+                values.repeat_interleave(group, 1),
+            )
+            torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_backend_choice() -> None:

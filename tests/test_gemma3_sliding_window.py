@@ -151,7 +151,10 @@ def _dense_windowed(q, k, v, q_start: int, window: int | None, softcap: float | 
 @pytest.mark.parametrize("seqs", STEPS)
 @pytest.mark.parametrize("backend_name", ["reference", "sdpa", "cpu_paged"])
 def test_backend_window_and_softcap_match_dense(seqs, backend_name: str, window, softcap) -> None:  # noqa: ANN001
-    """Fresh and continued prefills and decodes, on scattered blocks; cpu_paged hands these to SDPA."""
+    """Fresh and continued prefills and decodes, on scattered blocks.
+
+    cpu_paged decodes windowed layers in its kernel and hands the rest (windowed prefills, softcaps) to SDPA.
+    """
     backend = make_backend(backend_name)
     q, k, v, k_cache, v_cache, meta, full = _build_step(seqs, seed=len(seqs) + 3)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5, sliding_window=window, softcap=softcap)

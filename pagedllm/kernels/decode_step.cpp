@@ -83,13 +83,13 @@ static void attend_row(int64_t kv_type, const float *q, const void *k_cache, con
     const int nh = (int)m->num_heads, nkv = (int)m->num_kv_heads, hd = (int)m->head_dim, bs = (int)m->block_size;
     if (kv_type == KV_FLOAT32)
         attend_f32(q, (const float *)k_cache, (const float *)v_cache, table, len, out, nh, nkv, hd, bs, m->scale, h0,
-                   h1, scores);
+                   h1, scores, 0);
     else if (kv_type == KV_FLOAT16)
         attend_f16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, nh, nkv, hd, bs,
-                   m->scale, h0, h1, scores);
+                   m->scale, h0, h1, scores, 0);
     else
         attend_bf16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, nh, nkv, hd, bs,
-                    m->scale, h0, h1, scores);
+                    m->scale, h0, h1, scores, 0);
 }
 
 /* Returns 0 on success, 1 when scratch memory could not be allocated,

@@ -46,7 +46,7 @@ void logit_stats_f32(const float *logits, int64_t rows, int64_t vocab, int64_t *
 /* paged_decode.cpp */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_type, const int64_t *block_tables,
                  int64_t table_stride, const int64_t *seq_lens, float *out, int num_seqs, int num_heads,
-                 int num_kv_heads, int head_dim, int block_size, int num_threads, float scale);
+                 int num_kv_heads, int head_dim, int block_size, int num_threads, float scale, int64_t window);
 
 /* prefill_attention.cpp */
 int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,

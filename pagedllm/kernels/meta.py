@@ -73,7 +73,7 @@ def _register_in_place() -> None:
     reg = torch.library.register_fake
     reg(_NS + "qk_norm_rope")(lambda x, nq, nkv, hd, cos, sin, qn, kn, eps: None)
     reg(_NS + "write_kv")(lambda k, v, k_cache, v_cache, slots: None)
-    reg(_NS + "paged_decode")(lambda q, k_cache, v_cache, tables, seq_lens, scale, out: None)
+    reg(_NS + "paged_decode")(lambda q, k_cache, v_cache, tables, seq_lens, scale, out, window=0: None)
     reg(_NS + "prefill_attention")(lambda q, k, v, out, bounds, scale: None)
 
 

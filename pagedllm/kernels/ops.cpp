@@ -299,8 +299,9 @@ void check_block_tables(const Tensor &tables, const Tensor &seq_lens, int64_t nu
 }
 
 void paged_decode_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
-                     const Tensor &seq_lens, double scale, const Tensor &out) {
+                     const Tensor &seq_lens, double scale, const Tensor &out, int64_t window) {
     const char *op = "paged_decode";
+    TORCH_CHECK_VALUE(window >= 0, op, ": window must be 0 (none) or a number of keys, got ", window);
     TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat, op,
                       " runs float32 queries on the CPU, got ", dtype_name(q.scalar_type()), " on ", q.device());
     const int kv_type = check_caches(k_cache, v_cache, op);
@@ -320,7 +321,7 @@ void paged_decode_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cac
                                     block_tables.data_ptr<int64_t>(), block_tables.stride(0),
                                     seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), (int)num_seqs,
                                     (int)q.size(1), (int)num_kv_heads, (int)q.size(2), (int)block_size,
-                                    num_threads(), (float)scale);
+                                    num_threads(), (float)scale, window);
     if (status == 1) out_of_memory(op);
     TORCH_CHECK_VALUE(status == 0, op, ": unknown cache dtype");
 }
@@ -385,7 +386,7 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("packed_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
     m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
     m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-          "float scale, Tensor(a!) out) -> ()");
+          "float scale, Tensor(a!) out, int window=0) -> ()");
     m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
     m.def("decode_step(__torch__.torch.classes.pagedllm.FusedDecoder model, Tensor(a!) x, Tensor positions, "

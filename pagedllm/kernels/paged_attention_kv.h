@@ -26,12 +26,15 @@ static inline void KV_NAME(axpy_kv)(float *y, float a, const KV_T *x, int n) {
 }
 
 /* Attention of sequence b's query heads for kv heads [h0, h1). Scores go to
-   `scores` (room for (h1 - h0) * group * len floats). Token rows are read
+   `scores` (room for (h1 - h0) * group * len floats). The first `skip`
+   tokens get no weight: a sliding window that starts inside the first block
+   read (the caller starts `table` at the window's first block). Token rows are read
    whole (all the task's kv heads at once), so a block is one contiguous
    sweep of memory, which is what the hardware prefetcher follows best. */
 static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
     const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t len, float *out,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores) {
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
+    int64_t skip) {
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per cache slot */
     const int nq = (h1 - h0) * group;                     /* query heads in this task */
@@ -53,6 +56,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
             }
         }
     }
+    /* keys before a sliding window's start: no weight (the softmax gives exp(-inf) = 0) */
+    for (int j = 0; j < nq; j++)
+        for (int64_t t = 0; t < skip; t++) scores[(int64_t)j * len + t] = -INFINITY;
     for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
     /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
@@ -146,7 +152,8 @@ static inline __attribute__((always_inline)) __m128 KV_NAME(dot4_keys)(const flo
 
 static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
     const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t len, float *out,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores) {
+    int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
+    int64_t skip) {
     const int group = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int nq = (h1 - h0) * group;
@@ -195,6 +202,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
         for (int g = 0; g < nbn; g++) kb[g] = kn[g], n[g] = nn[g];
         nb = nbn;
     }
+    /* keys before a sliding window's start: no weight (the softmax gives exp(-inf) = 0) */
+    for (int j = 0; j < nq; j++)
+        for (int64_t t = 0; t < skip; t++) scores[(int64_t)j * len + t] = -INFINITY;
     for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
     /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
@@ -254,27 +264,27 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
    length, which gcc unrolls fully. */
 static inline void KV_NAME(attend)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
                                    int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim,
-                                   int block_size, float scale, int h0, int h1, float *scores) {
+                                   int block_size, float scale, int h0, int h1, float *scores, int64_t skip) {
 #if KV_VECTOR
     if (head_dim == 64)
         KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
-                            h1, scores);
+                            h1, scores, skip);
     else if (head_dim == 128)
         KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
-                            h0, h1, scores);
+                            h0, h1, scores, skip);
     else if (head_dim % 8 == 0)
         KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, h0, h1, scores);
+                            scale, h0, h1, scores, skip);
     else
 #else
     if (head_dim == 64)
         KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
-                            h1, scores);
+                            h1, scores, skip);
     else if (head_dim == 128)
         KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
-                            h0, h1, scores);
+                            h0, h1, scores, skip);
     else
 #endif
         KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, h0, h1, scores);
+                            scale, h0, h1, scores, skip);
 }

@@ -32,11 +32,13 @@
 /* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for
    an unknown kv_type. Work is split by sequence; with fewer sequences than
    threads, by (sequence, kv head) so that one long sequence still uses
-   every core. */
+   every core. window > 0: each query sees its sequence's last `window`
+   keys only (a sliding window, as transformers' `k_pos > q_pos - window`);
+   0: all of them. */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_type,
                  const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
                  float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                 int block_size, int num_threads, float scale) {
+                 int block_size, int num_threads, float scale, int64_t window) {
     if (kv_type != KV_FLOAT32 && kv_type != KV_FLOAT16 && kv_type != KV_BFLOAT16) return 2;
     int64_t max_len = 1;
     for (int b = 0; b < num_seqs; b++)
@@ -60,17 +62,21 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int k
             const int b = (int)(task / parts), part = (int)(task % parts);
             const float *qb = q + (int64_t)b * num_heads * head_dim;
             float *ob = out + (int64_t)b * num_heads * head_dim;
-            const int64_t *table = block_tables + b * table_stride;
+            /* a window of w keys: the last w tokens, from the block holding the first of them */
+            const int64_t len = seq_lens[b], start = window > 0 && len > window ? len - window : 0;
+            const int64_t first_block = start / block_size, skip = start - first_block * block_size;
+            const int64_t *table = block_tables + b * table_stride + first_block;
+            const int64_t span = len - first_block * block_size; /* tokens read: skip of them masked */
             const int h0 = part * heads_per_part, h1 = (part + 1) * heads_per_part;
             if (kv_type == KV_FLOAT32)
-                attend_f32(qb, (const float *)k_cache, (const float *)v_cache, table, seq_lens[b], ob, num_heads,
-                           num_kv_heads, head_dim, block_size, scale, h0, h1, scores);
+                attend_f32(qb, (const float *)k_cache, (const float *)v_cache, table, span, ob, num_heads,
+                           num_kv_heads, head_dim, block_size, scale, h0, h1, scores, skip);
             else if (kv_type == KV_FLOAT16)
-                attend_f16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, seq_lens[b], ob,
-                           num_heads, num_kv_heads, head_dim, block_size, scale, h0, h1, scores);
+                attend_f16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, span, ob, num_heads,
+                           num_kv_heads, head_dim, block_size, scale, h0, h1, scores, skip);
             else
-                attend_bf16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, seq_lens[b], ob,
-                            num_heads, num_kv_heads, head_dim, block_size, scale, h0, h1, scores);
+                attend_bf16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, span, ob, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, h0, h1, scores, skip);
         }
         free(scores);
     }

@@ -220,10 +220,11 @@ class SdpaAttention(AttentionBackend):
     tensor first (``k_cache[block_tables]``): simple and device-agnostic, but
     a copy of every context in every layer at every step.
 
-    A layer with a sliding window or a softcap always runs the methods of
-    this class (``_prefill_one``, ``_sdpa_decodes``), never a subclass's
-    ``_prefills`` / ``_decodes``: those may be native kernels that know
-    neither option (``CpuPagedAttention``).
+    A layer with a sliding window or a softcap runs the prefills of this
+    class (``_prefill_one``), never a subclass's ``_prefills``, which may be
+    a native kernel that knows neither option (``CpuPagedAttention``).
+    Decodes with a window go to ``_decodes`` (a subclass's kernel must take
+    the window); with a softcap, to this class's ``_sdpa_decodes``.
     """
 
     name = "sdpa"
@@ -238,8 +239,8 @@ class SdpaAttention(AttentionBackend):
                 self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window, softcap)
         if meta.num_seqs > meta.num_prefills:
             first = meta.query_start_loc[meta.num_prefills]
-            if plain:
-                self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:])
+            if softcap is None:
+                self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window)
             else:
                 self._sdpa_decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window, softcap)
         return out
@@ -280,9 +281,9 @@ class SdpaAttention(AttentionBackend):
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=ki.shape[1] != q.shape[1],
         )[0].transpose(0, 1)  # [1, num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
 
-    def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+    def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None) -> None:  # noqa: ANN001
         """One new token per sequence ``meta.num_prefills ..``; ``q``/``out`` are ``[B, num_heads, head_dim]``."""
-        self._sdpa_decodes(q, k_cache, v_cache, meta, scale, out)
+        self._sdpa_decodes(q, k_cache, v_cache, meta, scale, out, sliding_window)
 
     def _sdpa_decodes(  # noqa: ANN001
         self, q, k_cache, v_cache, meta, scale, out, sliding_window=None, softcap=None,
@@ -324,9 +325,11 @@ class CpuPagedAttention(SdpaAttention):
     class. Float32 queries on the CPU; the cache may be float32, float16 or
     bfloat16.
 
-    The kernels take no sliding window or softcap yet: a layer with either
-    runs the parent's SDPA code in full (``SdpaAttention.attend``), only the
-    K/V write staying native.
+    The decode kernel takes a sliding window (it starts each sequence at the
+    block holding its window's first key and masks the keys before it); the
+    prefill kernel takes neither a window nor a softcap, so windowed prompts
+    go through SDPA, and so does everything in a softcapped layer (only the
+    K/V write staying native).
     """
 
     name = "cpu_paged"
@@ -374,7 +377,7 @@ class CpuPagedAttention(SdpaAttention):
         # the op checks dtypes, head layout and bounds (ValueError)
         self._ops.prefill_attention(q, k, v, out, bounds, scale)
 
-    def _decodes(self, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+    def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None) -> None:  # noqa: ANN001
         # the op checks the tensors and every block a sequence reads (ValueError);
         # the block size the metadata was built for is known only here
         if k_cache.dim() == 4 and k_cache.shape[1] != meta.block_size:
@@ -383,7 +386,8 @@ class CpuPagedAttention(SdpaAttention):
         result = out if out.is_contiguous() and out.dtype == q.dtype else torch.empty_like(q)
         tables = meta.block_tables[meta.num_prefills :]
         seq_lens = meta.seq_lens_tensor[meta.num_prefills :].contiguous()
-        self._ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, result)
+        # a window reads each sequence's last sliding_window keys only, from the block that holds the first
+        self._ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, result, sliding_window or 0)
         if result is not out:
             out.copy_(result)
 
