@@ -46,23 +46,27 @@ def _ms(fn, repeats: int) -> float:  # noqa: ANN001
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def _row(num_seqs: int, context_len: int, window: int, repeats: int) -> str:
+    """One line of the table: the three timings and their ratios."""
+    native, sdpa = CpuPagedAttention(), SdpaAttention()
+    q, k_cache, v_cache, meta = _step(num_seqs, context_len)
+    scale = HEAD_DIM**-0.5
+    a = _ms(lambda: native.attend(q, None, None, k_cache, v_cache, meta, scale, sliding_window=window), repeats)
+    b = _ms(lambda: sdpa.attend(q, None, None, k_cache, v_cache, meta, scale, sliding_window=window), repeats)
+    c = _ms(lambda: native.attend(q, None, None, k_cache, v_cache, meta, scale), repeats)
+    return f"{num_seqs:4d}  {context_len:7d}  {a:16.3f}  {b:14.3f}  {c:14.3f}  {b / a:10.2f}x  {c / a:10.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    native, sdpa = CpuPagedAttention(), SdpaAttention()
-    scale = HEAD_DIM**-0.5
     print(f"window {args.window}, threads {torch.get_num_threads()}")
     print("seqs  context  native+window ms  sdpa+window ms  native full ms  sdpa/native  full/window")
     with torch.inference_mode():
         for num_seqs, context_len in [(1, 1024), (1, 4096), (8, 1024), (8, 4096), (32, 2048)]:
-            q, k_cache, v_cache, meta = _step(num_seqs, context_len)
-            w = args.window
-            a = _ms(lambda: native.attend(q, None, None, k_cache, v_cache, meta, scale, sliding_window=w), args.repeats)
-            b = _ms(lambda: sdpa.attend(q, None, None, k_cache, v_cache, meta, scale, sliding_window=w), args.repeats)
-            c = _ms(lambda: native.attend(q, None, None, k_cache, v_cache, meta, scale), args.repeats)
-            print(f"{num_seqs:4d}  {context_len:7d}  {a:16.3f}  {b:14.3f}  {c:14.3f}  {b / a:10.2f}x  {c / a:10.2f}x")
+            print(_row(num_seqs, context_len, args.window, args.repeats))
 
 
 if __name__ == "__main__":

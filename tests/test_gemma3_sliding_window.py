@@ -82,7 +82,13 @@ def test_window_configs_parse_as_transformers_does(window_dirs: dict[str, str]) 
 def test_windowed_greedy_matches_transformers(arch: str, backend: str, window_dirs, hf_expected) -> None:  # noqa: ANN001
     llm = LLM(window_dirs[arch], num_kv_blocks=128, max_model_len=256, block_size=4, attention_backend=backend)
     # the C decode step has no window and knows Llama only: never used here
-    assert llm.llm_engine.model_runner.fused_decode is None
+    runner = llm.llm_engine.model_runner
+    assert runner.fused_decode is None
+    if arch.startswith("gemma3"):
+        # float32 on the CPU: Gemma's norms (1 + w) and q/k norms with RoPE run native, on either backend
+        attn = runner.model.model.layers[0].self_attn
+        assert runner.native_ops is not None and attn.native is runner.native_ops
+        assert attn.q_norm.native_weight is not None
     outs = llm.generate(_token_prompts(_random_prompts(PROMPT_LENGTHS, seed=7)), GREEDY, use_tqdm=False)
     assert _tokens(outs) == hf_expected[arch]
     # the window masks; it frees nothing early, and everything is freed at the end

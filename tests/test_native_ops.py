@@ -37,6 +37,23 @@ def test_add_rms_norm_matches_torch(ops: NativeOps, rows: int, with_delta: bool)
     assert torch.equal(x, want_x)  # the residual add happened in place, exactly
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_unit_offset_norm_runs_native_with_one_plus_weight(ops: NativeOps, rows: int) -> None:
+    """Gemma's norm (``rms_norm(x) * (1 + w)``) through the native kernel equals its torch path."""
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-6, unit_offset=True)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen) * 0.3)
+    x = torch.randn(rows, 576, generator=gen) * 3
+    want, want_sum = norm(x), norm.add_forward(x.clone(), x)  # torch
+    norm.use_native(ops)
+    torch.testing.assert_close(norm.native_weight, 1.0 + norm.weight.detach())
+    torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm.add_forward(x.clone(), x), want_sum, rtol=1e-5, atol=1e-5)
+    norm.use_native(None)
+    assert norm.native is None and norm.native_weight is None
+
+
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 128])
 @pytest.mark.parametrize("rows", [1, 7, 200])
 @pytest.mark.parametrize("head_norms", [False, True])

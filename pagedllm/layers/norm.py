@@ -15,8 +15,10 @@ class RMSNorm(nn.Module):
     ``unit_offset=False`` (Llama): ``weight * rms_norm(x)``, the weight
     applied in ``x``'s dtype. ``unit_offset=True`` (Gemma): ``rms_norm(x) *
     (1 + weight)`` all in float32, cast back last; checkpoints store the
-    weight as an offset from 1. The native kernel computes Llama's form
-    only, so a unit-offset norm never uses it, whatever ``native`` says.
+    weight as an offset from 1. The native kernel computes Llama's form,
+    ``rms_norm(x) * w``; in float32 that is Gemma's with ``w = 1 + weight``,
+    so a unit-offset norm hands it that sum, made once in ``use_native``
+    (after the weights are loaded: it is a copy).
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
@@ -24,14 +26,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset
-        self.native: NativeOps | None = None  # see LlamaForCausalLM.use_native_ops
+        self.native: NativeOps | None = None  # set by use_native
+        self.native_weight: torch.Tensor | None = None  # [dim] float32: what the native kernel multiplies by
+
+    def use_native(self, ops: NativeOps | None) -> None:
+        """Run through ``ops`` from now on (None: plain torch); call it after the weights are loaded."""
+        self.native = ops
+        if ops is None:
+            self.native_weight = None
+        elif self.unit_offset:
+            self.native_weight = (1.0 + self.weight.detach().float()).contiguous()
+        else:
+            self.native_weight = self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and (not self.unit_offset or x.dtype == torch.float32):
+            return self.native.add_rms_norm(x, None, self.native_weight, self.eps)
         if self.unit_offset:
             normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        if self.native is not None:
-            return self.native.add_rms_norm(x, None, self.weight, self.eps)
         # one call instead of five small ops (same arithmetic: x * rsqrt(mean(x^2) + eps));
         # the weight is applied after casting back, in the input dtype, as the reference does
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
@@ -39,6 +52,6 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """``x += delta`` in place (the residual add), then the norm of the sum."""
-        if self.native is not None and not self.unit_offset:
-            return self.native.add_rms_norm(x, delta, self.weight, self.eps)
+        if self.native is not None and (not self.unit_offset or x.dtype == torch.float32):
+            return self.native.add_rms_norm(x, delta, self.native_weight, self.eps)
         return self(x.add_(delta))

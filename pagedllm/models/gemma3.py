@@ -19,9 +19,10 @@ Where it differs from the Llama family, each as transformers computes it:
 - the LM head is usually tied to the embedding.
 
 Tokens of all sequences in a step are one flat batch, as in ``llama.py``;
-q/k/v and gate/up are stored fused and loaded by HF name. No native ops:
-the native RMSNorm computes ``x * rms * w``, not Gemma's ``1 + w``, and
-there is no native GELU, so ``use_native_ops`` leaves everything on torch.
+q/k/v and gate/up are stored fused and loaded by HF name. With native ops
+(float32 on the CPU), the norms run the native RMSNorm with ``1 + w`` made
+once (``RMSNorm.use_native``), and q/k norms and RoPE are one in-place pass
+over qkv (``qk_norm_rope_``), as in ``llama.py``; GELU stays torch.
 """
 
 from __future__ import annotations
@@ -61,16 +62,29 @@ class Gemma3Attention(nn.Module):
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window(layer)  # None: full attention
         self.softcap = cfg.attn_logit_softcapping
+        self.native: NativeOps | None = None  # set by Gemma3ForCausalLM.use_native_ops
 
     def forward(
         self, cos_sin: CosSin, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` -> attention output ``[num_tokens, hidden]``."""
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
+        if self.native is not None and qkv.dtype == torch.float32:
+            # per-head norms (the 1 + w weights) and RoPE, in place on q and k, one pass
+            cos, sin = (t.view(-1, self.head_dim) for t in cos_sin)
+            self.native.qk_norm_rope_(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+                self.q_norm.native_weight, self.k_norm.native_weight, self.q_norm.eps,
+            )
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            )
+            q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
         out = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
             sliding_window=self.sliding_window, softcap=self.softcap,
@@ -180,7 +194,12 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def use_native_ops(self, ops: NativeOps | None) -> None:
-        """Keep every op on torch: no native kernel computes Gemma's norms or GELU (see the module docstring)."""
+        """Run norms (with ``1 + w``) and q/k norms with RoPE through ``ops``; None: plain torch. GELU stays torch."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_native(ops)
+            elif isinstance(module, Gemma3Attention):
+                module.native = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` in float32, for the rows that sample only; ``cap * tanh(x / cap)`` if capped."""

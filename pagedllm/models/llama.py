@@ -143,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
         """Run norms (with the residual add), RoPE (with Qwen3's per-head q/k norms) and
         SiLU-and-multiply through ``ops``; None: plain torch."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, SiluAndMul)):
+            if isinstance(module, RMSNorm):
+                module.use_native(ops)
+            elif isinstance(module, (Attention, SiluAndMul)):
                 module.native = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
