@@ -74,6 +74,10 @@ class EngineConfig:
             "torch"), "packed" (our kernel over weights packed once into
             column panels), "onednn" (weights packed once into oneDNN's
             layout) or "torch" (``F.linear``).
+        enforce_eager: run every step through the model's modules; False
+            (default) replays decode steps from graphs recorded from the
+            model's own forward, without the Python between its kernels
+            (``runner/captured_decode.py``; CPU, ``cpu_paged`` attention).
     """
 
     model: str
@@ -95,6 +99,7 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str | None = None
     linear_backend: str = "auto"
+    enforce_eager: bool = False
 
     @property
     def prefix_caching(self) -> bool:
@@ -136,6 +141,8 @@ class EngineConfig:
             raise ValueError("contiguous_reserve applies to kv_allocator='contiguous' only")
         if self.kv_allocator == "contiguous" and self.enable_prefix_caching:
             raise ValueError("the contiguous allocator has no prefix caching; leave enable_prefix_caching unset")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "int8" and self.device != "cpu":

@@ -135,6 +135,12 @@ def save_tiny_models(archs: tuple[str, ...], tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="session")
+def window_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
+    """Tiny random-weight windowed models (and a tied Gemma 3) saved as safetensors folders."""
+    return save_tiny_models((*TINY_WINDOW_ARCHS, "gemma3_tied"), tmp_path_factory, smollm_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def hf_tiny(tiny_model_dirs: dict[str, str]) -> dict:
     """transformers' own models on the tiny folders' weights: the oracle for them."""
     from transformers import AutoModelForCausalLM

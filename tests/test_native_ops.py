@@ -125,8 +125,8 @@ def test_engine_uses_native_ops_and_matches_the_torch_path(tiny_model_dirs: dict
         assert runner.native_ops is not None
         assert runner.model.model.layers[0].mlp.act_fn.native is runner.native_ops
         # every step layer by layer, so the switch below decides every step's ops
-        # (the fused decode step is compared with this path in test_fused_decode.py)
-        runner.fused_decode = None
+        # (captured decode steps are compared with this path in test_captured_decode.py)
+        runner.captured_decode = None
         native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner.model.use_native_ops(None)
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -36,6 +36,10 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linear layers (CPU)")
     g.add_argument("--linear-backend", default="auto", choices=["auto", "packed", "onednn", "torch"])
+    g.add_argument(
+        "--enforce-eager", action="store_true",
+        help="run every step through the model's modules (no replay of captured decode steps)",
+    )
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -69,6 +73,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_threads=args.num_threads,
         quantization=args.quantization,
         linear_backend=args.linear_backend,
+        enforce_eager=args.enforce_eager,
     )
     return kwargs
 

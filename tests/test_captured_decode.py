@@ -1,0 +1,217 @@
+"""Decode steps replayed from captured graphs compute what the model's modules compute, for every family."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.runner.captured_decode import MIN_TABLE_WIDTH, CapturedDecode
+from pagedllm.runner.model_runner import MAX_CAPTURED_ROWS
+
+
+class _Checked:
+    """Wraps a runner's CapturedDecode: every captured or replayed step is recomputed eagerly and compared.
+
+    The graph's K/V writes are kept (later steps read them), but first the
+    slots are reset and the eager path writes them again, so both the hidden
+    states and the K/V each path writes are compared.
+    """
+
+    def __init__(self, runner, tol: float = 1e-5) -> None:  # noqa: ANN001
+        self.runner, self.captured, self.tol = runner, runner.captured_decode, tol
+        self.num_calls = 0
+        self.num_rows: list[int] = []
+
+    def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return self.captured.accepts(meta, num_tokens)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.num_calls += 1
+        self.num_rows.append(input_ids.shape[0])
+        slots = meta.slot_mapping
+        caches = [c.flatten(0, 1) for pair in self.runner.kv_caches for c in pair]  # K and V of every layer
+        before = [c[slots].clone() for c in caches]
+        got = self.captured(input_ids, positions, meta)
+        graph_kv = [c[slots].clone() for c in caches]
+        for c, b in zip(caches, before):
+            c[slots] = b
+        want = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
+        for c, f in zip(caches, graph_kv):
+            torch.testing.assert_close(f, c[slots], rtol=self.tol, atol=self.tol)
+            c[slots] = f
+        torch.testing.assert_close(got, want, rtol=self.tol, atol=self.tol)
+        return got
+
+
+@contextmanager
+def _captured(runner, replacement):  # noqa: ANN001, ANN202
+    """Swap the runner's captured decode (``_Checked``, None for eager) for the block, then restore it."""
+    kept = runner.captured_decode
+    runner.captured_decode = replacement
+    try:
+        yield replacement
+    finally:
+        runner.captured_decode = kept
+
+
+def _prompts(num: int, seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    # lengths cross block boundaries of the 8-token blocks used below
+    return [
+        {"prompt_token_ids": torch.randint(100, 40000, (int(n),), generator=gen).tolist()}
+        for n in torch.randint(3, 40, (num,), generator=gen)
+    ]
+
+
+def _tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype", "quantization"),
+    [("float32", "auto", None), ("float32", "float16", None), ("bfloat16", "auto", None),
+     ("float32", "auto", "int8"), ("float32", "bfloat16", "int8")],
+)
+def test_replayed_steps_equal_eager(
+    arch: str, dtype: str, kv_cache_dtype: str, quantization: str | None, tiny_model_dirs: dict[str, str]
+) -> None:
+    """Every linear method and cache dtype; tables that widen past a graph's width are captured again."""
+    # no prefix caching: the second run of the same prompts must compute its prefills alike
+    llm = LLM(tiny_model_dirs[arch], num_kv_blocks=160, max_model_len=256, block_size=8, dtype=dtype,
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization, enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    assert isinstance(runner.captured_decode, CapturedDecode)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 12 sequences: attention split by sequence; 2: by (sequence, kv head)
+    for num_seqs in (12, 2):
+        with _captured(runner, _Checked(runner)) as checked:
+            replayed = _tokens(llm, _prompts(num_seqs, 5), params)
+        assert checked.num_calls == 39 and checked.num_rows[0] == num_seqs
+        with _captured(runner, None):
+            eager = _tokens(llm, _prompts(num_seqs, 5), params)
+        assert replayed == eager
+    graphs = runner.captured_decode.graphs
+    # contexts of up to 79 tokens: tables of up to 10 blocks, graphs 8 and 16 wide
+    assert {w for _, w in graphs} <= {MIN_TABLE_WIDTH, 2 * MIN_TABLE_WIDTH} and len(graphs) <= 2 * 12
+    assert runner.captured_decode.failed is None
+    assert llm.llm_engine.block_manager.num_free_blocks == 160
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen2_window"])
+def test_windowed_models_replay_equal_eager(arch: str, window_dirs: dict[str, str]) -> None:
+    """Gemma 3 (its own layers, both RoPE tables, softcapped logits) and sliding windows replay too."""
+    llm = LLM(window_dirs[arch], num_kv_blocks=128, max_model_len=256, block_size=4, enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    assert isinstance(runner.captured_decode, CapturedDecode)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with _captured(runner, _Checked(runner)) as checked:
+        replayed = _tokens(llm, _prompts(3, 9), params)
+    assert checked.num_calls == 23
+    eager = _tokens(LLM(window_dirs[arch], num_kv_blocks=128, max_model_len=256, block_size=4,
+                        enforce_eager=True), _prompts(3, 9), params)
+    assert replayed == eager
+
+
+def test_smollm_sampling_and_forks_replay(smollm_int8: LLM) -> None:
+    runner = smollm_int8.llm_engine.model_runner
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    # samples of one prompt fork its blocks (copy-on-write before the step), seeded sampling
+    sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+    with _captured(runner, _Checked(runner, tol=1e-4)) as checked:
+        smollm_int8.generate(texts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        assert checked.num_calls == 15
+        with_graphs = [c.token_ids for c in smollm_int8.generate(texts[0], sampled, use_tqdm=False)[0].outputs]
+        assert checked.num_calls == 26
+    with _captured(runner, None):
+        without = [c.token_ids for c in smollm_int8.generate(texts[0], sampled, use_tqdm=False)[0].outputs]
+    assert with_graphs == without
+    assert smollm_int8.llm_engine.block_manager.num_free_blocks == 256
+
+
+def test_only_decode_steps_of_few_sequences_are_captured(tiny_model_dirs: dict[str, str]) -> None:
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=8, max_num_seqs=5)
+    runner = llm.llm_engine.model_runner
+    assert runner.captured_decode.max_rows == min(5, MAX_CAPTURED_ROWS)
+    with _captured(runner, _Checked(runner)) as checked:
+        params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(3)]
+        llm.generate(_prompts(3, 3), params, use_tqdm=False)
+    # 1 prefill step, then decodes of 3, 3, 2 and 1 sequences
+    assert checked.num_rows == [3, 3, 2, 1]
+    assert sorted(n for n, _ in runner.captured_decode.graphs) == [1, 2, 3]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 1]), block_tables=torch.tensor([[0], [0]]), seq_lens_tensor=torch.tensor([2, 2]),
+        query_start_loc=[0, 2], seq_lens=[2], num_computed=[0], num_prefills=1, block_size=8,
+    )
+    assert not runner.captured_decode.accepts(meta, 2)  # a prefill
+    assert not runner.captured_decode.accepts(dataclasses_many(6), 6)  # more rows than max_rows
+
+
+def dataclasses_many(num_seqs: int) -> AttentionMetadata:
+    """A decode-only step of ``num_seqs`` one-token sequences."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64), block_tables=torch.zeros(num_seqs, 1, dtype=torch.int64),
+        seq_lens_tensor=torch.ones(num_seqs, dtype=torch.int64), query_start_loc=list(range(num_seqs + 1)),
+        seq_lens=[1] * num_seqs, num_computed=[0] * num_seqs, num_prefills=0, block_size=8,
+    )
+
+
+def test_capture_only_where_steps_are_read_as_tensors(tiny_model_dirs: dict[str, str]) -> None:
+    path = tiny_model_dirs["llama"]
+    kw = {"num_kv_blocks": 32, "max_model_len": 128, "block_size": 8}
+    assert LLM(path, **kw).llm_engine.model_runner.captured_decode is not None
+    assert LLM(path, linear_backend="torch", **kw).llm_engine.model_runner.captured_decode is not None
+    # SDPA and the reference size their decode reads from Python lengths: never captured
+    assert LLM(path, attention_backend="sdpa", **kw).llm_engine.model_runner.captured_decode is None
+    assert LLM(path, attention_backend="reference", **kw).llm_engine.model_runner.captured_decode is None
+    assert LLM(path, enforce_eager=True, **kw).llm_engine.model_runner.captured_decode is None
+    with pytest.raises(ValueError, match="enforce_eager"):
+        LLM(path, enforce_eager="yes", **kw)
+
+
+def test_a_forward_that_reads_python_values_falls_back_to_eager(
+    tiny_model_dirs: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model that builds a tensor from the step's Python values cannot be replayed: it runs eagerly, correctly."""
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=8)
+    runner = llm.llm_engine.model_runner
+    forward = runner.model.forward
+
+    def reads_lengths(input_ids, positions, kv_caches, meta):  # noqa: ANN001, ANN202
+        # a tensor made from a Python list of the step: a record would freeze it
+        offset = torch.tensor(meta.seq_lens, dtype=torch.float32).mean() * 0
+        return forward(input_ids, positions, kv_caches, meta) + offset
+
+    runner.model.forward = reads_lengths
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with caplog.at_level("WARNING"):
+        got = _tokens(llm, _prompts(2, 4), params)
+    assert runner.captured_decode.failed is not None and "cannot be captured" in caplog.text
+    assert not runner.captured_decode.graphs
+    runner.model.forward = forward
+    want = _tokens(LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=8,
+                       enforce_eager=True), _prompts(2, 4), params)
+    assert got == want
+
+
+def test_replay_under_preemption(tiny_model_dirs: dict[str, str]) -> None:
+    """A pool too small for every sequence: preempted ones are recomputed eagerly, decodes replay, and the
+    tokens equal an eager run; the pool ends whole."""
+    prompts = _prompts(6, 11)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results = []
+    for eager in (False, True):
+        llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=24, max_model_len=96, block_size=8, enforce_eager=eager)
+        engine = llm.llm_engine
+        runner = engine.model_runner
+        with _captured(runner, None if eager else _Checked(runner)) as checked:
+            results.append(_tokens(llm, prompts, params))
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == 24
+        if checked is not None:
+            assert checked.num_calls > 0
+    assert results[0] == results[1]
