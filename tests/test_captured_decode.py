@@ -102,6 +102,20 @@ def test_replayed_steps_equal_eager(
     assert llm.llm_engine.block_manager.num_free_blocks == 160
 
 
+@pytest.mark.parametrize("linear_backend", ["onednn", "torch"])
+def test_other_linear_backends_replay_equal_eager(linear_backend: str, tiny_model_dirs: dict[str, str]) -> None:
+    """oneDNN's packed weights are opaque tensors (no storage): the graph holds them as they are."""
+    llm = LLM(tiny_model_dirs["qwen2"], num_kv_blocks=64, max_model_len=256, block_size=8,
+              linear_backend=linear_backend, enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with _captured(runner, _Checked(runner)) as checked:
+        replayed = _tokens(llm, _prompts(3, 2), params)
+    assert checked.num_calls == 11 and runner.captured_decode.failed is None
+    with _captured(runner, None):
+        assert replayed == _tokens(llm, _prompts(3, 2), params)
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen2_window"])
 def test_windowed_models_replay_equal_eager(arch: str, window_dirs: dict[str, str]) -> None:
     """Gemma 3 (its own layers, both RoPE tables, softcapped logits) and sliding windows replay too."""

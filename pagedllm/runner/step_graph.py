@@ -78,7 +78,11 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> int | tuple[str, int]:
+    """What identifies a tensor's memory: its storage's address; a tensor without one (oneDNN's
+    opaque weights) is known by the object itself, which whoever owns it keeps alive."""
+    if t.layout != torch.strided:
+        return ("object", id(t))
     return t.untyped_storage().data_ptr()
 
 
@@ -162,9 +166,9 @@ class _Planner:
     def __init__(self, inputs: list[torch.Tensor], owned: set[int]) -> None:
         self.inputs = inputs
         self.known = owned | {_storage(t) for t in inputs}  # memory that is not the record's to plan
-        self.produced: dict[int, torch.Tensor] = {}  # storage -> the new tensor it was made for
-        self.first: dict[int, int] = {}  # storage -> the op that made it
-        self.last: dict[int, int] = {}  # storage -> the last op that touched it
+        self.produced: dict[Any, torch.Tensor] = {}  # storage -> the new tensor it was made for
+        self.first: dict[Any, int] = {}  # storage -> the op that made it
+        self.last: dict[Any, int] = {}  # storage -> the last op that touched it
 
     def _check_args(self, i: int, func: Any, tensors: list[torch.Tensor]) -> None:  # noqa: ANN401
         for t in tensors:
@@ -209,9 +213,10 @@ class _Planner:
         remap: dict[int, torch.Tensor] = {}
         for s in sorted(self.produced, key=lambda s: self.first[s]):
             root = self.produced[s]
-            # only a tensor that is its whole storage, from its start, can move to another buffer
-            whole = root.storage_offset() == 0 and root.untyped_storage().nbytes() == root.numel() * root.element_size()
-            if not whole or not root.is_contiguous():
+            # only a dense tensor that is its whole storage, from its start, can move to another buffer
+            if root.layout != torch.strided or not root.is_contiguous() or root.storage_offset() != 0:
+                continue
+            if root.untyped_storage().nbytes() != root.numel() * root.element_size():
                 continue
             key = (tuple(root.shape), root.dtype)
             pool = free.setdefault(key, [])
