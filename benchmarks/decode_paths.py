@@ -1,12 +1,11 @@
-"""Single-sequence and 32-sequence decode speed of the bundled model, with captured decode steps and without.
+"""Single-sequence and 32-sequence decode speed of the bundled model, with the fused decode step and without.
 
     .venv/bin/python benchmarks/decode_paths.py [--dtype float32|bfloat16] [--quantization int8]
 
 Prints output tok/s for one sequence (best of three runs) and 32 sequences,
-each with the runner's captured decode steps (``runner/captured_decode.py``:
-graphs of the model's forward, replayed) and with them switched off (every
-step through the model's modules, ``enforce_eager``), and their ratio: what
-replaying the kernels without the Python between them is worth.
+each with the runner's fused decode step (``runner/fused_decode.py``) and
+with it switched off (the layer-by-layer path through the same ops), and
+their ratio: what the second, native copy of the decoder is still worth.
 """
 
 from __future__ import annotations
@@ -33,18 +32,18 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(max_model_len=512, dtype=args.dtype, quantization=args.quantization)
     runner = llm.llm_engine.model_runner
-    captured = runner.captured_decode
+    fused = runner.fused_decode
+    tokens_per_second(llm, 1, 4)  # warm-up
     for num_seqs in (1, 32):
-        tokens_per_second(llm, num_seqs, 20)  # warm-up: captures this batch's graphs
         figures = {}
-        for name, step in (("captured", captured), ("eager", None)):
-            runner.captured_decode = step
+        for name, step in (("fused", fused), ("layer by layer", None)):
+            runner.fused_decode = step
             runs = 3 if num_seqs == 1 else 1
             figures[name] = max(tokens_per_second(llm, num_seqs) for _ in range(runs))
-        runner.captured_decode = captured
-        ratio = figures["captured"] / figures["eager"]
-        print(f"{args.dtype} {args.quantization or ''} {num_seqs:>2} seq: captured {figures['captured']:.1f} tok/s, "
-              f"eager {figures['eager']:.1f} tok/s, captured / eager {ratio:.2f}", flush=True)
+        runner.fused_decode = fused
+        ratio = figures["fused"] / figures["layer by layer"]
+        print(f"{args.dtype} {args.quantization or ''} {num_seqs:>2} seq: fused {figures['fused']:.1f} tok/s, "
+              f"layer by layer {figures['layer by layer']:.1f} tok/s, fused / layer {ratio:.2f}", flush=True)
 
 
 if __name__ == "__main__":

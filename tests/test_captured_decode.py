@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.runner.captured_decode import MIN_TABLE_WIDTH, CapturedDecode
+from pagedllm.runner.captured_decode import MIN_TABLE_WIDTH, CapturedDecode, row_bucket
 from pagedllm.runner.model_runner import MAX_CAPTURED_ROWS
 
 
@@ -49,13 +49,16 @@ class _Checked:
 
 @contextmanager
 def _captured(runner, replacement):  # noqa: ANN001, ANN202
-    """Swap the runner's captured decode (``_Checked``, None for eager) for the block, then restore it."""
-    kept = runner.captured_decode
-    runner.captured_decode = replacement
+    """Swap the runner's captured decode (``_Checked``, None for eager) for the block, then restore it.
+
+    The fused native decoder, which takes the steps it can before captured graphs do, is off meanwhile.
+    """
+    kept, kept_fused = runner.captured_decode, runner.fused_decode
+    runner.captured_decode, runner.fused_decode = replacement, None
     try:
         yield replacement
     finally:
-        runner.captured_decode = kept
+        runner.captured_decode, runner.fused_decode = kept, kept_fused
 
 
 def _prompts(num: int, seed: int) -> list[dict]:
@@ -154,9 +157,13 @@ def test_only_decode_steps_of_few_sequences_are_captured(tiny_model_dirs: dict[s
     with _captured(runner, _Checked(runner)) as checked:
         params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(3)]
         llm.generate(_prompts(3, 3), params, use_tqdm=False)
-    # 1 prefill step, then decodes of 3, 3, 2 and 1 sequences
+    # 1 prefill step, then decodes of 3, 3, 2 and 1 sequences; 3 rows replay a graph of 4 (one padding row)
     assert checked.num_rows == [3, 3, 2, 1]
-    assert sorted(n for n, _ in runner.captured_decode.graphs) == [1, 2, 3]
+    assert sorted(n for n, _ in runner.captured_decode.graphs) == [1, 2, 4]
+    # the padding rows' block is one past the pool, never handed out
+    assert runner.kv_cache.shape[2] == runner.num_kv_blocks + 1 == runner.padding_block + 1
+    assert llm.llm_engine.block_manager.num_free_blocks == runner.num_kv_blocks
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 64)] == [1, 2, 4, 8, 8, 16, 24, 64]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([0, 1]), block_tables=torch.tensor([[0], [0]]), seq_lens_tensor=torch.tensor([2, 2]),
         query_start_loc=[0, 2], seq_lens=[2], num_computed=[0], num_prefills=1, block_size=8,
@@ -182,7 +189,8 @@ def test_capture_only_where_steps_are_read_as_tensors(tiny_model_dirs: dict[str,
     # SDPA and the reference size their decode reads from Python lengths: never captured
     assert LLM(path, attention_backend="sdpa", **kw).llm_engine.model_runner.captured_decode is None
     assert LLM(path, attention_backend="reference", **kw).llm_engine.model_runner.captured_decode is None
-    assert LLM(path, enforce_eager=True, **kw).llm_engine.model_runner.captured_decode is None
+    eager = LLM(path, enforce_eager=True, **kw).llm_engine.model_runner
+    assert eager.captured_decode is None and eager.fused_decode is None
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(path, enforce_eager="yes", **kw)
 
@@ -201,6 +209,7 @@ def test_a_forward_that_reads_python_values_falls_back_to_eager(
         return forward(input_ids, positions, kv_caches, meta) + offset
 
     runner.model.forward = reads_lengths
+    runner.fused_decode = None  # else it takes these decode steps first
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with caplog.at_level("WARNING"):
         got = _tokens(llm, _prompts(2, 4), params)

@@ -98,18 +98,17 @@ def test_half_cache_sdpa_and_native_kernel_agree() -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-def test_int8_with_a_half_cache_replays_captured_steps() -> None:
-    """Captured int8 decode steps read a 2-byte cache too, and agree with the eager path."""
+def test_int8_with_a_half_cache_runs_fused() -> None:
+    """The fused int8 decode step reads a 2-byte cache too, and agrees with the layer-by-layer path."""
     llm = _engine("float16", quantization="int8")
     runner = llm.llm_engine.model_runner
-    assert runner.captured_decode is not None
+    assert runner.fused_decode is not None
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    replayed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert runner.captured_decode.graphs and runner.captured_decode.failed is None
-    kept, runner.captured_decode = runner.captured_decode, None
+    fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    kept, runner.fused_decode = runner.fused_decode, None
     try:
         eager = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     finally:
-        runner.captured_decode = kept
-    assert [len(t) for t in replayed] == [8] * len(PROMPTS) and replayed == eager
+        runner.fused_decode = kept
+    assert [len(t) for t in fused] == [8] * len(PROMPTS) and fused == eager
     assert _pool_whole(llm)

@@ -92,10 +92,12 @@ def _auto_backends() -> dict[str, Any]:
         bf16_linear = "torch (slow: no bf16 kernel for this CPU)"
     return {
         "float32": {"linear": f32_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
-                    "norms_rope_silu": "native" if native else "torch", "captured_decode": native},
+                    "norms_rope_silu": "native" if native else "torch", "fused_decode": native,
+                    "captured_decode": native},
         "bfloat16": {"linear": bf16_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
-                     "captured_decode": native},
-        "int8": {"linear": "int8 rows" if native else "refused (no kernels)", "captured_decode": native},
+                     "fused_decode": native and bf16_linear == "packed", "captured_decode": native},
+        "int8": {"linear": "int8 rows" if native else "refused (no kernels)", "fused_decode": native,
+                 "captured_decode": native},
     }
 
 
@@ -109,6 +111,7 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         "linear_backend": runner.linear_backend,
         "attention_backend": runner.backend.name,
         "native_ops": runner.native_ops is not None,
+        "fused_decode": runner.fused_decode is not None,
         "captured_decode": runner.captured_decode is not None,
         "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
         "layer_classes": dict(sorted(layers.items())),

@@ -1,7 +1,8 @@
 /*
  * The Llama family's elementwise pieces, one row at a time: RMSNorm, RoPE
  * (rotate-half, sign folded into the sin table) and SiLU-and-multiply.
- * Used by elementwise.cpp (the native ops the model's layers call).
+ * Shared by elementwise.cpp (called from the layer-by-layer model) and
+ * decode_step.cpp (the fused decode step), so both compute them alike.
  */
 #ifndef PAGEDLLM_ELEMENTWISE_H
 #define PAGEDLLM_ELEMENTWISE_H

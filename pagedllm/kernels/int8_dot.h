@@ -1,6 +1,8 @@
 /*
  * int8 x float32 dot products and one output tile of a weight-only int8
- * linear layer, used by int8_linear.cpp (one layer per call).
+ * linear layer, shared by int8_linear.cpp (one layer per call) and
+ * decode_step.cpp (a whole decoder step per call). Both therefore compute a
+ * layer's outputs with the same arithmetic, in the same order.
  *
  *   out[m, n] = scales[n] * sum_k x[m, k] * w[n, k]  (+ bias[n])
  */

@@ -7,7 +7,7 @@
  * read once per step and used for only a few rows. Reading one byte per
  * weight instead of four is the whole point; the int8 -> float conversion
  * happens in registers. The dot products and the tile loop live in
- * int8_dot.h.
+ * int8_dot.h, shared with the fused decode step (decode_step.cpp).
  *
  * Layouts (contiguous): x [num_rows, in_features] float32,
  * w [out_features, in_features] int8, scales and bias [out_features] float32,

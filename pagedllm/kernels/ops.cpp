@@ -1,6 +1,7 @@
 /*
  * The kernels as typed torch ops: the schemas (TORCH_LIBRARY), their CPU
- * implementations (TORCH_LIBRARY_IMPL). Every kernel trusts its pointers and sizes;
+ * implementations (TORCH_LIBRARY_IMPL) and the fused decode step's model
+ * holder (a torch custom class). Every kernel trusts its pointers and sizes;
  * this file is where what they trust is checked, so a bad tensor raises a
  * Python ValueError (TORCH_CHECK_VALUE) instead of reading outside a buffer.
  * A kernel's allocation failure raises torch.OutOfMemoryError (a
@@ -18,12 +19,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "decode_step.h"
 #include "kernels.h"
 #include "paged_attention.h"
 #include "panel_bf16.h"
@@ -367,7 +370,11 @@ int64_t bf16_native() { return packed_linear_bf16_native(); }
 
 }  // namespace
 
+#include "fused_decoder.h"
+
 TORCH_LIBRARY(pagedllm, m) {
+    m.class_<FusedDecoder>("FusedDecoder")
+        .def(torch::init<std::vector<std::optional<Tensor>>, std::vector<int64_t>, std::vector<double>>());
     m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
     m.def("qk_norm_rope(Tensor(a!) x, int num_q_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
           "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
@@ -382,6 +389,8 @@ TORCH_LIBRARY(pagedllm, m) {
           "float scale, Tensor(a!) out, int window=0) -> ()");
     m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
+    m.def("decode_step(__torch__.torch.classes.pagedllm.FusedDecoder model, Tensor(a!) x, Tensor positions, "
+          "Tensor slots, Tensor block_tables, Tensor seq_lens) -> Tensor");
     // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key
     m.def("packed_linear_panel() -> int", &panel_f32);
     m.def("packed_linear_bf16_panel() -> int", &panel_bf16);
@@ -401,4 +410,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("paged_decode", &paged_decode_op);
     m.impl("prefill_attention", &prefill_attention_op);
     m.impl("logit_stats", &logit_stats);
+    m.impl("decode_step", &decode_step_op);
 }

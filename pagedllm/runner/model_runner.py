@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
+from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.kv_cache import allocate_kv_cache, decide_num_kv_blocks, kv_bytes_per_block
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
@@ -64,16 +65,32 @@ class ModelRunner:
 
         self.block_size = config.block_size
         self.num_kv_blocks = decide_num_kv_blocks(config, model_config, self.kv_cache_dtype, self.device)
+        # one block past the pool (id num_kv_blocks), never handed out: the padding rows of
+        # captured decode steps write and read it (runner/captured_decode.py)
+        self.padding_block = self.num_kv_blocks
         self.kv_cache, self.kv_caches = allocate_kv_cache(
-            model_config, self.num_kv_blocks, self.block_size, self.kv_cache_dtype, self.device
+            model_config, self.num_kv_blocks + 1, self.block_size, self.kv_cache_dtype, self.device
         )
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.block_size, self.device)
-        # decode steps replay graphs recorded from the model's own forward (runner/captured_decode.py)
+        # decode steps run the whole decoder in one native call (runner/fused_decode.py)
+        # where its linear layers are int8 or packed panels, with cpu_paged attention, for the
+        # models it implements; it is still faster than replayed graphs, so it goes first
+        self.fused_decode: FusedDecode | None = None
+        if (
+            not config.enforce_eager
+            and self.backend.name == "cpu_paged"
+            and (config.quantization == "int8" or self.linear_backend == "packed")
+            and FusedDecode.supports(self.model)
+        ):
+            self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
+        # the other decode steps replay graphs recorded from the model's own forward
+        # (runner/captured_decode.py): other families, windows, int8 steps of more than 8 rows
         self.captured_decode: CapturedDecode | None = None
         if not config.enforce_eager and CapturedDecode.supports(self.backend, model_config):
             self.captured_decode = CapturedDecode(
-                self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS)
+                self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS),
+                self.padding_block, self.block_size,
             )
 
     @property
@@ -129,7 +146,9 @@ class ModelRunner:
         order = sorted(range(len(record.sequences)), key=lambda i: record.sequences[i].num_new_tokens == 1)
         steps = [record.sequences[i] for i in order]
         input_ids, positions, meta = self.prepare(steps)
-        if self.captured_decode is not None and self.captured_decode.accepts(meta, input_ids.shape[0]):
+        if self.fused_decode is not None and self.fused_decode.accepts(meta, input_ids.shape[0]):
+            hidden = self.fused_decode(input_ids, positions, meta)
+        elif self.captured_decode is not None and self.captured_decode.accepts(meta, input_ids.shape[0]):
             hidden = self.captured_decode(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
