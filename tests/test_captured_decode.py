@@ -6,6 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from decode_checks import CheckedDecode
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
@@ -13,38 +14,9 @@ from pagedllm.runner.captured_decode import MIN_TABLE_WIDTH, CapturedDecode, row
 from pagedllm.runner.model_runner import MAX_CAPTURED_ROWS
 
 
-class _Checked:
-    """Wraps a runner's CapturedDecode: every captured or replayed step is recomputed eagerly and compared.
-
-    The graph's K/V writes are kept (later steps read them), but first the
-    slots are reset and the eager path writes them again, so both the hidden
-    states and the K/V each path writes are compared.
-    """
-
-    def __init__(self, runner, tol: float = 1e-5) -> None:  # noqa: ANN001
-        self.runner, self.captured, self.tol = runner, runner.captured_decode, tol
-        self.num_calls = 0
-        self.num_rows: list[int] = []
-
-    def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return self.captured.accepts(meta, num_tokens)
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.num_calls += 1
-        self.num_rows.append(input_ids.shape[0])
-        slots = meta.slot_mapping
-        caches = [c.flatten(0, 1) for pair in self.runner.kv_caches for c in pair]  # K and V of every layer
-        before = [c[slots].clone() for c in caches]
-        got = self.captured(input_ids, positions, meta)
-        graph_kv = [c[slots].clone() for c in caches]
-        for c, b in zip(caches, before):
-            c[slots] = b
-        want = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
-        for c, f in zip(caches, graph_kv):
-            torch.testing.assert_close(f, c[slots], rtol=self.tol, atol=self.tol)
-            c[slots] = f
-        torch.testing.assert_close(got, want, rtol=self.tol, atol=self.tol)
-        return got
+def _Checked(runner, tol: float = 1e-5) -> CheckedDecode:  # noqa: ANN001, N802
+    """The runner's captured steps, checked against the eager model at every step."""
+    return CheckedDecode(runner, runner.captured_decode, tol, tol)
 
 
 @contextmanager
@@ -169,10 +141,10 @@ def test_only_decode_steps_of_few_sequences_are_captured(tiny_model_dirs: dict[s
         query_start_loc=[0, 2], seq_lens=[2], num_computed=[0], num_prefills=1, block_size=8,
     )
     assert not runner.captured_decode.accepts(meta, 2)  # a prefill
-    assert not runner.captured_decode.accepts(dataclasses_many(6), 6)  # more rows than max_rows
+    assert not runner.captured_decode.accepts(_decode_only_meta(6), 6)  # more rows than max_rows
 
 
-def dataclasses_many(num_seqs: int) -> AttentionMetadata:
+def _decode_only_meta(num_seqs: int) -> AttentionMetadata:
     """A decode-only step of ``num_seqs`` one-token sequences."""
     return AttentionMetadata(
         slot_mapping=torch.zeros(num_seqs, dtype=torch.int64), block_tables=torch.zeros(num_seqs, 1, dtype=torch.int64),

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from decode_checks import CheckedDecode
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
@@ -13,38 +14,9 @@ from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS
 from pagedllm.runner.fused_decode import FusedDecode
 
 
-class _Checked:
-    """Wraps a runner's FusedDecode: every fused step is recomputed layer by layer and compared.
-
-    The fused step's K/V writes are kept (later steps read them), but first
-    the slots are reset and the layer-by-layer path writes them again, so
-    both the hidden states and the K/V each path writes are compared.
-    """
-
-    def __init__(self, runner, tol: float = 1e-4, kv_tol: float | None = None) -> None:  # noqa: ANN001
-        self.runner, self.fused, self.num_calls, self.tol = runner, runner.fused_decode, 0, tol
-        self.kv_tol = tol / 10 if kv_tol is None else kv_tol
-        self.num_rows: list[int] = []
-
-    def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return self.fused.accepts(meta, num_tokens)
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.num_calls += 1
-        self.num_rows.append(input_ids.shape[0])
-        slots = meta.slot_mapping
-        caches = [c.flatten(0, 1) for pair in self.runner.kv_caches for c in pair]  # K and V of every layer
-        before = [c[slots].clone() for c in caches]
-        got = self.fused(input_ids, positions, meta)
-        fused_kv = [c[slots].clone() for c in caches]
-        for c, b in zip(caches, before):
-            c[slots] = b
-        want = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
-        for c, f in zip(caches, fused_kv):
-            torch.testing.assert_close(f, c[slots], rtol=self.kv_tol, atol=self.kv_tol)
-            c[slots] = f
-        torch.testing.assert_close(got, want, rtol=self.tol, atol=self.tol)
-        return got
+def _Checked(runner, tol: float = 1e-4, kv_tol: float | None = None) -> CheckedDecode:  # noqa: ANN001, N802
+    """The runner's fused step, checked against the eager model at every step (K/V to ``tol / 10``)."""
+    return CheckedDecode(runner, runner.fused_decode, tol, tol / 10 if kv_tol is None else kv_tol)
 
 
 @contextmanager
