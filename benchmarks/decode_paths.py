@@ -1,11 +1,15 @@
-"""Single-sequence and 32-sequence decode speed of the bundled model, with the fused decode step and without.
+"""Single-sequence and 32-sequence decode speed of the bundled model on each decode path.
 
     .venv/bin/python benchmarks/decode_paths.py [--dtype float32|bfloat16] [--quantization int8]
 
-Prints output tok/s for one sequence (best of three runs) and 32 sequences,
-each with the runner's fused decode step (``runner/fused_decode.py``) and
-with it switched off (the layer-by-layer path through the same ops), and
-their ratio: what the second, native copy of the decoder is still worth.
+Prints output tok/s for one sequence (best of three runs) and 32 sequences on
+the three paths a decode step can take, and their ratios:
+
+- ``programs``: captured steps whose kernels run as native step programs,
+  one parallel region per step (``runner/step_program.py``; the default);
+- ``replay``: the same captured steps replayed op by op from Python
+  (``runner/step_graph.py``), one parallel region per kernel;
+- ``eager``: the model's forward, module by module (``enforce_eager``).
 """
 
 from __future__ import annotations
@@ -32,18 +36,28 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(max_model_len=512, dtype=args.dtype, quantization=args.quantization)
     runner = llm.llm_engine.model_runner
-    fused = runner.fused_decode
-    tokens_per_second(llm, 1, 4)  # warm-up
+    captured = runner.captured_decode
+    if captured is None or not captured.native_programs:
+        raise SystemExit("decode steps are not captured as native programs here (pagedllm env says why)")
+
+    def use(path: str) -> None:
+        runner.captured_decode = None if path == "eager" else captured
+        if path != "eager" and captured.native_programs != (path == "programs"):
+            captured.native_programs = path == "programs"
+            captured.graphs.clear()  # captured again, lowered or not
+
     for num_seqs in (1, 32):
         figures = {}
-        for name, step in (("fused", fused), ("layer by layer", None)):
-            runner.fused_decode = step
+        for path in ("programs", "replay", "eager"):
+            use(path)
+            tokens_per_second(llm, num_seqs, 4)  # warm-up: captures this path's first graphs
             runs = 3 if num_seqs == 1 else 1
-            figures[name] = max(tokens_per_second(llm, num_seqs) for _ in range(runs))
-        runner.fused_decode = fused
-        ratio = figures["fused"] / figures["layer by layer"]
-        print(f"{args.dtype} {args.quantization or ''} {num_seqs:>2} seq: fused {figures['fused']:.1f} tok/s, "
-              f"layer by layer {figures['layer by layer']:.1f} tok/s, fused / layer {ratio:.2f}", flush=True)
+            figures[path] = max(tokens_per_second(llm, num_seqs) for _ in range(runs))
+        use("programs")
+        print(f"{args.dtype} {args.quantization or ''} {num_seqs:>2} seq: " + ", ".join(
+            f"{k} {v:.1f} tok/s" for k, v in figures.items()
+        ) + f"; programs / replay {figures['programs'] / figures['replay']:.2f}, "
+            f"programs / eager {figures['programs'] / figures['eager']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 One decode step's kernels, 40 sequences of 216 tokens, 30 layers: the four
 bf16 GEMMs of every layer and the paged attention over a bf16 cache, as the
-fused decode step runs them. Printed: both phases one after the other on all
+recorded decode step runs them. Printed: both phases one after the other on all
 threads (what the engine does), each on one thread alone, and each on one
 thread at the same time (Python threads; torch ops release the GIL), which is
 what a two-batch overlap would run. No dependencies are modelled, so the

@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-torch-profile", action="store_true")
     p.add_argument("--layer-by-layer", action="store_true",
-                   help="turn the fused decode step off: every step runs the model layer by layer")
+                   help="turn captured decode steps off: every step runs the model layer by layer")
     p.add_argument("--kernel-timers", action="store_true",
                    help="also time each linear-layer and elementwise kernel call (with its Python wrapper)")
     args = p.parse_args()
@@ -64,7 +64,7 @@ def main() -> None:
     engine, runner = llm.llm_engine, llm.llm_engine.model_runner
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     if args.layer_by_layer:
-        runner.fused_decode = runner.captured_decode = None
+        runner.captured_decode = None
 
     phases: dict[str, float] = defaultdict(float)
     model = runner.model
@@ -86,20 +86,12 @@ def main() -> None:
         for op in ("add_rms_norm", "qk_norm_rope_", "silu_mul"):
             patched.append((NativeOps, op, getattr(NativeOps, op)))
             setattr(NativeOps, op, _timed(phases, "  of which norms, RoPE, SiLU", getattr(NativeOps, op)))
-    if runner.fused_decode is not None:  # decode-only steps run the whole decoder in one native call
-        fused = runner.fused_decode
-
-        class _TimedFused:
-            accepts = staticmethod(fused.accepts)
-            __call__ = staticmethod(_timed(phases, "fused decode steps (whole decoder, one call)", fused))
-
-        runner.fused_decode = _TimedFused()
-    if runner.captured_decode is not None:  # the other decode steps replay graphs of the model's forward
+    if runner.captured_decode is not None:  # decode steps replay graphs of the model's forward
         captured = runner.captured_decode
 
         class _TimedCaptured:
             accepts = staticmethod(captured.accepts)
-            __call__ = staticmethod(_timed(phases, "captured decode steps (replayed graphs)", captured))
+            __call__ = staticmethod(_timed(phases, "captured decode steps (native step programs)", captured))
 
         runner.captured_decode = _TimedCaptured()
     model.compute_logits = _timed(phases, "lm_head (sampling rows only)", model.compute_logits)
@@ -139,8 +131,6 @@ def main() -> None:
     del backend.attend
     if "_decodes" in vars(backend):
         del backend._decodes
-    if runner.fused_decode is not None:
-        runner.fused_decode = fused
     if runner.captured_decode is not None:
         runner.captured_decode = captured
     for owner, name, original in patched:

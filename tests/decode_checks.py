@@ -1,4 +1,4 @@
-"""A decode path checked against the eager model at every step (shared by the fused and captured tests)."""
+"""A decode path checked against the eager model at every step (the captured-step tests)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pagedllm.layers.attention import AttentionMetadata
 
 
 class CheckedDecode:
-    """Wraps a runner's decode path (fused or captured): every step it runs is recomputed eagerly and compared.
+    """Wraps a runner's decode path (captured steps): every step it runs is recomputed eagerly and compared.
 
     The path's K/V writes are kept (later steps read them), but first the
     slots are reset and the eager model writes them again, so both the

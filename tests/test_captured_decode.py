@@ -10,8 +10,11 @@ from decode_checks import CheckedDecode
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS
 from pagedllm.runner.captured_decode import MIN_TABLE_WIDTH, CapturedDecode, row_bucket
 from pagedllm.runner.model_runner import MAX_CAPTURED_ROWS
+from pagedllm.runner.step_graph import Node
+from pagedllm.runner.step_program import num_programs
 
 
 def _Checked(runner, tol: float = 1e-5) -> CheckedDecode:  # noqa: ANN001, N802
@@ -21,16 +24,13 @@ def _Checked(runner, tol: float = 1e-5) -> CheckedDecode:  # noqa: ANN001, N802
 
 @contextmanager
 def _captured(runner, replacement):  # noqa: ANN001, ANN202
-    """Swap the runner's captured decode (``_Checked``, None for eager) for the block, then restore it.
-
-    The fused native decoder, which takes the steps it can before captured graphs do, is off meanwhile.
-    """
-    kept, kept_fused = runner.captured_decode, runner.fused_decode
-    runner.captured_decode, runner.fused_decode = replacement, None
+    """Swap the runner's captured decode (``_Checked``, None for eager) for the block, then restore it."""
+    kept = runner.captured_decode
+    runner.captured_decode = replacement
     try:
         yield replacement
     finally:
-        runner.captured_decode, runner.fused_decode = kept, kept_fused
+        runner.captured_decode = kept
 
 
 def _prompts(num: int, seed: int) -> list[dict]:
@@ -71,6 +71,11 @@ def test_replayed_steps_equal_eager(
             eager = _tokens(llm, _prompts(num_seqs, 5), params)
         assert replayed == eager
     graphs = runner.captured_decode.graphs
+    # the whole decoder is one native program: every recorded op has a node kind (int8 past
+    # SMALL_BATCH_ROWS rows too: its dequantized copy is packed float32 panels)
+    assert any(rows > SMALL_BATCH_ROWS for rows, _ in graphs)
+    for graph in graphs.values():
+        assert len(graph.runs) == num_programs(graph.runs) == 1, graph.runs
     # contexts of up to 79 tokens: tables of up to 10 blocks, graphs 8 and 16 wide
     assert {w for _, w in graphs} <= {MIN_TABLE_WIDTH, 2 * MIN_TABLE_WIDTH} and len(graphs) <= 2 * 12
     assert runner.captured_decode.failed is None
@@ -87,6 +92,9 @@ def test_other_linear_backends_replay_equal_eager(linear_backend: str, tiny_mode
     with _captured(runner, _Checked(runner)) as checked:
         replayed = _tokens(llm, _prompts(3, 2), params)
     assert checked.num_calls == 11 and runner.captured_decode.failed is None
+    # their matmuls have no program node: Python calls between programs of the other kernels
+    for graph in runner.captured_decode.graphs.values():
+        assert num_programs(graph.runs) > 1 and any(isinstance(r, Node) for r in graph.runs)
     with _captured(runner, None):
         assert replayed == _tokens(llm, _prompts(3, 2), params)
 
@@ -101,6 +109,11 @@ def test_windowed_models_replay_equal_eager(arch: str, window_dirs: dict[str, st
     with _captured(runner, _Checked(runner)) as checked:
         replayed = _tokens(llm, _prompts(3, 9), params)
     assert checked.num_calls == 23
+    for graph in runner.captured_decode.graphs.values():
+        if arch == "gemma3":  # its embedding scale, norms and GELU stay Python calls between programs
+            assert num_programs(graph.runs) > 1 and any(isinstance(r, Node) for r in graph.runs)
+        else:  # a window is an argument of the decode node
+            assert len(graph.runs) == num_programs(graph.runs) == 1
     eager = _tokens(LLM(window_dirs[arch], num_kv_blocks=128, max_model_len=256, block_size=4,
                         enforce_eager=True), _prompts(3, 9), params)
     assert replayed == eager
@@ -162,7 +175,7 @@ def test_capture_only_where_steps_are_read_as_tensors(tiny_model_dirs: dict[str,
     assert LLM(path, attention_backend="sdpa", **kw).llm_engine.model_runner.captured_decode is None
     assert LLM(path, attention_backend="reference", **kw).llm_engine.model_runner.captured_decode is None
     eager = LLM(path, enforce_eager=True, **kw).llm_engine.model_runner
-    assert eager.captured_decode is None and eager.fused_decode is None
+    assert eager.captured_decode is None
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(path, enforce_eager="yes", **kw)
 
@@ -181,7 +194,6 @@ def test_a_forward_that_reads_python_values_falls_back_to_eager(
         return forward(input_ids, positions, kv_caches, meta) + offset
 
     runner.model.forward = reads_lengths
-    runner.fused_decode = None  # else it takes these decode steps first
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with caplog.at_level("WARNING"):
         got = _tokens(llm, _prompts(2, 4), params)

@@ -31,7 +31,7 @@ KERNEL_TESTS = [
     "test_bf16_cpu.py::test_bf16_linear_backends_compute_the_same_scheme",
     "test_linear_backends.py",
     "test_int8.py",
-    "test_fused_decode.py",
+    "test_step_program.py",
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.runner.step_program import num_programs
 
 PROMPTS = [
     "The capital of France is",
@@ -98,17 +99,18 @@ def test_half_cache_sdpa_and_native_kernel_agree() -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
-def test_int8_with_a_half_cache_runs_fused() -> None:
-    """The fused int8 decode step reads a 2-byte cache too, and agrees with the layer-by-layer path."""
+def test_int8_with_a_half_cache_runs_native_step_programs() -> None:
+    """Replayed int8 decode steps (native step programs) read a 2-byte cache too, and agree with the eager path."""
     llm = _engine("float16", quantization="int8")
     runner = llm.llm_engine.model_runner
-    assert runner.fused_decode is not None
+    assert runner.captured_decode is not None and runner.captured_decode.native_programs
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    kept, runner.fused_decode = runner.fused_decode, None
+    replayed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert all(num_programs(g.runs) == len(g.runs) == 1 for g in runner.captured_decode.graphs.values())
+    kept, runner.captured_decode = runner.captured_decode, None
     try:
         eager = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     finally:
-        runner.fused_decode = kept
-    assert [len(t) for t in fused] == [8] * len(PROMPTS) and fused == eager
+        runner.captured_decode = kept
+    assert [len(t) for t in replayed] == [8] * len(PROMPTS) and replayed == eager
     assert _pool_whole(llm)

@@ -126,7 +126,7 @@ def test_engine_uses_native_ops_and_matches_the_torch_path(tiny_model_dirs: dict
         assert runner.model.model.layers[0].mlp.act_fn.native is runner.native_ops
         # every step layer by layer, so the switch below decides every step's ops
         # (captured decode steps are compared with this path in test_captured_decode.py)
-        runner.captured_decode = runner.fused_decode = None
+        runner.captured_decode = None
         native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner.model.use_native_ops(None)
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -38,7 +38,7 @@ runner = llm.llm_engine.model_runner
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                    use_tqdm=False)
 print(json.dumps({"file": pagedllm.__file__, "linear": runner.linear_backend, "attention": runner.backend.name,
-                  "native_ops": runner.native_ops is not None, "fused": runner.fused_decode is not None,
+                  "native_ops": runner.native_ops is not None, "programs": runner.captured_decode.native_programs,
                   "library": kernels.library_path(),
                   "tokens": out[0].outputs[0].token_ids}))
 """
@@ -85,8 +85,8 @@ def test_a_wheel_install_builds_and_uses_the_native_kernels(
     assert "kernels unavailable" not in proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["file"].startswith(str(site))
-    # the fast CPU path, as from the checkout: packed linears, paged attention in place, fused decode
-    assert got == got | {"linear": "packed", "attention": "cpu_paged", "native_ops": True, "fused": True}
+    # the fast CPU path, as from the checkout: packed linears, paged attention in place, native step programs
+    assert got == got | {"linear": "packed", "attention": "cpu_paged", "native_ops": True, "programs": True}
     assert len(got["tokens"]) == 4
     assert got["library"].startswith(str(tmp_path / "cache")), got["library"]
     assert list((tmp_path / "cache" / "kernels").glob("*/pagedllm_kernels.so")), "the kernels were not built from the wheel"

@@ -92,12 +92,12 @@ def _auto_backends() -> dict[str, Any]:
         bf16_linear = "torch (slow: no bf16 kernel for this CPU)"
     return {
         "float32": {"linear": f32_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
-                    "norms_rope_silu": "native" if native else "torch", "fused_decode": native,
-                    "captured_decode": native},
+                    "norms_rope_silu": "native" if native else "torch", "captured_decode": native,
+                    "step_programs": native},
         "bfloat16": {"linear": bf16_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
-                     "fused_decode": native and bf16_linear == "packed", "captured_decode": native},
-        "int8": {"linear": "int8 rows" if native else "refused (no kernels)", "fused_decode": native,
-                 "captured_decode": native},
+                     "captured_decode": native, "step_programs": native},
+        "int8": {"linear": "int8 rows" if native else "refused (no kernels)", "captured_decode": native,
+                 "step_programs": native},
     }
 
 
@@ -111,8 +111,9 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         "linear_backend": runner.linear_backend,
         "attention_backend": runner.backend.name,
         "native_ops": runner.native_ops is not None,
-        "fused_decode": runner.fused_decode is not None,
         "captured_decode": runner.captured_decode is not None,
+        # replayed decode steps run their kernels as native step programs (runner/step_program.py)
+        "step_programs": runner.captured_decode is not None and runner.captured_decode.native_programs,
         "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
         "layer_classes": dict(sorted(layers.items())),
     }

@@ -10,17 +10,19 @@ float32, float16 or bfloat16 cache),
 ``kv_write.cpp`` (new K/V rows into their cache slots, rounded to the cache's dtype),
 ``elementwise.cpp`` (RMSNorm with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply),
 ``prefill_attention.cpp`` (causal attention of prompts computed from scratch)
-and ``decode_step.cpp`` (a whole decoder step for decode tokens,
-built from the others through the shared headers ``paged_attention.h``
+and ``step_nodes.cpp`` (runs kernel calls recorded as plain "nodes" in one
+OpenMP parallel region), with the shared headers ``paged_attention.h``
 (with ``paged_attention_kv.h``, instantiated once per cache dtype),
 ``int8_dot.h``, ``panel_f32.h``, ``panel_bf16.h``, ``kv_rows.h`` and ``elementwise.h``; the two panel
-matmuls share ``panel_units.h``). ``kernels.h`` and ``decode_step.h``
-declare their entry points. One binding file, ``ops.cpp`` (with
-``fused_decoder.h``), registers the ops' schemas (``TORCH_LIBRARY(pagedllm,
-...)``) and CPU implementations that check their tensors (dtype, device,
-contiguity, shapes, the indices a kernel trusts) and raise ValueError, then
-call the kernels on the data pointers; the fused decode step's model is a
-torch custom class, ``torch.classes.pagedllm.FusedDecoder``. Fake (meta)
+matmuls share ``panel_units.h``. The decode-path kernels are team functions
+(orphaned ``omp for`` loops, ``step_nodes.h``): an eager op runs one node, a
+recorded decode step (``torch.classes.pagedllm.StepProgram``,
+``step_program.h``) runs all of its nodes in one region. ``kernels.h`` and
+``step_nodes.h`` declare the entry points. One binding file, ``ops.cpp``
+(with ``step_program.h``), registers the ops' schemas
+(``TORCH_LIBRARY(pagedllm, ...)``) and CPU implementations that check their
+tensors (dtype, device, contiguity, shapes, the indices a kernel trusts) and
+raise ValueError, then call the kernels on the data pointers. Fake (meta)
 implementations for tracing live in ``meta.py``.
 
 Everything is built by ``torch.utils.cpp_extension.load`` (ninja, the C++

@@ -1,8 +1,7 @@
 /*
  * The Llama family's elementwise pieces, one row at a time: RMSNorm, RoPE
  * (rotate-half, sign folded into the sin table) and SiLU-and-multiply.
- * Shared by elementwise.cpp (called from the layer-by-layer model) and
- * decode_step.cpp (the fused decode step), so both compute them alike.
+ * Used by elementwise.cpp's team functions (step_nodes.h).
  */
 #ifndef PAGEDLLM_ELEMENTWISE_H
 #define PAGEDLLM_ELEMENTWISE_H

@@ -1,8 +1,6 @@
 /*
  * int8 x float32 dot products and one output tile of a weight-only int8
- * linear layer, shared by int8_linear.cpp (one layer per call) and
- * decode_step.cpp (a whole decoder step per call). Both therefore compute a
- * layer's outputs with the same arithmetic, in the same order.
+ * linear layer, for int8_linear.cpp's team function (step_nodes.h).
  *
  *   out[m, n] = scales[n] * sum_k x[m, k] * w[n, k]  (+ bias[n])
  */

@@ -7,14 +7,14 @@
  * read once per step and used for only a few rows. Reading one byte per
  * weight instead of four is the whole point; the int8 -> float conversion
  * happens in registers. The dot products and the tile loop live in
- * int8_dot.h, shared with the fused decode step (decode_step.cpp).
+ * int8_dot.h.
  *
  * Layouts (contiguous): x [num_rows, in_features] float32,
  * w [out_features, in_features] int8, scales and bias [out_features] float32,
  * out [num_rows, out_features] float32. bias may be NULL.
  */
-#include "kernels.h"
 #include "int8_dot.h"
+#include "step_nodes.h"
 
 /* Rows are taken in chunks of ROW_CHUNK so that a chunk's activations
    (ROW_CHUNK * in_features floats) stay in L2 while the tiles pass:
@@ -25,14 +25,13 @@
 */
 #define ROW_CHUNK 64
 
-void int8_linear_f32(const float *x, int64_t num_rows, int64_t in_features, const int8_t *w,
-                     const float *scales, const float *bias, int64_t out_features, float *out,
-                     int num_threads) {
-    const int64_t num_tiles = int8_num_tiles(out_features);
-    for (int64_t m0 = 0; m0 < num_rows; m0 += ROW_CHUNK) {
-        const int64_t m1 = m0 + ROW_CHUNK < num_rows ? m0 + ROW_CHUNK : num_rows;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+void int8_linear_team(const LinearNode *n) {
+    const int64_t num_tiles = int8_num_tiles(n->out_features);
+    for (int64_t m0 = 0; m0 < n->rows; m0 += ROW_CHUNK) {
+        const int64_t m1 = m0 + ROW_CHUNK < n->rows ? m0 + ROW_CHUNK : n->rows;
+#pragma omp for schedule(static)
         for (int64_t tile = 0; tile < num_tiles; tile++)
-            int8_linear_tile(x, m0, m1, in_features, w, scales, bias, out_features, out, tile);
+            int8_linear_tile(n->x, m0, m1, n->in_features, (const int8_t *)n->weight, n->scales, n->bias,
+                             n->out_features, n->y, tile);
     }
 }

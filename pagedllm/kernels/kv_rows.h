@@ -1,6 +1,5 @@
-/* One K or V row into its cache slot, rounded to the cache's dtype: shared by
- * kv_write.cpp (the layer-by-layer path) and decode_step.cpp (the fused step), so
- * both store the same bits. A 2-byte cache gets each value rounded to
+/* One K or V row into its cache slot, rounded to the cache's dtype (kv_write.cpp).
+ * A 2-byte cache gets each value rounded to
  * nearest, ties to even, as torch's .to(float16 / bfloat16) rounds; float16
  * first saturates to +-65504 (its largest finite value), so a large K/V
  * never becomes inf.

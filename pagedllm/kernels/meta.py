@@ -62,10 +62,6 @@ def _register_returning() -> None:
         rows = logits.shape[0]
         return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows)  # argmax [rows], lse [rows]
 
-    @reg(_NS + "decode_step")
-    def _(model, x, positions, slots, block_tables, seq_lens):  # noqa: ANN001, ANN202
-        return torch.empty_like(x)  # [num_tokens, hidden]
-
 
 def _register_in_place() -> None:
     # ops that only write into their (a!) arguments: nothing to make, but

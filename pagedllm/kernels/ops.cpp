@@ -1,7 +1,9 @@
 /*
  * The kernels as typed torch ops: the schemas (TORCH_LIBRARY), their CPU
- * implementations (TORCH_LIBRARY_IMPL) and the fused decode step's model
- * holder (a torch custom class). Every kernel trusts its pointers and sizes;
+ * implementations (TORCH_LIBRARY_IMPL) and the step program (a torch custom
+ * class, step_program.h) that runs a recorded decode step's kernel calls in
+ * one parallel region. The decode-path ops build a node (step_nodes.h) and
+ * run it alone; a step program runs the same nodes back to back. Every kernel trusts its pointers and sizes;
  * this file is where what they trust is checked, so a bad tensor raises a
  * Python ValueError (TORCH_CHECK_VALUE) instead of reading outside a buffer.
  * A kernel's allocation failure raises torch.OutOfMemoryError (a
@@ -26,11 +28,11 @@
 #include <string>
 #include <vector>
 
-#include "decode_step.h"
 #include "kernels.h"
 #include "paged_attention.h"
 #include "panel_bf16.h"
 #include "panel_f32.h"
+#include "step_nodes.h"
 
 namespace {
 
@@ -125,24 +127,74 @@ void check_index_vector(const Tensor &t, int64_t n, const char *op, const char *
     TORCH_CHECK_WITH(OutOfMemoryError, false, op, ": out of memory for its scratch buffers");
 }
 
+/* The indices a node reads through, which its kernel trusts: gathered rows inside their table, slots inside
+   the cache, each sequence's length within its block table and every block it reads inside the cache.
+   Checked before every run: they are the step's values, not the tensors' shapes. */
+void check_node_indices(const StepNode &node) {
+    if (node.kind == NODE_GATHER_ROWS) {
+        const GatherRowsNode &g = node.gather;
+        for (int64_t r = 0; r < g.rows; r++)
+            TORCH_CHECK_VALUE(g.index[r] >= 0 && g.index[r] < g.table_rows, "index ", g.index[r],
+                              " is outside the table of ", g.table_rows, " rows it looks up");
+    } else if (node.kind == NODE_WRITE_KV) {
+        for (int64_t t = 0; t < node.kv.rows; t++)
+            TORCH_CHECK_VALUE(node.kv.slots[t] >= 0 && node.kv.slots[t] < node.kv.num_slots,
+                              "slot mapping points outside the KV cache");
+    } else if (node.kind == NODE_PAGED_DECODE) {
+        const PagedDecodeNode &a = node.attn;
+        const int64_t width = a.table_width, block_size = a.block_size;
+        for (int64_t b = 0; b < a.num_seqs; b++) {
+            const int64_t len = a.seq_lens[b];
+            TORCH_CHECK_VALUE(len >= 1 && len <= width * block_size, "paged_decode: sequence ", b, " of length ", len,
+                              " does not fit its block table of ", width, " blocks");
+            for (int64_t i = 0; i < (len + block_size - 1) / block_size; i++) {
+                const int64_t block = a.block_tables[b * a.table_stride + i];
+                TORCH_CHECK_VALUE(block >= 0 && block < a.num_blocks, "paged_decode: block ", block, " of sequence ",
+                                  b, " is outside the cache of ", a.num_blocks, " blocks");
+            }
+        }
+    }
+}
+
+/* the threads an eager op's node runs on: below PARALLEL_MIN_FLOATS of work, one (a team costs more) */
+constexpr int64_t PARALLEL_MIN_FLOATS = 32768;
+
+int threads_for(int64_t work) { return work >= PARALLEL_MIN_FLOATS ? num_threads() : 1; }
+
+/* runs one node as an eager op does: the same team function a recorded step runs */
+void run_node(const StepNode &node, int threads, const char *op) {
+    if (run_step_nodes(&node, 1, threads) != 0) out_of_memory(op);
+}
+
 // --- elementwise ------------------------------------------------------------
 
-Tensor add_rms_norm(const Tensor &x, const OptTensor &delta, const Tensor &weight, double eps) {
+StepNode add_rms_norm_node(const Tensor &x, const OptTensor &delta, const Tensor &weight, const Tensor &y,
+                           double eps) {
+    const char *op = "native rms_norm";
     const int64_t hidden = weight.numel();
-    check_f32_rows(x, hidden, "native rms_norm", "x");
-    check_tensor(weight, at::kFloat, {hidden}, "native rms_norm", "weight");
+    check_f32_rows(x, hidden, op, "x");
+    check_tensor(weight, at::kFloat, {hidden}, op, "weight");
     if (delta.has_value()) {
-        check_f32_rows(*delta, hidden, "native rms_norm", "delta");
+        check_f32_rows(*delta, hidden, op, "delta");
         TORCH_CHECK_VALUE(delta->sizes() == x.sizes(), "native rms_norm: delta must be contiguous and shaped like x");
     }
+    check_tensor(y, at::kFloat, x.sizes(), op, "the output");
+    StepNode node{NODE_ADD_RMS_NORM};
+    node.norm = {x.data_ptr<float>(), ptr_or_null<float>(delta), weight.data_ptr<float>(), y.data_ptr<float>(),
+                 x.size(0), hidden, (float)eps};
+    return node;
+}
+
+Tensor add_rms_norm(const Tensor &x, const OptTensor &delta, const Tensor &weight, double eps) {
     Tensor y = at::empty_like(x);  // [num_tokens, hidden]
-    add_rms_norm_f32(x.data_ptr<float>(), ptr_or_null<float>(delta), weight.data_ptr<float>(), y.data_ptr<float>(),
-                     x.size(0), hidden, (float)eps, num_threads());
+    const StepNode node = add_rms_norm_node(x, delta, weight, y, eps);
+    run_node(node, threads_for(x.numel()), "native rms_norm");
     return y;
 }
 
-void qk_norm_rope(const Tensor &x, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, const Tensor &cos,
-                  const Tensor &sin, const OptTensor &q_norm, const OptTensor &k_norm, double eps) {
+StepNode qk_norm_rope_node(const Tensor &x, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                           const Tensor &cos, const Tensor &sin, const OptTensor &q_norm, const OptTensor &k_norm,
+                           double eps) {
     const char *op = "native rope";
     const int64_t num_heads = num_q_heads + num_kv_heads;
     TORCH_CHECK_VALUE(head_dim > 0 && head_dim <= 1024 && head_dim % 2 == 0 && num_q_heads >= 0 && num_kv_heads >= 0,
@@ -162,24 +214,43 @@ void qk_norm_rope(const Tensor &x, int64_t num_q_heads, int64_t num_kv_heads, in
                                               (*w)->is_contiguous()),
                           op, ": a head norm weight must be contiguous float32 [", head_dim, "]");
     }
-    qk_norm_rope_f32(x.data_ptr<float>(), x.size(0), x.stride(0), num_q_heads, num_kv_heads, head_dim,
-                     ptr_or_null<float>(q_norm), ptr_or_null<float>(k_norm), (float)eps, cos.data_ptr<float>(),
-                     sin.data_ptr<float>(), num_threads());
+    StepNode node{NODE_QK_NORM_ROPE};
+    node.rope = {x.data_ptr<float>(), x.size(0), x.stride(0), num_q_heads, num_kv_heads, head_dim,
+                 ptr_or_null<float>(q_norm), ptr_or_null<float>(k_norm), cos.data_ptr<float>(),
+                 sin.data_ptr<float>(), (float)eps};
+    return node;
 }
 
-Tensor silu_mul(const Tensor &gate_up) {
+void qk_norm_rope(const Tensor &x, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, const Tensor &cos,
+                  const Tensor &sin, const OptTensor &q_norm, const OptTensor &k_norm, double eps) {
+    const StepNode node = qk_norm_rope_node(x, num_q_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm, eps);
+    run_node(node, threads_for(x.size(0) * (num_q_heads + num_kv_heads) * head_dim), "native rope");
+}
+
+StepNode silu_mul_node(const Tensor &gate_up, const Tensor &out) {
     TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
                       "native silu_mul: gate_up must be [num_tokens, 2 * inter], got ", shape_of(gate_up));
     const int64_t inter = gate_up.size(1) / 2;
     check_f32_rows(gate_up, 2 * inter, "native silu_mul", "gate_up");
-    Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());  // [num_tokens, inter]
-    silu_mul_f32(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter, num_threads());
+    check_tensor(out, at::kFloat, {gate_up.size(0), inter}, "native silu_mul", "the output");
+    StepNode node{NODE_SILU_MUL};
+    node.silu = {gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter};
+    return node;
+}
+
+Tensor silu_mul(const Tensor &gate_up) {
+    TORCH_CHECK_VALUE(gate_up.dim() == 2, "native silu_mul: gate_up must be [num_tokens, 2 * inter], got ",
+                      shape_of(gate_up));
+    Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());  // [num_tokens, inter]
+    const StepNode node = silu_mul_node(gate_up, out);
+    run_node(node, threads_for(out.numel()), "native silu_mul");
     return out;
 }
 
 // --- linear layers ------------------------------------------------------------
 
-Tensor int8_linear(const Tensor &x, const Tensor &w, const Tensor &scales, const OptTensor &bias) {
+StepNode int8_linear_node(const Tensor &x, const Tensor &w, const Tensor &scales, const OptTensor &bias,
+                          const Tensor &out) {
     const char *op = "int8_linear";
     TORCH_CHECK_VALUE(w.dim() == 2, op, ": expected a 2-D int8 weight, got shape ", shape_of(w));
     const int64_t out_features = w.size(0), in_features = w.size(1);
@@ -187,9 +258,18 @@ Tensor int8_linear(const Tensor &x, const Tensor &w, const Tensor &scales, const
     check_tensor(w, at::kChar, {out_features, in_features}, op, "weight");
     check_tensor(scales, at::kFloat, {out_features}, op, "scales");
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
-    Tensor out = at::empty({x.size(0), out_features}, x.options());  // [num_rows, out_features]
-    int8_linear_f32(x.data_ptr<float>(), x.size(0), in_features, w.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                    ptr_or_null<float>(bias), out_features, out.data_ptr<float>(), num_threads());
+    check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
+    StepNode node{NODE_LINEAR_INT8};
+    node.linear = {x.data_ptr<float>(), w.data_ptr<int8_t>(), scales.data_ptr<float>(), ptr_or_null<float>(bias),
+                   out.data_ptr<float>(), nullptr, x.size(0), in_features, out_features};
+    return node;
+}
+
+Tensor int8_linear(const Tensor &x, const Tensor &w, const Tensor &scales, const OptTensor &bias) {
+    TORCH_CHECK_VALUE(w.dim() == 2, "int8_linear: expected a 2-D int8 weight, got shape ", shape_of(w));
+    Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
+    const StepNode node = int8_linear_node(x, w, scales, bias, out);
+    run_node(node, num_threads(), "int8_linear");
     return out;
 }
 
@@ -226,7 +306,8 @@ void check_activations(const Tensor &x, int64_t in_features, const char *op) {
     TORCH_CHECK_VALUE(x.is_contiguous(), op, ": the activations must be contiguous");
 }
 
-Tensor packed_linear(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features) {
+StepNode packed_linear_node(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features,
+                            const Tensor &out) {
     const char *op = "packed_linear";
     // the kernel trusts the buffer's size: a weight packed for another panel
     // width (another CPU) or fewer outputs would be read past its end
@@ -238,13 +319,23 @@ Tensor packed_linear(const Tensor &x, const Tensor &packed, const OptTensor &bia
     const int64_t in_features = packed.size(1);
     check_activations(x, in_features, op);
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
-    Tensor out = at::empty({x.size(0), out_features}, x.options());  // [num_rows, out_features]
-    packed_linear_f32(x.data_ptr<float>(), x.size(0), in_features, packed.data_ptr<float>(), ptr_or_null<float>(bias),
-                      out_features, out.data_ptr<float>(), num_threads());
+    check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
+    StepNode node{NODE_LINEAR_F32_PANELS};
+    node.linear = {x.data_ptr<float>(), packed.data_ptr<float>(), nullptr, ptr_or_null<float>(bias),
+                   out.data_ptr<float>(), nullptr, x.size(0), in_features, out_features};
+    return node;
+}
+
+Tensor packed_linear(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features) {
+    Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, out_features}, x.options());  // [num_rows, out_features]
+    const StepNode node = packed_linear_node(x, packed, bias, out_features, out);
+    run_node(node, num_threads(), "packed_linear");
     return out;
 }
 
-Tensor packed_linear_bf16_op(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features) {
+/* scratch: bf16_scratch_values(rows, in_features) values for the rounded activations, set by the caller */
+StepNode packed_linear_bf16_node(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features,
+                                 const Tensor &out) {
     const char *op = "packed_linear_bf16";
     TORCH_CHECK_VALUE(x.dim() == 2, op, ": expected activations [num_rows, in], got ", shape_of(x));
     const int64_t in_features = x.size(1);
@@ -256,18 +347,28 @@ Tensor packed_linear_bf16_op(const Tensor &x, const Tensor &packed, const OptTen
     check_tensor(packed, at::kBFloat16, packed.sizes(), op, "the packed weight");
     check_activations(x, in_features, op);
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
-    Tensor out = at::empty({x.size(0), out_features}, x.options());  // [num_rows, out_features]
+    check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
+    StepNode node{NODE_LINEAR_BF16_PANELS};
+    node.linear = {x.data_ptr<float>(), packed.data_ptr(), nullptr, ptr_or_null<float>(bias), out.data_ptr<float>(),
+                   nullptr, x.size(0), in_features, out_features};
+    return node;
+}
+
+Tensor packed_linear_bf16_op(const Tensor &x, const Tensor &packed, const OptTensor &bias, int64_t out_features) {
+    Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, out_features}, x.options());  // [num_rows, out_features]
+    StepNode node = packed_linear_bf16_node(x, packed, bias, out_features, out);
     if (x.size(0) == 0) return out;
-    const int status = packed_linear_bf16(x.data_ptr<float>(), x.size(0), in_features,
-                                          reinterpret_cast<const uint16_t *>(packed.data_ptr()),
-                                          ptr_or_null<float>(bias), out_features, out.data_ptr<float>(), num_threads());
-    if (status != 0) out_of_memory(op);
+    // [scratch values] of bf16 bits: one block of rounded activation rows
+    Tensor scratch = at::empty({bf16_scratch_values(x.size(0), x.size(1))}, x.options().dtype(at::kBFloat16));
+    node.linear.scratch = reinterpret_cast<uint16_t *>(scratch.data_ptr());
+    run_node(node, num_threads(), "packed_linear_bf16");
     return out;
 }
 
 // --- attention and the KV cache -------------------------------------------------
 
-void write_kv_op(const Tensor &k, const Tensor &v, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slots) {
+StepNode write_kv_node(const Tensor &k, const Tensor &v, const Tensor &k_cache, const Tensor &v_cache,
+                       const Tensor &slots) {
     const char *op = "write_kv";
     const int kv_type = check_caches(k_cache, v_cache, op);
     const int64_t num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
@@ -275,37 +376,27 @@ void write_kv_op(const Tensor &k, const Tensor &v, const Tensor &k_cache, const 
     check_head_rows(v, num_kv_heads, head_dim, op, "v");
     TORCH_CHECK_VALUE(v.size(0) == k.size(0), op, ": k and v must have as many rows");
     check_index_vector(slots, k.size(0), op, "the slot mapping");
-    const int status = write_kv(k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0), k_cache.data_ptr(),
-                                v_cache.data_ptr(), kv_type, slots.data_ptr<int64_t>(), k.size(0),
-                                num_kv_heads * head_dim, k_cache.size(0) * k_cache.size(1), num_threads());
-    TORCH_CHECK_VALUE(status != 2, "slot mapping points outside the KV cache");
-    TORCH_CHECK_VALUE(status == 0, op, ": unknown cache dtype");
+    StepNode node{NODE_WRITE_KV};
+    node.kv = {k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+               v_cache.data_ptr(), kv_type, slots.data_ptr<int64_t>(), k.size(0), num_kv_heads * head_dim,
+               k_cache.size(0) * k_cache.size(1)};
+    return node;
 }
 
-/* sequence b's length and block table: within the table and every block it reads inside the cache */
-void check_block_tables(const Tensor &tables, const Tensor &seq_lens, int64_t num_blocks, int64_t block_size,
-                        const char *op) {
-    const int64_t num_seqs = seq_lens.size(0), width = tables.size(1);
-    const int64_t *lens = seq_lens.data_ptr<int64_t>(), *t = tables.data_ptr<int64_t>();
-    for (int64_t b = 0; b < num_seqs; b++) {
-        TORCH_CHECK_VALUE(lens[b] >= 1 && lens[b] <= width * block_size, op, ": sequence ", b, " of length ",
-                          lens[b], " does not fit its block table of ", width, " blocks");
-        for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; i++) {
-            const int64_t block = t[b * tables.stride(0) + i];
-            TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, op, ": block ", block, " of sequence ", b,
-                              " is outside the cache of ", num_blocks, " blocks");
-        }
-    }
+void write_kv_op(const Tensor &k, const Tensor &v, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slots) {
+    const StepNode node = write_kv_node(k, v, k_cache, v_cache, slots);
+    check_node_indices(node);
+    run_node(node, node.kv.rows > 256 ? num_threads() : 1, "write_kv");
 }
 
-void paged_decode_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
-                     const Tensor &seq_lens, double scale, const Tensor &out, int64_t window) {
+StepNode paged_decode_node(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
+                           const Tensor &seq_lens, double scale, const Tensor &out, int64_t window) {
     const char *op = "paged_decode";
     TORCH_CHECK_VALUE(window >= 0, op, ": window must be 0 (none) or a number of keys, got ", window);
     TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat, op,
                       " runs float32 queries on the CPU, got ", dtype_name(q.scalar_type()), " on ", q.device());
     const int kv_type = check_caches(k_cache, v_cache, op);
-    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+    const int64_t num_kv_heads = k_cache.size(2);
     TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == k_cache.size(3) && num_kv_heads > 0 && q.size(1) % num_kv_heads == 0,
                       op, ": queries ", shape_of(q), " do not fit a cache of ", shape_of(k_cache));
     const int64_t num_seqs = q.size(0);
@@ -316,14 +407,19 @@ void paged_decode_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cac
                           block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
                       op, ": block_tables must be int64 [num_seqs, max_blocks] with contiguous rows, got ",
                       shape_of(block_tables));
-    check_block_tables(block_tables, seq_lens, num_blocks, block_size, op);
-    const int status = paged_decode(q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type,
-                                    block_tables.data_ptr<int64_t>(), block_tables.stride(0),
-                                    seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), (int)num_seqs,
-                                    (int)q.size(1), (int)num_kv_heads, (int)q.size(2), (int)block_size,
-                                    num_threads(), (float)scale, window);
-    if (status == 1) out_of_memory(op);
-    TORCH_CHECK_VALUE(status == 0, op, ": unknown cache dtype");
+    StepNode node{NODE_PAGED_DECODE};
+    node.attn = {q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type,
+                 block_tables.data_ptr<int64_t>(), block_tables.stride(0), seq_lens.data_ptr<int64_t>(),
+                 out.data_ptr<float>(), (int)num_seqs, (int)q.size(1), (int)num_kv_heads, (int)q.size(2),
+                 (int)k_cache.size(1), k_cache.size(0), block_tables.size(1), (float)scale, window};
+    return node;
+}
+
+void paged_decode_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
+                     const Tensor &seq_lens, double scale, const Tensor &out, int64_t window) {
+    const StepNode node = paged_decode_node(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
+    check_node_indices(node);
+    run_node(node, num_threads(), "paged_decode");
 }
 
 void prefill_attention_op(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out, const Tensor &bounds,
@@ -370,11 +466,14 @@ int64_t bf16_native() { return packed_linear_bf16_native(); }
 
 }  // namespace
 
-#include "fused_decoder.h"
+#include "step_program.h"
 
 TORCH_LIBRARY(pagedllm, m) {
-    m.class_<FusedDecoder>("FusedDecoder")
-        .def(torch::init<std::vector<std::optional<Tensor>>, std::vector<int64_t>, std::vector<double>>());
+    m.class_<StepProgram>("StepProgram")
+        .def(torch::init<>())
+        .def("add", &StepProgram::add)
+        .def("run", &StepProgram::run)
+        .def("num_nodes", &StepProgram::num_nodes);
     m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
     m.def("qk_norm_rope(Tensor(a!) x, int num_q_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
           "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
@@ -389,8 +488,6 @@ TORCH_LIBRARY(pagedllm, m) {
           "float scale, Tensor(a!) out, int window=0) -> ()");
     m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
-    m.def("decode_step(__torch__.torch.classes.pagedllm.FusedDecoder model, Tensor(a!) x, Tensor positions, "
-          "Tensor slots, Tensor block_tables, Tensor seq_lens) -> Tensor");
     // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key
     m.def("packed_linear_panel() -> int", &panel_f32);
     m.def("packed_linear_bf16_panel() -> int", &panel_bf16);
@@ -410,5 +507,4 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("paged_decode", &paged_decode_op);
     m.impl("prefill_attention", &prefill_attention_op);
     m.impl("logit_stats", &logit_stats);
-    m.impl("decode_step", &decode_step_op);
 }

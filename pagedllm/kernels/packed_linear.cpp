@@ -40,6 +40,7 @@
 #include <stdint.h>
 
 #include "panel_f32.h"
+#include "step_nodes.h"
 
 /* Output columns per panel in this build; the caller sizes the packed buffer with it. */
 int packed_linear_panel(void) { return PANEL; }
@@ -57,13 +58,12 @@ void packed_linear_pack(const float *w, int64_t n, int64_t k, float *packed) {
 }
 
 /* y [m, n] = x [m, k] @ W^T (+ bias), W packed by packed_linear_pack, in
- * blocks of f32_block_rows rows (long inputs: prefills). */
-void packed_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, const float *bias,
-                       int64_t n, float *y, int num_threads) {
-    const int64_t block_rows = f32_block_rows(k);
-#pragma omp parallel num_threads(num_threads)
+ * blocks of f32_block_rows rows (long inputs: prefills); a team function (step_nodes.h). */
+void packed_linear_f32_team(const LinearNode *n) {
+    const int64_t m = n->rows, k = n->in_features, block_rows = f32_block_rows(k);
     for (int64_t row0 = 0; row0 < m; row0 += block_rows) {
         const int64_t rows = m - row0 < block_rows ? m - row0 : block_rows;
-        f32_panel_units(x + row0 * k, rows, k, packed, bias, n, y + row0 * n);
+        f32_panel_units(n->x + row0 * k, rows, k, (const float *)n->weight, n->bias, n->out_features,
+                        n->y + row0 * n->out_features);
     }
 }

@@ -39,6 +39,7 @@
 #include <stdlib.h>
 
 #include "panel_bf16.h"
+#include "step_nodes.h"
 
 int packed_linear_bf16_panel(void) { return BF_PANEL; }
 
@@ -69,29 +70,28 @@ void packed_linear_bf16_pack(const float *w, int64_t n, int64_t k, uint16_t *pac
                 }
 }
 
-/* below this many activations a block is rounded by one thread: a parallel region costs more */
-#define BF_PARALLEL_CONVERT 32768
+/* bf16 values of the scratch for a call's rounded activations: one block of rows */
+int64_t bf16_scratch_values(int64_t rows, int64_t in_features) {
+    const int64_t kpad = 2 * ((in_features + 1) / 2), block_rows = bf16_block_rows(kpad);
+    return (rows < block_rows ? rows : block_rows) * kpad;
+}
 
-/* y [m, n] = bf16(x [m, k]) @ W^T (+ bias), W packed by packed_linear_bf16_pack.
- * Rows go in blocks of bf16_block_rows (as packed_linear_f32); each block is
- * rounded to bf16 into a scratch buffer first. A bf16 row of even length is
- * exactly the pairs the tile broadcasts (x[2i] in the low half).
- * Returns 0, or -1 when the scratch buffer cannot be allocated. */
-int packed_linear_bf16(const float *x, int64_t m, int64_t k, const uint16_t *packed, const float *bias,
-                       int64_t n, float *y, int num_threads) {
-    const int64_t k2 = (k + 1) / 2, kpad = 2 * k2;
+/* y [m, n] = bf16(x [m, k]) @ W^T (+ bias), W packed by packed_linear_bf16_pack; a team
+ * function (step_nodes.h). Rows go in blocks of bf16_block_rows (as the float32 panels);
+ * each block is rounded to bf16 into the shared scratch first. A bf16 row of even length
+ * is exactly the pairs the tile broadcasts (x[2i] in the low half). */
+void packed_linear_bf16_team(const LinearNode *n) {
+    const int64_t m = n->rows, k = n->in_features, k2 = (k + 1) / 2, kpad = 2 * k2;
     const int64_t block_rows = bf16_block_rows(kpad);
-    const int64_t scratch_rows = m < block_rows ? m : block_rows;
-    uint16_t *xb = (uint16_t *)malloc((size_t)(scratch_rows * kpad) * sizeof(uint16_t));
-    if (xb == NULL) return -1;
+    uint16_t *xb = n->scratch;
     for (int64_t row0 = 0; row0 < m; row0 += block_rows) {
         const int64_t rows = m - row0 < block_rows ? m - row0 : block_rows;
-        const float *xr = x + row0 * k;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= BF_PARALLEL_CONVERT)
+        const float *xr = n->x + row0 * k;
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) row_to_bf16(xr + r * k, k, kpad, xb + r * kpad);
-#pragma omp parallel num_threads(num_threads)
-        bf16_panel_units(xb, rows, k2, packed, bias, n, y + row0 * n);
+        /* the rounding loop's closing barrier: every row is ready before any unit reads it,
+           and the units' closing barrier frees the scratch for the next block */
+        bf16_panel_units(xb, rows, k2, (const uint16_t *)n->weight, n->bias, n->out_features,
+                         n->y + row0 * n->out_features);
     }
-    free(xb);
-    return 0;
 }

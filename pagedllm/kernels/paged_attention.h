@@ -1,8 +1,7 @@
 /*
  * Decode attention of one sequence's query heads over its paged K/V,
- * reading the blocks in place. Shared by paged_decode.cpp (attention only),
- * decode_step.cpp (a whole decoder step) and prefill_attention.cpp (which uses
- * the float32 dot products and the softmax).
+ * reading the blocks in place. Shared by paged_decode.cpp and
+ * prefill_attention.cpp (which uses the float32 dot products and the softmax).
  *
  * Layouts (all contiguous):
  *   q, out       [num_heads, head_dim]         float32 (one sequence)

@@ -20,65 +20,58 @@
  *
  * Softmax is computed exactly (scores, max, exp, sum, then the weighted sum
  * of values), in float32, as torch's reference does; a 2-byte cache is
- * widened to float32 as it is read. Parallel with OpenMP
- * (the library links the same libgomp as torch, so both share one thread
- * pool).
+ * widened to float32 as it is read. ops.cpp checks every block a sequence
+ * reads against the cache, and the cache dtype, before the node runs.
  */
-#include "kernels.h"
+#include <omp.h>
 #include <stdlib.h>
 
 #include "paged_attention.h"
+#include "step_nodes.h"
 
-/* Returns 0 on success, 1 when scratch memory could not be allocated, 2 for
-   an unknown kv_type. Work is split by sequence; with fewer sequences than
-   threads, by (sequence, kv head) so that one long sequence still uses
-   every core. window > 0: each query sees its sequence's last `window`
-   keys only (a sliding window, as transformers' `k_pos > q_pos - window`);
-   0: all of them. */
-int paged_decode(const float *q, const void *k_cache, const void *v_cache, int kv_type,
-                 const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,
-                 float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                 int block_size, int num_threads, float scale, int64_t window) {
-    if (kv_type != KV_FLOAT32 && kv_type != KV_FLOAT16 && kv_type != KV_BFLOAT16) return 2;
+/* A team function (step_nodes.h). Work is split by sequence; with fewer
+   sequences than threads, by (sequence, kv head) so that one long sequence
+   still uses every core. window > 0: each query sees its sequence's last
+   `window` keys only (a sliding window, as transformers'
+   `k_pos > q_pos - window`); 0: all of them. Each thread allocates its
+   scores; where it cannot, it sets *failed and skips its tasks. */
+void paged_decode_team(const PagedDecodeNode *n, int *failed) {
+    const int num_threads = omp_get_num_threads();
     int64_t max_len = 1;
-    for (int b = 0; b < num_seqs; b++)
-        if (seq_lens[b] > max_len) max_len = seq_lens[b];
-    const int split_heads = num_seqs < 2 * num_threads;
-    const int parts = split_heads ? num_kv_heads : 1; /* tasks per sequence */
-    const int heads_per_part = num_kv_heads / parts;
-    const int group = num_heads / num_kv_heads;
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)heads_per_part * group * (size_t)max_len);
-        if (scores == NULL) {
+    for (int b = 0; b < n->num_seqs; b++)
+        if (n->seq_lens[b] > max_len) max_len = n->seq_lens[b];
+    const int split_heads = n->num_seqs < 2 * num_threads;
+    const int parts = split_heads ? n->num_kv_heads : 1; /* tasks per sequence */
+    const int heads_per_part = n->num_kv_heads / parts;
+    const int group = n->num_heads / n->num_kv_heads;
+    const int num_heads = n->num_heads, num_kv_heads = n->num_kv_heads, head_dim = n->head_dim;
+    const int block_size = n->block_size;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)heads_per_part * group * (size_t)max_len);
+    if (scores == NULL) {
 #pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < (int64_t)num_seqs * parts; task++) {
-            if (scores == NULL) continue;
-            const int b = (int)(task / parts), part = (int)(task % parts);
-            const float *qb = q + (int64_t)b * num_heads * head_dim;
-            float *ob = out + (int64_t)b * num_heads * head_dim;
-            /* a window of w keys: the last w tokens, from the block holding the first of them */
-            const int64_t len = seq_lens[b], start = window > 0 && len > window ? len - window : 0;
-            const int64_t first_block = start / block_size, skip = start - first_block * block_size;
-            const int64_t *table = block_tables + b * table_stride + first_block;
-            const int64_t span = len - first_block * block_size; /* tokens read: skip of them masked */
-            const int h0 = part * heads_per_part, h1 = (part + 1) * heads_per_part;
-            if (kv_type == KV_FLOAT32)
-                attend_f32(qb, (const float *)k_cache, (const float *)v_cache, table, span, ob, num_heads,
-                           num_kv_heads, head_dim, block_size, scale, h0, h1, scores, skip);
-            else if (kv_type == KV_FLOAT16)
-                attend_f16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, span, ob, num_heads,
-                           num_kv_heads, head_dim, block_size, scale, h0, h1, scores, skip);
-            else
-                attend_bf16(qb, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, span, ob, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, h0, h1, scores, skip);
-        }
-        free(scores);
+        *failed = 1;
     }
-    return failed;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < (int64_t)n->num_seqs * parts; task++) {
+        if (scores == NULL) continue;
+        const int b = (int)(task / parts), part = (int)(task % parts);
+        const float *qb = n->q + (int64_t)b * num_heads * head_dim;
+        float *ob = n->out + (int64_t)b * num_heads * head_dim;
+        /* a window of w keys: the last w tokens, from the block holding the first of them */
+        const int64_t len = n->seq_lens[b], start = n->window > 0 && len > n->window ? len - n->window : 0;
+        const int64_t first_block = start / block_size, skip = start - first_block * block_size;
+        const int64_t *table = n->block_tables + b * n->table_stride + first_block;
+        const int64_t span = len - first_block * block_size; /* tokens read: skip of them masked */
+        const int h0 = part * heads_per_part, h1 = (part + 1) * heads_per_part;
+        if (n->kv_type == KV_FLOAT32)
+            attend_f32(qb, (const float *)n->k_cache, (const float *)n->v_cache, table, span, ob, num_heads,
+                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+        else if (n->kv_type == KV_FLOAT16)
+            attend_f16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob, num_heads,
+                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+        else
+            attend_bf16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob,
+                        num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+    }
+    free(scores);
 }

@@ -1,6 +1,5 @@
 /* The bf16 panel tile of packed_linear_bf16.cpp (its comment draws the
- * layout) and the activation rounding, shared with decode_step.cpp so the
- * fused decode step multiplies exactly as the layer-by-layer path does.
+ * layout) and the activation rounding.
  */
 #ifndef PAGEDLLM_PANEL_BF16_H
 #define PAGEDLLM_PANEL_BF16_H

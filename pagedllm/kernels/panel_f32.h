@@ -1,6 +1,4 @@
-/* The float32 panel tile of packed_linear.cpp (its comment draws the layout),
- * shared with decode_step.cpp so the fused decode step multiplies exactly as
- * the layer-by-layer path does.
+/* The float32 panel tile of packed_linear.cpp (its comment draws the layout).
  */
 #ifndef PAGEDLLM_PANEL_F32_H
 #define PAGEDLLM_PANEL_F32_H

@@ -1,5 +1,5 @@
-/* How the packed-panel matmuls (panel_f32.h, panel_bf16.h: packed_linear.cpp,
- * packed_linear_bf16.cpp and the fused decode step) split
+/* How the packed-panel matmuls (panel_f32.h, panel_bf16.h: packed_linear.cpp
+ * and packed_linear_bf16.cpp) split
  * their work: units of (panel, row chunk), panel-major, so a thread runs all
  * row chunks of a panel back to back and reads the panel from memory once;
  * each row chunk also prefetches its share of the NEXT panel's cache lines

@@ -30,9 +30,9 @@ from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
 
 # rows at or below which the int8 kernel beats float32 GEMM on the bytes it
 # saves, measured on the 2-vCPU EPYC for SmolLM2's layer shapes: the kernel
-# alone matches oneDNN at 8 rows; with the whole step fused
-# (runner/fused_decode.py), 8 sequences decode at 444 tok/s fused against 309
-# layer by layer, 16 at 429 fused against 486 (BENCHMARKS.md)
+# alone matches oneDNN at 8 rows; with the whole decode step in one native call
+# (the former fused decoder; now runner/step_program.py), 8 sequences decoded
+# at 444 tok/s against 309 layer by layer, 16 at 429 against 486 (BENCHMARKS.md)
 SMALL_BATCH_ROWS = 8
 
 # how each float32 backend stores the dequantized copy

@@ -17,6 +17,11 @@ Decode-only steps of at most ``max_rows`` sequences are captured; prefills,
 mixed steps and larger batches (where the Python is a small share of the
 step) run the model directly. Only models whose decode path takes nothing
 from the step but its tensors may be captured (``supports``).
+
+With ``native_programs`` (the runner's default where the native kernels are
+loaded) each graph's nodes are lowered to ``StepProgram`` calls
+(``runner/step_program.py``): the step's kernels run in one OpenMP parallel
+region instead of one region per kernel.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch import nn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.step_graph import CaptureError, StepGraph
+from pagedllm.runner.step_program import lower_to_programs
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +69,7 @@ class CapturedDecode:
         max_rows: the most sequences a captured step has.
         padding_block: a KV block outside the pool, for the padding rows of a bucket.
         block_size: tokens per KV block.
+        native_programs: lower each graph to native ``StepProgram`` runs (needs the native kernels).
     """
 
     @staticmethod
@@ -77,9 +84,10 @@ class CapturedDecode:
 
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        max_rows: int, padding_block: int, block_size: int,
+        max_rows: int, padding_block: int, block_size: int, native_programs: bool = False,
     ) -> None:
         self.model = model
+        self.native_programs = native_programs
         self.padding_block = padding_block
         self.block_size = block_size
         self.kv_caches = kv_caches
@@ -122,6 +130,8 @@ class CapturedDecode:
             self.failed = str(e)
             logger.warning("decode steps cannot be captured, running the model directly: %s", e)
             return self.model(input_ids, positions, self.kv_caches, meta)
+        if self.native_programs:
+            graph.group(lower_to_programs)
         self.graphs[key] = graph
         return hidden[:num_rows]
 

@@ -12,7 +12,6 @@ from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
-from pagedllm.runner.fused_decode import FusedDecode
 from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.kv_cache import allocate_kv_cache, decide_num_kv_blocks, kv_bytes_per_block
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
@@ -73,24 +72,14 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.block_size, self.device)
-        # decode steps run the whole decoder in one native call (runner/fused_decode.py)
-        # where its linear layers are int8 or packed panels, with cpu_paged attention, for the
-        # models it implements; it is still faster than replayed graphs, so it goes first
-        self.fused_decode: FusedDecode | None = None
-        if (
-            not config.enforce_eager
-            and self.backend.name == "cpu_paged"
-            and (config.quantization == "int8" or self.linear_backend == "packed")
-            and FusedDecode.supports(self.model)
-        ):
-            self.fused_decode = FusedDecode(self.model, self.kv_caches, self.block_size)
-        # the other decode steps replay graphs recorded from the model's own forward
-        # (runner/captured_decode.py): other families, windows, int8 steps of more than 8 rows
+        # decode steps replay graphs recorded from the model's own forward (runner/captured_decode.py),
+        # their kernels run in one parallel region per graph where the native ops are loaded
+        # (runner/step_program.py)
         self.captured_decode: CapturedDecode | None = None
         if not config.enforce_eager and CapturedDecode.supports(self.backend, model_config):
             self.captured_decode = CapturedDecode(
                 self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS),
-                self.padding_block, self.block_size,
+                self.padding_block, self.block_size, native_programs=self.native_ops is not None,
             )
 
     @property
@@ -146,9 +135,7 @@ class ModelRunner:
         order = sorted(range(len(record.sequences)), key=lambda i: record.sequences[i].num_new_tokens == 1)
         steps = [record.sequences[i] for i in order]
         input_ids, positions, meta = self.prepare(steps)
-        if self.fused_decode is not None and self.fused_decode.accepts(meta, input_ids.shape[0]):
-            hidden = self.fused_decode(input_ids, positions, meta)
-        elif self.captured_decode is not None and self.captured_decode.accepts(meta, input_ids.shape[0]):
+        if self.captured_decode is not None and self.captured_decode.accepts(meta, input_ids.shape[0]):
             hidden = self.captured_decode(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)

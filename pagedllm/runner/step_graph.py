@@ -92,14 +92,30 @@ def _writes(func: Any) -> bool:  # noqa: ANN401 (an OpOverload)
 
 
 @dataclass(frozen=True)
-class _Node:
-    """One kept op: ``op(*args, **kwargs)``, its new result copied to ``copy_to`` (or ``copies``, per flat result)."""
+class Node:
+    """One kept op: ``op(*args, **kwargs)``, its new result copied to ``copy_to`` (or ``copies``, per flat result).
 
+    ``overload`` is the op as recorded (a ``torch._ops.OpOverload``), for
+    whoever lowers nodes to native calls (``runner/step_program.py``);
+    ``op`` is its raw callable, cheaper to call.
+    """
+
+    overload: Any
     op: Callable[..., Any]
     args: tuple
     kwargs: dict | None
     copy_to: torch.Tensor | None  # one result: the static tensor it goes to
     copies: tuple[torch.Tensor | None, ...] | None  # several results: each one's static tensor (None: none)
+
+    def __call__(self) -> None:
+        """Run the op on its static tensors and copy its new result(s) where the next ops read them."""
+        out = self.op(*self.args) if self.kwargs is None else self.op(*self.args, **self.kwargs)
+        if self.copy_to is not None:
+            self.copy_to.copy_(out)
+        elif self.copies is not None:
+            for static, value in zip(self.copies, tree_flatten(out)[0]):
+                if static is not None:
+                    static.copy_(value)
 
 
 class StepGraph:
@@ -108,15 +124,24 @@ class StepGraph:
     ``StepGraph.capture`` records it; ``replay(inputs)`` copies ``inputs``
     into the static inputs and reruns the kept ops. The tensor it returns
     is a static buffer, overwritten by the next replay.
+
+    ``runs`` is what a replay calls, in order: one per node as recorded;
+    ``group`` lets a caller replace runs of nodes by one call that does
+    their work (``runner/step_program.py``: native programs).
     """
 
-    def __init__(self, inputs: list[torch.Tensor], nodes: list[_Node], result: torch.Tensor,
+    def __init__(self, inputs: list[torch.Tensor], nodes: list[Node], result: torch.Tensor,
                  num_recorded: int, num_buffers: int) -> None:
         self.inputs = inputs
         self.nodes = nodes
         self.result = result
         self.num_recorded = num_recorded  # ops seen at capture
         self.num_buffers = num_buffers  # static buffers after sharing
+        self.runs: list[Callable[[], None]] = list(nodes)
+
+    def group(self, lower: Callable[[list[Node]], list[Callable[[], None]]]) -> None:
+        """Replay ``lower(nodes)`` instead of the nodes one by one: calls that do the nodes' work, in order."""
+        self.runs = lower(self.nodes)
 
     @classmethod
     def capture(
@@ -149,14 +174,8 @@ class StepGraph:
             raise ValueError("a step graph was replayed with inputs of other shapes than it was captured with")
         for static, t in zip(self.inputs, inputs):
             static.copy_(t)
-        for node in self.nodes:
-            out = node.op(*node.args) if node.kwargs is None else node.op(*node.args, **node.kwargs)
-            if node.copy_to is not None:
-                node.copy_to.copy_(out)
-            elif node.copies is not None:
-                for static, value in zip(node.copies, tree_flatten(out)[0]):
-                    if static is not None:
-                        static.copy_(value)
+        for run in self.runs:
+            run()
         return self.result
 
 
@@ -236,7 +255,7 @@ class _Planner:
             raise CaptureError(f"a view of another dtype ({t.dtype} of {buffer.dtype}) cannot be replayed")
         return buffer.as_strided(t.shape, t.stride(), t.storage_offset())
 
-    def _node(self, func: Any, args: tuple, kwargs: dict, fresh: list, remap: dict) -> _Node:  # noqa: ANN401
+    def _node(self, func: Any, args: tuple, kwargs: dict, fresh: list, remap: dict) -> Node:  # noqa: ANN401
         """The kept op with every tensor it touches moved to its static buffer."""
 
         def m(t: Any) -> Any:  # noqa: ANN401
@@ -244,7 +263,7 @@ class _Planner:
 
         targets = tuple(None if f is None else m(f) for f in fresh)
         single = len(targets) == 1
-        return _Node(
-            func._op, tree_map(m, args), tree_map(m, kwargs) if kwargs else None,
+        return Node(
+            func, func._op, tree_map(m, args), tree_map(m, kwargs) if kwargs else None,
             targets[0] if single else None, None if single or not any(t is not None for t in targets) else targets,
         )

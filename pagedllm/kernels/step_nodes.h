@@ -1,0 +1,152 @@
+/*
+ * Kernel calls as plain records ("nodes"), run by one OpenMP team.
+ *
+ * Every decode-path kernel (the norms, RoPE, SiLU-and-multiply, the three
+ * linear kinds, the KV write, decode attention, and the row gathers, copies
+ * and adds between them) is written once as a *team function*: its loops are
+ * orphaned "omp for" constructs, so called inside a parallel region the team
+ * shares them and meets at their closing barrier. run_step_nodes opens one
+ * region and calls the team function of each node in turn:
+ *
+ *     eager op (ops.cpp)          one node   -> run_step_nodes(&node, 1, threads)
+ *     replayed decode step        N nodes    -> run_step_nodes(nodes, N, threads)
+ *     (runner/step_program.py:       recorded from the model's own forward
+ *      a StepProgram)                 pass, so no layer is written here)
+ *
+ * so a recorded step costs one fork and one barrier per node, not one
+ * parallel region (and a sleeping team to wake) per kernel, and it computes
+ * exactly what the eager ops compute: the same functions on the same rows.
+ *
+ * Nodes trust their pointers and sizes: ops.cpp builds them from tensors it
+ * has checked, and checks the indices they read (slots, block tables,
+ * gathered rows) before every run.
+ */
+#ifndef PAGEDLLM_STEP_NODES_H
+#define PAGEDLLM_STEP_NODES_H
+#include <stdint.h>
+
+enum StepNodeKind {
+    NODE_GATHER_ROWS, /* out[r] = table[index[r]]  (embedding, cos/sin lookup) */
+    NODE_COPY_ROWS,   /* dst[r] = src[r], src rows src_stride apart (a strided view made contiguous) */
+    NODE_ADD,         /* x += y, elementwise (the residual stream) */
+    NODE_ADD_RMS_NORM,
+    NODE_QK_NORM_ROPE,
+    NODE_SILU_MUL,
+    NODE_LINEAR_F32_PANELS,
+    NODE_LINEAR_BF16_PANELS,
+    NODE_LINEAR_INT8,
+    NODE_WRITE_KV,
+    NODE_PAGED_DECODE,
+};
+
+typedef struct {
+    const float *table;   /* [table_rows, row_len] */
+    const int64_t *index; /* [rows], each in [0, table_rows) */
+    float *out;           /* [rows, row_len] */
+    int64_t rows, row_len, table_rows;
+} GatherRowsNode;
+
+typedef struct {
+    const float *src; /* rows of row_len contiguous floats, src_stride apart */
+    float *dst;       /* [rows, row_len] */
+    int64_t rows, row_len, src_stride;
+} CopyRowsNode;
+
+typedef struct {
+    float *x;       /* [numel] */
+    const float *y; /* [numel] */
+    int64_t numel;
+} AddNode;
+
+typedef struct {
+    float *x;            /* [rows, n]; x += delta when delta is given */
+    const float *delta;  /* [rows, n] or NULL */
+    const float *weight; /* [n] */
+    float *y;            /* [rows, n] = rms_norm(x) * weight */
+    int64_t rows, n;
+    float eps;
+} AddRmsNormNode;
+
+typedef struct {
+    float *x; /* rows of row_stride floats: num_q_heads q heads, then num_kv_heads k heads */
+    int64_t rows, row_stride, num_q_heads, num_kv_heads, head_dim;
+    const float *q_norm, *k_norm; /* [head_dim] each, or both NULL */
+    const float *cos, *sin;       /* [rows, head_dim] */
+    float eps;
+} QkNormRopeNode;
+
+typedef struct {
+    const float *gate_up; /* [rows, 2 * inter]: gate, then up */
+    float *out;           /* [rows, inter] */
+    int64_t rows, inter;
+} SiluMulNode;
+
+typedef struct {
+    const float *x; /* [rows, in_features] */
+    /* float32 panels [num_panels, in, PANEL]; bf16 panels [num_panels, ceil(in / 2), BF_PANEL, 2];
+       int8 [out, in] */
+    const void *weight;
+    const float *scales; /* int8: [out_features]; NULL otherwise */
+    const float *bias;   /* [out_features] or NULL */
+    float *y;            /* [rows, out_features] */
+    uint16_t *scratch;   /* bf16: room for bf16_scratch_values(rows, in_features) values, shared by the team */
+    int64_t rows, in_features, out_features;
+} LinearNode;
+
+typedef struct {
+    const float *k, *v; /* [rows, row] with rows k_stride / v_stride floats apart */
+    int64_t k_stride, v_stride;
+    void *k_cache, *v_cache; /* [num_slots, row] of kv_type */
+    int kv_type;
+    const int64_t *slots; /* [rows], each in [0, num_slots) */
+    int64_t rows, row, num_slots;
+} WriteKvNode;
+
+typedef struct {
+    const float *q; /* [num_seqs, num_heads, head_dim] */
+    const void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] of kv_type */
+    int kv_type;
+    const int64_t *block_tables; /* [num_seqs, table_stride] */
+    int64_t table_stride;
+    const int64_t *seq_lens; /* [num_seqs] */
+    float *out;              /* [num_seqs, num_heads, head_dim] */
+    int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t num_blocks;  /* of the cache: every block a sequence reads is below it */
+    int64_t table_width; /* columns of a table row: every length is at most table_width * block_size */
+    float scale;
+    int64_t window; /* 0: every key; w > 0: the last w keys */
+} PagedDecodeNode;
+
+typedef struct {
+    int kind; /* StepNodeKind */
+    union {
+        GatherRowsNode gather;
+        CopyRowsNode copy;
+        AddNode add;
+        AddRmsNormNode norm;
+        QkNormRopeNode rope;
+        SiluMulNode silu;
+        LinearNode linear;
+        WriteKvNode kv;
+        PagedDecodeNode attn;
+    };
+} StepNode;
+
+/* Runs the nodes in order in one parallel region of num_threads threads.
+   Returns 0, or 1 when a node's scratch memory could not be allocated. */
+int run_step_nodes(const StepNode *nodes, int64_t num_nodes, int num_threads);
+
+/* bf16 values a LinearNode of kind NODE_LINEAR_BF16_PANELS needs in `scratch` */
+int64_t bf16_scratch_values(int64_t rows, int64_t in_features);
+
+/* The team functions (see the top of this file), one per kind, in the files of their kernels.
+   Those that allocate set *failed (atomically) when they cannot. */
+void add_rms_norm_team(const AddRmsNormNode *n);       /* elementwise.cpp */
+void qk_norm_rope_team(const QkNormRopeNode *n);       /* elementwise.cpp */
+void silu_mul_team(const SiluMulNode *n);              /* elementwise.cpp */
+void packed_linear_f32_team(const LinearNode *n);      /* packed_linear.cpp */
+void packed_linear_bf16_team(const LinearNode *n);     /* packed_linear_bf16.cpp */
+void int8_linear_team(const LinearNode *n);            /* int8_linear.cpp */
+void write_kv_team(const WriteKvNode *n);              /* kv_write.cpp */
+void paged_decode_team(const PagedDecodeNode *n, int *failed); /* paged_decode.cpp */
+#endif

@@ -1,0 +1,131 @@
+/*
+ * pagedllm.StepProgram, a torch custom class: the kernel calls of a recorded
+ * decode step (runner/step_program.py lowers a StepGraph's nodes to them),
+ * run by one OpenMP team in one parallel region (step_nodes.h). Part of
+ * ops.cpp (included once, there, after its node builders): only that file
+ * sees torch's headers.
+ *
+ * add(op, tensors, ints, floats) appends one call of the op named, checked
+ * by the same builder the eager op uses (a ValueError for what it cannot
+ * run), on static tensors the program holds for as long as it lives:
+ *
+ *   op                   tensors                                  ints               floats
+ *   add_rms_norm         x, delta?, weight, out                                      eps
+ *   qk_norm_rope         x, cos, sin, q_norm?, k_norm?            nq, nkv, head_dim  eps
+ *   silu_mul             gate_up, out
+ *   int8_linear          x, weight, scales, bias?, out
+ *   packed_linear(_bf16) x, packed, bias?, out                    out_features
+ *   write_kv             k, v, k_cache, v_cache, slots
+ *   paged_decode         q, k_cache, v_cache, tables, lens, out   window             scale
+ *   gather_rows          table, index, out
+ *   copy_rows            src, dst
+ *   add_                 x, y
+ *
+ * run() checks the indices every node reads through (the step's slots,
+ * block tables, lengths and gathered ids), then runs the nodes.
+ */
+#include <string>
+
+namespace {
+
+StepNode gather_rows_node(const Tensor &table, const Tensor &index, const Tensor &out) {
+    const char *op = "gather_rows";
+    TORCH_CHECK_VALUE(table.dim() == 2, op, ": the table must be 2-D, got ", shape_of(table));
+    check_tensor(table, at::kFloat, table.sizes(), op, "the table");
+    TORCH_CHECK_VALUE(index.dim() == 1, op, ": the index must be 1-D, got ", shape_of(index));
+    check_index_vector(index, index.size(0), op, "the index");
+    check_tensor(out, at::kFloat, {index.size(0), table.size(1)}, op, "the output");
+    StepNode node{NODE_GATHER_ROWS};
+    node.gather = {table.data_ptr<float>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), index.size(0),
+                   table.size(1), table.size(0)};
+    return node;
+}
+
+/* dst = src, src rows (dim 0) any stride apart but each row contiguous */
+StepNode copy_rows_node(const Tensor &src, const Tensor &dst) {
+    const char *op = "copy_rows";
+    TORCH_CHECK_VALUE(src.dim() >= 1 && src.device().is_cpu() && src.scalar_type() == at::kFloat, op,
+                      ": copies float32 CPU tensors of at least one dimension");
+    check_tensor(dst, at::kFloat, src.sizes(), op, "the destination");
+    int64_t row_len = 1;
+    for (int64_t d = src.dim() - 1; d >= 1; d--) {
+        TORCH_CHECK_VALUE(src.size(d) == 1 || src.stride(d) == row_len, op, ": the rows of ", shape_of(src),
+                          " are not contiguous");
+        row_len *= src.size(d);
+    }
+    StepNode node{NODE_COPY_ROWS};
+    node.copy = {src.data_ptr<float>(), dst.data_ptr<float>(), src.size(0), row_len, src.stride(0)};
+    return node;
+}
+
+StepNode add_node(const Tensor &x, const Tensor &y) {
+    check_tensor(x, at::kFloat, x.sizes(), "add_", "x");
+    check_tensor(y, at::kFloat, x.sizes(), "add_", "y");
+    StepNode node{NODE_ADD};
+    node.add = {x.data_ptr<float>(), y.data_ptr<float>(), x.numel()};
+    return node;
+}
+
+struct StepProgram : torch::CustomClassHolder {
+    std::vector<StepNode> nodes;
+    std::vector<Tensor> held;  // every tensor a node points into
+    Tensor scratch;            // [values] bf16: the rounded activations of one bf16 linear node at a time
+
+    static const Tensor &need(const std::vector<OptTensor> &t, size_t i, const std::string &op) {
+        TORCH_CHECK_VALUE(i < t.size() && t[i].has_value(), "StepProgram.add(", op, "): tensor ", i, " is missing");
+        return *t[i];
+    }
+
+    static OptTensor maybe(const std::vector<OptTensor> &t, size_t i) { return i < t.size() ? t[i] : OptTensor(); }
+
+    StepNode build(const std::string &op, const std::vector<OptTensor> &t, const std::vector<int64_t> &ints,
+                   const std::vector<double> &floats) const {
+        auto T = [&](size_t i) -> const Tensor & { return need(t, i, op); };
+        auto counts = [&](size_t num_tensors, size_t num_ints, size_t num_floats) {
+            TORCH_CHECK_VALUE(t.size() == num_tensors && ints.size() == num_ints && floats.size() == num_floats,
+                              "StepProgram.add(", op, "): expected ", num_tensors, " tensors, ", num_ints,
+                              " ints and ", num_floats, " floats");
+        };
+        if (op == "add_rms_norm") return counts(4, 0, 1), add_rms_norm_node(T(0), maybe(t, 1), T(2), T(3), floats[0]);
+        if (op == "qk_norm_rope")
+            return counts(5, 3, 1), qk_norm_rope_node(T(0), ints[0], ints[1], ints[2], T(1), T(2), maybe(t, 3),
+                                                      maybe(t, 4), floats[0]);
+        if (op == "silu_mul") return counts(2, 0, 0), silu_mul_node(T(0), T(1));
+        if (op == "int8_linear") return counts(5, 0, 0), int8_linear_node(T(0), T(1), T(2), maybe(t, 3), T(4));
+        if (op == "packed_linear") return counts(4, 1, 0), packed_linear_node(T(0), T(1), maybe(t, 2), ints[0], T(3));
+        if (op == "packed_linear_bf16")
+            return counts(4, 1, 0), packed_linear_bf16_node(T(0), T(1), maybe(t, 2), ints[0], T(3));
+        if (op == "write_kv") return counts(5, 0, 0), write_kv_node(T(0), T(1), T(2), T(3), T(4));
+        if (op == "paged_decode")
+            return counts(6, 1, 1), paged_decode_node(T(0), T(1), T(2), T(3), T(4), floats[0], T(5), ints[0]);
+        if (op == "gather_rows") return counts(3, 0, 0), gather_rows_node(T(0), T(1), T(2));
+        if (op == "copy_rows") return counts(2, 0, 0), copy_rows_node(T(0), T(1));
+        if (op == "add_") return counts(2, 0, 0), add_node(T(0), T(1));
+        TORCH_CHECK_VALUE(false, "StepProgram.add: no node for op '", op, "'");
+    }
+
+    /* appends one kernel call (see the top of this file); ValueError for what it cannot run */
+    void add(const std::string &op, std::vector<OptTensor> tensors, std::vector<int64_t> ints,
+             std::vector<double> floats) {
+        StepNode node = build(op, tensors, ints, floats);
+        for (const OptTensor &t : tensors)
+            if (t.has_value()) held.push_back(*t);
+        nodes.push_back(node);
+        if (node.kind == NODE_LINEAR_BF16_PANELS) {
+            const int64_t values = bf16_scratch_values(node.linear.rows, node.linear.in_features);
+            if (!scratch.defined() || scratch.numel() < values) scratch = at::empty({values}, at::kBFloat16);
+            for (StepNode &n : nodes)  // the scratch may have moved: every bf16 node gets the current one
+                if (n.kind == NODE_LINEAR_BF16_PANELS) n.linear.scratch = (uint16_t *)scratch.data_ptr();
+        }
+    }
+
+    /* runs every node on the tensors' current values, after checking the indices they read through */
+    void run() {
+        for (const StepNode &node : nodes) check_node_indices(node);
+        if (run_step_nodes(nodes.data(), (int64_t)nodes.size(), num_threads()) != 0) out_of_memory("step program");
+    }
+
+    int64_t num_nodes() { return (int64_t)nodes.size(); }
+};
+
+}  // namespace

@@ -1,0 +1,195 @@
+"""StepProgram: a recorded step's kernels run in one parallel region compute exactly what the ops compute.
+
+A function built from every op a program has a node kind for (and one it
+has not, ``torch.mul``) is captured as a StepGraph, lowered to programs,
+and replayed on new inputs: the replay must equal the function called op
+by op, bit for bit (the program runs the ops' own team functions on the
+same rows). Then what a program refuses: unknown ops, tensors its checks
+reject, and, at every run, indices outside their tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.runner.step_graph import Node, StepGraph
+from pagedllm.runner.step_program import lower_to_programs, native_call, num_programs
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 80, 4, 2, 16, 96, 50
+BLOCK_SIZE, NUM_BLOCKS, TABLE_WIDTH = 4, 12, 3
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201
+    lib = load_kernels()
+    assert lib is not None, "the native kernels must build on the test machine"
+    return lib
+
+
+class _Weights:
+    """A tiny decoder layer's weights (every linear kind) and a KV cache, owned by the graph."""
+
+    def __init__(self, ops) -> None:  # noqa: ANN001
+        gen = torch.Generator().manual_seed(0)
+        qkv_size = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen)
+
+        self.embed = rand(VOCAB, HIDDEN)
+        self.cos, self.sin = rand(64, HEAD_DIM), rand(64, HEAD_DIM)
+        self.norm, self.q_norm, self.k_norm = rand(HIDDEN), rand(HEAD_DIM), rand(HEAD_DIM)
+        self.qkv = ops.pack_panels(rand(qkv_size, HIDDEN) * 0.1)
+        self.qkv_bias = rand(qkv_size)
+        self.o = ops.pack_panels_bf16(rand(HIDDEN, HEADS * HEAD_DIM) * 0.1)
+        self.gate_up = ops.pack_panels(rand(2 * INTER, HIDDEN) * 0.1)
+        self.down = (rand(HIDDEN, INTER) * 40).to(torch.int8)
+        self.down_scales = rand(HIDDEN).abs() * 0.01
+        # [num_blocks, block_size, kv_heads, head_dim]
+        self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+
+    def owned(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+
+
+def _layer(ops, w: _Weights, ids, positions, slots, tables, lens) -> torch.Tensor:  # noqa: ANN001
+    """One decode layer written with every op a program runs, and torch.mul, which it does not."""
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    x = torch.embedding(w.embed, ids)  # [rows, hidden]
+    cos, sin = w.cos[positions], w.sin[positions]  # [rows, head_dim]
+    h = ops.add_rms_norm(x, None, w.norm, 1e-5)
+    qkv = ops.packed_linear(h, w.qkv, w.qkv_bias, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    ops.qk_norm_rope(qkv, HEADS, KV_HEADS, HEAD_DIM, cos, sin, w.q_norm, w.k_norm, 1e-6)
+    k = qkv[:, q_size : q_size + kv_size].view(-1, KV_HEADS, HEAD_DIM)
+    v = qkv[:, q_size + kv_size :].view(-1, KV_HEADS, HEAD_DIM)
+    ops.write_kv(k, v, w.k_cache, w.v_cache, slots)
+    q = qkv[:, :q_size].view(-1, HEADS, HEAD_DIM).contiguous()
+    attn = torch.empty_like(q)
+    ops.paged_decode(q, w.k_cache, w.v_cache, tables, lens, HEAD_DIM**-0.5, attn, 0)
+    o = ops.packed_linear_bf16(attn.flatten(1), w.o, None, HIDDEN)
+    h = ops.add_rms_norm(x, o, w.norm, 1e-5)  # x += o in place, then the norm
+    h = torch.mul(h, 0.5)  # no node kind: a Python call between two programs
+    act = ops.silu_mul(ops.packed_linear(h, w.gate_up, None, 2 * INTER))
+    x.add_(ops.int8_linear(act, w.down, w.down_scales, None))
+    return ops.add_rms_norm(x, None, w.norm, 1e-5)
+
+
+def _step(rows: int, seed: int) -> list[torch.Tensor]:
+    """ids, positions, slots, block tables and lengths of ``rows`` decode tokens, tables scattered over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, TABLE_WIDTH * BLOCK_SIZE + 1, (rows,), generator=gen)
+    tables = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:TABLE_WIDTH] for _ in range(rows)])
+    positions = lens - 1
+    slots = tables.gather(1, (positions // BLOCK_SIZE).unsqueeze(1)).squeeze(1) * BLOCK_SIZE + positions % BLOCK_SIZE
+    ids = torch.randint(0, VOCAB, (rows,), generator=gen)
+    return [ids, positions, slots, tables, lens]
+
+
+def _fill_cache(w: _Weights, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    w.k_cache.copy_(torch.randn(w.k_cache.shape, generator=gen))
+    w.v_cache.copy_(torch.randn(w.v_cache.shape, generator=gen))
+
+
+# 1 row: attention split by kv head; 9 rows: by sequence, and more than one 8-row tile
+@pytest.mark.parametrize("rows", [1, 9])
+def test_programs_replay_the_ops_exactly(ops, rows: int) -> None:  # noqa: ANN001
+    w = _Weights(ops)
+    _fill_cache(w, 1)
+    graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), _step(rows, 2), w.owned())
+    graph.group(lower_to_programs)
+    # every op but torch.mul is a node of a program: program, mul, program
+    assert num_programs(graph.runs) == 2 and len(graph.runs) == 3
+    assert isinstance(graph.runs[1], Node) and graph.runs[1].overload is torch.ops.aten.mul.Tensor
+    for seed in (3, 4):
+        inputs = _step(rows, seed)
+        _fill_cache(w, seed)
+        got = graph.replay(inputs).clone()
+        got_k, got_v = w.k_cache.clone(), w.v_cache.clone()
+        _fill_cache(w, seed)
+        want = _layer(ops, w, *inputs)
+        assert torch.equal(got, want)
+        assert torch.equal(got_k, w.k_cache) and torch.equal(got_v, w.v_cache)
+
+
+def test_a_program_refuses_what_its_ops_refuse(ops) -> None:  # noqa: ANN001
+    program = torch.classes.pagedllm.StepProgram()
+    x, weight = torch.randn(3, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="no node for op"):
+        program.add("matmul", [x, weight], [], [])
+    with pytest.raises(ValueError, match="expected 4 tensors"):
+        program.add("add_rms_norm", [x, None, weight], [], [1e-5])
+    with pytest.raises(ValueError, match="float32"):  # the eager op's own check
+        program.add("add_rms_norm", [x.double(), None, weight, torch.empty(3, 8)], [], [1e-5])
+    with pytest.raises(ValueError, match="shape"):  # an output of the wrong shape
+        program.add("add_rms_norm", [x, None, weight, torch.empty(3, 9)], [], [1e-5])
+    with pytest.raises(ValueError, match="rows of"):
+        program.add("copy_rows", [torch.randn(4, 3).t(), torch.empty(3, 4)], [], [])
+    assert program.num_nodes() == 0
+    program.add("add_rms_norm", [x, None, weight, torch.empty(3, 8)], [], [1e-5])
+    assert program.num_nodes() == 1
+
+
+def test_a_program_checks_the_steps_indices_at_every_run(ops) -> None:  # noqa: ANN001
+    """Slots, blocks, lengths and gathered ids are the step's values: checked before anything runs."""
+    w = _Weights(ops)
+    inputs = _step(2, 5)
+    graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), inputs, w.owned())
+    graph.group(lower_to_programs)
+    ids, positions, slots, tables, lens = inputs
+    bad_steps = {
+        "outside the KV cache": [ids, positions, slots + NUM_BLOCKS * BLOCK_SIZE, tables, lens],
+        "outside the cache of": [ids, positions, slots, tables + NUM_BLOCKS, lens],
+        "does not fit its block table": [ids, positions, slots, tables, lens + TABLE_WIDTH * BLOCK_SIZE],
+        "outside the table": [ids + VOCAB, positions, slots, tables, lens],
+    }
+    for message, bad in bad_steps.items():
+        before = w.k_cache.clone()
+        with pytest.raises(ValueError, match=message):
+            graph.replay(bad)
+        assert torch.equal(before, w.k_cache), message  # nothing was written
+    graph.replay(inputs)  # and a good step still runs
+
+
+def test_only_known_ops_are_lowered() -> None:
+    x = torch.randn(2, 3)
+    mul = Node(torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Tensor._op, (x, x), None, torch.empty(2, 3), None)
+    assert native_call(mul) is None
+    add = Node(torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Tensor._op, (x, x), None, None, None)
+    assert native_call(add) == ("add_", [x, x], [], [])
+    scaled = Node(torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Tensor._op, (x, x), {"alpha": 2}, None, None)
+    assert native_call(scaled) is None  # x += 2 * y is not what the add node computes
+    # a node whose tensors a program refuses stays a Python call
+    wrong = Node(torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Tensor._op, (x, x.double()), None, None, None)
+    runs = lower_to_programs([add, wrong, add])
+    assert num_programs(runs) == 2 and runs[1] is wrong
+
+
+def test_a_replayed_step_with_a_bad_block_is_refused(tiny_model_dirs: dict[str, str]) -> None:
+    """Through the runner: a decode step whose table points outside the pool raises and writes nothing."""
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8)
+    runner = llm.llm_engine.model_runner
+    captured = runner.captured_decode
+    num_blocks = runner.kv_cache.shape[2]  # the pool and the padding block
+
+    def meta(block: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([block * 8]), block_tables=torch.tensor([[block]]),
+            seq_lens_tensor=torch.tensor([1]), query_start_loc=[0, 1], seq_lens=[1], num_computed=[0],
+            num_prefills=0, block_size=8,
+        )
+
+    ids, pos = torch.tensor([5]), torch.tensor([0])
+    out = captured(ids, pos, meta(3))  # captured, then replayed below
+    assert out.shape == (1, runner.model_config.hidden_size) and torch.isfinite(out).all()
+    assert captured.graphs and all(num_programs(g.runs) == len(g.runs) == 1 for g in captured.graphs.values())
+    before = runner.kv_cache.clone()
+    with pytest.raises(ValueError, match="outside the"):
+        captured(ids, pos, meta(num_blocks))
+    assert torch.equal(before, runner.kv_cache)
+    torch.testing.assert_close(captured(ids, pos, meta(3)), out)
