@@ -43,8 +43,7 @@ def main() -> None:
     def use(path: str) -> None:
         runner.captured_decode = None if path == "eager" else captured
         if path != "eager" and captured.native_programs != (path == "programs"):
-            captured.native_programs = path == "programs"
-            captured.graphs.clear()  # captured again, lowered or not
+            captured.reset(native_programs=path == "programs")  # captured again, lowered or not
 
     for num_seqs in (1, 32):
         figures = {}

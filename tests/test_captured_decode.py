@@ -55,7 +55,7 @@ def _tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
 def test_replayed_steps_equal_eager(
     arch: str, dtype: str, kv_cache_dtype: str, quantization: str | None, tiny_model_dirs: dict[str, str]
 ) -> None:
-    """Every linear method and cache dtype; tables that widen past a graph's width are captured again."""
+    """Every linear method and cache dtype, steps of 12 and 2 sequences on one graph."""
     # no prefix caching: the second run of the same prompts must compute its prefills alike
     llm = LLM(tiny_model_dirs[arch], num_kv_blocks=160, max_model_len=256, block_size=8, dtype=dtype,
               kv_cache_dtype=kv_cache_dtype, quantization=quantization, enable_prefix_caching=False)
@@ -70,14 +70,16 @@ def test_replayed_steps_equal_eager(
         with _captured(runner, None):
             eager = _tokens(llm, _prompts(num_seqs, 5), params)
         assert replayed == eager
-    graphs = runner.captured_decode.graphs
     # the whole decoder is one native program: every recorded op has a node kind (int8 past
-    # SMALL_BATCH_ROWS rows too: its dequantized copy is packed float32 panels)
-    assert any(rows > SMALL_BATCH_ROWS for rows, _ in graphs)
-    for graph in graphs.values():
+    # SMALL_BATCH_ROWS rows too: its dequantized copy is packed float32 panels), so one graph of
+    # the most rows (MAX_CAPTURED_ROWS) and the widest tables (256 / 8 blocks) ran every step; int8
+    # changes kernels past SMALL_BATCH_ROWS rows: a second graph of that many ran the steps of 2
+    captured = runner.captured_decode
+    tiers = ([SMALL_BATCH_ROWS] if quantization else []) + [MAX_CAPTURED_ROWS]
+    assert captured.row_generic and captured.row_tiers == tiers
+    assert sorted(captured.graphs) == [(t, 32) for t in tiers]
+    for graph in captured.graphs.values():
         assert len(graph.runs) == num_programs(graph.runs) == 1, graph.runs
-    # contexts of up to 79 tokens: tables of up to 10 blocks, graphs 8 and 16 wide
-    assert {w for _, w in graphs} <= {MIN_TABLE_WIDTH, 2 * MIN_TABLE_WIDTH} and len(graphs) <= 2 * 12
     assert runner.captured_decode.failed is None
     assert llm.llm_engine.block_manager.num_free_blocks == 160
 
@@ -142,9 +144,18 @@ def test_only_decode_steps_of_few_sequences_are_captured(tiny_model_dirs: dict[s
     with _captured(runner, _Checked(runner)) as checked:
         params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(3)]
         llm.generate(_prompts(3, 3), params, use_tqdm=False)
-    # 1 prefill step, then decodes of 3, 3, 2 and 1 sequences; 3 rows replay a graph of 4 (one padding row)
+    # 1 prefill step, then decodes of 3, 3, 2 and 1 sequences, all on one graph of 8 rows
+    # (5 rounded up to a bucket) and 128 / 8 table columns, captured at the first of them
+    assert checked.num_rows == [3, 3, 2, 1]
+    assert list(runner.captured_decode.graphs) == [(8, 16)]
+    # per-shape graphs where a step cannot be cut to fewer rows (steps replayed from Python):
+    # 3 rows replay a graph of 4 (one padding row)
+    runner.captured_decode.reset(native_programs=False)
+    with _captured(runner, _Checked(runner)) as checked:
+        llm.generate(_prompts(3, 3), params, use_tqdm=False)
     assert checked.num_rows == [3, 3, 2, 1]
     assert sorted(n for n, _ in runner.captured_decode.graphs) == [1, 2, 4]
+    assert {w for _, w in runner.captured_decode.graphs} == {MIN_TABLE_WIDTH}
     # the padding rows' block is one past the pool, never handed out
     assert runner.kv_cache.shape[2] == runner.num_kv_blocks + 1 == runner.padding_block + 1
     assert llm.llm_engine.block_manager.num_free_blocks == runner.num_kv_blocks

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +141,15 @@ def test_no_native_ops_off_the_float32_cpu_path(tiny_model_dirs: dict[str, str])
     runner = llm.llm_engine.model_runner
     assert runner.native_ops is None
     assert all(m.native is None for m in runner.model.model.layers[0].modules() if hasattr(m, "native"))
+
+
+def test_the_kernels_run_on_torchs_own_openmp_runtime() -> None:
+    """One thread pool in the process: the kernels' OpenMP is the libgomp torch loaded, not a second copy."""
+    assert load_kernels() is not None
+    torch.ops.pagedllm.silu_mul(torch.randn(4, 8))
+    with open("/proc/self/maps") as f:
+        mapped = {line.split()[-1] for line in f if line.strip()}
+    gomp = {p for p in mapped if "libgomp" in p.rsplit("/", 1)[-1]}
+    assert len(gomp) == 1, gomp
+    assert gomp.pop().startswith(str(Path(torch.__file__).parent)), "the kernels loaded an OpenMP runtime of their own"
+    assert any("pagedllm_kernels" in p for p in mapped)

@@ -102,7 +102,7 @@ def test_programs_replay_the_ops_exactly(ops, rows: int) -> None:  # noqa: ANN00
     w = _Weights(ops)
     _fill_cache(w, 1)
     graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), _step(rows, 2), w.owned())
-    graph.group(lower_to_programs)
+    graph.group(lambda nodes: lower_to_programs(nodes, rows=rows))
     # every op but torch.mul is a node of a program: program, mul, program
     assert num_programs(graph.runs) == 2 and len(graph.runs) == 3
     assert isinstance(graph.runs[1], Node) and graph.runs[1].overload is torch.ops.aten.mul.Tensor
@@ -118,7 +118,7 @@ def test_programs_replay_the_ops_exactly(ops, rows: int) -> None:  # noqa: ANN00
 
 
 def test_a_program_refuses_what_its_ops_refuse(ops) -> None:  # noqa: ANN001
-    program = torch.classes.pagedllm.StepProgram()
+    program = torch.classes.pagedllm.StepProgram(3)
     x, weight = torch.randn(3, 8), torch.randn(8)
     with pytest.raises(ValueError, match="no node for op"):
         program.add("matmul", [x, weight], [], [])
@@ -130,9 +130,58 @@ def test_a_program_refuses_what_its_ops_refuse(ops) -> None:  # noqa: ANN001
         program.add("add_rms_norm", [x, None, weight, torch.empty(3, 9)], [], [1e-5])
     with pytest.raises(ValueError, match="rows of"):
         program.add("copy_rows", [torch.randn(4, 3).t(), torch.empty(3, 4)], [], [])
+    with pytest.raises(ValueError, match="not over the program's 3 rows"):  # run(n) could not cut it
+        program.add("add_rms_norm", [x[:2], None, weight, torch.empty(2, 8)], [], [1e-5])
+    with pytest.raises(ValueError, match="not over the program's 3 rows"):
+        program.add("add_", [weight, weight], [], [])
     assert program.num_nodes() == 0
     program.add("add_rms_norm", [x, None, weight, torch.empty(3, 8)], [], [1e-5])
     assert program.num_nodes() == 1
+    for rows in (0, 4):
+        with pytest.raises(ValueError, match="rows"):
+            program.run(rows)
+    with pytest.raises(ValueError, match="rows must be at least 1"):
+        torch.classes.pagedllm.StepProgram(0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_a_program_runs_its_first_rows_as_the_ops_run_those_rows(ops, rows: int) -> None:  # noqa: ANN001
+    """A graph of programs alone, captured at 12 rows and 3 table columns, replays a step of fewer rows and
+    narrower tables copied into its corner: exactly the ops on those rows; the other rows are left alone."""
+    w = _Weights(ops)
+
+    def no_mul(*a: torch.Tensor) -> torch.Tensor:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "mul", lambda h, s: h)  # the layer without its Python-only op
+            return _layer(ops, w, *a)
+
+    graph, _ = StepGraph.capture(no_mul, _step(12, 6), w.owned())
+    graph.group(lambda nodes: lower_to_programs(nodes, rows=12))
+    assert len(graph.runs) == num_programs(graph.runs) == 1
+    kept = graph.result[rows:].clone()
+    inputs = _step(rows, 7)
+    inputs[3] = inputs[3][:, :2]  # tables one column narrower than captured
+    inputs[4] = inputs[4].clamp(max=2 * BLOCK_SIZE)  # lengths that fit them
+    inputs[1] = inputs[4] - 1
+    tables, positions = inputs[3], inputs[1]
+    inputs[2] = tables.gather(1, (positions // BLOCK_SIZE).unsqueeze(1)).squeeze(1) * BLOCK_SIZE + positions % BLOCK_SIZE
+    _fill_cache(w, 8)
+    got = graph.replay(inputs, rows=rows).clone()
+    got_k = w.k_cache.clone()
+    _fill_cache(w, 8)
+    assert torch.equal(got, no_mul(*inputs)) and torch.equal(got_k, w.k_cache)
+    assert torch.equal(graph.result[rows:], kept)
+
+
+def test_fewer_rows_only_for_a_graph_of_programs(ops) -> None:  # noqa: ANN001
+    w = _Weights(ops)
+    graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), _step(4, 2), w.owned())
+    graph.group(lambda nodes: lower_to_programs(nodes, rows=4))
+    with pytest.raises(ValueError, match="only a graph of native programs"):
+        graph.replay(_step(2, 3), rows=2)  # its torch.mul would run every row
+    graph.replay(_step(4, 3), rows=4)
+    with pytest.raises(ValueError, match="do not fit"):
+        graph.replay(_step(5, 3), rows=5)
 
 
 def test_a_program_checks_the_steps_indices_at_every_run(ops) -> None:  # noqa: ANN001
@@ -140,7 +189,7 @@ def test_a_program_checks_the_steps_indices_at_every_run(ops) -> None:  # noqa: 
     w = _Weights(ops)
     inputs = _step(2, 5)
     graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), inputs, w.owned())
-    graph.group(lower_to_programs)
+    graph.group(lambda nodes: lower_to_programs(nodes, rows=2))
     ids, positions, slots, tables, lens = inputs
     bad_steps = {
         "outside the KV cache": [ids, positions, slots + NUM_BLOCKS * BLOCK_SIZE, tables, lens],
@@ -166,7 +215,7 @@ def test_only_known_ops_are_lowered() -> None:
     assert native_call(scaled) is None  # x += 2 * y is not what the add node computes
     # a node whose tensors a program refuses stays a Python call
     wrong = Node(torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Tensor._op, (x, x.double()), None, None, None)
-    runs = lower_to_programs([add, wrong, add])
+    runs = lower_to_programs([add, wrong, add], rows=2)
     assert num_programs(runs) == 2 and runs[1] is wrong
 
 

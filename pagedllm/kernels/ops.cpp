@@ -470,7 +470,7 @@ int64_t bf16_native() { return packed_linear_bf16_native(); }
 
 TORCH_LIBRARY(pagedllm, m) {
     m.class_<StepProgram>("StepProgram")
-        .def(torch::init<>())
+        .def(torch::init<int64_t>())
         .def("add", &StepProgram::add)
         .def("run", &StepProgram::run)
         .def("num_nodes", &StepProgram::num_nodes);

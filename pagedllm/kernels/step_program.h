@@ -21,8 +21,12 @@
  *   copy_rows            src, dst
  *   add_                 x, y
  *
- * run() checks the indices every node reads through (the step's slots,
- * block tables, lengths and gathered ids), then runs the nodes.
+ * Every node works on the step's tokens row by row, `rows` of them (the
+ * constructor's), so run(n) may run the first n rows only: a decode step of
+ * n <= rows sequences replays a program captured for `rows` without padding
+ * (add refuses a node that is not per-row; it stays a Python call). run(n)
+ * checks the indices every node reads through (the step's slots, block
+ * tables, lengths and gathered ids), then runs the nodes.
  */
 #include <string>
 
@@ -66,10 +70,53 @@ StepNode add_node(const Tensor &x, const Tensor &y) {
     return node;
 }
 
+/* a node's rows (tokens); add_ nodes, which know only their element count, have numel / row_len of them */
+int64_t node_rows(const StepNode &node, int64_t row_len) {
+    switch (node.kind) {
+        case NODE_GATHER_ROWS: return node.gather.rows;
+        case NODE_COPY_ROWS: return node.copy.rows;
+        case NODE_ADD: return node.add.numel / row_len;
+        case NODE_ADD_RMS_NORM: return node.norm.rows;
+        case NODE_QK_NORM_ROPE: return node.rope.rows;
+        case NODE_SILU_MUL: return node.silu.rows;
+        case NODE_LINEAR_F32_PANELS:
+        case NODE_LINEAR_BF16_PANELS:
+        case NODE_LINEAR_INT8: return node.linear.rows;
+        case NODE_WRITE_KV: return node.kv.rows;
+        case NODE_PAGED_DECODE: return node.attn.num_seqs;
+        default: return -1;
+    }
+}
+
+/* the same node over its first `rows` rows */
+void set_node_rows(StepNode &node, int64_t rows, int64_t add_row_len) {
+    switch (node.kind) {
+        case NODE_GATHER_ROWS: node.gather.rows = rows; break;
+        case NODE_COPY_ROWS: node.copy.rows = rows; break;
+        case NODE_ADD: node.add.numel = rows * add_row_len; break;
+        case NODE_ADD_RMS_NORM: node.norm.rows = rows; break;
+        case NODE_QK_NORM_ROPE: node.rope.rows = rows; break;
+        case NODE_SILU_MUL: node.silu.rows = rows; break;
+        case NODE_LINEAR_F32_PANELS:
+        case NODE_LINEAR_BF16_PANELS:
+        case NODE_LINEAR_INT8: node.linear.rows = rows; break;
+        case NODE_WRITE_KV: node.kv.rows = rows; break;
+        case NODE_PAGED_DECODE: node.attn.num_seqs = (int)rows; break;
+        default: break;
+    }
+}
+
 struct StepProgram : torch::CustomClassHolder {
+    int64_t rows;                  // the tokens every node was built for
     std::vector<StepNode> nodes;
-    std::vector<Tensor> held;  // every tensor a node points into
-    Tensor scratch;            // [values] bf16: the rounded activations of one bf16 linear node at a time
+    std::vector<int64_t> row_lens;  // per node: an add_ node's elements per row (else unused)
+    std::vector<StepNode> resized;  // the nodes over fewer rows, rebuilt by run(n < rows)
+    std::vector<Tensor> held;       // every tensor a node points into
+    Tensor scratch;                 // [values] bf16: the rounded activations of one bf16 linear node at a time
+
+    explicit StepProgram(int64_t rows_) : rows(rows_) {
+        TORCH_CHECK_VALUE(rows >= 1, "StepProgram: rows must be at least 1, got ", rows);
+    }
 
     static const Tensor &need(const std::vector<OptTensor> &t, size_t i, const std::string &op) {
         TORCH_CHECK_VALUE(i < t.size() && t[i].has_value(), "StepProgram.add(", op, "): tensor ", i, " is missing");
@@ -108,6 +155,12 @@ struct StepProgram : torch::CustomClassHolder {
     void add(const std::string &op, std::vector<OptTensor> tensors, std::vector<int64_t> ints,
              std::vector<double> floats) {
         StepNode node = build(op, tensors, ints, floats);
+        // every node must be per-row, for run(n) to cut it to n rows
+        const int64_t row_len = node.kind == NODE_ADD && tensors[0]->dim() >= 1 && tensors[0]->size(0) == rows
+                                    ? tensors[0]->numel() / rows : 1;
+        TORCH_CHECK_VALUE(node_rows(node, row_len) == rows && (node.kind != NODE_ADD || row_len * rows == node.add.numel),
+                          "StepProgram.add(", op, "): the node is not over the program's ", rows, " rows");
+        row_lens.push_back(row_len);
         for (const OptTensor &t : tensors)
             if (t.has_value()) held.push_back(*t);
         nodes.push_back(node);
@@ -119,10 +172,18 @@ struct StepProgram : torch::CustomClassHolder {
         }
     }
 
-    /* runs every node on the tensors' current values, after checking the indices they read through */
-    void run() {
-        for (const StepNode &node : nodes) check_node_indices(node);
-        if (run_step_nodes(nodes.data(), (int64_t)nodes.size(), num_threads()) != 0) out_of_memory("step program");
+    /* runs every node over its first n rows on the tensors' current values, after checking the indices
+       those rows read through */
+    void run(int64_t n) {
+        TORCH_CHECK_VALUE(n >= 1 && n <= rows, "StepProgram.run: ", n, " rows, the program has ", rows);
+        const std::vector<StepNode> *todo = &nodes;
+        if (n < rows) {
+            resized = nodes;
+            for (size_t i = 0; i < resized.size(); i++) set_node_rows(resized[i], n, row_lens[i]);
+            todo = &resized;
+        }
+        for (const StepNode &node : *todo) check_node_indices(node);
+        if (run_step_nodes(todo->data(), (int64_t)todo->size(), num_threads()) != 0) out_of_memory("step program");
     }
 
     int64_t num_nodes() { return (int64_t)nodes.size(); }

@@ -68,6 +68,7 @@ class Int8LinearMethod(LinearMethod):
     """
 
     name = "int8"
+    row_limits = (SMALL_BATCH_ROWS,)
 
     def __init__(self, dense_backend: str = "torch") -> None:
         if dense_backend not in _DENSE_PACKERS:

@@ -21,12 +21,22 @@ from the step but its tensors may be captured (``supports``).
 With ``native_programs`` (the runner's default where the native kernels are
 loaded) each graph's nodes are lowered to ``StepProgram`` calls
 (``runner/step_program.py``): the step's kernels run in one OpenMP parallel
-region instead of one region per kernel.
+region instead of one region per kernel. Where that leaves no Python call
+in the graph (every Llama-family model; not Gemma 3, whose embedding scale
+and GELU stay Python calls), programs run any number of their rows, so the
+first decode step is captured once, at the most rows and the widest
+tables, and that one graph runs every later step without padding:
+
+    graph (64 rows, 32 columns)          step: 3 sequences, tables 5 wide
+      static inputs [64], [64, 32]  <-   copied into rows 0..2, columns 0..4
+      programs run rows 0..2             (columns past a row's length and
+                                          rows past 3 are never read)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -36,7 +46,7 @@ from torch import nn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.step_graph import CaptureError, StepGraph
-from pagedllm.runner.step_program import lower_to_programs
+from pagedllm.runner.step_program import lower_to_programs, num_programs
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +80,9 @@ class CapturedDecode:
         padding_block: a KV block outside the pool, for the padding rows of a bucket.
         block_size: tokens per KV block.
         native_programs: lower each graph to native ``StepProgram`` runs (needs the native kernels).
+        max_width: the most blocks a sequence's table has (``ceil(max_model_len / block_size)``).
+        row_limits: row counts at which the model's layers change kernels (``LinearMethod.row_limits``):
+            a graph recorded at more rows than a limit does not run steps of that many or fewer.
     """
 
     @staticmethod
@@ -84,17 +97,30 @@ class CapturedDecode:
 
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        max_rows: int, padding_block: int, block_size: int, native_programs: bool = False,
+        max_rows: int, padding_block: int, block_size: int, native_programs: bool = False, max_width: int = 0,
+        row_limits: tuple[int, ...] = (),
     ) -> None:
         self.model = model
-        self.native_programs = native_programs
         self.padding_block = padding_block
         self.block_size = block_size
         self.kv_caches = kv_caches
         self.max_rows = max_rows
+        self.max_width = max_width
+        # the rows of the row-generic graphs: each limit below the top bucket, and the top bucket;
+        # a step of n rows runs on the first tier >= n
+        top = row_bucket(max_rows)
+        self.row_tiers = sorted({r for r in row_limits if 0 < r < top} | {top})
         self._owned = owned_tensors(model, kv_cache)
-        self.graphs: dict[tuple[int, int], StepGraph] = {}
         self.failed: str | None = None  # why capturing was given up, once it was
+        self.reset(native_programs)
+
+    def reset(self, native_programs: bool) -> None:
+        """Drop every graph; later steps are captured again, lowered to native programs or not."""
+        self.native_programs = native_programs
+        self.graphs: dict[tuple[int, int], StepGraph] = {}
+        # whether the model's step lowers to native programs alone, so that one graph of the most rows
+        # and the widest tables serves every step (None: not captured yet; False: per-shape graphs)
+        self.row_generic: bool | None = None if native_programs and self.max_width > 0 else False
 
     def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Whether a step is replayed (or captured): decode tokens only, at most ``max_rows`` of them."""
@@ -104,14 +130,36 @@ class CapturedDecode:
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states ``[num_tokens, hidden]``, as the model's forward; valid until the next step."""
-        num_rows = input_ids.shape[0]
-        width = max(MIN_TABLE_WIDTH, 1 << (meta.block_tables.shape[1] - 1).bit_length())
-        inputs = self._padded_inputs(input_ids, positions, meta, row_bucket(num_rows), width)
-        key = (inputs[0].shape[0], width)
+        """Final hidden states ``[num_tokens, hidden]``, as the model's forward; valid until the next step.
+
+        Where the model's step is native programs alone (``row_generic``),
+        one graph of ``row_bucket(max_rows)`` rows and ``max_width`` table
+        columns runs every step (one per tier where the layers change
+        kernels with the rows: int8's small batches): the step's rows and
+        table columns are copied into its corner and the programs run that
+        many rows, no padding. Otherwise a graph per shape: rows rounded up to a bucket
+        (padding rows), tables to a power of two.
+        """
+        num_rows, width = input_ids.shape[0], meta.block_tables.shape[1]
+        if self.row_generic is not False and width <= self.max_width:
+            key = (next(t for t in self.row_tiers if t >= num_rows), self.max_width)
+            graph = self.graphs.get(key)
+            if graph is not None:
+                inputs = [input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor]
+                return graph.replay(inputs, rows=num_rows)
+            return self._capture(key, input_ids, positions, meta)
+        key = (row_bucket(num_rows), max(MIN_TABLE_WIDTH, 1 << (width - 1).bit_length()))
         graph = self.graphs.get(key)
         if graph is not None:
-            return graph.replay(inputs)[:num_rows]
+            return graph.replay(self._padded_inputs(input_ids, positions, meta, *key))[:num_rows]
+        return self._capture(key, input_ids, positions, meta)
+
+    def _capture(
+        self, key: tuple[int, int], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Capture the graph for ``key`` (rows, table width) while running this step; its hidden states."""
+        num_rows = input_ids.shape[0]
+        inputs = self._padded_inputs(input_ids, positions, meta, *key)
 
         def step(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tbl: torch.Tensor,
                  lens: torch.Tensor) -> torch.Tensor:
@@ -131,7 +179,11 @@ class CapturedDecode:
             logger.warning("decode steps cannot be captured, running the model directly: %s", e)
             return self.model(input_ids, positions, self.kv_caches, meta)
         if self.native_programs:
-            graph.group(lower_to_programs)
+            graph.group(functools.partial(lower_to_programs, rows=key[0]))
+        if self.row_generic is None:
+            self.row_generic = len(graph.runs) == 1 and num_programs(graph.runs) == 1
+            if not self.row_generic:  # per-shape graphs from now on: this one's shape is no bucket's
+                return hidden[:num_rows]
         self.graphs[key] = graph
         return hidden[:num_rows]
 

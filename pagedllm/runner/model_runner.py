@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.layers.attention import AttentionMetadata, make_backend
+from pagedllm.layers.linear import Linear
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.input_batch import InputBatch
@@ -80,6 +81,7 @@ class ModelRunner:
             self.captured_decode = CapturedDecode(
                 self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS),
                 self.padding_block, self.block_size, native_programs=self.native_ops is not None,
+                max_width=-(-config.max_model_len // self.block_size), row_limits=_row_limits(self.model),
             )
 
     @property
@@ -209,6 +211,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[start : start + num_targets]).cpu()  # [num_targets, vocab]
         targets = torch.tensor(s.prompt_targets, dtype=torch.int64)
         return token_logprobs(logits, targets, [s.prompt_logprobs] * num_targets)
+
+
+def _row_limits(model: torch.nn.Module) -> tuple[int, ...]:
+    """Every row count at which one of the model's linear layers changes kernels (``LinearMethod.row_limits``)."""
+    return tuple(sorted({
+        r for m in model.modules() if isinstance(m, Linear) for r in m.quant_method.row_limits
+    }))
 
 
 @dataclass

@@ -107,8 +107,11 @@ class Node:
     copy_to: torch.Tensor | None  # one result: the static tensor it goes to
     copies: tuple[torch.Tensor | None, ...] | None  # several results: each one's static tensor (None: none)
 
-    def __call__(self) -> None:
-        """Run the op on its static tensors and copy its new result(s) where the next ops read them."""
+    def __call__(self, rows: int | None = None) -> None:
+        """Run the op on its static tensors and copy its new result(s) where the next ops read them.
+
+        ``rows`` is ignored: a recorded op runs over all of its rows (see ``StepGraph.replay``).
+        """
         out = self.op(*self.args) if self.kwargs is None else self.op(*self.args, **self.kwargs)
         if self.copy_to is not None:
             self.copy_to.copy_(out)
@@ -125,9 +128,10 @@ class StepGraph:
     into the static inputs and reruns the kept ops. The tensor it returns
     is a static buffer, overwritten by the next replay.
 
-    ``runs`` is what a replay calls, in order: one per node as recorded;
-    ``group`` lets a caller replace runs of nodes by one call that does
-    their work (``runner/step_program.py``: native programs).
+    ``runs`` is what a replay calls, in order, each with the rows to run:
+    one per node as recorded; ``group`` lets a caller replace runs of nodes
+    by one call that does their work (``runner/step_program.py``: native
+    programs, which can run fewer rows than they were recorded with).
     """
 
     def __init__(self, inputs: list[torch.Tensor], nodes: list[Node], result: torch.Tensor,
@@ -137,9 +141,14 @@ class StepGraph:
         self.result = result
         self.num_recorded = num_recorded  # ops seen at capture
         self.num_buffers = num_buffers  # static buffers after sharing
-        self.runs: list[Callable[[], None]] = list(nodes)
+        self.runs: list[Callable[[int], None]] = list(nodes)
 
-    def group(self, lower: Callable[[list[Node]], list[Callable[[], None]]]) -> None:
+    @property
+    def num_rows(self) -> int:
+        """Rows (the first dimension) of the first input: what a replay runs unless told fewer."""
+        return self.inputs[0].shape[0]
+
+    def group(self, lower: Callable[[list[Node]], list[Callable[[int], None]]]) -> None:
         """Replay ``lower(nodes)`` instead of the nodes one by one: calls that do the nodes' work, in order."""
         self.runs = lower(self.nodes)
 
@@ -166,17 +175,43 @@ class StepGraph:
             graph.result.copy_(result)
         return graph, graph.result
 
-    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The function's result for ``inputs``, of the capture's shapes and dtypes (ValueError otherwise)."""
-        if len(inputs) != len(self.inputs) or any(
-            t.shape != s.shape or t.dtype != s.dtype for t, s in zip(inputs, self.inputs)
-        ):
-            raise ValueError("a step graph was replayed with inputs of other shapes than it was captured with")
-        for static, t in zip(self.inputs, inputs):
-            static.copy_(t)
+    def replay(self, inputs: Sequence[torch.Tensor], rows: int | None = None) -> torch.Tensor:
+        """The function's result for ``inputs``, of the capture's shapes and dtypes (ValueError otherwise).
+
+        With ``rows``, for a graph whose runs are all native programs (which
+        cut every op to its first rows): each input may be smaller than the
+        capture's in any dimension, and is copied into the leading corner of
+        its static input; the programs run the first ``rows`` rows, and so
+        does the result. What lies outside the corner is left as it was: the
+        caller's inputs must say what is read (as sequence lengths bound the
+        block-table columns a decode reads).
+        """
+        if rows is None:
+            if len(inputs) != len(self.inputs) or any(
+                t.shape != s.shape or t.dtype != s.dtype for t, s in zip(inputs, self.inputs)
+            ):
+                raise ValueError("a step graph was replayed with inputs of other shapes than it was captured with")
+            for static, t in zip(self.inputs, inputs):
+                static.copy_(t)
+            rows = self.num_rows
+        else:
+            self._copy_corners(inputs, rows)
         for run in self.runs:
-            run()
-        return self.result
+            run(rows)
+        return self.result if rows == self.num_rows else self.result[:rows]
+
+    def _copy_corners(self, inputs: Sequence[torch.Tensor], rows: int) -> None:
+        """Copy each input into the leading corner of its static input (see ``replay``); ValueError if it cannot."""
+        if len(inputs) != len(self.inputs) or any(
+            t.dim() != s.dim() or t.dtype != s.dtype or t.shape[0] != rows
+            or any(a > b for a, b in zip(t.shape, s.shape))
+            for t, s in zip(inputs, self.inputs)
+        ):
+            raise ValueError("a step graph was replayed with inputs that do not fit the captured ones")
+        if any(isinstance(run, Node) for run in self.runs) and rows != self.num_rows:
+            raise ValueError("only a graph of native programs replays fewer rows than it was captured with")
+        for static, t in zip(self.inputs, inputs):
+            static[tuple(slice(0, n) for n in t.shape)].copy_(t)
 
 
 class _Planner:

@@ -94,19 +94,21 @@ def native_call(node: Node) -> NativeCall | None:
     return None
 
 
-def lower_to_programs(nodes: list[Node]) -> list[Callable[[], None]]:
+def lower_to_programs(nodes: list[Node], rows: int) -> list[Callable[[int], None]]:
     """``nodes`` as replay calls: each run of natively known nodes one ``StepProgram.run``, the others as they are.
 
-    A node whose tensors a program cannot take (the checks of
-    ``StepProgram.add`` raise ValueError) stays a Python call.
+    ``rows``: the tokens the nodes were recorded with; every node of a
+    program must be over them (so that it runs fewer, when asked). A node
+    whose tensors a program cannot take (the checks of ``StepProgram.add``
+    raise ValueError) stays a Python call.
     """
-    runs: list[Callable[[], None]] = []
+    runs: list[Callable[[int], None]] = []
     program: Any = None  # torch.classes.pagedllm.StepProgram being filled
     for node in nodes:
         call = native_call(node)
         if call is not None:
             if program is None:
-                program = torch.classes.pagedllm.StepProgram()
+                program = torch.classes.pagedllm.StepProgram(rows)
             try:
                 program.add(*call)
                 continue
@@ -121,6 +123,6 @@ def lower_to_programs(nodes: list[Node]) -> list[Callable[[], None]]:
     return runs
 
 
-def num_programs(runs: list[Callable[[], None]]) -> int:
+def num_programs(runs: list[Callable[[int], None]]) -> int:
     """How many of ``runs`` are native programs (the others are recorded nodes run from Python)."""
     return sum(1 for run in runs if not isinstance(run, Node))
