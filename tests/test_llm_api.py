@@ -614,3 +614,30 @@ def test_tiny_temperature_is_greedy(llm):
     tiny = llm.generate("The capital of France is", SamplingParams(temperature=1e-30, max_tokens=8, seed=1),
                         use_tqdm=False)
     assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_resident_weight_and_kv_cache_bytes_are_reported(tiny_model_dirs: dict[str, str], caplog) -> None:  # noqa: ANN001
+    """The bytes the model and the cache hold, derived here from the config, and the start-up log line."""
+    import json
+
+    path = tiny_model_dirs["llama"]
+    with open(f"{path}/config.json") as f:
+        cfg = json.load(f)
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter + 2 * hidden
+    lm_head = 0 if cfg.get("tie_word_embeddings") else vocab * hidden
+    params = vocab * hidden + layers * per_layer + hidden + lm_head
+    rope_tables = 2 * cfg["max_position_embeddings"] * head_dim  # cos and sin, float32
+    kw = {"num_kv_blocks": 32, "max_model_len": 128, "block_size": 8}
+    with caplog.at_level("INFO", logger="pagedllm.runner.model_runner"):
+        plain = LLM(path, linear_backend="torch", **kw)  # the weights as loaded
+    assert plain.weight_bytes == 4 * (params + rope_tables)
+    # the pool and the padding block of captured decode steps, K and V of every layer, float32
+    assert plain.kv_cache_bytes == (32 + 1) * 2 * layers * 8 * kv_heads * head_dim * 4
+    assert "resident: weights" in caplog.text and "KV cache" in caplog.text
+    half = LLM(path, linear_backend="torch", kv_cache_dtype="bfloat16", **kw)
+    assert half.kv_cache_bytes * 2 == plain.kv_cache_bytes
+    # int8 keeps a dequantized float32 copy beside the int8 weights (README): more, not less
+    assert LLM(path, quantization="int8", **kw).weight_bytes > plain.weight_bytes

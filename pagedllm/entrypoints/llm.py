@@ -67,6 +67,16 @@ class LLM:
         )
         self.llm_engine = LLMEngine(config)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the loaded model holds in memory (weights as stored for its linear method, RoPE tables)."""
+        return self.llm_engine.model_runner.weight_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache tensor (every block of the pool, K and V, every layer)."""
+        return self.llm_engine.model_runner.kv_cache_bytes
+
     def get_tokenizer(self) -> Any:
         """The underlying Hugging Face tokenizer."""
         return self.llm_engine.tokenizer.hf

@@ -45,6 +45,7 @@ from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.runner.model_loader import model_tensors
 from pagedllm.runner.step_graph import CaptureError, StepGraph
 from pagedllm.runner.step_program import lower_to_programs, num_programs
 
@@ -62,12 +63,7 @@ def row_bucket(num_rows: int) -> int:
 
 def owned_tensors(model: nn.Module, kv_cache: torch.Tensor) -> list[torch.Tensor]:
     """Every tensor the model holds (parameters, buffers, tensor attributes) and the KV cache."""
-    owned = [kv_cache]
-    for module in model.modules():
-        owned += [t for t in module._parameters.values() if t is not None]
-        owned += [t for t in module._buffers.values() if t is not None]
-        owned += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-    return owned
+    return [kv_cache, *model_tensors(model)]
 
 
 class CapturedDecode:

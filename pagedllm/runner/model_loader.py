@@ -118,6 +118,32 @@ class LoadedModel:
     native_ops: NativeOps | None
     num_params: int  # weights of the architecture (a tied embedding counted once), before quantization
     load_seconds: float
+    weight_bytes: int  # what the model holds in memory once loaded, cast and packed (model_tensors)
+
+
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model holds: parameters, buffers and tensor attributes (packed weights, RoPE tables)."""
+    held: list[torch.Tensor] = []
+    for module in model.modules():
+        held += [t for t in module._parameters.values() if t is not None]
+        held += [t for t in module._buffers.values() if t is not None]
+        held += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return held
+
+
+def resident_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the memory behind ``tensors``, each storage once (a tied embedding, views of one buffer).
+
+    oneDNN's packed weights have no storage to ask: their elements are counted.
+    """
+    seen: dict[object, int] = {}
+    for t in tensors:
+        if t.layout == torch.strided:
+            storage = t.untyped_storage()
+            seen[("storage", storage.data_ptr(), t.device)] = storage.nbytes()
+        else:
+            seen[("object", id(t))] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def load_model(
@@ -151,4 +177,7 @@ def load_model(
     model.use_native_ops(native_ops)
     # RoPE tables stay float32 whatever the model dtype
     model.model.rotary.float().build_tables()
-    return LoadedModel(model, precision, linear, native_ops, num_params, time.perf_counter() - start)
+    return LoadedModel(
+        model, precision, linear, native_ops, num_params, time.perf_counter() - start,
+        resident_bytes(model_tensors(model)),
+    )

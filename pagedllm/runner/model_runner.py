@@ -62,6 +62,7 @@ class ModelRunner:
         self.native_ops = loaded.native_ops
         self.num_params = loaded.num_params
         self.load_seconds = loaded.load_seconds
+        self.weight_bytes = loaded.weight_bytes
 
         self.block_size = config.block_size
         self.num_kv_blocks = decide_num_kv_blocks(config, model_config, self.kv_cache_dtype, self.device)
@@ -70,6 +71,13 @@ class ModelRunner:
         self.padding_block = self.num_kv_blocks
         self.kv_cache, self.kv_caches = allocate_kv_cache(
             model_config, self.num_kv_blocks + 1, self.block_size, self.kv_cache_dtype, self.device
+        )
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        logger.info(
+            "resident: weights %.1f MiB (%s, %s linears), KV cache %.1f MiB (%d blocks of %d tokens, %s)",
+            self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.linear_backend,
+            self.kv_cache_bytes / 2**20, self.num_kv_blocks, self.block_size,
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.block_size, self.device)
