@@ -101,6 +101,31 @@ def test_other_linear_backends_replay_equal_eager(linear_backend: str, tiny_mode
         assert replayed == _tokens(llm, _prompts(3, 2), params)
 
 
+@pytest.mark.parametrize("linear_backend", ["onednn", "torch"])
+def test_int8_tiers_that_lower_differently_fall_back_to_per_shape_graphs(
+    linear_backend: str, tiny_model_dirs: dict[str, str]
+) -> None:
+    """int8 runs its own kernel up to SMALL_BATCH_ROWS rows (all programs: one graph for any fewer rows)
+    and a oneDNN or torch matmul past them (Python calls): the larger tier's graph turns the runner to
+    per-shape graphs, and every step still equals the eager model."""
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=96, max_model_len=128, block_size=8, quantization="int8",
+              linear_backend=linear_backend, enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    captured = runner.captured_decode
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with _captured(runner, _Checked(runner)) as checked:
+        small = _tokens(llm, _prompts(2, 12), params)  # 2 rows: the int8 kernel, one program
+        assert captured.row_generic and list(captured.graphs) == [(SMALL_BATCH_ROWS, 16)]
+        large = _tokens(llm, _prompts(SMALL_BATCH_ROWS + 3, 13), params)  # past the tier: Python matmuls
+        assert captured.row_generic is False
+        assert all((rows, width) != (SMALL_BATCH_ROWS, 16) for rows, width in captured.graphs)
+        again = _tokens(llm, _prompts(2, 12), params)
+    assert checked.num_calls == 15 and again == small
+    with _captured(runner, None):
+        assert large == _tokens(llm, _prompts(SMALL_BATCH_ROWS + 3, 13), params)
+        assert small == _tokens(llm, _prompts(2, 12), params)
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen2_window"])
 def test_windowed_models_replay_equal_eager(arch: str, window_dirs: dict[str, str]) -> None:
     """Gemma 3 (its own layers, both RoPE tables, softcapped logits) and sliding windows replay too."""

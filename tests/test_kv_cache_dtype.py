@@ -106,7 +106,8 @@ def test_int8_with_a_half_cache_runs_native_step_programs() -> None:
     assert runner.captured_decode is not None and runner.captured_decode.native_programs
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     replayed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert all(num_programs(g.runs) == len(g.runs) == 1 for g in runner.captured_decode.graphs.values())
+    graphs = runner.captured_decode.graphs
+    assert graphs and all(num_programs(g.runs) == len(g.runs) == 1 for g in graphs.values())
     kept, runner.captured_decode = runner.captured_decode, None
     try:
         eager = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -55,9 +55,18 @@ static void run_node(const StepNode *node, int *failed) {
     }
 }
 
+/* A node that could not allocate its scratch left its output unwritten: the team stops there, every
+   thread alike (each reads the flag after the node's closing barrier), rather than let later nodes
+   compute, and write K/V, from it. */
 int run_step_nodes(const StepNode *nodes, int64_t num_nodes, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
-    for (int64_t i = 0; i < num_nodes; i++) run_node(&nodes[i], &failed);
+    for (int64_t i = 0; i < num_nodes; i++) {
+        run_node(&nodes[i], &failed);
+        int stop;
+#pragma omp atomic read
+        stop = failed;
+        if (stop) break;
+    }
     return failed;
 }

@@ -176,10 +176,13 @@ class CapturedDecode:
             return self.model(input_ids, positions, self.kv_caches, meta)
         if self.native_programs:
             graph.group(functools.partial(lower_to_programs, rows=key[0]))
-        if self.row_generic is None:
+        if self.row_generic is not False:
+            # a graph with Python calls left cannot run fewer rows: per-shape graphs from now on (a tier
+            # can lower differently from the one before it: int8's dense copy in oneDNN's layout)
             self.row_generic = len(graph.runs) == 1 and num_programs(graph.runs) == 1
-            if not self.row_generic:  # per-shape graphs from now on: this one's shape is no bucket's
-                return hidden[:num_rows]
+            if not self.row_generic:
+                self.graphs.clear()
+                return hidden[:num_rows]  # this one's shape is no bucket's
         self.graphs[key] = graph
         return hidden[:num_rows]
 
