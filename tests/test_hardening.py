@@ -247,7 +247,9 @@ def test_a_16mb_tokenize_does_not_stall_a_running_stream(hard_server) -> None:  
         started.wait(60)
         time.sleep(1.0)  # a second of undisturbed gaps first
         during.set()
+        start = time.monotonic()
         result["resp"] = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=300)
+        result["seconds"] = time.monotonic() - start
 
     t = threading.Thread(target=big_tokenize)
     t.start()
@@ -257,10 +259,11 @@ def test_a_16mb_tokenize_does_not_stall_a_running_stream(hard_server) -> None:  
     assert len(before) >= 5 and len(while_big) >= 20
     typical = before[len(before) // 2]
     print(f"stream gaps: median before {typical * 1e3:.1f} ms, max during the 16 MB tokenize "
-          f"{max(while_big) * 1e3:.1f} ms over {len(while_big)} gaps")
-    # generous: the tokenizer process takes one of two cores, so gaps may double; a stall
-    # (tokenizing on the engine thread or the event loop) is tens of seconds
-    assert max(while_big) < 5 * typical + 0.25, (typical, max(while_big))
+          f"{max(while_big) * 1e3:.1f} ms over {len(while_big)} gaps; the tokenize took {result['seconds']:.2f} s")
+    # A stall (tokenizing on the engine thread or the event loop) is the whole tokenize, ~17 s
+    # here. What is allowed: the event loop still parses the 16 MB body and sends the answer
+    # (0.1-0.4 s with the tokenizer process and the engine's two threads on two cores).
+    assert max(while_big) < min(2.0, result["seconds"] / 5), (typical, max(while_big), result["seconds"])
     resp = result["resp"]
     assert resp.status_code == 200
     assert resp.json()["count"] > 3_000_000
