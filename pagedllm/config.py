@@ -15,7 +15,7 @@ DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 KV_ALLOCATORS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max_tokens", "max_model_len")
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "none", "int8")
 LINEAR_BACKENDS = ("auto", "packed", "onednn", "torch")
 
 
@@ -62,7 +62,11 @@ class EngineConfig:
             SDPA on a gathered copy) or "reference" (plain per-sequence torch,
             for testing).
         num_threads: torch intra-op threads; None keeps torch's default.
-        quantization: None (weights in ``dtype``) or "int8": weight-only int8
+        quantization: None (the checkpoint's own: a GGUF file's quantized
+            tensors stay in their blocks where the native CPU kernels take
+            their type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16), the
+            rest in ``dtype``), "none" (every weight in ``dtype``: GGUF blocks
+            dequantized at load) or "int8": weight-only int8
             linear layers with one float scale per output channel (CPU only;
             activations stay in ``dtype``). Quarters the weight bytes read per
             small-batch decode step, which is what makes it faster; a float32

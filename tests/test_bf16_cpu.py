@@ -217,8 +217,11 @@ def test_tiny_models_in_bf16_match_transformers_computing_the_same_scheme(arch: 
 
 
 def test_smollm_bf16_defaults_and_closeness_to_float32(hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
-    """The bundled model with dtype="bfloat16": what it builds, and tokens float32's oracle rates near its best."""
-    llm = LLM(dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
+    """The bundled model with dtype="bfloat16": what it builds, and tokens float32's oracle rates near its best.
+
+    quantization="none": every weight in bf16 (the file's blocks dequantized, then rounded), not the blocks.
+    """
+    llm = LLM(dtype="bfloat16", quantization="none", num_kv_blocks=128, max_model_len=512)
     runner = llm.llm_engine.model_runner
     assert runner.kv_cache.dtype == torch.bfloat16  # kv_cache_dtype="auto" follows dtype
     assert runner.compute_dtype == torch.float32

@@ -245,7 +245,7 @@ def test_bench_throughput_peer_model(tiny_model_dirs, tmp_path):
         assert_no_traceback(proc)
 
 
-@pytest.mark.parametrize("extra", [[], ["--quantization", "int8"]], ids=["float32", "int8"])
+@pytest.mark.parametrize("extra", [[], ["--quantization", "int8"]], ids=["gguf", "int8"])
 def test_bench_latency_json(extra):
     proc = run_cli(
         "bench", "latency", "--batch-size", "2", "--input-len", "16", "--output-len", "5", "--num-iters", "2",
@@ -255,7 +255,8 @@ def test_bench_latency_json(extra):
     assert_no_traceback(proc)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (r["batch_size"], r["input_len"], r["output_len"], r["num_iters"]) == (2, 16, 5, 2)
-    assert r["weight_dtype"] == ("int8" if extra else "float32")
+    # the bundled file's blocks are kept unless int8 is asked for (which requantizes float32 weights)
+    assert r["weight_dtype"] == ("int8" if extra else "gguf:Q4_1+Q8_0")
     # the rate and GFLOP/s figures are consistent with each other and the parameter count
     assert r["decode_gflops"] == pytest.approx(r["decode_tokens_per_s"] * 2 * r["num_params"] / 1e9, rel=0.01)
     assert r["prefill_tokens_per_s"] == pytest.approx(2 * 16 / (r["ttft_ms"] / 1000), rel=0.01)

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         "num_params": num_params,
         "num_iters": args.num_iters,
         "dtype": engine.config.dtype,
-        "weight_dtype": engine.config.quantization or engine.config.dtype,
+        "weight_dtype": engine.model_runner.weight_format,
     }
     print(
         f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: TTFT {result['ttft_ms']:.1f} ms "

@@ -34,7 +34,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 linear layers (CPU)")
+    g.add_argument(
+        "--quantization", default=None, choices=["none", "int8"],
+        help="default: a GGUF file's blocks kept as stored; none: every weight in --dtype; "
+             "int8: weight-only int8 linear layers (CPU)",
+    )
     g.add_argument("--linear-backend", default="auto", choices=["auto", "packed", "onednn", "torch"])
     g.add_argument(
         "--enforce-eager", action="store_true",
@@ -315,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--load", action="store_true", help="also load a model and list the layers it runs")
     env.add_argument("--model", default=None, help="the model --load loads (default: bundled SmolLM2)")
     env.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    env.add_argument("--quantization", default=None, choices=["int8"])
+    env.add_argument("--quantization", default=None, choices=["none", "int8"])
     env.set_defaults(func=cmd_env)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _serve_arguments(serve)

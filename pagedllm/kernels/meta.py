@@ -36,6 +36,18 @@ def _register_returning() -> None:
     def _(x, weight, scales, bias):  # noqa: ANN001, ANN202
         return _rows_out(x, weight.shape[0])  # [num_rows, out_features]
 
+    @reg(_NS + "gguf_linear")
+    def _(x, weight, type, in_features, bias):  # noqa: ANN001, ANN202, A002
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]
+
+    @reg(_NS + "gguf_embedding")
+    def _(table, type, row_len, index):  # noqa: ANN001, ANN202, A002
+        return index.new_empty(index.shape[0], row_len, dtype=torch.float32)  # [num_rows, row_len]
+
+    @reg(_NS + "gguf_dequantize")
+    def _(weight, type, in_features):  # noqa: ANN001, ANN202, A002
+        return weight.new_empty(weight.shape[0], in_features, dtype=torch.float32)  # [rows, in_features]
+
     @reg(_NS + "pack_panels")
     def _(weight):  # noqa: ANN001, ANN202
         panel = torch.ops.pagedllm.packed_linear_panel()

@@ -19,6 +19,7 @@
  * (checked in /proc/<pid>/maps: a single libgomp mapping, torch's).
  */
 #include <ATen/Parallel.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/custom_class.h>
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "gguf_blocks.h"
 #include "kernels.h"
 #include "paged_attention.h"
 #include "panel_bf16.h"
@@ -133,6 +135,11 @@ void check_index_vector(const Tensor &t, int64_t n, const char *op, const char *
 void check_node_indices(const StepNode &node) {
     if (node.kind == NODE_GATHER_ROWS) {
         const GatherRowsNode &g = node.gather;
+        for (int64_t r = 0; r < g.rows; r++)
+            TORCH_CHECK_VALUE(g.index[r] >= 0 && g.index[r] < g.table_rows, "index ", g.index[r],
+                              " is outside the table of ", g.table_rows, " rows it looks up");
+    } else if (node.kind == NODE_GATHER_GGUF) {
+        const GgufGatherNode &g = node.gguf_gather;
         for (int64_t r = 0; r < g.rows; r++)
             TORCH_CHECK_VALUE(g.index[r] >= 0 && g.index[r] < g.table_rows, "index ", g.index[r],
                               " is outside the table of ", g.table_rows, " rows it looks up");
@@ -365,6 +372,76 @@ Tensor packed_linear_bf16_op(const Tensor &x, const Tensor &packed, const OptTen
     return out;
 }
 
+/* a GGUF weight: uint8 [rows, in_features / block weights * block bytes] of `type`, contiguous; the bytes
+   of one row */
+int64_t check_gguf_weight(const Tensor &w, int64_t type, int64_t in_features, const char *op) {
+    const int64_t block_bytes = gguf_block_bytes((int)type), block_weights = gguf_block_weights((int)type);
+    TORCH_CHECK_VALUE(block_bytes > 0, op, ": no kernel for GGUF tensor type ", type, " (kernels exist for F16 (1), ",
+                      "Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) and BF16 (30))");
+    const int64_t multiple = block_weights > GGUF_BLOCK ? block_weights : GGUF_BLOCK;
+    TORCH_CHECK_VALUE(in_features > 0 && in_features % multiple == 0, op, ": in_features must be a positive ",
+                      "multiple of ", multiple, " for GGUF type ", type, ", got ", in_features);
+    const int64_t row_bytes = in_features / block_weights * block_bytes;
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == row_bytes, op, ": a weight of ", in_features,
+                      " inputs in GGUF type ", type, " has rows of ", row_bytes, " bytes, got shape ", shape_of(w));
+    check_tensor(w, at::kByte, w.sizes(), op, "the quantized weight");
+    return row_bytes;
+}
+
+StepNode gguf_linear_node(const Tensor &x, const Tensor &w, int64_t type, int64_t in_features, const OptTensor &bias,
+                          const Tensor &out) {
+    const char *op = "gguf_linear";
+    check_gguf_weight(w, type, in_features, op);
+    const int64_t out_features = w.size(0);
+    check_activations(x, in_features, op);
+    check_optional(bias, at::kFloat, {out_features}, op, "bias");
+    check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
+    StepNode node{NODE_LINEAR_GGUF};
+    node.linear = {x.data_ptr<float>(), w.data_ptr(), nullptr, ptr_or_null<float>(bias), out.data_ptr<float>(),
+                   nullptr, x.size(0), in_features, out_features, (int)type};
+    return node;
+}
+
+Tensor gguf_linear(const Tensor &x, const Tensor &w, int64_t type, int64_t in_features, const OptTensor &bias) {
+    TORCH_CHECK_VALUE(w.dim() == 2, "gguf_linear: expected a 2-D quantized weight, got shape ", shape_of(w));
+    Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
+    const StepNode node = gguf_linear_node(x, w, type, in_features, bias, out);
+    run_node(node, num_threads(), "gguf_linear");
+    return out;
+}
+
+StepNode gguf_embedding_node(const Tensor &table, int64_t type, int64_t row_len, const Tensor &index,
+                             const Tensor &out) {
+    const char *op = "gguf_embedding";
+    check_gguf_weight(table, type, row_len, op);
+    TORCH_CHECK_VALUE(index.dim() == 1, op, ": the index must be 1-D, got ", shape_of(index));
+    check_index_vector(index, index.size(0), op, "the index");
+    check_tensor(out, at::kFloat, {index.size(0), row_len}, op, "the output");
+    StepNode node{NODE_GATHER_GGUF};
+    node.gguf_gather = {table.data_ptr<uint8_t>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), index.size(0),
+                        row_len, table.size(0), (int)type};
+    return node;
+}
+
+Tensor gguf_embedding(const Tensor &table, int64_t type, int64_t row_len, const Tensor &index) {
+    TORCH_CHECK_VALUE(index.dim() == 1, "gguf_embedding: the index must be 1-D, got ", shape_of(index));
+    Tensor out = at::empty({index.size(0), row_len}, index.options().dtype(at::kFloat));  // [num_rows, row_len]
+    const StepNode node = gguf_embedding_node(table, type, row_len, index, out);
+    check_node_indices(node);
+    run_node(node, threads_for(out.numel()), "gguf_embedding");
+    return out;
+}
+
+/* the weights of one GGUF tensor as float32 [rows, in_features] (for the paths with no GGUF kernel) */
+Tensor gguf_dequantize(const Tensor &w, int64_t type, int64_t in_features) {
+    check_gguf_weight(w, type, in_features, "gguf_dequantize");
+    Tensor out = at::empty({w.size(0), in_features}, w.options().dtype(at::kFloat));  // [rows, in_features]
+    Tensor index = at::arange(w.size(0), w.options().dtype(at::kLong));             // [rows]
+    const StepNode node = gguf_embedding_node(w, type, in_features, index, out);
+    run_node(node, threads_for(out.numel()), "gguf_dequantize");
+    return out;
+}
+
 // --- attention and the KV cache -------------------------------------------------
 
 StepNode write_kv_node(const Tensor &k, const Tensor &v, const Tensor &k_cache, const Tensor &v_cache,
@@ -479,6 +556,9 @@ TORCH_LIBRARY(pagedllm, m) {
           "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+    m.def("gguf_linear(Tensor x, Tensor weight, int type, int in_features, Tensor? bias) -> Tensor");
+    m.def("gguf_embedding(Tensor table, int type, int row_len, Tensor index) -> Tensor");
+    m.def("gguf_dequantize(Tensor weight, int type, int in_features) -> Tensor");
     m.def("pack_panels(Tensor weight) -> Tensor");
     m.def("pack_panels_bf16(Tensor weight) -> Tensor");
     m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
@@ -499,6 +579,9 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("qk_norm_rope", &qk_norm_rope);
     m.impl("silu_mul", &silu_mul);
     m.impl("int8_linear", &int8_linear);
+    m.impl("gguf_linear", &gguf_linear);
+    m.impl("gguf_embedding", &gguf_embedding);
+    m.impl("gguf_dequantize", &gguf_dequantize);
     m.impl("pack_panels", &pack_panels);
     m.impl("pack_panels_bf16", &pack_panels_bf16);
     m.impl("packed_linear", &packed_linear);

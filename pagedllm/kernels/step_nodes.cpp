@@ -49,6 +49,8 @@ static void run_node(const StepNode *node, int *failed) {
         case NODE_LINEAR_F32_PANELS: packed_linear_f32_team(&node->linear); break;
         case NODE_LINEAR_BF16_PANELS: packed_linear_bf16_team(&node->linear); break;
         case NODE_LINEAR_INT8: int8_linear_team(&node->linear); break;
+        case NODE_LINEAR_GGUF: gguf_linear_team(&node->linear, failed); break;
+        case NODE_GATHER_GGUF: gguf_gather_team(&node->gguf_gather); break;
         case NODE_WRITE_KV: write_kv_team(&node->kv); break;
         case NODE_PAGED_DECODE: paged_decode_team(&node->attn, failed); break;
         default: break; /* ops.cpp makes no other kind */

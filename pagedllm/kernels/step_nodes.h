@@ -35,6 +35,8 @@ enum StepNodeKind {
     NODE_LINEAR_F32_PANELS,
     NODE_LINEAR_BF16_PANELS,
     NODE_LINEAR_INT8,
+    NODE_LINEAR_GGUF, /* over GGUF's quantized blocks (gguf_linear.cpp) */
+    NODE_GATHER_GGUF, /* out[r] = dequantized row index[r] of a GGUF table (a quantized embedding) */
     NODE_WRITE_KV,
     NODE_PAGED_DECODE,
 };
@@ -91,7 +93,17 @@ typedef struct {
     float *y;            /* [rows, out_features] */
     uint16_t *scratch;   /* bf16: room for bf16_scratch_values(rows, in_features) values, shared by the team */
     int64_t rows, in_features, out_features;
+    int weight_type; /* GGUF: the block type (gguf_blocks.h) of weight [out, in / 32 blocks]; 0 otherwise */
 } LinearNode;
+
+typedef struct {
+    const uint8_t *table; /* [table_rows, row_len / 32 blocks] of `type` */
+    const int64_t *index; /* [rows], each in [0, table_rows) */
+    float *out;           /* [rows, row_len] */
+    int64_t rows, row_len, table_rows;
+    int type;
+} GgufGatherNode;
+
 
 typedef struct {
     const float *k, *v; /* [rows, row] with rows k_stride / v_stride floats apart */
@@ -127,6 +139,7 @@ typedef struct {
         QkNormRopeNode rope;
         SiluMulNode silu;
         LinearNode linear;
+        GgufGatherNode gguf_gather;
         WriteKvNode kv;
         PagedDecodeNode attn;
     };
@@ -147,6 +160,8 @@ void silu_mul_team(const SiluMulNode *n);              /* elementwise.cpp */
 void packed_linear_f32_team(const LinearNode *n);      /* packed_linear.cpp */
 void packed_linear_bf16_team(const LinearNode *n);     /* packed_linear_bf16.cpp */
 void int8_linear_team(const LinearNode *n);            /* int8_linear.cpp */
+void gguf_linear_team(const LinearNode *n, int *failed); /* gguf_linear.cpp */
+void gguf_gather_team(const GgufGatherNode *n);        /* gguf_linear.cpp */
 void write_kv_team(const WriteKvNode *n);              /* kv_write.cpp */
 void paged_decode_team(const PagedDecodeNode *n, int *failed); /* paged_decode.cpp */
 #endif

@@ -38,6 +38,8 @@ def load_hf_weights(
     tensor with no place, a wrong shape, or a parameter left unwritten.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    # a layer holding GGUF blocks (layers/gguf_linear.py) takes a checkpoint's bytes in its qweight buffer
+    quantized = {name: buf for name, buf in model.named_buffers(remove_duplicate=False) if name.endswith(".qweight")}
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb" in name or (name == "lm_head.weight" and tied_lm_head):
@@ -47,7 +49,10 @@ def load_hf_weights(
             if f".{part}." in name:
                 target, offset, size = name.replace(part, fused_name), off, sz
                 break
-        param = params.get(target)
+        if tensor.dtype == torch.uint8:
+            param = quantized.get(target.removesuffix(".weight") + ".qweight")
+        else:
+            param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
         dest = param.data if size is None else param.data.narrow(0, offset, size)
@@ -62,7 +67,9 @@ def load_hf_weights(
 
 def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: bool) -> set[str]:
     names: set[str] = set()
-    for name, _ in model.named_parameters():
+    held = [name for name, _ in model.named_parameters()]
+    held += [name.removesuffix(".qweight") + ".weight" for name, _ in model.named_buffers() if name.endswith(".qweight")]
+    for name in held:
         if name == "lm_head.weight" and tied_lm_head:
             continue
         split = [part for part, (fname, _, _) in fused.items() if f".{fname}." in name]

@@ -1,4 +1,4 @@
-"""Weights and configuration from a GGUF file, dequantized at load.
+"""Weights and configuration from a GGUF file: quantized tensors as stored, or dequantized at load.
 
 GGUF stores tensors under llama.cpp names and, for the ``llama`` architecture,
 with the rows of Q and K permuted for llama.cpp's interleaved RoPE. We rename
@@ -14,9 +14,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf.quants import dequantize
 
+from pagedllm.layers.gguf_linear import gguf_kernel_takes
 from pagedllm.loader.model_config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 
 # Gemma 3 loads from Hugging Face folders only: its GGUF tensor names and norm
@@ -101,24 +102,70 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def iter_weights(path: str, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor in the file."""
-    reader = open_reader(path)
-    for t in reader.tensors:
-        m = _LAYER_RE.match(t.name)
-        if m:
-            suffix = _LAYER_NAMES.get(m.group(2))
-            name = None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
-        else:
-            name = _GLOBAL_NAMES.get(t.name)
-        if name is None:
-            raise ValueError(f"unexpected tensor {t.name!r} in {path}")
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if config.architecture in ("llama", "mistral"):
+def _hf_name(gguf_name: str, path: str) -> str:
+    m = _LAYER_RE.match(gguf_name)
+    if m:
+        suffix = _LAYER_NAMES.get(m.group(2))
+        name = None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
+    else:
+        name = _GLOBAL_NAMES.get(gguf_name)
+    if name is None:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in {path}")
+    return name
+
+
+class GGUFWeights:
+    """The tensors of a GGUF file under Hugging Face names, iterated once per load.
+
+    ``quantized``: the 2-D tensors stored in a type the native kernels read
+    (name -> ggml type number; F32 tensors are loaded as they are anyway). The model loader sets ``keep`` to the
+    names its layers take as they are stored: those come out as their bytes,
+    ``uint8 [rows, row bytes]``; every other tensor is dequantized to float32.
+    """
+
+    def __init__(self, path: str, config: ModelArchConfig) -> None:
+        self.path, self.config = path, config
+        reader = open_reader(path)
+        self.quantized: dict[str, int] = {
+            _hf_name(t.name, path): int(t.tensor_type)
+            for t in reader.tensors
+            if len(t.shape) == 2 and gguf_kernel_takes(int(t.tensor_type), int(t.shape[0]))
+        }
+        self.keep: set[str] = set()
+
+    def _rows_in_hf_order(self, name: str, w: np.ndarray) -> np.ndarray:
+        """Undo llama.cpp's Q/K row permutation (rows are output channels, whole in either form)."""
+        if self.config.architecture in ("llama", "mistral"):
             if ".q_proj." in name:
-                w = _unpermute_rope_rows(w, config.num_attention_heads)
-            elif ".k_proj." in name:
-                w = _unpermute_rope_rows(w, config.num_key_value_heads)
-        if not w.flags.writeable or not w.flags.c_contiguous:
-            w = np.array(w, order="C")
-        yield name, torch.from_numpy(w)
+                return _unpermute_rope_rows(w, self.config.num_attention_heads)
+            if ".k_proj." in name:
+                return _unpermute_rope_rows(w, self.config.num_key_value_heads)
+        return w
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        reader = open_reader(self.path)
+        for t in reader.tensors:
+            name = _hf_name(t.name, self.path)
+            expected = _expected_bytes(t)
+            if t.data.nbytes != expected:
+                raise ValueError(f"{self.path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
+                                 f"{t.tensor_type.name} and shape need {expected}: the file is truncated or corrupt")
+            if name in self.keep:
+                w = np.asarray(t.data, dtype=np.uint8)  # [rows, row bytes] as stored
+            else:
+                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = self._rows_in_hf_order(name, w)
+            if not w.flags.writeable or not w.flags.c_contiguous:
+                w = np.array(w, order="C")
+            yield name, torch.from_numpy(w)
+
+
+def _expected_bytes(t: object) -> int:
+    """Bytes a tensor of its type and shape takes (gguf's block sizes)."""
+    block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
+    return int(np.prod(t.shape)) // block * type_bytes
+
+
+def iter_weights(path: str, config: ModelArchConfig) -> GGUFWeights:
+    """The file's tensors as ``(hf_name, tensor)``: float32, or bytes for the names set in ``keep``."""
+    return GGUFWeights(path, config)

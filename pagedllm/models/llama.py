@@ -25,7 +25,7 @@ from pagedllm.layers.linear import Linear
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.layers.weights import fused_projections, load_hf_weights
+from pagedllm.layers.weights import FusedMap, fused_projections, load_hf_weights
 from pagedllm.loader.model_config import ModelArchConfig
 
 
@@ -153,10 +153,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # --- weights -------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters."""
+    def checkpoint_fused_map(self) -> FusedMap:
+        """Where a checkpoint's separate q/k/v and gate/up tensors go in the fused parameters."""
         cfg = self.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
-        fused = fused_projections(q_size, kv_size, cfg.intermediate_size)
-        load_hf_weights(self, weights, fused, cfg.tie_word_embeddings)
+        return fused_projections(q_size, kv_size, cfg.intermediate_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters."""
+        load_hf_weights(self, weights, self.checkpoint_fused_map(), self.config.tie_word_embeddings)

@@ -18,8 +18,20 @@ from pagedllm.config import EngineConfig
 from pagedllm.kernels import kernels_failure, load_kernels
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
+from pagedllm.layers.gguf_linear import (
+    GGUF_KERNEL_TYPES,
+    GGUFEmbedding,
+    GGUFLinearMethod,
+    tie_gguf_lm_head,
+    use_gguf_weights,
+)
 from pagedllm.layers.int8_linear import Int8LinearMethod
-from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, apply_linear_method
+from pagedllm.layers.linear import (
+    Linear,
+    LinearMethod,
+    UnquantizedLinearMethod,
+    apply_linear_method,
+)
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.onednn_linear import (
     OneDnnLinearMethod,
@@ -108,6 +120,54 @@ def make_linear_method(config: EngineConfig, precision: Precision, linear: str) 
     return methods[linear]()
 
 
+def keep_gguf_blocks(
+    config: EngineConfig, model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device,
+    precision: Precision,
+) -> None:
+    """Let the layers of ``model`` (on the meta device) take a GGUF checkpoint's quantized tensors as stored.
+
+    Where the native kernels run (the CPU, float32 activations) and no other
+    quantization is asked for; the tensors the layers cannot take (a type
+    with no kernel, a fused q/k/v of mixed types) are dequantized at load.
+    """
+    quantized: dict[str, int] = getattr(weights, "quantized", {})
+    fused_map = getattr(model, "checkpoint_fused_map", None)
+    if not quantized or fused_map is None or config.quantization is not None:
+        return
+    if device.type != "cpu" or precision.compute != torch.float32 or load_kernels() is None:
+        logger.warning("GGUF weights are dequantized to %s: their kernels run on the CPU in float32 only (%s)",
+                       precision.weights, kernels_failure() or f"device={device.type}")
+        return
+    weights.keep = use_gguf_weights(model, quantized, fused_map(), "model.embed_tokens.weight")
+
+
+def count_params(model: nn.Module) -> int:
+    """Weights of the architecture: parameters, and the weights GGUF blocks hold (a tied embedding counted once)."""
+    count = sum(p.numel() for p in model.parameters())
+    seen: set[int] = set()
+    for module in model.modules():
+        qweight = module._buffers.get("qweight")
+        if qweight is None or qweight.data_ptr() in seen:
+            continue
+        seen.add(qweight.data_ptr())
+        if isinstance(module, GGUFEmbedding):
+            count += module.num_embeddings * module.embedding_dim
+        elif isinstance(module, Linear):
+            count += module.in_features * module.out_features
+    return count
+
+
+def weight_format(config: EngineConfig, model: nn.Module, precision: Precision) -> str:
+    """How the weights are held: the GGUF types kept (e.g. "gguf:Q4_1+Q8_0"), "int8", or the dtype."""
+    kept = sorted({GGUF_KERNEL_TYPES[m.ggml_type][0] for m in model.modules() if isinstance(m, GGUFEmbedding)} | {
+        GGUF_KERNEL_TYPES[m.quant_method.ggml_type][0] for m in model.modules()
+        if isinstance(m, Linear) and isinstance(m.quant_method, GGUFLinearMethod)
+    })
+    if kept:
+        return "gguf:" + "+".join(kept)
+    return config.quantization or str(precision.weights).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A model ready to step, and the decisions taken while loading it."""
@@ -119,6 +179,7 @@ class LoadedModel:
     num_params: int  # weights of the architecture (a tied embedding counted once), before quantization
     load_seconds: float
     weight_bytes: int  # what the model holds in memory once loaded, cast and packed (model_tensors)
+    weight_format: str  # how the weights are held (weight_format)
 
 
 def model_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -160,14 +221,15 @@ def load_model(
     # that the checkpoint overwrites anyway
     with torch.device("meta"):
         model = model_class(model_config)(model_config, backend)
+    keep_gguf_blocks(config, model, weights, device, precision)
     model = model.to_empty(device="cpu")
-    if model_config.tie_word_embeddings:
+    if model_config.tie_word_embeddings and not tie_gguf_lm_head(model.lm_head, model.model.embed_tokens):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(weights)
     # every weight rounded to dtype once; with bf16 matmuls only, held as float32 after that (exact)
     model = model.to(device=device, dtype=precision.weights)
     model = model.to(dtype=precision.compute).eval()
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = count_params(model)
     linear = resolve_linear_backend(config, device, precision)
     _warn_if_slow_half_precision(config, device, precision, linear)
     apply_linear_method(model, make_linear_method(config, precision, linear))
@@ -179,5 +241,5 @@ def load_model(
     model.model.rotary.float().build_tables()
     return LoadedModel(
         model, precision, linear, native_ops, num_params, time.perf_counter() - start,
-        resident_bytes(model_tensors(model)),
+        resident_bytes(model_tensors(model)), weight_format(config, model, precision),
     )

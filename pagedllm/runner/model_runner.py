@@ -63,6 +63,7 @@ class ModelRunner:
         self.num_params = loaded.num_params
         self.load_seconds = loaded.load_seconds
         self.weight_bytes = loaded.weight_bytes
+        self.weight_format = loaded.weight_format
 
         self.block_size = config.block_size
         self.num_kv_blocks = decide_num_kv_blocks(config, model_config, self.kv_cache_dtype, self.device)
@@ -75,7 +76,7 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info(
             "resident: weights %.1f MiB (%s, %s linears), KV cache %.1f MiB (%d blocks of %d tokens, %s)",
-            self.weight_bytes / 2**20, str(self.dtype).removeprefix("torch."), self.linear_backend,
+            self.weight_bytes / 2**20, self.weight_format, self.linear_backend,
             self.kv_cache_bytes / 2**20, self.num_kv_blocks, self.block_size,
             str(self.kv_cache_dtype).removeprefix("torch."),
         )

@@ -50,6 +50,12 @@ def _pagedllm_call(name: str, a: tuple, kwargs: dict, out: torch.Tensor | None) 
     if name in ("packed_linear", "packed_linear_bf16") and out is not None:
         x, packed, bias, out_features = a
         return name, [x, packed, bias, out], [out_features], []
+    if name == "gguf_linear" and out is not None:
+        x, weight, ggml_type, in_features, bias = a
+        return "gguf_linear", [x, weight, bias, out], [ggml_type, in_features], []
+    if name == "gguf_embedding" and out is not None:
+        table, ggml_type, row_len, index = a
+        return "gguf_embedding", [table, index, out], [ggml_type, row_len], []
     if name == "write_kv":
         return "write_kv", list(a), [], []
     if name == "paged_decode":

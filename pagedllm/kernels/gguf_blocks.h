@@ -1,0 +1,229 @@
+/*
+ * GGUF's block formats, read as they are stored (ggml's type numbers;
+ * little-endian, fp16 scales). A weight row of K values is its blocks back
+ * to back.
+ *
+ * 32 weights a block:
+ *   Q8_0  34 bytes: d (fp16), qs[32] int8           w[i] = d * qs[i]
+ *   Q4_0  18 bytes: d (fp16), qs[16] nibbles        w[i] = d * (q[i] - 8)
+ *   Q4_1  20 bytes: d (fp16), m (fp16), qs[16]      w[i] = d * q[i] + m
+ * where the 4-bit q of a Q4 block lie as   byte j = q[j] | q[j + 16] << 4
+ * (the low nibbles are weights 0..15, the high nibbles 16..31).
+ *
+ * 256 weights a "super-block" (the k-quants of Q4_K_M / Q5_K_M files):
+ *   Q4_K 144 bytes: d, dmin (fp16), scales[12], qs[128]
+ *        8 sub-blocks of 32, each with a 6-bit scale s and min m packed in
+ *        scales[]; w = d * s * q - dmin * m, q 4 bits. The 64 weights of
+ *        sub-blocks 2j, 2j+1 are the low, then high nibbles of qs[32j..32j+32).
+ *   Q5_K 176 bytes: d, dmin, scales[12], qh[32], qs[128]
+ *        as Q4_K with a fifth bit: bit (2j) of qh[l] for the low nibble of
+ *        sub-block 2j, bit (2j+1) for the high nibble.
+ *   Q6_K 210 bytes: ql[128], qh[64], scales[16] int8, d (fp16)
+ *        16 sub-blocks of 16, w = d * scale * (q - 32), q 6 bits: 4 from ql,
+ *        2 from qh, in two halves of 128 weights (see gguf_q6_k_block).
+ *
+ * And plain 2-byte floats, F16 and BF16 (one weight a "block").
+ *
+ * gguf_block_vec turns one 32-weight block into float32 in registers
+ * (AVX2: four 8-lane vectors); gguf_row turns a row of any type into floats.
+ */
+#ifndef PAGEDLLM_GGUF_BLOCKS_H
+#define PAGEDLLM_GGUF_BLOCKS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+enum GgufType {
+    GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8,
+    GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30,
+};
+#define GGUF_BLOCK 32 /* a row's length is a multiple of this for every type the kernels take */
+
+/* bytes of one block of `type`, 0 for a type with no kernel here */
+static inline int64_t gguf_block_bytes(int type) {
+    switch (type) {
+        case GGUF_F16: case GGUF_BF16: return 2;
+        case GGUF_Q4_0: return 18;
+        case GGUF_Q4_1: return 20;
+        case GGUF_Q8_0: return 34;
+        case GGUF_Q4_K: return 144;
+        case GGUF_Q5_K: return 176;
+        case GGUF_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* weights in one block of `type` */
+static inline int64_t gguf_block_weights(int type) {
+    switch (type) {
+        case GGUF_F16: case GGUF_BF16: return 1;
+        case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
+        default: return 32;
+    }
+}
+
+static inline float gguf_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    /* IEEE half -> float by hand (scalar builds without F16C) */
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal half: normalise */
+        int e = -1;
+        uint32_t m = mant;
+        do { m <<= 1; e++; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* the 32 weights of one block, in order */
+static inline void gguf_block_scalar(int type, const uint8_t *blk, float *w) {
+    if (type == GGUF_Q8_0) {
+        const float d = gguf_half(blk);
+        for (int i = 0; i < 32; i++) w[i] = d * (float)(int8_t)blk[2 + i];
+        return;
+    }
+    const float d = gguf_half(blk);
+    const float m = type == GGUF_Q4_1 ? gguf_half(blk + 2) : -8.0f * d;
+    const uint8_t *qs = blk + (type == GGUF_Q4_1 ? 4 : 2);
+    for (int j = 0; j < 16; j++) {
+        w[j] = d * (float)(qs[j] & 0x0f) + m;
+        w[j + 16] = d * (float)(qs[j] >> 4) + m;
+    }
+}
+
+/* sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block (packed in 12 bytes) */
+static inline void gguf_k_scale_min(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* the 256 weights of a Q4_K (has_high = 0) or Q5_K (has_high = 1) super-block */
+static inline void gguf_q45_k_block(const uint8_t *blk, int has_high, float *w) {
+    const float d = gguf_half(blk), dmin = gguf_half(blk + 2);
+    const uint8_t *scales = blk + 4, *qh = blk + 16, *qs = blk + (has_high ? 48 : 16);
+    for (int j = 0; j < 4; j++) { /* 64 weights: sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles) */
+        int s0, m0, s1, m1;
+        gguf_k_scale_min(2 * j, scales, &s0, &m0);
+        gguf_k_scale_min(2 * j + 1, scales, &s1, &m1);
+        const float d0 = d * (float)s0, b0 = dmin * (float)m0, d1 = d * (float)s1, b1 = dmin * (float)m1;
+        const uint8_t *q = qs + 32 * j;
+        for (int l = 0; l < 32; l++) {
+            const int hi0 = has_high ? ((qh[l] >> (2 * j)) & 1) << 4 : 0;
+            const int hi1 = has_high ? ((qh[l] >> (2 * j + 1)) & 1) << 4 : 0;
+            w[64 * j + l] = d0 * (float)((q[l] & 0x0f) | hi0) - b0;
+            w[64 * j + 32 + l] = d1 * (float)((q[l] >> 4) | hi1) - b1;
+        }
+    }
+}
+
+/* the 256 weights of a Q6_K super-block: two halves of 128, each from 64 bytes of ql and 32 of qh,
+   four 32-weight runs: low nibbles of ql[0..32) and ql[32..64), then their high nibbles, with the
+   2-bit pairs 0, 1, 2, 3 of qh[l] on top; each run of 16 has its own int8 scale */
+static inline void gguf_q6_k_block(const uint8_t *blk, float *w) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    const float d = gguf_half(blk + 208);
+    for (int half = 0; half < 2; half++) {
+        for (int l = 0; l < 32; l++) {
+            const int s = l / 16;
+            const int q0 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) - 32;
+            const int q1 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q2 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q3 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            w[l] = d * (float)scales[s] * (float)q0;
+            w[l + 32] = d * (float)scales[s + 2] * (float)q1;
+            w[l + 64] = d * (float)scales[s + 4] * (float)q2;
+            w[l + 96] = d * (float)scales[s + 6] * (float)q3;
+        }
+        w += 128;
+        ql += 64;
+        qh += 32;
+        scales += 8;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define GGUF_VECTOR 1
+/* the 32 weights of one block as four 8-lane vectors: w[0] = weights 0..7, ... w[3] = 24..31 */
+static inline __attribute__((always_inline)) void gguf_block_vec(int type, const uint8_t *blk, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(gguf_half(blk));
+    if (type == GGUF_Q8_0) {
+        for (int c = 0; c < 4; c++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * c));
+            w[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+        }
+        return;
+    }
+    const bool q41 = type == GGUF_Q4_1;
+    const __m256 m = q41 ? _mm256_set1_ps(gguf_half(blk + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (q41 ? 4 : 2)));
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));                      /* weights 0..15 */
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));  /* weights 16..31 */
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int c = 0; c < 4; c++)
+        w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), d, m);
+}
+
+static inline float gguf_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* the k weights of one row of `type` (k a multiple of GGUF_BLOCK, and of 256 for the k-quants) */
+static inline void gguf_row(int type, const uint8_t *row, int64_t k, float *out) {
+    switch (type) {
+        case GGUF_Q4_K:
+        case GGUF_Q5_K:
+            for (int64_t b = 0; b < k / 256; b++) gguf_q45_k_block(row + b * gguf_block_bytes(type), type == GGUF_Q5_K, out + b * 256);
+            return;
+        case GGUF_Q6_K:
+            for (int64_t b = 0; b < k / 256; b++) gguf_q6_k_block(row + b * 210, out + b * 256);
+            return;
+        case GGUF_F16:
+            for (int64_t i = 0; i < k; i++) out[i] = gguf_half(row + 2 * i);
+            return;
+        case GGUF_BF16:
+            for (int64_t i = 0; i < k; i++) {
+                const uint32_t bits = (uint32_t)(row[2 * i] | (row[2 * i + 1] << 8)) << 16;
+                memcpy(out + i, &bits, 4);
+            }
+            return;
+        default:
+            break;
+    }
+    const int64_t block_bytes = gguf_block_bytes(type);
+    for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
+#ifdef GGUF_VECTOR
+        __m256 wv[4];
+        gguf_block_vec(type, row + b * block_bytes, wv);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * GGUF_BLOCK + 8 * i, wv[i]);
+#else
+        gguf_block_scalar(type, row + b * block_bytes, out + b * GGUF_BLOCK);
+#endif
+    }
+}
+
+#endif

@@ -1,0 +1,160 @@
+/*
+ * Linear layers and embedding lookups over GGUF's quantized blocks, kept as
+ * the file stores them (gguf_blocks.h draws the formats):
+ *
+ *   y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])     x: [M, K] float32
+ *   W: [N, K / 32 blocks] of one block type, one row per output channel
+ *
+ * Work comes in strips of STRIP output channels. A thread turns a strip's
+ * blocks into float32 rows in a buffer of its own ([STRIP, K], a few KiB:
+ * L1), then runs every row of x against it, TILE_M rows at a time, each
+ * (row, channel) pair keeping one vector of partial sums over k:
+ *
+ *   strip of channels c0..c0+STRIP      x rows r0..r0+TILE_M
+ *   buf[c][k..k+V]  (V-lane loads)  x  x[r][k..k+V]   -> acc[r][c] += (lanes)
+ *   y[r][c0 + c] = sum of acc[r][c]'s lanes (+ bias)
+ *
+ * The weights stream from memory once per call in their quantized bytes (a
+ * quarter to an eighth of float32's: decode is bound by them), and are
+ * dequantized once per call, not once per row. Every (row, channel) sum
+ * adds the same terms in the same order whatever the other rows are, so a
+ * sequence's logits do not depend on its batch. Long inputs (prefills) go
+ * in blocks of rows whose activations stay in L2, a strip dequantized again
+ * per block.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "gguf_blocks.h"
+#include "step_nodes.h"
+
+#if defined(__AVX512F__)
+#define STRIP 4
+#define TILE_M 6
+#define V 16
+typedef __m512 gvec;
+#define GLOAD(p) _mm512_loadu_ps(p)
+#define GFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GZERO() _mm512_setzero_ps()
+#define GSUM(v) _mm512_reduce_add_ps(v)
+#elif defined(GGUF_VECTOR)
+#define STRIP 3
+#define TILE_M 4
+#define V 8
+typedef __m256 gvec;
+#define GLOAD(p) _mm256_loadu_ps(p)
+#define GFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GZERO() _mm256_setzero_ps()
+#define GSUM(v) gguf_hsum(v)
+#else
+#define STRIP 3
+#define TILE_M 4
+#endif
+
+/* activations per block of rows: TILE_M-row tiles re-read it once per strip, so it should stay in L2 */
+#define BLOCK_FLOATS (64 * 1024)
+
+/* channels [c0, c0 + nc) as float32 rows: buf [nc, k] */
+static void dequantize_strip(const LinearNode *n, int64_t c0, int nc, int64_t row_bytes, float *buf) {
+    for (int c = 0; c < nc; c++)
+        gguf_row(n->weight_type, (const uint8_t *)n->weight + (c0 + c) * row_bytes, n->in_features, buf + c * n->in_features);
+}
+
+/* y rows [0, MR) x channels [0, NR) of a strip: x [MR, k] (rows k apart), buf [NR, k], y rows ldy apart */
+template <int MR, int NR>
+static inline __attribute__((always_inline)) void strip_tile(const float *x, int64_t k, const float *buf,
+                                                             const float *bias, float *y, int64_t ldy) {
+#ifdef V
+    gvec acc[MR][NR];
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < NR; c++) acc[r][c] = GZERO();
+    for (int64_t kk = 0; kk < k; kk += V) {
+        gvec w[NR];
+        for (int c = 0; c < NR; c++) w[c] = GLOAD(buf + c * k + kk);
+        for (int r = 0; r < MR; r++) {
+            const gvec xv = GLOAD(x + r * k + kk);
+            for (int c = 0; c < NR; c++) acc[r][c] = GFMA(w[c], xv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < NR; c++) y[r * ldy + c] = GSUM(acc[r][c]) + (bias ? bias[c] : 0.0f);
+#else
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < NR; c++) {
+            float sum = 0.0f;
+            for (int64_t kk = 0; kk < k; kk++) sum += buf[c * k + kk] * x[r * k + kk];
+            y[r * ldy + c] = sum + (bias ? bias[c] : 0.0f);
+        }
+#endif
+}
+
+/* rows [0, m) against a strip of NR channels, TILE_M rows at a time */
+template <int NR>
+static void strip_rows(const float *x, int64_t m, int64_t k, const float *buf, const float *bias, float *y,
+                       int64_t ldy) {
+    int64_t r = 0;
+    for (; r + TILE_M <= m; r += TILE_M) strip_tile<TILE_M, NR>(x + r * k, k, buf, bias, y + r * ldy, ldy);
+    switch (m - r) {
+#if TILE_M > 4
+        case 5: strip_tile<5, NR>(x + r * k, k, buf, bias, y + r * ldy, ldy); break;
+        case 4: strip_tile<4, NR>(x + r * k, k, buf, bias, y + r * ldy, ldy); break;
+#endif
+        case 3: strip_tile<3, NR>(x + r * k, k, buf, bias, y + r * ldy, ldy); break;
+        case 2: strip_tile<2, NR>(x + r * k, k, buf, bias, y + r * ldy, ldy); break;
+        case 1: strip_tile<1, NR>(x + r * k, k, buf, bias, y + r * ldy, ldy); break;
+        default: break;
+    }
+}
+
+/* each thread's strip buffer, kept for the process (a pool thread lives as long) */
+static thread_local float *tls_strip = NULL;
+static thread_local int64_t tls_strip_floats = 0;
+
+static float *strip_buffer(int64_t floats) {
+    if (tls_strip_floats < floats) {
+        free(tls_strip);
+        tls_strip = (float *)aligned_alloc(64, (size_t)((floats * sizeof(float) + 63) / 64 * 64));
+        tls_strip_floats = tls_strip ? floats : 0;
+    }
+    return tls_strip;
+}
+
+void gguf_linear_team(const LinearNode *n, int *failed) {
+    const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
+    const int64_t row_bytes = k / gguf_block_weights(n->weight_type) * gguf_block_bytes(n->weight_type);
+    int64_t block_rows = BLOCK_FLOATS / k / TILE_M * TILE_M;
+    if (block_rows < TILE_M) block_rows = TILE_M;
+    for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows) {
+        const int64_t m = n->rows - row0 < block_rows ? n->rows - row0 : block_rows;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < num_strips; s++) {
+            float *buf = strip_buffer(STRIP * k);  // [STRIP, k]
+            if (buf == NULL) {
+#pragma omp atomic write
+                *failed = 1;
+                continue;
+            }
+            const int64_t c0 = s * STRIP;
+            const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
+            dequantize_strip(n, c0, nc, row_bytes, buf);
+            const float *x = n->x + row0 * k, *bias = n->bias ? n->bias + c0 : NULL;
+            float *y = n->y + row0 * cols + c0;
+            switch (nc) {
+#if STRIP > 3
+                case 4: strip_rows<4>(x, m, k, buf, bias, y, cols); break;
+#endif
+                case 3: strip_rows<3>(x, m, k, buf, bias, y, cols); break;
+                case 2: strip_rows<2>(x, m, k, buf, bias, y, cols); break;
+                default: strip_rows<1>(x, m, k, buf, bias, y, cols); break;
+            }
+        }
+    }
+}
+
+/* out[r] = the dequantized row index[r] of a quantized table */
+void gguf_gather_team(const GgufGatherNode *n) {
+    const int64_t row_bytes = n->row_len / gguf_block_weights(n->type) * gguf_block_bytes(n->type);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n->rows; r++)
+        gguf_row(n->type, n->table + n->index[r] * row_bytes, n->row_len, n->out + r * n->row_len);
+}

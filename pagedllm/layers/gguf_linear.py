@@ -1,0 +1,157 @@
+"""Linear layers and embeddings over GGUF's quantized blocks, kept as the file stores them.
+
+A GGUF tensor of type Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 or BF16 is
+held as its bytes, ``qweight`` ``[rows, in_features / block weights * block
+bytes]`` uint8 (one row per output channel, its blocks back to back), and
+multiplied by
+``kernels/gguf_linear.cpp``, which dequantizes in registers and a
+cache-sized strip at a time: nothing float32 of the weight is kept. The
+bundled SmolLM2 (Q4_1 layers, a Q8_0 embedding tied to the LM head) holds
+~98 MB of weights this way against 538 MB dequantized.
+
+``use_gguf_weights`` prepares a model built on the meta device for such a
+checkpoint: the layers whose checkpoint tensors are all quantized in one
+type get a ``GGUFLinearMethod`` and a ``qweight`` buffer of the right size in
+place of their float weight; the token embedding becomes a
+``GGUFEmbedding``; a tied LM head shares the embedding's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import Linear, LinearMethod, replace_parameter
+
+# ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
+GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
+    1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+}
+GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
+
+# checkpoint part -> (fused parameter, row offset, rows), as layers/weights.py's FusedMap
+FusedMap = Mapping[str, tuple[str, int, int]]
+
+
+def gguf_row_bytes(ggml_type: int, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights in ``ggml_type``; ValueError for a type with no kernel."""
+    if ggml_type not in GGUF_KERNEL_TYPES:
+        raise ValueError(f"no GGUF kernel for tensor type {ggml_type}; kernels exist for "
+                         f"{sorted(name for name, _, _ in GGUF_KERNEL_TYPES.values())}")
+    name, block_weights, block_bytes = GGUF_KERNEL_TYPES[ggml_type]
+    if in_features % max(block_weights, GGUF_BLOCK):
+        raise ValueError(f"a {name} row of {in_features} weights is not whole runs of {max(block_weights, GGUF_BLOCK)}")
+    return in_features // block_weights * block_bytes
+
+
+def gguf_kernel_takes(ggml_type: int, in_features: int) -> bool:
+    """Whether the kernels multiply rows of ``in_features`` weights stored in ``ggml_type``."""
+    try:
+        gguf_row_bytes(ggml_type, in_features)
+    except ValueError:
+        return False
+    return True
+
+
+class GGUFLinearMethod(LinearMethod):
+    """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out)."""
+
+    def __init__(self, ggml_type: int) -> None:
+        gguf_row_bytes(ggml_type, GGUF_BLOCK)  # a type with a kernel
+        self.ggml_type = ggml_type
+        self.name = f"gguf-{GGUF_KERNEL_TYPES[ggml_type][0].lower()}"
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise ValueError(f"GGUF linear layers compute in float32, got {x.dtype}")
+        rows = x.reshape(-1, layer.in_features).contiguous()  # [num_rows, in_features]
+        out = torch.ops.pagedllm.gguf_linear(rows, layer.qweight, self.ggml_type, layer.in_features, layer.bias)
+        return out.view(*x.shape[:-1], layer.out_features)
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding whose table stays in GGUF blocks; looked-up rows come out float32."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ggml_type: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.ggml_type = num_embeddings, embedding_dim, ggml_type
+        row_bytes = gguf_row_bytes(ggml_type, embedding_dim)
+        self.register_buffer("qweight", torch.empty(num_embeddings, row_bytes, dtype=torch.uint8))  # [vocab, bytes]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).contiguous()  # [num_tokens]
+        out = torch.ops.pagedllm.gguf_embedding(self.qweight, self.ggml_type, self.embedding_dim, ids)
+        return out.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={GGUF_KERNEL_TYPES[self.ggml_type][0]}"
+
+
+def _target(name: str, fused: FusedMap) -> tuple[str, int, int | None]:
+    """Where checkpoint tensor ``name`` goes: (parameter name, row offset, rows or None for all)."""
+    for part, (fused_name, offset, size) in fused.items():
+        if f".{part}." in name:
+            return name.replace(part, fused_name), offset, size
+    return name, 0, None
+
+
+def _quantized_targets(model: nn.Module, types: Mapping[str, int], fused: FusedMap) -> dict[str, tuple[int, list[str]]]:
+    """Parameters every checkpoint part of which is quantized, in one type: name -> (type, the parts' names)."""
+    parts: dict[str, list[tuple[str, int, int | None]]] = {}
+    for name in types:
+        target, offset, size = _target(name, fused)
+        parts.setdefault(target, []).append((name, offset, size))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    chosen: dict[str, tuple[int, list[str]]] = {}
+    for target, found in parts.items():
+        param = params.get(target)
+        kinds = {types[name] for name, _, _ in found}
+        if param is None or param.dim() != 2 or len(kinds) != 1:
+            continue
+        rows = sum(param.shape[0] if size is None else size for _, _, size in found)
+        if rows == param.shape[0]:  # every part of a fused parameter is there
+            chosen[target] = (kinds.pop(), [name for name, _, _ in found])
+    return chosen
+
+
+def use_gguf_weights(model: nn.Module, types: Mapping[str, int], fused: FusedMap, embedding: str) -> set[str]:
+    """Give the layers of ``model`` (on the meta device) GGUF storage for the checkpoint tensors in ``types``.
+
+    ``types``: checkpoint tensor name -> ggml type, for the tensors the
+    checkpoint can hand over quantized. ``embedding``: the name of the token
+    embedding's weight. Returns the checkpoint names whose layers took them
+    quantized; the others are to be loaded as float weights.
+    """
+    modules = dict(model.named_modules())
+    kept: set[str] = set()
+    for target, (ggml_type, names) in _quantized_targets(model, types, fused).items():
+        owner_name = target.rsplit(".", 1)[0]
+        owner = modules[owner_name]
+        if target == embedding and isinstance(owner, nn.Embedding):
+            parent, _, child = owner_name.rpartition(".")
+            with torch.device("meta"):
+                setattr(modules[parent] if parent else model, child,
+                        GGUFEmbedding(owner.num_embeddings, owner.embedding_dim, ggml_type))
+        elif isinstance(owner, Linear) and target.endswith(".weight"):
+            owner.quant_method = GGUFLinearMethod(ggml_type)
+            replace_parameter(owner, "weight", None)
+            row_bytes = gguf_row_bytes(ggml_type, owner.in_features)
+            owner.register_buffer("qweight", torch.empty(owner.out_features, row_bytes, dtype=torch.uint8,
+                                                         device="meta"))  # [out_features, row bytes]
+        else:
+            continue
+        kept.update(names)
+    return kept
+
+
+def tie_gguf_lm_head(lm_head: Linear, embedding: nn.Module) -> bool:
+    """Let a tied LM head multiply by a GGUF embedding's bytes (held once); False when the embedding is not GGUF."""
+    if not isinstance(embedding, GGUFEmbedding):
+        return False
+    lm_head.quant_method = GGUFLinearMethod(embedding.ggml_type)
+    replace_parameter(lm_head, "weight", None)
+    lm_head.register_buffer("qweight", embedding.qweight)
+    return True

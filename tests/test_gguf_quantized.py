@@ -1,0 +1,245 @@
+"""GGUF weights kept in their blocks: the kernels against gguf's own dequantization, and whole models.
+
+References are independent of our kernels: the ``gguf`` package quantizes
+and dequantizes, float64 matmuls on its dequantized weights are the oracle
+for a layer, and transformers running those dequantized weights is the
+oracle for a model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.gguf_linear import GGUFLinearMethod
+from pagedllm.runner.model_loader import model_tensors, resident_bytes
+
+pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the GGUF kernels need the native build")
+
+Q = GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]  # 32-weight blocks; gguf's writer quantizes to these
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256-weight super-blocks (Q4_K_M files)
+FLOAT_TYPES = [Q.F16, Q.BF16]
+ALL_TYPES = TYPES + K_TYPES + FLOAT_TYPES
+# the fp16 fields of a block that scale its quants: (byte offset, size of the values drawn)
+_HALF_FIELDS = {
+    Q.Q4_0: [(0, 0.02)], Q.Q4_1: [(0, 0.02), (2, -0.1)], Q.Q8_0: [(0, 0.02)],
+    Q.Q4_K: [(0, 0.002), (2, 0.002)], Q.Q5_K: [(0, 0.002), (2, 0.002)], Q.Q6_K: [(208, 0.002)],
+}
+
+
+def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid random blocks: random quants and packed scales, fp16 scales of a sane size; uint8 [rows, bytes]."""
+    rng = np.random.default_rng(seed)
+    if ggml_type in FLOAT_TYPES:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        if ggml_type == Q.F16:
+            return w.astype(np.float16).view(np.uint8)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # bf16: the high halves
+    block_weights, size = GGML_QUANT_SIZES[ggml_type]
+    num_blocks = cols // block_weights
+    raw = rng.integers(0, 256, size=(rows, num_blocks, size), dtype=np.uint8)
+    for offset, scale in _HALF_FIELDS[ggml_type]:
+        halves = (rng.random((rows, num_blocks)) * scale + 0.05 * scale).astype(np.float16)
+        raw[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(rows, num_blocks, 2)
+    return raw.reshape(rows, num_blocks * size)
+
+
+def reference_weights(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(dequantize(raw, ggml_type), dtype=np.float64))
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 7, 32, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 256), (130, 512), (576, 1536)])
+def test_gguf_linear_matches_the_dequantized_weights_in_float64(
+    ggml_type: GGMLQuantizationType, num_rows: int, out_features: int, in_features: int
+) -> None:
+    raw = random_blocks(ggml_type, out_features, in_features, seed=num_rows + out_features)
+    weight = reference_weights(raw, ggml_type)  # [out, in] float64
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    got = torch.ops.pagedllm.gguf_linear(x, torch.from_numpy(raw), int(ggml_type), in_features, bias)
+    want = x.double() @ weight.T + bias.double()
+    # float32 sums of in_features products: each term's rounding is at most eps of the running sum,
+    # so the error is bounded by in_features * eps * sum |x w| (the bound is loose; random errors cancel)
+    bound = in_features * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.abs().T) + 1e-6
+    assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_its_batch(ggml_type: GGMLQuantizationType) -> None:
+    raw = torch.from_numpy(random_blocks(ggml_type, 300, 768, seed=3))
+    x = torch.randn(300, 768, generator=torch.Generator().manual_seed(3))
+    together = torch.ops.pagedllm.gguf_linear(x, raw, int(ggml_type), 768, None)
+    for r in (0, 5, 133, 299):
+        alone = torch.ops.pagedllm.gguf_linear(x[r : r + 1].contiguous(), raw, int(ggml_type), 768, None)
+        assert torch.equal(alone[0], together[r])
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_embedding_rows_and_dequantize_equal_gguf(ggml_type: GGMLQuantizationType) -> None:
+    raw = random_blocks(ggml_type, 50, 512, seed=7)
+    want = reference_weights(raw, ggml_type).float()
+    table = torch.from_numpy(raw)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    # gguf computes in float32 too, in another order of operations (a scale times a scale first)
+    torch.testing.assert_close(torch.ops.pagedllm.gguf_embedding(table, int(ggml_type), 512, ids), want[ids],
+                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.ops.pagedllm.gguf_dequantize(table, int(ggml_type), 512), want,
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_bad_gguf_inputs_are_value_errors() -> None:
+    raw = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=1))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="no kernel for GGUF tensor type 11"):
+        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q3_K), 64, None)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q4_K), 64, None)
+    with pytest.raises(ValueError, match="rows of 40 bytes"):
+        torch.ops.pagedllm.gguf_linear(x, raw[:, :20].contiguous(), int(GGMLQuantizationType.Q4_1), 64, None)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        torch.ops.pagedllm.gguf_linear(torch.randn(2, 48), raw, int(GGMLQuantizationType.Q4_1), 48, None)
+    with pytest.raises(ValueError, match="input has 32 features"):
+        torch.ops.pagedllm.gguf_linear(torch.randn(2, 32), raw, int(GGMLQuantizationType.Q4_1), 64, None)
+    with pytest.raises(ValueError, match="outside the table of 8 rows"):
+        torch.ops.pagedllm.gguf_embedding(raw, int(GGMLQuantizationType.Q4_1), 64, torch.tensor([1, 8]))
+    with pytest.raises(ValueError, match="no GGUF kernel"):
+        GGUFLinearMethod(int(GGMLQuantizationType.Q2_K))
+
+
+def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:
+    q41, q80 = int(GGMLQuantizationType.Q4_1), int(GGMLQuantizationType.Q8_0)
+    table = torch.from_numpy(random_blocks(GGMLQuantizationType.Q8_0, 40, 64, seed=2))
+    weight = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 24, 64, seed=4))
+    ids = torch.tensor([5, 39, 0, 12, 7, 7])
+    emb, out = torch.empty(6, 64), torch.empty(6, 24)
+    program = torch.classes.pagedllm.StepProgram(6)
+    program.add("gguf_embedding", [table, ids, emb], [q80, 64], [])
+    program.add("gguf_linear", [emb, weight, None, out], [q41, 64], [])
+    for n in (6, 2):
+        out.zero_()
+        program.run(n)
+        want = torch.ops.pagedllm.gguf_linear(
+            torch.ops.pagedllm.gguf_embedding(table, q80, 64, ids[:n]), weight, q41, 64, None
+        )
+        assert torch.equal(out[:n], want)
+    ids[1] = 40  # a step's index outside the table is refused before anything runs
+    with pytest.raises(ValueError, match="outside the table"):
+        program.run(6)
+
+
+# --- whole models -------------------------------------------------------------------------------
+
+
+def test_bundled_model_holds_its_blocks(smollm_path: str) -> None:
+    from gguf import GGUFReader
+
+    smollm = LLM(num_kv_blocks=64, max_model_len=256)
+    model = smollm.llm_engine.model_runner.model
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(smollm_path).tensors)
+    held = resident_bytes(model_tensors(model))
+    # measured from what the model holds (the RoPE tables are its only other tensors)
+    assert held <= 1.15 * file_bytes, (held, file_bytes)
+    assert smollm.weight_bytes == held
+    assert model.lm_head.quant_method.name == "gguf-q8_0"
+    assert model.lm_head.qweight is model.model.embed_tokens.qweight  # the tied head: the same bytes
+    assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == "gguf-q4_1"
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.shape[0] >= 192 for p in model.parameters())
+
+
+def _permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order (per head: halves -> interleaved), as its converter writes GGUF files."""
+    shape = w.shape
+    return w.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def write_quantized_gguf(hf_model, arch: str, ggml_type: GGMLQuantizationType, path: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """``hf_model``'s weights as a GGUF file, 2-D tensors in ``ggml_type``; returns them dequantized (HF names)."""
+    cfg = hf_model.config
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    rounded: dict[str, torch.Tensor] = {}
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "lm_head.weight":
+            gguf_name = "output.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_NAMES[rest]}"
+        stored = w
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
+            stored = _permute_rope_rows(w, heads)
+        if w.ndim == 2:
+            blocks = quantize(stored, ggml_type)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=ggml_type)
+            # rows are whole blocks, so quantizing in llama.cpp's row order rounds each row the same
+            rounded[name] = torch.from_numpy(np.asarray(dequantize(quantize(w, ggml_type), ggml_type), np.float32))
+        else:
+            writer.add_tensor(gguf_name, stored)
+            rounded[name] = tensor.detach().float()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return rounded
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
+    arch: str, ggml_type: GGMLQuantizationType, tiny_model_dirs: dict[str, str], hf_tiny: dict,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import copy
+
+    hf = copy.deepcopy(hf_tiny[arch])
+    path = os.path.join(tmp_path_factory.mktemp(f"gguf-{arch}"), f"tiny-{ggml_type.name}.gguf")
+    rounded = write_quantized_gguf(hf, arch, ggml_type, path)
+    hf.load_state_dict(rounded)  # transformers runs the weights the file's blocks hold
+    llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64)
+    model = llm.llm_engine.model_runner.model
+    assert model.lm_head.quant_method.name == f"gguf-{ggml_type.name.lower()}"
+    assert type(model.model.embed_tokens).__name__ == "GGUFEmbedding"
+    prompts = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
