@@ -175,8 +175,12 @@ _GGUF_NAMES = {
 }
 
 
-def write_quantized_gguf(hf_model, arch: str, ggml_type: GGMLQuantizationType, path: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    """``hf_model``'s weights as a GGUF file, 2-D tensors in ``ggml_type``; returns them dequantized (HF names)."""
+def write_quantized_gguf(
+    hf_model, arch: str, ggml_type: GGMLQuantizationType, path: str,  # noqa: ANN001
+    types: dict[str, GGMLQuantizationType] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``hf_model``'s weights as a GGUF file, 2-D tensors in ``ggml_type`` (or ``types[name]``, by HF name
+    suffix); returns them dequantized (HF names)."""
     cfg = hf_model.config
     writer = GGUFWriter(path, arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -208,10 +212,11 @@ def write_quantized_gguf(hf_model, arch: str, ggml_type: GGMLQuantizationType, p
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
             stored = _permute_rope_rows(w, heads)
         if w.ndim == 2:
-            blocks = quantize(stored, ggml_type)
-            writer.add_tensor(gguf_name, blocks, raw_dtype=ggml_type)
+            kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), ggml_type)
+            blocks = quantize(stored, kind)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
             # rows are whole blocks, so quantizing in llama.cpp's row order rounds each row the same
-            rounded[name] = torch.from_numpy(np.asarray(dequantize(quantize(w, ggml_type), ggml_type), np.float32))
+            rounded[name] = torch.from_numpy(np.asarray(dequantize(quantize(w, kind), kind), np.float32))
         else:
             writer.add_tensor(gguf_name, stored)
             rounded[name] = tensor.detach().float()
@@ -243,3 +248,35 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
+    tiny_model_dirs: dict[str, str], hf_tiny: dict, tmp_path_factory: pytest.TempPathFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Q5_0 has no kernel: those layers (v_proj, so the fused qkv, and down_proj) load as float32."""
+    import copy
+    import logging
+
+    hf = copy.deepcopy(hf_tiny["llama"])
+    path = os.path.join(tmp_path_factory.mktemp("gguf-mixed"), "mixed.gguf")
+    rounded = write_quantized_gguf(hf, "llama", Q.Q8_0, path, {"v_proj.weight": Q.Q5_0, "down_proj.weight": Q.Q5_1})
+    hf.load_state_dict(rounded)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.runner.model_loader"):
+        llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64)
+    assert "dequantized to float32" in caplog.text and "Q5_0" in caplog.text and "Q5_1" in caplog.text
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    assert not layer.self_attn.qkv_proj.quant_method.name.startswith("gguf")
+    assert not layer.mlp.down_proj.quant_method.name.startswith("gguf")
+    assert layer.mlp.gate_up_proj.quant_method.name == "gguf-q8_0"
+    prompt = [1, 400, 3000, 77, 12000, 5]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+def test_a_truncated_gguf_is_a_clear_error(smollm_path: str, tmp_path) -> None:  # noqa: ANN001
+    cut = tmp_path / "cut.gguf"
+    with open(smollm_path, "rb") as f:
+        cut.write_bytes(f.read(os.path.getsize(smollm_path) // 2))
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        LLM(str(cut), max_model_len=256, num_kv_blocks=64)

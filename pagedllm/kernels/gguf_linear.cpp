@@ -106,6 +106,53 @@ static void strip_rows(const float *x, int64_t m, int64_t k, const float *buf, c
     }
 }
 
+#ifdef V
+/* One row (decode of one sequence) against a strip of NR channels of a 32-weight block type, the blocks
+ * turned into floats in registers and used at once: no buffer. Each channel's sum takes the same terms
+ * in the same order, V lanes at a time, as strip_tile does over the dequantized row, so a row's result
+ * is the same bits whichever way it goes. */
+template <int NR>
+static inline __attribute__((always_inline)) void direct_row(const float *x, int64_t k, const uint8_t *w,
+                                                             int64_t row_bytes, int type, const float *bias,
+                                                             float *y) {
+    const int64_t block_bytes = gguf_block_bytes(type);
+    gvec acc[NR];
+    for (int c = 0; c < NR; c++) acc[c] = GZERO();
+    for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
+        const float *xb = x + b * GGUF_BLOCK;
+#if V == 16
+        const gvec x0 = GLOAD(xb), x1 = GLOAD(xb + 16);
+#else
+        const gvec x0 = GLOAD(xb), x1 = GLOAD(xb + 8), x2 = GLOAD(xb + 16), x3 = GLOAD(xb + 24);
+#endif
+        for (int c = 0; c < NR; c++) {
+            __m256 wv[4];
+            gguf_block_vec(type, w + c * row_bytes + b * block_bytes, wv);
+#if V == 16
+            acc[c] = GFMA(_mm512_insertf32x8(_mm512_castps256_ps512(wv[0]), wv[1], 1), x0, acc[c]);
+            acc[c] = GFMA(_mm512_insertf32x8(_mm512_castps256_ps512(wv[2]), wv[3], 1), x1, acc[c]);
+#else
+            acc[c] = GFMA(wv[0], x0, acc[c]);
+            acc[c] = GFMA(wv[1], x1, acc[c]);
+            acc[c] = GFMA(wv[2], x2, acc[c]);
+            acc[c] = GFMA(wv[3], x3, acc[c]);
+#endif
+        }
+    }
+    for (int c = 0; c < NR; c++) y[c] = GSUM(acc[c]) + (bias ? bias[c] : 0.0f);
+}
+#endif
+
+/* whether one row goes through direct_row: 32-weight block types, vector builds */
+static inline bool direct_type(int type) {
+#ifdef V
+    return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q8_0;
+#else
+    (void)type;
+    return false;
+#endif
+}
+
 /* each thread's strip buffer, kept for the process (a pool thread lives as long) */
 static thread_local float *tls_strip = NULL;
 static thread_local int64_t tls_strip_floats = 0;
@@ -126,6 +173,26 @@ void gguf_linear_team(const LinearNode *n, int *failed) {
     if (block_rows < TILE_M) block_rows = TILE_M;
     for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows) {
         const int64_t m = n->rows - row0 < block_rows ? n->rows - row0 : block_rows;
+        if (n->rows == 1 && direct_type(n->weight_type)) {
+#ifdef V
+#pragma omp for schedule(static)
+            for (int64_t s = 0; s < num_strips; s++) {
+                const int64_t c0 = s * STRIP;
+                const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
+                const uint8_t *w = (const uint8_t *)n->weight + c0 * row_bytes;
+                const float *bias = n->bias ? n->bias + c0 : NULL;
+                switch (nc) {
+#if STRIP > 3
+                    case 4: direct_row<4>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+#endif
+                    case 3: direct_row<3>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+                    case 2: direct_row<2>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+                    default: direct_row<1>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+                }
+            }
+#endif
+            return;
+        }
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < num_strips; s++) {
             float *buf = strip_buffer(STRIP * k);  // [STRIP, k]

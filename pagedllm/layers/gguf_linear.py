@@ -109,7 +109,7 @@ def _quantized_targets(model: nn.Module, types: Mapping[str, int], fused: FusedM
     for target, found in parts.items():
         param = params.get(target)
         kinds = {types[name] for name, _, _ in found}
-        if param is None or param.dim() != 2 or len(kinds) != 1:
+        if param is None or param.dim() != 2 or len(kinds) != 1 or not gguf_kernel_takes(next(iter(kinds)), param.shape[1]):
             continue
         rows = sum(param.shape[0] if size is None else size for _, _, size in found)
         if rows == param.shape[0]:  # every part of a fused parameter is there
@@ -121,7 +121,8 @@ def use_gguf_weights(model: nn.Module, types: Mapping[str, int], fused: FusedMap
     """Give the layers of ``model`` (on the meta device) GGUF storage for the checkpoint tensors in ``types``.
 
     ``types``: checkpoint tensor name -> ggml type, for the tensors the
-    checkpoint can hand over quantized. ``embedding``: the name of the token
+    checkpoint can hand over as stored; those of a type with no kernel here
+    stay with the float weights. ``embedding``: the name of the token
     embedding's weight. Returns the checkpoint names whose layers took them
     quantized; the others are to be loaded as float weights.
     """

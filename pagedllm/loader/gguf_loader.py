@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 import re
+from struct import error as struct_error
 from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from pagedllm.layers.gguf_linear import gguf_kernel_takes
 from pagedllm.loader.model_config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 
 # Gemma 3 loads from Hugging Face folders only: its GGUF tensor names and norm
@@ -50,8 +50,14 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 @functools.lru_cache(maxsize=2)
 def open_reader(path: str) -> GGUFReader:
-    """Parse a GGUF file once (its metadata takes seconds to read); data stays memory-mapped."""
-    return GGUFReader(path)
+    """Parse a GGUF file once (its metadata takes seconds to read); data stays memory-mapped.
+
+    ValueError naming the file when it cannot be parsed (truncated, corrupt, not GGUF).
+    """
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, struct_error) as e:
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
 
 
 def _field(reader: GGUFReader, key: str, default: object = None) -> object:
@@ -117,8 +123,9 @@ def _hf_name(gguf_name: str, path: str) -> str:
 class GGUFWeights:
     """The tensors of a GGUF file under Hugging Face names, iterated once per load.
 
-    ``quantized``: the 2-D tensors stored in a type the native kernels read
-    (name -> ggml type number; F32 tensors are loaded as they are anyway). The model loader sets ``keep`` to the
+    ``quantized``: the 2-D tensors stored in another type than F32 (name ->
+    ggml type number): the ones a model may take as stored, where it has
+    kernels for their type. The model loader sets ``keep`` to the
     names its layers take as they are stored: those come out as their bytes,
     ``uint8 [rows, row bytes]``; every other tensor is dequantized to float32.
     """
@@ -129,7 +136,7 @@ class GGUFWeights:
         self.quantized: dict[str, int] = {
             _hf_name(t.name, path): int(t.tensor_type)
             for t in reader.tensors
-            if len(t.shape) == 2 and gguf_kernel_takes(int(t.tensor_type), int(t.shape[0]))
+            if len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32
         }
         self.keep: set[str] = set()
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.config import EngineConfig
@@ -139,6 +140,11 @@ def keep_gguf_blocks(
                        precision.weights, kernels_failure() or f"device={device.type}")
         return
     weights.keep = use_gguf_weights(model, quantized, fused_map(), "model.embed_tokens.weight")
+    left = sorted(name for name in quantized if name not in weights.keep and name != "lm_head.weight")
+    if left:
+        kinds = sorted({GGMLQuantizationType(quantized[name]).name for name in left})
+        logger.warning("%d GGUF tensors are dequantized to float32 (no kernel for their type, or a fused layer "
+                       "of mixed types): types %s, e.g. %s", len(left), kinds, left[0])
 
 
 def count_params(model: nn.Module) -> int:
