@@ -51,6 +51,7 @@ class LogitsRules:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether any of the repetition, frequency or presence penalties is on."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
 
     @property

@@ -454,3 +454,18 @@ def test_beam_search_still_runs_beside_penalised_requests(tiny):
     llm, _ = tiny
     (beam,) = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=2, max_tokens=6))
     assert len(beam.sequences) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(repetition_penalty=3e38), dict(repetition_penalty=1e-30), dict(frequency_penalty=-2.0, presence_penalty=-2.0),
+     dict(logit_bias={t: 100.0 for t in range(0, 49152, 97)}), dict(min_tokens=8, allowed_token_ids=[2, 5, 6])],
+)
+def test_extreme_but_valid_settings_run_through_a_step(tiny, kwargs):
+    llm, _ = tiny
+    p = SamplingParams(temperature=1.0, seed=11, max_tokens=8, logprobs=1, **kwargs)
+    out = llm.generate({"prompt_token_ids": PROMPTS[0] * 3}, p, use_tqdm=False)[0].outputs[0]
+    assert 1 <= len(out.token_ids) <= 8
+    assert all(math.isfinite(lp[t].logprob) for lp, t in zip(out.logprobs, out.token_ids))
+    if "allowed_token_ids" in kwargs:  # EOS (2) allowed but held back by min_tokens = max_tokens
+        assert len(out.token_ids) == 8 and set(out.token_ids) <= {5, 6}
