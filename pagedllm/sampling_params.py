@@ -12,6 +12,10 @@ MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1
 INT64_RANGE = (-(2**63), 2**63 - 1)
 MAX_FLOAT32 = 3.4028234663852886e38
+# vLLM's limits: OpenAI's range for the two additive penalties, and the bias
+# range OpenAI documents (vLLM clamps into it rather than refusing)
+MAX_ADDITIVE_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_number(x: object) -> bool:
@@ -75,6 +79,31 @@ class SamplingParams:
             chosen token's); None returns none.
         prompt_logprobs: the same for every prompt token (disables prefix
             cache hits for the request: every position must be computed).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every
+            token that already appears in the output (> 0 favours new tokens).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once
+            per time it appears in the output.
+        repetition_penalty: > 0; tokens seen in the prompt or the output have
+            positive logits divided by it and negative ones multiplied (> 1
+            discourages repeats); 1 disables.
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled (and stop
+            strings do not end the output) until this many tokens were
+            generated; at most ``max_tokens``.
+        logit_bias: {token id: bias} added to those logits before sampling;
+            biases are clamped to [-100, 100] as vLLM does, ids must be in
+            the vocabulary (checked when the request is added).
+        allowed_token_ids: only these tokens may be sampled (non-empty, in
+            the vocabulary).
+        bad_words: words that must not be generated: each is tokenized with
+            and without a leading space, and the last token of a tokenized
+            word is banned whenever the output ends with its other tokens
+            (a one-token word is always banned).
+        truncate_prompt_tokens: keep only the last k prompt tokens (>= 1).
+
+    The logits processors above (penalties, bias, allowed ids, bad words,
+    min_tokens) change which token is sampled, greedy rows included; the
+    logprobs reported stay those of the raw model distribution, as vLLM's
+    default ``raw_logprobs``.
     """
 
     n: int = 1
@@ -92,6 +121,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +168,52 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {_short(getattr(self, name))}")
+        self._check_logits_processors()
+
+    def _check_logits_processors(self) -> None:
+        """Validate (and normalise) the penalty, bias, allowed-id, bad-word and min_tokens settings."""
+        check_float("presence_penalty", self.presence_penalty, -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY)
+        check_float("frequency_penalty", self.frequency_penalty, -MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, low_open=True)
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, none_ok=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_short(self.logit_bias)}")
+            bias: dict[int, float] = {}
+            for token, value in self.logit_bias.items():
+                check_int("logit_bias token id", token, 0)
+                check_float("logit_bias value", value, -MAX_FLOAT32)
+                bias[token] = float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value)))
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {_short(ids)}")
+            if not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in ids):
+                raise ValueError(f"allowed_token_ids must be integers in [0, {MAX_INT32}], got {_short(ids)}")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise ValueError(f"bad_words must be a list of strings, got {_short(words)}")
+            if any(not w.strip() for w in words):
+                raise ValueError("bad_words must not contain empty (or blank) strings")
+            for w in words:
+                check_text("bad_words", w)
+            self.bad_words = list(dict.fromkeys(words))
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether any penalty, bias, allowed-id, bad-word or min_tokens setting is active."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+        )
 
     @property
     def num_samples(self) -> int:

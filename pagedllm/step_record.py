@@ -14,6 +14,9 @@ checked, logged or sent to another process as it is::
         block_table                   physical blocks holding tokens 0 .. end
         sampling, uniforms            one uniform per sampled row (the sequence, then its forks);
                                       empty when the step does not reach the last token
+          sampling.rules              the request's logits processors (penalties, bias, bans), or None
+        prompt_token_ids              the prompt, when the repetition penalty needs it
+        output_token_ids              each sampled row's output so far, when its processors need it
         prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
 """
@@ -24,12 +27,51 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class LogitsRules:
+    """A request's logits processors, resolved against the tokenizer and vocabulary (vLLM's order).
+
+    Applied to a sampled row's logits before temperature and the filters, in
+    this order: only ``allowed_token_ids`` kept (when non-empty); the last
+    token of each ``bad_words`` sequence whose other tokens end the output,
+    and ``min_tokens_banned`` while the output has fewer than ``min_tokens``
+    tokens, set to -inf; ``logit_bias`` added; the repetition penalty over
+    prompt and output tokens; then ``frequency_penalty * count +
+    presence_penalty * (count > 0)`` subtracted, counting the output.
+    Built once per request (``engine/step_builder.py``: ``logits_rules``).
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token allowed
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences
+    min_tokens: int = 0
+    min_tokens_banned: tuple[int, ...] = ()  # EOS and stop_token_ids
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the repetition, frequency or presence penalties is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_prompt(self) -> bool:
+        """Whether the runner needs the prompt's token ids (the repetition penalty counts them)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def needs_output(self) -> bool:
+        """Whether the runner needs each row's output token ids."""
+        return self.has_penalties or self.min_tokens > 0 or any(len(w) > 1 for w in self.bad_words)
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingSpec:
     """How a sequence's rows sample, resolved: ``temperature`` 0.0 means greedy.
 
     ``top_k`` <= 0 keeps the whole vocabulary; ``num_top_logprobs`` is how
     many top candidates to report with each sample (None: the sampled
-    token's logprob only).
+    token's logprob only); ``rules``: the logits processors, None for none.
     """
 
     temperature: float
@@ -37,6 +79,7 @@ class SamplingSpec:
     top_p: float
     min_p: float
     num_top_logprobs: int | None
+    rules: LogitsRules | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +94,9 @@ class SequenceStep:
     uniforms: tuple[float, ...] = ()
     prompt_logprobs: int | None = None  # top candidates per scored prompt token; None: none scored
     prompt_targets: tuple[int, ...] = ()
+    # filled only for sampled rows whose rules need them (``LogitsRules.needs_prompt``/``needs_output``)
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[tuple[int, ...], ...] = ()  # one per sampled row, as ``uniforms``
 
     @property
     def num_new_tokens(self) -> int:

@@ -57,6 +57,9 @@ CHAT_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 SEEDED_PROMPT = "Once upon a time"
 SEEDED = dict(n=3, temperature=1.0, top_p=0.95, seed=1234, max_tokens=10)
 BEST_OF = dict(n=2, best_of=4, temperature=1.0, seed=99, max_tokens=8)
+# every logits processor at once, offline and through both routes
+PENALIZED = dict(temperature=0, max_tokens=12, presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3,
+                 min_tokens=4, bad_words=[" Paris"], logit_bias={11: 2.5, 30: -100.0})
 
 
 # --- the subprocess server ------------------------------------------------------------
@@ -116,6 +119,9 @@ def ref(server_launch: tuple[str, subprocess.Popen, Path]) -> dict:
             COMPLETION_PROMPT, SamplingParams(temperature=0, max_tokens=12, logprobs=3), use_tqdm=False
         )[0],
         "best_of": llm.generate(SEEDED_PROMPT, SamplingParams(**BEST_OF), use_tqdm=False)[0],
+        "penalized": llm.generate(COMPLETION_PROMPT, SamplingParams(**PENALIZED), use_tqdm=False)[0],
+        "penalized_chat": llm.chat(CHAT_MESSAGES, SamplingParams(**PENALIZED), use_tqdm=False)[0],
+        "forced_text": tok.decode(tok.encode("Hello world")[:1] * 3),
         "hello_ids": tok.encode("Hello world"),
         "vocab_size": llm.llm_engine.model_config.vocab_size,
     }
@@ -401,9 +407,19 @@ BAD_REQUESTS = [
     ("logprobs over 20", dict(logprobs=21), "logprobs"),
     ("negative logprobs", dict(logprobs=-1), "logprobs"),
     ("echo", dict(echo=True), "echo"),
-    ("presence_penalty", dict(presence_penalty=0.5), "presence_penalty"),
-    ("frequency_penalty", dict(frequency_penalty=0.5), "frequency_penalty"),
-    ("logit_bias", dict(logit_bias={"50": 10}), "logit_bias"),
+    ("presence_penalty > 2", dict(presence_penalty=2.5), "presence_penalty"),
+    ("frequency_penalty < -2", dict(frequency_penalty=-3), "frequency_penalty"),
+    ("logit_bias key not a token id", dict(logit_bias={"fifty": 10}), "logit_bias"),
+    ("logit_bias negative key", dict(logit_bias={"-5": 10}), "logit_bias"),
+    ("logit_bias key outside the vocabulary", dict(logit_bias={"99999999": 10}), "logit_bias"),
+    ("logit_bias string value", dict(logit_bias={"50": "10"}), "logit_bias"),
+    ("repetition_penalty 0", dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    ("min_tokens > max_tokens", dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
+    ("empty allowed_token_ids", dict(extra_body={"allowed_token_ids": []}), "allowed_token_ids"),
+    ("allowed_token_ids outside the vocabulary", dict(extra_body={"allowed_token_ids": [10**8]}), "allowed_token_ids"),
+    ("empty bad word", dict(extra_body={"bad_words": [""]}), "bad_words"),
+    ("bad_words not a list", dict(extra_body={"bad_words": "Paris"}), "bad_words"),
+    ("truncate_prompt_tokens 0", dict(extra_body={"truncate_prompt_tokens": 0}), "truncate_prompt_tokens"),
     ("suffix", dict(suffix="end"), "suffix"),
     ("best_of < n", dict(n=2, best_of=1), "best_of"),
     ("best_of streamed", dict(best_of=3, stream=True), "best_of"),
@@ -421,6 +437,60 @@ def test_bad_completion_requests_are_400(client, model_name, name, kwargs, words
     assert e.value.status_code == 400
     assert words in e.value.message
     assert e.value.type == "invalid_request_error"
+
+
+def test_logits_processor_errors_name_their_field_and_the_server_keeps_serving(server, client, model_name):
+    for field, value in [("logit_bias", {"1e3": 1}), ("logit_bias", {"99999999": 1}), ("presence_penalty", 9),
+                         ("allowed_token_ids", [5, 10**8]), ("bad_words", [" "]), ("min_tokens", 99)]:
+        for route, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": CHAT_MESSAGES})):
+            resp = httpx.post(f"{server}/v1/{route}", json={**body, "max_tokens": 4, field: value}, timeout=60)
+            err = assert_openai_error(resp, 400)
+            assert err["param"] == field, (field, value, err)
+            assert err["type"] == "invalid_request_error"
+    out = client.completions.create(model=model_name, prompt="Hi", max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+def test_penalties_and_vllm_extras_equal_offline(client, model_name, ref):
+    fields = dict(PENALIZED)
+    extra = {k: fields.pop(k) for k in ("repetition_penalty", "min_tokens", "bad_words")}
+    fields["logit_bias"] = {str(t): b for t, b in fields["logit_bias"].items()}  # JSON keys are strings
+    out = client.completions.create(model=model_name, prompt=COMPLETION_PROMPT, extra_body=extra, **fields)
+    assert out.choices[0].text == ref["penalized"].outputs[0].text
+    assert "Paris" not in out.choices[0].text  # " Paris" is what the model says unpenalized
+    assert ref["penalized"].outputs[0].text != ref["completion"].outputs[0].text
+    chat = client.chat.completions.create(model=model_name, messages=CHAT_MESSAGES, extra_body=extra, **fields)
+    assert chat.choices[0].message.content == ref["penalized_chat"].outputs[0].text
+    assert chat.usage.completion_tokens == len(ref["penalized_chat"].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_and_allowed_token_ids_force_a_token(client, model_name, ref, stream):
+    token = ref["hello_ids"][0]
+    for kwargs in (dict(logit_bias={str(token): 100}), dict(extra_body={"allowed_token_ids": [token]})):
+        kwargs.setdefault("extra_body", {})["ignore_eos"] = True
+        out = client.completions.create(model=model_name, prompt="Once upon", max_tokens=3, temperature=0.8,
+                                        seed=5, stream=stream, **kwargs)
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text == ref["forced_text"]
+
+
+def test_min_tokens_and_truncate_prompt_tokens_in_chat_and_completions(client, model_name):
+    chat = client.chat.completions.create(model=model_name, messages=CHAT_MESSAGES, max_tokens=40, temperature=0,
+                                          extra_body={"min_tokens": 40})
+    assert chat.usage.completion_tokens == 40
+    assert chat.choices[0].finish_reason == "length"
+    long_text = "hello " * (MAX_MODEL_LEN + 50)  # too long for the context unless truncated
+    out = client.completions.create(model=model_name, prompt=long_text, max_tokens=2,
+                                    extra_body={"truncate_prompt_tokens": 8})
+    assert out.usage.prompt_tokens == 8
+    out = client.completions.create(model=model_name, prompt=list(range(100, 100 + MAX_MODEL_LEN + 5)), max_tokens=2,
+                                    extra_body={"truncate_prompt_tokens": 5})
+    assert out.usage.prompt_tokens == 5
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": long_text}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 16})
+    assert chat.usage.prompt_tokens == 16
 
 
 def test_completion_logprobs_equal_offline(client, model_name, ref):

@@ -24,13 +24,14 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import SequenceStatus
-from pagedllm.engine.step_builder import build_step_record
+from pagedllm.engine.step_builder import build_step_record, logits_rules
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
 from pagedllm.sampling_params import SamplingParams, check_text
+from pagedllm.step_record import LogitsRules
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class LLMEngine:
 
         With ``params``, the prompt plus ``params.max_tokens`` must fit in
         ``max_model_len`` too: the one rule of the offline API and the server
-        (``ContextLengthError``, a ValueError).
+        (``ContextLengthError``, a ValueError); ``params.truncate_prompt_tokens``
+        keeps the last k token ids first (the text stays as given).
         """
         if isinstance(prompt, str):
             check_text("the prompt", prompt)
@@ -108,6 +110,8 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params is not None and params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
         self.check_prompt_len(len(ids), params)
         return text, list(ids)
 
@@ -131,6 +135,19 @@ class LLMEngine:
                 "of max_tokens."
             )
 
+    def logits_rules(self, params: SamplingParams) -> LogitsRules | None:
+        """The request's logits processors against this model's tokenizer and vocabulary.
+
+        Raises ValueError for token ids outside the vocabulary (``logit_bias``,
+        ``allowed_token_ids``) and bad words that tokenize to nothing.
+        """
+        return logits_rules(
+            params,
+            lambda word: self.tokenizer.encode(word, add_special_tokens=False),
+            self.tokenizer.eos_token_ids,
+            self.model_config.vocab_size,
+        )
+
     def add_request(
         self, request_id: str, prompt: str | dict, params: SamplingParams | None = None
     ) -> None:
@@ -150,9 +167,11 @@ class LLMEngine:
                 f"max_num_seqs={self.config.max_num_seqs}"
             )
         text, ids = self.process_prompt(prompt, params)
+        rules = self.logits_rules(params)
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )
+        req.rules = rules
         if self.config.contiguous_reserve == "max_tokens" and params.max_tokens is not None:
             reserve = min(len(ids) + params.max_tokens, self.config.max_model_len)
         else:
@@ -221,13 +240,14 @@ class LLMEngine:
         reqs = [self.requests[s.seq.request_id] for s in output.scheduled]
         params = [r.params for r in reqs]
         num_top = [r.num_top_logprobs for r in reqs]
+        rules = [r.rules for r in reqs]
         for seq in output.preempted:
             req = self.requests.get(seq.request_id)
             if req is not None and req.beam is not None:
                 req.beam.results.pop(seq.seq_id, None)  # recomputed later, reported again
         self.last_step_scheduled = True
         try:
-            results = self.model_runner.execute(build_step_record(output, params, num_top))
+            results = self.model_runner.execute(build_step_record(output, params, num_top, rules))
         except BaseException:
             # the step is lost, not the engine: fail the requests in it so their
             # blocks return to the pool. Blocks published to the prefix cache

@@ -61,13 +61,19 @@ class OutputProcessor:
         ``delta_len`` is how much text the newest token added.
         """
         token = seq.token_ids[-1]
+        if seq.num_output_tokens < params.min_tokens:
+            # EOS and stop_token_ids are masked until min_tokens (the runner's
+            # rules); nothing but the context limit ends the output before
+            return SequenceStatus.FINISHED_LENGTH if len(seq) >= self.max_model_len else None
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.stop_reason = None
             return SequenceStatus.FINISHED_STOPPED
         if params.stop_token_ids and token in params.stop_token_ids:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
-        for stop in params.stop_strings if delta_len else ():
+        # as vLLM: a stop string ends the output only once it is past min_tokens tokens
+        check_strings = delta_len and seq.num_output_tokens > params.min_tokens
+        for stop in params.stop_strings if check_strings else ():
             # only a match that ends inside the newest delta is new
             start = max(0, len(seq.output_text) - delta_len - len(stop) + 1)
             idx = seq.output_text.find(stop, start)

@@ -8,6 +8,7 @@ import time
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step_record import LogitsRules
 
 
 class Request:
@@ -49,6 +50,8 @@ class Request:
                 seq.logprobs = []
             self.seqs.append(seq)
         self.seqs[0].fork_children = self.seqs[1:]
+        # the logits processors the runner applies (penalties, bias, bans); set by the engine
+        self.rules: LogitsRules | None = None
         # set for beam-search requests: the beams are forked as the search goes
         self.beam: BeamSearch | None = None
         self.beam_done = False

@@ -201,6 +201,8 @@ class LLM:
             if params is not None and not isinstance(params[i], SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params[i]).__name__}")
             text, token_ids = self.llm_engine.process_prompt(prompt, None if params is None else params[i])
+            if params is not None:
+                self.llm_engine.logits_rules(params[i])  # vocabulary checks, before anything is queued
             out.append({"prompt": text, "prompt_token_ids": token_ids})
         return out
 

@@ -3,13 +3,16 @@
 Requests are validated strictly (``extra="forbid"``, no type coercion), the
 way OpenAI's API answers: an unknown field or a string where a number belongs
 is a 400, never silently dropped or converted. Fields OpenAI defines that
-pagedllm does not implement yet (echo, penalties, logit_bias, tools...)
-are accepted only at their default value; anything else is a 400 that says
-the field is not supported, so no client believes it got what it asked for.
+pagedllm does not implement yet (echo, suffix, tools...) are accepted only at
+their default value; anything else is a 400 that says the field is not
+supported, so no client believes it got what it asked for.
 
-vLLM's extra sampling fields are accepted too: ``top_k``, ``min_p``,
-``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``skip_special_tokens`` (and ``add_generation_prompt`` for chat).
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (string keys,
+as JSON has them, turned into token ids) map onto SamplingParams. vLLM's
+extra sampling fields are accepted too: ``top_k``, ``min_p``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
+``truncate_prompt_tokens`` (and ``add_generation_prompt`` for chat).
 """
 
 from __future__ import annotations
@@ -97,10 +100,9 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; nothing to do here
-    # OpenAI fields not implemented: accepted only at their defaults
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -110,18 +112,22 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its JSON string keys as token ids; a key that is not one is a 400."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not re.fullmatch(r"[0-9]{1,19}", key):
+                raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def _check_common(self) -> None:
-        if self.presence_penalty not in (None, 0):
-            raise unsupported("presence_penalty")
-        if self.frequency_penalty not in (None, 0):
-            raise unsupported("frequency_penalty")
-        if self.logit_bias:
-            raise unsupported("logit_bias")
-        if self.repetition_penalty not in (None, 1):
-            raise unsupported("repetition_penalty")
-        if self.min_tokens != 0:
-            raise unsupported("min_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         if self.n > MAX_N:
@@ -146,6 +152,14 @@ class _SamplingRequest(_Strict):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+                frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                min_tokens=self.min_tokens,
+                logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except ValueError as e:
             param = re.match(r"\w*", str(e)).group(0)  # the messages start with the field's name

@@ -440,12 +440,19 @@ class AsyncEngine:
         return bool(outputs) or engine.last_step_scheduled
 
 
+# sampling fields checked against the vocabulary and tokenizer when the engine adds the request;
+# their errors start with the field's name
+_ENGINE_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
+
+
 def _to_api_error(e: BaseException, param: str | None = None) -> APIError:
     """Map what adding a request (or tokenizing) can raise to the client's error."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, ContextLengthError):
         return bad_request(str(e), param, "context_length_exceeded")
+    if isinstance(e, ValueError) and str(e).split(" ", 1)[0] in _ENGINE_CHECKED_FIELDS:
+        return bad_request(str(e), str(e).split(" ", 1)[0])
     if isinstance(e, (ValueError, jinja2.TemplateError)):
         return bad_request(str(e), param)
     if isinstance(e, EngineDeadError):
@@ -467,11 +474,20 @@ class PromptEncoder:
         self.worker = worker
 
     async def text(self, text: str, params: SamplingParams | None, add_special_tokens: bool = True) -> Prompt:
-        """A text prompt, tokenized; ValueError (ContextLengthError) when it is empty or too long."""
+        """A text prompt, tokenized; ValueError (ContextLengthError) when it is empty or too long.
+
+        With ``truncate_prompt_tokens`` the whole text is tokenized and its
+        last k tokens kept, so a longer text may still fit.
+        """
         if not text:
             raise ValueError("the prompt is empty")
         check_text("the prompt", text)
-        count, ids = await self.worker.encode(text, add_special_tokens, limit=self.engine.config.max_model_len)
+        keep = params.truncate_prompt_tokens if params is not None else None
+        limit = self.engine.config.max_model_len if keep is None else None
+        count, ids = await self.worker.encode(text, add_special_tokens, limit=limit)
+        if keep is not None and ids is not None:
+            ids = ids[-keep:]
+            count = len(ids)
         self.engine.check_prompt_len(count, params)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -479,6 +495,8 @@ class PromptEncoder:
 
     async def token_ids(self, ids: list[int], params: SamplingParams) -> Prompt:
         """A prompt given as token ids (checked against the vocabulary on the engine thread)."""
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
         self.engine.check_prompt_len(len(ids), params)
         return None, list(ids)
 

@@ -28,8 +28,9 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds the BOS (etc.) a prompt starts with."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

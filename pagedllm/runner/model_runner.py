@@ -15,6 +15,7 @@ from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.kv_cache import allocate_kv_cache, decide_num_kv_blocks, kv_bytes_per_block
+from pagedllm.runner.logits_processors import apply_logits_rules
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
 from pagedllm.runner.sampler import (
     Sampler,
@@ -118,10 +119,25 @@ class ModelRunner:
             any_random=any(p.temperature > 0 for p in specs),
         )
 
-    def _sample(self, logits: torch.Tensor, specs: list[SamplingSpec], uniforms: list[float]) -> list[TokenLogprobs]:
-        """Sample one token per row of ``logits`` ``[len(specs), vocab]`` and score it."""
+    def _sample(
+        self, logits: torch.Tensor, specs: list[SamplingSpec], uniforms: list[float], history: _RowHistory
+    ) -> list[TokenLogprobs]:
+        """Sample one token per row of ``logits`` ``[len(specs), vocab]`` and score it.
+
+        The rows' logits processors (``runner/logits_processors.py``) change
+        what is sampled; logprobs stay those of the raw model distribution
+        (vLLM's default ``raw_logprobs``), so ``stats`` come from the raw logits.
+        """
         stats = logit_stats(logits)
-        tokens = self.sampler(logits, self._sampling_tensors(specs, uniforms), argmax=stats.argmax)
+        processed = apply_logits_rules(logits, [p.rules for p in specs], history.prompts, history.outputs)
+        if processed is None:
+            sample_from, argmax = logits, stats.argmax
+        else:
+            # the precomputed argmax is stale for the rows the processors changed
+            sample_from, changed = processed
+            argmax = stats.argmax.clone()
+            argmax[changed] = sample_from[changed].argmax(dim=-1)
+        tokens = self.sampler(sample_from, self._sampling_tensors(specs, uniforms), argmax=argmax)
         return token_logprobs(logits, tokens, [p.num_top_logprobs for p in specs], lse=stats.lse)
 
     def copy_blocks(self, copies: Iterable[tuple[int, int]]) -> None:
@@ -178,12 +194,15 @@ class ModelRunner:
         """
         specs: list[SamplingSpec] = []  # one row per sample; forks share their parent's settings
         uniforms: list[float] = []
+        history = _RowHistory()
         hidden_rows: list[int] = []
         owners: list[int] = []  # the step entry of each row
         for i, s in enumerate(steps):
-            for u in s.uniforms:
+            for j, u in enumerate(s.uniforms):
                 specs.append(s.sampling)
                 uniforms.append(u)
+                history.prompts.append(s.prompt_token_ids)
+                history.outputs.append(s.output_token_ids[j] if s.output_token_ids else ())
                 hidden_rows.append(meta.query_start_loc[i + 1] - 1)
                 owners.append(i)
         if not specs:
@@ -191,7 +210,7 @@ class ModelRunner:
         index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
         try:
-            samples = self._sample(logits, specs, uniforms)
+            samples = self._sample(logits, specs, uniforms, history)
         except Exception:
             logger.warning("sampling the batch failed; sampling its %d sequences one by one", len(set(owners)))
             samples = None
@@ -202,7 +221,9 @@ class ModelRunner:
         for i in sorted(set(owners)):
             mine = [r for r, owner in enumerate(owners) if owner == i]
             try:
-                results[i].samples = self._sample(logits[mine], [specs[r] for r in mine], [uniforms[r] for r in mine])
+                results[i].samples = self._sample(
+                    logits[mine], [specs[r] for r in mine], [uniforms[r] for r in mine], history.select(mine)
+                )
             except Exception as e:
                 logger.exception("sequence %s failed while sampling", steps[i].request_id)
                 results[i].error = e
@@ -227,6 +248,17 @@ def _row_limits(model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(sorted({
         r for m in model.modules() if isinstance(m, Linear) for r in m.quant_method.row_limits
     }))
+
+
+@dataclass
+class _RowHistory:
+    """The token ids each sampled row's logits processors read: empty unless its rules need them."""
+
+    prompts: list[tuple[int, ...]] = field(default_factory=list)
+    outputs: list[tuple[int, ...]] = field(default_factory=list)
+
+    def select(self, rows: list[int]) -> _RowHistory:
+        return _RowHistory([self.prompts[r] for r in rows], [self.outputs[r] for r in rows])
 
 
 @dataclass
