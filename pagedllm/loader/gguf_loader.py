@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import re
-from struct import error as struct_error
 from collections.abc import Iterator
+from struct import error as struct_error
 
 import numpy as np
 import torch
