@@ -37,6 +37,8 @@ typedef __m512 gvec;
 #define GFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define GZERO() _mm512_setzero_ps()
 #define GSUM(v) _mm512_reduce_add_ps(v)
+#define GMUL(a, b) _mm512_mul_ps(a, b)
+#define GSET1(x) _mm512_set1_ps(x)
 #elif defined(GGUF_VECTOR)
 #define STRIP 3
 #define TILE_M 4
@@ -46,6 +48,8 @@ typedef __m256 gvec;
 #define GFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define GZERO() _mm256_setzero_ps()
 #define GSUM(v) gguf_hsum(v)
+#define GMUL(a, b) _mm256_mul_ps(a, b)
+#define GSET1(x) _mm256_set1_ps(x)
 #else
 #define STRIP 3
 #define TILE_M 4
@@ -107,39 +111,65 @@ static void strip_rows(const float *x, int64_t m, int64_t k, const float *buf, c
 }
 
 #ifdef V
-/* One row (decode of one sequence) against a strip of NR channels of a 32-weight block type, the blocks
- * turned into floats in registers and used at once: no buffer. Each channel's sum takes the same terms
- * in the same order, V lanes at a time, as strip_tile does over the dequantized row, so a row's result
- * is the same bits whichever way it goes. */
+/* The 32 quants of a block as V-lane float vectors (integers, not yet scaled): q[0] = quants 0.. */
+static inline __attribute__((always_inline)) void block_quants(int type, const uint8_t *blk, gvec *q) {
+    if (type == GGUF_Q8_0) {
+#if V == 16
+        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+#else
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i))));
+#endif
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (type == GGUF_Q4_1 ? 4 : 2)));
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));
+#if V == 16
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
+#else
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+#endif
+}
+
+/* One row (decode of one sequence) against a strip of NR channels of a 32-weight block type, with the
+ * block's scale factored out, as decode is bound by these instructions more than by bytes:
+ *
+ *   sum over a block = d * sum_i q[i] x[i] + m * sum_i x[i]
+ *
+ * (Q4_1: w = d q + m; Q4_0: m = -8 d; Q8_0: m = 0). The quants become floats straight from the bytes, one
+ * multiply-add each; d once per block; sx[b] = sum_i x[i] of block b is the row's, shared by every
+ * channel. Rounding differs from the strip path's (which scales each weight first) in the last bits. */
 template <int NR>
-static inline __attribute__((always_inline)) void direct_row(const float *x, int64_t k, const uint8_t *w,
-                                                             int64_t row_bytes, int type, const float *bias,
-                                                             float *y) {
+static inline __attribute__((always_inline)) void direct_row(const float *x, const float *sx, int64_t k,
+                                                             const uint8_t *w, int64_t row_bytes, int type,
+                                                             const float *bias, float *y) {
+    constexpr int NQ = GGUF_BLOCK / V;
     const int64_t block_bytes = gguf_block_bytes(type);
     gvec acc[NR];
-    for (int c = 0; c < NR; c++) acc[c] = GZERO();
+    float msum[NR];
+    for (int c = 0; c < NR; c++) acc[c] = GZERO(), msum[c] = 0.0f;
     for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
-        const float *xb = x + b * GGUF_BLOCK;
-#if V == 16
-        const gvec x0 = GLOAD(xb), x1 = GLOAD(xb + 16);
-#else
-        const gvec x0 = GLOAD(xb), x1 = GLOAD(xb + 8), x2 = GLOAD(xb + 16), x3 = GLOAD(xb + 24);
-#endif
+        gvec xv[NQ];
+        for (int i = 0; i < NQ; i++) xv[i] = GLOAD(x + b * GGUF_BLOCK + i * V);
         for (int c = 0; c < NR; c++) {
-            __m256 wv[4];
-            gguf_block_vec(type, w + c * row_bytes + b * block_bytes, wv);
-#if V == 16
-            acc[c] = GFMA(_mm512_insertf32x8(_mm512_castps256_ps512(wv[0]), wv[1], 1), x0, acc[c]);
-            acc[c] = GFMA(_mm512_insertf32x8(_mm512_castps256_ps512(wv[2]), wv[3], 1), x1, acc[c]);
-#else
-            acc[c] = GFMA(wv[0], x0, acc[c]);
-            acc[c] = GFMA(wv[1], x1, acc[c]);
-            acc[c] = GFMA(wv[2], x2, acc[c]);
-            acc[c] = GFMA(wv[3], x3, acc[c]);
-#endif
+            const uint8_t *blk = w + c * row_bytes + b * block_bytes;
+            const float d = gguf_half(blk);
+            gvec q[NQ];
+            block_quants(type, blk, q);
+            gvec part = GMUL(q[0], xv[0]);
+            for (int i = 1; i < NQ; i++) part = GFMA(q[i], xv[i], part);
+            acc[c] = GFMA(part, GSET1(d), acc[c]);
+            const float m = type == GGUF_Q4_1 ? gguf_half(blk + 2) : (type == GGUF_Q4_0 ? -8.0f * d : 0.0f);
+            msum[c] += m * sx[b];
         }
     }
-    for (int c = 0; c < NR; c++) y[c] = GSUM(acc[c]) + (bias ? bias[c] : 0.0f);
+    for (int c = 0; c < NR; c++) y[c] = GSUM(acc[c]) + msum[c] + (bias ? bias[c] : 0.0f);
 }
 #endif
 
@@ -175,19 +205,31 @@ void gguf_linear_team(const LinearNode *n, int *failed) {
         const int64_t m = n->rows - row0 < block_rows ? n->rows - row0 : block_rows;
         if (n->rows == 1 && direct_type(n->weight_type)) {
 #ifdef V
+            float *sx = strip_buffer(k / GGUF_BLOCK);  // [k / 32]: the row's block sums, each thread its own
+            if (sx == NULL) {
+#pragma omp atomic write
+                *failed = 1;
+            } else {
+                for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
+                    float sum = 0.0f;
+                    for (int i = 0; i < GGUF_BLOCK; i++) sum += n->x[b * GGUF_BLOCK + i];
+                    sx[b] = sum;
+                }
+            }
 #pragma omp for schedule(static)
             for (int64_t s = 0; s < num_strips; s++) {
+                if (sx == NULL) continue;
                 const int64_t c0 = s * STRIP;
                 const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
                 const uint8_t *w = (const uint8_t *)n->weight + c0 * row_bytes;
                 const float *bias = n->bias ? n->bias + c0 : NULL;
                 switch (nc) {
 #if STRIP > 3
-                    case 4: direct_row<4>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+                    case 4: direct_row<4>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
 #endif
-                    case 3: direct_row<3>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
-                    case 2: direct_row<2>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
-                    default: direct_row<1>(n->x, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+                    case 3: direct_row<3>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+                    case 2: direct_row<2>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
+                    default: direct_row<1>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
                 }
             }
 #endif
