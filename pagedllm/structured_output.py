@@ -109,7 +109,7 @@ class GrammarCompiler:
         # compiled outside the lock: a long schema must not hold up other threads' cache hits
         try:
             compiled = self._compile(compiler, constraint)
-        except RuntimeError as e:  # xgrammar reports every parse and conversion error so
+        except (RuntimeError, TypeError, ValueError) as e:  # xgrammar's parse and conversion errors are RuntimeErrors
             kind = constraint.kind
             raise ValueError(f"structured_outputs.{kind} is {_WHAT[kind]}: {_xgrammar_message(e)}") from None
         with self._lock:
