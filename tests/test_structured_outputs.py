@@ -23,7 +23,7 @@ from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.sequence import Sequence
 from pagedllm.entrypoints.llm import RequestFailedError
 from pagedllm.runner.logits_processors import apply_token_bitmasks
-from pagedllm.structured_output import RequestGrammar, choice_grammar
+from pagedllm.runner.structured_output import RequestGrammar, choice_grammar
 
 NUM_SEEDS = 20
 SCHEMAS = {

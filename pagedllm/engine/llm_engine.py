@@ -31,9 +31,9 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
 from pagedllm.runner.sampler import TokenLogprobs
+from pagedllm.runner.structured_output import GrammarCompiler, GrammarRejectedError, RequestGrammar
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.step_record import LogitsRules
-from pagedllm.structured_output import GrammarCompiler, GrammarRejectedError, RequestGrammar
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,10 @@ A matcher follows its sequence's output, whatever happened to it: a fork of
 preemption the recomputed sequence keeps its tokens, so its matcher stands;
 a sequence with fewer tokens than its matcher accepted rolls it back.
 
-xgrammar imports torch; this module lives outside ``pagedllm/engine/`` so
-that the bookkeeping stays torch-free, and the engine only holds its objects.
+xgrammar imports torch; this module lives in the runner package, outside
+``pagedllm/engine/``, so that the bookkeeping stays torch-free: the engine
+only holds its objects, and hands them its sequences (anything with the
+``GrammarSequence`` fields).
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xgrammar as xgr
 
-from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import StructuredOutputsParams
 
 # distinct constraints kept compiled; a server sees a few schemas again and again
@@ -135,6 +136,17 @@ class GrammarCompiler:
         return compiler.compile_grammar(c.grammar)
 
 
+class GrammarSequence(Protocol):
+    """What a matcher reads of a sequence (``engine.sequence.Sequence`` has it; the runner never imports it)."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
 class GrammarRejectedError(ValueError):
     """A sampled token the grammar does not accept (the mask was not applied, or nothing was allowed)."""
 
@@ -155,7 +167,7 @@ class RequestGrammar:
         # one row, reused: fill_next_token_bitmask writes into it
         self._row = np.empty((1, xgr.get_bitmask_shape(1, vocab_size)[1]), dtype=np.int32)  # [1, ceil(vocab / 32)]
 
-    def _synced(self, seq: Sequence) -> xgr.GrammarMatcher:
+    def _synced(self, seq: GrammarSequence) -> xgr.GrammarMatcher:
         """The sequence's matcher, having accepted exactly its output tokens."""
         matcher = self._matchers.get(seq.seq_id)
         if matcher is None:
@@ -172,7 +184,7 @@ class RequestGrammar:
         self._accepted[seq.seq_id] = accepted
         return matcher
 
-    def bitmask(self, seq: Sequence) -> bytes:
+    def bitmask(self, seq: GrammarSequence) -> bytes:
         """The packed allowed-token mask of the sequence's next token: int32 words, bit i of word w is token 32w+i.
 
         Empty when every token is allowed (nothing to apply).
@@ -182,7 +194,7 @@ class RequestGrammar:
             return b""
         return self._row.tobytes()
 
-    def accept(self, seq: Sequence, token_id: int) -> bool:
+    def accept(self, seq: GrammarSequence, token_id: int) -> bool:
         """Advance the sequence's matcher by its new ``token_id``, sampled after its current tokens.
 
         Returns whether the grammar is now terminated (it accepted a stop
