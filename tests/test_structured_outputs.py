@@ -214,6 +214,15 @@ def test_n4_forks_share_the_prompt_blocks_and_each_follows_the_schema(llm, promp
     assert len({c.text for c in final.outputs}) > 1  # each fork has its own matcher and its own samples
 
 
+def test_best_of_returns_its_best_valid_outputs(llm, prompt):
+    params = SamplingParams(n=2, best_of=3, temperature=1.0, seed=11, max_tokens=64, structured_outputs=_json(PERSON))
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    for c in out.outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), PERSON)
+
+
 def test_preemption_keeps_every_output_valid_and_unchanged(llm, prompt):
     schema = SCHEMAS["enum_and_bounded_number"]
     params = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=64, structured_outputs=_json(schema))
