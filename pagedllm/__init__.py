@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # bounds of what the engine's tensors and counters hold: counts and token ids
@@ -55,6 +57,105 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# the constraint kinds of StructuredOutputsParams, in vLLM's names
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint the output must follow (vLLM's ``StructuredOutputsParams``); exactly one kind.
+
+    Args:
+        json: a JSON schema (a dict, or its text); the output is a JSON
+            document that validates against it.
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar in EBNF (GBNF, the format of
+            llama.cpp and xgrammar) with a ``root`` rule.
+        json_object: True: the output is any JSON object.
+        disable_any_whitespace: JSON output without whitespace between
+            tokens (by default any whitespace is allowed there, as in vLLM).
+
+    Only the form is checked here; whether a schema, regex or grammar
+    compiles is checked when the request is added to an engine (ValueError).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(CONSTRAINT_KINDS)} ({what})"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool, got {_short(self.disable_any_whitespace)}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_dict(self.json))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {_short(value)}")
+            if value is not None:
+                check_text(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, got {_short(self.choice)}"
+                )
+            for c in self.choice:
+                check_text("structured_outputs.choice", c)
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true when given, got {_short(self.json_object)}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``CONSTRAINT_KINDS``."""
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """A hashable identity of the constraint: equal keys compile to the same grammar.
+
+        A schema's key keeps its property order (it is the order of the output's keys).
+        """
+        kind = self.kind
+        if kind == "json":
+            text = _json.dumps(self.json, ensure_ascii=False)
+        elif kind == "choice":
+            text = _json.dumps(self.choice, ensure_ascii=False)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.disable_any_whitespace
+
+
+def _schema_dict(schema: object) -> dict[str, Any]:
+    """A JSON schema given as a dict or as its text, as a dict; ValueError otherwise."""
+    if isinstance(schema, str):
+        try:
+            schema = _json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {_short(schema)}")
+    try:
+        _json.dumps(schema)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json is not JSON data: {e}") from None
+    return schema
+
+
 @dataclass
 class SamplingParams:
     """How to sample a request's outputs.
@@ -99,6 +200,12 @@ class SamplingParams:
             word is banned whenever the output ends with its other tokens
             (a one-token word is always banned).
         truncate_prompt_tokens: keep only the last k prompt tokens (>= 1).
+        structured_outputs: a ``StructuredOutputsParams`` constraint (JSON
+            schema, regex, choice, grammar, any JSON object) the output
+            follows: tokens that would break it are masked before sampling
+            (greedy too), and the output ends with finish_reason "stop" when
+            the constraint is complete and the model's EOS is sampled, or
+            "length" at ``max_tokens``.
 
     The logits processors above (penalties, bias, allowed ids, bad words,
     min_tokens) change which token is sampled, greedy rows included; the
@@ -129,6 +236,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -169,6 +277,10 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {_short(getattr(self, name))}")
         self._check_logits_processors()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+            )
 
     def _check_logits_processors(self) -> None:
         """Validate (and normalise) the penalty, bias, allowed-id, bad-word and min_tokens settings."""

@@ -17,6 +17,8 @@ checked, logged or sent to another process as it is::
           sampling.rules              the request's logits processors (penalties, bias, bans), or None
         prompt_token_ids              the prompt, when the repetition penalty needs it
         output_token_ids              each sampled row's output so far, when its processors need it
+        token_bitmasks                each sampled row's structured-output mask (packed int32 words
+                                      as bytes; b"": none this step), when the request has a constraint
         prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
 """
@@ -97,6 +99,9 @@ class SequenceStep:
     # filled only for sampled rows whose rules need them (``LogitsRules.needs_prompt``/``needs_output``)
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[tuple[int, ...], ...] = ()  # one per sampled row, as ``uniforms``
+    # one per sampled row when the request has a structured-output constraint, else empty:
+    # ceil(vocab / 32) int32 words (native byte order), bit i of word w allows token 32w+i; b"": all allowed
+    token_bitmasks: tuple[bytes, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

@@ -203,6 +203,22 @@ def test_bench_throughput_json():
     assert result["elapsed_s"] > 0 and result["output_tokens_per_s"] > 0
 
 
+def test_bench_throughput_structured_keeps_the_workload_lengths():
+    proc = run_cli(
+        "bench", "throughput", "--num-requests", "3", "--min-len", "8", "--max-len", "16",
+        "--workload-seed", "7", "--json", "--structured",
+        "--num-kv-blocks", "128", "--max-model-len", "512", "--num-threads", "1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["structured"] is True
+    # the run checks every request produced its output_len under the schema
+    assert result["output_tokens"] == sum(r.output_len for r in make_workload(3, 8, 16, 7))
+    refused = run_cli("bench", "throughput", "--structured", "--compare", "transformers")
+    assert refused.returncode != 0 and "--structured" in refused.stderr
+
+
 def test_bench_throughput_compare_transformers(tiny_model_dirs):
     """Our line, then one line per transformers peer, on the same workload and model."""
     proc = run_cli(

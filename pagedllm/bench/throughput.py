@@ -11,6 +11,16 @@ import time
 
 from pagedllm.bench.workload import make_workload, throughput_record
 
+# --structured: one JSON schema on every request. The string cannot be closed within the
+# workload's outputs (a token is at most ~80 characters), so every request still produces
+# exactly its output_len tokens, each sampled under a mask (nearly every token is allowed
+# inside a string, so the model's greedy choices stay much the same)
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 100_000}},
+    "required": ["text"],
+}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64)
@@ -18,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=256, help="longest prompt and output, tokens")
     p.add_argument("--workload-seed", type=int, default=1234)
     p.add_argument("--json", action="store_true", help="print one JSON line of results per engine")
+    p.add_argument(
+        "--structured", action="store_true",
+        help="put a JSON schema (structured outputs) on every request; the outputs keep their lengths",
+    )
     p.add_argument(
         "--compare", action="append", default=[], choices=["transformers", "transformers-padded", "transformers-cb"],
         help="also run a peer on the same workload in this process: transformers' padded generate "
@@ -32,21 +46,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
+    if args.structured and args.compare:
+        raise ValueError("--structured measures pagedllm alone: the peers take no constraint")
     if args.peer_model is not None and not args.compare:
         raise ValueError("--peer-model is what the --compare peers load; give --compare too")
     if args.peer_model is not None and not os.path.exists(args.peer_model):
         raise ValueError(f"--peer-model {args.peer_model!r} does not exist")
     workload = make_workload(args.num_requests, args.min_len, args.max_len, args.workload_seed)
     llm = LLM(args.model, **engine_kwargs)
-    # warm-up: first calls pay for allocator and kernel set-up
-    llm.generate([{"prompt_token_ids": workload[0].prompt_token_ids}], SamplingParams(max_tokens=4), use_tqdm=False)
+    constraint = StructuredOutputsParams(json=BENCH_SCHEMA) if args.structured else None
+    # warm-up: first calls pay for allocator and kernel set-up (and the schema's one compile)
+    llm.generate([{"prompt_token_ids": workload[0].prompt_token_ids}],
+                 SamplingParams(max_tokens=4, structured_outputs=constraint), use_tqdm=False)
     engine = llm.llm_engine
     engine.peak_used_blocks = 0
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True, structured_outputs=constraint)
+              for r in workload]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.json)
     elapsed = time.perf_counter() - start
@@ -60,6 +79,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         num_kv_blocks=engine.block_manager.num_blocks,
         peak_kv_blocks_used=engine.peak_used_blocks,
         num_preemptions=engine.scheduler.num_preemptions,
+        structured=args.structured,
         machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
     )
     num_prompt = result["prompt_tokens"]

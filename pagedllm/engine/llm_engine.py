@@ -22,14 +22,16 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import Scheduler
-from pagedllm.engine.sequence import SequenceStatus
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_builder import build_step_record, logits_rules
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
+from pagedllm.runner.sampler import TokenLogprobs
+from pagedllm.runner.structured_output import GrammarCompiler, GrammarRejectedError, RequestGrammar
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.step_record import LogitsRules
 
@@ -65,6 +67,10 @@ class LLMEngine:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
+        # structured outputs: the tokenizer's xgrammar info and the compiled constraints, once per engine
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids)
+        )
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -148,6 +154,19 @@ class LLMEngine:
             self.model_config.vocab_size,
         )
 
+    def compile_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """The grammar state of a request with ``params``; None without a structured-output constraint.
+
+        Compiles the constraint (once per distinct constraint: cached), so a
+        bad schema, regex or grammar is a ValueError here. Reads only the
+        compiler, which is thread-safe: the server calls it on a worker
+        thread first, and the engine thread then finds it cached.
+        """
+        if params.structured_outputs is None:
+            return None
+        compiled = self.grammar_compiler.compile(params.structured_outputs)
+        return RequestGrammar(compiled, self.model_config.vocab_size)
+
     def add_request(
         self, request_id: str, prompt: str | dict, params: SamplingParams | None = None
     ) -> None:
@@ -168,10 +187,12 @@ class LLMEngine:
             )
         text, ids = self.process_prompt(prompt, params)
         rules = self.logits_rules(params)
+        grammar = self.compile_grammar(params)
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )
         req.rules = rules
+        req.grammar = grammar
         if self.config.contiguous_reserve == "max_tokens" and params.max_tokens is not None:
             reserve = min(len(ids) + params.max_tokens, self.config.max_model_len)
         else:
@@ -241,13 +262,14 @@ class LLMEngine:
         params = [r.params for r in reqs]
         num_top = [r.num_top_logprobs for r in reqs]
         rules = [r.rules for r in reqs]
+        bitmasks = self._bitmasks(output, reqs)
         for seq in output.preempted:
             req = self.requests.get(seq.request_id)
             if req is not None and req.beam is not None:
                 req.beam.results.pop(seq.seq_id, None)  # recomputed later, reported again
         self.last_step_scheduled = True
         try:
-            results = self.model_runner.execute(build_step_record(output, params, num_top, rules))
+            results = self.model_runner.execute(build_step_record(output, params, num_top, rules, bitmasks))
         except BaseException:
             # the step is lost, not the engine: fail the requests in it so their
             # blocks return to the pool. Blocks published to the prefix cache
@@ -281,9 +303,15 @@ class LLMEngine:
                 if req.beam is not None:
                     req.beam.add_result(seq, list(sample.top))
                 else:
-                    self.output_processor.append_sample(req, seq, sample)
+                    try:
+                        self._append_sample(req, seq, sample)
+                    except GrammarRejectedError as e:  # this request's alone
+                        failed[req.request_id] = e
+                        break
                     self.num_generated_tokens += 1
                 touched[req.request_id] = req
+        for rid in failed:
+            touched.pop(rid, None)
         for req in touched.values():
             if req.beam is not None and req.beam.ready:
                 self.num_generated_tokens += apply_beam_step(req, self.scheduler)
@@ -296,6 +324,31 @@ class LLMEngine:
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
         return outputs
+
+    def _bitmasks(self, output: SchedulerOutput, reqs: list[Request]) -> list[tuple[bytes, ...]] | None:
+        """The structured-output mask of every row the step samples; None when no request has a constraint."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        return [
+            tuple(r.grammar.bitmask(q) for q in (s.seq, *s.forks)) if r.grammar is not None and s.samples else ()
+            for s, r in zip(output.scheduled, reqs)
+        ]
+
+    def _append_sample(self, req: Request, seq: Sequence, sample: TokenLogprobs) -> None:
+        """Append a sampled token to ``seq``; a constrained sequence's matcher takes it first.
+
+        When the grammar is terminated by the token (its stop token at its
+        end) the sequence finishes with "stop", also where no other rule
+        would end it (``ignore_eos``). GrammarRejectedError when the grammar
+        does not allow the token.
+        """
+        terminated = req.grammar is not None and req.grammar.accept(seq, sample.token_id)
+        self.output_processor.append_sample(req, seq, sample)
+        if terminated and not seq.is_finished:
+            seq.stop_reason = None
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if req.grammar is not None and seq.is_finished:
+            req.grammar.release(seq.seq_id)
 
     def _fail_request(self, request_id: str, error: BaseException) -> RequestOutput:
         """End a request whose own computation raised: free its blocks, report it with ``error`` set."""

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import random
 import time
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_record import LogitsRules
+
+if TYPE_CHECKING:  # xgrammar imports torch; the bookkeeping only holds the object
+    from pagedllm.runner.structured_output import RequestGrammar
 
 
 class Request:
@@ -52,6 +56,8 @@ class Request:
         self.seqs[0].fork_children = self.seqs[1:]
         # the logits processors the runner applies (penalties, bias, bans); set by the engine
         self.rules: LogitsRules | None = None
+        # the structured-output matchers of its sequences; set by the engine
+        self.grammar: RequestGrammar | None = None
         # set for beam-search requests: the beams are forked as the search goes
         self.beam: BeamSearch | None = None
         self.beam_done = False

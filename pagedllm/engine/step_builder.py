@@ -111,24 +111,31 @@ def build_step_record(
     params: list[SamplingParams],
     num_top: list[int | None],
     rules: list[LogitsRules | None] | None = None,
+    bitmasks: list[tuple[bytes, ...]] | None = None,
 ) -> StepRecord:
-    """The record of one step: ``params[i]``, ``num_top[i]`` and ``rules[i]`` belong to ``output.scheduled[i]``.
+    """The record of one step: ``params[i]``, ``num_top[i]``, ``rules[i]``, ``bitmasks[i]`` are ``output.scheduled[i]``'s.
 
     The uniforms each sampling row needs are drawn here, once, from its
     sequence's own stream; greedy rows draw nothing, so a seeded stream is
     never disturbed by them. ``rules`` (None: no request has any) are the
-    requests' logits processors (``logits_rules``).
+    requests' logits processors (``logits_rules``); ``bitmasks`` (None: no
+    request has a constraint) the structured-output masks of each sampled
+    row, as the engine's grammar state filled them (empty for a sequence
+    without a constraint or that does not sample).
     """
-    if rules is None:
-        rules = [None] * len(output.scheduled)
-    if len(params) != len(output.scheduled) or len(num_top) != len(output.scheduled) or len(rules) != len(params):
-        raise ValueError("a step needs one SamplingParams, num_top and rules per scheduled sequence")
+    num = len(output.scheduled)
+    rules = [None] * num if rules is None else rules
+    bitmasks = [()] * num if bitmasks is None else bitmasks
+    if len(params) != num or len(num_top) != num or len(rules) != num or len(bitmasks) != num:
+        raise ValueError("a step needs one SamplingParams, num_top, rules and bitmasks per scheduled sequence")
     steps = []
-    for s, p, top, rule in zip(output.scheduled, params, num_top, rules):
+    for s, p, top, rule, masks in zip(output.scheduled, params, num_top, rules, bitmasks):
         spec = sampling_spec(p, top, rule)
         uniforms: tuple[float, ...] = ()
         if s.samples:
             uniforms = tuple(seq.rng.random() if spec.temperature > 0 else 0.0 for seq in (s.seq, *s.forks))
+        if masks and len(masks) != len(uniforms):
+            raise ValueError("a constrained sequence needs one bitmask per sampled row")
         scored, targets = _prompt_scoring(s, p)
         prompt_ids, output_ids = _history(s, rule)
         c = s.num_computed_tokens
@@ -143,5 +150,6 @@ def build_step_record(
             prompt_targets=targets,
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
+            token_bitmasks=tuple(masks),
         ))
     return StepRecord(tuple(steps), tuple(output.blocks_to_copy))

@@ -203,6 +203,7 @@ class LLM:
             text, token_ids = self.llm_engine.process_prompt(prompt, None if params is None else params[i])
             if params is not None:
                 self.llm_engine.logits_rules(params[i])  # vocabulary checks, before anything is queued
+                self.llm_engine.compile_grammar(params[i])  # a bad constraint too (compiled once: cached)
             out.append({"prompt": text, "prompt_token_ids": token_ids})
         return out
 

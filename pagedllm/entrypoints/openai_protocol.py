@@ -13,6 +13,11 @@ extra sampling fields are accepted too: ``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
 ``truncate_prompt_tokens`` (and ``add_generation_prompt`` for chat).
+
+Structured outputs: OpenAI's ``response_format`` (``text``, ``json_object``,
+``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``grammar``, ``json_object``, ``disable_any_whitespace``), on
+both endpoints, as vLLM accepts them; one of the two per request.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI's own upper bound on ``n``; also keeps one request from creating an
 # unbounded number of sequences
@@ -88,6 +93,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema.
+
+    The output always follows the schema strictly (no properties it does
+    not name), whatever ``strict`` says: ``strict: false`` asks for less.
+    """
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs`` extra field: the fields of ``StructuredOutputsParams``."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -115,6 +151,37 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+
+    @property
+    def constraint_param(self) -> str:
+        """The request field that holds its structured-output constraint."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint of ``response_format`` or ``structured_outputs``; 400 when malformed."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise bad_request("set response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                return StructuredOutputsParams(
+                    json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                    json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+                )
+            if fmt is None or fmt.type == "text":
+                if fmt is not None and fmt.json_schema is not None:
+                    raise ValueError("response_format.json_schema is only read with type 'json_schema'")
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except ValueError as e:
+            raise bad_request(str(e), self.constraint_param) from e
 
     def _logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its JSON string keys as token ids; a key that is not one is a 400."""
@@ -160,6 +227,7 @@ class _SamplingRequest(_Strict):
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
+                structured_outputs=self._constraint(),
             )
         except ValueError as e:
             param = re.match(r"\w*", str(e)).group(0)  # the messages start with the field's name
@@ -247,12 +315,6 @@ class ChatMessage(_Strict):
         return out
 
 
-class ResponseFormat(_Strict):
-    """``response_format``: only plain text is supported."""
-
-    type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -261,7 +323,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -276,8 +337,6 @@ class ChatCompletionRequest(_SamplingRequest):
         self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise unsupported("response_format", "only {'type': 'text'}")
         if self.tools:
             raise unsupported("tools")
         if self.tool_choice not in (None, "none", "auto"):

@@ -819,12 +819,26 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: To
             raise APIError(499, "the client closed the request", "invalid_request_error", "client_closed")
         return JSONResponse(make_response([final[i] for i in range(len(sub.streams))]))
 
+    async def compile_constraint(req: CompletionRequest | ChatCompletionRequest, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint on a worker thread: a bad one is a 400 here.
+
+        The engine thread then finds it in the engine's grammar cache, so a
+        long compile never stalls other requests' steps.
+        """
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(async_engine.engine.compile_grammar, params)
+        except ValueError as e:
+            raise bad_request(str(e), req.constraint_param) from e
+
     # --- completions -----------------------------------------------------------------
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await read_json(request, CompletionRequest)
         check_model(req.model)
         params = req.to_sampling_params()
+        await compile_constraint(req, params)
         try:
             encoded = [
                 await (prompts.text(p, params) if isinstance(p, str) else prompts.token_ids(p, params))
@@ -889,6 +903,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: To
         req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
         check_model(req.model)
         params = req.to_sampling_params()
+        await compile_constraint(req, params)
         try:
             encoded = await prompts.chat(req.template_messages(), req.add_generation_prompt, params)
         except Exception as e:

@@ -8,13 +8,15 @@ no row has any skips all of it (``apply_logits_rules`` returns None).
 
 The order is vLLM's (``step_record.LogitsRules``): allowed ids, bad words and
 min_tokens bans, logit bias, then the repetition, frequency and presence
-penalties.
+penalties. A structured-output mask (``apply_token_bitmasks``) comes before
+all of them, as vLLM applies its grammar bitmask before the sampler.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import xgrammar as xgr
 
 from pagedllm.step_record import LogitsRules
 
@@ -117,3 +119,21 @@ def apply_logits_rules(
     if penalized:
         _penalize(logits, penalized, active, prompts, outputs)
     return logits, torch.tensor(changed, dtype=torch.int64)
+
+
+def apply_token_bitmasks(logits: torch.Tensor, bitmasks: list[bytes]) -> None:
+    """Set every logit a row's structured-output mask forbids to -inf, in place.
+
+    logits: [R, vocab] float32 on the CPU; ``bitmasks[r]``: row r's packed
+    mask (``SequenceStep.token_bitmasks``), b"" for a row without one, which
+    is left untouched. One call of xgrammar's CPU kernel over the masked rows.
+    """
+    rows = [r for r, mask in enumerate(bitmasks) if mask]
+    if not rows:
+        return
+    words = xgr.get_bitmask_shape(1, logits.shape[1])[1]
+    # xgrammar indexes logits and mask with the same row ids: unmasked rows get all bits set
+    packed = np.full((logits.shape[0], words), -1, dtype=np.int32)  # [R, ceil(vocab / 32)]
+    for r in rows:
+        packed[r] = np.frombuffer(bitmasks[r], dtype=np.int32)
+    xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(packed), vocab_size=logits.shape[1], indices=rows)

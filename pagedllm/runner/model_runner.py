@@ -15,7 +15,7 @@ from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.kv_cache import allocate_kv_cache, decide_num_kv_blocks, kv_bytes_per_block
-from pagedllm.runner.logits_processors import apply_logits_rules
+from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
 from pagedllm.runner.sampler import (
     Sampler,
@@ -137,6 +137,11 @@ class ModelRunner:
             sample_from, changed = processed
             argmax = stats.argmax.clone()
             argmax[changed] = sample_from[changed].argmax(dim=-1)
+        # a row with nothing left to sample (a constraint and processors that exclude each other)
+        # fails rather than sampling a banned token; the greedy token is -inf only then
+        best = sample_from.gather(1, argmax.unsqueeze(1)).squeeze(1)  # [R]
+        if bool(torch.isneginf(best).any()):
+            raise ValueError("the structured output constraint and the logits processors leave no token to sample")
         tokens = self.sampler(sample_from, self._sampling_tensors(specs, uniforms), argmax=argmax)
         return token_logprobs(logits, tokens, [p.num_top_logprobs for p in specs], lse=stats.lse)
 
@@ -195,6 +200,7 @@ class ModelRunner:
         specs: list[SamplingSpec] = []  # one row per sample; forks share their parent's settings
         uniforms: list[float] = []
         history = _RowHistory()
+        bitmasks: list[bytes] = []  # a row's structured-output mask; b"": none
         hidden_rows: list[int] = []
         owners: list[int] = []  # the step entry of each row
         for i, s in enumerate(steps):
@@ -203,12 +209,15 @@ class ModelRunner:
                 uniforms.append(u)
                 history.prompts.append(s.prompt_token_ids)
                 history.outputs.append(s.output_token_ids[j] if s.output_token_ids else ())
+                bitmasks.append(s.token_bitmasks[j] if s.token_bitmasks else b"")
                 hidden_rows.append(meta.query_start_loc[i + 1] - 1)
                 owners.append(i)
         if not specs:
             return
         index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
+        # first, as vLLM: the processors, the sampler and the logprobs all see the masked logits
+        apply_token_bitmasks(logits, bitmasks)
         try:
             samples = self._sample(logits, specs, uniforms, history)
         except Exception:
