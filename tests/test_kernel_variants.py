@@ -32,6 +32,11 @@ KERNEL_TESTS = [
     "test_linear_backends.py",
     "test_int8.py",
     "test_step_program.py",
+    "test_gguf_quantized.py::test_gguf_linear_matches_the_dequantized_weights_in_float64",
+    "test_gguf_quantized.py::test_a_rows_result_does_not_depend_on_its_batch",
+    "test_gguf_quantized.py::test_embedding_rows_and_dequantize_equal_gguf",
+    "test_gguf_quantized.py::test_bad_gguf_inputs_are_value_errors",
+    "test_gguf_quantized.py::test_a_step_program_runs_gguf_nodes_as_the_ops_do",
 ]
 
 
