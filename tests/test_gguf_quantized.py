@@ -162,6 +162,10 @@ def test_bundled_model_holds_its_blocks(smollm_path: str) -> None:
     assert model.lm_head.qweight is model.model.embed_tokens.qweight  # the tied head: the same bytes
     assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == "gguf-q4_1"
     assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.shape[0] >= 192 for p in model.parameters())
+    # the parsed file (metadata objects and the mapping) is let go once the weights are loaded
+    from pagedllm.loader.gguf_loader import open_reader
+
+    assert open_reader.cache_info().currsize == 0
 
 
 def _permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
