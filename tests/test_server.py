@@ -137,7 +137,7 @@ def guarded(ref: dict) -> Iterator[dict]:
     import uvicorn
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.server import ServerSettings, create_server_app
+    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
 
     threads = torch.get_num_threads()
     llm = LLM(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, num_threads=1)
@@ -406,7 +406,6 @@ BAD_REQUESTS = [
     ("empty stop", dict(stop=[""]), "stop"),
     ("logprobs over 20", dict(logprobs=21), "logprobs"),
     ("negative logprobs", dict(logprobs=-1), "logprobs"),
-    ("echo", dict(echo=True), "echo"),
     ("presence_penalty > 2", dict(presence_penalty=2.5), "presence_penalty"),
     ("frequency_penalty < -2", dict(frequency_penalty=-3), "frequency_penalty"),
     ("logit_bias key not a token id", dict(logit_bias={"fifty": 10}), "logit_bias"),

@@ -209,7 +209,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from pagedllm import LLM
-    from pagedllm.entrypoints.server import ServerSettings, default_model_name, run_server
+    from pagedllm.entrypoints.openai.api_server import (
+        ServerSettings,
+        default_model_name,
+        run_server,
+    )
 
     if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
         raise ValueError("give the model either as an argument or with --model, not both")
@@ -251,7 +255,7 @@ def _comma_list(value: str | None) -> list[str] | None:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    from pagedllm.entrypoints.server_guards import DEFAULT_MAX_REQUEST_BYTES
+    from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")

@@ -23,24 +23,18 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import Any
 
-from pydantic import BaseModel
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai_protocol import APIError, parse_request
+from pagedllm.entrypoints.openai.protocol import APIError
 
 # the default --max-request-bytes: a 128-prompt batch of 2048 token ids is under 2 MiB
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 # routes open without the API key: probes and scrapers that hold no key
 OPEN_ROUTES = ("/health", "/metrics")
 LOOPBACK_NAMES = ("localhost",)
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its request body arrived."""
 
 
 def is_loopback(host: str) -> bool:
@@ -175,21 +169,11 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def read_json(request: Request, model: type[BaseModel]) -> Any:
-    """A JSON route's body validated as ``model``: 415 unless it is declared JSON, 400 if invalid."""
+async def require_json(request: Request) -> None:
+    """A route dependency: 415 unless the body is declared JSON (so a cross-origin page must preflight)."""
     content_type = request.headers.get("content-type", "")
     if not _is_json(content_type):
         raise APIError(
             415, f"the request body must be JSON (Content-Type: application/json), got {content_type or 'none'!r}",
             "invalid_request_error", "unsupported_media_type",
         )
-    try:
-        body = await request.body()
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return parse_request(model, body)
-
-
-def client_gone_response() -> Response:
-    """What is 'sent' to a client that already left: nothing anyone reads (nginx's 499)."""
-    return Response(status_code=499)

@@ -3,7 +3,7 @@
 Requests are validated strictly (``extra="forbid"``, no type coercion), the
 way OpenAI's API answers: an unknown field or a string where a number belongs
 is a 400, never silently dropped or converted. Fields OpenAI defines that
-pagedllm does not implement yet (echo, suffix, tools...) are accepted only at
+pagedllm does not implement (``suffix``) are accepted only at
 their default value; anything else is a 400 that says the field is not
 supported, so no client believes it got what it asked for.
 
@@ -25,17 +25,28 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import (
+    INT64_RANGE,
+    MAX_ADDITIVE_PENALTY,
+    MAX_INT32,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # OpenAI's own upper bound on ``n``; also keeps one request from creating an
 # unbounded number of sequences
 MAX_N = 128
 
 
-class APIError(Exception):
+class APIError(HTTPException):
     """An error the server answers with an OpenAI-style body and a status.
+
+    An ``HTTPException``, so FastAPI passes one raised while it reads a
+    body (the body-size guard's 413) to the app's handler unchanged.
 
     Args:
         status_code: the HTTP status.
@@ -55,8 +66,7 @@ class APIError(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
+        super().__init__(status_code, message, headers)
         self.message = message
         self.type = type
         self.code = code
@@ -81,6 +91,20 @@ def unsupported(param: str, what: str | None = None) -> APIError:
         param,
         "unsupported_parameter",
     )
+
+
+def _ranged(default: Any, **schema: Any) -> Any:
+    """A field whose valid values the OpenAPI schema states (``minimum``...), checked by SamplingParams.
+
+    The bounds are documentation for clients and fuzzers, not pydantic
+    constraints: a value out of range gets SamplingParams' own message,
+    the one the offline API gives.
+    """
+    return Field(default, json_schema_extra=schema)
+
+
+_TOKEN_IDS = {"items": {"type": "integer", "minimum": 0, "maximum": MAX_INT32}}
+_NONEMPTY = {"minLength": 1}
 
 
 class _Strict(BaseModel):
@@ -128,29 +152,29 @@ class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    n: int = _ranged(1, minimum=1, maximum=MAX_N)
+    temperature: float | None = _ranged(None, minimum=0)
+    top_p: float | None = _ranged(None, exclusiveMinimum=0, maximum=1)
+    seed: int | None = _ranged(None, minimum=INT64_RANGE[0], maximum=INT64_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; nothing to do here
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = _ranged(None, minimum=-MAX_ADDITIVE_PENALTY, maximum=MAX_ADDITIVE_PENALTY)
+    frequency_penalty: float | None = _ranged(None, minimum=-MAX_ADDITIVE_PENALTY, maximum=MAX_ADDITIVE_PENALTY)
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
+    top_k: int | None = _ranged(None, minimum=-1, maximum=MAX_INT32)
+    min_p: float | None = _ranged(None, minimum=0, maximum=1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _ranged(None, **_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    allowed_token_ids: list[int] | None = None
+    repetition_penalty: float | None = _ranged(None, exclusiveMinimum=0)
+    min_tokens: int = _ranged(0, minimum=0, maximum=MAX_INT32)
+    allowed_token_ids: list[int] | None = _ranged(None, minItems=1, **_TOKEN_IDS)
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = _ranged(None, minimum=1, maximum=MAX_INT32)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -201,12 +225,14 @@ class _SamplingRequest(_Strict):
             raise bad_request(f"n must be at most {MAX_N}, got {self.n}", "n")
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None = None, best_of: int | None = None
+        self, max_tokens: int | None, logprobs: int | None = None, best_of: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         try:
             return SamplingParams(
                 n=self.n,
                 best_of=best_of,
+                prompt_logprobs=prompt_logprobs,
                 logprobs=logprobs,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
@@ -249,11 +275,20 @@ class CompletionRequest(_SamplingRequest):
     ``prompt_index * n + i`` as in OpenAI's API.
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", **_NONEMPTY},
+                {"type": "array", "items": {"type": "string", **_NONEMPTY}, "minItems": 1},
+                {"type": "array", "minItems": 1, **_TOKEN_IDS},
+                {"type": "array", "items": {"type": "array", "minItems": 1, **_TOKEN_IDS}, "minItems": 1},
+            ]
+        }
+    )
+    max_tokens: int | None = _ranged(16, minimum=1, maximum=MAX_INT32)
+    logprobs: int | None = _ranged(None, minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = _ranged(None, minimum=1, maximum=MAX_N)
     suffix: str | None = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -262,17 +297,20 @@ class CompletionRequest(_SamplingRequest):
         ``logprobs=k``: each output token's logprob and the k most likely
         alternatives. ``best_of``: sample that many, return the ``n`` with the
         highest cumulative logprob (known only at the end, so not streamable).
+        ``echo``: each choice's text starts with its prompt; with ``logprobs``
+        the prompt's tokens lead the lists, scored as the prompt (the first
+        token has none).
         """
         self._check_common()
-        if self.echo:
-            raise unsupported("echo")
         if self.suffix is not None:
             raise unsupported("suffix")
         if self.best_of is not None and self.best_of != self.n and self.stream:
             raise bad_request("best_of cannot be streamed: the best outputs are known only at the end", "best_of")
         if self.best_of is not None and self.best_of > MAX_N:
             raise bad_request(f"best_of must be at most {MAX_N}, got {self.best_of}", "best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs, self.best_of)
+        # echo with logprobs scores the prompt too (lm-eval's log-likelihoods)
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(self.max_tokens, self.logprobs, self.best_of, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
@@ -318,11 +356,11 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_tokens: int | None = _ranged(None, minimum=1, maximum=MAX_INT32)
+    max_completion_tokens: int | None = _ranged(None, minimum=1, maximum=MAX_INT32)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _ranged(None, minimum=0, maximum=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -370,21 +408,35 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def parse_request(model: type[_Strict] | type[TokenizeRequest], raw: bytes) -> Any:
-    """Validate a JSON body; malformed JSON or a schema violation is an APIError (400)."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        raise bad_request(*_describe(e)) from None
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
 
 
-def _describe(e: ValidationError) -> tuple[str, str | None, str]:
+class ErrorResponse(BaseModel):
+    """The body of every error answer: ``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+def describe_validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The 400 for a body that failed validation (FastAPI's errors, ``loc`` starting at ``body``)."""
+    first = dict(errors[0])
+    loc = tuple(first.get("loc", ()))
+    first["loc"] = loc[1:] if loc[:1] == ("body",) else loc
+    return bad_request(*_describe(first))
+
+
+def _describe(first: dict[str, Any]) -> tuple[str, str | None, str]:
     """(message, param, code) for the first field at fault."""
-    errors = e.errors(include_url=False)
-    first = errors[0]
     if first["type"] == "json_invalid":
-        return f"the request body is not valid JSON: {first['msg']}", None, "invalid_json"
-    if not first["loc"]:
+        reason = first.get("ctx", {}).get("error", first["msg"])
+        return f"the request body is not valid JSON: {reason}", None, "invalid_json"
+    if not first["loc"] or isinstance(first["loc"][0], int):
         return f"the request body must be a JSON object: {first['msg']}", None, "invalid_type"
     field = str(first["loc"][0])
     # where inside the field: messages[0].content, not just messages

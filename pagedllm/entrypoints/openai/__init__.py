@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``pagedllm serve``); see ``api_server.py`` for its parts."""

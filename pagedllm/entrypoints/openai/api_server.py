@@ -1,0 +1,309 @@
+"""``pagedllm serve``: the OpenAI-compatible app, its routes and its uvicorn server.
+
+The package follows the data flow of a request, as vLLM lays out
+``entrypoints/openai/``::
+
+    guards.py (Host, API key, body size)      -- ASGI middleware, before any route
+    api_server.py (routes, pydantic bodies)   -- this module: the app, errors, uvicorn
+      protocol.py (request models, APIError)  -- strict validation, OpenAI's error body
+      serving_completion.py / serving_chat.py -- one handler class per generating route
+        prompts.py -> tokenizer_worker.py     -- tokenize off the engine thread
+        engine_client.py                      -- the thread that owns the LLMEngine
+        deltas.py, logprobs.py, sse.py        -- the answer, whole or as server-sent events
+      serving_tokenization.py                 -- /tokenize, /detokenize, /tokenizer_info
+    metrics.py                                -- Prometheus, fed by the engine thread
+
+A program that builds the app itself (``create_server_app``) starts the
+tokenizer process with ``multiprocessing``'s spawn method, so its main
+module needs the usual ``if __name__ == "__main__":`` guard.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+server-sent-event streaming), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``;
+``GET /openapi.json`` and ``GET /docs`` describe them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.engine_client import AsyncEngine, server_error
+from pagedllm.entrypoints.openai.guards import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+    require_json,
+)
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.prompts import PromptEncoder
+from pagedllm.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+    describe_validation_error,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import check_model
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.settings import ServerSettings
+from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+
+logger = logging.getLogger(__name__)
+
+# the error answers every JSON route may give, for /openapi.json
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what}
+    for code, what in (
+        (400, "Invalid request: malformed JSON, an unknown field, a wrong type or a bad value"),
+        (401, "Missing or wrong API key (when the server has one)"),
+        (404, "Unknown model"),
+        (413, "Body over --max-request-bytes"),
+        (415, "Body not declared as JSON"),
+        (429, "Too many requests waiting (--max-waiting); retry after Retry-After seconds"),
+        (500, "The engine failed on this request"),
+        (503, "The server is shutting down"),
+    )
+}
+_GENERATING = {
+    **_ERRORS,
+    200: {
+        "description": "The answer; with ``stream: true`` a stream of server-sent events",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+}
+
+
+def _add_guards(app: FastAPI, settings: ServerSettings) -> None:
+    """The middleware every request passes (``guards.py``), outermost first:
+    Host check, CORS, API key, body size."""
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    if settings.host_check is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.host_check)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's body: ours, FastAPI's validation (400, never 422), routing, bugs."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = describe_validation_error(list(exc.errors()))
+        return JSONResponse(err.body(), status_code=err.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = APIError(exc.status_code, str(exc.detail), kind, None)
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            # FastAPI's "error parsing the body": bytes that are not UTF-8 JSON
+            err = APIError(400, f"the request body is not valid JSON: {exc.__cause__}", kind, "invalid_json")
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s", request.url.path)
+        err = server_error(f"internal error: {type(exc).__name__}")
+        return JSONResponse(err.body(), status_code=500)
+
+
+def _openapi_without_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 on every body route; this server answers 400 instead (``_ERRORS``)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: TokenizerWorker) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine thread and the tokenizer process.
+
+    Args:
+        async_engine: the engine wrapper (not started yet).
+        settings: names, key and limits.
+        tokenizer: the tokenizer process; the app closes it when it stops.
+    """
+    engine = async_engine.engine
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not async_engine.is_alive:
+            async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.stop)
+            await asyncio.to_thread(tokenizer.close)
+
+    app = FastAPI(title="pagedllm", summary="An OpenAI-compatible LLM server", lifespan=lifespan, redoc_url=None)
+    _add_guards(app, settings)
+    _add_error_handlers(app)
+    _openapi_without_422(app)
+    prompts = PromptEncoder(engine, tokenizer)
+    name = settings.model_name
+    _add_generating_routes(
+        app, OpenAIServingCompletion(async_engine, prompts, name), OpenAIServingChat(async_engine, prompts, name)
+    )
+    _add_info_routes(app, async_engine, settings)
+    tokenization = OpenAIServingTokenization(
+        prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size
+    )
+    json_body = [Depends(require_json)]
+
+    @app.post("/tokenize", response_model=None, dependencies=json_body, responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> Response:
+        """Token ids of a prompt, or of a conversation through the chat template (vLLM's route)."""
+        return await tokenization.tokenize(req)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """The tokenizer's special tokens and chat template (vLLM's route; lm-eval's remote tokenizer)."""
+        return tokenization.tokenizer_info()
+
+    @app.post("/detokenize", dependencies=json_body, responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        """The text of token ids (vLLM's route)."""
+        return await tokenization.detokenize(req)
+
+    return app
+
+
+def _add_generating_routes(app: FastAPI, completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> None:
+    json_body = [Depends(require_json)]
+
+    @app.post("/v1/completions", response_model=None, dependencies=json_body, responses=_GENERATING)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        """OpenAI's completions: text for each prompt (a string, token ids, or a list of either)."""
+        return await completion.create(req, request)
+
+    @app.post("/v1/chat/completions", response_model=None, dependencies=json_body, responses=_GENERATING)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI's chat completions: the assistant's next message for a conversation."""
+        return await chat.create(req, request)
+
+
+def _add_info_routes(app: FastAPI, async_engine: AsyncEngine, settings: ServerSettings) -> None:
+    metrics = async_engine.metrics
+    max_model_len = async_engine.engine.config.max_model_len
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": settings.model_name, "object": "model", "created": settings.created, "owned_by": "pagedllm",
+            "root": settings.model_path or settings.model_name, "parent": None, "max_model_len": max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        """The served model (one per server)."""
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", responses=_ERRORS)
+    async def get_model(model: str) -> dict[str, Any]:
+        """The served model, by name; 404 for any other."""
+        check_model(model, settings.model_name)
+        return model_card()
+
+    @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs"}, 503: _ERRORS[503]})
+    async def health() -> Response:
+        """200 while the engine runs; 503 once it stopped or is shutting down."""
+        if not async_engine.is_alive or async_engine.draining:
+            err = APIError(503, "the engine is not running", "server_error", "engine_unavailable")
+            return JSONResponse(err.body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={404: _ERRORS[404]})
+    async def prometheus_metrics() -> Response:
+        """Prometheus metrics (404 when the server runs without them)."""
+        if metrics is None:
+            raise APIError(404, "metrics are disabled", "not_found_error", None)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def default_model_name(model_path: str) -> str:
+    """The name a model is served under: its file or folder name."""
+    return os.path.basename(os.path.normpath(model_path))
+
+
+def create_server_app(engine: LLMEngine, settings: ServerSettings, enable_metrics: bool = True) -> FastAPI:
+    """An app around ``engine``, with its own metrics registry and engine thread.
+
+    ``app.state.async_engine`` is the engine wrapper (for ``make_uvicorn_server``).
+    """
+    metrics = ServerMetrics(settings.model_name) if enable_metrics else None
+    if metrics is not None:
+        metrics.update_from_engine(engine)
+    async_engine = AsyncEngine(engine, metrics, settings.max_waiting)
+    app = build_app(async_engine, settings, TokenizerWorker(engine.tokenizer.hf))
+    app.state.async_engine = async_engine
+    return app
+
+
+# seconds requests in flight get to finish when the server is asked to stop
+SHUTDOWN_GRACE_S = 5.0
+
+
+def make_uvicorn_server(app: FastAPI, settings: ServerSettings) -> Any:
+    """A uvicorn server that drains the engine before closing connections.
+
+    uvicorn alone would wait for open streams and then cancel them mid-flight;
+    here requests in flight get ``SHUTDOWN_GRACE_S`` to finish, then end with
+    an error event (streams) or a 503, and connections close cleanly.
+    """
+    import uvicorn
+
+    async_engine: AsyncEngine = app.state.async_engine
+
+    class _DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list | None = None) -> None:
+            await async_engine.drain(SHUTDOWN_GRACE_S)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+    )
+    return _DrainingServer(config)
+
+
+def run_server(engine: LLMEngine, settings: ServerSettings) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM)."""
+    app = create_server_app(engine, settings)
+    logger.info("serving %s on http://%s:%d", settings.model_name, settings.host, settings.port)
+    make_uvicorn_server(app, settings).run()

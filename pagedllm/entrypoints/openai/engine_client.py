@@ -1,0 +1,428 @@
+"""The engine client: one thread that owns the ``LLMEngine``, fed by the event loop.
+
+Threads: uvicorn's event loop answers HTTP; one engine thread owns the
+``LLMEngine`` (which is not thread-safe). Handlers never touch the engine:
+they send commands (add tokenized requests, abort) to the engine thread,
+which applies them between steps and steps while work exists. Outputs go
+back to each request's ``asyncio.Queue`` through ``call_soon_threadsafe``.
+torch releases the GIL in its kernels, so the loop stays responsive while
+the engine computes.
+
+::
+
+    handler --add_requests()--> command deque --> engine thread: add, step, step...
+       ^                                               |
+       +---- asyncio.Queue <-- call_soon_threadsafe ---+  (one queue per API request)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import jinja2
+
+from pagedllm.engine.llm_engine import ContextLengthError, LLMEngine
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import APIError, bad_request
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A prompt as the engine queues it: (text or None, token ids).
+Prompt = tuple[str | None, list[int]]
+# seconds a client told 429 is asked to wait before it retries
+RETRY_AFTER_S = 1
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+class EngineStepError(RuntimeError):
+    """The engine step that carried this request failed; the request is lost."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown or a crash)."""
+
+
+def server_error(message: str) -> APIError:
+    """A 500 ``server_error``."""
+    return APIError(500, message, "server_error", "internal_error")
+
+
+def engine_failure(e: EngineStepError | EngineDeadError) -> APIError:
+    """500 for a failed step, 503 for a server that is stopping."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error", "engine_unavailable")
+    return server_error(str(e))
+
+
+# --- the engine thread ---------------------------------------------------------------
+
+
+class _RequestStream:
+    """One engine request's path from the engine thread to its HTTP handler.
+
+    The timing fields are touched only by the engine thread, ``waiting`` only
+    by the event loop.
+    """
+
+    def __init__(
+        self, request_id: str, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop,
+        owner: AsyncEngine,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.queue = queue
+        self.loop = loop
+        self.owner = owner
+        self.arrival = time.monotonic()
+        self.waiting = True  # counted in owner.num_waiting until its first output
+        self.first_token_time: float | None = None
+        self.last_token_time: dict[int, float] = {}
+        self.num_tokens: dict[int, int] = {}
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand an output or an error to the handler (from the engine thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        self.owner.release_waiting(self)
+        self.queue.put_nowait((self.index, item))
+
+    def observe(self, out: RequestOutput, now: float, metrics: ServerMetrics | None) -> None:
+        """Time to first token, inter-token latencies and end-to-end latency (engine thread)."""
+        if metrics is None:
+            return
+        for c in out.outputs:
+            n = len(c.token_ids)
+            prev = self.num_tokens.get(c.index, 0)
+            if n <= prev:
+                continue
+            if self.first_token_time is None:
+                self.first_token_time = now
+                metrics.time_to_first_token.observe(now - self.arrival)
+            last = self.last_token_time.get(c.index)
+            if last is not None:
+                # one step makes one token per sequence; more would share the gap
+                for _ in range(n - prev):
+                    metrics.inter_token_latency.observe((now - last) / (n - prev))
+            self.num_tokens[c.index] = n
+            self.last_token_time[c.index] = now
+        if out.finished:
+            metrics.e2e_request_latency.observe(now - self.arrival)
+            metrics.request_success(out.outputs[0].finish_reason or "abort")
+
+
+# queued to a submission's reader once the submission is aborted
+_ABORTED = object()
+
+
+class Submission:
+    """The engine requests of one API request (one per prompt) and their outputs."""
+
+    def __init__(self, owner: AsyncEngine, streams: list[_RequestStream], queue: asyncio.Queue) -> None:
+        self.owner = owner
+        self.streams = streams
+        self.queue = queue
+        self.prompt_token_counts: list[int] = []
+        self.finished: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        """Every prompt has finished (or the submission was aborted)."""
+        return len(self.finished) == len(self.streams)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as the engine makes them; raises on failure.
+
+        Ends early, without error, once ``abort()`` ran.
+        """
+        while not self.done:
+            index, item = await self.queue.get()
+            if item is _ABORTED or self.done:
+                return
+            if isinstance(item, BaseException):
+                self.abort()  # the other prompts of a failed request are not worth finishing
+                raise item
+            if item.finished:
+                self.finished.add(index)
+            yield index, item
+
+    def abort(self) -> None:
+        """Abort every unfinished engine request of this submission; their blocks are freed at once."""
+        ids = [s.request_id for s in self.streams if s.index not in self.finished]
+        self.finished.update(range(len(self.streams)))
+        if ids:
+            self.owner.abort(ids)
+            for s in self.streams:
+                self.owner.release_waiting(s)
+            self.queue.put_nowait((-1, _ABORTED))  # wakes a reader blocked on the queue
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on its own thread, fed by commands from the event loop.
+
+    Args:
+        engine: the engine; no other thread may use it once ``start()`` ran.
+        metrics: where to record statistics, or None.
+        max_waiting: most accepted requests still waiting for their first
+            token; past it ``add_requests`` raises a 429 APIError. None: no limit.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.num_waiting = 0  # event-loop side only
+        self._cv = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._streams: dict[str, _RequestStream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self.crash: BaseException | None = None
+        self.draining = False  # shutting down: no new requests
+
+    # --- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests in flight get an EngineDeadError."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread runs and is not stopping."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in flight or commands queued (read from the event loop; a snapshot)."""
+        return bool(self._streams) or bool(self._commands)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, give those in flight ``timeout`` seconds, then stop.
+
+        Requests still running then end with an error (an error event for a
+        stream), so no connection is left to be cut mid-response.
+        """
+        self.draining = True
+        if self.has_work:
+            logger.info("shutting down: requests in flight get %.0fs to finish", timeout)
+        deadline = time.monotonic() + timeout
+        while self.has_work and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.stop)
+
+    # --- commands (from the event loop) ---------------------------------------------
+    def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller, who decides
+                fut.set_exception(e)
+
+        with self._cv:
+            if not self.is_alive:
+                raise EngineDeadError("the engine is not running")
+            self._commands.append(run)
+            self._cv.notify()
+        return fut
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps."""
+        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (fire and forget); their blocks are freed before the next step."""
+        def run() -> None:
+            self.engine.abort_request(request_ids)
+            for rid in request_ids:
+                self._streams.pop(rid, None)
+
+        with contextlib.suppress(EngineDeadError):
+            self._submit(run)
+
+    def release_waiting(self, stream: _RequestStream) -> None:
+        """The request has left the waiting count (first output, error or abort)."""
+        if stream.waiting:
+            stream.waiting = False
+            self.num_waiting -= 1
+
+    async def add_requests(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param: str = "prompt"
+    ) -> Submission:
+        """Queue one engine request per (text, token ids) prompt, all or none.
+
+        The prompts arrive tokenized (off the engine thread); the engine thread
+        only checks and queues them. Raises APIError: 400 for more prompts
+        than ``max_waiting`` could ever admit, 429 (with ``Retry-After``) past
+        ``max_waiting`` now, 400 for a prompt the engine rejects (too long for
+        the context, token ids outside the vocabulary...); ``param`` names the
+        request field that holds the prompt.
+        """
+        if self.draining or not self.is_alive:
+            raise APIError(503, "the server is shutting down", "server_error", "engine_unavailable")
+        if self.max_waiting is not None and len(prompts) > self.max_waiting:
+            raise bad_request(
+                f"the request has {len(prompts)} prompts, more than this server ever queues at once "
+                f"(--max-waiting {self.max_waiting}); send them in smaller requests", param, "too_many_prompts",
+            )
+        if self.max_waiting is not None and self.num_waiting + len(prompts) > self.max_waiting:
+            raise APIError(
+                429,
+                f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); retry later",
+                "rate_limit_error",
+                "too_many_waiting_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, self) for i in range(len(prompts))]
+        self.num_waiting += len(streams)
+        sub = Submission(self, streams, queue)
+
+        def add(engine: LLMEngine) -> list[int]:
+            added: list[str] = []
+            try:
+                for stream, (text, ids) in zip(streams, prompts):
+                    engine.add_request(stream.request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+                    added.append(stream.request_id)
+                    self._streams[stream.request_id] = stream
+            except BaseException:
+                engine.abort_request(added)
+                for rid in added:
+                    self._streams.pop(rid, None)
+                raise
+            counts = [len(ids) for _, ids in prompts]
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(sum(counts))
+            return counts
+
+        try:
+            sub.prompt_token_counts = await self.call(add)
+        except BaseException as e:
+            for s in streams:
+                self.release_waiting(s)
+            if isinstance(e, asyncio.CancelledError):
+                # the add may have run already: take the requests back out
+                self.abort([s.request_id for s in streams])
+                raise
+            raise to_api_error(e, param) from e
+        return sub
+
+    # --- the loop (engine thread) -----------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    command()
+                if engine.has_unfinished_requests() and not self._step():
+                    # nothing could be scheduled: wait for a command rather than spin
+                    with self._cv:
+                        if not self._commands and not self._stopping:
+                            self._cv.wait(0.01)
+                if self.metrics is not None:
+                    self.metrics.update_from_engine(engine)
+        except BaseException as e:  # a bug in the loop itself: say so, fail everyone
+            logger.exception("the engine thread crashed")
+            self.crash = e
+        finally:
+            with self._cv:
+                self._stopping = True
+                pending = list(self._commands)
+                self._commands.clear()
+            for command in pending:
+                command()  # answered, so no caller waits forever
+            for stream in self._streams.values():
+                stream.put(EngineDeadError("the server is shutting down; the request was not finished"))
+            self._streams.clear()
+
+    def _step(self) -> bool:
+        """One engine step; its outputs go to their handlers. False if nothing ran."""
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            # the engine has aborted the requests of the failed step; fail those
+            # (and only those) and keep serving the rest
+            logger.exception("an engine step failed")
+            lost = [rid for rid in self._streams if rid not in engine.requests]
+            if not lost and engine.requests:
+                # the failure took no request with it (e.g. a scheduler that cannot
+                # progress): stepping again would fail again. End the newest
+                # request, the likeliest culprit, as the engine does with stalled
+                # beams; if that was not it, the next step takes the next one.
+                victim = next(reversed(engine.requests))
+                engine.abort_request(victim)
+                lost = [victim] if victim in self._streams else []
+            for rid in lost:
+                self._streams.pop(rid).put(EngineStepError(f"the engine failed on this request: {e}"))
+            return True
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            if out.error is not None:
+                # this request failed alone; the step's others carry on
+                del self._streams[out.request_id]
+                stream.put(EngineStepError(f"the engine failed on this request: {out.error}"))
+                continue
+            stream.observe(out, now, self.metrics)
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+        return bool(outputs) or engine.last_step_scheduled
+
+
+# sampling fields checked against the vocabulary and tokenizer when the engine adds the request;
+# their errors start with the field's name
+_ENGINE_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
+
+
+def to_api_error(e: BaseException, param: str | None = None) -> APIError:
+    """Map what adding a request (or tokenizing) can raise to the client's error."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextLengthError):
+        return bad_request(str(e), param, "context_length_exceeded")
+    if isinstance(e, ValueError) and str(e).split(" ", 1)[0] in _ENGINE_CHECKED_FIELDS:
+        return bad_request(str(e), str(e).split(" ", 1)[0])
+    if isinstance(e, (ValueError, jinja2.TemplateError)):
+        return bad_request(str(e), param)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), "server_error", "engine_unavailable")
+    logger.error("request failed: %r", e)
+    return server_error(f"the request failed: {type(e).__name__}: {e}")

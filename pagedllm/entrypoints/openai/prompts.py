@@ -1,0 +1,68 @@
+"""Request prompts turned into (text, token ids), off the engine thread.
+
+Text goes to the server's tokenizer process (``tokenizer_worker.py``), so
+no prompt's size delays another request's next token; chat templates
+render on a worker thread of this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.engine_client import Prompt
+from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from pagedllm.sampling_params import SamplingParams, check_text
+
+
+class PromptEncoder:
+    """Turns request prompts into (text, token ids) off the engine thread.
+
+    Text goes to the tokenizer process (``tokenizer_worker.py``); a prompt
+    that cannot fit in the context is refused from its token count. Chat
+    templates render on a worker thread of this process.
+    """
+
+    def __init__(self, engine: LLMEngine, worker: TokenizerWorker) -> None:
+        self.engine = engine  # only its configuration and chat template are read here
+        self.worker = worker
+
+    async def text(self, text: str, params: SamplingParams | None, add_special_tokens: bool = True) -> Prompt:
+        """A text prompt, tokenized; ValueError (ContextLengthError) when it is empty or too long.
+
+        With ``truncate_prompt_tokens`` the whole text is tokenized and its
+        last k tokens kept, so a longer text may still fit.
+        """
+        if not text:
+            raise ValueError("the prompt is empty")
+        check_text("the prompt", text)
+        keep = params.truncate_prompt_tokens if params is not None else None
+        limit = self.engine.config.max_model_len if keep is None else None
+        count, ids = await self.worker.encode(text, add_special_tokens, limit=limit)
+        if keep is not None and ids is not None:
+            ids = ids[-keep:]
+            count = len(ids)
+        self.engine.check_prompt_len(count, params)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    async def token_ids(self, ids: list[int], params: SamplingParams) -> Prompt:
+        """A prompt given as token ids (checked against the vocabulary on the engine thread)."""
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
+        self.engine.check_prompt_len(len(ids), params)
+        return None, list(ids)
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The conversation through the model's chat template."""
+        render = self.engine.tokenizer.apply_chat_template
+        return await asyncio.to_thread(render, messages, add_generation_prompt)
+
+    async def chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams
+    ) -> Prompt:
+        """A conversation, rendered and tokenized (the template holds its own special tokens)."""
+        text = await self.render_chat(messages, add_generation_prompt)
+        return await self.text(text, params, add_special_tokens=False)

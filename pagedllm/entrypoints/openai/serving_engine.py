@@ -1,0 +1,90 @@
+"""What the completion and chat handlers share: the model check, the wait
+for a non-streamed answer, the grammar compile and the usage block."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedllm.entrypoints.openai.engine_client import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    Submission,
+    engine_failure,
+)
+from pagedllm.entrypoints.openai.prompts import PromptEncoder
+from pagedllm.entrypoints.openai.protocol import APIError, bad_request
+from pagedllm.entrypoints.openai.sse import watch_disconnect
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class OpenAIServing:
+    """Base of the handlers of the generating routes.
+
+    Args:
+        engine_client: the engine thread's client.
+        prompts: the prompt encoder (tokenizer process, chat template).
+        model_name: the name clients use in ``model``.
+    """
+
+    def __init__(self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str) -> None:
+        self.engine_client = engine_client
+        self.prompts = prompts
+        self.model_name = model_name
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` is the served model (or None: vLLM's leniency)."""
+        check_model(name, self.model_name)
+
+    async def compile_constraint(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's structured-output constraint on a worker thread: a bad one is a 400 here.
+
+        The engine thread then finds it in the engine's grammar cache, so a
+        long compile never stalls other requests' steps.
+        """
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine_client.engine.compile_grammar, params)
+        except ValueError as e:
+            raise bad_request(str(e), param) from e
+
+    async def wait_all(
+        self, request: Request, sub: Submission, make_response: Callable[[list[RequestOutput]], dict[str, Any]]
+    ) -> JSONResponse:
+        """Wait for every prompt of a non-streamed request; abort if the client leaves."""
+        watcher = asyncio.create_task(watch_disconnect(request, sub.abort))
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for index, out in sub.outputs():
+                if out.finished:
+                    final[index] = out
+        except (EngineStepError, EngineDeadError) as e:
+            raise engine_failure(e) from e
+        finally:
+            watcher.cancel()
+            sub.abort()  # no-op unless something above failed
+        if len(final) < len(sub.streams):  # the client left; nobody reads this
+            raise APIError(499, "the client closed the request", "invalid_request_error", "client_closed")
+        return JSONResponse(make_response([final[i] for i in range(len(sub.streams))]))
+
+
+def check_model(name: str | None, served: str) -> None:
+    """404 unless ``name`` is ``served``; no name means the served one, as vLLM allows."""
+    if name is not None and name != served:
+        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found", "model")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` block."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

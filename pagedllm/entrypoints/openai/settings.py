@@ -1,0 +1,60 @@
+"""What ``pagedllm serve`` needs besides the engine: names, key, limits, address."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
+
+
+@dataclass
+class ServerSettings:
+    """What ``pagedllm serve`` needs besides the engine.
+
+    Args:
+        model_name: the name clients use in ``model``.
+        model_path: where the weights came from (shown in /v1/models).
+        api_key: when set, every /v1 route needs ``Authorization: Bearer <key>``.
+        max_waiting: most requests waiting for their first token before new
+            ones get 429; None: no limit.
+        host: address to bind (loopback by default).
+        port: TCP port.
+        log_level: uvicorn's log level.
+        max_request_bytes: largest request body; larger ones get 413 unread.
+        allowed_hosts: ``Host`` names accepted besides loopback ones while
+            bound to loopback (``["*"]``: any); None: loopback names only.
+            Bound elsewhere, None accepts any name.
+        allowed_origins: origins a browser may call from (CORS); None: no
+            CORS headers at all, so no other origin can read an answer.
+    """
+
+    model_name: str
+    model_path: str = ""
+    api_key: str | None = None
+    max_waiting: int | None = 1024
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: list[str] | None = None
+    allowed_origins: list[str] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 1):
+            raise ValueError(f"max_waiting must be an integer >= 1 or None, got {self.max_waiting!r}")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")
+        for name in ("allowed_hosts", "allowed_origins"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) and v for v in value)):
+                raise ValueError(f"{name} must be a list of non-empty strings or None, got {value!r}")
+
+    @property
+    def host_check(self) -> list[str] | None:
+        """The extra Host names to allow, or None when no Host check applies."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        return [] if is_loopback(self.host) else None
+
