@@ -9,6 +9,8 @@ markup that the final content does not hold.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -399,3 +401,14 @@ def test_delta_shapes_and_feed_after_finish():
         parser.feed("x")
     with pytest.raises(ValueError):
         parser.finish()
+
+
+def test_the_tool_modules_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "import pagedllm.entrypoints.openai.tool_parsers, pagedllm.entrypoints.openai.tool_messages\n"
+        "import pagedllm.entrypoints.openai.tool_choice\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -254,6 +254,6 @@ class StreamedCall:
             self._committed = True
             self.index = self._parser._open_call(s.name)
         if self.index is not None:
-            args = s.arguments
-            self._parser._send_arguments(self.index, args[self._sent :])
-            self._sent = len(args)
+            piece = s.arguments_from(self._sent)
+            self._parser._send_arguments(self.index, piece)
+            self._sent += len(piece)

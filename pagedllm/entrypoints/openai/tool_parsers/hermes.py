@@ -46,7 +46,7 @@ class HermesToolParser(ToolParser):
         self._pending = ""  # text that may be the beginning of <tool_call>
         self._live = False  # whether the current stretch of text has more than whitespace
         self._held = ""  # the stretch's whitespace, while it has nothing else
-        self._block = ""  # the block's text since <tool_call>, while it may still be content
+        self._block: list[str] = []  # the block's text since <tool_call>, while it may still be content
         self._close = ""  # the part of </tool_call> matched so far
         self._call: StreamedCall | None = None
 
@@ -68,7 +68,7 @@ class HermesToolParser(ToolParser):
         self._pending += ch
         if self._pending == START:
             self._pending = ""
-            self._mode, self._block, self._call = _OPENED, START, None
+            self._mode, self._block, self._call = _OPENED, [START], None
             return
         # release what can no longer begin a tag, keep what still may
         while self._pending and not START.startswith(self._pending):
@@ -107,12 +107,12 @@ class HermesToolParser(ToolParser):
             if self._close == END:
                 self._block_complete()
                 return
-        self._block += ch
+        self._block.append(ch)
 
     def _block_complete(self) -> None:
         self._call.complete()
         # the call ends the stretch of text before it; whitespace-only stretches go
-        self._mode, self._block, self._close, self._call = _TEXT, "", "", None
+        self._mode, self._block, self._close, self._call = _TEXT, [], "", None
         self._live, self._held = False, ""
 
     def _break_block(self, ch: str | None) -> None:
@@ -121,12 +121,12 @@ class HermesToolParser(ToolParser):
         self._call, self._close = None, ""
         if call is not None and call.sent:
             self.diverged = True
-            self._mode, self._block = _DROP, ""
+            self._mode, self._block = _DROP, []
             self._live, self._held = False, ""
             if ch is not None:
                 self._step(ch)
             return
-        block, self._block, self._mode = self._block, "", _TEXT
+        block, self._block, self._mode = "".join(self._block), [], _TEXT
         self._content(block)
         if ch is not None:
             self._text_char(ch)  # the breaking character may begin a new block

@@ -233,7 +233,7 @@ class CallScanner:
     def __init__(self, args_keys: tuple[str, ...]) -> None:
         self._lexer = JsonLexer()
         self._args_keys = args_keys
-        self.text = ""  # the object's text so far
+        self._chars: list[str] = []  # the object's text so far (a list: appending to a str attribute copies it)
         self.name: str | None = None
         self._keys: set[str] = set()
         self._key: str | None = None  # the depth-1 key whose value is being read
@@ -252,20 +252,29 @@ class CallScanner:
         return self._args_start >= 0
 
     @property
+    def text(self) -> str:
+        """The object's text so far."""
+        return "".join(self._chars)
+
+    @property
     def arguments(self) -> str:
         """The raw text of the arguments so far; ``{}`` for a finished call that has none."""
+        return self.arguments_from(0)
+
+    def arguments_from(self, offset: int) -> str:
+        """The arguments' raw text from character ``offset`` on (what a stream has not sent yet)."""
         if self._args_start < 0:
-            return "{}" if self.done else ""
-        end = self._args_end if self._args_end >= 0 else len(self.text)
-        return self.text[self._args_start : end]
+            return "{}"[offset:] if self.done else ""
+        end = self._args_end if self._args_end >= 0 else len(self._chars)
+        return "".join(self._chars[self._args_start + offset : end])
 
     def feed(self, ch: str) -> None:
         """Take the object's next character; ValueError when the text stops being a call."""
         events = self._lexer.feed(ch)
-        self.text += ch
+        self._chars.append(ch)
         for event in events:
             if event == KEY_END:
-                key = json.loads(self.text[self._lexer.key_start :])
+                key = json.loads("".join(self._chars[self._lexer.key_start :]))
                 if key in self._keys:
                     raise CallFormatError(f"the tool call has the key {key!r} twice")
                 self._keys.add(key)
@@ -287,7 +296,7 @@ class CallScanner:
 
     def _value_end(self, end: int) -> None:
         if self._key == "name":
-            name = json.loads(self.text[self._value_start : end])
+            name = json.loads("".join(self._chars[self._value_start : end]))
             if not name:
                 raise CallFormatError("the tool call's name is empty")
             self.name = name

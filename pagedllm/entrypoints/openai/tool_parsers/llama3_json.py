@@ -39,7 +39,7 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, max_calls: int | None = None, *, buffered: bool = False) -> None:
         super().__init__(max_calls, buffered=buffered)
         self._mode = _LEAD
-        self._raw = ""  # the reply so far, while it may still be content
+        self._raw: list[str] = []  # the reply so far, while it may still be content
         self._tag = ""  # the part of <|python_tag|> matched so far
         self._tagged = False
         self._calls: list[StreamedCall] = []
@@ -57,7 +57,7 @@ class Llama3JsonToolParser(ToolParser):
             self._not_calls(ch)
             return
         if not self._calls or not self._calls[0].sent:
-            self._raw += ch  # nothing went out yet: the reply may still turn out to be content
+            self._raw.append(ch)  # nothing went out yet: the reply may still turn out to be content
 
     def _calls_char(self, ch: str) -> None:
         """One character while the reply still reads as calls; ValueError when it stops."""
@@ -91,8 +91,8 @@ class Llama3JsonToolParser(ToolParser):
             self._mode = _DROP
             return
         self._mode = _TEXT
-        self._send_content(self._raw + (ch or ""))
-        self._raw = ""
+        self._send_content("".join(self._raw) + (ch or ""))
+        self._raw = []
 
     def _end(self) -> None:
         if self._mode in (_AFTER, _NEXT):
