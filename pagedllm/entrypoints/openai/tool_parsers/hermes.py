@@ -4,8 +4,9 @@ The format of Qwen2.5, Qwen3, Hermes 2/3 and many fine-tunes: any number of
 call blocks, with text before, between or after them. What is returned:
 
 - each well-formed block is a call: its name, and the raw text of its
-  ``arguments`` object (``{}`` when it has none). A last block may lack its
-  ``</tool_call>`` (the model stopped right after the JSON), as vLLM allows;
+  ``arguments`` object (``{}`` when it has none). A block may lack its
+  ``</tool_call>`` when it is the last (the model stopped right after the
+  JSON, as vLLM allows) or when the next ``<tool_call>`` follows its JSON;
 - a block that is not a call (invalid JSON, no name, arguments that are not
   an object, text between the JSON and ``</tool_call>``) stays in the
   content, character for character, from its ``<tool_call>`` to where it
@@ -47,7 +48,7 @@ class HermesToolParser(ToolParser):
         self._live = False  # whether the current stretch of text has more than whitespace
         self._held = ""  # the stretch's whitespace, while it has nothing else
         self._block: list[str] = []  # the block's text since <tool_call>, while it may still be content
-        self._close = ""  # the part of </tool_call> matched so far
+        self._close = ""  # the part of </tool_call> (or of a next <tool_call>) matched so far
         self._call: StreamedCall | None = None
 
     def _step(self, ch: str) -> None:
@@ -68,12 +69,15 @@ class HermesToolParser(ToolParser):
         self._pending += ch
         if self._pending == START:
             self._pending = ""
-            self._mode, self._block, self._call = _OPENED, [START], None
+            self._open_block()
             return
         # release what can no longer begin a tag, keep what still may
         while self._pending and not START.startswith(self._pending):
             self._content(self._pending[0])
             self._pending = self._pending[1:]
+
+    def _open_block(self) -> None:
+        self._mode, self._block, self._call = _OPENED, [START], None
 
     def _content(self, text: str) -> None:
         """Text of the reply's content: sent, unless its stretch is only whitespace so far."""
@@ -102,17 +106,20 @@ class HermesToolParser(ToolParser):
                 self._mode, self._close = _CLOSING, ""
         elif self._close or ch not in _JSON_WS:  # _CLOSING
             self._close += ch
-            if not END.startswith(self._close):
-                raise ValueError(f"text after the tool call's JSON, before {END}")
-            if self._close == END:
+            if self._close in (END, START):
                 self._block_complete()
+                if self._close == START:  # the next call began without closing this one: taken as closed
+                    self._open_block()
+                self._close = ""
                 return
+            if not (END.startswith(self._close) or START.startswith(self._close)):
+                raise ValueError(f"text after the tool call's JSON, before {END}")
         self._block.append(ch)
 
     def _block_complete(self) -> None:
         self._call.complete()
         # the call ends the stretch of text before it; whitespace-only stretches go
-        self._mode, self._block, self._close, self._call = _TEXT, [], "", None
+        self._mode, self._block, self._call = _TEXT, [], None
         self._live, self._held = False, ""
 
     def _break_block(self, ch: str | None) -> None:
