@@ -141,6 +141,14 @@ def window_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> d
 
 
 @pytest.fixture(scope="session")
+def tiny_tool_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """A tiny random-weight Qwen3 folder whose chat template lists tools and renders calls (tests/tool_models.py)."""
+    from tool_models import save_tiny_tool_model
+
+    return save_tiny_tool_model(tmp_path_factory.mktemp("tiny-qwen3-tools"), smollm_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def hf_tiny(tiny_model_dirs: dict[str, str]) -> dict:
     """transformers' own models on the tiny folders' weights: the oracle for them."""
     from transformers import AutoModelForCausalLM

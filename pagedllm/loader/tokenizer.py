@@ -40,8 +40,15 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render a conversation to the prompt text the model was tuned on."""
+        """Render a conversation to the prompt text the model was tuned on.
+
+        ``tools``: function tools in OpenAI's form (``{"type": "function",
+        "function": {...}}``), for templates that list them; messages may
+        then carry ``tool_calls`` and ``tool_call_id`` as
+        ``entrypoints.openai.tool_messages.to_template_messages`` makes them.
+        """
         if chat_template is None and not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
         if not isinstance(messages, list) or not all(
@@ -54,5 +61,6 @@ class Tokenizer:
         for i, m in enumerate(messages):
             check_text(f"messages[{i}].content", m["content"])
         return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
         )
