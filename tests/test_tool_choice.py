@@ -341,3 +341,16 @@ def test_the_tiny_tool_model_answers_a_follow_up_with_a_forced_call(tiny_tool_mo
         (call,) = spec.extract(c.text, HermesToolParser).tool_calls
         assert call.name == "get_weather"
         jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+
+
+def test_llm_chat_lists_the_tools_in_the_prompt(tiny_tool_model_dir):
+    """``LLM.chat(tools=...)``, as vLLM's: the template gets the tools (one prompt token count per way)."""
+    llm = LLM(tiny_tool_model_dir, num_kv_blocks=64, max_model_len=1024)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    (with_tools,) = llm.chat(messages, params, use_tqdm=False, tools=TOOLS)
+    (without,) = llm.chat(messages, params, use_tqdm=False)
+    expected = llm.llm_engine.tokenizer.apply_chat_template(messages, tools=TOOLS)
+    assert "<tools>" in expected
+    assert with_tools.prompt_token_ids == llm.get_tokenizer().encode(expected, add_special_tokens=False)
+    assert len(with_tools.prompt_token_ids) > len(without.prompt_token_ids)

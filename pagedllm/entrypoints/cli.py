@@ -232,6 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=_comma_list(args.allowed_hosts),
         allowed_origins=_comma_list(args.allowed_origins),
+        tool_call_parser=args.tool_call_parser,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
@@ -275,6 +276,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                         "bound to loopback, other names are refused (DNS rebinding)")
     g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="comma-separated origins browsers may call from (CORS); default: none")
+    g.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="the model's tool-call format for tool_choice 'auto' (default: read from the chat template)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

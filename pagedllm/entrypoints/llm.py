@@ -131,13 +131,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one or many conversations, then generate."""
+        """Apply the model's chat template to one or many conversations, then generate.
+
+        ``tools``: function tools in OpenAI's form, for the template to list
+        (as vLLM's ``LLM.chat``); the output is text, read for calls by the
+        server's ``tool_parsers``, not here.
+        """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = [
-            self.llm_engine.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template)
+            self.llm_engine.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, tools=tools)
             for c in conversations
         ]
         # the template already holds the BOS/special tokens it wants

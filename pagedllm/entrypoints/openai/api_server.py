@@ -179,7 +179,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: To
     prompts = PromptEncoder(engine, tokenizer)
     name = settings.model_name
     _add_generating_routes(
-        app, OpenAIServingCompletion(async_engine, prompts, name), OpenAIServingChat(async_engine, prompts, name)
+        app, OpenAIServingCompletion(async_engine, prompts, name),
+        OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser),
     )
     _add_info_routes(app, async_engine, settings)
     tokenization = OpenAIServingTokenization(

@@ -55,14 +55,17 @@ class PromptEncoder:
         self.engine.check_prompt_len(len(ids), params)
         return None, list(ids)
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The conversation through the model's chat template."""
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation (and the tools the model may call) through the model's chat template."""
         render = self.engine.tokenizer.apply_chat_template
-        return await asyncio.to_thread(render, messages, add_generation_prompt)
+        return await asyncio.to_thread(render, messages, add_generation_prompt, tools=tools)
 
     async def chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Prompt:
         """A conversation, rendered and tokenized (the template holds its own special tokens)."""
-        text = await self.render_chat(messages, add_generation_prompt)
+        text = await self.render_chat(messages, add_generation_prompt, tools)
         return await self.text(text, params, add_special_tokens=False)

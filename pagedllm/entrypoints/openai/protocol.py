@@ -28,6 +28,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from pagedllm.entrypoints.openai.tool_choice import ToolRequestError, ToolSpec
+from pagedllm.entrypoints.openai.tool_messages import ToolMessageError, to_template_messages
 from pagedllm.sampling_params import (
     INT64_RANGE,
     MAX_ADDITIVE_PENALTY,
@@ -226,7 +228,7 @@ class _SamplingRequest(_Strict):
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None = None, best_of: int | None = None,
-        prompt_logprobs: int | None = None,
+        prompt_logprobs: int | None = None, structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -253,7 +255,7 @@ class _SamplingRequest(_Strict):
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
-                structured_outputs=self._constraint(),
+                structured_outputs=structured_outputs or self._constraint(),
             )
         except ValueError as e:
             param = re.match(r"\w*", str(e)).group(0)  # the messages start with the field's name
@@ -333,24 +335,67 @@ class ContentPart(_Strict):
     text: str
 
 
+class MessageFunctionCall(_Strict):
+    """The function an assistant message called, with its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    """One call in an assistant message's ``tool_calls`` (from an earlier answer)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Strict):
-    """One message of a conversation."""
+    """One message of a conversation.
+
+    ``content`` may be left out only by an assistant message that makes
+    ``tool_calls``; a ``tool`` message answers one of them by
+    ``tool_call_id``. Checked in ``tool_messages.to_template_messages``.
+    """
 
     role: str
-    # required: OpenAI allows a message without content only for an assistant's tool calls
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def to_template_dict(self) -> dict[str, str]:
-        """The dict a chat template reads; text parts are joined by newlines, as vLLM does."""
-        if isinstance(self.content, str):
-            content = self.content
-        else:
-            content = "\n".join(part.text for part in self.content)
-        out = {"role": self.role, "content": content}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as OpenAI's plain JSON (for ``to_template_messages``)."""
+        return self.model_dump(exclude_none=True)
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow the schema when a call is forced
+
+
+class ChatTool(_Strict):
+    """One entry of ``tools``: only function tools exist."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    """The function a named ``tool_choice`` forces."""
+
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming a function: the answer is one call to it."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -361,33 +406,62 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = _ranged(None, minimum=1, maximum=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = _ranged(None, minimum=0, maximum=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    @property
+    def constraint_param(self) -> str:
+        """The request field that holds its structured-output constraint (``tool_choice`` when it forces calls)."""
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            return "tool_choice"
+        return super().constraint_param
+
+    def tool_spec(self) -> ToolSpec:
+        """The request's tools, checked (their schemas converted by xgrammar: call it off the event loop); 400."""
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
+        try:
+            return ToolSpec.from_request(tools, choice, self.parallel_tool_calls)
+        except ToolRequestError as e:
+            raise bad_request(str(e), e.param) from e
+
+    def to_sampling_params(self, tools: ToolSpec | None = None) -> SamplingParams:
         """Check the request and build its SamplingParams; raises APIError (400).
 
         With no ``max_tokens``/``max_completion_tokens`` the reply may run to
-        the end of the context, as in vLLM.
+        the end of the context, as in vLLM. ``tools``: the request's checked
+        tools; a forced call (``required``, a named function) becomes the
+        structured-output constraint, so it cannot be combined with another.
         """
         self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.tools:
-            raise unsupported("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice")
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        forced = tools.structured_outputs() if tools is not None else None
+        if forced is not None and self._constraint() is not None:
+            raise bad_request(
+                f"tool_choice {self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'!r} "
+                "constrains the output already; it cannot be combined with response_format or structured_outputs",
+                "tool_choice",
+            )
+        return self._sampling_params(max_tokens, logprobs, structured_outputs=forced)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation as the chat template expects it."""
-        return [m.to_template_dict() for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat templates read it (tool calls' arguments decoded); 400 when malformed."""
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them; a malformed one (a tool message answering no call...) is a 400."""
+    try:
+        return to_template_messages([m.to_template_dict() for m in messages])
+    except ToolMessageError as e:
+        raise bad_request(str(e), "messages") from e
 
 
 class TokenizeRequest(_Strict):

@@ -1,7 +1,15 @@
-"""``POST /v1/chat/completions``: a conversation through the chat template, the assistant's reply out."""
+"""``POST /v1/chat/completions``: a conversation through the chat template, the assistant's reply out.
+
+With ``tools`` the tools go to the template, and the reply is read for
+calls (``tool_choice.py``, ``tool_parsers/``): in the model's own format
+for ``"auto"``, or as the JSON a grammar forces for ``"required"`` and a
+named function. Calls come back as ``message.tool_calls`` or, streamed, as
+``delta.tool_calls`` pieces, as OpenAI sends them.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,25 +19,45 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.deltas import DeltaTracker
-from pagedllm.entrypoints.openai.engine_client import Submission, to_api_error
+from pagedllm.entrypoints.openai.engine_client import AsyncEngine, Submission, to_api_error
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage
 from pagedllm.entrypoints.openai.sse import sse_chunks, sse_response
-from pagedllm.outputs import RequestOutput
+from pagedllm.entrypoints.openai.tool_choice import ToolSpec
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat completions handler (one prompt, ``n`` choices)."""
+    """The chat completions handler (one prompt, ``n`` choices).
+
+    Args:
+        engine_client: the engine thread's client.
+        prompts: the prompt encoder.
+        model_name: the served model's name.
+        tool_call_parser: the model's call format for ``tool_choice="auto"``
+            (``hermes``, ``llama3_json``, or ``auto``: read from the chat template).
+    """
+
+    def __init__(
+        self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str, tool_call_parser: str = "auto"
+    ) -> None:
+        super().__init__(engine_client, prompts, model_name)
+        template = getattr(engine_client.engine.tokenizer.hf, "chat_template", None)
+        self.tool_parser = get_tool_parser(tool_call_parser, template if isinstance(template, str) else None)
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         """Answer one chat request, streamed or whole."""
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        tools = await asyncio.to_thread(req.tool_spec)  # xgrammar checks each schema
+        params = req.to_sampling_params(tools)
         await self.compile_constraint(params, req.constraint_param)
         try:
-            encoded = await self.prompts.chat(req.template_messages(), req.add_generation_prompt, params)
+            messages = req.template_messages()
+            encoded = await self.prompts.chat(messages, req.add_generation_prompt, params, tools.template_tools())
         except Exception as e:
             raise to_api_error(e, "messages") from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -38,53 +66,82 @@ class OpenAIServingChat(OpenAIServing):
         top_n = req.top_logprobs or 0
         if not req.stream:
             header = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-            return await self.wait_all(request, sub, lambda outs: _response(header, sub, outs[0], top_n))
+            return await self.wait_all(
+                request, sub, lambda outs: self._response(header, sub, outs[0], top_n, tools)
+            )
         header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         tokens: dict[int, int] = {}
         events = sse_chunks(
-            header, req.include_usage, _stream(sub, params, top_n, tokens),
+            header, req.include_usage, self._stream(sub, params, top_n, tokens, tools),
             lambda: usage(sub.prompt_token_counts[0], sum(tokens.values())),
         )
         return sse_response(events, on_close=sub.abort)
 
-
-def _response(header: dict[str, Any], sub: Submission, out: RequestOutput, top_n: int) -> dict[str, Any]:
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(c, 0, len(c.token_ids), top_n),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in out.outputs
-    ]
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return {**header, "choices": choices, "usage": usage(sub.prompt_token_counts[0], completion)}
-
-
-async def _stream(
-    sub: Submission, params: SamplingParams, top_n: int, tokens: dict[int, int]
-) -> AsyncIterator[list[dict[str, Any]]]:
-    """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk."""
-    tracker = DeltaTracker(params)
-    first = True
-    async for _, out in sub.outputs():
-        if first:
-            # as OpenAI: each choice opens with the role, once
-            first = False
-            for c in out.outputs:
-                yield [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}]
+    def _response(
+        self, header: dict[str, Any], sub: Submission, out: RequestOutput, top_n: int, tools: ToolSpec
+    ) -> dict[str, Any]:
+        choices = []
         for c in out.outputs:
-            tokens[c.index] = len(c.token_ids)
-            d = tracker.delta(c.index, c)
-            if d is None:
-                continue
-            text, finished, first_token, end = d
-            delta = {"content": text} if text else {}
-            fin = (
-                {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if finished else {"finish_reason": None}
-            )
-            yield [{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c, first_token, end, top_n), **fin}]
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if tools.parses_calls:
+                found = tools.extract(c.text, self.tool_parser)
+                message = {"role": "assistant", "content": found.content,
+                           "tool_calls": [call.to_dict() for call in found.tool_calls]}
+                finish_reason = tools.finish_reason(c.finish_reason, found.tools_called)
+            choices.append({
+                "index": c.index, "message": message, "logprobs": chat_logprobs(c, 0, len(c.token_ids), top_n),
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+            })
+        completion = sum(len(c.token_ids) for c in out.outputs)
+        return {**header, "choices": choices, "usage": usage(sub.prompt_token_counts[0], completion)}
+
+    async def _stream(
+        self, sub: Submission, params: SamplingParams, top_n: int, tokens: dict[int, int], tools: ToolSpec
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk."""
+        tracker = DeltaTracker(params)
+        parsers: dict[int, ToolParser | None] = {}
+        async for _, out in sub.outputs():
+            for c in out.outputs:
+                if c.index not in parsers:
+                    # as OpenAI: each choice opens with the role, once
+                    parsers[c.index] = tools.new_parser(self.tool_parser)
+                    yield [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}]
+                tokens[c.index] = len(c.token_ids)
+                d = tracker.delta(c.index, c)
+                if d is None:
+                    continue
+                text, finished, first_token, end = d
+                for chunk in _choice_chunks(c, text, finished, chat_logprobs(c, first_token, end, top_n),
+                                            parsers[c.index], tools):
+                    yield [chunk]
+
+
+def _choice_chunks(
+    c: CompletionOutput, text: str, finished: bool, logprobs: dict[str, Any] | None, parser: ToolParser | None,
+    tools: ToolSpec,
+) -> list[dict[str, Any]]:
+    """The chunks one new piece of a choice makes: its delta (text, or call pieces), then its end.
+
+    A parser may hold text back (a possible ``<tool_call>`` tag); the
+    piece's logprobs still go out, in a chunk with an empty delta.
+    """
+    if parser is None:
+        delta = {"content": text} if text else {}
+        fin = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason} if finished else {"finish_reason": None}
+        return [{"index": c.index, "delta": delta, "logprobs": logprobs, **fin}]
+    chunks = []
+    fed = parser.feed(text) if text else None
+    delta = fed.to_dict() if fed is not None else {}
+    if delta or logprobs is not None:
+        chunks.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+    if finished:
+        tail = parser.finish()
+        chunks.append({
+            "index": c.index, "delta": tail.to_dict() if tail is not None else {}, "logprobs": None,
+            "finish_reason": tools.finish_reason(c.finish_reason, parser.num_calls > 0),
+            "stop_reason": c.stop_reason,
+        })
+    return chunks

@@ -14,7 +14,12 @@ from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.engine_client import to_api_error
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
-from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest, bad_request
+from pagedllm.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    template_messages,
+)
 from pagedllm.entrypoints.openai.serving_engine import check_model
 from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from pagedllm.sampling_params import check_text
@@ -58,7 +63,7 @@ class OpenAIServingTokenization:
             if req.messages is not None:
                 if not req.messages:
                     raise ValueError("messages must not be empty")
-                messages = [m.to_template_dict() for m in req.messages]
+                messages = template_messages(req.messages)
                 text = await self.prompts.render_chat(messages, req.add_generation_prompt)
                 add_special = bool(req.add_special_tokens)  # the template holds its own
             else:

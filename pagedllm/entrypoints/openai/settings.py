@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 @dataclass
@@ -27,6 +28,8 @@ class ServerSettings:
             Bound elsewhere, None accepts any name.
         allowed_origins: origins a browser may call from (CORS); None: no
             CORS headers at all, so no other origin can read an answer.
+        tool_call_parser: the model's tool-call format for ``tool_choice="auto"``:
+            ``hermes``, ``llama3_json``, or ``auto`` (read from the chat template).
     """
 
     model_name: str
@@ -39,6 +42,7 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_hosts: list[str] | None = None
     allowed_origins: list[str] | None = None
+    tool_call_parser: str = "auto"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -46,6 +50,10 @@ class ServerSettings:
             raise ValueError(f"max_waiting must be an integer >= 1 or None, got {self.max_waiting!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown tool call parser {self.tool_call_parser!r}; known: auto, {', '.join(sorted(TOOL_PARSERS))}"
+            )
         for name in ("allowed_hosts", "allowed_origins"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) and v for v in value)):
