@@ -242,3 +242,21 @@ def test_bad_tool_requests_are_400(bundled, name, kwargs, param) -> None:  # noq
     assert e.value.body["param"] == param, e.value.body
     # the server keeps serving
     assert bundled["client"].chat.completions.create(model="smollm2", messages=ASK, max_tokens=2).choices
+
+
+def test_bench_serve_mixes_schemas_and_tools_into_the_workload(bundled, capsys) -> None:  # noqa: ANN001
+    from pagedllm.entrypoints import cli
+
+    argv = ["bench", "serve", "--base-url", bundled["url"], "--num-prompts", "9", "--input-len", "24",
+            "--output-len", "40", "--max-concurrency", "4", "--mix", "plain:1,json:1,tools:1", "--json"]
+    assert cli.main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["failed"] == 0 and res["completed"] == 9, res["errors"]
+    assert set(res["by_kind"]) == {"plain", "json", "tools"}
+    assert sum(k["completed"] for k in res["by_kind"].values()) == 9
+    assert res["by_kind"]["plain"]["mean_output_tokens"] == 40
+    for kind in res["by_kind"].values():
+        assert kind["ttft_ms"]["mean"] > 0
+    assert cli.main(["bench", "serve", "--base-url", bundled["url"], "--mix", "plain:1,video:2"]) == 2
+    assert "unknown request kind" in capsys.readouterr().err
+    assert wait_kv_free(bundled["url"]) == 0.0

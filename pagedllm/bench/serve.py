@@ -2,7 +2,10 @@
 
 Random-token prompts (token-id lists, so no tokenizer is needed here) are sent
 as streaming ``/v1/completions`` with ``ignore_eos`` and greedy sampling, so
-each request produces exactly its output length. Arrivals are all at once
+each request produces exactly its output length. ``--mix`` mixes in requests
+constrained to a JSON schema and chats with tools (``tool_choice="required"``),
+which end when their output is complete; the report then breaks TTFT and
+TPOT down by kind. Arrivals are all at once
 (``--request-rate inf``) or a Poisson process; ``--max-concurrency`` caps the
 requests in flight (later arrivals wait for a free slot, and their clock starts
 when they are sent). Per request: TTFT (send to first text), TPOT ((latency -
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import http.client
 import json
 import math
@@ -50,15 +54,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lengths uniform in [len * (1 - r), len * (1 + r)] (default 0: fixed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
+    p.add_argument("--mix", default="plain",
+                   help="request kinds and weights, e.g. 'plain:2,json:1,tools:1': plain completions, completions "
+                        "constrained to a JSON schema, chat with tools and tool_choice 'required' (default: plain)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
+
+
+KINDS = ("plain", "json", "tools")
+# what the "json" kind's outputs must follow: nested, enums, bounded numbers
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                      "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+BENCH_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 16}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the web",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "maxLength": 32}, "limit": {"type": "integer", "minimum": 1, "maximum": 10}},
+            "required": ["query"], "additionalProperties": False}}},
+]
 
 
 @dataclass(frozen=True)
 class ServeRequest:
-    """One benchmark request: prompt token ids and the exact output length."""
+    """One benchmark request: prompt token ids, the output length, its kind.
+
+    ``plain`` requests produce exactly ``output_len`` tokens (``ignore_eos``);
+    ``json`` and ``tools`` ones end when their constrained output is complete
+    (at most ``output_len`` tokens). A ``tools`` request is a chat whose user
+    message is the prompt's text.
+    """
 
     prompt_token_ids: list[int]
     output_len: int
+    kind: str = "plain"
+    prompt_text: str = ""
 
 
 @dataclass
@@ -72,15 +117,37 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    kind: str = "plain"
 
 
-def make_requests(num: int, input_len: int, output_len: int, range_ratio: float, seed: int) -> list[ServeRequest]:
-    """Random-token requests; the same arguments give the same requests."""
+def parse_mix(mix: str) -> dict[str, float]:
+    """``"plain:2,json:1"`` -> {kind: weight}; ValueError for an unknown kind or a bad weight."""
+    weights: dict[str, float] = {}
+    for part in mix.split(","):
+        kind, _, weight = part.strip().partition(":")
+        if kind not in KINDS:
+            raise ValueError(f"--mix: unknown request kind {kind!r}; known: {', '.join(KINDS)}")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--mix: the weight of {kind} must be a number, got {weight!r}") from None
+        if not w > 0 or math.isinf(w):
+            raise ValueError(f"--mix: the weight of {kind} must be a positive number, got {weight!r}")
+        weights[kind] = w
+    return weights
+
+
+def make_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float, seed: int, mix: dict[str, float] | None = None
+) -> list[ServeRequest]:
+    """Random-token requests of the ``mix``'s kinds; the same arguments give the same requests."""
     if num < 1 or input_len < 1 or output_len < 1:
         raise ValueError("need --num-prompts, --input-len and --output-len >= 1")
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
+    mix = mix or {"plain": 1.0}
+    kinds, weights = list(mix), list(mix.values())
 
     def draw(n: int) -> int:
         return rng.randint(max(1, int(n * (1 - range_ratio))), int(n * (1 + range_ratio)))
@@ -88,8 +155,30 @@ def make_requests(num: int, input_len: int, output_len: int, range_ratio: float,
     out = []
     for _ in range(num):
         n_in, n_out = draw(input_len), draw(output_len)
-        out.append(ServeRequest([rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(n_in)], n_out))
+        ids = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(n_in)]
+        out.append(ServeRequest(ids, n_out, rng.choices(kinds, weights)[0]))
     return out
+
+
+def _request_body(model: str, req: ServeRequest) -> tuple[str, dict[str, Any]]:
+    """(route, JSON body) of one streamed benchmark request."""
+    common = {"model": model, "max_tokens": req.output_len, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if req.kind == "plain":
+        return "/v1/completions", {**common, "prompt": req.prompt_token_ids, "ignore_eos": True}
+    if req.kind == "json":
+        return "/v1/completions", {**common, "prompt": req.prompt_token_ids,
+                                   "structured_outputs": {"json": BENCH_SCHEMA}}
+    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": req.prompt_text}],
+                                    "tools": BENCH_TOOLS, "tool_choice": "required"}
+
+
+def _has_output(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice carries new output (text, content or a call's pieces)."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("tool_calls"))
 
 
 class _Client:
@@ -124,17 +213,14 @@ class _Client:
 
     def stream_completion(self, model: str, req: ServeRequest) -> RequestResult:
         """Send one streaming completion; time its chunks."""
-        result = RequestResult(prompt_tokens=len(req.prompt_token_ids))
-        body = json.dumps({
-            "model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True},
-        })
+        result = RequestResult(prompt_tokens=len(req.prompt_token_ids), kind=req.kind)
+        route, payload = _request_body(model, req)
+        body = json.dumps(payload)
         conn = self.connect()
         start = time.perf_counter()
         last = start
         try:
-            conn.request("POST", self.prefix + "/v1/completions", body=body, headers=self.headers)
+            conn.request("POST", self.prefix + route, body=body, headers=self.headers)
             resp = conn.getresponse()
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
@@ -159,7 +245,7 @@ class _Client:
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
                     result.prompt_tokens = event["usage"]["prompt_tokens"]
-                if any(c.get("text") for c in event.get("choices", [])):
+                if any(_has_output(c) for c in event.get("choices", [])):
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -168,8 +254,10 @@ class _Client:
             result.latency = time.perf_counter() - start
             if not done:
                 result.error = "the stream ended without [DONE]"
-            elif result.output_tokens != req.output_len:
+            elif req.kind == "plain" and result.output_tokens != req.output_len:
                 result.error = f"got {result.output_tokens} tokens, asked for {req.output_len}"
+            elif not 1 <= result.output_tokens <= req.output_len:
+                result.error = f"got {result.output_tokens} tokens, asked for at most {req.output_len}"
             else:
                 result.success = True
         except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
@@ -177,6 +265,23 @@ class _Client:
         finally:
             conn.close()
         return result
+
+
+def _with_text(client: _Client, req: ServeRequest) -> ServeRequest:
+    """A ``tools`` request gets its prompt's text (the server's ``/detokenize``) for its user message."""
+    if req.kind != "tools":
+        return req
+    conn = client.connect()
+    try:
+        conn.request("POST", client.prefix + "/detokenize", body=json.dumps({"tokens": req.prompt_token_ids}),
+                     headers=client.headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise ValueError(f"/detokenize: {resp.status} {body[:300]!r}")
+        return dataclasses.replace(req, prompt_text=json.loads(body)["prompt"])
+    finally:
+        conn.close()
 
 
 def _arrival_times(num: int, rate: float, rng: random.Random) -> list[float]:
@@ -206,7 +311,18 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    by_kind = {
+        kind: {
+            "completed": len(rs),
+            "mean_output_tokens": sum(r.output_tokens for r in rs) / len(rs),
+            "ttft_ms": _stats([r.ttft for r in rs]),
+            "tpot_ms": _stats([(r.latency - r.ttft) / (r.output_tokens - 1) for r in rs if r.output_tokens > 1]),
+        }
+        for kind in KINDS
+        if (rs := [r for r in ok if r.kind == kind])
+    }
     return {
+        "by_kind": by_kind,
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,
@@ -247,6 +363,11 @@ def _print_report(res: dict[str, Any]) -> None:
         row(f"Mean {short} (ms):", res[key]["mean"])
         row(f"Median {short} (ms):", res[key]["median"])
         row(f"P99 {short} (ms):", res[key]["p99"])
+    if len(res["by_kind"]) > 1:
+        print("{s:{c}^50}".format(s=" By request kind (mean TTFT / TPOT, ms) ", c="-"))
+        for kind, k in res["by_kind"].items():
+            row(f"{kind} ({k['completed']} req, {k['mean_output_tokens']:.0f} tok):",
+                f"{k['ttft_ms']['mean']:.1f} / {k['tpot_ms']['mean']:.1f}")
     print("=" * 50)
 
 
@@ -262,7 +383,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except RuntimeError as e:
         raise ValueError(str(e)) from e
     model = args.model or models["data"][0]["id"]
-    requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+    requests = make_requests(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed, parse_mix(args.mix)
+    )
+    requests = [_with_text(client, r) for r in requests]
     arrivals = _arrival_times(len(requests), args.request_rate, random.Random(args.seed + 1))
 
     # warm-up, not counted: the first request pays for allocator and thread start-up
@@ -301,7 +425,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res.update(
         model=model, num_prompts=len(requests), request_rate=args.request_rate if math.isfinite(args.request_rate) else "inf",
         max_concurrency=args.max_concurrency, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+        range_ratio=args.range_ratio, mix=args.mix, machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
     )
     errors = sorted({r.error for r in final if not r.success})
     res["errors"] = errors[:5]

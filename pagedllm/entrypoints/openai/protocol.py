@@ -461,7 +461,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     try:
         return to_template_messages([m.to_template_dict() for m in messages])
     except ToolMessageError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(str(e), "messages", e.code) from e
 
 
 class TokenizeRequest(_Strict):

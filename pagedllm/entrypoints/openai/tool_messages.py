@@ -30,6 +30,10 @@ class ToolMessageError(ValueError):
 
     param = "messages"
 
+    def __init__(self, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.code = code
+
 
 def to_template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The conversation as chat templates read it; ToolMessageError for a malformed message.
@@ -70,6 +74,8 @@ def _content(content: object, where: str, optional: bool = False) -> str:
     """A message's content as one string: text parts joined by newlines."""
     if content is None and optional:
         return ""
+    if content is None:
+        raise ToolMessageError(f"missing required parameter: '{where}'", "missing_required_parameter")
     if isinstance(content, str):
         text = content
     elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
