@@ -314,6 +314,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     by_kind = {
         kind: {
             "completed": len(rs),
+            "mean_prompt_tokens": sum(r.prompt_tokens for r in rs) / len(rs),
             "mean_output_tokens": sum(r.output_tokens for r in rs) / len(rs),
             "ttft_ms": _stats([r.ttft for r in rs]),
             "tpot_ms": _stats([(r.latency - r.ttft) / (r.output_tokens - 1) for r in rs if r.output_tokens > 1]),
@@ -366,7 +367,7 @@ def _print_report(res: dict[str, Any]) -> None:
     if len(res["by_kind"]) > 1:
         print("{s:{c}^50}".format(s=" By request kind (mean TTFT / TPOT, ms) ", c="-"))
         for kind, k in res["by_kind"].items():
-            row(f"{kind} ({k['completed']} req, {k['mean_output_tokens']:.0f} tok):",
+            row(f"{kind} ({k['completed']} req, {k['mean_prompt_tokens']:.0f}+{k['mean_output_tokens']:.0f} tok):",
                 f"{k['ttft_ms']['mean']:.1f} / {k['tpot_ms']['mean']:.1f}")
     print("=" * 50)
 
