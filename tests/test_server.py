@@ -716,7 +716,7 @@ def test_metrics_are_exported(server, client, model_name):
 # --- the guarded server: API key, back-pressure, failures -------------------------------
 
 
-def test_api_key_is_enforced_on_every_route_but_health_and_metrics(guarded):
+def test_api_key_is_enforced_on_every_route_but_health_metrics_and_docs(guarded):
     url = guarded["url"]
     wrong = guarded_client(guarded, "wrong-key")
     with pytest.raises(openai.AuthenticationError) as e:
@@ -747,6 +747,12 @@ def test_api_key_is_enforced_on_every_route_but_health_and_metrics(guarded):
     assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}, headers=keyed).status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 200
+    # the API's description and the Swagger page a browser opens (it cannot send the key)
+    assert httpx.get(f"{url}/openapi.json").json()["info"]["title"] == "pagedllm"
+    assert httpx.get(f"{url}/docs").status_code == 200
+    assert httpx.get(f"{url}/docs/static/swagger-ui.css").status_code == 200
+    assert_openai_error(httpx.get(f"{url}/docsx"), 401, "invalid_api_key")
+    assert_openai_error(httpx.get(f"{url}/tokenizer_info"), 401, "invalid_api_key")
 
 
 def open_stream(url: str, body: dict) -> tuple[httpx.Client, httpx.Response, Iterator[str]]:

@@ -11,6 +11,7 @@ the KV pool is small enough that they preempt each other.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -88,6 +89,13 @@ def test_openapi_describes_every_request_field(fuzz_server: dict) -> None:
     assert "text/event-stream" in paths["/v1/completions"]["post"]["responses"]["200"]["content"]
     docs = httpx.get(f"{fuzz_server['url']}/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    # Swagger UI comes from this server, not a CDN: an offline machine gets a working page
+    assets = re.findall(r'(?:src|href)="([^"]+)"', docs.text) + re.findall(r"url: '([^']+)'", docs.text)
+    assert assets and all(a.startswith("/") for a in assets), assets
+    for asset in assets:
+        r = httpx.get(f"{fuzz_server['url']}{asset}")
+        assert r.status_code == 200 and r.content, asset
+    assert "SwaggerUIBundle" in httpx.get(f"{fuzz_server['url']}/docs/static/swagger-ui-bundle.js").text
 
 
 def test_a_validation_error_is_a_400_in_openai_shape(fuzz_server: dict) -> None:

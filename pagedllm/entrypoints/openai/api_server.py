@@ -36,9 +36,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from swagger_ui_bundle import swagger_ui_path
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.engine_client import AsyncEngine, server_error
@@ -134,6 +137,23 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=500)
 
 
+def _add_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI from files installed with the package (``swagger-ui-bundle``), no CDN.
+
+    FastAPI's own ``/docs`` loads Swagger UI from a CDN, which an offline
+    machine cannot reach; these are the same files, served from here.
+    """
+    app.mount("/docs/static", StaticFiles(directory=str(swagger_ui_path)), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - API",
+            swagger_js_url="/docs/static/swagger-ui-bundle.js", swagger_css_url="/docs/static/swagger-ui.css",
+            swagger_favicon_url="/docs/static/favicon-32x32.png",
+        )
+
+
 def _openapi_without_422(app: FastAPI) -> None:
     """FastAPI documents a 422 on every body route; this server answers 400 instead (``_ERRORS``)."""
     build = app.openapi
@@ -172,7 +192,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: To
             await asyncio.to_thread(async_engine.stop)
             await asyncio.to_thread(tokenizer.close)
 
-    app = FastAPI(title="pagedllm", summary="An OpenAI-compatible LLM server", lifespan=lifespan, redoc_url=None)
+    app = FastAPI(
+        title="pagedllm", summary="An OpenAI-compatible LLM server", lifespan=lifespan, docs_url=None,
+        redoc_url=None,
+    )
+    _add_docs(app)
     _add_guards(app, settings)
     _add_error_handlers(app)
     _openapi_without_422(app)

@@ -33,7 +33,9 @@ from pagedllm.entrypoints.openai.protocol import APIError
 # the default --max-request-bytes: a 128-prompt batch of 2048 token ids is under 2 MiB
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 # routes open without the API key: probes and scrapers that hold no key
-OPEN_ROUTES = ("/health", "/metrics")
+OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/docs")
+# the API's description and its Swagger UI files: a browser cannot send the key, and they hold no data
+OPEN_PREFIXES = ("/docs/static/",)
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -110,7 +112,9 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_ROUTES:
+        path = scope.get("path", "")
+        open_route = path in OPEN_ROUTES or path.startswith(OPEN_PREFIXES)
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not open_route:
             given = _header(scope, b"authorization") or b""
             if not hmac.compare_digest(given, self.expected):
                 err = APIError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
