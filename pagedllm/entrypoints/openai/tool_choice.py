@@ -39,6 +39,7 @@ forced call); ``length`` stays ``length``.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -274,14 +275,22 @@ def _check_parameters(parameters: object, where: str, check_schemas: bool) -> di
 
 def _check_schema(schema: dict[str, Any], where: str, param: str) -> None:
     """ToolRequestError unless xgrammar can convert ``schema`` to a grammar."""
+    reason = _schema_error(json.dumps(schema, sort_keys=True))
+    if reason is not None:
+        raise ToolRequestError(f"{where} is not a valid JSON schema: {reason}", param)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_error(schema_json: str) -> str | None:
+    """Why xgrammar cannot convert a schema, or None; cached, since agents send the same tools every turn."""
     import xgrammar as xgr  # imports torch: only when a request has tools
 
     try:
-        xgr.Grammar.from_json_schema(json.dumps(schema))
+        xgr.Grammar.from_json_schema(schema_json)
     except (RuntimeError, ValueError, TypeError) as e:
         lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        reason = re.sub(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*", "", lines[0]) if lines else type(e).__name__
-        raise ToolRequestError(f"{where} is not a valid JSON schema: {reason}", param) from None
+        return re.sub(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*", "", lines[0]) if lines else type(e).__name__
+    return None
 
 
 def _parse_tool_choice(
