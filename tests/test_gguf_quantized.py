@@ -9,6 +9,7 @@ oracle for a model.
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -174,6 +175,12 @@ def _permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of ``_permute_rope_rows``: a file's Q/K rows back in Hugging Face's order."""
+    shape = w.shape
+    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
 _GGUF_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -220,8 +227,17 @@ def write_quantized_gguf(
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
             stored = _permute_rope_rows(w, heads)
-        if w.ndim == 2:
-            kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), ggml_type)
+        if w.ndim == 2 and (kind := next((t for sfx, t in (types or {}).items() if name.endswith(sfx)), ggml_type)) in K_TYPES:
+            # gguf cannot quantize to K types: the file gets random valid blocks, and the model
+            # (transformers too) runs what they hold
+            blocks = random_blocks(kind, *w.shape, seed=zlib.crc32(name.encode()))
+            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
+            held = np.asarray(dequantize(blocks, kind), np.float32)
+            if stored is not w:  # the file's q/k rows are in llama.cpp's order
+                heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
+                held = _unpermute_rope_rows(held, heads)
+            rounded[name] = torch.from_numpy(np.ascontiguousarray(held))
+        elif w.ndim == 2:
             blocks = quantize(stored, kind)
             writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
             # rows are whole blocks, so quantizing in llama.cpp's row order rounds each row the same
@@ -253,6 +269,40 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     assert model.lm_head.quant_method.name == f"gguf-{ggml_type.name.lower()}"
     assert type(model.model.embed_tokens).__name__ == "GGUFEmbedding"
     prompts = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+def _k_quant_model(arch: str):  # noqa: ANN202
+    """A random 2-layer model whose rows hold whole 256-weight super-blocks (hidden 256, MLP 512)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  rope_theta=10000.0)
+    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
+    torch.manual_seed(4321)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
+    arch: str, tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A Q4_K_M-like file (Q4_K, with Q6_K for v_proj and down_proj) runs from its super-blocks."""
+    hf = _k_quant_model(arch)
+    path = os.path.join(tmp_path_factory.mktemp(f"gguf-k-{arch}"), "tiny-Q4_K_M.gguf")
+    rounded = write_quantized_gguf(hf, arch, Q.Q4_K, path, {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K})
+    hf.load_state_dict(rounded)
+    llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64)
+    model = llm.llm_engine.model_runner.model
+    assert llm.llm_engine.model_runner.weight_format == "gguf:Q4_K+Q6_K"
+    assert model.model.layers[0].mlp.down_proj.quant_method.name == "gguf-q6_k"
+    assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == "gguf-q4_k"
+    prompts = [[1, 400, 3000, 77, 12000, 5], list(range(100, 140))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

@@ -60,7 +60,8 @@ class GGUFLinearMethod(LinearMethod):
     """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out)."""
 
     def __init__(self, ggml_type: int) -> None:
-        gguf_row_bytes(ggml_type, GGUF_BLOCK)  # a type with a kernel
+        if ggml_type not in GGUF_KERNEL_TYPES:
+            gguf_row_bytes(ggml_type, GGUF_BLOCK)  # raises, naming the types with a kernel
         self.ggml_type = ggml_type
         self.name = f"gguf-{GGUF_KERNEL_TYPES[ggml_type][0].lower()}"
 
