@@ -358,7 +358,13 @@ class ChatMessage(_Strict):
     ``tool_call_id``. Checked in ``tool_messages.to_template_messages``.
     """
 
-    role: str
+    # what the schema says of the rule above: content, or an assistant's calls
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"], "properties": {"role": {"const": "assistant"}}},
+    ]})
+
+    role: str = Field(json_schema_extra={"minLength": 1})
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
