@@ -1,7 +1,8 @@
 """A picture of the KV block pool as plain data: who holds which block, and what is wasted.
 
 Built from the scheduler and its block manager (no torch, no engine), for
-the server's live ``/kv`` page and its ``/kv/state`` JSON::
+the server's live ``/kv`` page and its ``/kv/state`` JSON (the page maps a
+token to its slot as ``block_table.slot_for`` does)::
 
     block_states  "hhsscff..."   one letter per physical block:
                                  f free, c free but holding a cached prefix,
@@ -82,18 +83,6 @@ def _requests(scheduler: Scheduler) -> list[dict[str, Any]]:
         {"id": rid, "status": _request_status(seqs), "sequences": [_sequence(s) for s in seqs]}
         for rid, seqs in groups.items()
     ]
-
-
-def slot_of(block_table: list[int], block_size: int, position: int) -> int:
-    """The cache slot of token ``position``: physical block of its logical block, times size, plus offset.
-
-    The chapter's example: block table [47, 12, 83], 256-token blocks,
-    token 257 -> logical block 1, offset 1 -> physical 12 -> slot 3073.
-    """
-    logical, offset = divmod(position, block_size)
-    if position < 0 or logical >= len(block_table):
-        raise ValueError(f"token {position} is outside the {len(block_table)} blocks of this table")
-    return block_table[logical] * block_size + offset
 
 
 def build_kv_snapshot(scheduler: Scheduler) -> dict[str, Any]:
