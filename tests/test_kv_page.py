@@ -11,7 +11,6 @@ so, where those are missing.
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from browser_helpers import chromium_driver
 from server_helpers import free_port, wait_healthy, wait_kv_free
 
 NUM_BLOCKS, BLOCK_SIZE = 40, 8
@@ -193,23 +193,7 @@ def test_no_kv_page_removes_the_routes(tiny_model_dirs: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e .[test])")
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        pytest.skip("Debian's chromium and chromium-driver are not installed and could not be here: "
-                    "`make setup` installs them with apt-get, which needs root and a Debian-like system")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,800",
-                "--disable-gpu", "--no-first-run"):
-        options.add_argument(arg)
-    drv = webdriver.Chrome(service=Service(driver), options=options)
-    try:
-        yield drv
-    finally:
-        drv.quit()
+    yield from chromium_driver()
 
 
 DOM_READ = """

@@ -52,6 +52,25 @@ def written_slots(seqs: list[Sequence], block_size: int) -> dict[int, int]:
     return written
 
 
+# fill_levels: a free block, else how many of its slots are written, as one base-36 digit
+FREE_FILL = "."
+
+
+def fill_levels(ref_counts: list[int], block_size: int, seqs: list[Sequence]) -> str:
+    """One character per block: ``.`` free, else its written slots in base 36 (``0`` reserved, empty).
+
+    Works on any pool with reference counts (the block manager, the
+    contiguous allocator); the memory report replays these over time.
+    """
+    if block_size > 35:
+        raise ValueError(f"fill levels are one base-36 digit: block_size must be <= 35, got {block_size}")
+    written = written_slots([s for s in seqs if s.block_table], block_size)
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    return "".join(
+        FREE_FILL if ref == 0 else digits[written.get(b, block_size)] for b, ref in enumerate(ref_counts)
+    )
+
+
 def _request_status(seqs: list[Sequence]) -> str:
     if any(s.status == SequenceStatus.RUNNING for s in seqs):
         return "running"
