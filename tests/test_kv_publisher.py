@@ -58,3 +58,19 @@ def test_rate_limited_while_busy_and_published_once_when_idle(clock: list[float]
 def test_negative_interval_is_refused() -> None:
     with pytest.raises(ValueError):
         KVSnapshotPublisher(min_interval=-1)
+
+
+def test_a_failing_snapshot_stops_publishing_not_the_engine(clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, pub = FakeEngine(), KVSnapshotPublisher()
+    assert pub.maybe_publish(engine)
+
+    def broken(scheduler: Scheduler) -> dict:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(kv_publisher, "build_kv_snapshot", broken)
+    engine.scheduler.add(Sequence([1, 2], 4))
+    clock[0] += 1
+    assert not pub.maybe_publish(engine)  # no exception reaches the engine loop
+    assert pub.failed and pub.latest.snapshot_id == 1  # the last good snapshot stays readable
+    clock[0] += 1
+    assert not pub.maybe_publish(engine)

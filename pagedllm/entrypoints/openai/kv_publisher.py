@@ -19,6 +19,7 @@ idle, so the page never keeps showing blocks that were freed by the last step.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -26,6 +27,8 @@ from pagedllm.engine.kv_snapshot import build_kv_snapshot
 
 if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 # at most this many snapshots a second: the page is for eyes, not for profiling
 DEFAULT_MIN_INTERVAL_S = 0.25
@@ -51,15 +54,19 @@ class KVSnapshotPublisher:
         self.min_interval = min_interval
         self.latest: PublishedSnapshot | None = None
         self.num_published = 0
-        self.build_seconds = 0.0  # total time spent building snapshots (for the benchmark)
         self._last = float("-inf")
         self._dirty = True
+        self.failed = False  # a snapshot raised: the page stops updating, serving goes on
 
     def maybe_publish(self, engine: LLMEngine) -> bool:
         """Publish a new snapshot if ``min_interval`` passed or the engine just went idle.
 
-        Call only from the thread that steps ``engine``. Returns whether it published.
+        Call only from the thread that steps ``engine``. Returns whether it
+        published. A snapshot that raises is logged once and publishing
+        stops: a bug in the page must not stop the engine thread.
         """
+        if self.failed:
+            return False
         now = time.monotonic()
         idle = not engine.has_unfinished_requests()
         if now - self._last < self.min_interval and not (idle and self._dirty):
@@ -67,13 +74,17 @@ class KVSnapshotPublisher:
             return False
         if idle and not self._dirty:
             return False  # nothing ran since the idle snapshot
-        self.publish(engine, now)
+        try:
+            self.publish(engine, now)
+        except Exception:
+            logger.exception("building the /kv snapshot failed; the page stops updating")
+            self.failed = True
+            return False
         self._dirty = not idle
         return True
 
     def publish(self, engine: LLMEngine, now: float | None = None) -> PublishedSnapshot:
         """Build and swap in a snapshot now (the engine's thread, or before it starts)."""
-        start = time.perf_counter()
         snap = build_kv_snapshot(engine.scheduler)
         snapshot_id = self.num_published + 1
         snap = {"snapshot_id": snapshot_id, "time": time.time(), **snap}
@@ -81,5 +92,4 @@ class KVSnapshotPublisher:
         self.latest = published  # one reference swap: readers see the old or the new, whole
         self.num_published = snapshot_id
         self._last = time.monotonic() if now is None else now
-        self.build_seconds += time.perf_counter() - start
         return published
