@@ -267,7 +267,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model's file or folder name)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /kv")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
+                        "/openapi.json, /docs and the /kv page's")
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="most requests waiting for their first token; past it new requests get 429")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,

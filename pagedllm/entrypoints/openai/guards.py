@@ -13,7 +13,7 @@ checks close that, as ASGI middleware ahead of the app:
   a cross-origin page must ask first (preflight), and without
   ``--allowed-origins`` the server never says yes.
 
-Then the key (``--api-key``, on every route but ``/health``, ``/metrics`` and the ``/kv`` page's)
+Then the key (``--api-key``, on every route but ``OPEN_ROUTES``: probes, the API's description, the ``/kv`` page)
 and the body size (``--max-request-bytes``: a declared ``Content-Length``
 over it is refused before a byte is read; a chunked body is counted as it
 arrives). Every refusal is an OpenAI-style JSON error.
