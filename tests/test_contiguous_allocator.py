@@ -114,9 +114,10 @@ def test_bench_memory_reports_both_allocators(tmp_path) -> None:  # noqa: ANN001
     import subprocess
     import sys
 
-    plot = tmp_path / "memory.png"
+    plot, html = tmp_path / "memory.png", tmp_path / "memory.html"
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "memory", "--num-requests", "6",
-           "--num-kv-slots", "512", "--bench-max-model-len", "128", "--json", "--plot", str(plot)]
+           "--num-kv-slots", "512", "--bench-max-model-len", "128", "--json", "--plot", str(plot),
+           "--html", str(html)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["kv_slots"] == 512
@@ -127,3 +128,12 @@ def test_bench_memory_reports_both_allocators(tmp_path) -> None:  # noqa: ANN001
     # paged wastes at most each request's last partial block
     assert p["waste_fraction"] < c["waste_fraction"]
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    # the replay page: both runs, one fill character per block (32 blocks of 16) in every frame,
+    # the contiguous run reserving blocks it has not written, both pools free at the end
+    text = html.read_text()
+    data = json.loads(text.split('type="application/json">', 1)[1].split("</script>", 1)[0])
+    assert [r["label"] for r in data["runs"]] == ["contiguous (reserve max_model_len)", "paged"]
+    for run in data["runs"]:
+        assert all(len(f) == 32 for f in run["fill"]) and run["fill"][-1] == "." * 32
+        assert run["t"] == sorted(run["t"])
+    assert any("0" in f for f in data["runs"][0]["fill"])

@@ -10,7 +10,7 @@ def test_engine_bookkeeping_does_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import pagedllm.engine.sequence, pagedllm.block_table\n"
-        "import pagedllm.engine.block_manager, pagedllm.engine.scheduler\n"
+        "import pagedllm.engine.block_manager, pagedllm.engine.scheduler, pagedllm.engine.kv_snapshot\n"
         "from pagedllm import SamplingParams\n"
         "print('torch' in sys.modules)\n"
     )

@@ -16,7 +16,8 @@ differs. The workload was fixed before any result was seen:
 
 Per step we record slots written (K/V present), reserved but empty, free,
 and requests running. ``waste_fraction`` is reserved-but-empty over reserved
-slots, averaged over steps.
+slots, averaged over steps. ``--html`` also records every block's fill per
+step and writes both pools replayed side by side (``memory_report.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from pagedllm.bench.workload import TOKEN_ID_HIGH, TOKEN_ID_LOW
+from pagedllm.engine.kv_snapshot import fill_levels
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contiguous-reserve", default="max_model_len", choices=["max_model_len", "max_tokens"])
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
     p.add_argument("--plot", default=None, help="write a PNG of slot use over time (matplotlib)")
+    p.add_argument("--html", default=None,
+                   help="write one self-contained page replaying both block pools over time, side by side")
     p.add_argument("--model", default=None)
     p.add_argument("--num-threads", type=int, default=None)
 
 
 def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, reserve: str,
-                  num_threads: int | None) -> tuple[dict, dict]:
-    """Run the workload under one allocator; return its summary and its timeline."""
+                  num_threads: int | None, frames: list[tuple[float, str, int]] | None = None) -> tuple[dict, dict]:
+    """Run the workload under one allocator; return its summary and its timeline.
+
+    With ``frames``, appends (seconds, per-block fill levels, requests running)
+    after every step, and a last all-free frame.
+    """
     from pagedllm import LLM, SamplingParams
 
     bs = workload.block_size
@@ -111,7 +119,12 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         timeline["empty"].append(reserved - written)
         timeline["free"].append(pool.num_free_blocks * bs)
         timeline["running"].append(scheduler.num_running)
+        if frames is not None:
+            frames.append((timeline["t"][-1], fill_levels(pool.ref_counts, bs, scheduler.running),
+                           scheduler.num_running))
     elapsed = time.perf_counter() - start
+    if frames is not None:
+        frames.append((elapsed, fill_levels(pool.ref_counts, bs, []), 0))
     if pool.num_free_blocks != pool.num_blocks:
         raise RuntimeError(f"{allocator}: {pool.num_used_blocks} blocks still held after the run")
     running = [r for r in timeline["running"]]
@@ -162,12 +175,18 @@ def run(args: argparse.Namespace) -> dict:
     workload = MemoryWorkload(
         num_requests=args.num_requests, num_kv_slots=args.num_kv_slots, max_model_len=args.bench_max_model_len
     )
-    results, timelines = {}, {}
+    results, timelines, replays = {}, {}, {}
+    html = getattr(args, "html", None)
     for allocator in ("contiguous", "paged"):
-        summary, timeline = run_allocator(args.model, workload, allocator, args.contiguous_reserve, args.num_threads)
+        frames: list[tuple[float, str, int]] | None = [] if html else None
+        summary, timeline = run_allocator(
+            args.model, workload, allocator, args.contiguous_reserve, args.num_threads, frames
+        )
         results[allocator] = summary
         label = f"contiguous (reserve {args.contiguous_reserve})" if allocator == "contiguous" else "paged"
         timelines[label] = timeline
+        if frames is not None:
+            replays[label] = (frames, summary)
         print(f"{allocator:>10}: " + ", ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
     c, p = results["contiguous"], results["paged"]
     ratios = {
@@ -178,6 +197,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.plot:
         plot(timelines, args.plot, workload.num_kv_slots)
         print(f"plot written to {args.plot}")
+    if html:
+        from pagedllm.bench.memory_report import write_report
+
+        write_report(html, replays, workload.block_size, workload.num_kv_slots // workload.block_size)
+        print(f"report written to {html}")
     report = {
         "workload": {
             "num_requests": workload.num_requests,

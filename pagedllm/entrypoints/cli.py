@@ -233,6 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_hosts=_comma_list(args.allowed_hosts),
         allowed_origins=_comma_list(args.allowed_origins),
         tool_call_parser=args.tool_call_parser,
+        kv_page=not args.no_kv_page,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
@@ -266,7 +267,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the model's file or folder name)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
+                        "/openapi.json, /docs and the /kv page's")
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="most requests waiting for their first token; past it new requests get 429")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -278,6 +280,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated origins browsers may call from (CORS); default: none")
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="the model's tool-call format for tool_choice 'auto' (default: read from the chat template)")
+    g.add_argument("--no-kv-page", action="store_true",
+                   help="do not serve the live KV-cache page (/kv, /kv/state, /kv/events)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

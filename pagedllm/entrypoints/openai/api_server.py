@@ -20,7 +20,8 @@ module needs the usual ``if __name__ == "__main__":`` guard.
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 server-sent-event streaming), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``,
-``GET /tokenizer_info``;
+``GET /tokenizer_info``, and the live KV-cache page ``GET /kv`` with
+``GET /kv/state`` and ``GET /kv/events`` (``kv_page.py``; off with ``--no-kv-page``);
 ``GET /openapi.json`` and ``GET /docs`` describe them.
 """
 
@@ -51,6 +52,8 @@ from pagedllm.entrypoints.openai.guards import (
     HostCheckMiddleware,
     require_json,
 )
+from pagedllm.entrypoints.openai.kv_page import add_kv_routes
+from pagedllm.entrypoints.openai.kv_publisher import KVSnapshotPublisher
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import (
@@ -297,6 +300,12 @@ def create_server_app(engine: LLMEngine, settings: ServerSettings, enable_metric
     async_engine = AsyncEngine(engine, metrics, settings.max_waiting)
     app = build_app(async_engine, settings, TokenizerWorker(engine.tokenizer.hf))
     app.state.async_engine = async_engine
+    if settings.kv_page:
+        publisher = KVSnapshotPublisher()
+        publisher.publish(engine)  # the engine thread has not started: this thread may read it
+        async_engine.between_steps.append(publisher.maybe_publish)
+        add_kv_routes(app, publisher)
+        app.state.kv_publisher = publisher
     return app
 
 

@@ -194,6 +194,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.crash: BaseException | None = None
         self.draining = False  # shutting down: no new requests
+        # called with the engine on its thread after each pass of the loop, with the
+        # metrics (the /kv page's snapshot publisher); set before start()
+        self.between_steps: list[Callable[[LLMEngine], object]] = []
 
     # --- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -355,6 +358,8 @@ class AsyncEngine:
                             self._cv.wait(0.01)
                 if self.metrics is not None:
                     self.metrics.update_from_engine(engine)
+                for hook in self.between_steps:
+                    hook(engine)
         except BaseException as e:  # a bug in the loop itself: say so, fail everyone
             logger.exception("the engine thread crashed")
             self.crash = e

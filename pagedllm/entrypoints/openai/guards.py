@@ -13,7 +13,7 @@ checks close that, as ASGI middleware ahead of the app:
   a cross-origin page must ask first (preflight), and without
   ``--allowed-origins`` the server never says yes.
 
-Then the key (``--api-key``, on every route but ``/health`` and ``/metrics``)
+Then the key (``--api-key``, on every route but ``OPEN_ROUTES``: probes, the API's description, the ``/kv`` page)
 and the body size (``--max-request-bytes``: a declared ``Content-Length``
 over it is refused before a byte is read; a chunked body is counted as it
 arrives). Every refusal is an OpenAI-style JSON error.
@@ -32,8 +32,10 @@ from pagedllm.entrypoints.openai.protocol import APIError
 
 # the default --max-request-bytes: a 128-prompt batch of 2048 token ids is under 2 MiB
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
-# routes open without the API key: probes and scrapers that hold no key
-OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/docs")
+# routes open without the API key: probes and scrapers that hold no key, the API's
+# description, and the live KV page (a browser sends no key when it opens a page,
+# EventSource never does)
+OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/docs", "/kv", "/kv/state", "/kv/events")
 # the API's description and its Swagger UI files: a browser cannot send the key, and they hold no data
 OPEN_PREFIXES = ("/docs/static/",)
 LOOPBACK_NAMES = ("localhost",)

@@ -30,6 +30,7 @@ class ServerSettings:
             CORS headers at all, so no other origin can read an answer.
         tool_call_parser: the model's tool-call format for ``tool_choice="auto"``:
             ``hermes``, ``llama3_json``, or ``auto`` (read from the chat template).
+        kv_page: serve the live KV-cache page (``/kv``, ``/kv/state``, ``/kv/events``).
     """
 
     model_name: str
@@ -43,6 +44,7 @@ class ServerSettings:
     allowed_hosts: list[str] | None = None
     allowed_origins: list[str] | None = None
     tool_call_parser: str = "auto"
+    kv_page: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:

@@ -1,0 +1,127 @@
+"""The live KV-cache page: ``GET /kv`` (HTML), ``GET /kv/state`` (JSON), ``GET /kv/events`` (SSE).
+
+Every route serves what ``KVSnapshotPublisher`` last published: bytes built
+on the engine thread between steps. No handler touches the engine.
+
+Auth: the same as ``/metrics``, open without the API key (``guards.OPEN_ROUTES``).
+A browser opening ``/kv`` by its address sends no ``Authorization`` header,
+and ``EventSource`` cannot send one at all; the page shows block ids, request
+ids and token counts, never token ids or text. A server that must not show
+them runs with ``--no-kv-page``: the routes are then not there (404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from importlib import resources
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse, Response
+from pydantic import BaseModel, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from pagedllm.entrypoints.openai.kv_publisher import KVSnapshotPublisher
+
+KV_ROUTES = ("/kv", "/kv/state", "/kv/events")
+# how often an event stream looks for a newer snapshot (the publisher sends at most 4 a second)
+POLL_S = 0.05
+# keep-alive comments on an idle stream, so proxies do not cut it
+PING_S = 15
+
+
+class KVSequence(BaseModel):
+    """One sequence of a request: its block table in logical order and its progress."""
+
+    seq_id: int
+    index: int = Field(description="which of the request's n samples (or beams) this is")
+    status: str = Field(description="running or waiting")
+    num_tokens: int = Field(description="prompt plus generated tokens")
+    num_prompt_tokens: int
+    num_computed_tokens: int = Field(description="tokens whose K/V is in the cache")
+    num_cached_tokens: int = Field(description="prompt tokens found in the prefix cache at admission")
+    num_preemptions: int
+    block_table: list[int] = Field(description="logical block i -> physical block id; empty while waiting")
+
+
+class KVRequest(BaseModel):
+    """A request in the scheduler's queues (running ones first)."""
+
+    id: str
+    status: str = Field(description="running, waiting, or preempted (waiting again after losing its blocks)")
+    sequences: list[KVSequence]
+
+
+class KVCounters(BaseModel):
+    """Pool totals; waste is slots held but not yet written (the unfilled tail of last blocks)."""
+
+    used_blocks: int
+    cached_blocks: int = Field(description="free blocks that still hold a cached prefix")
+    free_blocks: int = Field(description="free blocks holding nothing")
+    shared_blocks: int = Field(description="blocks with a reference count above 1")
+    held_slots: int
+    waste_slots: int
+    prefix_cache_queries: int = Field(description="prompt tokens looked up in the prefix cache")
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float | None = Field(description="hits / queries; null before any query")
+    preemptions: int
+    cow_copies: int = Field(description="copy-on-write block copies so far")
+    num_running_seqs: int
+    num_waiting_seqs: int
+
+
+class KVState(BaseModel):
+    """The KV block pool as the engine thread last published it (at most 4 times a second)."""
+
+    snapshot_id: int = Field(description="1, 2, ... in publishing order")
+    time: float = Field(description="Unix time of the snapshot")
+    num_blocks: int
+    block_size: int = Field(description="token slots per block; slot = block * block_size + offset")
+    block_states: str = Field(
+        description="one letter per physical block: f free, c free with a cached prefix, h held, s shared"
+    )
+    ref_counts: list[int] = Field(description="reference count per physical block")
+    requests: list[KVRequest]
+    counters: KVCounters
+
+
+def page_html() -> bytes:
+    """The page, shipped as package data (``static/kv.html``): no CDN, no build step."""
+    return resources.files("pagedllm.entrypoints.openai").joinpath("static/kv.html").read_bytes()
+
+
+async def snapshot_events(publisher: KVSnapshotPublisher) -> AsyncIterator[ServerSentEvent]:
+    """Each newly published snapshot as one ``data:`` event, the current one first."""
+    sent = 0
+    while True:
+        latest = publisher.latest
+        if latest is not None and latest.snapshot_id != sent:
+            sent = latest.snapshot_id
+            yield ServerSentEvent(latest.body.decode(), id=str(sent))
+        await asyncio.sleep(POLL_S)
+
+
+def add_kv_routes(app: FastAPI, publisher: KVSnapshotPublisher) -> None:
+    """Register the page, its JSON and its event stream."""
+    html = page_html()
+
+    @app.get("/kv", response_class=HTMLResponse)
+    async def kv_page() -> Response:
+        """The live KV-cache page: the block pool as a grid, the requests, their block tables."""
+        return Response(html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/kv/state", response_model=KVState)
+    async def kv_state() -> Response:
+        """The latest KV snapshot as JSON: every block's state and ref count, the requests'
+        block tables, the counters. ``GET /kv/events`` streams the same objects as
+        server-sent events, one per new snapshot."""
+        latest = publisher.latest
+        if latest is None:  # published before the app starts; here only if that failed
+            raise RuntimeError("no KV snapshot was published")
+        return Response(latest.body, media_type="application/json", headers={"Cache-Control": "no-cache"})
+
+    # not in /openapi.json: an endless stream that schema-driven clients would wait on forever
+    @app.get("/kv/events", include_in_schema=False)
+    async def kv_events() -> EventSourceResponse:
+        """Server-sent events: each new KV snapshot (``/kv/state``'s object) as one event."""
+        return EventSourceResponse(snapshot_events(publisher), ping=PING_S, headers={"Cache-Control": "no-cache"})
