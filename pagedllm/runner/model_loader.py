@@ -199,7 +199,7 @@ def weight_format(config: EngineConfig, model: nn.Module, precision: Precision) 
         groups = sorted({m.group_size for m in model.modules() if isinstance(m, QuantizedEmbedding) or (
             isinstance(m, Linear) and isinstance(m.quant_method, QuantizedLinearMethod))})
         return f"{config.quantization}-" + "+".join(f"g{g}" for g in groups)
-    return config.quantization or str(precision.weights).removeprefix("torch.")
+    return str(precision.weights).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
