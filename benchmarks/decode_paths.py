@@ -1,6 +1,6 @@
 """Single-sequence and 32-sequence decode speed of the bundled model on each decode path.
 
-    .venv/bin/python benchmarks/decode_paths.py [--dtype float32|bfloat16] [--quantization int8]
+    .venv/bin/python benchmarks/decode_paths.py [--dtype float32|bfloat16] [--quantization int8|int4]
 
 Prints output tok/s for one sequence (best of three runs) and 32 sequences on
 the three paths a decode step can take, and their ratios:
@@ -32,7 +32,7 @@ def tokens_per_second(llm: LLM, num_seqs: int, max_tokens: int = 96) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", default=None, choices=["int8"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
     args = parser.parse_args()
     llm = LLM(max_model_len=512, dtype=args.dtype, quantization=args.quantization)
     runner = llm.llm_engine.model_runner

@@ -1,4 +1,4 @@
-"""Linear layers on SmolLM2's shapes: F.linear (MKL) vs oneDNN packed vs our packed panels vs int8.
+"""Linear layers on SmolLM2's shapes: F.linear (MKL) vs oneDNN packed vs our packed panels vs int8 / int4 blocks.
 
 The decoder's four weights per layer (qkv 960 x 576, o 576 x 576, gate_up
 3072 x 576, down 576 x 1536) for 30 layers: 106M weights, 424 MB in float32,
@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import pagedllm.layers.int8_linear as int8_linear
 from pagedllm.layers.bf16_linear import use_bf16_linear
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_linear import onednn_bf16_supported, onednn_linear, pack_weight
 from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
+from pagedllm.layers.quantized_linear import QuantizedLinearMethod
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) per layer
 
@@ -53,11 +53,11 @@ def main() -> None:
         return
     onednn = [pack_weight(layer.weight) for layer in layers]
     panels = [pack_weight_panels(layer.weight) for layer in layers]
-    int8_linear.SMALL_BATCH_ROWS = 1 << 30  # time the int8 kernel itself at every M
-    quantized = [Linear.from_linear(layer, int8_linear.Int8LinearMethod()) for layer in layers]
+    int8 = [Linear.from_linear(layer, QuantizedLinearMethod(8, None)) for layer in layers]  # per channel
+    int4 = [Linear.from_linear(layer, QuantizedLinearMethod(4, 128)) for layer in layers]  # groups of 128 (96)
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
-    print(f"{'rows':>5} {'F.linear':>9} {'oneDNN':>9} {'packed':>9} {'int8':>9}  (ms)   GFLOP/s: F.linear / oneDNN / "
-          "packed / int8   packed / oneDNN")
+    print(f"{'rows':>5} {'F.linear':>9} {'oneDNN':>9} {'packed':>9} {'int8':>9} {'int4':>9}  (ms)   GFLOP/s: "
+          "F.linear / oneDNN / packed / int8 / int4   packed / oneDNN")
     with torch.inference_mode():
         for rows in args.rows:
             xs = {k: torch.randn(rows, k) for k in (576, 1536)}
@@ -65,10 +65,11 @@ def main() -> None:
             b = _ms(lambda xs=xs: [onednn_linear(xs[la.in_features], w, None) for la, w in zip(layers, onednn)])
             c = _ms(lambda xs=xs: [packed_linear(xs[la.in_features], w, None, la.out_features)
                              for la, w in zip(layers, panels)])
-            d = _ms(lambda xs=xs: [q(xs[q.in_features]) for q in quantized]) if rows <= 256 else float("nan")
-            g = [rows * flops_per_row / (t * 1e6) for t in (a, b, c, d)]
-            print(f"{rows:>5} {a:>9.2f} {b:>9.2f} {c:>9.2f} {d:>9.2f}         "
-                  f"{g[0]:.0f} / {g[1]:.0f} / {g[2]:.0f} / {g[3]:.0f}   {b / c:.2f}x")
+            d = _ms(lambda xs=xs: [q(xs[q.in_features]) for q in int8])
+            e = _ms(lambda xs=xs: [q(xs[q.in_features]) for q in int4])
+            g = [rows * flops_per_row / (t * 1e6) for t in (a, b, c, d, e)]
+            print(f"{rows:>5} {a:>9.2f} {b:>9.2f} {c:>9.2f} {d:>9.2f} {e:>9.2f}         "
+                  f"{g[0]:.0f} / {g[1]:.0f} / {g[2]:.0f} / {g[3]:.0f} / {g[4]:.0f}   {b / c:.2f}x")
 
 
 def _bf16(layers: list[nn.Linear], rows_list: list[int]) -> None:

@@ -15,7 +15,9 @@ DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
 KV_ALLOCATORS = ("paged", "contiguous")
 CONTIGUOUS_RESERVES = ("max_tokens", "max_model_len")
-QUANTIZATIONS = (None, "none", "int8")
+QUANTIZATIONS = (None, "none", "int8", "int4")
+# weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
+DEFAULT_INT4_GROUP_SIZE = 128
 LINEAR_BACKENDS = ("auto", "packed", "onednn", "torch")
 
 
@@ -66,12 +68,19 @@ class EngineConfig:
             tensors stay in their blocks where the native CPU kernels take
             their type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16), the
             rest in ``dtype``), "none" (every weight in ``dtype``: GGUF blocks
-            dequantized at load) or "int8": weight-only int8
-            linear layers with one float scale per output channel (CPU only;
-            activations stay in ``dtype``). Quarters the weight bytes read per
-            small-batch decode step, which is what makes it faster; a float32
-            copy is kept for large batches, so it costs memory rather than
-            saving it. Outputs differ slightly from the float model.
+            dequantized at load), "int8" or "int4": weight-only, every linear
+            layer and the token embedding rounded at load to int8 (symmetric)
+            or int4 (asymmetric: a scale and a minimum) in groups of
+            ``quantization_group_size`` inputs with float32 scales, and only
+            those blocks kept (``layers/quantized_linear.py``); CPU only,
+            activations in float32. A GGUF file's tensors are dequantized
+            first and rounded again (a warning says so when they were
+            quantized). Outputs differ slightly from the float model.
+        quantization_group_size: weights per group of "int8" / "int4", a
+            positive multiple of 32; None: 128 for int4, one group per output
+            channel for int8. A layer whose in_features it does not divide
+            takes the largest multiple of 32 below it that does (a warning
+            names the layers), e.g. 96 for SmolLM2's 576 with 128.
         linear_backend: "auto" (default: "packed" for float32 on the CPU
             when the native kernels build, and for bfloat16 when they do on a
             CPU with AVX512-BF16; else "onednn" when torch has oneDNN, else
@@ -102,8 +111,16 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None
     quantization: str | None = None
+    quantization_group_size: int | None = None
     linear_backend: str = "auto"
     enforce_eager: bool = False
+
+    @property
+    def weight_group_size(self) -> int | None:
+        """The group size of "int8" / "int4" once the default is resolved (None: one group per channel)."""
+        if self.quantization_group_size is None and self.quantization == "int4":
+            return DEFAULT_INT4_GROUP_SIZE
+        return self.quantization_group_size
 
     @property
     def prefix_caching(self) -> bool:
@@ -149,10 +166,11 @@ class EngineConfig:
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization == "int8" and self.device != "cpu":
-            raise ValueError("quantization='int8' runs on the CPU only (its kernel is native CPU code)")
-        if self.quantization == "int8" and self.dtype != "float32":
-            raise ValueError("quantization='int8' computes in float32; leave dtype at 'float32'")
+        if self.quantization in ("int8", "int4"):
+            self._check_weight_only()
+        elif self.quantization_group_size is not None:
+            raise ValueError("quantization_group_size applies to quantization='int8' or 'int4' only, "
+                             f"got quantization={self.quantization!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.linear_backend in ("packed", "onednn") and (self.device != "cpu" or self.dtype == "float16"):
@@ -171,3 +189,17 @@ class EngineConfig:
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
+
+    def _check_weight_only(self) -> None:
+        """ValueError for what quantization='int8' / 'int4' cannot run."""
+        q = self.quantization
+        if self.device != "cpu":
+            raise ValueError(f"quantization={q!r} runs on the CPU only (its kernel is native CPU code)")
+        if self.dtype != "float32":
+            raise ValueError(f"quantization={q!r} computes in float32; leave dtype at 'float32', got {self.dtype!r}")
+        if self.linear_backend != "auto":
+            raise ValueError(f"linear_backend applies to float weights; with quantization={q!r} every linear layer "
+                             f"runs the quantized kernel: leave it at 'auto', got {self.linear_backend!r}")
+        g = self.quantization_group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 32 or g % 32):
+            raise ValueError(f"quantization_group_size must be a positive multiple of 32 (or None), got {g!r}")

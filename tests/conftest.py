@@ -100,7 +100,7 @@ def hf_smollm(smollm_path: str):  # noqa: ANN201
 
 @pytest.fixture(scope="session")
 def smollm_int8():  # noqa: ANN201
-    """The bundled model with int8 weights (its decode steps of <= SMALL_BATCH_ROWS sequences replay as one native program)."""
+    """The bundled model with int8 weights (its GGUF blocks dequantized and rounded again to int8 per channel)."""
     from pagedllm import LLM
 
     return LLM(num_kv_blocks=256, max_model_len=512, quantization="int8")

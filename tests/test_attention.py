@@ -234,7 +234,7 @@ def test_cpu_paged_refuses_a_slot_outside_the_cache_before_writing() -> None:
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
-def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp_path, tiny_model_dirs) -> None:  # noqa: ANN001
     from pagedllm import kernels
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # what cpp_extension compiles with
@@ -246,12 +246,11 @@ def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp
         assert make_backend("auto", "cpu", torch.float32).name == "sdpa"
         with pytest.raises(ValueError, match="cannot be built here"):
             make_backend("cpu_paged", "cpu", torch.float32)
-        from torch import nn
+        from pagedllm import LLM
 
-        from pagedllm.layers.int8_linear import quantize_model_int8
-
-        with pytest.raises(ValueError, match="int8.*cannot be built here"):
-            quantize_model_int8(nn.Sequential(nn.Linear(4, 4)))
+        for quantization in ("int8", "int4"):
+            with pytest.raises(ValueError, match=f"quantization='{quantization}' needs the native CPU kernels"):
+                LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, quantization=quantization)
         assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.so"))
     finally:
         monkeypatch.undo()

@@ -6,11 +6,13 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.nn.functional as F
 from decode_checks import CheckedDecode
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.int8_linear import SMALL_BATCH_ROWS
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.packed_linear import PackedLinearMethod
 from pagedllm.runner.captured_decode import MIN_TABLE_WIDTH, CapturedDecode, row_bucket
 from pagedllm.runner.model_runner import MAX_CAPTURED_ROWS
 from pagedllm.runner.step_graph import Node
@@ -50,7 +52,7 @@ def _tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype", "quantization"),
     [("float32", "auto", None), ("float32", "float16", None), ("bfloat16", "auto", None),
-     ("float32", "auto", "int8"), ("float32", "bfloat16", "int8")],
+     ("float32", "auto", "int8"), ("float32", "bfloat16", "int8"), ("float32", "auto", "int4")],
 )
 def test_replayed_steps_equal_eager(
     arch: str, dtype: str, kv_cache_dtype: str, quantization: str | None, tiny_model_dirs: dict[str, str]
@@ -70,14 +72,12 @@ def test_replayed_steps_equal_eager(
         with _captured(runner, None):
             eager = _tokens(llm, _prompts(num_seqs, 5), params)
         assert replayed == eager
-    # the whole decoder is one native program: every recorded op has a node kind (int8 past
-    # SMALL_BATCH_ROWS rows too: its dequantized copy is packed float32 panels), so one graph of
-    # the most rows (MAX_CAPTURED_ROWS) and the widest tables (256 / 8 blocks) ran every step; int8
-    # changes kernels past SMALL_BATCH_ROWS rows: a second graph of that many ran the steps of 2
+    # the whole decoder is one native program: every recorded op has a node kind (int8 and int4
+    # embeddings and linears too, one kernel for any number of rows), so one graph of the most rows
+    # (MAX_CAPTURED_ROWS) and the widest tables (256 / 8 blocks) ran every step
     captured = runner.captured_decode
-    tiers = ([SMALL_BATCH_ROWS] if quantization else []) + [MAX_CAPTURED_ROWS]
-    assert captured.row_generic and captured.row_tiers == tiers
-    assert sorted(captured.graphs) == [(t, 32) for t in tiers]
+    assert captured.row_generic and captured.row_tiers == [MAX_CAPTURED_ROWS]
+    assert sorted(captured.graphs) == [(MAX_CAPTURED_ROWS, 32)]
     for graph in captured.graphs.values():
         assert len(graph.runs) == num_programs(graph.runs) == 1, graph.runs
     assert runner.captured_decode.failed is None
@@ -101,28 +101,47 @@ def test_other_linear_backends_replay_equal_eager(linear_backend: str, tiny_mode
         assert replayed == _tokens(llm, _prompts(3, 2), params)
 
 
-@pytest.mark.parametrize("linear_backend", ["onednn", "torch"])
-def test_int8_tiers_that_lower_differently_fall_back_to_per_shape_graphs(
-    linear_backend: str, tiny_model_dirs: dict[str, str]
+class _TieredMethod(PackedLinearMethod):
+    """Packed panels up to 4 rows (a program node), ``F.linear`` past them (a Python call): a linear method
+    that changes kernels with the rows (``LinearMethod.row_limits``)."""
+
+    row_limits = (4,)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        dense = layer.weight.detach().float().contiguous()  # [out_features, in_features]
+        super().process_weights_after_loading(layer)
+        layer.register_buffer("dense", dense)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // layer.in_features <= self.row_limits[0]:
+            return super().apply(layer, x)
+        return F.linear(x, layer.dense, layer.bias)
+
+
+def test_row_tiers_that_lower_differently_fall_back_to_per_shape_graphs(
+    tiny_model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int8 runs its own kernel up to SMALL_BATCH_ROWS rows (all programs: one graph for any fewer rows)
-    and a oneDNN or torch matmul past them (Python calls): the larger tier's graph turns the runner to
-    per-shape graphs, and every step still equals the eager model."""
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=96, max_model_len=128, block_size=8, quantization="int8",
-              linear_backend=linear_backend, enable_prefix_caching=False)
+    """Up to the limit every step is programs (one graph for any fewer rows); past it, Python matmuls: the
+    larger tier's graph turns the runner to per-shape graphs, and every step still equals the eager model."""
+    import pagedllm.runner.model_loader as model_loader
+
+    monkeypatch.setattr(model_loader, "make_linear_method", lambda precision, linear: _TieredMethod())
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=96, max_model_len=128, block_size=8,
+              enable_prefix_caching=False)
     runner = llm.llm_engine.model_runner
     captured = runner.captured_decode
+    assert captured.row_tiers == [4, MAX_CAPTURED_ROWS]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with _captured(runner, _Checked(runner)) as checked:
-        small = _tokens(llm, _prompts(2, 12), params)  # 2 rows: the int8 kernel, one program
-        assert captured.row_generic and list(captured.graphs) == [(SMALL_BATCH_ROWS, 16)]
-        large = _tokens(llm, _prompts(SMALL_BATCH_ROWS + 3, 13), params)  # past the tier: Python matmuls
+        small = _tokens(llm, _prompts(2, 12), params)  # 2 rows: packed panels, one program
+        assert captured.row_generic and list(captured.graphs) == [(4, 16)]
+        large = _tokens(llm, _prompts(7, 13), params)  # past the tier: Python matmuls
         assert captured.row_generic is False
-        assert all((rows, width) != (SMALL_BATCH_ROWS, 16) for rows, width in captured.graphs)
+        assert all((rows, width) != (4, 16) for rows, width in captured.graphs)
         again = _tokens(llm, _prompts(2, 12), params)
     assert checked.num_calls == 15 and again == small
     with _captured(runner, None):
-        assert large == _tokens(llm, _prompts(SMALL_BATCH_ROWS + 3, 13), params)
+        assert large == _tokens(llm, _prompts(7, 13), params)
         assert small == _tokens(llm, _prompts(2, 12), params)
 
 

@@ -120,6 +120,8 @@ def test_invalid_flag_value_exits_nonzero_without_traceback():
         (["bench", "latency", "--output-len", "1"], ["--output-len"]),
         (["bench", "latency", "--batch-size", "0"], ["--batch-size"]),
         (["generate", "hi", "--quantization", "int8", "--dtype", "bfloat16"], ["float32"]),
+        (["generate", "hi", "--quantization", "int4", "--quantization-group-size", "48"], ["multiple of 32"]),
+        (["generate", "hi", "--quantization-group-size", "64"], ["int8' or 'int4' only"]),
     ],
 )
 def test_bad_values_give_an_error_line_and_status_2(capsys, argv, words):
@@ -261,7 +263,8 @@ def test_bench_throughput_peer_model(tiny_model_dirs, tmp_path):
         assert_no_traceback(proc)
 
 
-@pytest.mark.parametrize("extra", [[], ["--quantization", "int8"]], ids=["gguf", "int8"])
+@pytest.mark.parametrize("extra", [[], ["--quantization", "int8"], ["--quantization", "int4",
+                                    "--quantization-group-size", "64"]], ids=["gguf", "int8", "int4"])
 def test_bench_latency_json(extra):
     proc = run_cli(
         "bench", "latency", "--batch-size", "2", "--input-len", "16", "--output-len", "5", "--num-iters", "2",
@@ -271,8 +274,8 @@ def test_bench_latency_json(extra):
     assert_no_traceback(proc)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (r["batch_size"], r["input_len"], r["output_len"], r["num_iters"]) == (2, 16, 5, 2)
-    # the bundled file's blocks are kept unless int8 is asked for (which requantizes float32 weights)
-    assert r["weight_dtype"] == ("int8" if extra else "gguf:Q4_1+Q8_0")
+    # the bundled file's blocks are kept unless int8 / int4 is asked for (which rounds its dequantized weights again)
+    assert r["weight_dtype"] == {0: "gguf:Q4_1+Q8_0", 2: "int8-per-channel", 4: "int4-g64"}[len(extra)]
     # the rate and GFLOP/s figures are consistent with each other and the parameter count
     assert r["decode_gflops"] == pytest.approx(r["decode_tokens_per_s"] * 2 * r["num_params"] / 1e9, rel=0.01)
     assert r["prefill_tokens_per_s"] == pytest.approx(2 * 16 / (r["ttft_ms"] / 1000), rel=0.01)

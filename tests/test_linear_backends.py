@@ -10,7 +10,6 @@ from torch import nn
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.int8_linear import Int8LinearMethod
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_linear import OneDnnLinearMethod, onednn_available, use_onednn_linear
 from pagedllm.layers.packed_linear import (
@@ -149,20 +148,6 @@ def test_packed_linear_module_inputs_and_errors() -> None:
         packed_linear(torch.randn(2, 96), layer.packed_weight, None, 10_000)
     with pytest.raises(ValueError, match="does not fit"):
         packed_linear(torch.randn(2, 96), layer.packed_weight[:, :, :4].contiguous(), None, 4)
-
-
-@packed_only
-def test_int8_large_calls_go_through_the_packed_dequantized_copy() -> None:
-    gen = torch.Generator().manual_seed(5)
-    linear = nn.Linear(64, 96, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(96, 64, generator=gen))
-    plain = Linear.from_linear(linear, Int8LinearMethod("torch"))
-    packed = Linear.from_linear(linear, Int8LinearMethod("packed"))
-    x = torch.randn(30, 64, generator=gen)  # more rows than the int8 kernel takes
-    torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="dense_backend"):
-        Int8LinearMethod("mkl")
 
 
 def test_bfloat16_on_a_slow_cpu_path_warns(tiny_model_dirs: dict[str, str], caplog) -> None:  # noqa: ANN001

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import load_kernels
+from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels unavailable")
 
@@ -34,8 +35,11 @@ def test_fake_shapes_match_the_kernels() -> None:
 
     _same_meta(*both(ops.add_rms_norm, x.clone(), None, torch.ones(24), 1e-6))
     _same_meta(*both(ops.silu_mul, x))
-    q, scales = torch.randint(-127, 128, (40, 24), dtype=torch.int8, generator=gen), torch.rand(40, generator=gen)
-    _same_meta(*both(ops.int8_linear, x, q, scales, None))
+    x64 = torch.randn(5, 64, generator=gen)
+    for bits in (8, 4):
+        blocks = pack_groups(*quantize_groups(torch.randn(40, 64, generator=gen), bits, 32), bits)
+        _same_meta(*both(ops.quantized_linear, x64, blocks, bits, 32, 64, None))
+        _same_meta(*both(ops.quantized_embedding, blocks, bits, 32, 64, torch.tensor([3, 0, 39])))
     for pack, linear in ((ops.pack_panels, ops.packed_linear), (ops.pack_panels_bf16, ops.packed_linear_bf16)):
         real_packed, fake_packed = both(pack, w)
         _same_meta(real_packed, fake_packed)
@@ -59,7 +63,8 @@ def test_in_place_ops_run_on_meta_tensors() -> None:
     ops.prefill_attention(q, kv, kv, torch.empty_like(q), torch.empty(2, dtype=torch.int64, device=meta), 0.5)
 
 
-@pytest.mark.parametrize("case", ["add_rms_norm", "silu_mul", "packed_linear", "logit_stats", "write_kv"])
+@pytest.mark.parametrize("case", ["add_rms_norm", "silu_mul", "packed_linear", "quantized_linear", "logit_stats",
+                                  "write_kv"])
 def test_opcheck(case: str) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 16, generator=gen)
@@ -69,6 +74,9 @@ def test_opcheck(case: str) -> None:
         op, args = ops.silu_mul.default, (x,)
     elif case == "packed_linear":
         op, args = ops.packed_linear.default, (x, ops.pack_panels(torch.randn(20, 16, generator=gen)), None, 20)
+    elif case == "quantized_linear":
+        blocks = pack_groups(*quantize_groups(torch.randn(20, 32, generator=gen), 4, 32), 4)
+        op, args = ops.quantized_linear.default, (torch.randn(4, 32, generator=gen), blocks, 4, 32, 32, None)
     elif case == "logit_stats":
         op, args = ops.logit_stats.default, (x,)
     else:

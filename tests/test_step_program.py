@@ -16,6 +16,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
 from pagedllm.runner.step_graph import Node, StepGraph
 from pagedllm.runner.step_program import lower_to_programs, native_call, num_programs
 
@@ -47,8 +48,7 @@ class _Weights:
         self.qkv_bias = rand(qkv_size)
         self.o = ops.pack_panels_bf16(rand(HIDDEN, HEADS * HEAD_DIM) * 0.1)
         self.gate_up = ops.pack_panels(rand(2 * INTER, HIDDEN) * 0.1)
-        self.down = (rand(HIDDEN, INTER) * 40).to(torch.int8)
-        self.down_scales = rand(HIDDEN).abs() * 0.01
+        self.down = pack_groups(*quantize_groups(rand(HIDDEN, INTER) * 0.1, 4, 32), 4)  # int4, groups of 32
         # [num_blocks, block_size, kv_heads, head_dim]
         self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
         self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -75,7 +75,7 @@ def _layer(ops, w: _Weights, ids, positions, slots, tables, lens) -> torch.Tenso
     h = ops.add_rms_norm(x, o, w.norm, 1e-5)  # x += o in place, then the norm
     h = torch.mul(h, 0.5)  # no node kind: a Python call between two programs
     act = ops.silu_mul(ops.packed_linear(h, w.gate_up, None, 2 * INTER))
-    x.add_(ops.int8_linear(act, w.down, w.down_scales, None))
+    x.add_(ops.quantized_linear(act, w.down, 4, 32, INTER, None))
     return ops.add_rms_norm(x, None, w.norm, 1e-5)
 
 

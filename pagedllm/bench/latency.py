@@ -109,6 +109,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         "num_iters": args.num_iters,
         "dtype": engine.config.dtype,
         "weight_dtype": engine.model_runner.weight_format,
+        "weight_bytes": llm.weight_bytes,
     }
     print(
         f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: TTFT {result['ttft_ms']:.1f} ms "

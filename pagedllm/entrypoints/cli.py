@@ -35,9 +35,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument(
-        "--quantization", default=None, choices=["none", "int8"],
+        "--quantization", default=None, choices=["none", "int8", "int4"],
         help="default: a GGUF file's blocks kept as stored; none: every weight in --dtype; "
-             "int8: weight-only int8 linear layers (CPU)",
+             "int8 / int4: weight-only, rounded at load in groups of --quantization-group-size (CPU, float32)",
+    )
+    g.add_argument(
+        "--quantization-group-size", type=int, default=None,
+        help="weights per group of int8 / int4, a multiple of 32 (default: 128 for int4, per channel for int8)",
     )
     g.add_argument("--linear-backend", default="auto", choices=["auto", "packed", "onednn", "torch"])
     g.add_argument(
@@ -76,6 +80,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         linear_backend=args.linear_backend,
         enforce_eager=args.enforce_eager,
     )
@@ -294,7 +299,8 @@ def cmd_env(args: argparse.Namespace) -> int:
     if args.load:
         from pagedllm import LLM
 
-        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=64, max_model_len=512)
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+                  quantization_group_size=args.quantization_group_size, num_kv_blocks=64, max_model_len=512)
         report["loaded"] = env_report.loaded_model_report(llm)
     print(env_report.to_json(report) if args.json else env_report.format_report(report))
     return 0
@@ -330,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("--load", action="store_true", help="also load a model and list the layers it runs")
     env.add_argument("--model", default=None, help="the model --load loads (default: bundled SmolLM2)")
     env.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    env.add_argument("--quantization", default=None, choices=["none", "int8"])
+    env.add_argument("--quantization", default=None, choices=["none", "int8", "int4"])
+    env.add_argument("--quantization-group-size", type=int, default=None)
     env.set_defaults(func=cmd_env)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     _serve_arguments(serve)

@@ -96,7 +96,9 @@ def _auto_backends() -> dict[str, Any]:
                     "step_programs": native},
         "bfloat16": {"linear": bf16_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
                      "captured_decode": native, "step_programs": native},
-        "int8": {"linear": "int8 rows" if native else "refused (no kernels)", "captured_decode": native,
+        "int8": {"linear": "int8 blocks" if native else "refused (no kernels)", "captured_decode": native,
+                 "step_programs": native},
+        "int4": {"linear": "int4 blocks" if native else "refused (no kernels)", "captured_decode": native,
                  "step_programs": native},
     }
 

@@ -3,7 +3,8 @@
 The kernels are C++ files with OpenMP and no torch headers:
 ``paged_decode.cpp`` (decode attention reading KV blocks in place, from a
 float32, float16 or bfloat16 cache),
-``int8_linear.cpp`` (weight-only int8 matmul for a few rows),
+``gguf_linear.cpp`` (matmuls and row lookups over quantized blocks: GGUF's,
+and the grouped int8 / int4 of weights quantized at load),
 ``packed_linear.cpp`` (float32 matmul over weights packed into column panels),
 ``packed_linear_bf16.cpp`` (the same with bfloat16 weights and products, float32 in and out),
 ``logit_stats.cpp`` (per-row argmax and logsumexp of the logits),
@@ -13,7 +14,7 @@ float32, float16 or bfloat16 cache),
 and ``step_nodes.cpp`` (runs kernel calls recorded as plain "nodes" in one
 OpenMP parallel region), with the shared headers ``paged_attention.h``
 (with ``paged_attention_kv.h``, instantiated once per cache dtype),
-``int8_dot.h``, ``panel_f32.h``, ``panel_bf16.h``, ``kv_rows.h`` and ``elementwise.h``; the two panel
+``gguf_blocks.h``, ``panel_f32.h``, ``panel_bf16.h``, ``kv_rows.h`` and ``elementwise.h``; the two panel
 matmuls share ``panel_units.h``. The decode-path kernels are team functions
 (orphaned ``omp for`` loops, ``step_nodes.h``): an eager op runs one node, a
 recorded decode step (``torch.classes.pagedllm.StepProgram``,
@@ -39,7 +40,7 @@ is the default elsewhere and an explicit choice on x86-64. One variant per
 process: the op namespace is registered once. Where no compiler is found or
 the build fails, ``load_kernels`` returns None with the reason logged once;
 the engine then uses the pure-torch paths (the "auto" attention backend
-falls back to SDPA, int8 layers to a dequantized matmul).
+falls back to SDPA; quantization="int8" / "int4" is refused).
 """
 
 from __future__ import annotations

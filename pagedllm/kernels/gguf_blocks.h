@@ -26,11 +26,21 @@
  *
  * gguf_block_vec turns one 32-weight block into float32 in registers
  * (AVX2: four 8-lane vectors); gguf_row turns a row of any type into floats.
+ *
+ * pagedllm's own grouped formats, for float checkpoints quantized at load
+ * (layers/quantized_linear.py, quantization="int8" / "int4"), numbered past
+ * ggml's types. Their blocks are groups of G weights, G a multiple of 32
+ * given at run time (the group size), with float32 scales (exact, and the
+ * same numbers the Python side rounds with):
+ *   GROUP_I8  4 + G bytes:       scale, q[G] int8 (symmetric)            w[i] = scale * q[i]
+ *   GROUP_I4  8 + G / 2 bytes:   scale, min, G / 32 runs of 16 bytes     w[i] = fma(q[i], scale, min)
+ *             (asymmetric), each run 32 4-bit q laid out as in Q4_0: byte j = q[j] | q[j + 16] << 4
  */
 #ifndef PAGEDLLM_GGUF_BLOCKS_H
 #define PAGEDLLM_GGUF_BLOCKS_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -39,6 +49,14 @@ enum GgufType {
     GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30,
 };
 #define GGUF_BLOCK 32 /* a row's length is a multiple of this for every type the kernels take */
+
+/* pagedllm's grouped formats (not ggml's: its type numbers stay below 256) */
+enum GroupType { GROUP_I8 = 256, GROUP_I4 = 257 };
+
+static inline bool is_group_type(int type) { return type == GROUP_I8 || type == GROUP_I4; }
+
+/* bytes of one group of `group` weights of a grouped type */
+static inline int64_t group_block_bytes(int type, int64_t group) { return type == GROUP_I8 ? 4 + group : 8 + group / 2; }
 
 /* bytes of one block of `type`, 0 for a type with no kernel here */
 static inline int64_t gguf_block_bytes(int type) {
@@ -103,6 +121,25 @@ static inline void gguf_block_scalar(int type, const uint8_t *blk, float *w) {
     for (int j = 0; j < 16; j++) {
         w[j] = d * (float)(qs[j] & 0x0f) + m;
         w[j + 16] = d * (float)(qs[j] >> 4) + m;
+    }
+}
+
+/* the `group` weights of one group of a grouped type (group a multiple of 32), in order; the vector
+   paths (gguf_linear.cpp) compute the same values: one rounding each (a product, or one fma) */
+static inline void group_block_scalar(int type, const uint8_t *blk, int64_t group, float *w) {
+    float d, m;
+    memcpy(&d, blk, 4);
+    if (type == GROUP_I8) {
+        for (int64_t i = 0; i < group; i++) w[i] = d * (float)(int8_t)blk[4 + i];
+        return;
+    }
+    memcpy(&m, blk + 4, 4);
+    const uint8_t *qs = blk + 8;
+    for (int64_t r = 0; r < group / 32; r++, qs += 16, w += 32) {
+        for (int j = 0; j < 16; j++) {
+            w[j] = fmaf((float)(qs[j] & 0x0f), d, m);
+            w[j + 16] = fmaf((float)(qs[j] >> 4), d, m);
+        }
     }
 }
 

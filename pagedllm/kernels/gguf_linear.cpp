@@ -1,9 +1,12 @@
 /*
- * Linear layers and embedding lookups over GGUF's quantized blocks, kept as
- * the file stores them (gguf_blocks.h draws the formats):
+ * Linear layers and embedding lookups over quantized blocks: GGUF's, kept as
+ * the file stores them, and pagedllm's grouped int8 / int4 (GROUP_I8,
+ * GROUP_I4: float checkpoints quantized at load, quantization="int8" /
+ * "int4"); gguf_blocks.h draws the formats:
  *
  *   y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])     x: [M, K] float32
- *   W: [N, K / 32 blocks] of one block type, one row per output channel
+ *   W: [N, row bytes] of one block type, one row per output channel (its blocks,
+ *      or its groups of group_size weights, back to back)
  *
  * Work comes in strips of STRIP output channels. A thread turns a strip's
  * blocks into float32 rows in a buffer of its own ([STRIP, K], a few KiB:
@@ -39,6 +42,7 @@ typedef __m512 gvec;
 #define GSUM(v) _mm512_reduce_add_ps(v)
 #define GMUL(a, b) _mm512_mul_ps(a, b)
 #define GSET1(x) _mm512_set1_ps(x)
+#define GSTORE(p, v) _mm512_storeu_ps(p, v)
 #elif defined(GGUF_VECTOR)
 #define STRIP 3
 #define TILE_M 4
@@ -50,6 +54,7 @@ typedef __m256 gvec;
 #define GSUM(v) gguf_hsum(v)
 #define GMUL(a, b) _mm256_mul_ps(a, b)
 #define GSET1(x) _mm256_set1_ps(x)
+#define GSTORE(p, v) _mm256_storeu_ps(p, v)
 #else
 #define STRIP 3
 #define TILE_M 4
@@ -58,10 +63,111 @@ typedef __m256 gvec;
 /* activations per block of rows: TILE_M-row tiles re-read it once per strip, so it should stay in L2 */
 #define BLOCK_FLOATS (64 * 1024)
 
+/* bytes of one row of k weights of `type` (group: the group size of a grouped type, unused for GGUF's) */
+static inline int64_t blocks_row_bytes(int type, int64_t k, int64_t group) {
+    if (is_group_type(type)) return k / group * group_block_bytes(type, group);
+    return k / gguf_block_weights(type) * gguf_block_bytes(type);
+}
+
+#ifdef V
+/* 32 int8 quants (signed) as V-lane float vectors: q[0] = quants 0.. */
+static inline __attribute__((always_inline)) void quants_i8(const uint8_t *qs, gvec *q) {
+#if V == 16
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+#else
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i))));
+#endif
+}
+
+/* 32 4-bit quants (16 bytes: byte j = q[j] | q[j + 16] << 4) as V-lane float vectors */
+static inline __attribute__((always_inline)) void quants_u4(const uint8_t *qs, gvec *q) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));                      /* weights 0..15 */
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));  /* weights 16..31 */
+#if V == 16
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
+#else
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+#endif
+}
+
+/* What a group's runs are dequantized with: GROUP_I8 its scale (a); GROUP_I4 its scale (a) and min (b),
+   or on AVX-512 the 16 values its quants stand for, b[q] = fma(q, scale, min), which vpermps looks up by
+   each lane's low 4 bits: two lookups per run in place of two conversions and two fmas. */
+typedef struct {
+    gvec a, b;
+} group_coef;
+
+static inline __attribute__((always_inline)) group_coef group_coefs(int type, const uint8_t *blk) {
+    float d, m = 0.0f;
+    memcpy(&d, blk, 4);
+    if (type == GROUP_I4) memcpy(&m, blk + 4, 4);
+    group_coef g = {GSET1(d), GSET1(m)};
+#if V == 16
+    if (type == GROUP_I4)
+        g.b = GFMA(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), g.a, g.b);
+#endif
+    return g;
+}
+
+/* weights 32r..32r+32 of one group of a grouped type as V-lane vectors: the values group_block_scalar
+   gives, one rounding each */
+static inline __attribute__((always_inline)) void group_run(int type, const uint8_t *blk, int64_t r, group_coef g,
+                                                            gvec *w) {
+    constexpr int NQ = GGUF_BLOCK / V;
+    if (type == GROUP_I8) {
+        quants_i8(blk + 4 + 32 * r, w);
+        for (int i = 0; i < NQ; i++) w[i] = GMUL(w[i], g.a);
+        return;
+    }
+#if V == 16
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8 + 16 * r)));  // lane j: byte j
+    w[0] = _mm512_permutexvar_ps(bytes, g.b);                        // low nibbles: weights 0..15
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), g.b);  // high nibbles: weights 16..31
+#else
+    quants_u4(blk + 8 + 16 * r, w);
+    for (int i = 0; i < NQ; i++) w[i] = GFMA(w[i], g.a, g.b);
+#endif
+}
+#endif
+
+/* the k weights of one row of a grouped type, in order */
+static void group_row(int type, const uint8_t *row, int64_t k, int64_t group, float *out) {
+    const int64_t block_bytes = group_block_bytes(type, group);
+    for (int64_t b = 0; b < k / group; b++) {
+        const uint8_t *blk = row + b * block_bytes;
+#ifdef V
+        const group_coef g = group_coefs(type, blk);
+        for (int64_t r = 0; r < group / GGUF_BLOCK; r++) {
+            gvec w[GGUF_BLOCK / V];
+            group_run(type, blk, r, g, w);
+            for (int i = 0; i < GGUF_BLOCK / V; i++) GSTORE(out + b * group + r * GGUF_BLOCK + i * V, w[i]);
+        }
+#else
+        group_block_scalar(type, blk, group, out + b * group);
+#endif
+    }
+}
+
+/* the k weights of one row of any type the kernels take */
+static inline void blocks_row(int type, const uint8_t *row, int64_t k, int64_t group, float *out) {
+    if (is_group_type(type))
+        group_row(type, row, k, group, out);
+    else
+        gguf_row(type, row, k, out);
+}
+
 /* channels [c0, c0 + nc) as float32 rows: buf [nc, k] */
 static void dequantize_strip(const LinearNode *n, int64_t c0, int nc, int64_t row_bytes, float *buf) {
     for (int c = 0; c < nc; c++)
-        gguf_row(n->weight_type, (const uint8_t *)n->weight + (c0 + c) * row_bytes, n->in_features, buf + c * n->in_features);
+        blocks_row(n->weight_type, (const uint8_t *)n->weight + (c0 + c) * row_bytes, n->in_features, n->group_size,
+                   buf + c * n->in_features);
 }
 
 /* y rows [0, MR) x channels [0, NR) of a strip: x [MR, k] (rows k apart), buf [NR, k], y rows ldy apart */
@@ -113,28 +219,10 @@ static void strip_rows(const float *x, int64_t m, int64_t k, const float *buf, c
 #ifdef V
 /* The 32 quants of a block as V-lane float vectors (integers, not yet scaled): q[0] = quants 0.. */
 static inline __attribute__((always_inline)) void block_quants(int type, const uint8_t *blk, gvec *q) {
-    if (type == GGUF_Q8_0) {
-#if V == 16
-        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-        q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-#else
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i))));
-#endif
-        return;
-    }
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (type == GGUF_Q4_1 ? 4 : 2)));
-    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));
-#if V == 16
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
-#else
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-#endif
+    if (type == GGUF_Q8_0)
+        quants_i8(blk + 2, q);
+    else
+        quants_u4(blk + (type == GGUF_Q4_1 ? 4 : 2), q);
 }
 
 /* One row (decode of one sequence) against a strip of NR channels of a 32-weight block type, with the
@@ -174,12 +262,45 @@ static inline __attribute__((always_inline)) void direct_row(const float *x, con
     }
     for (int c = 0; c < NR; c++) y[c] = GSUM(acc[c]) + msum[c] + (bias ? bias[c] : 0.0f);
 }
+
+/* One row against a strip of NR channels of a grouped type. Each weight is dequantized in registers by
+ * group_run, as group_row fills the strip buffer, and summed into one V-lane accumulator per channel in
+ * k order, as strip_tile sums: the same bits as the strip path, without the buffer's stores and loads. */
+template <int NR>
+static inline __attribute__((always_inline)) void group_direct_row(const float *x, int64_t k, const uint8_t *w,
+                                                                   int64_t row_bytes, int type, int64_t group,
+                                                                   const float *bias, float *y) {
+    constexpr int NQ = GGUF_BLOCK / V;
+    const int64_t block_bytes = group_block_bytes(type, group), run_bytes = type == GROUP_I8 ? 32 : 16;
+    gvec acc[NR];
+    for (int c = 0; c < NR; c++) acc[c] = GZERO();
+    for (int64_t b = 0; b < k / group; b++) {
+        group_coef g[NR];
+        for (int c = 0; c < NR; c++) g[c] = group_coefs(type, w + c * row_bytes + b * block_bytes);
+        for (int64_t r = 0; r < group / GGUF_BLOCK; r++) {
+            gvec xv[NQ];
+            for (int i = 0; i < NQ; i++) xv[i] = GLOAD(x + b * group + r * GGUF_BLOCK + i * V);
+            for (int c = 0; c < NR; c++) {
+                const uint8_t *blk = w + c * row_bytes + b * block_bytes;
+                // NR rows read side by side, each asked for ahead of use: int4 a strip ahead (the same
+                // bytes of the thread's next strip), int8 six lines ahead, the distances that ran fastest
+                // from memory on the Zen 5 here (int8 lost a third a strip ahead, int4 a fifth 6 lines ahead)
+                _mm_prefetch((const char *)blk + run_bytes * r + (type == GROUP_I8 ? 6 * 64 : NR * row_bytes),
+                             _MM_HINT_T0);
+                gvec wv[NQ];
+                group_run(type, blk, r, g[c], wv);
+                for (int i = 0; i < NQ; i++) acc[c] = GFMA(wv[i], xv[i], acc[c]);
+            }
+        }
+    }
+    for (int c = 0; c < NR; c++) y[c] = GSUM(acc[c]) + (bias ? bias[c] : 0.0f);
+}
 #endif
 
-/* whether one row goes through direct_row: 32-weight block types, vector builds */
+/* whether one row skips the strip buffer: 32-weight GGUF types and the grouped types, vector builds */
 static inline bool direct_type(int type) {
 #ifdef V
-    return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q8_0;
+    return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q8_0 || is_group_type(type);
 #else
     (void)type;
     return false;
@@ -199,74 +320,104 @@ static float *strip_buffer(int64_t floats) {
     return tls_strip;
 }
 
-void gguf_linear_team(const LinearNode *n, int *failed) {
-    const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
-    const int64_t row_bytes = k / gguf_block_weights(n->weight_type) * gguf_block_bytes(n->weight_type);
-    int64_t block_rows = BLOCK_FLOATS / k / TILE_M * TILE_M;
-    if (block_rows < TILE_M) block_rows = TILE_M;
-    for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows) {
-        const int64_t m = n->rows - row0 < block_rows ? n->rows - row0 : block_rows;
-        if (n->rows == 1 && direct_type(n->weight_type)) {
 #ifdef V
-            float *sx = strip_buffer(k / GGUF_BLOCK);  // [k / 32]: the row's block sums, each thread its own
-            if (sx == NULL) {
+/* one row (n->rows == 1) of a direct_type, strip by strip, no buffer */
+static void direct_team(const LinearNode *n, int64_t row_bytes, int *failed) {
+    const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
+    const int type = n->weight_type;
+    const bool grouped = is_group_type(type);
+    float *sx = NULL;  // GGUF's factored path: [k / 32] the row's block sums, each thread its own
+    if (!grouped) {
+        sx = strip_buffer(k / GGUF_BLOCK);
+        if (sx == NULL) {
 #pragma omp atomic write
-                *failed = 1;
-            } else {
-                for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
-                    float sum = 0.0f;
-                    for (int i = 0; i < GGUF_BLOCK; i++) sum += n->x[b * GGUF_BLOCK + i];
-                    sx[b] = sum;
-                }
+            *failed = 1;
+        } else {
+            for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
+                float sum = 0.0f;
+                for (int i = 0; i < GGUF_BLOCK; i++) sum += n->x[b * GGUF_BLOCK + i];
+                sx[b] = sum;
             }
-#pragma omp for schedule(static)
-            for (int64_t s = 0; s < num_strips; s++) {
-                if (sx == NULL) continue;
-                const int64_t c0 = s * STRIP;
-                const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
-                const uint8_t *w = (const uint8_t *)n->weight + c0 * row_bytes;
-                const float *bias = n->bias ? n->bias + c0 : NULL;
-                switch (nc) {
-#if STRIP > 3
-                    case 4: direct_row<4>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
-#endif
-                    case 3: direct_row<3>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
-                    case 2: direct_row<2>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
-                    default: direct_row<1>(n->x, sx, k, w, row_bytes, n->weight_type, bias, n->y + c0); break;
-                }
-            }
-#endif
-            return;
         }
+    }
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < num_strips; s++) {
-            float *buf = strip_buffer(STRIP * k);  // [STRIP, k]
-            if (buf == NULL) {
-#pragma omp atomic write
-                *failed = 1;
-                continue;
-            }
-            const int64_t c0 = s * STRIP;
-            const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
-            dequantize_strip(n, c0, nc, row_bytes, buf);
-            const float *x = n->x + row0 * k, *bias = n->bias ? n->bias + c0 : NULL;
-            float *y = n->y + row0 * cols + c0;
+    for (int64_t s = 0; s < num_strips; s++) {
+        if (!grouped && sx == NULL) continue;
+        const int64_t c0 = s * STRIP;
+        const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
+        const uint8_t *w = (const uint8_t *)n->weight + c0 * row_bytes;
+        const float *bias = n->bias ? n->bias + c0 : NULL;
+        float *y = n->y + c0;
+        if (grouped) {
+            const int64_t g = n->group_size;
             switch (nc) {
 #if STRIP > 3
-                case 4: strip_rows<4>(x, m, k, buf, bias, y, cols); break;
+                case 4: group_direct_row<4>(n->x, k, w, row_bytes, type, g, bias, y); break;
 #endif
-                case 3: strip_rows<3>(x, m, k, buf, bias, y, cols); break;
-                case 2: strip_rows<2>(x, m, k, buf, bias, y, cols); break;
-                default: strip_rows<1>(x, m, k, buf, bias, y, cols); break;
+                case 3: group_direct_row<3>(n->x, k, w, row_bytes, type, g, bias, y); break;
+                case 2: group_direct_row<2>(n->x, k, w, row_bytes, type, g, bias, y); break;
+                default: group_direct_row<1>(n->x, k, w, row_bytes, type, g, bias, y); break;
             }
+            continue;
+        }
+        switch (nc) {
+#if STRIP > 3
+            case 4: direct_row<4>(n->x, sx, k, w, row_bytes, type, bias, y); break;
+#endif
+            case 3: direct_row<3>(n->x, sx, k, w, row_bytes, type, bias, y); break;
+            case 2: direct_row<2>(n->x, sx, k, w, row_bytes, type, bias, y); break;
+            default: direct_row<1>(n->x, sx, k, w, row_bytes, type, bias, y); break;
+        }
+    }
+}
+#endif
+
+/* rows [row0, row0 + m): each strip dequantized into the thread's buffer, then every row against it */
+static void strip_team(const LinearNode *n, int64_t row_bytes, int64_t row0, int64_t m, int *failed) {
+    const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < num_strips; s++) {
+        float *buf = strip_buffer(STRIP * k);  // [STRIP, k]
+        if (buf == NULL) {
+#pragma omp atomic write
+            *failed = 1;
+            continue;
+        }
+        const int64_t c0 = s * STRIP;
+        const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
+        dequantize_strip(n, c0, nc, row_bytes, buf);
+        const float *x = n->x + row0 * k, *bias = n->bias ? n->bias + c0 : NULL;
+        float *y = n->y + row0 * cols + c0;
+        switch (nc) {
+#if STRIP > 3
+            case 4: strip_rows<4>(x, m, k, buf, bias, y, cols); break;
+#endif
+            case 3: strip_rows<3>(x, m, k, buf, bias, y, cols); break;
+            case 2: strip_rows<2>(x, m, k, buf, bias, y, cols); break;
+            default: strip_rows<1>(x, m, k, buf, bias, y, cols); break;
         }
     }
 }
 
+void gguf_linear_team(const LinearNode *n, int *failed) {
+    const int64_t k = n->in_features;
+    const int64_t row_bytes = blocks_row_bytes(n->weight_type, k, n->group_size);
+#ifdef V
+    if (n->rows == 1 && direct_type(n->weight_type)) {
+        direct_team(n, row_bytes, failed);
+        return;
+    }
+#endif
+    int64_t block_rows = BLOCK_FLOATS / k / TILE_M * TILE_M;
+    if (block_rows < TILE_M) block_rows = TILE_M;
+    for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows)
+        strip_team(n, row_bytes, row0, n->rows - row0 < block_rows ? n->rows - row0 : block_rows, failed);
+}
+
 /* out[r] = the dequantized row index[r] of a quantized table */
 void gguf_gather_team(const GgufGatherNode *n) {
-    const int64_t row_bytes = n->row_len / gguf_block_weights(n->type) * gguf_block_bytes(n->type);
+    const int64_t row_bytes = blocks_row_bytes(n->type, n->row_len, n->group_size);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n->rows; r++)
-        gguf_row(n->type, n->table + n->index[r] * row_bytes, n->row_len, n->out + r * n->row_len);
+        blocks_row(n->type, n->table + n->index[r] * row_bytes, n->row_len, n->group_size, n->out + r * n->row_len);
 }

@@ -32,10 +32,6 @@ def _register_returning() -> None:
     def _(gate_up):  # noqa: ANN001, ANN202
         return _rows_out(gate_up, gate_up.shape[1] // 2)  # [num_tokens, inter]
 
-    @reg(_NS + "int8_linear")
-    def _(x, weight, scales, bias):  # noqa: ANN001, ANN202
-        return _rows_out(x, weight.shape[0])  # [num_rows, out_features]
-
     @reg(_NS + "gguf_linear")
     def _(x, weight, type, in_features, bias):  # noqa: ANN001, ANN202, A002
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]
@@ -47,6 +43,14 @@ def _register_returning() -> None:
     @reg(_NS + "gguf_dequantize")
     def _(weight, type, in_features):  # noqa: ANN001, ANN202, A002
         return weight.new_empty(weight.shape[0], in_features, dtype=torch.float32)  # [rows, in_features]
+
+    @reg(_NS + "quantized_linear")
+    def _(x, weight, bits, group_size, in_features, bias):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]
+
+    @reg(_NS + "quantized_embedding")
+    def _(table, bits, group_size, row_len, index):  # noqa: ANN001, ANN202
+        return index.new_empty(index.shape[0], row_len, dtype=torch.float32)  # [num_rows, row_len]
 
     @reg(_NS + "pack_panels")
     def _(weight):  # noqa: ANN001, ANN202

@@ -51,6 +51,8 @@ std::string dtype_name(at::ScalarType t) {
         case at::kLong: return "int64";
         case at::kInt: return "int32";
         case at::kChar: return "int8";
+        case at::kByte: return "uint8";
+        case at::kShort: return "int16";
         default: return c10::toString(t);
     }
 }
@@ -256,30 +258,6 @@ Tensor silu_mul(const Tensor &gate_up) {
 
 // --- linear layers ------------------------------------------------------------
 
-StepNode int8_linear_node(const Tensor &x, const Tensor &w, const Tensor &scales, const OptTensor &bias,
-                          const Tensor &out) {
-    const char *op = "int8_linear";
-    TORCH_CHECK_VALUE(w.dim() == 2, op, ": expected a 2-D int8 weight, got shape ", shape_of(w));
-    const int64_t out_features = w.size(0), in_features = w.size(1);
-    check_f32_rows(x, in_features, op, "x");
-    check_tensor(w, at::kChar, {out_features, in_features}, op, "weight");
-    check_tensor(scales, at::kFloat, {out_features}, op, "scales");
-    check_optional(bias, at::kFloat, {out_features}, op, "bias");
-    check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
-    StepNode node{NODE_LINEAR_INT8};
-    node.linear = {x.data_ptr<float>(), w.data_ptr<int8_t>(), scales.data_ptr<float>(), ptr_or_null<float>(bias),
-                   out.data_ptr<float>(), nullptr, x.size(0), in_features, out_features};
-    return node;
-}
-
-Tensor int8_linear(const Tensor &x, const Tensor &w, const Tensor &scales, const OptTensor &bias) {
-    TORCH_CHECK_VALUE(w.dim() == 2, "int8_linear: expected a 2-D int8 weight, got shape ", shape_of(w));
-    Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
-    const StepNode node = int8_linear_node(x, w, scales, bias, out);
-    run_node(node, num_threads(), "int8_linear");
-    return out;
-}
-
 /* a weight to pack: float32 [out, in], contiguous, both sizes positive */
 void check_weight_to_pack(const Tensor &w, const char *op) {
     TORCH_CHECK_VALUE(w.dim() == 2, op, ": expected a 2-D weight [out, in], got shape ", shape_of(w));
@@ -328,8 +306,8 @@ StepNode packed_linear_node(const Tensor &x, const Tensor &packed, const OptTens
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
     check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
     StepNode node{NODE_LINEAR_F32_PANELS};
-    node.linear = {x.data_ptr<float>(), packed.data_ptr<float>(), nullptr, ptr_or_null<float>(bias),
-                   out.data_ptr<float>(), nullptr, x.size(0), in_features, out_features};
+    node.linear = {x.data_ptr<float>(), packed.data_ptr<float>(), ptr_or_null<float>(bias), out.data_ptr<float>(),
+                   nullptr, x.size(0), in_features, out_features};
     return node;
 }
 
@@ -356,8 +334,8 @@ StepNode packed_linear_bf16_node(const Tensor &x, const Tensor &packed, const Op
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
     check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
     StepNode node{NODE_LINEAR_BF16_PANELS};
-    node.linear = {x.data_ptr<float>(), packed.data_ptr(), nullptr, ptr_or_null<float>(bias), out.data_ptr<float>(),
-                   nullptr, x.size(0), in_features, out_features};
+    node.linear = {x.data_ptr<float>(), packed.data_ptr(), ptr_or_null<float>(bias), out.data_ptr<float>(), nullptr,
+                   x.size(0), in_features, out_features};
     return node;
 }
 
@@ -397,8 +375,8 @@ StepNode gguf_linear_node(const Tensor &x, const Tensor &w, int64_t type, int64_
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
     check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
     StepNode node{NODE_LINEAR_GGUF};
-    node.linear = {x.data_ptr<float>(), w.data_ptr(), nullptr, ptr_or_null<float>(bias), out.data_ptr<float>(),
-                   nullptr, x.size(0), in_features, out_features, (int)type};
+    node.linear = {x.data_ptr<float>(), w.data_ptr(), ptr_or_null<float>(bias), out.data_ptr<float>(), nullptr,
+                   x.size(0), in_features, out_features, (int)type, 0};
     return node;
 }
 
@@ -419,7 +397,7 @@ StepNode gguf_embedding_node(const Tensor &table, int64_t type, int64_t row_len,
     check_tensor(out, at::kFloat, {index.size(0), row_len}, op, "the output");
     StepNode node{NODE_GATHER_GGUF};
     node.gguf_gather = {table.data_ptr<uint8_t>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), index.size(0),
-                        row_len, table.size(0), (int)type};
+                        row_len, table.size(0), (int)type, 0};
     return node;
 }
 
@@ -439,6 +417,68 @@ Tensor gguf_dequantize(const Tensor &w, int64_t type, int64_t in_features) {
     Tensor index = at::arange(w.size(0), w.options().dtype(at::kLong));             // [rows]
     const StepNode node = gguf_embedding_node(w, type, in_features, index, out);
     run_node(node, threads_for(out.numel()), "gguf_dequantize");
+    return out;
+}
+
+/* a grouped int8 / int4 weight (gguf_blocks.h's GROUP_I8 / GROUP_I4, quantized at load): uint8
+   [rows, in_features / group_size groups * group bytes], contiguous; its block type */
+int check_group_weight(const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features, const char *op) {
+    TORCH_CHECK_VALUE(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+    TORCH_CHECK_VALUE(group_size > 0 && group_size % GGUF_BLOCK == 0, op, ": group_size must be a positive multiple of ",
+                      GGUF_BLOCK, ", got ", group_size);
+    TORCH_CHECK_VALUE(in_features > 0 && in_features % group_size == 0, op, ": in_features must be a positive ",
+                      "multiple of group_size ", group_size, ", got ", in_features);
+    const int type = bits == 8 ? GROUP_I8 : GROUP_I4;
+    const int64_t row_bytes = in_features / group_size * group_block_bytes(type, group_size);
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == row_bytes, op, ": a weight of ", in_features, " inputs in int",
+                      bits, " groups of ", group_size, " has rows of ", row_bytes, " bytes, got shape ", shape_of(w));
+    check_tensor(w, at::kByte, w.sizes(), op, "the quantized weight");
+    return type;
+}
+
+StepNode quantized_linear_node(const Tensor &x, const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features,
+                               const OptTensor &bias, const Tensor &out) {
+    const char *op = "quantized_linear";
+    const int type = check_group_weight(w, bits, group_size, in_features, op);
+    const int64_t out_features = w.size(0);
+    check_activations(x, in_features, op);
+    check_optional(bias, at::kFloat, {out_features}, op, "bias");
+    check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
+    StepNode node{NODE_LINEAR_GGUF};
+    node.linear = {x.data_ptr<float>(), w.data_ptr(), ptr_or_null<float>(bias), out.data_ptr<float>(), nullptr,
+                   x.size(0), in_features, out_features, type, group_size};
+    return node;
+}
+
+Tensor quantized_linear(const Tensor &x, const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features,
+                        const OptTensor &bias) {
+    TORCH_CHECK_VALUE(w.dim() == 2, "quantized_linear: expected a 2-D quantized weight, got shape ", shape_of(w));
+    Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
+    const StepNode node = quantized_linear_node(x, w, bits, group_size, in_features, bias, out);
+    run_node(node, num_threads(), "quantized_linear");
+    return out;
+}
+
+StepNode quantized_embedding_node(const Tensor &table, int64_t bits, int64_t group_size, int64_t row_len,
+                                  const Tensor &index, const Tensor &out) {
+    const char *op = "quantized_embedding";
+    const int type = check_group_weight(table, bits, group_size, row_len, op);
+    TORCH_CHECK_VALUE(index.dim() == 1, op, ": the index must be 1-D, got ", shape_of(index));
+    check_index_vector(index, index.size(0), op, "the index");
+    check_tensor(out, at::kFloat, {index.size(0), row_len}, op, "the output");
+    StepNode node{NODE_GATHER_GGUF};
+    node.gguf_gather = {table.data_ptr<uint8_t>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), index.size(0),
+                        row_len, table.size(0), type, group_size};
+    return node;
+}
+
+Tensor quantized_embedding(const Tensor &table, int64_t bits, int64_t group_size, int64_t row_len,
+                           const Tensor &index) {
+    TORCH_CHECK_VALUE(index.dim() == 1, "quantized_embedding: the index must be 1-D, got ", shape_of(index));
+    Tensor out = at::empty({index.size(0), row_len}, index.options().dtype(at::kFloat));  // [num_rows, row_len]
+    const StepNode node = quantized_embedding_node(table, bits, group_size, row_len, index, out);
+    check_node_indices(node);
+    run_node(node, threads_for(out.numel()), "quantized_embedding");
     return out;
 }
 
@@ -555,10 +595,11 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("qk_norm_rope(Tensor(a!) x, int num_q_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
           "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
-    m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
     m.def("gguf_linear(Tensor x, Tensor weight, int type, int in_features, Tensor? bias) -> Tensor");
     m.def("gguf_embedding(Tensor table, int type, int row_len, Tensor index) -> Tensor");
     m.def("gguf_dequantize(Tensor weight, int type, int in_features) -> Tensor");
+    m.def("quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features, Tensor? bias) -> Tensor");
+    m.def("quantized_embedding(Tensor table, int bits, int group_size, int row_len, Tensor index) -> Tensor");
     m.def("pack_panels(Tensor weight) -> Tensor");
     m.def("pack_panels_bf16(Tensor weight) -> Tensor");
     m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
@@ -578,10 +619,11 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("add_rms_norm", &add_rms_norm);
     m.impl("qk_norm_rope", &qk_norm_rope);
     m.impl("silu_mul", &silu_mul);
-    m.impl("int8_linear", &int8_linear);
     m.impl("gguf_linear", &gguf_linear);
     m.impl("gguf_embedding", &gguf_embedding);
     m.impl("gguf_dequantize", &gguf_dequantize);
+    m.impl("quantized_linear", &quantized_linear);
+    m.impl("quantized_embedding", &quantized_embedding);
     m.impl("pack_panels", &pack_panels);
     m.impl("pack_panels_bf16", &pack_panels_bf16);
     m.impl("packed_linear", &packed_linear);

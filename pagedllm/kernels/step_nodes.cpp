@@ -48,7 +48,6 @@ static void run_node(const StepNode *node, int *failed) {
         case NODE_SILU_MUL: silu_mul_team(&node->silu); break;
         case NODE_LINEAR_F32_PANELS: packed_linear_f32_team(&node->linear); break;
         case NODE_LINEAR_BF16_PANELS: packed_linear_bf16_team(&node->linear); break;
-        case NODE_LINEAR_INT8: int8_linear_team(&node->linear); break;
         case NODE_LINEAR_GGUF: gguf_linear_team(&node->linear, failed); break;
         case NODE_GATHER_GGUF: gguf_gather_team(&node->gguf_gather); break;
         case NODE_WRITE_KV: write_kv_team(&node->kv); break;

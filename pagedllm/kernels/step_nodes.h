@@ -34,9 +34,8 @@ enum StepNodeKind {
     NODE_SILU_MUL,
     NODE_LINEAR_F32_PANELS,
     NODE_LINEAR_BF16_PANELS,
-    NODE_LINEAR_INT8,
-    NODE_LINEAR_GGUF, /* over GGUF's quantized blocks (gguf_linear.cpp) */
-    NODE_GATHER_GGUF, /* out[r] = dequantized row index[r] of a GGUF table (a quantized embedding) */
+    NODE_LINEAR_GGUF, /* over quantized blocks, GGUF's or the grouped int8 / int4 ones (gguf_linear.cpp) */
+    NODE_GATHER_GGUF, /* out[r] = dequantized row index[r] of such a table (a quantized embedding) */
     NODE_WRITE_KV,
     NODE_PAGED_DECODE,
 };
@@ -86,22 +85,23 @@ typedef struct {
 typedef struct {
     const float *x; /* [rows, in_features] */
     /* float32 panels [num_panels, in, PANEL]; bf16 panels [num_panels, ceil(in / 2), BF_PANEL, 2];
-       int8 [out, in] */
+       quantized blocks [out, row bytes] */
     const void *weight;
-    const float *scales; /* int8: [out_features]; NULL otherwise */
     const float *bias;   /* [out_features] or NULL */
     float *y;            /* [rows, out_features] */
     uint16_t *scratch;   /* bf16: room for bf16_scratch_values(rows, in_features) values, shared by the team */
     int64_t rows, in_features, out_features;
-    int weight_type; /* GGUF: the block type (gguf_blocks.h) of weight [out, in / 32 blocks]; 0 otherwise */
+    int weight_type;    /* quantized blocks: their type (gguf_blocks.h: a ggml type or GROUP_*); 0 otherwise */
+    int64_t group_size; /* GROUP_* types: weights per group (a multiple of 32 dividing in_features) */
 } LinearNode;
 
 typedef struct {
-    const uint8_t *table; /* [table_rows, row_len / 32 blocks] of `type` */
+    const uint8_t *table; /* [table_rows, row bytes] of `type` */
     const int64_t *index; /* [rows], each in [0, table_rows) */
     float *out;           /* [rows, row_len] */
     int64_t rows, row_len, table_rows;
     int type;
+    int64_t group_size; /* GROUP_* types: weights per group */
 } GgufGatherNode;
 
 
@@ -159,7 +159,6 @@ void qk_norm_rope_team(const QkNormRopeNode *n);       /* elementwise.cpp */
 void silu_mul_team(const SiluMulNode *n);              /* elementwise.cpp */
 void packed_linear_f32_team(const LinearNode *n);      /* packed_linear.cpp */
 void packed_linear_bf16_team(const LinearNode *n);     /* packed_linear_bf16.cpp */
-void int8_linear_team(const LinearNode *n);            /* int8_linear.cpp */
 void gguf_linear_team(const LinearNode *n, int *failed); /* gguf_linear.cpp */
 void gguf_gather_team(const GgufGatherNode *n);        /* gguf_linear.cpp */
 void write_kv_team(const WriteKvNode *n);              /* kv_write.cpp */

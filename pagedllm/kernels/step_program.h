@@ -13,10 +13,11 @@
  *   add_rms_norm         x, delta?, weight, out                                      eps
  *   qk_norm_rope         x, cos, sin, q_norm?, k_norm?            nq, nkv, head_dim  eps
  *   silu_mul             gate_up, out
- *   int8_linear          x, weight, scales, bias?, out
  *   packed_linear(_bf16) x, packed, bias?, out                    out_features
  *   gguf_linear          x, weight, bias?, out                    type, in_features
  *   gguf_embedding       table, index, out                        type, row_len
+ *   quantized_linear     x, weight, bias?, out                    bits, group_size, in_features
+ *   quantized_embedding  table, index, out                        bits, group_size, row_len
  *   write_kv             k, v, k_cache, v_cache, slots
  *   paged_decode         q, k_cache, v_cache, tables, lens, out   window             scale
  *   gather_rows          table, index, out
@@ -83,7 +84,6 @@ int64_t node_rows(const StepNode &node, int64_t row_len) {
         case NODE_SILU_MUL: return node.silu.rows;
         case NODE_LINEAR_F32_PANELS:
         case NODE_LINEAR_BF16_PANELS:
-        case NODE_LINEAR_INT8:
         case NODE_LINEAR_GGUF: return node.linear.rows;
         case NODE_GATHER_GGUF: return node.gguf_gather.rows;
         case NODE_WRITE_KV: return node.kv.rows;
@@ -103,7 +103,6 @@ void set_node_rows(StepNode &node, int64_t rows, int64_t add_row_len) {
         case NODE_SILU_MUL: node.silu.rows = rows; break;
         case NODE_LINEAR_F32_PANELS:
         case NODE_LINEAR_BF16_PANELS:
-        case NODE_LINEAR_INT8:
         case NODE_LINEAR_GGUF: node.linear.rows = rows; break;
         case NODE_GATHER_GGUF: node.gguf_gather.rows = rows; break;
         case NODE_WRITE_KV: node.kv.rows = rows; break;
@@ -144,13 +143,16 @@ struct StepProgram : torch::CustomClassHolder {
             return counts(5, 3, 1), qk_norm_rope_node(T(0), ints[0], ints[1], ints[2], T(1), T(2), maybe(t, 3),
                                                       maybe(t, 4), floats[0]);
         if (op == "silu_mul") return counts(2, 0, 0), silu_mul_node(T(0), T(1));
-        if (op == "int8_linear") return counts(5, 0, 0), int8_linear_node(T(0), T(1), T(2), maybe(t, 3), T(4));
         if (op == "packed_linear") return counts(4, 1, 0), packed_linear_node(T(0), T(1), maybe(t, 2), ints[0], T(3));
         if (op == "packed_linear_bf16")
             return counts(4, 1, 0), packed_linear_bf16_node(T(0), T(1), maybe(t, 2), ints[0], T(3));
         if (op == "gguf_linear")
             return counts(4, 2, 0), gguf_linear_node(T(0), T(1), ints[0], ints[1], maybe(t, 2), T(3));
         if (op == "gguf_embedding") return counts(3, 2, 0), gguf_embedding_node(T(0), ints[0], ints[1], T(1), T(2));
+        if (op == "quantized_linear")
+            return counts(4, 3, 0), quantized_linear_node(T(0), T(1), ints[0], ints[1], ints[2], maybe(t, 2), T(3));
+        if (op == "quantized_embedding")
+            return counts(3, 3, 0), quantized_embedding_node(T(0), ints[0], ints[1], ints[2], T(1), T(2));
         if (op == "write_kv") return counts(5, 0, 0), write_kv_node(T(0), T(1), T(2), T(3), T(4));
         if (op == "paged_decode")
             return counts(6, 1, 1), paged_decode_node(T(0), T(1), T(2), T(3), T(4), floats[0], T(5), ints[0]);

@@ -4,7 +4,7 @@ Models are written with ``Linear`` (an ``nn.Linear`` the checkpoint loads
 into as usual). After loading, the model loader picks one method from the
 config (``runner/model_loader.py``) and ``apply_linear_method`` hands it to
 every layer; the method turns the plain weight into its own storage (packed
-panels, oneDNN's layout, bf16, int8 with scales) and from then on computes
+panels, oneDNN's layout, bf16, int8 / int4 blocks) and from then on computes
 the layer's output::
 
     Linear.forward(x) = quant_method.apply(layer, x)
@@ -13,7 +13,8 @@ the layer's output::
 Methods: ``UnquantizedLinearMethod`` (``F.linear``, below),
 ``PackedLinearMethod`` / ``PackedBF16LinearMethod`` (``layers/packed_linear.py``),
 ``OneDnnLinearMethod`` (``layers/onednn_linear.py``), ``TorchBF16LinearMethod``
-(``layers/bf16_linear.py``), ``Int8LinearMethod`` (``layers/int8_linear.py``).
+(``layers/bf16_linear.py``), ``QuantizedLinearMethod`` (``layers/quantized_linear.py``);
+``GGUFLinearMethod`` (``layers/gguf_linear.py``) is given by the GGUF loader.
 """
 
 from __future__ import annotations

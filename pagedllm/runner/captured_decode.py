@@ -131,7 +131,7 @@ class CapturedDecode:
         Where the model's step is native programs alone (``row_generic``),
         one graph of ``row_bucket(max_rows)`` rows and ``max_width`` table
         columns runs every step (one per tier where the layers change
-        kernels with the rows: int8's small batches): the step's rows and
+        kernels with the rows, ``LinearMethod.row_limits``): the step's rows and
         table columns are copied into its corner and the programs run that
         many rows, no padding. Otherwise a graph per shape: rows rounded up to a bucket
         (padding rows), tables to a power of two.
@@ -178,7 +178,7 @@ class CapturedDecode:
             graph.group(functools.partial(lower_to_programs, rows=key[0]))
         if self.row_generic is not False:
             # a graph with Python calls left cannot run fewer rows: per-shape graphs from now on (a tier
-            # can lower differently from the one before it: int8's dense copy in oneDNN's layout)
+            # can lower differently from the one before it: a matmul with no program node past a limit)
             self.row_generic = len(graph.runs) == 1 and num_programs(graph.runs) == 1
             if not self.row_generic:
                 self.graphs.clear()

@@ -41,20 +41,32 @@ def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: to
     return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * elem
 
 
+def default_kv_budget(available_bytes: int, weight_bytes: int) -> int:
+    """The pool's budget when none is given: a quarter of the memory the weights leave, at most 2 GiB.
+
+    ``available_bytes`` is measured before the weights are loaded and
+    ``weight_bytes`` is what the loaded model holds (``ModelRunner.weight_bytes``),
+    so the budget follows the weights' real resident size (int4 blocks leave
+    more room than float32 weights) and not whatever the allocator still
+    keeps of the float32 tensors that quantizing at load let go.
+    """
+    return min(int(max(0, available_bytes - weight_bytes) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP_BYTES)
+
+
 def decide_num_kv_blocks(
-    config: EngineConfig, model_config: ModelArchConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, model_config: ModelArchConfig, dtype: torch.dtype, available_bytes: int, weight_bytes: int
 ) -> int:
     """Blocks in the pool: ``num_kv_blocks`` if given, else what the memory budget holds.
 
-    The budget is ``kv_cache_memory_bytes``, or a quarter of the free memory
-    capped at 2 GiB. ValueError when the pool cannot hold one sequence of
-    ``max_model_len`` tokens.
+    The budget is ``kv_cache_memory_bytes``, or ``default_kv_budget`` of the
+    memory available before loading and the weights' bytes. ValueError when
+    the pool cannot hold one sequence of ``max_model_len`` tokens.
     """
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         budget = config.kv_cache_memory_bytes
         if budget is None:
-            budget = min(int(available_memory_bytes(device) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP_BYTES)
+            budget = default_kv_budget(available_bytes, weight_bytes)
         num_blocks = max(1, budget // kv_bytes_per_block(model_config, config.block_size, dtype))
     min_blocks = (config.max_model_len + config.block_size - 1) // config.block_size
     if num_blocks < min_blocks:

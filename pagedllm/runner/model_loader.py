@@ -26,7 +26,6 @@ from pagedllm.layers.gguf_linear import (
     tie_gguf_lm_head,
     use_gguf_weights,
 )
-from pagedllm.layers.int8_linear import Int8LinearMethod
 from pagedllm.layers.linear import (
     Linear,
     LinearMethod,
@@ -44,12 +43,20 @@ from pagedllm.layers.packed_linear import (
     PackedLinearMethod,
     packed_linear_bf16_native,
 )
+from pagedllm.layers.quantized_linear import (
+    QuantizedEmbedding,
+    QuantizedLinearMethod,
+    group_fallbacks,
+    quantize_model,
+)
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# quantization values that round float weights at load (layers/quantized_linear.py): their bits
+WEIGHT_ONLY = {"int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,9 @@ def resolve_precision(config: EngineConfig, device: torch.device) -> Precision:
 
 
 def resolve_linear_backend(config: EngineConfig, device: torch.device, precision: Precision) -> str:
-    """``config.linear_backend`` with "auto" resolved for this device, dtype and CPU."""
+    """``config.linear_backend`` with "auto" resolved for this device, dtype and CPU ("int8" / "int4": theirs)."""
+    if config.quantization in WEIGHT_ONLY:
+        return config.quantization
     if config.linear_backend != "auto":
         return config.linear_backend
     if device.type != "cpu" or precision.compute != torch.float32:
@@ -105,20 +114,27 @@ def _warn_if_slow_half_precision(config: EngineConfig, device: torch.device, pre
         )
 
 
-def make_linear_method(config: EngineConfig, precision: Precision, linear: str) -> LinearMethod:
-    """The one linear method every layer gets, from the quantization, dtype and resolved backend."""
-    if config.quantization == "int8":
-        if load_kernels() is None:
-            raise ValueError(
-                f"quantization='int8' needs the native CPU kernels, which cannot be built here: {kernels_failure()}"
-            )
-        return Int8LinearMethod(dense_backend=linear)
+def make_linear_method(precision: Precision, linear: str) -> LinearMethod:
+    """The one linear method the float layers get, from the dtype and resolved backend (not int8 / int4's)."""
     if precision.bf16_matmul_only:
         methods = {"packed": PackedBF16LinearMethod, "onednn": lambda: OneDnnLinearMethod(torch.bfloat16),
                    "torch": TorchBF16LinearMethod}
         return methods[linear]()
     methods = {"packed": PackedLinearMethod, "onednn": OneDnnLinearMethod, "torch": UnquantizedLinearMethod}
     return methods[linear]()
+
+
+def quantize_weights(config: EngineConfig, model: nn.Module) -> None:
+    """Round every linear layer and the token embedding of ``model`` to int8 / int4 blocks (``quantization``)."""
+    if load_kernels() is None:
+        raise ValueError(f"quantization={config.quantization!r} needs the native CPU kernels, which cannot be "
+                         f"built here: {kernels_failure()}")
+    group_size = config.weight_group_size
+    for group, names in sorted(group_fallbacks(model, group_size).items()):
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        logger.warning("quantization_group_size=%d does not divide the in_features of %d layers (%s): "
+                       "they use groups of %d", group_size, len(names), shown, group)
+    quantize_model(model, WEIGHT_ONLY[config.quantization], group_size)
 
 
 def keep_gguf_blocks(
@@ -132,6 +148,11 @@ def keep_gguf_blocks(
     with no kernel, a fused q/k/v of mixed types) are dequantized at load.
     """
     quantized: dict[str, int] = getattr(weights, "quantized", {})
+    if quantized and config.quantization in WEIGHT_ONLY:
+        kinds = sorted({GGMLQuantizationType(t).name for t in quantized.values()})
+        logger.warning("quantization=%r on a GGUF file: its %s tensors are dequantized and rounded again to %s "
+                       "(two roundings); quantization=None keeps the file's own blocks",
+                       config.quantization, "+".join(kinds), config.quantization)
     fused_map = getattr(model, "checkpoint_fused_map", None)
     if not quantized or fused_map is None or config.quantization is not None:
         return
@@ -164,14 +185,21 @@ def count_params(model: nn.Module) -> int:
 
 
 def weight_format(config: EngineConfig, model: nn.Module, precision: Precision) -> str:
-    """How the weights are held: the GGUF types kept (e.g. "gguf:Q4_1+Q8_0"), "int8", or the dtype."""
+    """How the weights are held: the GGUF types kept (e.g. "gguf:Q4_1+Q8_0"), "int4-g128" (every group size
+    used, e.g. "int4-g96+g128"), "int8-per-channel", or the dtype."""
     kept = sorted({GGUF_KERNEL_TYPES[m.ggml_type][0] for m in model.modules() if isinstance(m, GGUFEmbedding)} | {
         GGUF_KERNEL_TYPES[m.quant_method.ggml_type][0] for m in model.modules()
         if isinstance(m, Linear) and isinstance(m.quant_method, GGUFLinearMethod)
     })
     if kept:
         return "gguf:" + "+".join(kept)
-    return config.quantization or str(precision.weights).removeprefix("torch.")
+    if config.quantization in WEIGHT_ONLY:
+        if config.weight_group_size is None:
+            return f"{config.quantization}-per-channel"
+        groups = sorted({m.group_size for m in model.modules() if isinstance(m, QuantizedEmbedding) or (
+            isinstance(m, Linear) and isinstance(m.quant_method, QuantizedLinearMethod))})
+        return f"{config.quantization}-" + "+".join(f"g{g}" for g in groups)
+    return str(precision.weights).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -238,7 +266,10 @@ def load_model(
     num_params = count_params(model)
     linear = resolve_linear_backend(config, device, precision)
     _warn_if_slow_half_precision(config, device, precision, linear)
-    apply_linear_method(model, make_linear_method(config, precision, linear))
+    if config.quantization in WEIGHT_ONLY:
+        quantize_weights(config, model)
+    else:
+        apply_linear_method(model, make_linear_method(precision, linear))
     # norms, RoPE and SiLU-and-multiply as single native calls where they build
     lib = load_kernels() if device.type == "cpu" and precision.compute == torch.float32 else None
     native_ops = NativeOps(lib) if lib is not None else None

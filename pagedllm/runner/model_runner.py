@@ -14,7 +14,12 @@ from pagedllm.layers.linear import Linear
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.input_batch import InputBatch
-from pagedllm.runner.kv_cache import allocate_kv_cache, decide_num_kv_blocks, kv_bytes_per_block
+from pagedllm.runner.kv_cache import (
+    allocate_kv_cache,
+    available_memory_bytes,
+    decide_num_kv_blocks,
+    kv_bytes_per_block,
+)
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
 from pagedllm.runner.sampler import (
@@ -57,6 +62,8 @@ class ModelRunner:
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         self.backend = make_backend(config.attention_backend, self.device.type, self.compute_dtype)
 
+        # measured before loading: the default KV budget is what the weights leave of it
+        available = available_memory_bytes(self.device)
         loaded = load_model(config, model_config, weights, self.backend, self.device)
         self.model = loaded.model
         self.linear_backend = loaded.linear_backend
@@ -67,7 +74,9 @@ class ModelRunner:
         self.weight_format = loaded.weight_format
 
         self.block_size = config.block_size
-        self.num_kv_blocks = decide_num_kv_blocks(config, model_config, self.kv_cache_dtype, self.device)
+        self.num_kv_blocks = decide_num_kv_blocks(
+            config, model_config, self.kv_cache_dtype, available, self.weight_bytes
+        )
         # one block past the pool (id num_kv_blocks), never handed out: the padding rows of
         # captured decode steps write and read it (runner/captured_decode.py)
         self.padding_block = self.num_kv_blocks

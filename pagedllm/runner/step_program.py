@@ -44,9 +44,6 @@ def _pagedllm_call(name: str, a: tuple, kwargs: dict, out: torch.Tensor | None) 
         return "qk_norm_rope", [x, cos, sin, q_norm, k_norm], [nq, nkv, head_dim], [float(eps)]
     if name == "silu_mul" and out is not None:
         return "silu_mul", [a[0], out], [], []
-    if name == "int8_linear" and out is not None:
-        x, weight, scales, bias = a
-        return "int8_linear", [x, weight, scales, bias, out], [], []
     if name in ("packed_linear", "packed_linear_bf16") and out is not None:
         x, packed, bias, out_features = a
         return name, [x, packed, bias, out], [out_features], []
@@ -56,6 +53,12 @@ def _pagedllm_call(name: str, a: tuple, kwargs: dict, out: torch.Tensor | None) 
     if name == "gguf_embedding" and out is not None:
         table, ggml_type, row_len, index = a
         return "gguf_embedding", [table, index, out], [ggml_type, row_len], []
+    if name == "quantized_linear" and out is not None:
+        x, weight, bits, group_size, in_features, bias = a
+        return "quantized_linear", [x, weight, bias, out], [bits, group_size, in_features], []
+    if name == "quantized_embedding" and out is not None:
+        table, bits, group_size, row_len, index = a
+        return "quantized_embedding", [table, index, out], [bits, group_size, row_len], []
     if name == "write_kv":
         return "write_kv", list(a), [], []
     if name == "paged_decode":
