@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,3 +103,31 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine, **settings) -> Iterator[str]:  # noqa: ANN001
+    """A real uvicorn server around ``engine`` on a loopback port, on a thread; yields its base URL.
+
+    ``settings``: ServerSettings fields besides the port. The torch thread
+    count (which the engine sets) is restored afterwards.
+    """
+    import torch
+    import uvicorn
+
+    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
+
+    threads = torch.get_num_threads()
+    port = free_port()
+    app = create_server_app(engine, ServerSettings(port=port, **settings))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        torch.set_num_threads(threads)

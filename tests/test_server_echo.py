@@ -11,14 +11,13 @@ from the folder (``huggingface``) and through the server (``remote``).
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
 from openai import OpenAI
-from server_helpers import free_port, sse_events, wait_healthy, wait_kv_free
+from server_helpers import serve_in_thread, sse_events, wait_kv_free
 
 PROMPT_IDS = [5, 17, 923, 48, 7, 301, 2500, 11, 64]
 TOL = 1e-4
@@ -26,26 +25,11 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def echo_server(tiny_model_dirs: dict[str, str]) -> Iterator[dict]:
-    import uvicorn
-
     from pagedllm import LLM
-    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
 
-    threads = torch.get_num_threads()
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, block_size=8, max_model_len=256, num_threads=1)
-    port = free_port()
-    app = create_server_app(llm.llm_engine, ServerSettings(model_name="tiny", port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url)
+    with serve_in_thread(llm.llm_engine, model_name="tiny") as url:
         yield {"url": url, "path": tiny_model_dirs["llama"]}
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,12 @@ the KV pool is small enough that they preempt each other.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import schemathesis
-import torch
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import (
@@ -29,7 +27,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from server_helpers import free_port, wait_healthy, wait_kv_free
+from server_helpers import serve_in_thread, wait_kv_free
 
 FUZZ_CHECKS = [
     not_a_server_error,
@@ -44,26 +42,11 @@ NUM_EXAMPLES = 30
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dirs: dict[str, str]) -> Iterator[dict]:
     """A real server on loopback around the tiny Llama: 40 KV blocks of 8 tokens, contexts of 256."""
-    import uvicorn
-
     from pagedllm import LLM
-    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
 
-    threads = torch.get_num_threads()
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=40, block_size=8, max_model_len=256, num_threads=1)
-    port = free_port()
-    app = create_server_app(llm.llm_engine, ServerSettings(model_name="tiny", port=port, max_waiting=64))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url)
+    with serve_in_thread(llm.llm_engine, model_name="tiny", max_waiting=64) as url:
         yield {"url": url, "engine": llm.llm_engine}
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,14 @@ that makes its output one; the parser still has to find the call in it.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 from openai import OpenAI
-from server_helpers import free_port, wait_healthy, wait_kv_free
+from server_helpers import serve_in_thread, wait_kv_free
 
 WEATHER = {
     "type": "function",
@@ -59,27 +57,12 @@ AUTO_CALL = r'I will check\.\n<tool_call>\n\{"name": "get_weather", "arguments":
 
 
 def _serve(path: str | None, name: str) -> Iterator[dict]:
-    import uvicorn
-
     from pagedllm import LLM
-    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
 
-    threads = torch.get_num_threads()
     kwargs = {"num_kv_blocks": 96, "max_model_len": 1024, "num_threads": 1}
     llm = LLM(path, **kwargs) if path is not None else LLM(**kwargs)
-    port = free_port()
-    app = create_server_app(llm.llm_engine, ServerSettings(model_name=name, port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url)
+    with serve_in_thread(llm.llm_engine, model_name=name) as url:
         yield {"url": url, "client": OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)}
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
