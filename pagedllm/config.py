@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.distributed.cpu_bind import parse_cpu_bind
+
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
 DEVICES = ("cpu", "cuda")
@@ -19,6 +21,7 @@ QUANTIZATIONS = (None, "none", "int8", "int4")
 # weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
 DEFAULT_INT4_GROUP_SIZE = 128
 LINEAR_BACKENDS = ("auto", "packed", "onednn", "torch")
+DISTRIBUTED_EXECUTORS = ("auto", "mp", "torchrun")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,21 @@ class EngineConfig:
             (default) replays decode steps from graphs recorded from the
             model's own forward, without the Python between its kernels
             (``runner/captured_decode.py``; CPU, ``cpu_paged`` attention).
+        tensor_parallel_size: ranks the model is split over (Megatron-style:
+            attention by KV-head groups, the MLP by intermediate rows, the
+            vocabulary by rows; ``pagedllm/distributed/``). Each rank is a
+            process holding its slice of the weights and of every KV block.
+        distributed_executor_backend: how ranks start: "auto" (default:
+            "torchrun" inside a torchrun launch, else "mp"), "mp" (this
+            process is rank 0 and spawns the others on this machine) or
+            "torchrun" (torchrun started every rank, on one or more machines).
+        cpu_bind: the cores of each rank, ranks separated by "|", e.g.
+            "0-3|4-7" (as vLLM's ``VLLM_CPU_OMP_THREADS_BIND``); None: no
+            binding. With ``num_threads`` None a rank runs one thread per
+            bound core (unbound: this machine's cores / tensor_parallel_size).
+        distributed_timeout_s: the longest any rank waits in one collective
+            of a step (or rank 0 for a worker to take a step) before the
+            engine stops with an error: a hung rank fails, not deadlocks.
     """
 
     model: str
@@ -114,6 +132,10 @@ class EngineConfig:
     quantization_group_size: int | None = None
     linear_backend: str = "auto"
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "auto"
+    cpu_bind: str | None = None
+    distributed_timeout_s: float = 120.0
 
     @property
     def weight_group_size(self) -> int | None:
@@ -182,6 +204,7 @@ class EngineConfig:
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("num_threads", self.num_threads, allow_none=True)
+        self._check_distributed()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
@@ -189,6 +212,25 @@ class EngineConfig:
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
+
+    def _check_distributed(self) -> None:
+        """ValueError for tensor-parallel settings that cannot run."""
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTORS:
+            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTORS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")
+        if self.cpu_bind is not None:
+            if not isinstance(self.cpu_bind, str):
+                raise ValueError(f"cpu_bind must be a string like '0-3|4-7', got {self.cpu_bind!r}")
+            parse_cpu_bind(self.cpu_bind, size)
+        if size > 1 and self.quantization in ("int8", "int4"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 yet "
+                             "(its quantized embedding is not split by vocabulary); GGUF files keep their blocks")
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""

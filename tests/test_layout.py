@@ -13,12 +13,13 @@ ROOT = Path(pagedllm.__file__).parent
 # pagedllm.config and pagedllm.sampling_params are plain data, open to all)
 ALLOWED = {
     "kernels": set(),
-    "layers": {"kernels"},
+    "layers": {"kernels", "distributed"},
+    "distributed": {"loader"},
     "models": {"layers", "loader"},
     "loader": set(),
-    "engine": {"loader", "runner"},
-    "runner": {"kernels", "layers", "models", "loader"},
-    "entrypoints": {"engine", "loader", "runner", "kernels", "layers", "bench"},
+    "engine": {"loader", "runner", "distributed"},
+    "runner": {"kernels", "layers", "models", "loader", "distributed"},
+    "entrypoints": {"engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
     "bench": {"entrypoints", "engine", "loader"},
 }
 DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table"}

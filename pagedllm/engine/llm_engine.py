@@ -15,8 +15,11 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import weakref
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.group import DistributedError, TensorParallelGroup
+from pagedllm.distributed.launch import leave_group
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
@@ -32,10 +35,30 @@ from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
 from pagedllm.runner.sampler import TokenLogprobs
 from pagedllm.runner.structured_output import GrammarCompiler, GrammarRejectedError, RequestGrammar
+from pagedllm.runner.tp_workers import (
+    TensorParallelWorkers,
+    is_torchrun_worker,
+    serve_torchrun_rank,
+    start_tensor_parallel,
+)
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.step_record import LogitsRules
 
 logger = logging.getLogger(__name__)
+
+
+def _release_ranks(workers: TensorParallelWorkers, tp: TensorParallelGroup, healthy: list[bool]) -> None:
+    """Stop the other ranks and leave the group, once: at ``shutdown()``, at a failure, or when the engine
+    is collected or the process exits without either. Healthy ranks are asked to leave (under torchrun,
+    ranks on other machines end cleanly too); after a failure they are killed."""
+    if healthy[0]:
+        try:
+            tp.broadcast_record(None)  # the workers' serve_steps return
+            workers.stop()
+        except DistributedError:
+            pass
+    workers.stop(grace_s=0.0)
+    leave_group()
 
 
 class ContextLengthError(ValueError):
@@ -45,11 +68,22 @@ class ContextLengthError(ValueError):
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
+    With ``tensor_parallel_size > 1`` the engine is rank 0: it starts the
+    other ranks (or meets those torchrun started) and its runner drives
+    them. In a torchrun rank other than 0, constructing the engine serves
+    rank 0's steps and then ends the process (``SystemExit(0)``) when rank 0
+    shuts down: the same script runs on every rank. Call ``shutdown()`` to
+    stop the ranks before the process ends.
+
     Args:
         config: the validated engine configuration.
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if is_torchrun_worker(config):
+            # a torchrun rank other than 0 only serves rank 0's steps; when rank 0 stops, so does this process
+            serve_torchrun_rank(config)
+            raise SystemExit(0)
         self.config = config
         self.model_config = load_model_config(config.model)
         if config.max_model_len > self.model_config.max_position_embeddings:
@@ -58,8 +92,23 @@ class LLMEngine:
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
-        apply_process_settings(config)
-        self.model_runner = ModelRunner(config, self.model_config, iter_weights(config.model, self.model_config))
+        # tensor parallelism: the other ranks' processes (runner/tp_workers.py); None in one process
+        self.tp_workers: TensorParallelWorkers | None = None
+        # set when a tensor-parallel rank failed: the ranks are out of step, no step may run again
+        self.dead: DistributedError | None = None
+        tp = None
+        if config.tensor_parallel_size > 1:
+            tp, self.tp_workers = start_tensor_parallel(config, self.model_config)
+            # an engine dropped without shutdown() still stops its ranks and leaves the group
+            self._healthy = [True]  # False once a rank failed: the others are killed, not asked
+            self._release = weakref.finalize(self, _release_ranks, self.tp_workers, tp, self._healthy)
+        else:
+            apply_process_settings(config)
+        try:
+            self.model_runner = ModelRunner(config, self.model_config, iter_weights(config.model, self.model_config), tp)
+        except BaseException:
+            self._stop_ranks(graceful=False)
+            raise
         num_blocks = self.model_runner.num_kv_blocks
         if config.kv_allocator == "contiguous":
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
@@ -247,8 +296,33 @@ class LLMEngine:
         return len(self.requests)
 
     # --- the loop ------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave their group; no step may run after this (one process: no-op)."""
+        if self.config.tensor_parallel_size > 1 and self.dead is None:
+            self.dead = DistributedError("the engine was shut down")
+            self._stop_ranks(graceful=True)
+
+    def _stop_ranks(self, graceful: bool) -> None:
+        """Stop the other ranks: ask them to leave (graceful) or kill them; then leave the group."""
+        release = getattr(self, "_release", None)
+        if release is None:
+            return
+        self._healthy[0] = graceful
+        release()  # runs once
+
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs of requests that progressed."""
+        """Run one scheduled step; return outputs of requests that progressed.
+
+        Raises ``DistributedError`` once a tensor-parallel rank has failed
+        (every later call too): the engine cannot go on without it.
+        """
+        if self.dead is not None:
+            raise self.dead
+        if self.tp_workers is not None:
+            try:
+                self.tp_workers.check()
+            except DistributedError as e:
+                self._die(e)
         # blocks published by a plan that never ran (its schedule raised) must not be hit
         self.block_manager.unpublish_unconfirmed()
         output = self.scheduler.schedule()
@@ -270,6 +344,11 @@ class LLMEngine:
         self.last_step_scheduled = True
         try:
             results = self.model_runner.execute(build_step_record(output, params, num_top, rules, bitmasks))
+        except DistributedError as e:
+            self.block_manager.unpublish_unconfirmed()
+            for s in output.scheduled:
+                self.abort_request(s.seq.request_id)
+            self._die(e)
         except BaseException:
             # the step is lost, not the engine: fail the requests in it so their
             # blocks return to the pool. Blocks published to the prefix cache
@@ -324,6 +403,13 @@ class LLMEngine:
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
         return outputs
+
+    def _die(self, error: DistributedError) -> None:
+        """A rank failed: stop every rank, remember why, raise it."""
+        logger.error("tensor parallelism failed, the engine stops: %s", error)
+        self.dead = error
+        self._stop_ranks(graceful=False)
+        raise error
 
     def _bitmasks(self, output: SchedulerOutput, reqs: list[Request]) -> list[tuple[bytes, ...]] | None:
         """The structured-output mask of every row the step samples; None when no request has a constraint."""

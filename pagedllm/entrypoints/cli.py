@@ -48,6 +48,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true",
         help="run every step through the model's modules (no replay of captured decode steps)",
     )
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="processes the model is split over (Megatron-style; gloo on the CPU)")
+    g.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "mp", "torchrun"],
+                   help="auto: torchrun inside a torchrun launch, else mp (this process spawns the ranks)")
+    g.add_argument("--cpu-bind", default=None, help="cores of each tensor-parallel rank, e.g. '0-3|4-7'")
+    g.add_argument("--distributed-timeout-s", type=float, default=120.0,
+                   help="longest wait in one collective before the engine stops with an error")
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -83,6 +90,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         quantization_group_size=args.quantization_group_size,
         linear_backend=args.linear_backend,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        cpu_bind=args.cpu_bind,
+        distributed_timeout_s=args.distributed_timeout_s,
     )
     return kwargs
 
@@ -108,6 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         outs = llm.generate(list(args.prompts), params, use_tqdm=show_bar)
     elapsed = time.perf_counter() - start
+    llm.shutdown()  # tensor-parallel ranks leave now (under torchrun: on every node)
     num_tokens = 0
     for prompt, out in zip(args.prompts, outs):  # outputs come in prompt order
         print(f"\n=== prompt: {prompt!r}")
@@ -247,7 +259,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings, model_name=settings.model_name or default_model_name(engine.config.model),
         model_path=engine.config.model,
     )
-    run_server(engine, settings)
+    try:
+        run_server(engine, settings)
+    finally:
+        engine.shutdown()
     return 0
 
 

@@ -66,6 +66,16 @@ class LLM:
         )
         self.llm_engine = LLMEngine(config)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing to do in one process); no call may follow."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @property
     def weight_bytes(self) -> int:
         """Bytes the loaded model holds in memory (weights as stored for its linear method, RoPE tables)."""

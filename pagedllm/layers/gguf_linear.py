@@ -32,8 +32,8 @@ GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
 
-# checkpoint part -> (fused parameter, row offset, rows), as layers/weights.py's FusedMap
-FusedMap = Mapping[str, tuple[str, int, int]]
+# checkpoint part -> (fused parameter, row offset, rows, checkpoint's first row), as layers/weights.py's FusedMap
+FusedMap = Mapping[str, tuple[str, int, int, int | None]]
 
 
 def gguf_row_bytes(ggml_type: int, in_features: int) -> int:
@@ -93,7 +93,7 @@ class GGUFEmbedding(nn.Module):
 
 def _target(name: str, fused: FusedMap) -> tuple[str, int, int | None]:
     """Where checkpoint tensor ``name`` goes: (parameter name, row offset, rows or None for all)."""
-    for part, (fused_name, offset, size) in fused.items():
+    for part, (fused_name, offset, size, _) in fused.items():
         if f".{part}." in name:
             return name.replace(part, fused_name), offset, size
     return name, 0, None
@@ -106,11 +106,16 @@ def _quantized_targets(model: nn.Module, types: Mapping[str, int], fused: FusedM
         target, offset, size = _target(name, fused)
         parts.setdefault(target, []).append((name, offset, size))
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     chosen: dict[str, tuple[int, list[str]]] = {}
     for target, found in parts.items():
         param = params.get(target)
         kinds = {types[name] for name, _, _ in found}
         if param is None or param.dim() != 2 or len(kinds) != 1 or not gguf_kernel_takes(next(iter(kinds)), param.shape[1]):
+            continue
+        # a row-parallel shard (layers/parallel.py) must start on a block boundary to take whole blocks
+        start = getattr(modules.get(target.rpartition(".")[0]), "input_start", 0)
+        if start and not gguf_kernel_takes(next(iter(kinds)), start):
             continue
         rows = sum(param.shape[0] if size is None else size for _, _, size in found)
         if rows == param.shape[0]:  # every part of a fused parameter is there

@@ -13,18 +13,30 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-# checkpoint part -> (fused parameter, row offset, rows)
-FusedMap = dict[str, tuple[str, int, int]]
+from pagedllm.distributed.shard_plan import ShardPlan
+
+# checkpoint part -> (fused parameter, row offset, rows, first row of the checkpoint's tensor a
+# tensor-parallel rank takes; None: the whole tensor, one process)
+FusedMap = dict[str, tuple[str, int, int, int | None]]
 
 
-def fused_projections(q_size: int, kv_size: int, intermediate_size: int) -> FusedMap:
-    """Where q/k/v and gate/up of a checkpoint go in ``qkv_proj`` / ``gate_up_proj``."""
+def fused_projections(
+    q_size: int, kv_size: int, intermediate_size: int, plan: ShardPlan | None = None
+) -> FusedMap:
+    """Where q/k/v and gate/up of a checkpoint go in ``qkv_proj`` / ``gate_up_proj``.
+
+    Sizes are this rank's (the whole model's in one process); ``plan`` says
+    which rows of each checkpoint tensor a tensor-parallel rank takes.
+    """
+    q_start = kv_start = i_start = None
+    if plan is not None and plan.size > 1:
+        q_start, kv_start, i_start = plan.q_rows[0], plan.kv_rows[0], plan.intermediate[0]
     return {
-        "q_proj": ("qkv_proj", 0, q_size),
-        "k_proj": ("qkv_proj", q_size, kv_size),
-        "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
-        "gate_proj": ("gate_up_proj", 0, intermediate_size),
-        "up_proj": ("gate_up_proj", intermediate_size, intermediate_size),
+        "q_proj": ("qkv_proj", 0, q_size, q_start),
+        "k_proj": ("qkv_proj", q_size, kv_size, kv_start),
+        "v_proj": ("qkv_proj", q_size + kv_size, kv_size, kv_start),
+        "gate_proj": ("gate_up_proj", 0, intermediate_size, i_start),
+        "up_proj": ("gate_up_proj", intermediate_size, intermediate_size, i_start),
     }
 
 
@@ -40,15 +52,27 @@ def load_hf_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     # a layer holding GGUF blocks (layers/gguf_linear.py) takes a checkpoint's bytes in its qweight buffer
     quantized = {name: buf for name, buf in model.named_buffers(remove_duplicate=False) if name.endswith(".qweight")}
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb" in name or (name == "lm_head.weight" and tied_lm_head):
             continue
         target, offset, size = name, 0, None
-        for part, (fused_name, off, sz) in fused.items():
+        for part, (fused_name, off, sz, start) in fused.items():
             if f".{part}." in name:
                 target, offset, size = name.replace(part, fused_name), off, sz
+                # a tensor-parallel rank takes its rows only (the whole tensor in one process)
+                if start is not None:
+                    if tensor.shape[0] < start + sz:
+                        raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, the shard needs "
+                                         f"rows {start}..{start + sz}")
+                    tensor = tensor.narrow(0, start, sz)
                 break
+        else:
+            owner_name, _, param_name = target.rpartition(".")
+            owner = modules.get(owner_name)
+            if hasattr(owner, "checkpoint_slice"):  # layers/parallel.py: this rank's slice
+                tensor = owner.checkpoint_slice(param_name, tensor)
         if tensor.dtype == torch.uint8:
             param = quantized.get(target.removesuffix(".weight") + ".qweight")
         else:
@@ -72,7 +96,7 @@ def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: 
     for name in held:
         if name == "lm_head.weight" and tied_lm_head:
             continue
-        split = [part for part, (fname, _, _) in fused.items() if f".{fname}." in name]
+        split = [part for part, (fname, *_) in fused.items() if f".{fname}." in name]
         if split:
             fused_name = fused[split[0]][0]
             suffix = name.split(f".{fused_name}.")[1]

@@ -37,6 +37,12 @@ from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallelGroup,
+    VocabParallelEmbedding,
+)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.weights import fused_projections, load_hf_weights
 from pagedllm.loader.model_config import GELU_APPROXIMATIONS, ModelArchConfig
@@ -47,7 +53,9 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 class Gemma3Attention(nn.Module):
     """Self-attention of one layer: per-head q/k norms, RoPE, the layer's window and softcap."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -55,7 +63,8 @@ class Gemma3Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        q_start = tp.plan.q_rows[0] if tp is not None else 0
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.attention_bias, tp, q_start)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=True)
         self.backend = backend
@@ -95,10 +104,11 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     """``down(gelu(gate(x)) * up(x))``, gate and up as one matmul."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        start = tp.plan.intermediate[0] if tp is not None else 0
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp, input_start=start)
         self.act_fn = GeluAndMul(GELU_APPROXIMATIONS[cfg.hidden_act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,15 +119,17 @@ class Gemma3MLP(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     """Attention and MLP, each between a pre-norm and a post-norm, each added to the residual."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.is_sliding = bool(cfg.layer_types) and cfg.layer_types[layer] == "sliding_attention"
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
-        self.self_attn = Gemma3Attention(cfg, backend, layer)
+        self.self_attn = Gemma3Attention(cfg, backend, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
-        self.mlp = Gemma3MLP(cfg)
+        self.mlp = Gemma3MLP(cfg, tp)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
 
     def forward(
@@ -153,12 +165,13 @@ class Gemma3Rotary(nn.Module):
 class Gemma3Model(nn.Module):
     """Embedding (scaled), decoder layers, final norm and the RoPE tables."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, tp, vocab_start)
         # filled by load_weights (a model built on the meta device has no values yet)
         self.register_buffer("embed_scale", torch.empty(()), persistent=False)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
         self.rotary = Gemma3Rotary(cfg)
 
@@ -166,13 +179,15 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the (softcapped) logits."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         if cfg.architecture != "gemma3":
             raise ValueError(f"Gemma3ForCausalLM cannot run a {cfg.architecture!r} model")
         self.config = cfg
-        self.model = Gemma3Model(cfg, backend)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = Gemma3Model(cfg, backend, tp)
+        vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, vocab_rows, tp, vocab_start)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -201,20 +216,23 @@ class Gemma3ForCausalLM(nn.Module):
             elif isinstance(module, Gemma3Attention):
                 module.native = ops
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[n, vocab]`` in float32, for the rows that sample only; ``cap * tanh(x / cap)`` if capped."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[n, vocab]`` in float32, for the rows that sample only; ``cap * tanh(x / cap)`` if capped.
+
+        None on tensor-parallel ranks but 0 (their slices are gathered there).
+        """
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return self.lm_head.gather(logits.float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters; set the embedding scale."""
         cfg = self.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
-        fused = fused_projections(q_size, kv_size, cfg.intermediate_size)
+        fused = fused_projections(q_size, kv_size, cfg.intermediate_size, self.tp.plan if self.tp else None)
         load_hf_weights(self, weights, fused, cfg.tie_word_embeddings)
         with torch.no_grad():
             self.model.embed_scale.fill_(cfg.hidden_size**0.5)  # as transformers computes it

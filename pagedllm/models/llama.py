@@ -24,13 +24,21 @@ from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallelGroup,
+    VocabParallelEmbedding,
+)
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.weights import FusedMap, fused_projections, load_hf_weights
 from pagedllm.loader.model_config import ModelArchConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -38,7 +46,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        q_start = tp.plan.q_rows[0] if tp is not None else 0
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False, tp=tp, input_start=q_start)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
@@ -80,10 +89,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        start = tp.plan.intermediate[0] if tp is not None else 0
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp, input_start=start)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,12 +101,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, layer)
+        self.self_attn = Attention(cfg, backend, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, cos_sin, x, kv_cache, meta):  # noqa: ANN001, ANN201
         # the residual stream x is updated in place: x += attn(...), x += mlp(...)
@@ -106,23 +118,31 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
+        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, tp, vocab_start)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits."""
+    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits.
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    ``cfg`` is the shape this process holds: with ``tp`` (tensor
+    parallelism) a rank's head counts and intermediate size
+    (``ShardPlan.local_config``), and ``tp.plan`` says which slices they are.
+    """
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(cfg, backend, tp)
+        vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, vocab_rows, tp, vocab_start)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -148,9 +168,9 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, (Attention, SiluAndMul)):
                 module.native = ops
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[n, vocab]`` in float32, for the rows that sample only."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits ``[n, vocab]`` in float32, for the rows that sample only (None on tensor-parallel ranks but 0)."""
+        return self.lm_head.gather(self.lm_head(hidden).float())
 
     # --- weights -------------------------------------------------------------
     def checkpoint_fused_map(self) -> FusedMap:
@@ -158,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
-        return fused_projections(q_size, kv_size, cfg.intermediate_size)
+        return fused_projections(q_size, kv_size, cfg.intermediate_size, self.tp.plan if self.tp else None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters."""

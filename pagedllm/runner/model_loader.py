@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.kernels import kernels_failure, load_kernels
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
@@ -139,7 +140,7 @@ def quantize_weights(config: EngineConfig, model: nn.Module) -> None:
 
 def keep_gguf_blocks(
     config: EngineConfig, model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device,
-    precision: Precision,
+    precision: Precision, sharded: bool = False,
 ) -> None:
     """Let the layers of ``model`` (on the meta device) take a GGUF checkpoint's quantized tensors as stored.
 
@@ -160,7 +161,9 @@ def keep_gguf_blocks(
         logger.warning("GGUF weights are dequantized to %s: their kernels run on the CPU in float32 only (%s)",
                        precision.weights, kernels_failure() or f"device={device.type}")
         return
-    weights.keep = use_gguf_weights(model, quantized, fused_map(), "model.embed_tokens.weight")
+    # a tensor-parallel rank's embedding looks up its vocabulary slice (layers/parallel.py): held in float
+    embedding = "" if sharded else "model.embed_tokens.weight"
+    weights.keep = use_gguf_weights(model, quantized, fused_map(), embedding)
     left = sorted(name for name in quantized if name not in weights.keep and name != "lm_head.weight")
     if left:
         kinds = sorted({GGMLQuantizationType(quantized[name]).name for name in left})
@@ -247,15 +250,21 @@ def load_model(
     weights: Iterable[tuple[str, torch.Tensor]],
     backend: AttentionBackend,
     device: torch.device,
+    tp: TensorParallelGroup | None = None,
 ) -> LoadedModel:
-    """Build the model on ``device`` from checkpoint ``weights``, in the config's dtype and linear method."""
+    """Build the model on ``device`` from checkpoint ``weights``, in the config's dtype and linear method.
+
+    ``model_config`` is the shape this process holds: with ``tp``, a rank's
+    slice (``ShardPlan.local_config``), and only that slice of each
+    checkpoint tensor is copied.
+    """
     start = time.perf_counter()
     precision = resolve_precision(config, device)
     # built on the meta device: no time spent on random init of weights
     # that the checkpoint overwrites anyway
     with torch.device("meta"):
-        model = model_class(model_config)(model_config, backend)
-    keep_gguf_blocks(config, model, weights, device, precision)
+        model = model_class(model_config)(model_config, backend, tp)
+    keep_gguf_blocks(config, model, weights, device, precision, sharded=tp is not None and tp.size > 1)
     model = model.to_empty(device="cpu")
     if model_config.tie_word_embeddings and not tie_gguf_lm_head(model.lm_head, model.model.embed_tokens):
         model.lm_head.weight = model.model.embed_tokens.weight

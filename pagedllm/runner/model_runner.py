@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.linear import Linear
 from pagedllm.loader.model_config import ModelArchConfig
@@ -43,6 +44,13 @@ class ModelRunner:
     ``runner/kv_cache.py``'s; ``num_kv_blocks`` is decided there and read by
     the engine. Process-wide settings (thread counts) are the engine's, set
     before the runner is built (``runner/process_settings.py``).
+
+    With ``tp`` (tensor parallelism, ``pagedllm/distributed/``) this runner
+    holds one rank's slice of the model and its share of every KV block (its
+    KV heads); all ranks hold the same number of blocks. Rank 0's
+    ``execute`` sends each record to the other ranks, whose runners compute
+    the same step in ``serve_steps`` and hand their logits to rank 0, which
+    samples alone.
     """
 
     def __init__(
@@ -50,10 +58,15 @@ class ModelRunner:
         config: EngineConfig,
         model_config: ModelArchConfig,
         weights: Iterable[tuple[str, torch.Tensor]],
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
-        self.device = torch.device(config.device)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        # the shape this process holds: a rank's heads and intermediate rows under tensor parallelism
+        self.local_config = self.tp.plan.local_config(model_config) if self.tp is not None else model_config
+        # one GPU per tensor-parallel rank
+        self.device = torch.device("cuda", self.tp.rank) if self.tp and config.device == "cuda" else torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         precision = resolve_precision(config, self.device)
@@ -64,7 +77,7 @@ class ModelRunner:
 
         # measured before loading: the default KV budget is what the weights leave of it
         available = available_memory_bytes(self.device)
-        loaded = load_model(config, model_config, weights, self.backend, self.device)
+        loaded = load_model(config, self.local_config, weights, self.backend, self.device, self.tp)
         self.model = loaded.model
         self.linear_backend = loaded.linear_backend
         self.native_ops = loaded.native_ops
@@ -75,15 +88,24 @@ class ModelRunner:
 
         self.block_size = config.block_size
         self.num_kv_blocks = decide_num_kv_blocks(
-            config, model_config, self.kv_cache_dtype, available, self.weight_bytes
+            config, self.local_config, self.kv_cache_dtype, available, self.weight_bytes
         )
+        if self.tp is not None:  # one block table addresses every rank's cache: all hold as many blocks
+            self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
         # one block past the pool (id num_kv_blocks), never handed out: the padding rows of
         # captured decode steps write and read it (runner/captured_decode.py)
         self.padding_block = self.num_kv_blocks
         self.kv_cache, self.kv_caches = allocate_kv_cache(
-            model_config, self.num_kv_blocks + 1, self.block_size, self.kv_cache_dtype, self.device
+            self.local_config, self.num_kv_blocks + 1, self.block_size, self.kv_cache_dtype, self.device
         )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        # (weight bytes, KV cache bytes) each rank holds, by rank: measured there, gathered here
+        self.rank_bytes: list[list[int]] = [[self.weight_bytes, self.kv_cache_bytes]]
+        if self.tp is not None:
+            self.rank_bytes = self.tp.all_gather_ints([self.weight_bytes, self.kv_cache_bytes])
+            logger.info("tensor parallel over %d ranks: weights %s MiB, KV cache %s MiB by rank", self.tp.size,
+                        "/".join(f"{w / 2**20:.1f}" for w, _ in self.rank_bytes),
+                        "/".join(f"{k / 2**20:.1f}" for _, k in self.rank_bytes))
         logger.info(
             "resident: weights %.1f MiB (%s, %s linears), KV cache %.1f MiB (%d blocks of %d tokens, %s)",
             self.weight_bytes / 2**20, self.weight_format, self.linear_backend,
@@ -96,7 +118,8 @@ class ModelRunner:
         # their kernels run in one parallel region per graph where the native ops are loaded
         # (runner/step_program.py)
         self.captured_decode: CapturedDecode | None = None
-        if not config.enforce_eager and CapturedDecode.supports(self.backend, model_config):
+        # not with tensor parallelism yet: a graph would replay its collectives without the other ranks
+        if not config.enforce_eager and self.tp is None and CapturedDecode.supports(self.backend, model_config):
             self.captured_decode = CapturedDecode(
                 self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS),
                 self.padding_block, self.block_size, native_programs=self.native_ops is not None,
@@ -105,8 +128,8 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes one KV block takes across all layers, K and V."""
-        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_cache_dtype)
+        """Bytes one KV block takes in this process across all layers, K and V (a rank's share under TP)."""
+        return kv_bytes_per_block(self.local_config, self.block_size, self.kv_cache_dtype)
 
     # --- one step ------------------------------------------------------------
     def prepare(self, steps: list[SequenceStep]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -171,7 +194,11 @@ class ModelRunner:
         Returns one ``StepResult`` per ``record.sequences`` entry, in that
         order: a sampled token for the sequence and each of its forks when
         the step reaches its last token, and prompt logprobs when asked for.
+        A tensor-parallel rank other than 0 returns ``[]``: it computes the
+        step and hands its logits to rank 0.
         """
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.broadcast_record(record)
         self.copy_blocks(record.blocks_to_copy)
         order = sorted(range(len(record.sequences)), key=lambda i: record.sequences[i].num_new_tokens == 1)
         steps = [record.sequences[i] for i in order]
@@ -181,36 +208,54 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
+        # one LM-head call for every row that needs logits: the sampled rows, then the prompt-logprob rows
+        rows = _LogitRows.of(steps, meta)
+        index = torch.tensor(rows.hidden_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[index]) if rows.hidden_rows else None  # [rows, vocab]
+        if self.tp is not None and not self.tp.is_driver:
+            return []
+        logits = logits.cpu() if logits is not None else None
         results = [StepResult() for _ in steps]
-        self._sample_step(hidden, meta, steps, results)
+        if rows.num_sampled:
+            self._sample_step(logits[: rows.num_sampled], steps, results)
         for i, s in enumerate(steps):
-            if results[i].error is None and s.prompt_logprobs is not None:
+            if s.prompt_logprobs is None:
+                continue
+            start, stop = rows.prompt_rows[i]
+            if results[i].error is None:
                 try:
-                    results[i].prompt_logprobs = self._prompt_logprobs(hidden, meta, i, s)
+                    targets = torch.tensor(s.prompt_targets, dtype=torch.int64)
+                    results[i].prompt_logprobs = token_logprobs(logits[start:stop], targets, [s.prompt_logprobs] * len(targets))
                 except Exception as e:  # this sequence's alone: the others keep theirs
                     results[i].error = e
-                results[i].prompt_logprobs_start = s.num_computed_tokens + 1
+            results[i].prompt_logprobs_start = s.num_computed_tokens + 1
         unordered: list[StepResult] = [StepResult()] * len(steps)
         for i, r in zip(order, results):
             unordered[i] = r
         return unordered
 
-    def _sample_step(
-        self, hidden: torch.Tensor, meta: AttentionMetadata, steps: list[SequenceStep], results: list[StepResult]
-    ) -> None:
+    @torch.inference_mode()
+    def serve_steps(self) -> None:
+        """A tensor-parallel worker's loop: run every record rank 0 sends, until it sends None (shutdown)."""
+        if self.tp is None or self.tp.is_driver:
+            raise ValueError("serve_steps runs on tensor-parallel ranks other than 0")
+        while (record := self.tp.broadcast_record()) is not None:
+            self.execute(record)
+
+    def _sample_step(self, logits: torch.Tensor, steps: list[SequenceStep], results: list[StepResult]) -> None:
         """Sample every sequence that reached its last token this step into ``results``.
 
-        One batched call normally. If it raises, each sequence (with its
-        forks) is sampled alone with the random numbers the record carries,
-        so a failure caused by one request's settings lands in that
-        sequence's ``StepResult.error`` and the others get the tokens they
-        would have had.
+        ``logits`` ``[num_rows, vocab]``: one row per sample, in the order of
+        ``steps`` and each one's forks (``_LogitRows``). One batched call
+        normally. If it raises, each sequence (with its forks) is sampled
+        alone with the random numbers the record carries, so a failure
+        caused by one request's settings lands in that sequence's
+        ``StepResult.error`` and the others get the tokens they would have had.
         """
         specs: list[SamplingSpec] = []  # one row per sample; forks share their parent's settings
         uniforms: list[float] = []
         history = _RowHistory()
         bitmasks: list[bytes] = []  # a row's structured-output mask; b"": none
-        hidden_rows: list[int] = []
         owners: list[int] = []  # the step entry of each row
         for i, s in enumerate(steps):
             for j, u in enumerate(s.uniforms):
@@ -219,12 +264,7 @@ class ModelRunner:
                 history.prompts.append(s.prompt_token_ids)
                 history.outputs.append(s.output_token_ids[j] if s.output_token_ids else ())
                 bitmasks.append(s.token_bitmasks[j] if s.token_bitmasks else b"")
-                hidden_rows.append(meta.query_start_loc[i + 1] - 1)
                 owners.append(i)
-        if not specs:
-            return
-        index = torch.tensor(hidden_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[index]).cpu()  # [num_rows, vocab]
         # first, as vLLM: the processors, the sampler and the logprobs all see the masked logits
         apply_token_bitmasks(logits, bitmasks)
         try:
@@ -246,19 +286,33 @@ class ModelRunner:
                 logger.exception("sequence %s failed while sampling", steps[i].request_id)
                 results[i].error = e
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, meta: AttentionMetadata, i: int, s: SequenceStep
-    ) -> list[TokenLogprobs]:
-        """Logprobs of ``s.prompt_targets``, the prompt tokens after this step's positions.
 
-        Target ``j`` is scored by the logits of this step's token ``j``
-        (position ``num_computed_tokens + j``), given the tokens before it.
-        """
-        start = meta.query_start_loc[i]
-        num_targets = len(s.prompt_targets)
-        logits = self.model.compute_logits(hidden[start : start + num_targets]).cpu()  # [num_targets, vocab]
-        targets = torch.tensor(s.prompt_targets, dtype=torch.int64)
-        return token_logprobs(logits, targets, [s.prompt_logprobs] * num_targets)
+@dataclass
+class _LogitRows:
+    """Which rows of a step's hidden states need logits, in one list.
+
+    First one row per sample (each sequence's last token, once per fork),
+    then each prompt-logprobs sequence's tokens: target ``j`` of a sequence
+    is scored by the logits of its step token ``j`` (position
+    ``num_computed_tokens + j``). Plain data from the record and metadata,
+    so every tensor-parallel rank computes the same rows.
+    """
+
+    hidden_rows: list[int]
+    num_sampled: int
+    prompt_rows: dict[int, tuple[int, int]]  # step entry -> its [start, stop) in the logits
+
+    @classmethod
+    def of(cls, steps: list[SequenceStep], meta: AttentionMetadata) -> _LogitRows:
+        rows = [int(meta.query_start_loc[i + 1]) - 1 for i, s in enumerate(steps) for _ in s.uniforms]
+        num_sampled = len(rows)
+        prompt_rows: dict[int, tuple[int, int]] = {}
+        for i, s in enumerate(steps):
+            if s.prompt_logprobs is not None:
+                start = int(meta.query_start_loc[i])
+                prompt_rows[i] = (len(rows), len(rows) + len(s.prompt_targets))
+                rows += range(start, start + len(s.prompt_targets))
+        return cls(rows, num_sampled, prompt_rows)
 
 
 def _row_limits(model: torch.nn.Module) -> tuple[int, ...]:

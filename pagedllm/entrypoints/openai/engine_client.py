@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import jinja2
 
+from pagedllm.distributed.group import DistributedError
 from pagedllm.engine.llm_engine import ContextLengthError, LLMEngine
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import APIError, bad_request
@@ -379,6 +380,10 @@ class AsyncEngine:
         engine = self.engine
         try:
             outputs = engine.step()
+        except DistributedError:
+            # a tensor-parallel rank failed: the engine cannot step again. The loop ends, every
+            # request gets an error and /health reports the server unhealthy
+            raise
         except Exception as e:
             # the engine has aborted the requests of the failed step; fail those
             # (and only those) and keep serving the rest

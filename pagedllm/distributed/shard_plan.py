@@ -1,0 +1,98 @@
+"""Which slice of every weight a tensor-parallel rank holds (Megatron-style), and the model shape that leaves it.
+
+Attention is split by KV-head groups: a rank takes whole groups (a KV head
+and the query heads that read it), so no rank needs another's cache. When
+the groups do not divide evenly the first ranks take one more (SmolLM2's 3
+KV heads over 2 ranks: 2 + 1 groups, 6 + 3 query heads); vLLM refuses such
+models. The MLP's intermediate rows and the vocabulary are split the same
+way: as evenly as they go, the first ranks taking the remainder.
+
+::
+
+    hidden x  ──> qkv_proj  (rows: this rank's q, k, v heads)   column-parallel, no communication
+              ──> attention over this rank's heads and KV cache
+              ──> o_proj    (columns: the same heads)           row-parallel: partial sums, all-reduce
+    hidden h  ──> gate_up   (rows: this rank's intermediate)    column-parallel
+              ──> down_proj (columns: the same rows)            row-parallel: all-reduce
+    embedding / LM head: this rank's vocabulary rows; lookups all-reduced, logits gathered to rank 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagedllm.loader.model_config import ModelArchConfig
+
+
+def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of each of ``parts`` contiguous pieces of ``total``; the first ``total % parts`` one longer."""
+    base, extra = divmod(total, parts)
+    pieces, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        pieces.append((start, size))
+        start += size
+    return pieces
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One rank's slices, in units of the full model: ``(start, size)`` of heads, intermediate rows, vocabulary."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_sizes: tuple[int, ...]  # every rank's vocabulary rows, for gathering logits
+    head_dim: int
+
+    @classmethod
+    def make(cls, cfg: ModelArchConfig, rank: int, size: int) -> ShardPlan:
+        """The slices of rank ``rank`` of ``size``; ValueError when the model has fewer KV heads than ranks."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a tensor-parallel group of {size}")
+        if cfg.num_key_value_heads < size:
+            raise ValueError(
+                f"tensor_parallel_size={size} is more than the model's {cfg.num_key_value_heads} KV heads: every "
+                "rank needs at least one whole KV-head group (KV heads are not replicated); use at most "
+                f"{cfg.num_key_value_heads} ranks"
+            )
+        group = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head
+        kv = split_evenly(cfg.num_key_value_heads, size)[rank]
+        vocab = split_evenly(cfg.vocab_size, size)
+        return cls(
+            rank=rank,
+            size=size,
+            q_heads=(kv[0] * group, kv[1] * group),
+            kv_heads=kv,
+            intermediate=split_evenly(cfg.intermediate_size, size)[rank],
+            vocab=vocab[rank],
+            vocab_sizes=tuple(n for _, n in vocab),
+            head_dim=cfg.head_dim,
+        )
+
+    def local_config(self, cfg: ModelArchConfig) -> ModelArchConfig:
+        """``cfg`` with this rank's head counts and intermediate size: the shape its model and KV cache have."""
+        if self.size == 1:
+            return cfg
+        return dataclasses.replace(
+            cfg,
+            num_attention_heads=self.q_heads[1],
+            num_key_value_heads=self.kv_heads[1],
+            intermediate_size=self.intermediate[1],
+        )
+
+    @property
+    def q_rows(self) -> tuple[int, int]:
+        """``(start, size)`` of this rank's rows of ``q_proj`` (and columns of ``o_proj``)."""
+        return self.q_heads[0] * self.head_dim, self.q_heads[1] * self.head_dim
+
+    @property
+    def kv_rows(self) -> tuple[int, int]:
+        """``(start, size)`` of this rank's rows of ``k_proj`` and ``v_proj``."""
+        return self.kv_heads[0] * self.head_dim, self.kv_heads[1] * self.head_dim

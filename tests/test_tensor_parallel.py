@@ -1,0 +1,253 @@
+"""Tensor parallelism: the shard plan, and two real ranks (gloo, processes) against one process and transformers.
+
+Every engine here has ``tensor_parallel_size=2`` with one thread per rank:
+rank 0 is this test process, rank 1 a process it spawns. One
+tensor-parallel engine may live in a process at a time, so each test shuts
+its engine down (``with LLM(...)``) before the next starts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy
+from server_helpers import free_port
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.cpu_bind import parse_cpu_bind
+from pagedllm.distributed.group import DistributedError
+from pagedllm.distributed.shard_plan import ShardPlan, split_evenly
+from pagedllm.loader import bundled_model_path, load_model_config
+
+PROMPTS = ["The capital of France is", "Write a list of colors:", "def fibonacci(n):", "Once upon a time, in a"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    """Rank 0 sizes this process's thread pool and may bind its cores: put both back."""
+    threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    yield
+    torch.set_num_threads(threads)
+    os.sched_setaffinity(0, cores)
+
+
+def _tp(path: str | None, size: int, **kwargs: object) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 128)
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(path, tensor_parallel_size=size, num_threads=1, **kwargs)
+
+
+def _tokens(outs: list) -> list[list[int]]:
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+# --- the plan (no processes) ---------------------------------------------------------
+
+
+def test_split_evenly_gives_the_remainder_to_the_first_parts() -> None:
+    assert split_evenly(9, 2) == [(0, 5), (5, 4)]
+    assert split_evenly(8, 4) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert split_evenly(3, 3) == [(0, 1), (1, 1), (2, 1)]
+
+
+def test_smollm2_heads_split_by_kv_group() -> None:
+    """9 query heads on 3 KV heads over 2 ranks: 2 + 1 groups, so 6 + 3 query heads; nothing else uneven."""
+    cfg = load_model_config(bundled_model_path())
+    plans = [ShardPlan.make(cfg, r, 2) for r in range(2)]
+    assert [p.kv_heads for p in plans] == [(0, 2), (2, 1)]
+    assert [p.q_heads for p in plans] == [(0, 6), (6, 3)]
+    assert [p.q_rows for p in plans] == [(0, 6 * 64), (6 * 64, 3 * 64)]
+    assert [p.intermediate for p in plans] == [(0, 768), (768, 768)]
+    assert [p.vocab for p in plans] == [(0, 24576), (24576, 24576)]
+    local = plans[1].local_config(cfg)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (3, 1, 768)
+    assert local.hidden_size == cfg.hidden_size and local.vocab_size == cfg.vocab_size
+
+
+def test_more_ranks_than_kv_heads_is_refused() -> None:
+    cfg = load_model_config(bundled_model_path())
+    with pytest.raises(ValueError, match="more than the model's 3 KV heads"):
+        ShardPlan.make(cfg, 0, 4)
+
+
+def test_cpu_bind_lists() -> None:
+    assert parse_cpu_bind("0-3|4-7", 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_cpu_bind("0,2|1,3", 2) == [[0, 2], [1, 3]]
+    assert parse_cpu_bind(None, 2) is None
+    with pytest.raises(ValueError, match="2 ranks"):
+        parse_cpu_bind("0|1", 3)
+    with pytest.raises(ValueError, match="not a core"):
+        parse_cpu_bind("0-x|1", 2)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("tensor_parallel_size", 0, "tensor_parallel_size"),
+    ("distributed_executor_backend", "ray", "distributed_executor_backend"),
+    ("distributed_timeout_s", 0, "distributed_timeout_s"),
+    ("cpu_bind", "0|1|2", "3 ranks"),
+])
+def test_bad_settings_are_refused(field: str, value: object, match: str) -> None:
+    kwargs = {"tensor_parallel_size": 2, field: value}
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m.gguf", **kwargs)
+
+
+def test_int8_with_tensor_parallelism_is_refused() -> None:
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size"):
+        EngineConfig(model="m.gguf", tensor_parallel_size=2, quantization="int8")
+
+
+# --- two ranks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_two_ranks_equal_one_and_transformers(arch: str, tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
+    """Llama, Qwen2 (q/k/v biases split with their rows) and Qwen3 (per-head q/k norms) over 2 ranks."""
+    path = tiny_model_dirs[arch]
+    one = _tp(path, 1, block_size=8)
+    tok = one.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    expected = _tokens(one.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False))
+    whole = one.weight_bytes
+    with _tp(path, 2, block_size=8) as two:
+        got = _tokens(two.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False))
+        rank_bytes = two.llm_engine.model_runner.rank_bytes
+    assert got == expected
+    assert got == [hf_greedy(hf_tiny[arch], i, GREEDY.max_tokens) for i in ids]
+    # each rank holds about half the weights (norms are replicated, tiny here): measured on each rank
+    for weights, _ in rank_bytes:
+        assert 0.45 * whole < weights < 0.56 * whole, (weights, whole)
+    # KV heads 2 -> 1 per rank: every rank's cache is half of one process's
+    assert [kv for _, kv in rank_bytes] == [one.kv_cache_bytes // 2] * 2
+
+
+@pytest.fixture(scope="module")
+def smollm_one() -> LLM:
+    # chunked prefill (64-token steps) and prefix caching on, as in the two-rank engine
+    return LLM(None, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=64, num_threads=1)
+
+
+def _long_prompt(llm: LLM) -> list[int]:
+    text = " ".join(f"Item {i}: a short line about the number {i}." for i in range(12))
+    return llm.get_tokenizer().encode(text)
+
+
+def test_bundled_model_two_ranks_equal_one(smollm_one: LLM) -> None:
+    """SmolLM2 (uneven heads: 6 + 3) over 2 ranks: greedy, seeded n=3 (copy-on-write forks), beam search,
+    prompt logprobs, a chunked long prompt and prefix-cache hits give what one process gives."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=7, max_tokens=12, logprobs=2)
+    chunked = {"prompt_token_ids": _long_prompt(smollm_one)}  # > 64 tokens: prefilled over several steps
+    scored = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+    beam = BeamSearchParams(beam_width=3, max_tokens=8)
+
+    def run(llm: LLM) -> tuple:
+        greedy = _tokens(llm.generate(PROMPTS + PROMPTS, GREEDY, use_tqdm=False))
+        sampled = llm.generate(PROMPTS[:2], seeded, use_tqdm=False)
+        logprobs = [[sorted(p.items()) for p in c.logprobs] for o in sampled for c in o.outputs]
+        long = _tokens(llm.generate([chunked], GREEDY, use_tqdm=False))
+        long += _tokens(llm.generate([chunked], GREEDY, use_tqdm=False))  # its full blocks come from the cache
+        prompt_lp = llm.generate([chunked], scored, use_tqdm=False)[0].prompt_logprobs
+        beams = [[list(b.tokens) for b in r.sequences] for r in llm.beam_search([PROMPTS[0]], beam)]
+        return greedy, _tokens(sampled), logprobs, long, prompt_lp, beams
+
+    one = run(smollm_one)
+    with _tp(None, 2, max_num_batched_tokens=64) as two:
+        got = run(two)
+        engine = two.llm_engine
+        assert engine.block_manager.num_used_blocks == 0
+        assert engine.block_manager.num_prefix_hits > 0
+    greedy, sampled, logprobs, long, prompt_lp, beams = got
+    assert greedy == one[0] and greedy[:4] == greedy[4:]
+    assert sampled == one[1]
+    assert long == one[3] and long[0] == long[1]
+    assert beams == one[5]
+    # the numbers themselves: two ranks sum partial products in another order, so within float rounding
+    for mine, theirs in zip(logprobs, one[2]):
+        for a, b in zip(mine, theirs):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert all(abs(x.logprob - y.logprob) < 1e-3 for (_, x), (_, y) in zip(a, b))
+    assert len(prompt_lp) == len(one[4])
+    for a, b in zip(prompt_lp[1:], one[4][1:]):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+
+
+def test_preemption_on_two_ranks_gives_the_tokens_of_an_ample_pool(smollm_one: LLM) -> None:
+    """A pool too small for the batch preempts and recomputes; the tokens stay those of one ample process."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _tokens(smollm_one.generate(PROMPTS, params, use_tqdm=False))
+    # 20 blocks of 16 tokens: 4 sequences of ~48 tokens each need 16 at the end, so they take turns
+    with _tp(None, 2, num_kv_blocks=20, max_model_len=256, block_size=16) as two:
+        got = _tokens(two.generate(PROMPTS * 2, params, use_tqdm=False))
+        preempted = two.llm_engine.scheduler.num_preemptions
+    assert preempted > 0
+    assert got == expected * 2
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(how: signal.Signals) -> None:
+    """SIGKILL: the all-reduce fails at once; SIGSTOP (a hang): after distributed_timeout_s. Either way the
+    engine raises DistributedError, every later step too, and no child process is left."""
+    llm = _tp(None, 2, distributed_timeout_s=4, cpu_bind="0|1", max_model_len=1024)
+    worker = llm.llm_engine.tp_workers.processes[0]
+    # cpu_bind: each rank on its own core
+    assert os.sched_getaffinity(0) == {0}
+    assert os.sched_getaffinity(worker.pid) == {1}
+    threading.Timer(1.5, os.kill, (worker.pid, how)).start()
+    start = time.monotonic()
+    with pytest.raises(DistributedError):
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 1.5 + 4 + 10
+    with pytest.raises(DistributedError):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    worker.join(10)
+    assert not worker.is_alive()
+    assert multiprocessing.active_children() == []
+    llm.shutdown()
+
+
+def test_a_worker_that_fails_to_start_fails_the_start_at_once(tmp_path: Path) -> None:
+    """A script without the ``__main__`` guard: its spawned rank dies while importing; rank 0 says so
+    at once instead of waiting out the rendezvous."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from pagedllm import LLM\nLLM(None, tensor_parallel_size=2, num_threads=1, num_kv_blocks=64, "
+                      "max_model_len=256)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "tensor-parallel worker rank 1" in proc.stderr and "exited with code" in proc.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_two_torchrun_nodes_on_loopback_give_the_tokens_of_one_process(smollm_one: LLM, tmp_path: Path) -> None:
+    """Two torchrun "nodes" (one rank each) meeting on 127.0.0.1 stand in for two machines."""
+    expected = [c.text for o in smollm_one.generate(PROMPTS[:2], GREEDY, use_tqdm=False) for c in o.outputs]
+    port = free_port()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    procs = []
+    for node in (0, 1):
+        cmd = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "pagedllm.entrypoints.cli",
+               "generate", "--tensor-parallel-size", "2", "--num-threads", "1", "--num-kv-blocks", "64",
+               "--max-model-len", "256", "--temperature", "0", "--max-tokens", str(GREEDY.max_tokens),
+               "--ignore-eos", *PROMPTS[:2]]
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log))
+    for proc, log in procs:
+        proc.wait(timeout=400)
+        log.close()
+    out0 = (tmp_path / "node0.log").read_text()
+    assert [p.returncode for p, _ in procs] == [0, 0], out0 + (tmp_path / "node1.log").read_text()
+    for text in expected:
+        assert f"\n{text}\n" in out0, out0
