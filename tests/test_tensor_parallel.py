@@ -251,3 +251,31 @@ def test_two_torchrun_nodes_on_loopback_give_the_tokens_of_one_process(smollm_on
     assert [p.returncode for p, _ in procs] == [0, 0], out0 + (tmp_path / "node1.log").read_text()
     for text in expected:
         assert f"\n{text}\n" in out0, out0
+
+
+def test_server_on_two_ranks_answers_then_reports_a_dead_worker(smollm_one: LLM) -> None:
+    """The OpenAI server over a two-rank engine: the official client's answers equal one process's; a
+    killed worker fails the request in flight with a 5xx and /health turns 503, never a hang."""
+    import httpx
+    import openai
+
+    from server_helpers import serve_in_thread
+
+    expected = [o.outputs[0].text for o in smollm_one.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    llm = _tp(None, 2, distributed_timeout_s=4, max_model_len=1024)
+    try:
+        with serve_in_thread(llm.llm_engine, model_name="tp") as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+            got = [client.completions.create(model="tp", prompt=p, max_tokens=GREEDY.max_tokens, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS[:2]]
+            assert got == expected
+            worker = llm.llm_engine.tp_workers.processes[0]
+            threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+            with pytest.raises(openai.APIStatusError) as failed:
+                client.completions.create(model="tp", prompt=PROMPTS[0], max_tokens=900, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert failed.value.status_code >= 500
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+    finally:
+        llm.shutdown()
+    assert multiprocessing.active_children() == []
