@@ -113,6 +113,9 @@ class DataParallelEngine:
             ReplicaClient(i, replica_config, cores[i], kv_page, metrics, self._on_stats, self._on_up)
             for i in range(num_replicas)
         ]
+        if self.replica_metrics is not None:
+            for gauge, replica in zip(self.replica_metrics.in_flight, self.replicas):
+                gauge.set_function(lambda r=replica: r.num_unfinished)
 
     # --- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
