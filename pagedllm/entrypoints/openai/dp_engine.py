@@ -165,11 +165,13 @@ class DataParallelEngine:
 
     # --- replica callbacks (reader threads) -------------------------------------------
     def _on_stats(self, index: int, stats: EngineStats) -> None:
+        """A replica reported: its cached hashes go to the router, its figures to the metrics."""
         self.router.report(index, self.replicas[index].cached_hashes)
         if self.replica_metrics is not None:
             self.replica_metrics.update(index, stats)
 
     def _on_up(self, index: int, up: bool, restarted: bool) -> None:
+        """A replica started (again) or died: a dead one's cache is forgotten."""
         if not up:
             self.router.forget(index)
         if self.replica_metrics is not None:

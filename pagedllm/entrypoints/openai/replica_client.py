@@ -101,6 +101,7 @@ class ReplicaClient:
         self._reader.start()
 
     def _spawn(self, restart: bool = False) -> None:
+        """Start a process and wait for its engine; ReplicaStartError if it exits first."""
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=run_replica, args=(self.index, self.config, child, self.cpus, self.kv_page),
@@ -192,6 +193,7 @@ class ReplicaClient:
 
     # --- the reader thread ----------------------------------------------------------
     def _read_loop(self) -> None:
+        """Handle the replica's messages until it is stopped; restart it when it dies."""
         while True:
             conn = self._conn
             try:
@@ -208,6 +210,7 @@ class ReplicaClient:
                 logger.exception("replica %d: a message could not be handled", self.index)
 
     def _dispatch(self, message: tuple) -> None:
+        """One message from the replica: outputs, an add's answer, or stats."""
         kind = message[0]
         if kind == "outputs":
             self._deliver(message[1], message[2])
@@ -228,6 +231,7 @@ class ReplicaClient:
             self.on_stats(self.index, self._carry + stats)
 
     def _deliver(self, outputs: list, failures: list[tuple[str, str]]) -> None:
+        """Hand one engine pass's outputs and failures to their requests' streams."""
         now = time.monotonic()
         for out in outputs:
             stream = self.streams.get(out.request_id)
@@ -273,6 +277,7 @@ class ReplicaClient:
         return self._restart()
 
     def _restart(self) -> bool:
+        """Start the process again, waiting longer after each failed start; False once stopping."""
         backoff = 1.0
         while not self.stopping:
             try:
