@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
 
 import xxhash
 
@@ -58,6 +60,17 @@ def hash_block(parent_hash: int, token_ids: list[int]) -> int:
     h.update(parent_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     return h.intdigest()
+
+
+def extend_block_hashes(hashes: list[int], blocks: Iterable[Sequence_[int]]) -> list[int]:
+    """Extend the hash chain ``hashes`` (in place) by one hash per full block of token ids; returns it.
+
+    The prefix cache's chain: the first block's parent is ``_NO_PARENT``.
+    The data-parallel router calls it on prompts in the server process.
+    """
+    for tokens in blocks:
+        hashes.append(hash_block(hashes[-1] if hashes else _NO_PARENT, list(tokens)))
+    return hashes
 
 
 class BlockManager:
@@ -112,10 +125,7 @@ class BlockManager:
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """Chained hashes of the first ``num_full_blocks`` blocks (memoised on seq)."""
         hashes = seq.block_hashes
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else _NO_PARENT
-            hashes.append(hash_block(parent, seq.block_tokens(i)))
+        extend_block_hashes(hashes, (seq.block_tokens(i) for i in range(len(hashes), num_full_blocks)))
         return hashes[:num_full_blocks]
 
     def _lookup_prefix(self, seq: Sequence) -> list[int]:

@@ -6,8 +6,12 @@ import argparse
 import dataclasses
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.settings import ServerSettings
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -239,6 +243,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     settings = ServerSettings(
         model_name=args.served_model_name or "",
         api_key=args.api_key or None,
@@ -253,6 +259,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_page=not args.no_kv_page,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size > 1:
+        return _serve_data_parallel(args, settings)
     llm = LLM(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
     engine = llm.llm_engine
     settings = dataclasses.replace(
@@ -263,6 +271,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_server(engine, settings)
     finally:
         engine.shutdown()
+    return 0
+
+
+def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """``pagedllm serve --data-parallel-size N`` (N > 1): the replicas load the model, this process does not."""
+    from pagedllm.entrypoints.llm import make_engine_config
+    from pagedllm.entrypoints.openai.api_server import default_model_name, run_dp_server
+
+    config = make_engine_config(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
+    settings = dataclasses.replace(
+        settings, model_name=settings.model_name or default_model_name(config.model), model_path=config.model,
+    )
+    run_dp_server(config, settings, args.data_parallel_size)
     return 0
 
 
@@ -303,6 +324,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-kv-page", action="store_true",
                    help="do not serve the live KV-cache page (/kv, /kv/state, /kv/events)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="N engine processes (replicas) behind this server; a request goes to the replica with "
+                        "the longest cached prefix of its prompt, else the least loaded (default 1: one engine "
+                        "in this process). Without --num-threads each gets cores // N threads, pinned")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 

@@ -24,6 +24,35 @@ _DEFAULT_CPU_BATCHED_TOKENS = 2048
 _DEFAULT_GPU_BATCHED_TOKENS = 8192
 
 
+def make_engine_config(
+    model: str | None = None,
+    *,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    **kwargs: Any,
+) -> EngineConfig:
+    """The ``EngineConfig`` that ``LLM(model, ...)`` builds its engine from, with the same defaults.
+
+    Reads the model's configuration only, not its weights (``pagedllm serve
+    --data-parallel-size`` hands it to the replica processes).
+    """
+    path = resolve_model_path(model)
+    if max_model_len is None:
+        max_model_len = load_model_config(path).max_position_embeddings
+    if max_num_batched_tokens is None:
+        on_gpu = kwargs.get("device", "cpu") == "cuda"
+        max_num_batched_tokens = _DEFAULT_GPU_BATCHED_TOKENS if on_gpu else _DEFAULT_CPU_BATCHED_TOKENS
+    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
+    return EngineConfig(
+        model=path,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        **kwargs,
+    )
+
+
 class LLM:
     """Batch generation with a paged KV cache.
 
@@ -49,20 +78,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
-        path = resolve_model_path(model)
-        if max_model_len is None:
-            max_model_len = load_model_config(path).max_position_embeddings
-        if max_num_batched_tokens is None:
-            on_gpu = kwargs.get("device", "cpu") == "cuda"
-            max_num_batched_tokens = _DEFAULT_GPU_BATCHED_TOKENS if on_gpu else _DEFAULT_CPU_BATCHED_TOKENS
-        unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
-        config = EngineConfig(
-            model=path,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            **kwargs,
+        config = make_engine_config(
+            model, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, **kwargs
         )
         self.llm_engine = LLMEngine(config)
 

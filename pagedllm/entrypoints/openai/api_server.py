@@ -44,7 +44,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from swagger_ui_bundle import swagger_ui_path
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.dp_engine import DataParallelEngine
 from pagedllm.entrypoints.openai.engine_client import AsyncEngine, server_error
 from pagedllm.entrypoints.openai.guards import (
     APIKeyMiddleware,
@@ -73,6 +75,9 @@ from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
 logger = logging.getLogger(__name__)
+
+# what the routes are served by: one engine thread, or data-parallel replica processes
+EngineClient = AsyncEngine | DataParallelEngine
 
 # the error answers every JSON route may give, for /openapi.json
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -175,11 +180,12 @@ def _openapi_without_422(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: TokenizerWorker) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the engine thread and the tokenizer process.
+def build_app(async_engine: EngineClient, settings: ServerSettings, tokenizer: TokenizerWorker) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine (thread or replica processes) and the
+    tokenizer process.
 
     Args:
-        async_engine: the engine wrapper (not started yet).
+        async_engine: the engine wrapper, ``AsyncEngine`` or ``DataParallelEngine`` (not started yet).
         settings: names, key and limits.
         tokenizer: the tokenizer process; the app closes it when it stops.
     """
@@ -188,7 +194,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings, tokenizer: To
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not async_engine.is_alive:
-            async_engine.start()
+            await asyncio.to_thread(async_engine.start)
         try:
             yield
         finally:
@@ -247,7 +253,7 @@ def _add_generating_routes(app: FastAPI, completion: OpenAIServingCompletion, ch
         return await chat.create(req, request)
 
 
-def _add_info_routes(app: FastAPI, async_engine: AsyncEngine, settings: ServerSettings) -> None:
+def _add_info_routes(app: FastAPI, async_engine: EngineClient, settings: ServerSettings) -> None:
     metrics = async_engine.metrics
     max_model_len = async_engine.engine.config.max_model_len
 
@@ -270,7 +276,8 @@ def _add_info_routes(app: FastAPI, async_engine: AsyncEngine, settings: ServerSe
 
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs"}, 503: _ERRORS[503]})
     async def health() -> Response:
-        """200 while the engine runs; 503 once it stopped or is shutting down."""
+        """200 while the engine runs (with data parallelism: while one replica serves); 503 once it
+        stopped or is shutting down."""
         if not async_engine.is_alive or async_engine.draining:
             err = APIError(503, "the engine is not running", "server_error", "engine_unavailable")
             return JSONResponse(err.body(), status_code=503)
@@ -322,7 +329,7 @@ def make_uvicorn_server(app: FastAPI, settings: ServerSettings) -> Any:
     """
     import uvicorn
 
-    async_engine: AsyncEngine = app.state.async_engine
+    async_engine: EngineClient = app.state.async_engine
 
     class _DrainingServer(uvicorn.Server):
         async def shutdown(self, sockets: list | None = None) -> None:
@@ -340,4 +347,30 @@ def run_server(engine: LLMEngine, settings: ServerSettings) -> None:
     """Serve until interrupted (SIGINT/SIGTERM)."""
     app = create_server_app(engine, settings)
     logger.info("serving %s on http://%s:%d", settings.model_name, settings.host, settings.port)
+    make_uvicorn_server(app, settings).run()
+
+
+def create_dp_server_app(
+    config: EngineConfig, settings: ServerSettings, num_replicas: int, enable_metrics: bool = True
+) -> FastAPI:
+    """An app whose requests ``num_replicas`` engine processes serve (``dp_engine.py``).
+
+    Nothing is started here: the app's lifespan starts the replicas (and
+    stops them). This process loads the tokenizer, not the model.
+    ``app.state.async_engine`` is the ``DataParallelEngine``.
+    """
+    metrics = ServerMetrics(settings.model_name) if enable_metrics else None
+    dp = DataParallelEngine(config, num_replicas, metrics, settings.max_waiting, settings.kv_page)
+    app = build_app(dp, settings, TokenizerWorker(dp.engine.tokenizer.hf))
+    app.state.async_engine = dp
+    if settings.kv_page:
+        add_kv_routes(app, dp.replicas)
+    return app
+
+
+def run_dp_server(config: EngineConfig, settings: ServerSettings, num_replicas: int) -> None:
+    """Serve with ``num_replicas`` engine processes until interrupted (SIGINT/SIGTERM)."""
+    app = create_dp_server_app(config, settings, num_replicas)
+    logger.info("serving %s on http://%s:%d with %d data-parallel replicas", settings.model_name, settings.host,
+                settings.port, num_replicas)
     make_uvicorn_server(app, settings).run()

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import jinja2
 
@@ -69,6 +69,58 @@ def engine_failure(e: EngineStepError | EngineDeadError) -> APIError:
     return server_error(str(e))
 
 
+class StreamSink(Protocol):
+    """Where the engine thread hands one engine request's outputs (``_RequestStream``, or a replica's pipe)."""
+
+    request_id: str
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
+
+    def observe(self, out: RequestOutput, now: float, metrics: ServerMetrics | None) -> None: ...
+
+
+class SubmissionOwner(Protocol):
+    """What a submission and its streams call back: ``AsyncEngine`` or ``DataParallelEngine``."""
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def release_waiting(self, stream: _RequestStream) -> None: ...
+
+
+class _Admitting(Protocol):
+    draining: bool
+    max_waiting: int | None
+    num_waiting: int
+
+    @property
+    def is_alive(self) -> bool: ...
+
+
+def check_admission(client: _Admitting, num_prompts: int, param: str) -> None:
+    """Refuse a request of ``num_prompts`` prompts now, or let it in (the engine clients share this).
+
+    Raises APIError: 503 while stopping, 400 for more prompts than
+    ``max_waiting`` could ever admit, 429 (with ``Retry-After``) past
+    ``max_waiting`` now.
+    """
+    if client.draining or not client.is_alive:
+        raise APIError(503, "the server is shutting down", "server_error", "engine_unavailable")
+    limit = client.max_waiting
+    if limit is not None and num_prompts > limit:
+        raise bad_request(
+            f"the request has {num_prompts} prompts, more than this server ever queues at once "
+            f"(--max-waiting {limit}); send them in smaller requests", param, "too_many_prompts",
+        )
+    if limit is not None and client.num_waiting + num_prompts > limit:
+        raise APIError(
+            429,
+            f"the server has {client.num_waiting} requests waiting (limit {limit}); retry later",
+            "rate_limit_error",
+            "too_many_waiting_requests",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+
 # --- the engine thread ---------------------------------------------------------------
 
 
@@ -81,7 +133,7 @@ class _RequestStream:
 
     def __init__(
         self, request_id: str, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop,
-        owner: AsyncEngine,
+        owner: SubmissionOwner,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -134,7 +186,7 @@ _ABORTED = object()
 class Submission:
     """The engine requests of one API request (one per prompt) and their outputs."""
 
-    def __init__(self, owner: AsyncEngine, streams: list[_RequestStream], queue: asyncio.Queue) -> None:
+    def __init__(self, owner: SubmissionOwner, streams: list[_RequestStream], queue: asyncio.Queue) -> None:
         self.owner = owner
         self.streams = streams
         self.queue = queue
@@ -191,7 +243,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()
         self._stopping = False
-        self._streams: dict[str, _RequestStream] = {}  # engine thread only
+        self._streams: dict[str, StreamSink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self.crash: BaseException | None = None
         self.draining = False  # shutting down: no new requests
@@ -256,10 +308,6 @@ class AsyncEngine:
             self._cv.notify()
         return fut
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between two steps."""
-        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
-
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (fire and forget); their blocks are freed before the next step."""
         def run() -> None:
@@ -288,46 +336,18 @@ class AsyncEngine:
         the context, token ids outside the vocabulary...); ``param`` names the
         request field that holds the prompt.
         """
-        if self.draining or not self.is_alive:
-            raise APIError(503, "the server is shutting down", "server_error", "engine_unavailable")
-        if self.max_waiting is not None and len(prompts) > self.max_waiting:
-            raise bad_request(
-                f"the request has {len(prompts)} prompts, more than this server ever queues at once "
-                f"(--max-waiting {self.max_waiting}); send them in smaller requests", param, "too_many_prompts",
-            )
-        if self.max_waiting is not None and self.num_waiting + len(prompts) > self.max_waiting:
-            raise APIError(
-                429,
-                f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); retry later",
-                "rate_limit_error",
-                "too_many_waiting_requests",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
+        check_admission(self, len(prompts), param)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, self) for i in range(len(prompts))]
         self.num_waiting += len(streams)
         sub = Submission(self, streams, queue)
 
-        def add(engine: LLMEngine) -> list[int]:
-            added: list[str] = []
-            try:
-                for stream, (text, ids) in zip(streams, prompts):
-                    engine.add_request(stream.request_id, {"prompt": text, "prompt_token_ids": ids}, params)
-                    added.append(stream.request_id)
-                    self._streams[stream.request_id] = stream
-            except BaseException:
-                engine.abort_request(added)
-                for rid in added:
-                    self._streams.pop(rid, None)
-                raise
-            counts = [len(ids) for _, ids in prompts]
+        try:
+            counts = await asyncio.wrap_future(self.submit_add(streams, prompts, params))
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(sum(counts))
-            return counts
-
-        try:
-            sub.prompt_token_counts = await self.call(add)
+            sub.prompt_token_counts = counts
         except BaseException as e:
             for s in streams:
                 self.release_waiting(s)
@@ -337,6 +357,31 @@ class AsyncEngine:
                 raise
             raise to_api_error(e, param) from e
         return sub
+
+    def submit_add(
+        self, streams: list[StreamSink], prompts: list[Prompt], params: SamplingParams
+    ) -> concurrent.futures.Future[list[int]]:
+        """Queue ``add_requests``' work for the engine thread: one engine request per stream, all or none.
+
+        Each stream receives its request's outputs (``put``) from then on. The
+        future gives the prompts' token counts, or the error adding raised.
+        A data-parallel replica process feeds its engine through this too.
+        """
+        def add() -> list[int]:
+            added: list[str] = []
+            try:
+                for stream, (text, ids) in zip(streams, prompts):
+                    self.engine.add_request(stream.request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+                    added.append(stream.request_id)
+                    self._streams[stream.request_id] = stream
+            except BaseException:
+                self.engine.abort_request(added)
+                for rid in added:
+                    self._streams.pop(rid, None)
+                raise
+            return [len(ids) for _, ids in prompts]
+
+        return self._submit(add)
 
     # --- the loop (engine thread) -----------------------------------------------------
     def _run(self) -> None:

@@ -13,15 +13,17 @@ them runs with ``--no-kv-page``: the routes are then not there (404).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from importlib import resources
+from typing import Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from pagedllm.entrypoints.openai.kv_publisher import KVSnapshotPublisher
+from pagedllm.entrypoints.openai.kv_publisher import PublishedSnapshot
+from pagedllm.entrypoints.openai.protocol import APIError
 
 KV_ROUTES = ("/kv", "/kv/state", "/kv/events")
 # how often an event stream looks for a newer snapshot (the publisher sends at most 4 a second)
@@ -90,7 +92,7 @@ def page_html() -> bytes:
     return resources.files("pagedllm.entrypoints.openai").joinpath("static/kv.html").read_bytes()
 
 
-async def snapshot_events(publisher: KVSnapshotPublisher) -> AsyncIterator[ServerSentEvent]:
+async def snapshot_events(publisher: SnapshotSource) -> AsyncIterator[ServerSentEvent]:
     """Each newly published snapshot as one ``data:`` event, the current one first."""
     sent = 0
     while True:
@@ -101,9 +103,29 @@ async def snapshot_events(publisher: KVSnapshotPublisher) -> AsyncIterator[Serve
         await asyncio.sleep(POLL_S)
 
 
-def add_kv_routes(app: FastAPI, publisher: KVSnapshotPublisher) -> None:
-    """Register the page, its JSON and its event stream."""
+class SnapshotSource(Protocol):
+    """Anything with the latest published snapshot: a ``KVSnapshotPublisher``, or a data-parallel
+    replica's client (which keeps the last snapshot its replica sent)."""
+
+    latest: PublishedSnapshot | None
+
+
+def add_kv_routes(app: FastAPI, publisher: SnapshotSource | Sequence[SnapshotSource]) -> None:
+    """Register the page, its JSON and its event stream.
+
+    With several sources (data-parallel replicas) ``/kv/state`` and
+    ``/kv/events`` take ``?replica=i`` (default 0), and so does the page
+    (``/kv?replica=1``), which passes it on.
+    """
     html = page_html()
+    sources = list(publisher) if isinstance(publisher, Sequence) else [publisher]
+
+    def pick(replica: int) -> SnapshotSource:
+        if not 0 <= replica < len(sources):
+            raise APIError(
+                400, f"replica must be in [0, {len(sources)}), got {replica}", "invalid_request_error", None, "replica"
+            )
+        return sources[replica]
 
     @app.get("/kv", response_class=HTMLResponse)
     async def kv_page() -> Response:
@@ -111,17 +133,19 @@ def add_kv_routes(app: FastAPI, publisher: KVSnapshotPublisher) -> None:
         return Response(html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
     @app.get("/kv/state", response_model=KVState)
-    async def kv_state() -> Response:
+    async def kv_state(replica: int = 0) -> Response:
         """The latest KV snapshot as JSON: every block's state and ref count, the requests'
         block tables, the counters. ``GET /kv/events`` streams the same objects as
-        server-sent events, one per new snapshot."""
-        latest = publisher.latest
+        server-sent events, one per new snapshot. ``replica`` picks a data-parallel replica."""
+        latest = pick(replica).latest
         if latest is None:  # published before the app starts; here only if that failed
+            if len(sources) > 1:
+                raise APIError(503, f"replica {replica} has not published a snapshot yet", "server_error", None)
             raise RuntimeError("no KV snapshot was published")
         return Response(latest.body, media_type="application/json", headers={"Cache-Control": "no-cache"})
 
     # not in /openapi.json: an endless stream that schema-driven clients would wait on forever
     @app.get("/kv/events", include_in_schema=False)
-    async def kv_events() -> EventSourceResponse:
+    async def kv_events(replica: int = 0) -> EventSourceResponse:
         """Server-sent events: each new KV snapshot (``/kv/state``'s object) as one event."""
-        return EventSourceResponse(snapshot_events(publisher), ping=PING_S, headers={"Cache-Control": "no-cache"})
+        return EventSourceResponse(snapshot_events(pick(replica)), ping=PING_S, headers={"Cache-Control": "no-cache"})

@@ -10,6 +10,8 @@ metrics are thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -90,23 +92,70 @@ class ServerMetrics:
 
     def update_from_engine(self, engine: LLMEngine) -> None:
         """Refresh gauges and counters from the engine; call on the engine's own thread."""
-        bm = engine.block_manager
-        self.kv_cache_usage.set(bm.usage)
-        self.num_kv_blocks.set(bm.num_blocks)
-        running = sum(
-            1 for req in engine.requests.values() if any(s.status.value == "running" for s in req.seqs)
-        )
-        self.num_requests_running.set(running)
-        self.num_requests_waiting.set(len(engine.requests) - running)
+        self.update_from_stats(engine_stats(engine))
+
+    def update_from_stats(self, stats: EngineStats) -> None:
+        """Refresh gauges and counters from an engine's figures (or several engines' sum)."""
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.num_kv_blocks.set(stats.num_blocks)
+        self.num_requests_running.set(stats.running)
+        self.num_requests_waiting.set(stats.waiting)
         totals = {
-            "queries": (bm.num_prefix_queries, self.prefix_cache_queries),
-            "hits": (bm.num_prefix_hits, self.prefix_cache_hits),
-            "preemptions": (engine.scheduler.num_preemptions, self.num_preemptions),
-            "computed": (engine.num_prompt_tokens_computed, self.prompt_tokens_computed),
-            "generated": (engine.num_generated_tokens, self.generation_tokens),
+            "queries": (stats.prefix_queries, self.prefix_cache_queries),
+            "hits": (stats.prefix_hits, self.prefix_cache_hits),
+            "preemptions": (stats.preemptions, self.num_preemptions),
+            "computed": (stats.prompt_tokens_computed, self.prompt_tokens_computed),
+            "generated": (stats.generated_tokens, self.generation_tokens),
         }
         for key, (total, metric) in totals.items():
             delta = total - self._seen[key]
             if delta > 0:
                 metric.inc(delta)
             self._seen[key] = total
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One engine's figures at one moment: plain data, so a replica process can send it.
+
+    The counters are totals since the engine started.
+    """
+
+    num_blocks: int = 0
+    used_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Blocks held over blocks in the pool, 0..1."""
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    def __add__(self, other: EngineStats) -> EngineStats:
+        return EngineStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def counters_only(self) -> EngineStats:
+        """The counters, the gauges zeroed (what a dead replica's figures still add to the totals)."""
+        return dataclasses.replace(self, num_blocks=0, used_blocks=0, running=0, waiting=0)
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    """The engine's figures now; call on the thread that steps it."""
+    bm = engine.block_manager
+    running = sum(1 for req in engine.requests.values() if any(s.status.value == "running" for s in req.seqs))
+    return EngineStats(
+        num_blocks=bm.num_blocks,
+        used_blocks=bm.num_used_blocks,
+        running=running,
+        waiting=len(engine.requests) - running,
+        prefix_queries=bm.num_prefix_queries,
+        prefix_hits=bm.num_prefix_hits,
+        preemptions=engine.scheduler.num_preemptions,
+        prompt_tokens_computed=engine.num_prompt_tokens_computed,
+        generated_tokens=engine.num_generated_tokens,
+    )

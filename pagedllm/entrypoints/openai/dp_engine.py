@@ -1,0 +1,230 @@
+"""``pagedllm serve --data-parallel-size N``: N engine processes behind one API server.
+
+``DataParallelEngine`` stands where the one-engine server's ``AsyncEngine``
+stands, with the same interface for the handlers (``add_requests``,
+``abort``, ``drain``, ``is_alive``, ``engine`` for the configuration and
+tokenizer), so the routes do not know how many engines serve them::
+
+    handlers --add_requests--> PrefixRouter (prompt block hashes, loads) --> ReplicaClient k
+                                                                               | pipe
+       ^                                                                       v
+       +-- asyncio.Queue <-- reader thread k <-- outputs / stats -- replica process k (LLMEngine)
+
+The server process holds no model: ``ServingFrontend`` has the
+configuration, the tokenizer (chat templates, prompt checks) and a grammar
+compiler, so a bad schema is a 400 before anything is routed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.dp_metrics import ReplicaMetrics
+from pagedllm.entrypoints.openai.engine_client import (
+    EngineDeadError,
+    Prompt,
+    Submission,
+    _RequestStream,
+    check_admission,
+    to_api_error,
+)
+from pagedllm.entrypoints.openai.metrics import EngineStats, ServerMetrics
+from pagedllm.entrypoints.openai.prefix_router import PrefixRouter
+from pagedllm.entrypoints.openai.replica_client import ReplicaClient
+from pagedllm.loader import load_model_config
+from pagedllm.loader.tokenizer import Tokenizer
+from pagedllm.runner.structured_output import GrammarCompiler
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ServingFrontend:
+    """What the handlers read of an engine, without the model: configuration, tokenizer, checks, grammars.
+
+    ``check_prompt_len`` and ``compile_grammar`` are ``LLMEngine``'s own
+    methods, which read only the configuration and the grammar compiler.
+
+    Args:
+        config: the replicas' engine configuration.
+    """
+
+    check_prompt_len = LLMEngine.check_prompt_len
+    compile_grammar = LLMEngine.compile_grammar
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = load_model_config(config.model)
+        self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer.hf, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids)
+        )
+
+
+def plan_cores(num_replicas: int, num_threads: int | None) -> tuple[int | None, list[list[int] | None]]:
+    """Threads per replica and the cores each is pinned to.
+
+    Without ``num_threads`` each replica gets an equal share of this
+    process's cores (at least one) and is pinned to its share; with it, the
+    replicas are pinned only when ``num_replicas * num_threads`` cores exist.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
+    cpus = sorted(os.sched_getaffinity(0))
+    per = num_threads if num_threads is not None else max(1, len(cpus) // num_replicas)
+    if per * num_replicas > len(cpus):
+        return per, [None] * num_replicas
+    return per, [cpus[i * per : (i + 1) * per] for i in range(num_replicas)]
+
+
+class DataParallelEngine:
+    """N replica processes behind the handlers' engine interface.
+
+    Args:
+        config: the engine configuration every replica builds its engine from.
+        num_replicas: N (>= 1).
+        metrics: where to record statistics, or None.
+        max_waiting: most accepted requests still waiting for their first
+            token over all replicas; past it ``add_requests`` raises a 429.
+        kv_page: whether replicas publish /kv snapshots.
+    """
+
+    def __init__(
+        self, config: EngineConfig, num_replicas: int, metrics: ServerMetrics | None = None,
+        max_waiting: int | None = None, kv_page: bool = True,
+    ) -> None:
+        threads, cores = plan_cores(num_replicas, config.num_threads)
+        self.engine = ServingFrontend(config)
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.num_waiting = 0  # event-loop side only
+        self.draining = False
+        self.router = PrefixRouter(num_replicas, config.block_size, config.prefix_caching)
+        self.replica_metrics = ReplicaMetrics(metrics, num_replicas) if metrics is not None else None
+        replica_config = dataclasses.replace(config, num_threads=threads)
+        self.replicas = [
+            ReplicaClient(i, replica_config, cores[i], kv_page, metrics, self._on_stats, self._on_up)
+            for i in range(num_replicas)
+        ]
+        if self.replica_metrics is not None:
+            for gauge, replica in zip(self.replica_metrics.in_flight, self.replicas):
+                gauge.set_function(lambda r=replica: r.num_unfinished)
+
+    # --- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every replica (their engines load side by side); raises if one does not start."""
+        errors: list[BaseException] = []
+
+        def start(replica: ReplicaClient) -> None:
+            try:
+                replica.start()
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=start, args=(r,)) for r in self.replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.stop()
+            raise errors[0]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every replica process; requests in flight get an error."""
+        threads = [threading.Thread(target=r.stop) for r in self.replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    @property
+    def is_alive(self) -> bool:
+        """At least one replica serves (the others may be restarting)."""
+        return any(r.alive and not r.stopping for r in self.replicas)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in flight on any replica."""
+        return any(r.num_unfinished for r in self.replicas)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, give those in flight ``timeout`` seconds, then stop the replicas."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.has_work and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.stop)
+
+    # --- replica callbacks (reader threads) -------------------------------------------
+    def _on_stats(self, index: int, stats: EngineStats) -> None:
+        """A replica reported: its cached hashes go to the router, its figures to the metrics."""
+        self.router.report(index, self.replicas[index].cached_hashes)
+        if self.replica_metrics is not None:
+            self.replica_metrics.update(index, stats)
+
+    def _on_up(self, index: int, up: bool, restarted: bool) -> None:
+        """A replica started (again) or died: a dead one's cache is forgotten."""
+        if not up:
+            self.router.forget(index)
+        if self.replica_metrics is not None:
+            self.replica_metrics.set_up(index, up)
+            if restarted:
+                self.replica_metrics.restarted(index)
+
+    # --- requests (event loop) --------------------------------------------------------
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests wherever they run (fire and forget)."""
+        for replica in self.replicas:
+            replica.abort(request_ids)
+
+    def release_waiting(self, stream: _RequestStream) -> None:
+        """The request has left the waiting count (first output, error or abort)."""
+        if stream.waiting:
+            stream.waiting = False
+            self.num_waiting -= 1
+
+    def loads(self) -> list[int | None]:
+        """Per replica its unfinished requests; None for one that does not serve now."""
+        return [r.num_unfinished if r.alive else None for r in self.replicas]
+
+    async def add_requests(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param: str = "prompt"
+    ) -> Submission:
+        """Route the request (all its prompts, all their samples) to one replica and queue it there.
+
+        Errors as ``AsyncEngine.add_requests``; 503 when no replica serves.
+        """
+        check_admission(self, len(prompts), param)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, self) for i in range(len(prompts))]
+        self.num_waiting += len(streams)
+        sub = Submission(self, streams, queue)
+        hashes = [self.router.prompt_hashes(ids) for _, ids in prompts]
+        try:
+            try:
+                index = self.router.choose(hashes, self.loads())
+            except ValueError as e:
+                raise EngineDeadError(str(e)) from e
+            self.router.record(index, hashes)
+            fut = self.replicas[index].add(streams, prompts, params)
+            counts = await asyncio.wrap_future(fut)
+        except BaseException as e:
+            for s in streams:
+                self.release_waiting(s)
+            if isinstance(e, asyncio.CancelledError):
+                self.abort([s.request_id for s in streams])  # the add may have run already
+                raise
+            raise to_api_error(e, param) from e
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(sum(counts))
+        sub.prompt_token_counts = counts
+        return sub

@@ -1,0 +1,292 @@
+"""The API server's end of one data-parallel replica: its process, its pipe, its requests in flight.
+
+``ReplicaClient`` starts the replica process (``replica.py``) with
+``torch.multiprocessing``'s spawn context, sends it requests and aborts, and
+runs one reader thread that hands each arriving output to its request's
+stream (the same ``_RequestStream`` the one-engine server uses), resolves
+adds, and keeps the replica's latest figures, cached block hashes and /kv
+snapshot. When the process dies (the pipe reads end-of-file) every request in
+flight on it gets an ``EngineStepError`` (a 500, or an error event in a
+stream), the others replicas are untouched, and the reader thread starts the
+process again, waiting longer after each start that fails.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from array import array
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch.multiprocessing as tmp
+
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.openai.engine_client import (
+    EngineDeadError,
+    EngineStepError,
+    Prompt,
+    StreamSink,
+)
+from pagedllm.entrypoints.openai.kv_publisher import PublishedSnapshot
+from pagedllm.entrypoints.openai.metrics import EngineStats, ServerMetrics
+from pagedllm.entrypoints.openai.replica import run_replica
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# seconds a replica gets to exit after "stop" before it is terminated, then killed
+STOP_TIMEOUT_S = 10.0
+# waits before restarting a replica that keeps dying: 1 s, doubling, at most this
+MAX_RESTART_BACKOFF_S = 30.0
+
+
+class ReplicaStartError(RuntimeError):
+    """A replica process exited before its engine was ready."""
+
+
+class ReplicaClient:
+    """One replica process and the requests the server has on it.
+
+    Args:
+        index: the replica's number (0, 1, ...).
+        config: the engine configuration its process builds its engine from.
+        cpus: the cores to pin the process to, or None.
+        kv_page: whether the replica publishes /kv snapshots.
+        metrics: the server metrics the request latencies go to, or None.
+        on_stats: called (reader thread) with the index and the replica's
+            figures, counters continued across restarts.
+        on_up: called with the index, whether the replica now serves, and
+            whether that is after a restart.
+    """
+
+    def __init__(
+        self, index: int, config: EngineConfig, cpus: list[int] | None, kv_page: bool,
+        metrics: ServerMetrics | None, on_stats: Callable[[int, EngineStats], None],
+        on_up: Callable[[int, bool, bool], None],
+    ) -> None:
+        self.index = index
+        self.config = config
+        self.cpus = cpus
+        self.kv_page = kv_page
+        self.metrics = metrics
+        self.on_stats = on_stats
+        self.on_up = on_up
+        self.streams: dict[str, StreamSink] = {}
+        self.alive = False
+        self.stopping = False
+        self.pid: int | None = None
+        self.restarts = 0
+        self.cached_hashes: frozenset[int] = frozenset()
+        self.latest: PublishedSnapshot | None = None  # the /kv page reads it, as a publisher's
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._lock = threading.Lock()  # streams, pending, alive and the pipe's sending side
+        self._ctx = tmp.get_context("spawn")
+        self._process: Any = None
+        self._conn: Connection | None = None
+        self._reader: threading.Thread | None = None
+        self._carry = EngineStats()  # counters of earlier processes of this replica
+        self._last = EngineStats()
+
+    # --- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the process and wait until its engine is built; ReplicaStartError if it is not."""
+        self._spawn()
+        self._reader = threading.Thread(target=self._read_loop, name=f"pagedllm-replica-{self.index}", daemon=True)
+        self._reader.start()
+
+    def _spawn(self, restart: bool = False) -> None:
+        """Start a process and wait for its engine; ReplicaStartError if it exits first."""
+        parent, child = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=run_replica, args=(self.index, self.config, child, self.cpus, self.kv_page),
+            name=f"pagedllm-replica-{self.index}",
+        )
+        process.start()
+        child.close()  # only the child holds that end now: its death is our end-of-file
+        self._process = process
+        try:
+            message = parent.recv()
+        except (EOFError, OSError):
+            message = ("failed_to_start", f"the process exited with code {process.join(5) or process.exitcode}")
+        if message[0] != "ready":
+            parent.close()
+            process.join(STOP_TIMEOUT_S)
+            raise ReplicaStartError(f"data-parallel replica {self.index} did not start: {message[1]}")
+        _, self.pid, self.latest = message
+        with self._lock:
+            self._conn = parent
+            self.alive = not self.stopping
+        logger.info("data-parallel replica %d started (pid %d, cores %s)", self.index, self.pid, self.cpus or "any")
+        if restart:
+            self.restarts += 1
+        self.on_up(self.index, True, restart)
+
+    def _send_stop(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._conn.send(("stop",))
+                except (OSError, ValueError):
+                    pass
+
+    def stop(self) -> None:
+        """Stop the process (asked, then terminated, then killed); requests in flight get an error."""
+        with self._lock:
+            self.stopping = True
+        self._send_stop()
+        for _ in range(2):  # a restart may be under way: it sees `stopping` and ends
+            process = self._process
+            if process is not None:
+                process.join(STOP_TIMEOUT_S)
+                if process.is_alive():
+                    process.terminate()
+                    process.join(5)
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
+            if self._reader is not None:
+                self._reader.join(STOP_TIMEOUT_S)
+
+    # --- requests (event loop) ------------------------------------------------------
+    def add(
+        self, streams: list[StreamSink], prompts: list[Prompt], params: SamplingParams
+    ) -> concurrent.futures.Future[list[int]]:
+        """Send one engine request per stream (all or none); the future gives the prompts' token counts."""
+        fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        items = [(s.request_id, text, ids) for s, (text, ids) in zip(streams, prompts)]
+        with self._lock:
+            if not self.alive or self._conn is None:
+                raise EngineDeadError(f"data-parallel replica {self.index} is not running")
+            call_id = next(self._call_ids)
+            self._pending[call_id] = fut
+            for s in streams:
+                self.streams[s.request_id] = s
+            try:
+                self._conn.send(("add", call_id, items, params))
+            except (OSError, ValueError) as e:
+                self._pending.pop(call_id, None)
+                for s in streams:
+                    self.streams.pop(s.request_id, None)
+                raise EngineDeadError(f"data-parallel replica {self.index} is not running: {e}") from e
+        return fut
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort those of ``request_ids`` that run here (fire and forget)."""
+        with self._lock:
+            mine = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
+            if mine and self.alive and self._conn is not None:
+                try:
+                    self._conn.send(("abort", mine))
+                except (OSError, ValueError):
+                    pass  # the process is gone; the reader thread fails what was left
+
+    @property
+    def num_unfinished(self) -> int:
+        """Engine requests in flight here (the router's load figure)."""
+        return len(self.streams)
+
+    # --- the reader thread ----------------------------------------------------------
+    def _read_loop(self) -> None:
+        """Handle the replica's messages until it is stopped; restart it when it dies."""
+        while True:
+            conn = self._conn
+            try:
+                message = conn.recv() if conn is not None else None
+            except (EOFError, OSError):
+                message = None
+            if message is None:
+                if not self._replace_dead_process():
+                    return
+                continue
+            try:
+                self._dispatch(message)
+            except Exception:
+                logger.exception("replica %d: a message could not be handled", self.index)
+
+    def _dispatch(self, message: tuple) -> None:
+        """One message from the replica: outputs, an add's answer, or stats."""
+        kind = message[0]
+        if kind == "outputs":
+            self._deliver(message[1], message[2])
+        elif kind == "added":
+            _, call_id, counts, err = message
+            with self._lock:
+                fut = self._pending.pop(call_id, None)
+            if fut is not None and err is not None:
+                fut.set_exception(err)
+            elif fut is not None:
+                fut.set_result(counts)
+        elif kind == "stats":
+            _, stats, hashes, kv = message
+            self.cached_hashes = frozenset(array("Q", hashes))
+            if kv is not None:
+                self.latest = kv
+            self._last = stats
+            self.on_stats(self.index, self._carry + stats)
+
+    def _deliver(self, outputs: list, failures: list[tuple[str, str]]) -> None:
+        """Hand one engine pass's outputs and failures to their requests' streams."""
+        now = time.monotonic()
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream.observe(out, now, self.metrics)
+            if out.finished:
+                self.streams.pop(out.request_id, None)
+            stream.put(out)
+        for rid, error in failures:
+            stream = self.streams.pop(rid, None)
+            if stream is not None:
+                stream.put(EngineStepError(f"the engine failed on this request: {error}"))
+
+    def _replace_dead_process(self) -> bool:
+        """Fail what ran on the dead process and start a new one; False when the replica is stopping."""
+        with self._lock:
+            self.alive = False
+            streams, self.streams = self.streams, {}
+            pending, self._pending = self._pending, {}
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+        self.on_up(self.index, False, False)
+        self.cached_hashes = frozenset()
+        process = self._process
+        if process is not None:
+            process.join(5)
+        code = process.exitcode if process is not None else None
+        self._carry = self._carry + self._last.counters_only()
+        self._last = EngineStats()
+        self.on_stats(self.index, self._carry)
+        if not self.stopping:
+            logger.error("data-parallel replica %d (pid %s) exited with code %s; restarting it", self.index,
+                         self.pid, code)
+        err = EngineStepError(
+            f"data-parallel replica {self.index} stopped (exit code {code}) while this request ran"
+        )
+        for stream in streams.values():
+            stream.put(err)
+        for fut in pending.values():
+            fut.set_exception(err)
+        return self._restart()
+
+    def _restart(self) -> bool:
+        """Start the process again, waiting longer after each failed start; False once stopping."""
+        backoff = 1.0
+        while not self.stopping:
+            try:
+                self._spawn(restart=True)
+                if self.stopping:  # stop() came while the engine loaded
+                    self._send_stop()
+                return True
+            except ReplicaStartError as e:
+                logger.error("%s; retrying in %.0f s", e, backoff)
+                time.sleep(backoff)
+                backoff = min(2 * backoff, MAX_RESTART_BACKOFF_S)
+        return False
