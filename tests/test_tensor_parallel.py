@@ -258,7 +258,6 @@ def test_server_on_two_ranks_answers_then_reports_a_dead_worker(smollm_one: LLM)
     killed worker fails the request in flight with a 5xx and /health turns 503, never a hang."""
     import httpx
     import openai
-
     from server_helpers import serve_in_thread
 
     expected = [o.outputs[0].text for o in smollm_one.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
