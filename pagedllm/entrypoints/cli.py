@@ -417,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(bs)
     bs.set_defaults(func=cmd_bench_serve)
 
+    from pagedllm.bench import collectives as bench_collectives
+
+    coll = bench_sub.add_parser("collectives", help="tensor-parallel all-reduce cost (gloo) at a model's hidden size")
+    bench_collectives.add_arguments(coll)
+    coll.set_defaults(func=lambda args: bench_collectives.run(args) and 0)
+
     from pagedllm.bench import memory as bench_memory
 
     mem = bench_sub.add_parser(
