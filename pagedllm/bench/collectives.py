@@ -32,17 +32,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
 
 
-def _rank(rank: int, size: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
+def _rank(rank: int, size: int, port: int, shape: tuple[list[int], int, int], out: mp.Queue) -> None:
+    all_rows, hidden, iters = shape
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
     results = {}
-    for rows in args.rows:
-        x = torch.randn(rows, args.hidden)  # [rows, hidden]: one row-parallel layer's partial sums
+    for rows in all_rows:
+        x = torch.randn(rows, hidden)  # [rows, hidden]: one row-parallel layer's partial sums
         for _ in range(10):
             dist.all_reduce(x)
         times = []
-        for _ in range(args.iters):
+        for _ in range(iters):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(x)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args, out)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, (list(args.rows), args.hidden, args.iters), out)) for r in range(args.ranks)]
     for p in procs:
         p.start()
     results = out.get(timeout=600)
