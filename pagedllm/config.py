@@ -22,6 +22,7 @@ QUANTIZATIONS = (None, "none", "int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 128
 LINEAR_BACKENDS = ("auto", "packed", "onednn", "torch")
 DISTRIBUTED_EXECUTORS = ("auto", "mp", "torchrun")
+ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo")
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,11 @@ class EngineConfig:
         distributed_timeout_s: the longest any rank waits in one collective
             of a step (or rank 0 for a worker to take a step) before the
             engine stops with an error: a hung rank fails, not deadlocks.
+        all_reduce_backend: how tensor-parallel ranks sum partial results:
+            "auto" (default: through shared memory when every rank is on
+            this machine, for steps of up to 256 tokens; the process group
+            (gloo, NCCL) otherwise), "shm" (the same, refused when the ranks
+            are not on one machine) or "gloo" (the process group always).
     """
 
     model: str
@@ -136,6 +142,7 @@ class EngineConfig:
     distributed_executor_backend: str = "auto"
     cpu_bind: str | None = None
     distributed_timeout_s: float = 120.0
+    all_reduce_backend: str = "auto"
 
     @property
     def weight_group_size(self) -> int | None:
@@ -221,6 +228,8 @@ class EngineConfig:
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTORS:
             raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTORS}, "
                              f"got {self.distributed_executor_backend!r}")
+        if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
+            raise ValueError(f"all_reduce_backend must be one of {ALL_REDUCE_BACKENDS}, got {self.all_reduce_backend!r}")
         timeout = self.distributed_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")

@@ -14,13 +14,13 @@ ROOT = Path(pagedllm.__file__).parent
 ALLOWED = {
     "kernels": set(),
     "layers": {"kernels", "distributed"},
-    "distributed": {"loader"},
+    "distributed": {"loader", "kernels"},
     "models": {"layers", "loader"},
     "loader": set(),
     "engine": {"loader", "runner", "distributed"},
     "runner": {"kernels", "layers", "models", "loader", "distributed"},
     "entrypoints": {"engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
-    "bench": {"entrypoints", "engine", "loader"},
+    "bench": {"entrypoints", "engine", "loader", "distributed"},
 }
 DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table"}
 

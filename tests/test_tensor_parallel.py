@@ -97,6 +97,7 @@ def test_cpu_bind_lists() -> None:
     ("distributed_executor_backend", "ray", "distributed_executor_backend"),
     ("distributed_timeout_s", 0, "distributed_timeout_s"),
     ("cpu_bind", "0|1|2", "3 ranks"),
+    ("all_reduce_backend", "mpi", "all_reduce_backend"),
 ])
 def test_bad_settings_are_refused(field: str, value: object, match: str) -> None:
     kwargs = {"tensor_parallel_size": 2, field: value}
@@ -107,6 +108,64 @@ def test_bad_settings_are_refused(field: str, value: object, match: str) -> None
 def test_int8_with_tensor_parallelism_is_refused() -> None:
     with pytest.raises(ValueError, match="not supported with tensor_parallel_size"):
         EngineConfig(model="m.gguf", tensor_parallel_size=2, quantization="int8")
+
+
+# --- the shared-memory all-reduce op (one process) ---------------------------------------
+
+
+def _shm_tensors(size: int, capacity: int, pids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    slots = torch.zeros(2, size, capacity)  # [2, ranks, capacity]
+    return slots, torch.zeros(size, dtype=torch.int64), torch.tensor(pids, dtype=torch.int64)
+
+
+def test_shm_all_reduce_of_one_rank_keeps_the_values_and_counts_calls() -> None:
+    from pagedllm.kernels import load_kernels
+
+    if load_kernels() is None:
+        pytest.skip("native kernels unavailable")
+    slots, flags, pids = _shm_tensors(1, 64, [os.getpid()])
+    x = torch.randn(3, 7)
+    y = x.clone()
+    for call in (1, 2, 3):
+        torch.ops.pagedllm.shm_all_reduce(y, slots, flags, pids, 0, 1.0)
+        assert torch.equal(y, x) and int(flags[0]) == call
+    # the call used the slots of its parity: call 3 wrote parity 1
+    assert torch.equal(slots[1, 0, :21], x.flatten())
+
+
+def test_shm_all_reduce_bounds_its_wait() -> None:
+    """A peer that never publishes: a RuntimeError after the timeout; a peer whose process is gone: at once."""
+    from pagedllm.kernels import load_kernels
+
+    if load_kernels() is None:
+        pytest.skip("native kernels unavailable")
+    slots, flags, pids = _shm_tensors(2, 64, [os.getpid(), os.getpid()])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="waited more than"):
+        torch.ops.pagedllm.shm_all_reduce(torch.ones(8), slots, flags, pids, 0, 0.3)
+    assert 0.3 <= time.monotonic() - start < 5
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    slots, flags, pids = _shm_tensors(2, 64, [os.getpid(), gone.pid])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="process gone"):
+        torch.ops.pagedllm.shm_all_reduce(torch.ones(8), slots, flags, pids, 0, 60.0)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(("x", "slots", "match"), [
+    (torch.ones(100), torch.zeros(2, 2, 64), "exceed the slots' capacity"),
+    (torch.ones(8, dtype=torch.float64), torch.zeros(2, 2, 64), "float32"),
+    (torch.ones(8), torch.zeros(3, 2, 64), r"\[2, ranks, capacity\]"),
+])
+def test_shm_all_reduce_checks_its_tensors(x: torch.Tensor, slots: torch.Tensor, match: str) -> None:
+    from pagedllm.kernels import load_kernels
+
+    if load_kernels() is None:
+        pytest.skip("native kernels unavailable")
+    flags, pids = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.pagedllm.shm_all_reduce(x, slots, flags, pids, 0, 1.0)
 
 
 # --- two ranks --------------------------------------------------------------------------
@@ -131,6 +190,20 @@ def test_tiny_models_two_ranks_equal_one_and_transformers(arch: str, tiny_model_
         assert 0.45 * whole < weights < 0.56 * whole, (weights, whole)
     # KV heads 2 -> 1 per rank: every rank's cache is half of one process's
     assert [kv for _, kv in rank_bytes] == [one.kv_cache_bytes // 2] * 2
+
+
+def test_gloo_and_shared_memory_all_reduce_give_the_same_tokens(tiny_model_dirs) -> None:  # noqa: ANN001
+    """gloo (the process group) is the shared-memory path's oracle: same tokens, same logprobs to rounding."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = {}
+    for backend in ("gloo", "shm"):
+        with _tp(tiny_model_dirs["qwen2"], 2, block_size=8, all_reduce_backend=backend) as two:
+            assert (two.llm_engine.model_runner.tp.shm is not None) == (backend == "shm")
+            runs[backend] = two.generate(PROMPTS, params, use_tqdm=False)
+    assert _tokens(runs["gloo"]) == _tokens(runs["shm"])
+    for a, b in zip(runs["gloo"], runs["shm"]):
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
 
 
 @pytest.fixture(scope="module")

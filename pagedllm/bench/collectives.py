@@ -1,9 +1,11 @@
 """``pagedllm bench collectives``: what one tensor-parallel step's communication costs.
 
 Two (or ``--ranks``) processes on this machine join a gloo group, as
-tensor-parallel ranks do, and time ``all_reduce`` of ``[rows, hidden]``
-float32 tensors: the partial sums a row-parallel layer (o_proj, down_proj)
-hands over. A Llama-family step makes ``2 * num_layers + 1`` of them (one
+tensor-parallel ranks do, and time the all-reduce of ``[rows, hidden]``
+float32 tensors (the partial sums a row-parallel layer, o_proj or
+down_proj, hands over) two ways: gloo's ``all_reduce`` over loopback, and
+the shared-memory all-reduce (``distributed/shm_all_reduce.py``). Each
+shared-memory result is checked against gloo's on the same inputs. A Llama-family step makes ``2 * num_layers + 1`` of them (one
 after each row-parallel layer, one after the vocabulary-split embedding)
 plus one logits gather, so ``--layers`` turns the figure into a per-step
 overhead. Each rank runs one thread; the ranks share the machine's cores.
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedllm.distributed.shm_all_reduce import MAX_ROWS, ShmAllReduce
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=2)
@@ -32,23 +36,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
 
 
+def _time(fn: object, iters: int) -> float:
+    """Median microseconds of ``fn()`` over ``iters`` calls, each after a barrier."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
 def _rank(rank: int, size: int, port: int, shape: tuple[list[int], int, int], out: mp.Queue) -> None:
     all_rows, hidden, iters = shape
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
+    shm = ShmAllReduce.create(dist.group.WORLD, rank, size, max(all_rows) * hidden, 60.0)
     results = {}
     for rows in all_rows:
+        torch.manual_seed(rank * 1000 + rows)
         x = torch.randn(rows, hidden)  # [rows, hidden]: one row-parallel layer's partial sums
-        for _ in range(10):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(iters):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - start)
-        results[rows] = statistics.median(times) * 1e6
+        gloo_us = _time(lambda x=x: dist.all_reduce(x.clone()), iters)
+        shm_us, error = None, None
+        if shm is not None:
+            shm_us = _time(lambda x=x: shm.all_reduce_(x.clone()), iters)
+            a, b = x.clone(), x.clone()
+            dist.all_reduce(a)
+            shm.all_reduce_(b)
+            error = float((a - b).abs().max())
+        results[rows] = (gloo_us, shm_us, error)
     if rank == 0:
         out.put(results)
     dist.destroy_process_group()
@@ -70,13 +89,19 @@ def run(args: argparse.Namespace) -> dict:
     for p in procs:
         p.join()
     per_step = 2 * args.layers + 1
-    print(f"gloo all_reduce, {args.ranks} ranks, float32 [rows, {args.hidden}], median of {args.iters}:")
-    print(f"{'rows':>6} {'us / all-reduce':>16} {'MB/s':>9} {f'ms / step ({per_step} all-reduces)':>30}")
-    for rows, us in results.items():
-        mb_s = rows * args.hidden * 4 / us
-        print(f"{rows:>6} {us:>16.1f} {mb_s:>9.1f} {us * per_step / 1000:>30.2f}")
+    print(f"all-reduce, {args.ranks} ranks, float32 [rows, {args.hidden}], median of {args.iters} "
+          f"(copy of the input included); shared memory summed up to {MAX_ROWS} rows in the engine")
+    print(f"{'rows':>6} {'gloo us':>9} {'shm us':>9} {'gloo/shm':>9} {'max |gloo - shm|':>17} "
+          f"{'gloo ms/step':>13} {'shm ms/step':>12}   ({per_step} all-reduces a step)")
+    for rows, (gloo, shm, err) in results.items():
+        shm_s = f"{shm:9.1f}" if shm is not None else f"{'-':>9}"
+        ratio = f"{gloo / shm:9.1f}" if shm else f"{'-':>9}"
+        per = f"{shm * per_step / 1000:12.2f}" if shm is not None else f"{'-':>12}"
+        print(f"{rows:>6} {gloo:>9.1f} {shm_s} {ratio} {err if err is not None else '-':>17} "
+              f"{gloo * per_step / 1000:>13.2f} {per}")
     summary = {"ranks": args.ranks, "hidden": args.hidden, "layers": args.layers,
-               "us_per_all_reduce": {str(k): round(v, 1) for k, v in results.items()}}
+               "us_per_all_reduce": {str(k): {"gloo": round(g, 1), "shm": None if m is None else round(m, 1)}
+                                     for k, (g, m, _) in results.items()}}
     if args.json:
         print(json.dumps(summary))
     return summary

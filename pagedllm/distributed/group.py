@@ -11,6 +11,8 @@ Three process groups (gloo on the CPU, NCCL on CUDA for the collectives):
   side of the group has no practical timeout). A rank that dies closes its
   connections, so the others' waits fail at once.
 
+- small all-reduces between ranks of one machine go through shared memory
+  instead (``shm``, ``distributed/shm_all_reduce.py``), with the same bound;
 - ``startup`` carries the exchanges while the ranks load (how many KV
   blocks every rank holds); it waits as long as the slowest rank loads.
 
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.distributed.shard_plan import ShardPlan
+from pagedllm.distributed.shm_all_reduce import ShmAllReduce
 
 
 class DistributedError(RuntimeError):
@@ -41,6 +44,7 @@ class TensorParallelGroup:
     group: Any = None  # torch.distributed ProcessGroup of the collectives; None when size == 1
     dispatch: Any = None  # the ProcessGroup rank 0 sends step records on
     startup: Any = None  # the ProcessGroup of start-up exchanges, with a long timeout (ranks load at their pace)
+    shm: ShmAllReduce | None = None  # all-reduce through shared memory (ranks on one machine), else None
 
     @property
     def rank(self) -> int:
@@ -59,7 +63,10 @@ class TensorParallelGroup:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         if self.size > 1:
             try:
-                dist.all_reduce(x, group=self.group)
+                if self.shm is not None and self.shm.fits(x):
+                    self.shm.all_reduce_(x)
+                else:
+                    dist.all_reduce(x, group=self.group)
             except RuntimeError as e:
                 raise DistributedError(f"tensor-parallel all-reduce failed on rank {self.rank}: {e}") from e
         return x

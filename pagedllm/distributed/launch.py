@@ -22,6 +22,7 @@ import torch.distributed as dist
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.distributed.shard_plan import ShardPlan
+from pagedllm.distributed.shm_all_reduce import MAX_ROWS, ShmAllReduce
 from pagedllm.loader.model_config import ModelArchConfig
 
 __all__ = ["Rendezvous", "join_group", "launched_by_torchrun", "leave_group", "parse_cpu_bind", "pin_rank",
@@ -93,13 +94,17 @@ def pin_rank(cores: list[int] | None, threads: int) -> None:
 
 
 def join_group(
-    model_config: ModelArchConfig, rank: int, where: Rendezvous, timeout_s: float, device: torch.device
+    model_config: ModelArchConfig, rank: int, where: Rendezvous, timeout_s: float, device: torch.device,
+    all_reduce: str = "auto", max_rows: int = MAX_ROWS,
 ) -> TensorParallelGroup:
     """Meet the other ranks and build this rank's groups: start-up, the steps' collectives, step dispatch.
 
     A step's collectives wait at most ``timeout_s``; on the dispatch group
     rank 0 does too, while a worker waits for its next step as long as the
     engine idles. Start-up waits up to ``START_WAIT`` for the slowest rank.
+    ``all_reduce``: "auto" (shared memory where every rank is on this
+    machine, for tensors of up to ``max_rows`` rows; gloo / NCCL otherwise),
+    "shm" (the same, refused when it cannot) or "gloo" (the process group only).
     """
     plan = ShardPlan.make(model_config, rank, where.size)
     if dist.is_initialized():
@@ -115,7 +120,14 @@ def join_group(
         dispatch = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_WAIT)
     except (RuntimeError, ValueError) as e:
         raise DistributedError(f"rank {rank} could not join the tensor-parallel group at {where.addr}:{where.port}: {e}") from e
-    return TensorParallelGroup(plan, collectives, dispatch, dist.group.WORLD)
+    shm = None
+    if all_reduce != "gloo" and device.type == "cpu":
+        capacity = min(max_rows, MAX_ROWS) * model_config.hidden_size
+        shm = ShmAllReduce.create(dist.group.WORLD, rank, where.size, capacity, timeout_s)
+        if shm is None and all_reduce == "shm":
+            leave_group()
+            raise ValueError("all_reduce_backend='shm' needs every rank on one machine with the native kernels")
+    return TensorParallelGroup(plan, collectives, dispatch, dist.group.WORLD, shm)
 
 
 def leave_group() -> None:

@@ -59,6 +59,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-bind", default=None, help="cores of each tensor-parallel rank, e.g. '0-3|4-7'")
     g.add_argument("--distributed-timeout-s", type=float, default=120.0,
                    help="longest wait in one collective before the engine stops with an error")
+    g.add_argument("--all-reduce-backend", default="auto", choices=["auto", "shm", "gloo"],
+                   help="auto: shared memory between ranks of one machine (steps up to 256 tokens), else gloo")
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -98,6 +100,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         distributed_executor_backend=args.distributed_executor_backend,
         cpu_bind=args.cpu_bind,
         distributed_timeout_s=args.distributed_timeout_s,
+        all_reduce_backend=args.all_reduce_backend,
     )
     return kwargs
 

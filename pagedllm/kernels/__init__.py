@@ -10,7 +10,8 @@ and the grouped int8 / int4 of weights quantized at load),
 ``logit_stats.cpp`` (per-row argmax and logsumexp of the logits),
 ``kv_write.cpp`` (new K/V rows into their cache slots, rounded to the cache's dtype),
 ``elementwise.cpp`` (RMSNorm with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply),
-``prefill_attention.cpp`` (causal attention of prompts computed from scratch)
+``prefill_attention.cpp`` (causal attention of prompts computed from scratch),
+``shm_allreduce.cpp`` (tensor-parallel ranks of one machine summing through shared memory)
 and ``step_nodes.cpp`` (runs kernel calls recorded as plain "nodes" in one
 OpenMP parallel region), with the shared headers ``paged_attention.h``
 (with ``paged_attention_kv.h``, instantiated once per cache dtype),

@@ -577,6 +577,29 @@ std::tuple<Tensor, Tensor> logit_stats(const Tensor &logits) {
     return {argmax, lse};
 }
 
+// --- tensor parallelism ------------------------------------------------------------------
+
+void shm_all_reduce(const Tensor &x, const Tensor &slots, const Tensor &flags, const Tensor &pids, int64_t rank,
+                    double timeout_s) {
+    const char *op = "shm_all_reduce";
+    TORCH_CHECK_VALUE(slots.device().is_cpu() && slots.scalar_type() == at::kFloat && slots.dim() == 3 &&
+                          slots.size(0) == 2 && slots.is_contiguous(),
+                      op, ": slots must be contiguous float32 [2, ranks, capacity], got ", shape_of(slots));
+    const int64_t size = slots.size(1), capacity = slots.size(2);
+    check_tensor(flags, at::kLong, {size}, op, "flags");
+    check_tensor(pids, at::kLong, {size}, op, "pids");
+    TORCH_CHECK_VALUE(rank >= 0 && rank < size, op, ": rank ", rank, " is outside ", size, " ranks");
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(), op,
+                      ": x must be a contiguous float32 CPU tensor");
+    TORCH_CHECK_VALUE(x.numel() <= capacity, op, ": ", x.numel(), " values exceed the slots' capacity ", capacity);
+    TORCH_CHECK_VALUE(timeout_s > 0, op, ": timeout_s must be positive");
+    const int status = shm_all_reduce_f32(x.data_ptr<float>(), x.numel(), slots.data_ptr<float>(), capacity,
+                                          flags.data_ptr<int64_t>(), pids.data_ptr<int64_t>(), (int)rank, (int)size,
+                                          timeout_s, num_threads());
+    TORCH_CHECK(status != 4, op, ": rank ", rank, " waited more than ", timeout_s, " s for another rank");
+    TORCH_CHECK(status != 5, op, ": rank ", rank, " found another rank's process gone");
+}
+
 int64_t panel_f32() { return PANEL; }
 int64_t panel_bf16() { return BF_PANEL; }
 int64_t bf16_native() { return packed_linear_bf16_native(); }
@@ -609,6 +632,7 @@ TORCH_LIBRARY(pagedllm, m) {
           "float scale, Tensor(a!) out, int window=0) -> ()");
     m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
+    m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) slots, Tensor(c!) flags, Tensor pids, int rank, float timeout_s) -> ()");
     // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key
     m.def("packed_linear_panel() -> int", &panel_f32);
     m.def("packed_linear_bf16_panel() -> int", &panel_bf16);
@@ -632,4 +656,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("paged_decode", &paged_decode_op);
     m.impl("prefill_attention", &prefill_attention_op);
     m.impl("logit_stats", &logit_stats);
+    m.impl("shm_all_reduce", &shm_all_reduce);
 }

@@ -95,6 +95,7 @@ class CapturedDecode:
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_rows: int, padding_block: int, block_size: int, native_programs: bool = False, max_width: int = 0,
         row_limits: tuple[int, ...] = (),
+        shared: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.model = model
         self.padding_block = padding_block
@@ -106,7 +107,8 @@ class CapturedDecode:
         # a step of n rows runs on the first tier >= n
         top = row_bucket(max_rows)
         self.row_tiers = sorted({r for r in row_limits if 0 < r < top} | {top})
-        self._owned = owned_tensors(model, kv_cache)
+        # shared: memory the step's ops read that the model does not hold (tensor parallelism's shared slots)
+        self._owned = [*owned_tensors(model, kv_cache), *shared]
         self.failed: str | None = None  # why capturing was given up, once it was
         self.reset(native_programs)
 

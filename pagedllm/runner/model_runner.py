@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.linear import Linear
 from pagedllm.loader.model_config import ModelArchConfig
@@ -118,12 +118,16 @@ class ModelRunner:
         # their kernels run in one parallel region per graph where the native ops are loaded
         # (runner/step_program.py)
         self.captured_decode: CapturedDecode | None = None
-        # not with tensor parallelism yet: a graph would replay its collectives without the other ranks
-        if not config.enforce_eager and self.tp is None and CapturedDecode.supports(self.backend, model_config):
+        # under tensor parallelism only with the shared-memory all-reduce, a native op a graph replays; every
+        # rank records and replays the same steps, so their collectives stay in step (gloo's are not ops)
+        shm = self.tp.shm if self.tp is not None else None
+        capturable = self.tp is None or shm is not None
+        if not config.enforce_eager and capturable and CapturedDecode.supports(self.backend, model_config):
             self.captured_decode = CapturedDecode(
                 self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS),
                 self.padding_block, self.block_size, native_programs=self.native_ops is not None,
                 max_width=-(-config.max_model_len // self.block_size), row_limits=_row_limits(self.model),
+                shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
             )
 
     @property
@@ -202,16 +206,7 @@ class ModelRunner:
         self.copy_blocks(record.blocks_to_copy)
         order = sorted(range(len(record.sequences)), key=lambda i: record.sequences[i].num_new_tokens == 1)
         steps = [record.sequences[i] for i in order]
-        input_ids, positions, meta = self.prepare(steps)
-        if self.captured_decode is not None and self.captured_decode.accepts(meta, input_ids.shape[0]):
-            hidden = self.captured_decode(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-
-        # one LM-head call for every row that needs logits: the sampled rows, then the prompt-logprob rows
-        rows = _LogitRows.of(steps, meta)
-        index = torch.tensor(rows.hidden_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[index]) if rows.hidden_rows else None  # [rows, vocab]
+        rows, logits = self._logits(steps)
         if self.tp is not None and not self.tp.is_driver:
             return []
         logits = logits.cpu() if logits is not None else None
@@ -233,6 +228,28 @@ class ModelRunner:
         for i, r in zip(order, results):
             unordered[i] = r
         return unordered
+
+    def _logits(self, steps: list[SequenceStep]) -> tuple[_LogitRows, torch.Tensor | None]:
+        """The model over the step, then one LM-head call for every row that needs logits (the sampled
+        rows, then the prompt-logprob rows); None when no row does, or on a tensor-parallel rank but 0.
+
+        Under tensor parallelism a failure here leaves the ranks out of step (one may have passed a
+        collective another has not reached): it is a DistributedError, whatever raised it.
+        """
+        try:
+            input_ids, positions, meta = self.prepare(steps)
+            if self.captured_decode is not None and self.captured_decode.accepts(meta, input_ids.shape[0]):
+                hidden = self.captured_decode(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            rows = _LogitRows.of(steps, meta)
+            index = torch.tensor(rows.hidden_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[index]) if rows.hidden_rows else None  # [rows, vocab]
+        except Exception as e:
+            if self.tp is None or isinstance(e, DistributedError):
+                raise
+            raise DistributedError(f"tensor-parallel rank {self.tp.rank} failed in a step: {e}") from e
+        return rows, logits
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
