@@ -241,6 +241,10 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM) -> None:
         engine = two.llm_engine
         assert engine.block_manager.num_used_blocks == 0
         assert engine.block_manager.num_prefix_hits > 0
+        rank_bytes = engine.model_runner.rank_bytes
+    # the GGUF blocks stay blocks on each rank (embedding included, split by vocabulary): about half each
+    whole = smollm_one.weight_bytes
+    assert all(0.4 * whole < w < 0.6 * whole for w, _ in rank_bytes), (rank_bytes, whole)
     greedy, sampled, logprobs, long, prompt_lp, beams = got
     assert greedy == one[0] and greedy[:4] == greedy[4:]
     assert sampled == one[1]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import Linear, LinearMethod, replace_parameter
+from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 
 # ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
@@ -74,18 +75,37 @@ class GGUFLinearMethod(LinearMethod):
 
 
 class GGUFEmbedding(nn.Module):
-    """A token embedding whose table stays in GGUF blocks; looked-up rows come out float32."""
+    """A token embedding whose table stays in GGUF blocks; looked-up rows come out float32.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, ggml_type: int) -> None:
+    Under tensor parallelism (``tp``) it holds vocabulary rows ``[vocab_start,
+    vocab_start + num_embeddings)`` and looks up as ``VocabParallelEmbedding`` does.
+    """
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, ggml_type: int,
+        tp: TensorParallelGroup | None = None, vocab_start: int = 0,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.ggml_type = num_embeddings, embedding_dim, ggml_type
+        self.tp, self.vocab_start = tp, vocab_start
         row_bytes = gguf_row_bytes(ggml_type, embedding_dim)
         self.register_buffer("qweight", torch.empty(num_embeddings, row_bytes, dtype=torch.uint8))  # [vocab, bytes]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).contiguous()  # [num_tokens]
         out = torch.ops.pagedllm.gguf_embedding(self.qweight, self.ggml_type, self.embedding_dim, ids)
         return out.view(*input_ids.shape, self.embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None or self.tp.size == 1:
+            return self._lookup(input_ids)
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.num_embeddings, self.tp, self._lookup)
+
+    def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the checkpoint's table (all of it in one process)."""
+        if self.tp is None or self.tp.size == 1:
+            return tensor
+        return tensor.narrow(0, self.vocab_start, self.num_embeddings)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={GGUF_KERNEL_TYPES[self.ggml_type][0]}"
@@ -141,7 +161,8 @@ def use_gguf_weights(model: nn.Module, types: Mapping[str, int], fused: FusedMap
             parent, _, child = owner_name.rpartition(".")
             with torch.device("meta"):
                 setattr(modules[parent] if parent else model, child,
-                        GGUFEmbedding(owner.num_embeddings, owner.embedding_dim, ggml_type))
+                        GGUFEmbedding(owner.num_embeddings, owner.embedding_dim, ggml_type,
+                                      getattr(owner, "tp", None), getattr(owner, "vocab_start", 0)))
         elif isinstance(owner, Linear) and target.endswith(".weight"):
             owner.quant_method = GGUFLinearMethod(ggml_type)
             replace_parameter(owner, "weight", None)

@@ -18,6 +18,8 @@ so a rank copies only its slice of each tensor while loading.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,22 @@ def _quantized_columns(tensor: torch.Tensor, start: int, local: int, stored: tor
     if (start * row_bytes) % local:
         raise ValueError(f"input column {start} is not on a quantization block boundary")
     return tensor.narrow(1, start * row_bytes // local, row_bytes)
+
+
+def vocab_parallel_lookup(
+    input_ids: torch.Tensor, vocab_start: int, num_rows: int, tp: TensorParallelGroup,
+    lookup: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Rows of this rank's slice ``[vocab_start, vocab_start + num_rows)`` of an embedding, all-reduced.
+
+    ``lookup`` maps local ids to rows ``[num_tokens, dim]`` (a float table, or GGUF blocks); a token held
+    by another rank is looked up as local row 0 and zeroed here, and the all-reduce brings its row in.
+    """
+    local = input_ids - vocab_start
+    elsewhere = (local < 0) | (local >= num_rows)  # [num_tokens]: held by another rank
+    out = lookup(local.masked_fill(elsewhere, 0))  # [num_tokens, dim]
+    out.masked_fill_(elsewhere.unsqueeze(-1), 0.0)
+    return tp.all_reduce_(out)
 
 
 class RowParallelLinear(Linear):
@@ -86,11 +104,9 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not _sharded(self.tp):
             return super().forward(input_ids)
-        local = input_ids - self.vocab_start
-        elsewhere = (local < 0) | (local >= self.num_embeddings)  # [num_tokens]: held by another rank
-        out = F.embedding(local.masked_fill(elsewhere, 0), self.weight)  # [num_tokens, embedding_dim]
-        out.masked_fill_(elsewhere.unsqueeze(-1), 0.0)
-        return self.tp.all_reduce_(out)
+        return vocab_parallel_lookup(
+            input_ids, self.vocab_start, self.num_embeddings, self.tp, lambda ids: F.embedding(ids, self.weight)
+        )
 
     def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the checkpoint's embedding."""

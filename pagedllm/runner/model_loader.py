@@ -140,7 +140,7 @@ def quantize_weights(config: EngineConfig, model: nn.Module) -> None:
 
 def keep_gguf_blocks(
     config: EngineConfig, model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device,
-    precision: Precision, sharded: bool = False,
+    precision: Precision,
 ) -> None:
     """Let the layers of ``model`` (on the meta device) take a GGUF checkpoint's quantized tensors as stored.
 
@@ -161,9 +161,7 @@ def keep_gguf_blocks(
         logger.warning("GGUF weights are dequantized to %s: their kernels run on the CPU in float32 only (%s)",
                        precision.weights, kernels_failure() or f"device={device.type}")
         return
-    # a tensor-parallel rank's embedding looks up its vocabulary slice (layers/parallel.py): held in float
-    embedding = "" if sharded else "model.embed_tokens.weight"
-    weights.keep = use_gguf_weights(model, quantized, fused_map(), embedding)
+    weights.keep = use_gguf_weights(model, quantized, fused_map(), "model.embed_tokens.weight")
     left = sorted(name for name in quantized if name not in weights.keep and name != "lm_head.weight")
     if left:
         kinds = sorted({GGMLQuantizationType(quantized[name]).name for name in left})
@@ -264,7 +262,7 @@ def load_model(
     # that the checkpoint overwrites anyway
     with torch.device("meta"):
         model = model_class(model_config)(model_config, backend, tp)
-    keep_gguf_blocks(config, model, weights, device, precision, sharded=tp is not None and tp.size > 1)
+    keep_gguf_blocks(config, model, weights, device, precision)
     model = model.to_empty(device="cpu")
     if model_config.tie_word_embeddings and not tie_gguf_lm_head(model.lm_head, model.model.embed_tokens):
         model.lm_head.weight = model.model.embed_tokens.weight
