@@ -183,6 +183,8 @@ def test_tiny_models_two_ranks_equal_one_and_transformers(arch: str, tiny_model_
     with _tp(path, 2, block_size=8) as two:
         got = _tokens(two.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False))
         rank_bytes = two.llm_engine.model_runner.rank_bytes
+        # the parameter count is the whole model's, summed over the ranks (replicated norms once)
+        assert two.llm_engine.model_runner.num_params == one.llm_engine.model_runner.num_params
     assert got == expected
     assert got == [hf_greedy(hf_tiny[arch], i, GREEDY.max_tokens) for i in ids]
     # each rank holds about half the weights (norms are replicated, tiny here): measured on each rank

@@ -12,6 +12,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.input_batch import InputBatch
@@ -81,7 +82,7 @@ class ModelRunner:
         self.model = loaded.model
         self.linear_backend = loaded.linear_backend
         self.native_ops = loaded.native_ops
-        self.num_params = loaded.num_params
+        self.num_params = loaded.num_params  # the whole model's, once tensor-parallel ranks have told theirs
         self.load_seconds = loaded.load_seconds
         self.weight_bytes = loaded.weight_bytes
         self.weight_format = loaded.weight_format
@@ -102,7 +103,12 @@ class ModelRunner:
         # (weight bytes, KV cache bytes) each rank holds, by rank: measured there, gathered here
         self.rank_bytes: list[list[int]] = [[self.weight_bytes, self.kv_cache_bytes]]
         if self.tp is not None:
-            self.rank_bytes = self.tp.all_gather_ints([self.weight_bytes, self.kv_cache_bytes])
+            # every rank's figures: bytes held, and parameters (the whole model's count: the norms every
+            # rank holds a copy of counted once)
+            norm_params = sum(p.numel() for m in self.model.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+            gathered = self.tp.all_gather_ints([self.weight_bytes, self.kv_cache_bytes, self.num_params])
+            self.rank_bytes = [[w, kv] for w, kv, _ in gathered]
+            self.num_params = sum(n for _, _, n in gathered) - (self.tp.size - 1) * norm_params
             logger.info("tensor parallel over %d ranks: weights %s MiB, KV cache %s MiB by rank", self.tp.size,
                         "/".join(f"{w / 2**20:.1f}" for w, _ in self.rank_bytes),
                         "/".join(f"{k / 2**20:.1f}" for _, k in self.rank_bytes))
