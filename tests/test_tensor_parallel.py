@@ -357,3 +357,32 @@ def test_server_on_two_ranks_answers_then_reports_a_dead_worker(smollm_one: LLM)
     finally:
         llm.shutdown()
     assert multiprocessing.active_children() == []
+
+
+def test_data_parallel_replicas_of_two_ranks_each(smollm_one: LLM, tmp_path: Path) -> None:
+    """`serve --data-parallel-size 2 --tensor-parallel-size 2`: two replicas of two ranks each (4 processes)
+    answer as one process does, and SIGTERM leaves no process behind."""
+    import psutil
+    from openai import OpenAI
+    from server_helpers import launch_server, stop_server, wait_healthy
+
+    expected = [o.outputs[0].text for o in smollm_one.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    port = free_port()
+    log = tmp_path / "server.log"
+    proc = launch_server(["--port", str(port), "-dp", "2", "-tp", "2", "--num-kv-blocks", "64",
+                          "--max-model-len", "256", "--served-model-name", "m"], log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        # 2 replicas and their 2 workers (beside the server's own helpers)
+        assert sum("pagedllm-tp" in " ".join(p.cmdline()) or "spawn_main" in " ".join(p.cmdline())
+                   for p in ranks if p.is_running()) >= 4, [p.cmdline() for p in ranks]
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        got = [client.completions.create(model="m", prompt=p, max_tokens=GREEDY.max_tokens, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS[:2]]
+        assert got == expected
+    finally:
+        stop_server(proc)
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert alive == [], log.read_text()
