@@ -237,9 +237,6 @@ class EngineConfig:
             if not isinstance(self.cpu_bind, str):
                 raise ValueError(f"cpu_bind must be a string like '0-3|4-7', got {self.cpu_bind!r}")
             parse_cpu_bind(self.cpu_bind, size)
-        if size > 1 and self.quantization in ("int8", "int4"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 yet "
-                             "(its quantized embedding is not split by vocabulary); GGUF files keep their blocks")
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""

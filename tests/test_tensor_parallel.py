@@ -105,11 +105,6 @@ def test_bad_settings_are_refused(field: str, value: object, match: str) -> None
         EngineConfig(model="m.gguf", **kwargs)
 
 
-def test_int8_with_tensor_parallelism_is_refused() -> None:
-    with pytest.raises(ValueError, match="not supported with tensor_parallel_size"):
-        EngineConfig(model="m.gguf", tensor_parallel_size=2, quantization="int8")
-
-
 # --- the shared-memory all-reduce op (one process) ---------------------------------------
 
 
@@ -206,6 +201,20 @@ def test_gloo_and_shared_memory_all_reduce_give_the_same_tokens(tiny_model_dirs)
     for a, b in zip(runs["gloo"], runs["shm"]):
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def test_int4_weights_on_two_ranks_equal_one(tiny_model_dirs) -> None:  # noqa: ANN001
+    """Weight-only int4 in groups of 32, quantized by each rank from its slice: the shard boundaries fall on
+    group boundaries, so the blocks are one process's blocks and so are the tokens."""
+    path = tiny_model_dirs["llama"]
+    one = _tp(path, 1, block_size=8, quantization="int4", quantization_group_size=32)
+    expected = _tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False))
+    with _tp(path, 2, block_size=8, quantization="int4", quantization_group_size=32) as two:
+        assert two.llm_engine.model_runner.weight_format == "int4-g32"
+        got = _tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
+        weights = [w for w, _ in two.llm_engine.model_runner.rank_bytes]
+    assert got == expected
+    assert all(0.4 * one.weight_bytes < w < 0.6 * one.weight_bytes for w in weights), (weights, one.weight_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
+from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 
 GROUP_RUN = 32  # the kernels read groups in runs of 32 weights (vector loads)
 BITS = (4, 8)
@@ -167,25 +168,40 @@ class QuantizedLinearMethod(LinearMethod):
 
 
 class QuantizedEmbedding(nn.Module):
-    """A token embedding held as grouped int8 / int4 blocks (``qweight`` ``[vocab, row bytes]``); rows come out float32."""
+    """A token embedding held as grouped int8 / int4 blocks (``qweight`` ``[vocab, row bytes]``); rows come out float32.
 
-    def __init__(self, qweight: torch.Tensor, embedding_dim: int, bits: int, group_size: int) -> None:
+    Under tensor parallelism (``tp``) it holds vocabulary rows ``[vocab_start,
+    vocab_start + num_embeddings)`` and looks up as ``VocabParallelEmbedding`` does.
+    """
+
+    def __init__(
+        self, qweight: torch.Tensor, embedding_dim: int, bits: int, group_size: int,
+        tp: TensorParallelGroup | None = None, vocab_start: int = 0,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = qweight.shape[0], embedding_dim
         self.bits, self.group_size = bits, group_size
+        self.tp, self.vocab_start = tp, vocab_start
         self.register_buffer("qweight", qweight)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, bits: int, group_size: int | None) -> QuantizedEmbedding:
-        """``embedding``'s table quantized as a linear layer of ``embedding_dim`` inputs would be."""
+        """``embedding``'s table quantized as a linear layer of ``embedding_dim`` inputs would be (its vocabulary
+        slice, for a tensor-parallel rank's)."""
         group = layer_group_size(embedding.embedding_dim, group_size)
         q, scales, mins = quantize_groups(embedding.weight, bits, group)
-        return cls(pack_groups(q, scales, mins, bits), embedding.embedding_dim, bits, group)
+        return cls(pack_groups(q, scales, mins, bits), embedding.embedding_dim, bits, group,
+                   getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).contiguous()  # [num_tokens]
         out = torch.ops.pagedllm.quantized_embedding(self.qweight, self.bits, self.group_size, self.embedding_dim, ids)
         return out.view(*input_ids.shape, self.embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None or self.tp.size == 1:
+            return self._lookup(input_ids)
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.num_embeddings, self.tp, self._lookup)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int{self.bits}, group={self.group_size}"
@@ -202,7 +218,8 @@ def quantize_model(model: nn.Module, bits: int, group_size: int | None) -> int:
     num_layers = apply_linear_method(model, QuantizedLinearMethod(bits, group_size))
     head = model.lm_head
     if tied:
-        model.model.embed_tokens = QuantizedEmbedding(head.qweight, embedding.embedding_dim, bits, head.group_size)
+        model.model.embed_tokens = QuantizedEmbedding(head.qweight, embedding.embedding_dim, bits, head.group_size,
+                                                      getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
     else:
         model.model.embed_tokens = QuantizedEmbedding.from_embedding(embedding, bits, group_size)
     return num_layers
