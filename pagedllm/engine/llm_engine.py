@@ -311,18 +311,9 @@ class LLMEngine:
         release()  # runs once
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs of requests that progressed.
-
-        Raises ``DistributedError`` once a tensor-parallel rank has failed
-        (every later call too): the engine cannot go on without it.
-        """
-        if self.dead is not None:
-            raise self.dead
-        if self.tp_workers is not None:
-            try:
-                self.tp_workers.check()
-            except DistributedError as e:
-                self._die(e)
+        """Run one scheduled step; return outputs of requests that progressed (``DistributedError``, now
+        and on every later call, once a tensor-parallel rank has failed)."""
+        self._check_ranks()
         # blocks published by a plan that never ran (its schedule raised) must not be hit
         self.block_manager.unpublish_unconfirmed()
         output = self.scheduler.schedule()
@@ -344,20 +335,15 @@ class LLMEngine:
         self.last_step_scheduled = True
         try:
             results = self.model_runner.execute(build_step_record(output, params, num_top, rules, bitmasks))
-        except DistributedError as e:
+        except BaseException as e:
+            # the step is lost, not the engine (unless a tensor-parallel rank failed): its requests fail so
+            # their blocks return to the pool; blocks it published to the prefix cache were never written,
+            # so they leave the cache. Then the caller sees the error (KeyboardInterrupt included).
             self.block_manager.unpublish_unconfirmed()
             for s in output.scheduled:
                 self.abort_request(s.seq.request_id)
-            self._die(e)
-        except BaseException:
-            # the step is lost, not the engine: fail the requests in it so their
-            # blocks return to the pool. Blocks published to the prefix cache
-            # when the step was planned were never written, so they leave the
-            # cache; what earlier steps cached stays. Then let the caller see
-            # the error (KeyboardInterrupt included).
-            self.block_manager.unpublish_unconfirmed()
-            for s in output.scheduled:
-                self.abort_request(s.seq.request_id)
+            if isinstance(e, DistributedError):
+                self._die(e)
             raise
         self.block_manager.confirm_published()
         self.scheduler.update(output)
@@ -403,6 +389,16 @@ class LLMEngine:
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
         return outputs
+
+    def _check_ranks(self) -> None:
+        """DistributedError if a tensor-parallel rank has failed (or the engine was shut down)."""
+        if self.dead is not None:
+            raise self.dead
+        if self.tp_workers is not None:
+            try:
+                self.tp_workers.check()
+            except DistributedError as e:
+                self._die(e)
 
     def _die(self, error: DistributedError) -> None:
         """A rank failed: stop every rank, remember why, raise it."""

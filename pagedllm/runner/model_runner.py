@@ -103,15 +103,7 @@ class ModelRunner:
         # (weight bytes, KV cache bytes) each rank holds, by rank: measured there, gathered here
         self.rank_bytes: list[list[int]] = [[self.weight_bytes, self.kv_cache_bytes]]
         if self.tp is not None:
-            # every rank's figures: bytes held, and parameters (the whole model's count: the norms every
-            # rank holds a copy of counted once)
-            norm_params = sum(p.numel() for m in self.model.modules() if isinstance(m, RMSNorm) for p in m.parameters())
-            gathered = self.tp.all_gather_ints([self.weight_bytes, self.kv_cache_bytes, self.num_params])
-            self.rank_bytes = [[w, kv] for w, kv, _ in gathered]
-            self.num_params = sum(n for _, _, n in gathered) - (self.tp.size - 1) * norm_params
-            logger.info("tensor parallel over %d ranks: weights %s MiB, KV cache %s MiB by rank", self.tp.size,
-                        "/".join(f"{w / 2**20:.1f}" for w, _ in self.rank_bytes),
-                        "/".join(f"{k / 2**20:.1f}" for _, k in self.rank_bytes))
+            self._gather_rank_figures()
         logger.info(
             "resident: weights %.1f MiB (%s, %s linears), KV cache %.1f MiB (%d blocks of %d tokens, %s)",
             self.weight_bytes / 2**20, self.weight_format, self.linear_backend,
@@ -135,6 +127,17 @@ class ModelRunner:
                 max_width=-(-config.max_model_len // self.block_size), row_limits=_row_limits(self.model),
                 shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
             )
+
+    def _gather_rank_figures(self) -> None:
+        """Every tensor-parallel rank's bytes held (``rank_bytes``), and the whole model's parameter count
+        (the norms every rank holds a copy of counted once)."""
+        norm_params = sum(p.numel() for m in self.model.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+        gathered = self.tp.all_gather_ints([self.weight_bytes, self.kv_cache_bytes, self.num_params])
+        self.rank_bytes = [[w, kv] for w, kv, _ in gathered]
+        self.num_params = sum(n for _, _, n in gathered) - (self.tp.size - 1) * norm_params
+        logger.info("tensor parallel over %d ranks: weights %s MiB, KV cache %s MiB by rank", self.tp.size,
+                    "/".join(f"{w / 2**20:.1f}" for w, _ in self.rank_bytes),
+                    "/".join(f"{k / 2**20:.1f}" for _, k in self.rank_bytes))
 
     @property
     def kv_bytes_per_block(self) -> int:
