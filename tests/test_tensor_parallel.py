@@ -272,13 +272,27 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM) -> None:
 
 
 def test_preemption_on_two_ranks_gives_the_tokens_of_an_ample_pool(smollm_one: LLM) -> None:
-    """A pool too small for the batch preempts and recomputes; the tokens stay those of one ample process."""
+    """A pool too small for the batch preempts and recomputes; the tokens stay those of one ample process.
+    An abort mid-run frees its blocks and leaves the other request's tokens alone."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(smollm_one.generate(PROMPTS, params, use_tqdm=False))
     # 20 blocks of 16 tokens: 4 sequences of ~48 tokens each need 16 at the end, so they take turns
     with _tp(None, 2, num_kv_blocks=20, max_model_len=256, block_size=16) as two:
         got = _tokens(two.generate(PROMPTS * 2, params, use_tqdm=False))
         preempted = two.llm_engine.scheduler.num_preemptions
+        # abort mid-run: the aborted request's blocks return, the other finishes with its own tokens
+        engine = two.llm_engine
+        engine.add_request("keep", PROMPTS[0], params)
+        engine.add_request("drop", PROMPTS[1], params)
+        for _ in range(5):
+            engine.step()
+        engine.abort_request("drop")
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert list(finished) == ["keep"]
+        assert list(finished["keep"].outputs[0].token_ids) == expected[0]
+        assert engine.block_manager.num_used_blocks == 0
     assert preempted > 0
     assert got == expected * 2
 
