@@ -23,7 +23,13 @@ from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from pagedllm.entrypoints.openai.kv_publisher import PublishedSnapshot
-from pagedllm.entrypoints.openai.protocol import APIError
+from pagedllm.entrypoints.openai.protocol import APIError, ErrorResponse
+
+# what /kv/state may answer besides the snapshot, for /openapi.json
+_KV_STATE_ERRORS = {
+    400: {"model": ErrorResponse, "description": "``replica`` is not a data-parallel replica of this server"},
+    503: {"model": ErrorResponse, "description": "That replica has not published a snapshot yet"},
+}
 
 KV_ROUTES = ("/kv", "/kv/state", "/kv/events")
 # how often an event stream looks for a newer snapshot (the publisher sends at most 4 a second)
@@ -132,7 +138,7 @@ def add_kv_routes(app: FastAPI, publisher: SnapshotSource | Sequence[SnapshotSou
         """The live KV-cache page: the block pool as a grid, the requests, their block tables."""
         return Response(html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/kv/state", response_model=KVState)
+    @app.get("/kv/state", response_model=KVState, responses=_KV_STATE_ERRORS)
     async def kv_state(replica: int = 0) -> Response:
         """The latest KV snapshot as JSON: every block's state and ref count, the requests'
         block tables, the counters. ``GET /kv/events`` streams the same objects as
