@@ -32,6 +32,7 @@ from pagedllm.loader import bundled_model_path, load_model_config
 
 PROMPTS = ["The capital of France is", "Write a list of colors:", "def fibonacci(n):", "Once upon a time, in a"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+ORACLE_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
 @pytest.fixture(autouse=True)
@@ -228,8 +229,8 @@ def _long_prompt(llm: LLM) -> list[int]:
     return llm.get_tokenizer().encode(text)
 
 
-def test_bundled_model_two_ranks_equal_one(smollm_one: LLM) -> None:
-    """SmolLM2 (uneven heads: 6 + 3) over 2 ranks: greedy, seeded n=3 (copy-on-write forks), beam search,
+def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm) -> None:  # noqa: ANN001
+    """SmolLM2 (uneven heads: 6 + 3) over 2 ranks: greedy tokens equal transformers'; greedy, seeded n=3 (copy-on-write forks), beam search,
     prompt logprobs, a chunked long prompt and prefix-cache hits give what one process gives."""
     seeded = SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=7, max_tokens=12, logprobs=2)
     chunked = {"prompt_token_ids": _long_prompt(smollm_one)}  # > 64 tokens: prefilled over several steps
@@ -249,6 +250,10 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM) -> None:
     one = run(smollm_one)
     with _tp(None, 2, max_num_batched_tokens=64) as two:
         got = run(two)
+        # and transformers, on the prompts tests/test_correctness.py checks one process with
+        oracle_ids = [two.get_tokenizer().encode(t) for t in ORACLE_TEXTS]
+        oracle = _tokens(two.generate([{"prompt_token_ids": i} for i in oracle_ids],
+                                      SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False))
         engine = two.llm_engine
         assert engine.block_manager.num_used_blocks == 0
         assert engine.block_manager.num_prefix_hits > 0
@@ -257,6 +262,7 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM) -> None:
     whole = smollm_one.weight_bytes
     assert all(0.4 * whole < w < 0.6 * whole for w, _ in rank_bytes), (rank_bytes, whole)
     greedy, sampled, logprobs, long, prompt_lp, beams = got
+    assert oracle == [hf_greedy(hf_smollm, i, 24) for i in oracle_ids]
     assert greedy == one[0] and greedy[:4] == greedy[4:]
     assert sampled == one[1]
     assert long == one[3] and long[0] == long[1]

@@ -20,8 +20,6 @@
  * process that has exited (or is a zombie) is noticed within ~20 ms.
  */
 #include <errno.h>
-#include <immintrin.h>
-#include <omp.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -32,6 +30,15 @@
 #include "kernels.h"
 
 namespace {
+
+/* a spin-wait hint: lets the sibling hyperthread run and saves power (no-op where none is known) */
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 bool process_gone(int64_t pid) {
     if (pid <= 0) return false;
@@ -65,7 +72,7 @@ int shm_all_reduce_f32(float *x, int64_t n, float *slots, int64_t capacity, int6
     for (int o = 0; o < size; ++o) {
         uint64_t spins = 0;
         while (__atomic_load_n(&flags[o], __ATOMIC_ACQUIRE) < k) {
-            _mm_pause();
+            spin_pause();
             if (++spins % 4096) continue;
             const auto now = clock::now();
             if (std::chrono::duration<double>(now - start).count() > timeout_s) return 4;

@@ -32,7 +32,7 @@ from pagedllm.entrypoints.openai.engine_client import (
     Prompt,
     Submission,
     _RequestStream,
-    check_admission,
+    open_submission,
     to_api_error,
 )
 from pagedllm.entrypoints.openai.metrics import EngineStats, ServerMetrics
@@ -202,12 +202,8 @@ class DataParallelEngine:
 
         Errors as ``AsyncEngine.add_requests``; 503 when no replica serves.
         """
-        check_admission(self, len(prompts), param)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, self) for i in range(len(prompts))]
-        self.num_waiting += len(streams)
-        sub = Submission(self, streams, queue)
+        sub = open_submission(self, request_id, len(prompts), param)
+        streams = sub.streams
         hashes = [self.router.prompt_hashes(ids) for _, ids in prompts]
         try:
             try:

@@ -225,6 +225,21 @@ class Submission:
             self.queue.put_nowait((-1, _ABORTED))  # wakes a reader blocked on the queue
 
 
+
+class _Client(SubmissionOwner, _Admitting, Protocol):
+    """An engine client as a submission sees it: it admits, counts waiting streams, aborts."""
+
+
+def open_submission(owner: _Client, request_id: str, num_prompts: int, param: str) -> Submission:
+    """Admit one API request's ``num_prompts`` prompts (``check_admission``: 400 / 429 / 503) and open their
+    streams, counted in ``owner.num_waiting`` until each one's first output."""
+    check_admission(owner, num_prompts, param)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, owner) for i in range(num_prompts)]
+    owner.num_waiting += len(streams)
+    return Submission(owner, streams, queue)
+
 class AsyncEngine:
     """Runs an ``LLMEngine`` on its own thread, fed by commands from the event loop.
 
@@ -336,12 +351,8 @@ class AsyncEngine:
         the context, token ids outside the vocabulary...); ``param`` names the
         request field that holds the prompt.
         """
-        check_admission(self, len(prompts), param)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, self) for i in range(len(prompts))]
-        self.num_waiting += len(streams)
-        sub = Submission(self, streams, queue)
+        sub = open_submission(self, request_id, len(prompts), param)
+        streams = sub.streams
 
         try:
             counts = await asyncio.wrap_future(self.submit_add(streams, prompts, params))
