@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -176,3 +178,30 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
             out.append(token)
             ids = torch.tensor([[token]], device=model.device)
     return out
+
+
+
+@contextlib.contextmanager
+def q8_linear_inputs(model) -> Iterator:  # noqa: ANN001
+    """Within the block, every ``nn.Linear`` of a transformers model sees its input rounded as llama.cpp's
+    Q8 activations.
+
+    Each run of 32 features of a row becomes ``dx * round(x / dx)`` with ``dx = max |x| / 127`` (ties to
+    even): what pagedllm's integer kernels over interleaved Q4_0 / Q4_1 / Q8_0 blocks multiply (see
+    ``kernels/gguf_x16.h``), so transformers on the dequantized weights with these inputs is the oracle
+    for a model held in those blocks. Written from that definition, not from the kernels.
+    """
+    def hook(module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+        dx = blocks.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+        rounded = torch.round(blocks * inv).clamp(-127, 127) * dx
+        return (rounded.reshape(x.shape).to(x.dtype), *args[1:])
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()

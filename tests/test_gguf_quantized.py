@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, q8_linear_inputs
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
@@ -146,6 +146,103 @@ def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:
         program.run(6)
 
 
+# --- interleaved blocks and 8-bit activations (kernels/gguf_x16.h) ----------------------------------
+X16 = {t: 512 + int(t) for t in TYPES}  # the kernels' numbers for Q4_0, Q4_1, Q8_0 interleaved 16 rows at a time
+
+
+def interleaved(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    weight = torch.from_numpy(raw.copy())
+    torch.ops.pagedllm.gguf_interleave_(weight, int(ggml_type), raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1] * 32)
+    return weight
+
+
+def q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's Q8 activations hold it: each run of 32 inputs dx * round(x / dx), dx = max |x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    return (torch.round(blocks * inv).clamp(-127, 127) * dx).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 7, 32, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 256), (160, 512), (576, 1536)])
+def test_interleaved_linear_is_the_float64_product_of_rounded_activations(
+    ggml_type: GGMLQuantizationType, num_rows: int, out_features: int, in_features: int
+) -> None:
+    """Integer sums over the blocks and 8-bit rows: exact, so only the float32 combination of the blocks'
+    sums rounds; and within the rounding of the activations of the unrounded product."""
+    raw = random_blocks(ggml_type, out_features, in_features, seed=num_rows + out_features)
+    weight = reference_weights(raw, ggml_type)  # [out, in] float64
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, generator=gen) * 3
+    x[0, :32] = 0.0  # a block of zeros: dx = 0
+    bias = torch.randn(out_features, generator=gen)
+    got = torch.ops.pagedllm.gguf_linear(x, interleaved(raw, ggml_type), X16[ggml_type], in_features, bias).double()
+    rounded = q8_rows(x).double()
+    want = rounded @ weight.T + bias.double()
+    # one float32 product and fma per block, summed over in_features / 32 blocks: well inside this
+    bound = in_features * torch.finfo(torch.float32).eps * (rounded.abs() @ weight.abs().T) + 1e-5
+    assert ((got - want).abs() <= bound).all()
+    # against the unrounded rows: each input moved by at most dx / 2
+    dx = x.double().reshape(num_rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+    moved = (dx / 2).expand(-1, -1, 32).reshape(num_rows, in_features) @ weight.abs().T
+    assert ((got - (x.double() @ weight.T + bias.double())).abs() <= moved + bound).all()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_interleaved_rows_do_not_depend_on_their_batch(ggml_type: GGMLQuantizationType) -> None:
+    weight = interleaved(random_blocks(ggml_type, 64, 768, seed=3), ggml_type)
+    x = torch.randn(300, 768, generator=torch.Generator().manual_seed(3))
+    together = torch.ops.pagedllm.gguf_linear(x, weight, X16[ggml_type], 768, None)
+    for r in (0, 5, 133, 298, 299):
+        for n in (1, 2):
+            part = torch.ops.pagedllm.gguf_linear(x[r : r + n].contiguous(), weight, X16[ggml_type], 768, None)
+            assert torch.equal(part, together[r : r + n])
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_interleaving_keeps_every_weight(ggml_type: GGMLQuantizationType) -> None:
+    raw = random_blocks(ggml_type, 48, 512, seed=7)
+    weight = interleaved(raw, ggml_type)
+    assert weight.shape == raw.shape and not np.array_equal(weight.numpy(), raw)  # the same size, another order
+    want = torch.ops.pagedllm.gguf_dequantize(torch.from_numpy(raw), int(ggml_type), 512)
+    assert torch.equal(torch.ops.pagedllm.gguf_dequantize(weight, X16[ggml_type], 512), want)
+    ids = torch.tensor([47, 0, 16, 15, 31, 3])
+    assert torch.equal(torch.ops.pagedllm.gguf_embedding(weight, X16[ggml_type], 512, ids), want[ids])
+
+
+def test_bad_interleave_inputs_are_value_errors() -> None:
+    raw = torch.from_numpy(random_blocks(Q.Q4_1, 40, 64, seed=1))
+    with pytest.raises(ValueError, match="16 rows at a time, got 40"):
+        torch.ops.pagedllm.gguf_interleave_(raw, int(Q.Q4_1), 64)
+    with pytest.raises(ValueError, match="interleaves Q4_0"):
+        torch.ops.pagedllm.gguf_interleave_(torch.from_numpy(random_blocks(Q.Q4_K, 16, 256, seed=1)), int(Q.Q4_K), 256)
+    with pytest.raises(ValueError, match="multiple of 16 rows, got 40"):
+        torch.ops.pagedllm.gguf_linear(torch.randn(2, 64), raw, X16[Q.Q4_1], 64, None)
+
+
+def test_a_step_program_runs_interleaved_nodes_as_the_ops_do() -> None:
+    """The nodes share one scratch for their 8-bit rows, sized for the largest; run(n) of fewer rows too."""
+    table = interleaved(random_blocks(Q.Q8_0, 48, 64, seed=2), Q.Q8_0)
+    w1 = interleaved(random_blocks(Q.Q4_1, 32 * 9, 64, seed=4), Q.Q4_1)  # 64 -> 288: the second node's rows are wider
+    w2 = interleaved(random_blocks(Q.Q4_0, 16, 32 * 9, seed=5), Q.Q4_0)
+    ids = torch.tensor([5, 47, 0, 12, 7, 7, 30])
+    emb, mid, out = torch.empty(7, 64), torch.empty(7, 32 * 9), torch.empty(7, 16)
+    program = torch.classes.pagedllm.StepProgram(7)
+    program.add("gguf_embedding", [table, ids, emb], [X16[Q.Q8_0], 64], [])
+    program.add("gguf_linear", [emb, w1, None, mid], [X16[Q.Q4_1], 64], [])
+    program.add("gguf_linear", [mid, w2, None, out], [X16[Q.Q4_0], 32 * 9], [])
+    for n in (7, 3, 1):
+        mid.zero_(), out.zero_()
+        program.run(n)
+        first = torch.ops.pagedllm.gguf_linear(
+            torch.ops.pagedllm.gguf_embedding(table, X16[Q.Q8_0], 64, ids[:n]), w1, X16[Q.Q4_1], 64, None
+        )
+        assert torch.equal(mid[:n], first)
+        assert torch.equal(out[:n], torch.ops.pagedllm.gguf_linear(first, w2, X16[Q.Q4_0], 32 * 9, None))
+
+
 # --- whole models -------------------------------------------------------------------------------
 
 
@@ -159,9 +256,9 @@ def test_bundled_model_holds_its_blocks(smollm_path: str) -> None:
     # measured from what the model holds (the RoPE tables are its only other tensors)
     assert held <= 1.15 * file_bytes, (held, file_bytes)
     assert smollm.weight_bytes == held
-    assert model.lm_head.quant_method.name == "gguf-q8_0"
+    assert model.lm_head.quant_method.name == "gguf-q8_0-x16"  # interleaved: 49152 rows
     assert model.lm_head.qweight is model.model.embed_tokens.qweight  # the tied head: the same bytes
-    assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == "gguf-q4_1"
+    assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == "gguf-q4_1-x16"
     assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.shape[0] >= 192 for p in model.parameters())
     # the parsed file (metadata objects and the mapping) is let go once the weights are loaded
     from pagedllm.loader.gguf_loader import open_reader
@@ -266,13 +363,14 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     hf.load_state_dict(rounded)  # transformers runs the weights the file's blocks hold
     llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64)
     model = llm.llm_engine.model_runner.model
-    assert model.lm_head.quant_method.name == f"gguf-{ggml_type.name.lower()}"
+    assert model.lm_head.quant_method.name == f"gguf-{ggml_type.name.lower()}-x16"
     assert type(model.model.embed_tokens).__name__ == "GGUFEmbedding"
     prompts = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+    with q8_linear_inputs(hf):  # interleaved blocks: 8-bit activations (kernels/gguf_x16.h)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
 def _k_quant_model(arch: str):  # noqa: ANN202

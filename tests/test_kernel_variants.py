@@ -42,6 +42,10 @@ KERNEL_TESTS = [
     "test_gguf_quantized.py::test_embedding_rows_and_dequantize_equal_gguf",
     "test_gguf_quantized.py::test_bad_gguf_inputs_are_value_errors",
     "test_gguf_quantized.py::test_a_step_program_runs_gguf_nodes_as_the_ops_do",
+    "test_gguf_quantized.py::test_interleaved_linear_is_the_float64_product_of_rounded_activations",
+    "test_gguf_quantized.py::test_interleaved_rows_do_not_depend_on_their_batch",
+    "test_gguf_quantized.py::test_interleaving_keeps_every_weight",
+    "test_gguf_quantized.py::test_a_step_program_runs_interleaved_nodes_as_the_ops_do",
 ]
 
 

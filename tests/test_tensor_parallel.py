@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, q8_linear_inputs
 from server_helpers import free_port
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
@@ -262,7 +262,8 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm) -> None: 
     whole = smollm_one.weight_bytes
     assert all(0.4 * whole < w < 0.6 * whole for w, _ in rank_bytes), (rank_bytes, whole)
     greedy, sampled, logprobs, long, prompt_lp, beams = got
-    assert oracle == [hf_greedy(hf_smollm, i, 24) for i in oracle_ids]
+    with q8_linear_inputs(hf_smollm):  # the blocks run on activations rounded to 8 bits (x16 kernels)
+        assert oracle == [hf_greedy(hf_smollm, i, 24) for i in oracle_ids]
     assert greedy == one[0] and greedy[:4] == greedy[4:]
     assert sampled == one[1]
     assert long == one[3] and long[0] == long[1]

@@ -47,6 +47,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization-group-size", type=int, default=None,
         help="weights per group of int8 / int4, a multiple of 32 (default: 128 for int4, per channel for int8)",
     )
+    g.add_argument(
+        "--gguf-activations", default="int8", choices=["int8", "float32"],
+        help="int8: GGUF Q4_0/Q4_1/Q8_0 layers multiply 8-bit activations with integer dot products (llama.cpp's "
+             "way, fast); float32: float activations, as transformers computes",
+    )
     g.add_argument("--linear-backend", default="auto", choices=["auto", "packed", "onednn", "torch"])
     g.add_argument(
         "--enforce-eager", action="store_true",
@@ -94,6 +99,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_threads=args.num_threads,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        gguf_activations=args.gguf_activations,
         linear_backend=args.linear_backend,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -97,8 +97,8 @@ def cpu_flags() -> frozenset[str]:
 # error, not a crash. Best first: the default is the first this CPU runs.
 ISA_VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
-    "avx512_bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mf16c", "-mfma"],
-                    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16")),
+    "avx512_bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma"],
+                    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx512_vnni")),
     "avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")),
     "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c", "bmi2", "movbe")),
     "scalar": (["-march=x86-64"], ()),

@@ -55,12 +55,25 @@ enum GroupType { GROUP_I8 = 256, GROUP_I4 = 257 };
 
 static inline bool is_group_type(int type) { return type == GROUP_I8 || type == GROUP_I4; }
 
+/* Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a time (gguf_x16.h): the same bytes in another order,
+   numbered 512 + the ggml type */
+enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4_1_X16 = 512 + GGUF_Q4_1,
+                   GGUF_Q8_0_X16 = 512 + GGUF_Q8_0 };
+#define X16_TILE 16 /* rows (output channels) a tile interleaves */
+
+static inline bool is_x16_type(int type) {
+    return type == GGUF_Q4_0_X16 || type == GGUF_Q4_1_X16 || type == GGUF_Q8_0_X16;
+}
+
+/* the file's type of an x16 type, or the type itself */
+static inline int x16_base_type(int type) { return is_x16_type(type) ? type - GGUF_X16_BASE : type; }
+
 /* bytes of one group of `group` weights of a grouped type */
 static inline int64_t group_block_bytes(int type, int64_t group) { return type == GROUP_I8 ? 4 + group : 8 + group / 2; }
 
 /* bytes of one block of `type`, 0 for a type with no kernel here */
 static inline int64_t gguf_block_bytes(int type) {
-    switch (type) {
+    switch (x16_base_type(type)) {
         case GGUF_F16: case GGUF_BF16: return 2;
         case GGUF_Q4_0: return 18;
         case GGUF_Q4_1: return 20;
@@ -74,7 +87,7 @@ static inline int64_t gguf_block_bytes(int type) {
 
 /* weights in one block of `type` */
 static inline int64_t gguf_block_weights(int type) {
-    switch (type) {
+    switch (x16_base_type(type)) {
         case GGUF_F16: case GGUF_BF16: return 1;
         case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
         default: return 32;

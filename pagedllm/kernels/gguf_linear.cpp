@@ -29,6 +29,7 @@
 #include <stdlib.h>
 
 #include "gguf_blocks.h"
+#include "gguf_x16.h"
 #include "step_nodes.h"
 
 #if defined(__AVX512F__)
@@ -400,6 +401,10 @@ static void strip_team(const LinearNode *n, int64_t row_bytes, int64_t row0, int
 }
 
 void gguf_linear_team(const LinearNode *n, int *failed) {
+    if (is_x16_type(n->weight_type)) {  // 8-bit activations, integer dot products (gguf_x16.cpp)
+        gguf_x16_linear_team(n);
+        return;
+    }
     const int64_t k = n->in_features;
     const int64_t row_bytes = blocks_row_bytes(n->weight_type, k, n->group_size);
 #ifdef V
@@ -416,6 +421,11 @@ void gguf_linear_team(const LinearNode *n, int *failed) {
 
 /* out[r] = the dequantized row index[r] of a quantized table */
 void gguf_gather_team(const GgufGatherNode *n) {
+    if (is_x16_type(n->type)) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n->rows; r++) gguf_x16_row(n->type, n->table, n->index[r], n->row_len, n->out + r * n->row_len);
+        return;
+    }
     const int64_t row_bytes = blocks_row_bytes(n->type, n->row_len, n->group_size);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n->rows; r++)

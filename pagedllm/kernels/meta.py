@@ -44,6 +44,10 @@ def _register_returning() -> None:
     def _(weight, type, in_features):  # noqa: ANN001, ANN202, A002
         return weight.new_empty(weight.shape[0], in_features, dtype=torch.float32)  # [rows, in_features]
 
+    @reg(_NS + "gguf_interleave_")
+    def _(weight, type, in_features):  # noqa: ANN001, ANN202, A002
+        return None  # rewrites weight in place
+
     @reg(_NS + "quantized_linear")
     def _(x, weight, bits, group_size, in_features, bias):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]

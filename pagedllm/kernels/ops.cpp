@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_x16.h"
 #include "kernels.h"
 #include "paged_attention.h"
 #include "panel_bf16.h"
@@ -355,13 +356,16 @@ Tensor packed_linear_bf16_op(const Tensor &x, const Tensor &packed, const OptTen
 int64_t check_gguf_weight(const Tensor &w, int64_t type, int64_t in_features, const char *op) {
     const int64_t block_bytes = gguf_block_bytes((int)type), block_weights = gguf_block_weights((int)type);
     TORCH_CHECK_VALUE(block_bytes > 0, op, ": no kernel for GGUF tensor type ", type, " (kernels exist for F16 (1), ",
-                      "Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) and BF16 (30))");
+                      "Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) and BF16 (30), and Q4_0, Q4_1 ",
+                      "and Q8_0 interleaved by gguf_interleave_ (514, 515, 520))");
     const int64_t multiple = block_weights > GGUF_BLOCK ? block_weights : GGUF_BLOCK;
     TORCH_CHECK_VALUE(in_features > 0 && in_features % multiple == 0, op, ": in_features must be a positive ",
                       "multiple of ", multiple, " for GGUF type ", type, ", got ", in_features);
     const int64_t row_bytes = in_features / block_weights * block_bytes;
     TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == row_bytes, op, ": a weight of ", in_features,
                       " inputs in GGUF type ", type, " has rows of ", row_bytes, " bytes, got shape ", shape_of(w));
+    TORCH_CHECK_VALUE(!is_x16_type((int)type) || w.size(0) % X16_TILE == 0, op, ": an interleaved weight (type ",
+                      type, ") has a multiple of ", X16_TILE, " rows, got ", w.size(0));
     check_tensor(w, at::kByte, w.sizes(), op, "the quantized weight");
     return row_bytes;
 }
@@ -383,7 +387,12 @@ StepNode gguf_linear_node(const Tensor &x, const Tensor &w, int64_t type, int64_
 Tensor gguf_linear(const Tensor &x, const Tensor &w, int64_t type, int64_t in_features, const OptTensor &bias) {
     TORCH_CHECK_VALUE(w.dim() == 2, "gguf_linear: expected a 2-D quantized weight, got shape ", shape_of(w));
     Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
-    const StepNode node = gguf_linear_node(x, w, type, in_features, bias, out);
+    StepNode node = gguf_linear_node(x, w, type, in_features, bias, out);
+    Tensor scratch;  // [bytes] uint8: the rows rounded to int8 blocks, for an interleaved weight
+    if (is_x16_type((int)type)) {
+        scratch = at::empty({gguf_x16_scratch_bytes(x.size(0), in_features)}, x.options().dtype(at::kByte));
+        node.linear.scratch = reinterpret_cast<uint16_t *>(scratch.data_ptr());
+    }
     run_node(node, num_threads(), "gguf_linear");
     return out;
 }
@@ -418,6 +427,21 @@ Tensor gguf_dequantize(const Tensor &w, int64_t type, int64_t in_features) {
     const StepNode node = gguf_embedding_node(w, type, in_features, index, out);
     run_node(node, threads_for(out.numel()), "gguf_dequantize");
     return out;
+}
+
+/* rewrites a Q4_0 / Q4_1 / Q8_0 weight, rows a multiple of 16, in place into the x16 order (gguf_x16.h);
+   the op then takes it as type 512 + type */
+void gguf_interleave_(const Tensor &w, int64_t type, int64_t in_features) {
+    const char *op = "gguf_interleave_";
+    TORCH_CHECK_VALUE(type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q8_0, op,
+                      ": interleaves Q4_0 (2), Q4_1 (3) and Q8_0 (8) weights, got type ", type);
+    check_gguf_weight(w, type, in_features, op);
+    TORCH_CHECK_VALUE(w.size(0) % X16_TILE == 0, op, ": interleaves ", X16_TILE, " rows at a time, got ", w.size(0),
+                      " rows");
+    uint8_t *bytes = w.data_ptr<uint8_t>();
+    at::parallel_for(0, w.size(0) / X16_TILE, 1, [&](int64_t begin, int64_t end) {
+        gguf_x16_interleave(bytes, (int)type, in_features, begin, end);
+    });
 }
 
 /* a grouped int8 / int4 weight (gguf_blocks.h's GROUP_I8 / GROUP_I4, quantized at load): uint8
@@ -621,6 +645,7 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("gguf_linear(Tensor x, Tensor weight, int type, int in_features, Tensor? bias) -> Tensor");
     m.def("gguf_embedding(Tensor table, int type, int row_len, Tensor index) -> Tensor");
     m.def("gguf_dequantize(Tensor weight, int type, int in_features) -> Tensor");
+    m.def("gguf_interleave_(Tensor(a!) weight, int type, int in_features) -> ()");
     m.def("quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features, Tensor? bias) -> Tensor");
     m.def("quantized_embedding(Tensor table, int bits, int group_size, int row_len, Tensor index) -> Tensor");
     m.def("pack_panels(Tensor weight) -> Tensor");
@@ -646,6 +671,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("gguf_linear", &gguf_linear);
     m.impl("gguf_embedding", &gguf_embedding);
     m.impl("gguf_dequantize", &gguf_dequantize);
+    m.impl("gguf_interleave_", &gguf_interleave_);
     m.impl("quantized_linear", &quantized_linear);
     m.impl("quantized_embedding", &quantized_embedding);
     m.impl("pack_panels", &pack_panels);

@@ -89,7 +89,8 @@ typedef struct {
     const void *weight;
     const float *bias;   /* [out_features] or NULL */
     float *y;            /* [rows, out_features] */
-    uint16_t *scratch;   /* bf16: room for bf16_scratch_values(rows, in_features) values, shared by the team */
+    uint16_t *scratch;   /* shared by the team: bf16 panels, bf16_scratch_values(rows, in_features) values;
+                            x16 GGUF types, gguf_x16_scratch_bytes(rows, in_features) bytes (gguf_x16.h) */
     int64_t rows, in_features, out_features;
     int weight_type;    /* quantized blocks: their type (gguf_blocks.h: a ggml type or GROUP_*); 0 otherwise */
     int64_t group_size; /* GROUP_* types: weights per group (a multiple of 32 dividing in_features) */

@@ -117,7 +117,7 @@ struct StepProgram : torch::CustomClassHolder {
     std::vector<int64_t> row_lens;  // per node: an add_ node's elements per row (else unused)
     std::vector<StepNode> resized;  // the nodes over fewer rows, rebuilt by run(n < rows)
     std::vector<Tensor> held;       // every tensor a node points into
-    Tensor scratch;                 // [values] bf16: the rounded activations of one bf16 linear node at a time
+    Tensor scratch;                 // [values] bf16: the rounded activations of one bf16 or x16 GGUF linear node at a time
 
     explicit StepProgram(int64_t rows_) : rows(rows_) {
         TORCH_CHECK_VALUE(rows >= 1, "StepProgram: rows must be at least 1, got ", rows);
@@ -175,12 +175,21 @@ struct StepProgram : torch::CustomClassHolder {
         for (const OptTensor &t : tensors)
             if (t.has_value()) held.push_back(*t);
         nodes.push_back(node);
-        if (node.kind == NODE_LINEAR_BF16_PANELS) {
-            const int64_t values = bf16_scratch_values(node.linear.rows, node.linear.in_features);
+        const int64_t values = scratch_values(node);
+        if (values > 0) {
             if (!scratch.defined() || scratch.numel() < values) scratch = at::empty({values}, at::kBFloat16);
-            for (StepNode &n : nodes)  // the scratch may have moved: every bf16 node gets the current one
-                if (n.kind == NODE_LINEAR_BF16_PANELS) n.linear.scratch = (uint16_t *)scratch.data_ptr();
+            for (StepNode &n : nodes)  // the scratch may have moved: every node using it gets the current one
+                if (scratch_values(n) > 0) n.linear.scratch = (uint16_t *)scratch.data_ptr();
         }
+    }
+
+    /* bf16 values of scratch a node needs: bf16 linears round their activations to bf16 there, linears
+       over interleaved GGUF weights to int8 blocks; 0 for the others */
+    static int64_t scratch_values(const StepNode &node) {
+        if (node.kind == NODE_LINEAR_BF16_PANELS) return bf16_scratch_values(node.linear.rows, node.linear.in_features);
+        if (node.kind == NODE_LINEAR_GGUF && is_x16_type(node.linear.weight_type))
+            return (gguf_x16_scratch_bytes(node.linear.rows, node.linear.in_features) + 1) / 2;
+        return 0;
     }
 
     /* runs every node over its first n rows on the tensors' current values, after checking the indices

@@ -24,6 +24,7 @@ from pagedllm.layers.gguf_linear import (
     GGUF_KERNEL_TYPES,
     GGUFEmbedding,
     GGUFLinearMethod,
+    interleave_gguf_weights,
     tie_gguf_lm_head,
     use_gguf_weights,
 )
@@ -267,6 +268,8 @@ def load_model(
     if model_config.tie_word_embeddings and not tie_gguf_lm_head(model.lm_head, model.model.embed_tokens):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(weights)
+    if config.gguf_activations == "int8":
+        interleave_gguf_weights(model)
     # every weight rounded to dtype once; with bf16 matmuls only, held as float32 after that (exact)
     model = model.to(device=device, dtype=precision.weights)
     model = model.to(dtype=precision.compute).eval()
