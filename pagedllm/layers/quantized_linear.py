@@ -37,6 +37,18 @@ largest multiple of 32 below it that does (``layer_group_size``; the loader
 warns, naming the layers). The token embedding is held the same way
 (``QuantizedEmbedding``); a tied LM head and the embedding share one set of
 blocks.
+
+Two ways to the same blocks. ``quantize_model`` rounds a model already
+loaded in float32. The model loader instead calls
+``prepare_quantized_loading`` on the model while it is still on the meta
+device: each layer gets empty blocks and no float weight, and the
+checkpoint loader quantizes each float tensor into its rows as it is handed
+over (``quantized_weight_target``, ``quantize_rows_into``), so the float32
+model never exists. Every group lies within one output row, so quantizing a
+fused q/k/v or gate/up part by part, or a tensor a few rows at a time, gives
+the very bytes that quantizing the whole fused weight gives: no part waits
+for the others. The load's peak is then the blocks plus the one checkpoint
+tensor being read and the temporaries of a chunk of ``LOAD_CHUNK_BYTES``.
 """
 
 from __future__ import annotations
@@ -44,11 +56,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
+from pagedllm.layers.linear import (
+    Linear,
+    LinearMethod,
+    UnquantizedLinearMethod,
+    apply_linear_method,
+    replace_parameter,
+)
 from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 
 GROUP_RUN = 32  # the kernels read groups in runs of 32 weights (vector loads)
 BITS = (4, 8)
+# float32 bytes of the rows quantized at once while loading: quantize_groups' float temporaries
+# take 4-5x its input at their peak (measured: a load peaks 2.5 MiB above the blocks plus the
+# checkpoint tensor with 1 MiB chunks, 13-18 MiB above with 4 MiB, 68 MiB above with 16 MiB)
+LOAD_CHUNK_BYTES = 1 << 20
 
 
 def group_block_bytes(bits: int, group: int) -> int:
@@ -109,6 +131,24 @@ def pack_groups(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
     return torch.cat([header, quants], dim=2).reshape(n, -1).contiguous()
 
 
+def quantize_rows_into(blocks: torch.Tensor, weight: torch.Tensor, bits: int, group: int) -> None:
+    """Write the blocks of float ``weight`` ``[rows, K]`` (any float dtype, any strides) into ``blocks``
+    ``[rows, row bytes]``, ``LOAD_CHUNK_BYTES`` of float32 rows at a time.
+
+    Byte for byte ``pack_groups(*quantize_groups(weight, bits, group), bits)``: a group never spans rows,
+    and a checkpoint's bf16 / f16 values widen to float32 exactly, as a copy into a float32 parameter would.
+    ValueError when the shapes do not agree.
+    """
+    rows, k = weight.shape
+    if k % group or tuple(blocks.shape) != (rows, k // group * group_block_bytes(bits, group)):
+        raise ValueError(f"a [{rows}, {k}] weight in int{bits} groups of {group} does not fit blocks "
+                         f"{tuple(blocks.shape)}")
+    step = max(1, LOAD_CHUNK_BYTES // (4 * k))
+    for start in range(0, rows, step):
+        part = weight[start : start + step]
+        blocks[start : start + part.shape[0]] = pack_groups(*quantize_groups(part, bits, group), bits)
+
+
 def unpack_groups(
     blocks: torch.Tensor, bits: int, group: int, in_features: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -150,12 +190,23 @@ class QuantizedLinearMethod(LinearMethod):
         self.bits, self.group_size = bits, group_size
         self.name = f"int{bits}"
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def create_weights(self, layer: Linear) -> None:
+        """Before loading (on the meta device): empty blocks ``qweight`` in place of ``layer.weight``, which the
+        checkpoint's float rows are quantized into as they arrive (``quantize_rows_into``)."""
         group = layer_group_size(layer.in_features, self.group_size)
-        q, scales, mins = quantize_groups(layer.weight, self.bits, group)
         layer.group_size = group
-        replace_parameter(layer, "qweight", pack_groups(q, scales, mins, self.bits))  # [out_features, row bytes]
+        row_bytes = layer.in_features // group * group_block_bytes(self.bits, group)
+        blocks = torch.empty(layer.out_features, row_bytes, dtype=torch.uint8, device=layer.weight.device)
         replace_parameter(layer, "weight", None)
+        replace_parameter(layer, "qweight", blocks)  # [out_features, row bytes]
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if layer.weight is not None:  # loaded in float (else create_weights' blocks were filled while loading)
+            group = layer_group_size(layer.in_features, self.group_size)
+            q, scales, mins = quantize_groups(layer.weight, self.bits, group)
+            layer.group_size = group
+            replace_parameter(layer, "qweight", pack_groups(q, scales, mins, self.bits))  # [out_features, row bytes]
+            replace_parameter(layer, "weight", None)
         replace_parameter(layer, "bias", None if layer.bias is None else layer.bias.detach().float().contiguous())
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -193,6 +244,12 @@ class QuantizedEmbedding(nn.Module):
         return cls(pack_groups(q, scales, mins, bits), embedding.embedding_dim, bits, group,
                    getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
 
+    def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the checkpoint's float table (all of it in one process), to be quantized."""
+        if self.tp is None or self.tp.size == 1:
+            return tensor
+        return tensor.narrow(0, self.vocab_start, self.num_embeddings)
+
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).contiguous()  # [num_tokens]
         out = torch.ops.pagedllm.quantized_embedding(self.qweight, self.bits, self.group_size, self.embedding_dim, ids)
@@ -223,6 +280,61 @@ def quantize_model(model: nn.Module, bits: int, group_size: int | None) -> int:
     else:
         model.model.embed_tokens = QuantizedEmbedding.from_embedding(embedding, bits, group_size)
     return num_layers
+
+
+def prepare_quantized_loading(model: nn.Module, bits: int, group_size: int | None) -> int:
+    """Give ``model`` (built on the meta device, not loaded) empty int``bits`` blocks wherever ``quantize_model``
+    would put blocks; returns the linear layers.
+
+    Each unquantized linear layer gets ``QuantizedLinearMethod``'s blocks
+    instead of its float weight, the token embedding becomes a
+    ``QuantizedEmbedding``; the checkpoint loader then quantizes each float
+    tensor into them as it arrives (``quantized_weight_target``), and
+    ``process_weights_after_loading`` finishes each layer (its bias).
+    Biases and norms stay float parameters, loaded as usual. A tied LM head
+    is given the embedding's blocks after the model is allocated
+    (``tie_quantized_lm_head``: allocating unties them).
+    """
+    if any(type(m) is nn.Linear for m in model.modules()):
+        raise ValueError("prepare_quantized_loading takes models built of Linear layers only (not nn.Linear)")
+    embedding: nn.Embedding = model.model.embed_tokens
+    method = QuantizedLinearMethod(bits, group_size)
+    layers = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.quant_method, UnquantizedLinearMethod)]
+    for layer in layers:
+        layer.quant_method = method
+        method.create_weights(layer)
+    group = layer_group_size(embedding.embedding_dim, group_size)
+    row_bytes = embedding.embedding_dim // group * group_block_bytes(bits, group)
+    blocks = torch.empty(embedding.num_embeddings, row_bytes, dtype=torch.uint8, device=embedding.weight.device)
+    model.model.embed_tokens = QuantizedEmbedding(blocks, embedding.embedding_dim, bits, group,
+                                                  getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
+    return len(layers)
+
+
+def tie_quantized_lm_head(lm_head: Linear, embedding: nn.Module) -> bool:
+    """Let a tied LM head multiply by a ``QuantizedEmbedding``'s blocks (held once); False when it is not one.
+
+    The head was given the same group as the embedding (both have ``embedding_dim`` inputs), so the one
+    table of blocks is what ``quantize_model`` would have made for either.
+    """
+    if not isinstance(embedding, QuantizedEmbedding) or not isinstance(lm_head.quant_method, QuantizedLinearMethod):
+        return False
+    if lm_head.group_size != embedding.group_size or lm_head.qweight.shape != embedding.qweight.shape:
+        raise ValueError(f"a tied LM head of blocks {tuple(lm_head.qweight.shape)} (group {lm_head.group_size}) "
+                         f"cannot share the embedding's {tuple(embedding.qweight.shape)} (group {embedding.group_size})")
+    lm_head.register_buffer("qweight", embedding.qweight)
+    return True
+
+
+def quantized_weight_target(module: nn.Module | None) -> tuple[torch.Tensor, int, int, int] | None:
+    """(blocks, bits, group, in_features) of a layer made by ``prepare_quantized_loading`` whose float weight
+    the checkpoint loader is to quantize into its blocks; None for any other module (GGUF blocks included)."""
+    if isinstance(module, QuantizedEmbedding):
+        return module.qweight, module.bits, module.group_size, module.embedding_dim
+    if (isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod)
+            and module.weight is None):
+        return module.qweight, module.quant_method.bits, module.group_size, module.in_features
+    return None
 
 
 def group_fallbacks(model: nn.Module, group_size: int | None) -> dict[int, list[str]]:

@@ -3,7 +3,11 @@
 Models store q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``) so
 each is one matmul; a checkpoint has them apart. ``fused_projections`` says
 where each separate tensor goes, ``load_hf_weights`` copies them there and
-checks that every parameter was written exactly once by name.
+checks that every parameter was written exactly once by name. A layer
+prepared for weight-only int8 / int4 (``layers/quantized_linear.py``,
+``prepare_quantized_loading``) has blocks instead of a float weight: its
+float tensors (or their fused parts) are quantized into those blocks as
+they arrive.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.shard_plan import ShardPlan
+from pagedllm.layers.quantized_linear import quantize_rows_into, quantized_weight_target
 
 # checkpoint part -> (fused parameter, row offset, rows, first row of the checkpoint's tensor a
 # tensor-parallel rank takes; None: the whole tensor, one process)
@@ -57,36 +62,60 @@ def load_hf_weights(
     for name, tensor in weights:
         if "rotary_emb" in name or (name == "lm_head.weight" and tied_lm_head):
             continue
-        target, offset, size = name, 0, None
-        for part, (fused_name, off, sz, start) in fused.items():
-            if f".{part}." in name:
-                target, offset, size = name.replace(part, fused_name), off, sz
-                # a tensor-parallel rank takes its rows only (the whole tensor in one process)
-                if start is not None:
-                    if tensor.shape[0] < start + sz:
-                        raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, the shard needs "
-                                         f"rows {start}..{start + sz}")
-                    tensor = tensor.narrow(0, start, sz)
-                break
+        target, offset, size, tensor = _checkpoint_part(name, tensor, fused, modules)
+        blocks = None
+        if tensor.is_floating_point() and target not in params and target.endswith(".weight"):
+            blocks = quantized_weight_target(modules.get(target.rpartition(".")[0]))
+        if blocks is not None:  # weight-only int8 / int4: rounded now, no float32 copy of the layer
+            qweight, bits, group, in_features = blocks
+            dest = qweight if size is None else qweight.narrow(0, offset, size)
+            if (dest.shape[0], in_features) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                 f"{(dest.shape[0], in_features)}")
+            quantize_rows_into(dest, tensor, bits, group)
         else:
-            owner_name, _, param_name = target.rpartition(".")
-            owner = modules.get(owner_name)
-            if hasattr(owner, "checkpoint_slice"):  # layers/parallel.py: this rank's slice
-                tensor = owner.checkpoint_slice(param_name, tensor)
-        if tensor.dtype == torch.uint8:
-            param = quantized.get(target.removesuffix(".weight") + ".qweight")
-        else:
-            param = params.get(target)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        dest = param.data if size is None else param.data.narrow(0, offset, size)
-        if dest.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
-        dest.copy_(tensor)
+            _copy_into(name, tensor, quantized if tensor.dtype == torch.uint8 else params, target, offset, size)
         loaded.add(name)
+        # let go of this tensor before the loader reads the next: the load's peak holds one checkpoint tensor
+        del tensor
     missing = _expected_checkpoint_names(model, fused, tied_lm_head) - loaded
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _checkpoint_part(
+    name: str, tensor: torch.Tensor, fused: FusedMap, modules: dict[str, nn.Module]
+) -> tuple[str, int, int | None, torch.Tensor]:
+    """Where checkpoint tensor ``name`` goes: (parameter name, row offset, rows or None for all, the part of
+    ``tensor`` this process takes: a tensor-parallel rank's slice, all of it in one process)."""
+    for part, (fused_name, offset, size, start) in fused.items():
+        if f".{part}." in name:
+            if start is not None:
+                if tensor.shape[0] < start + size:
+                    raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, the shard needs "
+                                     f"rows {start}..{start + size}")
+                tensor = tensor.narrow(0, start, size)
+            return name.replace(part, fused_name), offset, size, tensor
+    owner_name, _, param_name = name.rpartition(".")
+    owner = modules.get(owner_name)
+    if hasattr(owner, "checkpoint_slice"):  # layers/parallel.py: this rank's slice
+        tensor = owner.checkpoint_slice(param_name, tensor)
+    return name, 0, None, tensor
+
+
+def _copy_into(
+    name: str, tensor: torch.Tensor, places: dict[str, torch.Tensor], target: str, offset: int, size: int | None
+) -> None:
+    """Copy ``tensor`` into rows ``[offset, offset + size)`` (all: None) of ``target`` in ``places``: the
+    parameters, or for GGUF bytes (uint8) the ``qweight`` buffers."""
+    key = target.removesuffix(".weight") + ".qweight" if tensor.dtype == torch.uint8 else target
+    param = places.get(key)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    dest = param.data if size is None else param.data.narrow(0, offset, size)
+    if dest.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+    dest.copy_(tensor)
 
 
 def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: bool) -> set[str]:

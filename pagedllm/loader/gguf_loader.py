@@ -165,6 +165,8 @@ class GGUFWeights:
             if not w.flags.writeable or not w.flags.c_contiguous:
                 w = np.array(w, order="C")
             yield name, torch.from_numpy(w)
+            # not held while the next is dequantized: a load holds one checkpoint tensor at a time
+            del w
         # loaded: let go of the parsed metadata (~150 MB of numpy objects for a 49k vocabulary) and the
         # file's mapping, which would otherwise stay resident for the life of the process
         del reader, t

@@ -49,7 +49,8 @@ from pagedllm.layers.quantized_linear import (
     QuantizedEmbedding,
     QuantizedLinearMethod,
     group_fallbacks,
-    quantize_model,
+    prepare_quantized_loading,
+    tie_quantized_lm_head,
 )
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.registry import model_class
@@ -126,8 +127,17 @@ def make_linear_method(precision: Precision, linear: str) -> LinearMethod:
     return methods[linear]()
 
 
-def quantize_weights(config: EngineConfig, model: nn.Module) -> None:
-    """Round every linear layer and the token embedding of ``model`` to int8 / int4 blocks (``quantization``)."""
+def prepare_weight_quantization(config: EngineConfig, model: nn.Module) -> None:
+    """Give every linear layer and the token embedding of ``model`` (on the meta device, before loading) empty
+    int8 / int4 blocks (``quantization``) that the checkpoint's float tensors are quantized into as they load.
+
+    Decided per layer here, as ``keep_gguf_blocks`` does for GGUF blocks, so
+    that no float32 copy of the model is ever built: the load's peak is the
+    blocks, plus the one checkpoint tensor being read, plus the temporaries
+    of a chunk of rows (``LOAD_CHUNK_BYTES``). Fused q/k/v and gate/up need
+    no buffer: each part's rows are quantized as they arrive (groups never
+    span rows, so the bytes are those of the whole fused weight).
+    """
     if load_kernels() is None:
         raise ValueError(f"quantization={config.quantization!r} needs the native CPU kernels, which cannot be "
                          f"built here: {kernels_failure()}")
@@ -136,7 +146,15 @@ def quantize_weights(config: EngineConfig, model: nn.Module) -> None:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         logger.warning("quantization_group_size=%d does not divide the in_features of %d layers (%s): "
                        "they use groups of %d", group_size, len(names), shown, group)
-    quantize_model(model, WEIGHT_ONLY[config.quantization], group_size)
+    prepare_quantized_loading(model, WEIGHT_ONLY[config.quantization], group_size)
+
+
+def finish_weight_quantization(model: nn.Module) -> None:
+    """After loading: each int8 / int4 layer's bias becomes the float32 buffer its kernel adds (its blocks
+    were filled while loading)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod):
+            module.quant_method.process_weights_after_loading(module)
 
 
 def keep_gguf_blocks(
@@ -171,7 +189,8 @@ def keep_gguf_blocks(
 
 
 def count_params(model: nn.Module) -> int:
-    """Weights of the architecture: parameters, and the weights GGUF blocks hold (a tied embedding counted once)."""
+    """Weights of the architecture: parameters, and the weights GGUF or int8 / int4 blocks hold (a tied
+    embedding counted once)."""
     count = sum(p.numel() for p in model.parameters())
     seen: set[int] = set()
     for module in model.modules():
@@ -179,7 +198,7 @@ def count_params(model: nn.Module) -> int:
         if qweight is None or qweight.data_ptr() in seen:
             continue
         seen.add(qweight.data_ptr())
-        if isinstance(module, GGUFEmbedding):
+        if isinstance(module, (GGUFEmbedding, QuantizedEmbedding)):
             count += module.num_embeddings * module.embedding_dim
         elif isinstance(module, Linear):
             count += module.in_features * module.out_features
@@ -264,9 +283,14 @@ def load_model(
     with torch.device("meta"):
         model = model_class(model_config)(model_config, backend, tp)
     keep_gguf_blocks(config, model, weights, device, precision)
+    if config.quantization in WEIGHT_ONLY:
+        prepare_weight_quantization(config, model)
     model = model.to_empty(device="cpu")
-    if model_config.tie_word_embeddings and not tie_gguf_lm_head(model.lm_head, model.model.embed_tokens):
-        model.lm_head.weight = model.model.embed_tokens.weight
+    embedding = model.model.embed_tokens
+    if model_config.tie_word_embeddings and not (
+        tie_gguf_lm_head(model.lm_head, embedding) or tie_quantized_lm_head(model.lm_head, embedding)
+    ):
+        model.lm_head.weight = embedding.weight
     model.load_weights(weights)
     if config.gguf_activations == "int8":
         interleave_gguf_weights(model)
@@ -277,7 +301,7 @@ def load_model(
     linear = resolve_linear_backend(config, device, precision)
     _warn_if_slow_half_precision(config, device, precision, linear)
     if config.quantization in WEIGHT_ONLY:
-        quantize_weights(config, model)
+        finish_weight_quantization(model)
     else:
         apply_linear_method(model, make_linear_method(precision, linear))
     # norms, RoPE and SiLU-and-multiply as single native calls where they build
