@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import TINY_ARCHS, hf_greedy
+from conftest import FLOAT_ACTIVATIONS, TINY_ARCHS, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.scheduler import SchedulerOutput
@@ -67,8 +67,8 @@ def test_chunked_greedy_matches_transformers(arch: str, tiny_model_dirs, hf_tiny
 def test_smollm_chunked_equals_whole_prompts(smollm_tokenizer) -> None:  # noqa: ANN001
     texts = ["The capital of France is", "Write a haiku about the sea, the moon and the old lighthouse keeper:"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    whole = LLM(num_kv_blocks=64, max_model_len=256)
-    chunked = LLM(num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=7)
+    whole = LLM(num_kv_blocks=64, max_model_len=256, **FLOAT_ACTIVATIONS)
+    chunked = LLM(num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=7, **FLOAT_ACTIVATIONS)
     steps = _record_steps(chunked)
     assert _tokens(chunked.generate(texts, params, use_tqdm=False)) == _tokens(whole.generate(texts, params, use_tqdm=False))
     assert _num_cut_prompts(steps) >= 2

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, hf_greedy, q8_linear_inputs
+from conftest import TINY_ARCHS, assert_greedy_within_q8_noise, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 
@@ -29,31 +29,24 @@ def smollm() -> LLM:
 
 def test_smollm_gguf_greedy_matches_transformers(smollm: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
     """The bundled Q4_1/Q8_0 blocks, multiplied on activations rounded to 8 bits per block of 32 (the x16
-    kernels): transformers on the same dequantized weights and the same rounding gives the same tokens.
-
-    Against transformers on unrounded activations the tokens may part at a near-tie, and only there: the
-    first token that differs must be the unrounded model's runner-up, behind its choice by less than the
-    rounding itself moves the two tokens' logit gap at that position (measured here)."""
+    kernels, the default): transformers' tokens on the dequantized weights, or parting from them at a
+    near-tie only (``assert_greedy_within_q8_noise``)."""
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     prompts = [smollm_tokenizer.encode(t) for t in texts]
     outs = smollm.generate(_token_prompts(prompts), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    with q8_linear_inputs(hf_smollm):
-        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_smollm, p, 24) for p in prompts]
-    for prompt, out in zip(prompts, outs):
-        ours, plain = out.outputs[0].token_ids, hf_greedy(hf_smollm, prompt, 24)
-        if ours == plain:
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(ours, plain)) if a != b)
-        context = torch.tensor([prompt + ours[:i]])
-        with torch.inference_mode():
-            logits = hf_smollm(context).logits[0, -1]
-            with q8_linear_inputs(hf_smollm):
-                rounded = hf_smollm(context).logits[0, -1]
-        assert int(logits.topk(2).indices[1]) == ours[i]
-        gap, rounded_gap = float(logits[plain[i]] - logits[ours[i]]), float(rounded[plain[i]] - rounded[ours[i]])
-        print(f"prompt {texts[prompts.index(prompt)]!r}: token {i} parts at a gap of {gap:.3f} "
-              f"(rounded activations: {rounded_gap:.3f})")
-        assert 0 <= gap <= gap - rounded_gap
+    for text, prompt, out in zip(texts, prompts, outs):
+        gap = assert_greedy_within_q8_noise(hf_smollm, prompt, out.outputs[0].token_ids)
+        print(f"{text!r}: {'equal' if gap is None else f'parts at a logit gap of {gap:.3f}'}")
+
+
+def test_smollm_float32_activations_match_transformers(hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
+    """gguf_activations="float32": the file's blocks on float32 activations, transformers' own computation."""
+    llm = LLM(num_kv_blocks=128, max_model_len=1024, gguf_activations="float32")
+    assert llm.llm_engine.model_runner.model.lm_head.quant_method.name == "gguf-q8_0"  # the file's order
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    prompts = [smollm_tokenizer.encode(t) for t in texts]
+    outs = llm.generate(_token_prompts(prompts), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_smollm, p, 24) for p in prompts]
 
 
 def test_smollm_batch_equals_one_at_a_time(smollm: LLM, smollm_tokenizer) -> None:  # noqa: ANN001

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import FLOAT_ACTIVATIONS
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
@@ -25,7 +26,8 @@ MEMORY = 64 << 20  # the same bytes for every cache dtype
 
 
 def _engine(kv_cache_dtype: str, **kwargs) -> LLM:  # noqa: ANN003
-    return LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=MEMORY, max_model_len=512, **kwargs)
+    return LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=MEMORY, max_model_len=512,
+               **FLOAT_ACTIVATIONS, **kwargs)
 
 
 def _pool_whole(llm: LLM) -> bool:

@@ -30,6 +30,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import FLOAT_ACTIVATIONS
 from openai import OpenAI
 from server_helpers import (
     assert_openai_error,
@@ -45,7 +46,9 @@ from server_helpers import (
 from pagedllm.entrypoints import cli
 from pagedllm.loader import bundled_model_path
 
-ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1"]
+# float32 activations: the server's outputs (prefix hits included) equal the offline reference's to float
+# rounding (8-bit ones part at near-ties: conftest.FLOAT_ACTIVATIONS)
+ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1", "--gguf-activations", "float32"]
 MAX_MODEL_LEN = 1024
 API_KEY = "test-secret-key"
 GUARDED_NAME = "guarded-smollm"
@@ -107,7 +110,7 @@ def ref(server_launch: tuple[str, subprocess.Popen, Path]) -> dict:
     from pagedllm import LLM, SamplingParams
 
     threads = torch.get_num_threads()
-    llm = LLM(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, num_threads=1)
+    llm = LLM(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, num_threads=1, **FLOAT_ACTIVATIONS)
     tok = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=12)
     out = {

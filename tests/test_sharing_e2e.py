@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from conftest import FLOAT_ACTIVATIONS
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.beam_search import BeamSearchParams
@@ -28,7 +29,7 @@ SAMPLE = dict(temperature=1.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(num_kv_blocks=256, max_model_len=1024)
+    return LLM(num_kv_blocks=256, max_model_len=1024, **FLOAT_ACTIVATIONS)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, q8_linear_inputs
+from conftest import FLOAT_ACTIVATIONS, hf_greedy
 from server_helpers import free_port
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
@@ -47,6 +47,8 @@ def _restore_threads() -> Iterator[None]:
 def _tp(path: str | None, size: int, **kwargs: object) -> LLM:
     kwargs.setdefault("num_kv_blocks", 128)
     kwargs.setdefault("max_model_len", 256)
+    for key, value in FLOAT_ACTIVATIONS.items():  # ranks and one process agree to float rounding (conftest)
+        kwargs.setdefault(key, value)
     return LLM(path, tensor_parallel_size=size, num_threads=1, **kwargs)
 
 
@@ -221,7 +223,8 @@ def test_int4_weights_on_two_ranks_equal_one(tiny_model_dirs) -> None:  # noqa: 
 @pytest.fixture(scope="module")
 def smollm_one() -> LLM:
     # chunked prefill (64-token steps) and prefix caching on, as in the two-rank engine
-    return LLM(None, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=64, num_threads=1)
+    return LLM(None, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=64, num_threads=1,
+               **FLOAT_ACTIVATIONS)
 
 
 def _long_prompt(llm: LLM) -> list[int]:
@@ -262,8 +265,7 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm) -> None: 
     whole = smollm_one.weight_bytes
     assert all(0.4 * whole < w < 0.6 * whole for w, _ in rank_bytes), (rank_bytes, whole)
     greedy, sampled, logprobs, long, prompt_lp, beams = got
-    with q8_linear_inputs(hf_smollm):  # the blocks run on activations rounded to 8 bits (x16 kernels)
-        assert oracle == [hf_greedy(hf_smollm, i, 24) for i in oracle_ids]
+    assert oracle == [hf_greedy(hf_smollm, i, 24) for i in oracle_ids]
     assert greedy == one[0] and greedy[:4] == greedy[4:]
     assert sampled == one[1]
     assert long == one[3] and long[0] == long[1]
@@ -350,7 +352,7 @@ def test_two_torchrun_nodes_on_loopback_give_the_tokens_of_one_process(smollm_on
                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "pagedllm.entrypoints.cli",
                "generate", "--tensor-parallel-size", "2", "--num-threads", "1", "--num-kv-blocks", "64",
                "--max-model-len", "256", "--temperature", "0", "--max-tokens", str(GREEDY.max_tokens),
-               "--ignore-eos", *PROMPTS[:2]]
+               "--ignore-eos", "--gguf-activations", "float32", *PROMPTS[:2]]
         log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log))
     for proc, log in procs:
@@ -400,7 +402,7 @@ def test_data_parallel_replicas_of_two_ranks_each(smollm_one: LLM, tmp_path: Pat
     port = free_port()
     log = tmp_path / "server.log"
     proc = launch_server(["--port", str(port), "-dp", "2", "-tp", "2", "--num-kv-blocks", "64",
-                          "--max-model-len", "256", "--served-model-name", "m"], log)
+                          "--max-model-len", "256", "--served-model-name", "m", "--gguf-activations", "float32"], log)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, log)
