@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FLOAT_ACTIVATIONS, hf_greedy
+from conftest import FLOAT_ACTIVATIONS, assert_greedy_within_q8_noise, hf_greedy
 from server_helpers import free_port
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
@@ -230,6 +230,16 @@ def smollm_one() -> LLM:
 def _long_prompt(llm: LLM) -> list[int]:
     text = " ".join(f"Item {i}: a short line about the number {i}." for i in range(12))
     return llm.get_tokenizer().encode(text)
+
+
+def test_bundled_model_two_ranks_on_8_bit_activations(hf_smollm) -> None:  # noqa: ANN001
+    """The default for the bundled blocks on 2 ranks: each rank's slices are interleaved and multiplied on
+    int8 rows; greedy text is transformers' up to near-ties (conftest.assert_greedy_within_q8_noise)."""
+    with _tp(None, 2, gguf_activations="int8") as two:
+        outs = two.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+        assert two.llm_engine.model_runner.model.lm_head.quant_method.name == "gguf-q8_0-x16"
+    for out in outs:
+        assert_greedy_within_q8_noise(hf_smollm, out.prompt_token_ids, out.outputs[0].token_ids)
 
 
 def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm) -> None:  # noqa: ANN001
