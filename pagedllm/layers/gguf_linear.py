@@ -30,12 +30,13 @@ from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+    # the 32-weight types interleaved 16 rows at a time (GGUF_INTERLEAVED below): the same blocks
+    514: ("Q4_0", 32, 18), 515: ("Q4_1", 32, 20), 520: ("Q8_0", 32, 34),
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
 # Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a time (kernels/gguf_x16.h): ggml type -> the kernels' number for it
 GGUF_INTERLEAVED: dict[int, int] = {2: 512 + 2, 3: 512 + 3, 8: 512 + 8}
 INTERLEAVE_ROWS = 16
-GGUF_KERNEL_TYPES.update({x16: GGUF_KERNEL_TYPES[t] for t, x16 in GGUF_INTERLEAVED.items()})
 
 # checkpoint part -> (fused parameter, row offset, rows, checkpoint's first row), as layers/weights.py's FusedMap
 FusedMap = Mapping[str, tuple[str, int, int, int | None]]
