@@ -147,12 +147,14 @@ def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:
 
 
 # --- interleaved blocks and 8-bit activations (kernels/gguf_x16.h) ----------------------------------
-X16 = {t: 512 + int(t) for t in TYPES}  # the kernels' numbers for Q4_0, Q4_1, Q8_0 interleaved 16 rows at a time
+X16_TYPES = TYPES + K_TYPES
+X16 = {t: 512 + int(t) for t in X16_TYPES}  # the kernels' numbers for the types interleaved 16 rows at a time
 
 
 def interleaved(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     weight = torch.from_numpy(raw.copy())
-    torch.ops.pagedllm.gguf_interleave_(weight, int(ggml_type), raw.shape[1] // GGML_QUANT_SIZES[ggml_type][1] * 32)
+    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    torch.ops.pagedllm.gguf_interleave_(weight, int(ggml_type), raw.shape[1] // block_bytes * block_weights)
     return weight
 
 
@@ -164,7 +166,7 @@ def q8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv).clamp(-127, 127) * dx).reshape(x.shape)
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", X16_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("num_rows", [1, 7, 32, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(48, 256), (160, 512), (576, 1536)])
 def test_interleaved_linear_is_the_float64_product_of_rounded_activations(
@@ -190,7 +192,7 @@ def test_interleaved_linear_is_the_float64_product_of_rounded_activations(
     assert ((got - (x.double() @ weight.T + bias.double())).abs() <= moved + bound).all()
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", X16_TYPES, ids=lambda t: t.name)
 def test_interleaved_rows_do_not_depend_on_their_batch(ggml_type: GGMLQuantizationType) -> None:
     weight = interleaved(random_blocks(ggml_type, 64, 768, seed=3), ggml_type)
     x = torch.randn(300, 768, generator=torch.Generator().manual_seed(3))
@@ -201,7 +203,7 @@ def test_interleaved_rows_do_not_depend_on_their_batch(ggml_type: GGMLQuantizati
             assert torch.equal(part, together[r : r + n])
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", X16_TYPES, ids=lambda t: t.name)
 def test_interleaving_keeps_every_weight(ggml_type: GGMLQuantizationType) -> None:
     raw = random_blocks(ggml_type, 48, 512, seed=7)
     weight = interleaved(raw, ggml_type)
@@ -217,7 +219,7 @@ def test_bad_interleave_inputs_are_value_errors() -> None:
     with pytest.raises(ValueError, match="16 rows at a time, got 40"):
         torch.ops.pagedllm.gguf_interleave_(raw, int(Q.Q4_1), 64)
     with pytest.raises(ValueError, match="interleaves Q4_0"):
-        torch.ops.pagedllm.gguf_interleave_(torch.from_numpy(random_blocks(Q.Q4_K, 16, 256, seed=1)), int(Q.Q4_K), 256)
+        torch.ops.pagedllm.gguf_interleave_(torch.from_numpy(random_blocks(Q.F16, 16, 256, seed=1)), int(Q.F16), 256)
     with pytest.raises(ValueError, match="multiple of 16 rows, got 40"):
         torch.ops.pagedllm.gguf_linear(torch.randn(2, 64), raw, X16[Q.Q4_1], 64, None)
 
@@ -241,6 +243,49 @@ def test_a_step_program_runs_interleaved_nodes_as_the_ops_do() -> None:
         )
         assert torch.equal(mid[:n], first)
         assert torch.equal(out[:n], torch.ops.pagedllm.gguf_linear(first, w2, X16[Q.Q4_0], 32 * 9, None))
+
+
+def test_a_fused_layer_of_mixed_types_keeps_each_part_in_its_type() -> None:
+    """q/k in Q4_K and v in Q6_K (as Q4_K_M files hold some layers), with a bias: each part's blocks as stored
+    in one flat buffer, multiplied part by part, in the file's order and interleaved."""
+    from pagedllm.layers.gguf_linear import GGUFPartsLinearMethod, interleave_gguf_weights
+    from pagedllm.layers.linear import Linear, replace_parameter
+
+    spans = [(0, 64, Q.Q4_K), (64, 32, Q.Q4_K), (96, 32, Q.Q6_K), (128, 8, Q.Q8_0)]  # the Q8_0 part: 8 rows
+    layer = Linear(512, 136)
+    method = GGUFPartsLinearMethod([(o, n, int(t)) for o, n, t in spans], 512)
+    layer.quant_method = method
+    replace_parameter(layer, "weight", None)
+    layer.register_buffer("qweight", torch.empty(method.num_bytes, dtype=torch.uint8))  # [bytes]
+    raws = [random_blocks(t, n, 512, seed=o) for o, n, t in spans]
+    for (o, n, _), raw in zip(spans, raws):
+        method.qweight_rows(layer, o, n).copy_(torch.from_numpy(raw))
+    assert method.num_bytes == sum(raw.nbytes for raw in raws)
+    weight = torch.cat([reference_weights(raw, t) for raw, (_, _, t) in zip(raws, spans)])  # [136, 512] float64
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    bias = layer.bias.detach().double()
+    got = layer(x).double()
+    bound = 512 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.abs().T) + 1e-6
+    assert method.name == "gguf-q4_k+q4_k+q6_k+q8_0"
+    assert ((got - (x.double() @ weight.T + bias)).abs() <= bound).all()
+    with pytest.raises(ValueError, match="no part of rows 0..96"):
+        method.qweight_rows(layer, 0, 96)
+    # interleaved where the rows allow (the 8-row part stays in the file's order), on 8-bit activations
+    assert interleave_gguf_weights(layer) == 3
+    assert method.name == "gguf-q4_k-x16+q4_k-x16+q6_k-x16+q8_0"
+    got = layer(x).double()
+    rounded = q8_rows(x).double()
+    want = rounded @ weight.T + bias
+    want[:, 128:] = (x.double() @ weight[128:].T + bias[128:])  # the Q8_0 part: float activations
+    bound = 512 * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.abs().T) + 1e-5
+    assert ((got - want).abs() <= bound).all()
+
+
+def test_parts_of_a_fused_layer_must_cover_its_rows() -> None:
+    from pagedllm.layers.gguf_linear import GGUFPartsLinearMethod
+
+    with pytest.raises(ValueError, match="cover its rows in turn"):
+        GGUFPartsLinearMethod([(0, 16, int(Q.Q4_K)), (32, 16, int(Q.Q6_K))], 256)
 
 
 # --- whole models -------------------------------------------------------------------------------
@@ -396,21 +441,31 @@ def _k_quant_model(arch: str):  # noqa: ANN202
 def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
     arch: str, tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """A Q4_K_M-like file (Q4_K, with Q6_K for v_proj and down_proj) runs from its super-blocks."""
+    """A Q4_K_M-like file (Q4_K, with Q6_K for v_proj and down_proj) runs from its super-blocks: interleaved on
+    8-bit activations by default, in the file's order on float32 activations."""
     hf = _k_quant_model(arch)
     path = os.path.join(tmp_path_factory.mktemp(f"gguf-k-{arch}"), "tiny-Q4_K_M.gguf")
     rounded = write_quantized_gguf(hf, arch, Q.Q4_K, path, {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K})
     hf.load_state_dict(rounded)
-    llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64)
-    model = llm.llm_engine.model_runner.model
-    assert llm.llm_engine.model_runner.weight_format == "gguf:Q4_K+Q6_K"
-    assert model.model.layers[0].mlp.down_proj.quant_method.name == "gguf-q6_k"
-    assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == "gguf-q4_k"
     prompts = [[1, 400, 3000, 77, 12000, 5], list(range(100, 140))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for activations, suffix in (("int8", "-x16"), ("float32", "")):
+        llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64,
+                  gguf_activations=activations)
+        model = llm.llm_engine.model_runner.model
+        assert llm.llm_engine.model_runner.weight_format == "gguf:Q4_K+Q6_K"
+        assert model.model.layers[0].mlp.down_proj.quant_method.name == f"gguf-q6_k{suffix}"
+        assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == f"gguf-q4_k{suffix}"
+        # q/k in Q4_K, v in Q6_K: the fused layer keeps each part in its type, nothing dequantized
+        assert model.model.layers[0].self_attn.qkv_proj.quant_method.name == "gguf-" + "+".join(
+            f"{t}{suffix}" for t in ("q4_k", "q4_k", "q6_k"))
+        assert not any(p.dim() == 2 for p in model.parameters())  # no float weight matrix left
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for prompt, out in zip(prompts, outs):
+            if activations == "int8":
+                assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
+            else:
+                assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
 def test_a_type_with_no_kernel_is_dequantized_with_a_warning(

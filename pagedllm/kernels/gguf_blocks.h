@@ -55,15 +55,22 @@ enum GroupType { GROUP_I8 = 256, GROUP_I4 = 257 };
 
 static inline bool is_group_type(int type) { return type == GROUP_I8 || type == GROUP_I4; }
 
-/* Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a time (gguf_x16.h): the same bytes in another order,
-   numbered 512 + the ggml type */
+/* Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K interleaved 16 rows at a time (gguf_x16.h): the same bytes in
+   another order, numbered 512 + the ggml type */
 enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4_1_X16 = 512 + GGUF_Q4_1,
-                   GGUF_Q8_0_X16 = 512 + GGUF_Q8_0 };
+                   GGUF_Q8_0_X16 = 512 + GGUF_Q8_0, GGUF_Q4_K_X16 = 512 + GGUF_Q4_K,
+                   GGUF_Q5_K_X16 = 512 + GGUF_Q5_K, GGUF_Q6_K_X16 = 512 + GGUF_Q6_K };
 #define X16_TILE 16 /* rows (output channels) a tile interleaves */
 
-static inline bool is_x16_type(int type) {
-    return type == GGUF_Q4_0_X16 || type == GGUF_Q4_1_X16 || type == GGUF_Q8_0_X16;
+/* the ggml types gguf_x16.h interleaves */
+static inline bool x16_takes(int ggml_type) {
+    switch (ggml_type) {
+        case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q8_0: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return true;
+        default: return false;
+    }
 }
+
+static inline bool is_x16_type(int type) { return type > GGUF_X16_BASE && x16_takes(type - GGUF_X16_BASE); }
 
 /* the file's type of an x16 type, or the type itself */
 static inline int x16_base_type(int type) { return is_x16_type(type) ? type - GGUF_X16_BASE : type; }

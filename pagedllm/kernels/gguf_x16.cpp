@@ -60,6 +60,19 @@ static inline fvec fcvt(ivec a) { return _mm512_cvtepi32_ps(a); }
 static inline void fstore(float *p, fvec v) { _mm512_storeu_ps(p, v); }
 static inline fvec fload(const float *p) { return _mm512_loadu_ps(p); }
 static inline fvec fadd(fvec a, fvec b) { return _mm512_add_ps(a, b); }
+/* byte ops for the k-quants' upper bits (16-bit shifts: the masks drop what crosses a byte) */
+static inline ivec ibits(ivec v, int s, int mask) { return _mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8((char)mask)); }
+static inline ivec ishl4(ivec v) { return _mm512_slli_epi16(v, 4); }
+static inline ivec ior(ivec a, ivec b) { return _mm512_or_si512(a, b); }
+/* 32-bit lane ops: one lane per channel */
+static inline ivec lanes_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline ivec lanes_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline ivec lmul(ivec a, ivec b) { return _mm512_mullo_epi32(a, b); }
+static inline ivec ladd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+static inline ivec lset1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline ivec land(ivec a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+static inline ivec lsrl(ivec a, int s) { return _mm512_srli_epi32(a, s); }
+static inline ivec lsll(ivec a, int s) { return _mm512_slli_epi32(a, s); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 /* 8 lanes: a tile in two halves */
 #define X16_VL 8
@@ -90,6 +103,17 @@ static inline fvec fcvt(ivec a) { return _mm256_cvtepi32_ps(a); }
 static inline void fstore(float *p, fvec v) { _mm256_storeu_ps(p, v); }
 static inline fvec fload(const float *p) { return _mm256_loadu_ps(p); }
 static inline fvec fadd(fvec a, fvec b) { return _mm256_add_ps(a, b); }
+static inline ivec ibits(ivec v, int s, int mask) { return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask)); }
+static inline ivec ishl4(ivec v) { return _mm256_slli_epi16(v, 4); }
+static inline ivec ior(ivec a, ivec b) { return _mm256_or_si256(a, b); }
+static inline ivec lanes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline ivec lanes_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline ivec lmul(ivec a, ivec b) { return _mm256_mullo_epi32(a, b); }
+static inline ivec ladd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+static inline ivec lset1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline ivec land(ivec a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+static inline ivec lsrl(ivec a, int s) { return _mm256_srli_epi32(a, s); }
+static inline ivec lsll(ivec a, int s) { return _mm256_slli_epi32(a, s); }
 #else
 /* one lane: a channel at a time; a "vector" of bytes is the channel's 4 bytes of a chunk */
 #define X16_VL 1
@@ -121,6 +145,17 @@ static inline fvec fcvt(ivec a) { return (float)a; }
 static inline void fstore(float *p, fvec v) { *p = v; }
 static inline fvec fload(const float *p) { return *p; }
 static inline fvec fadd(fvec a, fvec b) { return a + b; }
+static inline ivec ibits(ivec v, int s, int mask) { return (int32_t)(((uint32_t)v >> s) & ((uint32_t)mask * 0x01010101u)); }
+static inline ivec ishl4(ivec v) { return (int32_t)((uint32_t)v << 4); }
+static inline ivec ior(ivec a, ivec b) { return a | b; }
+static inline ivec lanes_u8(const uint8_t *p) { return p[0]; }
+static inline ivec lanes_s8(const uint8_t *p) { return (int8_t)p[0]; }
+static inline ivec lmul(ivec a, ivec b) { return a * b; }
+static inline ivec ladd(ivec a, ivec b) { return a + b; }
+static inline ivec lset1(int32_t v) { return v; }
+static inline ivec land(ivec a, int32_t m) { return a & m; }
+static inline ivec lsrl(ivec a, int s) { return (int32_t)((uint32_t)a >> s); }
+static inline ivec lsll(ivec a, int s) { return (int32_t)((uint32_t)a << s); }
 #endif
 
 /* ---- the layout (gguf_x16.h) ---- */
@@ -132,7 +167,7 @@ static inline int raw_q4(const uint8_t *qs, int n) { return n < 16 ? qs[n] & 0x0
 static inline int raw_head_bytes(int type) { return type == GGUF_Q4_1 ? 4 : 2; }
 
 /* one tile block from the 16 raw blocks src[c] (c = 0..15) of ggml `type` */
-static void interleave_block(int type, const uint8_t *const *src, uint8_t *dst) {
+static void interleave_block(int type, uint8_t *const *src, uint8_t *dst) {
     for (int c = 0; c < X16_TILE; c++) {
         memcpy(dst + 2 * c, src[c], 2);                                      // d
         if (type == GGUF_Q4_1) memcpy(dst + 32 + 2 * c, src[c] + 2, 2);      // m
@@ -169,17 +204,108 @@ static void raw_block(int type, const uint8_t *tile_block, int c, uint8_t *dst) 
     for (int n = 0; n < 16; n++) q[n] = (uint8_t)(v[n] | v[n + 16] << 4);
 }
 
+/* ---- the k-quants' layout ---- */
+
+/* quant n (0..255) of a raw k-quant super-block, unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 */
+static int raw_kquant(int type, const uint8_t *blk, int n) {
+    if (type == GGUF_Q6_K) {
+        const int half = n / 128, p = n % 128, l = p % 32, g = p / 32;
+        const uint8_t ql = blk[64 * half + l + (g & 1) * 32], qh = blk[128 + 32 * half + l];
+        return ((g < 2 ? ql & 0x0f : ql >> 4) | ((qh >> (2 * g)) & 3) << 4);
+    }
+    const int sub = n / 32, l = n % 32;
+    const uint8_t *qs = blk + (type == GGUF_Q5_K ? 48 : 16);
+    const int low = sub % 2 ? qs[32 * (sub / 2) + l] >> 4 : qs[32 * (sub / 2) + l] & 0x0f;
+    return type == GGUF_Q5_K ? low | ((blk[16 + l] >> sub) & 1) << 4 : low;
+}
+
+/* the quants q[256] written into a raw k-quant super-block (its quant bytes zeroed first) */
+static void pack_raw_kquants(int type, const int *q, uint8_t *blk) {
+    if (type == GGUF_Q6_K) {
+        memset(blk, 0, 192);
+        for (int n = 0; n < 256; n++) {
+            const int half = n / 128, p = n % 128, l = p % 32, g = p / 32;
+            blk[64 * half + l + (g & 1) * 32] |= (uint8_t)((q[n] & 0x0f) << (g < 2 ? 0 : 4));
+            blk[128 + 32 * half + l] |= (uint8_t)((q[n] >> 4) << (2 * g));
+        }
+        return;
+    }
+    uint8_t *qs = blk + (type == GGUF_Q5_K ? 48 : 16);
+    memset(qs, 0, 128);
+    if (type == GGUF_Q5_K) memset(blk + 16, 0, 32);
+    for (int n = 0; n < 256; n++) {
+        const int sub = n / 32, l = n % 32;
+        qs[32 * (sub / 2) + l] |= (uint8_t)((q[n] & 0x0f) << (sub % 2 ? 4 : 0));
+        if (type == GGUF_Q5_K) blk[16 + l] |= (uint8_t)(((q[n] >> 4) & 1) << sub);
+    }
+}
+
+/* offsets in a tile super-block (gguf_x16.h): run j's low 4 bits (4 chunks of 64 B), then the bits above them,
+   runs back to back after the headers (one stream of loads) */
+static inline int kq_run_bytes(int type) { return type == GGUF_Q6_K ? 384 : (type == GGUF_Q5_K ? 320 : 256); }
+static inline int kq_qs_offset(int type, int j) { return (type == GGUF_Q6_K ? 288 : 256) + kq_run_bytes(type) * j; }
+static inline int kq_qh_offset(int type, int j) { return kq_qs_offset(type, j) + 256; }
+
+/* one tile super-block from the 16 raw super-blocks raw[c] of k-quant `type` (to_tile; c0 = 0, c1 = 16),
+   or back: channels [c0, c1)'s raw super-blocks from the tile's, into raw[c] */
+static void move_kblock(int type, uint8_t *const *raw, uint8_t *tile, bool to_tile, int c0, int c1) {
+    if (to_tile) memset(tile + kq_qs_offset(type, 0), 0, (size_t)(X16_TILE * gguf_block_bytes(type) - kq_qs_offset(type, 0)));
+    for (int c = c0; c < c1; c++) {
+        uint8_t *src = raw[c];
+        // headers: fp16 d (and dmin), the packed scales byte by byte
+        const int num_halves = type == GGUF_Q6_K ? 1 : 2, num_scales = type == GGUF_Q6_K ? 16 : 12;
+        uint8_t *src_halves = type == GGUF_Q6_K ? src + 208 : src, *src_scales = type == GGUF_Q6_K ? src + 192 : src + 4;
+        uint8_t *tile_scales = tile + 32 * num_halves;
+        for (int i = 0; i < num_halves; i++) {
+            if (to_tile) memcpy(tile + 32 * i + 2 * c, src_halves + 2 * i, 2);
+            else memcpy(src_halves + 2 * i, tile + 32 * i + 2 * c, 2);
+        }
+        for (int i = 0; i < num_scales; i++) {
+            if (to_tile) tile_scales[16 * i + c] = src_scales[i];
+            else src_scales[i] = tile_scales[16 * i + c];
+        }
+        int q[256];
+        if (to_tile) {
+            for (int n = 0; n < 256; n++) q[n] = raw_kquant(type, src, n);
+        }
+        for (int j = 0; j < 8; j++)
+            for (int u = 0; u < 4; u++)
+                for (int i = 0; i < 4; i++) {
+                    int *lo = q + 32 * j + 8 * u + i, *hi = lo + 4;  // the pair one chunk byte holds
+                    uint8_t *byte = tile + kq_qs_offset(type, j) + 64 * u + 4 * c + i;
+                    uint8_t *top = tile + kq_qh_offset(type, j) + (type == GGUF_Q6_K ? 64 * (u / 2) : 0) + 4 * c + i;
+                    const int shift = type == GGUF_Q6_K ? 4 * (u % 2) : u, bits = type == GGUF_Q6_K ? 3 : 1,
+                              step = type == GGUF_Q6_K ? 2 : 4;
+                    if (to_tile) {
+                        *byte = (uint8_t)((*lo & 0x0f) | (*hi & 0x0f) << 4);
+                        if (type != GGUF_Q4_K) *top |= (uint8_t)((*lo >> 4) << shift | (*hi >> 4) << (shift + step));
+                    } else {
+                        *lo = *byte & 0x0f;
+                        *hi = *byte >> 4;
+                        if (type != GGUF_Q4_K) {
+                            *lo |= ((*top >> shift) & bits) << 4;
+                            *hi |= ((*top >> (shift + step)) & bits) << 4;
+                        }
+                    }
+                }
+        if (!to_tile) pack_raw_kquants(type, q, src);
+    }
+}
+
 void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t tile0, int64_t tile1) {
-    const int64_t block_bytes = gguf_block_bytes(type), num_blocks = in_features / GGUF_BLOCK;
+    const int64_t block_bytes = gguf_block_bytes(type), num_blocks = in_features / gguf_block_weights(type);
     const int64_t row_bytes = num_blocks * block_bytes, tile_bytes = X16_TILE * row_bytes;
     uint8_t *copy = new uint8_t[tile_bytes];  // the tile's rows as the file has them
     for (int64_t t = tile0; t < tile1; t++) {
         uint8_t *tile = weight + t * tile_bytes;
         memcpy(copy, tile, (size_t)tile_bytes);
         for (int64_t b = 0; b < num_blocks; b++) {
-            const uint8_t *src[X16_TILE];
+            uint8_t *src[X16_TILE];
             for (int c = 0; c < X16_TILE; c++) src[c] = copy + c * row_bytes + b * block_bytes;
-            interleave_block(type, src, tile + b * X16_TILE * block_bytes);
+            if (gguf_block_weights(type) == 256)
+                move_kblock(type, src, tile + b * X16_TILE * block_bytes, true, 0, X16_TILE);
+            else
+                interleave_block(type, src, tile + b * X16_TILE * block_bytes);
         }
     }
     delete[] copy;
@@ -187,12 +313,19 @@ void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t
 
 void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, float *out) {
     const int type = x16_base_type(x16_type);
-    const int64_t block_bytes = gguf_block_bytes(type), num_blocks = in_features / GGUF_BLOCK;
+    const int64_t block_bytes = gguf_block_bytes(type), block_weights = gguf_block_weights(type);
+    const int64_t num_blocks = in_features / block_weights, c = row % X16_TILE;
     const uint8_t *tile = table + row / X16_TILE * X16_TILE * num_blocks * block_bytes;
-    uint8_t raw[34];  // one raw block (Q8_0's are the largest)
+    uint8_t raw[210];  // channel c's raw block (Q6_K's are the largest)
+    uint8_t *raws[X16_TILE];
+    for (int i = 0; i < X16_TILE; i++) raws[i] = raw;
     for (int64_t b = 0; b < num_blocks; b++) {
-        raw_block(type, tile + b * X16_TILE * block_bytes, (int)(row % X16_TILE), raw);
-        gguf_row(type, raw, GGUF_BLOCK, out + b * GGUF_BLOCK);
+        uint8_t *tile_block = (uint8_t *)tile + b * X16_TILE * block_bytes;
+        if (block_weights == 256)
+            move_kblock(type, raws, tile_block, false, (int)c, (int)c + 1);
+        else
+            raw_block(type, tile_block, (int)c, raw);
+        gguf_row(type, raw, block_weights, out + b * block_weights);
     }
 }
 
@@ -200,24 +333,26 @@ void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_fe
 
 int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features) {
     const int64_t quants = (rows * in_features + 63) / 64 * 64;
-    return quants + rows * (in_features / GGUF_BLOCK) * 8;
+    return quants + rows * (in_features / GGUF_BLOCK) * 12;
 }
 
 typedef struct {
-    const int8_t *q; /* [rows, k] */
-    const float *d;  /* [rows, k / 32]: each block's dx */
+    const int8_t *q;  /* [rows, k] */
+    const float *d;   /* [rows, k / 32]: each block's dx */
     const int32_t *s; /* [rows, k / 32]: each block's sx */
+    const int32_t *h; /* [rows, k / 32]: the sum of each block's first 16 quants (Q6_K's sub-blocks) */
 } QRows;
 
 static QRows scratch_rows(const LinearNode *n) {
     uint8_t *base = (uint8_t *)n->scratch;
     const int64_t quants = (n->rows * n->in_features + 63) / 64 * 64, nb = n->rows * (n->in_features / GGUF_BLOCK);
-    return {(const int8_t *)base, (const float *)(base + quants), (const int32_t *)(base + quants + 4 * nb)};
+    return {(const int8_t *)base, (const float *)(base + quants), (const int32_t *)(base + quants + 4 * nb),
+            (const int32_t *)(base + quants + 8 * nb)};
 }
 
 /* one row's k inputs as int8 blocks of 32 (scalar code: the same integers in every build; nearbyintf
    rounds half to even, as the vector conversions would) */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s) {
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s, int32_t *h) {
     for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
         const float *xb = x + b * GGUF_BLOCK;
         float amax = 0.0f;
@@ -229,6 +364,7 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
             v = fminf(fmaxf(v, -127.0f), 127.0f);
             q[b * GGUF_BLOCK + i] = (int8_t)v;
             sum += (int32_t)v;
+            if (i == 15) h[b] = sum;
         }
         d[b] = dx;
         s[b] = sum;
@@ -289,22 +425,124 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
     }
 }
 
+/* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
+   channel (gguf_k_scale_min, for X16_VL channels at once) */
+static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, int j, ivec *scale, ivec *min) {
+    if (j < 4) {
+        *scale = land(lanes_u8(S + 16 * j), 63);
+        *min = land(lanes_u8(S + 16 * (j + 4)), 63);
+        return;
+    }
+    const ivec low = lanes_u8(S + 16 * (j + 4)), top_s = lanes_u8(S + 16 * (j - 4)), top_m = lanes_u8(S + 16 * j);
+    *scale = ior(land(low, 15), lsll(lsrl(top_s, 6), 4));
+    *min = ior(lsrl(low, 4), lsll(lsrl(top_m, 6), 4));
+}
+
+/* chunks u0, u0 + 1 of a k-quant run (qs: its low 4 bits, qh: the bits above) against rows xq, xq + k, ...:
+   isum[r] += the integer dot products of their 16 inputs */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void kchunks(const uint8_t *qs, const uint8_t *qh, int u0,
+                                                          const int8_t *xq, int64_t k, ivec *isum) {
+    for (int u = u0; u < u0 + 2; u++) {
+        const ivec w = iload(qs + 64 * u);
+        ivec lo = nib_lo(w), hi = nib_hi(w);
+        if (TYPE == GGUF_Q5_K) {
+            const ivec top = iload(qh);
+            lo = ior(lo, ishl4(ibits(top, u, 1)));
+            hi = ior(hi, ishl4(ibits(top, u + 4, 1)));
+        } else if (TYPE == GGUF_Q6_K) {
+            const ivec top = iload(qh + 64 * (u / 2));
+            lo = ior(lo, ishl4(ibits(top, 4 * (u % 2), 3)));
+            hi = ior(hi, ishl4(ibits(top, 4 * (u % 2) + 2, 3)));
+        }
+        for (int r = 0; r < MR; r++) {
+            isum[r] = dot_u4(isum[r], lo, iquad(xq + r * k + 8 * u));
+            isum[r] = dot_u4(isum[r], hi, iquad(xq + r * k + 8 * u + 4));
+        }
+    }
+}
+
+/* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL),
+   a 32-input run at a time, summed in integers per run and scaled as gguf_x16.h writes */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                             int64_t r0, int h) {
+    constexpr int type = TYPE;
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, nsb = k / 256, sb_bytes = gguf_block_bytes(type);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nsb * sb_bytes;
+    const int lane_bytes = 4 * X16_VL;
+    fvec acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = fzero();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
+        const fvec d = fhalves(blk + 2 * X16_VL * h);
+        const fvec neg_dmin = type == GGUF_Q6_K ? fzero() : fmul(fhalves(blk + 32 + 2 * X16_VL * h), fset1(-1.0f));
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *qs = blk + kq_qs_offset(type, j) + lane_bytes * h;
+            const uint8_t *qh = blk + kq_qh_offset(type, j) + lane_bytes * h;
+            ivec isum[MR], isum_hi[MR];  // Q6_K: isum over the run's first 16 inputs, isum_hi the last 16
+            for (int r = 0; r < MR; r++) isum[r] = izero(), isum_hi[r] = izero();
+            const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
+            if (type == GGUF_Q6_K) {  // chunks 0, 1 are the first 16 inputs, 2, 3 the last (two sums)
+                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
+                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum_hi);
+            } else {
+                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
+                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum);
+            }
+            if (type == GGUF_Q6_K) {
+                const uint8_t *sc = blk + 32 + X16_VL * h;
+                const ivec sc_lo = lanes_s8(sc + 16 * (2 * j)), sc_hi = lanes_s8(sc + 16 * (2 * j + 1));
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
+                    const ivec sum = ladd(lmul(isub_all(isum[r], 32 * sx_lo), sc_lo), lmul(isub_all(isum_hi[r], 32 * sx_hi), sc_hi));
+                    acc[r] = ffma(fcvt(sum), fmul(d, fset1(qr.d[i])), acc[r]);
+                }
+            } else {
+                ivec scale, min;
+                k_scale_min(blk + 64 + X16_VL * h, j, &scale, &min);
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const fvec dx = fset1(qr.d[i]);
+                    acc[r] = ffma(fcvt(lmul(isum[r], scale)), fmul(d, dx), acc[r]);
+                    acc[r] = ffma(fcvt(lmul(min, lset1(qr.s[i]))), fmul(neg_dmin, dx), acc[r]);
+                }
+            }
+        }
+    }
+    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
+    for (int r = 0; r < MR; r++) {
+        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
+        fstore(n->y + (r0 + r) * cols + c0, v);
+    }
+}
+
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void rows_against_tile(const LinearNode *n, const QRows &qr, int64_t t,
+                                                                    int64_t r0, int h) {
+    if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K || TYPE == GGUF_Q6_K)
+        ktile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else
+        tile_rows<MR, TYPE>(n, qr, t, r0, h);
+}
+
 /* rows [row0, row0 + m) against tile t */
 template <int TYPE>
 static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int64_t row0, int64_t m) {
     for (int h = 0; h < X16_TILE / X16_VL; h++) {
         int64_t r = row0;
-        for (; r + X16_MR <= row0 + m; r += X16_MR) tile_rows<X16_MR, TYPE>(n, qr, t, r, h);
+        for (; r + X16_MR <= row0 + m; r += X16_MR) rows_against_tile<X16_MR, TYPE>(n, qr, t, r, h);
         switch (row0 + m - r) {
-            case 3: tile_rows<3, TYPE>(n, qr, t, r, h); break;
-            case 2: tile_rows<2, TYPE>(n, qr, t, r, h); break;
-            case 1: tile_rows<1, TYPE>(n, qr, t, r, h); break;
+            case 3: rows_against_tile<3, TYPE>(n, qr, t, r, h); break;
+            case 2: rows_against_tile<2, TYPE>(n, qr, t, r, h); break;
+            case 1: rows_against_tile<1, TYPE>(n, qr, t, r, h); break;
             default: break;
         }
     }
 }
 
-/* int8 rows per block: a block's copies (k bytes and 8 per 32 inputs each) stay in L2 across the tiles */
+/* int8 rows per block: a block's copies (k bytes and 12 per 32 inputs each) stay in L2 across the tiles */
 #define X16_BLOCK_BYTES (192 * 1024)
 
 void gguf_x16_linear_team(const LinearNode *n) {
@@ -313,19 +551,22 @@ void gguf_x16_linear_team(const LinearNode *n) {
     const QRows qr = scratch_rows(n);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n->rows; r++)
-        quantize_row(n->x + r * k, k, (int8_t *)qr.q + r * k, (float *)qr.d + r * nb, (int32_t *)qr.s + r * nb);
-    int64_t block_rows = X16_BLOCK_BYTES / (k + 8 * nb) / X16_MR * X16_MR;
+        quantize_row(n->x + r * k, k, (int8_t *)qr.q + r * k, (float *)qr.d + r * nb, (int32_t *)qr.s + r * nb,
+                     (int32_t *)qr.h + r * nb);
+    int64_t block_rows = X16_BLOCK_BYTES / (k + 12 * nb) / X16_MR * X16_MR;
     if (block_rows < X16_MR) block_rows = X16_MR;
     for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows) {
         const int64_t m = n->rows - row0 < block_rows ? n->rows - row0 : block_rows;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tiles; t++) {
-            if (type == GGUF_Q4_0)
-                tile_team_rows<GGUF_Q4_0>(n, qr, t, row0, m);
-            else if (type == GGUF_Q4_1)
-                tile_team_rows<GGUF_Q4_1>(n, qr, t, row0, m);
-            else
-                tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m);
+            switch (type) {
+                case GGUF_Q4_0: tile_team_rows<GGUF_Q4_0>(n, qr, t, row0, m); break;
+                case GGUF_Q4_1: tile_team_rows<GGUF_Q4_1>(n, qr, t, row0, m); break;
+                case GGUF_Q8_0: tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m); break;
+                case GGUF_Q4_K: tile_team_rows<GGUF_Q4_K>(n, qr, t, row0, m); break;
+                case GGUF_Q5_K: tile_team_rows<GGUF_Q5_K>(n, qr, t, row0, m); break;
+                default: tile_team_rows<GGUF_Q6_K>(n, qr, t, row0, m); break;
+            }
         }
     }
 }

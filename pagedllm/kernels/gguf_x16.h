@@ -1,5 +1,5 @@
 /*
- * GGUF's 32-weight block types interleaved 16 output channels at a time
+ * GGUF's block types interleaved 16 output channels at a time
  * ("x16"), and multiplied with integer dot products on 8-bit activations.
  *
  * The same bits as the file's blocks, in another order: a tensor of
@@ -31,6 +31,32 @@
  * every variant (AVX-512 VNNI, AVX-512BW, AVX2, scalar) computes the same
  * integers and combines them with the same float operations in the same
  * order. Every row is rounded and summed alike whatever its batch.
+ *
+ * The k-quants' super-blocks of 256 weights go the same way, a tile
+ * super-block (16 x super-block bytes) holding the 16 channels' headers side
+ * by side, then the 8 runs of 32 inputs back to back (one stream of loads),
+ * each run's low 4 bits in the Q4 chunk order above, then the bits above
+ * those:
+ *
+ *     Q4_K  d[16] | dmin[16] | S[12][16] | 8 runs of: qs 4 chunks of 64 B                 2304 B
+ *     Q5_K  as Q4_K, a run:                          qs 4 chunks | qh 64 B               2816 B
+ *     Q6_K  d[16] | sc[16][16] int8 | 8 runs of:      qs 4 chunks | qh 2 x 64 B           3360 B
+ *
+ *   S[i][c]: byte i of channel c's 12 packed 6-bit scales and mins (so one
+ *     vector op unpacks sub-block j's scale or min for all 16 channels);
+ *   Q5_K qh run j, byte 4c + i: bit u = the fifth bit of q[c][8u + i], bit 4 + u
+ *     that of q[c][8u + 4 + i] (u = chunk 0..3);
+ *   Q6_K qh run j, half v, byte 4c + i: for chunk u = 2v + e, bits 4e, 4e + 1 =
+ *     the top two bits of q[c][8u + i], bits 4e + 2, 4e + 3 those of q[c][8u + 4 + i];
+ *   Q6_K sc[s][c]: channel c's scale of its 16-weight sub-block s.
+ *
+ * and a run sums, per channel, as a Q4 run does, scaled in integers:
+ *
+ *   Q4_K / Q5_K  y += float(s_j isum) d dx  +  float(m_j sx) (-dmin) dx
+ *   Q6_K         y += float(sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi - 32 sx_hi)) d dx
+ *
+ * (isum_lo / sx_lo over the run's first 16 inputs; every product fits
+ * float32's 24 bits, so the conversions are exact).
  */
 #ifndef PAGEDLLM_GGUF_X16_H
 #define PAGEDLLM_GGUF_X16_H
@@ -41,11 +67,11 @@
 
 
 /* bytes the team needs in LinearNode.scratch for `rows` rows of `in_features` inputs: the rows in int8,
-   then each block's dx (float32) and sx (int32) */
+   then each block's dx (float32), sx (int32) and sum of its first 16 quants (int32) */
 int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features);
 
-/* rows [tile0 * 16, tile1 * 16) of a [rows, in_features / 32 * block bytes] tensor of ggml `type`
-   (Q4_0, Q4_1, Q8_0), rewritten in place in the x16 order of that type */
+/* rows [tile0 * 16, tile1 * 16) of a [rows, in_features / block weights * block bytes] tensor of ggml
+   `type` (x16_takes), rewritten in place in the x16 order of that type */
 void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t tile0, int64_t tile1);
 
 /* the in_features weights of row `row` of an x16 table, as float32: the values gguf_row gives for the

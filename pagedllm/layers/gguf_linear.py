@@ -30,12 +30,14 @@ from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
-    # the 32-weight types interleaved 16 rows at a time (GGUF_INTERLEAVED below): the same blocks
+    # the same types interleaved 16 rows at a time (GGUF_INTERLEAVED below): the same blocks
     514: ("Q4_0", 32, 18), 515: ("Q4_1", 32, 20), 520: ("Q8_0", 32, 34),
+    524: ("Q4_K", 256, 144), 525: ("Q5_K", 256, 176), 526: ("Q6_K", 256, 210),
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
-# Q4_0, Q4_1 and Q8_0 interleaved 16 rows at a time (kernels/gguf_x16.h): ggml type -> the kernels' number for it
-GGUF_INTERLEAVED: dict[int, int] = {2: 512 + 2, 3: 512 + 3, 8: 512 + 8}
+# Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K interleaved 16 rows at a time (kernels/gguf_x16.h): ggml type -> the
+# kernels' number for it
+GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 8, 12, 13, 14)}
 INTERLEAVE_ROWS = 16
 
 # checkpoint part -> (fused parameter, row offset, rows, checkpoint's first row), as layers/weights.py's FusedMap
@@ -78,6 +80,74 @@ class GGUFLinearMethod(LinearMethod):
         rows = x.reshape(-1, layer.in_features).contiguous()  # [num_rows, in_features]
         out = torch.ops.pagedllm.gguf_linear(rows, layer.qweight, self.ggml_type, layer.in_features, layer.bias)
         return out.view(*x.shape[:-1], layer.out_features)
+
+
+class GGUFPartsLinearMethod(LinearMethod):
+    """A fused layer (q/k/v, gate/up) whose checkpoint parts a GGUF file stores in different types.
+
+    A Q4_K_M file keeps some layers' v_proj in Q6_K beside Q4_K q/k: each
+    part's rows stay in its own type, one part after another in one flat
+    buffer, ``layer.qweight`` uint8 ``[sum of the parts' bytes]``::
+
+        qweight   [ q rows (Q4_K) | k rows (Q4_K) | v rows (Q6_K) ]
+        y         [ y_q           | y_k           | y_v           ]   one gguf_linear each, joined
+
+    ``parts``: ``(row offset, rows, ggml type)`` of each part, by offset, covering the layer's rows.
+    """
+
+    def __init__(self, parts: list[tuple[int, int, int]], in_features: int) -> None:
+        self.in_features = in_features
+        self.parts: list[tuple[int, int, int]] = []
+        self.byte_offsets: list[int] = []
+        start = 0
+        for offset, rows, ggml_type in sorted(parts):
+            if offset != (self.parts[-1][0] + self.parts[-1][1] if self.parts else 0):
+                raise ValueError(f"the parts of a fused GGUF layer must cover its rows in turn, got {sorted(parts)}")
+            self.parts.append((offset, rows, ggml_type))
+            self.byte_offsets.append(start)
+            start += rows * gguf_row_bytes(ggml_type, in_features)
+        self.num_bytes = start
+        self._name()
+
+    def _name(self) -> None:
+        self.name = "gguf-" + "+".join(
+            GGUF_KERNEL_TYPES[t][0].lower() + ("-x16" if t in GGUF_INTERLEAVED.values() else "") for _, _, t in self.parts
+        )
+
+    def part_weight(self, layer: Linear, index: int) -> torch.Tensor:
+        """Part ``index``'s blocks: a uint8 ``[rows, row bytes]`` view of ``layer.qweight``."""
+        _, rows, ggml_type = self.parts[index]
+        row_bytes = gguf_row_bytes(ggml_type, self.in_features)
+        return layer.qweight.narrow(0, self.byte_offsets[index], rows * row_bytes).view(rows, row_bytes)
+
+    def qweight_rows(self, layer: Linear, offset: int, rows: int) -> torch.Tensor:
+        """Where the checkpoint part for rows ``[offset, offset + rows)`` is loaded (layers/weights.py)."""
+        for i, (start, size, _) in enumerate(self.parts):
+            if (start, size) == (offset, rows):
+                return self.part_weight(layer, i)
+        raise ValueError(f"no part of rows {offset}..{offset + rows} in {self.parts}")
+
+    def interleave(self, layer: Linear) -> int:
+        """Interleave each part whose type has an x16 layout and whose rows are a multiple of 16; returns how many."""
+        count = 0
+        for i, (offset, rows, ggml_type) in enumerate(self.parts):
+            if ggml_type in GGUF_INTERLEAVED and rows % INTERLEAVE_ROWS == 0:
+                torch.ops.pagedllm.gguf_interleave_(self.part_weight(layer, i), ggml_type, self.in_features)
+                self.parts[i] = (offset, rows, GGUF_INTERLEAVED[ggml_type])
+                count += 1
+        self._name()
+        return count
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise ValueError(f"GGUF linear layers compute in float32, got {x.dtype}")
+        rows = x.reshape(-1, layer.in_features).contiguous()  # [num_rows, in_features]
+        outs = []
+        for i, (offset, size, ggml_type) in enumerate(self.parts):
+            bias = None if layer.bias is None else layer.bias.narrow(0, offset, size)
+            outs.append(torch.ops.pagedllm.gguf_linear(rows, self.part_weight(layer, i), ggml_type,
+                                                       layer.in_features, bias))  # [num_rows, size]
+        return torch.cat(outs, dim=-1).view(*x.shape[:-1], layer.out_features)
 
 
 class GGUFEmbedding(nn.Module):
@@ -125,27 +195,32 @@ def _target(name: str, fused: FusedMap) -> tuple[str, int, int | None]:
     return name, 0, None
 
 
-def _quantized_targets(model: nn.Module, types: Mapping[str, int], fused: FusedMap) -> dict[str, tuple[int, list[str]]]:
-    """Parameters every checkpoint part of which is quantized, in one type: name -> (type, the parts' names)."""
+def _quantized_targets(
+    model: nn.Module, types: Mapping[str, int], fused: FusedMap
+) -> dict[str, tuple[list[tuple[int, int, int]], list[str]]]:
+    """Parameters every checkpoint part of which is quantized in a type with a kernel: name -> (the parts'
+    ``(row offset, rows, ggml type)``, the parts' checkpoint names)."""
     parts: dict[str, list[tuple[str, int, int | None]]] = {}
     for name in types:
         target, offset, size = _target(name, fused)
         parts.setdefault(target, []).append((name, offset, size))
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    chosen: dict[str, tuple[int, list[str]]] = {}
+    chosen: dict[str, tuple[list[tuple[int, int, int]], list[str]]] = {}
     for target, found in parts.items():
         param = params.get(target)
+        if param is None or param.dim() != 2:
+            continue
         kinds = {types[name] for name, _, _ in found}
-        if param is None or param.dim() != 2 or len(kinds) != 1 or not gguf_kernel_takes(next(iter(kinds)), param.shape[1]):
+        if not all(gguf_kernel_takes(kind, param.shape[1]) for kind in kinds):
             continue
         # a row-parallel shard (layers/parallel.py) must start on a block boundary to take whole blocks
         start = getattr(modules.get(target.rpartition(".")[0]), "input_start", 0)
-        if start and not gguf_kernel_takes(next(iter(kinds)), start):
+        if start and not all(gguf_kernel_takes(kind, start) for kind in kinds):
             continue
-        rows = sum(param.shape[0] if size is None else size for _, _, size in found)
-        if rows == param.shape[0]:  # every part of a fused parameter is there
-            chosen[target] = (kinds.pop(), [name for name, _, _ in found])
+        spans = [(offset, param.shape[0] if size is None else size, types[name]) for name, offset, size in found]
+        if sum(rows for _, rows, _ in spans) == param.shape[0]:  # every part of a fused parameter is there
+            chosen[target] = (sorted(spans), [name for name, _, _ in found])
     return chosen
 
 
@@ -160,21 +235,26 @@ def use_gguf_weights(model: nn.Module, types: Mapping[str, int], fused: FusedMap
     """
     modules = dict(model.named_modules())
     kept: set[str] = set()
-    for target, (ggml_type, names) in _quantized_targets(model, types, fused).items():
+    for target, (spans, names) in _quantized_targets(model, types, fused).items():
         owner_name = target.rsplit(".", 1)[0]
         owner = modules[owner_name]
-        if target == embedding and isinstance(owner, nn.Embedding):
+        ggml_type = spans[0][2]
+        mixed = any(kind != ggml_type for _, _, kind in spans)
+        if target == embedding and isinstance(owner, nn.Embedding) and not mixed:
             parent, _, child = owner_name.rpartition(".")
             with torch.device("meta"):
                 setattr(modules[parent] if parent else model, child,
                         GGUFEmbedding(owner.num_embeddings, owner.embedding_dim, ggml_type,
                                       getattr(owner, "tp", None), getattr(owner, "vocab_start", 0)))
         elif isinstance(owner, Linear) and target.endswith(".weight"):
-            owner.quant_method = GGUFLinearMethod(ggml_type)
             replace_parameter(owner, "weight", None)
-            row_bytes = gguf_row_bytes(ggml_type, owner.in_features)
-            owner.register_buffer("qweight", torch.empty(owner.out_features, row_bytes, dtype=torch.uint8,
-                                                         device="meta"))  # [out_features, row bytes]
+            if mixed:
+                owner.quant_method = GGUFPartsLinearMethod(spans, owner.in_features)
+                shape = [owner.quant_method.num_bytes]  # [bytes]: the parts one after another
+            else:
+                owner.quant_method = GGUFLinearMethod(ggml_type)
+                shape = [owner.out_features, gguf_row_bytes(ggml_type, owner.in_features)]  # [out_features, row bytes]
+            owner.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device="meta"))
         else:
             continue
         kept.update(names)
@@ -182,23 +262,26 @@ def use_gguf_weights(model: nn.Module, types: Mapping[str, int], fused: FusedMap
 
 
 def interleave_gguf_weights(model: nn.Module) -> int:
-    """Interleave the loaded Q4_0 / Q4_1 / Q8_0 blocks of ``model`` 16 rows at a time, in place; returns how many
-    tensors were.
+    """Interleave the loaded Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks of ``model`` 16 rows at a time, in
+    place; returns how many tensors were.
 
     The same bytes in another order (``kernels/gguf_x16.h``), which the
     kernels multiply with integer dot products on activations rounded to
     int8 per block of 32, as llama.cpp does: 2-3x the file order's speed
-    for one row. A tensor whose rows are not a multiple of 16 stays in the
+    for one row (more for the k-quants). A tensor whose rows are not a multiple of 16 stays in the
     file's order. A table shared by a tied LM head and the embedding is
-    interleaved once, and both take the new type.
+    interleaved once, and both take the new type; a fused layer of mixed
+    types (``GGUFPartsLinearMethod``), part by part.
     """
     users: dict[int, list[nn.Module]] = {}  # qweight storage -> the modules reading it
+    count = 0
     for module in model.modules():
-        if isinstance(module, GGUFEmbedding) or (
+        if isinstance(module, Linear) and isinstance(module.quant_method, GGUFPartsLinearMethod):
+            count += module.quant_method.interleave(module)
+        elif isinstance(module, GGUFEmbedding) or (
             isinstance(module, Linear) and isinstance(module.quant_method, GGUFLinearMethod)
         ):
             users.setdefault(module.qweight.untyped_storage().data_ptr(), []).append(module)
-    count = 0
     for modules in users.values():
         types = {_gguf_type(m) for m in modules}
         qweight, in_features = modules[0].qweight, _gguf_in_features(modules[0])
@@ -212,6 +295,20 @@ def interleave_gguf_weights(model: nn.Module) -> int:
                 module.quant_method = GGUFLinearMethod(GGUF_INTERLEAVED[ggml_type])
         count += 1
     return count
+
+
+def gguf_types_held(model: nn.Module) -> set[int]:
+    """The kernel type numbers of every GGUF tensor ``model`` holds (embedding, linear layers, their parts)."""
+    held: set[int] = set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, GGUFEmbedding):
+            held.add(module.ggml_type)
+        elif isinstance(method, GGUFLinearMethod):
+            held.add(method.ggml_type)
+        elif isinstance(method, GGUFPartsLinearMethod):
+            held.update(t for _, _, t in method.parts)
+    return held
 
 
 def _gguf_type(module: nn.Module) -> int:

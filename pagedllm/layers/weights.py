@@ -74,7 +74,7 @@ def load_hf_weights(
                                  f"{(dest.shape[0], in_features)}")
             quantize_rows_into(dest, tensor, bits, group)
         else:
-            _copy_into(name, tensor, quantized if tensor.dtype == torch.uint8 else params, target, offset, size)
+            _copy_into(name, tensor, quantized if tensor.dtype == torch.uint8 else params, target, offset, size, modules)
         loaded.add(name)
         # let go of this tensor before the loader reads the next: the load's peak holds one checkpoint tensor
         del tensor
@@ -104,15 +104,22 @@ def _checkpoint_part(
 
 
 def _copy_into(
-    name: str, tensor: torch.Tensor, places: dict[str, torch.Tensor], target: str, offset: int, size: int | None
+    name: str, tensor: torch.Tensor, places: dict[str, torch.Tensor], target: str, offset: int, size: int | None,
+    modules: dict[str, nn.Module],
 ) -> None:
     """Copy ``tensor`` into rows ``[offset, offset + size)`` (all: None) of ``target`` in ``places``: the
-    parameters, or for GGUF bytes (uint8) the ``qweight`` buffers."""
+    parameters, or for GGUF bytes (uint8) the ``qweight`` buffers (a fused layer of mixed GGUF types says
+    where each part's rows lie in its flat buffer)."""
     key = target.removesuffix(".weight") + ".qweight" if tensor.dtype == torch.uint8 else target
     param = places.get(key)
     if param is None:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-    dest = param.data if size is None else param.data.narrow(0, offset, size)
+    owner = modules.get(key.rpartition(".")[0])
+    method = getattr(owner, "quant_method", None)
+    if tensor.dtype == torch.uint8 and hasattr(method, "qweight_rows"):
+        dest = method.qweight_rows(owner, offset, param.shape[0] if size is None else size)
+    else:
+        dest = param.data if size is None else param.data.narrow(0, offset, size)
     if dest.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
     dest.copy_(tensor)

@@ -23,7 +23,7 @@ from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
 from pagedllm.layers.gguf_linear import (
     GGUF_KERNEL_TYPES,
     GGUFEmbedding,
-    GGUFLinearMethod,
+    gguf_types_held,
     interleave_gguf_weights,
     tie_gguf_lm_head,
     use_gguf_weights,
@@ -165,7 +165,8 @@ def keep_gguf_blocks(
 
     Where the native kernels run (the CPU, float32 activations) and no other
     quantization is asked for; the tensors the layers cannot take (a type
-    with no kernel, a fused q/k/v of mixed types) are dequantized at load.
+    with no kernel, and the other parts of a fused layer with such a part)
+    are dequantized at load.
     """
     quantized: dict[str, int] = getattr(weights, "quantized", {})
     if quantized and config.quantization in WEIGHT_ONLY:
@@ -185,7 +186,7 @@ def keep_gguf_blocks(
     if left:
         kinds = sorted({GGMLQuantizationType(quantized[name]).name for name in left})
         logger.warning("%d GGUF tensors are dequantized to float32 (no kernel for their type, or a fused layer "
-                       "of mixed types): types %s, e.g. %s", len(left), kinds, left[0])
+                       "with a part of such a type): types %s, e.g. %s", len(left), kinds, left[0])
 
 
 def count_params(model: nn.Module) -> int:
@@ -208,10 +209,7 @@ def count_params(model: nn.Module) -> int:
 def weight_format(config: EngineConfig, model: nn.Module, precision: Precision) -> str:
     """How the weights are held: the GGUF types kept (e.g. "gguf:Q4_1+Q8_0"), "int4-g128" (every group size
     used, e.g. "int4-g96+g128"), "int8-per-channel", or the dtype."""
-    kept = sorted({GGUF_KERNEL_TYPES[m.ggml_type][0] for m in model.modules() if isinstance(m, GGUFEmbedding)} | {
-        GGUF_KERNEL_TYPES[m.quant_method.ggml_type][0] for m in model.modules()
-        if isinstance(m, Linear) and isinstance(m.quant_method, GGUFLinearMethod)
-    })
+    kept = sorted({GGUF_KERNEL_TYPES[t][0] for t in gguf_types_held(model)})
     if kept:
         return "gguf:" + "+".join(kept)
     if config.quantization in WEIGHT_ONLY:
