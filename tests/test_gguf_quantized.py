@@ -492,6 +492,42 @@ def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
+_PAGES_SCRIPT = """
+import json, sys
+from pagedllm.loader.gguf_loader import iter_weights, open_reader, read_config
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+path = sys.argv[1]
+weights = iter_weights(path, read_config(open_reader(path)))
+weights.keep = set(weights.quantized)  # every quantized tensor as its bytes
+before, total, growth = rss(), 0, 0
+for name, tensor in weights:
+    size = tensor.numel() * tensor.element_size()
+    total += size
+    # resident now, beyond the tensor in hand (its copy, and the file's pages it was copied from)
+    growth = max(growth, rss() - before - 2 * size)
+    del tensor
+print(json.dumps({"growth": growth, "total": total}))
+"""
+
+
+def test_the_files_pages_leave_resident_memory_as_tensors_are_read(smollm_path: str) -> None:
+    """A load reads the file through its mapping; each tensor's pages are let go once it is copied, so the
+    file does not stay resident beside the weights made from it (without that, the growth is the file)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PAGES_SCRIPT, smollm_path], capture_output=True, text=True,
+                         timeout=300, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["total"] > 80e6  # the bundled file's ~92 MB of tensors went through
+    assert result["growth"] < 0.15 * result["total"], result
+
+
 def test_a_truncated_gguf_is_a_clear_error(smollm_path: str, tmp_path) -> None:  # noqa: ANN001
     cut = tmp_path / "cut.gguf"
     with open(smollm_path, "rb") as f:

@@ -9,6 +9,7 @@ same for both formats.
 from __future__ import annotations
 
 import functools
+import mmap
 import re
 from collections.abc import Iterator
 from struct import error as struct_error
@@ -167,10 +168,27 @@ class GGUFWeights:
             yield name, torch.from_numpy(w)
             # not held while the next is dequantized: a load holds one checkpoint tensor at a time
             del w
+            _drop_mapped_pages(reader, t)
         # loaded: let go of the parsed metadata (~150 MB of numpy objects for a 49k vocabulary) and the
         # file's mapping, which would otherwise stay resident for the life of the process
         del reader, t
         open_reader.cache_clear()
+
+
+def _drop_mapped_pages(reader: GGUFReader, t: object) -> None:
+    """Let the file's pages of tensor ``t`` (copied by now) leave this process's resident memory.
+
+    Read through the mapping, they would stay resident until the load ends: the
+    whole file on top of the weights copied from it. They stay in the page cache,
+    so a page shared with the next tensor is read back from memory, not disk.
+    """
+    mapping = getattr(reader.data, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(t.data_offset + t.n_bytes, len(mapping))
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _expected_bytes(t: object) -> int:
