@@ -206,17 +206,32 @@ static void raw_block(int type, const uint8_t *tile_block, int c, uint8_t *dst) 
 
 /* ---- the k-quants' layout ---- */
 
-/* quant n (0..255) of a raw k-quant super-block, unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 */
-static int raw_kquant(int type, const uint8_t *blk, int n) {
+/* the 256 quants of a raw k-quant super-block, unsigned: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 */
+static void unpack_raw_kquants(int type, const uint8_t *blk, int *q) {
     if (type == GGUF_Q6_K) {
-        const int half = n / 128, p = n % 128, l = p % 32, g = p / 32;
-        const uint8_t ql = blk[64 * half + l + (g & 1) * 32], qh = blk[128 + 32 * half + l];
-        return ((g < 2 ? ql & 0x0f : ql >> 4) | ((qh >> (2 * g)) & 3) << 4);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            int *out = q + 128 * half;
+            for (int l = 0; l < 32; l++) {
+                out[l] = (ql[l] & 0x0f) | (qh[l] & 3) << 4;
+                out[l + 32] = (ql[l + 32] & 0x0f) | ((qh[l] >> 2) & 3) << 4;
+                out[l + 64] = (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4;
+                out[l + 96] = (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4;
+            }
+        }
+        return;
     }
-    const int sub = n / 32, l = n % 32;
-    const uint8_t *qs = blk + (type == GGUF_Q5_K ? 48 : 16);
-    const int low = sub % 2 ? qs[32 * (sub / 2) + l] >> 4 : qs[32 * (sub / 2) + l] & 0x0f;
-    return type == GGUF_Q5_K ? low | ((blk[16 + l] >> sub) & 1) << 4 : low;
+    const uint8_t *qs = blk + (type == GGUF_Q5_K ? 48 : 16), *qh = blk + 16;
+    for (int pair = 0; pair < 4; pair++)
+        for (int l = 0; l < 32; l++) {
+            const int byte = qs[32 * pair + l];
+            q[64 * pair + l] = byte & 0x0f;
+            q[64 * pair + 32 + l] = byte >> 4;
+            if (type == GGUF_Q5_K) {
+                q[64 * pair + l] |= ((qh[l] >> (2 * pair)) & 1) << 4;
+                q[64 * pair + 32 + l] |= ((qh[l] >> (2 * pair + 1)) & 1) << 4;
+            }
+        }
 }
 
 /* the quants q[256] written into a raw k-quant super-block (its quant bytes zeroed first) */
@@ -265,9 +280,7 @@ static void move_kblock(int type, uint8_t *const *raw, uint8_t *tile, bool to_ti
             else src_scales[i] = tile_scales[16 * i + c];
         }
         int q[256];
-        if (to_tile) {
-            for (int n = 0; n < 256; n++) q[n] = raw_kquant(type, src, n);
-        }
+        if (to_tile) unpack_raw_kquants(type, src, q);
         for (int j = 0; j < 8; j++)
             for (int u = 0; u < 4; u++)
                 for (int i = 0; i < 4; i++) {
