@@ -428,3 +428,29 @@ def test_data_parallel_replicas_of_two_ranks_each(smollm_one: LLM, tmp_path: Pat
         stop_server(proc)
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert alive == [], log.read_text()
+
+
+def test_a_q4_k_m_file_with_mixed_qkv_on_two_ranks(tiny_model_dirs: dict[str, str],
+                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A Q4_K_M-like file (Q4_K q/k, Q6_K v and down_proj) over 2 ranks: each rank holds its slices of the fused
+    q/k/v part by part in their types, and greedy tokens equal transformers' on the blocks' weights (float32
+    activations), or part from them at near-ties only (8-bit activations, each rank's slices interleaved)."""
+    from test_gguf_quantized import Q, _k_quant_model, write_quantized_gguf
+
+    hf = _k_quant_model("llama")
+    path = os.path.join(tmp_path_factory.mktemp("tp-k"), "tiny-Q4_K_M.gguf")
+    hf.load_state_dict(write_quantized_gguf(hf, "llama", Q.Q4_K, path,
+                                            {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K}))
+    prompts = [{"prompt_token_ids": [1, 400, 3000, 77, 12000, 5]}, {"prompt_token_ids": list(range(100, 140))}]
+    with _tp(path, 2, tokenizer=tiny_model_dirs["llama"]) as two:
+        qkv = two.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.quant_method.name == "gguf-q4_k+q4_k+q6_k" and qkv.out_features == (256 + 2 * 128) // 2
+        outs = two.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt["prompt_token_ids"], len(out.outputs[0].token_ids))
+    with _tp(path, 2, tokenizer=tiny_model_dirs["llama"], gguf_activations="int8") as two:
+        assert two.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.quant_method.name == (
+            "gguf-q4_k-x16+q4_k-x16+q6_k-x16")
+        outs = two.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_within_q8_noise(hf, prompt["prompt_token_ids"], out.outputs[0].token_ids)
