@@ -214,38 +214,57 @@ class Scheduler:
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, forks)
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: decodes of running sequences, unfinished prefills, then admissions."""
-        budget = self.max_num_batched_tokens
-        decodes: list[ScheduledSequence] = []
-        preempted: list[Sequence] = []
+        """Plan one step: decodes of running sequences, unfinished prefills, then admissions.
 
-        # 1. running sequences with one new token, oldest first; the victim of
-        #    a preemption is the newest request (all its samples)
+        The token budget left at each stage is ``max_num_batched_tokens`` less
+        what the plan holds so far (a preemption takes the victims' part out).
+        """
+        preempted: list[Sequence] = []
+        decodes = self._plan_decodes(preempted)
+        decodes, continued = self._plan_prompt_chunks(decodes, preempted)
+        budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
+        # published only now: a block of a sequence dropped above is never
+        # written; a prompt's last token (its final one-token chunk) may start its forks
+        planned_decodes = [self._chunk(seq, 1) for seq in decodes]
+        prefills = [self._chunk(seq, n) for seq, n in continued]
+        # no admission after a preemption: the pool just proved too small for what is running
+        if not preempted:
+            prefills += self._admit(budget)
+        return SchedulerOutput(
+            scheduled=prefills + planned_decodes,
+            preempted=preempted,
+            blocks_to_copy=self.block_manager.take_copies(),
+        )
+
+    def _plan_decodes(self, preempted: list[Sequence]) -> list[Sequence]:
+        """Step 1: running sequences with one new token, oldest first, each given its slot; the victim of a
+        preemption is the newest request (all its samples), appended to ``preempted``."""
+        decodes: list[Sequence] = []
         for seq in sorted(self.running, key=_age):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = len(seq) - seq.num_computed_tokens
-            if num_new != 1:
+            if len(seq) - seq.num_computed_tokens != 1:
                 continue  # 0: a beam waiting for its siblings; > 1: a prompt in chunks (step 2)
-            if budget < 1:
+            if self.max_num_batched_tokens - len(decodes) < 1:
                 break
             victims = self._preempt_until(seq, lambda seq=seq: self.block_manager.append_slot(seq))
             if victims:
-                # a preempted request may have had older samples planned already:
-                # they leave the plan and their budget comes back
+                # a preempted request may have had older samples planned already: they leave the plan
                 preempted.extend(victims)
-                decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
-                budget = self.max_num_batched_tokens - len(decodes)
-            if seq.status != SequenceStatus.RUNNING:
-                continue
-            decodes.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
-            budget -= 1
+                decodes = [d for d in decodes if d.status == SequenceStatus.RUNNING]
+            if seq.status == SequenceStatus.RUNNING:
+                decodes.append(seq)
+        return decodes
 
-        # 2. prompts prefilled in part by earlier steps, oldest first: the next
-        #    chunk takes its blocks now, cut to what the pool holds; when not
-        #    one token fits, the newest request is preempted as for a decode
+    def _plan_prompt_chunks(
+        self, decodes: list[Sequence], preempted: list[Sequence]
+    ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """Step 2: prompts prefilled in part by earlier steps, oldest first: the next chunk takes its blocks
+        now, cut to the budget and to what the pool holds; when not one token fits, the newest request is
+        preempted as for a decode. Returns the decodes still planned and the chunks ``(sequence, tokens)``."""
         continued: list[tuple[Sequence, int]] = []
         for seq in sorted(self.running, key=_age):
+            budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
             if budget < 1:
                 break
             if seq.status != SequenceStatus.RUNNING or len(seq) - seq.num_computed_tokens <= 1:
@@ -254,7 +273,7 @@ class Scheduler:
             if victims:
                 # what the victims had planned leaves the plan; its budget comes back
                 preempted.extend(victims)
-                decodes = [d for d in decodes if d.seq.status == SequenceStatus.RUNNING]
+                decodes = [d for d in decodes if d.status == SequenceStatus.RUNNING]
                 continued = [(s, n) for s, n in continued if s.status == SequenceStatus.RUNNING]
                 budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
             if seq.status != SequenceStatus.RUNNING:
@@ -263,27 +282,25 @@ class Scheduler:
             if not self.block_manager.append_slot(seq, num_new):
                 raise RuntimeError("append_slot refused the tokens num_appendable_tokens promised")
             continued.append((seq, num_new))
-            budget -= num_new
+        return decodes, continued
 
-        # published only now: a block of a sequence dropped above is never
-        # written; a prompt's last token (its final one-token chunk) may start its forks
-        for i, d in enumerate(decodes):
-            decodes[i] = self._chunk(d.seq, 1)
-        prefills = [self._chunk(seq, n) for seq, n in continued]
+    def _admit(self, budget: int) -> list[ScheduledSequence]:
+        """Step 3: waiting requests, first come first served, while the budget, ``max_num_seqs`` and the pool
+        allow; each gets blocks for its cached prefix and its first chunk (later chunks take theirs in step 2).
 
-        # 3. admissions, first come first served; none after a preemption,
-        #    since the pool just proved too small for what is running.
-        # Every running sequence counts, also those the budget left out of
-        # this step, beams waiting for their siblings and the samples that
-        # wait for a prompt in chunks to complete; a request counts at least
-        # the places it reserved
+        Every running sequence counts against ``max_num_seqs``, also those the
+        budget left out of this step, beams waiting for their siblings and the
+        samples that wait for a prompt in chunks to complete; a request counts
+        at least the places it reserved.
+        """
         running: dict[str, int] = {}
         reserved: dict[str, int] = {}
         for s in self.running:
             running[s.request_id] = running.get(s.request_id, 0) + 1 + len(s.fork_children)
             reserved[s.request_id] = max(reserved.get(s.request_id, 1), s.num_reserved_seqs)
         num_seqs = sum(max(n, reserved[r]) for r, n in running.items())
-        while self.waiting and not preempted and budget >= 1:
+        admitted: list[ScheduledSequence] = []
+        while self.waiting and budget >= 1:
             seq = self.waiting[0]
             rid = seq.request_id
             held = max(running.get(rid, 0), reserved.get(rid, 0))
@@ -291,7 +308,6 @@ class Scheduler:
             new_reserved = max(reserved.get(rid, 1), seq.num_reserved_seqs)
             if num_seqs - held + max(new_running, new_reserved) > self.max_num_seqs:
                 break
-            # blocks for the cached prefix and the first chunk; later chunks take theirs in step 2
             if not self.block_manager.allocate(seq, budget):
                 break
             self.waiting.popleft()
@@ -301,14 +317,9 @@ class Scheduler:
             running[rid], reserved[rid] = new_running, new_reserved
             num_seqs += max(new_running, new_reserved) - held
             chunk = self._chunk(seq, budget)
-            prefills.append(chunk)
+            admitted.append(chunk)
             budget -= chunk.num_new_tokens
-
-        return SchedulerOutput(
-            scheduled=prefills + decodes,
-            preempted=preempted,
-            blocks_to_copy=self.block_manager.take_copies(),
-        )
+        return admitted
 
     def update(self, output: SchedulerOutput) -> None:
         """Record that the step ran: the scheduled tokens are now in the cache."""
