@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
+from pagedllm.runner.structured_output import xgrammar
 from pagedllm.step_record import LogitsRules
 
 
@@ -131,6 +131,7 @@ def apply_token_bitmasks(logits: torch.Tensor, bitmasks: list[bytes]) -> None:
     rows = [r for r, mask in enumerate(bitmasks) if mask]
     if not rows:
         return
+    xgr = xgrammar()
     words = xgr.get_bitmask_shape(1, logits.shape[1])[1]
     # xgrammar indexes logits and mask with the same row ids: unmasked rows get all bits set
     packed = np.full((logits.shape[0], words), -1, dtype=np.int32)  # [R, ceil(vocab / 32)]
