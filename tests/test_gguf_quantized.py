@@ -437,15 +437,16 @@ def _k_quant_model(arch: str):  # noqa: ANN202
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(("arch", "base"), [("llama", Q.Q4_K), ("qwen3", Q.Q4_K), ("llama", Q.Q5_K)],
+                         ids=["llama-Q4_K_M", "qwen3-Q4_K_M", "llama-Q5_K_M"])
 def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
-    arch: str, tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+    arch: str, base: GGMLQuantizationType, tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """A Q4_K_M-like file (Q4_K, with Q6_K for v_proj and down_proj) runs from its super-blocks: interleaved on
-    8-bit activations by default, in the file's order on float32 activations."""
+    """A Q4_K_M-like file (Q4_K, with Q6_K for v_proj and down_proj; Q5_K_M: Q5_K and Q6_K) runs from its
+    super-blocks: interleaved on 8-bit activations by default, in the file's order on float32 activations."""
     hf = _k_quant_model(arch)
-    path = os.path.join(tmp_path_factory.mktemp(f"gguf-k-{arch}"), "tiny-Q4_K_M.gguf")
-    rounded = write_quantized_gguf(hf, arch, Q.Q4_K, path, {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K})
+    path = os.path.join(tmp_path_factory.mktemp(f"gguf-k-{arch}"), f"tiny-{base.name}_M.gguf")
+    rounded = write_quantized_gguf(hf, arch, base, path, {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K})
     hf.load_state_dict(rounded)
     prompts = [[1, 400, 3000, 77, 12000, 5], list(range(100, 140))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -453,12 +454,13 @@ def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
         llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64,
                   gguf_activations=activations)
         model = llm.llm_engine.model_runner.model
-        assert llm.llm_engine.model_runner.weight_format == "gguf:Q4_K+Q6_K"
+        low = base.name.lower()
+        assert llm.llm_engine.model_runner.weight_format == f"gguf:{base.name}+Q6_K"
         assert model.model.layers[0].mlp.down_proj.quant_method.name == f"gguf-q6_k{suffix}"
-        assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == f"gguf-q4_k{suffix}"
-        # q/k in Q4_K, v in Q6_K: the fused layer keeps each part in its type, nothing dequantized
+        assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == f"gguf-{low}{suffix}"
+        # q/k in Q4_K (Q5_K), v in Q6_K: the fused layer keeps each part in its type, nothing dequantized
         assert model.model.layers[0].self_attn.qkv_proj.quant_method.name == "gguf-" + "+".join(
-            f"{t}{suffix}" for t in ("q4_k", "q4_k", "q6_k"))
+            f"{t}{suffix}" for t in (low, low, "q6_k"))
         assert not any(p.dim() == 2 for p in model.parameters())  # no float weight matrix left
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         for prompt, out in zip(prompts, outs):
