@@ -10,7 +10,8 @@ import pagedllm
 ROOT = Path(pagedllm.__file__).parent
 
 # package -> the pagedllm packages it may import (top-level modules such as
-# pagedllm.config and pagedllm.sampling_params are plain data, open to all)
+# pagedllm.config and pagedllm.sampling_params are plain data, and pagedllm.cache_dir
+# a leaf that names a folder: open to all)
 ALLOWED = {
     "kernels": set(),
     "layers": {"kernels", "distributed"},
@@ -22,7 +23,7 @@ ALLOWED = {
     "entrypoints": {"engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
     "bench": {"entrypoints", "engine", "loader", "distributed"},
 }
-DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table"}
+DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table", "cache_dir"}
 
 
 def _imports(path: Path) -> set[str]:

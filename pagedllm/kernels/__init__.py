@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
@@ -141,8 +143,7 @@ def build_flags() -> list[str]:
 
 def cache_dir() -> Path:
     """Where built kernel libraries are kept (``$PAGEDLLM_CACHE_DIR/kernels``, default ``~/.cache/pagedllm``)."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler_path() -> str | None:
