@@ -28,12 +28,14 @@ pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the GGUF kernels
 Q = GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]  # 32-weight blocks; gguf's writer quantizes to these
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256-weight super-blocks (Q4_K_M files)
+LOW_K_TYPES = [Q.Q2_K, Q.Q3_K]  # Q2_K / Q3_K_M files: the file's order only, float activations
 FLOAT_TYPES = [Q.F16, Q.BF16]
-ALL_TYPES = TYPES + K_TYPES + FLOAT_TYPES
+ALL_TYPES = TYPES + K_TYPES + LOW_K_TYPES + FLOAT_TYPES
 # the fp16 fields of a block that scale its quants: (byte offset, size of the values drawn)
 _HALF_FIELDS = {
     Q.Q4_0: [(0, 0.02)], Q.Q4_1: [(0, 0.02), (2, -0.1)], Q.Q8_0: [(0, 0.02)],
     Q.Q4_K: [(0, 0.002), (2, 0.002)], Q.Q5_K: [(0, 0.002), (2, 0.002)], Q.Q6_K: [(208, 0.002)],
+    Q.Q2_K: [(80, 0.01), (82, 0.01)], Q.Q3_K: [(108, 0.01)],
 }
 
 
@@ -369,7 +371,8 @@ def write_quantized_gguf(
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
             stored = _permute_rope_rows(w, heads)
-        if w.ndim == 2 and (kind := next((t for sfx, t in (types or {}).items() if name.endswith(sfx)), ggml_type)) in K_TYPES:
+        kind = next((t for sfx, t in (types or {}).items() if name.endswith(sfx)), ggml_type)
+        if w.ndim == 2 and kind in K_TYPES + LOW_K_TYPES:
             # gguf cannot quantize to K types: the file gets random valid blocks, and the model
             # (transformers too) runs what they hold
             blocks = random_blocks(kind, *w.shape, seed=zlib.crc32(name.encode()))
@@ -468,6 +471,40 @@ def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
                 assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
             else:
                 assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.parametrize(("base", "others"), [(Q.Q3_K, (Q.Q5_K, Q.Q4_K)), (Q.Q2_K, (Q.Q3_K, Q.Q3_K))],
+                         ids=["Q3_K_M", "Q2_K"])
+def test_tiny_q2_k_and_q3_k_files_run_from_their_blocks(
+    base: GGMLQuantizationType, others: tuple[GGMLQuantizationType, GGMLQuantizationType],
+    tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Q3_K_M-like (Q3_K, v_proj Q5_K, down_proj Q4_K) and Q2_K-like (Q2_K, Q3_K v/down) files: the low k-quants
+    stay in their blocks in the file's order (no interleaved kernel for them yet), float weights nowhere; tokens
+    equal transformers' on the blocks' weights on float32 activations."""
+    hf = _k_quant_model("llama")
+    path = os.path.join(tmp_path_factory.mktemp("gguf-low-k"), f"tiny-{base.name}.gguf")
+    rounded = write_quantized_gguf(hf, "llama", base, path, {"v_proj.weight": others[0], "down_proj.weight": others[1]})
+    hf.load_state_dict(rounded)
+    llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, gguf_activations="float32")
+    model = llm.llm_engine.model_runner.model
+    low = base.name.lower()
+    assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == f"gguf-{low}"
+    assert model.model.layers[0].self_attn.qkv_proj.quant_method.name == f"gguf-{low}+{low}+{others[0].name.lower()}"
+    assert not any(p.dim() == 2 for p in model.parameters())
+    prompts = [[1, 400, 3000, 77, 12000, 5], list(range(100, 140))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+    # by default the parts that have an interleaved kernel take it; the low k-quants stay as they are
+    llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64)
+    qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.name == f"gguf-{low}+{low}+{others[0].name.lower()}" + ("-x16" if base == Q.Q3_K else "")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
 
 
 def test_a_type_with_no_kernel_is_dequantized_with_a_warning(

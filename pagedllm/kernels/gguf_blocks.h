@@ -21,6 +21,13 @@
  *   Q6_K 210 bytes: ql[128], qh[64], scales[16] int8, d (fp16)
  *        16 sub-blocks of 16, w = d * scale * (q - 32), q 6 bits: 4 from ql,
  *        2 from qh, in two halves of 128 weights (see gguf_q6_k_block).
+ *   Q2_K  84 bytes: scales[16], qs[64], d, dmin (fp16)
+ *        16 sub-blocks of 16, scales[s] = scale | min << 4, w = d * scale * q - dmin * min,
+ *        q 2 bits: weight 128h + 32g + l is bits 2g, 2g + 1 of qs[32h + l] (Q3_K too).
+ *   Q3_K 110 bytes: hmask[32], qs[64], scales[12], d (fp16)
+ *        16 sub-blocks of 16 with 6-bit scales (low 4 bits: nibbles of scales[0..8),
+ *        high 2: pairs of scales[8..12)), w = d * (scale - 32) * (q - 4 + 4 * hbit),
+ *        q's low 2 bits as Q2_K's, hbit = bit n / 32 of hmask[n % 32].
  *
  * And plain 2-byte floats, F16 and BF16 (one weight a "block").
  *
@@ -45,7 +52,7 @@
 #include <string.h>
 
 enum GgufType {
-    GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8,
+    GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8, GGUF_Q2_K = 10, GGUF_Q3_K = 11,
     GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30,
 };
 #define GGUF_BLOCK 32 /* a row's length is a multiple of this for every type the kernels take */
@@ -85,6 +92,8 @@ static inline int64_t gguf_block_bytes(int type) {
         case GGUF_Q4_0: return 18;
         case GGUF_Q4_1: return 20;
         case GGUF_Q8_0: return 34;
+        case GGUF_Q2_K: return 84;
+        case GGUF_Q3_K: return 110;
         case GGUF_Q4_K: return 144;
         case GGUF_Q5_K: return 176;
         case GGUF_Q6_K: return 210;
@@ -96,7 +105,7 @@ static inline int64_t gguf_block_bytes(int type) {
 static inline int64_t gguf_block_weights(int type) {
     switch (x16_base_type(type)) {
         case GGUF_F16: case GGUF_BF16: return 1;
-        case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
+        case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
         default: return 32;
     }
 }
@@ -219,6 +228,33 @@ static inline void gguf_q6_k_block(const uint8_t *blk, float *w) {
     }
 }
 
+/* 2-bit quant n (0..255) of a Q2_K / Q3_K super-block's qs[64] */
+static inline int gguf_q2_bits(const uint8_t *qs, int n) { return (qs[32 * (n / 128) + n % 32] >> (2 * (n % 128 / 32))) & 3; }
+
+/* the 256 weights of a Q2_K super-block (each product exact: one rounding, the subtraction) */
+static inline void gguf_q2_k_block(const uint8_t *blk, float *w) {
+    const uint8_t *scales = blk, *qs = blk + 16;
+    const float d = gguf_half(blk + 80), dmin = gguf_half(blk + 82);
+    for (int s = 0; s < 16; s++) {
+        const float dl = d * (float)(scales[s] & 0x0f), ml = dmin * (float)(scales[s] >> 4);
+        for (int n = 16 * s; n < 16 * s + 16; n++) w[n] = dl * (float)gguf_q2_bits(qs, n) - ml;
+    }
+}
+
+/* the 256 weights of a Q3_K super-block (exact products of d) */
+static inline void gguf_q3_k_block(const uint8_t *blk, float *w) {
+    const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
+    const float d = gguf_half(blk + 108);
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? sc[s] & 0x0f : sc[s - 8] >> 4;
+        const float dl = d * (float)((low | ((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4) - 32);
+        for (int n = 16 * s; n < 16 * s + 16; n++) {
+            const int q = gguf_q2_bits(qs, n) - (((hmask[n % 32] >> (n / 32)) & 1) ? 0 : 4);
+            w[n] = dl * (float)q;
+        }
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define GGUF_VECTOR 1
 /* the 32 weights of one block as four 8-lane vectors: w[0] = weights 0..7, ... w[3] = 24..31 */
@@ -252,6 +288,12 @@ static inline float gguf_hsum(__m256 v) {
 /* the k weights of one row of `type` (k a multiple of GGUF_BLOCK, and of 256 for the k-quants) */
 static inline void gguf_row(int type, const uint8_t *row, int64_t k, float *out) {
     switch (type) {
+        case GGUF_Q2_K:
+            for (int64_t b = 0; b < k / 256; b++) gguf_q2_k_block(row + b * 84, out + b * 256);
+            return;
+        case GGUF_Q3_K:
+            for (int64_t b = 0; b < k / 256; b++) gguf_q3_k_block(row + b * 110, out + b * 256);
+            return;
         case GGUF_Q4_K:
         case GGUF_Q5_K:
             for (int64_t b = 0; b < k / 256; b++) gguf_q45_k_block(row + b * gguf_block_bytes(type), type == GGUF_Q5_K, out + b * 256);

@@ -1,6 +1,6 @@
 """Linear layers and embeddings over GGUF's quantized blocks, kept as the file stores them.
 
-A GGUF tensor of type Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16 or BF16 is
+A GGUF tensor of type Q4_0, Q4_1, Q8_0, Q2_K to Q6_K, F16 or BF16 is
 held as its bytes, ``qweight`` ``[rows, in_features / block weights * block
 bytes]`` uint8 (one row per output channel, its blocks back to back), and
 multiplied by
@@ -29,7 +29,7 @@ from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 # ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
     # the same types interleaved 16 rows at a time (GGUF_INTERLEAVED below): the same blocks
     514: ("Q4_0", 32, 18), 515: ("Q4_1", 32, 20), 520: ("Q8_0", 32, 34),
     524: ("Q4_K", 256, 144), 525: ("Q5_K", 256, 176), 526: ("Q6_K", 256, 210),
