@@ -228,30 +228,42 @@ static inline void gguf_q6_k_block(const uint8_t *blk, float *w) {
     }
 }
 
-/* 2-bit quant n (0..255) of a Q2_K / Q3_K super-block's qs[64] */
-static inline int gguf_q2_bits(const uint8_t *qs, int n) { return (qs[32 * (n / 128) + n % 32] >> (2 * (n % 128 / 32))) & 3; }
-
-/* the 256 weights of a Q2_K super-block (each product exact: one rounding, the subtraction) */
+/* the 256 weights of a Q2_K super-block (each product exact: one rounding, the subtraction). Weight
+   128h + 32g + l: bits 2g, 2g + 1 of qs[32h + l], sub-block (128h + 32g + l) / 16; loops over l unit-stride */
 static inline void gguf_q2_k_block(const uint8_t *blk, float *w) {
-    const uint8_t *scales = blk, *qs = blk + 16;
+    const uint8_t *scales = blk;
     const float d = gguf_half(blk + 80), dmin = gguf_half(blk + 82);
-    for (int s = 0; s < 16; s++) {
-        const float dl = d * (float)(scales[s] & 0x0f), ml = dmin * (float)(scales[s] >> 4);
-        for (int n = 16 * s; n < 16 * s + 16; n++) w[n] = dl * (float)gguf_q2_bits(qs, n) - ml;
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *q = blk + 16 + 32 * h;
+        for (int g = 0; g < 4; g++)
+            for (int half = 0; half < 2; half++) {
+                const uint8_t sc = scales[8 * h + 2 * g + half];
+                const float dl = d * (float)(sc & 0x0f), ml = dmin * (float)(sc >> 4);
+                float *out = w + 128 * h + 32 * g + 16 * half;
+                for (int l = 0; l < 16; l++) out[l] = dl * (float)((q[16 * half + l] >> (2 * g)) & 3) - ml;
+            }
     }
 }
 
-/* the 256 weights of a Q3_K super-block (exact products of d) */
+/* the 256 weights of a Q3_K super-block (exact products of d): as Q2_K's 2 bits, less 4 where bit 4h + g of
+   hmask[l] is clear; sub-block scales 6 bits, their low 4 in nibbles of scales[0..8), high 2 in scales[8..12) */
 static inline void gguf_q3_k_block(const uint8_t *blk, float *w) {
-    const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
+    const uint8_t *hmask = blk, *sc = blk + 96;
     const float d = gguf_half(blk + 108);
-    for (int s = 0; s < 16; s++) {
-        const int low = s < 8 ? sc[s] & 0x0f : sc[s - 8] >> 4;
-        const float dl = d * (float)((low | ((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4) - 32);
-        for (int n = 16 * s; n < 16 * s + 16; n++) {
-            const int q = gguf_q2_bits(qs, n) - (((hmask[n % 32] >> (n / 32)) & 1) ? 0 : 4);
-            w[n] = dl * (float)q;
-        }
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *q = blk + 32 + 32 * h;
+        for (int g = 0; g < 4; g++)
+            for (int half = 0; half < 2; half++) {
+                const int s = 8 * h + 2 * g + half;
+                const int low = s < 8 ? sc[s] & 0x0f : sc[s - 8] >> 4;
+                const float dl = d * (float)((low | ((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4) - 32);
+                float *out = w + 128 * h + 32 * g + 16 * half;
+                const uint8_t *hm = hmask + 16 * half;
+                for (int l = 0; l < 16; l++) {
+                    const int v = ((q[16 * half + l] >> (2 * g)) & 3) - (((hm[l] >> (4 * h + g)) & 1) ? 0 : 4);
+                    out[l] = dl * (float)v;
+                }
+            }
     }
 }
 
