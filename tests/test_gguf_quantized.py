@@ -111,8 +111,8 @@ def test_embedding_rows_and_dequantize_equal_gguf(ggml_type: GGMLQuantizationTyp
 def test_bad_gguf_inputs_are_value_errors() -> None:
     raw = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=1))
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="no kernel for GGUF tensor type 11"):
-        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q3_K), 64, None)
+    with pytest.raises(ValueError, match="no kernel for GGUF tensor type 6"):
+        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q5_0), 64, None)
     with pytest.raises(ValueError, match="multiple of 256"):
         torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q4_K), 64, None)
     with pytest.raises(ValueError, match="rows of 40 bytes"):
@@ -124,7 +124,7 @@ def test_bad_gguf_inputs_are_value_errors() -> None:
     with pytest.raises(ValueError, match="outside the table of 8 rows"):
         torch.ops.pagedllm.gguf_embedding(raw, int(GGMLQuantizationType.Q4_1), 64, torch.tensor([1, 8]))
     with pytest.raises(ValueError, match="no GGUF kernel"):
-        GGUFLinearMethod(int(GGMLQuantizationType.Q2_K))
+        GGUFLinearMethod(int(GGMLQuantizationType.Q5_0))
 
 
 def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:

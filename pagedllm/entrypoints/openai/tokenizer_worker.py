@@ -12,6 +12,12 @@ cross back: ids as a packed int32 array, or a ready JSON fragment. Chat
 templates render in the server process (plain Python string work, which
 yields the GIL) and their text is tokenized here like any prompt.
 
+One child is one queue, though: a short prompt sent during a 16 MB tokenize
+waited for it (20 s, measured). So a short text (under ``SHORT_TEXT_CHARS``,
+whose GIL-holding parts take a few milliseconds at most) is encoded in the
+server process instead, on a worker thread with a tokenizer of its own, and
+only the long ones queue for the child.
+
 The engine keeps its own tokenizer for detokenizing outputs as they are
 generated (short, incremental).
 """
@@ -31,6 +37,11 @@ from typing import Any
 # the child's tokenizer, set by _init (one per worker process)
 _TOKENIZER: Any = None
 
+# texts shorter than this (characters) and id lists shorter than SHORT_IDS are done in the server
+# process: ~8k tokens, whose id list and JSON take ~1-3 ms of GIL to build (a 16 MB text: ~2 s)
+SHORT_TEXT_CHARS = 32 << 10
+SHORT_IDS = 8 << 10
+
 
 def _init(path: str) -> None:
     global _TOKENIZER  # noqa: PLW0603 - the worker process's one tokenizer
@@ -39,24 +50,25 @@ def _init(path: str) -> None:
     _TOKENIZER = Tokenizer.from_file(path)
 
 
-def _encode(text: str, add_special_tokens: bool, limit: int | None) -> tuple[int, bytes | None]:
+def _encode(text: str, add_special_tokens: bool, limit: int | None, tokenizer: Any = None) -> tuple[int, bytes | None]:
     """(token count, int32 ids) of ``text``; the ids are left out when there are ``limit`` or more."""
     # encode_batch, not encode: it releases the GIL (this process answers the pool's pipe meanwhile)
-    ids = _TOKENIZER.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    ids = (tokenizer or _TOKENIZER).encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     if limit is not None and len(ids) >= limit:
         return len(ids), None
     return len(ids), array.array("i", ids).tobytes()
 
 
-def _tokenize_json(text: str, add_special_tokens: bool, with_strs: bool) -> tuple[int, bytes, bytes]:
+def _tokenize_json(text: str, add_special_tokens: bool, with_strs: bool,
+                   tokenizer: Any = None) -> tuple[int, bytes, bytes]:
     """(count, JSON list of ids, JSON list of token strings or ``null``) for ``/tokenize``."""
-    encoding = _TOKENIZER.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    encoding = (tokenizer or _TOKENIZER).encode_batch([text], add_special_tokens=add_special_tokens)[0]
     strs = json.dumps(encoding.tokens, ensure_ascii=False).encode() if with_strs else b"null"
     return len(encoding.ids), json.dumps(encoding.ids).encode(), strs
 
 
-def _decode(token_ids: bytes) -> str:
-    return _TOKENIZER.decode(array.array("i", token_ids).tolist(), skip_special_tokens=False)
+def _decode(token_ids: bytes, tokenizer: Any = None) -> str:
+    return (tokenizer or _TOKENIZER).decode(array.array("i", token_ids).tolist(), skip_special_tokens=False)
 
 
 def _ping() -> bool:
@@ -80,11 +92,19 @@ class TokenizerWorker:
                 1, mp_context=context, initializer=_init, initargs=(str(Path(self._dir) / "tokenizer.json"),)
             )
             self._pool.submit(_ping)  # start the child now, not on the first request
+            from tokenizers import Tokenizer
+
+            # the short texts' own copy: the engine's is not shared across threads (its HF wrapper sets
+            # truncation and padding on it per call)
+            self._local = Tokenizer.from_file(str(Path(self._dir) / "tokenizer.json"))
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
+    async def _run(self, short: bool, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on a thread of this process when ``short``, else in the child (one queue)."""
+        if short:
+            return await asyncio.to_thread(fn, *args, self._local)
         return await asyncio.wrap_future(self._pool.submit(fn, *args))
 
     async def encode(self, text: str, add_special_tokens: bool, limit: int | None = None) -> tuple[int, list[int] | None]:
@@ -93,16 +113,16 @@ class TokenizerWorker:
         A prompt too long for the context is refused from its count alone,
         without building its id list here.
         """
-        count, packed = await self._run(_encode, text, add_special_tokens, limit)
+        count, packed = await self._run(len(text) < SHORT_TEXT_CHARS, _encode, text, add_special_tokens, limit)
         return count, None if packed is None else array.array("i", packed).tolist()
 
     async def tokenize_json(self, text: str, add_special_tokens: bool, with_strs: bool) -> tuple[int, bytes, bytes]:
         """(count, ids as a JSON list, token strings as a JSON list or ``null``)."""
-        return await self._run(_tokenize_json, text, add_special_tokens, with_strs)
+        return await self._run(len(text) < SHORT_TEXT_CHARS, _tokenize_json, text, add_special_tokens, with_strs)
 
     async def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens kept (``/detokenize``)."""
-        return await self._run(_decode, array.array("i", token_ids).tobytes())
+        return await self._run(len(token_ids) < SHORT_IDS, _decode, array.array("i", token_ids).tobytes())
 
     def close(self) -> None:
         """Stop the child process and remove its folder."""

@@ -1,0 +1,72 @@
+"""The server's tokenizer: short texts in the server process, long ones in its child process.
+
+Both lanes must give what the model's Hugging Face tokenizer gives (the oracle,
+transformers' conversion of the bundled GGUF), on either side of the length
+that picks the lane, and a long text in the child must not hold up a short one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagedllm.entrypoints.openai.tokenizer_worker import (
+    SHORT_IDS,
+    SHORT_TEXT_CHARS,
+    TokenizerWorker,
+)
+
+SENTENCE = "Ünïcödé text, 中文 and code: def f(x): return x ** 2\n"
+
+
+@pytest.fixture(scope="module")
+def hf_tok(smollm_path: str):  # noqa: ANN201
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path))
+
+
+@pytest.fixture(scope="module")
+def worker(hf_tok):  # noqa: ANN001, ANN201
+    w = TokenizerWorker(hf_tok)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("num_chars", [SHORT_TEXT_CHARS - 1, SHORT_TEXT_CHARS, 3 * SHORT_TEXT_CHARS])
+def test_both_lanes_encode_as_the_hf_tokenizer(worker: TokenizerWorker, hf_tok, num_chars: int) -> None:  # noqa: ANN001
+    text = (SENTENCE * (num_chars // len(SENTENCE) + 1))[:num_chars]
+    want = hf_tok.encode(text)
+    count, ids = asyncio.run(worker.encode(text, add_special_tokens=True))
+    assert (count, ids) == (len(want), want)
+    count, ids = asyncio.run(worker.encode(text, add_special_tokens=True, limit=len(want)))
+    assert (count, ids) == (len(want), None)  # refused from its count: no id list built
+    count, ids_json, strs_json = asyncio.run(worker.tokenize_json(text, True, with_strs=True))
+    assert count == len(want) and json.loads(ids_json) == want
+    assert json.loads(strs_json) == hf_tok.convert_ids_to_tokens(want)
+
+
+@pytest.mark.parametrize("num_ids", [SHORT_IDS - 1, SHORT_IDS + 1])
+def test_both_lanes_decode_as_the_hf_tokenizer(worker: TokenizerWorker, hf_tok, num_ids: int) -> None:  # noqa: ANN001
+    ids = (hf_tok.encode(SENTENCE * (num_ids // 10)) + [hf_tok.eos_token_id])[-num_ids:]
+    assert len(ids) == num_ids
+    assert asyncio.run(worker.decode(ids)) == hf_tok.decode(ids, skip_special_tokens=False)
+
+
+def test_a_short_text_does_not_wait_for_a_long_one(worker: TokenizerWorker, hf_tok) -> None:  # noqa: ANN001
+    long_text = SENTENCE * ((4 << 20) // len(SENTENCE))  # 4 MiB: seconds in the child
+
+    async def both() -> tuple[int, bool, int]:
+        long_task = asyncio.create_task(worker.encode(long_text, add_special_tokens=False))
+        await asyncio.sleep(0.2)  # the child is busy with it now
+        count, _ = await worker.encode(SENTENCE, add_special_tokens=False)
+        long_still_running = not long_task.done()
+        long_count, _ = await long_task
+        return count, long_still_running, long_count
+
+    count, long_still_running, long_count = asyncio.run(both())
+    assert count == len(hf_tok.encode(SENTENCE, add_special_tokens=False))
+    assert long_count == len(hf_tok.encode(long_text, add_special_tokens=False))
+    assert long_still_running  # one queue for both: the short text was answered after the long one
