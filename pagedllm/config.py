@@ -86,13 +86,14 @@ class EngineConfig:
             channel for int8. A layer whose in_features it does not divide
             takes the largest multiple of 32 below it that does (a warning
             names the layers), e.g. 96 for SmolLM2's 576 with 128.
-        gguf_activations: what GGUF layers held in their blocks multiply:
-            "int8" (default, llama.cpp's way: each row rounded to int8 per
-            block of 32 inputs, and Q4_0 / Q4_1 / Q8_0 blocks, interleaved 16
-            rows at a time at load, multiplied with integer dot products,
-            ``kernels/gguf_x16.h``; 2-3x faster for one sequence) or
-            "float32" (the file's order, float32 activations: what
-            transformers computes on the dequantized weights). int8 moves a
+        gguf_activations: what layers held in quantized blocks (a GGUF
+            file's, and quantization="int8" / "int4") multiply: "int8"
+            (default, llama.cpp's way: each row rounded to int8 per block of
+            32 inputs, and the blocks, interleaved 16 rows at a time at load,
+            multiplied with integer dot products, ``kernels/gguf_x16.h``;
+            2-3x faster for one sequence) or "float32" (the blocks' own
+            order, float32 activations: what transformers computes on the
+            dequantized weights). int8 moves a
             token's log-probability by ~0.07 on average with the same
             perplexity (measured on the bundled model, README).
         linear_backend: "auto" (default: "packed" for float32 on the CPU

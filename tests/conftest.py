@@ -182,9 +182,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
 
 
 @contextlib.contextmanager
-def q8_linear_inputs(model) -> Iterator:  # noqa: ANN001
-    """Within the block, every ``nn.Linear`` of a transformers model sees its input rounded as llama.cpp's
-    Q8 activations.
+def q8_linear_inputs(model, skip: tuple = ()) -> Iterator:  # noqa: ANN001
+    """Within the block, every ``nn.Linear`` of a transformers model (but those in ``skip``) sees its input
+    rounded as llama.cpp's Q8 activations.
 
     Each run of 32 features of a row becomes ``dx * round(x / dx)`` with ``dx = max |x| / 127`` (ties to
     even): what pagedllm's integer kernels over interleaved Q4_0 / Q4_1 / Q8_0 blocks multiply (see
@@ -199,7 +199,8 @@ def q8_linear_inputs(model) -> Iterator:  # noqa: ANN001
         rounded = torch.round(blocks * inv).clamp(-127, 127) * dx
         return (rounded.reshape(x.shape).to(x.dtype), *args[1:])
 
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and not any(m is k for k in skip)]
     try:
         yield model
     finally:

@@ -31,6 +31,7 @@ KERNEL_TESTS = [
     "test_bf16_cpu.py::test_bf16_linear_backends_compute_the_same_scheme",
     "test_linear_backends.py",
     "test_weight_only.py::test_quantized_linear_matches_the_dequantized_weights_in_float64",
+    "test_weight_only.py::test_interleaved_blocks_multiply_the_rows_rounded_to_int8",
     "test_weight_only.py::test_a_rows_result_does_not_depend_on_its_batch",
     "test_weight_only.py::test_embedding_rows_are_the_dequantized_rows",
     "test_weight_only.py::test_bad_inputs_are_value_errors",

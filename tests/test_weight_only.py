@@ -14,7 +14,7 @@ import logging
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, q8_linear_inputs
 from torch import nn
 
 from pagedllm import LLM, SamplingParams
@@ -116,6 +116,46 @@ def test_quantized_linear_matches_the_dequantized_weights_in_float64(
     assert torch.equal(ops.quantized_linear(x, blocks, bits, group, in_features, None) + bias, got)
 
 
+def _q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each run of 32 inputs of a row as llama.cpp's Q8 activations, in float64: ``dx * round(x / dx)``,
+    ``dx = max |x| / 127`` (ties to even), from that definition (as conftest's ``q8_linear_inputs``)."""
+    runs = x.reshape(x.shape[0], -1, 32)
+    dx = runs.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    return (torch.round(runs * inv).clamp(-127, 127).double() * dx.double()).reshape(x.shape)
+
+
+def _interleaved(blocks: torch.Tensor, bits: int, group: int, in_features: int) -> torch.Tensor:
+    out = blocks.clone()
+    ops.quantized_interleave_(out, bits, group, in_features)
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("num_rows", [1, 7, 32, 300])
+@pytest.mark.parametrize(("out_features", "in_features", "group"),
+                         [(48, 256, 128), (144, 512, 64), (592, 1536, 128), (16, 96, 96), (32, 576, 576)])
+def test_interleaved_blocks_multiply_the_rows_rounded_to_int8(
+    bits: int, num_rows: int, out_features: int, in_features: int, group: int
+) -> None:
+    """The interleaved layout (integer dot products): the float64 product of the same weights with each row
+    rounded to int8 per run of 32, within float32's error over the run, group and row sums."""
+    blocks, weight = _blocks(out_features, in_features, bits, group, seed=num_rows + out_features)
+    gen = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, generator=gen) * torch.logspace(-1, 1, num_rows).unsqueeze(1)
+    bias = torch.randn(out_features, generator=gen)
+    interleaved = _interleaved(blocks, bits, group, in_features)
+    assert interleaved.shape == blocks.shape and not torch.equal(interleaved, blocks)  # the same size, reordered
+    got = ops.quantized_linear(x, interleaved, bits, group, in_features, bias, True)
+    xq = _q8_rows(x)
+    want = xq @ weight.T + bias.double()
+    bound = (in_features + 8) * torch.finfo(torch.float32).eps * (xq.abs() @ weight.abs().T + bias.double().abs()) + 1e-6
+    assert got.shape == (num_rows, out_features) and got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= bound).all()
+    # the activations really are rounded (8 bits, not float32): the float path's result differs
+    assert not torch.equal(got, ops.quantized_linear(x, blocks, bits, group, in_features, bias))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_rows_result_does_not_depend_on_its_batch(bits: int) -> None:
     """Every row count, one row alone (the decode path, no strip buffer) included: bit for bit the same row."""
@@ -127,6 +167,11 @@ def test_a_rows_result_does_not_depend_on_its_batch(bits: int) -> None:
         assert torch.equal(alone, together[r : r + 1])
     for start, count in ((0, 2), (7, 7), (100, 33), (250, 50)):
         part = ops.quantized_linear(x[start : start + count].contiguous(), blocks, bits, 128, 768, None)
+        assert torch.equal(part, together[start : start + count])
+    blocks = _interleaved(blocks[:288].contiguous(), bits, 128, 768)  # 18 tiles of 16 channels
+    together = ops.quantized_linear(x, blocks, bits, 128, 768, None, True)
+    for start, count in ((0, 1), (5, 1), (0, 2), (7, 7), (100, 33), (250, 50), (299, 1)):
+        part = ops.quantized_linear(x[start : start + count].contiguous(), blocks, bits, 128, 768, None, True)
         assert torch.equal(part, together[start : start + count])
 
 
@@ -164,6 +209,12 @@ def test_bad_inputs_are_value_errors() -> None:
         ops.quantized_embedding(blocks, 4, 64, 128, torch.tensor([1, 8]))
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 32"):
         QuantizedLinearMethod(4, 40)
+    with pytest.raises(ValueError, match="interleaves 16 rows at a time, got 8"):
+        ops.quantized_interleave_(blocks.clone(), 4, 64, 128)
+    with pytest.raises(ValueError, match="rows of 136 bytes"):
+        ops.quantized_interleave_(torch.cat([blocks, blocks]), 8, 64, 128)
+    with pytest.raises(ValueError, match="multiple of 16 rows, got 8"):
+        ops.quantized_linear(x, blocks, 4, 64, 128, None, True)
 
 
 def test_a_step_program_runs_quantized_nodes_as_the_ops_do() -> None:
@@ -173,12 +224,17 @@ def test_a_step_program_runs_quantized_nodes_as_the_ops_do() -> None:
     emb, out = torch.empty(6, 64), torch.empty(6, 24)
     program = torch.classes.pagedllm.StepProgram(6)
     program.add("quantized_embedding", [table, ids, emb], [8, 32, 64], [])
-    program.add("quantized_linear", [emb, weight, None, out], [4, 64, 64], [])
+    program.add("quantized_linear", [emb, weight, None, out], [4, 64, 64, 0], [])
+    interleaved = _interleaved(torch.cat([weight, weight[:8]]), 4, 64, 64)  # 32 rows: two tiles
+    out2 = torch.empty(6, 32)
+    program.add("quantized_linear", [emb, interleaved, None, out2], [4, 64, 64, 1], [])
     for n in (6, 1):
         out.zero_()
+        out2.zero_()
         program.run(n)
-        want = ops.quantized_linear(ops.quantized_embedding(table, 8, 32, 64, ids[:n]), weight, 4, 64, 64, None)
-        assert torch.equal(out[:n], want)
+        rows = ops.quantized_embedding(table, 8, 32, 64, ids[:n])
+        assert torch.equal(out[:n], ops.quantized_linear(rows, weight, 4, 64, 64, None))
+        assert torch.equal(out2[:n], ops.quantized_linear(rows, interleaved, 4, 64, 64, None, True))
     ids[1] = 40  # a step's index outside the table is refused before anything runs
     with pytest.raises(ValueError, match="outside the table"):
         program.run(6)
@@ -223,6 +279,36 @@ def test_config_validation() -> None:
 # --- whole models ------------------------------------------------------------------------------
 
 
+def assert_greedy_of_q8_inputs(hf, prompt: list[int], ours: list[int], head_rounds: bool) -> None:  # noqa: ANN001
+    """``ours`` (int8 activations: the blocks interleaved) against greedy transformers on the same rounded
+    weights whose linear layers see their inputs rounded to int8 per run of 32 (``q8_linear_inputs``; the LM
+    head too where ours is interleaved): equal, or parting at a near-tie of that oracle.
+
+    Not exact: a float32 difference of an ulp (the sums' order) that lands on a rounding boundary moves an
+    input by a whole int8 step. The oracle's own top-two gap where they part must be no larger than the
+    largest change rounding the inputs makes to transformers' top-two gap at any position: what a few such
+    steps can move it by is less than what rounding every input does.
+    """
+    skip = () if head_rounds else (hf.lm_head,)
+    with q8_linear_inputs(hf, skip):
+        want = hf_greedy(hf, prompt, len(ours))
+    if ours == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(ours, want)) if a != b)
+    ids = torch.tensor([prompt + want])
+    with torch.inference_mode():
+        plain = hf(ids).logits[0, len(prompt) - 1 :]  # [len(ours) + 1, vocab]
+        with q8_linear_inputs(hf, skip):
+            rounded = hf(ids).logits[0, len(prompt) - 1 :]
+    top2 = rounded.topk(2).indices  # [positions, 2]
+    diff = torch.tensor([1.0, -1.0])
+    moved = (plain.gather(1, top2) @ diff - rounded.gather(1, top2) @ diff).abs().max()
+    # the oracle run over the whole sequence at once is not its token-by-token run either (the same boundary
+    # effect), so the gap may come out negative: its size is what is bounded
+    gap = float(rounded[i, want[i]] - rounded[i, ours[i]])
+    assert abs(gap) <= float(moved), (i, gap, float(moved))
+
+
 def round_like_pagedllm(hf_model: nn.Module, bits: int, group_size: int | None) -> nn.Module:
     """The same rounding applied to transformers' linear layers and token embedding, kept in float32: the oracle."""
     with torch.no_grad():
@@ -237,20 +323,34 @@ def round_like_pagedllm(hf_model: nn.Module, bits: int, group_size: int | None) 
 _PROMPTS = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize(("quantization", "group_size"), [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_tiny_models_match_transformers_on_the_rounded_weights(
-    arch: str, quantization: str, group_size: int | None, tiny_model_dirs: dict[str, str], hf_tiny: dict
+    arch: str, quantization: str, group_size: int | None, activations: str, tiny_model_dirs: dict[str, str],
+    hf_tiny: dict,
 ) -> None:
-    """Llama, Qwen3 (q/k norms) and Qwen2 (biases): prompts prefilled together, decoded as a batch of 3."""
+    """Llama, Qwen3 (q/k norms) and Qwen2 (biases): prompts prefilled together, decoded as a batch of 3.
+
+    float32 activations (the blocks' own order) give transformers' tokens; int8 activations (the blocks
+    interleaved, integer dot products) give them or part from them at a near-tie only, within what rounding
+    the linear inputs to 8 bits moves transformers' own top-two gap (``assert_greedy_within_q8_noise``)."""
     bits = 8 if quantization == "int8" else 4
     hf = round_like_pagedllm(copy.deepcopy(hf_tiny[arch]), bits, EngineConfig(
         model="m", quantization=quantization, quantization_group_size=group_size).weight_group_size)
     llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8, quantization=quantization,
-              quantization_group_size=group_size)
+              quantization_group_size=group_size, gguf_activations=activations)
+    model = llm.llm_engine.model_runner.model
+    looked_up = model.model.embed_tokens.qweight.data_ptr()
+    rows_of_16 = [m for m in model.modules() if hasattr(m, "interleaved") and m.out_features % 16 == 0
+                  and m.qweight.data_ptr() != looked_up]
+    assert rows_of_16 and all(m.interleaved == (activations == "int8") for m in rows_of_16)
     outs = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], GREEDY, use_tqdm=False)
     for prompt, out in zip(_PROMPTS, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+        if activations == "float32":
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+        else:
+            assert_greedy_of_q8_inputs(hf, prompt, out.outputs[0].token_ids, model.lm_head.interleaved)
 
 
 def test_gemma3_int4_matches_transformers_on_the_rounded_weights(window_dirs: dict[str, str]) -> None:
@@ -260,7 +360,7 @@ def test_gemma3_int4_matches_transformers_on_the_rounded_weights(window_dirs: di
         hf = AutoModelForCausalLM.from_pretrained(window_dirs[arch], dtype=torch.float32).eval()
         hf = round_like_pagedllm(hf, 4, 32)
         llm = LLM(window_dirs[arch], num_kv_blocks=128, max_model_len=256, block_size=4, quantization="int4",
-                  quantization_group_size=32)
+                  quantization_group_size=32, gguf_activations="float32")
         prompt = list(range(300, 317))
         out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
         assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
@@ -272,13 +372,14 @@ def test_chunked_prefill_and_beam_search_with_int4(tiny_model_dirs: dict[str, st
     hf = round_like_pagedllm(copy.deepcopy(hf_tiny["llama"]), 4, 128)
     # a budget of 16 tokens: the 40-token prompt is prefilled in chunks beside the others' decodes
     chunked = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, quantization="int4",
-                  max_num_batched_tokens=16)
+                  max_num_batched_tokens=16, gguf_activations="float32")
     outs = chunked.generate([{"prompt_token_ids": p} for p in _PROMPTS], GREEDY, use_tqdm=False)
     for prompt, out in zip(_PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
     from pagedllm.engine.beam_search import BeamSearchParams
 
-    beams = LLM(tiny_model_dirs["llama"], num_kv_blocks=128, max_model_len=256, block_size=4, quantization="int4")
+    beams = LLM(tiny_model_dirs["llama"], num_kv_blocks=128, max_model_len=256, block_size=4, quantization="int4",
+                gguf_activations="float32")
     eos = sorted(beams.llm_engine.tokenizer.eos_token_ids)
     prompt = random_prompt(9, seed=11)
     (ours,) = beams.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(3, 8))
@@ -349,11 +450,16 @@ def test_kv_cache_default_size_follows_the_real_weight_bytes(
 
 
 def test_smollm_int8_greedy_matches_quantized_transformers(smollm_int8: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
+    """int8 activations (the default): transformers' tokens, or a parting at a near-tie only; float32
+    activations: transformers' tokens exactly."""
     hf = round_like_pagedllm(copy.deepcopy(hf_smollm), 8, None)  # the shared oracle stays float32
+    exact = LLM(num_kv_blocks=64, max_model_len=256, quantization="int8", gguf_activations="float32")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for text in ["The capital of France is", "def fibonacci(n):"]:
         prompt = smollm_tokenizer.encode(text)
-        out = smollm_int8.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20,
-                                                                               ignore_eos=True), use_tqdm=False)
+        out = smollm_int8.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert_greedy_of_q8_inputs(hf, prompt, out[0].outputs[0].token_ids, smollm_int8.llm_engine.model_runner.model.lm_head.interleaved)
+        out = exact.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 20)
 
 

@@ -20,7 +20,7 @@ import pagedllm.layers.quantized_linear as quantized_linear
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import make_backend
-from pagedllm.layers.quantized_linear import quantize_model
+from pagedllm.layers.quantized_linear import interleave_quantized_weights, quantize_model
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.runner.model_loader import LoadedModel, load_model, model_tensors, resident_bytes
 
@@ -78,6 +78,7 @@ def test_quantized_while_loading_equals_rounding_the_float32_model(
     weight_group_size = EngineConfig(model=path, quantization=quantization,
                                      quantization_group_size=group_size).weight_group_size
     quantize_model(old.model, 8 if quantization == "int8" else 4, weight_group_size)
+    interleave_quantized_weights(old.model)  # as the load does for int8 activations (the default)
     want, got = _held(old.model), _held(new.model)
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():
@@ -86,6 +87,9 @@ def test_quantized_while_loading_equals_rounding_the_float32_model(
     embedding, head = new.model.model.embed_tokens, new.model.lm_head
     assert type(embedding).__name__ == "QuantizedEmbedding"
     assert (head.qweight is embedding.qweight) == name.endswith("_tied")
+    assert any(getattr(m, "interleaved", False) for m in new.model.modules())  # the integer path's layout
+    # the embedding's rows stay in their groups' order, and so does a head of 1000 rows (not tiles of 16)
+    assert head.interleaved == (not name.endswith("_tied") and head.out_features % 16 == 0)
     assert all(getattr(m, "weight", None) is None for m in new.model.modules() if hasattr(m, "qweight"))
     assert new.num_params == old.num_params
     assert new.weight_bytes == resident_bytes(model_tensors(old.model))

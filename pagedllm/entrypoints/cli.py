@@ -49,8 +49,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gguf-activations", default="int8", choices=["int8", "float32"],
-        help="int8: GGUF Q4_0/Q4_1/Q8_0 layers multiply 8-bit activations with integer dot products (llama.cpp's "
-             "way, fast); float32: float activations, as transformers computes",
+        help="int8: layers in quantized blocks (GGUF's, --quantization int8/int4) multiply 8-bit activations with "
+             "integer dot products (llama.cpp's way, fast); float32: float activations, as transformers computes",
     )
     g.add_argument("--linear-backend", default="auto", choices=["auto", "packed", "onednn", "torch"])
     g.add_argument(

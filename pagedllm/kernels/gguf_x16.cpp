@@ -324,6 +324,48 @@ void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t
     delete[] copy;
 }
 
+/* ---- the grouped types' layout ---- */
+
+static inline int64_t group_head_bytes(int type) { return type == GROUP_I4 ? 128 : 64; }
+static inline int64_t group_run_bytes(int type) { return type == GROUP_I8 ? 512 : 256; }
+
+/* one tile group from the 16 raw groups src[c] of GROUP_I8 / GROUP_I4 `type`, `group` weights each */
+static void interleave_group(int type, uint8_t *const *src, uint8_t *dst, int64_t group) {
+    const int raw_head = type == GROUP_I4 ? 8 : 4, raw_run = type == GROUP_I8 ? 32 : 16;
+    for (int c = 0; c < X16_TILE; c++) {
+        memcpy(dst + 4 * c, src[c], 4);                                  // scale
+        if (type == GROUP_I4) memcpy(dst + 64 + 4 * c, src[c] + 4, 4);   // min
+        for (int64_t j = 0; j < group / GGUF_BLOCK; j++) {
+            const uint8_t *q = src[c] + raw_head + raw_run * j;
+            uint8_t *run = dst + group_head_bytes(type) + group_run_bytes(type) * j;
+            if (type == GROUP_I8) {
+                for (int n = 0; n < 32; n++) run[64 * (n / 4) + 4 * c + n % 4] = (uint8_t)(q[n] ^ 0x80);
+                continue;
+            }
+            for (int u = 0; u < 4; u++)
+                for (int i = 0; i < 4; i++)
+                    run[64 * u + 4 * c + i] = (uint8_t)(raw_q4(q, 8 * u + i) | raw_q4(q, 8 * u + 4 + i) << 4);
+        }
+    }
+}
+
+void gguf_x16_group_interleave(uint8_t *weight, int type, int64_t in_features, int64_t group, int64_t tile0,
+                               int64_t tile1) {
+    const int64_t group_bytes = group_block_bytes(type, group), num_groups = in_features / group;
+    const int64_t row_bytes = num_groups * group_bytes, tile_bytes = X16_TILE * row_bytes;
+    uint8_t *copy = new uint8_t[tile_bytes];  // the tile's rows in the groups' own order
+    for (int64_t t = tile0; t < tile1; t++) {
+        uint8_t *tile = weight + t * tile_bytes;
+        memcpy(copy, tile, (size_t)tile_bytes);
+        for (int64_t g = 0; g < num_groups; g++) {
+            uint8_t *src[X16_TILE];
+            for (int c = 0; c < X16_TILE; c++) src[c] = copy + c * row_bytes + g * group_bytes;
+            interleave_group(type, src, tile + g * X16_TILE * group_bytes, group);
+        }
+    }
+    delete[] copy;
+}
+
 void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, float *out) {
     const int type = x16_base_type(x16_type);
     const int64_t block_bytes = gguf_block_bytes(type), block_weights = gguf_block_weights(type);
@@ -531,11 +573,71 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
     }
 }
 
+/* GROUP_I8 / GROUP_I4: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a group at a
+   time: its runs summed in integers, scaled by each run's dx into one float per channel, then by the group's
+   scale (gguf_x16.h) */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void gtile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                             int64_t r0, int h) {
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, group = n->group_size, num_groups = k / group;
+    const int64_t num_runs = group / GGUF_BLOCK, group_bytes = group_block_bytes(TYPE, group);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * num_groups * group_bytes;
+    const int lane_bytes = 4 * X16_VL;
+    fvec acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = fzero();
+    for (int64_t g = 0; g < num_groups; g++) {
+        const uint8_t *blk = tile + g * X16_TILE * group_bytes;
+        fvec gacc[MR];
+        float xsum[MR];  // GROUP_I4: the group's sum of the rounded inputs, sum_j dx_j sx_j
+        for (int r = 0; r < MR; r++) gacc[r] = fzero(), xsum[r] = 0.0f;
+        for (int64_t j = 0; j < num_runs; j++) {
+            const uint8_t *qs = blk + group_head_bytes(TYPE) + group_run_bytes(TYPE) * j + lane_bytes * h;
+            const int64_t b = g * num_runs + j;
+            ivec isum[MR];
+            for (int r = 0; r < MR; r++) isum[r] = izero();
+            if (TYPE == GROUP_I8) {
+                for (int u = 0; u < 8; u++) {
+                    const ivec w = iload(qs + 64 * u);
+                    for (int r = 0; r < MR; r++) isum[r] = dot_q8(isum[r], w, iquad(qr.q + (r0 + r) * k + b * 32 + 4 * u));
+                }
+            } else {
+                for (int u = 0; u < 4; u++) {
+                    const ivec w = iload(qs + 64 * u), lo = nib_lo(w), hi = nib_hi(w);
+                    for (int r = 0; r < MR; r++) {
+                        const int8_t *xq = qr.q + (r0 + r) * k + b * 32 + 8 * u;
+                        isum[r] = dot_u4(isum[r], lo, iquad(xq));
+                        isum[r] = dot_u4(isum[r], hi, iquad(xq + 4));
+                    }
+                }
+            }
+            for (int r = 0; r < MR; r++) {
+                const int64_t i = (r0 + r) * nb + b;
+                const ivec sum = TYPE == GROUP_I8 && X16_Q8_OFFSET ? isub_all(isum[r], X16_Q8_OFFSET * qr.s[i]) : isum[r];
+                gacc[r] = ffma(fcvt(sum), fset1(qr.d[i]), gacc[r]);
+                if (TYPE == GROUP_I4) xsum[r] = fmaf(qr.d[i], (float)qr.s[i], xsum[r]);  // fmaf: one rounding in every build
+            }
+        }
+        const fvec scale = fload((const float *)(blk + 4 * X16_VL * h));
+        for (int r = 0; r < MR; r++) acc[r] = ffma(gacc[r], scale, acc[r]);
+        if (TYPE == GROUP_I4) {
+            const fvec min = fload((const float *)(blk + 64 + 4 * X16_VL * h));
+            for (int r = 0; r < MR; r++) acc[r] = ffma(min, fset1(xsum[r]), acc[r]);
+        }
+    }
+    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
+    for (int r = 0; r < MR; r++) {
+        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
+        fstore(n->y + (r0 + r) * cols + c0, v);
+    }
+}
+
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void rows_against_tile(const LinearNode *n, const QRows &qr, int64_t t,
                                                                     int64_t r0, int h) {
     if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K || TYPE == GGUF_Q6_K)
         ktile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else if constexpr (TYPE == GROUP_I8 || TYPE == GROUP_I4)
+        gtile_rows<MR, TYPE>(n, qr, t, r0, h);
     else
         tile_rows<MR, TYPE>(n, qr, t, r0, h);
 }
@@ -578,6 +680,8 @@ void gguf_x16_linear_team(const LinearNode *n) {
                 case GGUF_Q8_0: tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m); break;
                 case GGUF_Q4_K: tile_team_rows<GGUF_Q4_K>(n, qr, t, row0, m); break;
                 case GGUF_Q5_K: tile_team_rows<GGUF_Q5_K>(n, qr, t, row0, m); break;
+                case GROUP_I8: tile_team_rows<GROUP_I8>(n, qr, t, row0, m); break;
+                case GROUP_I4: tile_team_rows<GROUP_I4>(n, qr, t, row0, m); break;
                 default: tile_team_rows<GGUF_Q6_K>(n, qr, t, row0, m); break;
             }
         }

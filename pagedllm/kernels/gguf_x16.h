@@ -57,6 +57,19 @@
  *
  * (isum_lo / sx_lo over the run's first 16 inputs; every product fits
  * float32's 24 bits, so the conversions are exact).
+ *
+ * pagedllm's grouped int8 / int4 (GROUP_I8 / GROUP_I4, gguf_blocks.h) go the
+ * same way, a tile group (16 x group bytes) holding the 16 channels' float32
+ * scales (and mins) side by side, then the group's G / 32 runs back to back:
+ *
+ *     GROUP_I8  scale[16] f32 | G / 32 runs of: 8 chunks of 64 B (the Q8 chunk order)     16 (4 + G) B
+ *     GROUP_I4  scale[16] f32 | min[16] f32 | G / 32 runs of: 4 chunks of 64 B (Q4's)    16 (8 + G / 2) B
+ *
+ * A group sums its runs per channel in float32, then scales once:
+ *
+ *   g = sum over runs j of float(isum_j - o sx_j) dx_j ;  y += scale g  (+ min sum_j dx_j sx_j, GROUP_I4)
+ *
+ * with o as for Q8_0 (GROUP_I8) or 0 (GROUP_I4).
  */
 #ifndef PAGEDLLM_GGUF_X16_H
 #define PAGEDLLM_GGUF_X16_H
@@ -73,6 +86,11 @@ int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features);
 /* rows [tile0 * 16, tile1 * 16) of a [rows, in_features / block weights * block bytes] tensor of ggml
    `type` (x16_takes), rewritten in place in the x16 order of that type */
 void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t tile0, int64_t tile1);
+
+/* rows [tile0 * 16, tile1 * 16) of a [rows, in_features / group * group bytes] GROUP_I8 / GROUP_I4 weight,
+   rewritten in place in the x16 order of that type */
+void gguf_x16_group_interleave(uint8_t *weight, int type, int64_t in_features, int64_t group, int64_t tile0,
+                               int64_t tile1);
 
 /* the in_features weights of row `row` of an x16 table, as float32: the values gguf_row gives for the
    row's blocks in the file's order */

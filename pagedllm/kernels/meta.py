@@ -49,8 +49,12 @@ def _register_returning() -> None:
         return None  # rewrites weight in place
 
     @reg(_NS + "quantized_linear")
-    def _(x, weight, bits, group_size, in_features, bias):  # noqa: ANN001, ANN202
+    def _(x, weight, bits, group_size, in_features, bias, interleaved=False):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]
+
+    @reg(_NS + "quantized_interleave_")
+    def _(weight, bits, group_size, in_features):  # noqa: ANN001, ANN202
+        return None  # rewrites weight in place
 
     @reg(_NS + "quantized_embedding")
     def _(table, bits, group_size, row_len, index):  # noqa: ANN001, ANN202

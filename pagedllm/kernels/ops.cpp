@@ -433,7 +433,7 @@ Tensor gguf_dequantize(const Tensor &w, int64_t type, int64_t in_features) {
    order (gguf_x16.h); the op then takes it as type 512 + type */
 void gguf_interleave_(const Tensor &w, int64_t type, int64_t in_features) {
     const char *op = "gguf_interleave_";
-    TORCH_CHECK_VALUE(x16_takes((int)type), op, ": interleaves Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) ",
+    TORCH_CHECK_VALUE(x16_takes((int)type) && !is_group_type((int)type), op, ": interleaves Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13) ",
                       "and Q6_K (14) weights, got type ", type);
     check_gguf_weight(w, type, in_features, op);
     TORCH_CHECK_VALUE(w.size(0) % X16_TILE == 0, op, ": interleaves ", X16_TILE, " rows at a time, got ", w.size(0),
@@ -461,9 +461,11 @@ int check_group_weight(const Tensor &w, int64_t bits, int64_t group_size, int64_
 }
 
 StepNode quantized_linear_node(const Tensor &x, const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features,
-                               const OptTensor &bias, const Tensor &out) {
+                               const OptTensor &bias, const Tensor &out, bool interleaved) {
     const char *op = "quantized_linear";
-    const int type = check_group_weight(w, bits, group_size, in_features, op);
+    const int type = check_group_weight(w, bits, group_size, in_features, op) + (interleaved ? GGUF_X16_BASE : 0);
+    TORCH_CHECK_VALUE(!interleaved || w.size(0) % X16_TILE == 0, op, ": an interleaved weight has a multiple of ",
+                      X16_TILE, " rows, got ", w.size(0));
     const int64_t out_features = w.size(0);
     check_activations(x, in_features, op);
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
@@ -475,12 +477,30 @@ StepNode quantized_linear_node(const Tensor &x, const Tensor &w, int64_t bits, i
 }
 
 Tensor quantized_linear(const Tensor &x, const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features,
-                        const OptTensor &bias) {
+                        const OptTensor &bias, bool interleaved) {
     TORCH_CHECK_VALUE(w.dim() == 2, "quantized_linear: expected a 2-D quantized weight, got shape ", shape_of(w));
     Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
-    const StepNode node = quantized_linear_node(x, w, bits, group_size, in_features, bias, out);
+    StepNode node = quantized_linear_node(x, w, bits, group_size, in_features, bias, out, interleaved);
+    Tensor scratch;  // [bytes] uint8: the rows rounded to int8 blocks, for an interleaved weight
+    if (interleaved) {
+        scratch = at::empty({gguf_x16_scratch_bytes(x.size(0), in_features)}, x.options().dtype(at::kByte));
+        node.linear.scratch = reinterpret_cast<uint16_t *>(scratch.data_ptr());
+    }
     run_node(node, num_threads(), "quantized_linear");
     return out;
+}
+
+/* rewrites a grouped int8 / int4 weight, rows a multiple of 16, in place into the x16 order (gguf_x16.h);
+   quantized_linear then takes it with interleaved=True (quantized_embedding no longer can) */
+void quantized_interleave_(const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features) {
+    const char *op = "quantized_interleave_";
+    const int type = check_group_weight(w, bits, group_size, in_features, op);
+    TORCH_CHECK_VALUE(w.size(0) % X16_TILE == 0, op, ": interleaves ", X16_TILE, " rows at a time, got ", w.size(0),
+                      " rows");
+    uint8_t *bytes = w.data_ptr<uint8_t>();
+    at::parallel_for(0, w.size(0) / X16_TILE, 1, [&](int64_t begin, int64_t end) {
+        gguf_x16_group_interleave(bytes, type, in_features, group_size, begin, end);
+    });
 }
 
 StepNode quantized_embedding_node(const Tensor &table, int64_t bits, int64_t group_size, int64_t row_len,
@@ -646,7 +666,9 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("gguf_embedding(Tensor table, int type, int row_len, Tensor index) -> Tensor");
     m.def("gguf_dequantize(Tensor weight, int type, int in_features) -> Tensor");
     m.def("gguf_interleave_(Tensor(a!) weight, int type, int in_features) -> ()");
-    m.def("quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features, Tensor? bias) -> Tensor");
+    m.def("quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features, Tensor? bias, "
+          "bool interleaved=False) -> Tensor");
+    m.def("quantized_interleave_(Tensor(a!) weight, int bits, int group_size, int in_features) -> ()");
     m.def("quantized_embedding(Tensor table, int bits, int group_size, int row_len, Tensor index) -> Tensor");
     m.def("pack_panels(Tensor weight) -> Tensor");
     m.def("pack_panels_bf16(Tensor weight) -> Tensor");
@@ -673,6 +695,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("gguf_dequantize", &gguf_dequantize);
     m.impl("gguf_interleave_", &gguf_interleave_);
     m.impl("quantized_linear", &quantized_linear);
+    m.impl("quantized_interleave_", &quantized_interleave_);
     m.impl("quantized_embedding", &quantized_embedding);
     m.impl("pack_panels", &pack_panels);
     m.impl("pack_panels_bf16", &pack_panels_bf16);

@@ -16,7 +16,7 @@
  *   packed_linear(_bf16) x, packed, bias?, out                    out_features
  *   gguf_linear          x, weight, bias?, out                    type, in_features
  *   gguf_embedding       table, index, out                        type, row_len
- *   quantized_linear     x, weight, bias?, out                    bits, group_size, in_features
+ *   quantized_linear     x, weight, bias?, out                    bits, group_size, in_features, interleaved
  *   quantized_embedding  table, index, out                        bits, group_size, row_len
  *   write_kv             k, v, k_cache, v_cache, slots
  *   paged_decode         q, k_cache, v_cache, tables, lens, out   window             scale
@@ -150,7 +150,8 @@ struct StepProgram : torch::CustomClassHolder {
             return counts(4, 2, 0), gguf_linear_node(T(0), T(1), ints[0], ints[1], maybe(t, 2), T(3));
         if (op == "gguf_embedding") return counts(3, 2, 0), gguf_embedding_node(T(0), ints[0], ints[1], T(1), T(2));
         if (op == "quantized_linear")
-            return counts(4, 3, 0), quantized_linear_node(T(0), T(1), ints[0], ints[1], ints[2], maybe(t, 2), T(3));
+            return counts(4, 4, 0), quantized_linear_node(T(0), T(1), ints[0], ints[1], ints[2], maybe(t, 2), T(3),
+                                                          ints[3] != 0);
         if (op == "quantized_embedding")
             return counts(3, 3, 0), quantized_embedding_node(T(0), ints[0], ints[1], ints[2], T(1), T(2));
         if (op == "write_kv") return counts(5, 0, 0), write_kv_node(T(0), T(1), T(2), T(3), T(4));

@@ -66,6 +66,7 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 
 GROUP_RUN = 32  # the kernels read groups in runs of 32 weights (vector loads)
+INTERLEAVE_ROWS = 16  # output channels a tile of the interleaved layout holds (kernels/gguf_x16.h)
 BITS = (4, 8)
 # float32 bytes of the rows quantized at once while loading: quantize_groups' float temporaries
 # take 4-5x its input at their peak (measured: a load peaks 2.5 MiB above the blocks plus the
@@ -199,12 +200,13 @@ class QuantizedLinearMethod(LinearMethod):
         blocks = torch.empty(layer.out_features, row_bytes, dtype=torch.uint8, device=layer.weight.device)
         replace_parameter(layer, "weight", None)
         replace_parameter(layer, "qweight", blocks)  # [out_features, row bytes]
+        layer.interleaved = False  # the groups' own order until interleave_quantized_weights
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if layer.weight is not None:  # loaded in float (else create_weights' blocks were filled while loading)
             group = layer_group_size(layer.in_features, self.group_size)
             q, scales, mins = quantize_groups(layer.weight, self.bits, group)
-            layer.group_size = group
+            layer.group_size, layer.interleaved = group, False
             replace_parameter(layer, "qweight", pack_groups(q, scales, mins, self.bits))  # [out_features, row bytes]
             replace_parameter(layer, "weight", None)
         replace_parameter(layer, "bias", None if layer.bias is None else layer.bias.detach().float().contiguous())
@@ -214,7 +216,7 @@ class QuantizedLinearMethod(LinearMethod):
             raise ValueError(f"int{self.bits} linear layers compute in float32, got {x.dtype}")
         rows = x.reshape(-1, layer.in_features).contiguous()  # [num_rows, in_features]
         out = torch.ops.pagedllm.quantized_linear(rows, layer.qweight, self.bits, layer.group_size,
-                                                  layer.in_features, layer.bias)
+                                                  layer.in_features, layer.bias, layer.interleaved)
         return out.view(*x.shape[:-1], layer.out_features)
 
 
@@ -309,6 +311,32 @@ def prepare_quantized_loading(model: nn.Module, bits: int, group_size: int | Non
     model.model.embed_tokens = QuantizedEmbedding(blocks, embedding.embedding_dim, bits, group,
                                                   getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
     return len(layers)
+
+
+def interleave_quantized_weights(model: nn.Module) -> int:
+    """Interleave the int8 / int4 blocks of ``model``'s linear layers 16 rows at a time, in place; returns how
+    many layers were.
+
+    The same bytes in another order (``kernels/gguf_x16.h``), which the
+    kernel multiplies with integer dot products on activations rounded to
+    int8 per block of 32, as it does GGUF's blocks (``gguf_activations="int8"``).
+    A layer whose rows are not a multiple of 16 keeps the groups' order, and
+    so do blocks shared with the token embedding (a tied LM head), which
+    looks rows up in that order.
+    """
+    looked_up = {m.qweight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, QuantizedEmbedding)}
+    count = 0
+    for module in model.modules():
+        if not (isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod)):
+            continue
+        qweight = module.qweight
+        if module.interleaved or qweight.shape[0] % INTERLEAVE_ROWS or qweight.untyped_storage().data_ptr() in looked_up:
+            continue
+        torch.ops.pagedllm.quantized_interleave_(qweight, module.quant_method.bits, module.group_size,
+                                                 module.in_features)
+        module.interleaved = True
+        count += 1
+    return count
 
 
 def tie_quantized_lm_head(lm_head: Linear, embedding: nn.Module) -> bool:

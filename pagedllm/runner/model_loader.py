@@ -49,6 +49,7 @@ from pagedllm.layers.quantized_linear import (
     QuantizedEmbedding,
     QuantizedLinearMethod,
     group_fallbacks,
+    interleave_quantized_weights,
     prepare_quantized_loading,
     tie_quantized_lm_head,
 )
@@ -300,6 +301,8 @@ def load_model(
     _warn_if_slow_half_precision(config, device, precision, linear)
     if config.quantization in WEIGHT_ONLY:
         finish_weight_quantization(model)
+        if config.gguf_activations == "int8":
+            interleave_quantized_weights(model)
     else:
         apply_linear_method(model, make_linear_method(precision, linear))
     # norms, RoPE and SiLU-and-multiply as single native calls where they build

@@ -54,8 +54,9 @@ def _pagedllm_call(name: str, a: tuple, kwargs: dict, out: torch.Tensor | None) 
         table, ggml_type, row_len, index = a
         return "gguf_embedding", [table, index, out], [ggml_type, row_len], []
     if name == "quantized_linear" and out is not None:
-        x, weight, bits, group_size, in_features, bias = a
-        return "quantized_linear", [x, weight, bias, out], [bits, group_size, in_features], []
+        x, weight, bits, group_size, in_features, bias, *rest = a
+        interleaved = kwargs.get("interleaved", rest[0] if rest else False)
+        return "quantized_linear", [x, weight, bias, out], [bits, group_size, in_features, int(interleaved)], []
     if name == "quantized_embedding" and out is not None:
         table, bits, group_size, row_len, index = a
         return "quantized_embedding", [table, index, out], [bits, group_size, row_len], []
