@@ -182,6 +182,11 @@ def test_embedding_rows_are_the_dequantized_rows(bits: int) -> None:
     got = ops.quantized_embedding(blocks, bits, 64, 192, ids)
     # float64 values rounded once to float32: what the kernel computes in one rounding (int4: an fma)
     assert torch.equal(got, weight.float()[ids])
+    # a table interleaved for a tied LM head: the same rows
+    table = _interleaved(torch.cat([blocks, blocks[:14]]), bits, 64, 192)  # 64 rows: four tiles
+    assert torch.equal(ops.quantized_embedding(table, bits, 64, 192, ids, True), got)
+    assert torch.equal(ops.quantized_embedding(table, bits, 64, 192, torch.tensor([52, 63]), True),
+                       weight.float()[[2, 13]])
 
 
 def test_bad_inputs_are_value_errors() -> None:
@@ -215,6 +220,8 @@ def test_bad_inputs_are_value_errors() -> None:
         ops.quantized_interleave_(torch.cat([blocks, blocks]), 8, 64, 128)
     with pytest.raises(ValueError, match="multiple of 16 rows, got 8"):
         ops.quantized_linear(x, blocks, 4, 64, 128, None, True)
+    with pytest.raises(ValueError, match="multiple of 16 rows, got 8"):
+        ops.quantized_embedding(blocks, 4, 64, 128, torch.tensor([1]), True)
 
 
 def test_a_step_program_runs_quantized_nodes_as_the_ops_do() -> None:
@@ -223,7 +230,7 @@ def test_a_step_program_runs_quantized_nodes_as_the_ops_do() -> None:
     ids = torch.tensor([5, 39, 0, 12, 7, 7])
     emb, out = torch.empty(6, 64), torch.empty(6, 24)
     program = torch.classes.pagedllm.StepProgram(6)
-    program.add("quantized_embedding", [table, ids, emb], [8, 32, 64], [])
+    program.add("quantized_embedding", [table, ids, emb], [8, 32, 64, 0], [])
     program.add("quantized_linear", [emb, weight, None, out], [4, 64, 64, 0], [])
     interleaved = _interleaved(torch.cat([weight, weight[:8]]), 4, 64, 64)  # 32 rows: two tiles
     out2 = torch.empty(6, 32)
@@ -341,9 +348,7 @@ def test_tiny_models_match_transformers_on_the_rounded_weights(
     llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8, quantization=quantization,
               quantization_group_size=group_size, gguf_activations=activations)
     model = llm.llm_engine.model_runner.model
-    looked_up = model.model.embed_tokens.qweight.data_ptr()
-    rows_of_16 = [m for m in model.modules() if hasattr(m, "interleaved") and m.out_features % 16 == 0
-                  and m.qweight.data_ptr() != looked_up]
+    rows_of_16 = [m for m in model.modules() if hasattr(m, "quant_method") and m.qweight.shape[0] % 16 == 0]
     assert rows_of_16 and all(m.interleaved == (activations == "int8") for m in rows_of_16)
     outs = llm.generate([{"prompt_token_ids": p} for p in _PROMPTS], GREEDY, use_tqdm=False)
     for prompt, out in zip(_PROMPTS, outs):

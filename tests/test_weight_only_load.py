@@ -88,8 +88,9 @@ def test_quantized_while_loading_equals_rounding_the_float32_model(
     assert type(embedding).__name__ == "QuantizedEmbedding"
     assert (head.qweight is embedding.qweight) == name.endswith("_tied")
     assert any(getattr(m, "interleaved", False) for m in new.model.modules())  # the integer path's layout
-    # the embedding's rows stay in their groups' order, and so does a head of 1000 rows (not tiles of 16)
-    assert head.interleaved == (not name.endswith("_tied") and head.out_features % 16 == 0)
+    # a head of 1000 rows (not tiles of 16) keeps the groups' order; an untied embedding only looks rows up
+    assert head.interleaved == (head.out_features % 16 == 0)
+    assert embedding.interleaved == (name.endswith("_tied") and head.interleaved)
     assert all(getattr(m, "weight", None) is None for m in new.model.modules() if hasattr(m, "qweight"))
     assert new.num_params == old.num_params
     assert new.weight_bytes == resident_bytes(model_tensors(old.model))

@@ -423,7 +423,8 @@ void gguf_linear_team(const LinearNode *n, int *failed) {
 void gguf_gather_team(const GgufGatherNode *n) {
     if (is_x16_type(n->type)) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < n->rows; r++) gguf_x16_row(n->type, n->table, n->index[r], n->row_len, n->out + r * n->row_len);
+        for (int64_t r = 0; r < n->rows; r++) gguf_x16_row(n->type, n->table, n->index[r], n->row_len, n->group_size,
+                                                           n->out + r * n->row_len);
         return;
     }
     const int64_t row_bytes = blocks_row_bytes(n->type, n->row_len, n->group_size);

@@ -366,8 +366,40 @@ void gguf_x16_group_interleave(uint8_t *weight, int type, int64_t in_features, i
     delete[] copy;
 }
 
-void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, float *out) {
+/* row `row` of an x16 GROUP_I8 / GROUP_I4 table as float32: what the groups' own order gives (one rounding a
+   weight: scale q, or fma(q, scale, min)) */
+static void group_x16_row(int type, const uint8_t *table, int64_t row, int64_t in_features, int64_t group,
+                          float *out) {
+    const int64_t group_bytes = group_block_bytes(type, group), num_groups = in_features / group, c = row % X16_TILE;
+    const uint8_t *tile = table + row / X16_TILE * X16_TILE * num_groups * group_bytes;
+    for (int64_t g = 0; g < num_groups; g++) {
+        const uint8_t *blk = tile + g * X16_TILE * group_bytes;
+        float scale, min = 0.0f;
+        memcpy(&scale, blk + 4 * c, 4);
+        if (type == GROUP_I4) memcpy(&min, blk + 64 + 4 * c, 4);
+        for (int64_t j = 0; j < group / GGUF_BLOCK; j++) {
+            const uint8_t *run = blk + group_head_bytes(type) + group_run_bytes(type) * j;
+            float *w = out + g * group + j * GGUF_BLOCK;
+            if (type == GROUP_I8) {
+                for (int n = 0; n < 32; n++) w[n] = scale * (float)(int8_t)(run[64 * (n / 4) + 4 * c + n % 4] ^ 0x80);
+                continue;
+            }
+            for (int u = 0; u < 4; u++)
+                for (int i = 0; i < 4; i++) {
+                    const int byte = run[64 * u + 4 * c + i];
+                    w[8 * u + i] = fmaf((float)(byte & 0x0f), scale, min);
+                    w[8 * u + 4 + i] = fmaf((float)(byte >> 4), scale, min);
+                }
+        }
+    }
+}
+
+void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, int64_t group, float *out) {
     const int type = x16_base_type(x16_type);
+    if (is_group_type(type)) {
+        group_x16_row(type, table, row, in_features, group, out);
+        return;
+    }
     const int64_t block_bytes = gguf_block_bytes(type), block_weights = gguf_block_weights(type);
     const int64_t num_blocks = in_features / block_weights, c = row % X16_TILE;
     const uint8_t *tile = table + row / X16_TILE * X16_TILE * num_blocks * block_bytes;

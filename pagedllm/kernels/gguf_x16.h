@@ -92,9 +92,9 @@ void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t
 void gguf_x16_group_interleave(uint8_t *weight, int type, int64_t in_features, int64_t group, int64_t tile0,
                                int64_t tile1);
 
-/* the in_features weights of row `row` of an x16 table, as float32: the values gguf_row gives for the
-   row's blocks in the file's order */
-void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, float *out);
+/* the in_features weights of row `row` of an x16 table, as float32: the values gguf_row (or, for the grouped
+   types of `group` weights, blocks_row) gives for the row's blocks in their own order */
+void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, int64_t group, float *out);
 
 /* y = x W^T (+ bias) over an x16 weight (a team function, step_nodes.h); needs n->scratch */
 void gguf_x16_linear_team(const LinearNode *n);

@@ -57,7 +57,7 @@ def _register_returning() -> None:
         return None  # rewrites weight in place
 
     @reg(_NS + "quantized_embedding")
-    def _(table, bits, group_size, row_len, index):  # noqa: ANN001, ANN202
+    def _(table, bits, group_size, row_len, index, interleaved=False):  # noqa: ANN001, ANN202
         return index.new_empty(index.shape[0], row_len, dtype=torch.float32)  # [num_rows, row_len]
 
     @reg(_NS + "pack_panels")

@@ -491,7 +491,7 @@ Tensor quantized_linear(const Tensor &x, const Tensor &w, int64_t bits, int64_t 
 }
 
 /* rewrites a grouped int8 / int4 weight, rows a multiple of 16, in place into the x16 order (gguf_x16.h);
-   quantized_linear then takes it with interleaved=True (quantized_embedding no longer can) */
+   quantized_linear and quantized_embedding then take it with interleaved=True */
 void quantized_interleave_(const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features) {
     const char *op = "quantized_interleave_";
     const int type = check_group_weight(w, bits, group_size, in_features, op);
@@ -504,9 +504,11 @@ void quantized_interleave_(const Tensor &w, int64_t bits, int64_t group_size, in
 }
 
 StepNode quantized_embedding_node(const Tensor &table, int64_t bits, int64_t group_size, int64_t row_len,
-                                  const Tensor &index, const Tensor &out) {
+                                  const Tensor &index, const Tensor &out, bool interleaved) {
     const char *op = "quantized_embedding";
-    const int type = check_group_weight(table, bits, group_size, row_len, op);
+    const int type = check_group_weight(table, bits, group_size, row_len, op) + (interleaved ? GGUF_X16_BASE : 0);
+    TORCH_CHECK_VALUE(!interleaved || table.size(0) % X16_TILE == 0, op, ": an interleaved table has a multiple of ",
+                      X16_TILE, " rows, got ", table.size(0));
     TORCH_CHECK_VALUE(index.dim() == 1, op, ": the index must be 1-D, got ", shape_of(index));
     check_index_vector(index, index.size(0), op, "the index");
     check_tensor(out, at::kFloat, {index.size(0), row_len}, op, "the output");
@@ -517,10 +519,10 @@ StepNode quantized_embedding_node(const Tensor &table, int64_t bits, int64_t gro
 }
 
 Tensor quantized_embedding(const Tensor &table, int64_t bits, int64_t group_size, int64_t row_len,
-                           const Tensor &index) {
+                           const Tensor &index, bool interleaved) {
     TORCH_CHECK_VALUE(index.dim() == 1, "quantized_embedding: the index must be 1-D, got ", shape_of(index));
     Tensor out = at::empty({index.size(0), row_len}, index.options().dtype(at::kFloat));  // [num_rows, row_len]
-    const StepNode node = quantized_embedding_node(table, bits, group_size, row_len, index, out);
+    const StepNode node = quantized_embedding_node(table, bits, group_size, row_len, index, out, interleaved);
     check_node_indices(node);
     run_node(node, threads_for(out.numel()), "quantized_embedding");
     return out;
@@ -669,7 +671,8 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features, Tensor? bias, "
           "bool interleaved=False) -> Tensor");
     m.def("quantized_interleave_(Tensor(a!) weight, int bits, int group_size, int in_features) -> ()");
-    m.def("quantized_embedding(Tensor table, int bits, int group_size, int row_len, Tensor index) -> Tensor");
+    m.def("quantized_embedding(Tensor table, int bits, int group_size, int row_len, Tensor index, "
+          "bool interleaved=False) -> Tensor");
     m.def("pack_panels(Tensor weight) -> Tensor");
     m.def("pack_panels_bf16(Tensor weight) -> Tensor");
     m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");

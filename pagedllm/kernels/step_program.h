@@ -17,7 +17,7 @@
  *   gguf_linear          x, weight, bias?, out                    type, in_features
  *   gguf_embedding       table, index, out                        type, row_len
  *   quantized_linear     x, weight, bias?, out                    bits, group_size, in_features, interleaved
- *   quantized_embedding  table, index, out                        bits, group_size, row_len
+ *   quantized_embedding  table, index, out                        bits, group_size, row_len, interleaved
  *   write_kv             k, v, k_cache, v_cache, slots
  *   paged_decode         q, k_cache, v_cache, tables, lens, out   window             scale
  *   gather_rows          table, index, out
@@ -153,7 +153,7 @@ struct StepProgram : torch::CustomClassHolder {
             return counts(4, 4, 0), quantized_linear_node(T(0), T(1), ints[0], ints[1], ints[2], maybe(t, 2), T(3),
                                                           ints[3] != 0);
         if (op == "quantized_embedding")
-            return counts(3, 3, 0), quantized_embedding_node(T(0), ints[0], ints[1], ints[2], T(1), T(2));
+            return counts(3, 4, 0), quantized_embedding_node(T(0), ints[0], ints[1], ints[2], T(1), T(2), ints[3] != 0);
         if (op == "write_kv") return counts(5, 0, 0), write_kv_node(T(0), T(1), T(2), T(3), T(4));
         if (op == "paged_decode")
             return counts(6, 1, 1), paged_decode_node(T(0), T(1), T(2), T(3), T(4), floats[0], T(5), ints[0]);

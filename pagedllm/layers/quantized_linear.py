@@ -235,6 +235,7 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = qweight.shape[0], embedding_dim
         self.bits, self.group_size = bits, group_size
         self.tp, self.vocab_start = tp, vocab_start
+        self.interleaved = False  # the groups' own order until interleave_quantized_weights (a tied head's table)
         self.register_buffer("qweight", qweight)
 
     @classmethod
@@ -254,7 +255,8 @@ class QuantizedEmbedding(nn.Module):
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).contiguous()  # [num_tokens]
-        out = torch.ops.pagedllm.quantized_embedding(self.qweight, self.bits, self.group_size, self.embedding_dim, ids)
+        out = torch.ops.pagedllm.quantized_embedding(self.qweight, self.bits, self.group_size, self.embedding_dim, ids,
+                                                     self.interleaved)
         return out.view(*input_ids.shape, self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -315,26 +317,31 @@ def prepare_quantized_loading(model: nn.Module, bits: int, group_size: int | Non
 
 def interleave_quantized_weights(model: nn.Module) -> int:
     """Interleave the int8 / int4 blocks of ``model``'s linear layers 16 rows at a time, in place; returns how
-    many layers were.
+    many tensors were.
 
     The same bytes in another order (``kernels/gguf_x16.h``), which the
     kernel multiplies with integer dot products on activations rounded to
     int8 per block of 32, as it does GGUF's blocks (``gguf_activations="int8"``).
-    A layer whose rows are not a multiple of 16 keeps the groups' order, and
-    so do blocks shared with the token embedding (a tied LM head), which
-    looks rows up in that order.
+    A layer whose rows are not a multiple of 16 keeps the groups' order. A
+    table shared by a tied LM head and the embedding is interleaved once,
+    and the embedding looks its rows up in the new order.
     """
-    looked_up = {m.qweight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, QuantizedEmbedding)}
-    count = 0
+    users: dict[int, list[nn.Module]] = {}  # qweight storage -> the modules reading it
     for module in model.modules():
-        if not (isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod)):
-            continue
-        qweight = module.qweight
-        if module.interleaved or qweight.shape[0] % INTERLEAVE_ROWS or qweight.untyped_storage().data_ptr() in looked_up:
-            continue
-        torch.ops.pagedllm.quantized_interleave_(qweight, module.quant_method.bits, module.group_size,
-                                                 module.in_features)
-        module.interleaved = True
+        if isinstance(module, QuantizedEmbedding) or (
+            isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod)
+        ):
+            users.setdefault(module.qweight.untyped_storage().data_ptr(), []).append(module)
+    count = 0
+    for modules in users.values():
+        heads = [m for m in modules if isinstance(m, Linear)]
+        qweight = modules[0].qweight
+        if not heads or any(m.interleaved for m in modules) or qweight.shape[0] % INTERLEAVE_ROWS:
+            continue  # an untied embedding only looks rows up: its groups' order serves as well
+        head = heads[0]
+        torch.ops.pagedllm.quantized_interleave_(qweight, head.quant_method.bits, head.group_size, head.in_features)
+        for module in modules:
+            module.interleaved = True
         count += 1
     return count
 

@@ -58,8 +58,9 @@ def _pagedllm_call(name: str, a: tuple, kwargs: dict, out: torch.Tensor | None) 
         interleaved = kwargs.get("interleaved", rest[0] if rest else False)
         return "quantized_linear", [x, weight, bias, out], [bits, group_size, in_features, int(interleaved)], []
     if name == "quantized_embedding" and out is not None:
-        table, bits, group_size, row_len, index = a
-        return "quantized_embedding", [table, index, out], [bits, group_size, row_len], []
+        table, bits, group_size, row_len, index, *rest = a
+        interleaved = kwargs.get("interleaved", rest[0] if rest else False)
+        return "quantized_embedding", [table, index, out], [bits, group_size, row_len, int(interleaved)], []
     if name == "write_kv":
         return "write_kv", list(a), [], []
     if name == "paged_decode":
