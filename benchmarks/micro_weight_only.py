@@ -7,7 +7,9 @@ down_proj, 49152x576 the LM head) and row count, the time of one call of:
 
 - ``quantized_linear`` int8 (one group per channel, the default) and int4
   (groups of 128, or 64 where 128 does not divide ``in``: the group torch's
-  int4 kernel takes too), ``layers/quantized_linear.py``;
+  int4 kernel takes too), ``layers/quantized_linear.py``, in the groups'
+  own order (float32 activations) and interleaved (``x16``: activations
+  rounded to int8, integer dot products; the engine's default);
 - torch's ``aten._weight_int8pack_mm`` (int8, a scale per channel) and
   ``aten._weight_int4pack_mm_for_cpu`` (int4 with a scale and zero per
   group, weights from ``_convert_weight_to_int4pack_for_cpu``), on the same
@@ -69,14 +71,18 @@ def _shape(n: int, k: int, rows_list: list[int], lib: object) -> None:
     copies = max(1, FLOAT32_BYTES // (4 * n * k))
     group4 = 128 if k % 128 == 0 else 64
     weights = [torch.randn(n, k) for _ in range(copies)]
-    kernels: dict[str, list] = {"ours8": [], "ours4": [], "torch8": [], "torch4": [], "torch8_bf16": [],
-                                "torch4_bf16": [], "panels": []}
+    kernels: dict[str, list] = {"ours8": [], "ours4": [], "ours8x16": [], "ours4x16": [], "torch8": [], "torch4": [],
+                                "torch8_bf16": [], "torch4_bf16": [], "panels": []}
     for w in weights:
         q, s, _ = quantize_groups(w, 8, k)
         kernels["ours8"].append(pack_groups(q, s, None, 8))
         kernels["torch8"].append((q, s.reshape(n)))
         kernels["torch8_bf16"].append((q, s.reshape(n).bfloat16()))
         kernels["ours4"].append(pack_groups(*quantize_groups(w, 4, group4), 4))
+        for bits, group in ((8, k), (4, group4)):
+            interleaved = kernels[f"ours{bits}"][-1].clone()
+            lib.quantized_interleave_(interleaved, bits, group, k)
+            kernels[f"ours{bits}x16"].append(interleaved)
         packed, scales_zeros = _torch_int4(w, group4)
         kernels["torch4"].append((packed, scales_zeros))
         kernels["torch4_bf16"].append((packed, scales_zeros.bfloat16()))
@@ -96,6 +102,9 @@ def _times(x: torch.Tensor, n: int, k: int, group4: int, kernels: dict[str, list
         "ours int8": _us([lambda b=b: lib.quantized_linear(x, b, 8, k, k, None) for b in kernels["ours8"]]),
         f"ours int4 g{group4}": _us([lambda b=b: lib.quantized_linear(x, b, 4, group4, k, None)
                                     for b in kernels["ours4"]]),
+        "ours int8 x16": _us([lambda b=b: lib.quantized_linear(x, b, 8, k, k, None, True) for b in kernels["ours8x16"]]),
+        f"ours int4 g{group4} x16": _us([lambda b=b: lib.quantized_linear(x, b, 4, group4, k, None, True)
+                                        for b in kernels["ours4x16"]]),
         "torch int8pack": _us([lambda t=t: int8pack(x, *t) for t in kernels["torch8"]]),
         f"torch int4pack g{group4}": _us([lambda t=t: int4pack(x, t[0], group4, t[1]) for t in kernels["torch4"]]),
         "torch int8pack bf16": _us([lambda t=t: int8pack(xb, *t) for t in kernels["torch8_bf16"]]),
