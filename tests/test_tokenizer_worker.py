@@ -70,3 +70,18 @@ def test_a_short_text_does_not_wait_for_a_long_one(worker: TokenizerWorker, hf_t
     assert count == len(hf_tok.encode(SENTENCE, add_special_tokens=False))
     assert long_count == len(hf_tok.encode(long_text, add_special_tokens=False))
     assert long_still_running  # one queue for both: the short text was answered after the long one
+
+
+def test_concurrent_short_texts_each_get_their_own_ids(worker: TokenizerWorker, hf_tok) -> None:  # noqa: ANN001
+    """The server thread pool's tokenizer is one object used by many threads at once: no answer may mix."""
+    texts = [f"{i}: {SENTENCE * (1 + i % 7)}" for i in range(64)]
+
+    async def all_at_once() -> list:
+        return await asyncio.gather(*(worker.encode(t, add_special_tokens=False) for t in texts),
+                                    *(worker.decode(hf_tok.encode(t, add_special_tokens=False)) for t in texts))
+
+    results = asyncio.run(all_at_once())
+    for text, (count, ids), decoded in zip(texts, results[:64], results[64:]):
+        want = hf_tok.encode(text, add_special_tokens=False)
+        assert (count, ids) == (len(want), want)
+        assert decoded == hf_tok.decode(want, skip_special_tokens=False)
