@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the GGUF kernels
 Q = GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]  # 32-weight blocks; gguf's writer quantizes to these
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256-weight super-blocks (Q4_K_M files)
-LOW_K_TYPES = [Q.Q2_K, Q.Q3_K]  # Q2_K / Q3_K_M files: the file's order only, float activations
+LOW_K_TYPES = [Q.Q2_K, Q.Q3_K]  # Q2_K / Q3_K_M files
 FLOAT_TYPES = [Q.F16, Q.BF16]
 ALL_TYPES = TYPES + K_TYPES + LOW_K_TYPES + FLOAT_TYPES
 # the fp16 fields of a block that scale its quants: (byte offset, size of the values drawn)
@@ -149,7 +149,7 @@ def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:
 
 
 # --- interleaved blocks and 8-bit activations (kernels/gguf_x16.h) ----------------------------------
-X16_TYPES = TYPES + K_TYPES
+X16_TYPES = TYPES + K_TYPES + LOW_K_TYPES
 X16 = {t: 512 + int(t) for t in X16_TYPES}  # the kernels' numbers for the types interleaved 16 rows at a time
 
 
@@ -480,8 +480,8 @@ def test_tiny_q2_k_and_q3_k_files_run_from_their_blocks(
     tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Q3_K_M-like (Q3_K, v_proj Q5_K, down_proj Q4_K) and Q2_K-like (Q2_K, Q3_K v/down) files: the low k-quants
-    stay in their blocks in the file's order (no interleaved kernel for them yet), float weights nowhere; tokens
-    equal transformers' on the blocks' weights on float32 activations."""
+    stay in their blocks, float weights nowhere; tokens equal transformers' on the blocks' weights on float32
+    activations (the file's order), and part from them at a near-tie only on int8 ones (interleaved)."""
     hf = _k_quant_model("llama")
     path = os.path.join(tmp_path_factory.mktemp("gguf-low-k"), f"tiny-{base.name}.gguf")
     rounded = write_quantized_gguf(hf, "llama", base, path, {"v_proj.weight": others[0], "down_proj.weight": others[1]})
@@ -497,10 +497,11 @@ def test_tiny_q2_k_and_q3_k_files_run_from_their_blocks(
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
-    # by default the parts that have an interleaved kernel take it; the low k-quants stay as they are
+    # by default every part is interleaved, each in its own type
     llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64)
-    qkv = llm.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.quant_method.name == f"gguf-{low}+{low}+{others[0].name.lower()}" + ("-x16" if base == Q.Q3_K else "")
+    layer = llm.llm_engine.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method.name == f"gguf-{low}-x16+{low}-x16+{others[0].name.lower()}-x16"
+    assert layer.mlp.gate_up_proj.quant_method.name == f"gguf-{low}-x16"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

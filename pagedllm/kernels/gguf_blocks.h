@@ -62,10 +62,11 @@ enum GroupType { GROUP_I8 = 256, GROUP_I4 = 257 };
 
 static inline bool is_group_type(int type) { return type == GROUP_I8 || type == GROUP_I4; }
 
-/* Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, GROUP_I8 and GROUP_I4 interleaved 16 rows at a time (gguf_x16.h):
+/* Q4_0, Q4_1, Q8_0, the k-quants Q2_K to Q6_K, GROUP_I8 and GROUP_I4 interleaved 16 rows at a time (gguf_x16.h):
    the same bytes in another order, numbered 512 + the type */
 enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4_1_X16 = 512 + GGUF_Q4_1,
-                   GGUF_Q8_0_X16 = 512 + GGUF_Q8_0, GGUF_Q4_K_X16 = 512 + GGUF_Q4_K,
+                   GGUF_Q8_0_X16 = 512 + GGUF_Q8_0, GGUF_Q2_K_X16 = 512 + GGUF_Q2_K, GGUF_Q3_K_X16 = 512 + GGUF_Q3_K,
+                   GGUF_Q4_K_X16 = 512 + GGUF_Q4_K,
                    GGUF_Q5_K_X16 = 512 + GGUF_Q5_K, GGUF_Q6_K_X16 = 512 + GGUF_Q6_K,
                    GROUP_I8_X16 = 512 + GROUP_I8, GROUP_I4_X16 = 512 + GROUP_I4 };
 #define X16_TILE 16 /* rows (output channels) a tile interleaves */
@@ -73,8 +74,8 @@ enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4
 /* the ggml types (and grouped types) gguf_x16.h interleaves */
 static inline bool x16_takes(int ggml_type) {
     switch (ggml_type) {
-        case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q8_0: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K:
-        case GROUP_I8: case GROUP_I4: return true;
+        case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q8_0: case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K:
+        case GGUF_Q5_K: case GGUF_Q6_K: case GROUP_I8: case GROUP_I4: return true;
         default: return false;
     }
 }

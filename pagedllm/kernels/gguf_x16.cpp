@@ -63,6 +63,7 @@ static inline fvec fadd(fvec a, fvec b) { return _mm512_add_ps(a, b); }
 /* byte ops for the k-quants' upper bits (16-bit shifts: the masks drop what crosses a byte) */
 static inline ivec ibits(ivec v, int s, int mask) { return _mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8((char)mask)); }
 static inline ivec ishl4(ivec v) { return _mm512_slli_epi16(v, 4); }
+static inline ivec ishl2(ivec v) { return _mm512_slli_epi16(v, 2); }
 static inline ivec ior(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 /* 32-bit lane ops: one lane per channel */
 static inline ivec lanes_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -105,6 +106,7 @@ static inline fvec fload(const float *p) { return _mm256_loadu_ps(p); }
 static inline fvec fadd(fvec a, fvec b) { return _mm256_add_ps(a, b); }
 static inline ivec ibits(ivec v, int s, int mask) { return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask)); }
 static inline ivec ishl4(ivec v) { return _mm256_slli_epi16(v, 4); }
+static inline ivec ishl2(ivec v) { return _mm256_slli_epi16(v, 2); }
 static inline ivec ior(ivec a, ivec b) { return _mm256_or_si256(a, b); }
 static inline ivec lanes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline ivec lanes_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -147,6 +149,7 @@ static inline fvec fload(const float *p) { return *p; }
 static inline fvec fadd(fvec a, fvec b) { return a + b; }
 static inline ivec ibits(ivec v, int s, int mask) { return (int32_t)(((uint32_t)v >> s) & ((uint32_t)mask * 0x01010101u)); }
 static inline ivec ishl4(ivec v) { return (int32_t)((uint32_t)v << 4); }
+static inline ivec ishl2(ivec v) { return (int32_t)((uint32_t)v << 2); }
 static inline ivec ior(ivec a, ivec b) { return a | b; }
 static inline ivec lanes_u8(const uint8_t *p) { return p[0]; }
 static inline ivec lanes_s8(const uint8_t *p) { return (int8_t)p[0]; }
@@ -305,6 +308,77 @@ static void move_kblock(int type, uint8_t *const *raw, uint8_t *tile, bool to_ti
     }
 }
 
+/* ---- Q2_K and Q3_K's layout ---- */
+
+/* offsets in a tile super-block of Q2_K / Q3_K (gguf_x16.h): run j's two vectors of 2-bit quants, then (Q3_K)
+   its vector of high bits */
+static inline int lk_run_bytes(int type) { return type == GGUF_Q3_K ? 192 : 128; }
+static inline int lk_run_offset(int type, int j) { return (type == GGUF_Q3_K ? 224 : 320) + lk_run_bytes(type) * j; }
+
+/* a raw Q2_K / Q3_K super-block's 256 quants' low 2 bits, and (Q3_K) their high bits: weight 128h + 32g + l
+   is bits 2g, 2g + 1 of qs[32h + l] and bit 4h + g of hmask[l] */
+static void unpack_raw_lowk(int type, const uint8_t *blk, int *q2, int *hbit) {
+    const uint8_t *qs = blk + (type == GGUF_Q3_K ? 32 : 16);
+    for (int n = 0; n < 256; n++) {
+        const int h = n / 128, g = n % 128 / 32, l = n % 32;
+        q2[n] = (qs[32 * h + l] >> (2 * g)) & 3;
+        hbit[n] = type == GGUF_Q3_K ? (blk[l] >> (4 * h + g)) & 1 : 0;
+    }
+}
+
+static void pack_raw_lowk(int type, const int *q2, const int *hbit, uint8_t *blk) {
+    uint8_t *qs = blk + (type == GGUF_Q3_K ? 32 : 16);
+    memset(qs, 0, 64);
+    if (type == GGUF_Q3_K) memset(blk, 0, 32);
+    for (int n = 0; n < 256; n++) {
+        const int h = n / 128, g = n % 128 / 32, l = n % 32;
+        qs[32 * h + l] |= (uint8_t)(q2[n] << (2 * g));
+        if (type == GGUF_Q3_K) blk[l] |= (uint8_t)(hbit[n] << (4 * h + g));
+    }
+}
+
+/* one tile super-block from the 16 raw super-blocks raw[c] of Q2_K / Q3_K (to_tile; c0 = 0, c1 = 16), or
+   back: channels [c0, c1)'s raw super-blocks from the tile's, into raw[c]. Q2_K: d[16] | dmin[16] |
+   scales[16 sub-blocks][16]; Q3_K: d[16] | S[12][16]; then 8 runs, chunk u (inputs 4u..4u + 3) of run j
+   at bits 2 (u % 4) of vector u / 4, byte 4c + i, and (Q3_K) its high bits at bit u of the third */
+static void move_lowk_block(int type, uint8_t *const *raw, uint8_t *tile, bool to_tile, int c0, int c1) {
+    const bool q3 = type == GGUF_Q3_K;
+    if (to_tile) memset(tile + lk_run_offset(type, 0), 0, (size_t)(8 * lk_run_bytes(type)));
+    for (int c = c0; c < c1; c++) {
+        uint8_t *src = raw[c];
+        uint8_t *halves = src + (q3 ? 108 : 80), *scales = src + (q3 ? 96 : 0);
+        const int num_halves = q3 ? 1 : 2, num_scales = q3 ? 12 : 16, scales_at = 32 * num_halves;
+        for (int i = 0; i < num_halves; i++) {
+            if (to_tile) memcpy(tile + 32 * i + 2 * c, halves + 2 * i, 2);
+            else memcpy(halves + 2 * i, tile + 32 * i + 2 * c, 2);
+        }
+        for (int i = 0; i < num_scales; i++) {
+            if (to_tile) tile[scales_at + 16 * i + c] = scales[i];
+            else scales[i] = tile[scales_at + 16 * i + c];
+        }
+        int q2[256], hbit[256];
+        if (to_tile) unpack_raw_lowk(type, src, q2, hbit);
+        for (int n = 0; n < 256; n++) {
+            const int j = n / 32, u = n % 32 / 4, i = n % 4;
+            uint8_t *lo = tile + lk_run_offset(type, j) + 64 * (u / 4) + 4 * c + i, *hi = tile + lk_run_offset(type, j) + 128 + 4 * c + i;
+            if (to_tile) {
+                *lo |= (uint8_t)(q2[n] << (2 * (u % 4)));
+                if (q3) *hi |= (uint8_t)(hbit[n] << u);
+            } else {
+                q2[n] = (*lo >> (2 * (u % 4))) & 3;
+                hbit[n] = q3 ? (*hi >> u) & 1 : 0;
+            }
+        }
+        if (!to_tile) pack_raw_lowk(type, q2, hbit, src);
+    }
+}
+
+/* the tile super-block's way in and out, by type */
+static void move_block256(int type, uint8_t *const *raw, uint8_t *tile, bool to_tile, int c0, int c1) {
+    if (type == GGUF_Q2_K || type == GGUF_Q3_K) move_lowk_block(type, raw, tile, to_tile, c0, c1);
+    else move_kblock(type, raw, tile, to_tile, c0, c1);
+}
+
 void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t tile0, int64_t tile1) {
     const int64_t block_bytes = gguf_block_bytes(type), num_blocks = in_features / gguf_block_weights(type);
     const int64_t row_bytes = num_blocks * block_bytes, tile_bytes = X16_TILE * row_bytes;
@@ -316,7 +390,7 @@ void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t
             uint8_t *src[X16_TILE];
             for (int c = 0; c < X16_TILE; c++) src[c] = copy + c * row_bytes + b * block_bytes;
             if (gguf_block_weights(type) == 256)
-                move_kblock(type, src, tile + b * X16_TILE * block_bytes, true, 0, X16_TILE);
+                move_block256(type, src, tile + b * X16_TILE * block_bytes, true, 0, X16_TILE);
             else
                 interleave_block(type, src, tile + b * X16_TILE * block_bytes);
         }
@@ -409,7 +483,7 @@ void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_fe
     for (int64_t b = 0; b < num_blocks; b++) {
         uint8_t *tile_block = (uint8_t *)tile + b * X16_TILE * block_bytes;
         if (block_weights == 256)
-            move_kblock(type, raws, tile_block, false, (int)c, (int)c + 1);
+            move_block256(type, raws, tile_block, false, (int)c, (int)c + 1);
         else
             raw_block(type, tile_block, (int)c, raw);
         gguf_row(type, raw, block_weights, out + b * block_weights);
@@ -663,6 +737,75 @@ static inline __attribute__((always_inline)) void gtile_rows(const LinearNode *n
     }
 }
 
+/* Q3_K sub-block s's 6-bit scale less 32 for the lanes' channels (S: the tile's S[12][16] + the lanes' first
+   channel): low 4 bits in the nibbles of bytes 0..7, high 2 in pairs of bytes 8..11 */
+static inline __attribute__((always_inline)) ivec q3k_scale(const uint8_t *S, int s) {
+    const ivec low = s < 8 ? land(lanes_u8(S + 16 * s), 15) : lsrl(lanes_u8(S + 16 * (s - 8)), 4);
+    const ivec high = land(lsrl(lanes_u8(S + 16 * (8 + s % 4)), 2 * (s / 4)), 3);
+    return ladd(ior(low, lsll(high, 4)), lset1(-32));
+}
+
+/* Q2_K / Q3_K: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a 32-input run (two
+   sub-blocks of 16) at a time, summed in integers per sub-block and scaled as gguf_x16.h writes */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void lktile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                              int64_t r0, int h) {
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, nsb = k / 256, sb_bytes = gguf_block_bytes(TYPE);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nsb * sb_bytes;
+    const int lane_bytes = 4 * X16_VL;
+    fvec acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = fzero();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
+        const fvec d = fhalves(blk + 2 * X16_VL * h);
+        const fvec neg_dmin = TYPE == GGUF_Q2_K ? fmul(fhalves(blk + 32 + 2 * X16_VL * h), fset1(-1.0f)) : fzero();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *run = blk + lk_run_offset(TYPE, j) + lane_bytes * h;
+            ivec isum_lo[MR], isum_hi[MR];  // over the run's first 16 inputs (sub-block 2j), its last 16
+            for (int r = 0; r < MR; r++) isum_lo[r] = izero(), isum_hi[r] = izero();
+            const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
+            const ivec w0 = iload(run), w1 = iload(run + 64);
+            const ivec top = TYPE == GGUF_Q3_K ? iload(run + 128) : izero();
+            for (int u = 0; u < 8; u++) {
+                ivec q = ibits(u < 4 ? w0 : w1, 2 * (u % 4), 3);
+                if (TYPE == GGUF_Q3_K) q = ior(q, ishl2(ibits(top, u, 1)));
+                for (int r = 0; r < MR; r++) {
+                    ivec *isum = u < 4 ? isum_lo : isum_hi;
+                    isum[r] = dot_u4(isum[r], q, iquad(xq + r * k + 4 * u));
+                }
+            }
+            if (TYPE == GGUF_Q3_K) {
+                const uint8_t *S = blk + 32 + X16_VL * h;
+                const ivec sc_lo = q3k_scale(S, 2 * j), sc_hi = q3k_scale(S, 2 * j + 1);
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
+                    const ivec sum = ladd(lmul(isub_all(isum_lo[r], 4 * sx_lo), sc_lo), lmul(isub_all(isum_hi[r], 4 * sx_hi), sc_hi));
+                    acc[r] = ffma(fcvt(sum), fmul(d, fset1(qr.d[i])), acc[r]);
+                }
+            } else {
+                const uint8_t *sc = blk + 64 + X16_VL * h;
+                const ivec b_lo = lanes_u8(sc + 16 * (2 * j)), b_hi = lanes_u8(sc + 16 * (2 * j + 1));
+                const ivec sc_lo = land(b_lo, 15), sc_hi = land(b_hi, 15), m_lo = lsrl(b_lo, 4), m_hi = lsrl(b_hi, 4);
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
+                    const fvec dx = fset1(qr.d[i]);
+                    const ivec sum = ladd(lmul(isum_lo[r], sc_lo), lmul(isum_hi[r], sc_hi));
+                    const ivec mins = ladd(lmul(m_lo, lset1(sx_lo)), lmul(m_hi, lset1(sx_hi)));
+                    acc[r] = ffma(fcvt(sum), fmul(d, dx), acc[r]);
+                    acc[r] = ffma(fcvt(mins), fmul(neg_dmin, dx), acc[r]);
+                }
+            }
+        }
+    }
+    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
+    for (int r = 0; r < MR; r++) {
+        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
+        fstore(n->y + (r0 + r) * cols + c0, v);
+    }
+}
+
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void rows_against_tile(const LinearNode *n, const QRows &qr, int64_t t,
                                                                     int64_t r0, int h) {
@@ -670,6 +813,8 @@ static inline __attribute__((always_inline)) void rows_against_tile(const Linear
         ktile_rows<MR, TYPE>(n, qr, t, r0, h);
     else if constexpr (TYPE == GROUP_I8 || TYPE == GROUP_I4)
         gtile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else if constexpr (TYPE == GGUF_Q2_K || TYPE == GGUF_Q3_K)
+        lktile_rows<MR, TYPE>(n, qr, t, r0, h);
     else
         tile_rows<MR, TYPE>(n, qr, t, r0, h);
 }
@@ -712,6 +857,8 @@ void gguf_x16_linear_team(const LinearNode *n) {
                 case GGUF_Q8_0: tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m); break;
                 case GGUF_Q4_K: tile_team_rows<GGUF_Q4_K>(n, qr, t, row0, m); break;
                 case GGUF_Q5_K: tile_team_rows<GGUF_Q5_K>(n, qr, t, row0, m); break;
+                case GGUF_Q2_K: tile_team_rows<GGUF_Q2_K>(n, qr, t, row0, m); break;
+                case GGUF_Q3_K: tile_team_rows<GGUF_Q3_K>(n, qr, t, row0, m); break;
                 case GROUP_I8: tile_team_rows<GROUP_I8>(n, qr, t, row0, m); break;
                 case GROUP_I4: tile_team_rows<GROUP_I4>(n, qr, t, row0, m); break;
                 default: tile_team_rows<GGUF_Q6_K>(n, qr, t, row0, m); break;

@@ -58,6 +58,18 @@
  * (isum_lo / sx_lo over the run's first 16 inputs; every product fits
  * float32's 24 bits, so the conversions are exact).
  *
+ * Q2_K and Q3_K keep their 2-bit quants four to a byte, a run's 8 chunks of
+ * 4 inputs in two vectors (chunk u at bits 2 (u % 4) of vector u / 4, byte
+ * 4c + i), and Q3_K each quant's third bit at bit u of a third vector:
+ *
+ *     Q2_K  d[16] | dmin[16] | sc[16][16] (scale | min << 4) | 8 runs of: 2 x 64 B         1344 B
+ *     Q3_K  d[16] | S[12][16] (the packed 6-bit scales) | 8 runs of: 2 x 64 B | hbits 64 B  1760 B
+ *
+ * and a run sums its two 16-input sub-blocks apart:
+ *
+ *   Q2_K  y += float(sc_lo isum_lo + sc_hi isum_hi) d dx  +  float(m_lo sx_lo + m_hi sx_hi) (-dmin) dx
+ *   Q3_K  y += float(s_lo (isum_lo - 4 sx_lo) + s_hi (isum_hi - 4 sx_hi)) d dx     (s = 6-bit scale - 32)
+ *
  * pagedllm's grouped int8 / int4 (GROUP_I8 / GROUP_I4, gguf_blocks.h) go the
  * same way, a tile group (16 x group bytes) holding the 16 channels' float32
  * scales (and mins) side by side, then the group's G / 32 runs back to back:
