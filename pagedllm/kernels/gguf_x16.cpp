@@ -379,25 +379,6 @@ static void move_block256(int type, uint8_t *const *raw, uint8_t *tile, bool to_
     else move_kblock(type, raw, tile, to_tile, c0, c1);
 }
 
-void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t tile0, int64_t tile1) {
-    const int64_t block_bytes = gguf_block_bytes(type), num_blocks = in_features / gguf_block_weights(type);
-    const int64_t row_bytes = num_blocks * block_bytes, tile_bytes = X16_TILE * row_bytes;
-    uint8_t *copy = new uint8_t[tile_bytes];  // the tile's rows as the file has them
-    for (int64_t t = tile0; t < tile1; t++) {
-        uint8_t *tile = weight + t * tile_bytes;
-        memcpy(copy, tile, (size_t)tile_bytes);
-        for (int64_t b = 0; b < num_blocks; b++) {
-            uint8_t *src[X16_TILE];
-            for (int c = 0; c < X16_TILE; c++) src[c] = copy + c * row_bytes + b * block_bytes;
-            if (gguf_block_weights(type) == 256)
-                move_block256(type, src, tile + b * X16_TILE * block_bytes, true, 0, X16_TILE);
-            else
-                interleave_block(type, src, tile + b * X16_TILE * block_bytes);
-        }
-    }
-    delete[] copy;
-}
-
 /* ---- the grouped types' layout ---- */
 
 static inline int64_t group_head_bytes(int type) { return type == GROUP_I4 ? 128 : 64; }
@@ -423,18 +404,24 @@ static void interleave_group(int type, uint8_t *const *src, uint8_t *dst, int64_
     }
 }
 
-void gguf_x16_group_interleave(uint8_t *weight, int type, int64_t in_features, int64_t group, int64_t tile0,
-                               int64_t tile1) {
-    const int64_t group_bytes = group_block_bytes(type, group), num_groups = in_features / group;
-    const int64_t row_bytes = num_groups * group_bytes, tile_bytes = X16_TILE * row_bytes;
-    uint8_t *copy = new uint8_t[tile_bytes];  // the tile's rows in the groups' own order
+void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t group, int64_t tile0, int64_t tile1) {
+    const bool grouped = is_group_type(type);
+    const int64_t block_bytes = grouped ? group_block_bytes(type, group) : gguf_block_bytes(type);
+    const int64_t num_blocks = in_features / (grouped ? group : gguf_block_weights(type));
+    const int64_t row_bytes = num_blocks * block_bytes, tile_bytes = X16_TILE * row_bytes;
+    uint8_t *copy = new uint8_t[tile_bytes];  // the tile's rows in their blocks' own order
     for (int64_t t = tile0; t < tile1; t++) {
         uint8_t *tile = weight + t * tile_bytes;
         memcpy(copy, tile, (size_t)tile_bytes);
-        for (int64_t g = 0; g < num_groups; g++) {
-            uint8_t *src[X16_TILE];
-            for (int c = 0; c < X16_TILE; c++) src[c] = copy + c * row_bytes + g * group_bytes;
-            interleave_group(type, src, tile + g * X16_TILE * group_bytes, group);
+        for (int64_t b = 0; b < num_blocks; b++) {
+            uint8_t *src[X16_TILE], *dst = tile + b * X16_TILE * block_bytes;
+            for (int c = 0; c < X16_TILE; c++) src[c] = copy + c * row_bytes + b * block_bytes;
+            if (grouped)
+                interleave_group(type, src, dst, group);
+            else if (gguf_block_weights(type) == 256)
+                move_block256(type, src, dst, true, 0, X16_TILE);
+            else
+                interleave_block(type, src, dst);
         }
     }
     delete[] copy;
@@ -534,6 +521,38 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
 
 /* ---- the tile kernel ---- */
 
+/* one run of 32 inputs of a tile's lanes against rows xq, xq + k, ...: isum[r] += the integer dot products,
+   from 8 chunks of signed 8-bit quants (q8, the sign flipped as stored) or 4 chunks of nibble pairs */
+template <int MR>
+static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_t *qs, const int8_t *xq, int64_t k,
+                                                           ivec *isum) {
+    if (q8) {
+        for (int u = 0; u < 8; u++) {
+            const ivec w = iload(qs + 64 * u);
+            for (int r = 0; r < MR; r++) isum[r] = dot_q8(isum[r], w, iquad(xq + r * k + 4 * u));
+        }
+        return;
+    }
+    for (int u = 0; u < 4; u++) {
+        const ivec w = iload(qs + 64 * u), lo = nib_lo(w), hi = nib_hi(w);
+        for (int r = 0; r < MR; r++) {
+            isum[r] = dot_u4(isum[r], lo, iquad(xq + r * k + 8 * u));
+            isum[r] = dot_u4(isum[r], hi, iquad(xq + r * k + 8 * u + 4));
+        }
+    }
+}
+
+/* y[r0 + r][the lanes' channels of tile t] = acc[r] (+ bias) */
+template <int MR>
+static inline __attribute__((always_inline)) void store_rows(const LinearNode *n, const fvec *acc, int64_t t,
+                                                             int64_t r0, int h) {
+    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
+    for (int r = 0; r < MR; r++) {
+        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
+        fstore(n->y + (r0 + r) * cols + c0, v);
+    }
+}
+
 /* rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL) of its 16 channels; TYPE the
    ggml type */
 template <int MR, int TYPE>
@@ -550,21 +569,7 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
         const uint8_t *blk = tile + b * X16_TILE * block_bytes, *qs = blk + head + lane_bytes * h;
         ivec isum[MR];
         for (int r = 0; r < MR; r++) isum[r] = izero();
-        if (type == GGUF_Q8_0) {
-            for (int j = 0; j < 8; j++) {
-                const ivec w = iload(qs + 64 * j);
-                for (int r = 0; r < MR; r++) isum[r] = dot_q8(isum[r], w, iquad(qr.q + (r0 + r) * k + b * 32 + 4 * j));
-            }
-        } else {
-            for (int j = 0; j < 4; j++) {
-                const ivec w = iload(qs + 64 * j), lo = nib_lo(w), hi = nib_hi(w);
-                for (int r = 0; r < MR; r++) {
-                    const int8_t *xq = qr.q + (r0 + r) * k + b * 32 + 8 * j;
-                    isum[r] = dot_u4(isum[r], lo, iquad(xq));
-                    isum[r] = dot_u4(isum[r], hi, iquad(xq + 4));
-                }
-            }
-        }
+        run_sums<MR>(type == GGUF_Q8_0, qs, qr.q + r0 * k + b * 32, k, isum);
         const fvec d = fhalves(blk + 2 * X16_VL * h);
         for (int r = 0; r < MR; r++) {
             const int64_t i = (r0 + r) * nb + b;
@@ -579,11 +584,7 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
             }
         }
     }
-    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
-    for (int r = 0; r < MR; r++) {
-        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
-        fstore(n->y + (r0 + r) * cols + c0, v);
-    }
+    store_rows<MR>(n, acc, t, r0, h);
 }
 
 /* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
@@ -672,11 +673,7 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
             }
         }
     }
-    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
-    for (int r = 0; r < MR; r++) {
-        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
-        fstore(n->y + (r0 + r) * cols + c0, v);
-    }
+    store_rows<MR>(n, acc, t, r0, h);
 }
 
 /* GROUP_I8 / GROUP_I4: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a group at a
@@ -701,21 +698,7 @@ static inline __attribute__((always_inline)) void gtile_rows(const LinearNode *n
             const int64_t b = g * num_runs + j;
             ivec isum[MR];
             for (int r = 0; r < MR; r++) isum[r] = izero();
-            if (TYPE == GROUP_I8) {
-                for (int u = 0; u < 8; u++) {
-                    const ivec w = iload(qs + 64 * u);
-                    for (int r = 0; r < MR; r++) isum[r] = dot_q8(isum[r], w, iquad(qr.q + (r0 + r) * k + b * 32 + 4 * u));
-                }
-            } else {
-                for (int u = 0; u < 4; u++) {
-                    const ivec w = iload(qs + 64 * u), lo = nib_lo(w), hi = nib_hi(w);
-                    for (int r = 0; r < MR; r++) {
-                        const int8_t *xq = qr.q + (r0 + r) * k + b * 32 + 8 * u;
-                        isum[r] = dot_u4(isum[r], lo, iquad(xq));
-                        isum[r] = dot_u4(isum[r], hi, iquad(xq + 4));
-                    }
-                }
-            }
+            run_sums<MR>(TYPE == GROUP_I8, qs, qr.q + r0 * k + b * 32, k, isum);
             for (int r = 0; r < MR; r++) {
                 const int64_t i = (r0 + r) * nb + b;
                 const ivec sum = TYPE == GROUP_I8 && X16_Q8_OFFSET ? isub_all(isum[r], X16_Q8_OFFSET * qr.s[i]) : isum[r];
@@ -730,11 +713,7 @@ static inline __attribute__((always_inline)) void gtile_rows(const LinearNode *n
             for (int r = 0; r < MR; r++) acc[r] = ffma(min, fset1(xsum[r]), acc[r]);
         }
     }
-    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
-    for (int r = 0; r < MR; r++) {
-        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
-        fstore(n->y + (r0 + r) * cols + c0, v);
-    }
+    store_rows<MR>(n, acc, t, r0, h);
 }
 
 /* Q3_K sub-block s's 6-bit scale less 32 for the lanes' channels (S: the tile's S[12][16] + the lanes' first
@@ -799,11 +778,7 @@ static inline __attribute__((always_inline)) void lktile_rows(const LinearNode *
             }
         }
     }
-    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
-    for (int r = 0; r < MR; r++) {
-        const fvec v = n->bias ? fadd(acc[r], fload(n->bias + c0)) : acc[r];
-        fstore(n->y + (r0 + r) * cols + c0, v);
-    }
+    store_rows<MR>(n, acc, t, r0, h);
 }
 
 template <int MR, int TYPE>

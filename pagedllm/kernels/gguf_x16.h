@@ -95,14 +95,10 @@
    then each block's dx (float32), sx (int32) and sum of its first 16 quants (int32) */
 int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features);
 
-/* rows [tile0 * 16, tile1 * 16) of a [rows, in_features / block weights * block bytes] tensor of ggml
-   `type` (x16_takes), rewritten in place in the x16 order of that type */
-void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t tile0, int64_t tile1);
-
-/* rows [tile0 * 16, tile1 * 16) of a [rows, in_features / group * group bytes] GROUP_I8 / GROUP_I4 weight,
-   rewritten in place in the x16 order of that type */
-void gguf_x16_group_interleave(uint8_t *weight, int type, int64_t in_features, int64_t group, int64_t tile0,
-                               int64_t tile1);
+/* rows [tile0 * 16, tile1 * 16) of a [rows, row bytes] tensor of `type` (x16_takes: a ggml type, or
+   GROUP_I8 / GROUP_I4 in groups of `group` weights; `group` is unused for the others), rewritten in place in
+   the x16 order of that type */
+void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t group, int64_t tile0, int64_t tile1);
 
 /* the in_features weights of row `row` of an x16 table, as float32: the values gguf_row (or, for the grouped
    types of `group` weights, blocks_row) gives for the row's blocks in their own order */

@@ -384,16 +384,22 @@ StepNode gguf_linear_node(const Tensor &x, const Tensor &w, int64_t type, int64_
     return node;
 }
 
+/* runs a linear node over quantized blocks; one over interleaved blocks first gets the scratch its rows are
+   rounded to int8 in ([bytes] uint8) */
+void run_blocks_linear(StepNode &node, const char *op) {
+    Tensor scratch;
+    if (is_x16_type(node.linear.weight_type)) {
+        scratch = at::empty({gguf_x16_scratch_bytes(node.linear.rows, node.linear.in_features)}, at::kByte);
+        node.linear.scratch = reinterpret_cast<uint16_t *>(scratch.data_ptr());
+    }
+    run_node(node, num_threads(), op);
+}
+
 Tensor gguf_linear(const Tensor &x, const Tensor &w, int64_t type, int64_t in_features, const OptTensor &bias) {
     TORCH_CHECK_VALUE(w.dim() == 2, "gguf_linear: expected a 2-D quantized weight, got shape ", shape_of(w));
     Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
     StepNode node = gguf_linear_node(x, w, type, in_features, bias, out);
-    Tensor scratch;  // [bytes] uint8: the rows rounded to int8 blocks, for an interleaved weight
-    if (is_x16_type((int)type)) {
-        scratch = at::empty({gguf_x16_scratch_bytes(x.size(0), in_features)}, x.options().dtype(at::kByte));
-        node.linear.scratch = reinterpret_cast<uint16_t *>(scratch.data_ptr());
-    }
-    run_node(node, num_threads(), "gguf_linear");
+    run_blocks_linear(node, "gguf_linear");
     return out;
 }
 
@@ -440,7 +446,7 @@ void gguf_interleave_(const Tensor &w, int64_t type, int64_t in_features) {
                       " rows");
     uint8_t *bytes = w.data_ptr<uint8_t>();
     at::parallel_for(0, w.size(0) / X16_TILE, 1, [&](int64_t begin, int64_t end) {
-        gguf_x16_interleave(bytes, (int)type, in_features, begin, end);
+        gguf_x16_interleave(bytes, (int)type, in_features, 0, begin, end);
     });
 }
 
@@ -481,12 +487,7 @@ Tensor quantized_linear(const Tensor &x, const Tensor &w, int64_t bits, int64_t 
     TORCH_CHECK_VALUE(w.dim() == 2, "quantized_linear: expected a 2-D quantized weight, got shape ", shape_of(w));
     Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
     StepNode node = quantized_linear_node(x, w, bits, group_size, in_features, bias, out, interleaved);
-    Tensor scratch;  // [bytes] uint8: the rows rounded to int8 blocks, for an interleaved weight
-    if (interleaved) {
-        scratch = at::empty({gguf_x16_scratch_bytes(x.size(0), in_features)}, x.options().dtype(at::kByte));
-        node.linear.scratch = reinterpret_cast<uint16_t *>(scratch.data_ptr());
-    }
-    run_node(node, num_threads(), "quantized_linear");
+    run_blocks_linear(node, "quantized_linear");
     return out;
 }
 
@@ -499,7 +500,7 @@ void quantized_interleave_(const Tensor &w, int64_t bits, int64_t group_size, in
                       " rows");
     uint8_t *bytes = w.data_ptr<uint8_t>();
     at::parallel_for(0, w.size(0) / X16_TILE, 1, [&](int64_t begin, int64_t end) {
-        gguf_x16_group_interleave(bytes, type, in_features, group_size, begin, end);
+        gguf_x16_interleave(bytes, type, in_features, group_size, begin, end);
     });
 }
 
