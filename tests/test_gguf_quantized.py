@@ -26,7 +26,7 @@ from pagedllm.runner.model_loader import model_tensors, resident_bytes
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the GGUF kernels need the native build")
 
 Q = GGMLQuantizationType
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]  # 32-weight blocks; gguf's writer quantizes to these
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # 32-weight blocks; gguf's writer quantizes to these
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256-weight super-blocks (Q4_K_M files)
 LOW_K_TYPES = [Q.Q2_K, Q.Q3_K]  # Q2_K / Q3_K_M files
 FLOAT_TYPES = [Q.F16, Q.BF16]
@@ -34,6 +34,7 @@ ALL_TYPES = TYPES + K_TYPES + LOW_K_TYPES + FLOAT_TYPES
 # the fp16 fields of a block that scale its quants: (byte offset, size of the values drawn)
 _HALF_FIELDS = {
     Q.Q4_0: [(0, 0.02)], Q.Q4_1: [(0, 0.02), (2, -0.1)], Q.Q8_0: [(0, 0.02)],
+    Q.Q5_0: [(0, 0.01)], Q.Q5_1: [(0, 0.01), (2, -0.1)],
     Q.Q4_K: [(0, 0.002), (2, 0.002)], Q.Q5_K: [(0, 0.002), (2, 0.002)], Q.Q6_K: [(208, 0.002)],
     Q.Q2_K: [(80, 0.01), (82, 0.01)], Q.Q3_K: [(108, 0.01)],
 }
@@ -111,8 +112,8 @@ def test_embedding_rows_and_dequantize_equal_gguf(ggml_type: GGMLQuantizationTyp
 def test_bad_gguf_inputs_are_value_errors() -> None:
     raw = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=1))
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="no kernel for GGUF tensor type 6"):
-        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q5_0), 64, None)
+    with pytest.raises(ValueError, match="no kernel for GGUF tensor type 39"):
+        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.MXFP4), 64, None)
     with pytest.raises(ValueError, match="multiple of 256"):
         torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q4_K), 64, None)
     with pytest.raises(ValueError, match="rows of 40 bytes"):
@@ -124,7 +125,7 @@ def test_bad_gguf_inputs_are_value_errors() -> None:
     with pytest.raises(ValueError, match="outside the table of 8 rows"):
         torch.ops.pagedllm.gguf_embedding(raw, int(GGMLQuantizationType.Q4_1), 64, torch.tensor([1, 8]))
     with pytest.raises(ValueError, match="no GGUF kernel"):
-        GGUFLinearMethod(int(GGMLQuantizationType.Q5_0))
+        GGUFLinearMethod(int(GGMLQuantizationType.MXFP4))
 
 
 def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:
@@ -397,7 +398,7 @@ def write_quantized_gguf(
     return rounded
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     arch: str, ggml_type: GGMLQuantizationType, tiny_model_dirs: dict[str, str], hf_tiny: dict,
@@ -508,28 +509,63 @@ def test_tiny_q2_k_and_q3_k_files_run_from_their_blocks(
         assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
 
 
+@pytest.mark.parametrize("base", [Q.Q5_0, Q.Q5_1], ids=["Q4_K_M-narrow", "Q5_K_M-narrow"])
+def test_k_quant_files_of_narrow_rows_run_their_q5_fallbacks_from_their_blocks(
+    base: GGMLQuantizationType, tiny_model_dirs: dict[str, str], hf_tiny: dict,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Where a row is not whole super-blocks of 256 (SmolLM2's 576, Qwen2.5-0.5B's 896), llama-quantize's
+    Q4_K_M writes Q5_0 for Q4_K and Q8_0 for Q6_K; its Q5_K_M writes Q5_1 for Q5_K. Such a file (here the tiny
+    Llama's rows of 64 and 128) keeps every layer in its blocks: interleaved on 8-bit activations by default,
+    the file's order on float32 activations, where its tokens equal transformers' on the blocks' weights."""
+    import copy
+
+    hf = copy.deepcopy(hf_tiny["llama"])
+    path = os.path.join(tmp_path_factory.mktemp("gguf-q5"), f"tiny-{base.name}.gguf")
+    rounded = write_quantized_gguf(hf, "llama", base, path, {"v_proj.weight": Q.Q8_0, "down_proj.weight": Q.Q8_0})
+    hf.load_state_dict(rounded)
+    prompts = [[1, 400, 3000, 77, 12000, 5], list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    low = base.name.lower()
+    for activations, suffix in (("int8", "-x16"), ("float32", "")):
+        llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64,
+                  gguf_activations=activations)
+        model = llm.llm_engine.model_runner.model
+        assert llm.llm_engine.model_runner.weight_format == f"gguf:{base.name}+Q8_0"
+        assert model.model.layers[0].self_attn.qkv_proj.quant_method.name == "gguf-" + "+".join(
+            f"{t}{suffix}" for t in (low, low, "q8_0"))
+        assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == f"gguf-{low}{suffix}"
+        assert not any(p.dim() == 2 for p in model.parameters())  # no float weight matrix left
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for prompt, out in zip(prompts, outs):
+            if activations == "int8":
+                assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
+            else:
+                assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
 def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
     tiny_model_dirs: dict[str, str], hf_tiny: dict, tmp_path_factory: pytest.TempPathFactory,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Q5_0 has no kernel: those layers (v_proj, so the fused qkv, and down_proj) load as float32."""
+    """MXFP4 has no kernel here: those layers (v_proj, so the fused qkv, and down_proj) load as float32."""
     import copy
     import logging
 
     hf = copy.deepcopy(hf_tiny["llama"])
     path = os.path.join(tmp_path_factory.mktemp("gguf-mixed"), "mixed.gguf")
-    rounded = write_quantized_gguf(hf, "llama", Q.Q8_0, path, {"v_proj.weight": Q.Q5_0, "down_proj.weight": Q.Q5_1})
+    rounded = write_quantized_gguf(hf, "llama", Q.Q8_0, path, {"v_proj.weight": Q.MXFP4, "down_proj.weight": Q.MXFP4})
     hf.load_state_dict(rounded)
     with caplog.at_level(logging.WARNING, logger="pagedllm.runner.model_loader"):
         llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64)
-    assert "dequantized to float32" in caplog.text and "Q5_0" in caplog.text and "Q5_1" in caplog.text
+    assert "dequantized to float32" in caplog.text and "MXFP4" in caplog.text
     layer = llm.llm_engine.model_runner.model.model.layers[0]
     assert not layer.self_attn.qkv_proj.quant_method.name.startswith("gguf")
     assert not layer.mlp.down_proj.quant_method.name.startswith("gguf")
     assert layer.mlp.gate_up_proj.quant_method.name == "gguf-q8_0-x16"
     prompt = [1, 400, 3000, 77, 12000, 5]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+    assert_greedy_within_q8_noise(hf, prompt, out[0].outputs[0].token_ids)  # the Q8_0 layers: 8-bit activations
 
 
 _PAGES_SCRIPT = """

@@ -7,8 +7,12 @@
  *   Q8_0  34 bytes: d (fp16), qs[32] int8           w[i] = d * qs[i]
  *   Q4_0  18 bytes: d (fp16), qs[16] nibbles        w[i] = d * (q[i] - 8)
  *   Q4_1  20 bytes: d (fp16), m (fp16), qs[16]      w[i] = d * q[i] + m
+ *   Q5_0  22 bytes: d, qh[4], qs[16]                w[i] = d * (q[i] - 16)
+ *   Q5_1  24 bytes: d, m, qh[4], qs[16]             w[i] = d * q[i] + m
  * where the 4-bit q of a Q4 block lie as   byte j = q[j] | q[j + 16] << 4
- * (the low nibbles are weights 0..15, the high nibbles 16..31).
+ * (the low nibbles are weights 0..15, the high nibbles 16..31), and a Q5
+ * block's q[i] is that nibble with bit i of qh (a little-endian uint32) as
+ * its fifth bit.
  *
  * 256 weights a "super-block" (the k-quants of Q4_K_M / Q5_K_M files):
  *   Q4_K 144 bytes: d, dmin (fp16), scales[12], qs[128]
@@ -52,7 +56,7 @@
 #include <string.h>
 
 enum GgufType {
-    GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8, GGUF_Q2_K = 10, GGUF_Q3_K = 11,
+    GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q2_K = 10, GGUF_Q3_K = 11,
     GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30,
 };
 #define GGUF_BLOCK 32 /* a row's length is a multiple of this for every type the kernels take */
@@ -62,9 +66,10 @@ enum GroupType { GROUP_I8 = 256, GROUP_I4 = 257 };
 
 static inline bool is_group_type(int type) { return type == GROUP_I8 || type == GROUP_I4; }
 
-/* Q4_0, Q4_1, Q8_0, the k-quants Q2_K to Q6_K, GROUP_I8 and GROUP_I4 interleaved 16 rows at a time (gguf_x16.h):
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the k-quants Q2_K to Q6_K, GROUP_I8 and GROUP_I4 interleaved 16 rows at a time (gguf_x16.h):
    the same bytes in another order, numbered 512 + the type */
 enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4_1_X16 = 512 + GGUF_Q4_1,
+                   GGUF_Q5_0_X16 = 512 + GGUF_Q5_0, GGUF_Q5_1_X16 = 512 + GGUF_Q5_1,
                    GGUF_Q8_0_X16 = 512 + GGUF_Q8_0, GGUF_Q2_K_X16 = 512 + GGUF_Q2_K, GGUF_Q3_K_X16 = 512 + GGUF_Q3_K,
                    GGUF_Q4_K_X16 = 512 + GGUF_Q4_K,
                    GGUF_Q5_K_X16 = 512 + GGUF_Q5_K, GGUF_Q6_K_X16 = 512 + GGUF_Q6_K,
@@ -74,8 +79,8 @@ enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4
 /* the ggml types (and grouped types) gguf_x16.h interleaves */
 static inline bool x16_takes(int ggml_type) {
     switch (ggml_type) {
-        case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q8_0: case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K:
-        case GGUF_Q5_K: case GGUF_Q6_K: case GROUP_I8: case GROUP_I4: return true;
+        case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: case GGUF_Q2_K:
+        case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GROUP_I8: case GROUP_I4: return true;
         default: return false;
     }
 }
@@ -94,6 +99,8 @@ static inline int64_t gguf_block_bytes(int type) {
         case GGUF_F16: case GGUF_BF16: return 2;
         case GGUF_Q4_0: return 18;
         case GGUF_Q4_1: return 20;
+        case GGUF_Q5_0: return 22;
+        case GGUF_Q5_1: return 24;
         case GGUF_Q8_0: return 34;
         case GGUF_Q2_K: return 84;
         case GGUF_Q3_K: return 110;
@@ -140,6 +147,36 @@ static inline float gguf_half(const uint8_t *p) {
 #endif
 }
 
+/* whether a 32-weight type's blocks carry a min m after d (Q4_1, Q5_1) */
+static inline bool gguf_has_min(int type) { return type == GGUF_Q4_1 || type == GGUF_Q5_1; }
+
+/* the fifth bits of a Q5_0 / Q5_1 block, bit i for weight i */
+static inline uint32_t gguf_q5_high(int type, const uint8_t *blk) {
+    uint32_t qh;
+    memcpy(&qh, blk + (type == GGUF_Q5_1 ? 4 : 2), 4);
+    return qh;
+}
+
+/* where a 32-weight block's quants start: after d (m) (qh) */
+static inline int gguf_quants_at(int type) {
+    switch (type) {
+        case GGUF_Q4_1: return 4;
+        case GGUF_Q5_0: return 6;
+        case GGUF_Q5_1: return 8;
+        default: return 2;
+    }
+}
+
+/* the min term of a 32-weight block: w = d q + m (Q4_0: q - 8, Q5_0: q - 16, Q8_0: signed q) */
+static inline float gguf_block_min(int type, const uint8_t *blk, float d) {
+    switch (type) {
+        case GGUF_Q4_1: case GGUF_Q5_1: return gguf_half(blk + 2);
+        case GGUF_Q4_0: return -8.0f * d;
+        case GGUF_Q5_0: return -16.0f * d;
+        default: return 0.0f;
+    }
+}
+
 /* the 32 weights of one block, in order */
 static inline void gguf_block_scalar(int type, const uint8_t *blk, float *w) {
     if (type == GGUF_Q8_0) {
@@ -147,12 +184,12 @@ static inline void gguf_block_scalar(int type, const uint8_t *blk, float *w) {
         for (int i = 0; i < 32; i++) w[i] = d * (float)(int8_t)blk[2 + i];
         return;
     }
-    const float d = gguf_half(blk);
-    const float m = type == GGUF_Q4_1 ? gguf_half(blk + 2) : -8.0f * d;
-    const uint8_t *qs = blk + (type == GGUF_Q4_1 ? 4 : 2);
+    const float d = gguf_half(blk), m = gguf_block_min(type, blk, d);
+    const uint8_t *qs = blk + gguf_quants_at(type);
+    const uint32_t qh = type == GGUF_Q5_0 || type == GGUF_Q5_1 ? gguf_q5_high(type, blk) : 0;
     for (int j = 0; j < 16; j++) {
-        w[j] = d * (float)(qs[j] & 0x0f) + m;
-        w[j + 16] = d * (float)(qs[j] >> 4) + m;
+        w[j] = d * (float)((qs[j] & 0x0f) | ((qh >> j) & 1) << 4) + m;
+        w[j + 16] = d * (float)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
     }
 }
 
@@ -272,6 +309,13 @@ static inline void gguf_q3_k_block(const uint8_t *blk, float *w) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define GGUF_VECTOR 1
+/* 16 bits as 16 bytes, 16 where bit i is set (a Q5 block's fifth bits, bit i for byte i) */
+static inline __m128i gguf_bits_to_16s(uint32_t bits) {
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits),
+                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i mask = _mm_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask), _mm_set1_epi8(0x10));
+}
 /* the 32 weights of one block as four 8-lane vectors: w[0] = weights 0..7, ... w[3] = 24..31 */
 static inline __attribute__((always_inline)) void gguf_block_vec(int type, const uint8_t *blk, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(gguf_half(blk));
@@ -282,11 +326,15 @@ static inline __attribute__((always_inline)) void gguf_block_vec(int type, const
         }
         return;
     }
-    const bool q41 = type == GGUF_Q4_1;
-    const __m256 m = q41 ? _mm256_set1_ps(gguf_half(blk + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (q41 ? 4 : 2)));
-    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));                      /* weights 0..15 */
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));  /* weights 16..31 */
+    const __m256 m = _mm256_set1_ps(gguf_block_min(type, blk, gguf_half(blk)));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + gguf_quants_at(type)));
+    __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));                      /* weights 0..15 */
+    __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));  /* weights 16..31 */
+    if (type == GGUF_Q5_0 || type == GGUF_Q5_1) {
+        const uint32_t qh = gguf_q5_high(type, blk);
+        low = _mm_or_si128(low, gguf_bits_to_16s(qh & 0xffff));
+        high = _mm_or_si128(high, gguf_bits_to_16s(qh >> 16));
+    }
     const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
     for (int c = 0; c < 4; c++)
         w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), d, m);

@@ -166,34 +166,48 @@ static inline ivec lsll(ivec a, int s) { return (int32_t)((uint32_t)a << s); }
 /* quant n (0..31) of a raw Q4 block's 16 bytes */
 static inline int raw_q4(const uint8_t *qs, int n) { return n < 16 ? qs[n] & 0x0f : qs[n - 16] >> 4; }
 
-/* bytes of a raw block's scales ahead of its quants */
-static inline int raw_head_bytes(int type) { return type == GGUF_Q4_1 ? 4 : 2; }
+static inline bool is_q5(int type) { return type == GGUF_Q5_0 || type == GGUF_Q5_1; }
+
+/* quant n (0..31) of a raw Q4_0 / Q4_1 / Q5_0 / Q5_1 block, unsigned (Q5: with its fifth bit) */
+static inline int raw_quant(int type, const uint8_t *blk, int n) {
+    const int low = raw_q4(blk + gguf_quants_at(type), n);
+    return is_q5(type) ? low | (int)((gguf_q5_high(type, blk) >> n) & 1) << 4 : low;
+}
+
+/* bytes of a tile block's scales (and mins) ahead of its chunks */
+static inline int tile_head_bytes(int type) { return gguf_has_min(type) ? 64 : 32; }
 
 /* one tile block from the 16 raw blocks src[c] (c = 0..15) of ggml `type` */
 static void interleave_block(int type, uint8_t *const *src, uint8_t *dst) {
     for (int c = 0; c < X16_TILE; c++) {
-        memcpy(dst + 2 * c, src[c], 2);                                      // d
-        if (type == GGUF_Q4_1) memcpy(dst + 32 + 2 * c, src[c] + 2, 2);      // m
+        memcpy(dst + 2 * c, src[c], 2);                                         // d
+        if (gguf_has_min(type)) memcpy(dst + 32 + 2 * c, src[c] + 2, 2);        // m
     }
-    uint8_t *qs = dst + (type == GGUF_Q4_1 ? 64 : 32);
+    uint8_t *qs = dst + tile_head_bytes(type);
     for (int c = 0; c < X16_TILE; c++) {
-        const uint8_t *q = src[c] + raw_head_bytes(type);
         if (type == GGUF_Q8_0) {
+            const uint8_t *q = src[c] + 2;
             for (int n = 0; n < 32; n++) qs[64 * (n / 4) + 4 * c + n % 4] = (uint8_t)(q[n] ^ 0x80);
             continue;
         }
         for (int j = 0; j < 4; j++)
-            for (int i = 0; i < 4; i++)
-                qs[64 * j + 4 * c + i] = (uint8_t)(raw_q4(q, 8 * j + i) | raw_q4(q, 8 * j + 4 + i) << 4);
+            for (int i = 0; i < 4; i++) {
+                const int lo = raw_quant(type, src[c], 8 * j + i), hi = raw_quant(type, src[c], 8 * j + 4 + i);
+                qs[64 * j + 4 * c + i] = (uint8_t)((lo & 0x0f) | (hi & 0x0f) << 4);
+                if (!is_q5(type)) continue;
+                uint8_t *top = qs + 256 + 4 * c + i;  // the fifth bits, as a Q5_K run's (gguf_x16.h)
+                if (j == 0) *top = 0;
+                *top |= (uint8_t)((lo >> 4) << j | (hi >> 4) << (4 + j));
+            }
     }
 }
 
 /* the raw block of channel c from a tile block (the inverse of interleave_block) */
 static void raw_block(int type, const uint8_t *tile_block, int c, uint8_t *dst) {
     memcpy(dst, tile_block + 2 * c, 2);
-    if (type == GGUF_Q4_1) memcpy(dst + 2, tile_block + 32 + 2 * c, 2);
-    const uint8_t *qs = tile_block + (type == GGUF_Q4_1 ? 64 : 32);
-    uint8_t *q = dst + raw_head_bytes(type);
+    if (gguf_has_min(type)) memcpy(dst + 2, tile_block + 32 + 2 * c, 2);
+    const uint8_t *qs = tile_block + tile_head_bytes(type);
+    uint8_t *q = dst + gguf_quants_at(type);
     if (type == GGUF_Q8_0) {
         for (int n = 0; n < 32; n++) q[n] = (uint8_t)(qs[64 * (n / 4) + 4 * c + n % 4] ^ 0x80);
         return;
@@ -201,10 +215,14 @@ static void raw_block(int type, const uint8_t *tile_block, int c, uint8_t *dst) 
     int v[32];
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4; i++) {
-            v[8 * j + i] = qs[64 * j + 4 * c + i] & 0x0f;
-            v[8 * j + 4 + i] = qs[64 * j + 4 * c + i] >> 4;
+            const int top = is_q5(type) ? qs[256 + 4 * c + i] : 0;
+            v[8 * j + i] = (qs[64 * j + 4 * c + i] & 0x0f) | ((top >> j) & 1) << 4;
+            v[8 * j + 4 + i] = (qs[64 * j + 4 * c + i] >> 4) | ((top >> (4 + j)) & 1) << 4;
         }
-    for (int n = 0; n < 16; n++) q[n] = (uint8_t)(v[n] | v[n + 16] << 4);
+    uint32_t qh = 0;
+    for (int n = 0; n < 16; n++) q[n] = (uint8_t)((v[n] & 0x0f) | (v[n + 16] & 0x0f) << 4);
+    for (int n = 0; n < 32; n++) qh |= (uint32_t)(v[n] >> 4) << n;
+    if (is_q5(type)) memcpy(dst + (type == GGUF_Q5_1 ? 4 : 2), &qh, 4);
 }
 
 /* ---- the k-quants' layout ---- */
@@ -553,53 +571,6 @@ static inline __attribute__((always_inline)) void store_rows(const LinearNode *n
     }
 }
 
-/* rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL) of its 16 channels; TYPE the
-   ggml type */
-template <int MR, int TYPE>
-static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n, const QRows &qr, int64_t t,
-                                                            int64_t r0, int h) {
-    constexpr int type = TYPE;
-    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, block_bytes = gguf_block_bytes(type);
-    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nb * block_bytes;
-    const int head = type == GGUF_Q4_1 ? 64 : 32, lane_bytes = 4 * X16_VL;
-    const int32_t offset = type == GGUF_Q4_0 ? 8 : (type == GGUF_Q8_0 ? X16_Q8_OFFSET : 0);
-    fvec acc[MR];
-    for (int r = 0; r < MR; r++) acc[r] = fzero();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = tile + b * X16_TILE * block_bytes, *qs = blk + head + lane_bytes * h;
-        ivec isum[MR];
-        for (int r = 0; r < MR; r++) isum[r] = izero();
-        run_sums<MR>(type == GGUF_Q8_0, qs, qr.q + r0 * k + b * 32, k, isum);
-        const fvec d = fhalves(blk + 2 * X16_VL * h);
-        for (int r = 0; r < MR; r++) {
-            const int64_t i = (r0 + r) * nb + b;
-            const ivec sum = offset ? isub_all(isum[r], offset * qr.s[i]) : isum[r];
-            acc[r] = ffma(fcvt(sum), fmul(d, fset1(qr.d[i])), acc[r]);
-        }
-        if (type == GGUF_Q4_1) {
-            const fvec m = fhalves(blk + 32 + 2 * X16_VL * h);
-            for (int r = 0; r < MR; r++) {
-                const int64_t i = (r0 + r) * nb + b;
-                acc[r] = ffma(m, fset1(qr.d[i] * (float)qr.s[i]), acc[r]);
-            }
-        }
-    }
-    store_rows<MR>(n, acc, t, r0, h);
-}
-
-/* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
-   channel (gguf_k_scale_min, for X16_VL channels at once) */
-static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, int j, ivec *scale, ivec *min) {
-    if (j < 4) {
-        *scale = land(lanes_u8(S + 16 * j), 63);
-        *min = land(lanes_u8(S + 16 * (j + 4)), 63);
-        return;
-    }
-    const ivec low = lanes_u8(S + 16 * (j + 4)), top_s = lanes_u8(S + 16 * (j - 4)), top_m = lanes_u8(S + 16 * j);
-    *scale = ior(land(low, 15), lsll(lsrl(top_s, 6), 4));
-    *min = ior(lsrl(low, 4), lsll(lsrl(top_m, 6), 4));
-}
-
 /* chunks u0, u0 + 1 of a k-quant run (qs: its low 4 bits, qh: the bits above) against rows xq, xq + k, ...:
    isum[r] += the integer dot products of their 16 inputs */
 template <int MR, int TYPE>
@@ -622,6 +593,58 @@ static inline __attribute__((always_inline)) void kchunks(const uint8_t *qs, con
             isum[r] = dot_u4(isum[r], hi, iquad(xq + r * k + 8 * u + 4));
         }
     }
+}
+
+/* rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL) of its 16 channels; TYPE the
+   ggml type */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                            int64_t r0, int h) {
+    constexpr int type = TYPE;
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, block_bytes = gguf_block_bytes(type);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nb * block_bytes;
+    const int head = tile_head_bytes(type), lane_bytes = 4 * X16_VL;
+    const int32_t offset = type == GGUF_Q4_0 ? 8 : (type == GGUF_Q5_0 ? 16 : (type == GGUF_Q8_0 ? X16_Q8_OFFSET : 0));
+    fvec acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = fzero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + b * X16_TILE * block_bytes, *qs = blk + head + lane_bytes * h;
+        ivec isum[MR];
+        for (int r = 0; r < MR; r++) isum[r] = izero();
+        if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 0, qr.q + r0 * k + b * 32, k, isum);
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 2, qr.q + r0 * k + b * 32, k, isum);
+        } else {
+            run_sums<MR>(type == GGUF_Q8_0, qs, qr.q + r0 * k + b * 32, k, isum);
+        }
+        const fvec d = fhalves(blk + 2 * X16_VL * h);
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = (r0 + r) * nb + b;
+            const ivec sum = offset ? isub_all(isum[r], offset * qr.s[i]) : isum[r];
+            acc[r] = ffma(fcvt(sum), fmul(d, fset1(qr.d[i])), acc[r]);
+        }
+        if (gguf_has_min(type)) {
+            const fvec m = fhalves(blk + 32 + 2 * X16_VL * h);
+            for (int r = 0; r < MR; r++) {
+                const int64_t i = (r0 + r) * nb + b;
+                acc[r] = ffma(m, fset1(qr.d[i] * (float)qr.s[i]), acc[r]);
+            }
+        }
+    }
+    store_rows<MR>(n, acc, t, r0, h);
+}
+
+/* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
+   channel (gguf_k_scale_min, for X16_VL channels at once) */
+static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, int j, ivec *scale, ivec *min) {
+    if (j < 4) {
+        *scale = land(lanes_u8(S + 16 * j), 63);
+        *min = land(lanes_u8(S + 16 * (j + 4)), 63);
+        return;
+    }
+    const ivec low = lanes_u8(S + 16 * (j + 4)), top_s = lanes_u8(S + 16 * (j - 4)), top_m = lanes_u8(S + 16 * j);
+    *scale = ior(land(low, 15), lsll(lsrl(top_s, 6), 4));
+    *min = ior(lsrl(low, 4), lsll(lsrl(top_m, 6), 4));
 }
 
 /* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL),
@@ -829,6 +852,8 @@ void gguf_x16_linear_team(const LinearNode *n) {
             switch (type) {
                 case GGUF_Q4_0: tile_team_rows<GGUF_Q4_0>(n, qr, t, row0, m); break;
                 case GGUF_Q4_1: tile_team_rows<GGUF_Q4_1>(n, qr, t, row0, m); break;
+                case GGUF_Q5_0: tile_team_rows<GGUF_Q5_0>(n, qr, t, row0, m); break;
+                case GGUF_Q5_1: tile_team_rows<GGUF_Q5_1>(n, qr, t, row0, m); break;
                 case GGUF_Q8_0: tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m); break;
                 case GGUF_Q4_K: tile_team_rows<GGUF_Q4_K>(n, qr, t, row0, m); break;
                 case GGUF_Q5_K: tile_team_rows<GGUF_Q5_K>(n, qr, t, row0, m); break;

@@ -11,10 +11,13 @@
  *     Q4_0  d[16] fp16 (32 B) | qs: 4 chunks of 64 B                          288 B
  *     Q4_1  d[16] fp16 | m[16] fp16 (32 B) | qs: 4 chunks of 64 B              320 B
  *     Q8_0  d[16] fp16 | qs: 8 chunks of 64 B                                 544 B
+ *     Q5_0  d[16] fp16 | qs: 4 chunks of 64 B | qh 64 B                       352 B
+ *     Q5_1  d[16] fp16 | m[16] fp16 | qs: 4 chunks of 64 B | qh 64 B          384 B
  *
  *   chunk byte 4c + i (channel c, i = 0..3):
  *     Q4 chunk j:  low nibble q[c][8j + i], high nibble q[c][8j + 4 + i]
  *     Q8 chunk j:  q[c][4j + i] + 128 (as a uint8: the int8 quant's bits with the sign flipped)
+ *     Q5 qh:       bit j = the fifth bit of q[c][8j + i], bit 4 + j that of q[c][8j + 4 + i]
  *
  * so one 64-byte load is 4 inputs of all 16 channels (Q4: 8 inputs, low and
  * high nibbles), and a dot product of 4 uint8 weights with 4 int8 inputs
@@ -22,11 +25,11 @@
  * once, each lane one channel, with the scales of the 16 channels loaded
  * as one vector:
  *
- *   y[r][c] = sum over blocks b of  d[c] dx[r][b] (sum_i q[c][i] qx[r][i] - o sx[r][b])  (+ m[c] dx sx, Q4_1)
+ *   y[r][c] = sum over blocks b of  d[c] dx[r][b] (sum_i q[c][i] qx[r][i] - o sx[r][b])  (+ m[c] dx sx, Q4_1, Q5_1)
  *
  * where the row's block b is rounded to int8 (qx = round(x / dx), dx =
  * max |x| / 127, sx = sum qx: llama.cpp's Q8 activations) and o = 8 for
- * Q4_0, 0 for Q4_1, 128 for Q8_0 (the flipped sign), 0 where the ISA
+ * Q4_0, 16 for Q5_0, 0 for Q4_1 and Q5_1, 128 for Q8_0 (the flipped sign), 0 where the ISA
  * multiplies signed int8 weights directly. The integer sums are exact, so
  * every variant (AVX-512 VNNI, AVX-512BW, AVX2, scalar) computes the same
  * integers and combines them with the same float operations in the same

@@ -1,6 +1,6 @@
 """Linear layers and embeddings over GGUF's quantized blocks, kept as the file stores them.
 
-A GGUF tensor of type Q4_0, Q4_1, Q8_0, Q2_K to Q6_K, F16 or BF16 is
+A GGUF tensor of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, F16 or BF16 is
 held as its bytes, ``qweight`` ``[rows, in_features / block weights * block
 bytes]`` uint8 (one row per output channel, its blocks back to back), and
 multiplied by
@@ -28,16 +28,18 @@ from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
 
 # ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
-    1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+    1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
     # the same types interleaved 16 rows at a time (GGUF_INTERLEAVED below): the same blocks
-    514: ("Q4_0", 32, 18), 515: ("Q4_1", 32, 20), 520: ("Q8_0", 32, 34), 522: ("Q2_K", 256, 84),
+    514: ("Q4_0", 32, 18), 515: ("Q4_1", 32, 20), 518: ("Q5_0", 32, 22), 519: ("Q5_1", 32, 24),
+    520: ("Q8_0", 32, 34), 522: ("Q2_K", 256, 84),
     523: ("Q3_K", 256, 110), 524: ("Q4_K", 256, 144), 525: ("Q5_K", 256, 176), 526: ("Q6_K", 256, 210),
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
-# Q4_0, Q4_1, Q8_0 and the k-quants Q2_K to Q6_K interleaved 16 rows at a time (kernels/gguf_x16.h): ggml
-# type -> the kernels' number for it
-GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 8, 10, 11, 12, 13, 14)}
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants Q2_K to Q6_K interleaved 16 rows at a time (kernels/gguf_x16.h):
+# ggml type -> the kernels' number for it
+GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)}
 INTERLEAVE_ROWS = 16
 
 # checkpoint part -> (fused parameter, row offset, rows, checkpoint's first row), as layers/weights.py's FusedMap
@@ -262,7 +264,7 @@ def use_gguf_weights(model: nn.Module, types: Mapping[str, int], fused: FusedMap
 
 
 def interleave_gguf_weights(model: nn.Module) -> int:
-    """Interleave the loaded Q4_0 / Q4_1 / Q8_0 / Q2_K-Q6_K blocks of ``model`` 16 rows at a time, in place;
+    """Interleave the loaded Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K blocks of ``model`` 16 rows at a time, in place;
     returns how many tensors were.
 
     The same bytes in another order (``kernels/gguf_x16.h``), which the

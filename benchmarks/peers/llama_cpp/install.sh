@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-batched-bench and llama-bench from the copy of
+# Build llama.cpp's llama-server, llama-batched-bench, llama-bench and llama-quantize from the copy of
 # llama.cpp vendored in the PyPI sdist of llama-cpp-python (PyPI is the only source
 # reachable here), CPU only, Release, native CPU flags, static binaries.
 #
 #   bash benchmarks/peers/llama_cpp/install.sh [PREFIX]       (default /work/peer-venvs/llamacpp)
 #
-# Result: PREFIX/bin/{llama-server,llama-batched-bench,llama-bench}, plus PREFIX/VERSION.
+# Result: PREFIX/bin/{llama-server,llama-batched-bench,llama-bench,llama-quantize}, plus PREFIX/VERSION.
+# Only the binaries missing from PREFIX/bin are built.
 # Env: LLAMA_CPP_PYTHON_VERSION (0.3.36), JOBS (2), WITH_PYTHON=1 to also pip-install
 # llama-cpp-python into PREFIX/venv (a second full compile of llama.cpp; off by default).
 set -euo pipefail
@@ -14,7 +15,7 @@ PKG_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 PREFIX="${1:-${LLAMACPP_PREFIX:-/work/peer-venvs/llamacpp}}"
 JOBS="${JOBS:-2}"
 PY="${PYTHON:-python3}"
-TARGETS=(llama-server llama-batched-bench llama-bench)
+TARGETS=(llama-server llama-batched-bench llama-bench llama-quantize)
 
 have_all() {
     for t in "${TARGETS[@]}"; do [ -x "$PREFIX/bin/$t" ] || return 1; done
@@ -47,8 +48,14 @@ else
         -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_OPENSSL=OFF
-    cmake --build "$SRC/build" --config Release -j "$JOBS" --target "${TARGETS[@]}"
+    MISSING=()
     for t in "${TARGETS[@]}"; do
+        if [ ! -x "$PREFIX/bin/$t" ] || [ "$(cat "$PREFIX/VERSION" 2>/dev/null)" != "llama-cpp-python==$PKG_VERSION" ]; then
+            MISSING+=("$t")
+        fi
+    done
+    cmake --build "$SRC/build" --config Release -j "$JOBS" --target "${MISSING[@]}"
+    for t in "${MISSING[@]}"; do
         install -m 755 "$SRC/build/bin/$t" "$PREFIX/bin/$t"
     done
     echo "llama-cpp-python==$PKG_VERSION" > "$PREFIX/VERSION"
