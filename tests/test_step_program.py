@@ -219,6 +219,27 @@ def test_only_known_ops_are_lowered() -> None:
     assert num_programs(runs) == 2 and runs[1] is wrong
 
 
+def test_a_cat_of_a_fused_layers_parts_runs_in_the_program() -> None:
+    """torch.cat along the last dimension (a GGUF q/k/v whose parts have different types) becomes one row copy per
+    part into its columns: the program runs it, over all its rows or fewer, as torch.cat does."""
+    parts = [torch.randn(5, n) for n in (64, 16, 16)]
+    out = torch.empty(5, 96)
+    cat = Node(torch.ops.aten.cat.default, torch.ops.aten.cat.default._op, (parts, -1), None, out, None)
+    calls = native_call(cat)
+    assert [c[0] for c in calls] == ["copy_rows"] * 3
+    runs = lower_to_programs([cat], rows=5)
+    assert num_programs(runs) == len(runs) == 1
+    for n in (5, 2):
+        out.zero_()
+        runs[0](n)
+        assert torch.equal(out[:n], torch.cat([p[:n] for p in parts], dim=-1)) and not out[n:].any()
+    # along another dimension, or of parts that do not fill the output, it stays a Python call
+    assert native_call(Node(torch.ops.aten.cat.default, torch.ops.aten.cat.default._op, (parts[:1] * 2, 0), None,
+                            torch.empty(10, 64), None)) is None
+    assert native_call(Node(torch.ops.aten.cat.default, torch.ops.aten.cat.default._op, (parts[1:], 1), None,
+                            torch.empty(5, 40), None)) is None
+
+
 def test_a_replayed_step_with_a_bad_block_is_refused(tiny_model_dirs: dict[str, str]) -> None:
     """Through the runner: a decode step whose table points outside the pool raises and writes nothing."""
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8)

@@ -25,7 +25,7 @@ static void gather_rows_team(const GatherRowsNode *n) {
 static void copy_rows_team(const CopyRowsNode *n) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n->rows; r++)
-        memcpy(n->dst + r * n->row_len, n->src + r * n->src_stride, sizeof(float) * (size_t)n->row_len);
+        memcpy(n->dst + r * n->dst_stride, n->src + r * n->src_stride, sizeof(float) * (size_t)n->row_len);
 }
 
 /* x += y in chunks of whole cache lines */

@@ -27,7 +27,7 @@
 
 enum StepNodeKind {
     NODE_GATHER_ROWS, /* out[r] = table[index[r]]  (embedding, cos/sin lookup) */
-    NODE_COPY_ROWS,   /* dst[r] = src[r], src rows src_stride apart (a strided view made contiguous) */
+    NODE_COPY_ROWS,   /* dst[r] = src[r], rows src_stride / dst_stride apart (a strided view made contiguous, a part of a cat) */
     NODE_ADD,         /* x += y, elementwise (the residual stream) */
     NODE_ADD_RMS_NORM,
     NODE_QK_NORM_ROPE,
@@ -49,8 +49,8 @@ typedef struct {
 
 typedef struct {
     const float *src; /* rows of row_len contiguous floats, src_stride apart */
-    float *dst;       /* [rows, row_len] */
-    int64_t rows, row_len, src_stride;
+    float *dst;       /* rows of row_len contiguous floats, dst_stride apart */
+    int64_t rows, row_len, src_stride, dst_stride;
 } CopyRowsNode;
 
 typedef struct {

@@ -21,7 +21,7 @@
  *   write_kv             k, v, k_cache, v_cache, slots
  *   paged_decode         q, k_cache, v_cache, tables, lens, out   window             scale
  *   gather_rows          table, index, out
- *   copy_rows            src, dst
+ *   copy_rows            src, dst     (rows, dim 0, any stride apart; each row contiguous)
  *   add_                 x, y
  *
  * Every node works on the step's tokens row by row, `rows` of them (the
@@ -48,20 +48,28 @@ StepNode gather_rows_node(const Tensor &table, const Tensor &index, const Tensor
     return node;
 }
 
-/* dst = src, src rows (dim 0) any stride apart but each row contiguous */
+/* the floats of one row (dim 0) of t, which must be contiguous within each row */
+int64_t contiguous_row_len(const Tensor &t, const char *op, const char *name) {
+    TORCH_CHECK_VALUE(t.dim() >= 1 && t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", name,
+                      " must be a float32 CPU tensor of at least one dimension");
+    int64_t row_len = 1;
+    for (int64_t d = t.dim() - 1; d >= 1; d--) {
+        TORCH_CHECK_VALUE(t.size(d) == 1 || t.stride(d) == row_len, op, ": the rows of ", name, " ", shape_of(t),
+                          " are not contiguous");
+        row_len *= t.size(d);
+    }
+    return row_len;
+}
+
+/* dst = src, the rows (dim 0) of each any stride apart but each row contiguous */
 StepNode copy_rows_node(const Tensor &src, const Tensor &dst) {
     const char *op = "copy_rows";
-    TORCH_CHECK_VALUE(src.dim() >= 1 && src.device().is_cpu() && src.scalar_type() == at::kFloat, op,
-                      ": copies float32 CPU tensors of at least one dimension");
-    check_tensor(dst, at::kFloat, src.sizes(), op, "the destination");
-    int64_t row_len = 1;
-    for (int64_t d = src.dim() - 1; d >= 1; d--) {
-        TORCH_CHECK_VALUE(src.size(d) == 1 || src.stride(d) == row_len, op, ": the rows of ", shape_of(src),
-                          " are not contiguous");
-        row_len *= src.size(d);
-    }
+    const int64_t row_len = contiguous_row_len(src, op, "the source");
+    contiguous_row_len(dst, op, "the destination");
+    TORCH_CHECK_VALUE(dst.sizes() == src.sizes(), op, ": the destination must be of shape ", src.sizes(), ", got ",
+                      shape_of(dst));
     StepNode node{NODE_COPY_ROWS};
-    node.copy = {src.data_ptr<float>(), dst.data_ptr<float>(), src.size(0), row_len, src.stride(0)};
+    node.copy = {src.data_ptr<float>(), dst.data_ptr<float>(), src.size(0), row_len, src.stride(0), dst.stride(0)};
     return node;
 }
 

@@ -70,10 +70,25 @@ def _pagedllm_call(name: str, a: tuple, kwargs: dict, out: torch.Tensor | None) 
     return None
 
 
-def _aten_call(name: str, a: tuple, out: torch.Tensor | None) -> NativeCall | None:
-    """The StepProgram call of the row moves a decode step records between kernels, or None."""
+def _cat_calls(parts: list, dim: int, out: torch.Tensor) -> list[NativeCall] | None:
+    """``torch.cat(parts, dim)`` along the last dimension (a fused layer's parts, each computed apart: a GGUF
+    q/k/v of mixed types) as one row copy per part into its columns of ``out``, or None."""
+    if not all(isinstance(p, torch.Tensor) and p.dim() == out.dim() for p in parts) or dim % out.dim() != out.dim() - 1:
+        return None
+    calls: list[NativeCall] = []
+    offset = 0
+    for part in parts:
+        calls.append(("copy_rows", [part, out.narrow(-1, offset, part.shape[-1])], [], []))
+        offset += part.shape[-1]
+    return calls if offset == out.shape[-1] else None
+
+
+def _aten_call(name: str, a: tuple, out: torch.Tensor | None) -> NativeCall | list[NativeCall] | None:
+    """The StepProgram call(s) of the row moves a decode step records between kernels, or None."""
     if out is None and name != "add_.Tensor":
         return None
+    if name == "cat.default" and isinstance(a[0], (list, tuple)):
+        return _cat_calls(list(a[0]), a[1] if len(a) > 1 else 0, out)
     if name == "embedding.default" and len(a) == 2:  # the token embedding: rows of the table
         return "gather_rows", [a[0], a[1], out], [], []
     if name == "index.Tensor" and len(a[1]) == 1 and isinstance(a[1][0], torch.Tensor):  # cos[positions]
@@ -87,8 +102,9 @@ def _aten_call(name: str, a: tuple, out: torch.Tensor | None) -> NativeCall | No
     return None
 
 
-def native_call(node: Node) -> NativeCall | None:
-    """What ``StepProgram.add`` takes to run ``node``, when the program has a node kind for its op."""
+def native_call(node: Node) -> NativeCall | list[NativeCall] | None:
+    """What ``StepProgram.add`` takes to run ``node`` (one call, or several in turn), when the program has node
+    kinds for its op."""
     overload = node.overload
     namespace = getattr(overload, "namespace", None)
     kwargs = node.kwargs or {}
@@ -121,7 +137,10 @@ def lower_to_programs(nodes: list[Node], rows: int) -> list[Callable[[int], None
             if program is None:
                 program = torch.classes.pagedllm.StepProgram(rows)
             try:
-                program.add(*call)
+                # a node of several calls that fails part way runs from Python after the calls added:
+                # they write what the node then writes whole, so the step is the same
+                for one in call if isinstance(call, list) else [call]:
+                    program.add(*one)
                 continue
             except (ValueError, RuntimeError) as e:
                 logger.debug("%s stays a Python call: %s", node.overload, e)
