@@ -22,6 +22,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.gguf_linear import GGUFLinearMethod
 from pagedllm.runner.model_loader import model_tensors, resident_bytes
+from pagedllm.runner.step_program import num_programs
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the GGUF kernels need the native build")
 
@@ -542,6 +543,9 @@ def test_k_quant_files_of_narrow_rows_run_their_q5_fallbacks_from_their_blocks(
                 assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
             else:
                 assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+        # the mixed q/k/v's parts joined inside the step's native program: a decode step is one program
+        graphs = llm.llm_engine.model_runner.captured_decode.graphs
+        assert graphs and all(num_programs(g.runs) == len(g.runs) == 1 for g in graphs.values())
 
 
 def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
