@@ -178,6 +178,12 @@ def tiny(tiny_model_dirs):
     return LLM(path, num_kv_blocks=64, max_model_len=256, block_size=4), hf
 
 
+def _rank_band(row: torch.Tensor, value: float, tol: float = 1e-4) -> range:
+    """The ranks a logprob ``value`` may have in ``row`` when both engines' floats differ by up to ``tol``: a
+    value within it of another (a near-tie among 49k logits) may be counted either side of it."""
+    return range(int((row > value + tol).sum()) + 1, int((row > value - tol).sum()) + 2)
+
+
 def test_tiny_model_shared_samples_match_transformers_log_softmax(tiny):
     llm, hf = tiny
     prompt = random_prompt(10, seed=5)  # blocks of 4: the last one partial
@@ -193,7 +199,7 @@ def test_tiny_model_shared_samples_match_transformers_log_softmax(tiny):
             row = ref[len(prompt) + j - 1]
             position = c.logprobs[j]
             assert position[token].logprob == pytest.approx(float(row[token]), abs=1e-3)
-            assert position[token].rank == int((row > row[token]).sum()) + 1
+            assert position[token].rank in _rank_band(row, float(row[token]))
             vals, top_ids = row.topk(2)
             for r, (t, v) in enumerate(zip(top_ids.tolist(), vals.tolist()), start=1):
                 assert position[t].rank == r
@@ -207,7 +213,7 @@ def test_tiny_model_shared_samples_match_transformers_log_softmax(tiny):
     for i in range(1, len(prompt)):
         position = out.prompt_logprobs[i]
         assert position[prompt[i]].logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-3)
-        assert position[prompt[i]].rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+        assert position[prompt[i]].rank in _rank_band(ref[i - 1], float(ref[i - 1, prompt[i]]))
 
 
 # --- best_of ---------------------------------------------------------------------------------------
