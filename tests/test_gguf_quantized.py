@@ -429,6 +429,18 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
+def assert_greedy_like_transformers(llm: LLM, hf, prompts: list[list[int]], params: SamplingParams,  # noqa: ANN001
+                                    activations: str) -> None:
+    """``llm``'s greedy tokens are transformers' on the same weights: exactly on float32 activations, up to a
+    near-tie on 8-bit ones (``assert_greedy_within_q8_noise``)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        if activations == "int8":
+            assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
+        else:
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, params.max_tokens)
+
+
 def _k_quant_model(arch: str):  # noqa: ANN202
     """A random 2-layer model whose rows hold whole 256-weight super-blocks (hidden 256, MLP 512)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
@@ -467,12 +479,7 @@ def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
         assert model.model.layers[0].self_attn.qkv_proj.quant_method.name == "gguf-" + "+".join(
             f"{t}{suffix}" for t in (low, low, "q6_k"))
         assert not any(p.dim() == 2 for p in model.parameters())  # no float weight matrix left
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        for prompt, out in zip(prompts, outs):
-            if activations == "int8":
-                assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
-            else:
-                assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+        assert_greedy_like_transformers(llm, hf, prompts, params, activations)
 
 
 @pytest.mark.parametrize(("base", "others"), [(Q.Q3_K, (Q.Q5_K, Q.Q4_K)), (Q.Q2_K, (Q.Q3_K, Q.Q3_K))],
@@ -537,12 +544,7 @@ def test_k_quant_files_of_narrow_rows_run_their_q5_fallbacks_from_their_blocks(
             f"{t}{suffix}" for t in (low, low, "q8_0"))
         assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == f"gguf-{low}{suffix}"
         assert not any(p.dim() == 2 for p in model.parameters())  # no float weight matrix left
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        for prompt, out in zip(prompts, outs):
-            if activations == "int8":
-                assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
-            else:
-                assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+        assert_greedy_like_transformers(llm, hf, prompts, params, activations)
         # the mixed q/k/v's parts joined inside the step's native program: a decode step is one program
         graphs = llm.llm_engine.model_runner.captured_decode.graphs
         assert graphs and all(num_programs(g.runs) == len(g.runs) == 1 for g in graphs.values())
