@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
     from pagedllm.entrypoints.openai.settings import ServerSettings
 
 
@@ -254,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    http_limits = _http_limits(args)
     settings = ServerSettings(
         model_name=args.served_model_name or "",
         api_key=args.api_key or None,
@@ -266,6 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_origins=_comma_list(args.allowed_origins),
         tool_call_parser=args.tool_call_parser,
         kv_page=not args.no_kv_page,
+        http_limits=http_limits,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size > 1:
@@ -296,6 +299,22 @@ def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> 
     return 0
 
 
+def _http_limits(args: argparse.Namespace) -> HTTPLimits:
+    """``--header-timeout``, ``--max-header-connections``, ``--linger-timeout``, ``--max-linger-bytes``."""
+    from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
+
+    finite = float("inf")
+    if not 0 < args.header_timeout < finite:
+        raise ValueError(f"--header-timeout must be a number of seconds > 0, got {args.header_timeout}")
+    if args.max_header_connections < 1:
+        raise ValueError(f"--max-header-connections must be >= 1, got {args.max_header_connections}")
+    if not 0 <= args.linger_timeout < finite:
+        raise ValueError(f"--linger-timeout must be a number of seconds >= 0, got {args.linger_timeout}")
+    if args.max_linger_bytes < 0:
+        raise ValueError(f"--max-linger-bytes must be >= 0, got {args.max_linger_bytes}")
+    return HTTPLimits(args.header_timeout, args.max_header_connections, args.linger_timeout, args.max_linger_bytes)
+
+
 def _comma_list(value: str | None) -> list[str] | None:
     """``"a,b"`` -> ``["a", "b"]``; None stays None."""
     if value is None:
@@ -307,6 +326,7 @@ def _comma_list(value: str | None) -> list[str] | None:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai import http_protocol as hp
     from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
@@ -323,6 +343,20 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="most requests waiting for their first token; past it new requests get 429")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
+    g.add_argument("--header-timeout", type=float, default=hp.DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds a connection gets to send its request line and headers, from when it opens (or "
+                        "its next request's first byte); then it is closed, with a 408 if it sent any "
+                        f"(default {hp.DEFAULT_HEADER_TIMEOUT_S:g})")
+    g.add_argument("--max-header-connections", type=int, default=hp.DEFAULT_MAX_HEADER_CONNECTIONS, metavar="N",
+                   help="most connections sending their headers at once; past it a new one closes the one waiting "
+                        f"longest (if it waited {hp.MIN_EVICTABLE_S:g} s) (default {hp.DEFAULT_MAX_HEADER_CONNECTIONS})")
+    g.add_argument("--linger-timeout", type=float, default=hp.DEFAULT_LINGER_TIMEOUT_S, metavar="SECONDS",
+                   help="after an answer sent before the body was read (413), the most seconds the rest of the "
+                        "body is read and discarded before the connection closes, so the client can read the "
+                        f"answer; 0: close at once (default {hp.DEFAULT_LINGER_TIMEOUT_S:g})")
+    g.add_argument("--max-linger-bytes", type=int, default=hp.DEFAULT_MAX_LINGER_BYTES, metavar="N",
+                   help="the most bytes discarded so; 0: close at once "
+                        f"(default {hp.DEFAULT_MAX_LINGER_BYTES})")
     g.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="comma-separated Host names accepted besides loopback ones ('*': any); "
                         "bound to loopback, other names are refused (DNS rebinding)")

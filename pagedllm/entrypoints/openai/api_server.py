@@ -325,9 +325,12 @@ def make_uvicorn_server(app: FastAPI, settings: ServerSettings) -> Any:
 
     uvicorn alone would wait for open streams and then cancel them mid-flight;
     here requests in flight get ``SHUTDOWN_GRACE_S`` to finish, then end with
-    an error event (streams) or a 503, and connections close cleanly.
+    an error event (streams) or a 503, and connections close cleanly. Its
+    connections run ``http_protocol.py``'s h11 protocol (``settings.http_limits``).
     """
     import uvicorn
+
+    from pagedllm.entrypoints.openai.http_protocol import make_protocol_class
 
     async_engine: EngineClient = app.state.async_engine
 
@@ -338,7 +341,7 @@ def make_uvicorn_server(app: FastAPI, settings: ServerSettings) -> Any:
 
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S), http=make_protocol_class(settings.http_limits),
     )
     return _DrainingServer(config)
 

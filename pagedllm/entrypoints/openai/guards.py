@@ -16,7 +16,10 @@ checks close that, as ASGI middleware ahead of the app:
 Then the key (``--api-key``, on every route but ``OPEN_ROUTES``: probes, the API's description, the ``/kv`` page)
 and the body size (``--max-request-bytes``: a declared ``Content-Length``
 over it is refused before a byte is read; a chunked body is counted as it
-arrives). Every refusal is an OpenAI-style JSON error.
+arrives). Every refusal is an OpenAI-style JSON error. A 413 closes the
+connection; the rest of the body the client is still sending is read and
+thrown away for a while first (``http_protocol.py``'s lingering close), so a
+client that sends its whole body before reading still gets the 413.
 """
 
 from __future__ import annotations
@@ -127,9 +130,10 @@ class APIKeyMiddleware:
 
 
 def _too_large(limit: int) -> APIError:
+    # the rest of the body is not read: the connection cannot carry another request after it
     return APIError(
         413, f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
-        "invalid_request_error", "request_too_large",
+        "invalid_request_error", "request_too_large", headers={"Connection": "close"},
     )
 
 
@@ -151,10 +155,8 @@ class BodyLimitMiddleware:
             except ValueError:
                 too_big = False  # the HTTP server refuses a malformed length itself
             if too_big:
-                # answered unread; the connection is closed rather than drained
-                err = _too_large(self.max_bytes)
-                err.headers = {"Connection": "close"}
-                await _send_error(scope, receive, send, err)
+                # answered unread; the server discards the rest before it closes (a lingering close)
+                await _send_error(scope, receive, send, _too_large(self.max_bytes))
                 return
         received = 0
 

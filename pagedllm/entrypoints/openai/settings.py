@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
+from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -31,6 +32,7 @@ class ServerSettings:
         tool_call_parser: the model's tool-call format for ``tool_choice="auto"``:
             ``hermes``, ``llama3_json``, or ``auto`` (read from the chat template).
         kv_page: serve the live KV-cache page (``/kv``, ``/kv/state``, ``/kv/events``).
+        http_limits: header deadline and count, lingering close (``http_protocol.py``).
     """
 
     model_name: str
@@ -45,6 +47,7 @@ class ServerSettings:
     allowed_origins: list[str] | None = None
     tool_call_parser: str = "auto"
     kv_page: bool = True
+    http_limits: HTTPLimits = field(default_factory=HTTPLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -52,6 +55,8 @@ class ServerSettings:
             raise ValueError(f"max_waiting must be an integer >= 1 or None, got {self.max_waiting!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")
+        if not isinstance(self.http_limits, HTTPLimits):
+            raise ValueError(f"http_limits must be an HTTPLimits, got {self.http_limits!r}")
         if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"unknown tool call parser {self.tool_call_parser!r}; known: auto, {', '.join(sorted(TOOL_PARSERS))}"
