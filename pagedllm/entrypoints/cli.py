@@ -256,6 +256,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     http_limits = _http_limits(args)
+    if args.replica_heartbeat_timeout is not None:
+        from pagedllm.entrypoints.openai.replica_client import check_heartbeat_timeout
+
+        if args.data_parallel_size == 1:
+            raise ValueError("--replica-heartbeat-timeout needs --data-parallel-size > 1 (one engine has no replicas)")
+        check_heartbeat_timeout(args.replica_heartbeat_timeout)
     settings = ServerSettings(
         model_name=args.served_model_name or "",
         api_key=args.api_key or None,
@@ -269,6 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         kv_page=not args.no_kv_page,
         http_limits=http_limits,
+        default_max_tokens=args.default_max_tokens,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size > 1:
@@ -295,7 +302,10 @@ def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> 
     settings = dataclasses.replace(
         settings, model_name=settings.model_name or default_model_name(config.model), model_path=config.model,
     )
-    run_dp_server(config, settings, args.data_parallel_size)
+    if args.replica_heartbeat_timeout is None:
+        run_dp_server(config, settings, args.data_parallel_size)
+    else:
+        run_dp_server(config, settings, args.data_parallel_size, args.replica_heartbeat_timeout)
     return 0
 
 
@@ -364,6 +374,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated origins browsers may call from (CORS); default: none")
     g.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="the model's tool-call format for tool_choice 'auto' (default: read from the chat template)")
+    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="most tokens a reply gets when the request sets no max_tokens / max_completion_tokens "
+                        "(chat; completions' max_tokens: null); a request's own value is never changed "
+                        "(default: no cap, replies may run to the end of the context, as in OpenAI and vLLM)")
     g.add_argument("--no-kv-page", action="store_true",
                    help="do not serve the live KV-cache page (/kv, /kv/state, /kv/events)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
@@ -371,6 +385,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="N engine processes (replicas) behind this server; a request goes to the replica with "
                         "the longest cached prefix of its prompt, else the least loaded (default 1: one engine "
                         "in this process). Without --num-threads each gets cores // N threads, pinned")
+    g.add_argument("--replica-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --data-parallel-size: a replica that sends nothing, heartbeats included, for this "
+                        "long is marked down, killed and started again (default 10; at least 1). Heartbeats come "
+                        "from a thread of their own, so a long engine step does not delay them")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 

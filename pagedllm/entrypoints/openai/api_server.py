@@ -66,7 +66,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ErrorResponse,
     TokenizeRequest,
     describe_validation_error,
+    served_model_schema,
 )
+from pagedllm.entrypoints.openai.replica_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import check_model
@@ -162,8 +164,11 @@ def _add_docs(app: FastAPI) -> None:
         )
 
 
-def _openapi_without_422(app: FastAPI) -> None:
-    """FastAPI documents a 422 on every body route; this server answers 400 instead (``_ERRORS``)."""
+def _openapi_without_422(app: FastAPI, vocab_size: int) -> None:
+    """FastAPI documents a 422 on every body route; this server answers 400 instead (``_ERRORS``).
+
+    Token ids' maximum is the served vocabulary's last id (``served_model_schema``).
+    """
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -174,7 +179,7 @@ def _openapi_without_422(app: FastAPI) -> None:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = schema
+            app.openapi_schema = served_model_schema(schema, vocab_size)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -208,12 +213,12 @@ def build_app(async_engine: EngineClient, settings: ServerSettings, tokenizer: T
     _add_docs(app)
     _add_guards(app, settings)
     _add_error_handlers(app)
-    _openapi_without_422(app)
+    _openapi_without_422(app, engine.model_config.vocab_size)
     prompts = PromptEncoder(engine, tokenizer)
     name = settings.model_name
     _add_generating_routes(
-        app, OpenAIServingCompletion(async_engine, prompts, name),
-        OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser),
+        app, OpenAIServingCompletion(async_engine, prompts, name, settings.default_max_tokens),
+        OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, settings.default_max_tokens),
     )
     _add_info_routes(app, async_engine, settings)
     tokenization = OpenAIServingTokenization(
@@ -276,11 +281,14 @@ def _add_info_routes(app: FastAPI, async_engine: EngineClient, settings: ServerS
 
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs"}, 503: _ERRORS[503]})
     async def health() -> Response:
-        """200 while the engine runs (with data parallelism: while one replica serves); 503 once it
-        stopped or is shutting down."""
+        """200 while the engine runs (with data parallelism: while one replica serves, with a JSON body
+        of each replica's state, ``"status": "degraded"`` while some are down); 503 once it stopped or
+        is shutting down."""
         if not async_engine.is_alive or async_engine.draining:
             err = APIError(503, "the engine is not running", "server_error", "engine_unavailable")
             return JSONResponse(err.body(), status_code=503)
+        if isinstance(async_engine, DataParallelEngine):
+            return JSONResponse(async_engine.health_report())
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={404: _ERRORS[404]})
@@ -354,16 +362,18 @@ def run_server(engine: LLMEngine, settings: ServerSettings) -> None:
 
 
 def create_dp_server_app(
-    config: EngineConfig, settings: ServerSettings, num_replicas: int, enable_metrics: bool = True
+    config: EngineConfig, settings: ServerSettings, num_replicas: int, enable_metrics: bool = True,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> FastAPI:
     """An app whose requests ``num_replicas`` engine processes serve (``dp_engine.py``).
 
     Nothing is started here: the app's lifespan starts the replicas (and
     stops them). This process loads the tokenizer, not the model.
-    ``app.state.async_engine`` is the ``DataParallelEngine``.
+    ``app.state.async_engine`` is the ``DataParallelEngine``; a replica silent for
+    ``heartbeat_timeout`` seconds is killed and replaced.
     """
     metrics = ServerMetrics(settings.model_name) if enable_metrics else None
-    dp = DataParallelEngine(config, num_replicas, metrics, settings.max_waiting, settings.kv_page)
+    dp = DataParallelEngine(config, num_replicas, metrics, settings.max_waiting, settings.kv_page, heartbeat_timeout)
     app = build_app(dp, settings, TokenizerWorker(dp.engine.tokenizer.hf))
     app.state.async_engine = dp
     if settings.kv_page:
@@ -371,9 +381,12 @@ def create_dp_server_app(
     return app
 
 
-def run_dp_server(config: EngineConfig, settings: ServerSettings, num_replicas: int) -> None:
+def run_dp_server(
+    config: EngineConfig, settings: ServerSettings, num_replicas: int,
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+) -> None:
     """Serve with ``num_replicas`` engine processes until interrupted (SIGINT/SIGTERM)."""
-    app = create_dp_server_app(config, settings, num_replicas)
+    app = create_dp_server_app(config, settings, num_replicas, heartbeat_timeout=heartbeat_timeout)
     logger.info("serving %s on http://%s:%d with %d data-parallel replicas", settings.model_name, settings.host,
                 settings.port, num_replicas)
     make_uvicorn_server(app, settings).run()

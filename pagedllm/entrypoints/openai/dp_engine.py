@@ -13,6 +13,11 @@ tokenizer), so the routes do not know how many engines serve them::
 The server process holds no model: ``ServingFrontend`` has the
 configuration, the tokenizer (chat templates, prompt checks) and a grammar
 compiler, so a bad schema is a 400 before anything is routed.
+
+A replica that sends nothing, heartbeats included, for ``heartbeat_timeout``
+seconds is marked down (``replica_up`` 0, ``/health`` says so), killed and
+started again; its requests that had no output yet are routed again here
+(``_on_lost``), the others fail (``replica_client.py`` says why).
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.dp_metrics import ReplicaMetrics
 from pagedllm.entrypoints.openai.engine_client import (
     EngineDeadError,
+    EngineStepError,
     Prompt,
     Submission,
     _RequestStream,
@@ -37,7 +44,12 @@ from pagedllm.entrypoints.openai.engine_client import (
 )
 from pagedllm.entrypoints.openai.metrics import EngineStats, ServerMetrics
 from pagedllm.entrypoints.openai.prefix_router import PrefixRouter
-from pagedllm.entrypoints.openai.replica_client import ReplicaClient
+from pagedllm.entrypoints.openai.replica_client import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    LostRequests,
+    ReplicaClient,
+    ReplicaEvents,
+)
 from pagedllm.loader import load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.runner.structured_output import GrammarCompiler
@@ -94,11 +106,14 @@ class DataParallelEngine:
         max_waiting: most accepted requests still waiting for their first
             token over all replicas; past it ``add_requests`` raises a 429.
         kv_page: whether replicas publish /kv snapshots.
+        heartbeat_timeout: seconds a replica may send nothing (heartbeats
+            come every ``min(1, timeout / 4)`` s) before it is killed and replaced.
     """
 
     def __init__(
         self, config: EngineConfig, num_replicas: int, metrics: ServerMetrics | None = None,
         max_waiting: int | None = None, kv_page: bool = True,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
     ) -> None:
         threads, cores = plan_cores(num_replicas, config.num_threads)
         self.engine = ServingFrontend(config)
@@ -109,8 +124,9 @@ class DataParallelEngine:
         self.router = PrefixRouter(num_replicas, config.block_size, config.prefix_caching)
         self.replica_metrics = ReplicaMetrics(metrics, num_replicas) if metrics is not None else None
         replica_config = dataclasses.replace(config, num_threads=threads)
+        events = ReplicaEvents(self._on_stats, self._on_up, self._on_unresponsive, self._on_lost)
         self.replicas = [
-            ReplicaClient(i, replica_config, cores[i], kv_page, metrics, self._on_stats, self._on_up)
+            ReplicaClient(i, replica_config, cores[i], kv_page, metrics, events, heartbeat_timeout)
             for i in range(num_replicas)
         ]
         if self.replica_metrics is not None:
@@ -150,6 +166,20 @@ class DataParallelEngine:
         """At least one replica serves (the others may be restarting)."""
         return any(r.alive and not r.stopping for r in self.replicas)
 
+    def health_report(self) -> dict[str, Any]:
+        """``/health``'s body: ``ok`` when every replica serves, ``degraded`` when some do, each one's state."""
+        replicas = []
+        for r in self.replicas:
+            state = "stopping" if r.stopping else "up" if r.alive else "restarting"
+            replicas.append({
+                "replica": r.index, "state": state, "pid": r.pid, "restarts": r.restarts,
+                "heartbeat_timeouts": r.num_unresponsive, "last_failure": r.last_failure,
+                "requests_in_flight": r.num_unfinished,
+            })
+        num_up = sum(1 for r in replicas if r["state"] == "up")
+        status = "ok" if num_up == len(replicas) else "degraded" if num_up else "down"
+        return {"status": status, "replicas_up": num_up, "replicas": replicas}
+
     @property
     def has_work(self) -> bool:
         """Requests in flight on any replica."""
@@ -179,6 +209,30 @@ class DataParallelEngine:
             if restarted:
                 self.replica_metrics.restarted(index)
 
+    def _on_unresponsive(self, index: int) -> None:
+        """A replica missed its heartbeats and is being killed."""
+        if self.replica_metrics is not None:
+            self.replica_metrics.unresponsive(index)
+
+    def _on_lost(self, index: int, lost: list[LostRequests]) -> None:
+        """Route again, to the replicas that serve, the requests a stuck replica gave no output (its reader thread)."""
+        num_moved = 0
+        for item in lost:
+            try:
+                hashes = [self.router.prompt_hashes(ids) for _, ids in item.prompts]
+                target = self.router.choose(hashes, self.loads())
+                self.router.record(target, hashes)
+                fut = self.replicas[target].add(item.streams, item.prompts, item.params, item.moves + 1)
+            except (ValueError, EngineDeadError) as e:
+                _fail_lost(item, EngineDeadError(
+                    f"data-parallel replica {index} stopped answering and no other replica could take "
+                    f"this request: {e}"))
+                continue
+            fut.add_done_callback(lambda f, item=item: _settle_moved(item, f))
+            num_moved += len(item.streams)
+        if num_moved:
+            logger.warning("moved %d requests that had no output yet from stuck replica %d", num_moved, index)
+
     # --- requests (event loop) --------------------------------------------------------
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests wherever they run (fire and forget)."""
@@ -206,12 +260,7 @@ class DataParallelEngine:
         streams = sub.streams
         hashes = [self.router.prompt_hashes(ids) for _, ids in prompts]
         try:
-            try:
-                index = self.router.choose(hashes, self.loads())
-            except ValueError as e:
-                raise EngineDeadError(str(e)) from e
-            self.router.record(index, hashes)
-            fut = self.replicas[index].add(streams, prompts, params)
+            fut = self._route(streams, prompts, params, hashes)
             counts = await asyncio.wrap_future(fut)
         except BaseException as e:
             for s in streams:
@@ -224,3 +273,43 @@ class DataParallelEngine:
             self.metrics.prompt_tokens.inc(sum(counts))
         sub.prompt_token_counts = counts
         return sub
+
+    def _route(
+        self, streams: list[_RequestStream], prompts: list[Prompt], params: SamplingParams, hashes: list[list[int]]
+    ) -> Any:
+        """Send the request to the router's choice; a replica found down just then is skipped (EngineDeadError
+        once none serves)."""
+        for _ in range(len(self.replicas)):
+            try:
+                index = self.router.choose(hashes, self.loads())
+            except ValueError as e:
+                raise EngineDeadError(str(e)) from e
+            try:
+                fut = self.replicas[index].add(streams, prompts, params)
+            except EngineDeadError:
+                continue  # declared stuck (or died) between the choice and the add: its load reads None now
+            self.router.record(index, hashes)
+            return fut
+        raise EngineDeadError("no data-parallel replica is serving")
+
+
+def _fail_lost(item: LostRequests, err: BaseException) -> None:
+    """Moved requests that could not run anywhere: their add's caller, or their streams, get ``err``."""
+    if item.answer is not None:
+        item.answer.set_exception(err)
+    else:
+        for stream in item.streams:
+            stream.put(EngineStepError(str(err)))
+
+
+def _settle_moved(item: LostRequests, fut: Any) -> None:
+    """The new replica answered a moved add: pass it on to the caller that still waits for it."""
+    err = fut.exception()
+    if item.answer is not None:
+        if err is None:
+            item.answer.set_result(fut.result())
+        else:
+            item.answer.set_exception(err)
+    elif err is not None:
+        for stream in item.streams:
+            stream.put(EngineStepError(f"the request could not be moved off a stuck replica: {err}"))

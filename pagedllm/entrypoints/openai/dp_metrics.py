@@ -56,13 +56,16 @@ class ReplicaMetrics:
             family = Counter(f"pagedllm:replica_{suffix}", doc, labels, registry=r)
             return [family.labels(name, str(i)) for i in range(num_replicas)]
 
-        self.up = gauge("up", "1 while the replica process serves, 0 while it is (re)starting")
+        self.up = gauge("up", "1 while the replica process serves, 0 while it is (re)starting or stuck")
         self.in_flight = gauge("requests_in_flight", "Engine requests the router has on this replica")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "This replica's KV cache usage, 0 to 1")
         self.num_kv_blocks = gauge("num_kv_blocks", "KV cache blocks in this replica's pool")
         self.running = gauge("num_requests_running", "Requests with a sequence running on this replica")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled on this replica")
         self.restarts = counter("restarts", "Times this replica's process died and was started again")
+        self.heartbeat_timeouts = counter(
+            "heartbeat_timeouts", "Times this replica sent nothing for its heartbeat timeout and was killed"
+        )
         self.counters = {fld: counter(suffix, doc) for fld, suffix, doc in _COUNTERS}
         self._seen = [EngineStats() for _ in range(num_replicas)]
         self._latest = [EngineStats() for _ in range(num_replicas)]
@@ -94,3 +97,7 @@ class ReplicaMetrics:
     def restarted(self, index: int) -> None:
         """Count one restart of replica ``index``."""
         self.restarts[index].inc()
+
+    def unresponsive(self, index: int) -> None:
+        """Count one heartbeat timeout of replica ``index``."""
+        self.heartbeat_timeouts[index].inc()

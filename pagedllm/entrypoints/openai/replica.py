@@ -13,6 +13,7 @@ server does. Messages are plain picklable tuples::
       ("abort", [request_id, ...])
       ("stop",)
     replica -> server
+      ("heartbeat",)                                 every ``heartbeat_interval`` s, from a thread of its own
       ("ready", pid, PublishedSnapshot | None)       once, when the engine is built
       ("failed_to_start", message)                   instead of ready; the process exits
       ("added", call_id, token_counts | None, exception | None)
@@ -22,7 +23,12 @@ server does. Messages are plain picklable tuples::
 Outputs are batched per engine pass (one message for the whole step). Stats go
 at most every ``STATS_INTERVAL_S`` while the engine works and once when it goes
 idle; they carry every block hash in the replica's prefix cache, which the
-router uses to send a prompt where its prefix is cached. The replica ignores
+router uses to send a prompt where its prefix is cached. Heartbeats come from
+a thread that does nothing else: torch releases the GIL in its kernels, so it
+keeps beating while the engine thread is in a step of any length, and stops
+only when the whole process does (SIGSTOP, a machine thrashing). The server
+kills a replica whose messages stop for its heartbeat timeout
+(``replica_client.py``). The replica ignores
 SIGINT (a terminal's Ctrl-C reaches the whole process group; the server
 decides when replicas stop) and exits when the server's end of the pipe closes,
 so a server killed outright leaves no replica behind.
@@ -156,6 +162,12 @@ def _add(client: AsyncEngine, outbox: _Outbox, call_id: int, items: list, params
     fut.add_done_callback(answer)
 
 
+def _beat(outbox: _Outbox, interval: float, done: threading.Event) -> None:
+    """Send a heartbeat every ``interval`` seconds until ``done`` is set (its own thread)."""
+    while not done.wait(interval):
+        outbox.send(("heartbeat",))
+
+
 def _serve(conn: Connection, client: AsyncEngine, outbox: _Outbox) -> None:
     """Move messages from the pipe to the engine thread until told to stop or the server is gone."""
     while client.is_alive:
@@ -176,7 +188,10 @@ def _serve(conn: Connection, client: AsyncEngine, outbox: _Outbox) -> None:
             logger.error("replica: unknown message %r", kind)
 
 
-def run_replica(index: int, config: EngineConfig, conn: Connection, cpus: list[int] | None, kv_page: bool) -> None:
+def run_replica(
+    index: int, config: EngineConfig, conn: Connection, cpus: list[int] | None, kv_page: bool,
+    heartbeat_interval: float,
+) -> None:
     """The replica process's entry point: build the engine, say ready, serve the pipe, exit.
 
     Args:
@@ -185,6 +200,7 @@ def run_replica(index: int, config: EngineConfig, conn: Connection, cpus: list[i
         conn: this process's end of the pipe.
         cpus: the cores to pin this process to, or None.
         kv_page: publish /kv snapshots.
+        heartbeat_interval: seconds between two heartbeats once the engine is ready.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s replica {index} %(name)s: %(message)s")
@@ -205,7 +221,11 @@ def run_replica(index: int, config: EngineConfig, conn: Connection, cpus: list[i
     client.between_steps += [outbox.flush, reporter.maybe_report]
     client.start()
     outbox.send(("ready", os.getpid(), first))
+    done = threading.Event()
+    threading.Thread(target=_beat, args=(outbox, heartbeat_interval, done), name="pagedllm-heartbeat",
+                     daemon=True).start()
     _serve(conn, client, outbox)
+    done.set()
     crashed = client.crash is not None
     client.stop()
     sys.exit(1 if crashed else 0)
