@@ -23,9 +23,9 @@ both endpoints, as vLLM accepts them; one of the two per request.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from pagedllm.entrypoints.openai.tool_choice import ToolRequestError, ToolSpec
@@ -105,8 +105,30 @@ def _ranged(default: Any, **schema: Any) -> Any:
     return Field(default, json_schema_extra=schema)
 
 
-_TOKEN_IDS = {"items": {"type": "integer", "minimum": 0, "maximum": MAX_INT32}}
+def _json_integer(value: object) -> object:
+    """An integral JSON number written with a fraction (``3.0``) as the integer it is; anything else unchanged.
+
+    JSON Schema's ``integer`` is any number with a zero fraction, so the
+    schema promises ``3.0`` is accepted; strict validation would refuse it.
+    """
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# an integer as JSON Schema defines one (``3`` or ``3.0``; never ``"3"``, ``true`` or ``3.5``)
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+
+# marks the schema of a token id, whose maximum ``served_model_schema`` lowers to the served vocabulary's
+TOKEN_ID_MARK = "x-token-id"
+_TOKEN_IDS = {"items": {"type": "integer", "minimum": 0, "maximum": MAX_INT32, TOKEN_ID_MARK: True}}
 _NONEMPTY = {"minLength": 1}
+# a token id as a validated type: the bounds are pydantic's, so the schema and the check are one
+TokenId = Annotated[
+    int, Field(ge=0, le=MAX_INT32, json_schema_extra={TOKEN_ID_MARK: True}), BeforeValidator(_json_integer)
+]
+# OpenAI fields pagedllm does not implement, accepted only as null (the schema says so)
+UNSUPPORTED_FIELDS = ("suffix",)
 
 
 class _Strict(BaseModel):
@@ -154,10 +176,10 @@ class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = _ranged(1, minimum=1, maximum=MAX_N)
+    n: JsonInt = _ranged(1, minimum=1, maximum=MAX_N)
     temperature: float | None = _ranged(None, minimum=0)
     top_p: float | None = _ranged(None, exclusiveMinimum=0, maximum=1)
-    seed: int | None = _ranged(None, minimum=INT64_RANGE[0], maximum=INT64_RANGE[1])
+    seed: JsonInt | None = _ranged(None, minimum=INT64_RANGE[0], maximum=INT64_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -166,17 +188,17 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = _ranged(None, minimum=-MAX_ADDITIVE_PENALTY, maximum=MAX_ADDITIVE_PENALTY)
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
     # vLLM's extra sampling fields
-    top_k: int | None = _ranged(None, minimum=-1, maximum=MAX_INT32)
+    top_k: JsonInt | None = _ranged(None, minimum=-1, maximum=MAX_INT32)
     min_p: float | None = _ranged(None, minimum=0, maximum=1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = _ranged(None, **_TOKEN_IDS)
+    stop_token_ids: list[JsonInt] | None = _ranged(None, **_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: float | None = _ranged(None, exclusiveMinimum=0)
-    min_tokens: int = _ranged(0, minimum=0, maximum=MAX_INT32)
-    allowed_token_ids: list[int] | None = _ranged(None, minItems=1, **_TOKEN_IDS)
+    min_tokens: JsonInt = _ranged(0, minimum=0, maximum=MAX_INT32)
+    allowed_token_ids: list[JsonInt] | None = _ranged(None, minItems=1, **_TOKEN_IDS)
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = _ranged(None, minimum=1, maximum=MAX_INT32)
+    truncate_prompt_tokens: JsonInt | None = _ranged(None, minimum=1, maximum=MAX_INT32)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -277,7 +299,7 @@ class CompletionRequest(_SamplingRequest):
     ``prompt_index * n + i`` as in OpenAI's API.
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]] = Field(
         json_schema_extra={
             "anyOf": [
                 {"type": "string", **_NONEMPTY},
@@ -287,14 +309,19 @@ class CompletionRequest(_SamplingRequest):
             ]
         }
     )
-    max_tokens: int | None = _ranged(16, minimum=1, maximum=MAX_INT32)
-    logprobs: int | None = _ranged(None, minimum=0, maximum=MAX_LOGPROBS)
+    max_tokens: JsonInt | None = _ranged(16, minimum=1, maximum=MAX_INT32)
+    logprobs: JsonInt | None = _ranged(None, minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = _ranged(None, minimum=1, maximum=MAX_N)
-    suffix: str | None = None
+    best_of: JsonInt | None = _ranged(None, minimum=1, maximum=MAX_N)
+    suffix: None = Field(None, description="not supported by this server: only null")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """Check the request and build its SamplingParams; raises APIError (400).
+
+        ``max_tokens`` left out is OpenAI's 16; ``null`` is no limit but the
+        context's, or ``default_max_tokens`` (the server's cap) when set,
+        which also lowers the 16 of a request that left it out, never a value
+        the request gives.
 
         ``logprobs=k``: each output token's logprob and the k most likely
         alternatives. ``best_of``: sample that many, return the ``n`` with the
@@ -304,15 +331,16 @@ class CompletionRequest(_SamplingRequest):
         token has none).
         """
         self._check_common()
-        if self.suffix is not None:
-            raise unsupported("suffix")
         if self.best_of is not None and self.best_of != self.n and self.stream:
             raise bad_request("best_of cannot be streamed: the best outputs are known only at the end", "best_of")
         if self.best_of is not None and self.best_of > MAX_N:
             raise bad_request(f"best_of must be at most {MAX_N}, got {self.best_of}", "best_of")
         # echo with logprobs scores the prompt too (lm-eval's log-likelihoods)
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(self.max_tokens, self.logprobs, self.best_of, prompt_logprobs)
+        max_tokens = self.max_tokens
+        if default_max_tokens is not None and (max_tokens is None or "max_tokens" not in self.model_fields_set):
+            max_tokens = default_max_tokens if max_tokens is None else min(max_tokens, default_max_tokens)
+        return self._sampling_params(max_tokens, self.logprobs, self.best_of, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
@@ -364,7 +392,8 @@ class ChatMessage(_Strict):
         {"required": ["role", "tool_calls"], "properties": {"role": {"const": "assistant"}}},
     ]})
 
-    role: str = Field(json_schema_extra={"minLength": 1})
+    # OpenAI's roles (tool_messages.ROLES): the template prints a role verbatim, so no other string
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
@@ -407,11 +436,17 @@ class NamedToolChoice(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
-    max_tokens: int | None = _ranged(None, minimum=1, maximum=MAX_INT32)
-    max_completion_tokens: int | None = _ranged(None, minimum=1, maximum=MAX_INT32)
+    # what the schema says of a rule across fields (checked in to_sampling_params): top_logprobs needs logprobs
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"top_logprobs": {"type": "null"}}},
+        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    ]})
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: JsonInt | None = _ranged(None, minimum=1, maximum=MAX_INT32)
+    max_completion_tokens: JsonInt | None = _ranged(None, minimum=1, maximum=MAX_INT32)
     logprobs: bool | None = None
-    top_logprobs: int | None = _ranged(None, minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: JsonInt | None = _ranged(None, minimum=0, maximum=MAX_LOGPROBS)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -433,20 +468,24 @@ class ChatCompletionRequest(_SamplingRequest):
         except ToolRequestError as e:
             raise bad_request(str(e), e.param) from e
 
-    def to_sampling_params(self, tools: ToolSpec | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, tools: ToolSpec | None = None, default_max_tokens: int | None = None
+    ) -> SamplingParams:
         """Check the request and build its SamplingParams; raises APIError (400).
 
         With no ``max_tokens``/``max_completion_tokens`` the reply may run to
-        the end of the context, as in vLLM. ``tools``: the request's checked
+        the end of the context, as in OpenAI and vLLM, unless the server sets
+        ``default_max_tokens`` (``--default-max-tokens``), which then caps it;
+        a value the request gives is used as it is. ``tools``: the request's checked
         tools; a forced call (``required``, a named function) becomes the
         structured-output constraint, so it cannot be combined with another.
         """
         self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if not self.messages:
-            raise bad_request("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         forced = tools.structured_outputs() if tools is not None else None
         if forced is not None and self._constraint() is not None:
@@ -473,9 +512,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class TokenizeRequest(_Strict):
     """``POST /tokenize``: a prompt, or a conversation rendered by the chat template."""
 
+    # exactly one of prompt and messages (checked by the handler); what the schema says of it
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -485,7 +530,26 @@ class DetokenizeRequest(_Strict):
     """``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+def served_model_schema(schema: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """The OpenAPI schema with the served model's limits: every token id (``TOKEN_ID_MARK``) at most its last id.
+
+    The models know only int32's bound; the vocabulary check is the
+    engine's (``/detokenize``, prompt ids, ``stop_token_ids``...), and the
+    schema says the same. Changes ``schema`` in place and returns it.
+    """
+    pending: list[Any] = [schema]
+    while pending:  # iterative: a deep schema cannot overflow the stack
+        node = pending.pop()
+        if isinstance(node, dict):
+            if node.get(TOKEN_ID_MARK) is True:
+                node["maximum"] = vocab_size - 1
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return schema
 
 
 class ErrorDetail(BaseModel):
@@ -507,7 +571,8 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> APIError:
     """The 400 for a body that failed validation (FastAPI's errors, ``loc`` starting at ``body``)."""
     first = dict(errors[0])
     loc = tuple(first.get("loc", ()))
-    first["loc"] = loc[1:] if loc[:1] == ("body",) else loc
+    # a body's fields, or a query parameter (``/kv/state?replica=``)
+    first["loc"] = loc[1:] if loc[:1] in (("body",), ("query",)) else loc
     return bad_request(*_describe(first))
 
 
@@ -525,6 +590,9 @@ def _describe(first: dict[str, Any]) -> tuple[str, str | None, str]:
         return f"unrecognized request argument supplied: {where}", field, "unknown_parameter"
     if first["type"] == "missing":
         return f"missing required parameter: '{where}'", field, "missing_required_parameter"
+    if field in UNSUPPORTED_FIELDS and len(first["loc"]) == 1:
+        err = unsupported(field)
+        return err.message, field, "unsupported_parameter"
     if field == "prompt":
         return (
             "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists",
@@ -534,4 +602,13 @@ def _describe(first: dict[str, Any]) -> tuple[str, str | None, str]:
     value = repr(first.get("input"))
     if len(value) > 80:
         value = value[:77] + "..."
-    return f"invalid value for '{field}': {first['msg']} (got {value})", field, "invalid_type"
+    # a value of the right type out of its range or set is a bad value, not a bad type
+    code = "invalid_value" if first["type"] in _VALUE_ERRORS else "invalid_type"
+    return f"invalid value for '{where}': {first['msg']} (got {value})", field, code
+
+
+# pydantic's error types for a value of the right type that a constraint refuses
+_VALUE_ERRORS = frozenset({
+    "literal_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
+    "string_too_short", "string_too_long",
+})

@@ -40,12 +40,16 @@ class OpenAIServingChat(OpenAIServing):
         model_name: the served model's name.
         tool_call_parser: the model's call format for ``tool_choice="auto"``
             (``hermes``, ``llama3_json``, or ``auto``: read from the chat template).
+        default_max_tokens: the cap on a reply whose request sets no
+            ``max_tokens`` / ``max_completion_tokens`` (``--default-max-tokens``); None: none.
     """
 
     def __init__(
-        self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str, tool_call_parser: str = "auto"
+        self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str, tool_call_parser: str = "auto",
+        default_max_tokens: int | None = None,
     ) -> None:
         super().__init__(engine_client, prompts, model_name)
+        self.default_max_tokens = default_max_tokens
         template = getattr(engine_client.engine.tokenizer.hf, "chat_template", None)
         self.tool_parser = get_tool_parser(tool_call_parser, template if isinstance(template, str) else None)
 
@@ -53,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         """Answer one chat request, streamed or whole."""
         self.check_model(req.model)
         tools = await asyncio.to_thread(req.tool_spec)  # xgrammar checks each schema
-        params = req.to_sampling_params(tools)
+        params = req.to_sampling_params(tools, self.default_max_tokens)
         await self.compile_constraint(params, req.constraint_param)
         try:
             messages = req.template_messages()

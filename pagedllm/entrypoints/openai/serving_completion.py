@@ -17,12 +17,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.deltas import DeltaTracker
-from pagedllm.entrypoints.openai.engine_client import Prompt, Submission, to_api_error
+from pagedllm.entrypoints.openai.engine_client import AsyncEngine, Prompt, Submission, to_api_error
 from pagedllm.entrypoints.openai.logprobs import (
     completion_logprobs,
     join_completion_logprobs,
     prompt_completion_logprobs,
 )
+from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage
 from pagedllm.entrypoints.openai.sse import sse_chunks, sse_response
@@ -31,12 +32,27 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    """The completions handler; each prompt's ``n`` choices are numbered ``prompt_index * n + i``."""
+    """The completions handler; each prompt's ``n`` choices are numbered ``prompt_index * n + i``.
+
+    Args:
+        engine_client: the engine thread's client.
+        prompts: the prompt encoder.
+        model_name: the served model's name.
+        default_max_tokens: the cap on a completion whose request sets no
+            ``max_tokens`` (``--default-max-tokens``); None: none.
+    """
+
+    def __init__(
+        self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str,
+        default_max_tokens: int | None = None,
+    ) -> None:
+        super().__init__(engine_client, prompts, model_name)
+        self.default_max_tokens = default_max_tokens
 
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         """Answer one completions request, streamed or whole."""
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.default_max_tokens)
         await self.compile_constraint(params, req.constraint_param)
         encoded = await self._encode(req, params)
         echo = await self._echo_texts(encoded, params) if req.echo else None

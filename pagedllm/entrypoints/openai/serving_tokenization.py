@@ -60,9 +60,7 @@ class OpenAIServingTokenization:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         try:
-            if req.messages is not None:
-                if not req.messages:
-                    raise ValueError("messages must not be empty")
+            if req.messages is not None:  # never empty: the model says minItems 1
                 messages = template_messages(req.messages)
                 text = await self.prompts.render_chat(messages, req.add_generation_prompt)
                 add_special = bool(req.add_special_tokens)  # the template holds its own

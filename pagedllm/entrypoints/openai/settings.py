@@ -33,6 +33,9 @@ class ServerSettings:
             ``hermes``, ``llama3_json``, or ``auto`` (read from the chat template).
         kv_page: serve the live KV-cache page (``/kv``, ``/kv/state``, ``/kv/events``).
         http_limits: header deadline and count, lingering close (``http_protocol.py``).
+        default_max_tokens: the most tokens a reply gets when its request sets
+            no ``max_tokens`` / ``max_completion_tokens``; None: no cap (to the
+            end of the context). Never raises or lowers a request's own value.
     """
 
     model_name: str
@@ -48,6 +51,7 @@ class ServerSettings:
     tool_call_parser: str = "auto"
     kv_page: bool = True
     http_limits: HTTPLimits = field(default_factory=HTTPLimits)
+    default_max_tokens: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -55,6 +59,11 @@ class ServerSettings:
             raise ValueError(f"max_waiting must be an integer >= 1 or None, got {self.max_waiting!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")
+        if self.default_max_tokens is not None and (
+            not isinstance(self.default_max_tokens, int) or isinstance(self.default_max_tokens, bool)
+            or self.default_max_tokens < 1
+        ):
+            raise ValueError(f"default_max_tokens must be an integer >= 1 or None, got {self.default_max_tokens!r}")
         if not isinstance(self.http_limits, HTTPLimits):
             raise ValueError(f"http_limits must be an HTTPLimits, got {self.http_limits!r}")
         if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_PARSERS:

@@ -14,6 +14,17 @@ OpenAI's messages and the templates' differ in three places:
 Content given as a list of parts has its text parts joined by newlines, as
 vLLM does; other part types are refused. Only the fields templates read are
 kept (``role``, ``content``, ``name``, ``tool_calls``, ``tool_call_id``).
+
+Roles are OpenAI's five (``ROLES``); anything else is refused, since the
+template prints the role verbatim (``"system<|im_end|>"`` would inject
+special tokens). A ``developer`` message reaches the template as
+``system``: OpenAI's newer models read developer messages as the system
+instructions, and chat templates know only ``system``.
+
+Tool results follow OpenAI's rules: ``tool`` messages come right after the
+assistant message whose ``tool_calls`` they answer (or after another such
+``tool`` message), each answers one of those calls by its id, and no call
+is answered twice; call ids within one assistant message are distinct.
 """
 
 from __future__ import annotations
@@ -23,6 +34,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedllm.sampling_params import check_text
+
+# the roles OpenAI's chat completions define
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ToolMessageError(ValueError):
@@ -45,22 +59,25 @@ def to_template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
         raise ToolMessageError("messages must be a non-empty list")
     out: list[dict[str, Any]] = []
-    call_names: dict[str, str] = {}  # id -> function name, of the calls made so far
+    # the calls the tool messages that follow may answer: those of the last assistant message,
+    # until a message other than a tool result comes (id -> function name), and those answered
+    open_calls: dict[str, str] = {}
+    answered: set[str] = set()
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
             raise ToolMessageError(f"{where} must be an object")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ToolMessageError(f"{where}.role must be a non-empty string")
+        role = _role(message.get("role"), where)
+        if role != "tool":
+            open_calls, answered = {}, set()
         if role == "assistant":
-            converted = _assistant(message, where, call_names)
+            converted = _assistant(message, where, open_calls)
         elif role == "tool":
-            converted = _tool_result(message, where, call_names)
-        elif role == "function":
-            raise ToolMessageError(f"{where}: role 'function' is deprecated and not supported; use role 'tool'")
+            converted = _tool_result(message, where, open_calls, answered)
         else:
-            converted = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+            # developer instructions are the system prompt to a chat template (see the module's doc)
+            converted = {"role": "system" if role == "developer" else role,
+                         "content": _content(message.get("content"), f"{where}.content")}
         name = message.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -68,6 +85,15 @@ def to_template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str
             converted["name"] = name
         out.append(converted)
     return out
+
+
+def _role(role: object, where: str) -> str:
+    """A message's role, one of ``ROLES``."""
+    if role == "function":
+        raise ToolMessageError(f"{where}: role 'function' is deprecated and not supported; use role 'tool'")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ToolMessageError(f"{where}.role must be one of {', '.join(map(repr, ROLES))}, got {role!r}")
+    return role
 
 
 def _content(content: object, where: str, optional: bool = False) -> str:
@@ -103,7 +129,11 @@ def _assistant(message: Mapping[str, Any], where: str, call_names: dict[str, str
     if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
         raise ToolMessageError(f"{where}.tool_calls must be a list")
     converted = [_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(calls)]
-    for call in converted:
+    for j, call in enumerate(converted):
+        if call["id"] in call_names:
+            # a tool result could not say which of the two it answers
+            raise ToolMessageError(f"{where}.tool_calls[{j}].id: duplicate call id {call['id']!r} "
+                                   "(the ids of one message's tool_calls must be distinct)")
         call_names[call["id"]] = call["function"]["name"]
     content = _content(message.get("content"), f"{where}.content", optional=True)
     return {"role": "assistant", "content": content, "tool_calls": converted}
@@ -133,16 +163,25 @@ def _call(call: object, where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": function["name"], "arguments": dict(arguments)}}
 
 
-def _tool_result(message: Mapping[str, Any], where: str, call_names: dict[str, str]) -> dict[str, Any]:
-    """A ``tool`` message: the result of an earlier call, with that call's function name."""
+def _tool_result(
+    message: Mapping[str, Any], where: str, open_calls: dict[str, str], answered: set[str]
+) -> dict[str, Any]:
+    """A ``tool`` message: the result of a call of the assistant message before it, with that call's name."""
     call_id = message.get("tool_call_id")
     if not isinstance(call_id, str) or not call_id:
         raise ToolMessageError(f"{where}.tool_call_id must be a non-empty string (the id of the call it answers)")
-    if call_id not in call_names:
-        raise ToolMessageError(f"{where}: a 'tool' message must answer a call of an earlier assistant message's "
-                               f"tool_calls; no call has the id {call_id!r}")
+    if not open_calls:
+        raise ToolMessageError(f"{where}: a 'tool' message must answer a call of the assistant message's "
+                               f"tool_calls right before it; no call has the id {call_id!r} there")
+    if call_id not in open_calls:
+        raise ToolMessageError(f"{where}: a 'tool' message must answer a call of the assistant message's "
+                               f"tool_calls right before it; no call has the id {call_id!r} (the calls: "
+                               f"{', '.join(map(repr, open_calls))})")
+    if call_id in answered:
+        raise ToolMessageError(f"{where}: the call {call_id!r} is answered twice")
+    answered.add(call_id)
     content = _content(message.get("content"), f"{where}.content")
-    return {"role": "tool", "tool_call_id": call_id, "name": call_names[call_id], "content": content}
+    return {"role": "tool", "tool_call_id": call_id, "name": open_calls[call_id], "content": content}
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
