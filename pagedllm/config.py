@@ -55,6 +55,15 @@ class EngineConfig:
         max_num_batched_tokens: most tokens computed in one step; a prompt
             longer than what is left of it is prefilled in chunks over
             several steps (chunked prefill).
+        itl_target_ms: how long a step that computes prompt tokens may keep
+            running decodes waiting (their inter-token latency), in
+            milliseconds: while sequences decode, a step takes only as many
+            prompt tokens as fit this target by the step costs measured so
+            far (``engine/step_budget.py``), so a long prompt prefills over
+            more, shorter steps instead of freezing every stream. "auto"
+            (default): 4x the measured step of the decodes alone (a prompt's
+            time to first token ~1.33x its time alone); None: no target, a
+            step takes up to ``max_num_batched_tokens`` whatever it delays.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes;
             None means on for the paged allocator, off for the contiguous one.
         kv_allocator: "paged" (PagedAttention: blocks on demand) or
@@ -139,6 +148,7 @@ class EngineConfig:
     max_model_len: int = 2048
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 8192
+    itl_target_ms: float | str | None = "auto"
     enable_prefix_caching: bool | None = None
     kv_allocator: str = "paged"
     contiguous_reserve: str = "max_tokens"
@@ -225,6 +235,11 @@ class EngineConfig:
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("num_threads", self.num_threads, allow_none=True)
+        target = self.itl_target_ms
+        if target not in ("auto", None) and (
+            isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0
+        ):
+            raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
         self._check_distributed()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

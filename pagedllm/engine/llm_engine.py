@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 import weakref
 
 from pagedllm.config import EngineConfig
@@ -27,6 +28,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.step_budget import StepCostModel
 from pagedllm.engine.step_builder import build_step_record, logits_rules
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
@@ -114,7 +116,14 @@ class LLMEngine:
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # the prompt tokens a step may add to running decodes, from measured step costs (None: no target)
+        self.step_costs: StepCostModel | None = None
+        if config.itl_target_ms is not None:
+            self.step_costs = StepCostModel(None if config.itl_target_ms == "auto" else float(config.itl_target_ms))
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self.step_costs.max_prefill_tokens if self.step_costs is not None else None,
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         # structured outputs: the tokenizer's xgrammar info and the compiled constraints, once per engine
         self.grammar_compiler = GrammarCompiler(
@@ -314,6 +323,7 @@ class LLMEngine:
         """Run one scheduled step; return outputs of requests that progressed (``DistributedError``, now
         and on every later call, once a tensor-parallel rank has failed)."""
         self._check_ranks()
+        started = time.perf_counter()
         # blocks published by a plan that never ran (its schedule raised) must not be hit
         self.block_manager.unpublish_unconfirmed()
         output = self.scheduler.schedule()
@@ -388,7 +398,15 @@ class LLMEngine:
             elif req.beam is None and req.params.num_samples == req.params.n:
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
+        self._observe_step(output, time.perf_counter() - started)
         return outputs
+
+    def _observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost model."""
+        if self.step_costs is None:
+            return
+        num_decodes = sum(1 for s in output.scheduled if s.num_new_tokens == 1 and not s.is_prefill)
+        self.step_costs.observe(num_decodes, output.num_batched_tokens - num_decodes, seconds)
 
     def _check_ranks(self) -> None:
         """DistributedError if a tensor-parallel rank has failed (or the engine was shut down)."""

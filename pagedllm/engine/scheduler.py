@@ -13,6 +13,11 @@ Each step the scheduler
      the token budget, ``max_num_seqs`` and the pool allow. ``allocate()``
      returning False stops admission: the request waits, nothing crashes.
 
+While decodes run, the prompt tokens of a step (chunks and admissions) are
+also capped by ``prefill_cap``, so that a long prompt cannot stall the
+running streams for seconds (``step_budget.py``: the cap follows a latency
+target from measured step costs).
+
 Prefills and decodes share one step. A prompt longer than the budget left
 is computed in chunks over several steps (``max_num_batched_tokens`` may be
 smaller than ``max_model_len``); it takes blocks chunk by chunk, as vLLM
@@ -112,9 +117,17 @@ class Scheduler:
         block_manager: the pool to allocate from.
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens computed in one step.
+        prefill_cap: given the number of decodes a step plans, the most
+            prompt tokens (chunks and admissions) it may add to them, or None
+            for no cap beyond ``max_num_batched_tokens``
+            (``StepCostModel.max_prefill_tokens``: running streams keep their
+            pace while a long prompt prefills); None: never capped.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+        prefill_cap: Callable[[int], int | None] | None = None,
+    ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -122,6 +135,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_cap = prefill_cap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -217,12 +231,18 @@ class Scheduler:
         """Plan one step: decodes of running sequences, unfinished prefills, then admissions.
 
         The token budget left at each stage is ``max_num_batched_tokens`` less
-        what the plan holds so far (a preemption takes the victims' part out).
+        what the plan holds so far (a preemption takes the victims' part out);
+        the prompt tokens of stages 2 and 3 together are also held to
+        ``prefill_cap(number of decodes)``.
         """
         preempted: list[Sequence] = []
         decodes = self._plan_decodes(preempted)
-        decodes, continued = self._plan_prompt_chunks(decodes, preempted)
-        budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
+        cap = self.prefill_cap(len(decodes)) if self.prefill_cap is not None else None
+        prompt_budget = self.max_num_batched_tokens if cap is None else max(1, cap)
+        decodes, continued = self._plan_prompt_chunks(decodes, preempted, prompt_budget)
+        budget = min(
+            self.max_num_batched_tokens - len(decodes), prompt_budget
+        ) - sum(n for _, n in continued)
         # published only now: a block of a sequence dropped above is never
         # written; a prompt's last token (its final one-token chunk) may start its forks
         planned_decodes = [self._chunk(seq, 1) for seq in decodes]
@@ -257,14 +277,19 @@ class Scheduler:
         return decodes
 
     def _plan_prompt_chunks(
-        self, decodes: list[Sequence], preempted: list[Sequence]
+        self, decodes: list[Sequence], preempted: list[Sequence], prompt_budget: int
     ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """Step 2: prompts prefilled in part by earlier steps, oldest first: the next chunk takes its blocks
-        now, cut to the budget and to what the pool holds; when not one token fits, the newest request is
+        now, cut to the budget (``max_num_batched_tokens`` less the decodes, and at most ``prompt_budget``
+        prompt tokens in all) and to what the pool holds; when not one token fits, the newest request is
         preempted as for a decode. Returns the decodes still planned and the chunks ``(sequence, tokens)``."""
         continued: list[tuple[Sequence, int]] = []
+
+        def left() -> int:
+            return min(self.max_num_batched_tokens - len(decodes), prompt_budget) - sum(n for _, n in continued)
+
         for seq in sorted(self.running, key=_age):
-            budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
+            budget = left()
             if budget < 1:
                 break
             if seq.status != SequenceStatus.RUNNING or len(seq) - seq.num_computed_tokens <= 1:
@@ -275,7 +300,7 @@ class Scheduler:
                 preempted.extend(victims)
                 decodes = [d for d in decodes if d.status == SequenceStatus.RUNNING]
                 continued = [(s, n) for s, n in continued if s.status == SequenceStatus.RUNNING]
-                budget = self.max_num_batched_tokens - len(decodes) - sum(n for _, n in continued)
+                budget = left()
             if seq.status != SequenceStatus.RUNNING:
                 continue
             num_new = min(len(seq) - seq.num_computed_tokens, budget, self.block_manager.num_appendable_tokens(seq))

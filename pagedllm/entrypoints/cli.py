@@ -15,6 +15,19 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.settings import ServerSettings
 
 
+def _itl_target(text: str) -> float | str | None:
+    """``--itl-target-ms``: "auto", "off" or a positive number of milliseconds."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a positive number of milliseconds, got {text!r}")
+    return value
+
+
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")
@@ -24,6 +37,12 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument(
+        "--itl-target-ms", type=_itl_target, default="auto",
+        help="while sequences decode, a step takes only the prompt tokens that fit this latency target by the "
+             "measured step costs (a long prompt prefills in shorter steps); auto (default): 4x the decodes' own "
+             "step; off: up to --max-num-batched-tokens",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"])
     g.add_argument("--contiguous-reserve", default="max_tokens", choices=["max_tokens", "max_model_len"])
@@ -86,6 +105,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = dict(
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        itl_target_ms=args.itl_target_ms,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

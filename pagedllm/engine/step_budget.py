@@ -1,0 +1,89 @@
+"""How many prompt tokens a step may compute while other sequences decode.
+
+A step computes every running decode and some prompt tokens (chunked
+prefill), and every decode waits for the whole step. On a 2-core CPU a
+2,048-token chunk is a ~4 s step: one long prompt froze every stream for
+that long. vLLM (``long_prefill_token_threshold``) and SGLang (the
+chunked-prefill size) leave the cap to the user; here it follows from a
+latency target and this machine's measured costs::
+
+    step time  ~  decode_s (the running decodes' step)  +  prompt_tokens x token_s
+    target     =  itl_target_ms, or AUTO_ITL_FACTOR x decode_s ("auto")
+    cap        =  (target - decode_s) / token_s   prompt tokens, at least MIN_PREFILL_TOKENS
+
+``decode_s`` and ``token_s`` are moving averages of the steps the engine ran
+(steps of decodes alone, and the extra time of steps with prompt tokens per
+prompt token): nothing to calibrate, and they follow a prompt's growing
+attention cost chunk by chunk. A step with no decode has no one to keep
+waiting, so it takes the whole ``max_num_batched_tokens``.
+
+Why a factor of ``AUTO_ITL_FACTOR``: with steps k times a decode step, a
+prompt gets (k - 1)/k of the machine, so its time to first token is about
+k/(k - 1) of its time alone (1.33x at k = 4) while the decodes' gap grows
+k-fold only while it prefills. Plain Python: the scheduler reads the cap,
+the engine feeds the timings; no torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# "auto": a step with prompt tokens may take this many decode steps' time
+AUTO_ITL_FACTOR = 4.0
+# prompt tokens a step always may take, so a prompt progresses whatever the decodes cost
+MIN_PREFILL_TOKENS = 16
+# prompt tokens of the first mixed step, before any cost was measured
+INITIAL_PREFILL_TOKENS = 64
+# weight of the newest step in the moving averages
+EMA_WEIGHT = 0.25
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA_WEIGHT * (new - old)
+
+
+@dataclass
+class StepCostModel:
+    """Measured step costs, and the prompt tokens a step may add to its decodes.
+
+    Args:
+        itl_target_ms: the longest step (the decodes' inter-token gap) a step
+            with prompt tokens should take, in milliseconds; None:
+            ``AUTO_ITL_FACTOR`` times the measured decode step.
+    """
+
+    itl_target_ms: float | None = None
+    decode_s: float | None = None  # a step of decodes alone
+    token_s: float | None = None  # what one prompt token adds to a step
+
+    def __post_init__(self) -> None:
+        t = self.itl_target_ms
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"itl_target_ms must be a positive number of milliseconds or None, got {t!r}")
+
+    @property
+    def target_s(self) -> float | None:
+        """The step time aimed at while decodes run; None until a decode step was measured ("auto")."""
+        if self.itl_target_ms is not None:
+            return self.itl_target_ms / 1000.0
+        return None if self.decode_s is None else AUTO_ITL_FACTOR * self.decode_s
+
+    def max_prefill_tokens(self, num_decodes: int) -> int | None:
+        """Prompt tokens a step with ``num_decodes`` decodes may compute; None: no cap (no decode waits)."""
+        if num_decodes == 0:
+            return None
+        target = self.target_s
+        if target is None or self.token_s is None:
+            return INITIAL_PREFILL_TOKENS
+        spare = target - (self.decode_s or 0.0)
+        return max(MIN_PREFILL_TOKENS, int(spare / max(self.token_s, 1e-9)))
+
+    def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
+        """Record a step that ran ``num_decodes`` one-token decodes and ``num_prompt_tokens`` other tokens."""
+        if seconds <= 0 or num_decodes + num_prompt_tokens == 0:
+            return
+        if num_prompt_tokens == 0:
+            self.decode_s = _ema(self.decode_s, seconds)
+            return
+        base = self.decode_s if num_decodes and self.decode_s is not None else 0.0
+        self.token_s = _ema(self.token_s, max(seconds - base, 0.0) / num_prompt_tokens)
