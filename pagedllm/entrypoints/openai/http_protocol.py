@@ -114,9 +114,6 @@ class HeaderWaitList:
         """``conn`` has its headers, or closed."""
         self.waiting.pop(conn, None)
 
-    def __len__(self) -> int:
-        return len(self.waiting)
-
 
 class _CloseHook:
     """The transport as the h11 protocol and its request cycles see it: ``close()`` asks the connection first.
