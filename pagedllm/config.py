@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
+from pagedllm.runner.grammar_limits import GrammarLimits
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
@@ -135,6 +136,10 @@ class EngineConfig:
             this machine, for steps of up to 256 tokens; the process group
             (gloo, NCCL) otherwise), "shm" (the same, refused when the ranks
             are not on one machine) or "gloo" (the process group always).
+        grammar_limits: what one structured-output constraint may cost (its
+            size, entries, depth and properties; compile time, memory and
+            compiles at once) and the compiled-grammar cache's bytes
+            (``runner/grammar_limits.py``); over a limit is a ValueError.
     """
 
     model: str
@@ -165,6 +170,7 @@ class EngineConfig:
     cpu_bind: str | None = None
     distributed_timeout_s: float = 120.0
     all_reduce_backend: str = "auto"
+    grammar_limits: GrammarLimits = GrammarLimits()
 
     @property
     def weight_group_size(self) -> int | None:
@@ -241,6 +247,8 @@ class EngineConfig:
         ):
             raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
         self._check_distributed()
+        if not isinstance(self.grammar_limits, GrammarLimits):
+            raise ValueError(f"grammar_limits must be a GrammarLimits, got {self.grammar_limits!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 import weakref
 
@@ -127,7 +128,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         # structured outputs: the tokenizer's xgrammar info and the compiled constraints, once per engine
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer.hf, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids)
+            self.tokenizer.hf, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
+            config.grammar_limits,
         )
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -212,17 +214,20 @@ class LLMEngine:
             self.model_config.vocab_size,
         )
 
-    def compile_grammar(self, params: SamplingParams) -> RequestGrammar | None:
+    def compile_grammar(
+        self, params: SamplingParams, cancel: threading.Event | None = None
+    ) -> RequestGrammar | None:
         """The grammar state of a request with ``params``; None without a structured-output constraint.
 
         Compiles the constraint (once per distinct constraint: cached), so a
-        bad schema, regex or grammar is a ValueError here. Reads only the
-        compiler, which is thread-safe: the server calls it on a worker
-        thread first, and the engine thread then finds it cached.
+        bad schema, regex or grammar, or one over ``config.grammar_limits``,
+        is a ValueError here. Reads only the compiler, which is thread-safe:
+        the server calls it on a worker thread first (``cancel`` stops the
+        compile: CompileCancelled), and the engine thread then finds it cached.
         """
         if params.structured_outputs is None:
             return None
-        compiled = self.grammar_compiler.compile(params.structured_outputs)
+        compiled = self.grammar_compiler.compile(params.structured_outputs, cancel)
         return RequestGrammar(compiled, self.model_config.vocab_size)
 
     def add_request(

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -86,6 +87,28 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest wait in one collective before the engine stops with an error")
     g.add_argument("--all-reduce-backend", default="auto", choices=["auto", "shm", "gloo"],
                    help="auto: shared memory between ranks of one machine (steps up to 256 tokens), else gloo")
+    _grammar_arguments(p)
+
+
+def _grammar_arguments(p: argparse.ArgumentParser) -> None:
+    """``--grammar-*``: the limits of one structured-output constraint (``GrammarLimits``)."""
+    g = p.add_argument_group("structured outputs (limits of one constraint; over one is a 400)")
+    d = GrammarLimits()
+    g.add_argument("--grammar-max-bytes", type=int, default=d.max_bytes,
+                   help="a schema (as JSON), regex, grammar or choice list, in bytes")
+    g.add_argument("--grammar-max-num-entries", type=int, default=d.max_num_entries,
+                   help="enum values, consts and choices, counted together")
+    g.add_argument("--grammar-max-depth", type=int, default=d.max_depth, help="JSON nesting of a schema")
+    g.add_argument("--grammar-max-num-properties", type=int, default=d.max_num_properties,
+                   help="object properties over a whole schema")
+    g.add_argument("--grammar-compile-timeout-s", type=float, default=d.compile_timeout_s,
+                   help="a compile is killed past this")
+    g.add_argument("--grammar-compile-memory-bytes", type=int, default=d.compile_memory_bytes,
+                   help="memory a compile may allocate (its worker process is limited to it)")
+    g.add_argument("--grammar-max-num-compiles", type=int, default=d.max_num_compiles,
+                   help="compiles at once, each in a worker process; more wait")
+    g.add_argument("--grammar-cache-bytes", type=int, default=d.cache_bytes,
+                   help="compiled grammars kept for reuse, in bytes")
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -128,6 +151,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         cpu_bind=args.cpu_bind,
         distributed_timeout_s=args.distributed_timeout_s,
         all_reduce_backend=args.all_reduce_backend,
+        grammar_limits=GrammarLimits(
+            max_bytes=args.grammar_max_bytes, max_num_entries=args.grammar_max_num_entries,
+            max_depth=args.grammar_max_depth, max_num_properties=args.grammar_max_num_properties,
+            compile_timeout_s=args.grammar_compile_timeout_s,
+            compile_memory_bytes=args.grammar_compile_memory_bytes,
+            max_num_compiles=args.grammar_max_num_compiles, cache_bytes=args.grammar_cache_bytes,
+        ),
     )
     return kwargs
 

@@ -25,15 +25,28 @@ only holds its objects, and hands them its sequences (anything with the
 
 from __future__ import annotations
 
-import json
-import re
 import threading
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from pagedllm.runner.grammar_limits import GrammarLimits, check_constraint
+from pagedllm.runner.grammar_worker import (
+    CompileCancelled,
+    CompileWorkers,
+    ConstraintError,
+    choice_grammar,
+    compile_key,
+    xgrammar_message,
+)
 from pagedllm.sampling_params import StructuredOutputsParams
+
+__all__ = [
+    "CompileCancelled", "GrammarCompiler", "GrammarRejectedError", "GrammarSequence", "RequestGrammar",
+    "choice_grammar", "xgrammar",
+]
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -48,11 +61,6 @@ def xgrammar() -> Any:  # noqa: ANN401 - the module
     return xgr
 
 
-# distinct constraints kept compiled; a server sees a few schemas again and again
-GRAMMAR_CACHE_SIZE = 256
-# "[10:54:14] /project/cpp/json_schema_converter.cc:5082: " before xgrammar's own message
-_XGRAMMAR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
-
 _WHAT = {
     "json": "not a JSON schema xgrammar can compile",
     "regex": "not a valid regular expression",
@@ -62,23 +70,8 @@ _WHAT = {
 }
 
 
-def _xgrammar_message(e: BaseException) -> str:
-    """xgrammar's error text without the C++ source location it starts with."""
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return _XGRAMMAR_PREFIX.sub("", lines[0]) if lines else type(e).__name__
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly ``choices``.
-
-    JSON string literals are EBNF string literals (the same escapes), so
-    quotes, backslashes and control characters in a choice stay literal.
-    """
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
 class GrammarCompiler:
-    """Compiles constraints against one tokenizer, each distinct constraint once.
+    """Compiles constraints against one tokenizer, each distinct constraint once, within ``GrammarLimits``.
 
     Args:
         hf_tokenizer: the Hugging Face tokenizer the engine decodes with.
@@ -86,18 +79,45 @@ class GrammarCompiler:
             the tokenizer's: the extra ids are never allowed.
         stop_token_ids: the ids that end an output (the engine's EOS ids):
             a complete grammar allows exactly these.
+        limits: what a constraint may cost (structure, compile time and
+            memory, compiles at once) and the cache's size in bytes.
 
-    ``compile`` may be called from any thread.
+    A compile first runs in a worker process (``grammar_worker.py``) that is
+    killed past the time or memory limit or on ``cancel``; only a
+    constraint that compiled there is compiled here. ``compile`` may be
+    called from any thread.
     """
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(
+        self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int],  # noqa: ANN401 - any HF tokenizer
+        limits: GrammarLimits | None = None,
+    ) -> None:
         self._hf = hf_tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
+        self.limits = limits if limits is not None else GrammarLimits()
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
+        self._info: xgr.TokenizerInfo | None = None
         self._cache: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
+        self.cache_bytes = 0  # the cached grammars' memory_size_bytes, summed
         self.num_compiled = 0  # cache misses, for tests and metrics
+        me = weakref.ref(self)  # the workers must not keep this compiler alive (its finalizer holds them)
+
+        def info_json() -> str:
+            compiler = me()
+            if compiler is None:
+                raise RuntimeError("the grammar compiler is gone")
+            return compiler._info_json()
+
+        self.workers = CompileWorkers(info_json, self.limits)
+        # an engine dropped without close() still stops its workers
+        self._release = weakref.finalize(self, self.workers.close)
+
+    @property
+    def num_cached(self) -> int:
+        """Compiled grammars in the cache."""
+        return len(self._cache)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         # the tokenizer info takes a pass over the vocabulary (~0.1 s): built on
@@ -107,45 +127,75 @@ class GrammarCompiler:
                 info = xgrammar().TokenizerInfo.from_huggingface(
                     self._hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
                 )
-                self._compiler = xgrammar().GrammarCompiler(info)
+                # one thread: a compile must not take the cores generation runs on; no
+                # cache of xgrammar's own (unbounded): ours is bounded by bytes
+                self._compiler = xgrammar().GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._info = info
             return self._compiler
 
-    def compile(self, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``constraint``; ValueError naming the problem when it does not compile."""
-        key = constraint.key
+    def _info_json(self) -> str:
+        """The tokenizer info as JSON, for a worker process (1.6 MB for SmolLM2's 49k tokens)."""
+        self._get_compiler()
+        return self._info.serialize_json()
+
+    def _cached(self, key: tuple[str, str, bool]) -> xgr.CompiledGrammar | None:
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+            return hit
+
+    def compile(
+        self, constraint: StructuredOutputsParams, cancel: threading.Event | None = None
+    ) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``constraint``.
+
+        ValueError naming the problem when it does not compile, and
+        GrammarLimitError (a ValueError) naming the limit and its flag when
+        it is over one; CompileCancelled when ``cancel`` is set before it is done.
+        """
+        key = constraint.key
+        check_constraint(constraint.kind, getattr(constraint, constraint.kind), key[1], self.limits)
+        hit = self._cached(key)
+        if hit is not None:
+            return hit
         compiler = self._get_compiler()
-        # compiled outside the lock: a long schema must not hold up other threads' cache hits
-        try:
-            compiled = self._compile(compiler, constraint)
-        except (RuntimeError, TypeError, ValueError) as e:  # xgrammar's parse and conversion errors are RuntimeErrors
-            kind = constraint.kind
-            raise ValueError(f"structured_outputs.{kind} is {_WHAT[kind]}: {_xgrammar_message(e)}") from None
-        with self._lock:
-            self.num_compiled += 1
-            self._cache[key] = compiled
-            while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
+        with self.workers.slot(cancel) as worker:
+            hit = self._cached(key)  # compiled by another thread while this one waited
+            if hit is not None:
+                return hit
+            try:
+                self.workers.check(worker, key, cancel)
+                if cancel is not None and cancel.is_set():
+                    raise CompileCancelled("the request was cancelled while its grammar compiled")
+                # it compiled in the worker within the limits: compiling it here takes as long
+                compiled = compile_key(compiler, key)
+            except (ConstraintError, RuntimeError, TypeError) as e:  # xgrammar's errors are RuntimeErrors
+                kind = constraint.kind
+                raise ValueError(f"structured_outputs.{kind} is {_WHAT[kind]}: {xgrammar_message(e)}") from None
+        self._insert(key, compiled)
         return compiled
 
-    @staticmethod
-    def _compile(compiler: xgr.GrammarCompiler, c: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        any_whitespace = not c.disable_any_whitespace
-        kind = c.kind
-        if kind == "json":
-            return compiler.compile_json_schema(json.dumps(c.json), any_whitespace=any_whitespace)
-        if kind == "json_object":
-            # any object (not any JSON value, as xgrammar's builtin JSON grammar allows)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
-        if kind == "regex":
-            return compiler.compile_regex(c.regex)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(c.choice))
-        return compiler.compile_grammar(c.grammar)
+    def _insert(self, key: tuple[str, str, bool], compiled: xgr.CompiledGrammar) -> None:
+        """Cache ``compiled``, dropping the least recently used grammars to stay within ``limits.cache_bytes``."""
+        size = int(compiled.memory_size_bytes)
+        if size > self.limits.cache_bytes:
+            # uncached, the engine thread would compile it again when the request is added
+            raise self.limits.refuse(f"structured_outputs.{key[0]} compiled to a grammar that", size, "cache_bytes",
+                                     " bytes")
+        with self._lock:
+            self.num_compiled += 1
+            if key in self._cache:
+                return
+            self._cache[key] = compiled
+            self.cache_bytes += size
+            while self.cache_bytes > self.limits.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self.cache_bytes -= int(old.memory_size_bytes)
+
+    def close(self) -> None:
+        """Stop the compile workers (a later compile spawns them again)."""
+        self.workers.close()
 
 
 class GrammarSequence(Protocol):

@@ -15,9 +15,13 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.runner.structured_output import GrammarCompiler
 
 # vLLM's buckets, in seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -85,6 +89,13 @@ class ServerMetrics:
         )
         # engine totals already exported, so each update adds only the difference
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "computed": 0, "generated": 0}
+        self._grammars_watched = False
+
+    def watch_grammars(self, compiler: GrammarCompiler) -> None:
+        """Export ``compiler``'s cache and compile figures, read at each scrape (once per server: later calls no-op)."""
+        if not self._grammars_watched:
+            self.registry.register(_GrammarCollector(compiler, self._model_name))
+            self._grammars_watched = True
 
     def request_success(self, finished_reason: str) -> None:
         """Count a finished request under its (first output's) finish reason."""
@@ -159,3 +170,33 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         prompt_tokens_computed=engine.num_prompt_tokens_computed,
         generated_tokens=engine.num_generated_tokens,
     )
+
+
+class _GrammarCollector:
+    """The structured-output grammar compiler's figures, read when Prometheus scrapes (its counters are its own)."""
+
+    def __init__(self, compiler: GrammarCompiler, model_name: str) -> None:
+        self._compiler = compiler
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample per figure, labelled with the model name."""
+        c, workers = self._compiler, self._compiler.workers
+        figures = [
+            (GaugeMetricFamily, "pagedllm:grammar_cache_bytes", "Bytes of the compiled grammars cached", c.cache_bytes),
+            (GaugeMetricFamily, "pagedllm:grammar_cache_limit_bytes", "The grammar cache's bound in bytes",
+             c.limits.cache_bytes),
+            (GaugeMetricFamily, "pagedllm:grammar_cache_entries", "Compiled grammars cached", c.num_cached),
+            (GaugeMetricFamily, "pagedllm:grammar_compiles_running", "Grammar compiles running now",
+             workers.num_running),
+            (GaugeMetricFamily, "pagedllm:grammar_compiles_waiting", "Grammar compiles waiting for a compile worker",
+             workers.num_waiting),
+            (CounterMetricFamily, "pagedllm:grammar_compiles", "Grammars compiled (cache misses that compiled)",
+             c.num_compiled),
+            (CounterMetricFamily, "pagedllm:grammar_compiles_stopped",
+             "Grammar compiles killed: past the time or memory limit, or their client left", workers.num_stopped),
+        ]
+        for family, name, doc, value in figures:
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self._model_name], value)
+            yield metric

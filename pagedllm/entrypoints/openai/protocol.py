@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from pagedllm.entrypoints.openai.tool_choice import ToolRequestError, ToolSpec
 from pagedllm.entrypoints.openai.tool_messages import ToolMessageError, to_template_messages
+from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.sampling_params import (
     INT64_RANGE,
     MAX_ADDITIVE_PENALTY,
@@ -459,12 +460,15 @@ class ChatCompletionRequest(_SamplingRequest):
             return "tool_choice"
         return super().constraint_param
 
-    def tool_spec(self) -> ToolSpec:
-        """The request's tools, checked (their schemas converted by xgrammar: call it off the event loop); 400."""
+    def tool_spec(self, limits: GrammarLimits | None = None) -> ToolSpec:
+        """The request's tools, checked (their schemas converted by xgrammar: call it off the event loop); 400.
+
+        ``limits``: the engine's structured-output limits, which each schema must be within.
+        """
         tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
         try:
-            return ToolSpec.from_request(tools, choice, self.parallel_tool_calls)
+            return ToolSpec.from_request(tools, choice, self.parallel_tool_calls, limits=limits)
         except ToolRequestError as e:
             raise bad_request(str(e), e.param) from e
 

@@ -56,9 +56,9 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         """Answer one chat request, streamed or whole."""
         self.check_model(req.model)
-        tools = await asyncio.to_thread(req.tool_spec)  # xgrammar checks each schema
+        tools = await asyncio.to_thread(req.tool_spec, self.grammar_limits)  # xgrammar checks each schema
         params = req.to_sampling_params(tools, self.default_max_tokens)
-        await self.compile_constraint(params, req.constraint_param)
+        await self.compile_constraint(params, req.constraint_param, request)
         try:
             messages = req.template_messages()
             encoded = await self.prompts.chat(messages, req.add_generation_prompt, params, tools.template_tools())

@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Answer one completions request, streamed or whole."""
         self.check_model(req.model)
         params = req.to_sampling_params(self.default_max_tokens)
-        await self.compile_constraint(params, req.constraint_param)
+        await self.compile_constraint(params, req.constraint_param, request)
         encoded = await self._encode(req, params)
         echo = await self._echo_texts(encoded, params) if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"

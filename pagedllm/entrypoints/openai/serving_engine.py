@@ -4,6 +4,7 @@ for a non-streamed answer, the grammar compile and the usage block."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,8 @@ from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import APIError, bad_request
 from pagedllm.entrypoints.openai.sse import watch_disconnect
 from pagedllm.outputs import RequestOutput
+from pagedllm.runner.grammar_limits import GrammarLimits
+from pagedllm.runner.structured_output import CompileCancelled
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -37,23 +40,42 @@ class OpenAIServing:
         self.engine_client = engine_client
         self.prompts = prompts
         self.model_name = model_name
+        metrics = getattr(engine_client, "metrics", None)
+        if metrics is not None:
+            metrics.watch_grammars(engine_client.engine.grammar_compiler)
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model (or None: vLLM's leniency)."""
         check_model(name, self.model_name)
 
-    async def compile_constraint(self, params: SamplingParams, param: str) -> None:
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        """The engine's structured-output limits (``--grammar-*`` flags)."""
+        return self.engine_client.engine.grammar_compiler.limits
+
+    async def compile_constraint(self, params: SamplingParams, param: str, request: Request | None = None) -> None:
         """Compile the request's structured-output constraint on a worker thread: a bad one is a 400 here.
 
         The engine thread then finds it in the engine's grammar cache, so a
-        long compile never stalls other requests' steps.
+        long compile never stalls other requests' steps. Over a limit
+        (``GrammarLimits``) is a 400 naming the limit; when the client of
+        ``request`` leaves (or this task is cancelled) the compile is killed,
+        and the request ends with 499.
         """
         if params.structured_outputs is None:
             return
+        cancel = threading.Event()
+        watcher = asyncio.create_task(watch_disconnect(request, cancel.set)) if request is not None else None
         try:
-            await asyncio.to_thread(self.engine_client.engine.compile_grammar, params)
+            await asyncio.to_thread(self.engine_client.engine.compile_grammar, params, cancel)
+        except CompileCancelled as e:
+            raise APIError(499, "the client closed the request", "invalid_request_error", "client_closed") from e
         except ValueError as e:
             raise bad_request(str(e), param) from e
+        finally:
+            cancel.set()  # a cancelled await leaves the thread compiling: stop it too (no-op when done)
+            if watcher is not None:
+                watcher.cancel()
 
     async def wait_all(
         self, request: Request, sub: Submission, make_response: Callable[[list[RequestOutput]], dict[str, Any]]

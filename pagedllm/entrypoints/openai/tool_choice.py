@@ -53,6 +53,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ToolParser,
     assemble_deltas,
 )
+from pagedllm.runner.grammar_limits import GrammarLimitError, GrammarLimits, check_schema
 from pagedllm.sampling_params import StructuredOutputsParams, check_text
 
 # OpenAI's rule for function names
@@ -120,23 +121,30 @@ class ToolSpec:
     @classmethod
     def from_request(
         cls, tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None,
-        parallel_tool_calls: bool | None = None, check_schemas: bool = True,
+        parallel_tool_calls: bool | None = None, check_schemas: bool = True, limits: GrammarLimits | None = None,
     ) -> ToolSpec:
         """Check the request's tool fields and resolve them; ToolRequestError naming the field at fault.
 
         ``check_schemas``: convert each tool's parameters with xgrammar, so a
         schema that is not one (a number where a schema belongs, a bad
         ``pattern``...) is refused here whatever ``tool_choice`` is; keywords
-        xgrammar does not enforce are accepted.
+        xgrammar does not enforce are accepted. ``limits``: the structural
+        limits each schema (and a forced call's schema) must be within first,
+        so the conversion stays cheap (default ``GrammarLimits()``).
         """
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
             raise ToolRequestError(f"parallel_tool_calls must be a boolean, got {parallel_tool_calls!r}",
                                    "parallel_tool_calls")
-        parsed = _parse_tools(tools, check_schemas)
+        limits = limits if limits is not None else GrammarLimits()
+        parsed = _parse_tools(tools, check_schemas, limits)
         choice, name = _parse_tool_choice(tool_choice, parsed)
         spec = cls(parsed, choice, name, parallel_tool_calls is not False)
+        forced = spec.constraint_schema()
+        if forced is not None:
+            # what the grammar is compiled from: all tools together for "required"
+            _check_limits(forced, f"the schema tool_choice={choice!r} forces", "tool_choice", limits)
         if check_schemas and choice == "required":
-            _check_schema(spec.constraint_schema(), "tools", "tools")  # the combined schema's references
+            _check_schema(forced, "tools", "tools")  # the combined schema's references
         return spec
 
     @property
@@ -209,14 +217,16 @@ class ToolSpec:
         return finish_reason
 
 
-def _parse_tools(tools: Sequence[Mapping[str, Any]] | None, check_schemas: bool) -> tuple[FunctionTool, ...]:
+def _parse_tools(
+    tools: Sequence[Mapping[str, Any]] | None, check_schemas: bool, limits: GrammarLimits
+) -> tuple[FunctionTool, ...]:
     if tools is None:
         return ()
     if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
         raise ToolRequestError(f"tools must be a list of function tools, got {type(tools).__name__}", "tools")
     parsed: list[FunctionTool] = []
     for i, tool in enumerate(tools):
-        parsed.append(_parse_tool(tool, f"tools[{i}]", check_schemas))
+        parsed.append(_parse_tool(tool, f"tools[{i}]", check_schemas, limits))
     names = [t.name for t in parsed]
     for name in names:
         if names.count(name) > 1:
@@ -224,7 +234,7 @@ def _parse_tools(tools: Sequence[Mapping[str, Any]] | None, check_schemas: bool)
     return tuple(parsed)
 
 
-def _parse_tool(tool: object, where: str, check_schemas: bool) -> FunctionTool:
+def _parse_tool(tool: object, where: str, check_schemas: bool, limits: GrammarLimits) -> FunctionTool:
     """One ``{"type": "function", "function": {"name", "description", "parameters", "strict"}}``."""
     _check_keys(tool, where, {"type", "function"})
     if tool.get("type") != "function":
@@ -248,7 +258,7 @@ def _parse_tool(tool: object, where: str, check_schemas: bool) -> FunctionTool:
         raise ToolRequestError(f"{where} is not JSON text: {e}", "tools") from None
     parameters = function.get("parameters")
     if parameters is not None:
-        parameters = _check_parameters(parameters, f"{where}.function.parameters", check_schemas)
+        parameters = _check_parameters(parameters, f"{where}.function.parameters", check_schemas, limits)
     return FunctionTool(name, description, parameters)
 
 
@@ -260,7 +270,7 @@ def _check_keys(value: object, where: str, allowed: set[str]) -> None:
         raise ToolRequestError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))}", "tools")
 
 
-def _check_parameters(parameters: object, where: str, check_schemas: bool) -> dict[str, Any]:
+def _check_parameters(parameters: object, where: str, check_schemas: bool, limits: GrammarLimits) -> dict[str, Any]:
     """A function's parameters: a JSON schema of an object."""
     if not isinstance(parameters, Mapping):
         raise ToolRequestError(f"{where} must be a JSON schema (an object), got {type(parameters).__name__}", "tools")
@@ -268,9 +278,18 @@ def _check_parameters(parameters: object, where: str, check_schemas: bool) -> di
     kind = parameters.get("type", "object")
     if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise ToolRequestError(f"{where} must describe an object (the arguments), got type {kind!r}", "tools")
+    _check_limits(parameters, where, "tools", limits)
     if check_schemas:
         _check_schema({**parameters, "type": "object"}, where, "tools")
     return parameters
+
+
+def _check_limits(schema: dict[str, Any], where: str, param: str, limits: GrammarLimits) -> None:
+    """ToolRequestError when ``schema`` is over a structural limit (before xgrammar converts it)."""
+    try:
+        check_schema(schema, where, limits)
+    except GrammarLimitError as e:
+        raise ToolRequestError(str(e), param) from None
 
 
 def _check_schema(schema: dict[str, Any], where: str, param: str) -> None:
@@ -280,7 +299,7 @@ def _check_schema(schema: dict[str, Any], where: str, param: str) -> None:
         raise ToolRequestError(f"{where} is not a valid JSON schema: {reason}", param)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)  # keys up to GrammarLimits.max_bytes each
 def _schema_error(schema_json: str) -> str | None:
     """Why xgrammar cannot convert a schema, or None; cached, since agents send the same tools every turn."""
     import xgrammar as xgr  # imports torch: only when a request has tools
