@@ -129,7 +129,7 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 def _stream(client: OpenAI, i: int, outcome: list, first: threading.Event) -> None:
     try:
-        stream = client.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=200,
+        stream = client.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=120,
                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
         text = ""
         for c in stream:

@@ -219,6 +219,8 @@ class DataParallelEngine:
         """Route again, to the replicas that serve, the requests a stuck replica gave no output (its reader thread)."""
         num_moved = 0
         for item in lost:
+            if item.answer is not None and item.answer.done():
+                continue  # its caller went away (cancelled) while the replica was stuck
             try:
                 hashes = [self.router.prompt_hashes(ids) for _, ids in item.prompts]
                 target = self.router.choose(hashes, self.loads())
@@ -297,7 +299,8 @@ class DataParallelEngine:
 def _fail_lost(item: LostRequests, err: BaseException) -> None:
     """Moved requests that could not run anywhere: their add's caller, or their streams, get ``err``."""
     if item.answer is not None:
-        item.answer.set_exception(err)
+        if not item.answer.done():  # a caller that went away cancelled it
+            item.answer.set_exception(err)
     else:
         for stream in item.streams:
             stream.put(EngineStepError(str(err)))
@@ -307,6 +310,8 @@ def _settle_moved(item: LostRequests, fut: Any) -> None:
     """The new replica answered a moved add: pass it on to the caller that still waits for it."""
     err = fut.exception()
     if item.answer is not None:
+        if item.answer.done():
+            return  # its caller went away (cancelled); the abort that came with it reaches the new replica
         if err is None:
             item.answer.set_result(fut.result())
         else:

@@ -320,9 +320,11 @@ class ReplicaClient:
                     for rid in rids:
                         self.streams.pop(rid, None)
                         self._unstarted.pop(rid, None)
-            if fut is not None and err is not None:
+            if fut is None or fut.done():
+                pass  # its caller went away (cancelled the future) and aborted
+            elif err is not None:
                 fut.set_exception(err)
-            elif fut is not None:
+            else:
                 fut.set_result(counts)
         elif kind == "stats":
             _, stats, hashes, kv = message
@@ -363,6 +365,7 @@ class ReplicaClient:
                     continue  # starting, restarting or stopping: not beating yet, or no longer
                 self.alive = False  # nothing new is routed here from now on
                 self.unresponsive_s = silent
+                self.last_failure = f"sent nothing for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s)"
                 process = self._process
             self.num_unresponsive += 1
             logger.error("data-parallel replica %d (pid %s) sent nothing for %.1f s (heartbeat timeout %g s); "
@@ -414,7 +417,8 @@ class ReplicaClient:
         for stream in streams.values():
             stream.put(err)
         for fut in pending.values():
-            fut.set_exception(err)
+            if not fut.done():  # a caller that went away cancelled it
+                fut.set_exception(err)
         if lost:
             self.events.on_lost(self.index, lost)
         return self._restart()
