@@ -214,3 +214,77 @@ def test_a_long_prompt_no_longer_freezes_the_streams(smollm_path: str) -> None:
     # generous: on a quiet 2-core machine the longest step is ~1.2x the median (BENCHMARKS.md)
     gaps = [seconds for decodes, _, seconds in on if decodes]
     assert max(gaps) < 6 * statistics.median(gaps) + 0.05, gaps
+
+
+# --- the serving benchmark's long prompts -----------------------------------------------
+def test_bench_serve_mixes_in_long_prompts() -> None:
+    from pagedllm.bench.serve import make_requests, parse_mix
+
+    plain_only = make_requests(40, 16, 8, 0.0, 3, parse_mix("plain"))
+    mixed = make_requests(40, 16, 8, 0.0, 3, parse_mix("plain:3,long:1"), long_lens=(300, 2))
+    longs = [r for r in mixed if r.kind == "long"]
+    assert 0 < len(longs) < 40
+    assert all(len(r.prompt_token_ids) == 300 and r.output_len == 2 for r in longs)
+    assert all(len(r.prompt_token_ids) == 16 and r.output_len == 8 for r in mixed if r.kind == "plain")
+    with pytest.raises(ValueError, match="long-input-len"):
+        make_requests(4, 16, 8, 0.0, 3, parse_mix("long"), long_lens=(0, 1))
+    assert len(plain_only) == 40
+
+
+# --- through the server -----------------------------------------------------------------
+def test_streams_keep_their_pace_while_a_4k_prompt_prefills(smollm_path: str, tmp_path) -> None:  # noqa: ANN001
+    """The issue's case on ``pagedllm serve``: chats stream (the official client) while a 4,000-token prompt
+    with ``max_tokens=1`` arrives; the streams' gaps over the prompt's prefill stay within a generous
+    bound of their median, and the prompt is answered."""
+    import threading
+
+    import httpx
+    import openai
+    from server_helpers import free_port, launch_server, stop_server, wait_healthy
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = launch_server(["--port", str(port), "--num-kv-blocks", "320", "--max-model-len", "4096",
+                          "--max-num-batched-tokens", "2048"], tmp_path / "server.log")
+    try:
+        wait_healthy(url, proc, tmp_path / "server.log")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        stamps: dict[int, list[float]] = {i: [] for i in range(3)}
+        long_done = threading.Event()
+        window: list[float] = []
+
+        def stream(i: int) -> None:
+            chunks = client.chat.completions.create(
+                model=client.models.list().data[0].id, messages=[{"role": "user", "content": f"Count to {99 + i}."}],
+                max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True},
+            )
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    stamps[i].append(time.monotonic())
+                if long_done.is_set() and time.monotonic() > window[1] + 1.0:
+                    break
+            chunks.close()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(3.0)  # the streams are decoding
+        prompt = [random.Random(1).randrange(1000, 20000) for _ in range(4000)]
+        window.append(time.monotonic())
+        resp = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=300)
+        window.append(time.monotonic())
+        long_done.set()
+        for t in threads:
+            t.join(120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["prompt_tokens"] == 4000
+        for i, times in stamps.items():
+            gaps = [b - a for a, b in zip(times, times[1:]) if window[0] <= b <= window[1]]
+            assert len(gaps) >= 5, f"stream {i} made {len(gaps)} tokens while the prompt prefilled"
+            gaps.sort()
+            p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+            # the goal (BENCHMARKS.md) is 3x; generous here, for a loaded CI machine. Without the target one
+            # gap is the whole prefill (~8 s on 2 cores) among ~0.05 s ones
+            assert p99 < 8 * statistics.median(gaps) + 0.25, (i, statistics.median(gaps), gaps[-5:])
+    finally:
+        stop_server(proc)

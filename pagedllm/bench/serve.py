@@ -3,9 +3,11 @@
 Random-token prompts (token-id lists, so no tokenizer is needed here) are sent
 as streaming ``/v1/completions`` with ``ignore_eos`` and greedy sampling, so
 each request produces exactly its output length. ``--mix`` mixes in requests
-constrained to a JSON schema and chats with tools (``tool_choice="required"``),
-which end when their output is complete; the report then breaks TTFT and
-TPOT down by kind. Arrivals are all at once
+constrained to a JSON schema, chats with tools (``tool_choice="required"``),
+which end when their output is complete, and long prompts (``long``: plain
+completions of ``--long-input-len`` prompt tokens and ``--long-output-len``
+output tokens, the prompts that stall other streams while they prefill);
+the report then breaks TTFT, TPOT and ITL down by kind. Arrivals are all at once
 (``--request-rate inf``) or a Poisson process; ``--max-concurrency`` caps the
 requests in flight (later arrivals wait for a free slot, and their clock starts
 when they are sent). Per request: TTFT (send to first text), TPOT ((latency -
@@ -55,12 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
     p.add_argument("--mix", default="plain",
-                   help="request kinds and weights, e.g. 'plain:2,json:1,tools:1': plain completions, completions "
-                        "constrained to a JSON schema, chat with tools and tool_choice 'required' (default: plain)")
+                   help="request kinds and weights, e.g. 'plain:2,json:1,tools:1,long:1': plain completions, "
+                        "completions constrained to a JSON schema, chat with tools and tool_choice 'required', "
+                        "long-prompt completions (default: plain)")
+    p.add_argument("--long-input-len", type=int, default=4000, help="prompt tokens of a 'long' request")
+    p.add_argument("--long-output-len", type=int, default=1, help="output tokens of a 'long' request")
     p.add_argument("--json", action="store_true", help="end with one JSON line of results")
 
 
-KINDS = ("plain", "json", "tools")
+KINDS = ("plain", "json", "tools", "long")
 # what the "json" kind's outputs must follow: nested, enums, bounded numbers
 BENCH_SCHEMA = {
     "type": "object",
@@ -94,7 +99,7 @@ BENCH_TOOLS = [
 class ServeRequest:
     """One benchmark request: prompt token ids, the output length, its kind.
 
-    ``plain`` requests produce exactly ``output_len`` tokens (``ignore_eos``);
+    ``plain`` and ``long`` requests produce exactly ``output_len`` tokens (``ignore_eos``);
     ``json`` and ``tools`` ones end when their constrained output is complete
     (at most ``output_len`` tokens). A ``tools`` request is a chat whose user
     message is the prompt's text.
@@ -138,11 +143,15 @@ def parse_mix(mix: str) -> dict[str, float]:
 
 
 def make_requests(
-    num: int, input_len: int, output_len: int, range_ratio: float, seed: int, mix: dict[str, float] | None = None
+    num: int, input_len: int, output_len: int, range_ratio: float, seed: int, mix: dict[str, float] | None = None,
+    long_lens: tuple[int, int] = (4000, 1),
 ) -> list[ServeRequest]:
-    """Random-token requests of the ``mix``'s kinds; the same arguments give the same requests."""
-    if num < 1 or input_len < 1 or output_len < 1:
-        raise ValueError("need --num-prompts, --input-len and --output-len >= 1")
+    """Random-token requests of the ``mix``'s kinds; the same arguments give the same requests.
+
+    ``long_lens``: the (prompt, output) tokens of a ``long`` request, fixed.
+    """
+    if num < 1 or input_len < 1 or output_len < 1 or min(long_lens) < 1:
+        raise ValueError("need --num-prompts, --input-len, --output-len, --long-input-len and --long-output-len >= 1")
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
@@ -156,7 +165,11 @@ def make_requests(
     for _ in range(num):
         n_in, n_out = draw(input_len), draw(output_len)
         ids = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(n_in)]
-        out.append(ServeRequest(ids, n_out, rng.choices(kinds, weights)[0]))
+        kind = rng.choices(kinds, weights)[0]
+        if kind == "long":  # drawn after the kind, so the other kinds' requests stay as they were
+            n_out = long_lens[1]
+            ids = [rng.randrange(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(long_lens[0])]
+        out.append(ServeRequest(ids, n_out, kind))
     return out
 
 
@@ -164,7 +177,7 @@ def _request_body(model: str, req: ServeRequest) -> tuple[str, dict[str, Any]]:
     """(route, JSON body) of one streamed benchmark request."""
     common = {"model": model, "max_tokens": req.output_len, "temperature": 0, "stream": True,
               "stream_options": {"include_usage": True}}
-    if req.kind == "plain":
+    if req.kind in ("plain", "long"):
         return "/v1/completions", {**common, "prompt": req.prompt_token_ids, "ignore_eos": True}
     if req.kind == "json":
         return "/v1/completions", {**common, "prompt": req.prompt_token_ids,
@@ -254,7 +267,7 @@ class _Client:
             result.latency = time.perf_counter() - start
             if not done:
                 result.error = "the stream ended without [DONE]"
-            elif req.kind == "plain" and result.output_tokens != req.output_len:
+            elif req.kind in ("plain", "long") and result.output_tokens != req.output_len:
                 result.error = f"got {result.output_tokens} tokens, asked for {req.output_len}"
             elif not 1 <= result.output_tokens <= req.output_len:
                 result.error = f"got {result.output_tokens} tokens, asked for at most {req.output_len}"
@@ -318,6 +331,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
             "mean_output_tokens": sum(r.output_tokens for r in rs) / len(rs),
             "ttft_ms": _stats([r.ttft for r in rs]),
             "tpot_ms": _stats([(r.latency - r.ttft) / (r.output_tokens - 1) for r in rs if r.output_tokens > 1]),
+            "itl_ms": _stats([x for r in rs for x in r.itl]),
         }
         for kind in KINDS
         if (rs := [r for r in ok if r.kind == kind])
@@ -365,10 +379,12 @@ def _print_report(res: dict[str, Any]) -> None:
         row(f"Median {short} (ms):", res[key]["median"])
         row(f"P99 {short} (ms):", res[key]["p99"])
     if len(res["by_kind"]) > 1:
-        print("{s:{c}^50}".format(s=" By request kind (mean TTFT / TPOT, ms) ", c="-"))
+        print("{s:{c}^50}".format(s=" By request kind (ms) ", c="-"))
         for kind, k in res["by_kind"].items():
-            row(f"{kind} ({k['completed']} req, {k['mean_prompt_tokens']:.0f}+{k['mean_output_tokens']:.0f} tok):",
-                f"{k['ttft_ms']['mean']:.1f} / {k['tpot_ms']['mean']:.1f}")
+            print(f"{kind} ({k['completed']} req, {k['mean_prompt_tokens']:.0f}+{k['mean_output_tokens']:.0f} tok):")
+            for key, short in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
+                row(f"  {short} mean / median / p99:",
+                    f"{k[key]['mean']:.1f} / {k[key]['median']:.1f} / {k[key]['p99']:.1f}")
     print("=" * 50)
 
 
@@ -385,13 +401,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(str(e)) from e
     model = args.model or models["data"][0]["id"]
     requests = make_requests(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed, parse_mix(args.mix)
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed, parse_mix(args.mix),
+        (args.long_input_len, args.long_output_len),
     )
     requests = [_with_text(client, r) for r in requests]
     arrivals = _arrival_times(len(requests), args.request_rate, random.Random(args.seed + 1))
 
     # warm-up, not counted: the first request pays for allocator and thread start-up
-    warm = client.stream_completion(model, ServeRequest(requests[0].prompt_token_ids, min(4, requests[0].output_len)))
+    # (half a block of the first prompt: nothing the prefix cache could hand a measured request)
+    warm = client.stream_completion(model, ServeRequest(requests[0].prompt_token_ids[:8], 4))
     if not warm.success:
         raise ValueError(f"the warm-up request failed: {warm.error}")
 
