@@ -13,11 +13,12 @@ them runs with ``--no-kv-page``: the routes are then not there (404).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Sequence
 from importlib import resources
 from typing import Protocol
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -32,6 +33,7 @@ _KV_STATE_ERRORS = {
 }
 
 KV_ROUTES = ("/kv", "/kv/state", "/kv/events")
+
 # how often an event stream looks for a newer snapshot (the publisher sends at most 4 a second)
 POLL_S = 0.05
 # keep-alive comments on an idle stream, so proxies do not cut it
@@ -128,7 +130,12 @@ def add_kv_routes(app: FastAPI, publisher: SnapshotSource | Sequence[SnapshotSou
     # the bounds are FastAPI's check and /openapi.json's: a replica out of range is a 400 naming it
     last_replica = len(sources) - 1
 
-    def pick(replica: int) -> SnapshotSource:
+    def pick(replica: int, request: Request) -> SnapshotSource:
+        # an integer as the schema says one: FastAPI alone reads "0.0" as 0
+        raw = request.query_params.get("replica")
+        if raw is not None and not re.fullmatch(r"-?[0-9]+", raw):
+            raise APIError(400, f"replica must be a decimal integer, got {raw!r}", "invalid_request_error",
+                           "invalid_type", "replica")
         return sources[replica]
 
     @app.get("/kv", response_class=HTMLResponse)
@@ -137,11 +144,15 @@ def add_kv_routes(app: FastAPI, publisher: SnapshotSource | Sequence[SnapshotSou
         return Response(html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
 
     @app.get("/kv/state", response_model=KVState, responses=_KV_STATE_ERRORS)
-    async def kv_state(replica: int = Query(0, ge=0, le=last_replica, description="a data-parallel replica")) -> Response:
+    # Query() as a default: its bound is this app's replica count, unknown to a module-level alias
+    async def kv_state(
+        request: Request,
+        replica: int = Query(0, ge=0, le=last_replica, description="a data-parallel replica"),  # noqa: B008
+    ) -> Response:
         """The latest KV snapshot as JSON: every block's state and ref count, the requests'
         block tables, the counters. ``GET /kv/events`` streams the same objects as
         server-sent events, one per new snapshot. ``replica`` picks a data-parallel replica."""
-        latest = pick(replica).latest
+        latest = pick(replica, request).latest
         if latest is None:  # published before the app starts; here only if that failed
             if len(sources) > 1:
                 raise APIError(503, f"replica {replica} has not published a snapshot yet", "server_error", None)
@@ -150,6 +161,8 @@ def add_kv_routes(app: FastAPI, publisher: SnapshotSource | Sequence[SnapshotSou
 
     # not in /openapi.json: an endless stream that schema-driven clients would wait on forever
     @app.get("/kv/events", include_in_schema=False)
-    async def kv_events(replica: int = Query(0, ge=0, le=last_replica)) -> EventSourceResponse:
+    async def kv_events(
+        request: Request, replica: int = Query(0, ge=0, le=last_replica),  # noqa: B008
+    ) -> EventSourceResponse:
         """Server-sent events: each new KV snapshot (``/kv/state``'s object) as one event."""
-        return EventSourceResponse(snapshot_events(pick(replica)), ping=PING_S, headers={"Cache-Control": "no-cache"})
+        return EventSourceResponse(snapshot_events(pick(replica, request)), ping=PING_S, headers={"Cache-Control": "no-cache"})

@@ -158,6 +158,14 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     """``response_format``: plain text, any JSON object, or JSON following a schema."""
 
+    # what the schema says of the rule _constraint checks: json_schema (with a schema) exactly with its type
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"type": {"const": "json_schema"}, "json_schema": {"type": "object", "required": ["schema"],
+                                                                          "properties": {"schema": {"type": "object"}}}},
+         "required": ["json_schema"]},
+        {"properties": {"type": {"not": {"const": "json_schema"}}, "json_schema": {"type": "null"}}},
+    ]})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -173,8 +181,17 @@ class StructuredOutputsRequest(_Strict):
     disable_any_whitespace: bool = False
 
 
+# what the schema says of a rule across fields (checked in _check_common): stream_options needs stream true
+_STREAM_OPTIONS_RULE = {"anyOf": [
+    {"properties": {"stream_options": {"type": "null"}}},
+    {"required": ["stream"], "properties": {"stream": {"const": True}}},
+]}
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE]})
 
     model: str | None = None
     n: JsonInt = _ranged(1, minimum=1, maximum=MAX_N)
@@ -220,9 +237,9 @@ class _SamplingRequest(_Strict):
                     json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
                     json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
                 )
+            if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+                raise ValueError("response_format.json_schema is only read with type 'json_schema'")
             if fmt is None or fmt.type == "text":
-                if fmt is not None and fmt.json_schema is not None:
-                    raise ValueError("response_format.json_schema is only read with type 'json_schema'")
                 return None
             if fmt.type == "json_object":
                 return StructuredOutputsParams(json_object=True)
@@ -367,14 +384,14 @@ class ContentPart(_Strict):
 class MessageFunctionCall(_Strict):
     """The function an assistant message called, with its arguments as JSON text."""
 
-    name: str
+    name: str = Field(min_length=1)
     arguments: str
 
 
 class MessageToolCall(_Strict):
     """One call in an assistant message's ``tool_calls`` (from an earlier answer)."""
 
-    id: str
+    id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: MessageFunctionCall
 
@@ -388,9 +405,17 @@ class ChatMessage(_Strict):
     """
 
     # what the schema says of the rule above: content, or an assistant's calls
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
-        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-        {"required": ["role", "tool_calls"], "properties": {"role": {"const": "assistant"}}},
+    # and that a tool message names the call it answers
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"anyOf": [
+            {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+            {"required": ["role", "tool_calls"], "properties": {
+                "role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}},
+        ]},
+        {"anyOf": [
+            {"properties": {"role": {"not": {"const": "tool"}}}},
+            {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+        ]},
     ]})
 
     # OpenAI's roles (tool_messages.ROLES): the template prints a role verbatim, so no other string
@@ -438,10 +463,11 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     # what the schema says of a rule across fields (checked in to_sampling_params): top_logprobs needs logprobs
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
+    # rules across fields (checked in to_sampling_params): top_logprobs needs logprobs, as stream_options stream
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, {"anyOf": [
         {"properties": {"top_logprobs": {"type": "null"}}},
         {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
-    ]})
+    ]}]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: JsonInt | None = _ranged(None, minimum=1, maximum=MAX_INT32)
