@@ -338,7 +338,7 @@ def test_compile_past_the_time_limit_is_a_400(server: tuple[str, int]) -> None:
 
 def test_abandoned_compile_is_killed_and_frees_its_memory(server: tuple[str, int]) -> None:
     url, server_pid = server
-    wait_for_worker(server_pid)
+    wait_for_worker(url, server_pid)
     (pid,) = worker_pids(server_pid)
     base_rss = psutil.Process(pid).memory_info().rss
     before = metrics(url)["pagedllm:grammar_compiles_stopped_total"]
@@ -358,21 +358,20 @@ def test_abandoned_compile_is_killed_and_frees_its_memory(server: tuple[str, int
     assert time.monotonic() - started < COMPILE_TIMEOUT_S - 5
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     # its replacement starts from the worker's base size again
-    wait_for_worker(server_pid)
+    wait_for_worker(url, server_pid)
     (fresh,) = worker_pids(server_pid)
     assert fresh != pid
     assert psutil.Process(fresh).memory_info().rss < base_rss + (200 << 20)
 
 
-def wait_for_worker(server_pid: int, timeout: float = 120.0) -> None:
-    """Until the server has a compile worker that is ready (idle, after its respawn)."""
+def wait_for_worker(url: str, server_pid: int, timeout: float = 120.0) -> None:
+    """Until the server's compile worker is started and free (a killed one is replaced first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pids = worker_pids(server_pid)
-        if len(pids) == 1 and psutil.Process(pids[0]).cpu_percent(0.3) < 20:
+        if metrics(url)["pagedllm:grammar_compile_workers_idle"] == 1 and len(worker_pids(server_pid)) == 1:
             return
         time.sleep(0.2)
-    raise AssertionError("no idle compile worker")
+    raise AssertionError("no free compile worker")
 
 
 def stream_gaps(url: str) -> list[float]:
@@ -391,7 +390,7 @@ def stream_gaps(url: str) -> list[float]:
 
 def test_compiles_beyond_the_bound_wait_and_a_stream_keeps_its_pace(server: tuple[str, int]) -> None:
     url, server_pid = server
-    wait_for_worker(server_pid)
+    wait_for_worker(url, server_pid)
     baseline = stream_gaps(url)
 
     def abandoned_compile(i: int) -> None:

@@ -98,9 +98,10 @@ def xgrammar_message(e: BaseException) -> str:
 class _Worker:
     """One worker process and its pipe; spawned when first needed, killed and forgotten on a stop."""
 
-    def __init__(self, info_json: Callable[[], str], memory_bytes: int) -> None:
+    def __init__(self, info_json: Callable[[], str], memory_bytes: int, timeout_s: float) -> None:
         self._info_json = info_json
         self._memory_bytes = memory_bytes
+        self._timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
 
@@ -111,7 +112,8 @@ class _Worker:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    MALLOC_ARENA_MAX="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.runner.grammar_worker", str(child.fileno()), str(self._memory_bytes)],
+            [sys.executable, "-m", "pagedllm.runner.grammar_worker", str(child.fileno()), str(self._memory_bytes),
+             str(self._timeout_s)],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
         )
         child.close()
@@ -181,7 +183,10 @@ class CompileWorkers:
     def __init__(self, info_json: Callable[[], str], limits: GrammarLimits) -> None:
         self.limits = limits
         self._free: queue.Queue[_Worker] = queue.Queue()
-        self._workers = [_Worker(info_json, limits.compile_memory_bytes) for _ in range(limits.max_num_compiles)]
+        self._workers = [
+            _Worker(info_json, limits.compile_memory_bytes, limits.compile_timeout_s)
+            for _ in range(limits.max_num_compiles)
+        ]
         for w in self._workers:
             self._free.put(w)
         self._lock = threading.Lock()
@@ -264,6 +269,11 @@ class CompileWorkers:
         with self._lock:
             self.num_stopped += 1
 
+    @property
+    def num_idle(self) -> int:
+        """Workers free for a compile now (started or not yet needed); a respawning one is not."""
+        return self._free.qsize()
+
     def worker_pids(self) -> list[int]:
         """The live workers' process ids."""
         return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.poll() is None]
@@ -275,12 +285,26 @@ class CompileWorkers:
             w.kill()
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (a killed server leaves no compile running)."""
-    with contextlib.suppress(Exception):
-        import ctypes
+def _exit_with_parent() -> None:
+    """Exit once the parent is gone (checked each second; PR_SET_PDEATHSIG would fire when the *thread*
+    that spawned this process ends, and a respawn runs on a short-lived thread)."""
+    parent = os.getppid()
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _limit_cpu(seconds: float) -> None:
+    """SIGXCPU (which ends the process) once this process has used ``seconds`` more CPU time: a compile
+    the parent stopped waiting for, or whose parent died, ends on its own."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = int(usage.ru_utime + usage.ru_stime + seconds) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 def _vm_size_bytes() -> int:
@@ -288,7 +312,7 @@ def _vm_size_bytes() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _serve(conn: Connection, memory_bytes: int) -> None:
+def _serve(conn: Connection, memory_bytes: int, timeout_s: float) -> None:
     """The worker's loop: the tokenizer info first, then one key per compile, until the pipe closes."""
     info_json = conn.recv()  # before the slow import: the parent's send waits for it
     import xgrammar as xgr
@@ -304,6 +328,7 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
             key = conn.recv()
         except (EOFError, OSError):
             return
+        _limit_cpu(2 * timeout_s + 5)  # the parent kills it at timeout_s; this is the backstop
         try:
             compiled = compile_key(compiler, tuple(key))
             reply: tuple = ("ok", int(compiled.memory_size_bytes))
@@ -317,11 +342,11 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m pagedllm.runner.grammar_worker FD MEMORY_BYTES``: serve compiles on the pipe end FD."""
+    """``python -m pagedllm.runner.grammar_worker FD MEMORY_BYTES TIMEOUT_S``: serve compiles on the pipe end FD."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C on the server is the server's to handle
-    _die_with_parent()
+    _exit_with_parent()
     conn = Connection(int(argv[0]))
-    _serve(conn, int(argv[1]))
+    _serve(conn, int(argv[1]), float(argv[2]))
     return 0
 
 
