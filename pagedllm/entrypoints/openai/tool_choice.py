@@ -142,7 +142,7 @@ class ToolSpec:
         forced = spec.constraint_schema()
         if forced is not None:
             # what the grammar is compiled from: all tools together for "required"
-            _check_limits(forced, f"the schema tool_choice={choice!r} forces", "tool_choice", limits)
+            _check_limits(forced, f"tool_choice={choice!r} forces a schema that", "tool_choice", limits)
         if check_schemas and choice == "required":
             _check_schema(forced, "tools", "tools")  # the combined schema's references
         return spec
