@@ -131,6 +131,18 @@ def test_suffix_is_documented_as_unsupported_and_refused(server: dict) -> None:
     assert ok.status_code == 200, ok.text
 
 
+def test_an_empty_stop_string_is_refused_by_the_schema_too(server: dict) -> None:
+    """schemathesis found it: the schema allowed "" where the server refuses it."""
+    prop = _schema(server, "CompletionRequest")["properties"]["stop"]
+    text = [s for s in prop["anyOf"] if s.get("type") == "string"]
+    listed = [s for s in prop["anyOf"] if s.get("type") == "array"]
+    assert text[0]["minLength"] == 1 and listed[0]["items"]["minLength"] == 1
+    for stop in ("", ["ok", ""]):
+        _refused(server, "/v1/completions", {"prompt": "Hi", "stop": stop, "max_tokens": 1}, "stop")
+    ok = _post(server, "/v1/completions", {"prompt": "Hi", "stop": ["\n"], "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
 def test_top_logprobs_needs_logprobs_in_the_schema_and_the_server(server: dict) -> None:
     rules = [rule["anyOf"] for rule in _schema(server, "ChatCompletionRequest")["allOf"]]
     assert any({"required": ["logprobs"], "properties": {"logprobs": {"const": True}}} in rule for rule in rules)

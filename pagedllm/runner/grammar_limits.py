@@ -39,7 +39,7 @@ class GrammarLimits:
     Defaults pass real schemas (OpenAI's strict structured outputs allow 10
     nesting levels, 1,000 enum values, 5,000 properties and 120,000
     characters of names and values) while keeping a compile to seconds on
-    a small CPU; see README ("Structured outputs: limits").
+    a small CPU; see docs/server-limits.md.
 
     Args:
         max_bytes: the constraint's text (a schema as JSON, a regex, a

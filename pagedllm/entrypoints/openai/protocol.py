@@ -40,6 +40,8 @@ from pagedllm.sampling_params import (
     StructuredOutputsParams,
 )
 
+# a stop string: SamplingParams refuses an empty one, so the schema says so too
+StopString = Annotated[str, Field(min_length=1)]
 # OpenAI's own upper bound on ``n``; also keeps one request from creating an
 # unbounded number of sequences
 MAX_N = 128
@@ -198,7 +200,7 @@ class _SamplingRequest(_Strict):
     temperature: float | None = _ranged(None, minimum=0)
     top_p: float | None = _ranged(None, exclusiveMinimum=0, maximum=1)
     seed: JsonInt | None = _ranged(None, minimum=INT64_RANGE[0], maximum=INT64_RANGE[1])
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own records; nothing to do here
