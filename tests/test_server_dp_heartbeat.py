@@ -15,7 +15,6 @@ import concurrent.futures
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import openai
 import psutil
 import pytest
 from openai import OpenAI
-from server_helpers import free_port, launch_server, metrics, wait_healthy
+from server_helpers import free_port, launch_server, metrics, stop_server, wait_healthy
 
 from pagedllm.entrypoints.openai.replica_client import (
     LostRequests,
@@ -119,12 +118,7 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         for pid in frozen:  # never leave a stopped process behind, whatever failed
             if psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
 
 
 def _stream(client: OpenAI, i: int, outcome: list, first: threading.Event) -> None:
