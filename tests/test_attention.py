@@ -86,6 +86,8 @@ STEPS = [
     [(0, 13), (5, 9), (3, 1), (17, 1), (31, 1)],
     [(4, 1), (9, 1), (16, 1)],
     [(0, 32)],
+    # chunks of several blocks over longer cached context, two of them in one step
+    [(0, 9), (37, 20), (50, 7), (12, 1)],
 ]
 
 

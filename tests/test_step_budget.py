@@ -53,10 +53,10 @@ def test_auto_target_is_a_multiple_of_the_decode_step() -> None:
 
 
 def test_a_fixed_target_and_the_floor() -> None:
-    model = StepCostModel(itl_target_ms=50.0)
+    model = StepCostModel(itl_target_ms=90.0)
     model.observe(2, 0, 0.010)
     model.observe(2, 40, 0.010 + 40 * 0.002)
-    assert model.max_prefill_tokens(2) == 20  # (50 - 10) ms / 2 ms
+    assert model.max_prefill_tokens(2) == 40  # (90 - 10) ms / 2 ms
     slow = StepCostModel(itl_target_ms=5.0)
     slow.observe(2, 0, 0.030)  # the decodes alone already miss the target
     slow.observe(2, 10, 0.040)
@@ -66,10 +66,10 @@ def test_a_fixed_target_and_the_floor() -> None:
 def test_the_averages_follow_a_growing_cost() -> None:
     """Chunk by chunk a prompt's attention grows; the estimate follows, so the cap shrinks."""
     model = StepCostModel()
-    model.observe(1, 0, 0.010)
+    model.observe(1, 0, 0.040)
     caps = []
     for cost_ms in (1, 2, 3, 4, 5, 6, 7, 8):
-        model.observe(1, 30, 0.010 + 30 * cost_ms / 1000)
+        model.observe(1, 30, 0.040 + 30 * cost_ms / 1000)
         caps.append(model.max_prefill_tokens(1))
     assert caps == sorted(caps, reverse=True) and caps[-1] < caps[0]
 

@@ -20,7 +20,11 @@ waiting, so it takes the whole ``max_num_batched_tokens``.
 Why a factor of ``AUTO_ITL_FACTOR``: with steps k times a decode step, a
 prompt gets (k - 1)/k of the machine, so its time to first token is about
 k/(k - 1) of its time alone (1.33x at k = 4) while the decodes' gap grows
-k-fold only while it prefills. Plain Python: the scheduler reads the cap,
+k-fold only while it prefills. That is a floor too: no policy keeps both
+the gap within k decode steps and the prompt within less than k/(k - 1) of
+its time alone. Where a decode step is cheap next to a prompt token (a small
+model on a slow core) ``MIN_PREFILL_TOKENS`` sets the step instead, and the
+gap during a prefill is that chunk's step. Plain Python: the scheduler reads the cap,
 the engine feeds the timings; no torch here.
 """
 
@@ -30,8 +34,12 @@ from dataclasses import dataclass
 
 # "auto": a step with prompt tokens may take this many decode steps' time
 AUTO_ITL_FACTOR = 4.0
-# prompt tokens a step always may take, so a prompt progresses whatever the decodes cost
-MIN_PREFILL_TOKENS = 16
+# prompt tokens a step always may take, so a prompt progresses whatever the decodes cost.
+# A step with prompt tokens has a fixed cost of its own beyond the decodes' (it runs
+# eager, not captured): ~15 ms on a 2-core EPYC, where a prompt token at 4k context
+# costs ~4 ms. At 16 tokens a step gave a third of its time to that overhead and a
+# 4k prompt took 1.65x its time alone; at 32, 1.1-1.4x (BENCHMARKS.md).
+MIN_PREFILL_TOKENS = 32
 # prompt tokens of the first mixed step, before any cost was measured
 INITIAL_PREFILL_TOKENS = 64
 # weight of the newest step in the moving averages

@@ -321,8 +321,8 @@ class CpuPagedAttention(SdpaAttention):
     backend spends its decode time on the CPU. Prompts with nothing cached
     attend over their own new K/V rows, all of them in one call
     (``kernels/prefill_attention.cpp``); prompts that continue cached context
-    (prefix-cache hits, chunked prefills) go through SDPA as in the parent
-    class. Float32 queries on the CPU; the cache may be float32, float16 or
+    (prefix-cache hits, chunked prefills) read it in place with the decode
+    kernel, one query per token. Float32 queries on the CPU; the cache may be float32, float16 or
     bfloat16.
 
     The decode kernel takes a sliding window (it starts each sequence at the
@@ -364,11 +364,11 @@ class CpuPagedAttention(SdpaAttention):
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         # prompts computed from scratch read their K/V from this step's rows, all
-        # in one native call; prompts that continue cached context go through SDPA
+        # in one native call; prompts that continue cached context read it in place
         fresh = [i for i in range(meta.num_prefills) if meta.num_computed[i] == 0]
         for i in range(meta.num_prefills):
             if meta.num_computed[i] != 0:
-                self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out)
+                self._continued_prefill(i, q, k_cache, v_cache, meta, scale, out)
         if not fresh:
             return
         bounds = torch.tensor(
@@ -376,6 +376,30 @@ class CpuPagedAttention(SdpaAttention):
         )  # [2 * num_fresh]: each prompt's first and one-past-last row
         # the op checks dtypes, head layout and bounds (ValueError)
         self._ops.prefill_attention(q, k, v, out, bounds, scale)
+
+    def _continued_prefill(self, i, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+        """Prompt ``i``, which continues cached context, read in place from the cache.
+
+        Each of its tokens is a decode query of its own: the query at position
+        ``p`` reads keys ``0 .. p`` through the prompt's block table (repeated,
+        not copied). Its new K/V were written before ``attend``. Gathering the
+        context instead (the parent's SDPA path) copies every cached row in
+        every layer for every chunk: at 4k tokens of context that copy made a
+        16-token chunk of a long prompt cost twice as much per token as a
+        2,048-token one, and so capped how finely a prompt can be chunked
+        among running streams (``engine/step_budget.py``).
+        """
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        num_computed, seq_len = meta.num_computed[i], meta.seq_lens[i]
+        if k_cache.dim() == 4 and k_cache.shape[1] != meta.block_size:
+            raise ValueError(f"cpu_paged: a cache of {tuple(k_cache.shape)} does not have block_size {meta.block_size}")
+        width = (seq_len + meta.block_size - 1) // meta.block_size
+        tables = meta.block_tables[i : i + 1, :width].expand(end - start, width)  # [q_len, width], row stride 0
+        seq_lens = torch.arange(num_computed + 1, seq_len + 1, dtype=torch.int64)  # [q_len]: keys each query sees
+        qi = q[start:end].contiguous()  # [q_len, num_heads, head_dim]
+        result = torch.empty_like(qi)
+        self._ops.paged_decode(qi, k_cache, v_cache, tables, seq_lens, scale, result, 0)
+        out[start:end] = result
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None) -> None:  # noqa: ANN001
         # the op checks the tensors and every block a sequence reads (ValueError);
