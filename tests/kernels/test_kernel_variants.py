@@ -21,32 +21,32 @@ import pytest
 
 from pagedllm.kernels import ISA_VARIANTS, default_isa, runnable_isas
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 # kernel-level tests: each compares a native op with its torch reference at edge shapes
 KERNEL_TESTS = [
-    "test_native_ops.py",
-    "test_attention.py",
-    "test_bf16_cpu.py::test_packed_bf16_kernel_matches_a_float64_product_of_the_rounded_operands",
-    "test_bf16_cpu.py::test_packed_bf16_rounds_activations_like_torch",
-    "test_bf16_cpu.py::test_bf16_linear_backends_compute_the_same_scheme",
-    "test_linear_backends.py",
-    "test_weight_only.py::test_quantized_linear_matches_the_dequantized_weights_in_float64",
-    "test_weight_only.py::test_interleaved_blocks_multiply_the_rows_rounded_to_int8",
-    "test_weight_only.py::test_a_rows_result_does_not_depend_on_its_batch",
-    "test_weight_only.py::test_embedding_rows_are_the_dequantized_rows",
-    "test_weight_only.py::test_bad_inputs_are_value_errors",
-    "test_weight_only.py::test_a_step_program_runs_quantized_nodes_as_the_ops_do",
-    "test_weight_only.py::test_a_linear_layer_keeps_only_its_blocks",
-    "test_step_program.py",
-    "test_gguf_quantized.py::test_gguf_linear_matches_the_dequantized_weights_in_float64",
-    "test_gguf_quantized.py::test_a_rows_result_does_not_depend_on_its_batch",
-    "test_gguf_quantized.py::test_embedding_rows_and_dequantize_equal_gguf",
-    "test_gguf_quantized.py::test_bad_gguf_inputs_are_value_errors",
-    "test_gguf_quantized.py::test_a_step_program_runs_gguf_nodes_as_the_ops_do",
-    "test_gguf_quantized.py::test_interleaved_linear_is_the_float64_product_of_rounded_activations",
-    "test_gguf_quantized.py::test_interleaved_rows_do_not_depend_on_their_batch",
-    "test_gguf_quantized.py::test_interleaving_keeps_every_weight",
-    "test_gguf_quantized.py::test_a_step_program_runs_interleaved_nodes_as_the_ops_do",
+    "kernels/test_native_ops.py",
+    "kernels/test_attention.py",
+    "models/test_bf16_cpu.py::test_packed_bf16_kernel_matches_a_float64_product_of_the_rounded_operands",
+    "models/test_bf16_cpu.py::test_packed_bf16_rounds_activations_like_torch",
+    "models/test_bf16_cpu.py::test_bf16_linear_backends_compute_the_same_scheme",
+    "models/test_linear_backends.py",
+    "models/test_weight_only.py::test_quantized_linear_matches_the_dequantized_weights_in_float64",
+    "models/test_weight_only.py::test_interleaved_blocks_multiply_the_rows_rounded_to_int8",
+    "models/test_weight_only.py::test_a_rows_result_does_not_depend_on_its_batch",
+    "models/test_weight_only.py::test_embedding_rows_are_the_dequantized_rows",
+    "models/test_weight_only.py::test_bad_inputs_are_value_errors",
+    "models/test_weight_only.py::test_a_step_program_runs_quantized_nodes_as_the_ops_do",
+    "models/test_weight_only.py::test_a_linear_layer_keeps_only_its_blocks",
+    "kernels/test_step_program.py",
+    "kernels/test_gguf_quantized.py::test_gguf_linear_matches_the_dequantized_weights_in_float64",
+    "kernels/test_gguf_quantized.py::test_a_rows_result_does_not_depend_on_its_batch",
+    "kernels/test_gguf_quantized.py::test_embedding_rows_and_dequantize_equal_gguf",
+    "kernels/test_gguf_quantized.py::test_bad_gguf_inputs_are_value_errors",
+    "kernels/test_gguf_quantized.py::test_a_step_program_runs_gguf_nodes_as_the_ops_do",
+    "kernels/test_gguf_quantized.py::test_interleaved_linear_is_the_float64_product_of_rounded_activations",
+    "kernels/test_gguf_quantized.py::test_interleaved_rows_do_not_depend_on_their_batch",
+    "kernels/test_gguf_quantized.py::test_interleaving_keeps_every_weight",
+    "kernels/test_gguf_quantized.py::test_a_step_program_runs_interleaved_nodes_as_the_ops_do",
 ]
 
 
@@ -58,8 +58,8 @@ def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> 
         pytest.skip(f"{isa} is this CPU's default build, which the whole suite runs")
     env = dict(os.environ, PAGEDLLM_KERNEL_ISA=isa, PAGEDLLM_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[str(HERE / t) for t in KERNEL_TESTS]],
-        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=1500,
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[str(TESTS / t) for t in KERNEL_TESTS]],
+        cwd=TESTS, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1]
