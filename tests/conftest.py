@@ -13,6 +13,15 @@ from pagedllm.loader import bundled_model_path
 
 torch.set_num_threads(2)
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers that follow from where a test lives or what it asks for, so no file has to repeat them."""
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
+        if item.path.parent.name == "distributed":
+            item.add_marker(pytest.mark.distributed)
+
 # Architectures the tests build from transformers configs. Sizes are tiny so
 # that transformers (the oracle) and pagedllm both run in milliseconds; the
 # shapes still exercise GQA (4 query heads on 2 KV heads), biases (Qwen2) and

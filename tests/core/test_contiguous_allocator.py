@@ -88,6 +88,7 @@ def test_sharing_is_refused() -> None:
         pool.fork(a, a.fork(1))
 
 
+@pytest.mark.slow
 def test_same_greedy_tokens_under_both_allocators(tiny_model_dirs) -> None:  # noqa: ANN001
     from pagedllm import LLM, SamplingParams
 
@@ -109,6 +110,7 @@ def test_same_greedy_tokens_under_both_allocators(tiny_model_dirs) -> None:  # n
         contiguous.generate(prompts[0], SamplingParams(n=2), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_bench_memory_reports_both_allocators(tmp_path) -> None:  # noqa: ANN001
     import json
     import subprocess

@@ -203,6 +203,7 @@ def _long_prompt_among_streams(model: str, itl_target_ms: float | str | None) ->
     return steps, ttft
 
 
+@pytest.mark.slow
 def test_a_long_prompt_no_longer_freezes_the_streams(smollm_path: str) -> None:
     off, _ = _long_prompt_among_streams(smollm_path, None)
     # without a target the whole prompt is one step beside the decodes: the freeze the issue measured
@@ -232,6 +233,7 @@ def test_bench_serve_mixes_in_long_prompts() -> None:
 
 
 # --- through the server -----------------------------------------------------------------
+@pytest.mark.slow
 def test_streams_keep_their_pace_while_a_4k_prompt_prefills(smollm_path: str, tmp_path) -> None:  # noqa: ANN001
     """The issue's case on ``pagedllm serve``: chats stream (the official client) while a 4,000-token prompt
     with ``max_tokens=1`` arrives; the streams' gaps over the prompt's prefill stay within a generous

@@ -18,6 +18,8 @@ import pytest
 from pagedllm.bench.workload import make_workload
 from pagedllm.entrypoints import cli
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 SCRIPT = Path(sys.executable).parent / "pagedllm"
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "pagedllm.entrypoints.cli"]
 ENGINE = ["--num-kv-blocks", "128", "--max-model-len", "1024", "--num-threads", "1"]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds a wheel and installs it into a fresh virtualenv: outside the fast tier
+
 REPO = Path(__file__).resolve().parents[2]
 
 CHECK = r"""

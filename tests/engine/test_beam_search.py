@@ -100,6 +100,7 @@ def smollm_prompt(llm: LLM, which: str) -> list[int]:
     ("which", "width", "lp", "max_new"),
     [("chat", 3, 1.0, 12), ("chat", 4, 0.5, 12), ("plain", 2, 2.0, 8)],
 )
+@pytest.mark.slow
 def test_smollm_beam_search_matches_transformers(smollm, hf_smollm, which, width, lp, max_new):
     prompt = smollm_prompt(smollm, which)
     eos = sorted(smollm.llm_engine.tokenizer.eos_token_ids)
@@ -110,6 +111,7 @@ def test_smollm_beam_search_matches_transformers(smollm, hf_smollm, which, width
     assert pool_is_whole(smollm)
 
 
+@pytest.mark.slow
 def test_smollm_two_prompts_in_one_call(smollm, hf_smollm):
     prompts = [smollm_prompt(smollm, "chat"), smollm_prompt(smollm, "plain")]
     eos = sorted(smollm.llm_engine.tokenizer.eos_token_ids)
@@ -144,6 +146,7 @@ def tiny(tiny_model_dirs):
     ("arch", "width", "lp"),
     [("llama", 2, 1.0), ("llama", 4, 0.0), ("llama", 3, 2.0), ("qwen2", 4, 1.0), ("qwen2", 3, -0.5)],
 )
+@pytest.mark.slow
 def test_tiny_beam_search_matches_transformers(tiny, arch, width, lp):
     llm, hf = tiny[arch]
     eos = sorted(llm.llm_engine.tokenizer.eos_token_ids)
@@ -246,6 +249,7 @@ def test_beams_fork_by_sharing_blocks_and_copy_only_partial_blocks(tiny):
 
 
 # --- preemption -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_beam_search_under_preemption_finds_the_same_beams(tiny_model_dirs):
     prompts = [random_prompt(10, seed=3), random_prompt(10, seed=4)]
     params = BeamSearchParams(3, 16, ignore_eos=True)

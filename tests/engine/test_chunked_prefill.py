@@ -49,6 +49,7 @@ def _tokens(outs) -> list[list[int]]:  # noqa: ANN001
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_chunked_greedy_matches_transformers(arch: str, tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
     # budget 16 with blocks of 8: chunks end inside and on block boundaries,
@@ -64,6 +65,7 @@ def test_chunked_greedy_matches_transformers(arch: str, tiny_model_dirs, hf_tiny
     assert llm.llm_engine.block_manager.num_free_blocks == 64
 
 
+@pytest.mark.slow
 def test_smollm_chunked_equals_whole_prompts(smollm_tokenizer) -> None:  # noqa: ANN001
     texts = ["The capital of France is", "Write a haiku about the sea, the moon and the old lighthouse keeper:"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

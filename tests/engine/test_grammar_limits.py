@@ -125,6 +125,7 @@ def make_compiler(tokenizer: tuple, **limits: object) -> GrammarCompiler:
     return GrammarCompiler(tok.hf, vocab_size, sorted(tok.eos_token_ids), GrammarLimits(**limits))
 
 
+@pytest.mark.slow
 def test_compile_past_its_time_limit_is_killed(tokenizer: tuple) -> None:
     compiler = make_compiler(tokenizer, compile_timeout_s=2.0, max_num_properties=5000)
     try:
@@ -140,6 +141,7 @@ def test_compile_past_its_time_limit_is_killed(tokenizer: tuple) -> None:
         compiler.close()
 
 
+@pytest.mark.slow
 def test_compile_past_its_memory_limit_is_refused(tokenizer: tuple) -> None:
     # 15,000 choices compile to a ~60 MB grammar; 48 MiB is not enough (a small grammar fits)
     compiler = make_compiler(tokenizer, compile_memory_bytes=48 << 20, max_num_entries=20000, max_bytes=1 << 20,
@@ -171,6 +173,7 @@ def test_cancel_stops_a_compile_and_its_process(tokenizer: tuple) -> None:
         compiler.close()
 
 
+@pytest.mark.slow
 def test_compiles_beyond_the_bound_wait(tokenizer: tuple) -> None:
     compiler = make_compiler(tokenizer, max_num_compiles=1, max_num_properties=5000, compile_timeout_s=120.0)
     try:
@@ -236,6 +239,7 @@ def test_a_grammar_larger_than_the_cache_is_refused(tokenizer: tuple) -> None:
 # ---------------------------------------------------------------- the offline LLM
 
 
+@pytest.mark.slow
 def test_offline_llm_limits_are_value_errors() -> None:
     from pagedllm import LLM
 
@@ -311,6 +315,7 @@ def tool(name: str, parameters: dict) -> dict:
                                             for i in range(3)], "tool_choice": "required"}, "tool_choice",
      "max_num_properties"),
 ])
+@pytest.mark.slow
 def test_each_limit_is_a_400_naming_the_field(
     server: tuple[str, int], route: str, body: dict, param: str, limit: str
 ) -> None:
@@ -325,6 +330,7 @@ def test_each_limit_is_a_400_naming_the_field(
     assert metrics(url)["pagedllm:grammar_compiles_total"] == before
 
 
+@pytest.mark.slow
 def test_compile_past_the_time_limit_is_a_400(server: tuple[str, int]) -> None:
     url, _ = server
     started = time.monotonic()
@@ -336,6 +342,7 @@ def test_compile_past_the_time_limit_is_a_400(server: tuple[str, int]) -> None:
     assert COMPILE_TIMEOUT_S - 1 < time.monotonic() - started < COMPILE_TIMEOUT_S + 30
 
 
+@pytest.mark.slow
 def test_abandoned_compile_is_killed_and_frees_its_memory(server: tuple[str, int]) -> None:
     url, server_pid = server
     wait_for_worker(url, server_pid)
@@ -388,6 +395,7 @@ def stream_gaps(url: str) -> list[float]:
     return gaps
 
 
+@pytest.mark.slow
 def test_compiles_beyond_the_bound_wait_and_a_stream_keeps_its_pace(server: tuple[str, int]) -> None:
     url, server_pid = server
     wait_for_worker(url, server_pid)

@@ -83,6 +83,7 @@ def _seeded(constraint: StructuredOutputsParams, max_tokens: int, n: int = NUM_S
 # --- sampled outputs follow their constraint --------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_sampled_json_follows_its_schema(llm, prompt, name):
     schema = SCHEMAS[name]
@@ -224,6 +225,7 @@ def test_best_of_returns_its_best_valid_outputs(llm, prompt):
         jsonschema.validate(json.loads(c.text), PERSON)
 
 
+@pytest.mark.slow
 def test_preemption_keeps_every_output_valid_and_unchanged(prompt):
     schema = SCHEMAS["enum_and_bounded_number"]
     params = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=64, structured_outputs=_json(schema))

@@ -66,6 +66,7 @@ def test_a_changed_file_misses_the_cache(smollm_path: str, tmp_path: Path, monke
     assert gguf_tokenizer_cache(str(copy)) != gguf_tokenizer_cache(smollm_path)
 
 
+@pytest.mark.slow
 def test_an_unusable_cache_falls_back_to_converting(
     smollm_path: str, converted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
     caplog: pytest.LogCaptureFixture,

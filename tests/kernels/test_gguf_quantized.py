@@ -295,6 +295,7 @@ def test_parts_of_a_fused_layer_must_cover_its_rows() -> None:
 # --- whole models -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bundled_model_holds_its_blocks(smollm_path: str) -> None:
     from gguf import GGUFReader
 
@@ -596,6 +597,7 @@ print(json.dumps({"growth": growth, "total": total}))
 """
 
 
+@pytest.mark.slow
 def test_the_files_pages_leave_resident_memory_as_tensors_are_read(smollm_path: str) -> None:
     """A load reads the file through its mapping; each tensor's pages are let go once it is copied, so the
     file does not stay resident beside the weights made from it (without that, the growth is the file)."""

@@ -50,6 +50,7 @@ KERNEL_TESTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", list(ISA_VARIANTS))
 def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> None:
     if isa not in runnable_isas():

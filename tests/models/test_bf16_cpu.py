@@ -216,6 +216,7 @@ def test_tiny_models_in_bf16_match_transformers_computing_the_same_scheme(arch: 
         assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.slow
 def test_smollm_bf16_defaults_and_closeness_to_float32(hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
     """The bundled model with dtype="bfloat16": what it builds, and tokens float32's oracle rates near its best.
 

@@ -165,6 +165,7 @@ def test_windowed_models_replay_equal_eager(arch: str, window_dirs: dict[str, st
     assert replayed == eager
 
 
+@pytest.mark.slow
 def test_smollm_sampling_and_forks_replay(smollm_int8: LLM) -> None:
     runner = smollm_int8.llm_engine.model_runner
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

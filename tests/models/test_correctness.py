@@ -27,6 +27,7 @@ def smollm() -> LLM:
     return LLM(num_kv_blocks=512, max_model_len=1024)
 
 
+@pytest.mark.slow
 def test_smollm_gguf_greedy_matches_transformers(smollm: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
     """The bundled Q4_1/Q8_0 blocks, multiplied on activations rounded to 8 bits per block of 32 (the x16
     kernels, the default): transformers' tokens on the dequantized weights, or parting from them at a
@@ -39,6 +40,7 @@ def test_smollm_gguf_greedy_matches_transformers(smollm: LLM, hf_smollm, smollm_
         print(f"{text!r}: {'equal' if gap is None else f'parts at a logit gap of {gap:.3f}'}")
 
 
+@pytest.mark.slow
 def test_smollm_float32_activations_match_transformers(hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
     """gguf_activations="float32": the file's blocks on float32 activations, transformers' own computation."""
     llm = LLM(num_kv_blocks=128, max_model_len=1024, gguf_activations="float32")
@@ -49,6 +51,7 @@ def test_smollm_float32_activations_match_transformers(hf_smollm, smollm_tokeniz
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_smollm, p, 24) for p in prompts]
 
 
+@pytest.mark.slow
 def test_smollm_batch_equals_one_at_a_time(smollm: LLM, smollm_tokenizer) -> None:  # noqa: ANN001
     texts = [
         "Hi",

@@ -71,6 +71,7 @@ def test_window_configs_parse_as_transformers_does(window_dirs: dict[str, str]) 
     assert gemma.attn_logit_softcapping is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "reference"])
 @pytest.mark.parametrize("arch", TINY_WINDOW_ARCHS)
 def test_windowed_greedy_matches_transformers(arch: str, backend: str, window_dirs, hf_expected) -> None:  # noqa: ANN001
@@ -106,6 +107,7 @@ def test_windowed_chunked_prefill_matches_transformers(arch: str, window_dirs, h
     assert _tokens(outs) == hf_expected[arch]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize("arch", ["gemma3", "mistral"])
 def test_windowed_prefix_cache_hit_matches_transformers(arch: str, backend: str, window_dirs, hf_window) -> None:  # noqa: ANN001

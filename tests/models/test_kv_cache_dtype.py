@@ -45,6 +45,7 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
         EngineConfig(model="model.gguf", kv_cache_dtype="fp8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype,tolerance", [("float16", 0.02), ("bfloat16", 0.08)])
 def test_half_cache_doubles_the_blocks_and_stays_close_to_float32(
     float32_llm: LLM, kv_cache_dtype: str, tolerance: float
@@ -80,6 +81,7 @@ def test_half_cache_doubles_the_blocks_and_stays_close_to_float32(
     assert _pool_whole(float32_llm)
 
 
+@pytest.mark.slow
 def test_half_cache_gives_the_same_tokens_whole_or_chunked() -> None:
     """New K/V are seen as stored on every path, so chunking a prompt changes nothing."""
     prompts = [{"prompt_token_ids": list(range(200 + 37 * i, 200 + 37 * i + n))} for i, n in enumerate([90, 150, 33])]
@@ -91,6 +93,7 @@ def test_half_cache_gives_the_same_tokens_whole_or_chunked() -> None:
     assert _pool_whole(chunked_llm)
 
 
+@pytest.mark.slow
 def test_half_cache_sdpa_and_native_kernel_agree() -> None:
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW)
     native = _engine("bfloat16")
@@ -101,6 +104,7 @@ def test_half_cache_sdpa_and_native_kernel_agree() -> None:
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+@pytest.mark.slow
 def test_int8_with_a_half_cache_runs_native_step_programs() -> None:
     """Replayed int8 decode steps (native step programs) read a 2-byte cache too, and agree with the eager path."""
     llm = _engine("float16", quantization="int8")

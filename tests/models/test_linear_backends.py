@@ -75,6 +75,7 @@ def test_linear_backend_validation() -> None:
     assert EngineConfig(model="m", linear_backend="onednn", dtype="bfloat16").linear_backend == "onednn"
 
 
+@pytest.mark.slow
 def test_linear_backends_agree_on_greedy_tokens(tiny_model_dirs: dict[str, str]) -> None:
     prompts = [{"prompt_token_ids": list(range(200 + i, 230 + 3 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

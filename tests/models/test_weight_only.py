@@ -330,6 +330,7 @@ def round_like_pagedllm(hf_model: nn.Module, bits: int, group_size: int | None) 
 _PROMPTS = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize(("quantization", "group_size"), [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
@@ -358,6 +359,7 @@ def test_tiny_models_match_transformers_on_the_rounded_weights(
             assert_greedy_of_q8_inputs(hf, prompt, out.outputs[0].token_ids, model.lm_head.interleaved)
 
 
+@pytest.mark.slow
 def test_gemma3_int4_matches_transformers_on_the_rounded_weights(window_dirs: dict[str, str]) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -371,6 +373,7 @@ def test_gemma3_int4_matches_transformers_on_the_rounded_weights(window_dirs: di
         assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_beam_search_with_int4(tiny_model_dirs: dict[str, str], hf_tiny: dict) -> None:
     from test_beam_search import check_against_hf, pool_is_whole, random_prompt
 
@@ -392,6 +395,7 @@ def test_chunked_prefill_and_beam_search_with_int4(tiny_model_dirs: dict[str, st
     assert pool_is_whole(beams)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_no_float32_copy_is_kept(quantization: str, tiny_model_dirs: dict[str, str], caplog) -> None:  # noqa: ANN001
     """From the tensors the model holds: no float32 tensor of a linear weight's or the embedding's shape, and the
@@ -454,6 +458,7 @@ def test_kv_cache_default_size_follows_the_real_weight_bytes(
 # --- the bundled model (a GGUF file, dequantized and rounded again) ---------------------------------
 
 
+@pytest.mark.slow
 def test_smollm_int8_greedy_matches_quantized_transformers(smollm_int8: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
     """int8 activations (the default): transformers' tokens, or a parting at a near-tie only; float32
     activations: transformers' tokens exactly."""
@@ -468,6 +473,7 @@ def test_smollm_int8_greedy_matches_quantized_transformers(smollm_int8: LLM, hf_
         assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 20)
 
 
+@pytest.mark.slow
 def test_smollm_int8_batch_equals_one_at_a_time(smollm_int8: LLM) -> None:
     texts = ["Hi", "The three primary colors are", "List five fruits:", "Water boils at", "My name is", "2 + 2 =",
              "Paris is", "Dogs are", "The sun", "Rain falls"]
@@ -477,6 +483,7 @@ def test_smollm_int8_batch_equals_one_at_a_time(smollm_int8: LLM) -> None:
     assert batched == alone
 
 
+@pytest.mark.slow
 def test_int4_on_a_gguf_file_rounds_its_dequantized_weights_again(caplog) -> None:  # noqa: ANN001
     with caplog.at_level(logging.WARNING, logger="pagedllm.runner.model_loader"):
         llm = LLM(num_kv_blocks=64, max_model_len=256, quantization="int4")

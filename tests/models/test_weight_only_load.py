@@ -148,6 +148,7 @@ def _clear_refs_resets_the_peak() -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _clear_refs_resets_the_peak(),
                     reason="reads the peak RSS from /proc/self/status after resetting it")
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_the_load_peak_is_the_blocks_plus_one_checkpoint_tensor(quantization: str, tmp_path) -> None:  # noqa: ANN001
     """A 112 MiB float32 checkpoint (two 32 MiB vocabulary tables): the resident set grows during the load by

@@ -35,6 +35,8 @@ from server_helpers import (
 
 from pagedllm import BeamSearchParams, SamplingParams
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 # --- values at and past the limits ------------------------------------------------------
 
 INT_EXTREMES = [2**31, 2**63, -(2**63), 10**30, -(2**31) - 1]

@@ -28,6 +28,8 @@ from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
 from tests.server_helpers import free_port, launch_server, sse_events, stop_server, wait_healthy
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 BODY_LIMIT = 1 << 20
 BIG_BODY_BYTES = 20 << 20
 HEADER_TIMEOUT_S = 4.0

@@ -22,6 +22,8 @@ import torch
 from browser_helpers import chromium_driver
 from server_helpers import free_port, wait_healthy, wait_kv_free
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 NUM_BLOCKS, BLOCK_SIZE = 40, 8
 API_KEY = "sk-kv-test"
 

@@ -19,6 +19,8 @@ from server_helpers import assert_openai_error, serve_in_thread
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.tool_messages import ROLES
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 CAP = 4
 USER = {"role": "user", "content": "Say something."}
 CALL = {"id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}

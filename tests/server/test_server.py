@@ -46,6 +46,8 @@ from server_helpers import (
 from pagedllm.entrypoints import cli
 from pagedllm.loader import bundled_model_path
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 # float32 activations: the server's outputs (prefix hits included) equal the offline reference's to float
 # rounding (8-bit ones part at near-ties: conftest.FLOAT_ACTIVATIONS)
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1", "--gguf-activations", "float32"]

@@ -19,6 +19,8 @@ import torch
 from openai import OpenAI
 from server_helpers import serve_in_thread, sse_events, wait_kv_free
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 PROMPT_IDS = [5, 17, 923, 48, 7, 301, 2500, 11, 64]
 TOL = 1e-4
 

@@ -34,6 +34,8 @@ from schemathesis.checks import (
 )
 from server_helpers import serve_in_thread, wait_kv_free
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 FUZZ_CHECKS = [
     not_a_server_error,
     status_code_conformance,

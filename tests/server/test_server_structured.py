@@ -25,6 +25,8 @@ from server_helpers import assert_openai_error, free_port, launch_server, stop_s
 
 from pagedllm.loader import bundled_model_path
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1"]
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMA = {

@@ -20,6 +20,8 @@ import pytest
 from openai import OpenAI
 from server_helpers import serve_in_thread, wait_kv_free
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 WEATHER = {
     "type": "function",
     "function": {

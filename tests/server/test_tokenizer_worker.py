@@ -20,6 +20,8 @@ from pagedllm.entrypoints.openai.tokenizer_worker import (
     TokenizerWorker,
 )
 
+pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
+
 SENTENCE = "Ünïcödé text, 中文 and code: def f(x): return x ** 2\n"
 
 
