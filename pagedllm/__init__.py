@@ -9,7 +9,7 @@ from pagedllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, Reques
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.engine.llm import LLM
 
 __all__ = [
     "LLM",
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> object:
     # LLM pulls in torch and transformers; importing the torch-free
     # bookkeeping (pagedllm.engine.*) must not
     if name == "LLM":
-        from pagedllm.entrypoints.llm import LLM
+        from pagedllm.engine.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -55,7 +55,8 @@ def _one_run(engine, prompts: list[list[int]], params) -> tuple[float, list[floa
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     _check(args)
     rng = random.Random(args.workload_seed)

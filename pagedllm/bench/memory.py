@@ -77,7 +77,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     With ``frames``, appends (seconds, per-block fill levels, requests running)
     after every step, and a last all-free frame.
     """
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     bs = workload.block_size
     policy = {"kv_allocator": allocator}

@@ -71,7 +71,8 @@ def _run(llm, prompts: list[list[int]], params: list) -> dict:  # noqa: ANN001
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     for name in ("num_prompts", "prompt_len", "output_len", "n"):
         if getattr(args, name) < 1:

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
-    from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     if args.structured and args.compare:
         raise ValueError("--structured measures pagedllm alone: the peers take no constraint")

@@ -1,1 +1,1 @@
-"""Bookkeeping (sequence, block manager, scheduler) and the engine loop."""
+"""Bookkeeping (sequence, block manager, scheduler), the engine loop, and the offline ``LLM`` that drives it."""

@@ -24,7 +24,7 @@ blocks go back to the pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -32,9 +32,6 @@ from pagedllm.sampling_params import check_float, check_int
 
 # (2**31) ** 32 is about 4e297, inside a float64
 MAX_LENGTH_PENALTY = 32.0
-
-if TYPE_CHECKING:
-    from pagedllm.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -177,7 +174,20 @@ class BeamSearch:
         self.scores = {s.seq_id: score for s, score in beams}
 
 
-def apply_beam_step(req: Request, scheduler: Scheduler) -> int:
+class BeamRequest(Protocol):
+    """What ``apply_beam_step`` reads and writes of a request (``engine.request.Request`` has it).
+
+    A structural type, so that this module need not import ``request.py``,
+    which imports ``BeamSearch`` from here: the request holds its search, the
+    search does not know the request class.
+    """
+
+    seqs: list[Sequence]
+    beam: BeamSearch | None
+    beam_done: bool
+
+
+def apply_beam_step(req: BeamRequest, scheduler: Scheduler) -> int:
     """Carry out one ``advance`` of ``req``'s search; return the tokens appended.
 
     Pruned beams are finished (their blocks freed); a beam continued in

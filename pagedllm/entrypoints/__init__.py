@@ -1,1 +1,1 @@
-"""User-facing entry points: the offline LLM class and the CLI."""
+"""User-facing entry points: the CLI and the OpenAI-compatible server (``llm.py`` re-exports the offline ``LLM`` of ``engine/``)."""

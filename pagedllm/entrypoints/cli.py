@@ -345,7 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> int:
     """``pagedllm serve --data-parallel-size N`` (N > 1): the replicas load the model, this process does not."""
-    from pagedllm.entrypoints.llm import make_engine_config
+    from pagedllm.engine.llm import make_engine_config
     from pagedllm.entrypoints.openai.api_server import default_model_name, run_dp_server
 
     config = make_engine_config(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))

@@ -1,8 +1,9 @@
-"""The package layout shows the data flow: which package may import which, and no cycles between them."""
+"""The package layout shows the data flow: which package may import which, layers in one order, no cycles."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator, Mapping, Set
 from pathlib import Path
 
 import pagedllm
@@ -11,73 +12,228 @@ ROOT = Path(pagedllm.__file__).parent
 
 # package -> the pagedllm packages it may import (top-level modules such as
 # pagedllm.config and pagedllm.sampling_params are plain data, and pagedllm.cache_dir
-# a leaf that names a folder: open to all)
+# a leaf that names a folder: open to all). The map is acyclic, so it orders the
+# packages in layers: each may import only packages below it.
 ALLOWED = {
     "kernels": set(),
-    "layers": {"kernels", "distributed"},
+    "layers": {"kernels", "distributed", "loader"},
     "distributed": {"loader", "kernels"},
-    "models": {"layers", "loader"},
+    "models": {"layers", "loader"},  # loader: its config types only (test below)
     "loader": set(),
     "engine": {"loader", "runner", "distributed"},
     "runner": {"kernels", "layers", "models", "loader", "distributed"},
     "entrypoints": {"engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
-    "bench": {"entrypoints", "engine", "loader", "distributed"},
+    "bench": {"engine", "loader", "distributed"},
 }
 DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table", "cache_dir"}
 
 
-def _imports(path: Path) -> set[str]:
-    """The pagedllm modules a file imports, as dotted names below ``pagedllm``."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagedllm"):
-            names.add(node.module.removeprefix("pagedllm").lstrip("."))
-        elif isinstance(node, ast.Import):
-            names.update(a.name.removeprefix("pagedllm.") for a in node.names if a.name.startswith("pagedllm."))
+def _module_name(path: Path) -> str:
+    """``pagedllm/engine/request.py`` -> ``pagedllm.engine.request``; a package's ``__init__`` is the package."""
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(path): path for path in ROOT.rglob("*.py")}
+
+
+def _walk(node: ast.AST, into_functions: bool) -> Iterator[ast.AST]:
+    """The nodes below ``node``; without ``into_functions``, those that run when the module is imported.
+
+    ``if TYPE_CHECKING:`` blocks are kept: a type named across modules ties
+    them as much as an import that runs.
+    """
+    for child in ast.iter_child_nodes(node):
+        if not into_functions and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        yield child
+        yield from _walk(child, into_functions)
+
+
+def _top_level_names() -> dict[str, str]:
+    """Name -> module for what ``pagedllm/__init__.py`` takes from its modules (``LLM`` lazily, in ``__getattr__``).
+
+    ``from pagedllm import LLM`` imports the module that defines ``LLM``; the
+    graphs below must see that module, not only the top-level package.
+    """
+    names: dict[str, str] = {}
+    for node in ast.walk(ast.parse((ROOT / "__init__.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagedllm."):
+            names.update({a.asname or a.name: node.module for a in node.names})
     return names
 
 
+TOP_LEVEL_NAMES = _top_level_names()
+
+
+def _imports(path: Path, *, into_functions: bool = True) -> set[str]:
+    """The pagedllm modules a file imports, as full dotted names (``pagedllm.engine.request``)."""
+    module = _module_name(path)
+    return _imports_of(path.read_text(), module, path.name == "__init__.py", into_functions=into_functions)
+
+
+def _imports_of(source: str, module: str, is_package: bool, *, into_functions: bool = True) -> set[str]:
+    """The pagedllm modules that ``source``, the text of ``module``, imports.
+
+    ``from pagedllm.x import y`` counts ``pagedllm.x`` and, when ``y`` is a
+    module, ``pagedllm.x.y``; ``from pagedllm import LLM`` counts the module
+    that defines ``LLM``.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in _walk(ast.parse(source), into_functions):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolved against this file's package
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                source_module = f"{base}.{node.module}" if node.module else base
+            else:
+                source_module = node.module or ""
+            if source_module != "pagedllm" and not source_module.startswith("pagedllm."):
+                continue
+            names.add(source_module)
+            for alias in node.names:
+                if f"{source_module}.{alias.name}" in MODULES:
+                    names.add(f"{source_module}.{alias.name}")
+                elif source_module == "pagedllm" and alias.name in TOP_LEVEL_NAMES:
+                    names.add(TOP_LEVEL_NAMES[alias.name])
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name == "pagedllm" or a.name.startswith("pagedllm."))
+    return names
+
+
+def _package_of(module: str) -> str:
+    """``pagedllm.engine.request`` -> ``engine``; the top-level package -> ``""``."""
+    return module.removeprefix("pagedllm").lstrip(".").split(".")[0]
+
+
 def _package_graph() -> dict[str, set[str]]:
+    """Package -> the other packages its files import (anywhere in a file, lazy imports included)."""
     graph: dict[str, set[str]] = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT).parts
         if len(parts) < 2:
             continue  # top-level modules
-        deps = {name.split(".")[0] for name in _imports(path)} - {parts[0], ""} - DATA_MODULES
+        deps = {_package_of(name) for name in _imports(path)} - {parts[0], ""} - DATA_MODULES
         graph.setdefault(parts[0], set()).update(deps)
     return graph
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the pagedllm modules it imports when it is imported, or names under TYPE_CHECKING."""
+    return {
+        module: (_imports(path, into_functions=False) & MODULES.keys()) - {module}
+        for module, path in MODULES.items()
+    }
+
+
+def _find_cycle(graph: Mapping[str, Set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as its nodes, first repeated last, or None when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done, no cycle through it
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        if state.get(node) == 1:
+            return [*trail[trail.index(node):], node]
+        if state.get(node) == 2:
+            return None
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            cycle = visit(dep, [*trail, node])
+            if cycle is not None:
+                return cycle
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        cycle = visit(node, [])
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def _layers() -> dict[str, int]:
+    """Each package's layer in the order ALLOWED implies: 0 imports no package, else 1 + its highest import's."""
+    cycle = _find_cycle(ALLOWED)
+    assert cycle is None, "ALLOWED lets packages import each other in a circle: " + " -> ".join(cycle)
+    layers: dict[str, int] = {}
+
+    def layer(package: str) -> int:
+        if package not in layers:
+            layers[package] = 1 + max((layer(dep) for dep in ALLOWED[package]), default=-1)
+        return layers[package]
+
+    for package in ALLOWED:
+        layer(package)
+    return layers
+
+
 def test_every_package_imports_only_what_it_may() -> None:
+    """Each package imports only the packages ALLOWED names for it."""
     graph = _package_graph()
     assert set(graph) == set(ALLOWED), "a package was added or removed: say here what it may import"
     for package, deps in graph.items():
         assert deps <= ALLOWED[package], f"pagedllm.{package} imports {sorted(deps - ALLOWED[package])}"
 
 
+def test_no_package_imports_one_above_it() -> None:
+    """Imports go down the layers that ALLOWED implies (bench below entrypoints: the CLI runs the benchmarks)."""
+    layers = _layers()
+    order = " < ".join(sorted(layers, key=lambda p: (layers[p], p)))
+    for package, deps in _package_graph().items():
+        for dep in sorted(deps):
+            assert layers.get(dep, -1) < layers[package], (
+                f"pagedllm.{package} imports pagedllm.{dep}, which is not below it ({order})"
+            )
+
+
 def test_models_import_layers_and_their_config_only() -> None:
     """A model family is one file written from layers; only the registry knows them all."""
     for path in (ROOT / "models").glob("*.py"):
         for name in _imports(path):
-            own_family = path.name == "registry.py" and name.startswith("models.")
-            assert own_family or name.startswith("layers") or name == "loader.model_config", (
-                f"{path.name} imports pagedllm.{name}"
+            own_family = path.name == "registry.py" and name.startswith("pagedllm.models.")
+            allowed = (
+                own_family
+                or name == "pagedllm.layers"
+                or name.startswith("pagedllm.layers.")
+                or name == "pagedllm.loader.model_config"
+                or name.removeprefix("pagedllm.") in DATA_MODULES
             )
+            assert allowed, f"{path.name} imports {name}"
 
 
 def test_no_import_cycles_between_packages() -> None:
-    graph = _package_graph()
-    state: dict[str, int] = {}
+    """No package imports, even lazily, a package that imports it back."""
+    cycle = _find_cycle(_package_graph())
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle)
 
-    def visit(node: str, trail: list[str]) -> None:
-        if state.get(node) == 1:
-            raise AssertionError("import cycle: " + " -> ".join([*trail, node]))
-        if state.get(node) == 2:
-            return
-        state[node] = 1
-        for dep in graph.get(node, ()):
-            visit(dep, [*trail, node])
-        state[node] = 2
 
-    for package in graph:
-        visit(package, [])
+def test_no_import_cycles_between_modules() -> None:
+    """No module imports, when imported or under TYPE_CHECKING, a module that imports it back.
+
+    A cycle inside a package passes the package checks above; it still means
+    neither module can be read, tested or moved without the other.
+    """
+    cycle = _find_cycle(_module_graph())
+    assert cycle is None, "import cycle between modules: " + " -> ".join(cycle)
+
+
+def test_the_checks_see_what_an_import_reaches() -> None:
+    """Imports through the top-level package, of submodules, relative, lazy or typing-only all count."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from pagedllm import LLM, kernels\n"
+        "from pagedllm.loader import gguf_loader, iter_weights\n"
+        "from .scheduler import Scheduler\n"
+        "if TYPE_CHECKING:\n"
+        "    from pagedllm.engine.request import Request\n"
+        "def lazy() -> None:\n"
+        "    import pagedllm.runner.sampler\n"
+    )
+    assert _imports_of(source, "pagedllm.engine.x", False) == {
+        "pagedllm", "pagedllm.engine.llm", "pagedllm.kernels", "pagedllm.loader", "pagedllm.loader.gguf_loader",
+        "pagedllm.engine.scheduler", "pagedllm.engine.request", "pagedllm.runner.sampler",
+    }
+    # the module graph leaves out what runs only when a function is called
+    assert "pagedllm.runner.sampler" not in _imports_of(source, "pagedllm.engine.x", False, into_functions=False)
+    assert "pagedllm.engine.request" in _imports_of(source, "pagedllm.engine.x", False, into_functions=False)

@@ -1,0 +1,283 @@
+"""The offline API: ``LLM(...).generate(prompts, params)``, as in vLLM.
+
+It lives beside ``LLMEngine``, which it drives step by step until its
+requests finish, rather than in ``entrypoints/`` (where vLLM has it): the
+benchmarks run the engine through it, and they sit below the entry points
+(the CLI imports ``bench``, so ``bench`` may not import ``entrypoints``).
+``pagedllm.LLM`` and ``pagedllm.entrypoints.llm`` name the same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.loader import load_model_config, resolve_model_path
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+# the CPU figure is measured (throughput workload, 512-8192 tokens: 532, 557,
+# 555, 552, 481, 464 output tok/s for 512, 1024, 1536, 2048, 4096, 8192);
+# the GPU one is vLLM's offline default, not measured here
+_DEFAULT_CPU_BATCHED_TOKENS = 2048
+_DEFAULT_GPU_BATCHED_TOKENS = 8192
+
+
+def make_engine_config(
+    model: str | None = None,
+    *,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    **kwargs: Any,
+) -> EngineConfig:
+    """The ``EngineConfig`` that ``LLM(model, ...)`` builds its engine from, with the same defaults.
+
+    Reads the model's configuration only, not its weights (``pagedllm serve
+    --data-parallel-size`` hands it to the replica processes).
+    """
+    path = resolve_model_path(model)
+    if max_model_len is None:
+        max_model_len = load_model_config(path).max_position_embeddings
+    if max_num_batched_tokens is None:
+        on_gpu = kwargs.get("device", "cpu") == "cuda"
+        max_num_batched_tokens = _DEFAULT_GPU_BATCHED_TOKENS if on_gpu else _DEFAULT_CPU_BATCHED_TOKENS
+    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown LLM arguments: {sorted(unknown)}")
+    return EngineConfig(
+        model=path,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        **kwargs,
+    )
+
+
+class LLM:
+    """Batch generation with a paged KV cache.
+
+    Args:
+        model: a ``.gguf`` file or a Hugging Face folder; None loads the
+            bundled SmolLM2-135M-Instruct.
+        max_model_len: longest prompt + output; None takes the model's.
+        max_num_batched_tokens: token budget per step; longer prompts are
+            prefilled in chunks. None takes 2048 on the CPU (measured best
+            for throughput there: activations stay in cache, BENCHMARKS.md)
+            and 8192 on a GPU.
+        **kwargs: any other ``EngineConfig`` field (block_size, num_kv_blocks,
+            kv_cache_memory_bytes, max_num_seqs, enable_prefix_caching, dtype,
+            kv_cache_dtype, device, seed, attention_backend, num_threads, quantization,
+            quantization_group_size, linear_backend, enforce_eager, tokenizer).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        config = make_engine_config(
+            model, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, **kwargs
+        )
+        self.llm_engine = LLMEngine(config)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing to do in one process); no call may follow."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the loaded model holds in memory (weights as stored for its linear method, RoPE tables)."""
+        return self.llm_engine.model_runner.weight_bytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache tensor (every block of the pool, K and V, every layer)."""
+        return self.llm_engine.model_runner.kv_cache_bytes
+
+    def get_tokenizer(self) -> Any:
+        """The underlying Hugging Face tokenizer."""
+        return self.llm_engine.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids":
+        [...]}``. Every prompt is validated before any is queued, so a bad
+        one raises ValueError and leaves nothing behind.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
+        engine = self.llm_engine
+        # validated (and tokenized, once) before anything is queued
+        prompts = self._validated(prompts, params_list)
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid = engine.new_request_id()
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one or many conversations, then generate.
+
+        ``tools``: function tools in OpenAI's form, for the template to list
+        (as vLLM's ``LLM.chat``); the output is text, read for calls by the
+        server's ``tool_parsers``, not here.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.llm_engine.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, tools=tools)
+            for c in conversations
+        ]
+        # the template already holds the BOS/special tokens it wants
+        token_prompts = [
+            {"prompt": p, "prompt_token_ids": self.get_tokenizer().encode(p, add_special_tokens=False)}
+            for p in prompts
+        ]
+        return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; beams share KV blocks and fork copy-on-write.
+
+        Scoring and stopping follow transformers' ``generate(num_beams=...,
+        length_penalty=...)``. Each output lists up to ``beam_width`` finished
+        beams, best first.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        engine = self.llm_engine
+        prompts = self._validated(prompts)
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                rid = engine.new_request_id()
+                engine.add_beam_search_request(rid, prompt, params)
+                ids.append(rid)
+            outs = self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        results = []
+        for out in outs:
+            scores = out.metrics["beam_scores"]
+            results.append(
+                BeamSearchOutput(
+                    [
+                        BeamSearchSequence(
+                            tokens=out.prompt_token_ids + c.token_ids,
+                            text=c.text,
+                            cum_logprob=c.cumulative_logprob,
+                            score=score,
+                            finish_reason=c.finish_reason,
+                            num_output_tokens=len(c.token_ids),
+                        )
+                        for c, score in zip(out.outputs, scores)
+                    ]
+                )
+            )
+        return results
+
+    def _validated(
+        self, prompts: list[PromptType], params: list[SamplingParams] | None = None
+    ) -> list[dict[str, Any]]:
+        """Each prompt as {"prompt", "prompt_token_ids"}; ValueError on the first bad one."""
+        out = []
+        for i, prompt in enumerate(prompts):
+            if params is not None and not isinstance(params[i], SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(params[i]).__name__}")
+            text, token_ids = self.llm_engine.process_prompt(prompt, None if params is None else params[i])
+            if params is not None:
+                self.llm_engine.logits_rules(params[i])  # vocabulary checks, before anything is queued
+                self.llm_engine.compile_grammar(params[i])  # a bad constraint too (compiled once: cached)
+            out.append({"prompt": text, "prompt_token_ids": token_ids})
+        return out
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(done) < len(request_ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+                if not engine.has_unfinished_requests() and len(done) < len(request_ids):
+                    raise RuntimeError("the engine went idle before every request finished")
+        finally:
+            bar.close()
+        outputs = [done[rid] for rid in request_ids]
+        failed = [out for out in outputs if out.error is not None]
+        if failed:
+            # the others ran to the end; they travel with the error, not lost with it
+            raise RequestFailedError(
+                f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}", outputs
+            )
+        return outputs
+
+
+class RequestFailedError(RuntimeError):
+    """Some requests of a ``generate`` call failed on their own inside a step.
+
+    ``outputs`` holds every request's output in prompt order: the failed ones
+    have ``error`` set (and finish_reason "abort"), the others are complete.
+    """
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
