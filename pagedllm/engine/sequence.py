@@ -99,6 +99,8 @@ class Sequence:
         self.output_text: str = ""
         self.prefix_offset: int = 0
         self.read_offset: int = 0
+        # the detokenizer's stream (engine/detokenizer.py), opaque here; never copied by fork
+        self.detok_state: object | None = None
         self.stop_reason: int | str | None = None
 
     # --- lengths -----------------------------------------------------------
