@@ -1,33 +1,117 @@
-"""Rotary position embeddings: inverse frequencies (with Llama 3 or linear scaling) and cos/sin tables."""
+"""Rotary position embeddings: inverse frequencies from transformers' RoPE initialisers, and cos/sin tables.
+
+Every ``rope_type`` is computed by transformers' own
+``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` (``default`` by
+the formula transformers' models use for it), so the frequencies and the
+attention factor are transformers' to the bit. What a per-position table
+cannot hold is decided here, per type:
+
+* ``dynamic`` (NTK): transformers recomputes the frequencies once the
+  batch's longest sequence grows past ``max_position_embeddings`` (keeping
+  the keys already cached as they were); up to that length they are the
+  unscaled ones. The table covers positions ``< max_position_embeddings``
+  only, and the engine refuses ``max_model_len`` above it, so every position
+  pagedllm can reach gets transformers' frequencies exactly.
+* ``longrope``: transformers takes ``short_factor`` while a sequence is at
+  most ``original_max_position_embeddings`` long and ``long_factor`` beyond
+  (Phi-3's ``generate`` recomputes the whole cache when a sequence crosses).
+  A paged KV cache holds one rotation per position, shared by prefix hits,
+  so the table takes one set: ``long_factor`` when the model's positions go
+  past the original length (what transformers computes for every sequence
+  longer than it), ``short_factor`` otherwise. Shorter sequences of such a
+  model then differ from transformers'; a warning says so at load.
+"""
 
 from __future__ import annotations
 
-import math
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from pagedllm.loader.model_config import check_rope_type, rope_type_of
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """RoPE inverse frequencies ``[head_dim // 2]``, with Llama 3 or linear scaling if asked."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return inv_freq
-    if kind == "linear":
-        # positions divided by `factor`, folded into the frequencies (transformers does the same)
-        return inv_freq / scaling["factor"]
-    # Llama 3: long wavelengths are slowed by `factor`, short ones kept,
-    # the band between interpolated smoothly
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(in_band, smoothed, scaled)
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+logger = logging.getLogger(__name__)
+
+def _transformers_config(
+    head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None
+) -> PreTrainedConfig:
+    """A transformers config carrying only the RoPE facts, for ``ROPE_INIT_FUNCTIONS``.
+
+    LlamaConfig because the initialisers read a config object (head size,
+    ``max_position_embeddings``, ``rope_parameters``) and standardize its
+    RoPE fields as every transformers model does; its validation is
+    transformers' own (missing keys raise there).
+    """
+    from transformers import LlamaConfig
+
+    params = {k: v for k, v in (scaling or {}).items() if k != "type"}
+    params.update(rope_type=rope_type_of(scaling), rope_theta=float(theta))
+    return LlamaConfig(
+        hidden_size=head_dim, head_dim=head_dim, num_attention_heads=1, num_key_value_heads=1,
+        intermediate_size=1, num_hidden_layers=1, vocab_size=1, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, max_position_embeddings=max_position, rope_parameters=params,
+    )
+
+
+def rope_parameters(
+    head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (float32, CPU) and the factor cos and sin are scaled by.
+
+    ``max_position`` is the model's ``max_position_embeddings`` (yarn and
+    longrope derive a missing ``factor`` from it, dynamic its threshold).
+    Computed by transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``; see the
+    module docstring for the choices made for ``dynamic`` and ``longrope``.
+    ValueError for an unknown rope_type, missing or bad parameters, or a
+    partial rotary dimension (the tables rotate the whole head).
+    """
+    kind = check_rope_type(scaling)
+    # the initialisers create some tensors on the default device: a model built on the meta device
+    # would get meta frequencies
+    with torch.device("cpu"):
+        if kind == "default":
+            # transformers' models compute the default themselves (compute_default_rope_parameters)
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            attention_factor = 1.0
+        else:
+            inv_freq, attention_factor = _scaled_parameters(kind, head_dim, max_position, theta, scaling)
+    if inv_freq.shape != (head_dim // 2,):
+        raise ValueError(
+            f"RoPE {kind!r} gives {inv_freq.numel()} frequencies for a head of {head_dim} "
+            f"(a partial_rotary_factor?); only rotations of the whole head are supported"
+        )
+    return inv_freq.float(), float(attention_factor)
+
+
+def _scaled_parameters(
+    kind: str, head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"RoPE scaling {kind!r} is not known to this transformers version")
+    try:
+        config = _transformers_config(head_dim, max_position, theta, scaling)
+        seq_len = None
+        if kind == "longrope":
+            original = config.rope_parameters["original_max_position_embeddings"]
+            if max_position > original:
+                # one rotation per position (see the module docstring): the long factors, transformers'
+                # choice for every sequence longer than the original length
+                seq_len = original + 1
+                logger.warning(
+                    "longrope RoPE: every position uses long_factor; transformers uses short_factor for "
+                    "sequences of at most %d tokens, so outputs of those differ from transformers'", original,
+                )
+        return ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"), seq_len=seq_len)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"bad RoPE scaling parameters for rope_type {kind!r} ({dict(scaling or {})}): {e}") from e
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,11 +122,21 @@ class RotaryEmbedding(nn.Module):
     sign folded into the sin table (exact: only signs change)::
 
         rotate_half([x1, x2]) = [-x2, x1] = roll([x1, x2], half) * [-1, +1]
+
+    ``scaling`` is the model's RoPE scaling dict (transformers'
+    ``rope_parameters`` of a non-default type; any ``rope_type`` of
+    ``SUPPORTED_ROPE_TYPES``): its frequencies come from ``rope_parameters``
+    and both tables are scaled by its attention factor (yarn, longrope), as
+    transformers scales cos and sin. ``max_position`` is the model's
+    ``max_position_embeddings``: the table's length.
     """
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None) -> None:
         super().__init__()
         self.settings = (head_dim, max_position, theta, scaling)
+        # computed here so that bad parameters fail at load, and again by build_tables (cheap): the
+        # frequencies are not kept, so no cast of the model rounds them and the weights hold only the tables
+        rope_parameters(head_dim, max_position, theta, scaling)
         self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
         self.build_tables()
@@ -50,13 +144,14 @@ class RotaryEmbedding(nn.Module):
     def build_tables(self) -> None:
         """Fill the cos/sin tables (again after a model built on the meta device)."""
         head_dim, max_position, theta, scaling = self.settings
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
-        sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])  # [head_dim]
+        inv_freq, attention_factor = rope_parameters(head_dim, max_position, theta, scaling)
         with torch.device("cpu"):
-            self.cos = emb.cos().to(self.cos.device)
-            self.sin = (emb.sin() * sign).to(self.sin.device)  # signed: see the class docstring
+            freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+            emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
+            sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])  # [head_dim]
+            # scaled in float32 before any cast, as transformers scales cos and sin
+            self.cos = (emb.cos() * attention_factor).to(self.cos.device)
+            self.sin = (emb.sin() * attention_factor * sign).to(self.sin.device)  # signed: see above
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for the step's tokens, each ``[num_tokens, 1, head_dim]``."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import mmap
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from struct import error as struct_error
 
 import numpy as np
@@ -66,6 +66,61 @@ def _field(reader: GGUFReader, key: str, default: object = None) -> object:
     return default if f is None else f.contents()
 
 
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, object] | None:
+    """The RoPE scaling of the GGUF metadata as the ``rope_parameters`` transformers' configs hold.
+
+    The reverse of llama.cpp's converter (``convert_hf_to_gguf.py``), which
+    writes a Hugging Face config's linear and yarn scaling as
+    ``rope.scaling.*`` keys (``rope.scale_linear`` in older files). What has
+    no transformers equivalent is refused rather than dropped.
+    """
+    def key(name: str) -> object:
+        return _field(reader, f"{arch}.rope.{name}")
+
+    kind = key("scaling.type")
+    factor = key("scaling.factor")
+    if kind is None and key("scale_linear") not in (None, 0.0, 1.0):
+        kind, factor = "linear", key("scale_linear")  # llama.cpp's older key: a linear factor
+    if kind in (None, "none"):
+        return None
+    if key("scaling.alpha") is not None:
+        raise ValueError("GGUF rope.scaling.alpha (NTK-alpha RoPE) is not supported")
+    attn_factor = key("scaling.attn_factor")
+    if attn_factor is not None and float(attn_factor) != 1.0:
+        # llama.cpp's extra cos/sin factor: transformers' linear and yarn have no such setting
+        raise ValueError(f"GGUF RoPE with rope.scaling.attn_factor={attn_factor} is not supported (only 1.0 is)")
+    if kind == "linear":
+        if factor is None:
+            raise ValueError("GGUF linear RoPE scaling without rope.scaling.factor")
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        return _yarn_scaling(key, factor)
+    # longrope files hold their factors as rope_factors_long/short tensors of architectures not loaded here
+    raise ValueError(f"unsupported GGUF rope.scaling.type {kind!r}; supported: 'none', 'linear', 'yarn'")
+
+
+def _yarn_scaling(key: Callable[[str], object], factor: object) -> dict[str, object]:
+    if factor is None:
+        raise ValueError("GGUF yarn RoPE scaling without rope.scaling.factor")
+    scaling: dict[str, object] = {"rope_type": "yarn", "factor": float(factor)}
+    original = key("scaling.original_context_length")
+    if original is not None:  # else transformers' default, max_position_embeddings (llama.cpp's too)
+        scaling["original_max_position_embeddings"] = int(original)
+    # the converter writes transformers' attention_factor, beta_fast and beta_slow under these keys
+    for gguf_key, name in (("scaling.yarn_attn_factor", "attention_factor"), ("scaling.yarn_beta_fast", "beta_fast"),
+                           ("scaling.yarn_beta_slow", "beta_slow")):
+        if key(gguf_key) is not None:
+            scaling[name] = float(key(gguf_key))
+    # llama.cpp-only knobs: transformers' YaRN has no extrapolation factor (it mixes fully, 1.0) and no
+    # log multiplier (DeepSeek's mscale_all_dim)
+    for gguf_key, neutral in (("scaling.yarn_ext_factor", 1.0), ("scaling.yarn_log_multiplier", 0.0)):
+        value = key(gguf_key)
+        if value is not None and float(value) != neutral:
+            raise ValueError(f"GGUF yarn RoPE with rope.{gguf_key}={value} is not supported (transformers' "
+                             f"YaRN has no such setting; only {neutral} is)")
+    return scaling
+
+
 def read_config(reader: GGUFReader) -> ModelArchConfig:
     """Architecture facts from the GGUF metadata."""
     arch = _field(reader, "general.architecture")
@@ -95,6 +150,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         head_dim=int(key("attention.key_length", hidden // num_heads)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings=not has_output,
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),

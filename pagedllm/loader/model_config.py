@@ -5,13 +5,35 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-SUPPORTED_ROPE_SCALING = ("default", "llama3", "linear")
+# the rope_types transformers' ROPE_INIT_FUNCTIONS computes (plus "default") that this table design was
+# checked against; a type a later transformers adds is refused until it is (it may depend on the sequence,
+# as dynamic and longrope do)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+
+
+def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
+    """The ``rope_type`` a RoPE scaling dict names (``type`` in older configs); "default" for None."""
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type")) or "default"
+
+
+def check_rope_type(scaling: Mapping[str, Any] | None) -> str:
+    """The scaling's ``rope_type``; ValueError naming it and the supported ones when it is unknown."""
+    kind = rope_type_of(scaling)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE scaling rope_type {kind!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    return kind
+
+
+SUPPORTED_ROPE_SCALING = SUPPORTED_ROPE_TYPES  # computed by transformers' ROPE_INIT_FUNCTIONS (layers/rotary.py)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # hidden_activation of Gemma's MLP -> the approximation torch's gelu takes
 GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -71,10 +93,7 @@ class ModelArchConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         for scaling in (self.rope_scaling, self.local_rope_scaling):
-            if scaling is not None:
-                kind = scaling.get("rope_type", scaling.get("type"))
-                if kind not in (*SUPPORTED_ROPE_SCALING, None):
-                    raise ValueError(f"unsupported rope scaling {kind!r} (supported: {SUPPORTED_ROPE_SCALING})")
+            check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
         if self.hidden_act != "silu" and self.hidden_act not in GELU_APPROXIMATIONS:
             raise ValueError(f"unsupported hidden activation {self.hidden_act!r}")
@@ -115,17 +134,21 @@ _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_wor
 
 
 def _scaling_or_none(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+    if rope_type_of(scaling) == "default":
         return None
-    return scaling or None
+    return scaling
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # transformers 5 folds rope_theta and rope_scaling into rope_parameters
     params = cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return float(theta), _scaling_or_none(scaling)
+    scaling = _scaling_or_none(cfg.get("rope_scaling") or params)
+    if scaling is not None and cfg.get("partial_rotary_factor") is not None:
+        # transformers moves a top-level partial_rotary_factor into the RoPE parameters, where the scaled
+        # initialisers read it (the default one ignores it); the RoPE layer refuses a partial rotation
+        scaling = {"partial_rotary_factor": cfg["partial_rotary_factor"], **scaling}
+    return float(theta), scaling
 
 
 def _gemma3_rope_settings(cfg: dict[str, Any]) -> tuple[float, dict | None, float, dict | None]:
