@@ -1,5 +1,11 @@
 """The engine's one configuration record, validated when it is built.
 
+Each field's type declares what it takes (``Literal`` choices, ``Annotated``
+positive numbers and paths); ``check_fields`` validates every field against
+its declared type, so a choice is written once, in the type, and the tuples
+other modules import (``DTYPES``, ...) are read off it. What fields say about
+each other is checked by hand after that.
+
 Values the engine computes while it starts (the number of KV blocks, the EOS
 ids) are not written back here; they live on the objects that compute them
 (``ModelRunner.num_kv_blocks``, ``Tokenizer.eos_token_ids``).
@@ -7,24 +13,127 @@ ids) are not written back here; they live on the objects that compute them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
 from pagedllm.runner.grammar_limits import GrammarLimits
 
-DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", *DTYPES)
-DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "sdpa", "reference")
-KV_ALLOCATORS = ("paged", "contiguous")
-CONTIGUOUS_RESERVES = ("max_tokens", "max_model_len")
-QUANTIZATIONS = (None, "none", "int8", "int4")
-GGUF_ACTIVATIONS = ("int8", "float32")
+
+class Positive:
+    """``Annotated`` marker: the field must be a positive number (an integer where the type is ``int``)."""
+
+
+class NonEmpty:
+    """``Annotated`` marker: the field must be a non-empty string (a path)."""
+
+
+@dataclass(frozen=True)
+class MultipleOf:
+    """``Annotated`` marker: the field must be a positive integer multiple of ``step``."""
+
+    step: int
+
+
+PositiveInt = Annotated[int, Positive]
+PositiveSeconds = Annotated[float, Positive]
+Path = Annotated[str, NonEmpty]
+
+# the choices of each string field: the field's type says them, these tuples are read off it
+Dtype = Literal["float32", "bfloat16", "float16"]
+KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["cpu", "cuda"]
+AttentionBackend = Literal["auto", "cpu_paged", "sdpa", "reference"]
+KvAllocator = Literal["paged", "contiguous"]
+ContiguousReserve = Literal["max_tokens", "max_model_len"]
+Quantization = Literal["none", "int8", "int4"]
+GgufActivations = Literal["int8", "float32"]
+LinearBackend = Literal["auto", "packed", "onednn", "torch"]
+DistributedExecutor = Literal["auto", "mp", "torchrun"]
+AllReduceBackend = Literal["auto", "shm", "gloo"]
+
+DTYPES = get_args(Dtype)
+KV_CACHE_DTYPES = get_args(KvCacheDtype)
+DEVICES = get_args(Device)
+ATTENTION_BACKENDS = get_args(AttentionBackend)
+KV_ALLOCATORS = get_args(KvAllocator)
+CONTIGUOUS_RESERVES = get_args(ContiguousReserve)
+QUANTIZATIONS = (None, *get_args(Quantization))
+GGUF_ACTIVATIONS = get_args(GgufActivations)
+LINEAR_BACKENDS = get_args(LinearBackend)
+DISTRIBUTED_EXECUTORS = get_args(DistributedExecutor)
+ALL_REDUCE_BACKENDS = get_args(AllReduceBackend)
 # weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
 DEFAULT_INT4_GROUP_SIZE = 128
-LINEAR_BACKENDS = ("auto", "packed", "onednn", "torch")
-DISTRIBUTED_EXECUTORS = ("auto", "mp", "torchrun")
-ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo")
+
+
+def check_field(name: str, value: object, hint: Any) -> None:  # noqa: ANN401 (a type hint is any typing form)
+    """ValueError unless ``value`` fits the declared type ``hint``.
+
+    Understands what the config declares: ``X | None``, ``Literal[...]``,
+    ``Annotated[int | float | str, Positive | NonEmpty]``, ``bool``, ``int``
+    (never a bool) and classes; anything else (a union of unrelated types,
+    such as ``itl_target_ms``'s) is left to the field's own check.
+    """
+    args = get_args(hint)
+    if get_origin(hint) in (Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            return
+        hint = rest[0]
+        if get_origin(hint) is Literal:
+            if value not in get_args(hint):
+                raise ValueError(f"{name} must be one of {(None, *get_args(hint))}, got {value!r}")
+            return
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {args}, got {value!r}")
+    elif origin is Annotated:
+        _check_annotated(name, value, args[0], args[1:])
+    elif hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r}")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    elif hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+    elif isinstance(hint, type) and not isinstance(value, hint):
+        raise ValueError(f"{name} must be a {hint.__name__}, got {value!r}")
+
+
+def _check_annotated(name: str, value: object, base: type, markers: tuple) -> None:
+    steps = [m.step for m in markers if isinstance(m, MultipleOf)]
+    if steps:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % steps[0]:
+            raise ValueError(f"{name} must be a positive multiple of {steps[0]}, got {value!r}")
+    elif Positive in markers and base is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    elif Positive in markers:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    elif NonEmpty in markers and (not isinstance(value, str) or not value):
+        raise ValueError(f"{name} must be a non-empty path, got {value!r}")
+
+
+@cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """The declared type of each field of ``cls`` (read once: the annotations are strings)."""
+    return get_type_hints(cls, include_extras=True)
+
+
+def check_fields(record: object) -> None:
+    """Check every field of the dataclass ``record`` against its declared type (``check_field``)."""
+    types = _field_types(type(record))
+    for f in fields(record):
+        check_field(f.name, getattr(record, f.name), types[f.name])
 
 
 @dataclass(frozen=True)
@@ -62,8 +171,9 @@ class EngineConfig:
             prompt tokens as fit this target by the step costs measured so
             far (``engine/step_budget.py``), so a long prompt prefills over
             more, shorter steps instead of freezing every stream. "auto"
-            (default): 4x the measured step of the decodes alone (a prompt's
-            time to first token ~1.33x its time alone); None: no target, a
+            (default): 4x the measured step of the decodes alone, and at
+            least 32 prompt tokens a step (a 4k prompt among 4 streams of the
+            bundled model: 1.1-1.4x its time alone); None: no target, a
             step takes up to ``max_num_batched_tokens`` whatever it delays.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes;
             None means on for the paged allocator, off for the contiguous one.
@@ -142,34 +252,34 @@ class EngineConfig:
             (``runner/grammar_limits.py``); over a limit is a ValueError.
     """
 
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    max_model_len: int = 2048
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 8192
+    model: Path
+    tokenizer: Path | None = None
+    dtype: Dtype = "float32"
+    device: Device = "cpu"
+    kv_cache_dtype: KvCacheDtype = "auto"
+    block_size: PositiveInt = 16
+    num_kv_blocks: PositiveInt | None = None
+    kv_cache_memory_bytes: PositiveInt | None = None
+    max_model_len: PositiveInt = 2048
+    max_num_seqs: PositiveInt = 128
+    max_num_batched_tokens: PositiveInt = 8192
     itl_target_ms: float | str | None = "auto"
     enable_prefix_caching: bool | None = None
-    kv_allocator: str = "paged"
-    contiguous_reserve: str = "max_tokens"
+    kv_allocator: KvAllocator = "paged"
+    contiguous_reserve: ContiguousReserve = "max_tokens"
     seed: int = 0
-    attention_backend: str = "auto"
-    num_threads: int | None = None
-    quantization: str | None = None
-    quantization_group_size: int | None = None
-    gguf_activations: str = "int8"
-    linear_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
+    num_threads: PositiveInt | None = None
+    quantization: Quantization | None = None
+    quantization_group_size: Annotated[int, MultipleOf(32)] | None = None
+    gguf_activations: GgufActivations = "int8"
+    linear_backend: LinearBackend = "auto"
     enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "auto"
+    tensor_parallel_size: PositiveInt = 1
+    distributed_executor_backend: DistributedExecutor = "auto"
     cpu_bind: str | None = None
-    distributed_timeout_s: float = 120.0
-    all_reduce_backend: str = "auto"
+    distributed_timeout_s: PositiveSeconds = 120.0
+    all_reduce_backend: AllReduceBackend = "auto"
     grammar_limits: GrammarLimits = GrammarLimits()
 
     @property
@@ -187,93 +297,32 @@ class EngineConfig:
         return self.enable_prefix_caching
 
     def __post_init__(self) -> None:
-        def positive_int(name: str, value: object, allow_none: bool = False) -> None:
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
-        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
-            raise ValueError(f"tokenizer must be a non-empty path or None, got {self.tokenizer!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
-        if self.kv_allocator not in KV_ALLOCATORS:
-            raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
-        if self.contiguous_reserve not in CONTIGUOUS_RESERVES:
-            raise ValueError(
-                f"contiguous_reserve must be one of {CONTIGUOUS_RESERVES}, got {self.contiguous_reserve!r}"
-            )
-        if self.enable_prefix_caching not in (None, True, False):
-            raise ValueError(f"enable_prefix_caching must be a bool or None, got {self.enable_prefix_caching!r}")
+        # each field against its declared type (choices, positive numbers, paths), then what
+        # fields say about each other
+        check_fields(self)
         if self.kv_allocator == "paged" and self.contiguous_reserve != "max_tokens":
             raise ValueError("contiguous_reserve applies to kv_allocator='contiguous' only")
         if self.kv_allocator == "contiguous" and self.enable_prefix_caching:
             raise ValueError("the contiguous allocator has no prefix caching; leave enable_prefix_caching unset")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        if self.gguf_activations not in GGUF_ACTIVATIONS:
-            raise ValueError(f"gguf_activations must be one of {GGUF_ACTIVATIONS}, got {self.gguf_activations!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization in ("int8", "int4"):
             self._check_weight_only()
         elif self.quantization_group_size is not None:
             raise ValueError("quantization_group_size applies to quantization='int8' or 'int4' only, "
                              f"got quantization={self.quantization!r}")
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         if self.linear_backend in ("packed", "onednn") and (self.device != "cpu" or self.dtype == "float16"):
             raise ValueError(f"linear_backend={self.linear_backend!r} runs float32 or bfloat16 weights on the CPU only")
-        positive_int("block_size", self.block_size)
-        positive_int("num_kv_blocks", self.num_kv_blocks, allow_none=True)
-        positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
-        positive_int("max_model_len", self.max_model_len)
-        positive_int("max_num_seqs", self.max_num_seqs)
-        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        positive_int("num_threads", self.num_threads, allow_none=True)
         target = self.itl_target_ms
         if target not in ("auto", None) and (
             isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0
         ):
             raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
-        self._check_distributed()
-        if not isinstance(self.grammar_limits, GrammarLimits):
-            raise ValueError(f"grammar_limits must be a GrammarLimits, got {self.grammar_limits!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.cpu_bind is not None:
+            parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
-
-    def _check_distributed(self) -> None:
-        """ValueError for tensor-parallel settings that cannot run."""
-        size = self.tensor_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTORS:
-            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTORS}, "
-                             f"got {self.distributed_executor_backend!r}")
-        if self.all_reduce_backend not in ALL_REDUCE_BACKENDS:
-            raise ValueError(f"all_reduce_backend must be one of {ALL_REDUCE_BACKENDS}, got {self.all_reduce_backend!r}")
-        timeout = self.distributed_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")
-        if self.cpu_bind is not None:
-            if not isinstance(self.cpu_bind, str):
-                raise ValueError(f"cpu_bind must be a string like '0-3|4-7', got {self.cpu_bind!r}")
-            parse_cpu_bind(self.cpu_bind, size)
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""
@@ -285,6 +334,4 @@ class EngineConfig:
         if self.linear_backend != "auto":
             raise ValueError(f"linear_backend applies to float weights; with quantization={q!r} every linear layer "
                              f"runs the quantized kernel: leave it at 'auto', got {self.linear_backend!r}")
-        g = self.quantization_group_size
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 32 or g % 32):
-            raise ValueError(f"quantization_group_size must be a positive multiple of 32 (or None), got {g!r}")
+
