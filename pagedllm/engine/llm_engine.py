@@ -34,7 +34,7 @@ from pagedllm.engine.step_builder import build_step_record, logits_rules
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
-from pagedllm.runner.model_runner import ModelRunner
+from pagedllm.runner.model_runner import ModelRunner, StepResult
 from pagedllm.runner.process_settings import apply_process_settings
 from pagedllm.runner.sampler import TokenLogprobs
 from pagedllm.runner.structured_output import GrammarCompiler, GrammarRejectedError, RequestGrammar
@@ -326,18 +326,36 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of requests that progressed (``DistributedError``, now
-        and on every later call, once a tensor-parallel rank has failed)."""
+        and on every later call, once a tensor-parallel rank has failed).
+
+        Three phases: ``_schedule`` (the bookkeeping decides which tokens run),
+        ``_execute`` (the runner computes them from a plain ``StepRecord``) and
+        ``_process`` (sampled tokens become text, finished requests leave).
+        """
         self._check_ranks()
         started = time.perf_counter()
-        # blocks published by a plan that never ran (its schedule raised) must not be hit
-        self.block_manager.unpublish_unconfirmed()
-        output = self.scheduler.schedule()
-        self.last_step_scheduled = False
+        output = self._schedule()
         if output.is_empty:
             # an empty step right after a preemption is normal: admissions wait
             # for the next one; without a preemption it is a stall
             return self._resolve_stall() if self.requests and not output.preempted else []
-        self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
+        results = self._execute(output)
+        outputs = self._process(output, results)
+        self._observe_step(output, time.perf_counter() - started)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's plan for this step (blocks allocated, preemptions done)."""
+        # blocks published by a plan that never ran (its schedule raised) must not be hit
+        self.block_manager.unpublish_unconfirmed()
+        output = self.scheduler.schedule()
+        self.last_step_scheduled = False
+        if not output.is_empty:
+            self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
+        return output
+
+    def _execute(self, output: SchedulerOutput) -> list[StepResult]:
+        """Run ``output`` on the model runner; on failure its requests fail (their blocks freed) and it raises."""
         reqs = [self.requests[s.seq.request_id] for s in output.scheduled]
         params = [r.params for r in reqs]
         num_top = [r.num_top_logprobs for r in reqs]
@@ -362,6 +380,10 @@ class LLMEngine:
             raise
         self.block_manager.confirm_published()
         self.scheduler.update(output)
+        return results
+
+    def _process(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
+        """Append each sequence's sampled tokens, apply beam steps, and make the step's outputs."""
         # a sequence that failed alone (its own sampling settings) fails its request only
         failed = {s.seq.request_id: r.error for s, r in zip(output.scheduled, results) if r.error is not None}
         touched: dict[str, Request] = {}
@@ -372,13 +394,7 @@ class LLMEngine:
                 continue
             req = self.requests[s.seq.request_id]
             if result.prompt_logprobs is not None:
-                # a prompt in chunks brings them a chunk at a time; a recomputed
-                # one (after preemption) brings again what is already there
-                if req.prompt_logprobs is None:
-                    req.prompt_logprobs = [None]
-                for pos, t in enumerate(result.prompt_logprobs, start=result.prompt_logprobs_start):
-                    if pos == len(req.prompt_logprobs):
-                        req.prompt_logprobs.append(self.output_processor.position_logprobs(t))
+                self._add_prompt_logprobs(req, result)
             for seq, sample in zip((s.seq, *s.forks), result.samples):
                 if req.beam is not None:
                     req.beam.add_result(seq, list(sample.top))
@@ -403,8 +419,16 @@ class LLMEngine:
             elif req.beam is None and req.params.num_samples == req.params.n:
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
-        self._observe_step(output, time.perf_counter() - started)
         return outputs
+
+    def _add_prompt_logprobs(self, req: Request, result: StepResult) -> None:
+        """A prompt in chunks brings its logprobs a chunk at a time; a recomputed one
+        (after preemption) brings again what is already there."""
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None]
+        for pos, t in enumerate(result.prompt_logprobs, start=result.prompt_logprobs_start):
+            if pos == len(req.prompt_logprobs):
+                req.prompt_logprobs.append(self.output_processor.position_logprobs(t))
 
     def _observe_step(self, output: SchedulerOutput, seconds: float) -> None:
         """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost model."""
