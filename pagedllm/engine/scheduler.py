@@ -233,13 +233,18 @@ class Scheduler:
         The token budget left at each stage is ``max_num_batched_tokens`` less
         what the plan holds so far (a preemption takes the victims' part out);
         the prompt tokens of stages 2 and 3 together are also held to
-        ``prefill_cap(number of decodes)``.
+        ``prefill_cap(number of decodes)``, of which stage 2 leaves up to half
+        to the oldest waiting request (``_admission_reserve``).
         """
         preempted: list[Sequence] = []
         decodes = self._plan_decodes(preempted)
         cap = self.prefill_cap(len(decodes)) if self.prefill_cap is not None else None
         prompt_budget = self.max_num_batched_tokens if cap is None else max(1, cap)
-        decodes, continued = self._plan_prompt_chunks(decodes, preempted, prompt_budget)
+        # under a cap, a long prompt in chunks would take every step's share until it is done,
+        # and every request arriving meanwhile would wait for it (35 s of TTFT for a 64-token
+        # chat behind a 4k prompt, BENCHMARKS.md): the oldest waiting request keeps up to half
+        reserve = self._admission_reserve(prompt_budget) if cap is not None and not preempted else 0
+        decodes, continued = self._plan_prompt_chunks(decodes, preempted, prompt_budget - reserve)
         budget = min(
             self.max_num_batched_tokens - len(decodes), prompt_budget
         ) - sum(n for _, n in continued)
@@ -255,6 +260,14 @@ class Scheduler:
             preempted=preempted,
             blocks_to_copy=self.block_manager.take_copies(),
         )
+
+    def _admission_reserve(self, prompt_budget: int) -> int:
+        """Prompt tokens of a capped step kept from prompts in chunks for the oldest waiting request:
+        what it still has to compute, at most half the budget (0 when nothing waits)."""
+        if not self.waiting:
+            return 0
+        first = self.waiting[0]
+        return min(prompt_budget // 2, len(first) - first.num_computed_tokens)
 
     def _plan_decodes(self, preempted: list[Sequence]) -> list[Sequence]:
         """Step 1: running sequences with one new token, oldest first, each given its slot; the victim of a
