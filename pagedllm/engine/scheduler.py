@@ -233,8 +233,8 @@ class Scheduler:
         The token budget left at each stage is ``max_num_batched_tokens`` less
         what the plan holds so far (a preemption takes the victims' part out);
         the prompt tokens of stages 2 and 3 together are also held to
-        ``prefill_cap(number of decodes)``, of which stage 2 leaves up to half
-        to the oldest waiting request (``_admission_reserve``).
+        ``prefill_cap(number of decodes)``, of which the oldest prompt in chunks
+        leaves up to half to younger prompts (``_share_of_younger_prompts``).
         """
         preempted: list[Sequence] = []
         decodes = self._plan_decodes(preempted)
@@ -242,9 +242,10 @@ class Scheduler:
         prompt_budget = self.max_num_batched_tokens if cap is None else max(1, cap)
         # under a cap, a long prompt in chunks would take every step's share until it is done,
         # and every request arriving meanwhile would wait for it (35 s of TTFT for a 64-token
-        # chat behind a 4k prompt, BENCHMARKS.md): the oldest waiting request keeps up to half
-        reserve = self._admission_reserve(prompt_budget) if cap is not None and not preempted else 0
-        decodes, continued = self._plan_prompt_chunks(decodes, preempted, prompt_budget - reserve)
+        # chat behind a 4k prompt, BENCHMARKS.md): the oldest prompt takes at most half while
+        # younger prompts want tokens
+        reserve = self._share_of_younger_prompts(prompt_budget) if cap is not None else 0
+        decodes, continued = self._plan_prompt_chunks(decodes, preempted, prompt_budget, reserve)
         budget = min(
             self.max_num_batched_tokens - len(decodes), prompt_budget
         ) - sum(n for _, n in continued)
@@ -261,13 +262,18 @@ class Scheduler:
             blocks_to_copy=self.block_manager.take_copies(),
         )
 
-    def _admission_reserve(self, prompt_budget: int) -> int:
-        """Prompt tokens of a capped step kept from prompts in chunks for the oldest waiting request:
-        what it still has to compute, at most half the budget (0 when nothing waits)."""
-        if not self.waiting:
-            return 0
-        first = self.waiting[0]
-        return min(prompt_budget // 2, len(first) - first.num_computed_tokens)
+    def _share_of_younger_prompts(self, prompt_budget: int) -> int:
+        """Prompt tokens of a capped step the oldest prompt in chunks leaves to younger ones: what the
+        other prompts in chunks and the oldest waiting request still have to compute, at most half."""
+        in_chunks = sorted(
+            (s for s in self.running
+             if s.status == SequenceStatus.RUNNING and len(s) - s.num_computed_tokens > 1),
+            key=_age,
+        )
+        wanted = sum(len(s) - s.num_computed_tokens for s in in_chunks[1:])
+        if self.waiting:
+            wanted += len(self.waiting[0]) - self.waiting[0].num_computed_tokens
+        return min(prompt_budget // 2, wanted) if in_chunks else 0
 
     def _plan_decodes(self, preempted: list[Sequence]) -> list[Sequence]:
         """Step 1: running sequences with one new token, oldest first, each given its slot; the victim of a
@@ -290,12 +296,13 @@ class Scheduler:
         return decodes
 
     def _plan_prompt_chunks(
-        self, decodes: list[Sequence], preempted: list[Sequence], prompt_budget: int
+        self, decodes: list[Sequence], preempted: list[Sequence], prompt_budget: int, reserve: int = 0
     ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """Step 2: prompts prefilled in part by earlier steps, oldest first: the next chunk takes its blocks
         now, cut to the budget (``max_num_batched_tokens`` less the decodes, and at most ``prompt_budget``
-        prompt tokens in all) and to what the pool holds; when not one token fits, the newest request is
-        preempted as for a decode. Returns the decodes still planned and the chunks ``(sequence, tokens)``."""
+        prompt tokens in all; the oldest chunk leaves ``reserve`` of it to younger prompts) and to what the
+        pool holds; when not one token fits, the newest request is preempted as for a decode. Returns the
+        decodes still planned and the chunks ``(sequence, tokens)``."""
         continued: list[tuple[Sequence, int]] = []
 
         def left() -> int:
@@ -316,6 +323,8 @@ class Scheduler:
                 budget = left()
             if seq.status != SequenceStatus.RUNNING:
                 continue
+            if not continued:
+                budget = max(1, budget - reserve)  # the oldest: what younger prompts want stays for them
             num_new = min(len(seq) - seq.num_computed_tokens, budget, self.block_manager.num_appendable_tokens(seq))
             if not self.block_manager.append_slot(seq, num_new):
                 raise RuntimeError("append_slot refused the tokens num_appendable_tokens promised")

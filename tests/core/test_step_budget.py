@@ -158,6 +158,28 @@ def test_the_cap_holds_chunks_and_admissions_together() -> None:
     ]
 
 
+def test_a_request_arriving_behind_a_prompt_in_chunks_gets_half_the_share() -> None:
+    """Under the cap a prompt in chunks would take every step's share until done; a waiting request keeps half."""
+    bm = BlockManager(num_blocks=32, block_size=BS, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, prefill_cap=lambda n: 6 if n else None)
+    a = mk(range(1))
+    sched.add(a)
+    run(sched, 1)
+    long = mk(range(100, 120))  # 20 tokens
+    sched.add(long)
+    assert run(sched, 1) == [[(long, 0, 6), (a, 1, 1)]]
+    chat = mk(range(200, 205))  # 5 tokens arrive while long is in chunks
+    sched.add(chat)
+    assert run(sched, 3) == [
+        [(long, 6, 3), (chat, 0, 3), (a, 2, 1)],  # half of 6 kept for the chat
+        [(long, 9, 4), (chat, 3, 2), (a, 3, 1)],  # the chat in chunks still wants 2: long leaves them
+        [(long, 13, 6), (a, 4, 1), (chat, 5, 1)],  # nothing waits: the whole share
+    ]
+    # decodes first each step: a takes block 7 for its fifth token before long needs block 8
+    assert long.block_table == [1, 2, 3, 5, 8] and chat.block_table == [4, 6] and a.block_table == [0, 7]
+    assert bm.num_free_blocks == 32 - len(a.block_table) - 5 - 2
+
+
 def test_without_a_cap_the_budget_is_max_num_batched_tokens() -> None:
     bm = BlockManager(num_blocks=16, block_size=BS, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
