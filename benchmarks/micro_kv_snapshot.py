@@ -15,10 +15,10 @@ import random
 import statistics
 import time
 
+from pagedllm.clients.kv_publisher import DEFAULT_MIN_INTERVAL_S, KVSnapshotPublisher
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence
-from pagedllm.entrypoints.openai.kv_publisher import DEFAULT_MIN_INTERVAL_S, KVSnapshotPublisher
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_SEQS, PROMPT, OUTPUT = 2912, 16, 32, 128, 64
 

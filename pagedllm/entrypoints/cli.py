@@ -307,7 +307,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     http_limits = _http_limits(args)
     if args.replica_heartbeat_timeout is not None:
-        from pagedllm.entrypoints.openai.replica_client import check_heartbeat_timeout
+        from pagedllm.clients.data_parallel.replica_client import check_heartbeat_timeout
 
         if args.data_parallel_size == 1:
             raise ValueError("--replica-heartbeat-timeout needs --data-parallel-size > 1 (one engine has no replicas)")

@@ -22,7 +22,9 @@ ALLOWED = {
     "loader": set(),
     "engine": {"loader", "runner", "distributed"},
     "runner": {"kernels", "layers", "models", "loader", "distributed"},
-    "entrypoints": {"engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
+    # engine clients (one engine thread, data-parallel replicas): above the engine, below the server
+    "clients": {"engine", "loader", "runner", "distributed"},
+    "entrypoints": {"clients", "engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
     "bench": {"engine", "loader", "distributed"},
 }
 DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table", "cache_dir"}

@@ -27,7 +27,7 @@ import pytest
 from openai import OpenAI
 from server_helpers import free_port, launch_server, metrics, stop_server, wait_healthy
 
-from pagedllm.entrypoints.openai.replica_client import (
+from pagedllm.clients.data_parallel.replica_client import (
     LostRequests,
     _take_lost,
     check_heartbeat_timeout,

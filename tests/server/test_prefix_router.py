@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm.clients.data_parallel.prefix_router import PrefixRouter
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.sequence import Sequence
-from pagedllm.entrypoints.openai.prefix_router import PrefixRouter
 
 
 def test_prompt_hashes_are_the_block_managers_keys():

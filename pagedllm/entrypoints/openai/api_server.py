@@ -8,10 +8,12 @@ The package follows the data flow of a request, as vLLM lays out
       protocol.py (request models, APIError)  -- strict validation, OpenAI's error body
       serving_completion.py / serving_chat.py -- one handler class per generating route
         prompts.py -> tokenizer_worker.py     -- tokenize off the engine thread
-        engine_client.py                      -- the thread that owns the LLMEngine
+        engine/protocol.py's EngineClient     -- the engine client, the only engine the routes see
+          (clients/async_engine.py: one engine thread; clients/data_parallel/: N replica processes)
+        engine_errors.py                      -- what the client raises, as HTTP answers
         deltas.py, logprobs.py, sse.py        -- the answer, whole or as server-sent events
       serving_tokenization.py                 -- /tokenize, /detokenize, /tokenizer_info
-    metrics.py                                -- Prometheus, fed by the engine thread
+    clients/metrics.py                        -- Prometheus, fed by the engine client
 
 A program that builds the app itself (``create_server_app``) starts the
 tokenizer process with ``multiprocessing``'s spawn method, so its main
@@ -44,10 +46,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from swagger_ui_bundle import swagger_ui_path
 
+from pagedllm.clients.async_engine import AsyncEngine
+from pagedllm.clients.data_parallel.client import DataParallelEngine
+from pagedllm.clients.data_parallel.replica_client import DEFAULT_HEARTBEAT_TIMEOUT_S
+from pagedllm.clients.kv_publisher import KVSnapshotPublisher
+from pagedllm.clients.metrics import ServerMetrics
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.dp_engine import DataParallelEngine
-from pagedllm.entrypoints.openai.engine_client import AsyncEngine, server_error
+from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.engine_errors import server_error
 from pagedllm.entrypoints.openai.guards import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -55,8 +62,6 @@ from pagedllm.entrypoints.openai.guards import (
     require_json,
 )
 from pagedllm.entrypoints.openai.kv_page import add_kv_routes
-from pagedllm.entrypoints.openai.kv_publisher import KVSnapshotPublisher
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -68,7 +73,6 @@ from pagedllm.entrypoints.openai.protocol import (
     describe_validation_error,
     served_model_schema,
 )
-from pagedllm.entrypoints.openai.replica_client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import check_model
@@ -77,9 +81,6 @@ from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
 logger = logging.getLogger(__name__)
-
-# what the routes are served by: one engine thread, or data-parallel replica processes
-EngineClient = AsyncEngine | DataParallelEngine
 
 # the error answers every JSON route may give, for /openapi.json
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -185,16 +186,23 @@ def _openapi_without_422(app: FastAPI, vocab_size: int) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(async_engine: EngineClient, settings: ServerSettings, tokenizer: TokenizerWorker) -> FastAPI:
+def build_app(
+    async_engine: EngineClient, settings: ServerSettings, tokenizer: TokenizerWorker,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops the engine (thread or replica processes) and the
     tokenizer process.
 
     Args:
-        async_engine: the engine wrapper, ``AsyncEngine`` or ``DataParallelEngine`` (not started yet).
+        async_engine: the engine client (``engine/protocol.py``): ``AsyncEngine`` or ``DataParallelEngine``
+            (not started yet); the routes see only the protocol.
         settings: names, key and limits.
         tokenizer: the tokenizer process; the app closes it when it stops.
+        metrics: the metrics the client records (served at /metrics), or None.
     """
     engine = async_engine.engine
+    if metrics is not None:
+        metrics.watch_grammars(engine.grammar_compiler)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -220,7 +228,7 @@ def build_app(async_engine: EngineClient, settings: ServerSettings, tokenizer: T
         app, OpenAIServingCompletion(async_engine, prompts, name, settings.default_max_tokens),
         OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, settings.default_max_tokens),
     )
-    _add_info_routes(app, async_engine, settings)
+    _add_info_routes(app, async_engine, settings, metrics)
     tokenization = OpenAIServingTokenization(
         prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size
     )
@@ -258,8 +266,9 @@ def _add_generating_routes(app: FastAPI, completion: OpenAIServingCompletion, ch
         return await chat.create(req, request)
 
 
-def _add_info_routes(app: FastAPI, async_engine: EngineClient, settings: ServerSettings) -> None:
-    metrics = async_engine.metrics
+def _add_info_routes(
+    app: FastAPI, async_engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics | None
+) -> None:
     max_model_len = async_engine.engine.config.max_model_len
 
     def model_card() -> dict[str, Any]:
@@ -287,8 +296,9 @@ def _add_info_routes(app: FastAPI, async_engine: EngineClient, settings: ServerS
         if not async_engine.is_alive or async_engine.draining:
             err = APIError(503, "the engine is not running", "server_error", "engine_unavailable")
             return JSONResponse(err.body(), status_code=503)
-        if isinstance(async_engine, DataParallelEngine):
-            return JSONResponse(async_engine.health_report())
+        report = async_engine.health_report()
+        if report is not None:
+            return JSONResponse(report)
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={404: _ERRORS[404]})
@@ -313,7 +323,7 @@ def create_server_app(engine: LLMEngine, settings: ServerSettings, enable_metric
     if metrics is not None:
         metrics.update_from_engine(engine)
     async_engine = AsyncEngine(engine, metrics, settings.max_waiting)
-    app = build_app(async_engine, settings, TokenizerWorker(engine.tokenizer.hf))
+    app = build_app(async_engine, settings, TokenizerWorker(engine.tokenizer.hf), metrics)
     app.state.async_engine = async_engine
     if settings.kv_page:
         publisher = KVSnapshotPublisher()
@@ -365,7 +375,7 @@ def create_dp_server_app(
     config: EngineConfig, settings: ServerSettings, num_replicas: int, enable_metrics: bool = True,
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> FastAPI:
-    """An app whose requests ``num_replicas`` engine processes serve (``dp_engine.py``).
+    """An app whose requests ``num_replicas`` engine processes serve (``clients/data_parallel/``).
 
     Nothing is started here: the app's lifespan starts the replicas (and
     stops them). This process loads the tokenizer, not the model.
@@ -374,7 +384,7 @@ def create_dp_server_app(
     """
     metrics = ServerMetrics(settings.model_name) if enable_metrics else None
     dp = DataParallelEngine(config, num_replicas, metrics, settings.max_waiting, settings.kv_page, heartbeat_timeout)
-    app = build_app(dp, settings, TokenizerWorker(dp.engine.tokenizer.hf))
+    app = build_app(dp, settings, TokenizerWorker(dp.engine.tokenizer.hf), metrics)
     app.state.async_engine = dp
     if settings.kv_page:
         add_kv_routes(app, dp.replicas)

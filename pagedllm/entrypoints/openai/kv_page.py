@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from pagedllm.entrypoints.openai.kv_publisher import PublishedSnapshot
+from pagedllm.clients.kv_publisher import PublishedSnapshot
 from pagedllm.entrypoints.openai.protocol import APIError, ErrorResponse
 
 # what /kv/state may answer besides the snapshot, for /openapi.json

@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.engine_client import Prompt
+from pagedllm.engine.protocol import EngineView, Prompt
 from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from pagedllm.sampling_params import SamplingParams, check_text
 
@@ -24,7 +23,7 @@ class PromptEncoder:
     templates render on a worker thread of this process.
     """
 
-    def __init__(self, engine: LLMEngine, worker: TokenizerWorker) -> None:
+    def __init__(self, engine: EngineView, worker: TokenizerWorker) -> None:
         self.engine = engine  # only its configuration and chat template are read here
         self.worker = worker
 

@@ -18,8 +18,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from pagedllm.engine.protocol import EngineClient, RequestStream
 from pagedllm.entrypoints.openai.deltas import DeltaTracker
-from pagedllm.entrypoints.openai.engine_client import AsyncEngine, Submission, to_api_error
+from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -45,7 +46,7 @@ class OpenAIServingChat(OpenAIServing):
     """
 
     def __init__(
-        self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str, tool_call_parser: str = "auto",
+        self, engine_client: EngineClient, prompts: PromptEncoder, model_name: str, tool_call_parser: str = "auto",
         default_max_tokens: int | None = None,
     ) -> None:
         super().__init__(engine_client, prompts, model_name)
@@ -65,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             raise to_api_error(e, "messages") from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        sub = await self.engine_client.add_requests(rid, [encoded], params, "messages")
+        sub = await self.add_requests(rid, [encoded], params, "messages")
         created = int(time.time())
         top_n = req.top_logprobs or 0
         if not req.stream:
@@ -82,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         return sse_response(events, on_close=sub.abort)
 
     def _response(
-        self, header: dict[str, Any], sub: Submission, out: RequestOutput, top_n: int, tools: ToolSpec
+        self, header: dict[str, Any], sub: RequestStream, out: RequestOutput, top_n: int, tools: ToolSpec
     ) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
@@ -101,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
         return {**header, "choices": choices, "usage": usage(sub.prompt_token_counts[0], completion)}
 
     async def _stream(
-        self, sub: Submission, params: SamplingParams, top_n: int, tokens: dict[int, int], tools: ToolSpec
+        self, sub: RequestStream, params: SamplingParams, top_n: int, tokens: dict[int, int], tools: ToolSpec
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk."""
         tracker = DeltaTracker(params)

@@ -16,8 +16,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from pagedllm.engine.protocol import EngineClient, Prompt, RequestStream
 from pagedllm.entrypoints.openai.deltas import DeltaTracker
-from pagedllm.entrypoints.openai.engine_client import AsyncEngine, Prompt, Submission, to_api_error
+from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.logprobs import (
     completion_logprobs,
     join_completion_logprobs,
@@ -43,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """
 
     def __init__(
-        self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str,
+        self, engine_client: EngineClient, prompts: PromptEncoder, model_name: str,
         default_max_tokens: int | None = None,
     ) -> None:
         super().__init__(engine_client, prompts, model_name)
@@ -57,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         encoded = await self._encode(req, params)
         echo = await self._echo_texts(encoded, params) if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = await self.engine_client.add_requests(rid, encoded, params)
+        sub = await self.add_requests(rid, encoded, params, "prompt")
         header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if not req.stream:
             return await self.wait_all(request, sub, lambda outs: self._response(header, sub, outs, params.n, echo))
@@ -89,7 +90,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return echoes
 
     def _response(
-        self, header: dict[str, Any], sub: Submission, outs: list[RequestOutput], n: int,
+        self, header: dict[str, Any], sub: RequestStream, outs: list[RequestOutput], n: int,
         echo: list[_Echo] | None,
     ) -> dict[str, Any]:
         choices = []
@@ -103,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return {**header, "choices": choices, "usage": usage(sum(sub.prompt_token_counts), completion)}
 
     async def _stream(
-        self, sub: Submission, params: SamplingParams, tokens: dict[int, int], echo: list[_Echo] | None
+        self, sub: RequestStream, params: SamplingParams, tokens: dict[int, int], echo: list[_Echo] | None
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk.
 

@@ -11,13 +11,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.entrypoints.openai.engine_client import (
-    AsyncEngine,
+from pagedllm.engine.protocol import (
+    EngineClient,
     EngineDeadError,
     EngineStepError,
-    Submission,
-    engine_failure,
+    Prompt,
+    RequestStream,
 )
+from pagedllm.entrypoints.openai.engine_errors import engine_failure, to_api_error
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import APIError, bad_request
 from pagedllm.entrypoints.openai.sse import watch_disconnect
@@ -31,18 +32,15 @@ class OpenAIServing:
     """Base of the handlers of the generating routes.
 
     Args:
-        engine_client: the engine thread's client.
+        engine_client: the engine client (``engine/protocol.py``): one engine thread or data-parallel replicas.
         prompts: the prompt encoder (tokenizer process, chat template).
         model_name: the name clients use in ``model``.
     """
 
-    def __init__(self, engine_client: AsyncEngine, prompts: PromptEncoder, model_name: str) -> None:
+    def __init__(self, engine_client: EngineClient, prompts: PromptEncoder, model_name: str) -> None:
         self.engine_client = engine_client
         self.prompts = prompts
         self.model_name = model_name
-        metrics = getattr(engine_client, "metrics", None)
-        if metrics is not None:
-            metrics.watch_grammars(engine_client.engine.grammar_compiler)
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model (or None: vLLM's leniency)."""
@@ -77,8 +75,24 @@ class OpenAIServing:
             if watcher is not None:
                 watcher.cancel()
 
+    async def add_requests(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param: str
+    ) -> RequestStream:
+        """Queue the request's prompts on the engine client; what it raises becomes the client's error.
+
+        The engine client knows no HTTP (``engine/protocol.py``): a refusal
+        (too many waiting: 429, too many prompts: 400, stopping: 503) or a
+        prompt the engine rejects (400 naming ``param``) is mapped here.
+        """
+        try:
+            return await self.engine_client.add_requests(request_id, prompts, params)
+        except APIError:
+            raise
+        except Exception as e:
+            raise to_api_error(e, param) from e
+
     async def wait_all(
-        self, request: Request, sub: Submission, make_response: Callable[[list[RequestOutput]], dict[str, Any]]
+        self, request: Request, sub: RequestStream, make_response: Callable[[list[RequestOutput]], dict[str, Any]]
     ) -> JSONResponse:
         """Wait for every prompt of a non-streamed request; abort if the client leaves."""
         watcher = asyncio.create_task(watch_disconnect(request, sub.abort))

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.engine_client import to_api_error
+from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,

@@ -16,12 +16,8 @@ from typing import Any
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 
-from pagedllm.entrypoints.openai.engine_client import (
-    EngineDeadError,
-    EngineStepError,
-    engine_failure,
-    server_error,
-)
+from pagedllm.engine.protocol import EngineDeadError, EngineStepError
+from pagedllm.entrypoints.openai.engine_errors import engine_failure, server_error
 
 logger = logging.getLogger(__name__)
 

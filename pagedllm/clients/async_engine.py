@@ -1,4 +1,6 @@
-"""The engine client: one thread that owns the ``LLMEngine``, fed by the event loop.
+"""The in-process engine client: one thread that owns the ``LLMEngine``, fed by the event loop.
+
+``AsyncEngine`` implements ``engine/protocol.py``'s ``EngineClient``.
 
 Threads: uvicorn's event loop answers HTTP; one engine thread owns the
 ``LLMEngine`` (which is not thread-safe). Handlers never touch the engine:
@@ -25,14 +27,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-import jinja2
-
+from pagedllm.clients.metrics import ServerMetrics
 from pagedllm.distributed.group import DistributedError
-from pagedllm.engine.llm_engine import ContextLengthError, LLMEngine
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import APIError, bad_request
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.protocol import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStepError,
+    Prompt,
+    TooManyPromptsError,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -40,33 +46,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A prompt as the engine queues it: (text or None, token ids).
-Prompt = tuple[str | None, list[int]]
 # seconds a client told 429 is asked to wait before it retries
 RETRY_AFTER_S = 1
-
-
-# --- errors ------------------------------------------------------------------------
-
-
-class EngineStepError(RuntimeError):
-    """The engine step that carried this request failed; the request is lost."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shutdown or a crash)."""
-
-
-def server_error(message: str) -> APIError:
-    """A 500 ``server_error``."""
-    return APIError(500, message, "server_error", "internal_error")
-
-
-def engine_failure(e: EngineStepError | EngineDeadError) -> APIError:
-    """500 for a failed step, 503 for a server that is stopping."""
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), "server_error", "engine_unavailable")
-    return server_error(str(e))
 
 
 class StreamSink(Protocol):
@@ -96,28 +77,25 @@ class _Admitting(Protocol):
     def is_alive(self) -> bool: ...
 
 
-def check_admission(client: _Admitting, num_prompts: int, param: str) -> None:
+def check_admission(client: _Admitting, num_prompts: int) -> None:
     """Refuse a request of ``num_prompts`` prompts now, or let it in (the engine clients share this).
 
-    Raises APIError: 503 while stopping, 400 for more prompts than
-    ``max_waiting`` could ever admit, 429 (with ``Retry-After``) past
-    ``max_waiting`` now.
+    Raises EngineDeadError while stopping, TooManyPromptsError for more
+    prompts than ``max_waiting`` could ever admit, EngineOverloadedError
+    (retry after ``RETRY_AFTER_S``) past ``max_waiting`` now; the server maps
+    them to 503, 400 and 429.
     """
     if client.draining or not client.is_alive:
-        raise APIError(503, "the server is shutting down", "server_error", "engine_unavailable")
+        raise EngineDeadError("the server is shutting down")
     limit = client.max_waiting
     if limit is not None and num_prompts > limit:
-        raise bad_request(
+        raise TooManyPromptsError(
             f"the request has {num_prompts} prompts, more than this server ever queues at once "
-            f"(--max-waiting {limit}); send them in smaller requests", param, "too_many_prompts",
+            f"(--max-waiting {limit}); send them in smaller requests"
         )
     if limit is not None and client.num_waiting + num_prompts > limit:
-        raise APIError(
-            429,
-            f"the server has {client.num_waiting} requests waiting (limit {limit}); retry later",
-            "rate_limit_error",
-            "too_many_waiting_requests",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+        raise EngineOverloadedError(
+            f"the server has {client.num_waiting} requests waiting (limit {limit}); retry later", RETRY_AFTER_S
         )
 
 
@@ -230,10 +208,10 @@ class _Client(SubmissionOwner, _Admitting, Protocol):
     """An engine client as a submission sees it: it admits, counts waiting streams, aborts."""
 
 
-def open_submission(owner: _Client, request_id: str, num_prompts: int, param: str) -> Submission:
+def open_submission(owner: _Client, request_id: str, num_prompts: int) -> Submission:
     """Admit one API request's ``num_prompts`` prompts (``check_admission``: 400 / 429 / 503) and open their
     streams, counted in ``owner.num_waiting`` until each one's first output."""
-    check_admission(owner, num_prompts, param)
+    check_admission(owner, num_prompts)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, owner) for i in range(num_prompts)]
@@ -247,7 +225,7 @@ class AsyncEngine:
         engine: the engine; no other thread may use it once ``start()`` ran.
         metrics: where to record statistics, or None.
         max_waiting: most accepted requests still waiting for their first
-            token; past it ``add_requests`` raises a 429 APIError. None: no limit.
+            token; past it ``add_requests`` raises EngineOverloadedError (a 429). None: no limit.
     """
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, max_waiting: int | None = None) -> None:
@@ -289,6 +267,10 @@ class AsyncEngine:
     def has_work(self) -> bool:
         """Requests in flight or commands queued (read from the event loop; a snapshot)."""
         return bool(self._streams) or bool(self._commands)
+
+    def health_report(self) -> dict[str, Any] | None:
+        """None: one engine thread has no more to say than ``/health``'s status."""
+        return None
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, give those in flight ``timeout`` seconds, then stop.
@@ -339,19 +321,17 @@ class AsyncEngine:
             stream.waiting = False
             self.num_waiting -= 1
 
-    async def add_requests(
-        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param: str = "prompt"
-    ) -> Submission:
+    async def add_requests(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> Submission:
         """Queue one engine request per (text, token ids) prompt, all or none.
 
         The prompts arrive tokenized (off the engine thread); the engine thread
-        only checks and queues them. Raises APIError: 400 for more prompts
-        than ``max_waiting`` could ever admit, 429 (with ``Retry-After``) past
-        ``max_waiting`` now, 400 for a prompt the engine rejects (too long for
-        the context, token ids outside the vocabulary...); ``param`` names the
-        request field that holds the prompt.
+        only checks and queues them. Raises what ``check_admission`` raises
+        (past ``max_waiting``, or stopping), and what the engine raises for a
+        prompt it rejects (``ContextLengthError``, a ValueError for token ids
+        outside the vocabulary...); the server maps them to its answers
+        (``entrypoints/openai/engine_errors.py``).
         """
-        sub = open_submission(self, request_id, len(prompts), param)
+        sub = open_submission(self, request_id, len(prompts))
         streams = sub.streams
 
         try:
@@ -365,8 +345,7 @@ class AsyncEngine:
             if isinstance(e, asyncio.CancelledError):
                 # the add may have run already: take the requests back out
                 self.abort([s.request_id for s in streams])
-                raise
-            raise to_api_error(e, param) from e
+            raise
         return sub
 
     def submit_add(
@@ -471,24 +450,3 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             stream.put(out)
         return bool(outputs) or engine.last_step_scheduled
-
-
-# sampling fields checked against the vocabulary and tokenizer when the engine adds the request;
-# their errors start with the field's name
-_ENGINE_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
-
-
-def to_api_error(e: BaseException, param: str | None = None) -> APIError:
-    """Map what adding a request (or tokenizing) can raise to the client's error."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, ContextLengthError):
-        return bad_request(str(e), param, "context_length_exceeded")
-    if isinstance(e, ValueError) and str(e).split(" ", 1)[0] in _ENGINE_CHECKED_FIELDS:
-        return bad_request(str(e), str(e).split(" ", 1)[0])
-    if isinstance(e, (ValueError, jinja2.TemplateError)):
-        return bad_request(str(e), param)
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), "server_error", "engine_unavailable")
-    logger.error("request failed: %r", e)
-    return server_error(f"the request failed: {type(e).__name__}: {e}")

@@ -1,9 +1,11 @@
 """``pagedllm serve --data-parallel-size N``: N engine processes behind one API server.
 
 ``DataParallelEngine`` stands where the one-engine server's ``AsyncEngine``
-stands, with the same interface for the handlers (``add_requests``,
-``abort``, ``drain``, ``is_alive``, ``engine`` for the configuration and
-tokenizer), so the routes do not know how many engines serve them::
+stands: both implement ``engine/protocol.py``'s ``EngineClient``
+(``add_requests``, ``abort``, ``drain``, ``is_alive``, ``engine`` for the
+configuration and tokenizer), so the routes do not know how many engines
+serve them. An engine client, not server code: it imports nothing of
+``entrypoints/``, and raises the protocol's errors, which the server maps::
 
     handlers --add_requests--> PrefixRouter (prompt block hashes, loads) --> ReplicaClient k
                                                                                | pipe
@@ -18,6 +20,10 @@ A replica that sends nothing, heartbeats included, for ``heartbeat_timeout``
 seconds is marked down (``replica_up`` 0, ``/health`` says so), killed and
 started again; its requests that had no output yet are routed again here
 (``_on_lost``), the others fail (``replica_client.py`` says why).
+
+The package: ``client.py`` (this module), ``prefix_router.py`` (which replica
+gets a request), ``replica_client.py`` (this process's end of a replica),
+``replica.py`` (the replica process), ``metrics.py`` (per-replica Prometheus figures).
 """
 
 from __future__ import annotations
@@ -30,26 +36,19 @@ import threading
 import time
 from typing import Any
 
-from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.openai.dp_metrics import ReplicaMetrics
-from pagedllm.entrypoints.openai.engine_client import (
-    EngineDeadError,
-    EngineStepError,
-    Prompt,
-    Submission,
-    _RequestStream,
-    open_submission,
-    to_api_error,
-)
-from pagedllm.entrypoints.openai.metrics import EngineStats, ServerMetrics
-from pagedllm.entrypoints.openai.prefix_router import PrefixRouter
-from pagedllm.entrypoints.openai.replica_client import (
+from pagedllm.clients.async_engine import Submission, _RequestStream, open_submission
+from pagedllm.clients.data_parallel.metrics import ReplicaMetrics
+from pagedllm.clients.data_parallel.prefix_router import PrefixRouter
+from pagedllm.clients.data_parallel.replica_client import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     LostRequests,
     ReplicaClient,
     ReplicaEvents,
 )
+from pagedllm.clients.metrics import EngineStats, ServerMetrics
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt
 from pagedllm.loader import load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.runner.structured_output import GrammarCompiler
@@ -252,14 +251,12 @@ class DataParallelEngine:
         """Per replica its unfinished requests; None for one that does not serve now."""
         return [r.num_unfinished if r.alive else None for r in self.replicas]
 
-    async def add_requests(
-        self, request_id: str, prompts: list[Prompt], params: SamplingParams, param: str = "prompt"
-    ) -> Submission:
+    async def add_requests(self, request_id: str, prompts: list[Prompt], params: SamplingParams) -> Submission:
         """Route the request (all its prompts, all their samples) to one replica and queue it there.
 
-        Errors as ``AsyncEngine.add_requests``; 503 when no replica serves.
+        Errors as ``AsyncEngine.add_requests``; EngineDeadError (a 503) when no replica serves.
         """
-        sub = open_submission(self, request_id, len(prompts), param)
+        sub = open_submission(self, request_id, len(prompts))
         streams = sub.streams
         hashes = [self.router.prompt_hashes(ids) for _, ids in prompts]
         try:
@@ -270,8 +267,7 @@ class DataParallelEngine:
                 self.release_waiting(s)
             if isinstance(e, asyncio.CancelledError):
                 self.abort([s.request_id for s in streams])  # the add may have run already
-                raise
-            raise to_api_error(e, param) from e
+            raise
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(sum(counts))
         sub.prompt_token_counts = counts

@@ -20,7 +20,7 @@ import threading
 
 from prometheus_client import Counter, Gauge
 
-from pagedllm.entrypoints.openai.metrics import EngineStats, ServerMetrics
+from pagedllm.clients.metrics import EngineStats, ServerMetrics
 
 # (EngineStats field, metric suffix, help) of the counters mirrored per replica
 _COUNTERS = (

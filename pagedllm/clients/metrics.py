@@ -1,4 +1,4 @@
-"""Prometheus metrics of the OpenAI-compatible server.
+"""Prometheus metrics of the OpenAI-compatible server, recorded by its engine client (``AsyncEngine`` or the data-parallel one).
 
 Every metric lives in the server's own ``CollectorRegistry`` (one per app),
 never in prometheus-client's global default registry, so two servers in one

@@ -47,10 +47,11 @@ from array import array
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedllm.clients.async_engine import AsyncEngine
+from pagedllm.clients.kv_publisher import KVSnapshotPublisher
+from pagedllm.clients.metrics import ServerMetrics, engine_stats
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.openai.engine_client import AsyncEngine, EngineDeadError
-from pagedllm.entrypoints.openai.kv_publisher import KVSnapshotPublisher
-from pagedllm.entrypoints.openai.metrics import ServerMetrics, engine_stats
+from pagedllm.engine.protocol import EngineDeadError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

@@ -38,16 +38,12 @@ from typing import Any
 
 import torch.multiprocessing as tmp
 
+from pagedllm.clients.async_engine import StreamSink
+from pagedllm.clients.data_parallel.replica import run_replica
+from pagedllm.clients.kv_publisher import PublishedSnapshot
+from pagedllm.clients.metrics import EngineStats, ServerMetrics
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.openai.engine_client import (
-    EngineDeadError,
-    EngineStepError,
-    Prompt,
-    StreamSink,
-)
-from pagedllm.entrypoints.openai.kv_publisher import PublishedSnapshot
-from pagedllm.entrypoints.openai.metrics import EngineStats, ServerMetrics
-from pagedllm.entrypoints.openai.replica import run_replica
+from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

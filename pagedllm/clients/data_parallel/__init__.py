@@ -1,0 +1,1 @@
+"""``--data-parallel-size N``: N engine processes behind one engine client (``client.DataParallelEngine``)."""
