@@ -4,7 +4,9 @@ The kernels are C++ files with OpenMP and no torch headers:
 ``paged_decode.cpp`` (decode attention reading KV blocks in place, from a
 float32, float16 or bfloat16 cache),
 ``gguf_linear.cpp`` (matmuls and row lookups over quantized blocks: GGUF's,
-and the grouped int8 / int4 of weights quantized at load),
+and the grouped int8 / int4 of weights quantized at load), ``gguf_x16_repack.cpp``
+and ``gguf_x16_matmul.cpp`` (those blocks interleaved 16 channels at a time at
+load, ``gguf_x16.h``, and their int8 matmuls),
 ``packed_linear.cpp`` (float32 matmul over weights packed into column panels),
 ``packed_linear_bf16.cpp`` (the same with bfloat16 weights and products, float32 in and out),
 ``logit_stats.cpp`` (per-row argmax and logsumexp of the logits),
@@ -16,7 +18,9 @@ and ``step_nodes.cpp`` (runs kernel calls recorded as plain "nodes" in one
 OpenMP parallel region), with the shared headers ``paged_attention.h``
 (with ``paged_attention_kv.h``, instantiated once per cache dtype),
 ``gguf_blocks.h``, ``panel_f32.h``, ``panel_bf16.h``, ``kv_rows.h`` and ``elementwise.h``; the two panel
-matmuls share ``panel_units.h``. The decode-path kernels are team functions
+matmuls share ``panel_units.h``. Every SIMD intrinsic is in ``simd.h``, the
+vector layer (one section per ISA: ``simd_avx512.h``, ``simd_avx2.h``,
+``simd_scalar.h``). The decode-path kernels are team functions
 (orphaned ``omp for`` loops, ``step_nodes.h``): an eager op runs one node, a
 recorded decode step (``torch.classes.pagedllm.StepProgram``,
 ``step_program.h``) runs all of its nodes in one region. ``kernels.h`` and

@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec_math.h"
+#include "simd.h"
 
 /* y = w * (x / sqrt(mean(x^2) + eps)) for one row of n; y may be x */
 static inline void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
@@ -44,12 +44,12 @@ static inline void qk_norm_rope_row(float *row, int64_t num_q_heads, int64_t num
 /* out[c] = silu(gate[c]) * up[c] = gate[c] / (1 + exp(-gate[c])) * up[c] */
 static inline void silu_mul_row(const float *gate, const float *up, float *out, int64_t n) {
     int64_t c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 one = _mm256_set1_ps(1.0f);
+#if SIMD_F32X8
+    const f32x8 one = f32x8_set1(1.0f);
     for (; c + 8 <= n; c += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + c);
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + c)));
+        const f32x8 g = f32x8_load(gate + c);
+        const f32x8 e = f32x8_exp(f32x8_sub(f32x8_zero(), g));
+        f32x8_store(out + c, f32x8_mul(f32x8_div(g, f32x8_add(one, e)), f32x8_load(up + c)));
     }
 #endif
     for (; c < n; c++) out[c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];

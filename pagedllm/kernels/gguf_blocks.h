@@ -50,10 +50,11 @@
 #ifndef PAGEDLLM_GGUF_BLOCKS_H
 #define PAGEDLLM_GGUF_BLOCKS_H
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 enum GgufType {
     GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q2_K = 10, GGUF_Q3_K = 11,
@@ -123,28 +124,7 @@ static inline int64_t gguf_block_weights(int type) {
 static inline float gguf_half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    /* IEEE half -> float by hand (scalar builds without F16C) */
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else { /* subnormal half: normalise */
-        int e = -1;
-        uint32_t m = mant;
-        do { m <<= 1; e++; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
+    return simd_f16_to_f32(h);
 }
 
 /* whether a 32-weight type's blocks carry a min m after d (Q4_1, Q5_1) */
@@ -307,45 +287,30 @@ static inline void gguf_q3_k_block(const uint8_t *blk, float *w) {
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if SIMD_F32X8
 #define GGUF_VECTOR 1
-/* 16 bits as 16 bytes, 16 where bit i is set (a Q5 block's fifth bits, bit i for byte i) */
-static inline __m128i gguf_bits_to_16s(uint32_t bits) {
-    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits),
-                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    const __m128i mask = _mm_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, mask), mask), _mm_set1_epi8(0x10));
-}
 /* the 32 weights of one block as four 8-lane vectors: w[0] = weights 0..7, ... w[3] = 24..31 */
-static inline __attribute__((always_inline)) void gguf_block_vec(int type, const uint8_t *blk, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(gguf_half(blk));
+static inline __attribute__((always_inline)) void gguf_block_vec(int type, const uint8_t *blk, f32x8 w[4]) {
+    const f32x8 d = f32x8_set1(gguf_half(blk));
     if (type == GGUF_Q8_0) {
         for (int c = 0; c < 4; c++) {
-            const __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * c));
-            w[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+            w[c] = f32x8_mul(d, f32x8_load_i8(blk + 2 + 8 * c));
         }
         return;
     }
-    const __m256 m = _mm256_set1_ps(gguf_block_min(type, blk, gguf_half(blk)));
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + gguf_quants_at(type)));
-    __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));                      /* weights 0..15 */
-    __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));  /* weights 16..31 */
+    const f32x8 m = f32x8_set1(gguf_block_min(type, blk, gguf_half(blk)));
+    const u8x16 bytes = u8x16_load(blk + gguf_quants_at(type));
+    u8x16 low = u8x16_nib_lo(bytes);   /* weights 0..15 */
+    u8x16 high = u8x16_nib_hi(bytes);  /* weights 16..31 */
     if (type == GGUF_Q5_0 || type == GGUF_Q5_1) {
         const uint32_t qh = gguf_q5_high(type, blk);
-        low = _mm_or_si128(low, gguf_bits_to_16s(qh & 0xffff));
-        high = _mm_or_si128(high, gguf_bits_to_16s(qh >> 16));
+        low = u8x16_or(low, u8x16_bits_to_16s(qh & 0xffff));
+        high = u8x16_or(high, u8x16_bits_to_16s(qh >> 16));
     }
-    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-    for (int c = 0; c < 4; c++)
-        w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[c])), d, m);
+    const u8x16 parts[4] = {low, u8x16_upper8(low), high, u8x16_upper8(high)};
+    for (int c = 0; c < 4; c++) w[c] = f32x8_fma(f32x8_from_u8(parts[c]), d, m);
 }
 
-static inline float gguf_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 /* the k weights of one row of `type` (k a multiple of GGUF_BLOCK, and of 256 for the k-quants) */
@@ -379,9 +344,9 @@ static inline void gguf_row(int type, const uint8_t *row, int64_t k, float *out)
     const int64_t block_bytes = gguf_block_bytes(type);
     for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
 #ifdef GGUF_VECTOR
-        __m256 wv[4];
+        f32x8 wv[4];
         gguf_block_vec(type, row + b * block_bytes, wv);
-        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + b * GGUF_BLOCK + 8 * i, wv[i]);
+        for (int i = 0; i < 4; i++) f32x8_store(out + b * GGUF_BLOCK + 8 * i, wv[i]);
 #else
         gguf_block_scalar(type, row + b * block_bytes, out + b * GGUF_BLOCK);
 #endif

@@ -32,33 +32,16 @@
 #include "gguf_x16.h"
 #include "step_nodes.h"
 
-#if defined(__AVX512F__)
+/* strips and tiles per ISA; V: lanes of the build's widest float vector (simd.h), where it has one */
+#if SIMD_F32_WIDTH == 16
 #define STRIP 4
 #define TILE_M 6
-#define V 16
-typedef __m512 gvec;
-#define GLOAD(p) _mm512_loadu_ps(p)
-#define GFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define GZERO() _mm512_setzero_ps()
-#define GSUM(v) _mm512_reduce_add_ps(v)
-#define GMUL(a, b) _mm512_mul_ps(a, b)
-#define GSET1(x) _mm512_set1_ps(x)
-#define GSTORE(p, v) _mm512_storeu_ps(p, v)
-#elif defined(GGUF_VECTOR)
-#define STRIP 3
-#define TILE_M 4
-#define V 8
-typedef __m256 gvec;
-#define GLOAD(p) _mm256_loadu_ps(p)
-#define GFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define GZERO() _mm256_setzero_ps()
-#define GSUM(v) gguf_hsum(v)
-#define GMUL(a, b) _mm256_mul_ps(a, b)
-#define GSET1(x) _mm256_set1_ps(x)
-#define GSTORE(p, v) _mm256_storeu_ps(p, v)
 #else
 #define STRIP 3
 #define TILE_M 4
+#endif
+#if SIMD_F32_WIDTH
+#define V SIMD_F32_WIDTH
 #endif
 
 /* activations per block of rows: TILE_M-row tiles re-read it once per strip, so it should stay in L2 */
@@ -72,29 +55,28 @@ static inline int64_t blocks_row_bytes(int type, int64_t k, int64_t group) {
 
 #ifdef V
 /* 32 int8 quants (signed) as V-lane float vectors: q[0] = quants 0.. */
-static inline __attribute__((always_inline)) void quants_i8(const uint8_t *qs, gvec *q) {
+static inline __attribute__((always_inline)) void quants_i8(const uint8_t *qs, vf32 *q) {
 #if V == 16
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+    q[0] = f32x16_load_i8(qs);
+    q[1] = f32x16_load_i8(qs + 16);
 #else
-    for (int i = 0; i < 4; i++)
-        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i))));
+    for (int i = 0; i < 4; i++) q[i] = f32x8_load_i8(qs + 8 * i);
 #endif
 }
 
 /* 32 4-bit quants (16 bytes: byte j = q[j] | q[j + 16] << 4) as V-lane float vectors */
-static inline __attribute__((always_inline)) void quants_u4(const uint8_t *qs, gvec *q) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));                      /* weights 0..15 */
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0f));  /* weights 16..31 */
+static inline __attribute__((always_inline)) void quants_u4(const uint8_t *qs, vf32 *q) {
+    const u8x16 bytes = u8x16_load(qs);
+    const u8x16 low = u8x16_nib_lo(bytes);   /* weights 0..15 */
+    const u8x16 high = u8x16_nib_hi(bytes);  /* weights 16..31 */
 #if V == 16
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
+    q[0] = f32x16_from_u8(low);
+    q[1] = f32x16_from_u8(high);
 #else
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+    q[0] = f32x8_from_u8(low);
+    q[1] = f32x8_from_u8(u8x16_upper8(low));
+    q[2] = f32x8_from_u8(high);
+    q[3] = f32x8_from_u8(u8x16_upper8(high));
 #endif
 }
 
@@ -102,17 +84,17 @@ static inline __attribute__((always_inline)) void quants_u4(const uint8_t *qs, g
    or on AVX-512 the 16 values its quants stand for, b[q] = fma(q, scale, min), which vpermps looks up by
    each lane's low 4 bits: two lookups per run in place of two conversions and two fmas. */
 typedef struct {
-    gvec a, b;
+    vf32 a, b;
 } group_coef;
 
 static inline __attribute__((always_inline)) group_coef group_coefs(int type, const uint8_t *blk) {
     float d, m = 0.0f;
     memcpy(&d, blk, 4);
     if (type == GROUP_I4) memcpy(&m, blk + 4, 4);
-    group_coef g = {GSET1(d), GSET1(m)};
+    group_coef g = {vf32_set1(d), vf32_set1(m)};
 #if V == 16
     if (type == GROUP_I4)
-        g.b = GFMA(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), g.a, g.b);
+        g.b = vf32_fma(f32x16_iota(), g.a, g.b);
 #endif
     return g;
 }
@@ -120,20 +102,18 @@ static inline __attribute__((always_inline)) group_coef group_coefs(int type, co
 /* weights 32r..32r+32 of one group of a grouped type as V-lane vectors: the values group_block_scalar
    gives, one rounding each */
 static inline __attribute__((always_inline)) void group_run(int type, const uint8_t *blk, int64_t r, group_coef g,
-                                                            gvec *w) {
+                                                            vf32 *w) {
     constexpr int NQ = GGUF_BLOCK / V;
     if (type == GROUP_I8) {
         quants_i8(blk + 4 + 32 * r, w);
-        for (int i = 0; i < NQ; i++) w[i] = GMUL(w[i], g.a);
+        for (int i = 0; i < NQ; i++) w[i] = vf32_mul(w[i], g.a);
         return;
     }
 #if V == 16
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8 + 16 * r)));  // lane j: byte j
-    w[0] = _mm512_permutexvar_ps(bytes, g.b);                        // low nibbles: weights 0..15
-    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), g.b);  // high nibbles: weights 16..31
+    f32x16_lookup_u4(blk + 8 + 16 * r, g.b, w);  // low nibbles: weights 0..15, high nibbles: 16..31
 #else
     quants_u4(blk + 8 + 16 * r, w);
-    for (int i = 0; i < NQ; i++) w[i] = GFMA(w[i], g.a, g.b);
+    for (int i = 0; i < NQ; i++) w[i] = vf32_fma(w[i], g.a, g.b);
 #endif
 }
 #endif
@@ -146,9 +126,9 @@ static void group_row(int type, const uint8_t *row, int64_t k, int64_t group, fl
 #ifdef V
         const group_coef g = group_coefs(type, blk);
         for (int64_t r = 0; r < group / GGUF_BLOCK; r++) {
-            gvec w[GGUF_BLOCK / V];
+            vf32 w[GGUF_BLOCK / V];
             group_run(type, blk, r, g, w);
-            for (int i = 0; i < GGUF_BLOCK / V; i++) GSTORE(out + b * group + r * GGUF_BLOCK + i * V, w[i]);
+            for (int i = 0; i < GGUF_BLOCK / V; i++) vf32_store(out + b * group + r * GGUF_BLOCK + i * V, w[i]);
         }
 #else
         group_block_scalar(type, blk, group, out + b * group);
@@ -176,19 +156,19 @@ template <int MR, int NR>
 static inline __attribute__((always_inline)) void strip_tile(const float *x, int64_t k, const float *buf,
                                                              const float *bias, float *y, int64_t ldy) {
 #ifdef V
-    gvec acc[MR][NR];
+    vf32 acc[MR][NR];
     for (int r = 0; r < MR; r++)
-        for (int c = 0; c < NR; c++) acc[r][c] = GZERO();
+        for (int c = 0; c < NR; c++) acc[r][c] = vf32_zero();
     for (int64_t kk = 0; kk < k; kk += V) {
-        gvec w[NR];
-        for (int c = 0; c < NR; c++) w[c] = GLOAD(buf + c * k + kk);
+        vf32 w[NR];
+        for (int c = 0; c < NR; c++) w[c] = vf32_load(buf + c * k + kk);
         for (int r = 0; r < MR; r++) {
-            const gvec xv = GLOAD(x + r * k + kk);
-            for (int c = 0; c < NR; c++) acc[r][c] = GFMA(w[c], xv, acc[r][c]);
+            const vf32 xv = vf32_load(x + r * k + kk);
+            for (int c = 0; c < NR; c++) acc[r][c] = vf32_fma(w[c], xv, acc[r][c]);
         }
     }
     for (int r = 0; r < MR; r++)
-        for (int c = 0; c < NR; c++) y[r * ldy + c] = GSUM(acc[r][c]) + (bias ? bias[c] : 0.0f);
+        for (int c = 0; c < NR; c++) y[r * ldy + c] = vf32_hsum(acc[r][c]) + (bias ? bias[c] : 0.0f);
 #else
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < NR; c++) {
@@ -219,7 +199,7 @@ static void strip_rows(const float *x, int64_t m, int64_t k, const float *buf, c
 
 #ifdef V
 /* The 32 quants of a block as V-lane float vectors (integers, not yet scaled): q[0] = quants 0.. */
-static inline __attribute__((always_inline)) void block_quants(int type, const uint8_t *blk, gvec *q) {
+static inline __attribute__((always_inline)) void block_quants(int type, const uint8_t *blk, vf32 *q) {
     if (type == GGUF_Q8_0)
         quants_i8(blk + 2, q);
     else
@@ -240,28 +220,28 @@ static inline __attribute__((always_inline)) void direct_row(const float *x, con
                                                              const float *bias, float *y) {
     constexpr int NQ = GGUF_BLOCK / V;
     const int64_t block_bytes = gguf_block_bytes(type);
-    gvec acc[NR];
+    vf32 acc[NR];
     float msum[NR];
-    for (int c = 0; c < NR; c++) acc[c] = GZERO(), msum[c] = 0.0f;
+    for (int c = 0; c < NR; c++) acc[c] = vf32_zero(), msum[c] = 0.0f;
     for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
-        gvec xv[NQ];
-        for (int i = 0; i < NQ; i++) xv[i] = GLOAD(x + b * GGUF_BLOCK + i * V);
+        vf32 xv[NQ];
+        for (int i = 0; i < NQ; i++) xv[i] = vf32_load(x + b * GGUF_BLOCK + i * V);
         for (int c = 0; c < NR; c++) {
             const uint8_t *blk = w + c * row_bytes + b * block_bytes;
             // NR rows are read side by side, a block (18-34 bytes) at a time: ask for each row's
             // bytes a few cache lines ahead, as the hardware prefetchers follow so many streams late
-            _mm_prefetch((const char *)blk + 6 * 64, _MM_HINT_T0);
+            simd_prefetch_l1((const char *)blk + 6 * 64);
             const float d = gguf_half(blk);
-            gvec q[NQ];
+            vf32 q[NQ];
             block_quants(type, blk, q);
-            gvec part = GMUL(q[0], xv[0]);
-            for (int i = 1; i < NQ; i++) part = GFMA(q[i], xv[i], part);
-            acc[c] = GFMA(part, GSET1(d), acc[c]);
+            vf32 part = vf32_mul(q[0], xv[0]);
+            for (int i = 1; i < NQ; i++) part = vf32_fma(q[i], xv[i], part);
+            acc[c] = vf32_fma(part, vf32_set1(d), acc[c]);
             const float m = type == GGUF_Q4_1 ? gguf_half(blk + 2) : (type == GGUF_Q4_0 ? -8.0f * d : 0.0f);
             msum[c] += m * sx[b];
         }
     }
-    for (int c = 0; c < NR; c++) y[c] = GSUM(acc[c]) + msum[c] + (bias ? bias[c] : 0.0f);
+    for (int c = 0; c < NR; c++) y[c] = vf32_hsum(acc[c]) + msum[c] + (bias ? bias[c] : 0.0f);
 }
 
 /* One row against a strip of NR channels of a grouped type. Each weight is dequantized in registers by
@@ -273,28 +253,28 @@ static inline __attribute__((always_inline)) void group_direct_row(const float *
                                                                    const float *bias, float *y) {
     constexpr int NQ = GGUF_BLOCK / V;
     const int64_t block_bytes = group_block_bytes(type, group), run_bytes = type == GROUP_I8 ? 32 : 16;
-    gvec acc[NR];
-    for (int c = 0; c < NR; c++) acc[c] = GZERO();
+    vf32 acc[NR];
+    for (int c = 0; c < NR; c++) acc[c] = vf32_zero();
     for (int64_t b = 0; b < k / group; b++) {
         group_coef g[NR];
         for (int c = 0; c < NR; c++) g[c] = group_coefs(type, w + c * row_bytes + b * block_bytes);
         for (int64_t r = 0; r < group / GGUF_BLOCK; r++) {
-            gvec xv[NQ];
-            for (int i = 0; i < NQ; i++) xv[i] = GLOAD(x + b * group + r * GGUF_BLOCK + i * V);
+            vf32 xv[NQ];
+            for (int i = 0; i < NQ; i++) xv[i] = vf32_load(x + b * group + r * GGUF_BLOCK + i * V);
             for (int c = 0; c < NR; c++) {
                 const uint8_t *blk = w + c * row_bytes + b * block_bytes;
                 // NR rows read side by side, each asked for ahead of use: int4 a strip ahead (the same
                 // bytes of the thread's next strip), int8 six lines ahead, the distances that ran fastest
                 // from memory on the Zen 5 here (int8 lost a third a strip ahead, int4 a fifth 6 lines ahead)
-                _mm_prefetch((const char *)blk + run_bytes * r + (type == GROUP_I8 ? 6 * 64 : NR * row_bytes),
-                             _MM_HINT_T0);
-                gvec wv[NQ];
+                simd_prefetch_l1((const char *)blk + run_bytes * r +
+                                 (type == GROUP_I8 ? 6 * 64 : NR * row_bytes));
+                vf32 wv[NQ];
                 group_run(type, blk, r, g[c], wv);
-                for (int i = 0; i < NQ; i++) acc[c] = GFMA(wv[i], xv[i], acc[c]);
+                for (int i = 0; i < NQ; i++) acc[c] = vf32_fma(wv[i], xv[i], acc[c]);
             }
         }
     }
-    for (int c = 0; c < NR; c++) y[c] = GSUM(acc[c]) + (bias ? bias[c] : 0.0f);
+    for (int c = 0; c < NR; c++) y[c] = vf32_hsum(acc[c]) + (bias ? bias[c] : 0.0f);
 }
 #endif
 
@@ -401,7 +381,7 @@ static void strip_team(const LinearNode *n, int64_t row_bytes, int64_t row0, int
 }
 
 void gguf_linear_team(const LinearNode *n, int *failed) {
-    if (is_x16_type(n->weight_type)) {  // 8-bit activations, integer dot products (gguf_x16.cpp)
+    if (is_x16_type(n->weight_type)) {  // 8-bit activations, integer dot products (gguf_x16_matmul.cpp)
         gguf_x16_linear_team(n);
         return;
     }

@@ -93,6 +93,28 @@
 #include "gguf_blocks.h"
 #include "step_nodes.h"
 
+/* ---- offsets in the layout above, shared by the repacking (gguf_x16_repack.cpp) and the matmuls
+   (gguf_x16_matmul.cpp) ---- */
+
+/* bytes of a tile block's scales (and mins) ahead of its chunks */
+static inline int tile_head_bytes(int type) { return gguf_has_min(type) ? 64 : 32; }
+
+/* offsets in a tile super-block: run j's low 4 bits (4 chunks of 64 B), then the bits above them,
+   runs back to back after the headers (one stream of loads) */
+static inline int kq_run_bytes(int type) { return type == GGUF_Q6_K ? 384 : (type == GGUF_Q5_K ? 320 : 256); }
+static inline int kq_qs_offset(int type, int j) { return (type == GGUF_Q6_K ? 288 : 256) + kq_run_bytes(type) * j; }
+static inline int kq_qh_offset(int type, int j) { return kq_qs_offset(type, j) + 256; }
+
+/* offsets in a tile super-block of Q2_K / Q3_K: run j's two vectors of 2-bit quants, then (Q3_K)
+   its vector of high bits */
+static inline int lk_run_bytes(int type) { return type == GGUF_Q3_K ? 192 : 128; }
+static inline int lk_run_offset(int type, int j) { return (type == GGUF_Q3_K ? 224 : 320) + lk_run_bytes(type) * j; }
+
+/* offsets in a tile group of GROUP_I8 / GROUP_I4: the scales (and mins), then run j */
+static inline int64_t group_head_bytes(int type) { return type == GROUP_I4 ? 128 : 64; }
+static inline int64_t group_run_bytes(int type) { return type == GROUP_I8 ? 512 : 256; }
+
+/* ---- entry points ---- */
 
 /* bytes the team needs in LinearNode.scratch for `rows` rows of `in_features` inputs: the rows in int8,
    then each block's dx (float32), sx (int32) and sum of its first 16 quants (int32) */
@@ -107,6 +129,7 @@ void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t
    types of `group` weights, blocks_row) gives for the row's blocks in their own order */
 void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, int64_t group, float *out);
 
-/* y = x W^T (+ bias) over an x16 weight (a team function, step_nodes.h); needs n->scratch */
+/* y = x W^T (+ bias) over an x16 weight (a team function, step_nodes.h); needs n->scratch. This and
+   gguf_x16_scratch_bytes are gguf_x16_matmul.cpp; the interleave and the row read back, gguf_x16_repack.cpp */
 void gguf_x16_linear_team(const LinearNode *n);
 #endif

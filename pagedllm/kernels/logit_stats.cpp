@@ -15,29 +15,29 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "vec_math.h"
+#include "simd.h"
 
 static void row_stats(const float *x, int64_t n, int64_t *argmax, float *lse) {
     float best = -INFINITY;
     int64_t best_i = 0;
     int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if SIMD_F32X8
     /* lane-wise running max and the index where each lane found it */
-    __m256 vbest = _mm256_set1_ps(-INFINITY);
-    __m256i vidx = _mm256_setzero_si256();
-    __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i step = _mm256_set1_epi32(8);
+    f32x8 vbest = f32x8_set1(-INFINITY);
+    i32x8 vidx = i32x8_zero();
+    i32x8 cur = i32x8_iota();
+    const i32x8 step = i32x8_set1(8);
     for (; i + 8 <= n && n < INT32_MAX; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256 gt = _mm256_cmp_ps(v, vbest, _CMP_GT_OQ); /* strict: a lane keeps its first max */
-        vbest = _mm256_blendv_ps(vbest, v, gt);
-        vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
-        cur = _mm256_add_epi32(cur, step);
+        f32x8 v = f32x8_load(x + i);
+        f32x8 gt = f32x8_gt(v, vbest); /* strict: a lane keeps its first max */
+        vbest = f32x8_select(vbest, v, gt);
+        vidx = i32x8_select(vidx, cur, gt);
+        cur = i32x8_add(cur, step);
     }
     float lane_best[8];
     int32_t lane_idx[8];
-    _mm256_storeu_ps(lane_best, vbest);
-    _mm256_storeu_si256((__m256i *)lane_idx, vidx);
+    f32x8_store(lane_best, vbest);
+    i32x8_store(lane_idx, vidx);
     for (int l = 0; l < 8; l++)
         if (lane_best[l] > best || (lane_best[l] == best && lane_idx[l] < best_i)) {
             best = lane_best[l];
@@ -61,15 +61,15 @@ static void row_stats(const float *x, int64_t n, int64_t *argmax, float *lse) {
     }
     double sum = 0.0;
     i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 vmax = _mm256_set1_ps(best);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+#if SIMD_F32X8
+    const f32x8 vmax = f32x8_set1(best);
+    f32x8 acc0 = f32x8_zero(), acc1 = f32x8_zero();
     for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_add_ps(acc0, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax)));
-        acc1 = _mm256_add_ps(acc1, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vmax)));
+        acc0 = f32x8_add(acc0, f32x8_exp(f32x8_sub(f32x8_load(x + i), vmax)));
+        acc1 = f32x8_add(acc1, f32x8_exp(f32x8_sub(f32x8_load(x + i + 8), vmax)));
     }
     float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+    f32x8_store(lanes, f32x8_add(acc0, acc1));
     for (int l = 0; l < 8; l++) sum += lanes[l];
 #endif
     for (; i < n; i++) sum += expf(x[i] - best);

@@ -14,7 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include "vec_math.h"
+#include "simd.h"
 
 static inline float dot(const float *a, const float *b, int n) {
     float s = 0.0f;
@@ -40,15 +40,16 @@ static inline float exp_row(float *s, int64_t n) {
     for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
     float sum = 0.0f;
     int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 vsum = _mm256_setzero_ps();
+#if SIMD_F32X8
+    /* 8 lanes on AVX-512 builds too: the order of the sum is part of the results */
+    const f32x8 vm = f32x8_set1(m);
+    f32x8 vsum = f32x8_zero();
     for (; t + 8 <= n; t += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
-        _mm256_storeu_ps(s + t, e);
-        vsum = _mm256_add_ps(vsum, e);
+        const f32x8 e = f32x8_exp(f32x8_sub(f32x8_load(s + t), vm));
+        f32x8_store(s + t, e);
+        vsum = f32x8_add(vsum, e);
     }
-    sum = _mm_cvtss_f32(hsum4x8(vsum, vsum, vsum, vsum));
+    sum = f32x4_first(f32x8_hsum4(vsum, vsum, vsum, vsum));
 #endif
     for (; t < n; t++) {
         s[t] = expf(s[t] - m);
@@ -81,7 +82,7 @@ static inline float bf16_bits_to_f32(uint16_t h) {
     return f;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if SIMD_F32X8
 #define PA_VECTOR 1
 #define KV_STREAMS 4 /* blocks read side by side (see attend_vec) */
 #else
@@ -92,8 +93,8 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 #define KV_T float
 #define KV_VECTOR PA_VECTOR
 #define KV_LOAD1(p) (*(p))
-#define KV_LOAD8(p) _mm256_loadu_ps(p)
-#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#define KV_LOAD8(p) f32x8_load(p)
+#define KV_LOAD16(p) f32x16_load(p)
 #include "paged_attention_kv.h"
 #undef KV_NAME
 #undef KV_T
@@ -110,8 +111,8 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 #define KV_VECTOR 0
 #endif
 #define KV_LOAD1(p) f16_bits_to_f32(*(p))
-#define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define KV_LOAD8(p) f32x8_load_f16(p)
+#define KV_LOAD16(p) f32x16_load_f16(p)
 #include "paged_attention_kv.h"
 #undef KV_NAME
 #undef KV_T
@@ -124,9 +125,8 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 #define KV_T uint16_t
 #define KV_VECTOR PA_VECTOR
 #define KV_LOAD1(p) bf16_bits_to_f32(*(p))
-#define KV_LOAD8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define KV_LOAD16(p) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define KV_LOAD8(p) f32x8_load_bf16(p)
+#define KV_LOAD16(p) f32x16_load_bf16(p)
 #include "paged_attention_kv.h"
 #undef KV_NAME
 #undef KV_T

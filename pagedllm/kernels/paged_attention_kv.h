@@ -5,8 +5,8 @@
  *   KV_T          the cache's element type (float, or uint16_t bits)
  *   KV_NAME(f)    f with the type's suffix: attend_f32, attend_f16, ...
  *   KV_LOAD1(p)   one element at p as a float
- *   KV_LOAD8(p)   eight elements at p as a __m256  (AVX2 builds)
- *   KV_LOAD16(p)  sixteen elements at p as a __m512 (AVX-512 builds)
+ *   KV_LOAD8(p)   eight elements at p as an f32x8  (AVX2 builds; simd.h)
+ *   KV_LOAD16(p)  sixteen elements at p as an f32x16 (AVX-512 builds)
  *
  * Queries, scores and outputs are float32 whatever the cache holds; only
  * the reads of K and V rows convert. Decode attention is bound by the bytes
@@ -120,34 +120,34 @@ static inline void KV_NAME(prefetch_rows)(const KV_T *const *base, const int64_t
 }
 
 /* q . k for four keys at once: the four dot products as 4 floats */
-static inline __attribute__((always_inline)) __m128 KV_NAME(dot4_keys)(const float *qj, const KV_T *k0,
+static inline __attribute__((always_inline)) f32x4 KV_NAME(dot4_keys)(const float *qj, const KV_T *k0,
                                                                        const KV_T *k1, const KV_T *k2,
                                                                        const KV_T *k3, int head_dim) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    f32x8 a0 = f32x8_zero(), a1 = f32x8_zero(), a2 = f32x8_zero(), a3 = f32x8_zero();
     int d = 0;
-#ifdef __AVX512F__
+#if SIMD_F32X16
     /* 16 lanes where the CPU has them, folded to 8 before the reduction */
-    __m512 w0 = _mm512_setzero_ps(), w1 = _mm512_setzero_ps(), w2 = _mm512_setzero_ps(), w3 = _mm512_setzero_ps();
+    f32x16 w0 = f32x16_zero(), w1 = f32x16_zero(), w2 = f32x16_zero(), w3 = f32x16_zero();
     for (; d + 16 <= head_dim; d += 16) {
-        const __m512 qv = _mm512_loadu_ps(qj + d);
-        w0 = _mm512_fmadd_ps(qv, KV_LOAD16(k0 + d), w0);
-        w1 = _mm512_fmadd_ps(qv, KV_LOAD16(k1 + d), w1);
-        w2 = _mm512_fmadd_ps(qv, KV_LOAD16(k2 + d), w2);
-        w3 = _mm512_fmadd_ps(qv, KV_LOAD16(k3 + d), w3);
+        const f32x16 qv = f32x16_load(qj + d);
+        w0 = f32x16_fma(qv, KV_LOAD16(k0 + d), w0);
+        w1 = f32x16_fma(qv, KV_LOAD16(k1 + d), w1);
+        w2 = f32x16_fma(qv, KV_LOAD16(k2 + d), w2);
+        w3 = f32x16_fma(qv, KV_LOAD16(k3 + d), w3);
     }
-    a0 = _mm256_add_ps(_mm512_castps512_ps256(w0), _mm512_extractf32x8_ps(w0, 1));
-    a1 = _mm256_add_ps(_mm512_castps512_ps256(w1), _mm512_extractf32x8_ps(w1, 1));
-    a2 = _mm256_add_ps(_mm512_castps512_ps256(w2), _mm512_extractf32x8_ps(w2, 1));
-    a3 = _mm256_add_ps(_mm512_castps512_ps256(w3), _mm512_extractf32x8_ps(w3, 1));
+    a0 = f32x16_fold8(w0);
+    a1 = f32x16_fold8(w1);
+    a2 = f32x16_fold8(w2);
+    a3 = f32x16_fold8(w3);
 #endif
     for (; d < head_dim; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qj + d);
-        a0 = _mm256_fmadd_ps(qv, KV_LOAD8(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, KV_LOAD8(k1 + d), a1);
-        a2 = _mm256_fmadd_ps(qv, KV_LOAD8(k2 + d), a2);
-        a3 = _mm256_fmadd_ps(qv, KV_LOAD8(k3 + d), a3);
+        const f32x8 qv = f32x8_load(qj + d);
+        a0 = f32x8_fma(qv, KV_LOAD8(k0 + d), a0);
+        a1 = f32x8_fma(qv, KV_LOAD8(k1 + d), a1);
+        a2 = f32x8_fma(qv, KV_LOAD8(k2 + d), a2);
+        a3 = f32x8_fma(qv, KV_LOAD8(k3 + d), a3);
     }
-    return hsum4x8(a0, a1, a2, a3);
+    return f32x8_hsum4(a0, a1, a2, a3);
 }
 
 static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
     const int64_t row = (int64_t)num_kv_heads * head_dim;
     const int nq = (h1 - h0) * group;
     const float *qh = q + (int64_t)h0 * group * head_dim;
-    const __m128 vscale = _mm_set1_ps(scale);
+    const f32x4 vscale = f32x4_set1(scale);
     const int64_t span = (int64_t)KV_STREAMS * block_size; /* tokens per group of blocks */
 
     /* scores[j][t] = scale * q_j . k_t */
@@ -176,9 +176,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
             for (int j = 0; j < nq; j++) {
                 const int64_t off = (int64_t)(h0 + j / group) * head_dim + i * row;
                 float s4[4];
-                _mm_storeu_ps(s4, _mm_mul_ps(KV_NAME(dot4_keys)(qh + (int64_t)j * head_dim, kb[0] + off,
-                                                                kb[1] + off, kb[2] + off, kb[3] + off, head_dim),
-                                             vscale));
+                f32x4_store(s4, f32x4_mul(KV_NAME(dot4_keys)(qh + (int64_t)j * head_dim, kb[0] + off,
+                                                             kb[1] + off, kb[2] + off, kb[3] + off, head_dim),
+                                          vscale));
                 float *sj = scores + (int64_t)j * len + t0 + i;
                 for (int g = 0; g < 4; g++) sj[(int64_t)g * block_size] = s4[g];
             }
@@ -192,10 +192,10 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                 float *sj = scores + (int64_t)j * len + t0 + (int64_t)g * block_size;
                 int64_t i = full;
                 for (; i + 4 <= n[g]; i += 4)
-                    _mm_storeu_ps(sj + i, _mm_mul_ps(KV_NAME(dot4_keys)(qj, kj + i * row, kj + (i + 1) * row,
-                                                                        kj + (i + 2) * row, kj + (i + 3) * row,
-                                                                        head_dim),
-                                                     vscale));
+                    f32x4_store(sj + i, f32x4_mul(KV_NAME(dot4_keys)(qj, kj + i * row, kj + (i + 1) * row,
+                                                                     kj + (i + 2) * row, kj + (i + 3) * row,
+                                                                     head_dim),
+                                                  vscale));
                 for (; i < n[g]; i++) sj[i] = scale * KV_NAME(dot_kv)(qj, kj + i * row, head_dim);
             }
         }
@@ -222,28 +222,28 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                 float *oj = o + (int64_t)j * head_dim + d0;
                 const int width = head_dim - d0 < 64 ? head_dim - d0 : 64;
                 if (width == 64) {
-#ifdef __AVX512F__
-                    __m512 acc[4];
-                    for (int c = 0; c < 4; c++) acc[c] = _mm512_loadu_ps(oj + 16 * c);
+#if SIMD_F32X16
+                    f32x16 acc[4];
+                    for (int c = 0; c < 4; c++) acc[c] = f32x16_load(oj + 16 * c);
                     for (int64_t i = 0; i < block_size; i++)
                         for (int g = 0; g < nb; g++) {
                             if (i >= n[g]) continue;
-                            const __m512 p = _mm512_set1_ps(pj[(int64_t)g * block_size + i]);
+                            const f32x16 p = f32x16_set1(pj[(int64_t)g * block_size + i]);
                             const KV_T *v = vb[g] + i * row + kv_off + d0;
-                            for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(p, KV_LOAD16(v + 16 * c), acc[c]);
+                            for (int c = 0; c < 4; c++) acc[c] = f32x16_fma(p, KV_LOAD16(v + 16 * c), acc[c]);
                         }
-                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(oj + 16 * c, acc[c]);
+                    for (int c = 0; c < 4; c++) f32x16_store(oj + 16 * c, acc[c]);
 #else
-                    __m256 acc[8];
-                    for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(oj + 8 * c);
+                    f32x8 acc[8];
+                    for (int c = 0; c < 8; c++) acc[c] = f32x8_load(oj + 8 * c);
                     for (int64_t i = 0; i < block_size; i++)
                         for (int g = 0; g < nb; g++) {
                             if (i >= n[g]) continue;
-                            const __m256 p = _mm256_set1_ps(pj[(int64_t)g * block_size + i]);
+                            const f32x8 p = f32x8_set1(pj[(int64_t)g * block_size + i]);
                             const KV_T *v = vb[g] + i * row + kv_off + d0;
-                            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, KV_LOAD8(v + 8 * c), acc[c]);
+                            for (int c = 0; c < 8; c++) acc[c] = f32x8_fma(p, KV_LOAD8(v + 8 * c), acc[c]);
                         }
-                    for (int c = 0; c < 8; c++) _mm256_storeu_ps(oj + 8 * c, acc[c]);
+                    for (int c = 0; c < 8; c++) f32x8_store(oj + 8 * c, acc[c]);
 #endif
                 } else {
                     for (int g = 0; g < nb; g++)

@@ -4,11 +4,11 @@
 #ifndef PAGEDLLM_PANEL_BF16_H
 #define PAGEDLLM_PANEL_BF16_H
 
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "panel_units.h"
+#include "simd.h"
 
 #define BF_PANEL 48
 #define BF_MR 8
@@ -31,9 +31,7 @@ static inline void row_to_bf16(const float *x, int64_t k, int64_t kpad, uint16_t
     int64_t j = 0;
 #if defined(__AVX512BF16__)
     for (; j + 32 <= k; j += 32) {
-        /* the instruction puts its second operand in the low half */
-        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(x + j));
-        _mm512_storeu_si512((void *)(out + j), (__m512i)v);
+        bf16x32_store_f32(out + j, f32x16_load(x + j), f32x16_load(x + j + 16));
     }
 #endif
     for (; j < k; j++) out[j] = to_bf16(x[j]);
@@ -61,24 +59,23 @@ static inline uint32_t load_pair(const uint16_t *p) {
 static inline __attribute__((always_inline)) void bf_tile(
     const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
     int num_cols, const int num_rows, const char *prefetch, int64_t num_prefetch) {
-    __m512 acc[BF_MR][BF_NUM_VECS];
+    f32x16 acc[BF_MR][BF_NUM_VECS];
 #pragma GCC unroll 8
     for (int r = 0; r < BF_MR; r++)
 #pragma GCC unroll 8
-        for (int c = 0; c < BF_NUM_VECS; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < BF_NUM_VECS; c++) acc[r][c] = f32x16_zero();
 #pragma GCC unroll 4
     for (int64_t kk = 0; kk < k2; kk++) {
-        if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
-        __m512bh wv[BF_NUM_VECS];
+        if (kk < num_prefetch) simd_prefetch_l2(prefetch + kk * CACHE_LINE);
+        bf16x32 wv[BF_NUM_VECS];
 #pragma GCC unroll 8
-        for (int c = 0; c < BF_NUM_VECS; c++)
-            wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(b + (kk * BF_PANEL + c * 16) * 2));
+        for (int c = 0; c < BF_NUM_VECS; c++) wv[c] = bf16x32_load(b + (kk * BF_PANEL + c * 16) * 2);
 #pragma GCC unroll 8
         for (int r = 0; r < BF_MR; r++) {
             if (r < num_rows) {
-                __m512bh a = (__m512bh)_mm512_set1_epi32((int)load_pair(xp + (r * k2 + kk) * 2));
+                bf16x32 a = bf16x32_set1_pair(load_pair(xp + (r * k2 + kk) * 2));
 #pragma GCC unroll 8
-                for (int c = 0; c < BF_NUM_VECS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
+                for (int c = 0; c < BF_NUM_VECS; c++) acc[r][c] = f32x16_dot_bf16(acc[r][c], a, wv[c]);
             }
         }
     }
@@ -88,18 +85,18 @@ static inline __attribute__((always_inline)) void bf_tile(
         if (num_cols == BF_PANEL) {
 #pragma GCC unroll 8
             for (int c = 0; c < BF_NUM_VECS; c++) {
-                __m512 v = acc[r][c];
-                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c * 16));
-                _mm512_storeu_ps(y + r * ldy + c * 16, v);
+                f32x16 v = acc[r][c];
+                if (bias) v = f32x16_add(v, f32x16_load(bias + c * 16));
+                f32x16_store(y + r * ldy + c * 16, v);
             }
         } else { /* the last, zero-padded panel: only its real columns are written */
             float sums[BF_PANEL];
-            for (int c = 0; c < BF_NUM_VECS; c++) _mm512_storeu_ps(sums + c * 16, acc[r][c]);
+            for (int c = 0; c < BF_NUM_VECS; c++) f32x16_store(sums + c * 16, acc[r][c]);
             for (int j = 0; j < num_cols; j++) y[r * ldy + j] = sums[j] + (bias ? bias[j] : 0.0f);
         }
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif SIMD_F32X8
 /* AVX2 has no bf16 dot product: widen instead. A bf16 value is the top half
  * of a float32, so one 32-bit lane holding a k pair (low: even k, high: odd k)
  * gives both floats with one shift and one mask:
@@ -119,25 +116,23 @@ static inline __attribute__((always_inline)) void bf_subtile_avx2(
     const uint16_t *xp, int64_t k2, const uint16_t *b, float *y, int64_t ldy, const float *bias,
     const int col0, int num_cols, const int num_rows, const int num_vecs, const char *prefetch,
     int64_t num_prefetch) {
-    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-    __m256 acc[BF_AVX2_MAX_ROWS][BF_PANEL / 8];
+    f32x8 acc[BF_AVX2_MAX_ROWS][BF_PANEL / 8];
 #pragma GCC unroll 8
     for (int r = 0; r < num_rows; r++)
 #pragma GCC unroll 8
-        for (int c = 0; c < num_vecs; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < num_vecs; c++) acc[r][c] = f32x8_zero();
     for (int64_t kk = 0; kk < k2; kk++) {
-        if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
+        if (kk < num_prefetch) simd_prefetch_l2(prefetch + kk * CACHE_LINE);
         const uint16_t *bk = b + (kk * BF_PANEL + col0) * 2;
 #pragma GCC unroll 8
         for (int r = 0; r < num_rows; r++) {
-            const __m256i pair = _mm256_set1_epi32((int)load_pair(xp + (r * k2 + kk) * 2));
-            const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-            const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+            const i32x8 pair = i32x8_set1((int32_t)load_pair(xp + (r * k2 + kk) * 2));
+            const f32x8 xe = f32x8_bf16_lo(pair), xo = f32x8_bf16_hi(pair);
 #pragma GCC unroll 8
             for (int c = 0; c < num_vecs; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(bk + c * 16));
-                acc[r][c] = _mm256_fmadd_ps(xe, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), acc[r][c]);
-                acc[r][c] = _mm256_fmadd_ps(xo, _mm256_castsi256_ps(_mm256_and_si256(v, high)), acc[r][c]);
+                const i32x8 v = i32x8_load(bk + c * 16);
+                acc[r][c] = f32x8_fma(xe, f32x8_bf16_lo(v), acc[r][c]);
+                acc[r][c] = f32x8_fma(xo, f32x8_bf16_hi(v), acc[r][c]);
             }
         }
     }
@@ -145,7 +140,7 @@ static inline __attribute__((always_inline)) void bf_subtile_avx2(
     for (int r = 0; r < num_rows; r++) {
         float sums[BF_PANEL];
 #pragma GCC unroll 8
-        for (int c = 0; c < num_vecs; c++) _mm256_storeu_ps(sums + c * 8, acc[r][c]);
+        for (int c = 0; c < num_vecs; c++) f32x8_store(sums + c * 8, acc[r][c]);
         for (int j = 0; j < num_vecs * 8 && col0 + j < num_cols; j++)
             y[r * ldy + col0 + j] = sums[j] + (bias ? bias[col0 + j] : 0.0f);
     }

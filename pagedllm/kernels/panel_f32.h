@@ -3,35 +3,19 @@
 #ifndef PAGEDLLM_PANEL_F32_H
 #define PAGEDLLM_PANEL_F32_H
 
-#include <immintrin.h>
 #include <stdint.h>
 
 #include "panel_units.h"
+#include "simd.h"
 
-/* tile shape per ISA: MR rows x PANEL columns of sums stay in registers
- * (AVX-512: 8 x 3 zmm = 24 of 32 registers; AVX2: 6 x 2 ymm = 12 of 16) */
-#if defined(__AVX512F__)
+/* tile shape per ISA: MR rows x PANEL columns of sums stay in registers, in the build's widest float vector
+ * (simd.h; AVX-512: 8 x 3 zmm = 24 of 32 registers; AVX2: 6 x 2 ymm = 12 of 16) */
+#if SIMD_F32_WIDTH == 16
 #define PANEL 48
 #define MR 8
-#define VEC_WIDTH 16
-typedef __m512 vec_t;
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VSET1(x) _mm512_set1_ps(x)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VZERO() _mm512_setzero_ps()
-#define VADD(a, b) _mm512_add_ps(a, b)
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif SIMD_F32_WIDTH == 8
 #define PANEL 16
 #define MR 6
-#define VEC_WIDTH 8
-typedef __m256 vec_t;
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-#define VSET1(x) _mm256_set1_ps(x)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VZERO() _mm256_setzero_ps()
-#define VADD(a, b) _mm256_add_ps(a, b)
 #else
 #define PANEL 8
 #define MR 6
@@ -52,7 +36,7 @@ static void f32_tile(const float *x, int64_t ldx, const float *b, int64_t k, flo
         }
 }
 #else
-#define F32_NUM_VECS (PANEL / VEC_WIDTH)
+#define F32_NUM_VECS (PANEL / SIMD_F32_WIDTH)
 
 /* num_rows (<= MR) rows of x times one panel. Always inlined with a constant
  * num_rows, so the row loops unroll and the sums stay in registers.
@@ -61,22 +45,22 @@ static void f32_tile(const float *x, int64_t ldx, const float *b, int64_t k, flo
 static inline __attribute__((always_inline)) void f32_tile(
     const float *x, int64_t ldx, const float *b, int64_t k, float *y, int64_t ldy, const float *bias,
     int num_cols, const int num_rows, const char *prefetch, int64_t num_prefetch) {
-    vec_t acc[MR][F32_NUM_VECS];
+    vf32 acc[MR][F32_NUM_VECS];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
-        for (int c = 0; c < F32_NUM_VECS; c++) acc[r][c] = VZERO();
+        for (int c = 0; c < F32_NUM_VECS; c++) acc[r][c] = vf32_zero();
     for (int64_t kk = 0; kk < k; kk++) {
-        if (kk < num_prefetch) _mm_prefetch(prefetch + kk * CACHE_LINE, _MM_HINT_T1);
-        vec_t wv[F32_NUM_VECS];
+        if (kk < num_prefetch) simd_prefetch_l2(prefetch + kk * CACHE_LINE);
+        vf32 wv[F32_NUM_VECS];
 #pragma GCC unroll 8
-        for (int c = 0; c < F32_NUM_VECS; c++) wv[c] = VLOAD(b + kk * PANEL + c * VEC_WIDTH);
+        for (int c = 0; c < F32_NUM_VECS; c++) wv[c] = vf32_load(b + kk * PANEL + c * SIMD_F32_WIDTH);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             if (r < num_rows) {
-                vec_t a = VSET1(x[r * ldx + kk]);
+                vf32 a = vf32_set1(x[r * ldx + kk]);
 #pragma GCC unroll 8
-                for (int c = 0; c < F32_NUM_VECS; c++) acc[r][c] = VFMA(a, wv[c], acc[r][c]);
+                for (int c = 0; c < F32_NUM_VECS; c++) acc[r][c] = vf32_fma(a, wv[c], acc[r][c]);
             }
         }
     }
@@ -86,13 +70,13 @@ static inline __attribute__((always_inline)) void f32_tile(
         if (num_cols == PANEL) {
 #pragma GCC unroll 8
             for (int c = 0; c < F32_NUM_VECS; c++) {
-                vec_t v = acc[r][c];
-                if (bias) v = VADD(v, VLOAD(bias + c * VEC_WIDTH));
-                VSTORE(y + r * ldy + c * VEC_WIDTH, v);
+                vf32 v = acc[r][c];
+                if (bias) v = vf32_add(v, vf32_load(bias + c * SIMD_F32_WIDTH));
+                vf32_store(y + r * ldy + c * SIMD_F32_WIDTH, v);
             }
         } else { /* the last, zero-padded panel: only its real columns are written */
             float sums[PANEL];
-            for (int c = 0; c < F32_NUM_VECS; c++) VSTORE(sums + c * VEC_WIDTH, acc[r][c]);
+            for (int c = 0; c < F32_NUM_VECS; c++) vf32_store(sums + c * SIMD_F32_WIDTH, acc[r][c]);
             for (int j = 0; j < num_cols; j++) y[r * ldy + j] = sums[j] + (bias ? bias[j] : 0.0f);
         }
     }

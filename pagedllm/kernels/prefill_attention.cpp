@@ -39,27 +39,14 @@
 
 #include "paged_attention.h"
 
-#if defined(__AVX512F__)
-#define PF_W 16 /* floats per vector */
-#define PF_Q 8  /* queries per tile: 8 x 2 accumulators of 32 */
-typedef __m512 pf_vec;
-#define PF_LOAD(p) _mm512_loadu_ps(p)
-#define PF_STORE(p, v) _mm512_storeu_ps(p, v)
-#define PF_SET1(x) _mm512_set1_ps(x)
-#define PF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define PF_MUL(a, b) _mm512_mul_ps(a, b)
-#define PF_ZERO() _mm512_setzero_ps()
-#define PF_TILED 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#define PF_W 8
+/* the tiles are written in the build's widest float vector (simd.h) */
+#if SIMD_F32_WIDTH == 16
+#define PF_Q 8 /* queries per tile: 8 x 2 accumulators of 32 */
+#elif SIMD_F32_WIDTH == 8
 #define PF_Q 4 /* 4 x 2 accumulators of 16 */
-typedef __m256 pf_vec;
-#define PF_LOAD(p) _mm256_loadu_ps(p)
-#define PF_STORE(p, v) _mm256_storeu_ps(p, v)
-#define PF_SET1(x) _mm256_set1_ps(x)
-#define PF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define PF_MUL(a, b) _mm256_mul_ps(a, b)
-#define PF_ZERO() _mm256_setzero_ps()
+#endif
+#if SIMD_F32_WIDTH
+#define PF_W SIMD_F32_WIDTH /* floats per vector */
 #define PF_TILED 1
 #else
 #define PF_TILED 0
@@ -84,7 +71,7 @@ static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k
         for (int d = 0; d < head_dim; d++) kt[d * ld + t] = k[t * k_stride + d];
     for (int d = 0; d < head_dim; d++)
         for (int64_t t = len; t < ld; t++) kt[d * ld + t] = 0.0f;
-    const pf_vec vscale = PF_SET1(scale);
+    const vf32 vscale = vf32_set1(scale);
     for (int g = 0; g < group; g++) {
         const float *qh = q + (int64_t)g * head_dim;
         float *oh = out + (int64_t)g * head_dim;
@@ -94,22 +81,22 @@ static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k
             const float *qrow[PF_Q];   /* a short last tile repeats its last query; those rows are dropped */
             for (int qi = 0; qi < PF_Q; qi++) qrow[qi] = qh + (i0 + (qi < nq ? qi : nq - 1)) * q_stride;
             for (int64_t t0 = 0; t0 < n; t0 += PF_KEYS) {
-                pf_vec acc[PF_Q][2];
+                vf32 acc[PF_Q][2];
 #pragma GCC unroll 8
-                for (int qi = 0; qi < PF_Q; qi++) acc[qi][0] = acc[qi][1] = PF_ZERO();
+                for (int qi = 0; qi < PF_Q; qi++) acc[qi][0] = acc[qi][1] = vf32_zero();
                 for (int d = 0; d < head_dim; d++) {
-                    const pf_vec k0 = PF_LOAD(kt + d * ld + t0), k1 = PF_LOAD(kt + d * ld + t0 + PF_W);
+                    const vf32 k0 = vf32_load(kt + d * ld + t0), k1 = vf32_load(kt + d * ld + t0 + PF_W);
 #pragma GCC unroll 8
                     for (int qi = 0; qi < PF_Q; qi++) {
-                        const pf_vec a = PF_SET1(qrow[qi][d]);
-                        acc[qi][0] = PF_FMA(a, k0, acc[qi][0]);
-                        acc[qi][1] = PF_FMA(a, k1, acc[qi][1]);
+                        const vf32 a = vf32_set1(qrow[qi][d]);
+                        acc[qi][0] = vf32_fma(a, k0, acc[qi][0]);
+                        acc[qi][1] = vf32_fma(a, k1, acc[qi][1]);
                     }
                 }
 #pragma GCC unroll 8
                 for (int qi = 0; qi < PF_Q; qi++) {
-                    PF_STORE(p + qi * ld + t0, PF_MUL(acc[qi][0], vscale));
-                    PF_STORE(p + qi * ld + t0 + PF_W, PF_MUL(acc[qi][1], vscale));
+                    vf32_store(p + qi * ld + t0, vf32_mul(acc[qi][0], vscale));
+                    vf32_store(p + qi * ld + t0 + PF_W, vf32_mul(acc[qi][1], vscale));
                 }
             }
             /* each query sees keys [0, i]: exp over those, zero weight after (the causal
@@ -122,24 +109,24 @@ static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k
                 for (int64_t t = own; t < n; t++) pi[t] = 0.0f;
             }
             for (int d0 = 0; d0 < head_dim; d0 += PF_DCHUNK) {
-                pf_vec acc[PF_Q][2];
+                vf32 acc[PF_Q][2];
 #pragma GCC unroll 8
-                for (int qi = 0; qi < PF_Q; qi++) acc[qi][0] = acc[qi][1] = PF_ZERO();
+                for (int qi = 0; qi < PF_Q; qi++) acc[qi][0] = acc[qi][1] = vf32_zero();
                 for (int64_t t = 0; t < n; t++) {
                     const float *vt = v + t * v_stride + d0;
-                    const pf_vec v0 = PF_LOAD(vt), v1 = PF_LOAD(vt + PF_W);
+                    const vf32 v0 = vf32_load(vt), v1 = vf32_load(vt + PF_W);
 #pragma GCC unroll 8
                     for (int qi = 0; qi < PF_Q; qi++) {
-                        const pf_vec a = PF_SET1(p[qi * ld + t]);
-                        acc[qi][0] = PF_FMA(a, v0, acc[qi][0]);
-                        acc[qi][1] = PF_FMA(a, v1, acc[qi][1]);
+                        const vf32 a = vf32_set1(p[qi * ld + t]);
+                        acc[qi][0] = vf32_fma(a, v0, acc[qi][0]);
+                        acc[qi][1] = vf32_fma(a, v1, acc[qi][1]);
                     }
                 }
                 for (int qi = 0; qi < nq; qi++) {
                     float *oi = oh + (i0 + qi) * out_stride + d0;
-                    const pf_vec vinv = PF_SET1(inv[qi]);
-                    PF_STORE(oi, PF_MUL(acc[qi][0], vinv));
-                    PF_STORE(oi + PF_W, PF_MUL(acc[qi][1], vinv));
+                    const vf32 vinv = vf32_set1(inv[qi]);
+                    vf32_store(oi, vf32_mul(acc[qi][0], vinv));
+                    vf32_store(oi + PF_W, vf32_mul(acc[qi][1], vinv));
                 }
             }
         }
@@ -155,13 +142,13 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
         const float *qi = q + i * q_stride;
         const int64_t n = i + 1;
         int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m128 vscale = _mm_set1_ps(scale);
+#if SIMD_F32X8
+        const f32x4 vscale = f32x4_set1(scale);
         /* the four-key product works on whole vectors: head sizes that are multiples of 8 */
         for (; head_dim % 8 == 0 && t + 4 <= n; t += 4) {
             const float *k0 = k + t * k_stride;
-            _mm_storeu_ps(scores + t, _mm_mul_ps(dot4_keys_f32(qi, k0, k0 + k_stride, k0 + 2 * k_stride,
-                                                           k0 + 3 * k_stride, head_dim), vscale));
+            f32x4_store(scores + t, f32x4_mul(dot4_keys_f32(qi, k0, k0 + k_stride, k0 + 2 * k_stride,
+                                                            k0 + 3 * k_stride, head_dim), vscale));
         }
 #endif
         for (; t < n; t++) scores[t] = scale * dot(qi, k + t * k_stride, head_dim);
@@ -169,16 +156,16 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
         float *oi = out + i * out_stride;
         memset(oi, 0, sizeof(float) * (size_t)head_dim);
         int d0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if SIMD_F32X8
         for (; d0 + 64 <= head_dim; d0 += 64) {
-            __m256 acc[8];
-            for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+            f32x8 acc[8];
+            for (int c = 0; c < 8; c++) acc[c] = f32x8_zero();
             for (t = 0; t < n; t++) {
-                const __m256 p = _mm256_set1_ps(scores[t]);
+                const f32x8 p = f32x8_set1(scores[t]);
                 const float *vt = v + t * v_stride + d0;
-                for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * c), acc[c]);
+                for (int c = 0; c < 8; c++) acc[c] = f32x8_fma(p, f32x8_load(vt + 8 * c), acc[c]);
             }
-            for (int c = 0; c < 8; c++) _mm256_storeu_ps(oi + d0 + 8 * c, acc[c]);
+            for (int c = 0; c < 8; c++) f32x8_store(oi + d0 + 8 * c, acc[c]);
         }
 #endif
         for (t = 0; t < n && d0 < head_dim; t++) axpy(oi + d0, scores[t], v + t * v_stride + d0, head_dim - d0);

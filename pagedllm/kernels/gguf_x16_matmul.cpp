@@ -1,0 +1,406 @@
+/*
+ * Matmuls over x16-interleaved GGUF blocks with 8-bit activations and
+ * integer dot products (the layout and the sum: gguf_x16.h).
+ *
+ * A call first rounds its rows to int8, block by block, into the node's
+ * scratch (the team shares the rows out), then the team shares the tiles of
+ * 16 channels out; a thread runs X16_MR rows at a time against a tile, each
+ * row keeping one vector of 16 channel sums (AVX-512; two of 8 on AVX2, one
+ * float per channel in the scalar build):
+ *
+ *   for each block b:                     tile block: d[16] (m[16]) | chunks of 64 B
+ *     isum[r] = 0                         row r's block b: qx[32] int8, dx, sx
+ *     for each chunk: w = 64 B (+ nibbles split) ; isum[r] += dot4(w, broadcast qx[r][4 inputs])
+ *     acc[r] = fma(float(isum[r] - o sx), d dx, acc[r])   (+ fma(m, dx sx, acc[r]) for Q4_1)
+ *
+ * The weights of one tile (18 blocks x 320 B for a 576-input Q4_1 row) stay
+ * in L1 while the rows stream past; long inputs go in blocks of rows whose
+ * int8 copies stay in L2.
+ *
+ * The vectors are simd.h's vq_* lanes (SIMD_Q_LANES channels: 16 on
+ * AVX-512BW, 8 on AVX2, 1 in plain C); the weights were interleaved at load
+ * by gguf_x16_repack.cpp.
+ */
+#include "gguf_x16.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* lanes per vector (a tile's 16 channels in 16 / X16_VL parts) and rows per register tile */
+#define X16_VL SIMD_Q_LANES
+#define X16_MR 4
+#define X16_Q8_OFFSET SIMD_Q8_OFFSET
+
+/* ---- 8-bit activations ---- */
+
+int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features) {
+    const int64_t quants = (rows * in_features + 63) / 64 * 64;
+    return quants + rows * (in_features / GGUF_BLOCK) * 12;
+}
+
+typedef struct {
+    const int8_t *q;  /* [rows, k] */
+    const float *d;   /* [rows, k / 32]: each block's dx */
+    const int32_t *s; /* [rows, k / 32]: each block's sx */
+    const int32_t *h; /* [rows, k / 32]: the sum of each block's first 16 quants (Q6_K's sub-blocks) */
+} QRows;
+
+static QRows scratch_rows(const LinearNode *n) {
+    uint8_t *base = (uint8_t *)n->scratch;
+    const int64_t quants = (n->rows * n->in_features + 63) / 64 * 64, nb = n->rows * (n->in_features / GGUF_BLOCK);
+    return {(const int8_t *)base, (const float *)(base + quants), (const int32_t *)(base + quants + 4 * nb),
+            (const int32_t *)(base + quants + 8 * nb)};
+}
+
+/* one row's k inputs as int8 blocks of 32 (scalar code: the same integers in every build; nearbyintf
+   rounds half to even, as the vector conversions would) */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s, int32_t *h) {
+    for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
+        const float *xb = x + b * GGUF_BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < GGUF_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < GGUF_BLOCK; i++) {
+            float v = nearbyintf(xb[i] * inv);
+            v = fminf(fmaxf(v, -127.0f), 127.0f);
+            q[b * GGUF_BLOCK + i] = (int8_t)v;
+            sum += (int32_t)v;
+            if (i == 15) h[b] = sum;
+        }
+        d[b] = dx;
+        s[b] = sum;
+    }
+}
+
+/* ---- the tile kernel ---- */
+
+/* one run of 32 inputs of a tile's lanes against rows xq, xq + k, ...: isum[r] += the integer dot products,
+   from 8 chunks of signed 8-bit quants (q8, the sign flipped as stored) or 4 chunks of nibble pairs */
+template <int MR>
+static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_t *qs, const int8_t *xq, int64_t k,
+                                                           vq_int *isum) {
+    if (q8) {
+        for (int u = 0; u < 8; u++) {
+            const vq_int w = vq_load(qs + 64 * u);
+            for (int r = 0; r < MR; r++) isum[r] = vq_dot_q8(isum[r], w, vq_quad(xq + r * k + 4 * u));
+        }
+        return;
+    }
+    for (int u = 0; u < 4; u++) {
+        const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
+        for (int r = 0; r < MR; r++) {
+            isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xq + r * k + 8 * u));
+            isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+        }
+    }
+}
+
+/* y[r0 + r][the lanes' channels of tile t] = acc[r] (+ bias) */
+template <int MR>
+static inline __attribute__((always_inline)) void store_rows(const LinearNode *n, const vq_float *acc, int64_t t,
+                                                             int64_t r0, int h) {
+    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
+    for (int r = 0; r < MR; r++) {
+        const vq_float v = n->bias ? vq_fadd(acc[r], vq_fload(n->bias + c0)) : acc[r];
+        vq_fstore(n->y + (r0 + r) * cols + c0, v);
+    }
+}
+
+/* chunks u0, u0 + 1 of a k-quant run (qs: its low 4 bits, qh: the bits above) against rows xq, xq + k, ...:
+   isum[r] += the integer dot products of their 16 inputs */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void kchunks(const uint8_t *qs, const uint8_t *qh, int u0,
+                                                          const int8_t *xq, int64_t k, vq_int *isum) {
+    for (int u = u0; u < u0 + 2; u++) {
+        const vq_int w = vq_load(qs + 64 * u);
+        vq_int lo = vq_nib_lo(w), hi = vq_nib_hi(w);
+        if (TYPE == GGUF_Q5_K) {
+            const vq_int top = vq_load(qh);
+            lo = vq_or(lo, vq_shl4(vq_bits(top, u, 1)));
+            hi = vq_or(hi, vq_shl4(vq_bits(top, u + 4, 1)));
+        } else if (TYPE == GGUF_Q6_K) {
+            const vq_int top = vq_load(qh + 64 * (u / 2));
+            lo = vq_or(lo, vq_shl4(vq_bits(top, 4 * (u % 2), 3)));
+            hi = vq_or(hi, vq_shl4(vq_bits(top, 4 * (u % 2) + 2, 3)));
+        }
+        for (int r = 0; r < MR; r++) {
+            isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xq + r * k + 8 * u));
+            isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+        }
+    }
+}
+
+/* rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL) of its 16 channels; TYPE the
+   ggml type */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                            int64_t r0, int h) {
+    constexpr int type = TYPE;
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, block_bytes = gguf_block_bytes(type);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nb * block_bytes;
+    const int head = tile_head_bytes(type), lane_bytes = 4 * X16_VL;
+    const int32_t offset = type == GGUF_Q4_0 ? 8 : (type == GGUF_Q5_0 ? 16 : (type == GGUF_Q8_0 ? X16_Q8_OFFSET : 0));
+    vq_float acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + b * X16_TILE * block_bytes, *qs = blk + head + lane_bytes * h;
+        vq_int isum[MR];
+        for (int r = 0; r < MR; r++) isum[r] = vq_zero();
+        if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 0, qr.q + r0 * k + b * 32, k, isum);
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 2, qr.q + r0 * k + b * 32, k, isum);
+        } else {
+            run_sums<MR>(type == GGUF_Q8_0, qs, qr.q + r0 * k + b * 32, k, isum);
+        }
+        const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = (r0 + r) * nb + b;
+            const vq_int sum = offset ? vq_sub1(isum[r], offset * qr.s[i]) : isum[r];
+            acc[r] = vq_ffma(vq_fcvt(sum), vq_fmul(d, vq_fset1(qr.d[i])), acc[r]);
+        }
+        if (gguf_has_min(type)) {
+            const vq_float m = vq_fhalves(blk + 32 + 2 * X16_VL * h);
+            for (int r = 0; r < MR; r++) {
+                const int64_t i = (r0 + r) * nb + b;
+                acc[r] = vq_ffma(m, vq_fset1(qr.d[i] * (float)qr.s[i]), acc[r]);
+            }
+        }
+    }
+    store_rows<MR>(n, acc, t, r0, h);
+}
+
+/* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
+   channel (gguf_k_scale_min, for X16_VL channels at once) */
+static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, int j, vq_int *scale, vq_int *min) {
+    if (j < 4) {
+        *scale = vq_and1(vq_lanes_u8(S + 16 * j), 63);
+        *min = vq_and1(vq_lanes_u8(S + 16 * (j + 4)), 63);
+        return;
+    }
+    const vq_int low = vq_lanes_u8(S + 16 * (j + 4)), top_s = vq_lanes_u8(S + 16 * (j - 4)), top_m = vq_lanes_u8(S + 16 * j);
+    *scale = vq_or(vq_and1(low, 15), vq_sll(vq_srl(top_s, 6), 4));
+    *min = vq_or(vq_srl(low, 4), vq_sll(vq_srl(top_m, 6), 4));
+}
+
+/* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL),
+   a 32-input run at a time, summed in integers per run and scaled as gguf_x16.h writes */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                             int64_t r0, int h) {
+    constexpr int type = TYPE;
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, nsb = k / 256, sb_bytes = gguf_block_bytes(type);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nsb * sb_bytes;
+    const int lane_bytes = 4 * X16_VL;
+    vq_float acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
+        const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
+        const vq_float neg_dmin = type == GGUF_Q6_K ? vq_fzero() : vq_fmul(vq_fhalves(blk + 32 + 2 * X16_VL * h), vq_fset1(-1.0f));
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *qs = blk + kq_qs_offset(type, j) + lane_bytes * h;
+            const uint8_t *qh = blk + kq_qh_offset(type, j) + lane_bytes * h;
+            vq_int isum[MR], isum_hi[MR];  // Q6_K: isum over the run's first 16 inputs, isum_hi the last 16
+            for (int r = 0; r < MR; r++) isum[r] = vq_zero(), isum_hi[r] = vq_zero();
+            const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
+            if (type == GGUF_Q6_K) {  // chunks 0, 1 are the first 16 inputs, 2, 3 the last (two sums)
+                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
+                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum_hi);
+            } else {
+                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
+                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum);
+            }
+            if (type == GGUF_Q6_K) {
+                const uint8_t *sc = blk + 32 + X16_VL * h;
+                const vq_int sc_lo = vq_lanes_s8(sc + 16 * (2 * j)), sc_hi = vq_lanes_s8(sc + 16 * (2 * j + 1));
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
+                    const vq_int sum = vq_add(vq_mul(vq_sub1(isum[r], 32 * sx_lo), sc_lo), vq_mul(vq_sub1(isum_hi[r], 32 * sx_hi), sc_hi));
+                    acc[r] = vq_ffma(vq_fcvt(sum), vq_fmul(d, vq_fset1(qr.d[i])), acc[r]);
+                }
+            } else {
+                vq_int scale, min;
+                k_scale_min(blk + 64 + X16_VL * h, j, &scale, &min);
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const vq_float dx = vq_fset1(qr.d[i]);
+                    acc[r] = vq_ffma(vq_fcvt(vq_mul(isum[r], scale)), vq_fmul(d, dx), acc[r]);
+                    acc[r] = vq_ffma(vq_fcvt(vq_mul(min, vq_set1(qr.s[i]))), vq_fmul(neg_dmin, dx), acc[r]);
+                }
+            }
+        }
+    }
+    store_rows<MR>(n, acc, t, r0, h);
+}
+
+/* GROUP_I8 / GROUP_I4: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a group at a
+   time: its runs summed in integers, scaled by each run's dx into one float per channel, then by the group's
+   scale (gguf_x16.h) */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void gtile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                             int64_t r0, int h) {
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, group = n->group_size, num_groups = k / group;
+    const int64_t num_runs = group / GGUF_BLOCK, group_bytes = group_block_bytes(TYPE, group);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * num_groups * group_bytes;
+    const int lane_bytes = 4 * X16_VL;
+    vq_float acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
+    for (int64_t g = 0; g < num_groups; g++) {
+        const uint8_t *blk = tile + g * X16_TILE * group_bytes;
+        vq_float gacc[MR];
+        float xsum[MR];  // GROUP_I4: the group's sum of the rounded inputs, sum_j dx_j sx_j
+        for (int r = 0; r < MR; r++) gacc[r] = vq_fzero(), xsum[r] = 0.0f;
+        for (int64_t j = 0; j < num_runs; j++) {
+            const uint8_t *qs = blk + group_head_bytes(TYPE) + group_run_bytes(TYPE) * j + lane_bytes * h;
+            const int64_t b = g * num_runs + j;
+            vq_int isum[MR];
+            for (int r = 0; r < MR; r++) isum[r] = vq_zero();
+            run_sums<MR>(TYPE == GROUP_I8, qs, qr.q + r0 * k + b * 32, k, isum);
+            for (int r = 0; r < MR; r++) {
+                const int64_t i = (r0 + r) * nb + b;
+                const vq_int sum = TYPE == GROUP_I8 && X16_Q8_OFFSET ? vq_sub1(isum[r], X16_Q8_OFFSET * qr.s[i]) : isum[r];
+                gacc[r] = vq_ffma(vq_fcvt(sum), vq_fset1(qr.d[i]), gacc[r]);
+                if (TYPE == GROUP_I4) xsum[r] = fmaf(qr.d[i], (float)qr.s[i], xsum[r]);  // fmaf: one rounding in every build
+            }
+        }
+        const vq_float scale = vq_fload((const float *)(blk + 4 * X16_VL * h));
+        for (int r = 0; r < MR; r++) acc[r] = vq_ffma(gacc[r], scale, acc[r]);
+        if (TYPE == GROUP_I4) {
+            const vq_float min = vq_fload((const float *)(blk + 64 + 4 * X16_VL * h));
+            for (int r = 0; r < MR; r++) acc[r] = vq_ffma(min, vq_fset1(xsum[r]), acc[r]);
+        }
+    }
+    store_rows<MR>(n, acc, t, r0, h);
+}
+
+/* Q3_K sub-block s's 6-bit scale less 32 for the lanes' channels (S: the tile's S[12][16] + the lanes' first
+   channel): low 4 bits in the nibbles of bytes 0..7, high 2 in pairs of bytes 8..11 */
+static inline __attribute__((always_inline)) vq_int q3k_scale(const uint8_t *S, int s) {
+    const vq_int low = s < 8 ? vq_and1(vq_lanes_u8(S + 16 * s), 15) : vq_srl(vq_lanes_u8(S + 16 * (s - 8)), 4);
+    const vq_int high = vq_and1(vq_srl(vq_lanes_u8(S + 16 * (8 + s % 4)), 2 * (s / 4)), 3);
+    return vq_add(vq_or(low, vq_sll(high, 4)), vq_set1(-32));
+}
+
+/* Q2_K / Q3_K: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a 32-input run (two
+   sub-blocks of 16) at a time, summed in integers per sub-block and scaled as gguf_x16.h writes */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void lktile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                              int64_t r0, int h) {
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, nsb = k / 256, sb_bytes = gguf_block_bytes(TYPE);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nsb * sb_bytes;
+    const int lane_bytes = 4 * X16_VL;
+    vq_float acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
+        const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
+        const vq_float neg_dmin = TYPE == GGUF_Q2_K ? vq_fmul(vq_fhalves(blk + 32 + 2 * X16_VL * h), vq_fset1(-1.0f)) : vq_fzero();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *run = blk + lk_run_offset(TYPE, j) + lane_bytes * h;
+            vq_int isum_lo[MR], isum_hi[MR];  // over the run's first 16 inputs (sub-block 2j), its last 16
+            for (int r = 0; r < MR; r++) isum_lo[r] = vq_zero(), isum_hi[r] = vq_zero();
+            const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
+            const vq_int w0 = vq_load(run), w1 = vq_load(run + 64);
+            const vq_int top = TYPE == GGUF_Q3_K ? vq_load(run + 128) : vq_zero();
+            for (int u = 0; u < 8; u++) {
+                vq_int q = vq_bits(u < 4 ? w0 : w1, 2 * (u % 4), 3);
+                if (TYPE == GGUF_Q3_K) q = vq_or(q, vq_shl2(vq_bits(top, u, 1)));
+                for (int r = 0; r < MR; r++) {
+                    vq_int *isum = u < 4 ? isum_lo : isum_hi;
+                    isum[r] = vq_dot_u4(isum[r], q, vq_quad(xq + r * k + 4 * u));
+                }
+            }
+            if (TYPE == GGUF_Q3_K) {
+                const uint8_t *S = blk + 32 + X16_VL * h;
+                const vq_int sc_lo = q3k_scale(S, 2 * j), sc_hi = q3k_scale(S, 2 * j + 1);
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
+                    const vq_int sum = vq_add(vq_mul(vq_sub1(isum_lo[r], 4 * sx_lo), sc_lo), vq_mul(vq_sub1(isum_hi[r], 4 * sx_hi), sc_hi));
+                    acc[r] = vq_ffma(vq_fcvt(sum), vq_fmul(d, vq_fset1(qr.d[i])), acc[r]);
+                }
+            } else {
+                const uint8_t *sc = blk + 64 + X16_VL * h;
+                const vq_int b_lo = vq_lanes_u8(sc + 16 * (2 * j)), b_hi = vq_lanes_u8(sc + 16 * (2 * j + 1));
+                const vq_int sc_lo = vq_and1(b_lo, 15), sc_hi = vq_and1(b_hi, 15), m_lo = vq_srl(b_lo, 4), m_hi = vq_srl(b_hi, 4);
+                for (int r = 0; r < MR; r++) {
+                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                    const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
+                    const vq_float dx = vq_fset1(qr.d[i]);
+                    const vq_int sum = vq_add(vq_mul(isum_lo[r], sc_lo), vq_mul(isum_hi[r], sc_hi));
+                    const vq_int mins = vq_add(vq_mul(m_lo, vq_set1(sx_lo)), vq_mul(m_hi, vq_set1(sx_hi)));
+                    acc[r] = vq_ffma(vq_fcvt(sum), vq_fmul(d, dx), acc[r]);
+                    acc[r] = vq_ffma(vq_fcvt(mins), vq_fmul(neg_dmin, dx), acc[r]);
+                }
+            }
+        }
+    }
+    store_rows<MR>(n, acc, t, r0, h);
+}
+
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void rows_against_tile(const LinearNode *n, const QRows &qr, int64_t t,
+                                                                    int64_t r0, int h) {
+    if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K || TYPE == GGUF_Q6_K)
+        ktile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else if constexpr (TYPE == GROUP_I8 || TYPE == GROUP_I4)
+        gtile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else if constexpr (TYPE == GGUF_Q2_K || TYPE == GGUF_Q3_K)
+        lktile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else
+        tile_rows<MR, TYPE>(n, qr, t, r0, h);
+}
+
+/* rows [row0, row0 + m) against tile t */
+template <int TYPE>
+static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int64_t row0, int64_t m) {
+    for (int h = 0; h < X16_TILE / X16_VL; h++) {
+        int64_t r = row0;
+        for (; r + X16_MR <= row0 + m; r += X16_MR) rows_against_tile<X16_MR, TYPE>(n, qr, t, r, h);
+        switch (row0 + m - r) {
+            case 3: rows_against_tile<3, TYPE>(n, qr, t, r, h); break;
+            case 2: rows_against_tile<2, TYPE>(n, qr, t, r, h); break;
+            case 1: rows_against_tile<1, TYPE>(n, qr, t, r, h); break;
+            default: break;
+        }
+    }
+}
+
+/* int8 rows per block: a block's copies (k bytes and 12 per 32 inputs each) stay in L2 across the tiles */
+#define X16_BLOCK_BYTES (192 * 1024)
+
+void gguf_x16_linear_team(const LinearNode *n) {
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, num_tiles = n->out_features / X16_TILE;
+    const int type = x16_base_type(n->weight_type);
+    const QRows qr = scratch_rows(n);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n->rows; r++)
+        quantize_row(n->x + r * k, k, (int8_t *)qr.q + r * k, (float *)qr.d + r * nb, (int32_t *)qr.s + r * nb,
+                     (int32_t *)qr.h + r * nb);
+    int64_t block_rows = X16_BLOCK_BYTES / (k + 12 * nb) / X16_MR * X16_MR;
+    if (block_rows < X16_MR) block_rows = X16_MR;
+    for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows) {
+        const int64_t m = n->rows - row0 < block_rows ? n->rows - row0 : block_rows;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; t++) {
+            switch (type) {
+                case GGUF_Q4_0: tile_team_rows<GGUF_Q4_0>(n, qr, t, row0, m); break;
+                case GGUF_Q4_1: tile_team_rows<GGUF_Q4_1>(n, qr, t, row0, m); break;
+                case GGUF_Q5_0: tile_team_rows<GGUF_Q5_0>(n, qr, t, row0, m); break;
+                case GGUF_Q5_1: tile_team_rows<GGUF_Q5_1>(n, qr, t, row0, m); break;
+                case GGUF_Q8_0: tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m); break;
+                case GGUF_Q4_K: tile_team_rows<GGUF_Q4_K>(n, qr, t, row0, m); break;
+                case GGUF_Q5_K: tile_team_rows<GGUF_Q5_K>(n, qr, t, row0, m); break;
+                case GGUF_Q2_K: tile_team_rows<GGUF_Q2_K>(n, qr, t, row0, m); break;
+                case GGUF_Q3_K: tile_team_rows<GGUF_Q3_K>(n, qr, t, row0, m); break;
+                case GROUP_I8: tile_team_rows<GROUP_I8>(n, qr, t, row0, m); break;
+                case GROUP_I4: tile_team_rows<GROUP_I4>(n, qr, t, row0, m); break;
+                default: tile_team_rows<GGUF_Q6_K>(n, qr, t, row0, m); break;
+            }
+        }
+    }
+}
