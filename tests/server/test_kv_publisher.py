@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from pagedllm.clients import kv_publisher
 from pagedllm.clients.kv_publisher import KVSnapshotPublisher
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
-from pagedllm.entrypoints.openai import kv_publisher
 
 
 class FakeEngine:
