@@ -134,7 +134,8 @@ def test_chunks_take_blocks_as_they_go_and_a_tight_pool_gives_the_same_tokens(ti
     preempted; the greedy tokens still equal an ample pool's and the pool ends whole."""
     prompts = _prompts([60, 45, 70, 30, 52], seed=33)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    kwargs = dict(max_model_len=128, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=False)
+    kwargs = dict(max_model_len=128, block_size=4, max_num_batched_tokens=24, enable_prefix_caching=False,
+                  itl_target_ms=None)  # cuts by the pool only, not by the latency target's share
     ample = LLM(tiny_model_dirs["llama"], num_kv_blocks=256, **kwargs)
     want = _tokens(ample.generate(prompts, params, use_tqdm=False))
     assert ample.llm_engine.scheduler.num_preemptions == 0

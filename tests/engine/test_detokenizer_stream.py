@@ -14,7 +14,6 @@ fallback, a decoder that strips the first token's leading space) trained here.
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pagedllm.engine import detokenizer
 from pagedllm.engine.detokenizer import detokenize_incrementally, fast_backend
 from pagedllm.engine.sequence import Sequence
 from pagedllm.loader import bundled_model_path
@@ -248,13 +246,10 @@ def test_a_decoder_that_rewrites_earlier_text_restarts_the_stream() -> None:
     assert seq.output_text == "abca"
 
 
-def test_streams_are_dropped_with_their_sequence(gguf_tok: Tokenizer) -> None:
+def test_a_stream_lives_on_its_sequence_and_a_fork_builds_its_own(gguf_tok: Tokenizer) -> None:
     _, seq = stream(gguf_tok, [], gguf_tok.encode("hello", add_special_tokens=False), True)
-    assert seq in detokenizer._streams
-    before = len(detokenizer._streams)
-    del seq
-    gc.collect()
-    assert len(detokenizer._streams) == before - 1
+    assert seq.detok_state is not None  # dropped with the sequence: nothing else holds it
+    assert seq.fork(1).detok_state is None
 
 
 def test_an_invalid_byte_run_restarts_the_stream(spm_tok: FastTokenizer) -> None:
