@@ -5,19 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.native_ops import NativeOps
+from pagedllm.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for ``x`` ``[num_tokens, 2 * inter]`` -> ``[num_tokens, inter]`` (Llama's MLP)."""
+class SiluAndMul(CustomOp):
+    """``silu(gate) * up`` for ``x`` ``[num_tokens, 2 * inter]`` -> ``[num_tokens, inter]`` (Llama's MLP).
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.native: NativeOps | None = None  # one native pass when set (LlamaForCausalLM.use_native_ops)
+    One native pass once ``select_impl`` hands it native ops (``layers/custom_op.py``).
+    """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.silu_mul(x)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` in one native pass (``x`` contiguous rows)."""
+        return self.native.silu_mul(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` in torch ops."""
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
 
@@ -36,5 +38,6 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate) * up`` in torch ops."""
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate=self.approximate) * up

@@ -35,6 +35,7 @@ option yet and hand such layers to the SDPA path.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -144,6 +145,20 @@ def gather_context(
 
 # the cache dtypes the native kernels read and write
 _NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# cache pairs CpuPagedAttention remembers before it drops the entries of freed ones
+_CACHE_VERDICTS_PRUNE_AT = 256
+
+
+def native_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the native ops can read and write this K/V cache pair: CPU, one native dtype, contiguous."""
+    return (
+        k_cache.device.type == "cpu"
+        and v_cache.device.type == "cpu"
+        and k_cache.dtype in _NATIVE_CACHE_DTYPES
+        and v_cache.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
 
 
 class AttentionBackend(ABC):
@@ -330,6 +345,14 @@ class CpuPagedAttention(SdpaAttention):
     prefill kernel takes neither a window nor a softcap, so windowed prompts
     go through SDPA, and so does everything in a softcapped layer (only the
     K/V write staying native).
+
+    Whether a cache pair suits the native ops (``native_caches``) is
+    decided on the pair's first use and remembered: a cache's dtype, device
+    and layout are fixed when it is allocated. A pair that does not suit
+    them is written and read the base class's way. New K/V must be float32
+    CPU rows of whole, contiguous heads (the model's slices of its fused
+    qkv); the native write checks that, and a slot outside the cache,
+    itself (ValueError).
     """
 
     name = "cpu_paged"
@@ -341,26 +364,36 @@ class CpuPagedAttention(SdpaAttention):
         if ops is None:
             raise ValueError(f"the cpu_paged attention backend cannot be built here: {kernels_failure()}")
         self._ops = ops  # torch.ops.pagedllm
+        # (id(k_cache), id(v_cache)) -> (the caches, weakly, whether native_caches holds for them); weak
+        # references so that an id reused by a later tensor is never taken for the old cache's
+        self._cache_verdicts: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, bool]] = {}
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
         options = {"sliding_window": sliding_window, "softcap": softcap}
-        # as the base class, with the K/V write as one native op (two
-        # index_copy_ calls otherwise; 0.24 s of the throughput workload);
-        # what the op does not take goes the torch way, as the base class
-        # (the op checks the rest, a slot outside the cache among it)
-        head_dim = k.shape[2]
-        if (
-            any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(2) != 1 or t.stride(1) != head_dim
-                for t in (k, v))
-            or k_cache.dtype not in _NATIVE_CACHE_DTYPES
-            or v_cache.dtype != k_cache.dtype
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        ):
+        if not self._native_caches(k_cache, v_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, **options)
+        # as the base class, with the K/V write as one native op (two
+        # index_copy_ calls otherwise; 0.24 s of the throughput workload)
         self._ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping.contiguous())
         if meta.num_prefills:
             k, v = as_stored(k, k_cache), as_stored(v, v_cache)
         return self.attend(q, k, v, k_cache, v_cache, meta, scale, **options)
+
+    def _native_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """``native_caches(k_cache, v_cache)``, computed on the pair's first use and remembered."""
+        key = (id(k_cache), id(v_cache))
+        known = self._cache_verdicts.get(key)
+        if known is not None and known[0]() is k_cache and known[1]() is v_cache:
+            return known[2]
+        if len(self._cache_verdicts) >= _CACHE_VERDICTS_PRUNE_AT:
+            # forget freed caches (tests make many; an engine's stay for its lifetime)
+            self._cache_verdicts = {
+                pair: entry for pair, entry in self._cache_verdicts.items()
+                if entry[0]() is not None and entry[1]() is not None
+            }
+        verdict = native_caches(k_cache, v_cache)
+        self._cache_verdicts[key] = (weakref.ref(k_cache), weakref.ref(v_cache), verdict)
+        return verdict
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         # prompts computed from scratch read their K/V from this step's rows, all

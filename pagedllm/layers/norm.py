@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.native_ops import NativeOps
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """Root-mean-square norm, computed in float32 as the reference does.
 
     ``unit_offset=False`` (Llama): ``weight * rms_norm(x)``, the weight
@@ -17,8 +20,13 @@ class RMSNorm(nn.Module):
     (1 + weight)`` all in float32, cast back last; checkpoints store the
     weight as an offset from 1. The native kernel computes Llama's form,
     ``rms_norm(x) * w``; in float32 that is Gemma's with ``w = 1 + weight``,
-    so a unit-offset norm hands it that sum, made once in ``use_native``
-    (after the weights are loaded: it is a copy).
+    so a unit-offset norm hands it that sum, made once in ``select_impl``
+    (after the weights are loaded: it is a copy). The native kernel runs
+    float32 only (it raises ValueError otherwise): the runner hands the
+    model native ops only when it computes in float32.
+
+    Two entry points, both bound once by ``select_impl``: ``forward(x)``
+    and ``add_forward(x, delta)`` (the residual add, then the norm).
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
@@ -26,22 +34,30 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset
-        self.native: NativeOps | None = None  # set by use_native
         self.native_weight: torch.Tensor | None = None  # [dim] float32: what the native kernel multiplies by
+        self._add_forward_impl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._add_forward_torch
 
-    def use_native(self, ops: NativeOps | None) -> None:
+    def select_impl(self, ops: NativeOps | None) -> None:
         """Run through ``ops`` from now on (None: plain torch); call it after the weights are loaded."""
-        self.native = ops
+        super().select_impl(ops)
         if ops is None:
             self.native_weight = None
         elif self.unit_offset:
             self.native_weight = (1.0 + self.weight.detach().float()).contiguous()
         else:
             self.native_weight = self.weight
+        self._add_forward_impl = self._add_forward_torch if ops is None else self._add_forward_native
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and (not self.unit_offset or x.dtype == torch.float32):
-            return self.native.add_rms_norm(x, None, self.native_weight, self.eps)
+    def use_native(self, ops: NativeOps | None) -> None:
+        """``select_impl`` under its earlier name."""
+        self.select_impl(ops)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """``rms_norm(x) * native_weight`` in one native pass."""
+        return self.native.add_rms_norm(x, None, self.native_weight, self.eps)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm in torch ops, Llama's or Gemma's form (see the class docstring)."""
         if self.unit_offset:
             normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
@@ -52,6 +68,10 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """``x += delta`` in place (the residual add), then the norm of the sum."""
-        if self.native is not None and (not self.unit_offset or x.dtype == torch.float32):
-            return self.native.add_rms_norm(x, delta, self.native_weight, self.eps)
+        return self._add_forward_impl(x, delta)
+
+    def _add_forward_native(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self.native.add_rms_norm(x, delta, self.native_weight, self.eps)
+
+    def _add_forward_torch(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return self(x.add_(delta))

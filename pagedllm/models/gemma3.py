@@ -19,10 +19,11 @@ Where it differs from the Llama family, each as transformers computes it:
 - the LM head is usually tied to the embedding.
 
 Tokens of all sequences in a step are one flat batch, as in ``llama.py``;
-q/k/v and gate/up are stored fused and loaded by HF name. With native ops
-(float32 on the CPU), the norms run the native RMSNorm with ``1 + w`` made
-once (``RMSNorm.use_native``), and q/k norms and RoPE are one in-place pass
-over qkv (``qk_norm_rope_``), as in ``llama.py``; GELU stays torch.
+q/k/v and gate/up are stored fused and loaded by HF name. The layers choose
+their kernels (``layers/custom_op.py``): with native ops (float32 on the
+CPU) the norms run the native RMSNorm with ``1 + w`` made once, and q/k
+norms and RoPE are one in-place pass over qkv (``QKNormRotary``), as in
+``llama.py``; GELU stays torch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from pagedllm.layers.activation import GeluAndMul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
+from pagedllm.layers.custom_op import NativeOpsMixin
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
@@ -43,6 +45,7 @@ from pagedllm.layers.parallel import (
     TensorParallelGroup,
     VocabParallelEmbedding,
 )
+from pagedllm.layers.qk_rotary import QKNormRotary
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.weights import fused_projections, load_hf_weights
 from pagedllm.loader.model_config import GELU_APPROXIMATIONS, ModelArchConfig
@@ -71,7 +74,16 @@ class Gemma3Attention(nn.Module):
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window(layer)  # None: full attention
         self.softcap = cfg.attn_logit_softcapping
-        self.native: NativeOps | None = None  # set by Gemma3ForCausalLM.use_native_ops
+        self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
+
+    @property
+    def native(self) -> NativeOps | None:
+        """The native ops q/k norms and RoPE run through (None: torch), as ``qk_norm_rope`` chose them.
+
+        Read only, for callers that inspect which path a layer takes
+        (``tests/models/test_gemma3_sliding_window.py``).
+        """
+        return self.qk_norm_rope.native
 
     def forward(
         self, cos_sin: CosSin, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -79,21 +91,7 @@ class Gemma3Attention(nn.Module):
         """``x`` ``[num_tokens, hidden]`` -> attention output ``[num_tokens, hidden]``."""
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.native is not None and qkv.dtype == torch.float32:
-            # per-head norms (the 1 + w weights) and RoPE, in place on q and k, one pass
-            cos, sin = (t.view(-1, self.head_dim) for t in cos_sin)
-            self.native.qk_norm_rope_(
-                qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
-                self.q_norm.native_weight, self.k_norm.native_weight, self.q_norm.eps,
-            )
-            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(
-                qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
-            )
-            q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
+        q, k = self.qk_norm_rope(qkv, cos_sin)  # per-head norms (1 + w), then RoPE
         out = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
             sliding_window=self.sliding_window, softcap=self.softcap,
@@ -176,8 +174,11 @@ class Gemma3Model(nn.Module):
         self.rotary = Gemma3Rotary(cfg)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the (softcapped) logits."""
+class Gemma3ForCausalLM(NativeOpsMixin, nn.Module):
+    """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the (softcapped) logits.
+
+    ``use_native_ops`` (``NativeOpsMixin``) switches its layers between native and torch implementations.
+    """
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
@@ -207,14 +208,6 @@ class Gemma3ForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(local if layer.is_sliding else full, x, kv_cache, meta)
         return self.model.norm(x)
-
-    def use_native_ops(self, ops: NativeOps | None) -> None:
-        """Run norms (with ``1 + w``) and q/k norms with RoPE through ``ops``; None: plain torch. GELU stays torch."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.use_native(ops)
-            elif isinstance(module, Gemma3Attention):
-                module.native = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[n, vocab]`` in float32, for the rows that sample only; ``cap * tanh(x / cap)`` if capped.

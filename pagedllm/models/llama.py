@@ -10,6 +10,11 @@ only attention needs to know where one sequence ends, and it learns that from
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 stored fused (``qkv_proj``, ``gate_up_proj``) so each is one matmul;
 ``load_weights`` writes the separate checkpoint tensors into their slices.
+
+The file says what each layer computes (RMSNorm, q/k norm and RoPE, SiLU
+and multiply, paged attention); which kernels run them is the layers'
+choice (``layers/custom_op.py``), made once when the runner hands the
+loaded model its native ops.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
+from pagedllm.layers.custom_op import NativeOpsMixin
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import (
     ParallelLMHead,
@@ -30,12 +35,15 @@ from pagedllm.layers.parallel import (
     TensorParallelGroup,
     VocabParallelEmbedding,
 )
+from pagedllm.layers.qk_rotary import QKNormRotary
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.weights import FusedMap, fused_projections, load_hf_weights
 from pagedllm.loader.model_config import ModelArchConfig
 
 
 class Attention(nn.Module):
+    """Self-attention of one layer: fused qkv, q/k norms (Qwen3) and RoPE, paged attention, output projection."""
+
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None
     ) -> None:
@@ -53,7 +61,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window(layer)  # None: full attention
-        self.native: NativeOps | None = None
+        self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
 
     def forward(
         self,
@@ -62,25 +70,10 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden]`` -> attention output ``[num_tokens, hidden]``."""
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        num_qk_heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.native is not None:
-            # q and k sit side by side in qkv: normed (Qwen3) and rotated in place in one pass
-            cos, sin = (t.view(-1, self.head_dim) for t in cos_sin)
-            q_norm, k_norm = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-            eps = 0.0 if self.q_norm is None else self.q_norm.eps
-            self.native.qk_norm_rope_(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, q_norm, k_norm, eps)
-            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
-        elif self.q_norm is None:
-            # q and k sit side by side in qkv: rotate both heads at once
-            qk = qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, self.head_dim)
-            q, k = RotaryEmbedding.apply(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
-            q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
+        q, k = self.qk_norm_rope(qkv, cos_sin)
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         out = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window
@@ -89,6 +82,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, gate and up as one matmul."""
+
     def __init__(self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -97,10 +92,13 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream."""
+
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None
     ) -> None:
@@ -110,14 +108,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, cos_sin, x, kv_cache, meta):  # noqa: ANN001, ANN201
-        # the residual stream x is updated in place: x += attn(...), x += mlp(...)
+    def forward(
+        self,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One layer over the residual stream ``x`` ``[num_tokens, hidden]``, updated in place and returned."""
+        # x += attn(...), x += mlp(...) in place: no new residual tensor per layer
         attn_out = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         h = self.post_attention_layernorm.add_forward(x, attn_out)
         return x.add_(self.mlp(h))
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and the RoPE table (Hugging Face's ``model.*`` names)."""
+
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
@@ -128,12 +135,14 @@ class LlamaModel(nn.Module):
         self.rotary = rotary
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(NativeOpsMixin, nn.Module):
     """Decoder plus LM head; ``forward`` returns hidden states, ``compute_logits`` the logits.
 
     ``cfg`` is the shape this process holds: with ``tp`` (tensor
     parallelism) a rank's head counts and intermediate size
     (``ShardPlan.local_config``), and ``tp.plan`` says which slices they are.
+    ``use_native_ops`` (``NativeOpsMixin``) switches its layers between
+    native and torch implementations.
     """
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
@@ -153,20 +162,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Hidden states after the final norm for the step's tokens."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)  # looked up once for all layers
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(cos_sin, x, kv_cache, meta)
         return self.model.norm(x)
-
-    def use_native_ops(self, ops: NativeOps | None) -> None:
-        """Run norms (with the residual add), RoPE (with Qwen3's per-head q/k norms) and
-        SiLU-and-multiply through ``ops``; None: plain torch."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.use_native(ops)
-            elif isinstance(module, (Attention, SiluAndMul)):
-                module.native = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits ``[n, vocab]`` in float32, for the rows that sample only (None on tensor-parallel ranks but 0)."""

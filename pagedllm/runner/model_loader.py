@@ -20,6 +20,7 @@ from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.kernels import kernels_failure, load_kernels
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
+from pagedllm.layers.custom_op import select_impls
 from pagedllm.layers.gguf_linear import (
     GGUF_KERNEL_TYPES,
     GGUFEmbedding,
@@ -308,7 +309,8 @@ def load_model(
     # norms, RoPE and SiLU-and-multiply as single native calls where they build
     lib = load_kernels() if device.type == "cpu" and precision.compute == torch.float32 else None
     native_ops = NativeOps(lib) if lib is not None else None
-    model.use_native_ops(native_ops)
+    # each layer with a native implementation binds it (or its torch one) now, once
+    select_impls(model, native_ops)
     # RoPE tables stay float32 whatever the model dtype
     model.model.rotary.float().build_tables()
     return LoadedModel(
