@@ -124,3 +124,5 @@ class StepRecord:
 
     sequences: tuple[SequenceStep, ...]
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
+    # [start, stop) block ids whose K/V will never be read again: their pages go back to the OS
+    release_blocks: tuple[tuple[int, int], ...] = ()

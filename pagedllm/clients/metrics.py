@@ -58,6 +58,13 @@ class ServerMetrics:
             "KV cache usage, 0 to 1: blocks held by requests over all blocks",
         )
         self.num_kv_blocks = gauge("pagedllm:num_kv_blocks", "KV cache blocks in the pool")
+        self.kv_reserved_bytes = gauge(
+            "pagedllm:kv_cache_reserved_bytes", "Bytes of address space the KV pool reserves (this process's share)"
+        )
+        self.kv_resident_bytes = gauge(
+            "pagedllm:kv_cache_resident_bytes",
+            "Bytes of the KV pool in memory: blocks written and not yet given back to the OS",
+        )
         self.num_requests_running = gauge("pagedllm:num_requests_running", "Requests with a sequence running")
         self.num_requests_waiting = gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled")
         self.prefix_cache_queries = counter(
@@ -109,6 +116,8 @@ class ServerMetrics:
         """Refresh gauges and counters from an engine's figures (or several engines' sum)."""
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.num_kv_blocks.set(stats.num_blocks)
+        self.kv_reserved_bytes.set(stats.kv_reserved_bytes)
+        self.kv_resident_bytes.set(stats.kv_resident_bytes)
         self.num_requests_running.set(stats.running)
         self.num_requests_waiting.set(stats.waiting)
         totals = {
@@ -141,6 +150,8 @@ class EngineStats:
     preemptions: int = 0
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
+    kv_reserved_bytes: int = 0
+    kv_resident_bytes: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -152,12 +163,14 @@ class EngineStats:
 
     def counters_only(self) -> EngineStats:
         """The counters, the gauges zeroed (what a dead replica's figures still add to the totals)."""
-        return dataclasses.replace(self, num_blocks=0, used_blocks=0, running=0, waiting=0)
+        return dataclasses.replace(
+            self, num_blocks=0, used_blocks=0, running=0, waiting=0, kv_reserved_bytes=0, kv_resident_bytes=0
+        )
 
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
     """The engine's figures now; call on the thread that steps it."""
-    bm = engine.block_manager
+    bm, runner = engine.block_manager, engine.model_runner
     running = sum(1 for req in engine.requests.values() if any(s.status.value == "running" for s in req.seqs))
     return EngineStats(
         num_blocks=bm.num_blocks,
@@ -169,6 +182,9 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         preemptions=engine.scheduler.num_preemptions,
         prompt_tokens_computed=engine.num_prompt_tokens_computed,
         generated_tokens=engine.num_generated_tokens,
+        kv_reserved_bytes=runner.kv_cache_bytes,
+        # the bookkeeping's count (a syscall over the whole pool each step would cost more than it tells)
+        kv_resident_bytes=getattr(bm, "num_touched_blocks", bm.num_used_blocks) * runner.kv_bytes_per_block,
     )
 
 

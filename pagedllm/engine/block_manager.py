@@ -4,18 +4,22 @@ The model runner pre-allocates one cache tensor cut into ``num_blocks`` blocks
 of ``block_size`` token slots. This class decides which sequence owns which
 block; it never touches the tensor and never imports torch.
 
-Free list and prefix cache share one structure::
+Free blocks sit in one of two places::
 
-    free list (LRU order, oldest first)         hash -> block (prefix cache)
-    [ 5, 9, 2, 14, ... ]                        {h(A): 9, h(A,B): 2}
-      ^ popped first when a block is needed
+    empty (a heap: lowest id first)             cached (LRU order, oldest first)
+    [ 0, 3, 7, ... ]                            [ 9, 2, 14, ... ]   hash -> block: {h(A): 9, h(A,B): 2}
+      ^ popped first when a block is needed       ^ evicted when no empty block is left
 
-A block whose reference count falls to 0 goes to the *tail* of the free list
-but keeps its hash, so a later prompt with the same prefix can take it back
-(a cache hit) until it is popped for someone else (an eviction). Blocks of a
-freed sequence are pushed tail-first, so a prompt's first blocks, the most
-shareable ones, are evicted last. Both pop and remove are O(1) (an
-``OrderedDict`` is the free list).
+A block whose reference count falls to 0 and holds no cached hash goes back
+to *empty*; handing out the lowest id first keeps the blocks in use packed at
+the start of the pool, so the cache tensor's pages the OS has backed stay few
+and the pages of a drained pool's tail can be given back (``take_releasable``,
+``runner/kv_cache.py``). A freed block that keeps its hash goes to the *tail*
+of *cached*, so a later prompt with the same prefix can take it back (a cache
+hit) until no empty block is left and it is popped for someone else (an
+eviction). Blocks of a freed sequence are pushed tail-first, so a prompt's
+first blocks, the most shareable ones, are evicted last. An ``OrderedDict``
+makes take-back and eviction O(1), the heap makes a pop O(log n).
 
 A block's hash chains the hash of the block before it with the block's token
 ids, so a hit on block ``i`` means the whole prefix up to it matches; a hit
@@ -37,6 +41,7 @@ are never written again, so they are never copied.
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -90,8 +95,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # The free list: block ids with ref count 0, least recently freed first.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks (ref count 0): those holding nothing, lowest id first (already a heap),
+        # and those holding a cached hash, least recently freed first.
+        self._empty: list[int] = list(range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        # blocks handed out since their pages were last given back (runner/kv_cache.py)
+        self._touched: set[int] = set()
         self.ref_counts: list[int] = [0] * num_blocks
         # Prefix cache: each registered block remembers its hash and tokens.
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -108,13 +117,24 @@ class BlockManager:
 
     # --- pool state ----------------------------------------------------------
     @property
+    def free_blocks(self) -> list[int]:
+        """The free blocks in the order they would be handed out: empty ones lowest id first, then cached ones."""
+        return sorted(self._empty) + list(self._cached_free)
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks not held by any sequence (cached-but-unreferenced count as free)."""
-        return len(self.free_blocks)
+        return len(self._empty) + len(self._cached_free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks written since their pages were last given back: an upper bound on the pool's resident blocks."""
+        return len(self._touched)
 
     @property
     def usage(self) -> float:
@@ -151,10 +171,14 @@ class BlockManager:
 
     # --- free list -----------------------------------------------------------
     def _pop_free_block(self) -> int:
-        """Take the least recently freed block, evicting its cached hash."""
-        block, _ = self.free_blocks.popitem(last=False)
-        self._uncache(block)
+        """Take the lowest empty block, else evict the least recently freed cached one."""
+        if self._empty:
+            block = heapq.heappop(self._empty)
+        else:
+            block, _ = self._cached_free.popitem(last=False)
+            self._uncache(block)
         self.ref_counts[block] = 1
+        self._touched.add(block)
         return block
 
     def _uncache(self, block: int) -> None:
@@ -164,11 +188,17 @@ class BlockManager:
                 del self.hash_to_block[h]
             self.block_hash[block] = None
             self.block_token_ids[block] = None
+            if block in self._cached_free:  # free and now holding nothing: empty
+                del self._cached_free[block]
+                heapq.heappush(self._empty, block)
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self.free_blocks[block] = None  # to the tail: evicted last
+            if self.block_hash[block] is not None:
+                self._cached_free[block] = None  # to the tail: evicted last
+            else:
+                heapq.heappush(self._empty, block)
             if self._pending_copies:
                 # a copy into a block freed before the step runs is moot, and
                 # the block may be handed out again (even as another copy's
@@ -215,7 +245,7 @@ class BlockManager:
             return False
         for block in hits:
             if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
+                del self._cached_free[block]  # a hit holds a hash: it was free among the cached
             self.ref_counts[block] += 1
         table = list(hits)
         for _ in range(self._num_blocks_needed(seq, hits, max_num_new_tokens) - len(hits)):
@@ -340,6 +370,23 @@ class BlockManager:
             self._release(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def take_releasable(self) -> list[tuple[int, int]]:
+        """Ranges ``[start, stop)`` of blocks written since last asked that are now free and hold nothing.
+
+        Their K/V will never be read again, so the runner may give their pages
+        back to the OS (``runner/kv_cache.py``); they leave the touched set.
+        Cached free blocks are kept: a later prompt may still hit them.
+        """
+        free = sorted(b for b in self._touched if self.ref_counts[b] == 0 and self.block_hash[b] is None)
+        self._touched.difference_update(free)
+        ranges: list[tuple[int, int]] = []
+        for block in free:
+            if ranges and ranges[-1][1] == block:
+                ranges[-1] = (ranges[-1][0], block + 1)
+            else:
+                ranges.append((block, block + 1))
+        return ranges
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use stay allocated)."""

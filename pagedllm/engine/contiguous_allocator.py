@@ -145,6 +145,10 @@ class ContiguousAllocator:
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         pass
 
+    def take_releasable(self) -> list[tuple[int, int]]:
+        """No pages given back: this baseline reserves whole runs ahead, as the systems the seed compares with."""
+        return []
+
     def take_copies(self) -> list[tuple[int, int]]:
         return []
 

@@ -105,6 +105,10 @@ class LLM:
         """Bytes the loaded model holds in memory (weights as stored for its linear method, RoPE tables)."""
         return self.llm_engine.model_runner.weight_bytes
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``; an idle pool gives their pages back."""
+        self.llm_engine.reset_prefix_cache()
+
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache tensor (every block of the pool, K and V, every layer)."""

@@ -294,6 +294,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their blocks; unknown ids are ignored."""
+        self._abort(request_id)
+        self._give_back_kv_pages()
+
+    def _abort(self, request_id: str | list[str]) -> None:
+        """``abort_request`` without giving pages back (a failed step's requests: the runner may be gone)."""
         ids = [request_id] if isinstance(request_id, str) else request_id
         for rid in ids:
             req = self.requests.pop(rid, None)
@@ -302,6 +307,11 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay); with no request left, their pages go back to the OS."""
+        self.block_manager.reset_prefix_cache()
+        self._give_back_kv_pages()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -342,7 +352,20 @@ class LLMEngine:
         results = self._execute(output)
         outputs = self._process(output, results)
         self._observe_step(output, time.perf_counter() - started)
+        self._give_back_kv_pages()
         return outputs
+
+    def _give_back_kv_pages(self) -> None:
+        """Once no request is left, the pages of blocks that hold nothing go back to the OS.
+
+        The pool stays reserved; only blocks written since they were last given
+        back and now empty (not cached prefixes) are released (``runner/kv_cache.py``).
+        """
+        if self.requests or self.dead is not None:
+            return
+        ranges = self.block_manager.take_releasable()
+        if ranges:
+            self.model_runner.release_kv_blocks(ranges)
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan for this step (blocks allocated, preemptions done)."""
@@ -374,7 +397,7 @@ class LLMEngine:
             # so they leave the cache. Then the caller sees the error (KeyboardInterrupt included).
             self.block_manager.unpublish_unconfirmed()
             for s in output.scheduled:
-                self.abort_request(s.seq.request_id)
+                self._abort(s.seq.request_id)
             if isinstance(e, DistributedError):
                 self._die(e)
             raise

@@ -5,17 +5,42 @@
     kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
     layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
 
-Zero-filled at start-up and never resized: the block manager hands out its
-block ids, the attention backends read and write it through block tables
-and the slot mapping.
+Never resized: the block manager hands out its block ids, the attention
+backends read and write it through block tables and the slot mapping.
+
+On the CPU the tensor lives in an anonymous private mapping the OS backs page
+by page on first write, so the process's resident memory follows the blocks
+in use, not the pool's size: a default pool of 2 GiB costs nothing until
+requests write into it. The block manager hands out the lowest free ids
+first, which keeps the written pages packed at the start of each layer's
+slice; when its blocks empty, ``release_kv_blocks`` gives their pages back
+(``madvise(MADV_DONTNEED)``: the next write finds them zero-filled again)::
+
+    layer 0 K  [ b0 b1 b2 . . . . . . . . . ]   resident: the blocks written
+    layer 0 V  [ b0 b1 b2 . . . . . . . . . ]   . reserved address space only
+    ...
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import mmap
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.loader.model_config import ModelArchConfig
+
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)  # 4 on Linux
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, for madvise on an address (Python's mmap.madvise wants the mapping object)."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
 
 # when neither num_kv_blocks nor kv_cache_memory_bytes is given
 DEFAULT_KV_SHARE = 0.25
@@ -78,13 +103,71 @@ def decide_num_kv_blocks(
     return num_blocks
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in an anonymous private mapping: no page is resident until it is written."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    # private, not Python's default shared mapping: MADV_DONTNEED frees a private page
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps buf alive (frombuffer holds a reference to it)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
 def allocate_kv_cache(
     model_config: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The zero-filled cache tensor and its per-layer (K, V) views."""
+    """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written)."""
     mc = model_config
     # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
-    kv_cache = torch.zeros(
-        2, mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim, dtype=dtype, device=device
-    )
+    shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    if device.type == "cpu":
+        kv_cache = _lazy_zeros(shape, dtype)
+    else:
+        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
     return kv_cache, [(kv_cache[0, i], kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
+
+
+def release_kv_blocks(kv_cache: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
+    """Give the OS back the pages of the blocks in ``ranges`` (``[start, stop)`` ids), in every layer's K and V.
+
+    Only whole pages inside a range go (a page shared with a live block
+    stays); they read as zeros afterwards. Returns the bytes given back. A
+    no-op (0) where the cache is not in such a mapping (a GPU's).
+    """
+    if kv_cache.device.type != "cpu" or not ranges:
+        return 0
+    # [2, num_layers, num_kv_blocks, ...]: one slice of num_kv_blocks blocks per (K/V, layer)
+    num_slices = kv_cache.shape[0] * kv_cache.shape[1]
+    num_blocks = kv_cache.shape[2]
+    block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+    slice_bytes = num_blocks * block_bytes
+    base = kv_cache.data_ptr()
+    page = mmap.PAGESIZE
+    released = 0
+    libc = _libc()
+    for s in range(num_slices):
+        for start, stop in ranges:
+            lo = base + s * slice_bytes + start * block_bytes
+            hi = base + s * slice_bytes + stop * block_bytes
+            lo, hi = -(-lo // page) * page, hi // page * page  # whole pages inside the range
+            if hi > lo:
+                if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+                    raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on the KV cache")
+                released += hi - lo
+    return released
+
+
+def resident_kv_bytes(kv_cache: torch.Tensor) -> int:
+    """Bytes of the cache tensor the OS holds in memory now (``mincore``); its full size where that is unknown."""
+    nbytes = kv_cache.numel() * kv_cache.element_size()
+    if kv_cache.device.type != "cpu" or nbytes == 0:
+        return nbytes
+    page = mmap.PAGESIZE
+    start = kv_cache.data_ptr() // page * page
+    num_pages = -(-(kv_cache.data_ptr() + nbytes - start) // page)
+    vec = (ctypes.c_ubyte * num_pages)()
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(num_pages * page), vec) != 0:
+        return nbytes
+    return sum(b & 1 for b in bytes(vec)) * page

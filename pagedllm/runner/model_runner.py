@@ -21,6 +21,8 @@ from pagedllm.runner.kv_cache import (
     available_memory_bytes,
     decide_num_kv_blocks,
     kv_bytes_per_block,
+    release_kv_blocks,
+    resident_kv_bytes,
 )
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
@@ -99,7 +101,8 @@ class ModelRunner:
         self.kv_cache, self.kv_caches = allocate_kv_cache(
             self.local_config, self.num_kv_blocks + 1, self.block_size, self.kv_cache_dtype, self.device
         )
-        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()  # reserved, resident as written
+        self.kv_bytes_released = 0  # pages given back to the OS so far (release_kv_blocks)
         # (weight bytes, KV cache bytes) each rank holds, by rank: measured there, gathered here
         self.rank_bytes: list[list[int]] = [[self.weight_bytes, self.kv_cache_bytes]]
         if self.tp is not None:
@@ -200,6 +203,15 @@ class ModelRunner:
         # kv_cache: [2, num_layers, num_kv_blocks, ...]; blocks are dim 2
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
+    def release_kv_blocks(self, ranges: list[tuple[int, int]]) -> None:
+        """Give back the pages of blocks that hold nothing (``[start, stop)`` id ranges), on every rank."""
+        self.execute(StepRecord((), release_blocks=tuple(ranges)))
+
+    @property
+    def kv_resident_bytes(self) -> int:
+        """Bytes of this process's KV cache the OS holds in memory now (the pool is reserved, not resident)."""
+        return resident_kv_bytes(self.kv_cache)
+
     @torch.inference_mode()
     def execute(self, record: StepRecord) -> list[StepResult]:
         """Run one step from its record (``pagedllm/step_record.py``).
@@ -212,6 +224,10 @@ class ModelRunner:
         """
         if self.tp is not None and self.tp.is_driver:
             self.tp.broadcast_record(record)
+        if record.release_blocks:
+            self.kv_bytes_released += release_kv_blocks(self.kv_cache, list(record.release_blocks))
+        if not record.sequences:
+            return []
         self.copy_blocks(record.blocks_to_copy)
         order = sorted(range(len(record.sequences)), key=lambda i: record.sequences[i].num_new_tokens == 1)
         steps = [record.sequences[i] for i in order]

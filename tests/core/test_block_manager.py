@@ -73,22 +73,22 @@ def test_fresh_pool_hands_out_in_order(caching):
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_freed_blocks_go_to_tail_last_block_first(caching):
+def test_freed_empty_blocks_come_back_lowest_id_first(caching):
     bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=caching)
-    a = mk(range(10))  # [0, 1, 2]
+    a = mk(range(10))  # [0, 1, 2], never published: they hold nothing once freed
     b = mk(range(100, 105))  # [3, 4]
     bm.allocate(a)
     bm.allocate(b)
     bm.free(a)
     assert a.block_table == []
-    assert free_list(bm) == [5, 6, 7, 2, 1, 0]
-    # the next allocation draws from the head: the least recently freed
+    assert free_list(bm) == [0, 1, 2, 5, 6, 7]
+    # the next allocation takes the lowest ids: the blocks in use stay packed at the pool's start
     c = mk(range(200, 216))  # 4 blocks
     assert bm.allocate(c)
-    assert c.block_table == [5, 6, 7, 2]
-    assert free_list(bm) == [1, 0]
+    assert c.block_table == [0, 1, 2, 5]
+    assert free_list(bm) == [6, 7]
     bm.free(b)
-    assert free_list(bm) == [1, 0, 4, 3]
+    assert free_list(bm) == [3, 4, 6, 7]
 
 
 # --- allocate when short ------------------------------------------------------------
@@ -243,10 +243,11 @@ def test_free_of_shared_block_keeps_it_until_last_reference():
     bm.free(a)
     # only a's private block 2 is free; 0 and 1 are still held by b
     assert bm.ref_counts[:4] == [1, 1, 0, 1]
-    assert free_list(bm) == [4, 5, 6, 7, 2]
+    assert free_list(bm) == [2, 4, 5, 6, 7]
     bm.free(b)
     assert bm.ref_counts == [0] * 8
-    assert free_list(bm) == [4, 5, 6, 7, 2, 3, 1, 0]
+    # empty blocks lowest first, then the cached ones least recently freed first (b's table backwards)
+    assert free_list(bm) == [2, 3, 4, 5, 6, 7, 1, 0]
 
 
 def test_copy_on_write_example_three_requests_share_prompt():
@@ -422,17 +423,17 @@ def test_free_cached_blocks_keep_hash_and_count_as_free():
     hashes = dict(bm.hash_to_block)
     bm.free(a)
     assert bm.num_free_blocks == 8
-    assert free_list(bm) == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert free_list(bm) == [2, 3, 4, 5, 6, 7, 1, 0]
     assert bm.hash_to_block == hashes
     assert bm.block_hash[0] is not None and bm.block_hash[1] is not None
     # a later prompt with the prefix takes them back out of the free list
     b = mk(list(range(8)) + [50])
     assert bm.can_allocate(b)
     assert bm.allocate(b)
-    assert b.block_table == [0, 1, 3]
+    assert b.block_table == [0, 1, 2]  # two hits, then the lowest empty block
     assert b.num_cached_tokens == 8
-    assert bm.ref_counts[:4] == [1, 1, 0, 1]
-    assert free_list(bm) == [4, 5, 6, 7, 2]
+    assert bm.ref_counts[:4] == [1, 1, 1, 0]
+    assert free_list(bm) == [3, 4, 5, 6, 7]
     assert bm.num_free_blocks == 5
 
 
@@ -454,20 +455,21 @@ def test_eviction_is_least_recently_freed_first():
     hq = bm.block_hash[2]
     bm.free(p)
     bm.free(q)
-    assert free_list(bm) == [1, 0, 3, 2]
-    # a 2-block newcomer pops 1 and 0: P's cached block is evicted
-    r = mk(range(50, 58))
+    assert free_list(bm) == [1, 3, 0, 2]
+    # a 3-block newcomer takes the empty 1 and 3, then evicts P's cached block 0 (freed first)
+    r = mk(range(50, 62))
     assert bm.allocate(r)
-    assert r.block_table == [1, 0]
+    assert r.block_table == [1, 3, 0]
     assert r.num_cached_tokens == 0
     assert hp not in bm.hash_to_block
     assert bm.block_hash[0] is None and bm.block_token_ids[0] is None
     # Q's block (freed later) is still cached and hits
     assert bm.hash_to_block[hq] == 2
+    bm.free(r)
     q2 = mk([10, 11, 12, 13, 97])
     assert bm.allocate(q2)
     assert q2.num_cached_tokens == BS
-    assert q2.block_table == [2, 3]
+    assert q2.block_table == [2, 0]
 
 
 def test_eviction_order_follows_free_order():
@@ -477,12 +479,13 @@ def test_eviction_order_follows_free_order():
     hq = bm.block_hash[2]
     bm.free(q)  # Q first this time
     bm.free(p)
-    assert free_list(bm) == [3, 2, 1, 0]
-    r = mk(range(50, 58))
+    assert free_list(bm) == [1, 3, 2, 0]
+    r = mk(range(50, 62))
     assert bm.allocate(r)
-    assert r.block_table == [3, 2]
+    assert r.block_table == [1, 3, 2]
     assert hq not in bm.hash_to_block
     assert bm.hash_to_block[hp] == 0
+    bm.free(r)
     p2 = mk([0, 1, 2, 3, 96])
     assert bm.allocate(p2)
     assert p2.num_cached_tokens == BS
@@ -519,16 +522,17 @@ def test_reusing_a_cached_block_refreshes_its_lru_position():
     hp = bm.block_hash[0]
     bm.free(p)
     bm.free(q)
-    assert free_list(bm) == [1, 0, 3, 2]
+    assert free_list(bm) == [1, 3, 0, 2]
     # touch P's cached block: it leaves the free list and comes back at the tail
     p2 = mk([0, 1, 2, 3, 95])
     assert bm.allocate(p2)
-    assert p2.block_table == [0, 1]  # hit 0, new block popped from the head: 1
+    assert p2.block_table == [0, 1]  # hit 0, then the lowest empty block: 1
     bm.free(p2)
-    assert free_list(bm) == [3, 2, 1, 0]
-    r = mk(range(50, 58))
+    assert free_list(bm) == [1, 3, 2, 0]
+    # a 3-block newcomer evicts Q's block 2, not P's refreshed 0
+    r = mk(range(50, 62))
     assert bm.allocate(r)
-    assert r.block_table == [3, 2]
+    assert r.block_table == [1, 3, 2]
     assert bm.hash_to_block[hp] == 0
 
 
@@ -679,3 +683,31 @@ def test_chunk_arguments_are_validated():
         with pytest.raises(ValueError, match="num_new_tokens must be 1..5"):
             bm.append_slot(seq, bad)
     assert bm.append_slot(seq, 5) and len(seq.block_table) == 3
+
+
+# --- pages the runner may give back ---------------------------------------------------
+def test_take_releasable_coalesces_freed_empty_blocks_and_keeps_cached_ones():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = mk(range(9))  # [0, 1, 2]; 0 and 1 full
+    b = mk(range(100, 112))  # [3, 4, 5]
+    c = mk(range(200, 204))  # [6]
+    assert bm.allocate(a) and bm.allocate(b) and bm.allocate(c)
+    bm.cache_full_blocks(a, len(a))
+    assert bm.num_touched_blocks == 7
+    assert bm.take_releasable() == []  # all in use
+    bm.free(a)
+    bm.free(b)
+    # a's cached 0 and 1 stay (a later prompt may hit them); 2-5 hold nothing: one range
+    assert bm.take_releasable() == [(2, 6)]
+    assert bm.num_touched_blocks == 3
+    assert bm.take_releasable() == []  # given back once
+    bm.free(c)
+    assert bm.take_releasable() == [(6, 7)]
+    # evicting a cached block makes it touched again, and releasable once free
+    bm.reset_prefix_cache()
+    assert bm.take_releasable() == [(0, 2)]
+    assert bm.num_touched_blocks == 0
+    d = mk(range(300, 305))  # 2 blocks: the lowest ids again
+    assert bm.allocate(d)
+    assert d.block_table == [0, 1]
+    assert bm.num_touched_blocks == 2

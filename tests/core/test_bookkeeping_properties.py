@@ -242,9 +242,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live.remove(seq)
         assert seq.block_table == []
         assert self.bm.num_free_blocks == n_free + len(private)
-        # pushed to the tail, last block first
-        if private:
-            assert list(self.bm.free_blocks)[-len(private) :] == private[::-1]
+        # blocks holding a cached hash go to the tail, last block first; the others
+        # join the empty blocks, which come out lowest id first, before any cached one
+        free = list(self.bm.free_blocks)
+        cached = [b for b in private if self.bm.block_hash[b] is not None]
+        if cached:
+            assert free[-len(cached) :] == cached[::-1]
+        empty = [b for b in free if self.bm.block_hash[b] is None]
+        assert free[: len(empty)] == sorted(empty)
+        assert set(private) - set(cached) <= set(empty)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

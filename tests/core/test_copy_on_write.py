@@ -32,8 +32,10 @@ def pool_in_order(num_blocks: int, first: list[int], block_size: int = BS, cachi
     """A pool whose free list starts with the block ids ``first``, in that order.
 
     Built through the public API only: every block is allocated to a
-    one-block sequence (ids come out 0, 1, 2, ...), then the holders of
-    ``first`` are freed first, then the others.
+    one-block sequence (ids come out 0, 1, 2, ...) and published in the
+    prefix cache, then the holders of ``first`` are freed first, then the
+    others. Published blocks keep their hashes when freed, so they wait in
+    least-recently-freed order (empty blocks would come out lowest id first).
     """
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     holders = []
@@ -41,6 +43,7 @@ def pool_in_order(num_blocks: int, first: list[int], block_size: int = BS, cachi
         s = Sequence([10_000 + b] * block_size, block_size)
         assert bm.allocate(s)
         assert s.block_table == [b]
+        bm.cache_full_blocks(s, block_size)
         holders.append(s)
     for b in first:
         bm.free(holders[b])

@@ -22,12 +22,16 @@ from pagedllm.engine.sequence import Sequence, SequenceStatus
 
 
 def pool_in_order(num_blocks: int, first: list[int], block_size: int) -> BlockManager:
-    """A pool whose free list starts with ``first``: allocate every block, free ``first`` first."""
+    """A pool whose free list starts with ``first``: allocate and publish every block, free ``first`` first.
+
+    Published blocks keep their hashes when freed and wait in least-recently-freed order.
+    """
     bm = BlockManager(num_blocks, block_size)
     holders = []
     for b in range(num_blocks):
         s = Sequence([50_000 + b] * block_size, block_size)
         assert bm.allocate(s)
+        bm.cache_full_blocks(s, block_size)
         holders.append(s)
     for b in [*first, *(b for b in range(num_blocks) if b not in first)]:
         bm.free(holders[b])
@@ -63,10 +67,11 @@ def test_600_tokens_in_256_token_blocks_take_three_blocks() -> None:
     [s] = req["sequences"]
     assert s["block_table"] == [7, 4, 3]
     assert s["num_tokens"] == s["num_computed_tokens"] == 600
-    assert snap["block_states"] == "fffhhffh"
+    # the other blocks still hold pool_in_order's published one-block prompts: cached, free to evict
+    assert snap["block_states"] == "ccchhcch"
     assert snap["ref_counts"] == [0, 0, 0, 1, 1, 0, 0, 1]
     c = snap["counters"]
-    assert (c["used_blocks"], c["cached_blocks"], c["free_blocks"]) == (3, 0, 5)
+    assert (c["used_blocks"], c["cached_blocks"], c["free_blocks"]) == (3, 5, 0)
     # the chapter's waste: 3 * 256 slots held, 600 written, the last block's 168 empty
     assert c["held_slots"] == 768 and c["waste_slots"] == 168
     # token 257 -> logical block 1, offset 1 -> physical block 4 -> slot 4 * 256 + 1
@@ -77,7 +82,7 @@ def test_600_tokens_in_256_token_blocks_take_three_blocks() -> None:
     snap = build_kv_snapshot(sched)
     assert snap["requests"] == []
     assert states_of(snap, [7, 4, 3]) == "ccf"
-    assert snap["counters"]["cached_blocks"] == 2 and snap["counters"]["used_blocks"] == 0
+    assert snap["counters"]["cached_blocks"] == 5 + 2 and snap["counters"]["used_blocks"] == 0
     assert snap["counters"]["waste_slots"] == 0
 
 
@@ -113,7 +118,7 @@ def test_three_samples_share_two_blocks_then_diverge_into_five() -> None:
     assert states_of(snap, [15, 12, 9, 3, 6]) == "sshhh"
     c = snap["counters"]
     assert c["used_blocks"] == 5  # three separate requests would hold 9
-    assert c["free_blocks"] == 11 and c["cow_copies"] == 0
+    assert c["cached_blocks"] == 11 and c["cow_copies"] == 0  # the rest: pool_in_order's cached prompts
     assert c["waste_slots"] == 3 * 3  # one token written in each new 4-slot block
 
 

@@ -542,13 +542,13 @@ def test_prefix_hit_within_and_across_steps():
 
 def test_pool_rejected_admission_leaves_the_cache_alone():
     bm, sched = make(num_blocks=6, max_num_batched_tokens=24, caching=True)
-    # an earlier prompt left its two full blocks cached at the head of the LRU
+    # an earlier prompt left its two full blocks cached (the LRU's head); its partial block 2 holds nothing
     p = mk(range(9))
     bm.allocate(p)
     bm.cache_full_blocks(p, len(p))
     bm.free(p)
     cached = dict(bm.hash_to_block)
-    assert list(bm.free_blocks) == [3, 4, 5, 2, 1, 0]
+    assert list(bm.free_blocks) == [2, 3, 4, 5, 1, 0]
     a = mk(range(100, 104))
     sched.add(a)
     step(sched)
