@@ -1,31 +1,42 @@
 """The one record a step hands the model runner: plain data, no live objects, no torch.
 
 The engine builds it from the scheduler's plan (``engine/step_builder.py``);
-the runner (``runner/model_runner.py``) reads nothing else. Everything the
-runner needs about a sequence is copied in: the new tokens, where they start,
-the block table, the sampling settings already resolved, and the random
-numbers the sampler will use, drawn by the engine from each sequence's own
-stream. So the runner never touches bookkeeping state, and a step can be
-checked, logged or sent to another process as it is::
+the runner (``runner/model_runner.py``) reads nothing else. The record is
+incremental: a sequence's lasting data (its tokens so far, block table and
+sampling settings) is sent once, when the runner first sees it, and each
+later step carries only what changed (the tokens and blocks added since).
+The runner keeps each sequence's state (``runner/sequence_states.py``) and
+rebuilds from it the full ``SequenceStep`` view its tensors are built from.
+So the runner never touches bookkeeping state, and a step can be checked,
+logged or sent to another process as it is, at a cost that does not grow
+with the context::
 
     StepRecord
-      sequences: SequenceStep ...     prefills and decodes, in the scheduler's order
-        token_ids                     tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
-        block_table                   physical blocks holding tokens 0 .. end
-        sampling, uniforms            one uniform per sampled row (the sequence, then its forks);
+      finished_seq_ids                sequences the runner forgets (finished, or preempted: sent again in full)
+      new_sequences: NewSequence ...  first sight of a sequence (or again after preemption)
+        token_ids                     its tokens 0 .. the end of this step's share
+        num_prompt_tokens, block_table, sampling (sampling.rules: logits processors, or None)
+      sequences: ScheduledStep ...    prefills and decodes, in the scheduler's order
+        num_computed_tokens, num_new_tokens  tokens [num_computed_tokens, + num_new_tokens) run
+        new_token_ids                 tokens the runner has not seen yet (a decode: the last sampled one)
+        new_block_ids                 blocks appended to the table since the last step
+        block_table                   the whole table, only when a block changed in place (copy-on-write)
+        uniforms                      one uniform per sampled row (the sequence, then its forks);
                                       empty when the step does not reach the last token
-          sampling.rules              the request's logits processors (penalties, bias, bans), or None
-        prompt_token_ids              the prompt, when the repetition penalty needs it
-        output_token_ids              each sampled row's output so far, when its processors need it
         token_bitmasks                each sampled row's structured-output mask (packed int32 words
                                       as bytes; b"": none this step), when the request has a constraint
         prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
+
+``SequenceStep`` is the runner's full view of one scheduled sequence, rebuilt
+from its state each step: the tensors are built from it as before the
+record was incremental.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +95,14 @@ class SamplingSpec:
     rules: LogitsRules | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceStep:
-    """One scheduled sequence's share of a step."""
+class SequenceStep(NamedTuple):
+    """One scheduled sequence's share of a step, in full: what the runner's tensors are built from.
+
+    Not sent: the runner rebuilds it each step from its sequence state and
+    the record's ``ScheduledStep`` (``runner/sequence_states.py``). A named
+    tuple, as ``ScheduledStep``: one is built per sequence per step, and a
+    frozen dataclass takes several times as long to build.
+    """
 
     request_id: str
     num_computed_tokens: int
@@ -119,10 +135,44 @@ class SequenceStep:
 
 
 @dataclass(frozen=True, slots=True)
-class StepRecord:
-    """Everything the runner computes one step from."""
+class NewSequence:
+    """A sequence the runner has not seen (or has forgotten at a preemption): its lasting data, once."""
 
-    sequences: tuple[SequenceStep, ...]
+    seq_id: int
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens 0 .. the end of this step's share (prompt, then outputs)
+    num_prompt_tokens: int
+    block_table: tuple[int, ...]
+    sampling: SamplingSpec
+
+
+class ScheduledStep(NamedTuple):
+    """One scheduled sequence's share of a step: what changed since the runner last saw it.
+
+    A named tuple: one is built and pickled per sequence per step, and a
+    frozen dataclass takes several times as long to build, and longer to pickle.
+    """
+
+    seq_id: int
+    num_computed_tokens: int
+    num_new_tokens: int
+    new_token_ids: tuple[int, ...] = ()  # appended to the runner's tokens (through the end of this step's share)
+    new_block_ids: tuple[int, ...] = ()  # appended to the runner's block table
+    block_table: tuple[int, ...] | None = None  # replaces the runner's whole table (a block changed in place)
+    uniforms: tuple[float, ...] = ()
+    prompt_logprobs: int | None = None  # top candidates per scored prompt token; None: none scored
+    prompt_targets: tuple[int, ...] = ()
+    # one per sampled row when the request has a structured-output constraint, else empty (SequenceStep's)
+    token_bitmasks: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """Everything the runner computes one step from, given the sequences it already holds."""
+
+    sequences: tuple[ScheduledStep, ...]
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
+    new_sequences: tuple[NewSequence, ...] = ()
+    finished_seq_ids: tuple[int, ...] = ()
     # [start, stop) block ids whose K/V will never be read again: their pages go back to the OS
     release_blocks: tuple[tuple[int, int], ...] = ()

@@ -3,7 +3,7 @@
 A thin coordinator. Each ``step()``::
 
     Scheduler.schedule()  -> SchedulerOutput   (who runs, which blocks)
-    build_step_record()   -> StepRecord        (plain data: tokens, block tables, sampling specs)
+    StepRecordBuilder     -> StepRecord        (plain data: new sequences whole, then what changed)
     ModelRunner.execute() -> sampled tokens    (slot mapping, attention, sampler)
     Scheduler.update()                          (tokens now in the cache)
     OutputProcessor / apply_beam_step           (append, detokenize, stop; beams fork)
@@ -30,7 +30,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
-from pagedllm.engine.step_builder import build_step_record, logits_rules
+from pagedllm.engine.step_builder import StepRecordBuilder, logits_rules
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
@@ -125,6 +125,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.step_costs.max_prefill_tokens if self.step_costs is not None else None,
         )
+        # what the runner holds of each sequence: each step's record sends only what changed
+        self.step_records = StepRecordBuilder()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         # structured outputs: the tokenizer's xgrammar info and the compiled constraints, once per engine
         self.grammar_compiler = GrammarCompiler(
@@ -359,13 +361,20 @@ class LLMEngine:
         """Once no request is left, the pages of blocks that hold nothing go back to the OS.
 
         The pool stays reserved; only blocks written since they were last given
-        back and now empty (not cached prefixes) are released (``runner/kv_cache.py``).
+        back and now empty (not cached prefixes) are released (``runner/kv_cache.py``),
+        by a record that runs nothing, so every tensor-parallel rank releases them too.
         """
         if self.requests or self.dead is not None:
             return
         ranges = self.block_manager.take_releasable()
-        if ranges:
-            self.model_runner.release_kv_blocks(ranges)
+        if ranges or self.step_records.num_held:
+            # the runner also drops the states of the sequences that just finished
+            record = self.step_records.release(ranges)
+            try:
+                self.model_runner.execute(record)
+            except BaseException:
+                self.step_records.not_delivered(record)
+                raise
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan for this step (blocks allocated, preemptions done)."""
@@ -389,9 +398,13 @@ class LLMEngine:
             if req is not None and req.beam is not None:
                 req.beam.results.pop(seq.seq_id, None)  # recomputed later, reported again
         self.last_step_scheduled = True
+        record = None
         try:
-            results = self.model_runner.execute(build_step_record(output, params, num_top, rules, bitmasks))
+            record = self.step_records.build(output, params, num_top, rules, bitmasks)
+            results = self.model_runner.execute(record)
         except BaseException as e:
+            if record is not None:
+                self.step_records.not_delivered(record)
             # the step is lost, not the engine (unless a tensor-parallel rank failed): its requests fail so
             # their blocks return to the pool; blocks it published to the prefix cache were never written,
             # so they leave the cache. Then the caller sees the error (KeyboardInterrupt included).

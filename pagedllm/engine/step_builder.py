@@ -1,12 +1,19 @@
-"""Turns the scheduler's plan (live ``Sequence`` objects) into the runner's plain ``StepRecord``."""
+"""Turns the scheduler's plan (live ``Sequence`` objects) into the runner's plain ``StepRecord``.
+
+The record is incremental (``step_record.py``): ``StepRecordBuilder``
+remembers what it has sent of each sequence and sends a sequence whole only
+the first time (and again after a preemption), then what each step adds.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.step_record import LogitsRules, SamplingSpec, SequenceStep, StepRecord
+from pagedllm.step_record import LogitsRules, NewSequence, SamplingSpec, ScheduledStep, StepRecord
 
 # below this, dividing logits by the temperature overflows: greedy
 MIN_TEMPERATURE = 1e-5
@@ -97,13 +104,149 @@ def _prompt_scoring(s: ScheduledSequence, params: SamplingParams) -> tuple[int |
     return params.prompt_logprobs, tuple(s.seq.token_ids[first + 1 : last + 1])
 
 
-def _history(s: ScheduledSequence, rules: LogitsRules | None) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """The prompt and each sampled row's output, when the rules need them (copied: the record is plain data)."""
-    if rules is None or not s.samples:
-        return (), ()
-    prompt = tuple(s.seq.prompt_token_ids) if rules.needs_prompt else ()
-    outputs = tuple(tuple(seq.output_token_ids) for seq in (s.seq, *s.forks)) if rules.needs_output else ()
-    return prompt, outputs
+@dataclass(slots=True)
+class _Sent:
+    """What the runner holds of one sequence: as many tokens, this block table (a copy)."""
+
+    seq: Sequence
+    num_preemptions: int
+    num_tokens: int
+    block_table: list[int]
+
+
+class StepRecordBuilder:
+    """Builds each step's incremental ``StepRecord``, remembering what the runner holds.
+
+    One per runner: every record it builds must reach the runner, in order
+    (a step that fails aborts its requests, and their ids are sent as
+    finished next step, so the two never disagree on a sequence still running).
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[int, _Sent] = {}
+        # finished ids of a record that never reached the runner, sent again with the next one
+        self._unsent_finished: list[int] = []
+
+    @property
+    def num_held(self) -> int:
+        """Sequences the runner holds state for."""
+        return len(self._sent)
+
+    def build(
+        self,
+        output: SchedulerOutput,
+        params: list[SamplingParams],
+        num_top: list[int | None],
+        rules: list[LogitsRules | None] | None = None,
+        bitmasks: list[tuple[bytes, ...]] | None = None,
+    ) -> StepRecord:
+        """The record of one step: ``params[i]``, ``num_top[i]``, ``rules[i]``, ``bitmasks[i]`` are ``output.scheduled[i]``'s.
+
+        The uniforms each sampling row needs are drawn here, once, from its
+        sequence's own stream; greedy rows draw nothing, so a seeded stream is
+        never disturbed by them. ``rules`` (None: no request has any) are the
+        requests' logits processors (``logits_rules``); ``bitmasks`` (None: no
+        request has a constraint) the structured-output masks of each sampled
+        row, as the engine's grammar state filled them (empty for a sequence
+        without a constraint or that does not sample).
+        """
+        num = len(output.scheduled)
+        rules = [None] * num if rules is None else rules
+        bitmasks = [()] * num if bitmasks is None else bitmasks
+        if len(params) != num or len(num_top) != num or len(rules) != num or len(bitmasks) != num:
+            raise ValueError("a step needs one SamplingParams, num_top, rules and bitmasks per scheduled sequence")
+        finished = self._forget_gone()
+        new: list[NewSequence] = []
+        try:
+            steps = tuple(self._step(*row, new) for row in zip(output.scheduled, params, num_top, rules, bitmasks))
+        except BaseException:
+            self._unsent_finished.extend(finished)  # the runner must still hear of them
+            raise
+        return StepRecord(steps, tuple(output.blocks_to_copy), tuple(new), finished)
+
+    def _step(
+        self, s: ScheduledSequence, p: SamplingParams, top: int | None, rule: LogitsRules | None,
+        masks: tuple[bytes, ...], new: list[NewSequence],
+    ) -> ScheduledStep:
+        """``s``'s entry of the record; a sequence the runner does not hold is appended to ``new`` whole."""
+        uniforms: tuple[float, ...] = ()
+        if s.samples:
+            # sampling_spec's greedy rule: the spec itself is built only for a sequence sent whole
+            random_rows = p.temperature >= MIN_TEMPERATURE
+            uniforms = tuple(seq.rng.random() if random_rows else 0.0 for seq in (s.seq, *s.forks))
+        if masks and len(masks) != len(uniforms):
+            raise ValueError("a constrained sequence needs one bitmask per sampled row")
+        scored, targets = _prompt_scoring(s, p)
+        if s.seq.seq_id not in self._sent:
+            new.append(self._send_whole(s, sampling_spec(p, top, rule)))
+            token_ids: tuple[int, ...] = ()
+            block_ids: tuple[int, ...] = ()
+            table: tuple[int, ...] | None = None
+        else:
+            token_ids, block_ids, table = self._changes(s)
+        # positional (the field order of ScheduledStep): the fastest way to build one
+        return ScheduledStep(
+            s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, token_ids, block_ids, table,
+            uniforms, scored, targets, tuple(masks),
+        )
+
+    def release(self, ranges: list[tuple[int, int]]) -> StepRecord:
+        """A record that runs nothing: the runner drops the sequences gone since the last step and gives
+        back the pages of the blocks in ``ranges`` (``[start, stop)`` ids that hold nothing)."""
+        return StepRecord((), finished_seq_ids=self._forget_gone(), release_blocks=tuple(ranges))
+
+    def not_delivered(self, record: StepRecord) -> None:
+        """``record`` may not have reached the runner (its step failed): its finished ids go with the next one.
+
+        Its other contents need nothing: the engine aborts every request the
+        failed step scheduled, so their sequences are sent as finished next.
+        """
+        self._unsent_finished.extend(record.finished_seq_ids)
+
+    def _forget_gone(self) -> tuple[int, ...]:
+        """Drop the sequences that finished or were preempted since the last step; their ids.
+
+        A preempted sequence lost its blocks and is computed again from its
+        first token: when it runs again it is sent whole, as a new one.
+        """
+        gone = [
+            seq_id for seq_id, sent in self._sent.items()
+            if sent.seq.is_finished or sent.seq.num_preemptions != sent.num_preemptions
+        ]
+        for seq_id in gone:
+            del self._sent[seq_id]
+        if self._unsent_finished:
+            gone = self._unsent_finished + gone
+            self._unsent_finished = []
+        return tuple(gone)
+
+    def _send_whole(self, s: ScheduledSequence, spec: SamplingSpec) -> NewSequence:
+        """Remember ``s``'s sequence as held by the runner, and the record that sends it whole."""
+        seq, end = s.seq, s.num_computed_tokens + s.num_new_tokens
+        table = list(seq.block_table)
+        self._sent[seq.seq_id] = _Sent(seq, seq.num_preemptions, end, table)
+        return NewSequence(seq.seq_id, seq.request_id, tuple(seq.token_ids[:end]), seq.num_prompt_tokens,
+                           tuple(table), spec)
+
+    def _changes(self, s: ScheduledSequence) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]:
+        """What ``s`` adds to the runner's state: (new token ids, appended block ids, a whole new table or None)."""
+        seq, end = s.seq, s.num_computed_tokens + s.num_new_tokens
+        sent = self._sent[seq.seq_id]
+        token_ids: tuple[int, ...] = ()
+        if end > sent.num_tokens:
+            token_ids = tuple(seq.token_ids[sent.num_tokens : end])
+            sent.num_tokens = end
+        current, held = seq.block_table, sent.block_table
+        num_held = len(held)
+        if current == held:
+            return token_ids, (), None
+        if len(current) >= num_held and current[:num_held] == held:
+            added = tuple(current[num_held:])
+            held.extend(added)
+            return token_ids, added, None
+        # copy-on-write replaced a block in place: the whole table again (rare: forks, beams)
+        sent.block_table = list(current)
+        return token_ids, (), tuple(current)
 
 
 def build_step_record(
@@ -113,43 +256,6 @@ def build_step_record(
     rules: list[LogitsRules | None] | None = None,
     bitmasks: list[tuple[bytes, ...]] | None = None,
 ) -> StepRecord:
-    """The record of one step: ``params[i]``, ``num_top[i]``, ``rules[i]``, ``bitmasks[i]`` are ``output.scheduled[i]``'s.
-
-    The uniforms each sampling row needs are drawn here, once, from its
-    sequence's own stream; greedy rows draw nothing, so a seeded stream is
-    never disturbed by them. ``rules`` (None: no request has any) are the
-    requests' logits processors (``logits_rules``); ``bitmasks`` (None: no
-    request has a constraint) the structured-output masks of each sampled
-    row, as the engine's grammar state filled them (empty for a sequence
-    without a constraint or that does not sample).
-    """
-    num = len(output.scheduled)
-    rules = [None] * num if rules is None else rules
-    bitmasks = [()] * num if bitmasks is None else bitmasks
-    if len(params) != num or len(num_top) != num or len(rules) != num or len(bitmasks) != num:
-        raise ValueError("a step needs one SamplingParams, num_top, rules and bitmasks per scheduled sequence")
-    steps = []
-    for s, p, top, rule, masks in zip(output.scheduled, params, num_top, rules, bitmasks):
-        spec = sampling_spec(p, top, rule)
-        uniforms: tuple[float, ...] = ()
-        if s.samples:
-            uniforms = tuple(seq.rng.random() if spec.temperature > 0 else 0.0 for seq in (s.seq, *s.forks))
-        if masks and len(masks) != len(uniforms):
-            raise ValueError("a constrained sequence needs one bitmask per sampled row")
-        scored, targets = _prompt_scoring(s, p)
-        prompt_ids, output_ids = _history(s, rule)
-        c = s.num_computed_tokens
-        steps.append(SequenceStep(
-            request_id=s.seq.request_id,
-            num_computed_tokens=c,
-            token_ids=tuple(s.seq.token_ids[c : c + s.num_new_tokens]),
-            block_table=tuple(s.seq.block_table),
-            sampling=spec,
-            uniforms=uniforms,
-            prompt_logprobs=scored,
-            prompt_targets=targets,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=output_ids,
-            token_bitmasks=tuple(masks),
-        ))
-    return StepRecord(tuple(steps), tuple(output.blocks_to_copy))
+    """The record of one step for a runner that holds no sequence yet: every sequence sent whole
+    (``StepRecordBuilder.build``'s arguments)."""
+    return StepRecordBuilder().build(output, params, num_top, rules, bitmasks)

@@ -33,6 +33,7 @@ from pagedllm.runner.sampler import (
     logit_stats,
     token_logprobs,
 )
+from pagedllm.runner.sequence_states import SequenceStates
 from pagedllm.step_record import SamplingSpec, SequenceStep, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.block_size, self.device)
+        # every sequence's tokens, block table and sampling settings, kept from the incremental records
+        self.sequence_states = SequenceStates()
         # decode steps replay graphs recorded from the model's own forward (runner/captured_decode.py),
         # their kernels run in one parallel region per graph where the native ops are loaded
         # (runner/step_program.py)
@@ -203,10 +206,6 @@ class ModelRunner:
         # kv_cache: [2, num_layers, num_kv_blocks, ...]; blocks are dim 2
         self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
 
-    def release_kv_blocks(self, ranges: list[tuple[int, int]]) -> None:
-        """Give back the pages of blocks that hold nothing (``[start, stop)`` id ranges), on every rank."""
-        self.execute(StepRecord((), release_blocks=tuple(ranges)))
-
     @property
     def kv_resident_bytes(self) -> int:
         """Bytes of this process's KV cache the OS holds in memory now (the pool is reserved, not resident)."""
@@ -214,7 +213,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, record: StepRecord) -> list[StepResult]:
-        """Run one step from its record (``pagedllm/step_record.py``).
+        """Run one step from its record (``pagedllm/step_record.py``), after folding it into the sequence
+        states it is incremental to (``runner/sequence_states.py``).
 
         Returns one ``StepResult`` per ``record.sequences`` entry, in that
         order: a sampled token for the sequence and each of its forks when
@@ -226,11 +226,19 @@ class ModelRunner:
             self.tp.broadcast_record(record)
         if record.release_blocks:
             self.kv_bytes_released += release_kv_blocks(self.kv_cache, list(record.release_blocks))
-        if not record.sequences:
+        # first, before anything that may fail: the engine counts on the runner holding what it sent
+        try:
+            full = self.sequence_states.apply(record)
+        except ValueError as e:
+            if self.tp is None:
+                raise
+            # every rank fails alike, and a worker's serve_steps ends: the ranks stop
+            raise DistributedError(f"tensor-parallel rank {self.tp.rank} could not apply a step record: {e}") from e
+        if not full:
             return []
         self.copy_blocks(record.blocks_to_copy)
-        order = sorted(range(len(record.sequences)), key=lambda i: record.sequences[i].num_new_tokens == 1)
-        steps = [record.sequences[i] for i in order]
+        order = sorted(range(len(full)), key=lambda i: full[i].num_new_tokens == 1)
+        steps = [full[i] for i in order]
         rows, logits = self._logits(steps)
         if self.tp is not None and not self.tp.is_driver:
             return []

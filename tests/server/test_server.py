@@ -150,8 +150,8 @@ def guarded(ref: dict) -> Iterator[dict]:
     execute = engine.model_runner.execute
 
     def faulty_execute(record):  # noqa: ANN001, ANN202 - the runner's own signature
-        # a poisoned prompt's first step starts with the poison tokens
-        if any(s.num_computed_tokens == 0 and list(s.token_ids[: len(POISON)]) == POISON for s in record.sequences):
+        # a poisoned prompt's first step sends it whole, starting with the poison tokens
+        if any(list(n.token_ids[: len(POISON)]) == POISON for n in record.new_sequences):
             raise RuntimeError("injected fault")
         return execute(record)
 
