@@ -9,11 +9,14 @@ cache-sized strip at a time: nothing float32 of the weight is kept. The
 bundled SmolLM2 (Q4_1 layers, a Q8_0 embedding tied to the LM head) holds
 ~98 MB of weights this way against 538 MB dequantized.
 
-``use_gguf_weights`` prepares a model built on the meta device for such a
-checkpoint: the layers whose checkpoint tensors are all quantized in one
-type get a ``GGUFLinearMethod`` and a ``qweight`` buffer of the right size in
-place of their float weight; the token embedding becomes a
-``GGUFEmbedding``; a tied LM head shares the embedding's bytes.
+The quantization config (``layers/quant_config.py``) gives a layer whose
+checkpoint tensors all have a type with a kernel ``gguf_method``'s answer
+when it is built: ``GGUFLinearMethod`` (one type), ``GGUFPartsLinearMethod``
+(a fused layer of mixed types) or, for the token embedding,
+``GGUFEmbeddingMethod``; each makes a ``qweight`` buffer of the right size in
+place of the float weight, the file's bytes are loaded into it, and with
+``gguf_activations="int8"`` it is interleaved after loading. A tied LM head
+shares the embedding's bytes.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod, replace_parameter
-from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
+from pagedllm.layers.linear import Linear, LinearMethod, check_shape, load_rows, replace_parameter
+from pagedllm.layers.parallel import EmbeddingMethod
 
 # ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
@@ -66,15 +69,54 @@ def gguf_kernel_takes(ggml_type: int, in_features: int) -> bool:
     return True
 
 
-class GGUFLinearMethod(LinearMethod):
-    """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out)."""
+def _type_name(ggml_type: int) -> str:
+    """"q4_1", or "q4_1-x16" for the interleaved layout."""
+    return GGUF_KERNEL_TYPES[ggml_type][0].lower() + ("-x16" if ggml_type in GGUF_INTERLEAVED.values() else "")
 
-    def __init__(self, ggml_type: int) -> None:
+
+def _interleave_table(qweight: torch.Tensor, ggml_type: int, in_features: int) -> int:
+    """Interleave ``qweight`` ``[rows, row bytes]`` 16 rows at a time in place where its type and rows allow;
+    returns the type it now holds (the same bytes in ``kernels/gguf_x16.h``'s order: 2-3x the file order's
+    speed for one row on activations rounded to int8 per block of 32, as llama.cpp does)."""
+    if ggml_type not in GGUF_INTERLEAVED or qweight.shape[0] % INTERLEAVE_ROWS:
+        return ggml_type
+    torch.ops.pagedllm.gguf_interleave_(qweight, ggml_type, in_features)
+    return GGUF_INTERLEAVED[ggml_type]
+
+
+class GGUFLinearMethod(LinearMethod):
+    """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out).
+
+    ``interleave``: interleave the blocks after loading (``gguf_activations="int8"``); ``stored_names``: the
+    checkpoint tensors it takes as their bytes.
+    """
+
+    def __init__(self, ggml_type: int, interleave: bool = False, stored_names: tuple[str, ...] = ()) -> None:
         if ggml_type not in GGUF_KERNEL_TYPES:
             gguf_row_bytes(ggml_type, GGUF_BLOCK)  # raises, naming the types with a kernel
-        self.ggml_type = ggml_type
-        interleaved = "-x16" if ggml_type in GGUF_INTERLEAVED.values() else ""
-        self.name = f"gguf-{GGUF_KERNEL_TYPES[ggml_type][0].lower()}{interleaved}"
+        self.ggml_type, self.interleave, self.stored_names = ggml_type, interleave, stored_names
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"gguf-{_type_name(self.ggml_type)}"
+
+    def create_weights(self, layer: Linear) -> None:
+        device = layer.weight.device
+        replace_parameter(layer, "weight", None)
+        shape = (layer.out_features, gguf_row_bytes(self.ggml_type, layer.in_features))  # [out_features, row bytes]
+        layer.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device=device))
+
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        load_rows(layer, "qweight" if name == "weight" else name, tensor, offset, rows)
+
+    def tie_weights(self, layer: Linear, embedding: nn.Module) -> None:
+        replace_parameter(layer, "weight", None)
+        layer.register_buffer("qweight", embedding.qweight)
+        self.ggml_type = embedding.quant_method.ggml_type  # interleaved by the embedding already, or not
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.interleave:
+            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer.in_features)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -94,11 +136,15 @@ class GGUFPartsLinearMethod(LinearMethod):
         qweight   [ q rows (Q4_K) | k rows (Q4_K) | v rows (Q6_K) ]
         y         [ y_q           | y_k           | y_v           ]   one gguf_linear each, joined
 
-    ``parts``: ``(row offset, rows, ggml type)`` of each part, by offset, covering the layer's rows.
+    ``parts``: ``(row offset, rows, ggml type)`` of each part, by offset, covering the layer's rows;
+    ``interleave`` and ``stored_names`` as ``GGUFLinearMethod``'s.
     """
 
-    def __init__(self, parts: list[tuple[int, int, int]], in_features: int) -> None:
-        self.in_features = in_features
+    def __init__(
+        self, parts: list[tuple[int, int, int]], in_features: int, interleave: bool = False,
+        stored_names: tuple[str, ...] = (),
+    ) -> None:
+        self.in_features, self.interleave_after_loading, self.stored_names = in_features, interleave, stored_names
         self.parts: list[tuple[int, int, int]] = []
         self.byte_offsets: list[int] = []
         start = 0
@@ -112,9 +158,24 @@ class GGUFPartsLinearMethod(LinearMethod):
         self._name()
 
     def _name(self) -> None:
-        self.name = "gguf-" + "+".join(
-            GGUF_KERNEL_TYPES[t][0].lower() + ("-x16" if t in GGUF_INTERLEAVED.values() else "") for _, _, t in self.parts
-        )
+        self.name = "gguf-" + "+".join(_type_name(t) for _, _, t in self.parts)
+
+    def create_weights(self, layer: Linear) -> None:
+        device = layer.weight.device
+        replace_parameter(layer, "weight", None)
+        layer.register_buffer("qweight", torch.empty(self.num_bytes, dtype=torch.uint8, device=device))  # [bytes]
+
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        if name != "weight":
+            load_rows(layer, name, tensor, offset, rows)
+            return
+        dest = self.qweight_rows(layer, offset, layer.out_features if rows is None else rows)
+        check_shape(tensor, dest.shape)
+        dest.copy_(tensor)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.interleave_after_loading:
+            self.interleave(layer)
 
     def part_weight(self, layer: Linear, index: int) -> torch.Tensor:
         """Part ``index``'s blocks: a uint8 ``[rows, row bytes]`` view of ``layer.qweight``."""
@@ -133,10 +194,9 @@ class GGUFPartsLinearMethod(LinearMethod):
         """Interleave each part whose type has an x16 layout and whose rows are a multiple of 16; returns how many."""
         count = 0
         for i, (offset, rows, ggml_type) in enumerate(self.parts):
-            if ggml_type in GGUF_INTERLEAVED and rows % INTERLEAVE_ROWS == 0:
-                torch.ops.pagedllm.gguf_interleave_(self.part_weight(layer, i), ggml_type, self.in_features)
-                self.parts[i] = (offset, rows, GGUF_INTERLEAVED[ggml_type])
-                count += 1
+            new_type = _interleave_table(self.part_weight(layer, i), ggml_type, self.in_features)
+            self.parts[i] = (offset, rows, new_type)
+            count += new_type != ggml_type
         self._name()
         return count
 
@@ -152,151 +212,76 @@ class GGUFPartsLinearMethod(LinearMethod):
         return torch.cat(outs, dim=-1).view(*x.shape[:-1], layer.out_features)
 
 
-class GGUFEmbedding(nn.Module):
-    """A token embedding whose table stays in GGUF blocks; looked-up rows come out float32.
+class GGUFEmbeddingMethod(EmbeddingMethod):
+    """A token embedding's table kept in GGUF blocks (``layer.qweight`` ``[vocab rows, row bytes]``); rows come
+    out float32. ``interleave`` and ``stored_names`` as ``GGUFLinearMethod``'s."""
 
-    Under tensor parallelism (``tp``) it holds vocabulary rows ``[vocab_start,
-    vocab_start + num_embeddings)`` and looks up as ``VocabParallelEmbedding`` does.
-    """
+    def __init__(self, ggml_type: int, interleave: bool = False, stored_names: tuple[str, ...] = ()) -> None:
+        self.ggml_type, self.interleave, self.stored_names = ggml_type, interleave, stored_names
 
-    def __init__(
-        self, num_embeddings: int, embedding_dim: int, ggml_type: int,
-        tp: TensorParallelGroup | None = None, vocab_start: int = 0,
-    ) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim, self.ggml_type = num_embeddings, embedding_dim, ggml_type
-        self.tp, self.vocab_start = tp, vocab_start
-        row_bytes = gguf_row_bytes(ggml_type, embedding_dim)
-        self.register_buffer("qweight", torch.empty(num_embeddings, row_bytes, dtype=torch.uint8))  # [vocab, bytes]
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"gguf-{_type_name(self.ggml_type)}"
 
-    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1).contiguous()  # [num_tokens]
-        out = torch.ops.pagedllm.gguf_embedding(self.qweight, self.ggml_type, self.embedding_dim, ids)
-        return out.view(*input_ids.shape, self.embedding_dim)
+    def create_weights(self, layer: nn.Embedding) -> None:
+        device = layer.weight.device
+        replace_parameter(layer, "weight", None)
+        shape = (layer.num_embeddings, gguf_row_bytes(self.ggml_type, layer.embedding_dim))  # [vocab rows, row bytes]
+        layer.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device=device))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp is None or self.tp.size == 1:
-            return self._lookup(input_ids)
-        return vocab_parallel_lookup(input_ids, self.vocab_start, self.num_embeddings, self.tp, self._lookup)
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        load_rows(layer, "qweight" if name == "weight" else name, tensor, offset, rows)
 
-    def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the checkpoint's table (all of it in one process)."""
-        if self.tp is None or self.tp.size == 1:
-            return tensor
-        return tensor.narrow(0, self.vocab_start, self.num_embeddings)
+    def process_weights_after_loading(self, layer: nn.Embedding) -> None:
+        if self.interleave:  # before a tied head takes the table: it reads the new order too
+            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer.embedding_dim)
 
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, type={GGUF_KERNEL_TYPES[self.ggml_type][0]}"
+    def tied_head_method(self) -> LinearMethod:
+        return GGUFLinearMethod(self.ggml_type, self.interleave)
+
+    def embedding(self, layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).contiguous()  # [num_tokens]
+        out = torch.ops.pagedllm.gguf_embedding(layer.qweight, self.ggml_type, layer.embedding_dim, flat)
+        return out.view(*ids.shape, layer.embedding_dim)
 
 
-def _target(name: str, fused: FusedMap) -> tuple[str, int, int | None]:
-    """Where checkpoint tensor ``name`` goes: (parameter name, row offset, rows or None for all)."""
-    for part, (fused_name, offset, size, _) in fused.items():
-        if f".{part}." in name:
-            return name.replace(part, fused_name), offset, size
-    return name, 0, None
+def gguf_spans(types: Mapping[str, int], fused: FusedMap) -> dict[str, list[tuple[str, int, int | None, int]]]:
+    """The checkpoint's quantized tensors by the parameter they load into: name -> ``(checkpoint name, row
+    offset, rows or None for all, ggml type)`` of each part."""
+    spans: dict[str, list[tuple[str, int, int | None, int]]] = {}
+    for name, ggml_type in types.items():
+        target, offset, size = name, 0, None
+        for part, (fused_name, part_offset, part_size, _) in fused.items():
+            if f".{part}." in name:
+                target, offset, size = name.replace(part, fused_name), part_offset, part_size
+                break
+        spans.setdefault(target, []).append((name, offset, size, ggml_type))
+    return spans
 
 
-def _quantized_targets(
-    model: nn.Module, types: Mapping[str, int], fused: FusedMap
-) -> dict[str, tuple[list[tuple[int, int, int]], list[str]]]:
-    """Parameters every checkpoint part of which is quantized in a type with a kernel: name -> (the parts'
-    ``(row offset, rows, ggml type)``, the parts' checkpoint names)."""
-    parts: dict[str, list[tuple[str, int, int | None]]] = {}
-    for name in types:
-        target, offset, size = _target(name, fused)
-        parts.setdefault(target, []).append((name, offset, size))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    chosen: dict[str, tuple[list[tuple[int, int, int]], list[str]]] = {}
-    for target, found in parts.items():
-        param = params.get(target)
-        if param is None or param.dim() != 2:
-            continue
-        kinds = {types[name] for name, _, _ in found}
-        if not all(gguf_kernel_takes(kind, param.shape[1]) for kind in kinds):
-            continue
-        # a row-parallel shard (layers/parallel.py) must start on a block boundary to take whole blocks
-        start = getattr(modules.get(target.rpartition(".")[0]), "input_start", 0)
-        if start and not all(gguf_kernel_takes(kind, start) for kind in kinds):
-            continue
-        spans = [(offset, param.shape[0] if size is None else size, types[name]) for name, offset, size in found]
-        if sum(rows for _, rows, _ in spans) == param.shape[0]:  # every part of a fused parameter is there
-            chosen[target] = (sorted(spans), [name for name, _, _ in found])
-    return chosen
-
-
-def use_gguf_weights(model: nn.Module, types: Mapping[str, int], fused: FusedMap, embedding: str) -> set[str]:
-    """Give the layers of ``model`` (on the meta device) GGUF storage for the checkpoint tensors in ``types``.
-
-    ``types``: checkpoint tensor name -> ggml type, for the tensors the
-    checkpoint can hand over as stored; those of a type with no kernel here
-    stay with the float weights. ``embedding``: the name of the token
-    embedding's weight. Returns the checkpoint names whose layers took them
-    quantized; the others are to be loaded as float weights.
-    """
-    modules = dict(model.named_modules())
-    kept: set[str] = set()
-    for target, (spans, names) in _quantized_targets(model, types, fused).items():
-        owner_name = target.rsplit(".", 1)[0]
-        owner = modules[owner_name]
-        ggml_type = spans[0][2]
-        mixed = any(kind != ggml_type for _, _, kind in spans)
-        if target == embedding and isinstance(owner, nn.Embedding) and not mixed:
-            parent, _, child = owner_name.rpartition(".")
-            with torch.device("meta"):
-                setattr(modules[parent] if parent else model, child,
-                        GGUFEmbedding(owner.num_embeddings, owner.embedding_dim, ggml_type,
-                                      getattr(owner, "tp", None), getattr(owner, "vocab_start", 0)))
-        elif isinstance(owner, Linear) and target.endswith(".weight"):
-            replace_parameter(owner, "weight", None)
-            if mixed:
-                owner.quant_method = GGUFPartsLinearMethod(spans, owner.in_features)
-                shape = [owner.quant_method.num_bytes]  # [bytes]: the parts one after another
-            else:
-                owner.quant_method = GGUFLinearMethod(ggml_type)
-                shape = [owner.out_features, gguf_row_bytes(ggml_type, owner.in_features)]  # [out_features, row bytes]
-            owner.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device="meta"))
-        else:
-            continue
-        kept.update(names)
-    return kept
-
-
-def interleave_gguf_weights(model: nn.Module) -> int:
-    """Interleave the loaded Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K blocks of ``model`` 16 rows at a time, in place;
-    returns how many tensors were.
-
-    The same bytes in another order (``kernels/gguf_x16.h``), which the
-    kernels multiply with integer dot products on activations rounded to
-    int8 per block of 32, as llama.cpp does: 2-3x the file order's speed
-    for one row (more for the k-quants). A tensor whose rows are not a multiple of 16 stays in the
-    file's order. A table shared by a tied LM head and the embedding is
-    interleaved once, and both take the new type; a fused layer of mixed
-    types (``GGUFPartsLinearMethod``), part by part.
-    """
-    users: dict[int, list[nn.Module]] = {}  # qweight storage -> the modules reading it
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and isinstance(module.quant_method, GGUFPartsLinearMethod):
-            count += module.quant_method.interleave(module)
-        elif isinstance(module, GGUFEmbedding) or (
-            isinstance(module, Linear) and isinstance(module.quant_method, GGUFLinearMethod)
-        ):
-            users.setdefault(module.qweight.untyped_storage().data_ptr(), []).append(module)
-    for modules in users.values():
-        types = {_gguf_type(m) for m in modules}
-        qweight, in_features = modules[0].qweight, _gguf_in_features(modules[0])
-        if len(types) != 1 or (ggml_type := types.pop()) not in GGUF_INTERLEAVED or qweight.shape[0] % INTERLEAVE_ROWS:
-            continue
-        torch.ops.pagedllm.gguf_interleave_(qweight, ggml_type, in_features)
-        for module in modules:
-            if isinstance(module, GGUFEmbedding):
-                module.ggml_type = GGUF_INTERLEAVED[ggml_type]
-            else:
-                module.quant_method = GGUFLinearMethod(GGUF_INTERLEAVED[ggml_type])
-        count += 1
-    return count
+def gguf_method(
+    layer: nn.Module, parts: list[tuple[str, int, int | None, int]], interleave: bool
+) -> LinearMethod | EmbeddingMethod | None:
+    """The GGUF method for ``layer`` (a ``Linear`` or an embedding) whose weight's checkpoint parts are
+    ``parts`` (``gguf_spans``); None where the kernels cannot take them as stored (a type with no kernel
+    for its rows, a row-parallel shard not starting on a block boundary, a fused layer with a part left
+    in float, or an embedding of mixed types)."""
+    embedding = isinstance(layer, nn.Embedding)
+    in_features = layer.embedding_dim if embedding else layer.in_features
+    out_features = layer.num_embeddings if embedding else layer.out_features
+    kinds = {kind for *_, kind in parts}
+    start = getattr(layer, "input_start", 0)
+    if not all(gguf_kernel_takes(kind, in_features) and (not start or gguf_kernel_takes(kind, start)) for kind in kinds):
+        return None
+    spans = sorted((offset, out_features if size is None else size, kind) for _, offset, size, kind in parts)
+    if sum(rows for _, rows, _ in spans) != out_features:
+        return None
+    names = tuple(name for name, *_ in parts)
+    if embedding:
+        return GGUFEmbeddingMethod(kinds.pop(), interleave, names) if len(kinds) == 1 else None
+    if len(kinds) > 1:
+        return GGUFPartsLinearMethod(spans, in_features, interleave, names)
+    return GGUFLinearMethod(kinds.pop(), interleave, names)
 
 
 def gguf_types_held(model: nn.Module) -> set[int]:
@@ -304,28 +289,8 @@ def gguf_types_held(model: nn.Module) -> set[int]:
     held: set[int] = set()
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(module, GGUFEmbedding):
-            held.add(module.ggml_type)
-        elif isinstance(method, GGUFLinearMethod):
+        if isinstance(method, (GGUFLinearMethod, GGUFEmbeddingMethod)):
             held.add(method.ggml_type)
         elif isinstance(method, GGUFPartsLinearMethod):
             held.update(t for _, _, t in method.parts)
     return held
-
-
-def _gguf_type(module: nn.Module) -> int:
-    return module.ggml_type if isinstance(module, GGUFEmbedding) else module.quant_method.ggml_type
-
-
-def _gguf_in_features(module: nn.Module) -> int:
-    return module.embedding_dim if isinstance(module, GGUFEmbedding) else module.in_features
-
-
-def tie_gguf_lm_head(lm_head: Linear, embedding: nn.Module) -> bool:
-    """Let a tied LM head multiply by a GGUF embedding's bytes (held once); False when the embedding is not GGUF."""
-    if not isinstance(embedding, GGUFEmbedding):
-        return False
-    lm_head.quant_method = GGUFLinearMethod(embedding.ggml_type)
-    replace_parameter(lm_head, "weight", None)
-    lm_head.register_buffer("qweight", embedding.qweight)
-    return True

@@ -1,29 +1,39 @@
 """One linear layer class; how it stores and multiplies its weight is its pluggable ``LinearMethod``.
 
-Models are written with ``Linear`` (an ``nn.Linear`` the checkpoint loads
-into as usual). After loading, the model loader picks one method from the
-config (``runner/model_loader.py``) and ``apply_linear_method`` hands it to
-every layer; the method turns the plain weight into its own storage (packed
-panels, oneDNN's layout, bf16, int8 / int4 blocks) and from then on computes
-the layer's output::
+Models are written with ``Linear``. When a layer is built it asks the
+model's quantization config (``layers/quant_config.py``) for its method,
+``quant_config.get_quant_method(layer, prefix)``; the method then owns the
+layer's storage through the three steps of every load::
 
+    quant_method.create_weights(layer)                  at build (meta device): the tensors to load into
+    quant_method.weight_loader(layer, name, tensor, offset, rows)   per checkpoint tensor (its TP slice)
+    quant_method.process_weights_after_loading(layer)   once: loaded tensors -> what ``apply`` reads
     Linear.forward(x) = quant_method.apply(layer, x)
-    quant_method.process_weights_after_loading(layer)   once: weight -> the method's buffers
 
 Methods: ``UnquantizedLinearMethod`` (``F.linear``, below),
 ``PackedLinearMethod`` / ``PackedBF16LinearMethod`` (``layers/packed_linear.py``),
 ``OneDnnLinearMethod`` (``layers/onednn_linear.py``), ``TorchBF16LinearMethod``
-(``layers/bf16_linear.py``), ``QuantizedLinearMethod`` (``layers/quantized_linear.py``);
-``GGUFLinearMethod`` (``layers/gguf_linear.py``) is given by the GGUF loader.
+(``layers/bf16_linear.py``), ``QuantizedLinearMethod`` (``layers/quantized_linear.py``),
+``GGUFLinearMethod`` / ``GGUFPartsLinearMethod`` (``layers/gguf_linear.py``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class QuantConfig(Protocol):
+    """What a layer asks when built (``layers/quant_config.py``'s ``QuantConfig``; named here so that the
+    layers need not import the module that imports them)."""
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:  # noqa: ANN401 - a LinearMethod or EmbeddingMethod
+        """The method ``layer`` named ``prefix`` takes; None: its unquantized default."""
+        ...
 
 
 class LinearMethod(ABC):
@@ -34,6 +44,18 @@ class LinearMethod(ABC):
     # A decode step recorded at some number of rows computes as the method would for fewer rows only
     # where no limit lies between them (runner/captured_decode.py asks).
     row_limits: tuple[int, ...] = ()
+
+    def create_weights(self, layer: Linear) -> None:  # noqa: B027 - float methods load into nn.Linear's own weight
+        """At build (on the meta device): give ``layer`` the tensors the checkpoint loads into."""
+
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        """Load checkpoint ``tensor`` (this rank's slice) into rows ``[offset, offset + rows)`` of ``layer.<name>``
+        ("weight", "bias"; rows None: all of it)."""
+        load_rows(layer, name, tensor, offset, rows)
+
+    def tie_weights(self, layer: Linear, embedding: nn.Module) -> None:
+        """Make ``layer`` (a tied LM head) read the loaded ``embedding``'s table, before ``process_weights_after_loading``."""
+        layer.weight = embedding.weight
 
     def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 - most methods repack, some need nothing
         """Turn the loaded ``layer.weight`` / ``layer.bias`` into this method's storage (once)."""
@@ -52,6 +74,25 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
+def load_rows(layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+    """Copy ``tensor`` into rows ``[offset, offset + rows)`` (all: None) of ``layer``'s tensor ``name``.
+
+    ValueError when the layer holds no such tensor or the shapes differ.
+    """
+    dest = layer._parameters.get(name, layer._buffers.get(name))
+    if dest is None:
+        raise ValueError(f"has no place in the model ({type(layer).__name__} holds no tensor {name!r})")
+    dest = dest.data if rows is None else dest.data.narrow(0, offset, rows)
+    check_shape(tensor, dest.shape)
+    dest.copy_(tensor)
+
+
+def check_shape(tensor: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> None:
+    """ValueError when checkpoint ``tensor`` is not of the model's ``shape``."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model {tuple(shape)}")
+
+
 def replace_parameter(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
     """Drop parameter ``name`` of ``layer`` (this module's reference only) and keep ``value`` as a buffer.
 
@@ -64,11 +105,22 @@ def replace_parameter(layer: nn.Module, name: str, value: torch.Tensor | None) -
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose storage and matmul belong to ``quant_method`` (unquantized until one is applied)."""
+    """``nn.Linear`` whose storage and matmul belong to ``quant_method``, asked of ``quant_config`` when built.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    ``prefix``: the layer's name in the model ("model.layers.0.mlp.down_proj"), what the config decides
+    by; ``input_start``: the first input column of the checkpoint's weight it holds (a row-parallel
+    shard's; 0 otherwise). No config: unquantized.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, quant_config: QuantConfig | None = None,
+        prefix: str = "", input_start: int = 0,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.quant_method: LinearMethod = UnquantizedLinearMethod()
+        self.input_start = input_start
+        method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
+        self.quant_method: LinearMethod = method if method is not None else UnquantizedLinearMethod()
+        self.quant_method.create_weights(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: LinearMethod | None = None) -> Linear:
@@ -97,8 +149,9 @@ class Linear(nn.Linear):
 def apply_linear_method(model: nn.Module, method: LinearMethod) -> int:
     """Give every linear layer of ``model`` that is still unquantized ``method``; returns how many.
 
-    Plain ``nn.Linear`` layers are first turned into ``Linear`` sharing
-    their tensors. Layers that already have another method are left alone,
+    For a model already loaded in float (tests, benchmarks); a load picks
+    methods when layers are built. Plain ``nn.Linear`` layers are first
+    turned into ``Linear`` sharing their tensors. Layers that already have another method are left alone,
     and so is the embedding a tied LM head shares its weight with (the head
     gets the method's own copy).
     """

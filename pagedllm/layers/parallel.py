@@ -14,6 +14,11 @@ other ranks (``distributed/shard_plan.py`` draws the whole split):
 With ``tp=None`` (one process) each is its plain counterpart. Each layer
 knows which slice of a checkpoint tensor it takes (``checkpoint_slice``),
 so a rank copies only its slice of each tensor while loading.
+
+The embedding asks the quantization config for its ``EmbeddingMethod`` as
+a linear layer asks for its ``LinearMethod`` (float rows, GGUF blocks,
+int8 / int4 blocks); a tied LM head holds no table of its own until
+``TiedLMHeadMethod`` has its method take the loaded embedding's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.linear import Linear, LinearMethod, QuantConfig, load_rows, replace_parameter
 
 
 def _sharded(tp: TensorParallelGroup | None) -> bool:
@@ -70,11 +75,11 @@ class RowParallelLinear(Linear):
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False,
-        tp: TensorParallelGroup | None = None, input_start: int = 0,
+        tp: TensorParallelGroup | None = None, input_start: int = 0, quant_config: QuantConfig | None = None,
+        prefix: str = "",
     ) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+        super().__init__(in_features, out_features, bias, quant_config, prefix, input_start)
         self.tp = tp
-        self.input_start = input_start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x)  # [..., out_features]: this rank's partial sum
@@ -91,37 +96,112 @@ class RowParallelLinear(Linear):
         return tensor.narrow(1, self.input_start, self.in_features)
 
 
+class EmbeddingMethod:
+    """How an embedding stores its table and looks rows up (``VocabParallelEmbedding.quant_method``)."""
+
+    name: str = "float"
+
+    def create_weights(self, layer: nn.Embedding) -> None:  # noqa: B027 - the float table is nn.Embedding's own
+        """At build (on the meta device): give ``layer`` the tensors the checkpoint loads into."""
+
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        """Load checkpoint ``tensor`` (this rank's rows) into ``layer.<name>``."""
+        load_rows(layer, name, tensor, offset, rows)
+
+    def process_weights_after_loading(self, layer: nn.Embedding) -> None:  # noqa: B027 - float rows need nothing
+        """Once, after loading: turn the loaded table into what ``embedding`` reads."""
+
+    def tied_head_method(self) -> LinearMethod | None:
+        """The method a tied LM head multiplies this table with; None: the one the config gives the head."""
+        return None
+
+    def embedding(self, layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``[..., embedding_dim]`` float of local ids ``ids`` (any shape)."""
+        return F.embedding(ids, layer.weight)
+
+
 class VocabParallelEmbedding(nn.Embedding):
-    """Embedding rows ``[vocab_start, vocab_start + num_embeddings)`` of the vocabulary; lookups all-reduced."""
+    """Embedding rows ``[vocab_start, vocab_start + num_embeddings)`` of the vocabulary; lookups all-reduced.
+
+    Its table is held as ``quant_method`` (asked of ``quant_config`` when built) says.
+    """
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup | None = None, vocab_start: int = 0
+        self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup | None = None, vocab_start: int = 0,
+        quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.tp = tp
         self.vocab_start = vocab_start
+        method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
+        self.quant_method: EmbeddingMethod = method if method is not None else EmbeddingMethod()
+        self.quant_method.create_weights(self)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.embedding(self, ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not _sharded(self.tp):
-            return super().forward(input_ids)
-        return vocab_parallel_lookup(
-            input_ids, self.vocab_start, self.num_embeddings, self.tp, lambda ids: F.embedding(ids, self.weight)
-        )
+            return self._lookup(input_ids)
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.num_embeddings, self.tp, self._lookup)
 
     def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the checkpoint's embedding."""
         return tensor.narrow(0, self.vocab_start, self.num_embeddings) if _sharded(self.tp) else tensor
 
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, method={self.quant_method.name}"
+
+
+class TiedLMHeadMethod(LinearMethod):
+    """A tied LM head's method until loaded: no table of its own; then ``inner`` takes the embedding's.
+
+    After loading, ``inner.tie_weights`` makes the head read the embedding's
+    table (the same float parameter, or the same blocks), ``inner`` processes
+    it as any layer, and becomes the head's method.
+    """
+
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner
+        self.name = f"tied({inner.name})"
+
+    def create_weights(self, layer: Linear) -> None:
+        replace_parameter(layer, "weight", None)
+
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        raise ValueError("a tied LM head takes no checkpoint tensor: it reads the embedding's table")
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.inner.tie_weights(layer, layer.tied_embedding)
+        layer.quant_method = self.inner
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a tied LM head computes only after process_weights_after_loading")
+
 
 class ParallelLMHead(Linear):
-    """LM head rows ``[vocab_start, vocab_start + out_features)``; ``gather`` puts every rank's logits on rank 0."""
+    """LM head rows ``[vocab_start, vocab_start + out_features)``; ``gather`` puts every rank's logits on rank 0.
+
+    ``tied_to``: the embedding whose table it multiplies by (tied word embeddings), taken after loading.
+    """
 
     def __init__(
-        self, in_features: int, out_features: int, tp: TensorParallelGroup | None = None, vocab_start: int = 0
+        self, in_features: int, out_features: int, tp: TensorParallelGroup | None = None, vocab_start: int = 0,
+        quant_config: QuantConfig | None = None, prefix: str = "", tied_to: nn.Embedding | None = None,
     ) -> None:
-        super().__init__(in_features, out_features, bias=False)
+        super().__init__(in_features, out_features, False, None if tied_to is not None else quant_config, prefix)
         self.tp = tp
         self.vocab_start = vocab_start
+        if tied_to is not None:
+            # kept out of _modules: the embedding is the model's, not a child of the head
+            self.__dict__["tied_embedding"] = tied_to
+            # the table's own kind where it has one (GGUF blocks), else what the config gives any head
+            method = tied_to.quant_method.tied_head_method()
+            if method is None and quant_config is not None:
+                method = quant_config.get_quant_method(self, prefix)
+            self.quant_method = TiedLMHeadMethod(method if method is not None else self.quant_method)
+            self.quant_method.create_weights(self)
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         """``[n, this rank's vocab]`` -> ``[n, vocab]`` on rank 0, None on the other ranks."""

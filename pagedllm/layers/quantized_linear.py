@@ -35,16 +35,16 @@ bits either way. ``group`` is a multiple of 32 dividing ``in_features``: a
 layer whose ``in_features`` the asked group size does not divide takes the
 largest multiple of 32 below it that does (``layer_group_size``; the loader
 warns, naming the layers). The token embedding is held the same way
-(``QuantizedEmbedding``); a tied LM head and the embedding share one set of
+(``QuantizedEmbeddingMethod``); a tied LM head and the embedding share one set of
 blocks.
 
 Two ways to the same blocks. ``quantize_model`` rounds a model already
-loaded in float32. The model loader instead calls
-``prepare_quantized_loading`` on the model while it is still on the meta
-device: each layer gets empty blocks and no float weight, and the
-checkpoint loader quantizes each float tensor into its rows as it is handed
-over (``quantized_weight_target``, ``quantize_rows_into``), so the float32
-model never exists. Every group lies within one output row, so quantizing a
+loaded in float32. A load instead gives each layer, as it is built on the
+meta device, ``QuantizedLinearMethod`` / ``QuantizedEmbeddingMethod`` (the
+quantization config's answer, ``layers/quant_config.py``): empty blocks and
+no float weight, and the method's ``weight_loader`` quantizes each float
+tensor into its rows as it is handed over (``quantize_rows_into``), so the
+float32 model never exists. Every group lies within one output row, so quantizing a
 fused q/k/v or gate/up part by part, or a tensor a few rows at a time, gives
 the very bytes that quantizing the whole fused weight gives: no part waits
 for the others. The load's peak is then the blocks plus the one checkpoint
@@ -59,11 +59,12 @@ from torch import nn
 from pagedllm.layers.linear import (
     Linear,
     LinearMethod,
-    UnquantizedLinearMethod,
     apply_linear_method,
+    check_shape,
+    load_rows,
     replace_parameter,
 )
-from pagedllm.layers.parallel import TensorParallelGroup, vocab_parallel_lookup
+from pagedllm.layers.parallel import EmbeddingMethod
 
 GROUP_RUN = 32  # the kernels read groups in runs of 32 weights (vector loads)
 INTERLEAVE_ROWS = 16  # output channels a tile of the interleaved layout holds (kernels/gguf_x16.h)
@@ -175,32 +176,74 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     return groups.reshape(n, k)
 
 
+def _create_blocks(layer: nn.Module, rows: int, in_features: int, bits: int, group_size: int | None) -> None:
+    """Empty blocks ``qweight`` ``[rows, row bytes]`` in place of ``layer.weight`` (on its device), its group
+    kept as ``layer.group_size``."""
+    group = layer_group_size(in_features, group_size)
+    layer.group_size = group
+    blocks = torch.empty(rows, in_features // group * group_block_bytes(bits, group), dtype=torch.uint8,
+                         device=layer.weight.device)
+    replace_parameter(layer, "weight", None)
+    replace_parameter(layer, "qweight", blocks)  # [rows, row bytes]
+    layer.interleaved = False  # the groups' own order until interleaved
+
+
+def _quantize_into(layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None, bits: int,
+                   in_features: int) -> None:
+    """A float checkpoint weight (or a fused part's rows) rounded into ``layer.qweight``; other tensors copied."""
+    if name != "weight" or not tensor.is_floating_point():
+        load_rows(layer, name, tensor, offset, rows)
+        return
+    dest = layer.qweight if rows is None else layer.qweight.narrow(0, offset, rows)
+    check_shape(tensor, (dest.shape[0], in_features))
+    quantize_rows_into(dest, tensor, bits, layer.group_size)
+
+
+def _interleave_blocks(qweight: torch.Tensor, bits: int, group: int, in_features: int) -> bool:
+    """Interleave blocks ``[rows, row bytes]`` 16 rows at a time in place (``kernels/gguf_x16.h``: integer dot
+    products on activations rounded to int8 per block of 32); False where the rows are not tiles of 16."""
+    if qweight.shape[0] % INTERLEAVE_ROWS:
+        return False
+    torch.ops.pagedllm.quantized_interleave_(qweight, bits, group, in_features)
+    return True
+
+
 class QuantizedLinearMethod(LinearMethod):
-    """Grouped int8 / int4 blocks in ``layer.qweight``, made from the loaded weight; the native kernel multiplies.
+    """Grouped int8 / int4 blocks in ``layer.qweight``; the native kernel multiplies.
 
     ``group_size``: weights per group, a multiple of 32 (None: one group per
     output channel); each layer uses ``layer_group_size`` of it, kept as
-    ``layer.group_size``.
+    ``layer.group_size``. ``interleave``: interleave the blocks after loading
+    (``gguf_activations="int8"``; a tied embedding then looks its rows up in
+    the new order).
     """
 
-    def __init__(self, bits: int, group_size: int | None) -> None:
+    def __init__(self, bits: int, group_size: int | None, interleave: bool = False) -> None:
         if bits not in BITS:
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
         if group_size is not None and (group_size < GROUP_RUN or group_size % GROUP_RUN):
             raise ValueError(f"group_size must be a positive multiple of {GROUP_RUN} or None, got {group_size!r}")
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size, self.interleave = bits, group_size, interleave
         self.name = f"int{bits}"
 
     def create_weights(self, layer: Linear) -> None:
         """Before loading (on the meta device): empty blocks ``qweight`` in place of ``layer.weight``, which the
-        checkpoint's float rows are quantized into as they arrive (``quantize_rows_into``)."""
-        group = layer_group_size(layer.in_features, self.group_size)
-        layer.group_size = group
-        row_bytes = layer.in_features // group * group_block_bytes(self.bits, group)
-        blocks = torch.empty(layer.out_features, row_bytes, dtype=torch.uint8, device=layer.weight.device)
+        checkpoint's float rows are quantized into as they arrive (``weight_loader``)."""
+        _create_blocks(layer, layer.out_features, layer.in_features, self.bits, self.group_size)
+
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        _quantize_into(layer, name, tensor, offset, rows, self.bits, layer.in_features)
+
+    def tie_weights(self, layer: Linear, embedding: nn.Module) -> None:
+        """The head multiplies by the embedding's blocks (held once): both have ``embedding_dim`` inputs, so the
+        one table is what quantizing either would make."""
+        if embedding.qweight.shape[1:] != (layer.in_features // embedding.group_size
+                                           * group_block_bytes(self.bits, embedding.group_size),):
+            raise ValueError(f"a tied LM head of {layer.in_features} inputs cannot share the embedding's blocks "
+                             f"{tuple(embedding.qweight.shape)} (group {embedding.group_size})")
         replace_parameter(layer, "weight", None)
-        replace_parameter(layer, "qweight", blocks)  # [out_features, row bytes]
-        layer.interleaved = False  # the groups' own order until interleave_quantized_weights
+        layer.register_buffer("qweight", embedding.qweight)
+        layer.group_size, layer.interleaved = embedding.group_size, embedding.interleaved
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if layer.weight is not None:  # loaded in float (else create_weights' blocks were filled while loading)
@@ -210,6 +253,11 @@ class QuantizedLinearMethod(LinearMethod):
             replace_parameter(layer, "qweight", pack_groups(q, scales, mins, self.bits))  # [out_features, row bytes]
             replace_parameter(layer, "weight", None)
         replace_parameter(layer, "bias", None if layer.bias is None else layer.bias.detach().float().contiguous())
+        if self.interleave and not layer.interleaved:
+            layer.interleaved = _interleave_blocks(layer.qweight, self.bits, layer.group_size, layer.in_features)
+            tied = layer.__dict__.get("tied_embedding")
+            if tied is not None:  # the table is the embedding's too (a tied head): it reads the new order
+                tied.interleaved = layer.interleaved
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -220,56 +268,30 @@ class QuantizedLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], layer.out_features)
 
 
-class QuantizedEmbedding(nn.Module):
-    """A token embedding held as grouped int8 / int4 blocks (``qweight`` ``[vocab, row bytes]``); rows come out float32.
+class QuantizedEmbeddingMethod(EmbeddingMethod):
+    """A token embedding held as grouped int8 / int4 blocks (``qweight`` ``[vocab rows, row bytes]``, grouped as a
+    linear layer of ``embedding_dim`` inputs would be); rows come out float32."""
 
-    Under tensor parallelism (``tp``) it holds vocabulary rows ``[vocab_start,
-    vocab_start + num_embeddings)`` and looks up as ``VocabParallelEmbedding`` does.
-    """
-
-    def __init__(
-        self, qweight: torch.Tensor, embedding_dim: int, bits: int, group_size: int,
-        tp: TensorParallelGroup | None = None, vocab_start: int = 0,
-    ) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = qweight.shape[0], embedding_dim
+    def __init__(self, bits: int, group_size: int | None) -> None:
         self.bits, self.group_size = bits, group_size
-        self.tp, self.vocab_start = tp, vocab_start
-        self.interleaved = False  # the groups' own order until interleave_quantized_weights (a tied head's table)
-        self.register_buffer("qweight", qweight)
+        self.name = f"int{bits}"
 
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, bits: int, group_size: int | None) -> QuantizedEmbedding:
-        """``embedding``'s table quantized as a linear layer of ``embedding_dim`` inputs would be (its vocabulary
-        slice, for a tensor-parallel rank's)."""
-        group = layer_group_size(embedding.embedding_dim, group_size)
-        q, scales, mins = quantize_groups(embedding.weight, bits, group)
-        return cls(pack_groups(q, scales, mins, bits), embedding.embedding_dim, bits, group,
-                   getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
+    def create_weights(self, layer: nn.Embedding) -> None:
+        _create_blocks(layer, layer.num_embeddings, layer.embedding_dim, self.bits, self.group_size)
 
-    def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the checkpoint's float table (all of it in one process), to be quantized."""
-        if self.tp is None or self.tp.size == 1:
-            return tensor
-        return tensor.narrow(0, self.vocab_start, self.num_embeddings)
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
+        _quantize_into(layer, name, tensor, offset, rows, self.bits, layer.embedding_dim)
 
-    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1).contiguous()  # [num_tokens]
-        out = torch.ops.pagedllm.quantized_embedding(self.qweight, self.bits, self.group_size, self.embedding_dim, ids,
-                                                     self.interleaved)
-        return out.view(*input_ids.shape, self.embedding_dim)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp is None or self.tp.size == 1:
-            return self._lookup(input_ids)
-        return vocab_parallel_lookup(input_ids, self.vocab_start, self.num_embeddings, self.tp, self._lookup)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int{self.bits}, group={self.group_size}"
+    def embedding(self, layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).contiguous()  # [num_tokens]
+        out = torch.ops.pagedllm.quantized_embedding(layer.qweight, self.bits, layer.group_size, layer.embedding_dim,
+                                                     flat, layer.interleaved)
+        return out.view(*ids.shape, layer.embedding_dim)
 
 
 def quantize_model(model: nn.Module, bits: int, group_size: int | None) -> int:
-    """Give every linear layer of ``model`` and its token embedding grouped int``bits`` blocks; returns the layers.
+    """Give every linear layer of a float-loaded ``model`` and its token embedding grouped int``bits`` blocks;
+    returns the layers.
 
     A tied LM head and the embedding share one set of blocks (the head's),
     so no float32 table is left behind.
@@ -279,97 +301,40 @@ def quantize_model(model: nn.Module, bits: int, group_size: int | None) -> int:
     num_layers = apply_linear_method(model, QuantizedLinearMethod(bits, group_size))
     head = model.lm_head
     if tied:
-        model.model.embed_tokens = QuantizedEmbedding(head.qweight, embedding.embedding_dim, bits, head.group_size,
-                                                      getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
+        blocks, group = head.qweight, head.group_size
     else:
-        model.model.embed_tokens = QuantizedEmbedding.from_embedding(embedding, bits, group_size)
+        group = layer_group_size(embedding.embedding_dim, group_size)
+        blocks = pack_groups(*quantize_groups(embedding.weight, bits, group), bits)
+    replace_parameter(embedding, "weight", None)
+    embedding.register_buffer("qweight", blocks)
+    embedding.group_size, embedding.interleaved = group, False
+    embedding.quant_method = QuantizedEmbeddingMethod(bits, group_size)
     return num_layers
 
 
-def prepare_quantized_loading(model: nn.Module, bits: int, group_size: int | None) -> int:
-    """Give ``model`` (built on the meta device, not loaded) empty int``bits`` blocks wherever ``quantize_model``
-    would put blocks; returns the linear layers.
-
-    Each unquantized linear layer gets ``QuantizedLinearMethod``'s blocks
-    instead of its float weight, the token embedding becomes a
-    ``QuantizedEmbedding``; the checkpoint loader then quantizes each float
-    tensor into them as it arrives (``quantized_weight_target``), and
-    ``process_weights_after_loading`` finishes each layer (its bias).
-    Biases and norms stay float parameters, loaded as usual. A tied LM head
-    is given the embedding's blocks after the model is allocated
-    (``tie_quantized_lm_head``: allocating unties them).
-    """
-    if any(type(m) is nn.Linear for m in model.modules()):
-        raise ValueError("prepare_quantized_loading takes models built of Linear layers only (not nn.Linear)")
-    embedding: nn.Embedding = model.model.embed_tokens
-    method = QuantizedLinearMethod(bits, group_size)
-    layers = [m for m in model.modules() if isinstance(m, Linear) and isinstance(m.quant_method, UnquantizedLinearMethod)]
-    for layer in layers:
-        layer.quant_method = method
-        method.create_weights(layer)
-    group = layer_group_size(embedding.embedding_dim, group_size)
-    row_bytes = embedding.embedding_dim // group * group_block_bytes(bits, group)
-    blocks = torch.empty(embedding.num_embeddings, row_bytes, dtype=torch.uint8, device=embedding.weight.device)
-    model.model.embed_tokens = QuantizedEmbedding(blocks, embedding.embedding_dim, bits, group,
-                                                  getattr(embedding, "tp", None), getattr(embedding, "vocab_start", 0))
-    return len(layers)
-
-
 def interleave_quantized_weights(model: nn.Module) -> int:
-    """Interleave the int8 / int4 blocks of ``model``'s linear layers 16 rows at a time, in place; returns how
-    many tensors were.
+    """Interleave the int8 / int4 blocks of a ``quantize_model`` model's linear layers, in place; returns how
+    many tensors were (a load interleaves each layer itself, ``QuantizedLinearMethod(interleave=True)``).
 
-    The same bytes in another order (``kernels/gguf_x16.h``), which the
-    kernel multiplies with integer dot products on activations rounded to
-    int8 per block of 32, as it does GGUF's blocks (``gguf_activations="int8"``).
     A layer whose rows are not a multiple of 16 keeps the groups' order. A
     table shared by a tied LM head and the embedding is interleaved once,
     and the embedding looks its rows up in the new order.
     """
     users: dict[int, list[nn.Module]] = {}  # qweight storage -> the modules reading it
     for module in model.modules():
-        if isinstance(module, QuantizedEmbedding) or (
-            isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod)
-        ):
+        if isinstance(getattr(module, "quant_method", None), (QuantizedLinearMethod, QuantizedEmbeddingMethod)):
             users.setdefault(module.qweight.untyped_storage().data_ptr(), []).append(module)
     count = 0
     for modules in users.values():
         heads = [m for m in modules if isinstance(m, Linear)]
-        qweight = modules[0].qweight
-        if not heads or any(m.interleaved for m in modules) or qweight.shape[0] % INTERLEAVE_ROWS:
+        if not heads or any(m.interleaved for m in modules):
             continue  # an untied embedding only looks rows up: its groups' order serves as well
         head = heads[0]
-        torch.ops.pagedllm.quantized_interleave_(qweight, head.quant_method.bits, head.group_size, head.in_features)
+        done = _interleave_blocks(head.qweight, head.quant_method.bits, head.group_size, head.in_features)
         for module in modules:
-            module.interleaved = True
-        count += 1
+            module.interleaved = done
+        count += done
     return count
-
-
-def tie_quantized_lm_head(lm_head: Linear, embedding: nn.Module) -> bool:
-    """Let a tied LM head multiply by a ``QuantizedEmbedding``'s blocks (held once); False when it is not one.
-
-    The head was given the same group as the embedding (both have ``embedding_dim`` inputs), so the one
-    table of blocks is what ``quantize_model`` would have made for either.
-    """
-    if not isinstance(embedding, QuantizedEmbedding) or not isinstance(lm_head.quant_method, QuantizedLinearMethod):
-        return False
-    if lm_head.group_size != embedding.group_size or lm_head.qweight.shape != embedding.qweight.shape:
-        raise ValueError(f"a tied LM head of blocks {tuple(lm_head.qweight.shape)} (group {lm_head.group_size}) "
-                         f"cannot share the embedding's {tuple(embedding.qweight.shape)} (group {embedding.group_size})")
-    lm_head.register_buffer("qweight", embedding.qweight)
-    return True
-
-
-def quantized_weight_target(module: nn.Module | None) -> tuple[torch.Tensor, int, int, int] | None:
-    """(blocks, bits, group, in_features) of a layer made by ``prepare_quantized_loading`` whose float weight
-    the checkpoint loader is to quantize into its blocks; None for any other module (GGUF blocks included)."""
-    if isinstance(module, QuantizedEmbedding):
-        return module.qweight, module.bits, module.group_size, module.embedding_dim
-    if (isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod)
-            and module.weight is None):
-        return module.qweight, module.quant_method.bits, module.group_size, module.in_features
-    return None
 
 
 def group_fallbacks(model: nn.Module, group_size: int | None) -> dict[int, list[str]]:

@@ -3,11 +3,11 @@
 Models store q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``) so
 each is one matmul; a checkpoint has them apart. ``fused_projections`` says
 where each separate tensor goes, ``load_hf_weights`` copies them there and
-checks that every parameter was written exactly once by name. A layer
-prepared for weight-only int8 / int4 (``layers/quantized_linear.py``,
-``prepare_quantized_loading``) has blocks instead of a float weight: its
-float tensors (or their fused parts) are quantized into those blocks as
-they arrive.
+checks that every parameter was written exactly once by name. Each
+tensor goes through the ``weight_loader`` of its layer's quantization
+method (``layers/quant_config.py``): a float copy, GGUF bytes into the
+layer's blocks, or float rows rounded into int8 / int4 blocks as they
+arrive; a layer with no method (norms) is copied into.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.shard_plan import ShardPlan
-from pagedllm.layers.quantized_linear import quantize_rows_into, quantized_weight_target
+from pagedllm.layers.linear import load_rows
 
 # checkpoint part -> (fused parameter, row offset, rows, first row of the checkpoint's tensor a
 # tensor-parallel rank takes; None: the whole tensor, one process)
@@ -54,27 +54,24 @@ def load_hf_weights(
     ``lm_head.weight`` is skipped and not expected. Raises ValueError for a
     tensor with no place, a wrong shape, or a parameter left unwritten.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
-    # a layer holding GGUF blocks (layers/gguf_linear.py) takes a checkpoint's bytes in its qweight buffer
-    quantized = {name: buf for name, buf in model.named_buffers(remove_duplicate=False) if name.endswith(".qweight")}
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb" in name or (name == "lm_head.weight" and tied_lm_head):
             continue
         target, offset, size, tensor = _checkpoint_part(name, tensor, fused, modules)
-        blocks = None
-        if tensor.is_floating_point() and target not in params and target.endswith(".weight"):
-            blocks = quantized_weight_target(modules.get(target.rpartition(".")[0]))
-        if blocks is not None:  # weight-only int8 / int4: rounded now, no float32 copy of the layer
-            qweight, bits, group, in_features = blocks
-            dest = qweight if size is None else qweight.narrow(0, offset, size)
-            if (dest.shape[0], in_features) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
-                                 f"{(dest.shape[0], in_features)}")
-            quantize_rows_into(dest, tensor, bits, group)
-        else:
-            _copy_into(name, tensor, quantized if tensor.dtype == torch.uint8 else params, target, offset, size, modules)
+        owner_name, _, param = target.rpartition(".")
+        owner = modules.get(owner_name)
+        if owner is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+        method = getattr(owner, "quant_method", None)
+        try:
+            if method is None:
+                load_rows(owner, param, tensor, offset, size)
+            else:
+                method.weight_loader(owner, param, tensor, offset, size)
+        except ValueError as e:  # the loaders know the layer's tensor; the checkpoint's name is said here
+            raise ValueError(f"{name}: {e}") from None
         loaded.add(name)
         # let go of this tensor before the loader reads the next: the load's peak holds one checkpoint tensor
         del tensor
@@ -101,28 +98,6 @@ def _checkpoint_part(
     if hasattr(owner, "checkpoint_slice"):  # layers/parallel.py: this rank's slice
         tensor = owner.checkpoint_slice(param_name, tensor)
     return name, 0, None, tensor
-
-
-def _copy_into(
-    name: str, tensor: torch.Tensor, places: dict[str, torch.Tensor], target: str, offset: int, size: int | None,
-    modules: dict[str, nn.Module],
-) -> None:
-    """Copy ``tensor`` into rows ``[offset, offset + size)`` (all: None) of ``target`` in ``places``: the
-    parameters, or for GGUF bytes (uint8) the ``qweight`` buffers (a fused layer of mixed GGUF types says
-    where each part's rows lie in its flat buffer)."""
-    key = target.removesuffix(".weight") + ".qweight" if tensor.dtype == torch.uint8 else target
-    param = places.get(key)
-    if param is None:
-        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-    owner = modules.get(key.rpartition(".")[0])
-    method = getattr(owner, "quant_method", None)
-    if tensor.dtype == torch.uint8 and hasattr(method, "qweight_rows"):
-        dest = method.qweight_rows(owner, offset, param.shape[0] if size is None else size)
-    else:
-        dest = param.data if size is None else param.data.narrow(0, offset, size)
-    if dest.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
-    dest.copy_(tensor)
 
 
 def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: bool) -> set[str]:

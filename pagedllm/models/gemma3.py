@@ -46,6 +46,7 @@ from pagedllm.layers.parallel import (
     VocabParallelEmbedding,
 )
 from pagedllm.layers.qk_rotary import QKNormRotary
+from pagedllm.layers.quant_config import QuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.weights import fused_projections, load_hf_weights
 from pagedllm.loader.model_config import GELU_APPROXIMATIONS, ModelArchConfig
@@ -57,7 +58,8 @@ class Gemma3Attention(nn.Module):
     """Self-attention of one layer: per-head q/k norms, RoPE, the layer's window and softcap."""
 
     def __init__(
-        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int, tp: TensorParallelGroup | None = None
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -65,9 +67,11 @@ class Gemma3Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, quant_config,
+                               f"{prefix}.qkv_proj")
         q_start = tp.plan.q_rows[0] if tp is not None else 0
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.attention_bias, tp, q_start)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.attention_bias, tp, q_start, quant_config,
+                                        f"{prefix}.o_proj")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, unit_offset=True)
         self.backend = backend
@@ -102,11 +106,16 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     """``down(gelu(gate(x)) * up(x))``, gate and up as one matmul."""
 
-    def __init__(self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None, quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, quant_config,
+                                   f"{prefix}.gate_up_proj")
         start = tp.plan.intermediate[0] if tp is not None else 0
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp, input_start=start)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, start, quant_config,
+                                           f"{prefix}.down_proj")
         self.act_fn = GeluAndMul(GELU_APPROXIMATIONS[cfg.hidden_act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,16 +127,17 @@ class Gemma3DecoderLayer(nn.Module):
     """Attention and MLP, each between a pre-norm and a post-norm, each added to the residual."""
 
     def __init__(
-        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int, tp: TensorParallelGroup | None = None
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.is_sliding = bool(cfg.layer_types) and cfg.layer_types[layer] == "sliding_attention"
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
-        self.self_attn = Gemma3Attention(cfg, backend, layer, tp)
+        self.self_attn = Gemma3Attention(cfg, backend, layer, tp, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
-        self.mlp = Gemma3MLP(cfg, tp)
+        self.mlp = Gemma3MLP(cfg, tp, quant_config, f"{prefix}.mlp")
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, unit_offset=True)
 
     def forward(
@@ -163,13 +173,18 @@ class Gemma3Rotary(nn.Module):
 class Gemma3Model(nn.Module):
     """Embedding (scaled), decoder layers, final norm and the RoPE tables."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "model",
+    ) -> None:
         super().__init__()
         vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
-        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, tp, vocab_start)
+        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, tp, vocab_start, quant_config,
+                                                   f"{prefix}.embed_tokens")
         # filled by load_weights (a model built on the meta device has no values yet)
         self.register_buffer("embed_scale", torch.empty(()), persistent=False)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, backend, i, tp, quant_config, f"{prefix}.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
         self.rotary = Gemma3Rotary(cfg)
 
@@ -180,17 +195,19 @@ class Gemma3ForCausalLM(NativeOpsMixin, nn.Module):
     ``use_native_ops`` (``NativeOpsMixin``) switches its layers between native and torch implementations.
     """
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
         if cfg.architecture != "gemma3":
             raise ValueError(f"Gemma3ForCausalLM cannot run a {cfg.architecture!r} model")
         self.config = cfg
         self.tp = tp
-        self.model = Gemma3Model(cfg, backend, tp)
+        self.model = Gemma3Model(cfg, backend, tp, quant_config)
         vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, vocab_rows, tp, vocab_start)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.hidden_size, vocab_rows, tp, vocab_start, quant_config, "lm_head", tied)
 
     def forward(
         self,

@@ -36,6 +36,7 @@ from pagedllm.layers.parallel import (
     VocabParallelEmbedding,
 )
 from pagedllm.layers.qk_rotary import QKNormRotary
+from pagedllm.layers.quant_config import QuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.weights import FusedMap, fused_projections, load_hf_weights
 from pagedllm.loader.model_config import ModelArchConfig
@@ -45,7 +46,8 @@ class Attention(nn.Module):
     """Self-attention of one layer: fused qkv, q/k norms (Qwen3) and RoPE, paged attention, output projection."""
 
     def __init__(
-        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -53,9 +55,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, quant_config,
+                               f"{prefix}.qkv_proj")
         q_start = tp.plan.q_rows[0] if tp is not None else 0
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False, tp=tp, input_start=q_start)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, False, tp, q_start, quant_config, f"{prefix}.o_proj")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
@@ -84,11 +87,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``, gate and up as one matmul."""
 
-    def __init__(self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, tp: TensorParallelGroup | None = None, quant_config: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, quant_config,
+                                   f"{prefix}.gate_up_proj")
         start = tp.plan.intermediate[0] if tp is not None else 0
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, tp=tp, input_start=start)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, start, quant_config,
+                                           f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,13 +108,14 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual stream."""
 
     def __init__(
-        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None
+        self, cfg: ModelArchConfig, backend: AttentionBackend, layer: int = 0, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, layer, tp)
+        self.self_attn = Attention(cfg, backend, layer, tp, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, quant_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -125,12 +134,17 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and the RoPE table (Hugging Face's ``model.*`` names)."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "model",
+    ) -> None:
         super().__init__()
         vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
-        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, tp, vocab_start)
+        self.embed_tokens = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, tp, vocab_start, quant_config,
+                                                   f"{prefix}.embed_tokens")
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp, quant_config, f"{prefix}.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
 
@@ -145,15 +159,17 @@ class LlamaForCausalLM(NativeOpsMixin, nn.Module):
     native and torch implementations.
     """
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = LlamaModel(cfg, backend, tp)
+        self.model = LlamaModel(cfg, backend, tp, quant_config)
         vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, vocab_rows, tp, vocab_start)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.hidden_size, vocab_rows, tp, vocab_start, quant_config, "lm_head", tied)
 
     def forward(
         self,
@@ -174,13 +190,14 @@ class LlamaForCausalLM(NativeOpsMixin, nn.Module):
         return self.lm_head.gather(self.lm_head(hidden).float())
 
     # --- weights -------------------------------------------------------------
-    def checkpoint_fused_map(self) -> FusedMap:
-        """Where a checkpoint's separate q/k/v and gate/up tensors go in the fused parameters."""
-        cfg = self.config
+    @staticmethod
+    def checkpoint_fused_map(cfg: ModelArchConfig, tp: TensorParallelGroup | None) -> FusedMap:
+        """Where a checkpoint's separate q/k/v and gate/up tensors go in the fused parameters of the model of
+        shape ``cfg`` (a rank's, with ``tp``): known before the model is built."""
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
-        return fused_projections(q_size, kv_size, cfg.intermediate_size, self.tp.plan if self.tp else None)
+        return fused_projections(q_size, kv_size, cfg.intermediate_size, tp.plan if tp else None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters."""
-        load_hf_weights(self, weights, self.checkpoint_fused_map(), self.config.tie_word_embeddings)
+        load_hf_weights(self, weights, self.checkpoint_fused_map(self.config, self.tp), self.config.tie_word_embeddings)

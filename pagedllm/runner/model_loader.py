@@ -1,7 +1,12 @@
-"""Builds the model the runner steps: construct, load the checkpoint, cast, pick and apply the linear method.
+"""Builds the model the runner steps: build -> load -> process after loading.
 
-Decisions the config leaves open ("auto") are taken here, once, and
-returned in ``LoadedModel``; nothing here is kept as module state.
+The quantization config (``layers/quant_config.py``) is resolved here once,
+from the checkpoint and the engine config, and every layer asks it for its
+method when built; then one sequence for every method: build on the meta
+device, allocate, load each tensor through its layer's ``weight_loader``,
+cast, ``process_weights_after_loading``, ``select_impls``. Decisions the
+config leaves open ("auto") are taken here, once, and returned in
+``LoadedModel``; nothing here is kept as module state.
 """
 
 from __future__ import annotations
@@ -21,20 +26,8 @@ from pagedllm.kernels import kernels_failure, load_kernels
 from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
 from pagedllm.layers.custom_op import select_impls
-from pagedllm.layers.gguf_linear import (
-    GGUF_KERNEL_TYPES,
-    GGUFEmbedding,
-    gguf_types_held,
-    interleave_gguf_weights,
-    tie_gguf_lm_head,
-    use_gguf_weights,
-)
-from pagedllm.layers.linear import (
-    Linear,
-    LinearMethod,
-    UnquantizedLinearMethod,
-    apply_linear_method,
-)
+from pagedllm.layers.gguf_linear import GGUF_KERNEL_TYPES, gguf_types_held
+from pagedllm.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.onednn_linear import (
     OneDnnLinearMethod,
@@ -46,13 +39,16 @@ from pagedllm.layers.packed_linear import (
     PackedLinearMethod,
     packed_linear_bf16_native,
 )
+from pagedllm.layers.quant_config import (
+    QuantConfig,
+    process_weights_after_loading,
+    registered_rules,
+    stored_checkpoint_names,
+)
 from pagedllm.layers.quantized_linear import (
-    QuantizedEmbedding,
+    QuantizedEmbeddingMethod,
     QuantizedLinearMethod,
     group_fallbacks,
-    interleave_quantized_weights,
-    prepare_quantized_loading,
-    tie_quantized_lm_head,
 )
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.registry import model_class
@@ -129,66 +125,60 @@ def make_linear_method(precision: Precision, linear: str) -> LinearMethod:
     return methods[linear]()
 
 
-def prepare_weight_quantization(config: EngineConfig, model: nn.Module) -> None:
-    """Give every linear layer and the token embedding of ``model`` (on the meta device, before loading) empty
-    int8 / int4 blocks (``quantization``) that the checkpoint's float tensors are quantized into as they load.
+def resolve_quant_config(
+    config: EngineConfig, model_config: ModelArchConfig, weights: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device, precision: Precision, linear: str, tp: TensorParallelGroup | None,
+) -> QuantConfig:
+    """The one quantization config of this load, from the checkpoint and ``config``.
 
-    Decided per layer here, as ``keep_gguf_blocks`` does for GGUF blocks, so
-    that no float32 copy of the model is ever built: the load's peak is the
-    blocks, plus the one checkpoint tensor being read, plus the temporaries
-    of a chunk of rows (``LOAD_CHUNK_BYTES``). Fused q/k/v and gate/up need
-    no buffer: each part's rows are quantized as they arrive (groups never
-    span rows, so the bytes are those of the whole fused weight).
+    A GGUF file's quantized tensors are taken as stored where the native
+    kernels run (the CPU, float32 activations) and no other quantization is
+    asked for; weight-only int8 / int4 round float tensors at load (no
+    float32 copy of the model is ever built); the float layers take the
+    dtype's and backend's method.
     """
-    if load_kernels() is None:
+    bits = WEIGHT_ONLY.get(config.quantization or "")
+    if bits is not None and load_kernels() is None:
         raise ValueError(f"quantization={config.quantization!r} needs the native CPU kernels, which cannot be "
                          f"built here: {kernels_failure()}")
-    group_size = config.weight_group_size
-    for group, names in sorted(group_fallbacks(model, group_size).items()):
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        logger.warning("quantization_group_size=%d does not divide the in_features of %d layers (%s): "
-                       "they use groups of %d", group_size, len(names), shown, group)
-    prepare_quantized_loading(model, WEIGHT_ONLY[config.quantization], group_size)
-
-
-def finish_weight_quantization(model: nn.Module) -> None:
-    """After loading: each int8 / int4 layer's bias becomes the float32 buffer its kernel adds (its blocks
-    were filled while loading)."""
-    for module in model.modules():
-        if isinstance(module, Linear) and isinstance(module.quant_method, QuantizedLinearMethod):
-            module.quant_method.process_weights_after_loading(module)
-
-
-def keep_gguf_blocks(
-    config: EngineConfig, model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], device: torch.device,
-    precision: Precision,
-) -> None:
-    """Let the layers of ``model`` (on the meta device) take a GGUF checkpoint's quantized tensors as stored.
-
-    Where the native kernels run (the CPU, float32 activations) and no other
-    quantization is asked for; the tensors the layers cannot take (a type
-    with no kernel, and the other parts of a fused layer with such a part)
-    are dequantized at load.
-    """
     quantized: dict[str, int] = getattr(weights, "quantized", {})
-    if quantized and config.quantization in WEIGHT_ONLY:
+    if quantized and bits is not None:
         kinds = sorted({GGMLQuantizationType(t).name for t in quantized.values()})
         logger.warning("quantization=%r on a GGUF file: its %s tensors are dequantized and rounded again to %s "
                        "(two roundings); quantization=None keeps the file's own blocks",
                        config.quantization, "+".join(kinds), config.quantization)
-    fused_map = getattr(model, "checkpoint_fused_map", None)
-    if not quantized or fused_map is None or config.quantization is not None:
-        return
-    if device.type != "cpu" or precision.compute != torch.float32 or load_kernels() is None:
+    fused_map = getattr(model_class(model_config), "checkpoint_fused_map", None)
+    keep_gguf = bool(quantized) and fused_map is not None and config.quantization is None
+    if keep_gguf and (device.type != "cpu" or precision.compute != torch.float32 or load_kernels() is None):
         logger.warning("GGUF weights are dequantized to %s: their kernels run on the CPU in float32 only (%s)",
                        precision.weights, kernels_failure() or f"device={device.type}")
-        return
-    weights.keep = use_gguf_weights(model, quantized, fused_map(), "model.embed_tokens.weight")
-    left = sorted(name for name in quantized if name not in weights.keep and name != "lm_head.weight")
-    if left:
-        kinds = sorted({GGMLQuantizationType(quantized[name]).name for name in left})
-        logger.warning("%d GGUF tensors are dequantized to float32 (no kernel for their type, or a fused layer "
-                       "with a part of such a type): types %s, e.g. %s", len(left), kinds, left[0])
+        keep_gguf = False
+    return QuantConfig(
+        float_method=UnquantizedLinearMethod() if bits is not None else make_linear_method(precision, linear),
+        weight_only_bits=bits,
+        group_size=config.weight_group_size if bits is not None else None,
+        gguf_types=quantized if keep_gguf else {}, fused=fused_map(model_config, tp) if keep_gguf else {},
+        interleave=config.gguf_activations == "int8", rules=registered_rules(),
+    )
+
+
+def _warn_what_stays_float(
+    config: EngineConfig, quant_config: QuantConfig, model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Say which layers do not hold what was asked: GGUF tensors dequantized, int8 / int4 groups made smaller."""
+    quantized = quant_config.gguf_types
+    if quantized:
+        left = sorted(name for name in quantized if name not in weights.keep and name != "lm_head.weight")
+        if left:
+            kinds = sorted({GGMLQuantizationType(quantized[name]).name for name in left})
+            logger.warning("%d GGUF tensors are dequantized to float32 (no kernel for their type, or a fused layer "
+                           "with a part of such a type): types %s, e.g. %s", len(left), kinds, left[0])
+    if config.quantization in WEIGHT_ONLY:
+        group_size = config.weight_group_size
+        for group, names in sorted(group_fallbacks(model, group_size).items()):
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            logger.warning("quantization_group_size=%d does not divide the in_features of %d layers (%s): "
+                           "they use groups of %d", group_size, len(names), shown, group)
 
 
 def count_params(model: nn.Module) -> int:
@@ -201,7 +191,7 @@ def count_params(model: nn.Module) -> int:
         if qweight is None or qweight.data_ptr() in seen:
             continue
         seen.add(qweight.data_ptr())
-        if isinstance(module, (GGUFEmbedding, QuantizedEmbedding)):
+        if isinstance(module, nn.Embedding):
             count += module.num_embeddings * module.embedding_dim
         elif isinstance(module, Linear):
             count += module.in_features * module.out_features
@@ -217,8 +207,8 @@ def weight_format(config: EngineConfig, model: nn.Module, precision: Precision) 
     if config.quantization in WEIGHT_ONLY:
         if config.weight_group_size is None:
             return f"{config.quantization}-per-channel"
-        groups = sorted({m.group_size for m in model.modules() if isinstance(m, QuantizedEmbedding) or (
-            isinstance(m, Linear) and isinstance(m.quant_method, QuantizedLinearMethod))})
+        groups = sorted({m.group_size for m in model.modules()
+                         if isinstance(getattr(m, "quant_method", None), (QuantizedLinearMethod, QuantizedEmbeddingMethod))})
         return f"{config.quantization}-" + "+".join(f"g{g}" for g in groups)
     return str(precision.weights).removeprefix("torch.")
 
@@ -278,34 +268,23 @@ def load_model(
     """
     start = time.perf_counter()
     precision = resolve_precision(config, device)
-    # built on the meta device: no time spent on random init of weights
-    # that the checkpoint overwrites anyway
+    linear = resolve_linear_backend(config, device, precision)
+    _warn_if_slow_half_precision(config, device, precision, linear)
+    quant_config = resolve_quant_config(config, model_config, weights, device, precision, linear, tp)
+    # built on the meta device: no time spent on random init of weights that the checkpoint overwrites
+    # anyway; each layer's method made the tensors it loads into (create_weights)
     with torch.device("meta"):
-        model = model_class(model_config)(model_config, backend, tp)
-    keep_gguf_blocks(config, model, weights, device, precision)
-    if config.quantization in WEIGHT_ONLY:
-        prepare_weight_quantization(config, model)
+        model = model_class(model_config)(model_config, backend, tp, quant_config)
+    if hasattr(weights, "keep"):  # a GGUF file hands these tensors over as stored, the others dequantized
+        weights.keep = stored_checkpoint_names(model)
+    _warn_what_stays_float(config, quant_config, model, weights)
     model = model.to_empty(device="cpu")
-    embedding = model.model.embed_tokens
-    if model_config.tie_word_embeddings and not (
-        tie_gguf_lm_head(model.lm_head, embedding) or tie_quantized_lm_head(model.lm_head, embedding)
-    ):
-        model.lm_head.weight = embedding.weight
-    model.load_weights(weights)
-    if config.gguf_activations == "int8":
-        interleave_gguf_weights(model)
+    model.load_weights(weights)  # each tensor through its layer's method's weight_loader
     # every weight rounded to dtype once; with bf16 matmuls only, held as float32 after that (exact)
     model = model.to(device=device, dtype=precision.weights)
     model = model.to(dtype=precision.compute).eval()
     num_params = count_params(model)
-    linear = resolve_linear_backend(config, device, precision)
-    _warn_if_slow_half_precision(config, device, precision, linear)
-    if config.quantization in WEIGHT_ONLY:
-        finish_weight_quantization(model)
-        if config.gguf_activations == "int8":
-            interleave_quantized_weights(model)
-    else:
-        apply_linear_method(model, make_linear_method(precision, linear))
+    process_weights_after_loading(model)
     # norms, RoPE and SiLU-and-multiply as single native calls where they build
     lib = load_kernels() if device.type == "cpu" and precision.compute == torch.float32 else None
     native_ops = NativeOps(lib) if lib is not None else None

@@ -252,7 +252,7 @@ def test_a_step_program_runs_interleaved_nodes_as_the_ops_do() -> None:
 def test_a_fused_layer_of_mixed_types_keeps_each_part_in_its_type() -> None:
     """q/k in Q4_K and v in Q6_K (as Q4_K_M files hold some layers), with a bias: each part's blocks as stored
     in one flat buffer, multiplied part by part, in the file's order and interleaved."""
-    from pagedllm.layers.gguf_linear import GGUFPartsLinearMethod, interleave_gguf_weights
+    from pagedllm.layers.gguf_linear import GGUFPartsLinearMethod
     from pagedllm.layers.linear import Linear, replace_parameter
 
     spans = [(0, 64, Q.Q4_K), (64, 32, Q.Q4_K), (96, 32, Q.Q6_K), (128, 8, Q.Q8_0)]  # the Q8_0 part: 8 rows
@@ -275,7 +275,7 @@ def test_a_fused_layer_of_mixed_types_keeps_each_part_in_its_type() -> None:
     with pytest.raises(ValueError, match="no part of rows 0..96"):
         method.qweight_rows(layer, 0, 96)
     # interleaved where the rows allow (the 8-row part stays in the file's order), on 8-bit activations
-    assert interleave_gguf_weights(layer) == 3
+    assert method.interleave(layer) == 3
     assert method.name == "gguf-q4_k-x16+q4_k-x16+q6_k-x16+q8_0"
     got = layer(x).double()
     rounded = q8_rows(x).double()
@@ -415,7 +415,7 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64)
     model = llm.llm_engine.model_runner.model
     assert model.lm_head.quant_method.name == f"gguf-{ggml_type.name.lower()}-x16"
-    assert type(model.model.embed_tokens).__name__ == "GGUFEmbedding"
+    assert type(model.model.embed_tokens.quant_method).__name__ == "GGUFEmbeddingMethod"
     prompts = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantized while loading (``prepare_quantized_loading``): the same bytes as rounding a
+"""Weight-only int8 / int4 quantized while loading (``QuantizedLinearMethod.weight_loader``): the same bytes as rounding a
 float32 model after loading (``quantize_model``), and a load peak of about the blocks plus one checkpoint tensor.
 """
 
@@ -85,7 +85,7 @@ def test_quantized_while_loading_equals_rounding_the_float32_model(
         assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
         assert torch.equal(got[key].contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), key
     embedding, head = new.model.model.embed_tokens, new.model.lm_head
-    assert type(embedding).__name__ == "QuantizedEmbedding"
+    assert type(embedding.quant_method).__name__ == "QuantizedEmbeddingMethod"
     assert (head.qweight is embedding.qweight) == name.endswith("_tied")
     assert any(getattr(m, "interleaved", False) for m in new.model.modules())  # the integer path's layout
     # a head of 1000 rows (not tiles of 16) keeps the groups' order; an untied embedding only looks rows up
