@@ -30,10 +30,6 @@ class LinearMethod(ABC):
     """How a ``Linear`` stores its weight and computes ``x @ W.T + b``."""
 
     name: str = "abstract"
-    # row counts at which ``apply`` changes kernels: a call of up to r rows runs one, more another.
-    # A decode step recorded at some number of rows computes as the method would for fewer rows only
-    # where no limit lies between them (runner/captured_decode.py asks).
-    row_limits: tuple[int, ...] = ()
 
     def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 - most methods repack, some need nothing
         """Turn the loaded ``layer.weight`` / ``layer.bias`` into this method's storage (once)."""
