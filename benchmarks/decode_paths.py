@@ -7,8 +7,8 @@ the three paths a decode step can take, and their ratios:
 
 - ``programs``: captured steps whose kernels run as native step programs,
   one parallel region per step (``runner/step_program.py``; the default);
-- ``replay``: the same captured steps replayed op by op from Python
-  (``runner/step_graph.py``), one parallel region per kernel;
+- ``replay``: the same traced steps run op by op from Python
+  (``runner/decode_graph.py``: every op a Python call), one parallel region per kernel;
 - ``eager``: the model's forward, module by module (``enforce_eager``).
 """
 

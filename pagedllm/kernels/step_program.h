@@ -1,6 +1,6 @@
 /*
- * pagedllm.StepProgram, a torch custom class: the kernel calls of a recorded
- * decode step (runner/step_program.py lowers a StepGraph's nodes to them),
+ * pagedllm.StepProgram, a torch custom class: the kernel calls of a traced
+ * decode step (runner/decode_graph.py lowers the FX trace's nodes to them),
  * run by one OpenMP team in one parallel region (step_nodes.h). Part of
  * ops.cpp (included once, there, after its node builders): only that file
  * sees torch's headers.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,30 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def first_decode_token(self) -> int | None:
+        """The batch row of the first decode token (None: no decodes)."""
+        return self.query_start_loc[self.num_prefills] if self.num_seqs > self.num_prefills else None
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """A decode-only step's addressing, tensors only: one new token per sequence, row ``i`` sequence ``i``.
+
+    What a traced decode step reads (``runner/captured_decode.py``): the
+    step's row count is the tensors' first dimension, which the trace keeps
+    a symbol, and nothing of the step reaches Python. The decode paths that
+    size their work from Python lengths (SDPA's gather, the reference) read
+    fields this class does not have, and so cannot be traced.
+    """
+
+    slot_mapping: torch.Tensor  # [num_seqs] int64: flat cache slot per new token
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int64: context length after this step
+    block_size: int
+    num_prefills: ClassVar[int] = 0
+    first_decode_token: ClassVar[int] = 0
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -252,8 +277,8 @@ class SdpaAttention(AttentionBackend):
         else:
             for i in range(meta.num_prefills):
                 self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window, softcap)
-        if meta.num_seqs > meta.num_prefills:
-            first = meta.query_start_loc[meta.num_prefills]
+        first = meta.first_decode_token
+        if first is not None:
             if softcap is None:
                 self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window)
             else:

@@ -40,10 +40,6 @@ class LinearMethod(ABC):
     """How a ``Linear`` stores its weight and computes ``x @ W.T + b``."""
 
     name: str = "abstract"
-    # row counts at which ``apply`` changes kernels: a call of up to r rows runs one, more another.
-    # A decode step recorded at some number of rows computes as the method would for fewer rows only
-    # where no limit lies between them (runner/captured_decode.py asks).
-    row_limits: tuple[int, ...] = ()
 
     def create_weights(self, layer: Linear) -> None:  # noqa: B027 - float methods load into nn.Linear's own weight
         """At build (on the meta device): give ``layer`` the tensors the checkpoint loads into."""

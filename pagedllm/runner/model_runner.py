@@ -11,7 +11,6 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
-from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
@@ -96,11 +95,8 @@ class ModelRunner:
         )
         if self.tp is not None:  # one block table addresses every rank's cache: all hold as many blocks
             self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
-        # one block past the pool (id num_kv_blocks), never handed out: the padding rows of
-        # captured decode steps write and read it (runner/captured_decode.py)
-        self.padding_block = self.num_kv_blocks
         self.kv_cache, self.kv_caches = allocate_kv_cache(
-            self.local_config, self.num_kv_blocks + 1, self.block_size, self.kv_cache_dtype, self.device
+            self.local_config, self.num_kv_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()  # reserved, resident as written
         self.kv_bytes_released = 0  # pages given back to the OS so far (release_kv_blocks)
@@ -118,19 +114,19 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size, self.device)
         # every sequence's tokens, block table and sampling settings, kept from the incremental records
         self.sequence_states = SequenceStates()
-        # decode steps replay graphs recorded from the model's own forward (runner/captured_decode.py),
-        # their kernels run in one parallel region per graph where the native ops are loaded
+        # decode steps run from an FX trace of the model's own forward (runner/captured_decode.py),
+        # its kernels in one parallel region per program where the native ops are loaded
         # (runner/step_program.py)
         self.captured_decode: CapturedDecode | None = None
         # under tensor parallelism only with the shared-memory all-reduce, a native op a graph replays; every
-        # rank records and replays the same steps, so their collectives stay in step (gloo's are not ops)
+        # rank traces and replays the same steps, so their collectives stay in step (gloo's are not ops)
         shm = self.tp.shm if self.tp is not None else None
         capturable = self.tp is None or shm is not None
         if not config.enforce_eager and capturable and CapturedDecode.supports(self.backend, model_config):
             self.captured_decode = CapturedDecode(
                 self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS),
-                self.padding_block, self.block_size, native_programs=self.native_ops is not None,
-                max_width=-(-config.max_model_len // self.block_size), row_limits=_row_limits(self.model),
+                self.block_size, -(-config.max_model_len // self.block_size),
+                native_programs=self.native_ops is not None,
                 shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
             )
 
@@ -363,13 +359,6 @@ class _LogitRows:
                 prompt_rows[i] = (len(rows), len(rows) + len(s.prompt_targets))
                 rows += range(start, start + len(s.prompt_targets))
         return cls(rows, num_sampled, prompt_rows)
-
-
-def _row_limits(model: torch.nn.Module) -> tuple[int, ...]:
-    """Every row count at which one of the model's linear layers changes kernels (``LinearMethod.row_limits``)."""
-    return tuple(sorted({
-        r for m in model.modules() if isinstance(m, Linear) for r in m.quant_method.row_limits
-    }))
 
 
 @dataclass

@@ -634,8 +634,8 @@ def test_resident_weight_and_kv_cache_bytes_are_reported(tiny_model_dirs: dict[s
     with caplog.at_level("INFO", logger="pagedllm.runner.model_runner"):
         plain = LLM(path, linear_backend="torch", **kw)  # the weights as loaded
     assert plain.weight_bytes == 4 * (params + rope_tables)
-    # the pool and the padding block of captured decode steps, K and V of every layer, float32
-    assert plain.kv_cache_bytes == (32 + 1) * 2 * layers * 8 * kv_heads * head_dim * 4
+    # the pool, K and V of every layer, float32
+    assert plain.kv_cache_bytes == 32 * 2 * layers * 8 * kv_heads * head_dim * 4
     assert "resident: weights" in caplog.text and "KV cache" in caplog.text
     half = LLM(path, linear_backend="torch", kv_cache_dtype="bfloat16", **kw)
     assert half.kv_cache_bytes * 2 == plain.kv_cache_bytes

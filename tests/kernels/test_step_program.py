@@ -1,7 +1,7 @@
-"""StepProgram: a recorded step's kernels run in one parallel region compute exactly what the ops compute.
+"""StepProgram: a traced step's kernels run in one parallel region compute exactly what the ops compute.
 
 A function built from every op a program has a node kind for (and one it
-has not, ``torch.mul``) is captured as a StepGraph, lowered to programs,
+has not, ``torch.mul``) is traced with torch.fx, lowered to programs,
 and replayed on new inputs: the replay must equal the function called op
 by op, bit for bit (the program runs the ops' own team functions on the
 same rows). Then what a program refuses: unknown ops, tensors its checks
@@ -17,8 +17,17 @@ from pagedllm import LLM
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
-from pagedllm.runner.step_graph import Node, StepGraph
-from pagedllm.runner.step_program import lower_to_programs, native_call, num_programs
+from pagedllm.runner.decode_graph import (
+    CaptureError,
+    DecodeGraph,
+    PythonCall,
+    check_constants,
+    input_symbols,
+    lower,
+    num_programs,
+    trace,
+)
+from pagedllm.runner.step_program import native_calls
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 80, 4, 2, 16, 96, 50
 BLOCK_SIZE, NUM_BLOCKS, TABLE_WIDTH = 4, 12, 3
@@ -96,20 +105,28 @@ def _fill_cache(w: _Weights, seed: int) -> None:
     w.v_cache.copy_(torch.randn(w.v_cache.shape, generator=gen))
 
 
+def _graph(fn, w: _Weights, max_rows: int, native: bool = True) -> DecodeGraph:  # noqa: ANN001
+    """``fn`` traced symbolically (2 rows, 3 table columns) and lowered at ``max_rows`` rows."""
+    gm = trace(fn, _step(2, 0))
+    check_constants(gm, w.owned())
+    dims = input_symbols(gm)
+    rows, width = dims[0][0], dims[3][1]
+    bindings = {rows: max_rows, width: TABLE_WIDTH}
+    return lower(gm, _step(max_rows, 0), rows, bindings, list(range(1, max_rows + 1)), native)
+
+
 # 1 row: attention split by kv head; 9 rows: by sequence, and more than one 8-row tile
 @pytest.mark.parametrize("rows", [1, 9])
 def test_programs_replay_the_ops_exactly(ops, rows: int) -> None:  # noqa: ANN001
     w = _Weights(ops)
-    _fill_cache(w, 1)
-    graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), _step(rows, 2), w.owned())
-    graph.group(lambda nodes: lower_to_programs(nodes, rows=rows))
+    graph = _graph(lambda *a: _layer(ops, w, *a), w, 12)
     # every op but torch.mul is a node of a program: program, mul, program
     assert num_programs(graph.runs) == 2 and len(graph.runs) == 3
-    assert isinstance(graph.runs[1], Node) and graph.runs[1].overload is torch.ops.aten.mul.Tensor
+    assert isinstance(graph.runs[1], PythonCall) and graph.runs[1].op is torch.ops.aten.mul.Tensor
     for seed in (3, 4):
         inputs = _step(rows, seed)
         _fill_cache(w, seed)
-        got = graph.replay(inputs).clone()
+        got = graph.replay(inputs, rows).clone()
         got_k, got_v = w.k_cache.clone(), w.v_cache.clone()
         _fill_cache(w, seed)
         want = _layer(ops, w, *inputs)
@@ -145,51 +162,48 @@ def test_a_program_refuses_what_its_ops_refuse(ops) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("rows", [1, 5, 9])
-def test_a_program_runs_its_first_rows_as_the_ops_run_those_rows(ops, rows: int) -> None:  # noqa: ANN001
-    """A graph of programs alone, captured at 12 rows and 3 table columns, replays a step of fewer rows and
-    narrower tables copied into its corner: exactly the ops on those rows; the other rows are left alone."""
+@pytest.mark.parametrize("native", [True, False])
+def test_a_graph_runs_its_first_rows_as_the_ops_run_those_rows(ops, rows: int, native: bool) -> None:  # noqa: ANN001
+    """A graph lowered at 12 rows and 3 table columns, programs and Python calls (or Python calls alone), runs
+    a step of fewer rows and narrower tables copied into its corner: exactly the ops on those rows; the other
+    rows are left alone."""
     w = _Weights(ops)
-
-    def no_mul(*a: torch.Tensor) -> torch.Tensor:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(torch, "mul", lambda h, s: h)  # the layer without its Python-only op
-            return _layer(ops, w, *a)
-
-    graph, _ = StepGraph.capture(no_mul, _step(12, 6), w.owned())
-    graph.group(lambda nodes: lower_to_programs(nodes, rows=12))
-    assert len(graph.runs) == num_programs(graph.runs) == 1
+    graph = _graph(lambda *a: _layer(ops, w, *a), w, 12, native)
+    assert num_programs(graph.runs) == (2 if native else 0)
+    graph.result.zero_()  # static buffers start uninitialised (NaN is not equal to itself)
     kept = graph.result[rows:].clone()
     inputs = _step(rows, 7)
-    inputs[3] = inputs[3][:, :2]  # tables one column narrower than captured
+    inputs[3] = inputs[3][:, :2]  # tables one column narrower than lowered
     inputs[4] = inputs[4].clamp(max=2 * BLOCK_SIZE)  # lengths that fit them
     inputs[1] = inputs[4] - 1
     tables, positions = inputs[3], inputs[1]
     inputs[2] = tables.gather(1, (positions // BLOCK_SIZE).unsqueeze(1)).squeeze(1) * BLOCK_SIZE + positions % BLOCK_SIZE
     _fill_cache(w, 8)
-    got = graph.replay(inputs, rows=rows).clone()
+    got = graph.replay(inputs, rows).clone()
     got_k = w.k_cache.clone()
     _fill_cache(w, 8)
-    assert torch.equal(got, no_mul(*inputs)) and torch.equal(got_k, w.k_cache)
+    assert torch.equal(got, _layer(ops, w, *inputs)) and torch.equal(got_k, w.k_cache)
     assert torch.equal(graph.result[rows:], kept)
-
-
-def test_fewer_rows_only_for_a_graph_of_programs(ops) -> None:  # noqa: ANN001
-    w = _Weights(ops)
-    graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), _step(4, 2), w.owned())
-    graph.group(lambda nodes: lower_to_programs(nodes, rows=4))
-    with pytest.raises(ValueError, match="only a graph of native programs"):
-        graph.replay(_step(2, 3), rows=2)  # its torch.mul would run every row
-    graph.replay(_step(4, 3), rows=4)
     with pytest.raises(ValueError, match="do not fit"):
-        graph.replay(_step(5, 3), rows=5)
+        graph.replay(_step(13, 3), 13)
+
+
+def test_a_trace_refuses_what_a_step_cannot_replay(ops) -> None:  # noqa: ANN001
+    """A tensor made in Python from the step, a value read into Python, a result that is not one tensor."""
+    w = _Weights(ops)
+    with pytest.raises(CaptureError, match="neither an input"):
+        check_constants(trace(lambda *a: _layer(ops, w, *a) + torch.tensor([1.0]), _step(2, 0)), w.owned())
+    with pytest.raises(CaptureError, match="cannot be traced"):
+        trace(lambda ids, *a: w.embed[: int(ids.max())].sum(0) + ids, _step(2, 0))
+    with pytest.raises(CaptureError, match="one tensor"):
+        trace(lambda ids, *a: (ids, ids), _step(2, 0))
 
 
 def test_a_program_checks_the_steps_indices_at_every_run(ops) -> None:  # noqa: ANN001
     """Slots, blocks, lengths and gathered ids are the step's values: checked before anything runs."""
     w = _Weights(ops)
     inputs = _step(2, 5)
-    graph, _ = StepGraph.capture(lambda *a: _layer(ops, w, *a), inputs, w.owned())
-    graph.group(lambda nodes: lower_to_programs(nodes, rows=2))
+    graph = _graph(lambda *a: _layer(ops, w, *a), w, 2)
     ids, positions, slots, tables, lens = inputs
     bad_steps = {
         "outside the KV cache": [ids, positions, slots + NUM_BLOCKS * BLOCK_SIZE, tables, lens],
@@ -200,23 +214,28 @@ def test_a_program_checks_the_steps_indices_at_every_run(ops) -> None:  # noqa: 
     for message, bad in bad_steps.items():
         before = w.k_cache.clone()
         with pytest.raises(ValueError, match=message):
-            graph.replay(bad)
+            graph.replay(bad, 2)
         assert torch.equal(before, w.k_cache), message  # nothing was written
-    graph.replay(inputs)  # and a good step still runs
+    graph.replay(inputs, 2)  # and a good step still runs
 
 
 def test_only_known_ops_are_lowered() -> None:
-    x = torch.randn(2, 3)
-    mul = Node(torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Tensor._op, (x, x), None, torch.empty(2, 3), None)
-    assert native_call(mul) is None
-    add = Node(torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Tensor._op, (x, x), None, None, None)
-    assert native_call(add) == ("add_", [x, x], [], [])
-    scaled = Node(torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Tensor._op, (x, x), {"alpha": 2}, None, None)
-    assert native_call(scaled) is None  # x += 2 * y is not what the add node computes
-    # a node whose tensors a program refuses stays a Python call
-    wrong = Node(torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Tensor._op, (x, x.double()), None, None, None)
-    runs = lower_to_programs([add, wrong, add], rows=2)
-    assert num_programs(runs) == 2 and runs[1] is wrong
+    """pagedllm ops by their schema's arguments; aten ops the few a step moves rows with; nothing else."""
+    x, out = torch.randn(2, 3), torch.empty(2, 3)
+    aten, pagedllm = torch.ops.aten, torch.ops.pagedllm
+    assert native_calls(aten.mul.Tensor, (x, x), {}, out) is None
+    assert native_calls(aten.add_.Tensor, (x, x), {}, None) == [("add_", [x, x], [], [])]
+    assert native_calls(aten.add_.Tensor, (x, x), {"alpha": 2}, None) is None  # not what the add node computes
+    w, cos = torch.randn(3), torch.randn(2, 4)
+    # tensors, ints and floats in schema order, the new result last; defaults filled in
+    assert native_calls(pagedllm.add_rms_norm.default, (x, None, w, 1e-5), {}, out) == (
+        [("add_rms_norm", [x, None, w, out], [], [1e-5])])
+    assert native_calls(pagedllm.paged_decode.default, (x, x, x, x, x, 0.5, out), {}, None) == (
+        [("paged_decode", [x, x, x, x, x, out], [0], [0.5])])
+    assert native_calls(pagedllm.quantized_linear.default, (x, w, 4, 32, 3, None), {}, out) == (
+        [("quantized_linear", [x, w, None, out], [4, 32, 3, 0], [])])
+    assert native_calls(pagedllm.qk_norm_rope.default, (x, 1, 1, 4, cos, cos, None, None, 1e-6), {}, None) == (
+        [("qk_norm_rope", [x, cos, cos, None, None], [1, 1, 4], [1e-6])])
 
 
 def test_a_cat_of_a_fused_layers_parts_runs_in_the_program() -> None:
@@ -224,20 +243,19 @@ def test_a_cat_of_a_fused_layers_parts_runs_in_the_program() -> None:
     part into its columns: the program runs it, over all its rows or fewer, as torch.cat does."""
     parts = [torch.randn(5, n) for n in (64, 16, 16)]
     out = torch.empty(5, 96)
-    cat = Node(torch.ops.aten.cat.default, torch.ops.aten.cat.default._op, (parts, -1), None, out, None)
-    calls = native_call(cat)
+    cat = torch.ops.aten.cat.default
+    calls = native_calls(cat, (parts, -1), {}, out)
     assert [c[0] for c in calls] == ["copy_rows"] * 3
-    runs = lower_to_programs([cat], rows=5)
-    assert num_programs(runs) == len(runs) == 1
+    program = torch.classes.pagedllm.StepProgram(5)
+    for call in calls:
+        program.add(*call)
     for n in (5, 2):
         out.zero_()
-        runs[0](n)
+        program.run(n)
         assert torch.equal(out[:n], torch.cat([p[:n] for p in parts], dim=-1)) and not out[n:].any()
     # along another dimension, or of parts that do not fill the output, it stays a Python call
-    assert native_call(Node(torch.ops.aten.cat.default, torch.ops.aten.cat.default._op, (parts[:1] * 2, 0), None,
-                            torch.empty(10, 64), None)) is None
-    assert native_call(Node(torch.ops.aten.cat.default, torch.ops.aten.cat.default._op, (parts[1:], 1), None,
-                            torch.empty(5, 40), None)) is None
+    assert native_calls(cat, (parts[:1] * 2, 0), {}, torch.empty(10, 64)) is None
+    assert native_calls(cat, (parts[1:], 1), {}, torch.empty(5, 40)) is None
 
 
 def test_a_replayed_step_with_a_bad_block_is_refused(tiny_model_dirs: dict[str, str]) -> None:
@@ -245,7 +263,7 @@ def test_a_replayed_step_with_a_bad_block_is_refused(tiny_model_dirs: dict[str, 
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=32, max_model_len=128, block_size=8)
     runner = llm.llm_engine.model_runner
     captured = runner.captured_decode
-    num_blocks = runner.kv_cache.shape[2]  # the pool and the padding block
+    num_blocks = runner.kv_cache.shape[2]  # the pool
 
     def meta(block: int) -> AttentionMetadata:
         return AttentionMetadata(

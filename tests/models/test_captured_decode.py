@@ -13,10 +13,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.packed_linear import PackedLinearMethod
-from pagedllm.runner.captured_decode import MIN_TABLE_WIDTH, CapturedDecode, row_bucket
+from pagedllm.runner.captured_decode import CapturedDecode
+from pagedllm.runner.decode_graph import PythonCall, num_programs
 from pagedllm.runner.model_runner import MAX_CAPTURED_ROWS
-from pagedllm.runner.step_graph import Node
-from pagedllm.runner.step_program import num_programs
 
 
 def _Checked(runner, tol: float = 1e-5) -> CheckedDecode:  # noqa: ANN001, N802
@@ -72,12 +71,12 @@ def test_replayed_steps_equal_eager(
         with _captured(runner, None):
             eager = _tokens(llm, _prompts(num_seqs, 5), params)
         assert replayed == eager
-    # the whole decoder is one native program: every recorded op has a node kind (int8 and int4
-    # embeddings and linears too, one kernel for any number of rows), so one graph of the most rows
-    # (MAX_CAPTURED_ROWS) and the widest tables (256 / 8 blocks) ran every step
+    # the whole decoder is one native program: every traced op has a node kind (int8 and int4
+    # embeddings and linears too, one kernel for any number of rows), so one trace, lowered at the most
+    # rows (MAX_CAPTURED_ROWS) and the widest tables (256 / 8 blocks), ran every step
     captured = runner.captured_decode
-    assert captured.row_generic and captured.row_tiers == [MAX_CAPTURED_ROWS]
-    assert sorted(captured.graphs) == [(MAX_CAPTURED_ROWS, 32)]
+    assert captured.num_traces == 1 and sorted(captured.graphs) == [(1, MAX_CAPTURED_ROWS)]
+    assert captured.graphs[(1, MAX_CAPTURED_ROWS)].inputs[3].shape == (MAX_CAPTURED_ROWS, 32)
     for graph in captured.graphs.values():
         assert len(graph.runs) == num_programs(graph.runs) == 1, graph.runs
     assert runner.captured_decode.failed is None
@@ -96,14 +95,14 @@ def test_other_linear_backends_replay_equal_eager(linear_backend: str, tiny_mode
     assert checked.num_calls == 11 and runner.captured_decode.failed is None
     # their matmuls have no program node: Python calls between programs of the other kernels
     for graph in runner.captured_decode.graphs.values():
-        assert num_programs(graph.runs) > 1 and any(isinstance(r, Node) for r in graph.runs)
+        assert num_programs(graph.runs) > 1 and any(isinstance(r, PythonCall) for r in graph.runs)
     with _captured(runner, None):
         assert replayed == _tokens(llm, _prompts(3, 2), params)
 
 
 class _TieredMethod(PackedLinearMethod):
     """Packed panels up to 4 rows (a program node), ``F.linear`` past them (a Python call): a linear method
-    that changes kernels with the rows (``LinearMethod.row_limits``)."""
+    that changes kernels with the rows."""
 
     row_limits = (4,)
 
@@ -118,11 +117,11 @@ class _TieredMethod(PackedLinearMethod):
         return F.linear(x, layer.dense, layer.bias)
 
 
-def test_row_tiers_that_lower_differently_fall_back_to_per_shape_graphs(
+def test_a_forward_that_branches_on_the_rows_is_traced_per_branch(
     tiny_model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Up to the limit every step is programs (one graph for any fewer rows); past it, Python matmuls: the
-    larger tier's graph turns the runner to per-shape graphs, and every step still equals the eager model."""
+    """Up to the limit every step is programs; past it, Python matmuls. The trace's shape guards say which rows
+    it holds for: one graph for 1..4 rows, a second trace for 5..64, and every step equals the eager model."""
     import pagedllm.runner.model_loader as model_loader
 
     monkeypatch.setattr(model_loader, "make_linear_method", lambda precision, linear: _TieredMethod())
@@ -130,19 +129,34 @@ def test_row_tiers_that_lower_differently_fall_back_to_per_shape_graphs(
               enable_prefix_caching=False)
     runner = llm.llm_engine.model_runner
     captured = runner.captured_decode
-    assert captured.row_tiers == [4, MAX_CAPTURED_ROWS]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with _captured(runner, _Checked(runner)) as checked:
         small = _tokens(llm, _prompts(2, 12), params)  # 2 rows: packed panels, one program
-        assert captured.row_generic and list(captured.graphs) == [(4, 16)]
-        large = _tokens(llm, _prompts(7, 13), params)  # past the tier: Python matmuls
-        assert captured.row_generic is False
-        assert all((rows, width) != (4, 16) for rows, width in captured.graphs)
+        assert captured.num_traces == 1 and list(captured.graphs) == [(1, 4)]
+        assert len(captured.graphs[(1, 4)].runs) == 1
+        large = _tokens(llm, _prompts(7, 13), params)  # past the limit: Python matmuls
+        assert captured.num_traces == 2 and sorted(captured.graphs) == [(1, 4), (5, MAX_CAPTURED_ROWS)]
         again = _tokens(llm, _prompts(2, 12), params)
-    assert checked.num_calls == 15 and again == small
+    assert checked.num_calls == 15 and again == small and captured.num_traces == 2
     with _captured(runner, None):
         assert large == _tokens(llm, _prompts(7, 13), params)
         assert small == _tokens(llm, _prompts(2, 12), params)
+
+
+def test_one_trace_serves_a_batch_that_changes_every_step(tiny_model_dirs: dict[str, str]) -> None:
+    """Requests of staggered lengths: the decode batch shrinks at every step, then a larger batch comes; one
+    trace (the row count a symbol) runs them all, and the tokens equal the eager model's."""
+    llm = LLM(tiny_model_dirs["qwen3"], num_kv_blocks=96, max_model_len=128, block_size=8,
+              enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    staggered = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(6)]
+    grown = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)] * 9
+    with _captured(runner, _Checked(runner)) as checked:
+        got = _tokens(llm, _prompts(6, 21), staggered) + _tokens(llm, _prompts(9, 22), grown)
+    assert checked.num_rows == [6, 5, 4, 3, 2, 1, 9, 9]
+    assert runner.captured_decode.num_traces == 1 and runner.captured_decode.failed is None
+    with _captured(runner, None):
+        assert got == _tokens(llm, _prompts(6, 21), staggered) + _tokens(llm, _prompts(9, 22), grown)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "mistral", "qwen2_window"])
@@ -156,8 +170,8 @@ def test_windowed_models_replay_equal_eager(arch: str, window_dirs: dict[str, st
         replayed = _tokens(llm, _prompts(3, 9), params)
     assert checked.num_calls == 23
     for graph in runner.captured_decode.graphs.values():
-        if arch == "gemma3":  # its embedding scale, norms and GELU stay Python calls between programs
-            assert num_programs(graph.runs) > 1 and any(isinstance(r, Node) for r in graph.runs)
+        if arch == "gemma3":  # its embedding scale and GELU stay Python calls between programs
+            assert num_programs(graph.runs) > 1 and any(isinstance(r, PythonCall) for r in graph.runs)
         else:  # a window is an argument of the decode node
             assert len(graph.runs) == num_programs(graph.runs) == 1
     eager = _tokens(LLM(window_dirs[arch], num_kv_blocks=128, max_model_len=256, block_size=4,
@@ -189,22 +203,19 @@ def test_only_decode_steps_of_few_sequences_are_captured(tiny_model_dirs: dict[s
     with _captured(runner, _Checked(runner)) as checked:
         params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(3)]
         llm.generate(_prompts(3, 3), params, use_tqdm=False)
-    # 1 prefill step, then decodes of 3, 3, 2 and 1 sequences, all on one graph of 8 rows
-    # (5 rounded up to a bucket) and 128 / 8 table columns, captured at the first of them
+    # 1 prefill step, then decodes of 3, 3, 2 and 1 sequences, all on one graph of 5 rows
+    # and 128 / 8 table columns, traced at the first of them
     assert checked.num_rows == [3, 3, 2, 1]
-    assert list(runner.captured_decode.graphs) == [(8, 16)]
-    # per-shape graphs where a step cannot be cut to fewer rows (steps replayed from Python):
-    # 3 rows replay a graph of 4 (one padding row)
+    assert list(runner.captured_decode.graphs) == [(1, 5)]
+    # without native programs every op is a Python call over the step's rows: one graph too
     runner.captured_decode.reset(native_programs=False)
     with _captured(runner, _Checked(runner)) as checked:
         llm.generate(_prompts(3, 3), params, use_tqdm=False)
     assert checked.num_rows == [3, 3, 2, 1]
-    assert sorted(n for n, _ in runner.captured_decode.graphs) == [1, 2, 4]
-    assert {w for _, w in runner.captured_decode.graphs} == {MIN_TABLE_WIDTH}
-    # the padding rows' block is one past the pool, never handed out
-    assert runner.kv_cache.shape[2] == runner.num_kv_blocks + 1 == runner.padding_block + 1
+    assert list(runner.captured_decode.graphs) == [(1, 5)]
+    assert num_programs(runner.captured_decode.graphs[(1, 5)].runs) == 0
+    assert runner.kv_cache.shape[2] == runner.num_kv_blocks  # no padding block
     assert llm.llm_engine.block_manager.num_free_blocks == runner.num_kv_blocks
-    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 64)] == [1, 2, 4, 8, 8, 16, 24, 64]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([0, 1]), block_tables=torch.tensor([[0], [0]]), seq_lens_tensor=torch.tensor([2, 2]),
         query_start_loc=[0, 2], seq_lens=[2], num_computed=[0], num_prefills=1, block_size=8,
@@ -239,7 +250,7 @@ def test_capture_only_where_steps_are_read_as_tensors(tiny_model_dirs: dict[str,
 def test_a_forward_that_reads_python_values_falls_back_to_eager(
     tiny_model_dirs: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A model that builds a tensor from the step's Python values cannot be replayed: it runs eagerly, correctly."""
+    """A model that reads the step's Python values (which a decode trace does not have) runs eagerly, correctly."""
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=8)
     runner = llm.llm_engine.model_runner
     forward = runner.model.forward

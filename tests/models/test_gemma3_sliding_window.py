@@ -86,6 +86,8 @@ def test_windowed_greedy_matches_transformers(arch: str, backend: str, window_di
         assert attn.q_norm.native_weight is not None
     outs = llm.generate(_token_prompts(_random_prompts(PROMPT_LENGTHS, seed=7)), GREEDY, use_tqdm=False)
     assert _tokens(outs) == hf_expected[arch]
+    if runner.captured_decode is not None:  # Gemma 3 too: one trace ran every decode step
+        assert runner.captured_decode.failed is None and runner.captured_decode.num_traces == 1
     # the window masks; it frees nothing early, and everything is freed at the end
     assert llm.llm_engine.block_manager.num_free_blocks == 128
 

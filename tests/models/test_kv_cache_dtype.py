@@ -14,7 +14,7 @@ from conftest import FLOAT_ACTIVATIONS
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.runner.step_program import num_programs
+from pagedllm.runner.decode_graph import num_programs
 
 PROMPTS = [
     "The capital of France is",
