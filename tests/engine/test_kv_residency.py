@@ -50,7 +50,7 @@ def llm() -> LLM:
 def test_a_large_pool_costs_only_the_blocks_written(llm: LLM) -> None:
     runner = llm.llm_engine.model_runner
     bm = llm.llm_engine.block_manager
-    per_block = runner.kv_cache_bytes // (runner.num_kv_blocks + 1)
+    per_block = runner.kv_bytes_per_block
     prompts = [f"Request {i}: tell me about the number {i * 7919}." for i in range(8)]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) > 0 for o in outs)
