@@ -1,8 +1,8 @@
 """``pagedllm env``: what this machine gives the engine, for bug reports.
 
 The CPU's model and the SIMD features the kernels look for, torch's build and
-what its CPU backends can do here, the native kernels (ISA variant, C++ compiler, flags, where
-the built library is cached, or why it did not build) and which backend each
+what its CPU backends can do here, the native kernels (ISA variant, whether the library is a wheel's prebuilt one
+or built here, C++ compiler, flags, where the built library is cached, or why it did not build) and which backend each
 kind of layer runs on: what ``"auto"`` resolves to, and with ``--load`` the
 classes a loaded model actually holds.
 """
@@ -56,6 +56,13 @@ def _kernels() -> dict[str, Any]:
         "default_isa": kernels.default_isa(),
         "runnable_isas": kernels.runnable_isas(),
         "loaded": lib is not None,
+        # the variant loaded and where it came from: a wheel's prebuilt library, or built here (JIT)
+        "variant": kernels.loaded_variant(),
+        "prebuilt": kernels.kernels_prebuilt(),
+        "source": ("prebuilt" if kernels.kernels_prebuilt() else "built here (JIT)") if lib is not None else None,
+        "prebuilt_variants": list(kernels.prebuilt_libraries()),
+        "prebuilt_torch": (kernels.prebuilt_info() or {}).get("torch"),
+        "prebuilt_refused": kernels.prebuilt_refused(),
         "failure": kernels.kernels_failure(),
         "cflags": " ".join(kernels.build_flags()),
         "cache_dir": str(kernels.cache_dir()),

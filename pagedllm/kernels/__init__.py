@@ -31,7 +31,17 @@ tensors (dtype, device, contiguity, shapes, the indices a kernel trusts) and
 raise ValueError, then call the kernels on the data pointers. Fake (meta)
 implementations for tracing live in ``meta.py``.
 
-Everything is built by ``torch.utils.cpp_extension.load`` (ninja, the C++
+A wheel holds them prebuilt: ``setup.py`` compiles one library per named
+x86-64 variant (``scalar``, ``avx2``, ``avx512``, ``avx512_bf16``) into
+``_prebuilt/pagedllm_kernels_<variant>*.so``, recording the torch version and
+the sources' hash in ``_prebuilt/build_info.json``. At first use the best
+variant this CPU runs is loaded with ``torch.ops.load_library``: no compiler,
+no build, in well under a second. A record that does not match (another torch,
+edited sources) is refused with one log line, and the kernels are built here
+instead. ``PAGEDLLM_KERNELS_PREBUILT=0`` ignores the prebuilt libraries.
+
+Otherwise (an editable install or a checkout, ``native``, a variant the
+wheel lacks) everything is built by ``torch.utils.cpp_extension.load`` (ninja, the C++
 compiler ``$CXX`` or ``c++``) into one library, once per process, at first
 use: in ``$PAGEDLLM_CACHE_DIR/kernels/<variant>-<hash>`` (default
 ``~/.cache/pagedllm``), the hash covering the sources, the flags, the
@@ -52,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -59,24 +70,30 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pagedllm.cache_dir import cache_root
+from pagedllm.kernels.variants import (
+    BUILD_INFO,
+    CFLAGS,
+    ISA_VARIANTS,
+    LDFLAGS,
+    LIBRARY_NAME,
+    PREBUILT_DIR,
+    PREBUILT_ISAS,
+    pick_prebuilt,
+    prebuilt_mismatch,
+    sources_digest,
+)
 
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = sorted(_HERE.glob("*.cpp"))
 _HEADERS = sorted(_HERE.glob("*.h"))
-_LIBRARY_NAME = "pagedllm_kernels"
-# -ffast-math is avoided on purpose: linking with it would switch the whole
-# process to flush-to-zero. Reassociation alone lets gcc vectorise the dot
-# products. c++20: torch's headers warn under c++17.
-_CFLAGS = [
-    "-O3", "-std=c++20", "-fopenmp", "-fno-math-errno",
-    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
-]
-_LDFLAGS = ["-fopenmp"]
+_LIBRARY_NAME = LIBRARY_NAME
+_CFLAGS = CFLAGS
+_LDFLAGS = LDFLAGS
 
 
 def _cpu_flags() -> str:
@@ -93,22 +110,6 @@ def _cpu_flags() -> str:
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo lists them (x86 "flags", Arm "Features")."""
     return frozenset(_cpu_flags().split(":", 1)[-1].split())
-
-
-# PAGEDLLM_KERNEL_ISA: which instruction set the kernels are compiled for.
-# The named x86-64 variants select one of the code paths the sources hold
-# (#if __AVX512BF16__ / __AVX512F__ / __AVX2__ / plain C), so every path can
-# be tested on a CPU that runs it; "native" is whatever -march=native gives.
-# Each needs the CPU features listed; asking for one the CPU lacks is an
-# error, not a crash. Best first: the default is the first this CPU runs.
-ISA_VARIANTS: dict[str, tuple[list[str], tuple[str, ...]]] = {
-    "native": (["-march=native"], ()),
-    "avx512_bf16": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mf16c", "-mfma"],
-                    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx512_vnni")),
-    "avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")),
-    "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "f16c", "bmi2", "movbe")),
-    "scalar": (["-march=x86-64"], ()),
-}
 
 
 def _is_x86_64() -> bool:
@@ -217,11 +218,90 @@ def _compile(build_dir: Path, flags: list[str]) -> str:
     return path
 
 
+def prebuilt_libraries(directory: Path = PREBUILT_DIR) -> dict[str, Path]:
+    """The prebuilt variants found in ``directory`` (a wheel's ``_prebuilt``), best first: {variant: library}."""
+    out = {}
+    for isa in PREBUILT_ISAS:
+        # "<name>_<isa>.so" or "<name>_<isa>.cpython-311-x86_64-linux-gnu.so" (setuptools' suffix)
+        found = sorted(directory.glob(f"{LIBRARY_NAME}_{isa}.*so"))
+        if found:
+            out[isa] = found[0]
+    return out
+
+
+def prebuilt_info(directory: Path = PREBUILT_DIR) -> dict | None:
+    """The prebuilt libraries' record (the torch they were built against, the sources' hash), None if absent."""
+    try:
+        return json.loads((directory / BUILD_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def choose_prebuilt(isa: str | None, available: dict[str, Path], info: dict | None, torch_version: str,
+                    digest: str | None, cpu_features: frozenset[str], machine: str) -> tuple[str | None, str | None]:
+    """(the prebuilt variant to load, or None; why the prebuilt ones were refused, or None).
+
+    ``isa``: the variant ``PAGEDLLM_KERNEL_ISA`` forces (None: the best this CPU runs).
+    """
+    if not available:
+        return None, None
+    if info is None:
+        return None, f"the prebuilt kernels have no {BUILD_INFO} (the torch they were built against is unknown)"
+    why = prebuilt_mismatch(info, torch_version, digest)
+    if why is not None:
+        return None, why
+    # only the variants this record lists (an in-tree build folder may hold older ones)
+    available = {k: v for k, v in available.items() if k in info.get("variants", available)}
+    if isa is not None:
+        return (isa if isa in available else None), None
+    return pick_prebuilt(cpu_features, available, machine), None
+
+
+def _load_prebuilt(path: Path) -> str:
+    import torch
+
+    loaded = _loaded_builds()
+    if str(path) in loaded:
+        return str(path)
+    if loaded:
+        raise RuntimeError(f"this process already loaded another build of the kernels ({loaded[0]}); "
+                           "one variant per process")
+    torch.ops.load_library(str(path))
+    return str(path)
+
+
+class KernelLoad(NamedTuple):
+    ops: Any
+    failure: str | None  # why the kernels are not loaded
+    path: str | None  # the library loaded
+    variant: str | None  # its ISA variant
+    prebuilt: bool  # a wheel's prebuilt library (False: built here)
+    prebuilt_refused: str | None  # why the wheel's prebuilt libraries were not used
+
+
 @functools.cache
-def _load() -> tuple[Any, str | None, str | None]:
-    """Build (once per process) and load the ops: (torch.ops.pagedllm, None, path) or (None, why not, None)."""
+def _load() -> KernelLoad:
+    """Load the ops once per process (a wheel's prebuilt library, else one built here)."""
+    start = time.perf_counter()
     isa = kernel_isa()
     flags = build_flags()  # a forced ISA this CPU cannot run is the caller's error, raised here
+    refused = None
+    available = {} if os.environ.get("PAGEDLLM_KERNELS_PREBUILT") == "0" else prebuilt_libraries()
+    if available:
+        import torch
+
+        digest = sources_digest() if _SOURCES else None
+        chosen, refused = choose_prebuilt(os.environ.get("PAGEDLLM_KERNEL_ISA") or None, available, prebuilt_info(),
+                                          torch.__version__, digest, cpu_flags(), platform.machine())
+        if chosen is not None:
+            try:
+                path = _load_prebuilt(available[chosen])
+            except (OSError, RuntimeError) as e:
+                refused = f"the prebuilt {chosen} kernels did not load: {e}"
+            else:
+                return _loaded(path, chosen, True, None, start)
+        if refused:
+            logger.warning("%s: building the kernels here instead", refused)
     try:
         compiler = compiler_path()
         if compiler is None:
@@ -230,30 +310,51 @@ def _load() -> tuple[Any, str | None, str | None]:
     except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:
         detail = getattr(e, "output", None) or getattr(e, "stderr", None) or str(e)
         logger.warning("native CPU kernels unavailable, using the torch paths: %s", detail)
-        return None, str(detail), None
+        return KernelLoad(None, str(detail), None, None, False, refused)
+    return _loaded(path, isa, False, refused, start)
+
+
+def _loaded(path: str, isa: str, prebuilt: bool, refused: str | None, start: float) -> KernelLoad:
     import torch
 
     from pagedllm.kernels.meta import register_fakes
 
     register_fakes()
-    return torch.ops.pagedllm, None, path
+    logger.debug("native kernels (%s, %s) loaded in %.2f s: %s", isa, "prebuilt" if prebuilt else "built here",
+                 time.perf_counter() - start, path)
+    return KernelLoad(torch.ops.pagedllm, None, path, isa, prebuilt, refused)
 
 
 def load_kernels() -> Any | None:  # noqa: ANN401 (torch's op namespace has no useful static type)
     """The ops' namespace ``torch.ops.pagedllm`` once the library is loaded, or None when it cannot be built here."""
-    return _load()[0]
+    return _load().ops
 
 
 def kernels_available() -> bool:
-    """Whether the native ops are loaded (built here, or found built in the cache)."""
-    return _load()[0] is not None
+    """Whether the native ops are loaded (prebuilt, built here, or found built in the cache)."""
+    return _load().ops is not None
 
 
 def kernels_failure() -> str | None:
     """Why the kernels could not be loaded (None if they loaded)."""
-    return _load()[1]
+    return _load().failure
 
 
 def library_path() -> str | None:
-    """The built library in use (None if the kernels did not load)."""
-    return _load()[2]
+    """The library in use (None if the kernels did not load)."""
+    return _load().path
+
+
+def loaded_variant() -> str | None:
+    """The ISA variant of the library in use (None if the kernels did not load)."""
+    return _load().variant
+
+
+def kernels_prebuilt() -> bool:
+    """Whether the library in use is one a wheel shipped prebuilt (False: built here, or none loaded)."""
+    return _load().prebuilt
+
+
+def prebuilt_refused() -> str | None:
+    """Why a wheel's prebuilt libraries were not used (None: used, or there are none)."""
+    return _load().prebuilt_refused
