@@ -215,7 +215,7 @@ class EngineConfig:
             order, float32 activations: what transformers computes on the
             dequantized weights). int8 moves a
             token's log-probability by ~0.07 on average with the same
-            perplexity (measured on the bundled model, README).
+            perplexity (measured on the bundled model, docs/models-and-formats.md).
         linear_backend: "auto" (default: "packed" for float32 on the CPU
             when the native kernels build, and for bfloat16 when they do on a
             CPU with AVX512-BF16; else "onednn" when torch has oneDNN, else
