@@ -246,7 +246,8 @@ class AsyncEngine:
 
     # --- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread."""
+        """Capture the decode step (so no first request waits seconds for it), then start the engine thread."""
+        self.engine.model_runner.warm_up()
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 

@@ -346,6 +346,7 @@ class LLMEngine:
         """
         self._check_ranks()
         started = time.perf_counter()
+        num_traces = self.model_runner.num_decode_traces
         output = self._schedule()
         if output.is_empty:
             # an empty step right after a preemption is normal: admissions wait
@@ -353,7 +354,8 @@ class LLMEngine:
             return self._resolve_stall() if self.requests and not output.preempted else []
         results = self._execute(output)
         outputs = self._process(output, results)
-        self._observe_step(output, time.perf_counter() - started)
+        if self.model_runner.num_decode_traces == num_traces:  # a step that traced the decode is no step's cost
+            self._observe_step(output, time.perf_counter() - started)
         self._give_back_kv_pages()
         return outputs
 

@@ -117,6 +117,17 @@ class CapturedDecode:
         inputs = [input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor]
         return graph.replay(inputs, rows)
 
+    def warm_up(self) -> None:
+        """Trace and lower the decode step now, before any request waits on it (a server does this at start,
+        as vLLM captures its CUDA graphs); a model that cannot be captured runs eagerly from the start."""
+        if self.graphs or self.failed is not None:
+            return
+        try:
+            self._capture(1)
+        except CaptureError as e:
+            self.failed = str(e)
+            logger.warning("decode steps cannot be captured, running the model directly: %s", e)
+
     def _capture(self, rows: int) -> DecodeGraph:
         """Trace the decode step, lower it at the most rows its guards allow, and keep it; CaptureError if not."""
         n = max(rows, _TRACE_ROWS)
