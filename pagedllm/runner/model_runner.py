@@ -214,7 +214,8 @@ class ModelRunner:
     @property
     def num_decode_traces(self) -> int:
         """Decode-step traces made so far (a step that made one took seconds longer than a step)."""
-        return self.captured_decode.num_traces if self.captured_decode is not None else 0
+        # getattr: tests swap in wrappers of the captured decode that do not count
+        return getattr(self.captured_decode, "num_traces", 0)
 
     @property
     def kv_resident_bytes(self) -> int:
