@@ -11,9 +11,9 @@
 #include "elementwise.h"
 #include "step_nodes.h"
 
-void add_rms_norm_team(const AddRmsNormNode *n) {
+void add_rms_norm_team(const AddRmsNormNode *n, int64_t rows) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n->rows; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         float *xr = n->x + r * n->n;
         if (n->delta != NULL) {
             const float *dr = n->delta + r * n->n;
@@ -24,18 +24,18 @@ void add_rms_norm_team(const AddRmsNormNode *n) {
 }
 
 /* head_dim <= 1024 (ops.cpp checks it) */
-void qk_norm_rope_team(const QkNormRopeNode *n) {
+void qk_norm_rope_team(const QkNormRopeNode *n, int64_t rows) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n->rows; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         float tmp[1024];
         qk_norm_rope_row(n->x + r * n->row_stride, n->num_q_heads, n->num_kv_heads, n->head_dim, n->q_norm,
                          n->k_norm, n->eps, n->cos + r * n->head_dim, n->sin + r * n->head_dim, tmp);
     }
 }
 
-void silu_mul_team(const SiluMulNode *n) {
+void silu_mul_team(const SiluMulNode *n, int64_t rows) {
     const int64_t inter = n->inter;
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n->rows; r++)
+    for (int64_t r = 0; r < rows; r++)
         silu_mul_row(n->gate_up + r * 2 * inter, n->gate_up + r * 2 * inter + inter, n->out + r * inter, inter);
 }

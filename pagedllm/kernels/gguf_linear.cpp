@@ -302,7 +302,7 @@ static float *strip_buffer(int64_t floats) {
 }
 
 #ifdef V
-/* one row (n->rows == 1) of a direct_type, strip by strip, no buffer */
+/* one row of a direct_type, strip by strip, no buffer */
 static void direct_team(const LinearNode *n, int64_t row_bytes, int *failed) {
     const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
     const int type = n->weight_type;
@@ -380,35 +380,35 @@ static void strip_team(const LinearNode *n, int64_t row_bytes, int64_t row0, int
     }
 }
 
-void gguf_linear_team(const LinearNode *n, int *failed) {
+void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed) {
     if (is_x16_type(n->weight_type)) {  // 8-bit activations, integer dot products (gguf_x16_matmul.cpp)
-        gguf_x16_linear_team(n);
+        gguf_x16_linear_team(n, rows);
         return;
     }
     const int64_t k = n->in_features;
     const int64_t row_bytes = blocks_row_bytes(n->weight_type, k, n->group_size);
 #ifdef V
-    if (n->rows == 1 && direct_type(n->weight_type)) {
+    if (rows == 1 && direct_type(n->weight_type)) {
         direct_team(n, row_bytes, failed);
         return;
     }
 #endif
     int64_t block_rows = BLOCK_FLOATS / k / TILE_M * TILE_M;
     if (block_rows < TILE_M) block_rows = TILE_M;
-    for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows)
-        strip_team(n, row_bytes, row0, n->rows - row0 < block_rows ? n->rows - row0 : block_rows, failed);
+    for (int64_t row0 = 0; row0 < rows; row0 += block_rows)
+        strip_team(n, row_bytes, row0, rows - row0 < block_rows ? rows - row0 : block_rows, failed);
 }
 
 /* out[r] = the dequantized row index[r] of a quantized table */
-void gguf_gather_team(const GgufGatherNode *n) {
+void gguf_gather_team(const GgufGatherNode *n, int64_t rows) {
     if (is_x16_type(n->type)) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < n->rows; r++) gguf_x16_row(n->type, n->table, n->index[r], n->row_len, n->group_size,
+        for (int64_t r = 0; r < rows; r++) gguf_x16_row(n->type, n->table, n->index[r], n->row_len, n->group_size,
                                                            n->out + r * n->row_len);
         return;
     }
     const int64_t row_bytes = blocks_row_bytes(n->type, n->row_len, n->group_size);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n->rows; r++)
+    for (int64_t r = 0; r < rows; r++)
         blocks_row(n->type, n->table + n->index[r] * row_bytes, n->row_len, n->group_size, n->out + r * n->row_len);
 }

@@ -129,7 +129,7 @@ void gguf_x16_interleave(uint8_t *weight, int type, int64_t in_features, int64_t
    types of `group` weights, blocks_row) gives for the row's blocks in their own order */
 void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_features, int64_t group, float *out);
 
-/* y = x W^T (+ bias) over an x16 weight (a team function, step_nodes.h); needs n->scratch. This and
+/* y = x W^T (+ bias) over an x16 weight, `rows` rows (a team function, step_nodes.h); needs n->scratch. This and
    gguf_x16_scratch_bytes are gguf_x16_matmul.cpp; the interleave and the row read back, gguf_x16_repack.cpp */
-void gguf_x16_linear_team(const LinearNode *n);
+void gguf_x16_linear_team(const LinearNode *n, int64_t rows);
 #endif

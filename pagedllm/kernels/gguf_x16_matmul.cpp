@@ -47,9 +47,9 @@ typedef struct {
     const int32_t *h; /* [rows, k / 32]: the sum of each block's first 16 quants (Q6_K's sub-blocks) */
 } QRows;
 
-static QRows scratch_rows(const LinearNode *n) {
+static QRows scratch_rows(const LinearNode *n, int64_t rows) {
     uint8_t *base = (uint8_t *)n->scratch;
-    const int64_t quants = (n->rows * n->in_features + 63) / 64 * 64, nb = n->rows * (n->in_features / GGUF_BLOCK);
+    const int64_t quants = (rows * n->in_features + 63) / 64 * 64, nb = rows * (n->in_features / GGUF_BLOCK);
     return {(const int8_t *)base, (const float *)(base + quants), (const int32_t *)(base + quants + 4 * nb),
             (const int32_t *)(base + quants + 8 * nb)};
 }
@@ -373,18 +373,18 @@ static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int6
 /* int8 rows per block: a block's copies (k bytes and 12 per 32 inputs each) stay in L2 across the tiles */
 #define X16_BLOCK_BYTES (192 * 1024)
 
-void gguf_x16_linear_team(const LinearNode *n) {
+void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
     const int64_t k = n->in_features, nb = k / GGUF_BLOCK, num_tiles = n->out_features / X16_TILE;
     const int type = x16_base_type(n->weight_type);
-    const QRows qr = scratch_rows(n);
+    const QRows qr = scratch_rows(n, rows);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n->rows; r++)
+    for (int64_t r = 0; r < rows; r++)
         quantize_row(n->x + r * k, k, (int8_t *)qr.q + r * k, (float *)qr.d + r * nb, (int32_t *)qr.s + r * nb,
                      (int32_t *)qr.h + r * nb);
     int64_t block_rows = X16_BLOCK_BYTES / (k + 12 * nb) / X16_MR * X16_MR;
     if (block_rows < X16_MR) block_rows = X16_MR;
-    for (int64_t row0 = 0; row0 < n->rows; row0 += block_rows) {
-        const int64_t m = n->rows - row0 < block_rows ? n->rows - row0 : block_rows;
+    for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
+        const int64_t m = rows - row0 < block_rows ? rows - row0 : block_rows;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tiles; t++) {
             switch (type) {

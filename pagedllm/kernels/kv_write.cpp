@@ -16,9 +16,9 @@
 #include "kv_rows.h"
 #include "step_nodes.h"
 
-void write_kv_team(const WriteKvNode *n) {
+void write_kv_team(const WriteKvNode *n, int64_t rows) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < n->rows; t++) {
+    for (int64_t t = 0; t < rows; t++) {
         write_row(n->k_cache, n->kv_type, n->slots[t], n->k + t * n->k_stride, n->row);
         write_row(n->v_cache, n->kv_type, n->slots[t], n->v + t * n->v_stride, n->row);
     }

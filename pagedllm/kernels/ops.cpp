@@ -19,6 +19,7 @@
  * (checked in /proc/<pid>/maps: a single libgomp mapping, torch's).
  */
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -138,22 +139,22 @@ void check_index_vector(const Tensor &t, int64_t n, const char *op, const char *
 void check_node_indices(const StepNode &node) {
     if (node.kind == NODE_GATHER_ROWS) {
         const GatherRowsNode &g = node.gather;
-        for (int64_t r = 0; r < g.rows; r++)
+        for (int64_t r = 0; r < node.rows; r++)
             TORCH_CHECK_VALUE(g.index[r] >= 0 && g.index[r] < g.table_rows, "index ", g.index[r],
                               " is outside the table of ", g.table_rows, " rows it looks up");
     } else if (node.kind == NODE_GATHER_GGUF) {
         const GgufGatherNode &g = node.gguf_gather;
-        for (int64_t r = 0; r < g.rows; r++)
+        for (int64_t r = 0; r < node.rows; r++)
             TORCH_CHECK_VALUE(g.index[r] >= 0 && g.index[r] < g.table_rows, "index ", g.index[r],
                               " is outside the table of ", g.table_rows, " rows it looks up");
     } else if (node.kind == NODE_WRITE_KV) {
-        for (int64_t t = 0; t < node.kv.rows; t++)
+        for (int64_t t = 0; t < node.rows; t++)
             TORCH_CHECK_VALUE(node.kv.slots[t] >= 0 && node.kv.slots[t] < node.kv.num_slots,
                               "slot mapping points outside the KV cache");
     } else if (node.kind == NODE_PAGED_DECODE) {
         const PagedDecodeNode &a = node.attn;
         const int64_t width = a.table_width, block_size = a.block_size;
-        for (int64_t b = 0; b < a.num_seqs; b++) {
+        for (int64_t b = 0; b < node.rows; b++) {
             const int64_t len = a.seq_lens[b];
             TORCH_CHECK_VALUE(len >= 1 && len <= width * block_size, "paged_decode: sequence ", b, " of length ", len,
                               " does not fit its block table of ", width, " blocks");
@@ -178,8 +179,8 @@ void run_node(const StepNode &node, int threads, const char *op) {
 
 // --- elementwise ------------------------------------------------------------
 
-StepNode add_rms_norm_node(const Tensor &x, const OptTensor &delta, const Tensor &weight, const Tensor &y,
-                           double eps) {
+StepNode add_rms_norm_node(const Tensor &x, const OptTensor &delta, const Tensor &weight, double eps,
+                           const Tensor &y) {
     const char *op = "native rms_norm";
     const int64_t hidden = weight.numel();
     check_f32_rows(x, hidden, op, "x");
@@ -189,15 +190,15 @@ StepNode add_rms_norm_node(const Tensor &x, const OptTensor &delta, const Tensor
         TORCH_CHECK_VALUE(delta->sizes() == x.sizes(), "native rms_norm: delta must be contiguous and shaped like x");
     }
     check_tensor(y, at::kFloat, x.sizes(), op, "the output");
-    StepNode node{NODE_ADD_RMS_NORM};
+    StepNode node{NODE_ADD_RMS_NORM, x.size(0)};
     node.norm = {x.data_ptr<float>(), ptr_or_null<float>(delta), weight.data_ptr<float>(), y.data_ptr<float>(),
-                 x.size(0), hidden, (float)eps};
+                 hidden, (float)eps};
     return node;
 }
 
 Tensor add_rms_norm(const Tensor &x, const OptTensor &delta, const Tensor &weight, double eps) {
     Tensor y = at::empty_like(x);  // [num_tokens, hidden]
-    const StepNode node = add_rms_norm_node(x, delta, weight, y, eps);
+    const StepNode node = add_rms_norm_node(x, delta, weight, eps, y);
     run_node(node, threads_for(x.numel()), "native rms_norm");
     return y;
 }
@@ -224,8 +225,8 @@ StepNode qk_norm_rope_node(const Tensor &x, int64_t num_q_heads, int64_t num_kv_
                                               (*w)->is_contiguous()),
                           op, ": a head norm weight must be contiguous float32 [", head_dim, "]");
     }
-    StepNode node{NODE_QK_NORM_ROPE};
-    node.rope = {x.data_ptr<float>(), x.size(0), x.stride(0), num_q_heads, num_kv_heads, head_dim,
+    StepNode node{NODE_QK_NORM_ROPE, x.size(0)};
+    node.rope = {x.data_ptr<float>(), x.stride(0), num_q_heads, num_kv_heads, head_dim,
                  ptr_or_null<float>(q_norm), ptr_or_null<float>(k_norm), cos.data_ptr<float>(),
                  sin.data_ptr<float>(), (float)eps};
     return node;
@@ -243,8 +244,8 @@ StepNode silu_mul_node(const Tensor &gate_up, const Tensor &out) {
     const int64_t inter = gate_up.size(1) / 2;
     check_f32_rows(gate_up, 2 * inter, "native silu_mul", "gate_up");
     check_tensor(out, at::kFloat, {gate_up.size(0), inter}, "native silu_mul", "the output");
-    StepNode node{NODE_SILU_MUL};
-    node.silu = {gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), inter};
+    StepNode node{NODE_SILU_MUL, gate_up.size(0)};
+    node.silu = {gate_up.data_ptr<float>(), out.data_ptr<float>(), inter};
     return node;
 }
 
@@ -306,9 +307,9 @@ StepNode packed_linear_node(const Tensor &x, const Tensor &packed, const OptTens
     check_activations(x, in_features, op);
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
     check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
-    StepNode node{NODE_LINEAR_F32_PANELS};
+    StepNode node{NODE_LINEAR_F32_PANELS, x.size(0)};
     node.linear = {x.data_ptr<float>(), packed.data_ptr<float>(), ptr_or_null<float>(bias), out.data_ptr<float>(),
-                   nullptr, x.size(0), in_features, out_features};
+                   nullptr, in_features, out_features};
     return node;
 }
 
@@ -334,9 +335,9 @@ StepNode packed_linear_bf16_node(const Tensor &x, const Tensor &packed, const Op
     check_activations(x, in_features, op);
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
     check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
-    StepNode node{NODE_LINEAR_BF16_PANELS};
+    StepNode node{NODE_LINEAR_BF16_PANELS, x.size(0)};
     node.linear = {x.data_ptr<float>(), packed.data_ptr(), ptr_or_null<float>(bias), out.data_ptr<float>(), nullptr,
-                   x.size(0), in_features, out_features};
+                   in_features, out_features};
     return node;
 }
 
@@ -379,9 +380,9 @@ StepNode gguf_linear_node(const Tensor &x, const Tensor &w, int64_t type, int64_
     check_activations(x, in_features, op);
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
     check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
-    StepNode node{NODE_LINEAR_GGUF};
+    StepNode node{NODE_LINEAR_GGUF, x.size(0)};
     node.linear = {x.data_ptr<float>(), w.data_ptr(), ptr_or_null<float>(bias), out.data_ptr<float>(), nullptr,
-                   x.size(0), in_features, out_features, (int)type, 0};
+                   in_features, out_features, (int)type, 0};
     return node;
 }
 
@@ -390,7 +391,7 @@ StepNode gguf_linear_node(const Tensor &x, const Tensor &w, int64_t type, int64_
 void run_blocks_linear(StepNode &node, const char *op) {
     Tensor scratch;
     if (is_x16_type(node.linear.weight_type)) {
-        scratch = at::empty({gguf_x16_scratch_bytes(node.linear.rows, node.linear.in_features)}, at::kByte);
+        scratch = at::empty({gguf_x16_scratch_bytes(node.rows, node.linear.in_features)}, at::kByte);
         node.linear.scratch = reinterpret_cast<uint16_t *>(scratch.data_ptr());
     }
     run_node(node, num_threads(), op);
@@ -411,9 +412,9 @@ StepNode gguf_embedding_node(const Tensor &table, int64_t type, int64_t row_len,
     TORCH_CHECK_VALUE(index.dim() == 1, op, ": the index must be 1-D, got ", shape_of(index));
     check_index_vector(index, index.size(0), op, "the index");
     check_tensor(out, at::kFloat, {index.size(0), row_len}, op, "the output");
-    StepNode node{NODE_GATHER_GGUF};
-    node.gguf_gather = {table.data_ptr<uint8_t>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), index.size(0),
-                        row_len, table.size(0), (int)type, 0};
+    StepNode node{NODE_GATHER_GGUF, index.size(0)};
+    node.gguf_gather = {table.data_ptr<uint8_t>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), row_len,
+                        table.size(0), (int)type, 0};
     return node;
 }
 
@@ -468,7 +469,7 @@ int check_group_weight(const Tensor &w, int64_t bits, int64_t group_size, int64_
 }
 
 StepNode quantized_linear_node(const Tensor &x, const Tensor &w, int64_t bits, int64_t group_size, int64_t in_features,
-                               const OptTensor &bias, const Tensor &out, bool interleaved) {
+                               const OptTensor &bias, bool interleaved, const Tensor &out) {
     const char *op = "quantized_linear";
     const int type = check_group_weight(w, bits, group_size, in_features, op) + (interleaved ? GGUF_X16_BASE : 0);
     TORCH_CHECK_VALUE(!interleaved || w.size(0) % X16_TILE == 0, op, ": an interleaved weight has a multiple of ",
@@ -477,9 +478,9 @@ StepNode quantized_linear_node(const Tensor &x, const Tensor &w, int64_t bits, i
     check_activations(x, in_features, op);
     check_optional(bias, at::kFloat, {out_features}, op, "bias");
     check_tensor(out, at::kFloat, {x.size(0), out_features}, op, "the output");
-    StepNode node{NODE_LINEAR_GGUF};
+    StepNode node{NODE_LINEAR_GGUF, x.size(0)};
     node.linear = {x.data_ptr<float>(), w.data_ptr(), ptr_or_null<float>(bias), out.data_ptr<float>(), nullptr,
-                   x.size(0), in_features, out_features, type, group_size};
+                   in_features, out_features, type, group_size};
     return node;
 }
 
@@ -487,7 +488,7 @@ Tensor quantized_linear(const Tensor &x, const Tensor &w, int64_t bits, int64_t 
                         const OptTensor &bias, bool interleaved) {
     TORCH_CHECK_VALUE(w.dim() == 2, "quantized_linear: expected a 2-D quantized weight, got shape ", shape_of(w));
     Tensor out = at::empty({x.dim() == 2 ? x.size(0) : 0, w.size(0)}, x.options().dtype(at::kFloat));  // [num_rows, out_features]
-    StepNode node = quantized_linear_node(x, w, bits, group_size, in_features, bias, out, interleaved);
+    StepNode node = quantized_linear_node(x, w, bits, group_size, in_features, bias, interleaved, out);
     run_blocks_linear(node, "quantized_linear");
     return out;
 }
@@ -506,7 +507,7 @@ void quantized_interleave_(const Tensor &w, int64_t bits, int64_t group_size, in
 }
 
 StepNode quantized_embedding_node(const Tensor &table, int64_t bits, int64_t group_size, int64_t row_len,
-                                  const Tensor &index, const Tensor &out, bool interleaved) {
+                                  const Tensor &index, bool interleaved, const Tensor &out) {
     const char *op = "quantized_embedding";
     const int type = check_group_weight(table, bits, group_size, row_len, op) + (interleaved ? GGUF_X16_BASE : 0);
     TORCH_CHECK_VALUE(!interleaved || table.size(0) % X16_TILE == 0, op, ": an interleaved table has a multiple of ",
@@ -514,9 +515,9 @@ StepNode quantized_embedding_node(const Tensor &table, int64_t bits, int64_t gro
     TORCH_CHECK_VALUE(index.dim() == 1, op, ": the index must be 1-D, got ", shape_of(index));
     check_index_vector(index, index.size(0), op, "the index");
     check_tensor(out, at::kFloat, {index.size(0), row_len}, op, "the output");
-    StepNode node{NODE_GATHER_GGUF};
-    node.gguf_gather = {table.data_ptr<uint8_t>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), index.size(0),
-                        row_len, table.size(0), type, group_size};
+    StepNode node{NODE_GATHER_GGUF, index.size(0)};
+    node.gguf_gather = {table.data_ptr<uint8_t>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), row_len,
+                        table.size(0), type, group_size};
     return node;
 }
 
@@ -524,7 +525,7 @@ Tensor quantized_embedding(const Tensor &table, int64_t bits, int64_t group_size
                            const Tensor &index, bool interleaved) {
     TORCH_CHECK_VALUE(index.dim() == 1, "quantized_embedding: the index must be 1-D, got ", shape_of(index));
     Tensor out = at::empty({index.size(0), row_len}, index.options().dtype(at::kFloat));  // [num_rows, row_len]
-    const StepNode node = quantized_embedding_node(table, bits, group_size, row_len, index, out, interleaved);
+    const StepNode node = quantized_embedding_node(table, bits, group_size, row_len, index, interleaved, out);
     check_node_indices(node);
     run_node(node, threads_for(out.numel()), "quantized_embedding");
     return out;
@@ -541,9 +542,9 @@ StepNode write_kv_node(const Tensor &k, const Tensor &v, const Tensor &k_cache, 
     check_head_rows(v, num_kv_heads, head_dim, op, "v");
     TORCH_CHECK_VALUE(v.size(0) == k.size(0), op, ": k and v must have as many rows");
     check_index_vector(slots, k.size(0), op, "the slot mapping");
-    StepNode node{NODE_WRITE_KV};
+    StepNode node{NODE_WRITE_KV, k.size(0)};
     node.kv = {k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), k_cache.data_ptr(),
-               v_cache.data_ptr(), kv_type, slots.data_ptr<int64_t>(), k.size(0), num_kv_heads * head_dim,
+               v_cache.data_ptr(), kv_type, slots.data_ptr<int64_t>(), num_kv_heads * head_dim,
                k_cache.size(0) * k_cache.size(1)};
     return node;
 }
@@ -551,7 +552,7 @@ StepNode write_kv_node(const Tensor &k, const Tensor &v, const Tensor &k_cache, 
 void write_kv_op(const Tensor &k, const Tensor &v, const Tensor &k_cache, const Tensor &v_cache, const Tensor &slots) {
     const StepNode node = write_kv_node(k, v, k_cache, v_cache, slots);
     check_node_indices(node);
-    run_node(node, node.kv.rows > 256 ? num_threads() : 1, "write_kv");
+    run_node(node, node.rows > 256 ? num_threads() : 1, "write_kv");
 }
 
 StepNode paged_decode_node(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
@@ -572,10 +573,10 @@ StepNode paged_decode_node(const Tensor &q, const Tensor &k_cache, const Tensor 
                           block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
                       op, ": block_tables must be int64 [num_seqs, max_blocks] with contiguous rows, got ",
                       shape_of(block_tables));
-    StepNode node{NODE_PAGED_DECODE};
+    StepNode node{NODE_PAGED_DECODE, num_seqs};
     node.attn = {q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type,
                  block_tables.data_ptr<int64_t>(), block_tables.stride(0), seq_lens.data_ptr<int64_t>(),
-                 out.data_ptr<float>(), (int)num_seqs, (int)q.size(1), (int)num_kv_heads, (int)q.size(2),
+                 out.data_ptr<float>(), (int)q.size(1), (int)num_kv_heads, (int)q.size(2),
                  (int)k_cache.size(1), k_cache.size(0), block_tables.size(1), (float)scale, window};
     return node;
 }
@@ -656,32 +657,49 @@ int64_t bf16_native() { return packed_linear_bf16_native(); }
 
 #include "step_program.h"
 
+/* An op a step program runs has its node builder registered by step_node (step_program.h) after its schema,
+   which the builder's parameters must follow (checked there). */
 TORCH_LIBRARY(pagedllm, m) {
     m.class_<StepProgram>("StepProgram")
         .def(torch::init<int64_t>())
         .def("add", &StepProgram::add)
         .def("run", &StepProgram::run)
         .def("num_nodes", &StepProgram::num_nodes);
+    // the row moves runner/step_program.py lowers aten ops to
+    step_node("gather_rows", gather_rows_node);
+    step_node("copy_rows", copy_rows_node);
+    step_node("add_", add_node);
     m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+    step_node("add_rms_norm", add_rms_norm_node);
     m.def("qk_norm_rope(Tensor(a!) x, int num_q_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, "
           "Tensor? q_norm, Tensor? k_norm, float eps) -> ()");
+    step_node("qk_norm_rope", qk_norm_rope_node);
     m.def("silu_mul(Tensor gate_up) -> Tensor");
+    step_node("silu_mul", silu_mul_node);
     m.def("gguf_linear(Tensor x, Tensor weight, int type, int in_features, Tensor? bias) -> Tensor");
+    step_node("gguf_linear", gguf_linear_node);
     m.def("gguf_embedding(Tensor table, int type, int row_len, Tensor index) -> Tensor");
+    step_node("gguf_embedding", gguf_embedding_node);
     m.def("gguf_dequantize(Tensor weight, int type, int in_features) -> Tensor");
     m.def("gguf_interleave_(Tensor(a!) weight, int type, int in_features) -> ()");
     m.def("quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features, Tensor? bias, "
           "bool interleaved=False) -> Tensor");
+    step_node("quantized_linear", quantized_linear_node);
     m.def("quantized_interleave_(Tensor(a!) weight, int bits, int group_size, int in_features) -> ()");
     m.def("quantized_embedding(Tensor table, int bits, int group_size, int row_len, Tensor index, "
           "bool interleaved=False) -> Tensor");
+    step_node("quantized_embedding", quantized_embedding_node);
     m.def("pack_panels(Tensor weight) -> Tensor");
     m.def("pack_panels_bf16(Tensor weight) -> Tensor");
     m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+    step_node("packed_linear", packed_linear_node);
     m.def("packed_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+    step_node("packed_linear_bf16", packed_linear_bf16_node);
     m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+    step_node("write_kv", write_kv_node);
     m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
           "float scale, Tensor(a!) out, int window=0) -> ()");
+    step_node("paged_decode", paged_decode_node);
     m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
     m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) slots, Tensor(c!) flags, Tensor pids, int rank, float timeout_s) -> ()");

@@ -59,8 +59,8 @@ void packed_linear_pack(const float *w, int64_t n, int64_t k, float *packed) {
 
 /* y [m, n] = x [m, k] @ W^T (+ bias), W packed by packed_linear_pack, in
  * blocks of f32_block_rows rows (long inputs: prefills); a team function (step_nodes.h). */
-void packed_linear_f32_team(const LinearNode *n) {
-    const int64_t m = n->rows, k = n->in_features, block_rows = f32_block_rows(k);
+void packed_linear_f32_team(const LinearNode *n, int64_t m) {
+    const int64_t k = n->in_features, block_rows = f32_block_rows(k);
     for (int64_t row0 = 0; row0 < m; row0 += block_rows) {
         const int64_t rows = m - row0 < block_rows ? m - row0 : block_rows;
         f32_panel_units(n->x + row0 * k, rows, k, (const float *)n->weight, n->bias, n->out_features,

@@ -80,8 +80,8 @@ int64_t bf16_scratch_values(int64_t rows, int64_t in_features) {
  * function (step_nodes.h). Rows go in blocks of bf16_block_rows (as the float32 panels);
  * each block is rounded to bf16 into the shared scratch first. A bf16 row of even length
  * is exactly the pairs the tile broadcasts (x[2i] in the low half). */
-void packed_linear_bf16_team(const LinearNode *n) {
-    const int64_t m = n->rows, k = n->in_features, k2 = (k + 1) / 2, kpad = 2 * k2;
+void packed_linear_bf16_team(const LinearNode *n, int64_t m) {
+    const int64_t k = n->in_features, k2 = (k + 1) / 2, kpad = 2 * k2;
     const int64_t block_rows = bf16_block_rows(kpad);
     uint16_t *xb = n->scratch;
     for (int64_t row0 = 0; row0 < m; row0 += block_rows) {

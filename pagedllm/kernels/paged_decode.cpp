@@ -35,12 +35,12 @@
    `window` keys only (a sliding window, as transformers'
    `k_pos > q_pos - window`); 0: all of them. Each thread allocates its
    scores; where it cannot, it sets *failed and skips its tasks. */
-void paged_decode_team(const PagedDecodeNode *n, int *failed) {
+void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) {
     const int num_threads = omp_get_num_threads();
     int64_t max_len = 1;
-    for (int b = 0; b < n->num_seqs; b++)
+    for (int64_t b = 0; b < num_seqs; b++)
         if (n->seq_lens[b] > max_len) max_len = n->seq_lens[b];
-    const int split_heads = n->num_seqs < 2 * num_threads;
+    const int split_heads = num_seqs < 2 * num_threads;
     const int parts = split_heads ? n->num_kv_heads : 1; /* tasks per sequence */
     const int heads_per_part = n->num_kv_heads / parts;
     const int group = n->num_heads / n->num_kv_heads;
@@ -52,7 +52,7 @@ void paged_decode_team(const PagedDecodeNode *n, int *failed) {
         *failed = 1;
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < (int64_t)n->num_seqs * parts; task++) {
+    for (int64_t task = 0; task < num_seqs * parts; task++) {
         if (scores == NULL) continue;
         const int b = (int)(task / parts), part = (int)(task % parts);
         const float *qb = n->q + (int64_t)b * num_heads * head_dim;

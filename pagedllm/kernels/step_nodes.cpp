@@ -16,42 +16,43 @@
 
 #include "step_nodes.h"
 
-static void gather_rows_team(const GatherRowsNode *n) {
+static void gather_rows_team(const GatherRowsNode *n, int64_t rows) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n->rows; r++)
+    for (int64_t r = 0; r < rows; r++)
         memcpy(n->out + r * n->row_len, n->table + n->index[r] * n->row_len, sizeof(float) * (size_t)n->row_len);
 }
 
-static void copy_rows_team(const CopyRowsNode *n) {
+static void copy_rows_team(const CopyRowsNode *n, int64_t rows) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < n->rows; r++)
+    for (int64_t r = 0; r < rows; r++)
         memcpy(n->dst + r * n->dst_stride, n->src + r * n->src_stride, sizeof(float) * (size_t)n->row_len);
 }
 
 /* x += y in chunks of whole cache lines */
-static void add_team(const AddNode *n) {
-    const int64_t chunk = 4096, num_chunks = (n->numel + chunk - 1) / chunk;
+static void add_team(const AddNode *n, int64_t rows) {
+    const int64_t numel = rows * n->row_len, chunk = 4096, num_chunks = (numel + chunk - 1) / chunk;
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < num_chunks; c++) {
-        const int64_t end = (c + 1) * chunk < n->numel ? (c + 1) * chunk : n->numel;
+        const int64_t end = (c + 1) * chunk < numel ? (c + 1) * chunk : numel;
         for (int64_t i = c * chunk; i < end; i++) n->x[i] += n->y[i];
     }
 }
 
 static void run_node(const StepNode *node, int *failed) {
+    const int64_t rows = node->rows;
     switch (node->kind) {
-        case NODE_GATHER_ROWS: gather_rows_team(&node->gather); break;
-        case NODE_COPY_ROWS: copy_rows_team(&node->copy); break;
-        case NODE_ADD: add_team(&node->add); break;
-        case NODE_ADD_RMS_NORM: add_rms_norm_team(&node->norm); break;
-        case NODE_QK_NORM_ROPE: qk_norm_rope_team(&node->rope); break;
-        case NODE_SILU_MUL: silu_mul_team(&node->silu); break;
-        case NODE_LINEAR_F32_PANELS: packed_linear_f32_team(&node->linear); break;
-        case NODE_LINEAR_BF16_PANELS: packed_linear_bf16_team(&node->linear); break;
-        case NODE_LINEAR_GGUF: gguf_linear_team(&node->linear, failed); break;
-        case NODE_GATHER_GGUF: gguf_gather_team(&node->gguf_gather); break;
-        case NODE_WRITE_KV: write_kv_team(&node->kv); break;
-        case NODE_PAGED_DECODE: paged_decode_team(&node->attn, failed); break;
+        case NODE_GATHER_ROWS: gather_rows_team(&node->gather, rows); break;
+        case NODE_COPY_ROWS: copy_rows_team(&node->copy, rows); break;
+        case NODE_ADD: add_team(&node->add, rows); break;
+        case NODE_ADD_RMS_NORM: add_rms_norm_team(&node->norm, rows); break;
+        case NODE_QK_NORM_ROPE: qk_norm_rope_team(&node->rope, rows); break;
+        case NODE_SILU_MUL: silu_mul_team(&node->silu, rows); break;
+        case NODE_LINEAR_F32_PANELS: packed_linear_f32_team(&node->linear, rows); break;
+        case NODE_LINEAR_BF16_PANELS: packed_linear_bf16_team(&node->linear, rows); break;
+        case NODE_LINEAR_GGUF: gguf_linear_team(&node->linear, rows, failed); break;
+        case NODE_GATHER_GGUF: gguf_gather_team(&node->gguf_gather, rows); break;
+        case NODE_WRITE_KV: write_kv_team(&node->kv, rows); break;
+        case NODE_PAGED_DECODE: paged_decode_team(&node->attn, rows, failed); break;
         default: break; /* ops.cpp makes no other kind */
     }
 }

@@ -44,19 +44,19 @@ typedef struct {
     const float *table;   /* [table_rows, row_len] */
     const int64_t *index; /* [rows], each in [0, table_rows) */
     float *out;           /* [rows, row_len] */
-    int64_t rows, row_len, table_rows;
+    int64_t row_len, table_rows;
 } GatherRowsNode;
 
 typedef struct {
     const float *src; /* rows of row_len contiguous floats, src_stride apart */
     float *dst;       /* rows of row_len contiguous floats, dst_stride apart */
-    int64_t rows, row_len, src_stride, dst_stride;
+    int64_t row_len, src_stride, dst_stride;
 } CopyRowsNode;
 
 typedef struct {
-    float *x;       /* [numel] */
-    const float *y; /* [numel] */
-    int64_t numel;
+    float *x;       /* [rows * row_len] */
+    const float *y; /* [rows * row_len] */
+    int64_t row_len;
 } AddNode;
 
 typedef struct {
@@ -64,13 +64,13 @@ typedef struct {
     const float *delta;  /* [rows, n] or NULL */
     const float *weight; /* [n] */
     float *y;            /* [rows, n] = rms_norm(x) * weight */
-    int64_t rows, n;
+    int64_t n;
     float eps;
 } AddRmsNormNode;
 
 typedef struct {
     float *x; /* rows of row_stride floats: num_q_heads q heads, then num_kv_heads k heads */
-    int64_t rows, row_stride, num_q_heads, num_kv_heads, head_dim;
+    int64_t row_stride, num_q_heads, num_kv_heads, head_dim;
     const float *q_norm, *k_norm; /* [head_dim] each, or both NULL */
     const float *cos, *sin;       /* [rows, head_dim] */
     float eps;
@@ -79,7 +79,7 @@ typedef struct {
 typedef struct {
     const float *gate_up; /* [rows, 2 * inter]: gate, then up */
     float *out;           /* [rows, inter] */
-    int64_t rows, inter;
+    int64_t inter;
 } SiluMulNode;
 
 typedef struct {
@@ -91,7 +91,7 @@ typedef struct {
     float *y;            /* [rows, out_features] */
     uint16_t *scratch;   /* shared by the team: bf16 panels, bf16_scratch_values(rows, in_features) values;
                             x16 GGUF types, gguf_x16_scratch_bytes(rows, in_features) bytes (gguf_x16.h) */
-    int64_t rows, in_features, out_features;
+    int64_t in_features, out_features;
     int weight_type;    /* quantized blocks: their type (gguf_blocks.h: a ggml type or GROUP_*); 0 otherwise */
     int64_t group_size; /* GROUP_* types: weights per group (a multiple of 32 dividing in_features) */
 } LinearNode;
@@ -100,7 +100,7 @@ typedef struct {
     const uint8_t *table; /* [table_rows, row bytes] of `type` */
     const int64_t *index; /* [rows], each in [0, table_rows) */
     float *out;           /* [rows, row_len] */
-    int64_t rows, row_len, table_rows;
+    int64_t row_len, table_rows;
     int type;
     int64_t group_size; /* GROUP_* types: weights per group */
 } GgufGatherNode;
@@ -112,26 +112,29 @@ typedef struct {
     void *k_cache, *v_cache; /* [num_slots, row] of kv_type */
     int kv_type;
     const int64_t *slots; /* [rows], each in [0, num_slots) */
-    int64_t rows, row, num_slots;
+    int64_t row, num_slots;
 } WriteKvNode;
 
 typedef struct {
-    const float *q; /* [num_seqs, num_heads, head_dim] */
+    const float *q; /* [num_seqs, num_heads, head_dim]; num_seqs: the node's rows */
     const void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] of kv_type */
     int kv_type;
     const int64_t *block_tables; /* [num_seqs, table_stride] */
     int64_t table_stride;
     const int64_t *seq_lens; /* [num_seqs] */
     float *out;              /* [num_seqs, num_heads, head_dim] */
-    int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    int num_heads, num_kv_heads, head_dim, block_size;
     int64_t num_blocks;  /* of the cache: every block a sequence reads is below it */
     int64_t table_width; /* columns of a table row: every length is at most table_width * block_size */
     float scale;
     int64_t window; /* 0: every key; w > 0: the last w keys */
 } PagedDecodeNode;
 
+/* rows: the tokens (decode attention: the sequences) the node works on, row r of every [rows, ...] buffer
+   its struct points to; every kind keeps it here, so a program cuts any node to its first n rows alike */
 typedef struct {
     int kind; /* StepNodeKind */
+    int64_t rows;
     union {
         GatherRowsNode gather;
         CopyRowsNode copy;
@@ -154,14 +157,14 @@ int run_step_nodes(const StepNode *nodes, int64_t num_nodes, int num_threads);
 int64_t bf16_scratch_values(int64_t rows, int64_t in_features);
 
 /* The team functions (see the top of this file), one per kind, in the files of their kernels.
-   Those that allocate set *failed (atomically) when they cannot. */
-void add_rms_norm_team(const AddRmsNormNode *n);       /* elementwise.cpp */
-void qk_norm_rope_team(const QkNormRopeNode *n);       /* elementwise.cpp */
-void silu_mul_team(const SiluMulNode *n);              /* elementwise.cpp */
-void packed_linear_f32_team(const LinearNode *n);      /* packed_linear.cpp */
-void packed_linear_bf16_team(const LinearNode *n);     /* packed_linear_bf16.cpp */
-void gguf_linear_team(const LinearNode *n, int *failed); /* gguf_linear.cpp */
-void gguf_gather_team(const GgufGatherNode *n);        /* gguf_linear.cpp */
-void write_kv_team(const WriteKvNode *n);              /* kv_write.cpp */
-void paged_decode_team(const PagedDecodeNode *n, int *failed); /* paged_decode.cpp */
+   Each takes its node's rows (StepNode.rows); those that allocate set *failed (atomically) when they cannot. */
+void add_rms_norm_team(const AddRmsNormNode *n, int64_t rows);                  /* elementwise.cpp */
+void qk_norm_rope_team(const QkNormRopeNode *n, int64_t rows);                  /* elementwise.cpp */
+void silu_mul_team(const SiluMulNode *n, int64_t rows);                         /* elementwise.cpp */
+void packed_linear_f32_team(const LinearNode *n, int64_t rows);                 /* packed_linear.cpp */
+void packed_linear_bf16_team(const LinearNode *n, int64_t rows);                /* packed_linear_bf16.cpp */
+void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed);          /* gguf_linear.cpp */
+void gguf_gather_team(const GgufGatherNode *n, int64_t rows);                   /* gguf_linear.cpp */
+void write_kv_team(const WriteKvNode *n, int64_t rows);                         /* kv_write.cpp */
+void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed); /* paged_decode.cpp */
 #endif

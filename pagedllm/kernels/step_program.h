@@ -5,33 +5,49 @@
  * ops.cpp (included once, there, after its node builders): only that file
  * sees torch's headers.
  *
- * add(op, tensors, ints, floats) appends one call of the op named, checked
- * by the same builder the eager op uses (a ValueError for what it cannot
- * run), on static tensors the program holds for as long as it lives:
+ * add(op, tensors, ints, floats) appends one call of the op named, built
+ * by the same node builder the eager op runs (its checks raise ValueError
+ * for what it cannot run), on static tensors the program holds for as long
+ * as it lives. The arguments come as runner/step_program.py reads them from
+ * the op's schema: tensors (None for an absent optional one), ints (and
+ * bools) and floats, each list in schema order, the op's result appended to
+ * the tensors. A node builder takes exactly that: the schema's arguments as
+ * C++ parameters in order, then the result, so its parameter types say
+ * which list each comes from:
  *
- *   op                   tensors                                  ints               floats
- *   add_rms_norm         x, delta?, weight, out                                      eps
- *   qk_norm_rope         x, cos, sin, q_norm?, k_norm?            nq, nkv, head_dim  eps
- *   silu_mul             gate_up, out
- *   packed_linear(_bf16) x, packed, bias?, out                    out_features
- *   gguf_linear          x, weight, bias?, out                    type, in_features
- *   gguf_embedding       table, index, out                        type, row_len
- *   quantized_linear     x, weight, bias?, out                    bits, group_size, in_features, interleaved
- *   quantized_embedding  table, index, out                        bits, group_size, row_len, interleaved
- *   write_kv             k, v, k_cache, v_cache, slots
- *   paged_decode         q, k_cache, v_cache, tables, lens, out   window             scale
- *   gather_rows          table, index, out
- *   copy_rows            src, dst     (rows, dim 0, any stride apart; each row contiguous)
- *   add_                 x, y
+ *   schema   quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features,
+ *                             Tensor? bias, bool interleaved=False) -> Tensor
+ *   builder  quantized_linear_node(const Tensor &x, const Tensor &w, int64_t bits, int64_t group_size,
+ *                                  int64_t in_features, const OptTensor &bias, bool interleaved, const Tensor &out)
+ *   add      ("quantized_linear", [x, w, bias, out], [bits, group_size, in_features, interleaved], [])
  *
- * Every node works on the step's tokens row by row, `rows` of them (the
- * constructor's), so run(n) may run the first n rows only: a decode step of
- * n <= rows sequences replays a program captured for `rows` without padding
- * (add refuses a node that is not per-row; it stays a Python call). run(n)
- * checks the indices every node reads through (the step's slots, block
- * tables, lengths and gathered ids), then runs the nodes.
+ * step_node(op, builder), one line after the op's schema in ops.cpp,
+ * registers the builder: a template reads its parameter list, checks it
+ * against the schema when the library loads, and unpacks add's lists into
+ * it (checking their lengths: a ValueError). So an op's argument order is
+ * written once, in its schema, and nothing here names an op. An op with no
+ * builder is refused (ValueError "no node for op"); the runner keeps it a
+ * Python call. The aten row moves a step makes between kernels have
+ * builders of their own, registered the same way (no schema to check):
+ *
+ *   gather_rows   table, index, out   (the embedding, the RoPE table lookup)
+ *   copy_rows     src, dst            (rows, dim 0, any stride apart; each row contiguous)
+ *   add_          x, y                (the residual add)
+ *
+ * Every node works on the step's tokens row by row, StepNode.rows of them,
+ * which add requires to be the constructor's `rows`. So run(n) may run the
+ * first n rows only, by setting every node's rows to n: a decode step of
+ * n <= rows sequences replays a program captured for `rows` without
+ * padding (add refuses a node that is not over those rows; it stays a
+ * Python call). run(n) checks the indices every node reads through (the
+ * step's slots, block tables, lengths and gathered ids), then runs the
+ * nodes.
  */
+#include <functional>
 #include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
 
 namespace {
 
@@ -42,9 +58,9 @@ StepNode gather_rows_node(const Tensor &table, const Tensor &index, const Tensor
     TORCH_CHECK_VALUE(index.dim() == 1, op, ": the index must be 1-D, got ", shape_of(index));
     check_index_vector(index, index.size(0), op, "the index");
     check_tensor(out, at::kFloat, {index.size(0), table.size(1)}, op, "the output");
-    StepNode node{NODE_GATHER_ROWS};
-    node.gather = {table.data_ptr<float>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), index.size(0),
-                   table.size(1), table.size(0)};
+    StepNode node{NODE_GATHER_ROWS, index.size(0)};
+    node.gather = {table.data_ptr<float>(), index.data_ptr<int64_t>(), out.data_ptr<float>(), table.size(1),
+                   table.size(0)};
     return node;
 }
 
@@ -68,61 +84,121 @@ StepNode copy_rows_node(const Tensor &src, const Tensor &dst) {
     contiguous_row_len(dst, op, "the destination");
     TORCH_CHECK_VALUE(dst.sizes() == src.sizes(), op, ": the destination must be of shape ", src.sizes(), ", got ",
                       shape_of(dst));
-    StepNode node{NODE_COPY_ROWS};
-    node.copy = {src.data_ptr<float>(), dst.data_ptr<float>(), src.size(0), row_len, src.stride(0), dst.stride(0)};
+    StepNode node{NODE_COPY_ROWS, src.size(0)};
+    node.copy = {src.data_ptr<float>(), dst.data_ptr<float>(), row_len, src.stride(0), dst.stride(0)};
     return node;
 }
 
+/* x += y over x's rows (dim 0; a tensor of no dimension is one row) */
 StepNode add_node(const Tensor &x, const Tensor &y) {
     check_tensor(x, at::kFloat, x.sizes(), "add_", "x");
     check_tensor(y, at::kFloat, x.sizes(), "add_", "y");
-    StepNode node{NODE_ADD};
-    node.add = {x.data_ptr<float>(), y.data_ptr<float>(), x.numel()};
+    const int64_t rows = x.dim() >= 1 ? x.size(0) : 1;
+    StepNode node{NODE_ADD, rows};
+    node.add = {x.data_ptr<float>(), y.data_ptr<float>(), rows > 0 ? x.numel() / rows : 0};
     return node;
 }
 
-/* a node's rows (tokens); add_ nodes, which know only their element count, have numel / row_len of them */
-int64_t node_rows(const StepNode &node, int64_t row_len) {
-    switch (node.kind) {
-        case NODE_GATHER_ROWS: return node.gather.rows;
-        case NODE_COPY_ROWS: return node.copy.rows;
-        case NODE_ADD: return node.add.numel / row_len;
-        case NODE_ADD_RMS_NORM: return node.norm.rows;
-        case NODE_QK_NORM_ROPE: return node.rope.rows;
-        case NODE_SILU_MUL: return node.silu.rows;
-        case NODE_LINEAR_F32_PANELS:
-        case NODE_LINEAR_BF16_PANELS:
-        case NODE_LINEAR_GGUF: return node.linear.rows;
-        case NODE_GATHER_GGUF: return node.gguf_gather.rows;
-        case NODE_WRITE_KV: return node.kv.rows;
-        case NODE_PAGED_DECODE: return node.attn.num_seqs;
-        default: return -1;
+// --- the node builders by op name (see the top of this file) ---------------------------------------------------
+
+/* a builder's parameter type as a letter of its signature: T tensor, O optional tensor, i int, b bool, f float */
+template <typename P> struct StepArg;
+template <> struct StepArg<const Tensor &> { static constexpr char code = 'T'; };
+template <> struct StepArg<const OptTensor &> { static constexpr char code = 'O'; };
+template <> struct StepArg<int64_t> { static constexpr char code = 'i'; };
+template <> struct StepArg<bool> { static constexpr char code = 'b'; };
+template <> struct StepArg<double> { static constexpr char code = 'f'; };
+
+/* the list a signature letter is read from: 0 tensors, 1 ints, 2 floats */
+constexpr int step_list(char code) { return code == 'T' || code == 'O' ? 0 : code == 'f' ? 2 : 1; }
+
+struct StepArgs {
+    const std::string &op;
+    const std::vector<OptTensor> &tensors;
+    const std::vector<int64_t> &ints;
+    const std::vector<double> &floats;
+
+    const Tensor &get(const Tensor *, size_t i) const {
+        TORCH_CHECK_VALUE(tensors[i].has_value(), "StepProgram.add(", op, "): tensor ", i, " is missing");
+        return *tensors[i];
     }
+    const OptTensor &get(const OptTensor *, size_t i) const { return tensors[i]; }
+    int64_t get(const int64_t *, size_t i) const { return ints[i]; }
+    bool get(const bool *, size_t i) const { return ints[i] != 0; }
+    double get(const double *, size_t i) const { return floats[i]; }
+};
+
+/* a builder's parameter types, P..., as signature letters: how many each list holds, and where parameter i
+   is in its list (the parameters of its list before it) */
+template <typename... P>
+struct StepSignature {
+    static constexpr char codes[] = {StepArg<P>::code..., '\0'};
+
+    static constexpr size_t count(int list) {
+        size_t n = 0;
+        for (size_t j = 0; j < sizeof...(P); j++) n += step_list(codes[j]) == list;
+        return n;
+    }
+    static constexpr size_t index(size_t i) {
+        size_t n = 0;
+        for (size_t j = 0; j < i; j++) n += step_list(codes[j]) == step_list(codes[i]);
+        return n;
+    }
+};
+
+template <typename... P, size_t... I>
+StepNode build_step_node(StepNode (*builder)(P...), const StepArgs &a, std::index_sequence<I...>) {
+    using S = StepSignature<P...>;
+    TORCH_CHECK_VALUE(a.tensors.size() == S::count(0) && a.ints.size() == S::count(1) && a.floats.size() == S::count(2),
+                      "StepProgram.add(", a.op, "): expected ", S::count(0), " tensors, ", S::count(1), " ints and ",
+                      S::count(2), " floats");
+    return builder(a.get((std::remove_cv_t<std::remove_reference_t<P>> *)nullptr, S::index(I))...);
 }
 
-/* the same node over its first `rows` rows */
-void set_node_rows(StepNode &node, int64_t rows, int64_t add_row_len) {
-    switch (node.kind) {
-        case NODE_GATHER_ROWS: node.gather.rows = rows; break;
-        case NODE_COPY_ROWS: node.copy.rows = rows; break;
-        case NODE_ADD: node.add.numel = rows * add_row_len; break;
-        case NODE_ADD_RMS_NORM: node.norm.rows = rows; break;
-        case NODE_QK_NORM_ROPE: node.rope.rows = rows; break;
-        case NODE_SILU_MUL: node.silu.rows = rows; break;
-        case NODE_LINEAR_F32_PANELS:
-        case NODE_LINEAR_BF16_PANELS:
-        case NODE_LINEAR_GGUF: node.linear.rows = rows; break;
-        case NODE_GATHER_GGUF: node.gguf_gather.rows = rows; break;
-        case NODE_WRITE_KV: node.kv.rows = rows; break;
-        case NODE_PAGED_DECODE: node.attn.num_seqs = (int)rows; break;
-        default: break;
+using StepNodeBuilder = std::function<StepNode(const StepArgs &)>;
+
+std::unordered_map<std::string, StepNodeBuilder> &step_node_builders() {
+    static std::unordered_map<std::string, StepNodeBuilder> builders;
+    return builders;
+}
+
+/* the signature letters of a pagedllm op's schema, its arguments then its Tensor result; "" for an op of no
+   such schema (the row moves the runner lowers aten ops to) */
+std::string schema_codes(const std::string &op) {
+    const auto handle = c10::Dispatcher::singleton().findSchema({"pagedllm::" + op, ""});
+    if (!handle.has_value()) return "";
+    std::string codes;
+    for (const c10::Argument &arg : handle->schema().arguments()) {
+        const c10::TypePtr &type = arg.type();
+        const auto optional = type->cast<c10::OptionalType>();
+        if (type->kind() == c10::TypeKind::TensorType) codes += 'T';
+        else if (optional && optional->getElementType()->kind() == c10::TypeKind::TensorType) codes += 'O';
+        else if (type->kind() == c10::TypeKind::IntType) codes += 'i';
+        else if (type->kind() == c10::TypeKind::BoolType) codes += 'b';
+        else if (type->kind() == c10::TypeKind::FloatType) codes += 'f';
+        else codes += '?';
     }
+    const auto &returns = handle->schema().returns();
+    if (returns.size() == 1 && returns[0].type()->kind() == c10::TypeKind::TensorType) codes += 'T';
+    return codes;
+}
+
+/* makes `builder` the node of op `op`; for a pagedllm op (declared before this is called) its parameters must
+   be the schema's arguments in order, then the result: checked here, when the library loads */
+template <typename... P>
+void step_node(const std::string &op, StepNode (*builder)(P...)) {
+    const std::string schema = schema_codes(op), params = StepSignature<P...>::codes;
+    TORCH_CHECK(schema.empty() || schema == params, "the node builder of ", op, " takes (", params,
+                "), its schema's arguments and result are (", schema, "): T tensor, O optional tensor, i int, ",
+                "b bool, f float");
+    step_node_builders()[op] = [builder](const StepArgs &a) {
+        return build_step_node(builder, a, std::index_sequence_for<P...>());
+    };
 }
 
 struct StepProgram : torch::CustomClassHolder {
-    int64_t rows;                  // the tokens every node was built for
+    int64_t rows;                   // the tokens every node was built for
     std::vector<StepNode> nodes;
-    std::vector<int64_t> row_lens;  // per node: an add_ node's elements per row (else unused)
     std::vector<StepNode> resized;  // the nodes over fewer rows, rebuilt by run(n < rows)
     std::vector<Tensor> held;       // every tensor a node points into
     Tensor scratch;                 // [values] bf16: the rounded activations of one bf16 or x16 GGUF linear node at a time
@@ -131,56 +207,15 @@ struct StepProgram : torch::CustomClassHolder {
         TORCH_CHECK_VALUE(rows >= 1, "StepProgram: rows must be at least 1, got ", rows);
     }
 
-    static const Tensor &need(const std::vector<OptTensor> &t, size_t i, const std::string &op) {
-        TORCH_CHECK_VALUE(i < t.size() && t[i].has_value(), "StepProgram.add(", op, "): tensor ", i, " is missing");
-        return *t[i];
-    }
-
-    static OptTensor maybe(const std::vector<OptTensor> &t, size_t i) { return i < t.size() ? t[i] : OptTensor(); }
-
-    StepNode build(const std::string &op, const std::vector<OptTensor> &t, const std::vector<int64_t> &ints,
-                   const std::vector<double> &floats) const {
-        auto T = [&](size_t i) -> const Tensor & { return need(t, i, op); };
-        auto counts = [&](size_t num_tensors, size_t num_ints, size_t num_floats) {
-            TORCH_CHECK_VALUE(t.size() == num_tensors && ints.size() == num_ints && floats.size() == num_floats,
-                              "StepProgram.add(", op, "): expected ", num_tensors, " tensors, ", num_ints,
-                              " ints and ", num_floats, " floats");
-        };
-        if (op == "add_rms_norm") return counts(4, 0, 1), add_rms_norm_node(T(0), maybe(t, 1), T(2), T(3), floats[0]);
-        if (op == "qk_norm_rope")
-            return counts(5, 3, 1), qk_norm_rope_node(T(0), ints[0], ints[1], ints[2], T(1), T(2), maybe(t, 3),
-                                                      maybe(t, 4), floats[0]);
-        if (op == "silu_mul") return counts(2, 0, 0), silu_mul_node(T(0), T(1));
-        if (op == "packed_linear") return counts(4, 1, 0), packed_linear_node(T(0), T(1), maybe(t, 2), ints[0], T(3));
-        if (op == "packed_linear_bf16")
-            return counts(4, 1, 0), packed_linear_bf16_node(T(0), T(1), maybe(t, 2), ints[0], T(3));
-        if (op == "gguf_linear")
-            return counts(4, 2, 0), gguf_linear_node(T(0), T(1), ints[0], ints[1], maybe(t, 2), T(3));
-        if (op == "gguf_embedding") return counts(3, 2, 0), gguf_embedding_node(T(0), ints[0], ints[1], T(1), T(2));
-        if (op == "quantized_linear")
-            return counts(4, 4, 0), quantized_linear_node(T(0), T(1), ints[0], ints[1], ints[2], maybe(t, 2), T(3),
-                                                          ints[3] != 0);
-        if (op == "quantized_embedding")
-            return counts(3, 4, 0), quantized_embedding_node(T(0), ints[0], ints[1], ints[2], T(1), T(2), ints[3] != 0);
-        if (op == "write_kv") return counts(5, 0, 0), write_kv_node(T(0), T(1), T(2), T(3), T(4));
-        if (op == "paged_decode")
-            return counts(6, 1, 1), paged_decode_node(T(0), T(1), T(2), T(3), T(4), floats[0], T(5), ints[0]);
-        if (op == "gather_rows") return counts(3, 0, 0), gather_rows_node(T(0), T(1), T(2));
-        if (op == "copy_rows") return counts(2, 0, 0), copy_rows_node(T(0), T(1));
-        if (op == "add_") return counts(2, 0, 0), add_node(T(0), T(1));
-        TORCH_CHECK_VALUE(false, "StepProgram.add: no node for op '", op, "'");
-    }
-
     /* appends one kernel call (see the top of this file); ValueError for what it cannot run */
     void add(const std::string &op, std::vector<OptTensor> tensors, std::vector<int64_t> ints,
              std::vector<double> floats) {
-        StepNode node = build(op, tensors, ints, floats);
-        // every node must be per-row, for run(n) to cut it to n rows
-        const int64_t row_len = node.kind == NODE_ADD && tensors[0]->dim() >= 1 && tensors[0]->size(0) == rows
-                                    ? tensors[0]->numel() / rows : 1;
-        TORCH_CHECK_VALUE(node_rows(node, row_len) == rows && (node.kind != NODE_ADD || row_len * rows == node.add.numel),
-                          "StepProgram.add(", op, "): the node is not over the program's ", rows, " rows");
-        row_lens.push_back(row_len);
+        const auto builder = step_node_builders().find(op);
+        TORCH_CHECK_VALUE(builder != step_node_builders().end(), "StepProgram.add: no node for op '", op, "'");
+        StepNode node = builder->second(StepArgs{op, tensors, ints, floats});
+        // every node must be over the program's rows, for run(n) to cut it to n rows
+        TORCH_CHECK_VALUE(node.rows == rows, "StepProgram.add(", op, "): the node is not over the program's ", rows,
+                          " rows");
         for (const OptTensor &t : tensors)
             if (t.has_value()) held.push_back(*t);
         nodes.push_back(node);
@@ -195,9 +230,9 @@ struct StepProgram : torch::CustomClassHolder {
     /* bf16 values of scratch a node needs: bf16 linears round their activations to bf16 there, linears
        over interleaved GGUF weights to int8 blocks; 0 for the others */
     static int64_t scratch_values(const StepNode &node) {
-        if (node.kind == NODE_LINEAR_BF16_PANELS) return bf16_scratch_values(node.linear.rows, node.linear.in_features);
+        if (node.kind == NODE_LINEAR_BF16_PANELS) return bf16_scratch_values(node.rows, node.linear.in_features);
         if (node.kind == NODE_LINEAR_GGUF && is_x16_type(node.linear.weight_type))
-            return (gguf_x16_scratch_bytes(node.linear.rows, node.linear.in_features) + 1) / 2;
+            return (gguf_x16_scratch_bytes(node.rows, node.linear.in_features) + 1) / 2;
         return 0;
     }
 
@@ -208,7 +243,7 @@ struct StepProgram : torch::CustomClassHolder {
         const std::vector<StepNode> *todo = &nodes;
         if (n < rows) {
             resized = nodes;
-            for (size_t i = 0; i < resized.size(); i++) set_node_rows(resized[i], n, row_lens[i]);
+            for (StepNode &node : resized) node.rows = n;
             todo = &resized;
         }
         for (const StepNode &node : *todo) check_node_indices(node);

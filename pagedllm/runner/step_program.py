@@ -13,10 +13,16 @@ single parallel region, the team meeting at a barrier between them:
 A ``torch.ops.pagedllm`` op is a program node of the same name, its
 arguments taken from its schema in order (``kernels/ops.cpp``): tensors,
 ints (and bools) and floats each in a list, the op's new result appended to
-the tensors. So a kernel is described once, by its schema; the program's
-``add`` refuses (ValueError) an op it has no node for, which then stays a
-Python call. The few aten ops a decode step moves rows with (the token
-embedding, the RoPE table lookup, copies, the residual add) are named here.
+the tensors. The native side reads them the same way: an op's node builder
+takes the schema's arguments as C++ parameters in order, then the result,
+registered by one line after the schema and checked against it when the
+library loads, and the program unpacks the lists by the builder's parameter
+types. So a kernel is described once, by its schema, and neither side names
+an op's arguments; the program's ``add`` refuses (ValueError) an op it has
+no builder for, or lists of the wrong lengths, and the op stays a Python
+call. The few aten ops a decode step moves rows with (the token embedding,
+the RoPE table lookup, copies, the residual add) are named here, as nodes
+with builders of their own.
 """
 
 from __future__ import annotations
