@@ -23,8 +23,10 @@
  *
  * step_node(op, builder), one line after the op's schema in ops.cpp,
  * registers the builder: a template reads its parameter list, checks it
- * against the schema when the library loads, and unpacks add's lists into
- * it (checking their lengths: a ValueError). So an op's argument order is
+ * against the schema when the library loads (a builder out of step with
+ * its schema would take its arguments from the wrong places, so a mismatch
+ * stops the load), and unpacks add's lists into it (checking their
+ * lengths: a ValueError). So an op's argument order is
  * written once, in its schema, and nothing here names an op. An op with no
  * builder is refused (ValueError "no node for op"); the runner keeps it a
  * Python call. The aten row moves a step makes between kernels have
