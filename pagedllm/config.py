@@ -43,7 +43,7 @@ Path = Annotated[str, NonEmpty]
 
 # the choices of each string field: the field's type says them, these tuples are read off it
 Dtype = Literal["float32", "bfloat16", "float16"]
-KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 Device = Literal["cpu", "cuda"]
 AttentionBackend = Literal["auto", "cpu_paged", "sdpa", "reference"]
 KvAllocator = Literal["paged", "contiguous"]
@@ -155,7 +155,12 @@ class EngineConfig:
             activations halves the cache's memory (twice the blocks for the
             same bytes) and the bytes decode attention reads; K and V are
             rounded when written (float16 saturating at +-65504), so outputs
-            differ slightly from a float32 cache. Attention still computes in ``dtype``.
+            differ slightly from a float32 cache. "int8" (CPU): each token's
+            K and V per KV head as int8 with one float32 scale (max|x| / 127,
+            symmetric; ``layers/kv_quant.py``), quantized when written and
+            read in place by the attention kernels: about 1.9x the blocks of
+            float16 for the same bytes (head_dim 64: 68 bytes a head row
+            against 128). Attention still computes in ``dtype``.
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for the KV pool; None picks a share of
@@ -318,6 +323,9 @@ class EngineConfig:
             raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
         if self.cpu_bind is not None:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
+        if self.kv_cache_dtype == "int8" and self.device != "cpu":
+            raise ValueError("kv_cache_dtype='int8' is a CPU cache (the CPU kernels quantize and read its blocks); "
+                             f"use a float kv_cache_dtype with device={self.device!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "

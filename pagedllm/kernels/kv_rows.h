@@ -3,6 +3,17 @@
  * nearest, ties to even, as torch's .to(float16 / bfloat16) rounds; float16
  * first saturates to +-65504 (its largest finite value), so a large K/V
  * never becomes inf.
+ *
+ * An int8 cache (KV_INT8) quantizes each head's head_dim values with one
+ * scale, symmetric (llama.cpp's q8_0 at head granularity):
+ *   x     each value saturated to +-65504 first, as for float16 (+-inf too)
+ *   scale max|x| / 127 (float32), stored after the head's values
+ *   q     x / scale rounded to nearest, ties to even, in [-127, 127]
+ *         (0 where the scale is 0: an all-zero head)
+ * and reads back as q * scale. A NaN anywhere in a head stores the scale as
+ * NaN (and zeros): the whole head row reads back NaN, as a NaN in a float
+ * cache poisons the attention that reads it. layers/kv_quant.py computes
+ * the same bits with torch ops.
  */
 #ifndef PAGEDLLM_KV_ROWS_H
 #define PAGEDLLM_KV_ROWS_H
@@ -11,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "paged_attention.h" /* KV_FLOAT32, KV_FLOAT16, KV_BFLOAT16 */
+#include "paged_attention.h" /* KV_FLOAT32, KV_FLOAT16, KV_BFLOAT16, KV_INT8 */
 
 static inline uint16_t f32_to_bf16_bits(float f) {
     uint32_t u;
@@ -21,8 +32,42 @@ static inline uint16_t f32_to_bf16_bits(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static void write_row(void *cache, int kv_type, int64_t slot, const float *src, int64_t row) {
-    if (kv_type == KV_FLOAT32) {
+/* one head of head_dim values into dst: head_dim int8, then the float32 scale */
+static inline void quantize_head_i8(int8_t *dst, const float *src, int head_dim) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (int i = 0; i < head_dim; i++) {
+        const float x = src[i];
+        if (x != x) nan = 1;
+        const float a = fabsf(x);
+        amax = a > amax ? a : amax;
+    }
+    if (amax > 65504.0f) amax = 65504.0f;
+    float scale = amax / 127.0f;
+    if (nan) scale = NAN;
+    if (nan || scale == 0.0f) {
+        memset(dst, 0, (size_t)head_dim);
+    } else {
+        for (int i = 0; i < head_dim; i++) {
+            float x = src[i];
+            if (x > 65504.0f) x = 65504.0f;
+            if (x < -65504.0f) x = -65504.0f;
+            float q = nearbyintf(x / scale);
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            dst[i] = (int8_t)q;
+        }
+    }
+    memcpy(dst + head_dim, &scale, sizeof scale);
+}
+
+/* src: row floats (num_kv_heads * head_dim); slot s of the cache starts at
+   s * row elements, or for KV_INT8 at s * (row / head_dim) * (head_dim + 4) bytes */
+static void write_row(void *cache, int kv_type, int64_t slot, const float *src, int64_t row, int head_dim) {
+    if (kv_type == KV_INT8) {
+        const int64_t heads = row / head_dim, hs = head_dim + KV_I8_SCALE_BYTES;
+        int8_t *dst = (int8_t *)cache + slot * heads * hs;
+        for (int64_t h = 0; h < heads; h++) quantize_head_i8(dst + h * hs, src + h * head_dim, head_dim);
+    } else if (kv_type == KV_FLOAT32) {
         memcpy((float *)cache + slot * row, src, (size_t)row * sizeof(float));
     } else if (kv_type == KV_FLOAT16) {
         _Float16 *dst = (_Float16 *)cache + slot * row;

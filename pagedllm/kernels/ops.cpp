@@ -96,6 +96,7 @@ int kv_type_of(at::ScalarType t) {
         case at::kFloat: return KV_FLOAT32;
         case at::kHalf: return KV_FLOAT16;
         case at::kBFloat16: return KV_BFLOAT16;
+        case at::kChar: return KV_INT8;
         default: return -1;
     }
 }
@@ -104,14 +105,22 @@ int kv_type_of(at::ScalarType t) {
 int check_caches(const Tensor &k_cache, const Tensor &v_cache, const char *op) {
     const int kv_type = kv_type_of(k_cache.scalar_type());
     TORCH_CHECK_VALUE(kv_type >= 0 && v_cache.scalar_type() == k_cache.scalar_type(), op,
-                      " reads float32, float16 or bfloat16 caches of one dtype, got ",
+                      " reads float32, float16, bfloat16 or int8 caches of one dtype, got ",
                       dtype_name(k_cache.scalar_type()), " / ", dtype_name(v_cache.scalar_type()));
     TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu(), op, ": the caches must be on the CPU");
     TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
                       ": K and V caches must be [num_blocks, block_size, num_kv_heads, head_dim] of one shape, got ",
                       shape_of(k_cache), " and ", shape_of(v_cache));
     TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), op, " needs contiguous K and V caches");
+    TORCH_CHECK_VALUE(kv_type != KV_INT8 || k_cache.size(3) > KV_I8_SCALE_BYTES, op, ": an int8 cache's last dimension ",
+                      "is head_dim + ", KV_I8_SCALE_BYTES, " (the values, then their float32 scale), got ",
+                      shape_of(k_cache));
     return kv_type;
+}
+
+/* the head size a cache holds: its last dimension, less the scale's bytes of an int8 cache */
+int64_t cache_head_dim(const Tensor &cache, int kv_type) {
+    return cache.size(3) - (kv_type == KV_INT8 ? KV_I8_SCALE_BYTES : 0);
 }
 
 /* [num_tokens, heads, head_dim] float32 whose rows hold whole, contiguous heads (any row stride) */
@@ -537,7 +546,7 @@ StepNode write_kv_node(const Tensor &k, const Tensor &v, const Tensor &k_cache, 
                        const Tensor &slots) {
     const char *op = "write_kv";
     const int kv_type = check_caches(k_cache, v_cache, op);
-    const int64_t num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+    const int64_t num_kv_heads = k_cache.size(2), head_dim = cache_head_dim(k_cache, kv_type);
     check_head_rows(k, num_kv_heads, head_dim, op, "k");
     check_head_rows(v, num_kv_heads, head_dim, op, "v");
     TORCH_CHECK_VALUE(v.size(0) == k.size(0), op, ": k and v must have as many rows");
@@ -545,7 +554,7 @@ StepNode write_kv_node(const Tensor &k, const Tensor &v, const Tensor &k_cache, 
     StepNode node{NODE_WRITE_KV, k.size(0)};
     node.kv = {k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), k_cache.data_ptr(),
                v_cache.data_ptr(), kv_type, slots.data_ptr<int64_t>(), num_kv_heads * head_dim,
-               k_cache.size(0) * k_cache.size(1)};
+               k_cache.size(0) * k_cache.size(1), (int)head_dim};
     return node;
 }
 
@@ -563,7 +572,8 @@ StepNode paged_decode_node(const Tensor &q, const Tensor &k_cache, const Tensor 
                       " runs float32 queries on the CPU, got ", dtype_name(q.scalar_type()), " on ", q.device());
     const int kv_type = check_caches(k_cache, v_cache, op);
     const int64_t num_kv_heads = k_cache.size(2);
-    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == k_cache.size(3) && num_kv_heads > 0 && q.size(1) % num_kv_heads == 0,
+    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == cache_head_dim(k_cache, kv_type) && num_kv_heads > 0 &&
+                          q.size(1) % num_kv_heads == 0,
                       op, ": queries ", shape_of(q), " do not fit a cache of ", shape_of(k_cache));
     const int64_t num_seqs = q.size(0);
     check_tensor(q, at::kFloat, q.sizes(), op, "q");

@@ -6,7 +6,10 @@
  * Layouts (all contiguous):
  *   q, out       [num_heads, head_dim]         float32 (one sequence)
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
- *                float32, float16 or bfloat16 (attend_f32 / _f16 / _bf16)
+ *                float32, float16 or bfloat16 (attend_f32 / _f16 / _bf16),
+ *                or int8 [num_blocks, block_size, num_kv_heads, head_dim + 4]
+ *                (attend_i8): each head's head_dim int8 values followed by
+ *                their float32 scale (KV_I8_SCALE_BYTES), see kv_rows.h
  *   table        [>= ceil(len / block_size)]   int64 block ids
  */
 #ifndef PAGEDLLM_PAGED_ATTENTION_H
@@ -66,7 +69,18 @@ static inline void softmax_row(float *s, int64_t n) {
 
 
 /* KV cache element types, as the Python side numbers them */
-enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2 };
+enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2, KV_INT8 = 3 };
+
+/* An int8 cache's head row: head_dim int8 values, then their float32 scale
+   (value = int8 * scale). The scale sits in the block's own bytes, so
+   whatever moves a block (copy-on-write, release) moves its scales. */
+#define KV_I8_SCALE_BYTES 4
+
+static inline float kv_i8_scale(const int8_t *head, int head_dim) {
+    float s;
+    memcpy(&s, head + head_dim, sizeof s);
+    return s;
+}
 
 static inline float f16_bits_to_f32(uint16_t h) {
     _Float16 x;
@@ -95,6 +109,9 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 #define KV_LOAD1(p) (*(p))
 #define KV_LOAD8(p) f32x8_load(p)
 #define KV_LOAD16(p) f32x16_load(p)
+/* float caches: heads are head_dim elements apart and carry no scale */
+#define KV_HEAD_STRIDE(d) (d)
+#define KV_SCALE(head, d) 1.0f
 #include "paged_attention_kv.h"
 #undef KV_NAME
 #undef KV_T
@@ -134,4 +151,27 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 #undef KV_LOAD1
 #undef KV_LOAD8
 #undef KV_LOAD16
+#undef KV_HEAD_STRIDE
+#undef KV_SCALE
+
+/* int8: a head row is head_dim values and a float32 scale; the scale is
+   applied once per dot product (keys) or per weight (values), not per
+   element */
+#define KV_NAME(f) f##_i8
+#define KV_T int8_t
+#define KV_VECTOR PA_VECTOR
+#define KV_LOAD1(p) ((float)*(p))
+#define KV_LOAD8(p) f32x8_load_i8(p)
+#define KV_LOAD16(p) f32x16_load_i8(p)
+#define KV_HEAD_STRIDE(d) ((d) + KV_I8_SCALE_BYTES)
+#define KV_SCALE(head, d) kv_i8_scale(head, d)
+#include "paged_attention_kv.h"
+#undef KV_NAME
+#undef KV_T
+#undef KV_VECTOR
+#undef KV_LOAD1
+#undef KV_LOAD8
+#undef KV_LOAD16
+#undef KV_HEAD_STRIDE
+#undef KV_SCALE
 #endif

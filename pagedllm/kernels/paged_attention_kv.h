@@ -7,7 +7,14 @@
  *   KV_LOAD1(p)   one element at p as a float
  *   KV_LOAD8(p)   eight elements at p as an f32x8  (AVX2 builds; simd.h)
  *   KV_LOAD16(p)  sixteen elements at p as an f32x16 (AVX-512 builds)
+ *   KV_HEAD_STRIDE(d)  elements from one head's row to the next: d, or
+ *                 d + 4 for int8 (each head's float32 scale follows it)
+ *   KV_SCALE(h, d)  the factor of head row h's values: 1.0f, or the int8
+ *                 row's scale
  *
+ * A key's score is scale * KV_SCALE * (q . raw k); a value's weight is
+ * p * KV_SCALE: the scale is applied once per row, never per element, and
+ * for the float types it is the constant 1 the compiler drops.
  * Queries, scores and outputs are float32 whatever the cache holds; only
  * the reads of K and V rows convert. Decode attention is bound by the bytes
  * it reads (every context token of every layer, once per step), so a 2-byte
@@ -36,7 +43,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
     int64_t skip) {
     const int group = num_heads / num_kv_heads;
-    const int64_t row = (int64_t)num_kv_heads * head_dim; /* elements per cache slot */
+    const int64_t hs = KV_HEAD_STRIDE(head_dim);          /* elements per head row */
+    const int64_t row = (int64_t)num_kv_heads * hs;       /* elements per cache slot */
     const int nq = (h1 - h0) * group;                     /* query heads in this task */
     const float *qh = q + (int64_t)h0 * group * head_dim;
     const int64_t block_bytes = (int64_t)block_size * row * (int64_t)sizeof(KV_T);
@@ -50,9 +58,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
         for (int64_t i = 0; i < n; i++) {
             const KV_T *krow = kb + i * row;
             for (int j = 0; j < nq; j++) {
-                const int kvh = h0 + j / group;
+                const KV_T *kh = krow + (int64_t)(h0 + j / group) * hs;
                 scores[(int64_t)j * len + t0 + i] =
-                    scale * KV_NAME(dot_kv)(qh + (int64_t)j * head_dim, krow + (int64_t)kvh * head_dim, head_dim);
+                    scale * KV_SCALE(kh, head_dim) * KV_NAME(dot_kv)(qh + (int64_t)j * head_dim, kh, head_dim);
             }
         }
     }
@@ -71,9 +79,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
         for (int64_t i = 0; i < n; i++) {
             const KV_T *vrow = vb + i * row;
             for (int j = 0; j < nq; j++) {
-                const int kvh = h0 + j / group;
-                KV_NAME(axpy_kv)(o + (int64_t)j * head_dim, scores[(int64_t)j * len + t0 + i],
-                                 vrow + (int64_t)kvh * head_dim, head_dim);
+                const KV_T *vh = vrow + (int64_t)(h0 + j / group) * hs;
+                KV_NAME(axpy_kv)(o + (int64_t)j * head_dim, scores[(int64_t)j * len + t0 + i] * KV_SCALE(vh, head_dim),
+                                 vh, head_dim);
             }
         }
     }
@@ -155,7 +163,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
     int64_t skip) {
     const int group = num_heads / num_kv_heads;
-    const int64_t row = (int64_t)num_kv_heads * head_dim;
+    const int64_t hs = KV_HEAD_STRIDE(head_dim); /* elements per head row */
+    const int64_t row = (int64_t)num_kv_heads * hs;
     const int nq = (h1 - h0) * group;
     const float *qh = q + (int64_t)h0 * group * head_dim;
     const f32x4 vscale = f32x4_set1(scale);
@@ -174,13 +183,13 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
         for (int64_t i = 0; i < full; i++) {
             KV_NAME(prefetch_rows)(kn, nn, nbn, i, i + 1, row);
             for (int j = 0; j < nq; j++) {
-                const int64_t off = (int64_t)(h0 + j / group) * head_dim + i * row;
+                const int64_t off = (int64_t)(h0 + j / group) * hs + i * row;
                 float s4[4];
                 f32x4_store(s4, f32x4_mul(KV_NAME(dot4_keys)(qh + (int64_t)j * head_dim, kb[0] + off,
                                                              kb[1] + off, kb[2] + off, kb[3] + off, head_dim),
                                           vscale));
                 float *sj = scores + (int64_t)j * len + t0 + i;
-                for (int g = 0; g < 4; g++) sj[(int64_t)g * block_size] = s4[g];
+                for (int g = 0; g < 4; g++) sj[(int64_t)g * block_size] = s4[g] * KV_SCALE(kb[g] + off, head_dim);
             }
         }
         /* the rest (the sequence's last group, the tokens past a partial last
@@ -188,15 +197,18 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
         for (int g = 0; g < nb; g++) {
             for (int j = 0; j < nq; j++) {
                 const float *qj = qh + (int64_t)j * head_dim;
-                const KV_T *kj = kb[g] + (int64_t)(h0 + j / group) * head_dim;
+                const KV_T *kj = kb[g] + (int64_t)(h0 + j / group) * hs;
                 float *sj = scores + (int64_t)j * len + t0 + (int64_t)g * block_size;
                 int64_t i = full;
-                for (; i + 4 <= n[g]; i += 4)
+                for (; i + 4 <= n[g]; i += 4) {
                     f32x4_store(sj + i, f32x4_mul(KV_NAME(dot4_keys)(qj, kj + i * row, kj + (i + 1) * row,
                                                                      kj + (i + 2) * row, kj + (i + 3) * row,
                                                                      head_dim),
                                                   vscale));
-                for (; i < n[g]; i++) sj[i] = scale * KV_NAME(dot_kv)(qj, kj + i * row, head_dim);
+                    for (int u = 0; u < 4; u++) sj[i + u] *= KV_SCALE(kj + (i + u) * row, head_dim);
+                }
+                for (; i < n[g]; i++)
+                    sj[i] = scale * KV_SCALE(kj + i * row, head_dim) * KV_NAME(dot_kv)(qj, kj + i * row, head_dim);
             }
         }
         for (int g = 0; g < nbn; g++) kb[g] = kn[g], n[g] = nn[g];
@@ -216,7 +228,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
         const int nbn = KV_NAME(block_group)(v_cache, table, t0 + span, len, block_size, row, vn, nn);
         for (int j = 0; j < nq; j++) {
             KV_NAME(prefetch_rows)(vn, nn, nbn, j * rows_per_head, (j + 1) * rows_per_head, row);
-            const int64_t kv_off = (int64_t)(h0 + j / group) * head_dim;
+            const int64_t kv_off = (int64_t)(h0 + j / group) * hs;
             const float *pj = scores + (int64_t)j * len + t0;
             for (int d0 = 0; d0 < head_dim; d0 += 64) {
                 float *oj = o + (int64_t)j * head_dim + d0;
@@ -228,8 +240,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                     for (int64_t i = 0; i < block_size; i++)
                         for (int g = 0; g < nb; g++) {
                             if (i >= n[g]) continue;
-                            const f32x16 p = f32x16_set1(pj[(int64_t)g * block_size + i]);
-                            const KV_T *v = vb[g] + i * row + kv_off + d0;
+                            const KV_T *vh = vb[g] + i * row + kv_off;
+                            const f32x16 p = f32x16_set1(pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
+                            const KV_T *v = vh + d0;
                             for (int c = 0; c < 4; c++) acc[c] = f32x16_fma(p, KV_LOAD16(v + 16 * c), acc[c]);
                         }
                     for (int c = 0; c < 4; c++) f32x16_store(oj + 16 * c, acc[c]);
@@ -239,17 +252,20 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                     for (int64_t i = 0; i < block_size; i++)
                         for (int g = 0; g < nb; g++) {
                             if (i >= n[g]) continue;
-                            const f32x8 p = f32x8_set1(pj[(int64_t)g * block_size + i]);
-                            const KV_T *v = vb[g] + i * row + kv_off + d0;
+                            const KV_T *vh = vb[g] + i * row + kv_off;
+                            const f32x8 p = f32x8_set1(pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
+                            const KV_T *v = vh + d0;
                             for (int c = 0; c < 8; c++) acc[c] = f32x8_fma(p, KV_LOAD8(v + 8 * c), acc[c]);
                         }
                     for (int c = 0; c < 8; c++) f32x8_store(oj + 8 * c, acc[c]);
 #endif
                 } else {
                     for (int g = 0; g < nb; g++)
-                        for (int64_t i = 0; i < n[g]; i++)
-                            KV_NAME(axpy_kv)(oj, pj[(int64_t)g * block_size + i], vb[g] + i * row + kv_off + d0,
+                        for (int64_t i = 0; i < n[g]; i++) {
+                            const KV_T *vh = vb[g] + i * row + kv_off;
+                            KV_NAME(axpy_kv)(oj, pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim), vh + d0,
                                              width);
+                        }
                 }
             }
         }

@@ -1,6 +1,6 @@
 /*
  * Decode attention that reads the paged KV cache in place (CPU; float32
- * queries, a float32, float16 or bfloat16 cache).
+ * queries, a float32, float16, bfloat16 or int8 cache).
  *
  * One query token per sequence. For each (sequence, kv head) pair, the
  * kernel walks the sequence's block table and reads each key/value row
@@ -14,13 +14,15 @@
  * Layouts (all contiguous, float32 unless noted):
  *   q, out       [num_seqs, num_heads, head_dim]
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], of
- *                kv_type KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16
+ *                kv_type KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16; KV_INT8:
+ *                [..., head_dim + 4], each head's float32 scale after it
  *   block_tables [num_seqs, table_stride] int64
  *   seq_lens     [num_seqs] int64
  *
  * Softmax is computed exactly (scores, max, exp, sum, then the weighted sum
  * of values), in float32, as torch's reference does; a 2-byte cache is
- * widened to float32 as it is read. ops.cpp checks every block a sequence
+ * widened to float32 as it is read, an int8 one widened in registers and
+ * its row's scale folded into the score (keys) or the weight (values). ops.cpp checks every block a sequence
  * reads against the cache, and the cache dtype, before the node runs.
  */
 #include <omp.h>
@@ -69,6 +71,9 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
         else if (n->kv_type == KV_FLOAT16)
             attend_f16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob, num_heads,
                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+        else if (n->kv_type == KV_INT8)
+            attend_i8(qb, (const int8_t *)n->k_cache, (const int8_t *)n->v_cache, table, span, ob, num_heads,
+                      num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else
             attend_bf16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob,
                         num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);

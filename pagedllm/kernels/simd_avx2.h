@@ -29,6 +29,10 @@ SIMD_INLINE f32x8 f32x8_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm
 SIMD_INLINE f32x8 f32x8_load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+/* 8 int8 at p, widened (exactly) to float32: an int8 KV cache's values before their scale */
+SIMD_INLINE f32x8 f32x8_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 
 /* lane-wise a > b (ordered, quiet: false where either is NaN), as a mask of all-ones lanes */
 SIMD_INLINE f32x8 f32x8_gt(f32x8 a, f32x8 b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }

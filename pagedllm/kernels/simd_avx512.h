@@ -28,6 +28,10 @@ SIMD_INLINE f32x16 f32x16_load_f16(const uint16_t *p) {
 SIMD_INLINE f32x16 f32x16_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+/* 16 int8 at p, widened (exactly) to float32 */
+SIMD_INLINE f32x16 f32x16_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 
 #if defined(__AVX512DQ__) && SIMD_F32X8
 /* lanes i and i + 8 added: 8 floats, for the 8-lane reductions (f32x8_hsum4) */

@@ -113,6 +113,7 @@ typedef struct {
     int kv_type;
     const int64_t *slots; /* [rows], each in [0, num_slots) */
     int64_t row, num_slots;
+    int head_dim; /* KV_INT8: each head's values are quantized with one scale (kv_rows.h) */
 } WriteKvNode;
 
 typedef struct {

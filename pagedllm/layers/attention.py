@@ -20,7 +20,10 @@ and widened back to the queries' dtype when read; attention itself runs in
 the model's dtype. Prompts computed from scratch attend over their new K/V
 without reading the cache, so those are rounded the same way first
 (``as_stored``): every path sees a token's K/V exactly as the cache holds
-it, and a prompt gives the same result whole or in chunks.
+it, and a prompt gives the same result whole or in chunks. An int8 cache
+(``kv_cache_dtype="int8"``) holds each head's values with one scale per
+token (``layers/kv_quant.py``); the native kernels read it in place, the
+torch paths dequantize what they gather.
 
 Two per-layer options change which scores count (``forward``'s keywords):
 ``sliding_window=w`` lets the query at position ``i`` see only keys at
@@ -42,6 +45,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.layers.kv_quant import dequantize_int8_heads, quantize_int8_heads, stored_values
 
 
 @dataclass(frozen=True)
@@ -113,14 +118,21 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots (rounded to the cache's dtype)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, to_cache_dtype(k, k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, to_cache_dtype(v, v_cache.dtype))
+    """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots (rounded to the cache's dtype;
+    an int8 cache's rows quantized with their scales)."""
+    num_kv_heads = k.shape[1]
+    if k_cache.dtype == torch.int8:
+        k_rows, v_rows = quantize_int8_heads(k), quantize_int8_heads(v)
+    else:
+        k_rows, v_rows = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, k_cache.shape[-1]).index_copy_(0, slot_mapping, k_rows)
+    v_cache.view(-1, num_kv_heads, v_cache.shape[-1]).index_copy_(0, slot_mapping, v_rows)
 
 
 def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """``x`` as the cache holds it (rounded to the cache's dtype), back in ``x``'s dtype."""
+    """``x`` as the cache holds it (rounded to the cache's dtype, or int8-quantized), back in ``x``'s dtype."""
+    if cache.dtype == torch.int8:
+        return dequantize_int8_heads(quantize_int8_heads(x)).to(x.dtype)
     return x if cache.dtype == x.dtype else to_cache_dtype(x, cache.dtype).to(x.dtype)
 
 
@@ -162,14 +174,15 @@ def explicit_attention(
 def gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
 ) -> torch.Tensor:
-    """K or V of one sequence's first ``seq_len`` tokens: [seq_len, num_kv_heads, head_dim]."""
+    """K or V of one sequence's first ``seq_len`` tokens: [seq_len, num_kv_heads, head_dim] (an int8
+    cache's dequantized to float32)."""
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = cache[block_table[:num_blocks]]  # [num_blocks, block_size, kv_heads, head_dim]
-    return blocks.flatten(0, 1)[:seq_len]
+    return stored_values(blocks.flatten(0, 1)[:seq_len])
 
 
 # the cache dtypes the native kernels read and write
-_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 # cache pairs CpuPagedAttention remembers before it drops the entries of freed ones
 _CACHE_VERDICTS_PRUNE_AT = 256
 
@@ -334,8 +347,8 @@ class SdpaAttention(AttentionBackend):
         max_blocks = (max(meta.seq_lens[meta.num_prefills :]) + meta.block_size - 1) // meta.block_size
         tables = tables[:, :max_blocks]
         # [B, max_blocks * block_size, kv_heads, head_dim] -> [B, kv_heads, L, head_dim]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        keys = stored_values(k_cache[tables]).flatten(1, 2).transpose(1, 2).to(q.dtype)
+        values = stored_values(v_cache[tables]).flatten(1, 2).transpose(1, 2).to(q.dtype)
         length = keys.shape[2]
         k_pos = torch.arange(length, device=q.device).unsqueeze(0)  # [1, L]
         # each query sits at position seq_len - 1: keys before seq_len, and within the window
@@ -362,8 +375,8 @@ class CpuPagedAttention(SdpaAttention):
     attend over their own new K/V rows, all of them in one call
     (``kernels/prefill_attention.cpp``); prompts that continue cached context
     (prefix-cache hits, chunked prefills) read it in place with the decode
-    kernel, one query per token. Float32 queries on the CPU; the cache may be float32, float16 or
-    bfloat16.
+    kernel, one query per token. Float32 queries on the CPU; the cache may be float32, float16,
+    bfloat16 or int8 (values and per-head scales, read in place and widened in registers).
 
     The decode kernel takes a sliding window (it starts each sequence at the
     block holding its window's first key and masks the keys before it); the

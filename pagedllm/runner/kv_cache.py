@@ -5,6 +5,14 @@
     kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
     layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
 
+An int8 cache (``kv_cache_dtype="int8"``) has a last dimension of
+``head_dim + 4``: each head's int8 values, then the four bytes of their
+float32 scale (``layers/kv_quant.py``). The scales live inside the blocks'
+own bytes, so everything that handles whole blocks (copy-on-write's
+``copy_blocks``, ``release_kv_blocks``, the lazy mapping, a tensor-parallel
+rank's slice of the heads) carries them with no code of its own, and a
+kernel finds a row's scale next to its values.
+
 Never resized: the block manager hands out its block ids, the attention
 backends read and write it through block tables and the slot mapping.
 
@@ -31,6 +39,7 @@ import mmap
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.layers.kv_quant import INT8_SCALE_BYTES
 from pagedllm.loader.model_config import ModelArchConfig
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)  # 4 on Linux
@@ -59,11 +68,17 @@ def available_memory_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
+def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements one head of one token takes in a cache of ``dtype``: ``head_dim``, plus an int8 cache's scale bytes."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
 def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block takes across all layers, K and V (an int8 cache's scales included)."""
     mc = model_config
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * elem
+    width = cache_head_width(mc.head_dim, dtype)
+    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * width * elem
 
 
 def default_kv_budget(available_bytes: int, weight_bytes: int) -> int:
@@ -120,8 +135,9 @@ def allocate_kv_cache(
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written)."""
     mc = model_config
-    # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
-    shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes: int8)]
+    shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads,
+             cache_head_width(mc.head_dim, dtype))
     if device.type == "cpu":
         kv_cache = _lazy_zeros(shape, dtype)
     else:

@@ -36,6 +36,8 @@ from pagedllm.runner.sequence_states import SequenceStates
 from pagedllm.step_record import SamplingSpec, SequenceStep, StepRecord
 
 logger = logging.getLogger(__name__)
+# what each kv_cache_dtype stores: a float dtype, or int8 values with their scales (layers/kv_quant.py)
+KV_DTYPES = {**DTYPES, "int8": torch.int8}
 
 # the most sequences a captured decode step has: past that the Python between kernels is a small share of a step
 MAX_CAPTURED_ROWS = 64
@@ -75,7 +77,7 @@ class ModelRunner:
         precision = resolve_precision(config, self.device)
         self.dtype, self.compute_dtype = precision.weights, precision.compute
         # what the cache stores ("auto": the model's dtype); resolved here, not in the config
-        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
         self.backend = make_backend(config.attention_backend, self.device.type, self.compute_dtype)
 
         # measured before loading: the default KV budget is what the weights leave of it

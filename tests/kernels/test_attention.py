@@ -17,6 +17,7 @@ from pagedllm.layers.attention import (
     gather_context,
     make_backend,
 )
+from pagedllm.layers.kv_quant import INT8_SCALE_BYTES, dequantize_int8_heads, quantize_int8_heads
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 
@@ -32,6 +33,21 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+def _to_cache(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8: values and scales, ``head_dim + 4``)."""
+    return quantize_int8_heads(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
+
+
+def _as_held(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """K/V ``[..., head_dim]`` in float32 as a cache of ``kv_dtype`` holds it."""
+    return dequantize_int8_heads(quantize_int8_heads(x)) if kv_dtype == torch.int8 else x.to(kv_dtype).float()
+
+
+def _width(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """A cache's last dimension: head_dim, plus an int8 cache's scale bytes."""
+    return head_dim + INT8_SCALE_BYTES if kv_dtype == torch.int8 else head_dim
+
+
 def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = torch.float32):  # noqa: ANN202
     """A step over sequences given as (num_computed, num_new), prefills first.
 
@@ -42,7 +58,7 @@ def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = 
     """
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=kv_dtype)
+    k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, _width(HEAD_DIM, kv_dtype), dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
@@ -55,14 +71,14 @@ def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = 
         v_all = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
         old = torch.tensor(slot_mapping(table, BLOCK_SIZE, 0, computed), dtype=torch.int64)
-        k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = k_all[:computed].to(kv_dtype)
-        v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[old] = v_all[:computed].to(kv_dtype)
+        k_cache.view(-1, NUM_KV_HEADS, k_cache.shape[-1])[old] = _to_cache(k_all[:computed], kv_dtype)
+        v_cache.view(-1, NUM_KV_HEADS, v_cache.shape[-1])[old] = _to_cache(v_all[:computed], kv_dtype)
         qs.append(q)
         ks.append(k_all[computed:])
         vs.append(v_all[computed:])
         slots.extend(slot_mapping(table, BLOCK_SIZE, computed, total))
         tables.append(table)
-        full.append((k_all.to(kv_dtype).float(), v_all.to(kv_dtype).float()))
+        full.append((_as_held(k_all, kv_dtype), _as_held(v_all, kv_dtype)))
         query_start_loc.append(query_start_loc[-1] + new)
         seq_lens.append(total)
         num_computed.append(computed)
@@ -91,7 +107,7 @@ STEPS = [
 ]
 
 
-KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -130,14 +146,14 @@ def test_cpu_paged_decode_on_model_sized_heads(
 ) -> None:
     """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes, with and without windows.
 
-    2-byte caches are widened as they are read: the result equals float32
-    attention over the widened cache.
+    2-byte caches are widened as they are read, int8 ones dequantized in
+    registers: the result equals float32 attention over the widened cache.
     """
     gen = torch.Generator().manual_seed(7)
     rng = random.Random(7)
     num_blocks = 1000
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+    k_cache = _to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), kv_dtype)
+    v_cache = _to_cache(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen), kv_dtype)
     seq_lens = [1, block_size, block_size + 1, 97, 300]
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -165,7 +181,7 @@ def test_cpu_paged_decode_on_model_sized_heads(
         AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
     with pytest.raises(ValueError, match="int64"):
         AttentionMetadata(**{**meta.__dict__, "block_tables": meta.block_tables.int()})
-    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, float16, bfloat16 or int8"):
         CpuPagedAttention().attend(q, None, None, k_cache.double(), v_cache.double(), meta, scale)
     with pytest.raises(ValueError, match="of one dtype"):
         other = torch.float16 if kv_dtype != torch.float16 else torch.bfloat16

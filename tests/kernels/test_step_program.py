@@ -16,6 +16,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.kv_quant import INT8_SCALE_BYTES, quantize_int8_heads
 from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
 from pagedllm.runner.decode_graph import (
     CaptureError,
@@ -43,7 +44,7 @@ def ops():  # noqa: ANN201
 class _Weights:
     """A tiny decoder layer's weights (every linear kind) and a KV cache, owned by the graph."""
 
-    def __init__(self, ops) -> None:  # noqa: ANN001
+    def __init__(self, ops, kv_dtype: torch.dtype = torch.float32) -> None:  # noqa: ANN001
         gen = torch.Generator().manual_seed(0)
         qkv_size = (HEADS + 2 * KV_HEADS) * HEAD_DIM
 
@@ -58,9 +59,10 @@ class _Weights:
         self.o = ops.pack_panels_bf16(rand(HIDDEN, HEADS * HEAD_DIM) * 0.1)
         self.gate_up = ops.pack_panels(rand(2 * INTER, HIDDEN) * 0.1)
         self.down = pack_groups(*quantize_groups(rand(HIDDEN, INTER) * 0.1, 4, 32), 4)  # int4, groups of 32
-        # [num_blocks, block_size, kv_heads, head_dim]
-        self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        # [num_blocks, block_size, kv_heads, head_dim] (int8: head_dim values and a float32 scale's 4 bytes)
+        width = HEAD_DIM + INT8_SCALE_BYTES if kv_dtype == torch.int8 else HEAD_DIM
+        self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, width, dtype=kv_dtype)
+        self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, width, dtype=kv_dtype)
 
     def owned(self) -> list[torch.Tensor]:
         return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
@@ -101,8 +103,10 @@ def _step(rows: int, seed: int) -> list[torch.Tensor]:
 
 def _fill_cache(w: _Weights, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    w.k_cache.copy_(torch.randn(w.k_cache.shape, generator=gen))
-    w.v_cache.copy_(torch.randn(w.v_cache.shape, generator=gen))
+    shape = (*w.k_cache.shape[:-1], HEAD_DIM)
+    for cache in (w.k_cache, w.v_cache):
+        x = torch.randn(shape, generator=gen)
+        cache.copy_(quantize_int8_heads(x) if cache.dtype == torch.int8 else x)
 
 
 def _graph(fn, w: _Weights, max_rows: int, native: bool = True) -> DecodeGraph:  # noqa: ANN001
@@ -115,10 +119,12 @@ def _graph(fn, w: _Weights, max_rows: int, native: bool = True) -> DecodeGraph: 
     return lower(gm, _step(max_rows, 0), rows, bindings, list(range(1, max_rows + 1)), native)
 
 
-# 1 row: attention split by kv head; 9 rows: by sequence, and more than one 8-row tile
+# 1 row: attention split by kv head; 9 rows: by sequence, and more than one 8-row tile; an int8 cache's
+# write_kv / paged_decode nodes too
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("rows", [1, 9])
-def test_programs_replay_the_ops_exactly(ops, rows: int) -> None:  # noqa: ANN001
-    w = _Weights(ops)
+def test_programs_replay_the_ops_exactly(ops, rows: int, kv_dtype: torch.dtype) -> None:  # noqa: ANN001
+    w = _Weights(ops, kv_dtype)
     graph = _graph(lambda *a: _layer(ops, w, *a), w, 12)
     # every op but torch.mul is a node of a program: program, mul, program
     assert num_programs(graph.runs) == 2 and len(graph.runs) == 3

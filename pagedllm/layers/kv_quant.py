@@ -1,0 +1,58 @@
+"""The int8 KV cache's rows (``kv_cache_dtype="int8"``), in torch ops.
+
+Each token's K (and V) is stored per KV head as ``head_dim`` int8 values
+followed by the four bytes of one float32 scale, symmetric (llama.cpp's
+q8_0 idea at head granularity)::
+
+    cache [num_blocks, block_size, num_kv_heads, head_dim + 4]  int8
+    head  [q_0 .. q_{head_dim-1} | scale (float32 bytes)]   value_i = q_i * scale
+
+    x      saturated to +-65504 first (float16's largest finite value;
+           +-inf becomes +-65504, as a float16 cache does)
+    scale  max|x| / 127 in float32
+    q      x / scale rounded to nearest, ties to even, in [-127, 127];
+           all 0 where the scale is 0 (an all-zero head)
+
+A NaN anywhere in a head is not refused (the write happens inside a step,
+and a float cache keeps a NaN as well): the head's scale is stored as NaN
+and its values as 0, so the whole head row reads back NaN and the attention
+that reads it is NaN, as it would be with a float cache.
+
+The native write (``kernels/kv_rows.h``) computes the same bits; these
+functions serve the torch attention paths (the reference and SDPA backends,
+softcapped layers) and ``as_stored``. Per block the scales take 4 bytes per
+head per token next to head_dim bytes of values: the same bytes hold
+2 * head_dim / (head_dim + 4) times the blocks of a float16 cache (1.88x at
+head_dim 64, 1.94x at 128) and twice that of a float32 one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_SCALE_BYTES = 4  # one float32 scale after each head's values
+_SATURATE = 65504.0
+
+
+def quantize_int8_heads(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` as int8 head rows ``[..., head_dim + 4]`` (values, then the float32 scale's bytes)."""
+    x32 = x.float().clamp(-_SATURATE, _SATURATE)  # NaN stays NaN
+    amax = x32.abs().amax(dim=-1, keepdim=True)  # [..., 1]; NaN where the head holds one
+    scale = amax / 127.0
+    nonzero = scale > 0  # False for 0 and NaN
+    q = torch.round(x32 / torch.where(nonzero, scale, torch.ones_like(scale))).clamp_(-127.0, 127.0)
+    q = torch.where(nonzero, q, torch.zeros_like(q)).to(torch.int8)
+    scale = torch.where(torch.isnan(scale), torch.full_like(scale, float("nan")), scale).contiguous()
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_int8_heads(rows: torch.Tensor) -> torch.Tensor:
+    """int8 head rows ``[..., head_dim + 4]`` back to float32 ``[..., head_dim]`` (value = q * scale)."""
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
+    return rows[..., :head_dim].float() * scale
+
+
+def stored_values(cache_rows: torch.Tensor) -> torch.Tensor:
+    """Rows read from a cache as values: an int8 cache's dequantized, any other as they are."""
+    return dequantize_int8_heads(cache_rows) if cache_rows.dtype == torch.int8 else cache_rows
