@@ -26,8 +26,17 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod, check_shape, load_rows, replace_parameter
+from pagedllm.layers.linear import (
+    Linear,
+    LinearMethod,
+    QuantMethod,
+    check_shape,
+    layer_shape,
+    load_rows,
+    replace_parameter,
+)
 from pagedllm.layers.parallel import EmbeddingMethod
+from pagedllm.layers.weights import FusedMap, fused_part
 
 # ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
@@ -44,9 +53,6 @@ GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vecto
 # ggml type -> the kernels' number for it
 GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)}
 INTERLEAVE_ROWS = 16
-
-# checkpoint part -> (fused parameter, row offset, rows, checkpoint's first row), as layers/weights.py's FusedMap
-FusedMap = Mapping[str, tuple[str, int, int, int | None]]
 
 
 def gguf_row_bytes(ggml_type: int, in_features: int) -> int:
@@ -84,8 +90,8 @@ def _interleave_table(qweight: torch.Tensor, ggml_type: int, in_features: int) -
     return GGUF_INTERLEAVED[ggml_type]
 
 
-class GGUFLinearMethod(LinearMethod):
-    """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out).
+class _GGUFTable(QuantMethod):
+    """A layer's weight as GGUF blocks of one ``ggml_type``, ``layer.qweight`` ``[rows, row bytes]`` uint8.
 
     ``interleave``: interleave the blocks after loading (``gguf_activations="int8"``); ``stored_names``: the
     checkpoint tensors it takes as their bytes.
@@ -100,23 +106,28 @@ class GGUFLinearMethod(LinearMethod):
     def name(self) -> str:  # type: ignore[override]
         return f"gguf-{_type_name(self.ggml_type)}"
 
-    def create_weights(self, layer: Linear) -> None:
+    def create_weights(self, layer: nn.Module) -> None:
+        rows, in_features = layer_shape(layer)
         device = layer.weight.device
         replace_parameter(layer, "weight", None)
-        shape = (layer.out_features, gguf_row_bytes(self.ggml_type, layer.in_features))  # [out_features, row bytes]
+        shape = (rows, gguf_row_bytes(self.ggml_type, in_features))  # [rows, row bytes]
         layer.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device=device))
 
     def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
         load_rows(layer, "qweight" if name == "weight" else name, tensor, offset, rows)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.interleave:  # an embedding's before a tied head takes the table: it reads the new order too
+            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer_shape(layer)[1])
+
+
+class GGUFLinearMethod(_GGUFTable, LinearMethod):
+    """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out)."""
+
     def tie_weights(self, layer: Linear, embedding: nn.Module) -> None:
         replace_parameter(layer, "weight", None)
         layer.register_buffer("qweight", embedding.qweight)
         self.ggml_type = embedding.quant_method.ggml_type  # interleaved by the embedding already, or not
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        if self.interleave:
-            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer.in_features)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -212,29 +223,9 @@ class GGUFPartsLinearMethod(LinearMethod):
         return torch.cat(outs, dim=-1).view(*x.shape[:-1], layer.out_features)
 
 
-class GGUFEmbeddingMethod(EmbeddingMethod):
+class GGUFEmbeddingMethod(_GGUFTable, EmbeddingMethod):
     """A token embedding's table kept in GGUF blocks (``layer.qweight`` ``[vocab rows, row bytes]``); rows come
-    out float32. ``interleave`` and ``stored_names`` as ``GGUFLinearMethod``'s."""
-
-    def __init__(self, ggml_type: int, interleave: bool = False, stored_names: tuple[str, ...] = ()) -> None:
-        self.ggml_type, self.interleave, self.stored_names = ggml_type, interleave, stored_names
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return f"gguf-{_type_name(self.ggml_type)}"
-
-    def create_weights(self, layer: nn.Embedding) -> None:
-        device = layer.weight.device
-        replace_parameter(layer, "weight", None)
-        shape = (layer.num_embeddings, gguf_row_bytes(self.ggml_type, layer.embedding_dim))  # [vocab rows, row bytes]
-        layer.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device=device))
-
-    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
-        load_rows(layer, "qweight" if name == "weight" else name, tensor, offset, rows)
-
-    def process_weights_after_loading(self, layer: nn.Embedding) -> None:
-        if self.interleave:  # before a tied head takes the table: it reads the new order too
-            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer.embedding_dim)
+    out float32."""
 
     def tied_head_method(self) -> LinearMethod:
         return GGUFLinearMethod(self.ggml_type, self.interleave)
@@ -250,11 +241,7 @@ def gguf_spans(types: Mapping[str, int], fused: FusedMap) -> dict[str, list[tupl
     offset, rows or None for all, ggml type)`` of each part."""
     spans: dict[str, list[tuple[str, int, int | None, int]]] = {}
     for name, ggml_type in types.items():
-        target, offset, size = name, 0, None
-        for part, (fused_name, part_offset, part_size, _) in fused.items():
-            if f".{part}." in name:
-                target, offset, size = name.replace(part, fused_name), part_offset, part_size
-                break
+        target, offset, size, _ = fused_part(name, fused) or (name, 0, None, None)
         spans.setdefault(target, []).append((name, offset, size, ggml_type))
     return spans
 
@@ -267,8 +254,7 @@ def gguf_method(
     for its rows, a row-parallel shard not starting on a block boundary, a fused layer with a part left
     in float, or an embedding of mixed types)."""
     embedding = isinstance(layer, nn.Embedding)
-    in_features = layer.embedding_dim if embedding else layer.in_features
-    out_features = layer.num_embeddings if embedding else layer.out_features
+    out_features, in_features = layer_shape(layer)
     kinds = {kind for *_, kind in parts}
     start = getattr(layer, "input_start", 0)
     if not all(gguf_kernel_takes(kind, in_features) and (not start or gguf_kernel_takes(kind, start)) for kind in kinds):

@@ -42,7 +42,6 @@ from pagedllm.layers.packed_linear import (
 from pagedllm.layers.quant_config import (
     QuantConfig,
     process_weights_after_loading,
-    registered_rules,
     stored_checkpoint_names,
 )
 from pagedllm.layers.quantized_linear import (
@@ -158,7 +157,7 @@ def resolve_quant_config(
         weight_only_bits=bits,
         group_size=config.weight_group_size if bits is not None else None,
         gguf_types=quantized if keep_gguf else {}, fused=fused_map(model_config, tp) if keep_gguf else {},
-        interleave=config.gguf_activations == "int8", rules=registered_rules(),
+        interleave=config.gguf_activations == "int8",
     )
 
 
