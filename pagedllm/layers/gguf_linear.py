@@ -43,15 +43,12 @@ GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
-    # the same types interleaved 16 rows at a time (GGUF_INTERLEAVED below): the same blocks
-    514: ("Q4_0", 32, 18), 515: ("Q4_1", 32, 20), 518: ("Q5_0", 32, 22), 519: ("Q5_1", 32, 24),
-    520: ("Q8_0", 32, 34), 522: ("Q2_K", 256, 84),
-    523: ("Q3_K", 256, 110), 524: ("Q4_K", 256, 144), 525: ("Q5_K", 256, 176), 526: ("Q6_K", 256, 210),
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
 # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants Q2_K to Q6_K interleaved 16 rows at a time (kernels/gguf_x16.h):
 # ggml type -> the kernels' number for it
 GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)}
+GGUF_KERNEL_TYPES.update({x16: GGUF_KERNEL_TYPES[t] for t, x16 in GGUF_INTERLEAVED.items()})  # the same blocks
 INTERLEAVE_ROWS = 16
 
 
@@ -166,10 +163,10 @@ class GGUFPartsLinearMethod(LinearMethod):
             self.byte_offsets.append(start)
             start += rows * gguf_row_bytes(ggml_type, in_features)
         self.num_bytes = start
-        self._name()
 
-    def _name(self) -> None:
-        self.name = "gguf-" + "+".join(_type_name(t) for _, _, t in self.parts)
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "gguf-" + "+".join(_type_name(t) for _, _, t in self.parts)
 
     def create_weights(self, layer: Linear) -> None:
         device = layer.weight.device
@@ -208,7 +205,6 @@ class GGUFPartsLinearMethod(LinearMethod):
             new_type = _interleave_table(self.part_weight(layer, i), ggml_type, self.in_features)
             self.parts[i] = (offset, rows, new_type)
             count += new_type != ggml_type
-        self._name()
         return count
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ so a rank copies only its slice of each tensor while loading.
 
 The embedding asks the quantization config for its ``EmbeddingMethod`` as
 a linear layer asks for its ``LinearMethod`` (float rows, GGUF blocks,
-int8 / int4 blocks); a tied LM head holds no table of its own until
-``TiedLMHeadMethod`` has its method take the loaded embedding's.
+int8 / int4 blocks); a tied LM head holds no table of its own until its
+method takes the loaded embedding's (``LinearMethod.tie_weights``, just
+before ``process_weights_after_loading``).
 """
 
 from __future__ import annotations
@@ -128,33 +129,6 @@ class VocabParallelEmbedding(nn.Embedding):
         return f"{self.num_embeddings}, {self.embedding_dim}, method={self.quant_method.name}"
 
 
-class TiedLMHeadMethod(LinearMethod):
-    """A tied LM head's method until loaded: no table of its own; then ``inner`` takes the embedding's.
-
-    After loading, ``inner.tie_weights`` makes the head read the embedding's
-    table (the same float parameter, or the same blocks), ``inner`` processes
-    it as any layer, and becomes the head's method.
-    """
-
-    def __init__(self, inner: LinearMethod) -> None:
-        self.inner = inner
-        self.name = f"tied({inner.name})"
-
-    def create_weights(self, layer: Linear) -> None:
-        replace_parameter(layer, "weight", None)
-
-    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
-        raise ValueError("a tied LM head takes no checkpoint tensor: it reads the embedding's table")
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        self.inner.tie_weights(layer, layer.tied_embedding)
-        layer.quant_method = self.inner
-        self.inner.process_weights_after_loading(layer)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        raise ValueError("a tied LM head computes only after process_weights_after_loading")
-
-
 class ParallelLMHead(Linear):
     """LM head rows ``[vocab_start, vocab_start + out_features)``; ``gather`` puts every rank's logits on rank 0.
 
@@ -175,8 +149,8 @@ class ParallelLMHead(Linear):
             method = tied_to.quant_method.tied_head_method()
             if method is None and quant_config is not None:
                 method = quant_config.get_quant_method(self, prefix)
-            self.quant_method = TiedLMHeadMethod(method if method is not None else self.quant_method)
-            self.quant_method.create_weights(self)
+            self.quant_method = method if method is not None else self.quant_method
+            replace_parameter(self, "weight", None)  # no table of its own: the method ties it after loading
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         """``[n, this rank's vocab]`` -> ``[n, vocab]`` on rank 0, None on the other ranks."""

@@ -96,9 +96,11 @@ def stored_checkpoint_names(model: nn.Module) -> set[str]:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Each layer's method turns what was loaded into what it computes with, once (a tied LM head after its
-    embedding, which ``modules()`` yields first: the head takes the finished table)."""
+    """Each layer's method turns what was loaded into what it computes with, once. A tied LM head's method first
+    takes its embedding's table (``tie_weights``), finished: ``modules()`` yields the embedding first."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, QuantMethod):
+            if "tied_embedding" in module.__dict__:  # layers/parallel.py's ParallelLMHead(tied_to=...)
+                method.tie_weights(module, module.tied_embedding)
             method.process_weights_after_loading(module)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.gguf_linear import INTERLEAVE_ROWS  # the rows of a tile of kernels/gguf_x16.h
 from pagedllm.layers.linear import (
     Linear,
     LinearMethod,
@@ -67,7 +68,6 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.parallel import EmbeddingMethod
 
 GROUP_RUN = 32  # the kernels read groups in runs of 32 weights (vector loads)
-INTERLEAVE_ROWS = 16  # output channels a tile of the interleaved layout holds (kernels/gguf_x16.h)
 BITS = (4, 8)
 # float32 bytes of the rows quantized at once while loading: quantize_groups' float temporaries
 # take 4-5x its input at their peak (measured: a load peaks 2.5 MiB above the blocks plus the

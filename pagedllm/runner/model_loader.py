@@ -27,7 +27,7 @@ from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
 from pagedllm.layers.custom_op import select_impls
 from pagedllm.layers.gguf_linear import GGUF_KERNEL_TYPES, gguf_types_held
-from pagedllm.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, layer_shape
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.onednn_linear import (
     OneDnnLinearMethod,
@@ -190,10 +190,8 @@ def count_params(model: nn.Module) -> int:
         if qweight is None or qweight.data_ptr() in seen:
             continue
         seen.add(qweight.data_ptr())
-        if isinstance(module, nn.Embedding):
-            count += module.num_embeddings * module.embedding_dim
-        elif isinstance(module, Linear):
-            count += module.in_features * module.out_features
+        rows, inputs = layer_shape(module)
+        count += rows * inputs
     return count
 
 
@@ -217,7 +215,6 @@ class LoadedModel:
     """A model ready to step, and the decisions taken while loading it."""
 
     model: nn.Module
-    precision: Precision
     linear_backend: str
     native_ops: NativeOps | None
     num_params: int  # weights of the architecture (a tied embedding counted once), before quantization
@@ -292,6 +289,6 @@ def load_model(
     # RoPE tables stay float32 whatever the model dtype
     model.model.rotary.float().build_tables()
     return LoadedModel(
-        model, precision, linear, native_ops, num_params, time.perf_counter() - start,
+        model, linear, native_ops, num_params, time.perf_counter() - start,
         resident_bytes(model_tensors(model)), weight_format(config, model, precision),
     )
