@@ -23,10 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.bf16_linear import use_bf16_linear
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.onednn_linear import onednn_bf16_supported, onednn_linear, pack_weight
-from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
+from pagedllm.layers.onednn_linear import (
+    OneDnnLinearMethod,
+    onednn_bf16_supported,
+    onednn_linear,
+    pack_weight,
+)
+from pagedllm.layers.packed_linear import PackedBF16LinearMethod, pack_weight_panels, packed_linear
 from pagedllm.layers.quantized_linear import QuantizedLinearMethod
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) per layer
@@ -74,15 +78,10 @@ def main() -> None:
 
 def _bf16(layers: list[nn.Linear], rows_list: list[int]) -> None:
     panels32 = [pack_weight_panels(layer.weight) for layer in layers]
-    ours, onednn = nn.ModuleList(layers), nn.ModuleList(nn.Linear(la.in_features, la.out_features, bias=False) for la in layers)
-    with torch.no_grad():
-        for src, dst in zip(layers, onednn):
-            dst.weight.copy_(src.weight)
-    use_bf16_linear(ours, "packed")
+    ours = [Linear.from_linear(la, PackedBF16LinearMethod()) for la in layers]
     # oneDNN's bf16 needs AVX-512 or AVX-NE-CONVERT; elsewhere it is left out (n/a)
     have_onednn = onednn_bf16_supported()
-    if have_onednn:
-        use_bf16_linear(onednn, "onednn")
+    onednn = [Linear.from_linear(la, OneDnnLinearMethod(torch.bfloat16)) for la in layers] if have_onednn else []
     flops_per_row = sum(2 * n * k for n, k in SHAPES)
     print(f"{'rows':>5} {'bf16 ours':>10} {'bf16 oneDNN':>12} {'f32 packed':>11}  (ms)   GFLOP/s: ours / oneDNN / "
           "float32   ours / oneDNN")

@@ -31,11 +31,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
-from pagedllm.layers.onednn_linear import use_onednn_linear
-from pagedllm.layers.packed_linear import use_packed_linear_bf16
+from pagedllm.layers.linear import Linear, LinearMethod, replace_parameter
 
 
 class TorchBF16LinearMethod(LinearMethod):
@@ -52,17 +49,3 @@ class TorchBF16LinearMethod(LinearMethod):
         if x.dtype != torch.float32:
             raise ValueError(f"bf16 linear layers take float32 activations, got {x.dtype}")
         return F.linear(x.to(torch.bfloat16), layer.weight, layer.bias).float()
-
-
-def use_bf16_linear(model: nn.Module, backend: str) -> int:
-    """Replace every ``nn.Linear`` of a float32 ``model`` with a bf16-weight layer of ``backend``.
-
-    ``backend``: "packed", "onednn" or "torch". Returns how many layers were replaced.
-    """
-    if backend == "packed":
-        return use_packed_linear_bf16(model)
-    if backend == "onednn":
-        return use_onednn_linear(model, torch.bfloat16)
-    if backend == "torch":
-        return apply_linear_method(model, TorchBF16LinearMethod())
-    raise ValueError(f"no bf16 linear layer for backend {backend!r}; choose packed, onednn or torch")

@@ -26,27 +26,30 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod, check_shape, load_rows, replace_parameter
+from pagedllm.layers.linear import (
+    Linear,
+    LinearMethod,
+    QuantMethod,
+    check_shape,
+    layer_shape,
+    load_rows,
+    replace_parameter,
+)
 from pagedllm.layers.parallel import EmbeddingMethod
+from pagedllm.layers.weights import FusedMap, fused_part
 
 # ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
-    # the same types interleaved 16 rows at a time (GGUF_INTERLEAVED below): the same blocks
-    514: ("Q4_0", 32, 18), 515: ("Q4_1", 32, 20), 518: ("Q5_0", 32, 22), 519: ("Q5_1", 32, 24),
-    520: ("Q8_0", 32, 34), 522: ("Q2_K", 256, 84),
-    523: ("Q3_K", 256, 110), 524: ("Q4_K", 256, 144), 525: ("Q5_K", 256, 176), 526: ("Q6_K", 256, 210),
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
 # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants Q2_K to Q6_K interleaved 16 rows at a time (kernels/gguf_x16.h):
 # ggml type -> the kernels' number for it
 GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)}
+GGUF_KERNEL_TYPES.update({x16: GGUF_KERNEL_TYPES[t] for t, x16 in GGUF_INTERLEAVED.items()})  # the same blocks
 INTERLEAVE_ROWS = 16
-
-# checkpoint part -> (fused parameter, row offset, rows, checkpoint's first row), as layers/weights.py's FusedMap
-FusedMap = Mapping[str, tuple[str, int, int, int | None]]
 
 
 def gguf_row_bytes(ggml_type: int, in_features: int) -> int:
@@ -84,8 +87,8 @@ def _interleave_table(qweight: torch.Tensor, ggml_type: int, in_features: int) -
     return GGUF_INTERLEAVED[ggml_type]
 
 
-class GGUFLinearMethod(LinearMethod):
-    """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out).
+class _GGUFTable(QuantMethod):
+    """A layer's weight as GGUF blocks of one ``ggml_type``, ``layer.qweight`` ``[rows, row bytes]`` uint8.
 
     ``interleave``: interleave the blocks after loading (``gguf_activations="int8"``); ``stored_names``: the
     checkpoint tensors it takes as their bytes.
@@ -100,23 +103,28 @@ class GGUFLinearMethod(LinearMethod):
     def name(self) -> str:  # type: ignore[override]
         return f"gguf-{_type_name(self.ggml_type)}"
 
-    def create_weights(self, layer: Linear) -> None:
+    def create_weights(self, layer: nn.Module) -> None:
+        rows, in_features = layer_shape(layer)
         device = layer.weight.device
         replace_parameter(layer, "weight", None)
-        shape = (layer.out_features, gguf_row_bytes(self.ggml_type, layer.in_features))  # [out_features, row bytes]
+        shape = (rows, gguf_row_bytes(self.ggml_type, in_features))  # [rows, row bytes]
         layer.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device=device))
 
     def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
         load_rows(layer, "qweight" if name == "weight" else name, tensor, offset, rows)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.interleave:  # an embedding's before a tied head takes the table: it reads the new order too
+            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer_shape(layer)[1])
+
+
+class GGUFLinearMethod(_GGUFTable, LinearMethod):
+    """``layer.qweight`` in GGUF blocks of ``ggml_type``, multiplied by the native GGUF kernel (float32 in and out)."""
+
     def tie_weights(self, layer: Linear, embedding: nn.Module) -> None:
         replace_parameter(layer, "weight", None)
         layer.register_buffer("qweight", embedding.qweight)
         self.ggml_type = embedding.quant_method.ggml_type  # interleaved by the embedding already, or not
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        if self.interleave:
-            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer.in_features)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -155,10 +163,10 @@ class GGUFPartsLinearMethod(LinearMethod):
             self.byte_offsets.append(start)
             start += rows * gguf_row_bytes(ggml_type, in_features)
         self.num_bytes = start
-        self._name()
 
-    def _name(self) -> None:
-        self.name = "gguf-" + "+".join(_type_name(t) for _, _, t in self.parts)
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "gguf-" + "+".join(_type_name(t) for _, _, t in self.parts)
 
     def create_weights(self, layer: Linear) -> None:
         device = layer.weight.device
@@ -197,7 +205,6 @@ class GGUFPartsLinearMethod(LinearMethod):
             new_type = _interleave_table(self.part_weight(layer, i), ggml_type, self.in_features)
             self.parts[i] = (offset, rows, new_type)
             count += new_type != ggml_type
-        self._name()
         return count
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -212,29 +219,9 @@ class GGUFPartsLinearMethod(LinearMethod):
         return torch.cat(outs, dim=-1).view(*x.shape[:-1], layer.out_features)
 
 
-class GGUFEmbeddingMethod(EmbeddingMethod):
+class GGUFEmbeddingMethod(_GGUFTable, EmbeddingMethod):
     """A token embedding's table kept in GGUF blocks (``layer.qweight`` ``[vocab rows, row bytes]``); rows come
-    out float32. ``interleave`` and ``stored_names`` as ``GGUFLinearMethod``'s."""
-
-    def __init__(self, ggml_type: int, interleave: bool = False, stored_names: tuple[str, ...] = ()) -> None:
-        self.ggml_type, self.interleave, self.stored_names = ggml_type, interleave, stored_names
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return f"gguf-{_type_name(self.ggml_type)}"
-
-    def create_weights(self, layer: nn.Embedding) -> None:
-        device = layer.weight.device
-        replace_parameter(layer, "weight", None)
-        shape = (layer.num_embeddings, gguf_row_bytes(self.ggml_type, layer.embedding_dim))  # [vocab rows, row bytes]
-        layer.register_buffer("qweight", torch.empty(shape, dtype=torch.uint8, device=device))
-
-    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
-        load_rows(layer, "qweight" if name == "weight" else name, tensor, offset, rows)
-
-    def process_weights_after_loading(self, layer: nn.Embedding) -> None:
-        if self.interleave:  # before a tied head takes the table: it reads the new order too
-            self.ggml_type = _interleave_table(layer.qweight, self.ggml_type, layer.embedding_dim)
+    out float32."""
 
     def tied_head_method(self) -> LinearMethod:
         return GGUFLinearMethod(self.ggml_type, self.interleave)
@@ -250,11 +237,7 @@ def gguf_spans(types: Mapping[str, int], fused: FusedMap) -> dict[str, list[tupl
     offset, rows or None for all, ggml type)`` of each part."""
     spans: dict[str, list[tuple[str, int, int | None, int]]] = {}
     for name, ggml_type in types.items():
-        target, offset, size = name, 0, None
-        for part, (fused_name, part_offset, part_size, _) in fused.items():
-            if f".{part}." in name:
-                target, offset, size = name.replace(part, fused_name), part_offset, part_size
-                break
+        target, offset, size, _ = fused_part(name, fused) or (name, 0, None, None)
         spans.setdefault(target, []).append((name, offset, size, ggml_type))
     return spans
 
@@ -267,8 +250,7 @@ def gguf_method(
     for its rows, a row-parallel shard not starting on a block boundary, a fused layer with a part left
     in float, or an embedding of mixed types)."""
     embedding = isinstance(layer, nn.Embedding)
-    in_features = layer.embedding_dim if embedding else layer.in_features
-    out_features = layer.num_embeddings if embedding else layer.out_features
+    out_features, in_features = layer_shape(layer)
     kinds = {kind for *_, kind in parts}
     start = getattr(layer, "input_start", 0)
     if not all(gguf_kernel_takes(kind, in_features) and (not start or gguf_kernel_takes(kind, start)) for kind in kinds):

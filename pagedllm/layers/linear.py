@@ -20,7 +20,7 @@ Methods: ``UnquantizedLinearMethod`` (``F.linear``, below),
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +31,17 @@ class QuantConfig(Protocol):
     """What a layer asks when built (``layers/quant_config.py``'s ``QuantConfig``; named here so that the
     layers need not import the module that imports them)."""
 
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:  # noqa: ANN401 - a LinearMethod or EmbeddingMethod
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
         """The method ``layer`` named ``prefix`` takes; None: its unquantized default."""
         ...
 
 
-class LinearMethod(ABC):
-    """How a ``Linear`` stores its weight and computes ``x @ W.T + b``."""
+class QuantMethod:
+    """How a layer (a ``Linear``, an embedding) stores its weights: the steps of every load that it owns."""
 
     name: str = "abstract"
 
-    def create_weights(self, layer: Linear) -> None:  # noqa: B027 - float methods load into nn.Linear's own weight
+    def create_weights(self, layer: nn.Module) -> None:  # noqa: B027 - float methods load into the layer's own weight
         """At build (on the meta device): give ``layer`` the tensors the checkpoint loads into."""
 
     def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
@@ -49,12 +49,16 @@ class LinearMethod(ABC):
         ("weight", "bias"; rows None: all of it)."""
         load_rows(layer, name, tensor, offset, rows)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - some methods need nothing
+        """Turn what was loaded into this method's storage (once)."""
+
+
+class LinearMethod(QuantMethod, ABC):
+    """How a ``Linear`` stores its weight and computes ``x @ W.T + b``."""
+
     def tie_weights(self, layer: Linear, embedding: nn.Module) -> None:
         """Make ``layer`` (a tied LM head) read the loaded ``embedding``'s table, before ``process_weights_after_loading``."""
         layer.weight = embedding.weight
-
-    def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 - most methods repack, some need nothing
-        """Turn the loaded ``layer.weight`` / ``layer.bias`` into this method's storage (once)."""
 
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +104,14 @@ def replace_parameter(layer: nn.Module, name: str, value: torch.Tensor | None) -
     layer.register_buffer(name, value)
 
 
+def layer_shape(layer: nn.Module) -> tuple[int, int]:
+    """(rows, inputs) of the weight of a ``Linear`` or an embedding: ``(out_features, in_features)`` or
+    ``(num_embeddings, embedding_dim)``."""
+    if isinstance(layer, nn.Embedding):
+        return layer.num_embeddings, layer.embedding_dim
+    return layer.out_features, layer.in_features
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose storage and matmul belong to ``quant_method``, asked of ``quant_config`` when built.
 
@@ -120,19 +132,21 @@ class Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, method: LinearMethod | None = None) -> Linear:
-        """A ``Linear`` holding ``linear``'s weight and bias (the same tensors), with ``method`` applied if given.
+        """A ``Linear`` holding ``linear``'s weight and bias as ``method`` (default: unquantized) holds them, loaded
+        as a checkpoint is: ``create_weights``, ``weight_loader``, ``process_weights_after_loading``.
 
-        ``linear`` itself is left as it was: the method replaces the new
-        layer's references only.
+        ``linear`` itself is left as it was (the new layer holds copies).
         """
         with torch.device("meta"):
             layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        layer.weight = linear.weight
-        if linear.bias is not None:
-            layer.bias = linear.bias
         if method is not None:
             layer.quant_method = method
-            method.process_weights_after_loading(layer)
+            method.create_weights(layer)
+        layer = layer.to_empty(device=linear.weight.device)
+        for name, tensor in (("weight", linear.weight), ("bias", linear.bias)):
+            if tensor is not None:
+                layer.quant_method.weight_loader(layer, name, tensor.detach(), 0, None)
+        layer.quant_method.process_weights_after_loading(layer)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,26 +154,3 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, method={self.quant_method.name}"
-
-
-def apply_linear_method(model: nn.Module, method: LinearMethod) -> int:
-    """Give every linear layer of ``model`` that is still unquantized ``method``; returns how many.
-
-    For a model already loaded in float (tests, benchmarks); a load picks
-    methods when layers are built. Plain ``nn.Linear`` layers are first
-    turned into ``Linear`` sharing their tensors. Layers that already have another method are left alone,
-    and so is the embedding a tied LM head shares its weight with (the head
-    gets the method's own copy).
-    """
-    targets = [
-        (name, mod) for name, mod in model.named_modules()
-        if type(mod) is nn.Linear or (isinstance(mod, Linear) and isinstance(mod.quant_method, UnquantizedLinearMethod))
-    ]
-    for name, mod in targets:
-        layer = mod if isinstance(mod, Linear) else Linear.from_linear(mod)
-        layer.quant_method = method
-        method.process_weights_after_loading(layer)
-        if layer is not mod:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-    return len(targets)

@@ -15,9 +15,8 @@ float32 when torch was built with it), "onednn" or "torch" (``F.linear``).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
+from pagedllm.layers.linear import Linear, LinearMethod, replace_parameter
 
 
 def onednn_available() -> bool:
@@ -78,11 +77,3 @@ class OneDnnLinearMethod(LinearMethod):
         if self.weight_dtype == torch.float32:
             return onednn_linear(x, layer.packed_weight, layer.bias)
         return onednn_linear(x.to(self.weight_dtype), layer.packed_weight, layer.bias).float()
-
-
-def use_onednn_linear(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> int:
-    """Give every linear layer of ``model`` oneDNN-packed weights; returns how many.
-
-    A tied LM head gets its own packed copy; the embedding keeps its rows.
-    """
-    return apply_linear_method(model, OneDnnLinearMethod(weight_dtype))

@@ -13,13 +13,10 @@ the CPU when the native kernels build.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch import nn
 
 from pagedllm.kernels import kernels_available, load_kernels
-from pagedllm.layers.linear import Linear, LinearMethod, apply_linear_method, replace_parameter
+from pagedllm.layers.linear import Linear, LinearMethod, replace_parameter
 
 
 def packed_linear_available() -> bool:
@@ -36,12 +33,6 @@ def _library():  # noqa: ANN202 (torch's op namespace)
         raise ValueError(f"linear_backend='packed' needs the native CPU kernels, which cannot be built here: "
                          f"{kernels_failure()}")
     return ops
-
-
-@functools.cache
-def _panel_width() -> int:
-    """Output columns per panel in this build of the kernels (48 with AVX-512, 16 with AVX2)."""
-    return _library().packed_linear_panel()
 
 
 def _float32_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -85,31 +76,7 @@ class PackedLinearMethod(LinearMethod):
         return packed_linear(x, layer.packed_weight, layer.bias, layer.out_features)
 
 
-def use_packed_linear(model: nn.Module) -> int:
-    """Give every linear layer of ``model`` float32 packed panels; returns how many.
-
-    A tied LM head gets its own packed copy; the embedding keeps its rows.
-    """
-    _library()
-    return apply_linear_method(model, PackedLinearMethod())
-
-
 # --- bfloat16 weights --------------------------------------------------------
-
-
-@functools.cache
-def _panel_width_bf16() -> int:
-    """Output columns per bf16 panel in this build of the kernels."""
-    return _library().packed_linear_bf16_panel()
-
-
-def panel_width(dtype: torch.dtype) -> int:
-    """Output columns per panel this build packs float32 or bfloat16 weights into."""
-    if dtype == torch.float32:
-        return _panel_width()
-    if dtype == torch.bfloat16:
-        return _panel_width_bf16()
-    raise ValueError(f"packed panels hold float32 or bfloat16 weights, not {dtype}")
 
 
 _BF16_ISAS = {2: "avx512_bf16", 1: "avx2", 0: "scalar"}
@@ -165,9 +132,3 @@ class PackedBF16LinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return packed_linear_bf16(x, layer.packed_weight, layer.bias, layer.out_features, layer.in_features)
-
-
-def use_packed_linear_bf16(model: nn.Module) -> int:
-    """Give every linear layer of ``model`` bf16 packed panels; returns how many."""
-    _library()
-    return apply_linear_method(model, PackedBF16LinearMethod())

@@ -17,20 +17,19 @@ so a rank copies only its slice of each tensor while loading.
 
 The embedding asks the quantization config for its ``EmbeddingMethod`` as
 a linear layer asks for its ``LinearMethod`` (float rows, GGUF blocks,
-int8 / int4 blocks); a tied LM head holds no table of its own until
-``TiedLMHeadMethod`` has its method take the loaded embedding's.
+int8 / int4 blocks); a tied LM head holds no table of its own until its
+method takes the loaded embedding's (``LinearMethod.tie_weights``, just
+before ``process_weights_after_loading``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.group import TensorParallelGroup
-from pagedllm.layers.linear import Linear, LinearMethod, QuantConfig, load_rows, replace_parameter
+from pagedllm.layers.linear import Linear, LinearMethod, QuantConfig, QuantMethod, replace_parameter
 
 
 def _sharded(tp: TensorParallelGroup | None) -> bool:
@@ -49,22 +48,6 @@ def _quantized_columns(tensor: torch.Tensor, start: int, local: int, stored: tor
     if (start * row_bytes) % local:
         raise ValueError(f"input column {start} is not on a quantization block boundary")
     return tensor.narrow(1, start * row_bytes // local, row_bytes)
-
-
-def vocab_parallel_lookup(
-    input_ids: torch.Tensor, vocab_start: int, num_rows: int, tp: TensorParallelGroup,
-    lookup: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """Rows of this rank's slice ``[vocab_start, vocab_start + num_rows)`` of an embedding, all-reduced.
-
-    ``lookup`` maps local ids to rows ``[num_tokens, dim]`` (a float table, or GGUF blocks); a token held
-    by another rank is looked up as local row 0 and zeroed here, and the all-reduce brings its row in.
-    """
-    local = input_ids - vocab_start
-    elsewhere = (local < 0) | (local >= num_rows)  # [num_tokens]: held by another rank
-    out = lookup(local.masked_fill(elsewhere, 0))  # [num_tokens, dim]
-    out.masked_fill_(elsewhere.unsqueeze(-1), 0.0)
-    return tp.all_reduce_(out)
 
 
 class RowParallelLinear(Linear):
@@ -96,20 +79,11 @@ class RowParallelLinear(Linear):
         return tensor.narrow(1, self.input_start, self.in_features)
 
 
-class EmbeddingMethod:
-    """How an embedding stores its table and looks rows up (``VocabParallelEmbedding.quant_method``)."""
+class EmbeddingMethod(QuantMethod):
+    """How an embedding stores its table and looks rows up (``VocabParallelEmbedding.quant_method``); this base
+    class: the float table, ``nn.Embedding``'s own."""
 
     name: str = "float"
-
-    def create_weights(self, layer: nn.Embedding) -> None:  # noqa: B027 - the float table is nn.Embedding's own
-        """At build (on the meta device): give ``layer`` the tensors the checkpoint loads into."""
-
-    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
-        """Load checkpoint ``tensor`` (this rank's rows) into ``layer.<name>``."""
-        load_rows(layer, name, tensor, offset, rows)
-
-    def process_weights_after_loading(self, layer: nn.Embedding) -> None:  # noqa: B027 - float rows need nothing
-        """Once, after loading: turn the loaded table into what ``embedding`` reads."""
 
     def tied_head_method(self) -> LinearMethod | None:
         """The method a tied LM head multiplies this table with; None: the one the config gives the head."""
@@ -137,13 +111,15 @@ class VocabParallelEmbedding(nn.Embedding):
         self.quant_method: EmbeddingMethod = method if method is not None else EmbeddingMethod()
         self.quant_method.create_weights(self)
 
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.embedding(self, ids)
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not _sharded(self.tp):
-            return self._lookup(input_ids)
-        return vocab_parallel_lookup(input_ids, self.vocab_start, self.num_embeddings, self.tp, self._lookup)
+            return self.quant_method.embedding(self, input_ids)
+        # a token held by another rank is looked up as local row 0 and zeroed here; the all-reduce brings its row
+        local = input_ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.num_embeddings)  # [num_tokens]: held by another rank
+        out = self.quant_method.embedding(self, local.masked_fill(elsewhere, 0))  # [num_tokens, dim]
+        out.masked_fill_(elsewhere.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce_(out)
 
     def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the checkpoint's embedding."""
@@ -151,33 +127,6 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, method={self.quant_method.name}"
-
-
-class TiedLMHeadMethod(LinearMethod):
-    """A tied LM head's method until loaded: no table of its own; then ``inner`` takes the embedding's.
-
-    After loading, ``inner.tie_weights`` makes the head read the embedding's
-    table (the same float parameter, or the same blocks), ``inner`` processes
-    it as any layer, and becomes the head's method.
-    """
-
-    def __init__(self, inner: LinearMethod) -> None:
-        self.inner = inner
-        self.name = f"tied({inner.name})"
-
-    def create_weights(self, layer: Linear) -> None:
-        replace_parameter(layer, "weight", None)
-
-    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
-        raise ValueError("a tied LM head takes no checkpoint tensor: it reads the embedding's table")
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        self.inner.tie_weights(layer, layer.tied_embedding)
-        layer.quant_method = self.inner
-        self.inner.process_weights_after_loading(layer)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        raise ValueError("a tied LM head computes only after process_weights_after_loading")
 
 
 class ParallelLMHead(Linear):
@@ -200,8 +149,8 @@ class ParallelLMHead(Linear):
             method = tied_to.quant_method.tied_head_method()
             if method is None and quant_config is not None:
                 method = quant_config.get_quant_method(self, prefix)
-            self.quant_method = TiedLMHeadMethod(method if method is not None else self.quant_method)
-            self.quant_method.create_weights(self)
+            self.quant_method = method if method is not None else self.quant_method
+            replace_parameter(self, "weight", None)  # no table of its own: the method ties it after loading
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         """``[n, this rank's vocab]`` -> ``[n, vocab]`` on rank 0, None on the other ranks."""

@@ -25,12 +25,11 @@ from types import MappingProxyType
 
 from torch import nn
 
-from pagedllm.layers.gguf_linear import FusedMap, gguf_method, gguf_spans
-from pagedllm.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from pagedllm.layers.parallel import EmbeddingMethod
+from pagedllm.layers.gguf_linear import gguf_method, gguf_spans
+from pagedllm.layers.linear import Linear, LinearMethod, QuantMethod, UnquantizedLinearMethod
 from pagedllm.layers.quantized_linear import QuantizedEmbeddingMethod, QuantizedLinearMethod
+from pagedllm.layers.weights import FusedMap
 
-QuantMethod = LinearMethod | EmbeddingMethod
 # (layer, prefix) -> the method that layer takes, or None to leave the choice to the config
 QuantRule = Callable[[nn.Module, str], QuantMethod | None]
 
@@ -44,11 +43,6 @@ def register_quant_method(rule: QuantRule) -> Callable[[], None]:
     return lambda: _RULES.remove(rule)
 
 
-def registered_rules() -> tuple[QuantRule, ...]:
-    """The rules ``register_quant_method`` holds now, in order."""
-    return tuple(_RULES)
-
-
 @dataclass(frozen=True)
 class QuantConfig:
     """How every linear and embedding layer of one load holds its weights.
@@ -59,7 +53,7 @@ class QuantConfig:
     checkpoint's quantized tensors the layers may take as stored (name ->
     ggml type), ``fused``: where a checkpoint's q/k/v and gate/up parts go.
     ``interleave``: interleave blocks after loading (``gguf_activations="int8"``).
-    ``rules``: extra deciders consulted first.
+    ``rules``: extra deciders consulted first (default: those ``register_quant_method`` holds now).
     """
 
     float_method: LinearMethod = field(default_factory=UnquantizedLinearMethod)
@@ -68,7 +62,7 @@ class QuantConfig:
     gguf_types: Mapping[str, int] = field(default_factory=dict)
     fused: FusedMap = field(default_factory=dict)
     interleave: bool = False
-    rules: tuple[QuantRule, ...] = ()
+    rules: tuple[QuantRule, ...] = field(default_factory=lambda: tuple(_RULES))
     # checkpoint parameter -> its quantized parts (gguf_spans), derived once from gguf_types and fused
     _gguf_parts: Mapping[str, list[tuple[str, int, int | None, int]]] = field(init=False, repr=False, compare=False)
 
@@ -102,9 +96,11 @@ def stored_checkpoint_names(model: nn.Module) -> set[str]:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Each layer's method turns what was loaded into what it computes with, once (a tied LM head after its
-    embedding, which ``modules()`` yields first: the head takes the finished table)."""
+    """Each layer's method turns what was loaded into what it computes with, once. A tied LM head's method first
+    takes its embedding's table (``tie_weights``), finished: ``modules()`` yields the embedding first."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, (LinearMethod, EmbeddingMethod)):
+        if isinstance(method, QuantMethod):
+            if "tied_embedding" in module.__dict__:  # layers/parallel.py's ParallelLMHead(tied_to=...)
+                method.tie_weights(module, module.tied_embedding)
             method.process_weights_after_loading(module)

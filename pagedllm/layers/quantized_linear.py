@@ -38,13 +38,12 @@ warns, naming the layers). The token embedding is held the same way
 (``QuantizedEmbeddingMethod``); a tied LM head and the embedding share one set of
 blocks.
 
-Two ways to the same blocks. ``quantize_model`` rounds a model already
-loaded in float32. A load instead gives each layer, as it is built on the
-meta device, ``QuantizedLinearMethod`` / ``QuantizedEmbeddingMethod`` (the
-quantization config's answer, ``layers/quant_config.py``): empty blocks and
-no float weight, and the method's ``weight_loader`` quantizes each float
-tensor into its rows as it is handed over (``quantize_rows_into``), so the
-float32 model never exists. Every group lies within one output row, so quantizing a
+A load gives each layer, as it is built on the meta device,
+``QuantizedLinearMethod`` / ``QuantizedEmbeddingMethod`` (the quantization
+config's answer, ``layers/quant_config.py``): empty blocks and no float
+weight, and the method's ``weight_loader`` quantizes each float tensor into
+its rows as it is handed over (``quantize_rows_into``), so the float32
+model never exists. Every group lies within one output row, so quantizing a
 fused q/k/v or gate/up part by part, or a tensor a few rows at a time, gives
 the very bytes that quantizing the whole fused weight gives: no part waits
 for the others. The load's peak is then the blocks plus the one checkpoint
@@ -56,18 +55,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.gguf_linear import INTERLEAVE_ROWS  # the rows of a tile of kernels/gguf_x16.h
 from pagedllm.layers.linear import (
     Linear,
     LinearMethod,
-    apply_linear_method,
+    QuantMethod,
     check_shape,
+    layer_shape,
     load_rows,
     replace_parameter,
 )
 from pagedllm.layers.parallel import EmbeddingMethod
 
 GROUP_RUN = 32  # the kernels read groups in runs of 32 weights (vector loads)
-INTERLEAVE_ROWS = 16  # output channels a tile of the interleaved layout holds (kernels/gguf_x16.h)
 BITS = (4, 8)
 # float32 bytes of the rows quantized at once while loading: quantize_groups' float temporaries
 # take 4-5x its input at their peak (measured: a load peaks 2.5 MiB above the blocks plus the
@@ -151,88 +151,55 @@ def quantize_rows_into(blocks: torch.Tensor, weight: torch.Tensor, bits: int, gr
         blocks[start : start + part.shape[0]] = pack_groups(*quantize_groups(part, bits, group), bits)
 
 
-def unpack_groups(
-    blocks: torch.Tensor, bits: int, group: int, in_features: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``pack_groups`` undone: (q ``[N, K]``, scales ``[N, K / group]``, mins or None)."""
-    n, num_groups = blocks.shape[0], in_features // group
-    b = blocks.reshape(n, num_groups, group_block_bytes(bits, group))
-    head = 4 if bits == 8 else 8
-    header = b[..., :head].contiguous().view(torch.float32)  # [N, groups, 1 or 2]
-    scales, mins = header[..., 0].contiguous(), None if bits == 8 else header[..., 1].contiguous()
-    if bits == 8:
-        return b[..., head:].contiguous().view(torch.int8).reshape(n, in_features), scales, mins
-    packed = b[..., head:].reshape(n, num_groups, group // GROUP_RUN, 16)
-    q = torch.cat([packed & 0x0F, packed >> 4], dim=3)  # [N, groups, runs, 32]
-    return q.reshape(n, in_features), scales, mins
-
-
-def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-    """The weights the blocks hold, ``[N, K]`` float64 (the kernels round each to float32 once)."""
-    n, k = q.shape
-    groups = q.double().reshape(n, scales.shape[1], -1) * scales.double().unsqueeze(2)  # [N, groups, group]
-    if mins is not None:
-        groups = groups + mins.double().unsqueeze(2)
-    return groups.reshape(n, k)
-
-
-def _create_blocks(layer: nn.Module, rows: int, in_features: int, bits: int, group_size: int | None) -> None:
-    """Empty blocks ``qweight`` ``[rows, row bytes]`` in place of ``layer.weight`` (on its device), its group
-    kept as ``layer.group_size``."""
-    group = layer_group_size(in_features, group_size)
-    layer.group_size = group
-    blocks = torch.empty(rows, in_features // group * group_block_bytes(bits, group), dtype=torch.uint8,
-                         device=layer.weight.device)
-    replace_parameter(layer, "weight", None)
-    replace_parameter(layer, "qweight", blocks)  # [rows, row bytes]
-    layer.interleaved = False  # the groups' own order until interleaved
-
-
-def _quantize_into(layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None, bits: int,
-                   in_features: int) -> None:
-    """A float checkpoint weight (or a fused part's rows) rounded into ``layer.qweight``; other tensors copied."""
-    if name != "weight" or not tensor.is_floating_point():
-        load_rows(layer, name, tensor, offset, rows)
-        return
-    dest = layer.qweight if rows is None else layer.qweight.narrow(0, offset, rows)
-    check_shape(tensor, (dest.shape[0], in_features))
-    quantize_rows_into(dest, tensor, bits, layer.group_size)
-
-
-def _interleave_blocks(qweight: torch.Tensor, bits: int, group: int, in_features: int) -> bool:
-    """Interleave blocks ``[rows, row bytes]`` 16 rows at a time in place (``kernels/gguf_x16.h``: integer dot
-    products on activations rounded to int8 per block of 32); False where the rows are not tiles of 16."""
-    if qweight.shape[0] % INTERLEAVE_ROWS:
-        return False
-    torch.ops.pagedllm.quantized_interleave_(qweight, bits, group, in_features)
-    return True
-
-
-class QuantizedLinearMethod(LinearMethod):
-    """Grouped int8 / int4 blocks in ``layer.qweight``; the native kernel multiplies.
+class _GroupedBlocks(QuantMethod):
+    """Grouped int8 / int4 blocks ``qweight`` ``[rows, row bytes]`` in place of a layer's float weight, the
+    checkpoint's float rows quantized into them as they arrive.
 
     ``group_size``: weights per group, a multiple of 32 (None: one group per
-    output channel); each layer uses ``layer_group_size`` of it, kept as
-    ``layer.group_size``. ``interleave``: interleave the blocks after loading
-    (``gguf_activations="int8"``; a tied embedding then looks its rows up in
-    the new order).
+    row); each layer uses ``layer_group_size`` of it, kept as ``layer.group_size``.
     """
 
-    def __init__(self, bits: int, group_size: int | None, interleave: bool = False) -> None:
+    def __init__(self, bits: int, group_size: int | None) -> None:
         if bits not in BITS:
             raise ValueError(f"bits must be 4 or 8, got {bits!r}")
         if group_size is not None and (group_size < GROUP_RUN or group_size % GROUP_RUN):
             raise ValueError(f"group_size must be a positive multiple of {GROUP_RUN} or None, got {group_size!r}")
-        self.bits, self.group_size, self.interleave = bits, group_size, interleave
+        self.bits, self.group_size = bits, group_size
         self.name = f"int{bits}"
 
-    def create_weights(self, layer: Linear) -> None:
-        """Before loading (on the meta device): empty blocks ``qweight`` in place of ``layer.weight``, which the
-        checkpoint's float rows are quantized into as they arrive (``weight_loader``)."""
-        _create_blocks(layer, layer.out_features, layer.in_features, self.bits, self.group_size)
+    def create_weights(self, layer: nn.Module) -> None:
+        """Before loading (on the meta device): empty blocks in place of ``layer.weight``, on its device."""
+        rows, in_features = layer_shape(layer)
+        group = layer_group_size(in_features, self.group_size)
+        blocks = torch.empty(rows, in_features // group * group_block_bytes(self.bits, group), dtype=torch.uint8,
+                             device=layer.weight.device)
+        replace_parameter(layer, "weight", None)
+        replace_parameter(layer, "qweight", blocks)  # [rows, row bytes]
+        layer.group_size, layer.interleaved = group, False  # the groups' own order until interleaved
 
     def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
-        _quantize_into(layer, name, tensor, offset, rows, self.bits, layer.in_features)
+        """A float checkpoint weight (or a fused part's rows) rounded into ``layer.qweight``; other tensors copied."""
+        if name != "weight" or not tensor.is_floating_point():
+            load_rows(layer, name, tensor, offset, rows)
+            return
+        dest = layer.qweight if rows is None else layer.qweight.narrow(0, offset, rows)
+        check_shape(tensor, (dest.shape[0], layer_shape(layer)[1]))
+        quantize_rows_into(dest, tensor, self.bits, layer.group_size)
+
+
+class QuantizedLinearMethod(_GroupedBlocks, LinearMethod):
+    """Grouped int8 / int4 blocks in ``layer.qweight``; the native kernel multiplies.
+
+    ``interleave``: interleave the blocks 16 rows at a time after loading
+    (``gguf_activations="int8"``: ``kernels/gguf_x16.h``'s integer dot products
+    on activations rounded to int8 per block of 32; rows that are not tiles of
+    16 keep the groups' order; a tied embedding then looks its rows up in the
+    new order).
+    """
+
+    def __init__(self, bits: int, group_size: int | None, interleave: bool = False) -> None:
+        super().__init__(bits, group_size)
+        self.interleave = interleave
 
     def tie_weights(self, layer: Linear, embedding: nn.Module) -> None:
         """The head multiplies by the embedding's blocks (held once): both have ``embedding_dim`` inputs, so the
@@ -246,18 +213,13 @@ class QuantizedLinearMethod(LinearMethod):
         layer.group_size, layer.interleaved = embedding.group_size, embedding.interleaved
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if layer.weight is not None:  # loaded in float (else create_weights' blocks were filled while loading)
-            group = layer_group_size(layer.in_features, self.group_size)
-            q, scales, mins = quantize_groups(layer.weight, self.bits, group)
-            layer.group_size, layer.interleaved = group, False
-            replace_parameter(layer, "qweight", pack_groups(q, scales, mins, self.bits))  # [out_features, row bytes]
-            replace_parameter(layer, "weight", None)
         replace_parameter(layer, "bias", None if layer.bias is None else layer.bias.detach().float().contiguous())
-        if self.interleave and not layer.interleaved:
-            layer.interleaved = _interleave_blocks(layer.qweight, self.bits, layer.group_size, layer.in_features)
+        if self.interleave and layer.out_features % INTERLEAVE_ROWS == 0:
+            torch.ops.pagedllm.quantized_interleave_(layer.qweight, self.bits, layer.group_size, layer.in_features)
+            layer.interleaved = True
             tied = layer.__dict__.get("tied_embedding")
             if tied is not None:  # the table is the embedding's too (a tied head): it reads the new order
-                tied.interleaved = layer.interleaved
+                tied.interleaved = True
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -268,73 +230,15 @@ class QuantizedLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], layer.out_features)
 
 
-class QuantizedEmbeddingMethod(EmbeddingMethod):
+class QuantizedEmbeddingMethod(_GroupedBlocks, EmbeddingMethod):
     """A token embedding held as grouped int8 / int4 blocks (``qweight`` ``[vocab rows, row bytes]``, grouped as a
     linear layer of ``embedding_dim`` inputs would be); rows come out float32."""
-
-    def __init__(self, bits: int, group_size: int | None) -> None:
-        self.bits, self.group_size = bits, group_size
-        self.name = f"int{bits}"
-
-    def create_weights(self, layer: nn.Embedding) -> None:
-        _create_blocks(layer, layer.num_embeddings, layer.embedding_dim, self.bits, self.group_size)
-
-    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor, offset: int, rows: int | None) -> None:
-        _quantize_into(layer, name, tensor, offset, rows, self.bits, layer.embedding_dim)
 
     def embedding(self, layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).contiguous()  # [num_tokens]
         out = torch.ops.pagedllm.quantized_embedding(layer.qweight, self.bits, layer.group_size, layer.embedding_dim,
                                                      flat, layer.interleaved)
         return out.view(*ids.shape, layer.embedding_dim)
-
-
-def quantize_model(model: nn.Module, bits: int, group_size: int | None) -> int:
-    """Give every linear layer of a float-loaded ``model`` and its token embedding grouped int``bits`` blocks;
-    returns the layers.
-
-    A tied LM head and the embedding share one set of blocks (the head's),
-    so no float32 table is left behind.
-    """
-    embedding: nn.Embedding = model.model.embed_tokens
-    tied = model.lm_head.weight is embedding.weight
-    num_layers = apply_linear_method(model, QuantizedLinearMethod(bits, group_size))
-    head = model.lm_head
-    if tied:
-        blocks, group = head.qweight, head.group_size
-    else:
-        group = layer_group_size(embedding.embedding_dim, group_size)
-        blocks = pack_groups(*quantize_groups(embedding.weight, bits, group), bits)
-    replace_parameter(embedding, "weight", None)
-    embedding.register_buffer("qweight", blocks)
-    embedding.group_size, embedding.interleaved = group, False
-    embedding.quant_method = QuantizedEmbeddingMethod(bits, group_size)
-    return num_layers
-
-
-def interleave_quantized_weights(model: nn.Module) -> int:
-    """Interleave the int8 / int4 blocks of a ``quantize_model`` model's linear layers, in place; returns how
-    many tensors were (a load interleaves each layer itself, ``QuantizedLinearMethod(interleave=True)``).
-
-    A layer whose rows are not a multiple of 16 keeps the groups' order. A
-    table shared by a tied LM head and the embedding is interleaved once,
-    and the embedding looks its rows up in the new order.
-    """
-    users: dict[int, list[nn.Module]] = {}  # qweight storage -> the modules reading it
-    for module in model.modules():
-        if isinstance(getattr(module, "quant_method", None), (QuantizedLinearMethod, QuantizedEmbeddingMethod)):
-            users.setdefault(module.qweight.untyped_storage().data_ptr(), []).append(module)
-    count = 0
-    for modules in users.values():
-        heads = [m for m in modules if isinstance(m, Linear)]
-        if not heads or any(m.interleaved for m in modules):
-            continue  # an untied embedding only looks rows up: its groups' order serves as well
-        head = heads[0]
-        done = _interleave_blocks(head.qweight, head.quant_method.bits, head.group_size, head.in_features)
-        for module in modules:
-            module.interleaved = done
-        count += done
-    return count
 
 
 def group_fallbacks(model: nn.Module, group_size: int | None) -> dict[int, list[str]]:
@@ -347,9 +251,8 @@ def group_fallbacks(model: nn.Module, group_size: int | None) -> dict[int, list[
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
-        in_features = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
         try:
-            group = layer_group_size(in_features, group_size)
+            group = layer_group_size(layer_shape(module)[1], group_size)
         except ValueError as e:
             raise ValueError(f"{name} cannot be quantized: {e}") from None
         if group_size is not None and group != group_size:

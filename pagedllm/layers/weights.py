@@ -45,6 +45,15 @@ def fused_projections(
     }
 
 
+def fused_part(name: str, fused: FusedMap) -> tuple[str, int, int, int | None] | None:
+    """Where checkpoint tensor ``name`` goes if it is a part of a fused parameter: (the parameter's name, row
+    offset, rows, first row a tensor-parallel rank takes); None for a tensor of its own."""
+    for part, (fused_name, offset, size, start) in fused.items():
+        if f".{part}." in name:
+            return name.replace(part, fused_name), offset, size, start
+    return None
+
+
 def load_hf_weights(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], fused: FusedMap, tied_lm_head: bool
 ) -> None:
@@ -85,14 +94,15 @@ def _checkpoint_part(
 ) -> tuple[str, int, int | None, torch.Tensor]:
     """Where checkpoint tensor ``name`` goes: (parameter name, row offset, rows or None for all, the part of
     ``tensor`` this process takes: a tensor-parallel rank's slice, all of it in one process)."""
-    for part, (fused_name, offset, size, start) in fused.items():
-        if f".{part}." in name:
-            if start is not None:
-                if tensor.shape[0] < start + size:
-                    raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, the shard needs "
-                                     f"rows {start}..{start + size}")
-                tensor = tensor.narrow(0, start, size)
-            return name.replace(part, fused_name), offset, size, tensor
+    part = fused_part(name, fused)
+    if part is not None:
+        target, offset, size, start = part
+        if start is not None:
+            if tensor.shape[0] < start + size:
+                raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, the shard needs "
+                                 f"rows {start}..{start + size}")
+            tensor = tensor.narrow(0, start, size)
+        return target, offset, size, tensor
     owner_name, _, param_name = name.rpartition(".")
     owner = modules.get(owner_name)
     if hasattr(owner, "checkpoint_slice"):  # layers/parallel.py: this rank's slice

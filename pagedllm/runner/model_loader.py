@@ -27,7 +27,7 @@ from pagedllm.layers.attention import AttentionBackend
 from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
 from pagedllm.layers.custom_op import select_impls
 from pagedllm.layers.gguf_linear import GGUF_KERNEL_TYPES, gguf_types_held
-from pagedllm.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, layer_shape
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.onednn_linear import (
     OneDnnLinearMethod,
@@ -42,7 +42,6 @@ from pagedllm.layers.packed_linear import (
 from pagedllm.layers.quant_config import (
     QuantConfig,
     process_weights_after_loading,
-    registered_rules,
     stored_checkpoint_names,
 )
 from pagedllm.layers.quantized_linear import (
@@ -158,7 +157,7 @@ def resolve_quant_config(
         weight_only_bits=bits,
         group_size=config.weight_group_size if bits is not None else None,
         gguf_types=quantized if keep_gguf else {}, fused=fused_map(model_config, tp) if keep_gguf else {},
-        interleave=config.gguf_activations == "int8", rules=registered_rules(),
+        interleave=config.gguf_activations == "int8",
     )
 
 
@@ -191,10 +190,8 @@ def count_params(model: nn.Module) -> int:
         if qweight is None or qweight.data_ptr() in seen:
             continue
         seen.add(qweight.data_ptr())
-        if isinstance(module, nn.Embedding):
-            count += module.num_embeddings * module.embedding_dim
-        elif isinstance(module, Linear):
-            count += module.in_features * module.out_features
+        rows, inputs = layer_shape(module)
+        count += rows * inputs
     return count
 
 
@@ -218,7 +215,6 @@ class LoadedModel:
     """A model ready to step, and the decisions taken while loading it."""
 
     model: nn.Module
-    precision: Precision
     linear_backend: str
     native_ops: NativeOps | None
     num_params: int  # weights of the architecture (a tied embedding counted once), before quantization
@@ -293,6 +289,6 @@ def load_model(
     # RoPE tables stay float32 whatever the model dtype
     model.model.rotary.float().build_tables()
     return LoadedModel(
-        model, precision, linear, native_ops, num_params, time.perf_counter() - start,
+        model, linear, native_ops, num_params, time.perf_counter() - start,
         resident_bytes(model_tensors(model)), weight_format(config, model, precision),
     )

@@ -20,7 +20,8 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.layers.bf16_linear import TorchBF16LinearMethod, use_bf16_linear
+from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.onednn_linear import (
     OneDnnLinearMethod,
     onednn_available,
@@ -33,6 +34,7 @@ from pagedllm.layers.packed_linear import (
     packed_linear_bf16,
     packed_linear_bf16_native,
 )
+from pagedllm.runner.model_loader import Precision, make_linear_method
 
 needs_kernels = pytest.mark.skipif(not packed_linear_available(), reason="the native CPU kernels do not build here")
 
@@ -131,7 +133,8 @@ def test_bf16_linear_backends_compute_the_same_scheme(backend: str) -> None:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
     first_w, first_b, second_w = model[0].weight.clone(), model[0].bias.clone(), model[1].weight.clone()
-    assert use_bf16_linear(model, backend) == 2
+    bf16 = Precision(torch.bfloat16, torch.float32, bf16_matmul_only=True)  # dtype="bfloat16" on the CPU
+    model = nn.Sequential(*(Linear.from_linear(m, make_linear_method(bf16, backend)) for m in model))
     kind = {"packed": PackedBF16LinearMethod, "onednn": OneDnnLinearMethod, "torch": TorchBF16LinearMethod}[backend]
     assert all(isinstance(m.quant_method, kind) for m in model)
     x = torch.randn(20, 96, generator=gen)
@@ -142,8 +145,6 @@ def test_bf16_linear_backends_compute_the_same_scheme(backend: str) -> None:
     # oneDNN and torch round their bf16 output once more (the widening copy), ours writes float32
     tolerance = 2e-5 if backend == "packed" else 2**-7
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
-    with pytest.raises(ValueError, match="no bf16 linear layer"):
-        use_bf16_linear(nn.Sequential(nn.Linear(2, 2)), "mkl")
 
 
 def _emulate_bf16_matmuls(hf_model, round_outputs: bool):  # noqa: ANN001, ANN202
@@ -252,7 +253,7 @@ def test_onednn_bf16_is_refused_where_the_cpu_lacks_it() -> None:
     if not onednn_available() or onednn_bf16_supported():
         pytest.skip("this CPU runs oneDNN's bf16 kernels; the refusal cannot happen here")
     with pytest.raises(ValueError, match="linear_backend='packed'"):
-        use_bf16_linear(nn.Sequential(nn.Linear(8, 8)), "onednn")
+        OneDnnLinearMethod(torch.bfloat16)
 
 
 def test_bf16_config_validation() -> None:

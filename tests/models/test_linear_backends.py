@@ -11,13 +11,12 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.onednn_linear import OneDnnLinearMethod, onednn_available, use_onednn_linear
+from pagedllm.layers.onednn_linear import OneDnnLinearMethod, onednn_available
 from pagedllm.layers.packed_linear import (
     PackedLinearMethod,
     pack_weight_panels,
     packed_linear,
     packed_linear_available,
-    use_packed_linear,
 )
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -40,28 +39,6 @@ def test_onednn_linear_matches_f_linear(num_rows: int, bias: bool) -> None:
     wide = torch.randn(num_rows, 1152, generator=gen)[:, ::2]
     torch.testing.assert_close(packed(wide), F.linear(wide, linear.weight, linear.bias), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(packed(x.unsqueeze(0)), want.unsqueeze(0), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize(
-    ("swap", "method_type"),
-    [
-        (use_onednn_linear, OneDnnLinearMethod),
-        pytest.param(use_packed_linear, PackedLinearMethod, marks=pytest.mark.skipif(
-            not packed_linear_available(), reason="native kernels do not build here")),
-    ],
-)
-def test_swapping_replaces_every_linear_and_keeps_embeddings(swap, method_type) -> None:  # noqa: ANN001
-    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
-    x = model[0](torch.tensor([1, 2, 3]))
-    want = model[1:](x)
-    assert swap(model) == 2
-    for layer in (model[1], model[3]):
-        assert isinstance(layer, Linear) and isinstance(layer.quant_method, method_type)
-    assert isinstance(model[0], nn.Embedding)
-    torch.testing.assert_close(model[1:](x), want, rtol=1e-5, atol=1e-5)
-    assert swap(model) == 0  # already swapped layers are left alone
-    with pytest.raises(ValueError, match="float32"):
-        model[1](x.double())
 
 
 def test_linear_backend_validation() -> None:

@@ -22,12 +22,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantized_linear import (
+    GROUP_RUN,
     QuantizedLinearMethod,
-    dequantize_groups,
+    group_block_bytes,
     layer_group_size,
     pack_groups,
     quantize_groups,
-    unpack_groups,
 )
 from pagedllm.runner.model_loader import model_tensors, resident_bytes
 
@@ -35,6 +35,31 @@ pytestmark = pytest.mark.skipif(load_kernels() is None, reason="int8/int4 need t
 
 ops = torch.ops.pagedllm
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def unpack_groups(
+    blocks: torch.Tensor, bits: int, group: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``pack_groups`` undone: (q ``[N, K]``, scales ``[N, K / group]``, mins or None)."""
+    n, num_groups = blocks.shape[0], in_features // group
+    b = blocks.reshape(n, num_groups, group_block_bytes(bits, group))
+    head = 4 if bits == 8 else 8
+    header = b[..., :head].contiguous().view(torch.float32)  # [N, groups, 1 or 2]
+    scales, mins = header[..., 0].contiguous(), None if bits == 8 else header[..., 1].contiguous()
+    if bits == 8:
+        return b[..., head:].contiguous().view(torch.int8).reshape(n, in_features), scales, mins
+    packed = b[..., head:].reshape(n, num_groups, group // GROUP_RUN, 16)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=3)  # [N, groups, runs, 32]
+    return q.reshape(n, in_features), scales, mins
+
+
+def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """The weights the blocks hold, ``[N, K]`` float64 (the kernels round each to float32 once)."""
+    n, k = q.shape
+    groups = q.double().reshape(n, scales.shape[1], -1) * scales.double().unsqueeze(2)  # [N, groups, group]
+    if mins is not None:
+        groups = groups + mins.double().unsqueeze(2)
+    return groups.reshape(n, k)
 
 
 def _blocks(out_features: int, in_features: int, bits: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

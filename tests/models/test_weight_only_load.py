@@ -1,5 +1,5 @@
-"""Weight-only int8 / int4 quantized while loading (``QuantizedLinearMethod.weight_loader``): the same bytes as rounding a
-float32 model after loading (``quantize_model``), and a load peak of about the blocks plus one checkpoint tensor.
+"""Weight-only int8 / int4 quantized while loading (``QuantizedLinearMethod.weight_loader``): the same bytes as rounding
+each whole weight of a float32 model, and a load peak of about the blocks plus one checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import pagedllm.layers.quantized_linear as quantized_linear
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import make_backend
-from pagedllm.layers.quantized_linear import interleave_quantized_weights, quantize_model
+from pagedllm.layers.linear import layer_shape
+from pagedllm.layers.quantized_linear import layer_group_size, pack_groups, quantize_groups
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.runner.model_loader import LoadedModel, load_model, model_tensors, resident_bytes
 
@@ -63,13 +64,33 @@ def _held(model: nn.Module) -> dict[str, torch.Tensor]:
                                 model.named_buffers(remove_duplicate=False)))
 
 
+def _rounded(model: nn.Module, bits: int, group_size: int | None) -> dict[str, torch.Tensor]:
+    """What a quantized load of float32 ``model``'s checkpoint should hold (``_held``): every linear weight and the
+    embedding rounded whole (``pack_groups(*quantize_groups(...))``), a linear layer's blocks interleaved where its
+    rows are tiles of 16 (``gguf_activations="int8"``, the default), a tied embedding sharing the head's blocks."""
+    held = _held(model)
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        rows, in_features = layer_shape(module)
+        group = layer_group_size(in_features, group_size)
+        blocks = pack_groups(*quantize_groups(module.weight, bits, group), bits)
+        if isinstance(module, nn.Linear) and rows % 16 == 0:
+            torch.ops.pagedllm.quantized_interleave_(blocks, bits, group, in_features)
+        del held[f"{name}.weight"]
+        held[f"{name}.qweight"] = blocks
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        held["model.embed_tokens.qweight"] = held["lm_head.qweight"]
+    return held
+
+
 @pytest.mark.parametrize(("quantization", "group_size"), [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)])
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "llama_bf16_tied"])
 def test_quantized_while_loading_equals_rounding_the_float32_model(
     name: str, quantization: str, group_size: int | None, checkpoints: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Byte for byte: the blocks, biases, norms and tables of the new load against the old way (the whole model
-    loaded in float32, then ``quantize_model``), for tied and untied heads, biases, a bf16 checkpoint, and
+    """Byte for byte: the blocks, biases, norms and tables of the load against each whole weight of the model
+    loaded in float32 rounded at once (``_rounded``), for tied and untied heads, biases, a bf16 checkpoint, and
     chunks of 3 rows (boundaries inside every tensor and inside the fused q/k/v and gate/up parts)."""
     monkeypatch.setattr(quantized_linear, "LOAD_CHUNK_BYTES", 3 * 4 * 128)
     path = checkpoints[name]
@@ -77,9 +98,7 @@ def test_quantized_while_loading_equals_rounding_the_float32_model(
     old = _load(path, linear_backend="torch")  # float32 weights kept as loaded
     weight_group_size = EngineConfig(model=path, quantization=quantization,
                                      quantization_group_size=group_size).weight_group_size
-    quantize_model(old.model, 8 if quantization == "int8" else 4, weight_group_size)
-    interleave_quantized_weights(old.model)  # as the load does for int8 activations (the default)
-    want, got = _held(old.model), _held(new.model)
+    want, got = _rounded(old.model, 8 if quantization == "int8" else 4, weight_group_size), _held(new.model)
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():
         assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
@@ -93,7 +112,9 @@ def test_quantized_while_loading_equals_rounding_the_float32_model(
     assert embedding.interleaved == (name.endswith("_tied") and head.interleaved)
     assert all(getattr(m, "weight", None) is None for m in new.model.modules() if hasattr(m, "qweight"))
     assert new.num_params == old.num_params
-    assert new.weight_bytes == resident_bytes(model_tensors(old.model))
+    named = {id(t) for t in _held(old.model).values()}
+    attributes = [t for t in model_tensors(old.model) if id(t) not in named]  # tensors held as attributes (RoPE)
+    assert new.weight_bytes == resident_bytes(list(want.values()) + attributes)
 
 
 def test_a_wrong_shape_is_a_value_error(tmp_path) -> None:  # noqa: ANN001
