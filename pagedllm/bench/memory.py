@@ -16,7 +16,12 @@ differs. The workload was fixed before any result was seen:
 
 Per step we record slots written (K/V present), reserved but empty, free,
 and requests running. ``waste_fraction`` is reserved-but-empty over reserved
-slots, averaged over steps. ``--html`` also records every block's fill per
+slots, averaged over steps. The KV pool is also bytes: ``kv_reserved_bytes``
+(its address space, ``kv_bytes_per_block`` a block), ``kv_peak_resident_bytes``
+(the most of it the OS held after a step, measured with ``mincore``) and
+``kv_drained_resident_bytes`` (held once the run is over: the paged engine
+gives back the pages of blocks that hold nothing, the contiguous baseline
+keeps what it wrote). ``--html`` also records every block's fill per
 step and writes both pools replayed side by side (``memory_report.py``).
 """
 
@@ -102,7 +107,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     for i, (ids, out_len) in enumerate(requests):
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
         engine.add_request(f"mem-{i}", {"prompt_token_ids": ids}, params)
-    scheduler, pool = engine.scheduler, engine.block_manager
+    scheduler, pool, runner = engine.scheduler, engine.block_manager, engine.model_runner
+    peak_resident = runner.kv_resident_bytes
     timeline = {"t": [], "written": [], "empty": [], "free": [], "running": []}
     wastes: list[float] = []
     num_out = 0
@@ -120,6 +126,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         timeline["empty"].append(reserved - written)
         timeline["free"].append(pool.num_free_blocks * bs)
         timeline["running"].append(scheduler.num_running)
+        # mincore over the pool: the OS's own count (the contiguous baseline keeps no bookkeeping of it)
+        peak_resident = max(peak_resident, runner.kv_resident_bytes)
         if frames is not None:
             frames.append((timeline["t"][-1], fill_levels(pool.ref_counts, bs, scheduler.running),
                            scheduler.num_running))
@@ -139,6 +147,10 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         "output_tokens": num_out,
         "output_tokens_per_s": round(num_out / elapsed, 2),
         "elapsed_s": round(elapsed, 2),
+        "kv_bytes_per_block": runner.kv_bytes_per_block,
+        "kv_reserved_bytes": runner.kv_cache_bytes,
+        "kv_peak_resident_bytes": peak_resident,
+        "kv_drained_resident_bytes": runner.kv_resident_bytes,
     }
     if allocator == "contiguous":
         summary["reserve"] = reserve
@@ -189,6 +201,10 @@ def run(args: argparse.Namespace) -> dict:
         if frames is not None:
             replays[label] = (frames, summary)
         print(f"{allocator:>10}: " + ", ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+    print("KV pool (MiB)   reserved  peak resident  drained resident  bytes a block")
+    for allocator, r in results.items():
+        print(f"{allocator:>10}    {r['kv_reserved_bytes'] / 2**20:9.1f}  {r['kv_peak_resident_bytes'] / 2**20:13.1f}"
+              f"  {r['kv_drained_resident_bytes'] / 2**20:16.1f}  {r['kv_bytes_per_block']:13d}")
     c, p = results["contiguous"], results["paged"]
     ratios = {
         "mean_running": round(p["mean_running"] / c["mean_running"], 2),

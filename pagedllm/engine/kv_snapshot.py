@@ -10,6 +10,7 @@ token to its slot as ``block_table.slot_for`` does)::
     ref_counts    [1, 1, 3, 3, 0, 0, ...]
     requests      [{id, status, sequences: [{block_table, num_tokens, ...}]}]
     counters      used / cached / free blocks, hit rate, preemptions, copies, waste
+    memory        bytes per block, the pool's reserved bytes, its resident blocks and bytes
 
 Waste is what the chapter counts against paging: slots held but not yet
 written. Between steps a sequence's K/V fills every slot of its blocks but
@@ -104,11 +105,31 @@ def _requests(scheduler: Scheduler) -> list[dict[str, Any]]:
     ]
 
 
-def build_kv_snapshot(scheduler: Scheduler) -> dict[str, Any]:
+def kv_memory(bm: BlockManager, bytes_per_block: int, reserved_bytes: int) -> dict[str, int]:
+    """The pool's bytes: reserved (address space) and resident (blocks written and not given back).
+
+    Resident is the bookkeeping's count, as ``/metrics`` reports it: blocks
+    handed out since their pages were last given back to the OS
+    (``BlockManager.num_touched_blocks``), an upper bound on what the OS holds.
+    An allocator that keeps no such count gives its held blocks.
+    """
+    resident_blocks = getattr(bm, "num_touched_blocks", bm.num_used_blocks)
+    return {
+        "bytes_per_block": bytes_per_block,
+        "reserved_bytes": reserved_bytes,
+        "resident_blocks": resident_blocks,
+        "resident_bytes": resident_blocks * bytes_per_block,
+    }
+
+
+def build_kv_snapshot(
+    scheduler: Scheduler, bytes_per_block: int | None = None, reserved_bytes: int | None = None
+) -> dict[str, Any]:
     """The pool, the requests in the scheduler's queues and the counters, as JSON-ready data.
 
     Call it between steps, on the thread that owns the scheduler: it reads
-    live lists and copies what it keeps.
+    live lists and copies what it keeps. ``bytes_per_block`` and
+    ``reserved_bytes`` (the model runner's) fill ``memory``; without them it is None.
     """
     bm = scheduler.block_manager
     states = block_states(bm)
@@ -139,4 +160,5 @@ def build_kv_snapshot(scheduler: Scheduler) -> dict[str, Any]:
             "num_running_seqs": len(scheduler.running),
             "num_waiting_seqs": len(scheduler.waiting),
         },
+        "memory": None if bytes_per_block is None else kv_memory(bm, bytes_per_block, reserved_bytes or 0),
     }

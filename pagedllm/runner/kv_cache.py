@@ -186,4 +186,5 @@ def resident_kv_bytes(kv_cache: torch.Tensor) -> int:
     vec = (ctypes.c_ubyte * num_pages)()
     if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(num_pages * page), vec) != 0:
         return nbytes
-    return sum(b & 1 for b in bytes(vec)) * page
+    # the low bit of each byte says whether that page is resident (the others are reserved)
+    return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and_(1).sum()) * page

@@ -129,6 +129,14 @@ def test_bench_memory_reports_both_allocators(tmp_path) -> None:  # noqa: ANN001
     assert c["peak_running"] <= 4 < p["peak_running"]
     # paged wastes at most each request's last partial block
     assert p["waste_fraction"] < c["waste_fraction"]
+    # the pool in bytes: the same reservation (32 blocks, the runner's padding block besides); the OS backs
+    # what was written; drained, the paged engine gives its pages back, the contiguous baseline keeps them
+    for r in (c, p):
+        assert r["kv_reserved_bytes"] >= 32 * r["kv_bytes_per_block"] > 0
+        assert 0 < r["kv_peak_resident_bytes"] <= r["kv_reserved_bytes"]
+    assert c["kv_drained_resident_bytes"] == c["kv_peak_resident_bytes"]
+    assert p["kv_drained_resident_bytes"] <= p["kv_peak_resident_bytes"] // 4
+    assert "drained resident" in out.stdout
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
     # the replay page: both runs, one fill character per block (32 blocks of 16) in every frame,
     # the contiguous run reserving blocks it has not written, both pools free at the end

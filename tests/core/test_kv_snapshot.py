@@ -190,3 +190,23 @@ def test_snapshot_is_plain_json_and_a_copy() -> None:
     assert json.loads(json.dumps(snap)) == snap
     seq.block_table.append(3)  # later bookkeeping must not show through an old snapshot
     assert snap["requests"][0]["sequences"][0]["block_table"] == [0]
+
+
+def test_memory_counts_the_blocks_written_and_not_given_back() -> None:
+    # 9 tokens in 4-slot blocks: blocks 0, 1 (full, cached when finished) and 2 (one token)
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=16)
+    assert build_kv_snapshot(sched)["memory"] is None  # no runner's figures given
+    seq = Sequence(list(range(9)), 4, request_id="m")
+    sched.add(seq)
+    run_step(sched)
+    mem = build_kv_snapshot(sched, 1000, 9000)["memory"]
+    assert mem == {"bytes_per_block": 1000, "reserved_bytes": 9000, "resident_blocks": 3, "resident_bytes": 3000}
+    # finished: the partial block is free but still written until its pages are given back
+    sched.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    assert build_kv_snapshot(sched, 1000, 9000)["memory"]["resident_blocks"] == 3
+    assert bm.take_releasable() == [(2, 3)]
+    snap = build_kv_snapshot(sched, 1000, 9000)
+    # drained: only the cached prefix stays resident
+    assert snap["memory"]["resident_blocks"] == snap["counters"]["cached_blocks"] == 2
+    assert snap["memory"]["resident_bytes"] == 2000

@@ -11,6 +11,7 @@ so, where those are missing.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ import httpx
 import pytest
 import torch
 from browser_helpers import chromium_driver
-from server_helpers import free_port, wait_healthy, wait_kv_free
+from server_helpers import free_port, metrics, wait_healthy, wait_kv_free
 
 pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
 
@@ -121,6 +122,13 @@ def test_state_is_the_documented_model_and_matches_an_idle_pool(open_server: str
     assert snap.num_blocks == NUM_BLOCKS and snap.block_size == BLOCK_SIZE
     assert len(snap.block_states) == NUM_BLOCKS == len(snap.ref_counts)
     assert set(snap.block_states) <= {"f", "c"} and snap.counters.used_blocks == 0 and snap.requests == []
+    # the pool's bytes: reserved whole, resident only where a cached prefix is kept; /metrics says the same
+    mem, figures = snap.memory, metrics(open_server)
+    assert mem.bytes_per_block > 0 and mem.reserved_bytes >= NUM_BLOCKS * mem.bytes_per_block
+    assert mem.resident_blocks == snap.counters.cached_blocks
+    assert mem.resident_bytes == mem.resident_blocks * mem.bytes_per_block
+    assert figures["pagedllm:kv_cache_reserved_bytes"] == mem.reserved_bytes
+    assert figures["pagedllm:kv_cache_resident_bytes"] == mem.resident_bytes
     spec = httpx.get(f"{open_server}/openapi.json").json()
     ok = spec["paths"]["/kv/state"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert ok == {"$ref": "#/components/schemas/KVState"}
@@ -161,6 +169,12 @@ def test_events_follow_the_pool_while_requests_run(open_server: str) -> None:
         assert held == {b for b, st in enumerate(e["block_states"]) if st in "hs"}
         for b, st in enumerate(e["block_states"]):
             assert (st == "s") == (e["ref_counts"][b] > 1)
+        # a held block has been written: resident (and so may be a block freed while others still run)
+        assert e["memory"]["resident_blocks"] >= e["counters"]["used_blocks"]
+    # drained: the pages of blocks that hold nothing went back, the cached prefixes stay
+    idle = events[-1]
+    assert idle["memory"]["resident_blocks"] == idle["counters"]["cached_blocks"] > 0
+    assert idle["memory"]["resident_bytes"] == idle["memory"]["resident_blocks"] * idle["memory"]["bytes_per_block"]
     # rate-limited while the engine works: a few a second at most
     times = [e["time"] for e in busy]
     gaps = [b - a for a, b in zip(times, times[1:])]
@@ -198,12 +212,15 @@ def browser() -> Iterator[object]:
     yield from chromium_driver()
 
 
-DOM_READ = """
+DOM_READ = r"""
 const cells = [...document.querySelectorAll('#grid .cell')];
 const count = (s) => cells.filter((c) => c.classList.contains('st-' + s)).length;
 return {id: Number(document.body.dataset.snapshot || 0), n: cells.length,
         f: count('f'), c: count('c'), h: count('h'), s: count('s'),
-        used: Number(document.getElementById('c-used').textContent)};
+        used: Number(document.getElementById('c-used').textContent),
+        resident: Number(document.getElementById('c-resident').dataset.bytes),
+        reserved: Number(document.getElementById('c-reserved').dataset.bytes),
+        memory: document.getElementById('c-resident').parentElement.textContent.replace(/\s+/g, ' ').trim()};
 """
 
 
@@ -227,6 +244,7 @@ def dom_matches_state(drv: object, url: str, busy: bool) -> dict | None:
     assert dom["n"] == snap["num_blocks"]
     assert {k: dom[k] for k in "fchs"} == {k: states.count(k) for k in "fchs"}
     assert dom["used"] == snap["counters"]["used_blocks"]
+    assert (dom["resident"], dom["reserved"]) == (snap["memory"]["resident_bytes"], snap["memory"]["reserved_bytes"])
     return snap
 
 
@@ -263,6 +281,10 @@ def test_page_draws_the_live_pool(open_server: str, browser: object, tmp_path: P
     worker.join(120)
     snap = wait_for(lambda: dom_matches_state(drv, open_server, busy=False), 30, "the idle pool drawn")
     assert snap["counters"]["used_blocks"] == 0 and snap["counters"]["cached_blocks"] > 0
+    # the memory counter, in words: resident (blocks) of reserved, a block's bytes
+    memory = drv.execute_script(DOM_READ)["memory"]
+    assert re.fullmatch(rf"memory [0-9.]+ [kMG]?B resident \({snap['memory']['resident_blocks']} blocks\) of "
+                        r"[0-9.]+ [kMG]?B reserved, [0-9.]+ [kMG]?B a block", memory), memory
 
 
 def test_page_works_on_a_keyed_server(keyed_server: str, browser: object, tmp_path: Path) -> None:

@@ -13,11 +13,19 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 
 
+class FakeRunner:
+    """What the publisher reads of a ModelRunner: a block's bytes and the pool's."""
+
+    kv_bytes_per_block = 1000
+    kv_cache_bytes = 9 * 1000  # 8 blocks and the runner's padding block
+
+
 class FakeEngine:
-    """What the publisher reads of an LLMEngine: its scheduler and whether work is left."""
+    """What the publisher reads of an LLMEngine: its scheduler, its runner's bytes and whether work is left."""
 
     def __init__(self) -> None:
         self.scheduler = Scheduler(BlockManager(8, 4), max_num_seqs=4, max_num_batched_tokens=64)
+        self.model_runner = FakeRunner()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -44,6 +52,9 @@ def test_rate_limited_while_busy_and_published_once_when_idle(clock: list[float]
     assert pub.maybe_publish(engine)
     body = json.loads(pub.latest.body)
     assert body["snapshot_id"] == 2 and body["requests"][0]["sequences"][0]["block_table"] == [0, 1]
+    # the runner's bytes: two blocks written of a pool reserved whole
+    assert body["memory"] == {"bytes_per_block": 1000, "reserved_bytes": 9000, "resident_blocks": 2,
+                              "resident_bytes": 2000}
     # the request ends 10 ms later: the idle pool is published at once, past the rate limit
     engine.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
     clock[0] += 0.01
@@ -64,7 +75,7 @@ def test_a_failing_snapshot_stops_publishing_not_the_engine(clock: list[float], 
     engine, pub = FakeEngine(), KVSnapshotPublisher()
     assert pub.maybe_publish(engine)
 
-    def broken(scheduler: Scheduler) -> dict:
+    def broken(scheduler: Scheduler, *figures: int) -> dict:
         raise KeyError("a bug")
 
     monkeypatch.setattr(kv_publisher, "build_kv_snapshot", broken)

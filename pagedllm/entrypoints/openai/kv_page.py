@@ -80,6 +80,18 @@ class KVCounters(BaseModel):
     num_waiting_seqs: int
 
 
+class KVMemory(BaseModel):
+    """The pool's bytes in this process: reserved address space, and what the OS backs with memory."""
+
+    bytes_per_block: int = Field(description="one block across all layers, K and V (a rank's share under TP)")
+    reserved_bytes: int = Field(description="the pool's address space, as pagedllm:kv_cache_reserved_bytes")
+    resident_blocks: int = Field(
+        description="blocks written since their pages were last given back to the OS (held, cached, or freed "
+        "while requests still run; an idle server keeps only its cached prefixes)"
+    )
+    resident_bytes: int = Field(description="resident_blocks * bytes_per_block, as pagedllm:kv_cache_resident_bytes")
+
+
 class KVState(BaseModel):
     """The KV block pool as the engine thread last published it (at most 4 times a second)."""
 
@@ -93,6 +105,7 @@ class KVState(BaseModel):
     ref_counts: list[int] = Field(description="reference count per physical block")
     requests: list[KVRequest]
     counters: KVCounters
+    memory: KVMemory
 
 
 def page_html() -> bytes:
