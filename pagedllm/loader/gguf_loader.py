@@ -59,6 +59,9 @@ _SCALARS = {
 }
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Field:
     """A metadata value parsed straight to Python (``contents()``, as gguf's ``ReaderField`` gives it)."""
 
@@ -100,6 +103,16 @@ def _value(buf: memoryview, offs: int, kind: int) -> tuple[object, list[GGUFValu
         if end > len(buf):
             raise ValueError(f"an array at byte {offs} runs past the end of the file")
         return np.frombuffer(buf, dtype, count, offs).tolist(), [kind, item], end
+    if item == GGUFValueType.STRING:  # a vocabulary, merges: the loop that dominates, kept tight
+        strings: list[str] = []
+        length, size = _U64.unpack_from, len(buf)
+        for _ in range(count):
+            start = offs + 8
+            offs = start + length(buf, offs)[0]
+            if offs > size:
+                raise ValueError(f"a string at byte {start - 8} runs past the end of the file")
+            strings.append(str(buf[start:offs], "utf-8"))
+        return strings, [kind, item], offs
     values: list[object] = []
     item_types: list[GGUFValueType] = [item]
     for _ in range(count):
