@@ -41,14 +41,17 @@ class Decoder(Protocol):
 def fast_backend(tokenizer: Decoder) -> FastTokenizer | None:
     """The ``tokenizers.Tokenizer`` that decodes for ``tokenizer``, or None if it has none.
 
-    Takes a ``tokenizers.Tokenizer`` as is, a transformers tokenizer's
-    ``backend_tokenizer``, and pagedllm's ``Tokenizer`` through the transformers
-    tokenizer it wraps (``.hf``). transformers' ``decode`` is this backend's
+    Takes a ``tokenizers.Tokenizer`` as is, and the ``backend_tokenizer`` of a
+    transformers tokenizer or of pagedllm's ``Tokenizer`` (else of the
+    transformers tokenizer it wraps, ``.hf``). transformers' ``decode`` is this backend's
     decode followed by its optional clean-up of spaces before punctuation
     (which it skips for BPE models); the stream does not apply that clean-up.
     """
     if isinstance(tokenizer, FastTokenizer):
         return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' and pagedllm's tokenizers
+    if isinstance(backend, FastTokenizer):
+        return backend
     hf = getattr(tokenizer, "hf", tokenizer)
     backend = getattr(hf, "backend_tokenizer", None)
     return backend if isinstance(backend, FastTokenizer) else None

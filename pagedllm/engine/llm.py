@@ -185,7 +185,7 @@ class LLM:
         ]
         # the template already holds the BOS/special tokens it wants
         token_prompts = [
-            {"prompt": p, "prompt_token_ids": self.get_tokenizer().encode(p, add_special_tokens=False)}
+            {"prompt": p, "prompt_token_ids": self.llm_engine.tokenizer.encode(p, add_special_tokens=False)}
             for p in prompts
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm)

@@ -130,7 +130,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.max_model_len)
         # structured outputs: the tokenizer's xgrammar info and the compiled constraints, once per engine
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer.hf, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
+            self.tokenizer, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
             config.grammar_limits,
         )
         self.requests: dict[str, Request] = {}

@@ -231,7 +231,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         text = tokenizer.apply_chat_template(history)
-        ids = tokenizer.hf.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         rid = engine.new_request_id()
         try:
             engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params)

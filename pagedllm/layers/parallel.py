@@ -104,7 +104,10 @@ class VocabParallelEmbedding(nn.Embedding):
         self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup | None = None, vocab_start: int = 0,
         quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
-        super().__init__(num_embeddings, embedding_dim)
+        # nn.Embedding's random init, on the meta device the model is built on, goes through torch._refs.normal_,
+        # which imports torch._dynamo (seconds of a cold start): an empty table instead, to be loaded
+        weight = torch.empty(num_embeddings, embedding_dim) if torch.get_default_device().type == "meta" else None
+        super().__init__(num_embeddings, embedding_dim, _weight=weight)
         self.tp = tp
         self.vocab_start = vocab_start
         method = None if quant_config is None else quant_config.get_quant_method(self, prefix)

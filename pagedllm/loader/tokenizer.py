@@ -1,20 +1,31 @@
-"""The tokenizer, its EOS ids and its chat template."""
+"""The tokenizer, its EOS ids and its chat template.
+
+A GGUF file's byte-level BPE tokenizer is built with ``tokenizers`` from the
+metadata the loader parsed (``gguf_tokenizer.py``), without importing
+transformers; the transformers tokenizer that ``Tokenizer.hf`` hands out is
+made from it on first use. Other GGUF tokenizers are converted by
+transformers (cached on disk); a model folder's is loaded by transformers.
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from tokenizers import Tokenizer as FastTokenizer
 
 from pagedllm.cache_dir import cache_root
+from pagedllm.loader.gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
 from pagedllm.sampling_params import check_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +33,8 @@ logger = logging.getLogger(__name__)
 def gguf_tokenizer_cache(path: str) -> Path:
     """Where the tokenizer converted from GGUF file ``path`` is kept: a folder named by the file's path, size,
     modification time and the transformers version that converted it (any change is a miss)."""
+    import transformers
+
     st = os.stat(path)
     key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -35,6 +48,8 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from there in a quarter of a second afterwards. A cache that cannot be
     written or read is skipped: the file is converted again.
     """
+    from transformers import AutoTokenizer
+
     cached = gguf_tokenizer_cache(path)
     if cached.is_dir():
         try:
@@ -56,30 +71,78 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
+def _gguf_native(path: str) -> GGUFTokenizer | None:
+    """The file's tokenizer built without transformers, or None where only transformers converts it."""
+    from pagedllm.loader import gguf_loader
+
+    return build_gguf_tokenizer(gguf_loader.metadata(gguf_loader.open_reader(path)))
+
+
+def _hf_from_native(native: GGUFTokenizer) -> PreTrainedTokenizerBase:
+    """A transformers tokenizer over (a copy of) the native backend, with the same specials and template."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=native.backend, chat_template=native.chat_template, add_bos_token=native.add_bos_token,
+        add_eos_token=native.add_eos_token, clean_up_tokenization_spaces=False, **native.special_tokens,
+    )
+
+
 class Tokenizer:
-    """A Hugging Face tokenizer with what the engine needs from it.
+    """A tokenizer with what the engine needs from it.
 
     Loads from a model folder or, for a ``.gguf`` file, from the vocabulary,
-    merges and chat template stored in the GGUF metadata.
+    merges and chat template stored in the GGUF metadata. ``backend`` is the
+    ``tokenizers.Tokenizer`` that encodes and decodes; ``hf`` the
+    transformers tokenizer (for a GGUF file's byte-level BPE tokenizer, made
+    on first use: encoding, decoding and chat templates never need it).
     """
 
     def __init__(self, path: str, extra_eos_token_ids: tuple[int, ...] = ()) -> None:
-        if path.endswith(".gguf"):
-            self.hf = load_gguf_tokenizer(path)
+        self._native = _gguf_native(path) if path.endswith(".gguf") else None
+        if self._native is not None:
+            self.backend: FastTokenizer | None = self._native.backend
+            self.chat_template: str | None = self._native.chat_template
+            self.special_tokens: dict[str, str] = dict(self._native.special_tokens)
+            eos_id = self._native.eos_token_id
         else:
-            self.hf = AutoTokenizer.from_pretrained(path)
+            from transformers import AutoTokenizer
+
+            hf = load_gguf_tokenizer(path) if path.endswith(".gguf") else AutoTokenizer.from_pretrained(path)
+            self.__dict__["hf"] = hf  # the cached_property's slot
+            self.backend = getattr(hf, "backend_tokenizer", None)  # None for a tokenizer in Python
+            self.chat_template = getattr(hf, "chat_template", None)
+            self.special_tokens = dict(hf.special_tokens_map)
+            eos_id = hf.eos_token_id
         eos = set(extra_eos_token_ids)
-        if self.hf.eos_token_id is not None:
-            eos.add(self.hf.eos_token_id)
+        if eos_id is not None:
+            eos.add(eos_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.vocab_size: int = len(self.hf)
+        self.eos_token_id: int | None = eos_id
+        self.vocab_size: int = (len(self.hf) if self._native is None
+                                else self.backend.get_vocab_size(with_added_tokens=True))
+
+    @functools.cached_property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer (imports transformers; built once, on first use, for a GGUF file)."""
+        assert self._native is not None  # otherwise set in __init__
+        return _hf_from_native(self._native)
+
+    @property
+    def backend_tokenizer(self) -> FastTokenizer | None:
+        """The ``tokenizers.Tokenizer`` (the name transformers' fast tokenizers give it)."""
+        return self.backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds the BOS (etc.) a prompt starts with."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        if self._native is None:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if self._native is None:
+            return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self,
@@ -95,7 +158,7 @@ class Tokenizer:
         then carry ``tool_calls`` and ``tool_call_id`` as
         ``entrypoints.openai.tool_messages.to_template_messages`` makes them.
         """
-        if chat_template is None and not getattr(self.hf, "chat_template", None):
+        if chat_template is None and not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -106,7 +169,16 @@ class Tokenizer:
             raise ValueError("messages must not be empty")
         for i, m in enumerate(messages):
             check_text(f"messages[{i}].content", m["content"])
-        return self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
+        if self._native is None:
+            return self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+        # transformers' renderer (its sandboxed jinja environment and filters), without its tokenizer classes
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            conversations=[messages], tools=tools, documents=None, chat_template=chat_template or self.chat_template,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens,
         )
+        return rendered[0]

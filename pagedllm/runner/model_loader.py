@@ -274,7 +274,9 @@ def load_model(
     if hasattr(weights, "keep"):  # a GGUF file hands these tensors over as stored, the others dequantized
         weights.keep = stored_checkpoint_names(model)
     _warn_what_stays_float(config, quant_config, model, weights)
-    model = model.to_empty(device="cpu")
+    # model.to_empty(device="cpu"), but through torch.empty_strided: to_empty's empty_like of a meta tensor runs
+    # torch._refs, which imports sympy (a second or more of a cold start)
+    model = model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu"))
     model.load_weights(weights)  # each tensor through its layer's method's weight_loader
     # every weight rounded to dtype once; with bf16 matmuls only, held as float32 after that (exact)
     model = model.to(device=device, dtype=precision.weights)

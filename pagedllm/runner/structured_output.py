@@ -74,7 +74,8 @@ class GrammarCompiler:
     """Compiles constraints against one tokenizer, each distinct constraint once, within ``GrammarLimits``.
 
     Args:
-        hf_tokenizer: the Hugging Face tokenizer the engine decodes with.
+        hf_tokenizer: the Hugging Face tokenizer the engine decodes with, or
+            pagedllm's ``Tokenizer`` (its ``.hf``, taken at the first compile).
         vocab_size: the model's vocabulary (logit rows), which may exceed
             the tokenizer's: the extra ids are never allowed.
         stop_token_ids: the ids that end an output (the engine's EOS ids):
@@ -124,8 +125,10 @@ class GrammarCompiler:
         # the first constrained request, not at engine start
         with self._lock:
             if self._compiler is None:
+                # pagedllm's Tokenizer makes its transformers tokenizer here, at the first constrained request
+                hf = getattr(self._hf, "hf", self._hf)
                 info = xgrammar().TokenizerInfo.from_huggingface(
-                    self._hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+                    hf, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
                 )
                 # one thread: a compile must not take the cores generation runs on; no
                 # cache of xgrammar's own (unbounded): ours is bounded by bytes

@@ -75,7 +75,7 @@ class ServingFrontend:
         self.model_config = load_model_config(config.model)
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer.hf, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
+            self.tokenizer, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
             config.grammar_limits,
         )
 
