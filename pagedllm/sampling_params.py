@@ -184,7 +184,7 @@ class SamplingParams:
             token that already appears in the output (> 0 favours new tokens).
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once
             per time it appears in the output.
-        repetition_penalty: > 0; tokens seen in the prompt or the output have
+        repetition_penalty: positive (> 0); tokens seen in the prompt or the output have
             positive logits divided by it and negative ones multiplied (> 1
             discourages repeats); 1 disables.
         min_tokens: EOS and ``stop_token_ids`` cannot be sampled (and stop
