@@ -157,7 +157,12 @@ def compiler_path() -> str | None:
 
 
 def _build_dir(isa: str, flags: list[str], compiler: str) -> Path:
-    """``<cache>/kernels/<variant>-<hash of the sources, flags, compiler, torch (and CPU for native)>``."""
+    """``<cache>/kernels/<variant>-<hash of the sources and their folder, flags, compiler, torch (and CPU for native)>``.
+
+    The folder is in the hash because cpp_extension writes the sources' paths into the
+    build's ``build.ninja``: two checkouts of the same sources sharing one build folder
+    would each find the other's paths there and rebuild on every load.
+    """
     import torch
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -166,7 +171,8 @@ def _build_dir(isa: str, flags: list[str], compiler: str) -> Path:
     # shared between machines; -march=native is this CPU's own
     cpu = _cpu_flags() if isa == "native" else ""
     key = hashlib.sha256(
-        "\0".join([sources, " ".join(flags), version, torch.__version__, platform.machine(), cpu]).encode()
+        "\0".join([sources, str(_SOURCES[0].parent.resolve()), " ".join(flags), version, torch.__version__,
+                   platform.machine(), cpu]).encode()
     ).hexdigest()[:16]
     return cache_dir() / f"{isa}-{key}"
 

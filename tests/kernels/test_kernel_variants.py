@@ -111,3 +111,25 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path) 
     kernels._clear_stale_lock(lock)
     assert not lock.exists()
     kernels._clear_stale_lock(lock)  # nothing there: nothing to do
+
+
+def test_two_checkouts_of_the_same_sources_build_in_two_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cpp_extension records the sources' paths in build.ninja: a shared folder would rebuild on every load
+    import pagedllm.kernels as kernels
+
+    compiler = kernels.compiler_path()
+    if compiler is None:
+        pytest.fail("no C++ compiler: the suite builds the kernels, so one must be on PATH")
+    folders = []
+    for name in ("a", "b", "a"):
+        checkout = tmp_path / name
+        checkout.mkdir(exist_ok=True)
+        copies = []
+        for src in [*kernels._SOURCES, *kernels._HEADERS]:
+            (checkout / src.name).write_text(src.read_text())
+            copies.append(checkout / src.name)
+        monkeypatch.setattr(kernels, "_SOURCES", [p for p in copies if p.suffix == ".cpp"])
+        monkeypatch.setattr(kernels, "_HEADERS", [p for p in copies if p.suffix == ".h"])
+        folders.append(kernels._build_dir("avx2", ["-O3"], compiler))
+    assert folders[0] != folders[1] and folders[0] == folders[2]
+    assert folders[0].parent == folders[1].parent == kernels.cache_dir()
