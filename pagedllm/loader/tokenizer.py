@@ -125,7 +125,8 @@ class Tokenizer:
     @functools.cached_property
     def hf(self) -> PreTrainedTokenizerBase:
         """The transformers tokenizer (imports transformers; built once, on first use, for a GGUF file)."""
-        assert self._native is not None  # otherwise set in __init__
+        if self._native is None:  # a model folder's (or a converted GGUF's) tokenizer is set in __init__
+            raise RuntimeError("Tokenizer.hf: no transformers tokenizer was loaded and none can be built")
         return _hf_from_native(self._native)
 
     @property
