@@ -6,8 +6,9 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
+from pagedllm.config import KvCacheDtype
 from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.sampling_params import SamplingParams
 
@@ -54,9 +55,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
+        "--kv-cache-dtype", default="auto", choices=list(get_args(KvCacheDtype)),
         help="what the KV cache stores (auto: --dtype); 2-byte caches halve the bytes decode attention reads; "
-             "int8 (CPU): per-head int8 values with one scale per token, ~1.9x the blocks of float16",
+             "the quantized ones (CPU) hold one scale per token and KV head: see docs/configuration.md",
     )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
     g.add_argument("--num-threads", type=int, default=None)
