@@ -7,9 +7,13 @@ One process per measurement (a stage's cost is a first time's cost):
 ``--empty-cache`` runs with a new, empty ``$PAGEDLLM_CACHE_DIR`` except for
 ``kernels/``, linked to the current cache's (so the measurement is not a
 kernel build; a wheel's prebuilt kernels never use that folder). Prints one
-JSON line: seconds per stage, then ``next_tokens`` (8 more tokens: the first
-decode steps, which trace the decode step once) and ``next_tokens_again`` (the
-same without the trace), and whether transformers was imported.
+JSON line: seconds per stage, ``next_15_tokens`` (the rest of a 16-token
+``pagedllm generate``, decoded without a trace), ``decode_trace`` (tracing
+the decode step, as a server does at start), ``decode_tok_s`` (one sequence,
+128 tokens, replayed steps: the kernels' steady speed), the kernel variant
+loaded and whether transformers was imported. Run it with ``PYTHONPATH`` at
+an installed wheel and at the checkout, alternated, to compare the wheel's
+prebuilt kernels with the checkout's own build.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ import sys
 import tempfile
 import time
 
+DECODE_TOKENS = 128  # one sequence, after the trace: the steady decode speed of the kernels loaded
+
 
 def measure(model: str | None) -> dict[str, object]:
+    """Seconds per stage of one fresh process, then its steady decode speed."""
     t0 = time.perf_counter()
     from pagedllm.engine.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
     t1 = time.perf_counter()
-    from pagedllm.kernels import load_kernels
+    from pagedllm.kernels import kernels_prebuilt, load_kernels, loaded_variant
 
     load_kernels()
     t2 = time.perf_counter()
@@ -38,14 +45,20 @@ def measure(model: str | None) -> dict[str, object]:
     prompt = "The capital of France is"
     first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     t4 = time.perf_counter()
-    llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    # the rest of a 16-token `pagedllm generate`: too short to trace the decode step (capture_min_decode_steps)
+    llm.generate(prompt, SamplingParams(max_tokens=15, temperature=0, ignore_eos=True), use_tqdm=False)
     t5 = time.perf_counter()
-    llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    llm.llm_engine.model_runner.warm_up()  # the trace a server (or a long run) makes
     t6 = time.perf_counter()
+    steady = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate(prompt, steady, use_tqdm=False)
+    t7 = time.perf_counter()
     return {
         "import": round(t1 - t0, 2), "kernel_load": round(t2 - t1, 2), "model_load": round(t3 - t2, 2),
         "first_token": round(t4 - t3, 2), "to_first_token": round(t4 - t0, 2),
-        "next_tokens": round(t5 - t4, 2), "next_tokens_again": round(t6 - t5, 2),
+        "next_15_tokens": round(t5 - t4, 2), "decode_trace": round(t6 - t5, 2),
+        "decode_tok_s": round(DECODE_TOKENS / (t7 - t6), 1),
+        "kernels": f"{loaded_variant()}{' (prebuilt)' if kernels_prebuilt() else ''}",
         "transformers_imported": "transformers" in sys.modules, "text": first[0].outputs[0].text,
     }
 

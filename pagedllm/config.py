@@ -26,6 +26,10 @@ class Positive:
     """``Annotated`` marker: the field must be a positive number (an integer where the type is ``int``)."""
 
 
+class NonNegative:
+    """``Annotated`` marker: the field must be an integer >= 0."""
+
+
 class NonEmpty:
     """``Annotated`` marker: the field must be a non-empty string (a path)."""
 
@@ -38,6 +42,7 @@ class MultipleOf:
 
 
 PositiveInt = Annotated[int, Positive]
+NonNegativeInt = Annotated[int, NonNegative]
 PositiveSeconds = Annotated[float, Positive]
 Path = Annotated[str, NonEmpty]
 
@@ -119,6 +124,9 @@ def _check_annotated(name: str, value: object, base: type, markers: tuple) -> No
     elif Positive in markers:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
+    elif NonNegative in markers:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     elif NonEmpty in markers and (not isinstance(value, str) or not value):
         raise ValueError(f"{name} must be a non-empty path, got {value!r}")
 
@@ -231,6 +239,16 @@ class EngineConfig:
             (default) replays decode steps from graphs recorded from the
             model's own forward, without the Python between its kernels
             (``runner/captured_decode.py``; CPU, ``cpu_paged`` attention).
+        capture_min_decode_steps: when the decode step is traced: at the
+            first step whose requests may still decode this many steps (their
+            ``max_tokens``, or up to ``max_model_len``), or when the server
+            starts (it always captures before serving). Until then decode
+            steps run the modules. The trace costs about 4 s and ~150 MB in a
+            fresh process (torch's tracer and sympy are imported for it) and
+            saves ~7 ms per step on the bundled model, so it pays after some
+            hundreds of steps, not for a 16-token ``pagedllm generate``.
+            0: at the first decode step. Ignored under tensor parallelism
+            (every rank captures at the first decode step, in step).
         tensor_parallel_size: ranks the model is split over (Megatron-style:
             attention by KV-head groups, the MLP by intermediate rows, the
             vocabulary by rows; ``pagedllm/distributed/``). Each rank is a
@@ -280,6 +298,7 @@ class EngineConfig:
     gguf_activations: GgufActivations = "int8"
     linear_backend: LinearBackend = "auto"
     enforce_eager: bool = False
+    capture_min_decode_steps: NonNegativeInt = 512
     tensor_parallel_size: PositiveInt = 1
     distributed_executor_backend: DistributedExecutor = "auto"
     cpu_bind: str | None = None

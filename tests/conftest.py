@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pagedllm import LLM
 from pagedllm.loader import bundled_model_path
 
 torch.set_num_threads(2)
@@ -248,3 +249,16 @@ def assert_greedy_within_q8_noise(hf, prompt: list[int], ours: list[int]) -> flo
     gap = float(logits[i, plain[i]] - logits[i, ours[i]])
     assert 0 <= gap <= float(moved.abs().max()), (i, gap, float(moved.abs().max()))
     return gap
+
+
+def CapturingLLM(*args: object, **kwargs: object) -> LLM:  # noqa: N802 (stands in for the class)
+    """``LLM`` whose decode steps are captured from the first one.
+
+    The engine's default traces the decode step only once the requests may
+    still decode ``capture_min_decode_steps`` (512) steps, where the trace
+    pays for itself; the short runs of tests would then never replay a
+    captured step. Tests of the captured path (and those that meant to run
+    it, as every offline run did before) take this instead of ``LLM``.
+    """
+    kwargs.setdefault("capture_min_decode_steps", 0)
+    return LLM(*args, **kwargs)

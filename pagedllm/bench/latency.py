@@ -77,6 +77,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     # the same prompts run several times: cache hits would fake the prefill time
     engine_kwargs["enable_prefix_caching"] = False
     llm = LLM(args.model, **engine_kwargs)
+    # steady state, as a server runs: the decode step is traced now (a short offline run would not trace it,
+    # EngineConfig.capture_min_decode_steps), outside the measurement
+    llm.llm_engine.model_runner.warm_up()
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
 

@@ -88,6 +88,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     if kwargs.get("max_model_len") is None:
         kwargs["max_model_len"] = args.prompt_len + args.output_len
     llm = LLM(args.model, **kwargs)
+    # steady state, as a server runs: the decode step is traced now (a short offline run would not trace it,
+    # EngineConfig.capture_min_decode_steps), outside the measurement
+    llm.llm_engine.model_runner.warm_up()
     engine = llm.llm_engine
     # warm-up: first calls pay for allocator and kernel set-up
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, n=2), use_tqdm=False)

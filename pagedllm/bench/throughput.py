@@ -57,6 +57,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         raise ValueError(f"--peer-model {args.peer_model!r} does not exist")
     workload = make_workload(args.num_requests, args.min_len, args.max_len, args.workload_seed)
     llm = LLM(args.model, **engine_kwargs)
+    # steady state, as a server runs: the decode step is traced now (a short offline run would not trace it,
+    # EngineConfig.capture_min_decode_steps), outside the measurement
+    llm.llm_engine.model_runner.warm_up()
     constraint = StructuredOutputsParams(json=BENCH_SCHEMA) if args.structured else None
     # warm-up: first calls pay for allocator and kernel set-up (and the schema's one compile)
     llm.generate([{"prompt_token_ids": workload[0].prompt_token_ids}],

@@ -352,12 +352,28 @@ class LLMEngine:
             # an empty step right after a preemption is normal: admissions wait
             # for the next one; without a preemption it is a stall
             return self._resolve_stall() if self.requests and not output.preempted else []
+        if self.model_runner.capture_waits and self._decode_steps_ahead() >= self.config.capture_min_decode_steps:
+            self.model_runner.warm_up()  # the trace now pays for itself (EngineConfig.capture_min_decode_steps)
         results = self._execute(output)
         outputs = self._process(output, results)
         if self.model_runner.num_decode_traces == num_traces:  # a step that traced the decode is no step's cost
             self._observe_step(output, time.perf_counter() - started)
         self._give_back_kv_pages()
         return outputs
+
+    def _decode_steps_ahead(self) -> int:
+        """The most decode steps the unfinished requests may still take (``max_tokens``, else up to
+        ``max_model_len``): an upper bound, as EOS or a stop string may end them sooner."""
+        ahead = 0
+        for req in self.requests.values():
+            for seq in req.seqs:
+                if seq.is_finished:
+                    continue
+                limit = req.params.max_tokens
+                if limit is None:
+                    limit = self.config.max_model_len - len(req.prompt_token_ids)
+                ahead = max(ahead, limit - seq.num_output_tokens)
+        return ahead
 
     def _give_back_kv_pages(self) -> None:
         """Once no request is left, the pages of blocks that hold nothing go back to the OS.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, get_args
 
@@ -80,6 +81,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true",
         help="run every step through the model's modules (no replay of captured decode steps)",
     )
+    g.add_argument(
+        "--capture-min-decode-steps", type=int, default=512,
+        help="trace the decode step once the requests may still decode this many steps (0: at the first "
+             "decode step; the server captures at start); the trace takes seconds and pays after hundreds of steps",
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes the model is split over (Megatron-style; gloo on the CPU)")
     g.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "mp", "torchrun"],
@@ -148,6 +154,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         gguf_activations=args.gguf_activations,
         linear_backend=args.linear_backend,
         enforce_eager=args.enforce_eager,
+        capture_min_decode_steps=args.capture_min_decode_steps,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         cpu_bind=args.cpu_bind,
@@ -212,6 +219,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
     tokenizer = engine.tokenizer
+    # a session decodes many replies: the decode step is traced (seconds) while the user types the first
+    # message, as a server traces before its first request; joined before the first step
+    tracing = threading.Thread(target=engine.model_runner.warm_up, name="decode-trace", daemon=True)
+    tracing.start()
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -234,6 +245,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         text = tokenizer.apply_chat_template(history)
         ids = tokenizer.encode(text, add_special_tokens=False)
         rid = engine.new_request_id()
+        tracing.join()
         try:
             engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params)
         except ValueError as e:

@@ -18,7 +18,9 @@ loaded) the trace's kernels are grouped into ``StepProgram`` runs
 region instead of one region per kernel; ops without a program node
 (Gemma 3's embedding scale and GELU) run from Python between programs.
 
-Decode-only steps of at most ``max_rows`` sequences are captured; prefills,
+Decode-only steps of at most ``max_rows`` sequences are captured, once
+``armed`` (at the first decode step, or when the engine sees enough decode
+steps ahead to pay for the trace: ``EngineConfig.capture_min_decode_steps``); prefills,
 mixed steps and larger batches (where the Python is a small share of the
 step) run the model directly. Where the traced forward branched on the row
 count (a linear method that changes kernels past some rows), the trace
@@ -77,7 +79,7 @@ class CapturedDecode:
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_rows: int, block_size: int, max_width: int, native_programs: bool = False,
-        shared: tuple[torch.Tensor, ...] = (),
+        shared: tuple[torch.Tensor, ...] = (), armed: bool = True,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -87,6 +89,9 @@ class CapturedDecode:
         self._owned = [kv_cache, *model_tensors(model), *shared]
         self.failed: str | None = None  # why capturing was given up, once it was
         self.num_traces = 0
+        # False: decode steps run the model directly until ``warm_up`` (the engine calls it once a trace
+        # pays for itself: EngineConfig.capture_min_decode_steps)
+        self.armed = armed
         self.reset(native_programs)
 
     def reset(self, native_programs: bool) -> None:
@@ -98,7 +103,7 @@ class CapturedDecode:
     def accepts(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Whether a step is replayed (or captured): decode tokens only, at most ``max_rows`` of them."""
         return (
-            self.failed is None and meta.num_prefills == 0 and num_tokens == meta.num_seqs
+            self.armed and self.failed is None and meta.num_prefills == 0 and num_tokens == meta.num_seqs
             and num_tokens <= self.max_rows and meta.block_tables.shape[1] <= self.max_width
         )
 
@@ -120,6 +125,7 @@ class CapturedDecode:
     def warm_up(self) -> None:
         """Trace and lower the decode step now, before any request waits on it (a server does this at start,
         as vLLM captures its CUDA graphs); a model that cannot be captured runs eagerly from the start."""
+        self.armed = True
         if self.graphs or self.failed is not None:
             return
         try:

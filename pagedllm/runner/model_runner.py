@@ -130,6 +130,8 @@ class ModelRunner:
                 self.block_size, -(-config.max_model_len // self.block_size),
                 native_programs=self.native_ops is not None,
                 shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
+                # tensor-parallel ranks all trace at the first decode step, so none waits in a collective
+                armed=config.capture_min_decode_steps == 0 or self.tp is not None,
             )
 
     def _gather_rank_figures(self) -> None:
@@ -212,6 +214,12 @@ class ModelRunner:
         """
         if self.captured_decode is not None and self.tp is None:
             self.captured_decode.warm_up()
+
+    @property
+    def capture_waits(self) -> bool:
+        """Whether decode steps run the modules until ``warm_up`` is called (the engine's choice)."""
+        cd = self.captured_decode
+        return cd is not None and not getattr(cd, "armed", True) and cd.failed is None and self.tp is None
 
     @property
     def num_decode_traces(self) -> int:

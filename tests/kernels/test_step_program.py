@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CapturingLLM as LLM  # decode steps captured from the first, as the tests mean
 
-from pagedllm import LLM
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.kv_quant import INT8_SCALE_BYTES, quantize_int8_heads

@@ -7,9 +7,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CapturingLLM as LLM  # decode steps captured from the first, as the tests mean
 from decode_checks import CheckedDecode
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.packed_linear import PackedLinearMethod

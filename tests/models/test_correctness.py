@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 from conftest import TINY_ARCHS, assert_greedy_within_q8_noise, hf_greedy
+from conftest import CapturingLLM as LLM  # decode steps captured from the first, as the tests mean
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

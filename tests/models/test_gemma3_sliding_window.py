@@ -16,9 +16,10 @@ import random
 import pytest
 import torch
 from conftest import TINY_WINDOW, TINY_WINDOW_ARCHS, _tiny_config, hf_greedy
+from conftest import CapturingLLM as LLM  # decode steps captured from the first, as the tests mean
 from test_attention import HEAD_DIM, STEPS, _build_step
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.layers.attention import make_backend
 from pagedllm.loader.model_config import from_hf_config
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FLOAT_ACTIVATIONS
+from conftest import CapturingLLM as LLM  # decode steps captured from the first, as the tests mean
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.runner.decode_graph import num_programs
 
