@@ -115,7 +115,7 @@ def smollm_int8():  # noqa: ANN201
     """The bundled model with int8 weights (its GGUF blocks dequantized and rounded again to int8 per channel)."""
     from pagedllm import LLM
 
-    return LLM(num_kv_blocks=256, max_model_len=512, quantization="int8")
+    return LLM(num_kv_blocks=256, max_model_len=512, quantization="int8", capture_min_decode_steps=0)
 
 
 @pytest.fixture(scope="session")
