@@ -167,7 +167,7 @@ class EngineConfig:
             float16 at head_dim 64 (36 bytes a head row), read in place (the
             kernel rotates the query and its output); needs an even
             head_dim. Less exact than int8: on the bundled SmolLM2-135M the
-            perplexity of GPL-3's text rises by about 10% (int8: 0.1%;
+            perplexity of GPL-3's text rises by 12% (int8: 0.7%;
             docs/configuration.md). Attention still computes in ``dtype``.
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.

@@ -42,11 +42,11 @@ each head row rotated, then as 4-bit values with one float32 scale::
 
 and reads back as H (q * scale) (H is symmetric and orthogonal: its own
 inverse), so ``dequantize_int4_heads`` returns un-rotated values. Why a
-rotation: K rows of these models carry a few large channels (RoPE pairs,
-attention sinks); one scale per head over raw values spends most of the 15
-levels on them and rounds the rest to 0. H spreads every channel over the
-whole block, so the rotated row is close to Gaussian and its max is a few
-standard deviations, not the outlier's size. Scores are unchanged
+rotation: one scale over a head's raw values spends the 15 levels on its
+largest channels; H spreads every channel over the whole block, so the
+rotated row's max is a few of its typical sizes. Measured on SmolLM2-135M
+(docs/configuration.md): perplexity +38% over float16 without the
+rotation, +12% with it. Scores are unchanged
 (q . k = Hq . Hk) and so is the weighted sum of values up to one H on the
 output, so the native kernel rotates the query, reads the rotated rows
 in place and rotates its output back; per-channel scales (the other way
