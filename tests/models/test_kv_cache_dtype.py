@@ -199,6 +199,11 @@ def test_int4_cache_holds_the_blocks_its_bytes_allow(int4_llm: LLM) -> None:
     assert runner.kv_bytes_per_block == 2 * 30 * 16 * 3 * 36 == 103680
     assert runner.num_kv_blocks == MEMORY // 103680 == 647 >= 3.5 * 182
     assert int4_llm.llm_engine.block_manager.num_blocks == 647
+    # pagedllm env names the format and its block bytes
+    from pagedllm.entrypoints.env_report import loaded_model_report
+
+    report = loaded_model_report(int4_llm)
+    assert (report["kv_cache_dtype"], report["kv_bytes_per_block"]) == ("int4", 103680)
 
 
 @pytest.mark.slow
