@@ -39,8 +39,8 @@ SIMD_INLINE f32x8 f32x8_load_i8(const int8_t *p) {
 SIMD_INLINE f32x8 f32x8_load_u4(const uint8_t *p) {
     int32_t w;
     memcpy(&w, p, sizeof w);
-    const __m256i n = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                                       _mm256_set1_epi32(15));
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i n = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), _mm256_set1_epi32(15));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(n, _mm256_set1_epi32(8)));
 }
 
