@@ -8,9 +8,12 @@ part of the cache, so K/V come from memory, not from the last-level cache.
 The rate printed is the context's K/V bytes over the time.
 
     .venv/bin/python benchmarks/micro_attention.py [--batch 24] [--context 250] [--block-size 16]
-        [--kv-cache-dtype float32|float16|bfloat16]
+        [--kv-cache-dtype float32|float16|bfloat16|int8|int4]
 
-With a 2-byte cache the cache is half the bytes (same tokens, same layout).
+With a 2-byte cache the cache is half the bytes (same tokens, same layout);
+int8 / int4 caches (layers/kv_quant.py) hold random values with a fixed
+scale per head row (their layout, not real K/V: the time does not depend on
+the values).
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ import time
 import torch
 
 from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention, SdpaAttention
+from pagedllm.runner.kv_cache import cache_head_width
+
+# each --kv-cache-dtype's cache tensor dtype (int4: nibbles in uint8)
+CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "int8": torch.int8, "int4": torch.uint8}
+
+
+def random_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A cache of ``shape`` (its last dimension a head row's width) filled as the kernels read it: normal
+    floats, or random quantized values with a 0.01 scale in each head row's last 4 bytes."""
+    if dtype.is_floating_point:
+        return torch.empty(shape, dtype=dtype).normal_()
+    kv = torch.randint(-128 if dtype == torch.int8 else 0, 128 if dtype == torch.int8 else 256, shape, dtype=dtype)
+    kv[..., -4:] = torch.tensor([0.01], dtype=torch.float32).view(dtype)
+    return kv
 
 
 def main() -> None:
@@ -29,13 +47,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=24)
     p.add_argument("--context", type=int, default=250)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="float32", choices=list(CACHE_DTYPES))
     args = p.parse_args()
-    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    kv_dtype = CACHE_DTYPES[args.kv_cache_dtype]
     block_size = args.block_size
     # the same 2 GiB and the same 9600-token region whatever the block size
     num_layers, num_blocks, num_heads, num_kv_heads, head_dim = 30, 2912 * 16 // block_size, 9, 3, 64
-    kv = torch.empty(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype).normal_()
+    kv = random_cache((2, num_layers, num_blocks, block_size, num_kv_heads, cache_head_width(head_dim, kv_dtype)),
+                      kv_dtype)
     rng = random.Random(0)
     ids = list(range(9600 // block_size))
     rng.shuffle(ids)
@@ -65,7 +84,7 @@ def main() -> None:
             for _ in range(10):
                 step()
             ms = (time.perf_counter() - start) / 10 * 1e3
-            kv_bytes = 2 * num_layers * args.batch * args.context * num_kv_heads * head_dim * kv.element_size()
+            kv_bytes = 2 * num_layers * args.batch * args.context * num_kv_heads * kv.shape[-1] * kv.element_size()
             print(f"{backend.name:>10}: {ms:6.1f} ms per decode step ({args.batch} sequences x {args.context} tokens, "
                   f"{num_layers} layers, {block_size}-token blocks, {args.kv_cache_dtype}): {kv_bytes / ms / 1e6:.1f} GB/s of K/V")
 

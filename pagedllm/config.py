@@ -48,7 +48,7 @@ Path = Annotated[str, NonEmpty]
 
 # the choices of each string field: the field's type says them, these tuples are read off it
 Dtype = Literal["float32", "bfloat16", "float16"]
-KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
+KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"]
 Device = Literal["cpu", "cuda"]
 AttentionBackend = Literal["auto", "cpu_paged", "sdpa", "reference"]
 KvAllocator = Literal["paged", "contiguous"]
@@ -168,7 +168,15 @@ class EngineConfig:
             symmetric; ``layers/kv_quant.py``), quantized when written and
             read in place by the attention kernels: about 1.9x the blocks of
             float16 for the same bytes (head_dim 64: 68 bytes a head row
-            against 128). Attention still computes in ``dtype``.
+            against 128). "int4" (CPU): each token's K and V per KV head
+            rotated by a Walsh-Hadamard transform of the head dimension, then
+            as 4-bit values in [-7, 7] with one float32 scale (max / 7;
+            ``layers/kv_quant.py``), in a uint8 cache: 3.56x the blocks of
+            float16 at head_dim 64 (36 bytes a head row), read in place (the
+            kernel rotates the query and its output); needs an even
+            head_dim. Less exact than int8: on the bundled SmolLM2-135M the
+            perplexity of GPL-3's text rises by 12% (int8: 0.7%;
+            docs/configuration.md). Attention still computes in ``dtype``.
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for the KV pool; None picks a share of
@@ -342,9 +350,9 @@ class EngineConfig:
             raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
         if self.cpu_bind is not None:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
-        if self.kv_cache_dtype == "int8" and self.device != "cpu":
-            raise ValueError("kv_cache_dtype='int8' is a CPU cache (the CPU kernels quantize and read its blocks); "
-                             f"use a float kv_cache_dtype with device={self.device!r}")
+        if self.kv_cache_dtype in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
+                             f"read its blocks); use a float kv_cache_dtype with device={self.device!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "

@@ -112,6 +112,8 @@ def _auto_backends() -> dict[str, Any]:
 
 def loaded_model_report(llm: Any) -> dict[str, Any]:
     """The layer classes and backends a loaded ``LLM`` runs."""
+    from pagedllm.layers.kv_quant import kv_format_name
+
     runner = llm.llm_engine.model_runner
     layers = Counter(type(m).__name__ for m in runner.model.modules() if not list(m.children()))
     return {
@@ -123,7 +125,9 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         "captured_decode": runner.captured_decode is not None,
         # replayed decode steps run their kernels as native step programs (runner/step_program.py)
         "step_programs": runner.captured_decode is not None and runner.captured_decode.native_programs,
-        "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
+        "kv_cache_dtype": kv_format_name(runner.kv_cache.dtype),
+        # one block across all layers, K and V (an int8 / int4 cache's scales included)
+        "kv_bytes_per_block": runner.kv_bytes_per_block,
         "layer_classes": dict(sorted(layers.items())),
     }
 

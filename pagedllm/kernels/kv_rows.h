@@ -14,6 +14,16 @@
  * NaN (and zeros): the whole head row reads back NaN, as a NaN in a float
  * cache poisons the attention that reads it. layers/kv_quant.py computes
  * the same bits with torch ops.
+ *
+ * An int4 cache (KV_INT4, uint8) stores each head rotated (hadamard_f32,
+ * paged_attention.h) and then quantized with one scale, symmetric:
+ *   x     saturated to +-65504 first (before the rotation: inf - inf would be NaN)
+ *   r     H x in float32
+ *   scale max|r| / 7 (float32), stored after the head's head_dim / 2 bytes
+ *   q     r / scale rounded to nearest, ties to even, in [-7, 7], stored as
+ *         the nibble q + 8 (value 2i in byte i's low nibble, 2i + 1 high)
+ * and reads back as H (q * scale). A NaN stores a NaN scale and zeros, as
+ * for int8. layers/kv_quant.py computes the same bits with torch ops.
  */
 #ifndef PAGEDLLM_KV_ROWS_H
 #define PAGEDLLM_KV_ROWS_H
@@ -22,7 +32,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "paged_attention.h" /* KV_FLOAT32, KV_FLOAT16, KV_BFLOAT16, KV_INT8 */
+#include "paged_attention.h" /* KV_FLOAT32, KV_FLOAT16, KV_BFLOAT16, KV_INT8, KV_INT4, hadamard_f32 */
 
 static inline uint16_t f32_to_bf16_bits(float f) {
     uint32_t u;
@@ -60,10 +70,43 @@ static inline void quantize_head_i8(int8_t *dst, const float *src, int head_dim)
     memcpy(dst + head_dim, &scale, sizeof scale);
 }
 
+/* one head of head_dim values (even, at most KV_I4_MAX_HEAD_DIM) into dst: head_dim / 2 bytes, then the scale */
+static inline void quantize_head_i4(uint8_t *dst, const float *src, int head_dim) {
+    float r[KV_I4_MAX_HEAD_DIM];
+    int nan = 0;
+    for (int i = 0; i < head_dim; i++) {
+        float x = src[i];
+        if (x != x) nan = 1;
+        if (x > 65504.0f) x = 65504.0f;
+        if (x < -65504.0f) x = -65504.0f;
+        r[i] = x;
+    }
+    hadamard_f32(r, head_dim);
+    float amax = 0.0f;
+    for (int i = 0; i < head_dim; i++) amax = fabsf(r[i]) > amax ? fabsf(r[i]) : amax;
+    float scale = amax / 7.0f;
+    if (nan) scale = NAN;
+    if (nan || scale == 0.0f) {
+        memset(dst, 0x88, (size_t)head_dim / 2); /* q = 0 in both nibbles */
+    } else {
+        for (int i = 0; i < head_dim; i += 2) {
+            float q0 = nearbyintf(r[i] / scale), q1 = nearbyintf(r[i + 1] / scale);
+            q0 = q0 > 7.0f ? 7.0f : (q0 < -7.0f ? -7.0f : q0);
+            q1 = q1 > 7.0f ? 7.0f : (q1 < -7.0f ? -7.0f : q1);
+            dst[i / 2] = (uint8_t)((int)q0 + 8) | (uint8_t)(((int)q1 + 8) << 4);
+        }
+    }
+    memcpy(dst + head_dim / 2, &scale, sizeof scale);
+}
+
 /* src: row floats (num_kv_heads * head_dim); slot s of the cache starts at
-   s * row elements, or for KV_INT8 at s * (row / head_dim) * (head_dim + 4) bytes */
+   s * row elements, or for KV_INT8 at s * (row / head_dim) * (head_dim + 4) bytes, KV_INT4 (head_dim / 2 + 4) */
 static void write_row(void *cache, int kv_type, int64_t slot, const float *src, int64_t row, int head_dim) {
-    if (kv_type == KV_INT8) {
+    if (kv_type == KV_INT4) {
+        const int64_t heads = row / head_dim, hs = head_dim / 2 + KV_I4_SCALE_BYTES;
+        uint8_t *dst = (uint8_t *)cache + slot * heads * hs;
+        for (int64_t h = 0; h < heads; h++) quantize_head_i4(dst + h * hs, src + h * head_dim, head_dim);
+    } else if (kv_type == KV_INT8) {
         const int64_t heads = row / head_dim, hs = head_dim + KV_I8_SCALE_BYTES;
         int8_t *dst = (int8_t *)cache + slot * heads * hs;
         for (int64_t h = 0; h < heads; h++) quantize_head_i8(dst + h * hs, src + h * head_dim, head_dim);

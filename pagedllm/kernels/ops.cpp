@@ -97,6 +97,7 @@ int kv_type_of(at::ScalarType t) {
         case at::kHalf: return KV_FLOAT16;
         case at::kBFloat16: return KV_BFLOAT16;
         case at::kChar: return KV_INT8;
+        case at::kByte: return KV_INT4;
         default: return -1;
     }
 }
@@ -105,7 +106,7 @@ int kv_type_of(at::ScalarType t) {
 int check_caches(const Tensor &k_cache, const Tensor &v_cache, const char *op) {
     const int kv_type = kv_type_of(k_cache.scalar_type());
     TORCH_CHECK_VALUE(kv_type >= 0 && v_cache.scalar_type() == k_cache.scalar_type(), op,
-                      " reads float32, float16, bfloat16 or int8 caches of one dtype, got ",
+                      " reads float32, float16, bfloat16, int8 or int4 (uint8) caches of one dtype, got ",
                       dtype_name(k_cache.scalar_type()), " / ", dtype_name(v_cache.scalar_type()));
     TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu(), op, ": the caches must be on the CPU");
     TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
@@ -115,11 +116,19 @@ int check_caches(const Tensor &k_cache, const Tensor &v_cache, const char *op) {
     TORCH_CHECK_VALUE(kv_type != KV_INT8 || k_cache.size(3) > KV_I8_SCALE_BYTES, op, ": an int8 cache's last dimension ",
                       "is head_dim + ", KV_I8_SCALE_BYTES, " (the values, then their float32 scale), got ",
                       shape_of(k_cache));
+    if (kv_type == KV_INT4) {
+        const int64_t head_dim = 2 * (k_cache.size(3) - KV_I4_SCALE_BYTES);
+        TORCH_CHECK_VALUE(head_dim >= 2 && head_dim <= KV_I4_MAX_HEAD_DIM, op, ": an int4 cache's last dimension is ",
+                          "head_dim / 2 + ", KV_I4_SCALE_BYTES, " (the nibbles, then their float32 scale) for a head_dim ",
+                          "of at most ", KV_I4_MAX_HEAD_DIM, ", got ", shape_of(k_cache));
+    }
     return kv_type;
 }
 
-/* the head size a cache holds: its last dimension, less the scale's bytes of an int8 cache */
+/* the head size a cache holds: its last dimension, less the scale's bytes of an int8 cache; an int4 cache's
+   bytes hold two values each */
 int64_t cache_head_dim(const Tensor &cache, int kv_type) {
+    if (kv_type == KV_INT4) return 2 * (cache.size(3) - KV_I4_SCALE_BYTES);
     return cache.size(3) - (kv_type == KV_INT8 ? KV_I8_SCALE_BYTES : 0);
 }
 

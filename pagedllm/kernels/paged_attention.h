@@ -9,7 +9,9 @@
  *                float32, float16 or bfloat16 (attend_f32 / _f16 / _bf16),
  *                or int8 [num_blocks, block_size, num_kv_heads, head_dim + 4]
  *                (attend_i8): each head's head_dim int8 values followed by
- *                their float32 scale (KV_I8_SCALE_BYTES), see kv_rows.h
+ *                their float32 scale (KV_I8_SCALE_BYTES), see kv_rows.h;
+ *                or int4 (uint8) [..., head_dim / 2 + 4] (attend_i4_rotated):
+ *                Hadamard-rotated nibbles and a float32 scale (KV_I4_*)
  *   table        [>= ceil(len / block_size)]   int64 block ids
  */
 #ifndef PAGEDLLM_PAGED_ATTENTION_H
@@ -69,7 +71,7 @@ static inline void softmax_row(float *s, int64_t n) {
 
 
 /* KV cache element types, as the Python side numbers them */
-enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2, KV_INT8 = 3 };
+enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2, KV_INT8 = 3, KV_INT4 = 4 };
 
 /* An int8 cache's head row: head_dim int8 values, then their float32 scale
    (value = int8 * scale). The scale sits in the block's own bytes, so
@@ -80,6 +82,44 @@ static inline float kv_i8_scale(const int8_t *head, int head_dim) {
     float s;
     memcpy(&s, head + head_dim, sizeof s);
     return s;
+}
+
+/* An int4 cache's head row (uint8): head_dim / 2 bytes of nibbles (byte i: value 2i in the low nibble, 2i + 1
+   in the high one, each stored as q + 8 for q in [-7, 7]), then the float32 scale; the values are the head's
+   K or V rotated by hadamard_f32 (kv_rows.h, layers/kv_quant.py) */
+#define KV_I4_SCALE_BYTES 4
+/* the largest head an int4 cache takes (the write rotates a head in a stack buffer; ops.cpp checks) */
+#define KV_I4_MAX_HEAD_DIM 1024
+
+static inline float kv_i4_scale(const uint8_t *head, int head_dim) {
+    float s;
+    memcpy(&s, head + head_dim / 2, sizeof s);
+    return s;
+}
+
+/* element i of an int4 head row as a float (the nibble less 8; the scale is applied per row) */
+static inline float kv_i4_elem(const uint8_t *head, int i) {
+    return (float)((head[i >> 1] >> ((i & 1) * 4)) & 15) - 8.0f;
+}
+
+/* The int4 cache's rotation, in place on head_dim floats: a Walsh-Hadamard
+   transform in blocks of b values, b the largest power of two dividing
+   head_dim, normalised by 1 / sqrt(b). Stages of (a + c, a - c) on pairs h
+   apart (h = 1, 2, 4, ...), then one multiply: the float32 operations
+   layers/kv_quant.py's hadamard runs, in its order, so both give the same
+   bits. Its own inverse. */
+static inline void hadamard_f32(float *x, int head_dim) {
+    const int b = head_dim & -head_dim;
+    for (int base = 0; base < head_dim; base += b)
+        for (int h = 1; h < b; h *= 2)
+            for (int j0 = base; j0 < base + b; j0 += 2 * h)
+                for (int j = j0; j < j0 + h; j++) {
+                    const float a = x[j], c = x[j + h];
+                    x[j] = a + c;
+                    x[j + h] = a - c;
+                }
+    const float norm = (float)(1.0 / sqrt((double)b));
+    for (int i = 0; i < head_dim; i++) x[i] *= norm;
 }
 
 static inline float f16_bits_to_f32(uint16_t h) {
@@ -174,4 +214,45 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 #undef KV_LOAD16
 #undef KV_HEAD_STRIDE
 #undef KV_SCALE
+
+/* int4: a head row is head_dim / 2 bytes of nibbles and a float32 scale;
+   element d of a row sits at byte d / 2 (KV_AT: the vector loads start at
+   even d), unpacked to floats in registers */
+#define KV_NAME(f) f##_i4
+#define KV_T uint8_t
+#define KV_VECTOR PA_VECTOR
+#define KV_ELEM1(p, i) kv_i4_elem(p, i)
+#define KV_AT(p, d) ((p) + (d) / 2)
+#define KV_LOAD1(p) ((float)*(p)) /* unused: KV_ELEM1 reads elements */
+#define KV_LOAD8(p) f32x8_load_u4(p)
+#define KV_LOAD16(p) f32x16_load_u4(p)
+#define KV_HEAD_STRIDE(d) ((d) / 2 + KV_I4_SCALE_BYTES)
+#define KV_SCALE(head, d) kv_i4_scale(head, d)
+#include "paged_attention_kv.h"
+#undef KV_NAME
+#undef KV_T
+#undef KV_VECTOR
+#undef KV_ELEM1
+#undef KV_AT
+#undef KV_LOAD1
+#undef KV_LOAD8
+#undef KV_LOAD16
+#undef KV_HEAD_STRIDE
+#undef KV_SCALE
+
+/* attend_i4 with the rotation: the task's query heads rotated into qr
+   (room for num_heads * head_dim floats), attention over the rotated rows
+   (q . k = Hq . Hk), and the output heads rotated back (out = H sum p Hv). */
+static inline void attend_i4_rotated(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+                                     const int64_t *table, int64_t len, float *out, int num_heads, int num_kv_heads,
+                                     int head_dim, int block_size, float scale, int h0, int h1, float *scores,
+                                     int64_t skip, float *qr) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t first = (int64_t)h0 * group * head_dim, count = (int64_t)(h1 - h0) * group * head_dim;
+    memcpy(qr + first, q + first, sizeof(float) * (size_t)count);
+    for (int64_t i = first; i < first + count; i += head_dim) hadamard_f32(qr + i, head_dim);
+    attend_i4(qr, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size, scale, h0, h1,
+              scores, skip);
+    for (int64_t i = first; i < first + count; i += head_dim) hadamard_f32(out + i, head_dim);
+}
 #endif

@@ -12,6 +12,11 @@
  *   KV_SCALE(h, d)  the factor of head row h's values: 1.0f, or the int8
  *                 row's scale
  *
+ *   KV_ELEM1(p, i), KV_AT(p, d)  optional: element i of the row at p as a
+ *                 float, and where the vector loads of element d start
+ *                 (default KV_LOAD1(p + i) and p + d; int4 packs two
+ *                 elements a byte)
+ *
  * A key's score is scale * KV_SCALE * (q . raw k); a value's weight is
  * p * KV_SCALE: the scale is applied once per row, never per element, and
  * for the float types it is the constant 1 the compiler drops.
@@ -22,14 +27,21 @@
  * vector.
  */
 
+#ifndef KV_ELEM1
+#define KV_ELEM1(p, i) KV_LOAD1((p) + (i))
+#endif
+#ifndef KV_AT
+#define KV_AT(p, d) ((p) + (d))
+#endif
+
 static inline float KV_NAME(dot_kv)(const float *a, const KV_T *b, int n) {
     float s = 0.0f;
-    for (int i = 0; i < n; i++) s += a[i] * KV_LOAD1(b + i);
+    for (int i = 0; i < n; i++) s += a[i] * KV_ELEM1(b, i);
     return s;
 }
 
 static inline void KV_NAME(axpy_kv)(float *y, float a, const KV_T *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * KV_LOAD1(x + i);
+    for (int i = 0; i < n; i++) y[i] += a * KV_ELEM1(x, i);
 }
 
 /* Attention of sequence b's query heads for kv heads [h0, h1). Scores go to
@@ -138,10 +150,10 @@ static inline __attribute__((always_inline)) f32x4 KV_NAME(dot4_keys)(const floa
     f32x16 w0 = f32x16_zero(), w1 = f32x16_zero(), w2 = f32x16_zero(), w3 = f32x16_zero();
     for (; d + 16 <= head_dim; d += 16) {
         const f32x16 qv = f32x16_load(qj + d);
-        w0 = f32x16_fma(qv, KV_LOAD16(k0 + d), w0);
-        w1 = f32x16_fma(qv, KV_LOAD16(k1 + d), w1);
-        w2 = f32x16_fma(qv, KV_LOAD16(k2 + d), w2);
-        w3 = f32x16_fma(qv, KV_LOAD16(k3 + d), w3);
+        w0 = f32x16_fma(qv, KV_LOAD16(KV_AT(k0, d)), w0);
+        w1 = f32x16_fma(qv, KV_LOAD16(KV_AT(k1, d)), w1);
+        w2 = f32x16_fma(qv, KV_LOAD16(KV_AT(k2, d)), w2);
+        w3 = f32x16_fma(qv, KV_LOAD16(KV_AT(k3, d)), w3);
     }
     a0 = f32x16_fold8(w0);
     a1 = f32x16_fold8(w1);
@@ -150,10 +162,10 @@ static inline __attribute__((always_inline)) f32x4 KV_NAME(dot4_keys)(const floa
 #endif
     for (; d < head_dim; d += 8) {
         const f32x8 qv = f32x8_load(qj + d);
-        a0 = f32x8_fma(qv, KV_LOAD8(k0 + d), a0);
-        a1 = f32x8_fma(qv, KV_LOAD8(k1 + d), a1);
-        a2 = f32x8_fma(qv, KV_LOAD8(k2 + d), a2);
-        a3 = f32x8_fma(qv, KV_LOAD8(k3 + d), a3);
+        a0 = f32x8_fma(qv, KV_LOAD8(KV_AT(k0, d)), a0);
+        a1 = f32x8_fma(qv, KV_LOAD8(KV_AT(k1, d)), a1);
+        a2 = f32x8_fma(qv, KV_LOAD8(KV_AT(k2, d)), a2);
+        a3 = f32x8_fma(qv, KV_LOAD8(KV_AT(k3, d)), a3);
     }
     return f32x8_hsum4(a0, a1, a2, a3);
 }
@@ -242,8 +254,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                             if (i >= n[g]) continue;
                             const KV_T *vh = vb[g] + i * row + kv_off;
                             const f32x16 p = f32x16_set1(pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
-                            const KV_T *v = vh + d0;
-                            for (int c = 0; c < 4; c++) acc[c] = f32x16_fma(p, KV_LOAD16(v + 16 * c), acc[c]);
+                            const KV_T *v = KV_AT(vh, d0);
+                            for (int c = 0; c < 4; c++) acc[c] = f32x16_fma(p, KV_LOAD16(KV_AT(v, 16 * c)), acc[c]);
                         }
                     for (int c = 0; c < 4; c++) f32x16_store(oj + 16 * c, acc[c]);
 #else
@@ -254,8 +266,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                             if (i >= n[g]) continue;
                             const KV_T *vh = vb[g] + i * row + kv_off;
                             const f32x8 p = f32x8_set1(pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
-                            const KV_T *v = vh + d0;
-                            for (int c = 0; c < 8; c++) acc[c] = f32x8_fma(p, KV_LOAD8(v + 8 * c), acc[c]);
+                            const KV_T *v = KV_AT(vh, d0);
+                            for (int c = 0; c < 8; c++) acc[c] = f32x8_fma(p, KV_LOAD8(KV_AT(v, 8 * c)), acc[c]);
                         }
                     for (int c = 0; c < 8; c++) f32x8_store(oj + 8 * c, acc[c]);
 #endif
@@ -263,8 +275,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                     for (int g = 0; g < nb; g++)
                         for (int64_t i = 0; i < n[g]; i++) {
                             const KV_T *vh = vb[g] + i * row + kv_off;
-                            KV_NAME(axpy_kv)(oj, pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim), vh + d0,
-                                             width);
+                            KV_NAME(axpy_kv)(oj, pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim),
+                                             KV_AT(vh, d0), width);
                         }
                 }
             }
@@ -304,3 +316,5 @@ static inline void KV_NAME(attend)(const float *q, const KV_T *k_cache, const KV
         KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
                             scale, h0, h1, scores, skip);
 }
+#undef KV_ELEM1
+#undef KV_AT

@@ -1,6 +1,6 @@
 /*
  * Decode attention that reads the paged KV cache in place (CPU; float32
- * queries, a float32, float16, bfloat16 or int8 cache).
+ * queries, a float32, float16, bfloat16, int8 or int4 cache).
  *
  * One query token per sequence. For each (sequence, kv head) pair, the
  * kernel walks the sequence's block table and reads each key/value row
@@ -15,7 +15,9 @@
  *   q, out       [num_seqs, num_heads, head_dim]
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], of
  *                kv_type KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16; KV_INT8:
- *                [..., head_dim + 4], each head's float32 scale after it
+ *                [..., head_dim + 4], each head's float32 scale after it;
+ *                KV_INT4: uint8 [..., head_dim / 2 + 4], rotated nibbles
+ *                and a scale (the queries rotated, the output rotated back)
  *   block_tables [num_seqs, table_stride] int64
  *   seq_lens     [num_seqs] int64
  *
@@ -49,7 +51,11 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
     const int num_heads = n->num_heads, num_kv_heads = n->num_kv_heads, head_dim = n->head_dim;
     const int block_size = n->block_size;
     float *scores = (float *)malloc(sizeof(float) * (size_t)heads_per_part * group * (size_t)max_len);
-    if (scores == NULL) {
+    /* an int4 cache's rotated queries (attend_i4_rotated) */
+    float *qr = n->kv_type == KV_INT4 ? (float *)malloc(sizeof(float) * (size_t)num_heads * head_dim) : NULL;
+    if (scores == NULL || (n->kv_type == KV_INT4 && qr == NULL)) {
+        free(scores);
+        scores = NULL;
 #pragma omp atomic write
         *failed = 1;
     }
@@ -71,6 +77,9 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
         else if (n->kv_type == KV_FLOAT16)
             attend_f16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob, num_heads,
                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+        else if (n->kv_type == KV_INT4)
+            attend_i4_rotated(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob,
+                              num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, qr);
         else if (n->kv_type == KV_INT8)
             attend_i8(qb, (const int8_t *)n->k_cache, (const int8_t *)n->v_cache, table, span, ob, num_heads,
                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
@@ -79,4 +88,5 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
                         num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
     }
     free(scores);
+    free(qr);
 }

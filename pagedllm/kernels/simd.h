@@ -16,6 +16,8 @@
  *                    attention's dot products, the horizontal sums.
  *   u8x16_*          16 bytes of GGUF quants: nibbles split, fifth bits
  *                    spread, widened to floats (f32x8_from_u8, ...).
+ *   f32x8_load_u4, f32x16_load_u4  8 / 16 packed nibbles (an int4 KV
+ *                    cache's values) as floats, less their offset of 8.
  *   f32x8_bf16_lo/hi two bfloat16s per 32-bit lane widened (the AVX2
  *                    bf16 matmul).
  *   f32x16_*         16 floats: AVX-512 builds (SIMD_F32X16); bf16x32_*

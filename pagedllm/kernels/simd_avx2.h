@@ -34,6 +34,16 @@ SIMD_INLINE f32x8 f32x8_load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* 8 int4 values at p (4 bytes; value 2i in byte i's low nibble, 2i + 1 in its high one, each stored as q + 8),
+   as the floats q: an int4 KV cache's values before their scale. Lane i shifts the 32 bits right by 4i. */
+SIMD_INLINE f32x8 f32x8_load_u4(const uint8_t *p) {
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i n = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), shifts), _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(n, _mm256_set1_epi32(8)));
+}
+
 /* lane-wise a > b (ordered, quiet: false where either is NaN), as a mask of all-ones lanes */
 SIMD_INLINE f32x8 f32x8_gt(f32x8 a, f32x8 b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
 /* mask ? b : a, lane by lane (the mask's sign bits decide) */

@@ -33,6 +33,18 @@ SIMD_INLINE f32x16 f32x16_load_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
+/* 16 int4 values at p (8 bytes, packed as f32x8_load_u4's), as the floats q: lanes 0-7 take the low 32 bits,
+   lanes 8-15 the high ones, each shifted right by 4 * (lane % 8) */
+SIMD_INLINE f32x16 f32x16_load_u4(const uint8_t *p) {
+    long long w;
+    memcpy(&w, p, sizeof w);
+    const __m512i words = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                   _mm512_set1_epi64(w));
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i n = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(n, _mm512_set1_epi32(8)));
+}
+
 #if defined(__AVX512DQ__) && SIMD_F32X8
 /* lanes i and i + 8 added: 8 floats, for the 8-lane reductions (f32x8_hsum4) */
 SIMD_INLINE f32x8 f32x16_fold8(f32x16 v) {

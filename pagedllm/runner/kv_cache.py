@@ -11,7 +11,9 @@ float32 scale (``layers/kv_quant.py``). The scales live inside the blocks'
 own bytes, so everything that handles whole blocks (copy-on-write's
 ``copy_blocks``, ``release_kv_blocks``, the lazy mapping, a tensor-parallel
 rank's slice of the heads) carries them with no code of its own, and a
-kernel finds a row's scale next to its values.
+kernel finds a row's scale next to its values. An int4 cache
+(``kv_cache_dtype="int4"``, a uint8 tensor) is the same with a last
+dimension of ``head_dim / 2 + 4`` bytes: rotated nibbles, then the scale.
 
 Never resized: the block manager hands out its block ids, the attention
 backends read and write it through block tables and the slot mapping.
@@ -39,7 +41,7 @@ import mmap
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.layers.kv_quant import INT8_SCALE_BYTES
+from pagedllm.layers.kv_quant import INT4_SCALE_BYTES, INT8_SCALE_BYTES, hadamard_block
 from pagedllm.loader.model_config import ModelArchConfig
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)  # 4 on Linux
@@ -69,12 +71,16 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements one head of one token takes in a cache of ``dtype``: ``head_dim``, plus an int8 cache's scale bytes."""
+    """Elements one head of one token takes in a cache of ``dtype``: ``head_dim``, plus an int8 cache's scale bytes;
+    an int4 cache (uint8) ``head_dim / 2`` bytes of nibbles and its scale's (ValueError for an odd head_dim)."""
+    if dtype == torch.uint8:
+        hadamard_block(head_dim)  # refuses an odd head_dim
+        return head_dim // 2 + INT4_SCALE_BYTES
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
 def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V (an int8 cache's scales included)."""
+    """Bytes one block takes across all layers, K and V (an int8 / int4 cache's scales included)."""
     mc = model_config
     elem = torch.tensor([], dtype=dtype).element_size()
     width = cache_head_width(mc.head_dim, dtype)
@@ -135,7 +141,8 @@ def allocate_kv_cache(
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written)."""
     mc = model_config
-    # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes: int8)]
+    # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes: int8;
+    #  head_dim / 2 + 4 bytes: int4)]
     shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads,
              cache_head_width(mc.head_dim, dtype))
     if device.type == "cpu":

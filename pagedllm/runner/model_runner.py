@@ -11,6 +11,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
+from pagedllm.layers.kv_quant import kv_format_name
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
@@ -36,8 +37,9 @@ from pagedllm.runner.sequence_states import SequenceStates
 from pagedllm.step_record import SamplingSpec, SequenceStep, StepRecord
 
 logger = logging.getLogger(__name__)
-# what each kv_cache_dtype stores: a float dtype, or int8 values with their scales (layers/kv_quant.py)
-KV_DTYPES = {**DTYPES, "int8": torch.int8}
+# what each kv_cache_dtype stores: a float dtype, or int8 values / int4 nibbles (uint8) with their scales
+# (layers/kv_quant.py)
+KV_DTYPES = {**DTYPES, "int8": torch.int8, "int4": torch.uint8}
 
 # the most sequences a captured decode step has: past that the Python between kernels is a small share of a step
 MAX_CAPTURED_ROWS = 64
@@ -110,7 +112,7 @@ class ModelRunner:
             "resident: weights %.1f MiB (%s, %s linears), KV cache %.1f MiB (%d blocks of %d tokens, %s)",
             self.weight_bytes / 2**20, self.weight_format, self.linear_backend,
             self.kv_cache_bytes / 2**20, self.num_kv_blocks, self.block_size,
-            str(self.kv_cache_dtype).removeprefix("torch."),
+            kv_format_name(self.kv_cache_dtype),
         )
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.block_size, self.device)

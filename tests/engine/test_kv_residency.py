@@ -42,30 +42,34 @@ def test_release_keeps_pages_shared_with_live_blocks() -> None:
     assert release_kv_blocks(kv, [(0, 4)]) == 2 * mmap.PAGESIZE
 
 
-def test_an_int8_pool_reserves_releases_and_counts_its_scales_with_its_values() -> None:
-    """int8 blocks hold each head's float32 scale after its values (head_dim + 4 bytes): the lazy reservation,
-    the release and the block bytes all cover them."""
-    from pagedllm.layers.kv_quant import dequantize_int8_heads, quantize_int8_heads
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_an_int8_pool_reserves_releases_and_counts_its_scales_with_its_values(fmt: str) -> None:
+    """int8 blocks hold each head's float32 scale after its values (head_dim + 4 bytes), int4 ones after its
+    nibbles (head_dim / 2 + 4): the lazy reservation, the release and the block bytes all cover them."""
+    from pagedllm.layers import kv_quant
     from pagedllm.loader.model_config import ModelArchConfig
     from pagedllm.runner.kv_cache import allocate_kv_cache, kv_bytes_per_block
 
-    # head_dim 60: a head row of 64 bytes, a block of 16 tokens x 4 heads one page per slice
-    mc = ModelArchConfig(architecture="llama", vocab_size=100, hidden_size=240, intermediate_size=64,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=60,
+    # head_dim 60 (int8) / 120 (int4): a head row of 64 bytes, a block of 16 tokens x 4 heads one page per slice
+    head_dim, dtype = (60, torch.int8) if fmt == "int8" else (120, torch.uint8)
+    quantize = getattr(kv_quant, f"quantize_{fmt}_heads")
+    dequantize = getattr(kv_quant, f"dequantize_{fmt}_heads")
+    mc = ModelArchConfig(architecture="llama", vocab_size=100, hidden_size=4 * head_dim, intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=head_dim,
                          rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)
-    kv, layers = allocate_kv_cache(mc, 64, 16, torch.int8, torch.device("cpu"))
+    kv, layers = allocate_kv_cache(mc, 64, 16, dtype, torch.device("cpu"))
     block_bytes = 16 * 4 * 64
     assert kv.shape == (2, 3, 64, 16, 4, 64) and block_bytes == mmap.PAGESIZE
-    assert kv_bytes_per_block(mc, 16, torch.int8) == 2 * 3 * block_bytes
+    assert kv_bytes_per_block(mc, 16, dtype) == 2 * 3 * block_bytes
     assert resident_kv_bytes(kv) == 0
-    rows = quantize_int8_heads(torch.randn(5, 16, 4, 60) + 1)  # blocks 0-4 of every layer
+    rows = quantize(torch.randn(5, 16, 4, head_dim) + 1)  # blocks 0-4 of every layer
     for k_cache, v_cache in layers:
         k_cache[0:5] = rows
         v_cache[0:5] = rows
     assert resident_kv_bytes(kv) == 2 * 3 * 5 * block_bytes
     assert release_kv_blocks(kv, [(1, 3)]) == 2 * 3 * 2 * block_bytes
     assert torch.all(kv[:, :, 1:3] == 0)  # values and scales: a released block reads as zeros
-    assert torch.all(dequantize_int8_heads(kv[:, :, 1:3]) == 0)
+    assert torch.all(dequantize(kv[:, :, 1:3]) == 0)
     assert torch.equal(kv[0, 2, 3], rows[3]) and torch.equal(kv[1, 0, 4], rows[4])
 
 

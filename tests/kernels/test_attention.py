@@ -17,7 +17,8 @@ from pagedllm.layers.attention import (
     gather_context,
     make_backend,
 )
-from pagedllm.layers.kv_quant import INT8_SCALE_BYTES, dequantize_int8_heads, quantize_int8_heads
+from pagedllm.layers.kv_quant import is_quantized, quantize_heads, stored_values
+from pagedllm.runner.kv_cache import cache_head_width
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 
@@ -34,18 +35,18 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
 
 
 def _to_cache(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8: values and scales, ``head_dim + 4``)."""
-    return quantize_int8_heads(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
+    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8 / int4 (uint8): values and scales)."""
+    return quantize_heads(x, kv_dtype) if is_quantized(kv_dtype) else x.to(kv_dtype)
 
 
 def _as_held(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """K/V ``[..., head_dim]`` in float32 as a cache of ``kv_dtype`` holds it."""
-    return dequantize_int8_heads(quantize_int8_heads(x)) if kv_dtype == torch.int8 else x.to(kv_dtype).float()
+    return stored_values(_to_cache(x, kv_dtype)).float()
 
 
 def _width(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """A cache's last dimension: head_dim, plus an int8 cache's scale bytes."""
-    return head_dim + INT8_SCALE_BYTES if kv_dtype == torch.int8 else head_dim
+    """A cache's last dimension: head_dim, plus an int8 cache's scale bytes (int4: head_dim / 2 + 4)."""
+    return cache_head_width(head_dim, kv_dtype)
 
 
 def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = torch.float32):  # noqa: ANN202
@@ -107,7 +108,7 @@ STEPS = [
 ]
 
 
-KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8]  # uint8: int4
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -146,7 +147,7 @@ def test_cpu_paged_decode_on_model_sized_heads(
 ) -> None:
     """Long decodes over shuffled blocks, some shared between sequences, at SmolLM2-like sizes, with and without windows.
 
-    2-byte caches are widened as they are read, int8 ones dequantized in
+    2-byte caches are widened as they are read, int8 / int4 ones dequantized in
     registers: the result equals float32 attention over the widened cache.
     """
     gen = torch.Generator().manual_seed(7)
@@ -181,7 +182,7 @@ def test_cpu_paged_decode_on_model_sized_heads(
         AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
     with pytest.raises(ValueError, match="int64"):
         AttentionMetadata(**{**meta.__dict__, "block_tables": meta.block_tables.int()})
-    with pytest.raises(ValueError, match="float32, float16, bfloat16 or int8"):
+    with pytest.raises(ValueError, match="float32, float16, bfloat16, int8 or int4"):
         CpuPagedAttention().attend(q, None, None, k_cache.double(), v_cache.double(), meta, scale)
     with pytest.raises(ValueError, match="of one dtype"):
         other = torch.float16 if kv_dtype != torch.float16 else torch.bfloat16

@@ -5,8 +5,10 @@ scale (``layers/kv_quant.py``). The native write (``write_kv``) must store
 what a float64 reference of the scheme stores (to the one rounding step a
 float32 division can move) and exactly what the torch quantizer stores;
 decode and prefill attention over int8 blocks must equal float64 attention
-over the dequantized K/V. ``tests/kernels/test_kernel_variants.py`` runs
-this file under every ISA variant this CPU executes.
+over the dequantized K/V. The attention tests run the int4 cache too
+(``FORMATS``; its rows' own tests: ``test_kv_int4.py``).
+``tests/kernels/test_kernel_variants.py`` runs this file under every ISA
+variant this CPU executes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from pagedllm.layers.attention import (
     ReferenceAttention,
     SdpaAttention,
 )
-from pagedllm.layers.kv_quant import INT8_SCALE_BYTES, dequantize_int8_heads, quantize_int8_heads
+from pagedllm.layers.kv_quant import (
+    INT4_SCALE_BYTES,
+    INT8_SCALE_BYTES,
+    dequantize_int4_heads,
+    dequantize_int8_heads,
+    quantize_int4_heads,
+    quantize_int8_heads,
+)
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.kv_cache import kv_bytes_per_block
 
@@ -35,6 +44,13 @@ def ops():  # noqa: ANN201
     lib = load_kernels()
     assert lib is not None, "the native kernels must build on the test machine"
     return lib
+
+
+# each quantized cache format: its tensor dtype, quantizer, dequantizer and a head row's width for a head_dim
+FORMATS = {
+    "int8": (torch.int8, quantize_int8_heads, dequantize_int8_heads, lambda d: d + INT8_SCALE_BYTES),
+    "int4": (torch.uint8, quantize_int4_heads, dequantize_int4_heads, lambda d: d // 2 + INT4_SCALE_BYTES),
+}
 
 
 def _native_rows(ops, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
@@ -136,17 +152,21 @@ def _dense64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start:
 
 
 # head_dim 64 / 128: the vector path's unrolled sizes; 96: a 32-float tail; 20: the scalar path
+# (int4: 96 and 20 rotate in blocks of 32 and 4, the largest powers of two dividing them)
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 1, 128, 5),
                                                                         (6, 2, 96, 8), (4, 2, 20, 3)])
-def test_decode_over_int8_blocks_matches_float64(ops, num_heads, num_kv_heads, head_dim, block_size) -> None:  # noqa: ANN001
-    """Scattered block tables, partial last blocks, sequences sharing their first blocks."""
+def test_decode_over_int8_blocks_matches_float64(ops, num_heads, num_kv_heads, head_dim, block_size, fmt) -> None:  # noqa: ANN001
+    """Scattered block tables, partial last blocks, sequences sharing their first blocks (int8 and int4 blocks:
+    an int4 cache's kernel rotates the queries and its output, the reference is over un-rotated values)."""
+    _, quantize, dequantize, _ = FORMATS[fmt]
     gen = torch.Generator().manual_seed(head_dim)
     rng = random.Random(head_dim)
     num_blocks = 400
     raw_k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 3
     raw_v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    k_cache, v_cache = quantize_int8_heads(raw_k), quantize_int8_heads(raw_v)
-    keys, values = dequantize_int8_heads(k_cache), dequantize_int8_heads(v_cache)
+    k_cache, v_cache = quantize(raw_k), quantize(raw_v)
+    keys, values = dequantize(k_cache), dequantize(v_cache)
     seq_lens = [1, block_size - 1, block_size + 1, 4 * block_size + 3, 203]
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -184,11 +204,13 @@ def _prefill_meta(lens: list[int], computed: list[int], tables: list[list[int]],
     )
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("head_dim", [64, 32])
-def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: int) -> None:
+def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: int, fmt: str) -> None:
     """Fresh prompts (the prefill kernel over the step's rows, as stored) and their continuation in chunks
-    (each token a decode query reading the cached int8 blocks in place) equal float64 attention over the
+    (each token a decode query reading the cached int8 / int4 blocks in place) equal float64 attention over the
     dequantized K/V, and each other."""
+    cache_dtype, quantize, dequantize, row_width = FORMATS[fmt]
     gen = torch.Generator().manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 40
     lens = [37, 70, 16]
@@ -198,10 +220,10 @@ def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: in
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen) * 2
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    width = head_dim + INT8_SCALE_BYTES
+    width = row_width(head_dim)
 
     def caches() -> list[torch.Tensor]:
-        return [torch.zeros(num_blocks, block_size, num_kv_heads, width, dtype=torch.int8) for _ in range(2)]
+        return [torch.zeros(num_blocks, block_size, num_kv_heads, width, dtype=cache_dtype) for _ in range(2)]
 
     whole_caches = caches()
     whole = CpuPagedAttention().forward(q, k, v, *whole_caches, _prefill_meta(lens, [0] * 3, tables, block_size), scale)
@@ -214,7 +236,7 @@ def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: in
     out1 = CpuPagedAttention().forward(*first, *chunk_caches, _prefill_meta(cuts, [0] * 3, tables, block_size), scale)
     out2 = CpuPagedAttention().forward(*rest, *chunk_caches, _prefill_meta(lens, cuts, tables, block_size), scale)
     assert torch.equal(whole_caches[0], chunk_caches[0]) and torch.equal(whole_caches[1], chunk_caches[1])
-    held_k, held_v = dequantize_int8_heads(quantize_int8_heads(k)), dequantize_int8_heads(quantize_int8_heads(v))
+    held_k, held_v = dequantize(quantize(k)), dequantize(quantize(v))
     o1 = o2 = 0
     for s, c, n in zip(starts, cuts, lens):
         want = _dense64(q[s : s + n], held_k[s : s + n], held_v[s : s + n], 0, scale)
@@ -222,7 +244,7 @@ def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: in
         torch.testing.assert_close(out1[o1 : o1 + c].double(), want[:c], rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(out2[o2 : o2 + n - c].double(), want[c:], rtol=2e-5, atol=2e-5)
         o1, o2 = o1 + c, o2 + n - c
-    # the torch backends over the same int8 cache agree (SDPA and the reference dequantize what they gather)
+    # the torch backends over the same quantized cache agree (SDPA and the reference dequantize what they gather)
     for backend in (SdpaAttention(), ReferenceAttention()):
         other = caches()
         got = backend.forward(q, k, v, *other, _prefill_meta(lens, [0] * 3, tables, block_size), scale)

@@ -16,7 +16,7 @@ from conftest import CapturingLLM as LLM  # decode steps captured from the first
 
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.kv_quant import INT8_SCALE_BYTES, quantize_int8_heads
+from pagedllm.layers.kv_quant import is_quantized, quantize_heads
 from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
 from pagedllm.runner.decode_graph import (
     CaptureError,
@@ -28,6 +28,7 @@ from pagedllm.runner.decode_graph import (
     num_programs,
     trace,
 )
+from pagedllm.runner.kv_cache import cache_head_width
 from pagedllm.runner.step_program import native_calls
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 80, 4, 2, 16, 96, 50
@@ -59,8 +60,9 @@ class _Weights:
         self.o = ops.pack_panels_bf16(rand(HIDDEN, HEADS * HEAD_DIM) * 0.1)
         self.gate_up = ops.pack_panels(rand(2 * INTER, HIDDEN) * 0.1)
         self.down = pack_groups(*quantize_groups(rand(HIDDEN, INTER) * 0.1, 4, 32), 4)  # int4, groups of 32
-        # [num_blocks, block_size, kv_heads, head_dim] (int8: head_dim values and a float32 scale's 4 bytes)
-        width = HEAD_DIM + INT8_SCALE_BYTES if kv_dtype == torch.int8 else HEAD_DIM
+        # [num_blocks, block_size, kv_heads, head_dim] (int8: head_dim values and a float32 scale's 4 bytes;
+        # int4 (uint8): head_dim / 2 bytes of nibbles and the scale's)
+        width = cache_head_width(HEAD_DIM, kv_dtype)
         self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, width, dtype=kv_dtype)
         self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, width, dtype=kv_dtype)
 
@@ -106,7 +108,7 @@ def _fill_cache(w: _Weights, seed: int) -> None:
     shape = (*w.k_cache.shape[:-1], HEAD_DIM)
     for cache in (w.k_cache, w.v_cache):
         x = torch.randn(shape, generator=gen)
-        cache.copy_(quantize_int8_heads(x) if cache.dtype == torch.int8 else x)
+        cache.copy_(quantize_heads(x, cache.dtype) if is_quantized(cache.dtype) else x)
 
 
 def _graph(fn, w: _Weights, max_rows: int, native: bool = True) -> DecodeGraph:  # noqa: ANN001
@@ -119,9 +121,9 @@ def _graph(fn, w: _Weights, max_rows: int, native: bool = True) -> DecodeGraph: 
     return lower(gm, _step(max_rows, 0), rows, bindings, list(range(1, max_rows + 1)), native)
 
 
-# 1 row: attention split by kv head; 9 rows: by sequence, and more than one 8-row tile; an int8 cache's
-# write_kv / paged_decode nodes too
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+# 1 row: attention split by kv head; 9 rows: by sequence, and more than one 8-row tile; an int8 / int4
+# (uint8) cache's write_kv / paged_decode nodes too
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.uint8])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_programs_replay_the_ops_exactly(ops, rows: int, kv_dtype: torch.dtype) -> None:  # noqa: ANN001
     w = _Weights(ops, kv_dtype)

@@ -53,7 +53,7 @@ def _tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
     ("dtype", "kv_cache_dtype", "quantization"),
     [("float32", "auto", None), ("float32", "float16", None), ("bfloat16", "auto", None),
      ("float32", "auto", "int8"), ("float32", "bfloat16", "int8"), ("float32", "auto", "int4"),
-     ("float32", "int8", None)],
+     ("float32", "int8", None), ("float32", "int4", None)],
 )
 def test_replayed_steps_equal_eager(
     arch: str, dtype: str, kv_cache_dtype: str, quantization: str | None, tiny_model_dirs: dict[str, str]
