@@ -17,7 +17,8 @@ Sections:
   ``prompt_logprobs`` through ``LLM.generate`` with ``max_num_batched_tokens``
   ``--chunk`` (256), so every chunk after the first attends to K/V read back from the
   cache. Perplexity = exp(mean NLL over the scored tokens: every token of a window
-  but its first); the delta is against float16 (issue 34's goals: int8 <= +0.5%,
+  but its first, or with ``--score-second-half`` those after its middle, as
+  llama-perplexity scores them); the delta is against float16 (issue 34's goals: int8 <= +0.5%,
   int4 <= +3%).
 * ``budget``: for each ``--budgets-mib`` (64, 256) as ``kv_cache_memory_bytes``: bytes
   per block, blocks held, tokens held, sequences of 2,048 tokens that fit, and (unless
@@ -87,8 +88,8 @@ def text_windows(tokenizer, path: str, window: int, num_windows: int) -> list[li
     return [ids[i * window : (i + 1) * window] for i in range(count)]
 
 
-def window_nlls(llm, windows: list[list[int]]) -> list[float]:  # noqa: ANN001
-    """The negative log-likelihood of every token of every window but its first, in order."""
+def window_nlls(llm, windows: list[list[int]], score_from: int = 1) -> list[float]:  # noqa: ANN001
+    """The negative log-likelihood of every window's tokens from position ``score_from`` on, in order."""
     from pagedllm.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -98,7 +99,7 @@ def window_nlls(llm, windows: list[list[int]]) -> list[float]:  # noqa: ANN001
         scored = out.prompt_logprobs or []
         if len(scored) != len(window) or scored[0] is not None:
             raise RuntimeError(f"expected {len(window)} prompt positions (the first None), got {len(scored)}")
-        for token, position in zip(window[1:], scored[1:], strict=True):
+        for token, position in zip(window[score_from:], scored[score_from:], strict=True):
             if position is None or token not in position:
                 raise RuntimeError("a prompt position came back without its own token's logprob")
             nlls.append(-position[token].logprob)
@@ -117,9 +118,10 @@ def run_perplexity(args: argparse.Namespace, formats: list[str]) -> list[dict]:
         if windows is None:
             windows = text_windows(llm.get_tokenizer(), args.text, args.window, args.windows)
         start = time.perf_counter()
-        nlls = window_nlls(llm, windows)
+        nlls = window_nlls(llm, windows, args.window // 2 + 1 if args.score_second_half else 1)
         row = {"section": "ppl", "kv_cache_dtype": fmt, "text": args.text, "windows": len(windows),
-               "window": args.window, "chunk": args.chunk, "scored_tokens": len(nlls),
+               "window": args.window, "chunk": args.chunk, "second_half_only": args.score_second_half,
+               "scored_tokens": len(nlls),
                "mean_nll": statistics.fmean(nlls), "ppl": math.exp(statistics.fmean(nlls)),
                "elapsed_s": round(time.perf_counter() - start, 1), "settings": engine_settings(llm)}
         rows.append(row)
@@ -156,18 +158,10 @@ def pool_at_budget(args: argparse.Namespace, fmt: str, budget: int) -> dict:
     llm = LLM(args.model, kv_cache_dtype=fmt, kv_cache_memory_bytes=budget, max_model_len=512)
     engine = llm.llm_engine
     blocks, bs = engine.block_manager.num_blocks, engine.config.block_size
+    per_block = engine.model_runner.kv_bytes_per_block
     del llm, engine
-    return {"bytes_per_block": _bytes_per_block(fmt, bs), "blocks": blocks, "tokens": blocks * bs,
+    return {"bytes_per_block": per_block, "blocks": blocks, "tokens": blocks * bs,
             "seqs_at_2k": blocks // math.ceil(2048 / bs)}
-
-
-def _bytes_per_block(fmt: str, block_size: int) -> int:
-    """Bytes of one block (all layers, K and V) in ``fmt``, from the runner's own sizing."""
-    from pagedllm.runner.kv_cache import kv_bytes_per_block
-    from pagedllm.runner.model_runner import KV_DTYPES
-
-    arch = SimpleNamespace(num_hidden_layers=NUM_LAYERS, num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
-    return kv_bytes_per_block(arch, block_size, KV_DTYPES[fmt])
 
 
 def budget_throughput(args: argparse.Namespace, fmt: str, budget: int) -> dict:
@@ -310,6 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens of the perplexity runs")
+    p.add_argument("--score-second-half", action="store_true",
+                   help="score only each window's second half, as llama-perplexity does")
     p.add_argument("--budgets-mib", type=csv_list(int), default=[64, 256])
     p.add_argument("--no-throughput", action="store_true", help="budget section: pool sizes only")
     p.add_argument("--contexts", type=csv_list(int), default=[1024, 4096, 16384])
