@@ -128,7 +128,7 @@ def run_perplexity(args: argparse.Namespace, formats: list[str]) -> list[dict]:
         del llm
     base = next((r for r in rows if r["kv_cache_dtype"] == "float16"), None)
     for row in rows:
-        if base is not None and row["scored_tokens"] != base["scored_tokens"]:
+        if row["scored_tokens"] != rows[0]["scored_tokens"]:
             raise RuntimeError("formats scored different numbers of tokens")
         row["delta_vs_float16_pct"] = None if base is None else 100 * (row["ppl"] / base["ppl"] - 1)
         emit(args, row)
