@@ -8,7 +8,9 @@
 # Result: PREFIX/bin/{llama-server,llama-batched-bench,llama-bench,llama-quantize}, plus PREFIX/VERSION.
 # Only the binaries missing from PREFIX/bin are built.
 # Env: LLAMA_CPP_PYTHON_VERSION (0.3.36), JOBS (2), WITH_PYTHON=1 to also pip-install
-# llama-cpp-python into PREFIX/venv (a second full compile of llama.cpp; off by default).
+# llama-cpp-python into PREFIX/venv (a second full compile of llama.cpp; off by default),
+# EXTRA_TARGETS: more llama.cpp targets, space-separated, built and installed the same way
+# (e.g. EXTRA_TARGETS=llama-perplexity for benchmarks/peers/llama_cpp/perplexity.sh).
 set -euo pipefail
 
 PKG_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -16,6 +18,8 @@ PREFIX="${1:-${LLAMACPP_PREFIX:-/work/peer-venvs/llamacpp}}"
 JOBS="${JOBS:-2}"
 PY="${PYTHON:-python3}"
 TARGETS=(llama-server llama-batched-bench llama-bench llama-quantize)
+# shellcheck disable=SC2206  # word splitting of the space-separated list is wanted
+TARGETS+=(${EXTRA_TARGETS:-})
 
 have_all() {
     for t in "${TARGETS[@]}"; do [ -x "$PREFIX/bin/$t" ] || return 1; done
@@ -28,7 +32,7 @@ if have_all; then
 else
     SDIST="$PREFIX/src/llama_cpp_python-$PKG_VERSION.tar.gz"
     if [ ! -f "$SDIST" ]; then
-        "$PY" -m pip download --no-binary :all: --no-deps -d "$PREFIX/src" "llama-cpp-python==$PKG_VERSION"
+        "$PY" -m pip download --no-binary llama-cpp-python --no-deps -d "$PREFIX/src" "llama-cpp-python==$PKG_VERSION"
     fi
     SRC="$PREFIX/src/llama_cpp_python-$PKG_VERSION"
     [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$PREFIX/src"

@@ -10,7 +10,12 @@ waits for /health, sends one short warm-up request, then POSTs every request of
 workload.json to /completion at once (one thread each): prompt as token ids, greedy,
 ``n_predict`` = output_len, ``ignore_eos``, no prompt cache. The wall time runs from
 the first send to the last reply. Every reply must report ``tokens_predicted`` ==
-output_len. Prints ONE JSON line on stdout; the server's log goes to a temp file that
+output_len. Memory: the server's VmRSS right after /health (``rss_after_load_mib``),
+its VmHWM before it is stopped (``peak_rss_mib``), and the KV buffer the server logs
+at start-up (``kv_buffer_mib``: every "KV buffer size" line summed; llama-server
+reserves each slot's whole context there), also per slot. ``-ctk``/``-ctv`` in
+``--extra-args`` show in ``kv_cache_type`` (e.g. ``--extra-args "-ctk q8_0 -ctv q8_0 -fa on"``).
+Prints ONE JSON line on stdout; the server's log goes to a temp file that
 is shown on failure. The server is killed on exit.
 """
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -95,6 +101,38 @@ def read_source(binary: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+def proc_status_mib(pid: int, key: str) -> float | None:
+    """``key`` (e.g. VmRSS, VmHWM) of /proc/PID/status in MiB, None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def kv_buffer_mib(log_path: str) -> float | None:
+    """The KV cache buffer llama-server logged at start-up (sum of its "KV buffer size = X MiB" lines)."""
+    total, found = 0.0, False
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            m = re.search(r"KV buffer size\s*=\s*([0-9.]+)\s*MiB", line)
+            if m:
+                total, found = total + float(m.group(1)), True
+    return round(total, 2) if found else None
+
+
+def kv_cache_type(extra: list[str]) -> str:
+    """K and V cache types as the server was told (-ctk/-ctv, or the f16 default)."""
+    types = {"k": "f16", "v": "f16"}
+    for flag, which in (("-ctk", "k"), ("--cache-type-k", "k"), ("-ctv", "v"), ("--cache-type-v", "v")):
+        if flag in extra and extra.index(flag) + 1 < len(extra):
+            types[which] = extra[extra.index(flag) + 1]
+    return f"k {types['k']}, v {types['v']}"
 
 
 def main() -> None:
@@ -194,6 +232,7 @@ def main() -> None:
         t0 = time.perf_counter()
         wait_healthy(base, proc, args.startup_timeout, log_path)
         load_s = time.perf_counter() - t0
+        rss_after_load = proc_status_mib(proc.pid, "VmRSS")
 
         def body(ids: list[int], n: int) -> dict:
             return {
@@ -257,6 +296,8 @@ def main() -> None:
                 f"{len(bad_prompt)} replies evaluated a different prompt length, e.g. request {bad_prompt[0]}"
             )
 
+        peak_rss = proc_status_mib(proc.pid, "VmHWM")
+        kv_mib = kv_buffer_mib(log_path)
         num_prompt = sum(len(r["prompt_token_ids"]) for r in workload)
         num_out = sum(res["tokens_predicted"] for res in results)
         timings = [res.get("timings") or {} for res in results]
@@ -277,7 +318,11 @@ def main() -> None:
             "threads": args.threads,
             "batch_size": args.batch_size,
             "ubatch_size": args.ubatch_size,
-            "kv_cache_type": "f16 (llama-server default)",
+            "kv_cache_type": kv_cache_type(shlex.split(args.extra_args)),
+            "kv_buffer_mib": kv_mib,
+            "kv_buffer_mib_per_slot": None if kv_mib is None else round(kv_mib / args.parallel, 3),
+            "rss_after_load_mib": rss_after_load,
+            "peak_rss_mib": peak_rss,
             "server_args": " ".join(
                 a if a != model else os.path.basename(model) for a in server_args
             ),
