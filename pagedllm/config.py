@@ -43,7 +43,7 @@ Path = Annotated[str, NonEmpty]
 
 # the choices of each string field: the field's type says them, these tuples are read off it
 Dtype = Literal["float32", "bfloat16", "float16"]
-KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
+KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]
 Device = Literal["cpu", "cuda"]
 AttentionBackend = Literal["auto", "cpu_paged", "sdpa", "reference"]
 KvAllocator = Literal["paged", "contiguous"]
@@ -160,7 +160,12 @@ class EngineConfig:
             symmetric; ``layers/kv_quant.py``), quantized when written and
             read in place by the attention kernels: about 1.9x the blocks of
             float16 for the same bytes (head_dim 64: 68 bytes a head row
-            against 128). Attention still computes in ``dtype``.
+            against 128). "fp8_e4m3" / "fp8_e5m2" (CPU, every x86 variant):
+            the same layout with fp8 values (OCP E4M3FN, max 448; E5M2, max
+            57344) scaled so each head's max|x| is the format's largest,
+            rounded to nearest even; "fp8" is "fp8_e4m3", as in vLLM. Same
+            rules as int8: +-inf saturates, a NaN makes its head read NaN.
+            Attention still computes in ``dtype``.
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for the KV pool; None picks a share of
@@ -323,8 +328,9 @@ class EngineConfig:
             raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
         if self.cpu_bind is not None:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
-        if self.kv_cache_dtype == "int8" and self.device != "cpu":
-            raise ValueError("kv_cache_dtype='int8' is a CPU cache (the CPU kernels quantize and read its blocks); "
+        if self.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2") and self.device != "cpu":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
+                             "read its blocks); "
                              f"use a float kv_cache_dtype with device={self.device!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(

@@ -15,7 +15,8 @@
  *   q, out       [num_seqs, num_heads, head_dim]
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim], of
  *                kv_type KV_FLOAT32, KV_FLOAT16 or KV_BFLOAT16; KV_INT8:
- *                [..., head_dim + 4], each head's float32 scale after it
+ *                [..., head_dim + 4], each head's float32 scale after it;
+ *                KV_FP8E4M3 / KV_FP8E5M2: the same with fp8 bytes
  *   block_tables [num_seqs, table_stride] int64
  *   seq_lens     [num_seqs] int64
  *
@@ -71,6 +72,12 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
         else if (n->kv_type == KV_FLOAT16)
             attend_f16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob, num_heads,
                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+        else if (n->kv_type == KV_FP8E4M3)
+            attend_e4m3(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
+                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+        else if (n->kv_type == KV_FP8E5M2)
+            attend_e5m2(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
+                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else if (n->kv_type == KV_INT8)
             attend_i8(qb, (const int8_t *)n->k_cache, (const int8_t *)n->v_cache, table, span, ob, num_heads,
                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);

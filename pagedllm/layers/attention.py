@@ -22,7 +22,8 @@ without reading the cache, so those are rounded the same way first
 (``as_stored``): every path sees a token's K/V exactly as the cache holds
 it, and a prompt gives the same result whole or in chunks. An int8 cache
 (``kv_cache_dtype="int8"``) holds each head's values with one scale per
-token (``layers/kv_quant.py``); the native kernels read it in place, the
+token, an fp8 one (``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``) the same with
+fp8 values (``layers/kv_quant.py``); the native kernels read it in place, the
 torch paths dequantize what they gather.
 
 Two per-layer options change which scores count (``forward``'s keywords):
@@ -46,7 +47,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.kv_quant import dequantize_int8_heads, quantize_int8_heads, stored_values
+from pagedllm.layers.kv_quant import QUANTIZED_CACHE_DTYPES, quantize_heads, stored_values
 
 
 @dataclass(frozen=True)
@@ -119,20 +120,23 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots (rounded to the cache's dtype;
-    an int8 cache's rows quantized with their scales)."""
+    an int8 or fp8 cache's rows quantized with their scales)."""
     num_kv_heads = k.shape[1]
-    if k_cache.dtype == torch.int8:
-        k_rows, v_rows = quantize_int8_heads(k), quantize_int8_heads(v)
+    if k_cache.dtype in QUANTIZED_CACHE_DTYPES:
+        k_rows, v_rows = quantize_heads(k, k_cache.dtype), quantize_heads(v, v_cache.dtype)
     else:
         k_rows, v_rows = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
+    if k_cache.dtype.is_floating_point and k_cache.element_size() == 1:
+        # fp8: torch has no CPU index_copy_ for float8, the bytes are copied instead
+        k_cache, v_cache, k_rows, v_rows = (t.view(torch.uint8) for t in (k_cache, v_cache, k_rows, v_rows))
     k_cache.view(-1, num_kv_heads, k_cache.shape[-1]).index_copy_(0, slot_mapping, k_rows)
     v_cache.view(-1, num_kv_heads, v_cache.shape[-1]).index_copy_(0, slot_mapping, v_rows)
 
 
 def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """``x`` as the cache holds it (rounded to the cache's dtype, or int8-quantized), back in ``x``'s dtype."""
-    if cache.dtype == torch.int8:
-        return dequantize_int8_heads(quantize_int8_heads(x)).to(x.dtype)
+    """``x`` as the cache holds it (rounded to the cache's dtype, or int8 / fp8-quantized), back in ``x``'s dtype."""
+    if cache.dtype in QUANTIZED_CACHE_DTYPES:
+        return stored_values(quantize_heads(x, cache.dtype)).to(x.dtype)
     return x if cache.dtype == x.dtype else to_cache_dtype(x, cache.dtype).to(x.dtype)
 
 
@@ -182,7 +186,7 @@ def gather_context(
 
 
 # the cache dtypes the native kernels read and write
-_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *QUANTIZED_CACHE_DTYPES)
 # cache pairs CpuPagedAttention remembers before it drops the entries of freed ones
 _CACHE_VERDICTS_PRUNE_AT = 256
 
@@ -376,7 +380,7 @@ class CpuPagedAttention(SdpaAttention):
     (``kernels/prefill_attention.cpp``); prompts that continue cached context
     (prefix-cache hits, chunked prefills) read it in place with the decode
     kernel, one query per token. Float32 queries on the CPU; the cache may be float32, float16,
-    bfloat16 or int8 (values and per-head scales, read in place and widened in registers).
+    bfloat16, int8 or fp8 (values and per-head scales, read in place and widened in registers).
 
     The decode kernel takes a sliding window (it starts each sequence at the
     block holding its window's first key and masks the keys before it); the

@@ -36,8 +36,14 @@ from pagedllm.runner.sequence_states import SequenceStates
 from pagedllm.step_record import SamplingSpec, SequenceStep, StepRecord
 
 logger = logging.getLogger(__name__)
-# what each kv_cache_dtype stores: a float dtype, or int8 values with their scales (layers/kv_quant.py)
-KV_DTYPES = {**DTYPES, "int8": torch.int8}
+# what each kv_cache_dtype stores: a float dtype, or int8 / fp8 values with their scales (layers/kv_quant.py)
+KV_DTYPES = {
+    **DTYPES,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 # the most sequences a captured decode step has: past that the Python between kernels is a small share of a step
 MAX_CAPTURED_ROWS = 64

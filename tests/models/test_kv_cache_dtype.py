@@ -42,7 +42,7 @@ def float32_llm() -> LLM:
 
 def test_unknown_kv_cache_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        EngineConfig(model="model.gguf", kv_cache_dtype="fp8")
+        EngineConfig(model="model.gguf", kv_cache_dtype="fp4")
 
 
 @pytest.mark.slow
@@ -183,7 +183,7 @@ def test_int8_cache_keeps_greedy_tokens_close_to_float32(float32_llm: LLM, int8_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8", "fp8"])
 def test_narrow_cache_gives_the_same_tokens_whole_or_chunked(kv_cache_dtype: str) -> None:
     """New K/V are seen as stored on every path (an int8 cache's as dequantized), so chunking a prompt
     changes nothing."""
@@ -206,11 +206,15 @@ def _tiny_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
 
 
-def test_int8_copy_on_write_keeps_the_scales(tiny_model_dirs: dict[str, str]) -> None:
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_quantized_copy_on_write_keeps_the_scales(tiny_model_dirs: dict[str, str], kv_cache_dtype: str) -> None:
     """Two greedy samples of a prompt whose last block is partial: the second writes into a copy of that
     block (its values and scales) and must read the same context the first reads."""
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=4, kv_cache_dtype="int8",
-              enable_prefix_caching=False)
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=4,
+              kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     prompts = _tiny_prompts([10, 7], seed=5)  # 2 and 3 tokens in their last blocks
     single = _tiny_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     bm = llm.llm_engine.block_manager
@@ -221,11 +225,14 @@ def test_int8_copy_on_write_keeps_the_scales(tiny_model_dirs: dict[str, str]) ->
     assert bm.num_free_blocks == 64
 
 
-def test_int8_prefix_cache_hit_and_preemption_give_the_same_tokens(tiny_model_dirs: dict[str, str]) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_quantized_prefix_cache_hit_and_preemption_give_the_same_tokens(
+    tiny_model_dirs: dict[str, str], kv_cache_dtype: str
+) -> None:
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     prefix = _tiny_prompts([21], seed=11)[0]
     prompts = [prefix + t for t in _tiny_prompts([3, 10, 1, 7, 5, 9, 2, 6], seed=12)]
-    kw = dict(max_model_len=128, block_size=4, kv_cache_dtype="int8")
+    kw = dict(max_model_len=128, block_size=4, kv_cache_dtype=kv_cache_dtype)
     plain = LLM(tiny_model_dirs["llama"], num_kv_blocks=256, enable_prefix_caching=False, **kw)
     want = _tiny_tokens(plain, prompts, params)
     # the first request fills the prefix cache, the rest hit its 5 full blocks
