@@ -47,7 +47,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.kv_quant import QUANTIZED_CACHE_DTYPES, quantize_heads, stored_values
+from pagedllm.layers.kv_quant import (
+    QUANTIZED_CACHE_DTYPES,
+    indexable,
+    quantize_heads,
+    stored_values,
+)
 
 
 @dataclass(frozen=True)
@@ -126,9 +131,7 @@ def write_kv(
         k_rows, v_rows = quantize_heads(k, k_cache.dtype), quantize_heads(v, v_cache.dtype)
     else:
         k_rows, v_rows = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
-    if k_cache.dtype.is_floating_point and k_cache.element_size() == 1:
-        # fp8: torch has no CPU index_copy_ for float8, the bytes are copied instead
-        k_cache, v_cache, k_rows, v_rows = (t.view(torch.uint8) for t in (k_cache, v_cache, k_rows, v_rows))
+    k_cache, v_cache, k_rows, v_rows = (indexable(t) for t in (k_cache, v_cache, k_rows, v_rows))
     k_cache.view(-1, num_kv_heads, k_cache.shape[-1]).index_copy_(0, slot_mapping, k_rows)
     v_cache.view(-1, num_kv_heads, v_cache.shape[-1]).index_copy_(0, slot_mapping, v_rows)
 

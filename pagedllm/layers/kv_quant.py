@@ -93,6 +93,12 @@ def dequantize_fp8_heads(rows: torch.Tensor) -> torch.Tensor:
     return rows[..., :head_dim].float() * scale
 
 
+def indexable(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` as a tensor torch's index ops take: an fp8 cache as its bytes (torch has no CPU
+    ``index_copy_`` for float8), any other as it is. Copies of bytes move fp8 values and scales alike."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
+
+
 def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` ``[..., head_dim]`` as a quantized cache of ``dtype`` (one of ``QUANTIZED_CACHE_DTYPES``) stores it."""
     return quantize_int8_heads(x) if dtype == torch.int8 else quantize_fp8_heads(x, dtype)

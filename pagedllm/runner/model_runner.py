@@ -11,6 +11,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
+from pagedllm.layers.kv_quant import indexable
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
@@ -207,8 +208,9 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
-        # kv_cache: [2, num_layers, num_kv_blocks, ...]; blocks are dim 2
-        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        # kv_cache: [2, num_layers, num_kv_blocks, ...]; blocks are dim 2 (an fp8 cache copied as bytes)
+        cache = indexable(self.kv_cache)
+        cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def warm_up(self) -> None:
         """Capture the decode step now rather than at the first decode (seconds on a 30-layer model).
