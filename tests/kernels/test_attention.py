@@ -17,7 +17,13 @@ from pagedllm.layers.attention import (
     gather_context,
     make_backend,
 )
-from pagedllm.layers.kv_quant import INT8_SCALE_BYTES, dequantize_int8_heads, quantize_int8_heads
+from pagedllm.layers.kv_quant import (
+    INT8_SCALE_BYTES,
+    QUANTIZED_CACHE_DTYPES,
+    indexable,
+    quantize_heads,
+    stored_values,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
 
@@ -34,18 +40,18 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
 
 
 def _to_cache(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8: values and scales, ``head_dim + 4``)."""
-    return quantize_int8_heads(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
+    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8 / fp8: values and scales, ``head_dim + 4``)."""
+    return quantize_heads(x, kv_dtype) if kv_dtype in QUANTIZED_CACHE_DTYPES else x.to(kv_dtype)
 
 
 def _as_held(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """K/V ``[..., head_dim]`` in float32 as a cache of ``kv_dtype`` holds it."""
-    return dequantize_int8_heads(quantize_int8_heads(x)) if kv_dtype == torch.int8 else x.to(kv_dtype).float()
+    return stored_values(_to_cache(x, kv_dtype)).float()
 
 
 def _width(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """A cache's last dimension: head_dim, plus an int8 cache's scale bytes."""
-    return head_dim + INT8_SCALE_BYTES if kv_dtype == torch.int8 else head_dim
+    """A cache's last dimension: head_dim, plus an int8 / fp8 cache's scale bytes."""
+    return head_dim + INT8_SCALE_BYTES if kv_dtype in QUANTIZED_CACHE_DTYPES else head_dim
 
 
 def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = torch.float32):  # noqa: ANN202
@@ -71,8 +77,9 @@ def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = 
         v_all = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
         old = torch.tensor(slot_mapping(table, BLOCK_SIZE, 0, computed), dtype=torch.int64)
-        k_cache.view(-1, NUM_KV_HEADS, k_cache.shape[-1])[old] = _to_cache(k_all[:computed], kv_dtype)
-        v_cache.view(-1, NUM_KV_HEADS, v_cache.shape[-1])[old] = _to_cache(v_all[:computed], kv_dtype)
+        # fp8 as bytes: torch cannot index_put float8 on the CPU
+        indexable(k_cache).view(-1, NUM_KV_HEADS, k_cache.shape[-1])[old] = indexable(_to_cache(k_all[:computed], kv_dtype))
+        indexable(v_cache).view(-1, NUM_KV_HEADS, v_cache.shape[-1])[old] = indexable(_to_cache(v_all[:computed], kv_dtype))
         qs.append(q)
         ks.append(k_all[computed:])
         vs.append(v_all[computed:])
@@ -107,7 +114,7 @@ STEPS = [
 ]
 
 
-KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -181,7 +188,7 @@ def test_cpu_paged_decode_on_model_sized_heads(
         AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
     with pytest.raises(ValueError, match="int64"):
         AttentionMetadata(**{**meta.__dict__, "block_tables": meta.block_tables.int()})
-    with pytest.raises(ValueError, match="float32, float16, bfloat16 or int8"):
+    with pytest.raises(ValueError, match="float32, float16, bfloat16, int8 or float8"):
         CpuPagedAttention().attend(q, None, None, k_cache.double(), v_cache.double(), meta, scale)
     with pytest.raises(ValueError, match="of one dtype"):
         other = torch.float16 if kv_dtype != torch.float16 else torch.bfloat16
