@@ -37,11 +37,11 @@ SIMD_INLINE f32x8 f32x8_load_bf16(const uint16_t *p) {
 SIMD_INLINE f32x8 f32x8_load_e5m2(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p)));
 }
+/* E4M3: the byte in the lane's top half shifted right one (arithmetic: the
+   sign stays in bit 15 and is copied into bit 14, which the mask clears) */
 SIMD_INLINE f32x8 f32x8_load_e4m3(const uint8_t *p) {
-    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+    const __m128i hi = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(hi, 1), _mm_set1_epi16((short)0xBFFF)));
 }
 #endif
 /* 8 int8 at p, widened (exactly) to float32: an int8 KV cache's values before their scale */

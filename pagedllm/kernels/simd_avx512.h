@@ -34,10 +34,9 @@ SIMD_INLINE f32x16 f32x16_load_e5m2(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_set_m128i(_mm_unpackhi_epi8(z, b), _mm_unpacklo_epi8(z, b)));
 }
 SIMD_INLINE f32x16 f32x16_load_e4m3(const uint8_t *p) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-    return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
+    const __m256i hi = _mm256_set_m128i(_mm_unpackhi_epi8(z, b), _mm_unpacklo_epi8(z, b));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(hi, 1), _mm256_set1_epi16((short)0xBFFF)));
 }
 /* 16 int8 at p, widened (exactly) to float32 */
 SIMD_INLINE f32x16 f32x16_load_i8(const int8_t *p) {
