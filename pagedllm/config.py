@@ -48,7 +48,7 @@ Path = Annotated[str, NonEmpty]
 
 # the choices of each string field: the field's type says them, these tuples are read off it
 Dtype = Literal["float32", "bfloat16", "float16"]
-KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"]
+KvCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2"]
 Device = Literal["cpu", "cuda"]
 AttentionBackend = Literal["auto", "cpu_paged", "sdpa", "reference"]
 KvAllocator = Literal["paged", "contiguous"]
@@ -176,7 +176,12 @@ class EngineConfig:
             kernel rotates the query and its output); needs an even
             head_dim. Less exact than int8: on the bundled SmolLM2-135M the
             perplexity of GPL-3's text rises by 12% (int8: 0.7%;
-            docs/configuration.md). Attention still computes in ``dtype``.
+            docs/configuration.md). "fp8_e4m3" / "fp8_e5m2" (CPU, every x86
+            variant): int8's layout with fp8 values (OCP E4M3FN, max 448; E5M2, max
+            57344) scaled so each head's max|x| is the format's largest,
+            rounded to nearest even; "fp8" is "fp8_e4m3", as in vLLM. Same
+            rules as int8: +-inf saturates, a NaN makes its head read NaN.
+            Attention still computes in ``dtype``.
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for the KV pool; None picks a share of
@@ -350,7 +355,7 @@ class EngineConfig:
             raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
         if self.cpu_bind is not None:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
-        if self.kv_cache_dtype in ("int8", "int4") and self.device != "cpu":
+        if self.kv_cache_dtype in ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2") and self.device != "cpu":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
                              f"read its blocks); use a float kv_cache_dtype with device={self.device!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:

@@ -4,7 +4,8 @@
  * sizes; every check is ops.cpp's. Status codes: 0 success, 1 (or -1) no
  * scratch memory, 2 an index outside its buffer, 3 an unknown element type.
  * The KV cache element types are paged_attention.h's KV_FLOAT32 (0),
- * KV_FLOAT16 (1), KV_BFLOAT16 (2), KV_INT8 (3) and KV_INT4 (4).
+ * KV_FLOAT16 (1), KV_BFLOAT16 (2), KV_INT8 (3), KV_INT4 (4), KV_FP8E4M3 (5)
+ * and KV_FP8E5M2 (6).
  */
 #ifndef PAGEDLLM_KERNELS_H
 #define PAGEDLLM_KERNELS_H

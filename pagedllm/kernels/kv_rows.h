@@ -24,6 +24,10 @@
  *         the nibble q + 8 (value 2i in byte i's low nibble, 2i + 1 high)
  * and reads back as H (q * scale). A NaN stores a NaN scale and zeros, as
  * for int8. layers/kv_quant.py computes the same bits with torch ops.
+ * An fp8 cache (KV_FP8E4M3, KV_FP8E5M2) follows the same rules with fp8
+ * values: scale = max|x| / FMAX (448 for E4M3, 57344 for E5M2), each x /
+ * scale clamped to +-FMAX and rounded to the format (nearest, ties to even,
+ * subnormals kept), as torch's .to(float8_e4m3fn / float8_e5m2) rounds.
  */
 #ifndef PAGEDLLM_KV_ROWS_H
 #define PAGEDLLM_KV_ROWS_H
@@ -99,13 +103,67 @@ static inline void quantize_head_i4(uint8_t *dst, const float *src, int head_dim
     memcpy(dst + head_dim / 2, &scale, sizeof scale);
 }
 
+/* x (|x| <= the format's largest, not NaN) as fp8 bits, rounded to nearest
+   even: mbits mantissa bits, exponent bias `bias`. Below the smallest
+   normal the step is fixed (2^(1 - bias - mbits)), so the value is rounded
+   as an integer count of steps; a count of 2^mbits is the smallest normal,
+   whose bits are that same count. */
+static inline uint8_t f32_to_fp8_bits(float x, int mbits, int bias) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const float a = fabsf(x);
+    if (a < ldexpf(1.0f, 1 - bias)) return (uint8_t)(sign | (uint8_t)nearbyintf(ldexpf(a, bias - 1 + mbits)));
+    memcpy(&u, &a, sizeof u);
+    const int drop = 23 - mbits;
+    u += (1u << (drop - 1)) - 1u + ((u >> drop) & 1u); /* round to nearest even at the kept bits */
+    const uint32_t e = (u >> 23) - 127u + (uint32_t)bias, m = (u >> drop) & ((1u << mbits) - 1u);
+    return (uint8_t)(sign | (e << mbits) | m);
+}
+
+/* one head of head_dim values into dst: head_dim fp8 bytes, then the float32 scale */
+static inline void quantize_head_fp8(uint8_t *dst, const float *src, int head_dim, int e4m3) {
+    const float fmax = e4m3 ? 448.0f : 57344.0f;
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    float amax = 0.0f;
+    int nan = 0;
+    for (int i = 0; i < head_dim; i++) {
+        const float x = src[i];
+        if (x != x) nan = 1;
+        const float a = fabsf(x);
+        amax = a > amax ? a : amax;
+    }
+    if (amax > 65504.0f) amax = 65504.0f;
+    float scale = amax / fmax;
+    if (nan) scale = NAN;
+    if (nan || scale == 0.0f) {
+        memset(dst, 0, (size_t)head_dim);
+    } else {
+        for (int i = 0; i < head_dim; i++) {
+            float q = src[i];
+            if (q > 65504.0f) q = 65504.0f;
+            if (q < -65504.0f) q = -65504.0f;
+            q = q / scale;
+            q = q > fmax ? fmax : (q < -fmax ? -fmax : q);
+            dst[i] = f32_to_fp8_bits(q, mbits, bias);
+        }
+    }
+    memcpy(dst + head_dim, &scale, sizeof scale);
+}
+
 /* src: row floats (num_kv_heads * head_dim); slot s of the cache starts at
-   s * row elements, or for KV_INT8 at s * (row / head_dim) * (head_dim + 4) bytes, KV_INT4 (head_dim / 2 + 4) */
+   s * row elements, or for KV_INT8 / KV_FP8* at s * (row / head_dim) * (head_dim + 4) bytes, KV_INT4
+   (head_dim / 2 + 4) */
 static void write_row(void *cache, int kv_type, int64_t slot, const float *src, int64_t row, int head_dim) {
     if (kv_type == KV_INT4) {
         const int64_t heads = row / head_dim, hs = head_dim / 2 + KV_I4_SCALE_BYTES;
         uint8_t *dst = (uint8_t *)cache + slot * heads * hs;
         for (int64_t h = 0; h < heads; h++) quantize_head_i4(dst + h * hs, src + h * head_dim, head_dim);
+    } else if (kv_type == KV_FP8E4M3 || kv_type == KV_FP8E5M2) {
+        const int64_t heads = row / head_dim, hs = head_dim + KV_I8_SCALE_BYTES;
+        uint8_t *dst = (uint8_t *)cache + slot * heads * hs;
+        for (int64_t h = 0; h < heads; h++)
+            quantize_head_fp8(dst + h * hs, src + h * head_dim, head_dim, kv_type == KV_FP8E4M3);
     } else if (kv_type == KV_INT8) {
         const int64_t heads = row / head_dim, hs = head_dim + KV_I8_SCALE_BYTES;
         int8_t *dst = (int8_t *)cache + slot * heads * hs;

@@ -55,6 +55,8 @@ std::string dtype_name(at::ScalarType t) {
         case at::kChar: return "int8";
         case at::kByte: return "uint8";
         case at::kShort: return "int16";
+        case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+        case at::kFloat8_e5m2: return "float8_e5m2";
         default: return c10::toString(t);
     }
 }
@@ -98,22 +100,28 @@ int kv_type_of(at::ScalarType t) {
         case at::kBFloat16: return KV_BFLOAT16;
         case at::kChar: return KV_INT8;
         case at::kByte: return KV_INT4;
+        case at::kFloat8_e4m3fn: return KV_FP8E4M3;
+        case at::kFloat8_e5m2: return KV_FP8E5M2;
         default: return -1;
     }
 }
+
+/* whether a cache's head rows carry a float32 scale after their values (int8, fp8) */
+bool kv_scaled(int kv_type) { return kv_type == KV_INT8 || kv_type == KV_FP8E4M3 || kv_type == KV_FP8E5M2; }
 
 /* K and V caches [num_blocks, block_size, num_kv_heads, head_dim] of one dtype the kernels read; its KV_* code */
 int check_caches(const Tensor &k_cache, const Tensor &v_cache, const char *op) {
     const int kv_type = kv_type_of(k_cache.scalar_type());
     TORCH_CHECK_VALUE(kv_type >= 0 && v_cache.scalar_type() == k_cache.scalar_type(), op,
-                      " reads float32, float16, bfloat16, int8 or int4 (uint8) caches of one dtype, got ",
+                      " reads float32, float16, bfloat16, int8, int4 (uint8) or float8 caches of one dtype, got ",
                       dtype_name(k_cache.scalar_type()), " / ", dtype_name(v_cache.scalar_type()));
     TORCH_CHECK_VALUE(k_cache.device().is_cpu() && v_cache.device().is_cpu(), op, ": the caches must be on the CPU");
     TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
                       ": K and V caches must be [num_blocks, block_size, num_kv_heads, head_dim] of one shape, got ",
                       shape_of(k_cache), " and ", shape_of(v_cache));
     TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), op, " needs contiguous K and V caches");
-    TORCH_CHECK_VALUE(kv_type != KV_INT8 || k_cache.size(3) > KV_I8_SCALE_BYTES, op, ": an int8 cache's last dimension ",
+    TORCH_CHECK_VALUE(!kv_scaled(kv_type) || k_cache.size(3) > KV_I8_SCALE_BYTES, op,
+                      ": an int8 / fp8 cache's last dimension ",
                       "is head_dim + ", KV_I8_SCALE_BYTES, " (the values, then their float32 scale), got ",
                       shape_of(k_cache));
     if (kv_type == KV_INT4) {
@@ -125,11 +133,11 @@ int check_caches(const Tensor &k_cache, const Tensor &v_cache, const char *op) {
     return kv_type;
 }
 
-/* the head size a cache holds: its last dimension, less the scale's bytes of an int8 cache; an int4 cache's
-   bytes hold two values each */
+/* the head size a cache holds: its last dimension, less the scale's bytes of an int8 / fp8 cache; an int4
+   cache's bytes hold two values each */
 int64_t cache_head_dim(const Tensor &cache, int kv_type) {
     if (kv_type == KV_INT4) return 2 * (cache.size(3) - KV_I4_SCALE_BYTES);
-    return cache.size(3) - (kv_type == KV_INT8 ? KV_I8_SCALE_BYTES : 0);
+    return cache.size(3) - (kv_scaled(kv_type) ? KV_I8_SCALE_BYTES : 0);
 }
 
 /* [num_tokens, heads, head_dim] float32 whose rows hold whole, contiguous heads (any row stride) */

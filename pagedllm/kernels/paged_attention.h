@@ -71,7 +71,7 @@ static inline void softmax_row(float *s, int64_t n) {
 
 
 /* KV cache element types, as the Python side numbers them */
-enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2, KV_INT8 = 3, KV_INT4 = 4 };
+enum { KV_FLOAT32 = 0, KV_FLOAT16 = 1, KV_BFLOAT16 = 2, KV_INT8 = 3, KV_INT4 = 4, KV_FP8E4M3 = 5, KV_FP8E5M2 = 6 };
 
 /* An int8 cache's head row: head_dim int8 values, then their float32 scale
    (value = int8 * scale). The scale sits in the block's own bytes, so
@@ -122,10 +122,24 @@ static inline void hadamard_f32(float *x, int head_dim) {
     for (int i = 0; i < head_dim; i++) x[i] *= norm;
 }
 
+/* An fp8 cache's head row: the same layout as int8's, with fp8 bytes */
+static inline float kv_fp8_scale(const uint8_t *head, int head_dim) {
+    float s;
+    memcpy(&s, head + head_dim, sizeof s);
+    return s;
+}
+
 static inline float f16_bits_to_f32(uint16_t h) {
     _Float16 x;
     memcpy(&x, &h, sizeof x);
     return (float)x;
+}
+
+/* an E4M3 byte as float16 bits worth its value times 2^-8: exponent and
+   mantissa moved up 7 bits (4-bit exponent, bias 7, into float16's 5-bit
+   one, bias 15: 2^-8 for normals and subnormals alike), the sign to bit 15 */
+static inline uint16_t fp8e4m3_f16_bits(uint8_t b) {
+    return (uint16_t)(((b & 0x7Fu) << 7) | ((b & 0x80u) << 8));
 }
 
 static inline float bf16_bits_to_f32(uint16_t h) {
@@ -255,4 +269,50 @@ static inline void attend_i4_rotated(const float *q, const uint8_t *k_cache, con
               scores, skip);
     for (int64_t i = first; i < first + count; i += head_dim) hadamard_f32(out + i, head_dim);
 }
+
+/* fp8, read as float16 bits (simd.h's fp8 loads) and widened by F16C where
+   the build has it. E5M2 is the top byte of a float16: exact. E4M3 gets its
+   exponent and mantissa shifted into a float16's, which reads as the value
+   times 2^-8 (normals and subnormals alike), so its KV_SCALE is the stored
+   scale times 2^8 (exact). Neither has NaN or inf in its values: the write
+   clamps them, a NaN head has a NaN scale. */
+#define KV_NAME(f) f##_e4m3
+#define KV_T uint8_t
+#if PA_VECTOR && defined(__F16C__)
+#define KV_VECTOR 1
+#else
+#define KV_VECTOR 0
+#endif
+#define KV_LOAD1(p) f16_bits_to_f32(fp8e4m3_f16_bits(*(p)))
+#define KV_LOAD8(p) f32x8_load_e4m3(p)
+#define KV_LOAD16(p) f32x16_load_e4m3(p)
+#define KV_HEAD_STRIDE(d) ((d) + KV_I8_SCALE_BYTES)
+#define KV_SCALE(head, d) (kv_fp8_scale(head, d) * 256.0f)
+#include "paged_attention_kv.h"
+#undef KV_NAME
+#undef KV_VECTOR
+#undef KV_LOAD1
+#undef KV_LOAD8
+#undef KV_LOAD16
+#undef KV_SCALE
+
+#define KV_NAME(f) f##_e5m2
+#if PA_VECTOR && defined(__F16C__)
+#define KV_VECTOR 1
+#else
+#define KV_VECTOR 0
+#endif
+#define KV_LOAD1(p) f16_bits_to_f32((uint16_t)(*(p) << 8))
+#define KV_LOAD8(p) f32x8_load_e5m2(p)
+#define KV_LOAD16(p) f32x16_load_e5m2(p)
+#define KV_SCALE(head, d) kv_fp8_scale(head, d)
+#include "paged_attention_kv.h"
+#undef KV_NAME
+#undef KV_T
+#undef KV_VECTOR
+#undef KV_LOAD1
+#undef KV_LOAD8
+#undef KV_LOAD16
+#undef KV_HEAD_STRIDE
+#undef KV_SCALE
 #endif

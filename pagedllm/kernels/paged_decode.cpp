@@ -18,6 +18,7 @@
  *                [..., head_dim + 4], each head's float32 scale after it;
  *                KV_INT4: uint8 [..., head_dim / 2 + 4], rotated nibbles
  *                and a scale (the queries rotated, the output rotated back)
+ *                KV_FP8E4M3 / KV_FP8E5M2: the same with fp8 bytes
  *   block_tables [num_seqs, table_stride] int64
  *   seq_lens     [num_seqs] int64
  *
@@ -80,6 +81,12 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
         else if (n->kv_type == KV_INT4)
             attend_i4_rotated(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob,
                               num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, qr);
+        else if (n->kv_type == KV_FP8E4M3)
+            attend_e4m3(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
+                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+        else if (n->kv_type == KV_FP8E5M2)
+            attend_e5m2(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
+                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else if (n->kv_type == KV_INT8)
             attend_i8(qb, (const int8_t *)n->k_cache, (const int8_t *)n->v_cache, table, span, ob, num_heads,
                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);

@@ -29,6 +29,21 @@ SIMD_INLINE f32x8 f32x8_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm
 SIMD_INLINE f32x8 f32x8_load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+#if defined(__F16C__)
+/* 8 fp8 bytes at p as float32 (exact), by way of float16 bits: E5M2 is a
+   float16's top byte; E4M3's exponent and mantissa shifted into a float16's
+   read as its value times 2^-8 (normals and subnormals; the caller scales by
+   2^8). Neither holds NaN / inf here (paged_attention.h). */
+SIMD_INLINE f32x8 f32x8_load_e5m2(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p)));
+}
+/* E4M3: the byte in the lane's top half shifted right one (arithmetic: the
+   sign stays in bit 15 and is copied into bit 14, which the mask clears) */
+SIMD_INLINE f32x8 f32x8_load_e4m3(const uint8_t *p) {
+    const __m128i hi = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(hi, 1), _mm_set1_epi16((short)0xBFFF)));
+}
+#endif
 /* 8 int8 at p, widened (exactly) to float32: an int8 KV cache's values before their scale */
 SIMD_INLINE f32x8 f32x8_load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));

@@ -28,6 +28,16 @@ SIMD_INLINE f32x16 f32x16_load_f16(const uint16_t *p) {
 SIMD_INLINE f32x16 f32x16_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+/* 16 fp8 bytes at p as float32 (exact), as simd_avx2.h's f32x8_load_e5m2 / _e4m3 (E4M3: value times 2^-8) */
+SIMD_INLINE f32x16 f32x16_load_e5m2(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_unpackhi_epi8(z, b), _mm_unpacklo_epi8(z, b)));
+}
+SIMD_INLINE f32x16 f32x16_load_e4m3(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
+    const __m256i hi = _mm256_set_m128i(_mm_unpackhi_epi8(z, b), _mm_unpacklo_epi8(z, b));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(hi, 1), _mm256_set1_epi16((short)0xBFFF)));
+}
 /* 16 int8 at p, widened (exactly) to float32 */
 SIMD_INLINE f32x16 f32x16_load_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));

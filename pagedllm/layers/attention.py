@@ -23,8 +23,10 @@ without reading the cache, so those are rounded the same way first
 it, and a prompt gives the same result whole or in chunks. An int8 cache
 (``kv_cache_dtype="int8"``) holds each head's values with one scale per
 token, an int4 one (``"int4"``, a uint8 tensor) Hadamard-rotated nibbles
-with one scale per token (``layers/kv_quant.py``); the native kernels read
-them in place, the torch paths dequantize what they gather.
+with one scale per token, an fp8 one (``"fp8"``, ``"fp8_e4m3"``,
+``"fp8_e5m2"``) int8's layout with fp8 values (``layers/kv_quant.py``); the
+native kernels read them in place, the torch paths dequantize what they
+gather.
 
 Two per-layer options change which scores count (``forward``'s keywords):
 ``sliding_window=w`` lets the query at position ``i`` see only keys at
@@ -47,7 +49,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.kv_quant import is_quantized, quantize_heads, stored_values
+from pagedllm.layers.kv_quant import (
+    QUANTIZED_CACHE_DTYPES,
+    indexable,
+    quantize_heads,
+    stored_values,
+)
 
 
 @dataclass(frozen=True)
@@ -120,19 +127,21 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their slots (rounded to the cache's dtype;
-    an int8 / int4 cache's rows quantized with their scales)."""
+    an int8, int4 or fp8 cache's rows quantized with their scales)."""
     num_kv_heads = k.shape[1]
-    if is_quantized(k_cache.dtype):
+    if k_cache.dtype in QUANTIZED_CACHE_DTYPES:
         k_rows, v_rows = quantize_heads(k, k_cache.dtype), quantize_heads(v, v_cache.dtype)
     else:
         k_rows, v_rows = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
+    k_cache, v_cache, k_rows, v_rows = (indexable(t) for t in (k_cache, v_cache, k_rows, v_rows))
     k_cache.view(-1, num_kv_heads, k_cache.shape[-1]).index_copy_(0, slot_mapping, k_rows)
     v_cache.view(-1, num_kv_heads, v_cache.shape[-1]).index_copy_(0, slot_mapping, v_rows)
 
 
 def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """``x`` as the cache holds it (rounded to the cache's dtype, or int8 / int4-quantized), back in ``x``'s dtype."""
-    if is_quantized(cache.dtype):
+    """``x`` as the cache holds it (rounded to the cache's dtype, or int8 / int4 / fp8-quantized), back in ``x``'s
+    dtype."""
+    if cache.dtype in QUANTIZED_CACHE_DTYPES:
         return stored_values(quantize_heads(x, cache.dtype)).to(x.dtype)
     return x if cache.dtype == x.dtype else to_cache_dtype(x, cache.dtype).to(x.dtype)
 
@@ -183,7 +192,7 @@ def gather_context(
 
 
 # the cache dtypes the native kernels read and write
-_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
+_NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *QUANTIZED_CACHE_DTYPES)
 # cache pairs CpuPagedAttention remembers before it drops the entries of freed ones
 _CACHE_VERDICTS_PRUNE_AT = 256
 
@@ -377,7 +386,7 @@ class CpuPagedAttention(SdpaAttention):
     (``kernels/prefill_attention.cpp``); prompts that continue cached context
     (prefix-cache hits, chunked prefills) read it in place with the decode
     kernel, one query per token. Float32 queries on the CPU; the cache may be float32, float16,
-    bfloat16, int8 or int4 (values and per-head scales, read in place and widened in registers).
+    bfloat16, int8, int4 or fp8 (values and per-head scales, read in place and widened in registers).
 
     The decode kernel takes a sliding window (it starts each sequence at the
     block holding its window's first key and masks the keys before it); the

@@ -1,4 +1,4 @@
-"""The int8 and int4 KV caches' rows (``kv_cache_dtype="int8"`` / ``"int4"``), in torch ops.
+"""The quantized KV caches' rows (``kv_cache_dtype="int8"``, ``"int4"``, ``"fp8"``), in torch ops.
 
 Each token's K (and V) is stored per KV head as ``head_dim`` int8 values
 followed by the four bytes of one float32 scale, symmetric (llama.cpp's
@@ -55,6 +55,22 @@ other tokens of its block, which batch invariance forbids. A NaN in a
 head stores a NaN scale (and zeros), as int8 does. Per block the scale
 takes 4 bytes next to head_dim / 2: 4 * head_dim / (head_dim + 8) times
 the blocks of float16 (3.56x at head_dim 64, 3.76x at 128).
+
+The fp8 caches (``"fp8_e4m3"``, ``"fp8_e5m2"``; ``"fp8"`` is ``"fp8_e4m3"``,
+as in vLLM) have the same layout and rules with fp8 values, the cache tensor
+typed ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (its dtype names the
+format; the scale's four bytes are stored in four of its elements)::
+
+    scale  max|x| / FMAX in float32 (FMAX: 448 for E4M3, 57344 for E5M2), so
+           the head's largest value lands on the format's largest
+    q      x / scale rounded to the format (nearest, ties to even, subnormals
+           kept), clamped to +-FMAX: never NaN or inf in the values
+
+A per-token scale, not a plain cast with scale 1: E4M3 saturates at 448 and
+flushes below 2^-9, E5M2 keeps 2 mantissa bits over any range; with the
+head's amax on FMAX each head uses the whole range whatever its magnitude,
+and no calibrated per-tensor scale is needed. The 4 scale bytes per head
+cost the same as int8's.
 """
 
 from __future__ import annotations
@@ -67,6 +83,10 @@ INT8_SCALE_BYTES = 4  # one float32 scale after each head's values
 INT4_SCALE_BYTES = 4  # one float32 scale after each head's nibbles
 _SATURATE = 65504.0
 _INT4_MAX = 7  # symmetric levels -7 .. 7
+# the fp8 formats' largest finite values
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# the cache dtypes holding quantized head rows (values or int4 nibbles, then a float32 scale's bytes)
+QUANTIZED_CACHE_DTYPES = (torch.int8, torch.uint8, *FP8_MAX)
 
 
 def quantize_int8_heads(x: torch.Tensor) -> torch.Tensor:
@@ -136,25 +156,58 @@ def dequantize_int4_heads(rows: torch.Tensor) -> torch.Tensor:
     return hadamard(q * scale)
 
 
-def quantize_heads(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a quantized cache of ``cache_dtype`` stores it: int8 (``torch.int8``) or int4 (``torch.uint8``) rows."""
-    return quantize_int4_heads(x) if cache_dtype == torch.uint8 else quantize_int8_heads(x)
+def quantize_fp8_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` as fp8 head rows ``[..., head_dim + 4]`` of ``dtype`` (values, then the scale)."""
+    fmax = FP8_MAX[dtype]
+    x32 = x.float().clamp(-_SATURATE, _SATURATE)  # NaN stays NaN
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = amax / fmax
+    nonzero = scale > 0  # False for 0 and NaN
+    q = (x32 / torch.where(nonzero, scale, torch.ones_like(scale))).clamp_(-fmax, fmax)
+    q = torch.where(nonzero, q, torch.zeros_like(q)).to(dtype)  # torch rounds to nearest even
+    scale = torch.where(torch.isnan(scale), torch.full_like(scale, float("nan")), scale).contiguous()
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(dtype)
+
+
+def dequantize_fp8_heads(rows: torch.Tensor) -> torch.Tensor:
+    """fp8 head rows ``[..., head_dim + 4]`` back to float32 ``[..., head_dim]`` (value = q * scale)."""
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.uint8).view(torch.float32)  # [..., 1]
+    return rows[..., :head_dim].float() * scale
+
+
+def indexable(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` as a tensor torch's index ops take: an fp8 cache as its bytes (torch has no CPU
+    ``index_copy_`` for float8), any other as it is. Copies of bytes move fp8 values and scales alike."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
+
+
+def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` as a quantized cache of ``dtype`` (one of ``QUANTIZED_CACHE_DTYPES``) stores it:
+    int8 (``torch.int8``), int4 (``torch.uint8``) or fp8 rows."""
+    if dtype == torch.int8:
+        return quantize_int8_heads(x)
+    return quantize_int4_heads(x) if dtype == torch.uint8 else quantize_fp8_heads(x, dtype)
 
 
 def is_quantized(cache_dtype: torch.dtype) -> bool:
-    """Whether a cache of ``cache_dtype`` holds quantized rows (int8, int4) rather than floats."""
-    return cache_dtype in (torch.int8, torch.uint8)
+    """Whether a cache of ``cache_dtype`` holds quantized rows (int8, int4, fp8) rather than floats."""
+    return cache_dtype in QUANTIZED_CACHE_DTYPES
+
+
+_FORMAT_NAMES = {torch.uint8: "int4", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 def kv_format_name(cache_dtype: torch.dtype) -> str:
-    """The ``kv_cache_dtype`` a cache tensor of ``cache_dtype`` stores: "int4" for uint8, else the dtype's name."""
-    return "int4" if cache_dtype == torch.uint8 else str(cache_dtype).removeprefix("torch.")
+    """The ``kv_cache_dtype`` a cache tensor of ``cache_dtype`` stores ("int4" for uint8, "fp8_e4m3" for
+    float8_e4m3fn...), else the dtype's name."""
+    return _FORMAT_NAMES.get(cache_dtype, str(cache_dtype).removeprefix("torch."))
 
 
 def stored_values(cache_rows: torch.Tensor) -> torch.Tensor:
-    """Rows read from a cache as values: an int8 / int4 cache's dequantized, any other as they are."""
+    """Rows read from a cache as values: a quantized cache's dequantized, any other as they are."""
     if cache_rows.dtype == torch.int8:
         return dequantize_int8_heads(cache_rows)
     if cache_rows.dtype == torch.uint8:
         return dequantize_int4_heads(cache_rows)
-    return cache_rows
+    return dequantize_fp8_heads(cache_rows) if cache_rows.dtype in FP8_MAX else cache_rows

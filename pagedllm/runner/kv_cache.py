@@ -5,7 +5,7 @@
     kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
     layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
 
-An int8 cache (``kv_cache_dtype="int8"``) has a last dimension of
+An int8 or fp8 cache (``kv_cache_dtype="int8"``, ``"fp8*"``) has a last dimension of
 ``head_dim + 4``: each head's int8 values, then the four bytes of their
 float32 scale (``layers/kv_quant.py``). The scales live inside the blocks'
 own bytes, so everything that handles whole blocks (copy-on-write's
@@ -41,7 +41,12 @@ import mmap
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.layers.kv_quant import INT4_SCALE_BYTES, INT8_SCALE_BYTES, hadamard_block
+from pagedllm.layers.kv_quant import (
+    INT4_SCALE_BYTES,
+    INT8_SCALE_BYTES,
+    QUANTIZED_CACHE_DTYPES,
+    hadamard_block,
+)
 from pagedllm.loader.model_config import ModelArchConfig
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)  # 4 on Linux
@@ -71,12 +76,13 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements one head of one token takes in a cache of ``dtype``: ``head_dim``, plus an int8 cache's scale bytes;
-    an int4 cache (uint8) ``head_dim / 2`` bytes of nibbles and its scale's (ValueError for an odd head_dim)."""
+    """Elements one head of one token takes in a cache of ``dtype``: ``head_dim``, plus an int8 / fp8 cache's
+    scale bytes; an int4 cache (uint8) ``head_dim / 2`` bytes of nibbles and its scale's (ValueError for an odd
+    head_dim)."""
     if dtype == torch.uint8:
         hadamard_block(head_dim)  # refuses an odd head_dim
         return head_dim // 2 + INT4_SCALE_BYTES
-    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+    return head_dim + INT8_SCALE_BYTES if dtype in QUANTIZED_CACHE_DTYPES else head_dim
 
 
 def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -11,7 +11,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
-from pagedllm.layers.kv_quant import kv_format_name
+from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.captured_decode import CapturedDecode
@@ -37,9 +37,16 @@ from pagedllm.runner.sequence_states import SequenceStates
 from pagedllm.step_record import SamplingSpec, SequenceStep, StepRecord
 
 logger = logging.getLogger(__name__)
-# what each kv_cache_dtype stores: a float dtype, or int8 values / int4 nibbles (uint8) with their scales
-# (layers/kv_quant.py)
-KV_DTYPES = {**DTYPES, "int8": torch.int8, "int4": torch.uint8}
+# what each kv_cache_dtype stores: a float dtype, or int8 / fp8 values or int4 nibbles (uint8) with their
+# scales (layers/kv_quant.py)
+KV_DTYPES = {
+    **DTYPES,
+    "int8": torch.int8,
+    "int4": torch.uint8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 # the most sequences a captured decode step has: past that the Python between kernels is a small share of a step
 MAX_CAPTURED_ROWS = 64
@@ -205,8 +212,9 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
-        # kv_cache: [2, num_layers, num_kv_blocks, ...]; blocks are dim 2
-        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        # kv_cache: [2, num_layers, num_kv_blocks, ...]; blocks are dim 2 (an fp8 cache copied as bytes)
+        cache = indexable(self.kv_cache)
+        cache.index_copy_(2, dst, cache.index_select(2, src))
 
     def warm_up(self) -> None:
         """Capture the decode step now rather than at the first decode (seconds on a 30-layer model).

@@ -17,7 +17,7 @@ from pagedllm.layers.attention import (
     gather_context,
     make_backend,
 )
-from pagedllm.layers.kv_quant import is_quantized, quantize_heads, stored_values
+from pagedllm.layers.kv_quant import indexable, is_quantized, quantize_heads, stored_values
 from pagedllm.runner.kv_cache import cache_head_width
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 64
@@ -35,7 +35,7 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
 
 
 def _to_cache(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8 / int4 (uint8): values and scales)."""
+    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8 / int4 (uint8) / fp8: values and scales)."""
     return quantize_heads(x, kv_dtype) if is_quantized(kv_dtype) else x.to(kv_dtype)
 
 
@@ -45,7 +45,7 @@ def _as_held(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _width(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """A cache's last dimension: head_dim, plus an int8 cache's scale bytes (int4: head_dim / 2 + 4)."""
+    """A cache's last dimension: head_dim, plus an int8 / fp8 cache's scale bytes (int4: head_dim / 2 + 4)."""
     return cache_head_width(head_dim, kv_dtype)
 
 
@@ -72,8 +72,9 @@ def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = 
         v_all = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
         q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
         old = torch.tensor(slot_mapping(table, BLOCK_SIZE, 0, computed), dtype=torch.int64)
-        k_cache.view(-1, NUM_KV_HEADS, k_cache.shape[-1])[old] = _to_cache(k_all[:computed], kv_dtype)
-        v_cache.view(-1, NUM_KV_HEADS, v_cache.shape[-1])[old] = _to_cache(v_all[:computed], kv_dtype)
+        # fp8 as bytes: torch cannot index_put float8 on the CPU
+        indexable(k_cache).view(-1, NUM_KV_HEADS, k_cache.shape[-1])[old] = indexable(_to_cache(k_all[:computed], kv_dtype))
+        indexable(v_cache).view(-1, NUM_KV_HEADS, v_cache.shape[-1])[old] = indexable(_to_cache(v_all[:computed], kv_dtype))
         qs.append(q)
         ks.append(k_all[computed:])
         vs.append(v_all[computed:])
@@ -108,7 +109,8 @@ STEPS = [
 ]
 
 
-KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8]  # uint8: int4
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8,  # uint8: int4
+             torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -182,7 +184,7 @@ def test_cpu_paged_decode_on_model_sized_heads(
         AttentionMetadata(**{**meta.__dict__, "seq_lens": [n + width * block_size for n in seq_lens]})
     with pytest.raises(ValueError, match="int64"):
         AttentionMetadata(**{**meta.__dict__, "block_tables": meta.block_tables.int()})
-    with pytest.raises(ValueError, match="float32, float16, bfloat16, int8 or int4"):
+    with pytest.raises(ValueError, match="float32, float16, bfloat16, int8, int4 .uint8. or float8"):
         CpuPagedAttention().attend(q, None, None, k_cache.double(), v_cache.double(), meta, scale)
     with pytest.raises(ValueError, match="of one dtype"):
         other = torch.float16 if kv_dtype != torch.float16 else torch.bfloat16

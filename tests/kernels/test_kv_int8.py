@@ -1,14 +1,17 @@
-"""The int8 KV cache (``kv_cache_dtype="int8"``): its rows, and attention read in place over them.
+"""The int8 and fp8 KV caches (``kv_cache_dtype="int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``): their rows, and
+attention read in place over them.
 
 A head row is ``head_dim`` int8 values and the four bytes of one float32
 scale (``layers/kv_quant.py``). The native write (``write_kv``) must store
 what a float64 reference of the scheme stores (to the one rounding step a
 float32 division can move) and exactly what the torch quantizer stores;
 decode and prefill attention over int8 blocks must equal float64 attention
-over the dequantized K/V. The attention tests run the int4 cache too
-(``FORMATS``; its rows' own tests: ``test_kv_int4.py``).
-``tests/kernels/test_kernel_variants.py`` runs this file under every ISA
-variant this CPU executes.
+over the dequantized K/V. ``tests/kernels/test_kernel_variants.py`` runs
+this file under every ISA variant this CPU executes. The fp8 caches have the
+same layout with fp8 values; their rows are checked against a float64
+reference and against torch's own ``.to(float8_*)`` rounding. The attention
+tests run the int4 cache too (``ATTEND_DTYPES``; its rows' own tests:
+``test_kv_int4.py``).
 """
 
 from __future__ import annotations
@@ -28,15 +31,15 @@ from pagedllm.layers.attention import (
     SdpaAttention,
 )
 from pagedllm.layers.kv_quant import (
-    INT4_SCALE_BYTES,
+    FP8_MAX,
     INT8_SCALE_BYTES,
-    dequantize_int4_heads,
     dequantize_int8_heads,
-    quantize_int4_heads,
+    quantize_heads,
     quantize_int8_heads,
+    stored_values,
 )
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.runner.kv_cache import kv_bytes_per_block
+from pagedllm.runner.kv_cache import cache_head_width, kv_bytes_per_block
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +49,32 @@ def ops():  # noqa: ANN201
     return lib
 
 
-# each quantized cache format: its tensor dtype, quantizer, dequantizer and a head row's width for a head_dim
-FORMATS = {
-    "int8": (torch.int8, quantize_int8_heads, dequantize_int8_heads, lambda d: d + INT8_SCALE_BYTES),
-    "int4": (torch.uint8, quantize_int4_heads, dequantize_int4_heads, lambda d: d // 2 + INT4_SCALE_BYTES),
-}
+# the quantized cache formats with int8's layout: int8, and fp8 E4M3 / E5M2 (kv_cache_dtype "fp8" is E4M3)
+QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+# the formats the attention tests read: those and int4 (uint8: rotated nibbles, its kernel rotates the queries
+# and its output; the reference is over un-rotated values)
+ATTEND_DTYPES = [*QUANT_DTYPES, torch.uint8]
 
 
-def _native_rows(ops, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+def _native_rows(ops, x: torch.Tensor, dtype: torch.dtype = torch.int8) -> torch.Tensor:  # noqa: ANN001
     """``x`` [tokens, kv_heads, head_dim] written by the native write_kv into scattered slots, read back raw."""
     tokens, heads, head_dim = x.shape
     block_size = 4
     num_blocks = tokens // block_size + 3
-    caches = [torch.full((num_blocks, block_size, heads, head_dim + INT8_SCALE_BYTES), 99, dtype=torch.int8)
-              for _ in range(2)]
+    caches = [torch.full((num_blocks, block_size, heads, head_dim + INT8_SCALE_BYTES), 99, dtype=torch.uint8)
+              .view(dtype) for _ in range(2)]
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(tokens))[:tokens]
     ops.write_kv(x, x.flip(0), caches[0], caches[1], slots)
     flat = caches[0].view(-1, heads, head_dim + INT8_SCALE_BYTES)
-    assert torch.equal(caches[1].view(-1, heads, head_dim + INT8_SCALE_BYTES)[slots], flat[slots].flip(0))
+    assert torch.equal(caches[1].view(torch.uint8).view(-1, heads, head_dim + INT8_SCALE_BYTES)[slots],
+                       flat.view(torch.uint8)[slots].flip(0))
     return flat[slots]
+
+
+def _bits(rows: torch.Tensor) -> torch.Tensor:
+    """A cache's rows as their bytes (fp8 tensors compare as floats: NaN != NaN, and -0 == 0)."""
+    return rows.view(torch.uint8)
 
 
 def _split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +149,109 @@ def test_inf_saturates_and_nan_makes_its_head_nan(ops) -> None:  # noqa: ANN001
     ops.paged_decode(q, k_cache, v_cache, torch.tensor([[1]]), torch.tensor([4]), 0.25, out, 0)
     assert out[0, 2:].isnan().all() and torch.isfinite(out[0, :2]).all()
 
+def _fp8_grid(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite value of the format as float64, ascending, and whether its code's last bit is 0 (ties go
+    there)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(dtype).double()
+    keep = torch.isfinite(values)
+    grid = values[keep].unique()
+    even = torch.zeros(len(grid), dtype=torch.bool)
+    even[torch.searchsorted(grid, values[keep])] = (codes[keep] & 1) == 0  # +0 and -0 both even
+    return grid, even
+
+
+def _round_to_grid(x: torch.Tensor, grid: torch.Tensor, even: torch.Tensor) -> torch.Tensor:
+    """float64 ``x`` rounded to the nearest grid value, ties to the one with an even code."""
+    x = x.clamp(grid[0], grid[-1])
+    idx = torch.searchsorted(grid, x).clamp(1, len(grid) - 1)
+    lo, hi = grid[idx - 1], grid[idx]
+    pick_hi = (hi - x < x - lo) | ((hi - x == x - lo) & even[idx])
+    return torch.where(pick_hi, hi, lo)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_native_fp8_write_matches_torch_and_a_float64_reference(ops, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The native write stores exactly the torch quantizer's bits (torch's own .to(float8) rounding); the
+    values are x / scale rounded to the nearest fp8 value (ties to even) of a float64 grid, the scale
+    max|x| / FMAX. Rows: random at four magnitudes, zeros, a single outlier, subnormals."""
+    fmax = FP8_MAX[dtype]
+    min_normal = 2.0**-6 if dtype == torch.float8_e4m3fn else 2.0**-14
+    x = _rows_to_check()
+    x[4, 0] = torch.linspace(-1, 1, 64) * 2 * min_normal / fmax  # scaled: half of them subnormal
+    x[4, 0, 0] = 1.0  # amax: scale 1 / FMAX
+    grid, even = _fp8_grid(dtype)
+    native = _native_rows(ops, x, dtype)
+    assert native.dtype == dtype
+    assert torch.equal(_bits(native), _bits(quantize_heads(x, dtype)))
+    head_dim = x.shape[-1]
+    scales = native[..., head_dim:].contiguous().view(torch.uint8).view(torch.float32).double()
+    x64 = x.double()
+    amax = x64.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(scales, (amax / fmax).float().double(), rtol=0, atol=0)
+    want = _round_to_grid(x64 / torch.where(amax > 0, scales, 1.0), grid, even)
+    got = native[..., :head_dim].double()
+    # float32's x / scale may cross a midpoint float64's does not: one fp8 step, rarely
+    off = got != want
+    assert off.float().mean().item() < 0.01
+    assert got.abs().amax(-1).eq(torch.where(amax > 0, fmax, 0.0).squeeze(-1)).all()  # amax lands on FMAX
+    # round trip: within half a step of the value's binade (relative 2^-(mbits+1)), or half a subnormal step
+    back = stored_values(native).double()
+    step = 2.0 ** -(3 if dtype == torch.float8_e4m3fn else 2)
+    tiny = float(grid[grid > 0].min()) * scales
+    assert ((back - x64).abs() <= x64.abs() * step * 0.5 * (1 + 1e-6) + tiny * 0.5 * (1 + 1e-6)).all()
+    assert (back[0, 0] == 0).all() and scales[0, 0].item() == 0.0
+    assert back[1, 0, 17].item() == pytest.approx(-250.0, rel=1e-6) and back[1, 0].count_nonzero().item() == 1
+    sub = got[4, 0, 1:].abs()
+    assert ((sub > 0) & (sub < min_normal)).sum().item() > 10 and back[4, 0, 0].item() == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_fp8_inf_saturates_and_nan_makes_its_head_nan(ops, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The int8 rules: +-inf stored as +-65504, a NaN makes its head row read NaN; values never hold NaN / inf."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 2, 16, generator=gen)
+    x[0, 0, 3] = float("inf")
+    x[0, 1, 5] = float("-inf")
+    x[2, 1, 7] = float("nan")
+    native = _native_rows(ops, x, dtype)
+    assert torch.equal(_bits(native), _bits(quantize_heads(x, dtype)))
+    assert torch.isfinite(native[..., :16].float()).all()
+    back = stored_values(native)
+    assert back[0, 0, 3].item() == pytest.approx(65504.0, rel=1e-6)
+    assert back[0, 1, 5].item() == pytest.approx(-65504.0, rel=1e-6)
+    assert back[2, 1].isnan().all() and not back[2, 0].isnan().any() and torch.isfinite(back[[0, 1, 3]]).all()
+    k_cache = torch.zeros(2, 4, 2, 16 + INT8_SCALE_BYTES, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    ops.write_kv(x, torch.randn(4, 2, 16, generator=gen), k_cache, v_cache, torch.tensor([4, 5, 6, 7]))
+    q = torch.randn(1, 4, 16, generator=gen) * 1e-3
+    out = torch.empty_like(q)
+    ops.paged_decode(q, k_cache, v_cache, torch.tensor([[1]]), torch.tensor([4]), 0.25, out, 0)
+    assert out[0, 2:].isnan().all() and torch.isfinite(out[0, :2]).all()
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the vector loads (simd.h); 16: one value at a time
+def test_every_fp8_value_reads_back_exactly(ops, dtype: torch.dtype, head_dim: int) -> None:  # noqa: ANN001
+    """The decode kernel's in-register widening (E5M2: float16's top byte; E4M3: shifted into float16 bits,
+    times 2^8) reads every finite byte as torch does: one sequence of one token per code, whose output is
+    that token's value row."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(dtype).float())
+    codes = codes[finite]
+    n = len(codes)
+    k_cache = torch.zeros(n, 1, 1, head_dim + INT8_SCALE_BYTES, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    v_cache[:, 0, 0, :head_dim] = codes.view(-1, 1)  # token t's value row: code t in every lane
+    one = torch.tensor([1.0], dtype=torch.float32).view(torch.uint8)
+    k_cache[:, 0, 0, head_dim:] = one
+    v_cache[:, 0, 0, head_dim:] = one
+    q = torch.zeros(n, 1, head_dim)
+    out = torch.empty_like(q)
+    tables, lens = torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.int64)
+    ops.paged_decode(q, k_cache.view(dtype), v_cache.view(dtype), tables, lens, 1.0, out, 0)
+    assert torch.equal(out[:, 0, :], codes.view(dtype).float().view(-1, 1).expand(n, head_dim))
+
 
 def _dense64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
     """float64 causal attention; queries at positions q_start..., keys [len, kv_heads, head_dim]."""
@@ -153,20 +266,20 @@ def _dense64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start:
 
 # head_dim 64 / 128: the vector path's unrolled sizes; 96: a 32-float tail; 20: the scalar path
 # (int4: 96 and 20 rotate in blocks of 32 and 4, the largest powers of two dividing them)
-@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 1, 128, 5),
                                                                         (6, 2, 96, 8), (4, 2, 20, 3)])
-def test_decode_over_int8_blocks_matches_float64(ops, num_heads, num_kv_heads, head_dim, block_size, fmt) -> None:  # noqa: ANN001
-    """Scattered block tables, partial last blocks, sequences sharing their first blocks (int8 and int4 blocks:
-    an int4 cache's kernel rotates the queries and its output, the reference is over un-rotated values)."""
-    _, quantize, dequantize, _ = FORMATS[fmt]
+@pytest.mark.parametrize("dtype", ATTEND_DTYPES)
+def test_decode_over_quantized_blocks_matches_float64(  # noqa: ANN001
+    ops, num_heads, num_kv_heads, head_dim, block_size, dtype: torch.dtype
+) -> None:
+    """Scattered block tables, partial last blocks, sequences sharing their first blocks."""
     gen = torch.Generator().manual_seed(head_dim)
     rng = random.Random(head_dim)
     num_blocks = 400
     raw_k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 3
     raw_v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    k_cache, v_cache = quantize(raw_k), quantize(raw_v)
-    keys, values = dequantize(k_cache), dequantize(v_cache)
+    k_cache, v_cache = quantize_heads(raw_k, dtype), quantize_heads(raw_v, dtype)
+    keys, values = stored_values(k_cache), stored_values(v_cache)
     seq_lens = [1, block_size - 1, block_size + 1, 4 * block_size + 3, 203]
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -204,13 +317,12 @@ def _prefill_meta(lens: list[int], computed: list[int], tables: list[list[int]],
     )
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("head_dim", [64, 32])
-def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: int, fmt: str) -> None:
+@pytest.mark.parametrize("dtype", ATTEND_DTYPES)
+def test_prefill_whole_and_chunked_over_quantized_blocks_matches_float64(head_dim: int, dtype: torch.dtype) -> None:
     """Fresh prompts (the prefill kernel over the step's rows, as stored) and their continuation in chunks
     (each token a decode query reading the cached int8 / int4 blocks in place) equal float64 attention over the
     dequantized K/V, and each other."""
-    cache_dtype, quantize, dequantize, row_width = FORMATS[fmt]
     gen = torch.Generator().manual_seed(head_dim)
     num_heads, num_kv_heads, block_size, num_blocks = 6, 2, 16, 40
     lens = [37, 70, 16]
@@ -220,10 +332,10 @@ def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: in
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen) * 2
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    width = row_width(head_dim)
+    width = cache_head_width(head_dim, dtype)
 
     def caches() -> list[torch.Tensor]:
-        return [torch.zeros(num_blocks, block_size, num_kv_heads, width, dtype=cache_dtype) for _ in range(2)]
+        return [torch.zeros(num_blocks, block_size, num_kv_heads, width, dtype=dtype) for _ in range(2)]
 
     whole_caches = caches()
     whole = CpuPagedAttention().forward(q, k, v, *whole_caches, _prefill_meta(lens, [0] * 3, tables, block_size), scale)
@@ -235,8 +347,9 @@ def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: in
     rest = [torch.cat([x[s + c : s + n] for s, c, n in zip(starts, cuts, lens)]) for x in (q, k, v)]
     out1 = CpuPagedAttention().forward(*first, *chunk_caches, _prefill_meta(cuts, [0] * 3, tables, block_size), scale)
     out2 = CpuPagedAttention().forward(*rest, *chunk_caches, _prefill_meta(lens, cuts, tables, block_size), scale)
-    assert torch.equal(whole_caches[0], chunk_caches[0]) and torch.equal(whole_caches[1], chunk_caches[1])
-    held_k, held_v = dequantize(quantize(k)), dequantize(quantize(v))
+    assert torch.equal(_bits(whole_caches[0]), _bits(chunk_caches[0]))
+    assert torch.equal(_bits(whole_caches[1]), _bits(chunk_caches[1]))
+    held_k, held_v = stored_values(quantize_heads(k, dtype)), stored_values(quantize_heads(v, dtype))
     o1 = o2 = 0
     for s, c, n in zip(starts, cuts, lens):
         want = _dense64(q[s : s + n], held_k[s : s + n], held_v[s : s + n], 0, scale)
@@ -248,30 +361,36 @@ def test_prefill_whole_and_chunked_over_int8_blocks_matches_float64(head_dim: in
     for backend in (SdpaAttention(), ReferenceAttention()):
         other = caches()
         got = backend.forward(q, k, v, *other, _prefill_meta(lens, [0] * 3, tables, block_size), scale)
-        assert torch.equal(other[0], whole_caches[0])
+        assert torch.equal(_bits(other[0]), _bits(whole_caches[0]))
         torch.testing.assert_close(got, whole, rtol=2e-5, atol=2e-5)
 
 
-def test_int8_caches_of_a_wrong_shape_are_refused(ops) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_quantized_caches_of_a_wrong_shape_are_refused(ops, dtype: torch.dtype) -> None:  # noqa: ANN001
     q = torch.randn(1, 4, 16)
     table, lens, out = torch.tensor([[0]]), torch.tensor([3]), torch.empty(1, 4, 16)
-    plain = torch.zeros(2, 4, 2, 16, dtype=torch.int8)  # no room for the scales: head_dim 12 to the kernel
+    plain = torch.zeros(2, 4, 2, 16, dtype=dtype)  # no room for the scales: head_dim 12 to the kernel
     with pytest.raises(ValueError, match="do not fit"):
         ops.paged_decode(q, plain, plain, table, lens, 0.25, out, 0)
-    tiny = torch.zeros(2, 4, 2, INT8_SCALE_BYTES, dtype=torch.int8)
+    tiny = torch.zeros(2, 4, 2, INT8_SCALE_BYTES, dtype=dtype)
     with pytest.raises(ValueError, match="head_dim \\+ 4"):
         ops.paged_decode(q, tiny, tiny, table, lens, 0.25, out, 0)
     with pytest.raises(ValueError, match=r"k must be \[num_tokens, 2, 12\]"):  # 16 - 4 scale bytes
         ops.write_kv(torch.randn(3, 2, 16), torch.randn(3, 2, 16), plain, plain, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="of one dtype"):
-        ops.paged_decode(q, torch.zeros(2, 4, 2, 20, dtype=torch.int8), torch.zeros(2, 4, 2, 20), table, lens, 0.25,
+        ops.paged_decode(q, torch.zeros(2, 4, 2, 20, dtype=dtype), torch.zeros(2, 4, 2, 20), table, lens, 0.25,
                          out, 0)
+    other = torch.float8_e5m2 if dtype != torch.float8_e5m2 else torch.int8
+    with pytest.raises(ValueError, match="of one dtype"):
+        ops.paged_decode(q, torch.zeros(2, 4, 2, 20, dtype=dtype), torch.zeros(2, 4, 2, 20, dtype=other), table, lens,
+                         0.25, out, 0)
 
 
-def test_int8_cache_is_refused_off_the_cpu() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is a CPU cache"):
-        EngineConfig(model="model.gguf", kv_cache_dtype="int8", device="cuda")
-    EngineConfig(model="model.gguf", kv_cache_dtype="int8")  # the CPU: fine
+@pytest.mark.parametrize("name", ["int8", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_quantized_cache_is_refused_off_the_cpu(name: str) -> None:
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{name}' is a CPU cache"):
+        EngineConfig(model="model.gguf", kv_cache_dtype=name, device="cuda")
+    EngineConfig(model="model.gguf", kv_cache_dtype=name)  # the CPU: fine
 
 
 def test_block_bytes_count_the_scales() -> None:
@@ -282,6 +401,8 @@ def test_block_bytes_count_the_scales() -> None:
                          max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
                          tie_word_embeddings=True)
     assert kv_bytes_per_block(mc, 16, torch.int8) == 2 * 30 * 16 * 3 * 68
+    for fp8 in FP8_DTYPES:  # the same layout: fp8 bytes, then the float32 scale
+        assert kv_bytes_per_block(mc, 16, fp8) == kv_bytes_per_block(mc, 16, torch.int8)
     assert kv_bytes_per_block(mc, 16, torch.float16) == 2 * 30 * 16 * 3 * 64 * 2
     budget = 64 << 20
     assert budget // kv_bytes_per_block(mc, 16, torch.int8) == 342

@@ -43,7 +43,7 @@ def float32_llm() -> LLM:
 
 def test_unknown_kv_cache_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        EngineConfig(model="model.gguf", kv_cache_dtype="fp8")
+        EngineConfig(model="model.gguf", kv_cache_dtype="fp4")
 
 
 @pytest.mark.slow
@@ -155,22 +155,17 @@ def test_int8_cache_holds_the_blocks_its_bytes_allow(float32_llm: LLM, int8_llm:
     assert runner.kv_cache_bytes == 342 * 195840 <= MEMORY
 
 
-@pytest.mark.slow
-def test_int8_cache_keeps_greedy_tokens_close_to_float32(float32_llm: LLM, int8_llm: LLM) -> None:
-    """Measured on these 8 prompts, 32 greedy tokens each: every prompt's first 5 tokens match a float32
-    cache's, 3 of 8 match all 32 (first differences at tokens 5-27), and where they part, the token int8
-    chose is within 0.07 nats of float32's best (teacher-forced). Asserted with some room: the first 4
-    tokens of every prompt, 2 prompts whole, 0.15 nats."""
+def _greedy_against_float32(llm: LLM, float32_llm: LLM) -> tuple[list[int], float]:
+    """32 greedy tokens of INT8_PROMPTS: per prompt, how many lead tokens equal a float32 cache's, and the
+    worst gap (nats) between the token ``llm`` chose and float32's best, teacher-forced on ``llm``'s tokens."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, ignore_eos=True)
-    got = int8_llm.generate(INT8_PROMPTS, params, use_tqdm=False)
+    got = llm.generate(INT8_PROMPTS, params, use_tqdm=False)
     want = float32_llm.generate(INT8_PROMPTS, params, use_tqdm=False)
     agree = []
     for a, b in zip(got, want):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         agree.append(next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta)))
-    assert min(agree) >= 4, agree
-    assert sum(n == 32 for n in agree) >= 2, agree
-    tok = int8_llm.get_tokenizer()
+    tok = llm.get_tokenizer()
     prompt_ids = [tok(p)["input_ids"] for p in INT8_PROMPTS]
     forced = float32_llm.generate(
         [{"prompt_token_ids": ids + o.outputs[0].token_ids} for ids, o in zip(prompt_ids, got)],
@@ -181,6 +176,18 @@ def test_int8_cache_keeps_greedy_tokens_close_to_float32(float32_llm: LLM, int8_
         for i, token in enumerate(out.outputs[0].token_ids):
             position = ref.prompt_logprobs[len(ids) + i]
             worst_gap = max(worst_gap, max(lp.logprob for lp in position.values()) - position[token].logprob)
+    return agree, worst_gap
+
+
+@pytest.mark.slow
+def test_int8_cache_keeps_greedy_tokens_close_to_float32(float32_llm: LLM, int8_llm: LLM) -> None:
+    """Measured on these 8 prompts, 32 greedy tokens each: every prompt's first 5 tokens match a float32
+    cache's, 3 of 8 match all 32 (first differences at tokens 5-27), and where they part, the token int8
+    chose is within 0.07 nats of float32's best (teacher-forced). Asserted with some room: the first 4
+    tokens of every prompt, 2 prompts whole, 0.15 nats."""
+    agree, worst_gap = _greedy_against_float32(int8_llm, float32_llm)
+    assert min(agree) >= 4, agree
+    assert sum(n == 32 for n in agree) >= 2, agree
     assert worst_gap <= 0.15, worst_gap
     assert _pool_whole(int8_llm) and _pool_whole(float32_llm)
 
@@ -235,8 +242,34 @@ def test_int4_cache_keeps_greedy_tokens_near_float32(float32_llm: LLM, int4_llm:
     assert _pool_whole(int4_llm) and _pool_whole(float32_llm)
 
 
+
+
+# measured on INT8_PROMPTS (SmolLM2, 32 greedy tokens): lead tokens equal to float32's per prompt, worst gap
+# E4M3: [32, 6, 13, 16, 8, 1, 16, 14], 0.30 nats; E5M2 (2 mantissa bits): [11, 0, 25, 5, 8, 24, 0, 19], 1.63 nats
+FP8_BOUNDS = {"fp8_e4m3": (1, 1, 0.45), "fp8_e5m2": (0, 5, 2.5)}  # min lead, prompts past 4 tokens, nats
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", list(FP8_BOUNDS))
+def test_fp8_cache_holds_int8s_blocks_and_keeps_greedy_tokens_near_float32(
+    float32_llm: LLM, kv_cache_dtype: str
+) -> None:
+    """fp8 blocks are int8's size (head_dim + 4 bytes a head row: 342 blocks in 64 MiB); greedy tokens stay
+    near a float32 cache's, E5M2 (2 mantissa bits) visibly less so than E4M3 (3)."""
+    llm = _engine(kv_cache_dtype)
+    runner = llm.llm_engine.model_runner
+    want_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else torch.float8_e5m2
+    assert runner.kv_cache.dtype == want_dtype and runner.kv_cache.shape[-1] == 64 + 4
+    assert runner.kv_bytes_per_block == 195840 and runner.num_kv_blocks == 342
+    min_lead, past_four, max_gap = FP8_BOUNDS[kv_cache_dtype]
+    agree, worst_gap = _greedy_against_float32(llm, float32_llm)
+    assert min(agree) >= min_lead and sum(n > 4 for n in agree) >= past_four, agree
+    assert worst_gap <= max_gap, worst_gap
+    assert _pool_whole(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8", "int4", "fp8"])
 def test_narrow_cache_gives_the_same_tokens_whole_or_chunked(kv_cache_dtype: str) -> None:
     """New K/V are seen as stored on every path (an int8 / int4 cache's as dequantized), so chunking a prompt
     changes nothing."""
@@ -259,12 +292,15 @@ def _tiny_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
-def test_int8_copy_on_write_keeps_the_scales(tiny_model_dirs: dict[str, str], kv_cache_dtype: str) -> None:
+QUANTIZED = ["int8", "int4", "fp8_e4m3", "fp8_e5m2"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_quantized_copy_on_write_keeps_the_scales(tiny_model_dirs: dict[str, str], kv_cache_dtype: str) -> None:
     """Two greedy samples of a prompt whose last block is partial: the second writes into a copy of that
     block (its values and scales) and must read the same context the first reads."""
-    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=4, kv_cache_dtype=kv_cache_dtype,
-              enable_prefix_caching=False)
+    llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=128, block_size=4,
+              kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     prompts = _tiny_prompts([10, 7], seed=5)  # 2 and 3 tokens in their last blocks
     single = _tiny_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     bm = llm.llm_engine.block_manager
@@ -275,8 +311,8 @@ def test_int8_copy_on_write_keeps_the_scales(tiny_model_dirs: dict[str, str], kv
     assert bm.num_free_blocks == 64
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
-def test_int8_prefix_cache_hit_and_preemption_give_the_same_tokens(
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_quantized_prefix_cache_hit_and_preemption_give_the_same_tokens(
     tiny_model_dirs: dict[str, str], kv_cache_dtype: str
 ) -> None:
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
