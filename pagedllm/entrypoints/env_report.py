@@ -124,6 +124,7 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         # replayed decode steps run their kernels as native step programs (runner/step_program.py)
         "step_programs": runner.captured_decode is not None and runner.captured_decode.native_programs,
         "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
+        "batch_invariant": llm.llm_engine.config.batch_invariant,
         "layer_classes": dict(sorted(layers.items())),
     }
 
@@ -153,6 +154,8 @@ def collect() -> dict[str, Any]:
         },
         "kernels": _kernels(),
         "auto": _auto_backends(),
+        # EngineConfig.batch_invariant's default (off: --batch-invariant), docs/batch-invariance.md
+        "batch_invariant": {"default": False, "flag": "--batch-invariant"},
     }
 
 
