@@ -158,3 +158,24 @@ def test_what_the_mode_cannot_cover_is_refused(kwargs: dict, field: str) -> None
 
     with pytest.raises(ValueError, match=f"batch_invariant=True does not cover {field}"):
         EngineConfig(model=bundled_model_path(), batch_invariant=True, **kwargs)
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve"], ["bench", "throughput"], ["bench", "latency"]])
+def test_the_cli_flag_reaches_the_engine_config(command: list[str]) -> None:
+    from pagedllm.entrypoints.cli import _engine_kwargs, build_parser
+
+    parser = build_parser()
+    assert _engine_kwargs(parser.parse_args([*command, "--batch-invariant"]))["batch_invariant"] is True
+    assert _engine_kwargs(parser.parse_args(command))["batch_invariant"] is False
+
+
+def test_metrics_and_env_report_the_mode() -> None:
+    from prometheus_client import generate_latest
+
+    from pagedllm.clients.metrics import ServerMetrics
+    from pagedllm.entrypoints.env_report import collect
+
+    metrics = ServerMetrics("m")
+    metrics.batch_invariant.set(1)  # as update_from_engine sets it from engine.config.batch_invariant
+    assert 'pagedllm:batch_invariant{model_name="m"} 1.0' in generate_latest(metrics.registry).decode()
+    assert collect()["batch_invariant"]["default"] is False
