@@ -286,6 +286,16 @@ class EngineConfig:
             size, entries, depth and properties; compile time, memory and
             compiles at once) and the compiled-grammar cache's bytes
             (``runner/grammar_limits.py``); over a limit is a ValueError.
+        batch_invariant: compute every request the same way whatever else
+            the engine runs (docs/batch-invariance.md): a request's tokens,
+            logprobs and prompt logprobs are bitwise the same alone or in
+            any batch, however its prompt is chunked, after a prefix-cache
+            hit or a preemption, captured or eager. Every prompt token's
+            attention then goes through the decode kernel (one reduction
+            order over the KV sequence) instead of the faster prefill
+            kernel. CPU, one rank, the ``cpu_paged`` attention and the
+            packed or GGUF 8-bit-activation linears only (ValueError
+            otherwise).
     """
 
     model: Path
@@ -318,6 +328,7 @@ class EngineConfig:
     distributed_timeout_s: PositiveSeconds = 120.0
     all_reduce_backend: AllReduceBackend = "auto"
     grammar_limits: GrammarLimits = GrammarLimits()
+    batch_invariant: bool = False
 
     @property
     def weight_group_size(self) -> int | None:
@@ -358,11 +369,32 @@ class EngineConfig:
         if self.kv_cache_dtype in ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2") and self.device != "cpu":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
                              f"read its blocks); use a float kv_cache_dtype with device={self.device!r}")
+        if self.batch_invariant:
+            self._check_batch_invariant()
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
+
+    def _check_batch_invariant(self) -> None:
+        """ValueError for what ``batch_invariant`` cannot cover: kernels chosen by shape, or one row of a
+        sum split across ranks or computed by a kernel kept for a single row."""
+        refusals = {
+            "device": (self.device != "cpu", "the invariant kernels are CPU code"),
+            "tensor_parallel_size": (self.tensor_parallel_size > 1, "one rank only (no all-reduce order is fixed)"),
+            "attention_backend": (self.attention_backend in ("sdpa", "reference"),
+                                  "torch's attention picks its kernel by shape; use 'auto' or 'cpu_paged'"),
+            "linear_backend": (self.linear_backend in ("onednn", "torch"),
+                               "oneDNN / MKL pick their kernels by shape; use 'auto' or 'packed'"),
+            "quantization": (self.quantization in ("int8", "int4"),
+                             "the int8/int4 kernels compute one row alone another way than rows in a batch"),
+            "gguf_activations": (self.gguf_activations == "float32",
+                                 "GGUF on float activations computes one row alone another way; use 'int8'"),
+        }
+        for name, (refused, why) in refusals.items():
+            if refused:
+                raise ValueError(f"batch_invariant=True does not cover {name}={getattr(self, name)!r}: {why}")
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""

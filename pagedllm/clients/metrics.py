@@ -58,6 +58,10 @@ class ServerMetrics:
             "KV cache usage, 0 to 1: blocks held by requests over all blocks",
         )
         self.num_kv_blocks = gauge("pagedllm:num_kv_blocks", "KV cache blocks in the pool")
+        # engine info: set once the engine's config is known (update_from_engine, or the data-parallel server)
+        self.batch_invariant = gauge(
+            "pagedllm:batch_invariant", "1 when every request's bits are independent of its batch (--batch-invariant)"
+        )
         self.kv_reserved_bytes = gauge(
             "pagedllm:kv_cache_reserved_bytes", "Bytes of address space the KV pool reserves (this process's share)"
         )
@@ -110,6 +114,7 @@ class ServerMetrics:
 
     def update_from_engine(self, engine: LLMEngine) -> None:
         """Refresh gauges and counters from the engine; call on the engine's own thread."""
+        self.batch_invariant.set(int(engine.config.batch_invariant))
         self.update_from_stats(engine_stats(engine))
 
     def update_from_stats(self, stats: EngineStats) -> None:

@@ -74,7 +74,7 @@ class LLM:
         **kwargs: any other ``EngineConfig`` field (block_size, num_kv_blocks,
             kv_cache_memory_bytes, max_num_seqs, enable_prefix_caching, dtype,
             kv_cache_dtype, device, seed, attention_backend, num_threads, quantization,
-            quantization_group_size, linear_backend, enforce_eager, tokenizer).
+            quantization_group_size, linear_backend, enforce_eager, batch_invariant, tokenizer).
     """
 
     def __init__(

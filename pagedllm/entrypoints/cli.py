@@ -86,6 +86,12 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         help="trace the decode step once the requests may still decode this many steps (0: at the first "
              "decode step; the server captures at start); the trace takes seconds and pays after hundreds of steps",
     )
+    g.add_argument(
+        "--batch-invariant", action="store_true",
+        help="a request's tokens and logprobs are bitwise the same whatever else runs with it (its batch, "
+             "chunking, prefix-cache hits, preemption; docs/batch-invariance.md); prompts run the decode "
+             "attention kernel",
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes the model is split over (Megatron-style; gloo on the CPU)")
     g.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "mp", "torchrun"],
@@ -154,6 +160,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         gguf_activations=args.gguf_activations,
         linear_backend=args.linear_backend,
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         capture_min_decode_steps=args.capture_min_decode_steps,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,

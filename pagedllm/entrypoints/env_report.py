@@ -128,6 +128,7 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         "kv_cache_dtype": kv_format_name(runner.kv_cache.dtype),
         # one block across all layers, K and V (an int8 / int4 cache's scales included)
         "kv_bytes_per_block": runner.kv_bytes_per_block,
+        "batch_invariant": llm.llm_engine.config.batch_invariant,
         "layer_classes": dict(sorted(layers.items())),
     }
 
@@ -157,6 +158,8 @@ def collect() -> dict[str, Any]:
         },
         "kernels": _kernels(),
         "auto": _auto_backends(),
+        # EngineConfig.batch_invariant's default (off: --batch-invariant), docs/batch-invariance.md
+        "batch_invariant": {"default": False, "flag": "--batch-invariant"},
     }
 
 

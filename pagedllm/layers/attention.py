@@ -404,6 +404,8 @@ class CpuPagedAttention(SdpaAttention):
     """
 
     name = "cpu_paged"
+    # set by the model runner for EngineConfig.batch_invariant: prompts skip the prefill kernel
+    batch_invariant = False
 
     def __init__(self) -> None:
         from pagedllm.kernels import kernels_failure, load_kernels
@@ -446,9 +448,11 @@ class CpuPagedAttention(SdpaAttention):
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
         # prompts computed from scratch read their K/V from this step's rows, all
         # in one native call; prompts that continue cached context read it in place
-        fresh = [i for i in range(meta.num_prefills) if meta.num_computed[i] == 0]
+        # batch_invariant: every prompt through the decode kernel, so that a token's attention is the same sum
+        # whether its prompt was fresh, chunked, a prefix-cache hit or recomputed (docs/batch-invariance.md)
+        fresh = [] if self.batch_invariant else [i for i in range(meta.num_prefills) if meta.num_computed[i] == 0]
         for i in range(meta.num_prefills):
-            if meta.num_computed[i] != 0:
+            if self.batch_invariant or meta.num_computed[i] != 0:
                 self._continued_prefill(i, q, k_cache, v_cache, meta, scale, out)
         if not fresh:
             return

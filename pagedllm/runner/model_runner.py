@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
-from pagedllm.layers.attention import AttentionMetadata, make_backend
+from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention, make_backend
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
@@ -88,12 +88,18 @@ class ModelRunner:
         # what the cache stores ("auto": the model's dtype); resolved here, not in the config
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
         self.backend = make_backend(config.attention_backend, self.device.type, self.compute_dtype)
+        if config.batch_invariant:
+            self._make_batch_invariant()
 
         # measured before loading: the default KV budget is what the weights leave of it
         available = available_memory_bytes(self.device)
         loaded = load_model(config, self.local_config, weights, self.backend, self.device, self.tp)
         self.model = loaded.model
         self.linear_backend = loaded.linear_backend
+        if config.batch_invariant and self.linear_backend != "packed":
+            raise ValueError(f"batch_invariant=True needs the packed linear kernels; here they resolve to "
+                             f"{self.linear_backend!r} (the native kernels did not build, or no packed kernel for "
+                             f"{config.dtype})")
         self.native_ops = loaded.native_ops
         self.num_params = loaded.num_params  # the whole model's, once tensor-parallel ranks have told theirs
         self.load_seconds = loaded.load_seconds
@@ -142,6 +148,15 @@ class ModelRunner:
                 # tensor-parallel ranks all trace at the first decode step, so none waits in a collective
                 armed=config.capture_min_decode_steps == 0 or self.tp is not None,
             )
+
+    def _make_batch_invariant(self) -> None:
+        """Route every prompt token through the decode attention kernel (``EngineConfig.batch_invariant``);
+        ValueError where the backend is not the native one (torch's attention picks kernels by shape)."""
+        if not isinstance(self.backend, CpuPagedAttention):
+            raise ValueError(f"batch_invariant=True needs the cpu_paged attention backend; here it resolves to "
+                             f"{self.backend.name!r} (the native kernels did not build, or dtype "
+                             f"{self.config.dtype!r} computes attention in {self.compute_dtype})")
+        self.backend.batch_invariant = True
 
     def _gather_rank_figures(self) -> None:
         """Every tensor-parallel rank's bytes held (``rank_bytes``), and the whole model's parameter count

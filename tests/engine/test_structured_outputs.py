@@ -18,7 +18,6 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from conftest import FLOAT_ACTIVATIONS
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.sequence import Sequence
@@ -230,11 +229,12 @@ def test_preemption_keeps_every_output_valid_and_unchanged(prompt):
     schema = SCHEMAS["enum_and_bounded_number"]
     params = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=64, structured_outputs=_json(schema))
               for i in range(6)]
-    # 12 sequences of ~30 prompt + ~20 output tokens need ~48 blocks of 16 at once; give them 14. Float
-    # activations: a recomputed prefix is summed in another order than its decode steps were, and on 8-bit
-    # activations a last-bit difference can move a rounding step, and so a sample (seen on AVX2 kernels)
-    small = LLM(num_kv_blocks=14, max_model_len=224, **FLOAT_ACTIVATIONS)
-    roomy = LLM(num_kv_blocks=256, max_model_len=512, **FLOAT_ACTIVATIONS)
+    # 12 sequences of ~30 prompt + ~20 output tokens need ~48 blocks of 16 at once; give them 14. By
+    # default a recomputed prefix is summed in another order than its decode steps were, and on 8-bit
+    # activations a last-bit difference can move a rounding step, and so a sample (seen on AVX2 kernels);
+    # batch_invariant computes it in one order (docs/batch-invariance.md), on the default activations
+    small = LLM(num_kv_blocks=14, max_model_len=224, batch_invariant=True)
+    roomy = LLM(num_kv_blocks=256, max_model_len=512, batch_invariant=True)
     got = small.generate([prompt] * len(params), params, use_tqdm=False)
     want = roomy.generate([prompt] * len(params), params, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0

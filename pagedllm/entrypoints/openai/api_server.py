@@ -383,6 +383,8 @@ def create_dp_server_app(
     ``heartbeat_timeout`` seconds is killed and replaced.
     """
     metrics = ServerMetrics(settings.model_name) if enable_metrics else None
+    if metrics is not None:
+        metrics.batch_invariant.set(int(config.batch_invariant))
     dp = DataParallelEngine(config, num_replicas, metrics, settings.max_waiting, settings.kv_page, heartbeat_timeout)
     app = build_app(dp, settings, TokenizerWorker(dp.engine.tokenizer.hf), metrics)
     app.state.async_engine = dp

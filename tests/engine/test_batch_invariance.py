@@ -1,0 +1,181 @@
+"""Batch invariance (issue 35, docs/batch-invariance.md): a needle request gives the same bits whatever its company.
+
+The needle (a paragraph of the GPL, greedy and seeded, ``logprobs=5``, ``prompt_logprobs=5``) is computed
+alone in a fresh eager engine; then, with ``batch_invariant=True``, in engines of every chunk size
+(``max_num_batched_tokens`` 16, 64, 2048), captured and eager: alone, inside batches of random neighbours
+(compositions drawn by hypothesis), after a prefix-cache hit and under a pool small enough to preempt it.
+Every token id and every float (sampled and top-k logprobs, prompt logprobs) is compared with ``==``.
+
+The inverse (``test_the_default_engine_is_not_invariant``) shows the harness can fail: without the mode a
+prompt chunked into 16-token steps runs its attention through the decode kernel, a whole prompt through the
+prefill kernel, which sums in another order.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+from conftest import CapturingLLM
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedllm import LLM, SamplingParams
+
+GPL = open("/usr/share/common-licenses/GPL-3").read()
+NEEDLE = GPL[1200:1700]  # ~110 tokens of real text
+MAX_TOKENS = 8
+# the models: the bundled GGUF on 8-bit activations (the default), its float32 weights, bf16
+MODELS = {
+    "gguf-int8": {},
+    "float32": {"quantization": "none"},
+    "bfloat16": {"quantization": "none", "dtype": "bfloat16"},
+}
+COMMON = {"max_model_len": 512, "num_threads": 1, "num_kv_blocks": 128}
+
+
+def params(seeded: bool, prompt_logprobs: bool = True) -> SamplingParams:
+    """The needle's sampling: greedy, or seeded at temperature 0.8; always top-5 logprobs."""
+    return SamplingParams(
+        temperature=0.8 if seeded else 0.0, seed=7 if seeded else None, max_tokens=MAX_TOKENS, ignore_eos=True,
+        logprobs=5, prompt_logprobs=5 if prompt_logprobs else None,
+    )
+
+
+def fingerprint(out) -> tuple:  # noqa: ANN001
+    """Every token id and float of a request's output, in a form ``==`` compares exactly."""
+    c = out.outputs[0]
+    logprobs = [sorted((t, p.logprob, p.rank) for t, p in d.items()) for d in c.logprobs or []]
+    prompt = [None if d is None else sorted((t, p.logprob, p.rank) for t, p in d.items())
+              for d in out.prompt_logprobs or []]
+    return c.token_ids, c.cumulative_logprob, logprobs, prompt
+
+
+def neighbours(lengths: list[int], seed: int) -> tuple[list[str], list[SamplingParams]]:
+    """Prompts of about ``lengths`` characters cut from elsewhere in the GPL, each with its own sampling."""
+    rng = random.Random(seed)
+    prompts = [GPL[(start := rng.randrange(3000, 30000)) : start + n] for n in lengths]
+    sps = [SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(100), ignore_eos=True,
+                          max_tokens=rng.randrange(1, 12)) for _ in lengths]
+    return prompts, sps
+
+
+def needle_in(llm: LLM, sp: SamplingParams, lengths: list[int], position: int, seed: int) -> tuple:
+    """The needle's fingerprint when run at ``position`` among neighbours of ``lengths``."""
+    prompts, sps = neighbours(lengths, seed)
+    position = min(position, len(prompts))
+    prompts.insert(position, NEEDLE)
+    sps.insert(position, sp)
+    return fingerprint(llm.generate(prompts, sps, use_tqdm=False)[position])
+
+
+@functools.cache
+def reference(model: str, seeded: bool, prompt_logprobs: bool = True) -> tuple:
+    """The needle alone in a fresh eager engine, whole prompt in one step (the mode on)."""
+    llm = LLM(enforce_eager=True, batch_invariant=True, **COMMON, **MODELS[model])
+    return fingerprint(llm.generate([NEEDLE], params(seeded, prompt_logprobs), use_tqdm=False)[0])
+
+
+def make(model: str, chunk: int, captured: bool, **kwargs: object) -> LLM:
+    """An engine of ``model`` with ``max_num_batched_tokens=chunk``, its decode steps captured or eager."""
+    options = {**COMMON, **MODELS[model], "max_num_batched_tokens": chunk, **kwargs}
+    options.setdefault("batch_invariant", True)
+    return CapturingLLM(**options) if captured else LLM(enforce_eager=True, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("chunk, captured", [(16, False), (64, True), (2048, True)])
+def test_the_needle_is_the_same_in_any_company(model: str, chunk: int, captured: bool) -> None:
+    llm = make(model, chunk, captured)
+    for seeded in (False, True):
+        want = reference(model, seeded)
+        assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want
+
+        @settings(max_examples=2, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+        @given(lengths=st.lists(st.integers(20, 600), min_size=1, max_size=4), position=st.integers(0, 4),
+               seed=st.integers(0, 1000))
+        def in_a_batch(lengths: list[int], position: int, seed: int) -> None:
+            assert needle_in(llm, params(seeded), lengths, position, seed) == want  # noqa: B023
+
+        in_a_batch()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_prefix_cache_hit_gives_the_same_bits(model: str) -> None:
+    # prompt logprobs need every prompt position computed, so those requests take no prefix hit: the
+    # needle here asks for sampled logprobs only
+    llm = make(model, 64, captured=True)
+    for seeded in (False, True):
+        want = reference(model, seeded, prompt_logprobs=False)
+        llm.generate([NEEDLE[:300]], params(seeded, False), use_tqdm=False)  # caches the needle's first blocks
+        out = llm.generate([NEEDLE], params(seeded, False), use_tqdm=False)[0]
+        assert out.num_cached_tokens > 0
+        assert fingerprint(out) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_preempted_needle_gives_the_same_bits(model: str) -> None:
+    # 12 blocks of 16 tokens for the needle (~110 + 8 tokens) and neighbours of ~120 tokens decoding 40 each
+    llm = make(model, 64, captured=False, num_kv_blocks=32)
+    want = reference(model, True)
+    prompts, sps = neighbours([500] * 5, seed=5)
+    sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(len(sps))]
+    outs = llm.generate([NEEDLE, *prompts], [params(True), *sps], use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert fingerprint(outs[0]) == want
+
+
+@pytest.mark.slow
+def test_the_default_engine_is_not_invariant() -> None:
+    """The inverse: without the mode the harness finds a difference (a chunked prompt's attention runs the
+    decode kernel, a whole prompt the prefill kernel), so the tests above can fail."""
+    whole = make("float32", 2048, captured=False, batch_invariant=False)
+    chunked = make("float32", 16, captured=False, batch_invariant=False)
+    assert fingerprint(whole.generate([NEEDLE], params(False), use_tqdm=False)[0]) != fingerprint(
+        chunked.generate([NEEDLE], params(False), use_tqdm=False)[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"attention_backend": "sdpa"}, "attention_backend"),
+        ({"linear_backend": "onednn"}, "linear_backend"),
+        ({"quantization": "int8"}, "quantization"),
+        ({"gguf_activations": "float32"}, "gguf_activations"),
+        ({"device": "cuda"}, "device"),
+    ],
+)
+def test_what_the_mode_cannot_cover_is_refused(kwargs: dict, field: str) -> None:
+    from pagedllm.config import EngineConfig
+    from pagedllm.loader import bundled_model_path
+
+    with pytest.raises(ValueError, match=f"batch_invariant=True does not cover {field}"):
+        EngineConfig(model=bundled_model_path(), batch_invariant=True, **kwargs)
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve"], ["bench", "throughput"], ["bench", "latency"]])
+def test_the_cli_flag_reaches_the_engine_config(command: list[str]) -> None:
+    from pagedllm.entrypoints.cli import _engine_kwargs, build_parser
+
+    parser = build_parser()
+    assert _engine_kwargs(parser.parse_args([*command, "--batch-invariant"]))["batch_invariant"] is True
+    assert _engine_kwargs(parser.parse_args(command))["batch_invariant"] is False
+
+
+def test_metrics_and_env_report_the_mode() -> None:
+    from prometheus_client import generate_latest
+
+    from pagedllm.clients.metrics import ServerMetrics
+    from pagedllm.entrypoints.env_report import collect
+
+    metrics = ServerMetrics("m")
+    metrics.batch_invariant.set(1)  # as update_from_engine sets it from engine.config.batch_invariant
+    assert 'pagedllm:batch_invariant{model_name="m"} 1.0' in generate_latest(metrics.registry).decode()
+    assert collect()["batch_invariant"]["default"] is False
