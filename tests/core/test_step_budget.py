@@ -201,6 +201,7 @@ def _long_prompt_among_streams(model: str, itl_target_ms: float | str | None) ->
     engine = LLMEngine(EngineConfig(
         model=model, num_kv_blocks=160, max_model_len=2048, max_num_batched_tokens=1024,
         itl_target_ms=itl_target_ms, num_threads=2,
+        capture_min_decode_steps=0,  # replayed decode steps from the first, as a server's: steadier step times
     ))
     rng = random.Random(0)
     greedy = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
