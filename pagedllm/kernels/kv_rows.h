@@ -46,8 +46,9 @@ static inline uint16_t f32_to_bf16_bits(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* one head of head_dim values into dst: head_dim int8, then the float32 scale */
-static inline void quantize_head_i8(int8_t *dst, const float *src, int head_dim) {
+/* a head's scale, max|x| / qmax with max|x| saturated to 65504 (as the values are); NaN when the head holds
+   a NaN, which makes the whole head row read back NaN */
+static inline float head_scale(const float *src, int head_dim, float qmax) {
     float amax = 0.0f;
     int nan = 0;
     for (int i = 0; i < head_dim; i++) {
@@ -57,9 +58,13 @@ static inline void quantize_head_i8(int8_t *dst, const float *src, int head_dim)
         amax = a > amax ? a : amax;
     }
     if (amax > 65504.0f) amax = 65504.0f;
-    float scale = amax / 127.0f;
-    if (nan) scale = NAN;
-    if (nan || scale == 0.0f) {
+    return nan ? NAN : amax / qmax;
+}
+
+/* one head of head_dim values into dst: head_dim int8, then the float32 scale */
+static inline void quantize_head_i8(int8_t *dst, const float *src, int head_dim) {
+    const float scale = head_scale(src, head_dim, 127.0f);
+    if (!(scale > 0.0f)) { /* an all-zero head, or a NaN one */
         memset(dst, 0, (size_t)head_dim);
     } else {
         for (int i = 0; i < head_dim; i++) {
@@ -125,18 +130,8 @@ static inline uint8_t f32_to_fp8_bits(float x, int mbits, int bias) {
 static inline void quantize_head_fp8(uint8_t *dst, const float *src, int head_dim, int e4m3) {
     const float fmax = e4m3 ? 448.0f : 57344.0f;
     const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
-    float amax = 0.0f;
-    int nan = 0;
-    for (int i = 0; i < head_dim; i++) {
-        const float x = src[i];
-        if (x != x) nan = 1;
-        const float a = fabsf(x);
-        amax = a > amax ? a : amax;
-    }
-    if (amax > 65504.0f) amax = 65504.0f;
-    float scale = amax / fmax;
-    if (nan) scale = NAN;
-    if (nan || scale == 0.0f) {
+    const float scale = head_scale(src, head_dim, fmax);
+    if (!(scale > 0.0f)) { /* an all-zero head, or a NaN one */
         memset(dst, 0, (size_t)head_dim);
     } else {
         for (int i = 0; i < head_dim; i++) {
