@@ -19,7 +19,10 @@
  * paged_attention.h) and then quantized with one scale, symmetric:
  *   x     saturated to +-65504 first (before the rotation: inf - inf would be NaN)
  *   r     H x in float32
- *   scale max|r| / 7 (float32), stored after the head's head_dim / 2 bytes
+ *   scale max|r| / 7 (float32) for V; for K, max|r| * c / 7 with c the clip ratio of
+ *         INT4_KEY_CLIPS (1 down to 0.6) whose levels reconstruct r with the
+ *         least squared error (a largest value clipped buys finer steps for
+ *         the rest); stored after the head's head_dim / 2 bytes
  *   q     r / scale rounded to nearest, ties to even, in [-7, 7], stored as
  *         the nibble q + 8 (value 2i in byte i's low nibble, 2i + 1 high)
  * and reads back as H (q * scale). A NaN stores a NaN scale and zeros, as
@@ -79,8 +82,42 @@ static inline void quantize_head_i8(int8_t *dst, const float *src, int head_dim)
     memcpy(dst + head_dim, &scale, sizeof scale);
 }
 
-/* one head of head_dim values (even, at most KV_I4_MAX_HEAD_DIM) into dst: head_dim / 2 bytes, then the scale */
-static inline void quantize_head_i4(uint8_t *dst, const float *src, int head_dim) {
+/* the clip ratios a key row's int4 scale is chosen from after 1 (layers/kv_quant.py's INT4_KEY_CLIPS), as
+   c / 7 in float32: the scale is then one multiply, which -fassociative-math cannot reorder */
+static const float KV_I4_KEY_STEPS[] = {0.95f / 7.0f, 0.9f / 7.0f, 0.85f / 7.0f, 0.8f / 7.0f,
+                                        0.75f / 7.0f, 0.7f / 7.0f, 0.65f / 7.0f, 0.6f / 7.0f};
+
+static inline float i4_level(float r, float scale) {
+    const float q = nearbyintf(r / scale);
+    return q > 7.0f ? 7.0f : (q < -7.0f ? -7.0f : q);
+}
+
+/* the squared error of r's levels at `scale` (> 0), read back as level * scale in float32, summed in double */
+static inline double i4_error(const float *r, int head_dim, float scale) {
+    double e = 0.0;
+    for (int i = 0; i < head_dim; i++) {
+        const double d = (double)r[i] - (double)(i4_level(r[i], scale) * scale);
+        e += d * d;
+    }
+    return e;
+}
+
+/* a key row's scale: amax * c / 7 for the clip ratio c with the least error (the first, largest, on a tie) */
+static inline float i4_key_scale(const float *r, int head_dim, float amax) {
+    float best = amax / 7.0f;
+    if (!(best > 0.0f)) return best;
+    double best_error = i4_error(r, head_dim, best);
+    for (size_t c = 0; c < sizeof KV_I4_KEY_STEPS / sizeof KV_I4_KEY_STEPS[0]; c++) {
+        const float scale = amax * KV_I4_KEY_STEPS[c];
+        const double e = i4_error(r, head_dim, scale);
+        if (e < best_error) best = scale, best_error = e;
+    }
+    return best;
+}
+
+/* one head of head_dim values (even, at most KV_I4_MAX_HEAD_DIM) into dst: head_dim / 2 bytes, then the scale;
+   keys: the scale searched (i4_key_scale), not max / 7 */
+static inline void quantize_head_i4(uint8_t *dst, const float *src, int head_dim, int keys) {
     float r[KV_I4_MAX_HEAD_DIM];
     int nan = 0;
     for (int i = 0; i < head_dim; i++) {
@@ -93,15 +130,12 @@ static inline void quantize_head_i4(uint8_t *dst, const float *src, int head_dim
     hadamard_f32(r, head_dim);
     float amax = 0.0f;
     for (int i = 0; i < head_dim; i++) amax = fabsf(r[i]) > amax ? fabsf(r[i]) : amax;
-    float scale = amax / 7.0f;
-    if (nan) scale = NAN;
+    float scale = nan ? NAN : (keys ? i4_key_scale(r, head_dim, amax) : amax / 7.0f);
     if (nan || scale == 0.0f) {
         memset(dst, 0x88, (size_t)head_dim / 2); /* q = 0 in both nibbles */
     } else {
         for (int i = 0; i < head_dim; i += 2) {
-            float q0 = nearbyintf(r[i] / scale), q1 = nearbyintf(r[i + 1] / scale);
-            q0 = q0 > 7.0f ? 7.0f : (q0 < -7.0f ? -7.0f : q0);
-            q1 = q1 > 7.0f ? 7.0f : (q1 < -7.0f ? -7.0f : q1);
+            const float q0 = i4_level(r[i], scale), q1 = i4_level(r[i + 1], scale);
             dst[i / 2] = (uint8_t)((int)q0 + 8) | (uint8_t)(((int)q1 + 8) << 4);
         }
     }
@@ -148,12 +182,13 @@ static inline void quantize_head_fp8(uint8_t *dst, const float *src, int head_di
 
 /* src: row floats (num_kv_heads * head_dim); slot s of the cache starts at
    s * row elements, or for KV_INT8 / KV_FP8* at s * (row / head_dim) * (head_dim + 4) bytes, KV_INT4
-   (head_dim / 2 + 4) */
-static void write_row(void *cache, int kv_type, int64_t slot, const float *src, int64_t row, int head_dim) {
+   (head_dim / 2 + 4); keys: src is a K row (an int4 cache searches its scale) */
+static void write_row(void *cache, int kv_type, int64_t slot, const float *src, int64_t row, int head_dim,
+                      int keys) {
     if (kv_type == KV_INT4) {
         const int64_t heads = row / head_dim, hs = head_dim / 2 + KV_I4_SCALE_BYTES;
         uint8_t *dst = (uint8_t *)cache + slot * heads * hs;
-        for (int64_t h = 0; h < heads; h++) quantize_head_i4(dst + h * hs, src + h * head_dim, head_dim);
+        for (int64_t h = 0; h < heads; h++) quantize_head_i4(dst + h * hs, src + h * head_dim, head_dim, keys);
     } else if (kv_type == KV_FP8E4M3 || kv_type == KV_FP8E5M2) {
         const int64_t heads = row / head_dim, hs = head_dim + KV_I8_SCALE_BYTES;
         uint8_t *dst = (uint8_t *)cache + slot * heads * hs;

@@ -21,7 +21,7 @@
 void write_kv_team(const WriteKvNode *n, int64_t rows) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; t++) {
-        write_row(n->k_cache, n->kv_type, n->slots[t], n->k + t * n->k_stride, n->row, n->head_dim);
-        write_row(n->v_cache, n->kv_type, n->slots[t], n->v + t * n->v_stride, n->row, n->head_dim);
+        write_row(n->k_cache, n->kv_type, n->slots[t], n->k + t * n->k_stride, n->row, n->head_dim, 1);
+        write_row(n->v_cache, n->kv_type, n->slots[t], n->v + t * n->v_stride, n->row, n->head_dim, 0);
     }
 }

@@ -130,7 +130,7 @@ def write_kv(
     an int8, int4 or fp8 cache's rows quantized with their scales)."""
     num_kv_heads = k.shape[1]
     if k_cache.dtype in QUANTIZED_CACHE_DTYPES:
-        k_rows, v_rows = quantize_heads(k, k_cache.dtype), quantize_heads(v, v_cache.dtype)
+        k_rows, v_rows = quantize_heads(k, k_cache.dtype, keys=True), quantize_heads(v, v_cache.dtype)
     else:
         k_rows, v_rows = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
     k_cache, v_cache, k_rows, v_rows = (indexable(t) for t in (k_cache, v_cache, k_rows, v_rows))
@@ -138,11 +138,11 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, v_cache.shape[-1]).index_copy_(0, slot_mapping, v_rows)
 
 
-def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def as_stored(x: torch.Tensor, cache: torch.Tensor, keys: bool = False) -> torch.Tensor:
     """``x`` as the cache holds it (rounded to the cache's dtype, or int8 / int4 / fp8-quantized), back in ``x``'s
-    dtype."""
+    dtype; ``keys``: ``x`` holds K rows (an int4 cache quantizes them with a searched scale)."""
     if cache.dtype in QUANTIZED_CACHE_DTYPES:
-        return stored_values(quantize_heads(x, cache.dtype)).to(x.dtype)
+        return stored_values(quantize_heads(x, cache.dtype, keys)).to(x.dtype)
     return x if cache.dtype == x.dtype else to_cache_dtype(x, cache.dtype).to(x.dtype)
 
 
@@ -232,7 +232,7 @@ class AttentionBackend(ABC):
         # (and other sequences sharing a cached prefix) can read it
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_prefills:
-            k, v = as_stored(k, k_cache), as_stored(v, v_cache)
+            k, v = as_stored(k, k_cache, keys=True), as_stored(v, v_cache)
         return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
 
     @abstractmethod
@@ -426,7 +426,7 @@ class CpuPagedAttention(SdpaAttention):
         # index_copy_ calls otherwise; 0.24 s of the throughput workload)
         self._ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping.contiguous())
         if meta.num_prefills:
-            k, v = as_stored(k, k_cache), as_stored(v, v_cache)
+            k, v = as_stored(k, k_cache, keys=True), as_stored(v, v_cache)
         return self.attend(q, k, v, k_cache, v_cache, meta, scale, **options)
 
     def _native_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

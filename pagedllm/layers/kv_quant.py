@@ -83,6 +83,8 @@ INT8_SCALE_BYTES = 4  # one float32 scale after each head's values
 INT4_SCALE_BYTES = 4  # one float32 scale after each head's nibbles
 _SATURATE = 65504.0
 _INT4_MAX = 7  # symmetric levels -7 .. 7
+# the clip ratios a key row's int4 scale is chosen from (kernels/kv_rows.h has the same list)
+INT4_KEY_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 # the fp8 formats' largest finite values
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # the cache dtypes holding quantized head rows (values or int4 nibbles, then a float32 scale's bytes)
@@ -136,12 +138,38 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(x.shape) * torch.tensor(1.0 / math.sqrt(b), dtype=torch.float32)
 
 
-def quantize_int4_heads(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., head_dim]`` as int4 head rows ``[..., head_dim / 2 + 4]`` uint8 (nibbles, then the scale)."""
+def _int4_levels(r: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``r / scale`` rounded to nearest even in [-7, 7] (``scale`` > 0)."""
+    return torch.round(r / scale).clamp_(-_INT4_MAX, _INT4_MAX)
+
+
+def _int4_key_scale(r: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """A key row's scale: ``amax * c / 7`` for the clip ratio ``c`` of ``INT4_KEY_CLIPS`` whose levels
+    reconstruct ``r`` with the least squared error (float64 sums; the first, largest, ``c`` on a tie)."""
+    def error(scale: torch.Tensor) -> torch.Tensor:  # [..., 1] float64
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        back = _int4_levels(r, safe) * safe  # the values as they read back, float32
+        return (r.double() - back.double()).square().sum(dim=-1, keepdim=True)
+
+    best = amax / float(_INT4_MAX)
+    best_error = error(best)
+    for clip in INT4_KEY_CLIPS[1:]:
+        # c / 7 rounded to float32 first, then one multiply: the native kernel's order (kv_rows.h)
+        scale = amax * (torch.tensor(clip, dtype=torch.float32) / float(_INT4_MAX))
+        e = error(scale)
+        better = e < best_error  # False for NaN: a NaN row keeps its NaN scale
+        best, best_error = torch.where(better, scale, best), torch.where(better, e, best_error)
+    return best
+
+
+def quantize_int4_heads(x: torch.Tensor, keys: bool = False) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` as int4 head rows ``[..., head_dim / 2 + 4]`` uint8 (nibbles, then the scale);
+    ``keys``: the scale searched for the least error (``INT4_KEY_CLIPS``), not the row's max / 7."""
     r = hadamard(x.float().clamp(-_SATURATE, _SATURATE))  # NaN stays NaN
-    scale = r.abs().amax(dim=-1, keepdim=True) / float(_INT4_MAX)  # [..., 1]
+    amax = r.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    scale = _int4_key_scale(r, amax) if keys else amax / float(_INT4_MAX)
     nonzero = scale > 0  # False for 0 and NaN
-    q = torch.round(r / torch.where(nonzero, scale, torch.ones_like(scale))).clamp_(-_INT4_MAX, _INT4_MAX)
+    q = _int4_levels(r, torch.where(nonzero, scale, torch.ones_like(scale)))
     q = (torch.where(nonzero, q, torch.zeros_like(q)) + 8).to(torch.uint8)
     packed = q[..., 0::2] | (q[..., 1::2] << 4)
     return torch.cat([packed, scale.contiguous().view(torch.uint8)], dim=-1)
@@ -182,12 +210,12 @@ def indexable(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype in FP8_MAX else cache
 
 
-def quantize_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantize_heads(x: torch.Tensor, dtype: torch.dtype, keys: bool = False) -> torch.Tensor:
     """``x`` ``[..., head_dim]`` as a quantized cache of ``dtype`` (one of ``QUANTIZED_CACHE_DTYPES``) stores it:
-    int8 (``torch.int8``), int4 (``torch.uint8``) or fp8 rows."""
+    int8 (``torch.int8``), int4 (``torch.uint8``) or fp8 rows; ``keys``: K rows (int4 searches their scale)."""
     if dtype == torch.int8:
         return quantize_int8_heads(x)
-    return quantize_int4_heads(x) if dtype == torch.uint8 else quantize_fp8_heads(x, dtype)
+    return quantize_int4_heads(x, keys) if dtype == torch.uint8 else quantize_fp8_heads(x, dtype)
 
 
 def is_quantized(cache_dtype: torch.dtype) -> bool:

@@ -36,6 +36,7 @@ from torch import nn
 from pagedllm.layers.activation import GeluAndMul
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.custom_op import NativeOpsMixin
+from pagedllm.layers.kv_transform import KvTransform
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
@@ -79,6 +80,8 @@ class Gemma3Attention(nn.Module):
         self.sliding_window = cfg.sliding_window(layer)  # None: full attention
         self.softcap = cfg.attn_logit_softcapping
         self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
+        # an int4 cache's change of variables for K/V (layers/kv_transform.py), fitted by the runner
+        self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=self.softcap is None)
 
     @property
     def native(self) -> NativeOps | None:
@@ -96,11 +99,12 @@ class Gemma3Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm_rope(qkv, cos_sin)  # per-head norms (1 + w), then RoPE
+        q, k, v = self.kv_transform.encode(q, k, v)  # the identity unless an int4 cache fitted it
         out = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
             sliding_window=self.sliding_window, softcap=self.softcap,
         )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(self.kv_transform.decode(out).flatten(1))
 
 
 class Gemma3MLP(nn.Module):

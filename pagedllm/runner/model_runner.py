@@ -14,6 +14,7 @@ from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention, make
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.kv_cache import (
@@ -24,6 +25,7 @@ from pagedllm.runner.kv_cache import (
     release_kv_blocks,
     resident_kv_bytes,
 )
+from pagedllm.runner.kv_calibration import calibrate_kv_transforms, calibration_text
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
 from pagedllm.runner.sampler import (
@@ -121,6 +123,8 @@ class ModelRunner:
         self.rank_bytes: list[list[int]] = [[self.weight_bytes, self.kv_cache_bytes]]
         if self.tp is not None:
             self._gather_rank_figures()
+        if self.kv_cache_dtype == torch.uint8:  # int4: fit each layer's change of variables first
+            self._calibrate_kv_transforms()
         logger.info(
             "resident: weights %.1f MiB (%s, %s linears), KV cache %.1f MiB (%d blocks of %d tokens, %s)",
             self.weight_bytes / 2**20, self.weight_format, self.linear_backend,
@@ -157,6 +161,14 @@ class ModelRunner:
                              f"{self.backend.name!r} (the native kernels did not build, or dtype "
                              f"{self.config.dtype!r} computes attention in {self.compute_dtype})")
         self.backend.batch_invariant = True
+
+    def _calibrate_kv_transforms(self) -> None:
+        """Fit every layer's ``KvTransform`` from the calibration prompt (``runner/kv_calibration.py``)."""
+        tokenizer = Tokenizer(self.config.tokenizer or self.config.model, self.model_config.eos_token_ids)
+        ids = tokenizer.encode(calibration_text(), add_special_tokens=False)
+        room = min(self.num_kv_blocks * self.block_size, self.config.max_model_len)
+        seen = calibrate_kv_transforms(self.model, self.kv_caches, self.kv_cache, ids, self.block_size, room)
+        logger.info("int4 KV cache: K/V transforms fitted on %d calibration tokens", seen)
 
     def _gather_rank_figures(self) -> None:
         """Every tensor-parallel rank's bytes held (``rank_bytes``), and the whole model's parameter count

@@ -19,6 +19,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.kv_quant import (
+    INT4_KEY_CLIPS,
     INT4_SCALE_BYTES,
     dequantize_int4_heads,
     hadamard,
@@ -55,17 +56,16 @@ def _rotation64(head_dim: int) -> torch.Tensor:
     return torch.block_diag(*[_hadamard64(b)] * (head_dim // b))
 
 
-def _native_rows(ops, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-    """``x`` [tokens, kv_heads, head_dim] written by the native write_kv into scattered slots, read back raw."""
+def _native_rows(ops, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """``x`` [tokens, kv_heads, head_dim] written by the native write_kv as K and as V into scattered slots, read
+    back raw: (the K rows, the V rows)."""
     tokens, heads, head_dim = x.shape
     block_size, width = 4, cache_head_width(head_dim, torch.uint8)
     num_blocks = tokens // block_size + 3
     caches = [torch.full((num_blocks, block_size, heads, width), 99, dtype=torch.uint8) for _ in range(2)]
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(tokens))[:tokens]
-    ops.write_kv(x, x.flip(0), caches[0], caches[1], slots)
-    flat = caches[0].view(-1, heads, width)
-    assert torch.equal(caches[1].view(-1, heads, width)[slots], flat[slots].flip(0))
-    return flat[slots]
+    ops.write_kv(x, x, caches[0], caches[1], slots)
+    return caches[0].view(-1, heads, width)[slots], caches[1].view(-1, heads, width)[slots]
 
 
 def _split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +100,9 @@ def _rows_to_check() -> torch.Tensor:
 
 
 def test_native_write_quantizes_like_a_float64_reference(ops) -> None:  # noqa: ANN001
+    """V rows: the scale is the rotated row's max / 7 (K rows: the next test)."""
     x = _rows_to_check()
-    native = _native_rows(ops, x)
+    _, native = _native_rows(ops, x)
     # the torch quantizer (the SDPA / reference paths, as_stored) stores the same bits
     assert torch.equal(native, quantize_int4_heads(x))
     values, scales = _split(native)
@@ -126,6 +127,37 @@ def test_native_write_quantizes_like_a_float64_reference(ops) -> None:  # noqa: 
     assert back[1, 0].abs().sort().values[-2].item() < 1e-4
 
 
+def test_key_rows_take_the_clip_with_the_least_error(ops) -> None:  # noqa: ANN001
+    """K rows: of the scales max|H x| * c / 7, c in INT4_KEY_CLIPS, the one whose levels reconstruct the
+    rotated row best (float64 here, independently of the kernel); the torch quantizer stores the same bits.
+    On Gaussian rows a clip below 1 wins for most rows (a largest value clipped buys finer steps for the
+    rest), so the search is not vacuous; a row with one outlier (all rotated values equal) keeps c = 1."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 2, 64, generator=gen, dtype=torch.float64) * 3.0
+    x[0, 0] = 0.0
+    x[0, 0, 9] = 40.0  # rotated: every value +-5, exact at c = 1
+    x = x.float()
+    native, _ = _native_rows(ops, x)
+    assert torch.equal(native, quantize_int4_heads(x, keys=True))
+    values, scales = _split(native)
+    r64 = hadamard(x).double()  # the kernel's float32 rotation, widened
+    amax = r64.abs().amax(-1, keepdim=True)
+    candidates = torch.cat([amax * c / 7 for c in INT4_KEY_CLIPS], dim=-1)  # [tokens, heads, clips]
+    q = torch.round(r64.unsqueeze(-2) / candidates.unsqueeze(-1)).clamp(-7, 7)
+    errors = (r64.unsqueeze(-2) - q * candidates.unsqueeze(-1)).square().sum(-1)  # [tokens, heads, clips]
+    chosen = (scales.double() - candidates).abs().argmin(-1)
+    torch.testing.assert_close(scales.double().squeeze(-1), candidates.gather(-1, chosen.unsqueeze(-1)).squeeze(-1),
+                               rtol=1e-6, atol=0)
+    # the chosen scale's error is the least, up to float32's rounding of the candidates
+    assert (errors.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) <= errors.amin(-1) * (1 + 1e-4) + 1e-9).all()
+    assert (chosen > 0).float().mean().item() > 0.5
+    assert chosen[0, 0].item() == 0 and (values[0, 0].abs() == 7).all()
+    # and the searched rows reconstruct better than the max / 7 ones on the whole
+    plain = dequantize_int4_heads(quantize_int4_heads(x)).double()
+    searched = dequantize_int4_heads(native).double()
+    assert (searched - x.double()).square().sum() < 0.9 * (plain - x.double()).square().sum()
+
+
 def test_inf_saturates_and_nan_makes_its_head_nan(ops) -> None:  # noqa: ANN001
     """+-inf is stored as +-65504 (saturated before the rotation); a NaN makes its whole head row read NaN,
     and only attention that reads that head is NaN."""
@@ -135,9 +167,12 @@ def test_inf_saturates_and_nan_makes_its_head_nan(ops) -> None:  # noqa: ANN001
     x[0, 1, 5] = float("-inf")
     x[1, 0, 2] = 1e6
     x[2, 1, 7] = float("nan")
-    native = _native_rows(ops, x)
+    native_k, native = _native_rows(ops, x)
     torched = quantize_int4_heads(x)
     assert torch.equal(native, torched)  # the NaN scale's bits too
+    assert torch.equal(native_k, quantize_int4_heads(x, keys=True))
+    back_k = dequantize_int4_heads(native_k)
+    assert back_k[2, 1].isnan().all() and torch.isfinite(back_k[[0, 1, 3]]).all()
     back = dequantize_int4_heads(native)
     assert torch.equal(back[:2], dequantize_int4_heads(quantize_int4_heads(x[:2].clamp(-65504, 65504))))
     assert back[0, 0, 3].item() == pytest.approx(65504.0, rel=1e-3)

@@ -349,7 +349,7 @@ def test_prefill_whole_and_chunked_over_quantized_blocks_matches_float64(head_di
     out2 = CpuPagedAttention().forward(*rest, *chunk_caches, _prefill_meta(lens, cuts, tables, block_size), scale)
     assert torch.equal(_bits(whole_caches[0]), _bits(chunk_caches[0]))
     assert torch.equal(_bits(whole_caches[1]), _bits(chunk_caches[1]))
-    held_k, held_v = stored_values(quantize_heads(k, dtype)), stored_values(quantize_heads(v, dtype))
+    held_k, held_v = stored_values(quantize_heads(k, dtype, keys=True)), stored_values(quantize_heads(v, dtype))
     o1 = o2 = 0
     for s, c, n in zip(starts, cuts, lens):
         want = _dense64(q[s : s + n], held_k[s : s + n], held_v[s : s + n], 0, scale)

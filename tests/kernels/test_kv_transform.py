@@ -1,0 +1,94 @@
+"""The int4 cache's change of variables (``layers/kv_transform.py``): attention is unchanged by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.layers.kv_transform import KvTransform
+
+KV_HEADS, GROUP, HEAD_DIM, TOKENS = 2, 3, 16, 40
+
+
+def _qkv(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[T, heads, d]``, k/v ``[T, kv_heads, d]`` float64 with channel means and uneven channel sizes, as
+    real keys have."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.rand(KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64) * 4 + 0.1
+    k = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64) * spread + 3.0 * spread.flip(-1)
+    v = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64) + 2.0
+    q = torch.randn(TOKENS, KV_HEADS * GROUP, HEAD_DIM, generator=gen, dtype=torch.float64)
+    return q, k, v
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+    """Causal softmax attention in float64, K/V heads shared by ``GROUP`` query heads: ``[T, heads, d]``."""
+    keys, values = k.repeat_interleave(GROUP, dim=1), v.repeat_interleave(GROUP, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / HEAD_DIM**0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = torch.ones(TOKENS, TOKENS, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def _fitted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shift_keys: bool = True) -> KvTransform:
+    transform = KvTransform(KV_HEADS, HEAD_DIM, shift_keys=shift_keys).double()
+    transform.record()
+    transform.encode(q, k, v)
+    transform.fit()
+    return transform
+
+
+def test_the_transform_leaves_attention_unchanged() -> None:
+    """q'.k' differs from q.k by a constant per query and v' by a constant per channel: the same output."""
+    q, k, v = _qkv(0)
+    transform = _fitted(q, k, v)
+    qt, kt, vt = transform.encode(q, k, v)
+    assert not torch.allclose(kt, k) and not torch.allclose(vt, v) and not torch.allclose(qt, q)
+    torch.testing.assert_close(transform.decode(_attention(qt, kt, vt)), _attention(q, k, v), rtol=1e-9, atol=1e-9)
+
+
+def test_the_stored_keys_are_centred_and_rebalanced() -> None:
+    """On the calibration data itself the stored keys have mean 0 per channel; each channel is divided by
+    s_c = sqrt(std(k_c) / rms(q_c)) (geometric mean 1 per head) and the queries multiplied by it."""
+    q, k, v = _qkv(1)
+    transform = _fitted(q, k, v)
+    qt, kt, vt = transform.encode(q, k, v)
+    torch.testing.assert_close(kt.mean(0), torch.zeros(KV_HEADS, HEAD_DIM, dtype=torch.float64), atol=1e-9, rtol=0)
+    torch.testing.assert_close(vt.mean(0), torch.zeros(KV_HEADS, HEAD_DIM, dtype=torch.float64), atol=1e-9, rtol=0)
+    k_std = k.std(0, unbiased=False)
+    q_rms = q.reshape(TOKENS, KV_HEADS, GROUP, HEAD_DIM).square().mean(dim=(0, 2)).sqrt()
+    s = (k_std / q_rms).sqrt()
+    s = s / s.log().mean(-1, keepdim=True).exp()
+    torch.testing.assert_close(kt * s, k - k.mean(0), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(qt, q * s.repeat_interleave(GROUP, dim=0), rtol=1e-12, atol=0)
+
+
+def test_softcapped_scores_keep_the_keys_mean() -> None:
+    """tanh does not ignore a constant added to every score: with shift_keys=False only the exact rescaling
+    is applied, and a softcapped attention is unchanged too."""
+    q, k, v = _qkv(2)
+    transform = _fitted(q, k, v, shift_keys=False)
+    assert torch.equal(transform.k_add, torch.zeros_like(transform.k_add))
+    qt, kt, vt = transform.encode(q, k, v)
+    torch.testing.assert_close(
+        transform.decode(_attention(qt, kt, vt, softcap=5.0)), _attention(q, k, v, softcap=5.0), rtol=1e-9, atol=1e-9
+    )
+
+
+def test_an_unfitted_transform_is_the_identity_and_misuse_is_refused() -> None:
+    q, k, v = _qkv(3)
+    transform = KvTransform(KV_HEADS, HEAD_DIM)
+    assert all(a is b for a, b in zip(transform.encode(q, k, v), (q, k, v)))
+    out = torch.ones(2, KV_HEADS * GROUP, HEAD_DIM)
+    assert transform.decode(out) is out
+    with pytest.raises(ValueError, match="record"):
+        transform.fit()
+    transform.record()
+    with pytest.raises(ValueError, match="record"):
+        transform.fit()  # nothing seen yet
+    transform.encode(q.float(), k.float(), v.float())
+    transform.fit()
+    with pytest.raises(ValueError, match="fitted already"):
+        transform.record()
