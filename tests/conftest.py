@@ -218,11 +218,15 @@ def q8_linear_inputs(model, skip: tuple = ()) -> Iterator:  # noqa: ANN001
             handle.remove()
 
 
-# Bundled-model tests of a mechanism (chunking, prefix hits, tensor parallelism, KV dtypes) compare two runs
-# whose float sums are ordered differently. With 8-bit activations (the default for the bundled blocks)
-# any such difference is rounded into a different int8 row somewhere and grows to the rounding's own size
-# (~0.07 in a token's log-probability), so greedy text parts at near-ties; these tests run the float32
-# activations, where the two runs agree to float rounding, as they always have.
+# Bundled-model tests of a mechanism compare two runs whose float sums are ordered differently. With 8-bit
+# activations (the default for the bundled blocks) any such difference is rounded into a different int8 row
+# somewhere and grows to the rounding's own size (~0.07 in a token's log-probability), so greedy text parts
+# at near-ties. Where the two runs are one configuration run two ways (chunked or whole, in a batch or alone,
+# after a prefix-cache hit or a preemption: the server, chat, chunking and sharing tests) they run the
+# default activations with batch_invariant=True on both sides, which makes them the same bits
+# (docs/batch-invariance.md). The rest run these float32 activations, where the two runs agree to float
+# rounding: tensor parallelism (the mode refuses it), two KV cache dtypes or attention backends, or the
+# prefill kernel against the decode kernel (outside the mode's guarantee), and scores against transformers'.
 FLOAT_ACTIVATIONS = {"gguf_activations": "float32"}
 
 

@@ -171,9 +171,11 @@ def test_help_lists_the_commands(capsys):
 
 def test_chat_replies_and_reset_forgets():
     proc = run_cli(
-        # float activations: the second "Hello" hits the prefix cache, which sums in another order, and on
-        # 8-bit activations a last-bit difference can move a rounding step and a near-tie (seen on AVX2 kernels)
-        "chat", "--temperature", "0", "--max-tokens", "8", "--gguf-activations", "float32", *ENGINE,
+        # the second "Hello" hits the prefix cache, which by default sums in another order than the first's
+        # whole prompt did, and on 8-bit activations a last-bit difference can move a rounding step and a
+        # near-tie (seen on AVX2 kernels); --batch-invariant gives a request the same bits with or without
+        # a prefix hit (docs/batch-invariance.md), so the two replies are equal by construction
+        "chat", "--temperature", "0", "--max-tokens", "8", "--batch-invariant", *ENGINE,
         stdin="Hello\n/reset\nHello\n/exit\n",
     )
     assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import FLOAT_ACTIVATIONS, TINY_ARCHS, hf_greedy
+from conftest import TINY_ARCHS, hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.scheduler import SchedulerOutput
@@ -69,8 +69,12 @@ def test_chunked_greedy_matches_transformers(arch: str, tiny_model_dirs, hf_tiny
 def test_smollm_chunked_equals_whole_prompts(smollm_tokenizer) -> None:  # noqa: ANN001
     texts = ["The capital of France is", "Write a haiku about the sea, the moon and the old lighthouse keeper:"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    whole = LLM(num_kv_blocks=64, max_model_len=256, **FLOAT_ACTIVATIONS)
-    chunked = LLM(num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=7, **FLOAT_ACTIVATIONS)
+    # the default (8-bit) activations, batch-invariant: by default a whole prompt's attention runs the prefill
+    # kernel and a chunk's the decode kernel, sums in other orders, and on 8-bit activations a last-bit
+    # difference can move a rounding step and a near-tie; with the mode every prompt token runs the decode
+    # kernel, so the chunked run equals the whole one bit for bit (docs/batch-invariance.md)
+    whole = LLM(num_kv_blocks=64, max_model_len=256, batch_invariant=True)
+    chunked = LLM(num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=7, batch_invariant=True)
     steps = _record_steps(chunked)
     assert _tokens(chunked.generate(texts, params, use_tqdm=False)) == _tokens(whole.generate(texts, params, use_tqdm=False))
     assert _num_cut_prompts(steps) >= 2

@@ -30,7 +30,6 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import FLOAT_ACTIVATIONS
 from openai import OpenAI
 from server_helpers import (
     assert_openai_error,
@@ -48,9 +47,12 @@ from pagedllm.loader import bundled_model_path
 
 pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
 
-# float32 activations: the server's outputs (prefix hits included) equal the offline reference's to float
-# rounding (8-bit ones part at near-ties: conftest.FLOAT_ACTIVATIONS)
-ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1", "--gguf-activations", "float32"]
+# the default (8-bit) activations, batch-invariant here and in the offline reference (``ref``): the server
+# runs a request among others, after prefix-cache hits, its decode steps captured, the reference alone and
+# eager; without the mode those sum in other orders, and on 8-bit activations a last-bit difference can
+# move a rounding step and a near-tie. With it a request's tokens and logprobs are the same bits however it
+# is run (docs/batch-invariance.md), so the texts and logprobs below are compared exactly.
+ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1", "--batch-invariant"]
 MAX_MODEL_LEN = 1024
 API_KEY = "test-secret-key"
 GUARDED_NAME = "guarded-smollm"
@@ -112,7 +114,8 @@ def ref(server_launch: tuple[str, subprocess.Popen, Path]) -> dict:
     from pagedllm import LLM, SamplingParams
 
     threads = torch.get_num_threads()
-    llm = LLM(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, num_threads=1, **FLOAT_ACTIVATIONS)
+    # batch-invariant as the server is (ENGINE): the same bits as the server's, whatever its batches
+    llm = LLM(num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, num_threads=1, batch_invariant=True)
     tok = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=12)
     out = {
@@ -504,7 +507,7 @@ def test_completion_logprobs_equal_offline(client, model_name, ref):
     )
     lp = out.choices[0].logprobs
     want = [pos[t].logprob for t, pos in zip(expected.token_ids, expected.logprobs)]
-    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert lp.token_logprobs == want  # the same bits as offline (batch-invariant, ENGINE); JSON floats round-trip
     assert len(lp.tokens) == out.usage.completion_tokens == 12
     assert "".join(lp.tokens) == out.choices[0].text  # plain ASCII text: tokens concatenate to it
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
@@ -518,7 +521,7 @@ def test_completion_logprobs_equal_offline(client, model_name, ref):
         model=model_name, prompt=COMPLETION_PROMPT, max_tokens=12, temperature=0, logprobs=3, stream=True,
     ) if c.choices]
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
-    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     assert [x for c in chunks for x in c.choices[0].logprobs.text_offset] == lp.text_offset
     # not asked for: null
     plain = client.completions.create(model=model_name, prompt=COMPLETION_PROMPT, max_tokens=2, temperature=0)
@@ -717,6 +720,7 @@ def test_metrics_are_exported(server, client, model_name):
     ):
         assert re.search(rf"^{re.escape(name)}\{{", text, re.M), name
     assert after["pagedllm:num_kv_blocks"] == 256
+    assert after["pagedllm:batch_invariant"] == 1  # ENGINE's --batch-invariant, which the exact comparisons rest on
     assert after["pagedllm:kv_cache_reserved_bytes"] >= after["pagedllm:kv_cache_resident_bytes"] > 0
     assert 0 <= after["pagedllm:kv_cache_usage_perc"] <= 1
 
