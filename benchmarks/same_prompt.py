@@ -102,10 +102,11 @@ def needle_prompt(lines: int) -> str:
 
 
 def background_texts() -> list[str]:
-    """The other licenses' texts, the sources of the background prompts."""
-    paths = sorted(p for p in LICENSES.iterdir() if p.is_file() and p.name != NEEDLE_SOURCE.name)
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in paths]
-    return [t for t in texts if len(t) > 8000] or texts
+    """The other licenses' texts (the long ones, not the needle's: ``GPL`` is often GPL-3), the background's sources."""
+    needle = NEEDLE_SOURCE.read_text(encoding="utf-8", errors="replace")
+    paths = sorted(p for p in LICENSES.iterdir() if p.is_file())
+    texts = {p.read_text(encoding="utf-8", errors="replace") for p in paths} - {needle}
+    return sorted(t for t in texts if len(t) > 8000) or sorted(texts)
 
 
 def background_request(rng: random.Random, texts: list[str]) -> dict[str, object]:
