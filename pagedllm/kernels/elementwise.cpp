@@ -7,6 +7,7 @@
  *   qk_norm_rope  RoPE in place on the q and k heads of each row, after
  *                 their per-head RMSNorm where the model has one (Qwen3)
  *   silu_mul      out = silu(gate) * up, gate_up = [gate | up] per row
+ *   row_affine_   x = x * mul + add per column, in place (either may be absent)
  */
 #include "elementwise.h"
 #include "step_nodes.h"
@@ -38,4 +39,18 @@ void silu_mul_team(const SiluMulNode *n, int64_t rows) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         silu_mul_row(n->gate_up + r * 2 * inter, n->gate_up + r * 2 * inter + inter, n->out + r * inter, inter);
+}
+
+void row_affine_team(const RowAffineNode *n, int64_t rows) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = n->x + r * n->row_stride;
+        if (n->mul != NULL && n->add != NULL) {
+            for (int64_t i = 0; i < n->n; i++) xr[i] = xr[i] * n->mul[i] + n->add[i];
+        } else if (n->mul != NULL) {
+            for (int64_t i = 0; i < n->n; i++) xr[i] *= n->mul[i];
+        } else if (n->add != NULL) {
+            for (int64_t i = 0; i < n->n; i++) xr[i] += n->add[i];
+        }
+    }
 }

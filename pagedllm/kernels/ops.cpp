@@ -284,6 +284,28 @@ Tensor silu_mul(const Tensor &gate_up) {
     return out;
 }
 
+StepNode row_affine_node(const Tensor &x, const OptTensor &mul, const OptTensor &add) {
+    const char *op = "native row_affine_";
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+                          (x.size(0) <= 1 || x.stride(0) >= x.size(1)),
+                      op, ": x must be float32 rows [num_tokens, n], each contiguous, got ", shape_of(x));
+    const int64_t n = x.size(1);
+    for (const OptTensor *t : {&mul, &add}) {
+        TORCH_CHECK_VALUE(!t->has_value() || ((*t)->sizes() == at::IntArrayRef{n} && (*t)->scalar_type() == at::kFloat &&
+                                              (*t)->device().is_cpu() && (*t)->is_contiguous()),
+                          op, ": mul and add must be contiguous float32 [", n, "]");
+    }
+    StepNode node{NODE_ROW_AFFINE, x.size(0)};
+    node.affine = {x.data_ptr<float>(), ptr_or_null<float>(mul), ptr_or_null<float>(add), n,
+                   x.size(0) <= 1 ? n : x.stride(0)};
+    return node;
+}
+
+void row_affine_(const Tensor &x, const OptTensor &mul, const OptTensor &add) {
+    const StepNode node = row_affine_node(x, mul, add);
+    run_node(node, threads_for(x.numel()), "native row_affine_");
+}
+
 // --- linear layers ------------------------------------------------------------
 
 /* a weight to pack: float32 [out, in], contiguous, both sizes positive */
@@ -703,6 +725,8 @@ TORCH_LIBRARY(pagedllm, m) {
     step_node("qk_norm_rope", qk_norm_rope_node);
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     step_node("silu_mul", silu_mul_node);
+    m.def("row_affine_(Tensor(a!) x, Tensor? mul, Tensor? add) -> ()");
+    step_node("row_affine_", row_affine_node);
     m.def("gguf_linear(Tensor x, Tensor weight, int type, int in_features, Tensor? bias) -> Tensor");
     step_node("gguf_linear", gguf_linear_node);
     m.def("gguf_embedding(Tensor table, int type, int row_len, Tensor index) -> Tensor");
@@ -740,6 +764,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("add_rms_norm", &add_rms_norm);
     m.impl("qk_norm_rope", &qk_norm_rope);
     m.impl("silu_mul", &silu_mul);
+    m.impl("row_affine_", &row_affine_);
     m.impl("gguf_linear", &gguf_linear);
     m.impl("gguf_embedding", &gguf_embedding);
     m.impl("gguf_dequantize", &gguf_dequantize);

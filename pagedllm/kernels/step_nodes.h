@@ -38,6 +38,7 @@ enum StepNodeKind {
     NODE_GATHER_GGUF, /* out[r] = dequantized row index[r] of such a table (a quantized embedding) */
     NODE_WRITE_KV,
     NODE_PAGED_DECODE,
+    NODE_ROW_AFFINE, /* x[r] = x[r] * mul + add per column, in place (an int4 cache's K/V change of variables) */
 };
 
 typedef struct {
@@ -131,6 +132,12 @@ typedef struct {
     int64_t window; /* 0: every key; w > 0: the last w keys */
 } PagedDecodeNode;
 
+typedef struct {
+    float *x;               /* rows of n floats, row_stride apart */
+    const float *mul, *add; /* [n] each, or NULL */
+    int64_t n, row_stride;
+} RowAffineNode;
+
 /* rows: the tokens (decode attention: the sequences) the node works on, row r of every [rows, ...] buffer
    its struct points to; every kind keeps it here, so a program cuts any node to its first n rows alike */
 typedef struct {
@@ -147,6 +154,7 @@ typedef struct {
         GgufGatherNode gguf_gather;
         WriteKvNode kv;
         PagedDecodeNode attn;
+        RowAffineNode affine;
     };
 } StepNode;
 
@@ -161,6 +169,7 @@ int64_t bf16_scratch_values(int64_t rows, int64_t in_features);
    Each takes its node's rows (StepNode.rows); those that allocate set *failed (atomically) when they cannot. */
 void add_rms_norm_team(const AddRmsNormNode *n, int64_t rows);                  /* elementwise.cpp */
 void qk_norm_rope_team(const QkNormRopeNode *n, int64_t rows);                  /* elementwise.cpp */
+void row_affine_team(const RowAffineNode *n, int64_t rows);                  /* elementwise.cpp */
 void silu_mul_team(const SiluMulNode *n, int64_t rows);                         /* elementwise.cpp */
 void packed_linear_f32_team(const LinearNode *n, int64_t rows);                 /* packed_linear.cpp */
 void packed_linear_bf16_team(const LinearNode *n, int64_t rows);                /* packed_linear_bf16.cpp */

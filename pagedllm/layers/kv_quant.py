@@ -36,7 +36,9 @@ each head row rotated, then as 4-bit values with one float32 scale::
            of b values, b the largest power of two dividing head_dim (all
            of it for 64 or 128; 32-value blocks for 96), normalised by
            1 / sqrt(b), in float32 (``hadamard``)
-    scale  max|r| / 7 (float32)
+    scale  max|r| / 7 (float32) for V rows; for K rows max|r| * c / 7, c the
+           clip ratio of ``INT4_KEY_CLIPS`` whose levels reconstruct r with
+           the least squared error (``keys=True``)
     q      r / scale rounded to nearest, ties to even, in [-7, 7], stored
            as the nibble q + 8; all 8 (zero) where the scale is 0
 
@@ -46,7 +48,9 @@ rotation: one scale over a head's raw values spends the 15 levels on its
 largest channels; H spreads every channel over the whole block, so the
 rotated row's max is a few of its typical sizes. Measured on SmolLM2-135M
 (docs/configuration.md): perplexity +38% over float16 without the
-rotation, +12% with it. Scores are unchanged
+rotation, +12% with it, +3.2% with the layer's change of variables
+(``layers/kv_transform.py``, outside these functions) and the keys'
+searched clip. Scores are unchanged
 (q . k = Hq . Hk) and so is the weighted sum of values up to one H on the
 output, so the native kernel rotates the query, reads the rotated rows
 in place and rotates its output back; per-channel scales (the other way

@@ -29,14 +29,18 @@ when the cache is made: ``runner/kv_calibration.py``), so a token's stored
 bits depend on its own K/V only (prefix caching, copy-on-write and batch
 invariance unchanged), and every attention backend reads the transformed
 rows as they are: the transform lives in the model's Python, before the
-K/V write and after attention, and a traced decode step records it.
+K/V write and after attention, and a traced decode step records it. With
+the native ops it is four in-place ``row_affine_`` calls a layer (q, k, v,
+the output), each a step-program node, so a captured decode step stays one
+native program; with torch, the same as in-place torch ops.
 Until ``fit`` the transform is the identity and adds no op.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from pagedllm.layers.custom_op import CustomOp
 
 # s_c = (std(k_c) / rms(q_c)) ** _SCALE_EXPONENT; 0.5 (balance) and 0.25 measured alike (docs/configuration.md)
 _SCALE_EXPONENT = 0.5
@@ -69,12 +73,14 @@ class KvStats:
         self.num_tokens += num_tokens
 
 
-class KvTransform(nn.Module):
+class KvTransform(CustomOp):
     """``k' = (k - m) / s``, ``q' = q * s``, ``v' = v - m_v`` and ``out + m_v`` for one attention layer.
 
     ``shift_keys=False`` (softcapped scores) keeps ``m = 0``. Inactive (the
     identity, no op) until ``fit``; ``record`` makes ``encode`` gather the
-    statistics ``fit`` needs (see the module docstring).
+    statistics ``fit`` needs (see the module docstring). ``encode`` and
+    ``decode`` work in place on their arguments (views of the layer's qkv
+    rows and its attention output) and return them.
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, shift_keys: bool = True) -> None:
@@ -86,8 +92,12 @@ class KvTransform(nn.Module):
         self.register_buffer("k_mul", torch.ones(num_kv_heads, head_dim), persistent=False)
         self.register_buffer("k_add", torch.zeros(num_kv_heads, head_dim), persistent=False)
         self.register_buffer("v_shift", torch.zeros(num_kv_heads, head_dim), persistent=False)
-        self.register_buffer("q_scale", torch.ones(num_kv_heads, head_dim), persistent=False)
-        self.register_buffer("out_shift", torch.zeros(num_kv_heads, head_dim), persistent=False)
+        # flattened per row as the in-place ops take them: [heads * d], [kv_heads * d] x 3, [heads * d]
+        self.register_buffer("q_mul_row", torch.ones(num_kv_heads * head_dim), persistent=False)
+        self.register_buffer("k_mul_row", torch.ones(num_kv_heads * head_dim), persistent=False)
+        self.register_buffer("k_add_row", torch.zeros(num_kv_heads * head_dim), persistent=False)
+        self.register_buffer("v_add_row", torch.zeros(num_kv_heads * head_dim), persistent=False)
+        self.register_buffer("out_add_row", torch.zeros(num_kv_heads * head_dim), persistent=False)
 
     def record(self) -> None:
         """Gather statistics from the next ``encode`` calls (the transform stays the identity)."""
@@ -98,19 +108,34 @@ class KvTransform(nn.Module):
     def encode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The query, K and V as the cache stores and attention reads them."""
+        """The query ``[T, heads, d]``, K and V ``[T, kv_heads, d]`` as the cache stores and attention reads
+        them, changed in place."""
         if self.stats is not None:
             self.stats.add(q, k, v)
         if not self.active:
             return q, k, v
-        q = q * self.q_scale  # [T, heads, d] * [heads, d]
-        k = torch.addcmul(self.k_add, k, self.k_mul)  # (k - m) / s as k * (1/s) + (-m/s)
-        v = v - self.v_shift
+        self._affine(q, self.q_mul_row, None)
+        self._affine(k, self.k_mul_row, self.k_add_row)  # (k - m) / s as k * (1/s) + (-m/s)
+        self._affine(v, None, self.v_add_row)
         return q, k, v
 
     def decode(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention's output ``[T, heads, d]`` with the values' mean added back."""
-        return out + self.out_shift if self.active else out
+        """Attention's output ``[T, heads, d]`` with the values' mean added back, in place."""
+        if self.active:
+            self._affine(out, None, self.out_add_row)
+        return out
+
+    def _affine(self, x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> None:
+        """``x`` ``[T, heads, d]`` ``= x * mul + add`` per row (``mul``/``add`` ``[heads * d]``), in place."""
+        heads_adjacent = x.stride(2) == 1 and x.stride(1) == x.shape[2]  # each row's heads one run of floats
+        if self.native is not None and heads_adjacent:
+            self.native.row_affine_(x.flatten(1), mul, add)  # [T, heads * d], a view of x
+            return
+        shape = x.shape[1:]
+        if mul is not None:
+            x.mul_(mul.view(shape))
+        if add is not None:
+            x.add_(add.view(shape))
 
     def fit(self) -> None:
         """Set the vectors from the recorded statistics (module docstring) and activate."""
@@ -129,7 +154,10 @@ class KvTransform(nn.Module):
         self.k_mul.copy_(1.0 / s)
         self.k_add.copy_(-m / s)
         self.v_shift.copy_(stats.v_sum / n)
-        self.q_scale = s.repeat_interleave(stats.group, dim=0).to(self.k_mul)  # [heads, d], the buffers' dtype
-        self.out_shift = self.v_shift.repeat_interleave(stats.group, dim=0)  # [heads, d]
+        self.q_mul_row = s.repeat_interleave(stats.group, dim=0).flatten().to(self.k_mul)  # [heads * d]
+        self.k_mul_row.copy_(self.k_mul.flatten())
+        self.k_add_row.copy_(self.k_add.flatten())
+        self.v_add_row.copy_(-self.v_shift.flatten())
+        self.out_add_row = self.v_shift.repeat_interleave(stats.group, dim=0).flatten()  # [heads * d]
         self.stats = None
         self.active = True

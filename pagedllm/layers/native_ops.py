@@ -51,6 +51,11 @@ class NativeOps:
         """
         self._ops.qk_norm_rope(x, num_q_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm, eps)
 
+    def row_affine_(self, x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> None:
+        """In place on rows ``x`` ``[num_tokens, n]`` (each row contiguous): ``x = x * mul + add`` per column,
+        ``mul``/``add`` ``[n]`` or None."""
+        self._ops.row_affine_(x, mul, add)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` ``[num_tokens, inter]`` for rows ``[gate | up]`` of ``gate_up`` ``[num_tokens, 2 * inter]``."""
         return self._ops.silu_mul(gate_up)

@@ -458,11 +458,11 @@ def test_a_q4_k_m_file_with_mixed_qkv_on_two_ranks(tiny_model_dirs: dict[str, st
         assert_greedy_within_q8_noise(hf, prompt["prompt_token_ids"], out.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e4m3"])
 def test_int8_kv_cache_on_two_ranks_equals_one(tiny_model_dirs, kv_cache_dtype: str) -> None:  # noqa: ANN001
-    """An int8 / int4 cache's scales (and int4's rotation) are per KV head, so a rank's slice of the heads carries
-    its own: each rank holds half the cache bytes of one process (the same blocks, half the heads) and the
-    tokens are one process's."""
+    """An int8 / fp8 / int4 cache's scales (and int4's rotation and fitted K/V transform) are per KV head, so a
+    rank's slice of the heads carries its own: each rank holds half the cache bytes of one process (the same
+    blocks, half the heads) and the tokens are one process's."""
     path = tiny_model_dirs["llama"]
     one = _tp(path, 1, block_size=8, kv_cache_dtype=kv_cache_dtype)
     expected = _tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False))

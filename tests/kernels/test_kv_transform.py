@@ -44,7 +44,7 @@ def test_the_transform_leaves_attention_unchanged() -> None:
     """q'.k' differs from q.k by a constant per query and v' by a constant per channel: the same output."""
     q, k, v = _qkv(0)
     transform = _fitted(q, k, v)
-    qt, kt, vt = transform.encode(q, k, v)
+    qt, kt, vt = transform.encode(q.clone(), k.clone(), v.clone())
     assert not torch.allclose(kt, k) and not torch.allclose(vt, v) and not torch.allclose(qt, q)
     torch.testing.assert_close(transform.decode(_attention(qt, kt, vt)), _attention(q, k, v), rtol=1e-9, atol=1e-9)
 
@@ -54,7 +54,7 @@ def test_the_stored_keys_are_centred_and_rebalanced() -> None:
     s_c = sqrt(std(k_c) / rms(q_c)) (geometric mean 1 per head) and the queries multiplied by it."""
     q, k, v = _qkv(1)
     transform = _fitted(q, k, v)
-    qt, kt, vt = transform.encode(q, k, v)
+    qt, kt, vt = transform.encode(q.clone(), k.clone(), v.clone())
     torch.testing.assert_close(kt.mean(0), torch.zeros(KV_HEADS, HEAD_DIM, dtype=torch.float64), atol=1e-9, rtol=0)
     torch.testing.assert_close(vt.mean(0), torch.zeros(KV_HEADS, HEAD_DIM, dtype=torch.float64), atol=1e-9, rtol=0)
     k_std = k.std(0, unbiased=False)
@@ -71,10 +71,36 @@ def test_softcapped_scores_keep_the_keys_mean() -> None:
     q, k, v = _qkv(2)
     transform = _fitted(q, k, v, shift_keys=False)
     assert torch.equal(transform.k_add, torch.zeros_like(transform.k_add))
-    qt, kt, vt = transform.encode(q, k, v)
+    qt, kt, vt = transform.encode(q.clone(), k.clone(), v.clone())
     torch.testing.assert_close(
         transform.decode(_attention(qt, kt, vt, softcap=5.0)), _attention(q, k, v, softcap=5.0), rtol=1e-9, atol=1e-9
     )
+
+
+def test_the_native_op_changes_the_rows_as_torch_does() -> None:
+    """``row_affine_`` (one step-program node) in place on strided views of qkv rows, as the layer calls it."""
+    from pagedllm.kernels import load_kernels
+    from pagedllm.layers.native_ops import NativeOps
+
+    ops = load_kernels()
+    if ops is None:
+        pytest.fail("the native kernels did not build")
+    q, k, v = (t.float() for t in _qkv(4))
+    torched = _fitted(q.double(), k.double(), v.double()).float()
+    native = _fitted(q.double(), k.double(), v.double()).float()
+    native.select_impl(NativeOps(ops))
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, (heads + 2 kv_heads) * d]
+    nq, nk = q.shape[1] * HEAD_DIM, k.shape[1] * HEAD_DIM
+    views = (qkv[:, :nq].view(q.shape), qkv[:, nq : nq + nk].view(k.shape), qkv[:, nq + nk :].view(v.shape))
+    got = native.encode(*views)
+    want = torched.encode(q.clone(), k.clone(), v.clone())
+    assert all(g.data_ptr() == w.data_ptr() for g, w in zip(got, views))  # in place
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    out = torch.randn(TOKENS, KV_HEADS * GROUP, HEAD_DIM)
+    torch.testing.assert_close(native.decode(out.clone()), torched.decode(out.clone()), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="row_affine_"):
+        ops.row_affine_(out.flatten(1), torch.ones(3), None)
 
 
 def test_an_unfitted_transform_is_the_identity_and_misuse_is_refused() -> None:
