@@ -48,7 +48,7 @@ rotation: one scale over a head's raw values spends the 15 levels on its
 largest channels; H spreads every channel over the whole block, so the
 rotated row's max is a few of its typical sizes. Measured on SmolLM2-135M
 (docs/configuration.md): perplexity +38% over float16 without the
-rotation, +12% with it, +3.2% with the layer's change of variables
+rotation, +12% with it, +2.6% with the layer's change of variables
 (``layers/kv_transform.py``, outside these functions) and the keys'
 searched clip. Scores are unchanged
 (q . k = Hq . Hk) and so is the weighted sum of values up to one H on the

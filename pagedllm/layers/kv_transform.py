@@ -1,4 +1,4 @@
-"""A per-layer change of variables for K, V and the query that an int4 KV cache quantizes better.
+"""A per-layer change of variables for K and the query that an int4 KV cache quantizes better.
 
 An int4 cache (``layers/kv_quant.py``) spends 15 levels on each rotated head
 row; its error is proportional to the row's size. Keys carry two things the
@@ -12,27 +12,27 @@ docs/configuration.md):
   other way round: an error in channel c costs ``q_c * err_c``.
 
 So each layer stores, per KV head, not ``k`` but ``k' = (k - m) / s`` and
-attends with ``q' = q * s``:
+attends with ``q' = q * s`` (values are stored as they are):
 
     q' . k' = q . k - q . m        the same for every key of the query:
                                     softmax(q' . k') = softmax(q . k)
 
 with ``m`` the keys' mean and ``s_c = sqrt(std(k_c) / rms(q_c))`` (the
 queries of the KV head's group), which balances the two factors of every
-term ``q_c * err_c``. Values are stored centred, ``v' = v - m_v``, and
-``m_v`` is added back to the output (the probabilities sum to 1, so
-``sum p_i v_i = m_v + sum p_i v'_i``). A layer whose scores are softcapped
-keeps ``m = 0``: tanh does not ignore a constant.
+term ``q_c * err_c``. A layer whose scores are softcapped keeps ``m = 0``:
+tanh does not ignore a constant. (Centring the values as well, exact too
+since the probabilities sum to 1, measured worse: +3.16% perplexity
+against +2.62% without, docs/configuration.md.)
 
 The vectors are fixed per layer (``fit``, from one calibration prompt run
 when the cache is made: ``runner/kv_calibration.py``), so a token's stored
 bits depend on its own K/V only (prefix caching, copy-on-write and batch
 invariance unchanged), and every attention backend reads the transformed
 rows as they are: the transform lives in the model's Python, before the
-K/V write and after attention, and a traced decode step records it. With
-the native ops it is four in-place ``row_affine_`` calls a layer (q, k, v,
-the output), each a step-program node, so a captured decode step stays one
-native program; with torch, the same as in-place torch ops.
+K/V write, and a traced decode step records it. With the native ops it is
+two in-place ``row_affine_`` calls a layer (q, k), each a step-program
+node, so a captured decode step stays one native program; with torch, the
+same as in-place torch ops.
 Until ``fit`` the transform is the identity and adds no op.
 """
 
@@ -49,7 +49,7 @@ _FLOOR = 1e-3
 
 
 class KvStats:
-    """Running float64 sums of one layer's q, k and v over a calibration prompt, per KV head and channel."""
+    """Running float64 sums of one layer's q and k over a calibration prompt, per KV head and channel."""
 
     def __init__(self, num_kv_heads: int, head_dim: int) -> None:
         shape = (num_kv_heads, head_dim)
@@ -57,30 +57,27 @@ class KvStats:
         self.k_sum = torch.zeros(shape, dtype=torch.float64)
         self.k_sq = torch.zeros(shape, dtype=torch.float64)
         self.q_sq = torch.zeros(shape, dtype=torch.float64)  # summed over the group's query heads
-        self.v_sum = torch.zeros(shape, dtype=torch.float64)
         self.group = 0
 
-    def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Fold in ``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]``."""
+    def add(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold in ``q`` ``[T, heads, d]`` and ``k`` ``[T, kv_heads, d]``."""
         num_tokens, num_kv_heads, head_dim = k.shape
         self.group = q.shape[1] // num_kv_heads
         qg = q.detach().double().reshape(num_tokens, num_kv_heads, self.group, head_dim)
         self.q_sq += qg.square().sum(dim=(0, 2))
-        k64, v64 = k.detach().double(), v.detach().double()
+        k64 = k.detach().double()
         self.k_sum += k64.sum(0)
         self.k_sq += k64.square().sum(0)
-        self.v_sum += v64.sum(0)
         self.num_tokens += num_tokens
 
 
 class KvTransform(CustomOp):
-    """``k' = (k - m) / s``, ``q' = q * s``, ``v' = v - m_v`` and ``out + m_v`` for one attention layer.
+    """``k' = (k - m) / s`` and ``q' = q * s`` for one attention layer.
 
     ``shift_keys=False`` (softcapped scores) keeps ``m = 0``. Inactive (the
     identity, no op) until ``fit``; ``record`` makes ``encode`` gather the
-    statistics ``fit`` needs (see the module docstring). ``encode`` and
-    ``decode`` work in place on their arguments (views of the layer's qkv
-    rows and its attention output) and return them.
+    statistics ``fit`` needs (see the module docstring). ``encode`` works in
+    place on its arguments (views of the layer's qkv rows) and returns them.
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, shift_keys: bool = True) -> None:
@@ -88,16 +85,13 @@ class KvTransform(CustomOp):
         self.num_kv_heads, self.head_dim, self.shift_keys = num_kv_heads, head_dim, shift_keys
         self.active = False
         self.stats: KvStats | None = None
-        # [kv_heads, head_dim] each; q_scale and out_shift are repeated over the query heads at fit time
+        # [kv_heads, head_dim] each
         self.register_buffer("k_mul", torch.ones(num_kv_heads, head_dim), persistent=False)
         self.register_buffer("k_add", torch.zeros(num_kv_heads, head_dim), persistent=False)
-        self.register_buffer("v_shift", torch.zeros(num_kv_heads, head_dim), persistent=False)
-        # flattened per row as the in-place ops take them: [heads * d], [kv_heads * d] x 3, [heads * d]
+        # flattened per row as the in-place op takes them: [heads * d] (set by fit), [kv_heads * d] x 2
         self.register_buffer("q_mul_row", torch.ones(num_kv_heads * head_dim), persistent=False)
         self.register_buffer("k_mul_row", torch.ones(num_kv_heads * head_dim), persistent=False)
         self.register_buffer("k_add_row", torch.zeros(num_kv_heads * head_dim), persistent=False)
-        self.register_buffer("v_add_row", torch.zeros(num_kv_heads * head_dim), persistent=False)
-        self.register_buffer("out_add_row", torch.zeros(num_kv_heads * head_dim), persistent=False)
 
     def record(self) -> None:
         """Gather statistics from the next ``encode`` calls (the transform stays the identity)."""
@@ -105,25 +99,16 @@ class KvTransform(CustomOp):
             raise ValueError("this layer's KV transform is fitted already")
         self.stats = KvStats(self.num_kv_heads, self.head_dim)
 
-    def encode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The query ``[T, heads, d]``, K and V ``[T, kv_heads, d]`` as the cache stores and attention reads
-        them, changed in place."""
+    def encode(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query ``[T, heads, d]`` and K ``[T, kv_heads, d]`` as attention reads and the cache stores them,
+        changed in place."""
         if self.stats is not None:
-            self.stats.add(q, k, v)
+            self.stats.add(q, k)
         if not self.active:
-            return q, k, v
+            return q, k
         self._affine(q, self.q_mul_row, None)
         self._affine(k, self.k_mul_row, self.k_add_row)  # (k - m) / s as k * (1/s) + (-m/s)
-        self._affine(v, None, self.v_add_row)
-        return q, k, v
-
-    def decode(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention's output ``[T, heads, d]`` with the values' mean added back, in place."""
-        if self.active:
-            self._affine(out, None, self.out_add_row)
-        return out
+        return q, k
 
     def _affine(self, x: torch.Tensor, mul: torch.Tensor | None, add: torch.Tensor | None) -> None:
         """``x`` ``[T, heads, d]`` ``= x * mul + add`` per row (``mul``/``add`` ``[heads * d]``), in place."""
@@ -153,11 +138,8 @@ class KvTransform(CustomOp):
         m = k_mean if self.shift_keys else torch.zeros_like(k_mean)
         self.k_mul.copy_(1.0 / s)
         self.k_add.copy_(-m / s)
-        self.v_shift.copy_(stats.v_sum / n)
         self.q_mul_row = s.repeat_interleave(stats.group, dim=0).flatten().to(self.k_mul)  # [heads * d]
         self.k_mul_row.copy_(self.k_mul.flatten())
         self.k_add_row.copy_(self.k_add.flatten())
-        self.v_add_row.copy_(-self.v_shift.flatten())
-        self.out_add_row = self.v_shift.repeat_interleave(stats.group, dim=0).flatten()  # [heads * d]
         self.stats = None
         self.active = True

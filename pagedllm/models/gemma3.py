@@ -80,7 +80,7 @@ class Gemma3Attention(nn.Module):
         self.sliding_window = cfg.sliding_window(layer)  # None: full attention
         self.softcap = cfg.attn_logit_softcapping
         self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
-        # an int4 cache's change of variables for K/V (layers/kv_transform.py), fitted by the runner
+        # an int4 cache's change of variables for K (layers/kv_transform.py), fitted by the runner
         self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=self.softcap is None)
 
     @property
@@ -99,12 +99,12 @@ class Gemma3Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm_rope(qkv, cos_sin)  # per-head norms (1 + w), then RoPE
-        q, k, v = self.kv_transform.encode(q, k, v)  # the identity unless an int4 cache fitted it
+        q, k = self.kv_transform.encode(q, k)  # the identity unless an int4 cache fitted it
         out = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
             sliding_window=self.sliding_window, softcap=self.softcap,
         )  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(self.kv_transform.decode(out).flatten(1))
+        return self.o_proj(out.flatten(1))
 
 
 class Gemma3MLP(nn.Module):

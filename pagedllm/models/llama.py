@@ -66,7 +66,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window(layer)  # None: full attention
         self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
-        # an int4 cache's change of variables for K/V (layers/kv_transform.py), fitted by the runner
+        # an int4 cache's change of variables for K (layers/kv_transform.py), fitted by the runner
         self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=True)
 
     def forward(
@@ -81,11 +81,11 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm_rope(qkv, cos_sin)
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        q, k, v = self.kv_transform.encode(q, k, v)  # the identity unless an int4 cache fitted it
+        q, k = self.kv_transform.encode(q, k)  # the identity unless an int4 cache fitted it
         out = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window
         )
-        return self.o_proj(self.kv_transform.decode(out).flatten(1))
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):

@@ -32,31 +32,30 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float
     return torch.einsum("hqk,khd->qhd", probs, values)
 
 
-def _fitted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shift_keys: bool = True) -> KvTransform:
+def _fitted(q: torch.Tensor, k: torch.Tensor, shift_keys: bool = True) -> KvTransform:
     transform = KvTransform(KV_HEADS, HEAD_DIM, shift_keys=shift_keys).double()
     transform.record()
-    transform.encode(q, k, v)
+    transform.encode(q, k)
     transform.fit()
     return transform
 
 
 def test_the_transform_leaves_attention_unchanged() -> None:
-    """q'.k' differs from q.k by a constant per query and v' by a constant per channel: the same output."""
+    """q'.k' differs from q.k by a constant per query: the same output."""
     q, k, v = _qkv(0)
-    transform = _fitted(q, k, v)
-    qt, kt, vt = transform.encode(q.clone(), k.clone(), v.clone())
-    assert not torch.allclose(kt, k) and not torch.allclose(vt, v) and not torch.allclose(qt, q)
-    torch.testing.assert_close(transform.decode(_attention(qt, kt, vt)), _attention(q, k, v), rtol=1e-9, atol=1e-9)
+    transform = _fitted(q, k)
+    qt, kt = transform.encode(q.clone(), k.clone())
+    assert not torch.allclose(kt, k) and not torch.allclose(qt, q)
+    torch.testing.assert_close(_attention(qt, kt, v), _attention(q, k, v), rtol=1e-9, atol=1e-9)
 
 
 def test_the_stored_keys_are_centred_and_rebalanced() -> None:
     """On the calibration data itself the stored keys have mean 0 per channel; each channel is divided by
     s_c = sqrt(std(k_c) / rms(q_c)) (geometric mean 1 per head) and the queries multiplied by it."""
-    q, k, v = _qkv(1)
-    transform = _fitted(q, k, v)
-    qt, kt, vt = transform.encode(q.clone(), k.clone(), v.clone())
+    q, k, _ = _qkv(1)
+    transform = _fitted(q, k)
+    qt, kt = transform.encode(q.clone(), k.clone())
     torch.testing.assert_close(kt.mean(0), torch.zeros(KV_HEADS, HEAD_DIM, dtype=torch.float64), atol=1e-9, rtol=0)
-    torch.testing.assert_close(vt.mean(0), torch.zeros(KV_HEADS, HEAD_DIM, dtype=torch.float64), atol=1e-9, rtol=0)
     k_std = k.std(0, unbiased=False)
     q_rms = q.reshape(TOKENS, KV_HEADS, GROUP, HEAD_DIM).square().mean(dim=(0, 2)).sqrt()
     s = (k_std / q_rms).sqrt()
@@ -69,12 +68,10 @@ def test_softcapped_scores_keep_the_keys_mean() -> None:
     """tanh does not ignore a constant added to every score: with shift_keys=False only the exact rescaling
     is applied, and a softcapped attention is unchanged too."""
     q, k, v = _qkv(2)
-    transform = _fitted(q, k, v, shift_keys=False)
+    transform = _fitted(q, k, shift_keys=False)
     assert torch.equal(transform.k_add, torch.zeros_like(transform.k_add))
-    qt, kt, vt = transform.encode(q.clone(), k.clone(), v.clone())
-    torch.testing.assert_close(
-        transform.decode(_attention(qt, kt, vt, softcap=5.0)), _attention(q, k, v, softcap=5.0), rtol=1e-9, atol=1e-9
-    )
+    qt, kt = transform.encode(q.clone(), k.clone())
+    torch.testing.assert_close(_attention(qt, kt, v, softcap=5.0), _attention(q, k, v, softcap=5.0), rtol=1e-9, atol=1e-9)
 
 
 def test_the_native_op_changes_the_rows_as_torch_does() -> None:
@@ -86,35 +83,36 @@ def test_the_native_op_changes_the_rows_as_torch_does() -> None:
     if ops is None:
         pytest.fail("the native kernels did not build")
     q, k, v = (t.float() for t in _qkv(4))
-    torched = _fitted(q.double(), k.double(), v.double()).float()
-    native = _fitted(q.double(), k.double(), v.double()).float()
+    torched = _fitted(q.double(), k.double()).float()
+    native = _fitted(q.double(), k.double()).float()
     native.select_impl(NativeOps(ops))
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, (heads + 2 kv_heads) * d]
     nq, nk = q.shape[1] * HEAD_DIM, k.shape[1] * HEAD_DIM
-    views = (qkv[:, :nq].view(q.shape), qkv[:, nq : nq + nk].view(k.shape), qkv[:, nq + nk :].view(v.shape))
+    views = (qkv[:, :nq].view(q.shape), qkv[:, nq : nq + nk].view(k.shape))
     got = native.encode(*views)
-    want = torched.encode(q.clone(), k.clone(), v.clone())
+    want = torched.encode(q.clone(), k.clone())
     assert all(g.data_ptr() == w.data_ptr() for g, w in zip(got, views))  # in place
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
-    out = torch.randn(TOKENS, KV_HEADS * GROUP, HEAD_DIM)
-    torch.testing.assert_close(native.decode(out.clone()), torched.decode(out.clone()), rtol=0, atol=0)
+    assert torch.equal(qkv[:, nq + nk :], v.flatten(1))  # the values are left alone
+    rows = torch.randn(TOKENS, 8)
     with pytest.raises(ValueError, match="row_affine_"):
-        ops.row_affine_(out.flatten(1), torch.ones(3), None)
+        ops.row_affine_(rows, torch.ones(3), None)
+    want_rows = rows * 2.0 + 1.0
+    ops.row_affine_(rows, torch.full((8,), 2.0), torch.ones(8))
+    torch.testing.assert_close(rows, want_rows, rtol=0, atol=1e-6)
 
 
 def test_an_unfitted_transform_is_the_identity_and_misuse_is_refused() -> None:
-    q, k, v = _qkv(3)
+    q, k, _ = _qkv(3)
     transform = KvTransform(KV_HEADS, HEAD_DIM)
-    assert all(a is b for a, b in zip(transform.encode(q, k, v), (q, k, v)))
-    out = torch.ones(2, KV_HEADS * GROUP, HEAD_DIM)
-    assert transform.decode(out) is out
+    assert all(a is b for a, b in zip(transform.encode(q, k), (q, k)))
     with pytest.raises(ValueError, match="record"):
         transform.fit()
     transform.record()
     with pytest.raises(ValueError, match="record"):
         transform.fit()  # nothing seen yet
-    transform.encode(q.float(), k.float(), v.float())
+    transform.encode(q.float(), k.float())
     transform.fit()
     with pytest.raises(ValueError, match="fitted already"):
         transform.record()

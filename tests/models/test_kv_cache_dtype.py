@@ -90,8 +90,11 @@ def test_half_cache_doubles_the_blocks_and_stays_close_to_float32(
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8", "int4"])
 def test_narrow_cache_sdpa_and_native_kernel_agree(kv_cache_dtype: str) -> None:
     """The native kernels read an int8 / int4 cache in place; SDPA dequantizes what it gathers. bfloat16: the
-    same tokens. int8 / int4: the same tokens up to a tie, where they may part (measured: one prompt of three at token
-    10, the two choices -1.8663 and -1.8669 nats, each in its own run)."""
+    same tokens. int8: the same tokens up to a tie, where they may part (measured: one prompt of three at token
+    10, the two choices -1.8663 and -1.8669 nats, each in its own run). int4: each engine fits its K transform
+    on its own backend's calibration run, and a key row's searched scale can flip between two near-equal
+    clips on a last-bit difference, so the two cache contents differ by int4's own rounding noise: measured,
+    one prompt of three parted at token 10, its choices 0.11 nats apart; bounded here by 0.3 nats."""
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, logprobs=0)
     native = _engine(kv_cache_dtype)
     assert native.llm_engine.model_runner.backend.name == "cpu_paged"
@@ -108,7 +111,7 @@ def test_narrow_cache_sdpa_and_native_kernel_agree(kv_cache_dtype: str) -> None:
             assert ta == tb
             continue
         chosen_a, chosen_b = a.outputs[0].logprobs[k][ta[k]].logprob, b.outputs[0].logprobs[k][tb[k]].logprob
-        assert abs(chosen_a - chosen_b) < 0.01, (k, chosen_a, chosen_b)
+        assert abs(chosen_a - chosen_b) < (0.3 if kv_cache_dtype == "int4" else 0.01), (k, chosen_a, chosen_b)
 
 
 @pytest.mark.slow
@@ -221,16 +224,17 @@ def test_int4_cache_holds_the_blocks_its_bytes_allow(int4_llm: LLM) -> None:
 @pytest.mark.slow
 def test_int4_cache_keeps_greedy_tokens_near_float32(float32_llm: LLM, int4_llm: LLM) -> None:
     """int4 is coarse on this 135M model (its K rows carry most of the loss). Measured on the 8 prompts, 32
-    greedy tokens each: first differences from a float32 cache at tokens [19, 3, 1, 3, 3, 8, 0, 0], and the
-    worst token int4 chose is 2.94 nats under float32's best (teacher-forced), most prompts' worst under
-    1.9. Asserted with some room: 4 prompts agree on their first 3 tokens, no choice 3.5 nats off, the
-    median prompt's worst under 2.5."""
+    greedy tokens each, with the fitted K transform and the keys' searched clip: first differences from a
+    float32 cache at tokens [10, 6, 12, 10, 8, 3, 1, 1] (before them: [19, 3, 1, 3, 3, 8, 0, 0]), and the worst
+    token int4 chose is 1.91 nats under float32's best (teacher-forced; before: 2.94), the median prompt's
+    worst 1.2. Asserted with some room: 5 prompts agree on their first 3 tokens, no choice 2.5 nats off, the
+    median prompt's worst under 1.7."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, ignore_eos=True)
     got = int4_llm.generate(INT8_PROMPTS, params, use_tqdm=False)
     want = float32_llm.generate(INT8_PROMPTS, params, use_tqdm=False)
     agree = [next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x != y), 32)
              for a, b in zip(got, want)]
-    assert sum(n >= 3 for n in agree) >= 4, agree
+    assert sum(n >= 3 for n in agree) >= 5, agree
     tok = int4_llm.get_tokenizer()
     prompt_ids = [tok(p)["input_ids"] for p in INT8_PROMPTS]
     forced = float32_llm.generate(
@@ -242,7 +246,7 @@ def test_int4_cache_keeps_greedy_tokens_near_float32(float32_llm: LLM, int4_llm:
         positions = [ref.prompt_logprobs[len(ids) + i] for i in range(len(out.outputs[0].token_ids))]
         gaps.append(max(max(lp.logprob for lp in pos.values()) - pos[t].logprob
                         for pos, t in zip(positions, out.outputs[0].token_ids)))
-    assert max(gaps) <= 3.5 and sorted(gaps)[len(gaps) // 2] <= 2.5, gaps
+    assert max(gaps) <= 2.5 and sorted(gaps)[len(gaps) // 2] <= 1.7, gaps
     assert _pool_whole(int4_llm) and _pool_whole(float32_llm)
 
 
