@@ -85,13 +85,10 @@ class KvTransform(CustomOp):
         self.num_kv_heads, self.head_dim, self.shift_keys = num_kv_heads, head_dim, shift_keys
         self.active = False
         self.stats: KvStats | None = None
-        # [kv_heads, head_dim] each
-        self.register_buffer("k_mul", torch.ones(num_kv_heads, head_dim), persistent=False)
-        self.register_buffer("k_add", torch.zeros(num_kv_heads, head_dim), persistent=False)
-        # flattened per row as the in-place op takes them: [heads * d] (set by fit), [kv_heads * d] x 2
-        self.register_buffer("q_mul_row", torch.ones(num_kv_heads * head_dim), persistent=False)
-        self.register_buffer("k_mul_row", torch.ones(num_kv_heads * head_dim), persistent=False)
-        self.register_buffer("k_add_row", torch.zeros(num_kv_heads * head_dim), persistent=False)
+        # fit registers the buffers (the model's loader leaves buffers made at construction uninitialised,
+        # and a transform that is never fitted holds none): k_mul, k_add [kv_heads, d]; their rows as the
+        # in-place op takes them, q_mul_row [heads * d], k_mul_row and k_add_row [kv_heads * d]
+        self.dtype = torch.float32
 
     def record(self) -> None:
         """Gather statistics from the next ``encode`` calls (the transform stays the identity)."""
@@ -136,10 +133,12 @@ class KvTransform(CustomOp):
         s = (k_std / q_rms) ** _SCALE_EXPONENT
         s = s / s.log().mean(dim=-1, keepdim=True).exp()  # geometric mean 1 per head: magnitudes as before
         m = k_mean if self.shift_keys else torch.zeros_like(k_mean)
-        self.k_mul.copy_(1.0 / s)
-        self.k_add.copy_(-m / s)
-        self.q_mul_row = s.repeat_interleave(stats.group, dim=0).flatten().to(self.k_mul)  # [heads * d]
-        self.k_mul_row.copy_(self.k_mul.flatten())
-        self.k_add_row.copy_(self.k_add.flatten())
+        rows = {
+            "k_mul": 1.0 / s, "k_add": -m / s,  # [kv_heads, d]
+            "q_mul_row": s.repeat_interleave(stats.group, dim=0).flatten(),  # [heads * d]
+            "k_mul_row": (1.0 / s).flatten(), "k_add_row": (-m / s).flatten(),  # [kv_heads * d]
+        }
+        for name, value in rows.items():
+            self.register_buffer(name, value.to(self.dtype), persistent=False)
         self.stats = None
         self.active = True

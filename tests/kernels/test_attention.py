@@ -34,14 +34,15 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: in
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _to_cache(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-    """K/V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8 / int4 (uint8) / fp8: values and scales)."""
-    return quantize_heads(x, kv_dtype) if is_quantized(kv_dtype) else x.to(kv_dtype)
+def _to_cache(x: torch.Tensor, kv_dtype: torch.dtype, keys: bool = False) -> torch.Tensor:
+    """K (``keys``) or V ``[..., head_dim]`` as a cache of ``kv_dtype`` stores it (int8 / int4 (uint8) / fp8: values
+    and scales; int4 searches a K row's scale)."""
+    return quantize_heads(x, kv_dtype, keys) if is_quantized(kv_dtype) else x.to(kv_dtype)
 
 
-def _as_held(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-    """K/V ``[..., head_dim]`` in float32 as a cache of ``kv_dtype`` holds it."""
-    return stored_values(_to_cache(x, kv_dtype)).float()
+def _as_held(x: torch.Tensor, kv_dtype: torch.dtype, keys: bool = False) -> torch.Tensor:
+    """K (``keys``) or V ``[..., head_dim]`` in float32 as a cache of ``kv_dtype`` holds it."""
+    return stored_values(_to_cache(x, kv_dtype, keys)).float()
 
 
 def _width(head_dim: int, kv_dtype: torch.dtype) -> int:
@@ -73,14 +74,14 @@ def _build_step(seqs: list[tuple[int, int]], seed: int, kv_dtype: torch.dtype = 
         q = torch.randn(new, NUM_HEADS, HEAD_DIM, generator=gen)
         old = torch.tensor(slot_mapping(table, BLOCK_SIZE, 0, computed), dtype=torch.int64)
         # fp8 as bytes: torch cannot index_put float8 on the CPU
-        indexable(k_cache).view(-1, NUM_KV_HEADS, k_cache.shape[-1])[old] = indexable(_to_cache(k_all[:computed], kv_dtype))
+        indexable(k_cache).view(-1, NUM_KV_HEADS, k_cache.shape[-1])[old] = indexable(_to_cache(k_all[:computed], kv_dtype, keys=True))
         indexable(v_cache).view(-1, NUM_KV_HEADS, v_cache.shape[-1])[old] = indexable(_to_cache(v_all[:computed], kv_dtype))
         qs.append(q)
         ks.append(k_all[computed:])
         vs.append(v_all[computed:])
         slots.extend(slot_mapping(table, BLOCK_SIZE, computed, total))
         tables.append(table)
-        full.append((_as_held(k_all, kv_dtype), _as_held(v_all, kv_dtype)))
+        full.append((_as_held(k_all, kv_dtype, keys=True), _as_held(v_all, kv_dtype)))
         query_start_loc.append(query_start_loc[-1] + new)
         seq_lens.append(total)
         num_computed.append(computed)

@@ -33,7 +33,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float
 
 
 def _fitted(q: torch.Tensor, k: torch.Tensor, shift_keys: bool = True) -> KvTransform:
-    transform = KvTransform(KV_HEADS, HEAD_DIM, shift_keys=shift_keys).double()
+    transform = KvTransform(KV_HEADS, HEAD_DIM, shift_keys=shift_keys)
+    transform.dtype = torch.float64  # the fitted buffers' dtype (float32 in a model)
     transform.record()
     transform.encode(q, k)
     transform.fit()
@@ -104,9 +105,11 @@ def test_the_native_op_changes_the_rows_as_torch_does() -> None:
 
 
 def test_an_unfitted_transform_is_the_identity_and_misuse_is_refused() -> None:
+    """Unfitted: no op and no buffer (a model whose cache is not int4 holds none); fitted: float32 buffers."""
     q, k, _ = _qkv(3)
     transform = KvTransform(KV_HEADS, HEAD_DIM)
     assert all(a is b for a, b in zip(transform.encode(q, k), (q, k)))
+    assert not list(transform.buffers())
     with pytest.raises(ValueError, match="record"):
         transform.fit()
     transform.record()
@@ -114,5 +117,7 @@ def test_an_unfitted_transform_is_the_identity_and_misuse_is_refused() -> None:
         transform.fit()  # nothing seen yet
     transform.encode(q.float(), k.float())
     transform.fit()
+    assert {n: b.dtype for n, b in transform.named_buffers()} == dict.fromkeys(
+        ["k_mul", "k_add", "q_mul_row", "k_mul_row", "k_add_row"], torch.float32)
     with pytest.raises(ValueError, match="fitted already"):
         transform.record()
