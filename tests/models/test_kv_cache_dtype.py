@@ -214,6 +214,12 @@ def test_int4_cache_holds_the_blocks_its_bytes_allow(int4_llm: LLM) -> None:
     assert runner.kv_bytes_per_block == 2 * 30 * 16 * 3 * 36 == 103680
     assert runner.num_kv_blocks == MEMORY // 103680 == 647 >= 3.5 * 182
     assert int4_llm.llm_engine.block_manager.num_blocks == 647
+    # every layer's K transform was fitted at start-up (runner/kv_calibration.py); other caches fit none
+    from pagedllm.layers.kv_transform import KvTransform
+
+    transforms = [m for m in runner.model.modules() if isinstance(m, KvTransform)]
+    assert len(transforms) == 30 and all(t.active and t.stats is None for t in transforms)
+    assert not any(t.k_add.abs().max() == 0 for t in transforms)  # the keys' mean is taken out
     # pagedllm env names the format and its block bytes
     from pagedllm.entrypoints.env_report import loaded_model_report
 
