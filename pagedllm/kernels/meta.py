@@ -96,6 +96,7 @@ def _register_in_place() -> None:
     reg(_NS + "write_kv")(lambda k, v, k_cache, v_cache, slots: None)
     reg(_NS + "paged_decode")(lambda q, k_cache, v_cache, tables, seq_lens, scale, out, window=0: None)
     reg(_NS + "prefill_attention")(lambda q, k, v, out, bounds, scale: None)
+    reg(_NS + "paged_prefill")(lambda q, k_cache, v_cache, tables, bounds, seq_lens, scale, out: None)
     reg(_NS + "shm_all_reduce")(lambda x, slots, flags, pids, rank, timeout_s: None)
 
 

@@ -662,6 +662,48 @@ void prefill_attention_op(const Tensor &q, const Tensor &k, const Tensor &v, con
     if (status != 0) out_of_memory(op);
 }
 
+/* Prompt tokens attending through their sequences' block tables, in paged_decode's order (paged_prefill.cpp).
+   Checks every index the kernel trusts: the chunks' rows, each length against its table, each block read. */
+void paged_prefill_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
+                      const Tensor &bounds, const Tensor &seq_lens, double scale, const Tensor &out) {
+    const char *op = "paged_prefill";
+    const int kv_type = check_caches(k_cache, v_cache, op);
+    const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(2) == cache_head_dim(k_cache, kv_type) && num_kv_heads > 0 &&
+                          q.size(1) % num_kv_heads == 0,
+                      op, ": queries ", shape_of(q), " do not fit a cache of ", shape_of(k_cache));
+    const int64_t num_heads = q.size(1), head_dim = q.size(2), rows = q.size(0);
+    check_head_rows(q, num_heads, head_dim, op, "q");
+    check_head_rows(out, num_heads, head_dim, op, "out");
+    TORCH_CHECK_VALUE(out.size(0) == rows, op, ": q and out must have as many rows");
+    const int64_t num_seqs = seq_lens.numel();
+    check_index_vector(seq_lens, num_seqs, op, "seq_lens");
+    check_index_vector(bounds, 2 * num_seqs, op, "bounds");
+    TORCH_CHECK_VALUE(block_tables.device().is_cpu() && block_tables.scalar_type() == at::kLong &&
+                          block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
+                      op, ": block_tables must be int64 [num_seqs, max_blocks] with contiguous rows, got ",
+                      shape_of(block_tables));
+    const int64_t *b = bounds.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
+    const int64_t *tables = block_tables.data_ptr<int64_t>(), width = block_tables.size(1);
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = b[2 * s + 1] - b[2 * s];
+        TORCH_CHECK_VALUE(0 <= b[2 * s] && q_len >= 0 && b[2 * s + 1] <= rows, op, ": rows [", b[2 * s], ", ",
+                          b[2 * s + 1], ") of a prompt are outside the ", rows, " rows given");
+        TORCH_CHECK_VALUE(q_len <= lens[s] && lens[s] <= width * block_size, op, ": sequence ", s, " of length ",
+                          lens[s], " with ", q_len, " new tokens does not fit its block table of ", width, " blocks");
+        for (int64_t i = 0; i < (lens[s] + block_size - 1) / block_size; i++) {
+            const int64_t block = tables[s * block_tables.stride(0) + i];
+            TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, op, ": block ", block, " of sequence ", s,
+                              " is outside the cache of ", num_blocks, " blocks");
+        }
+    }
+    const int status = paged_prefill_f32(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         kv_type, tables, block_tables.stride(0), b, lens, out.data_ptr<float>(),
+                                         out.stride(0), (int)num_seqs, (int)num_heads, (int)num_kv_heads,
+                                         (int)head_dim, (int)block_size, (float)scale, num_threads());
+    if (status != 0) out_of_memory(op);
+}
+
 // --- sampling -------------------------------------------------------------------
 
 std::tuple<Tensor, Tensor> logit_stats(const Tensor &logits) {
@@ -752,6 +794,8 @@ TORCH_LIBRARY(pagedllm, m) {
           "float scale, Tensor(a!) out, int window=0) -> ()");
     step_node("paged_decode", paged_decode_node);
     m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
+    m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor bounds, "
+          "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
     m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) slots, Tensor(c!) flags, Tensor pids, int rank, float timeout_s) -> ()");
     // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key
@@ -779,6 +823,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("write_kv", &write_kv_op);
     m.impl("paged_decode", &paged_decode_op);
     m.impl("prefill_attention", &prefill_attention_op);
+    m.impl("paged_prefill", &paged_prefill_op);
     m.impl("logit_stats", &logit_stats);
     m.impl("shm_all_reduce", &shm_all_reduce);
 }

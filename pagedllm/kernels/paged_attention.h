@@ -63,8 +63,9 @@ static inline float exp_row(float *s, int64_t n) {
     return sum;
 }
 
-/* softmax of s[0, n) in place */
-static inline void softmax_row(float *s, int64_t n) {
+/* softmax of s[0, n) in place; not inlined, so that every kernel that calls it runs one and the same code
+   (the compiler may vectorise the scalar tail differently in different callers) */
+static __attribute__((noinline, unused)) void softmax_row(float *s, int64_t n) {
     const float inv = 1.0f / exp_row(s, n);
     for (int64_t t = 0; t < n; t++) s[t] *= inv;
 }

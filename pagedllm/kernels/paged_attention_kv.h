@@ -27,6 +27,16 @@
  * vector.
  */
 
+#ifndef KV_ROW_TILE
+#if SIMD_F32X16
+#define KV_ROW_TILE 4   /* query rows per register tile of attend_rows: 16 accumulators of 16 */
+#define KV_OUT_CHUNK 64 /* output floats per values pass: 4 vectors of 16 */
+#else
+#define KV_ROW_TILE 2   /* 8 accumulators of 8 */
+#define KV_OUT_CHUNK 32 /* 4 vectors of 8 */
+#endif
+#endif
+
 #ifndef KV_ELEM1
 #define KV_ELEM1(p, i) KV_LOAD1((p) + (i))
 #endif
@@ -219,8 +229,16 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                                                   vscale));
                     for (int u = 0; u < 4; u++) sj[i + u] *= KV_SCALE(kj + (i + u) * row, head_dim);
                 }
-                for (; i < n[g]; i++)
-                    sj[i] = scale * KV_SCALE(kj + i * row, head_dim) * KV_NAME(dot_kv)(qj, kj + i * row, head_dim);
+                /* the last 1-3 keys: a four-key product too (its last key repeated, the extra lanes
+                   dropped), so that every score is the same function of its q and k whatever the
+                   length: what lets attend_rows give a prompt's tokens these bits */
+                if (i < n[g]) {
+                    const KV_T *kr[4];
+                    for (int u = 0; u < 4; u++) kr[u] = kj + (i + u < n[g] ? i + u : n[g] - 1) * row;
+                    float s4[4];
+                    f32x4_store(s4, f32x4_mul(KV_NAME(dot4_keys)(qj, kr[0], kr[1], kr[2], kr[3], head_dim), vscale));
+                    for (int u = 0; i + u < n[g]; u++) sj[i + u] = s4[u] * KV_SCALE(kr[u], head_dim);
+                }
             }
         }
         for (int g = 0; g < nbn; g++) kb[g] = kn[g], n[g] = nn[g];
@@ -285,12 +303,190 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
         nb = nbn;
     }
 }
+
+/* ---- several queries of one kv head at once, each in attend_vec's order ----
+
+   A prompt's tokens (paged_prefill.cpp) run here: rows are (query head,
+   position) pairs of one sequence and one kv head, row r seeing keys
+   [0, lens[r]). Each row gets exactly the operations attend_vec gives a
+   decode query of length lens[r]: the same four-key products per score, the
+   same softmax_row, the same FMAs per output lane in the same token order
+   (blocks in groups of KV_STREAMS, token i of each block in turn, each
+   64-float slice reloaded from `out` per group). So a token's attention has
+   the same bits whether a prompt step or a decode step computes it, whatever
+   else the step holds (docs/batch-invariance.md). What changes is the
+   sharing: each key and value vector is loaded once for KV_ROW_TILE rows,
+   and a group's values stay in L1 while every row tile runs over them.
+
+   A row shorter than the tile's longest gets weight 0 on the keys past its
+   own: fma(0, v, acc) == acc for a finite v, the only kind a cache holds. */
+
+/* q . k of four keys for KV_ROW_TILE query rows: dot4_keys' operations per row, each key vector loaded once */
+static inline __attribute__((always_inline)) void KV_NAME(dot4_keys_rows)(const float *const *q, const KV_T *k0,
+                                                                           const KV_T *k1, const KV_T *k2,
+                                                                           const KV_T *k3, int head_dim, f32x4 *res) {
+    f32x8 a[KV_ROW_TILE][4];
+    for (int r = 0; r < KV_ROW_TILE; r++)
+        for (int g = 0; g < 4; g++) a[r][g] = f32x8_zero();
+    int d = 0;
+#if SIMD_F32X16
+    f32x16 w[KV_ROW_TILE][4];
+    for (int r = 0; r < KV_ROW_TILE; r++)
+        for (int g = 0; g < 4; g++) w[r][g] = f32x16_zero();
+    for (; d + 16 <= head_dim; d += 16) {
+        const f32x16 c0 = KV_LOAD16(KV_AT(k0, d)), c1 = KV_LOAD16(KV_AT(k1, d));
+        const f32x16 c2 = KV_LOAD16(KV_AT(k2, d)), c3 = KV_LOAD16(KV_AT(k3, d));
+#pragma GCC unroll 8
+        for (int r = 0; r < KV_ROW_TILE; r++) {
+            const f32x16 qv = f32x16_load(q[r] + d);
+            w[r][0] = f32x16_fma(qv, c0, w[r][0]);
+            w[r][1] = f32x16_fma(qv, c1, w[r][1]);
+            w[r][2] = f32x16_fma(qv, c2, w[r][2]);
+            w[r][3] = f32x16_fma(qv, c3, w[r][3]);
+        }
+    }
+    for (int r = 0; r < KV_ROW_TILE; r++)
+        for (int g = 0; g < 4; g++) a[r][g] = f32x16_fold8(w[r][g]);
+#endif
+    for (; d < head_dim; d += 8) {
+        const f32x8 c0 = KV_LOAD8(KV_AT(k0, d)), c1 = KV_LOAD8(KV_AT(k1, d));
+        const f32x8 c2 = KV_LOAD8(KV_AT(k2, d)), c3 = KV_LOAD8(KV_AT(k3, d));
+#pragma GCC unroll 8
+        for (int r = 0; r < KV_ROW_TILE; r++) {
+            const f32x8 qv = f32x8_load(q[r] + d);
+            a[r][0] = f32x8_fma(qv, c0, a[r][0]);
+            a[r][1] = f32x8_fma(qv, c1, a[r][1]);
+            a[r][2] = f32x8_fma(qv, c2, a[r][2]);
+            a[r][3] = f32x8_fma(qv, c3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < KV_ROW_TILE; r++) res[r] = f32x8_hsum4(a[r][0], a[r][1], a[r][2], a[r][3]);
+}
+
+/* scores[r * ld + t] for rows [0, nr) (nr <= KV_ROW_TILE; the missing rows repeat the last, their results
+   dropped) and keys t < lmax, whose head rows are krow[t] */
+static inline void KV_NAME(scores_rows)(const float *const *q, int nr, const KV_T *const *krow, int64_t lmax,
+                                        int head_dim, float scale, float *scores, int64_t ld) {
+    const float *qt[KV_ROW_TILE];
+    for (int r = 0; r < KV_ROW_TILE; r++) qt[r] = q[r < nr ? r : nr - 1];
+    const f32x4 vscale = f32x4_set1(scale);
+    for (int64_t t = 0; t < lmax; t += 4) {
+        const KV_T *kr[4];
+        for (int u = 0; u < 4; u++) kr[u] = krow[t + u < lmax ? t + u : lmax - 1];
+        f32x4 res[KV_ROW_TILE];
+        KV_NAME(dot4_keys_rows)(qt, kr[0], kr[1], kr[2], kr[3], head_dim, res);
+        for (int r = 0; r < nr; r++) {
+            float s4[4];
+            f32x4_store(s4, f32x4_mul(res[r], vscale));
+            for (int u = 0; u < 4 && t + u < lmax; u++) scores[r * ld + t + u] = s4[u] * KV_SCALE(kr[u], head_dim);
+        }
+    }
+}
+
+/* rows [0, nr) of one group of blocks (tokens t0 + g * block_size + i, g < nb, i < n[g]) added into their
+   outputs' slice [d0, d0 + KV_OUT_CHUNK): attend_vec's FMAs per lane, each row's weight p[r * ld + t] */
+static inline void KV_NAME(values_rows)(float *const *o, int nr, const float *p, int64_t ld,
+                                        const KV_T *const *vrow, int64_t t0, int nb, const int64_t *n,
+                                        int block_size, int head_dim, int d0) {
+    float *ot[KV_ROW_TILE];
+    const float *pt[KV_ROW_TILE];
+    for (int r = 0; r < KV_ROW_TILE; r++) {
+        ot[r] = o[r < nr ? r : nr - 1] + d0;
+        pt[r] = p + (r < nr ? r : nr - 1) * ld + t0;
+    }
+#if SIMD_F32X16
+    f32x16 acc[KV_ROW_TILE][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < KV_ROW_TILE; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = f32x16_load(ot[r] + 16 * c);
+    for (int64_t i = 0; i < block_size; i++)
+        for (int g = 0; g < nb; g++) {
+            if (i >= n[g]) continue;
+            const KV_T *vh = vrow[t0 + (int64_t)g * block_size + i];
+            const KV_T *v = KV_AT(vh, d0);
+            const f32x16 c0 = KV_LOAD16(KV_AT(v, 0)), c1 = KV_LOAD16(KV_AT(v, 16));
+            const f32x16 c2 = KV_LOAD16(KV_AT(v, 32)), c3 = KV_LOAD16(KV_AT(v, 48));
+#pragma GCC unroll 8
+            for (int r = 0; r < KV_ROW_TILE; r++) {
+                const f32x16 w = f32x16_set1(pt[r][(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
+                acc[r][0] = f32x16_fma(w, c0, acc[r][0]);
+                acc[r][1] = f32x16_fma(w, c1, acc[r][1]);
+                acc[r][2] = f32x16_fma(w, c2, acc[r][2]);
+                acc[r][3] = f32x16_fma(w, c3, acc[r][3]);
+            }
+        }
+    for (int r = 0; r < nr; r++) /* the repeated rows are not stored */
+        for (int c = 0; c < 4; c++) f32x16_store(ot[r] + 16 * c, acc[r][c]);
+#else
+    f32x8 acc[KV_ROW_TILE][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < KV_ROW_TILE; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = f32x8_load(ot[r] + 8 * c);
+    for (int64_t i = 0; i < block_size; i++)
+        for (int g = 0; g < nb; g++) {
+            if (i >= n[g]) continue;
+            const KV_T *vh = vrow[t0 + (int64_t)g * block_size + i];
+            const KV_T *v = KV_AT(vh, d0);
+            const f32x8 c0 = KV_LOAD8(KV_AT(v, 0)), c1 = KV_LOAD8(KV_AT(v, 8));
+            const f32x8 c2 = KV_LOAD8(KV_AT(v, 16)), c3 = KV_LOAD8(KV_AT(v, 24));
+#pragma GCC unroll 8
+            for (int r = 0; r < KV_ROW_TILE; r++) {
+                const f32x8 w = f32x8_set1(pt[r][(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
+                acc[r][0] = f32x8_fma(w, c0, acc[r][0]);
+                acc[r][1] = f32x8_fma(w, c1, acc[r][1]);
+                acc[r][2] = f32x8_fma(w, c2, acc[r][2]);
+                acc[r][3] = f32x8_fma(w, c3, acc[r][3]);
+            }
+        }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < 4; c++) f32x8_store(ot[r] + 8 * c, acc[r][c]);
+#endif
+}
+
+/* Rows [0, nr) of one sequence and kv head: q[r] (head_dim floats) attends to keys [0, lens[r]) into o[r].
+   head_dim a multiple of 64. table: the sequence's block table; kv_off: the kv head's offset in a slot's
+   row of `row` elements. Scratch: scores [nr][round_up(max len, 4)], rows [max len] pointers. */
+static __attribute__((unused)) void KV_NAME(attend_rows)(const float *const *q, float *const *o, const int64_t *lens, int nr,
+                                 const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t kv_off,
+                                 int64_t row, int head_dim, int block_size, float scale, float *scores,
+                                 const KV_T **rows) {
+    int64_t lmax = 1;
+    for (int r = 0; r < nr; r++) lmax = lens[r] > lmax ? lens[r] : lmax;
+    const int64_t ld = (lmax + 3) / 4 * 4;
+    for (int64_t t = 0; t < lmax; t++)
+        rows[t] = k_cache + (table[t / block_size] * block_size + t % block_size) * row + kv_off;
+    for (int r0 = 0; r0 < nr; r0 += KV_ROW_TILE)
+        KV_NAME(scores_rows)(q + r0, nr - r0 < KV_ROW_TILE ? nr - r0 : KV_ROW_TILE, rows, lmax, head_dim, scale,
+                             scores + r0 * ld, ld);
+    for (int r = 0; r < nr; r++) {
+        softmax_row(scores + r * ld, lens[r]);
+        for (int64_t t = lens[r]; t < lmax; t++) scores[r * ld + t] = 0.0f;
+        memset(o[r], 0, sizeof(float) * (size_t)head_dim);
+    }
+    for (int64_t t = 0; t < lmax; t++)
+        rows[t] = v_cache + (table[t / block_size] * block_size + t % block_size) * row + kv_off;
+    const int64_t span = (int64_t)KV_STREAMS * block_size;
+    for (int d0 = 0; d0 < head_dim; d0 += KV_OUT_CHUNK)
+        for (int64_t t0 = 0; t0 < lmax; t0 += span) {
+            int64_t n[KV_STREAMS];
+            int nb = 0;
+            for (; nb < KV_STREAMS && t0 + nb * block_size < lmax; nb++) {
+                const int64_t tb = t0 + (int64_t)nb * block_size;
+                n[nb] = lmax - tb < block_size ? lmax - tb : block_size;
+            }
+            for (int r0 = 0; r0 < nr; r0 += KV_ROW_TILE)
+                KV_NAME(values_rows)(o + r0, nr - r0 < KV_ROW_TILE ? nr - r0 : KV_ROW_TILE, scores + r0 * ld, ld,
+                                     rows, t0, nb, n, block_size, head_dim, d0);
+        }
+}
 #endif /* KV_VECTOR */
 
 /* The vector path for head sizes that are multiples of 8 where the build
    has it, attend_one otherwise; the common head sizes get loops of known
    length, which gcc unrolls fully. */
-static inline void KV_NAME(attend)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
+/* not inlined: paged_decode.cpp and paged_prefill.cpp each hold one copy of the same code, so a query
+   gets the same operations from either */
+static __attribute__((noinline, unused)) void KV_NAME(attend)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
                                    int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim,
                                    int block_size, float scale, int h0, int h1, float *scores, int64_t skip) {
 #if KV_VECTOR

@@ -384,8 +384,9 @@ class CpuPagedAttention(SdpaAttention):
     backend spends its decode time on the CPU. Prompts with nothing cached
     attend over their own new K/V rows, all of them in one call
     (``kernels/prefill_attention.cpp``); prompts that continue cached context
-    (prefix-cache hits, chunked prefills) read it in place with the decode
-    kernel, one query per token. Float32 queries on the CPU; the cache may be float32, float16,
+    (prefix-cache hits, chunked prefills), and every prompt under
+    ``batch_invariant``, read it in place in the decode kernel's order, all of
+    them in one call (``kernels/paged_prefill.cpp``). Float32 queries on the CPU; the cache may be float32, float16,
     bfloat16, int8, int4 or fp8 (values and per-head scales, read in place and widened in registers).
 
     The decode kernel takes a sliding window (it starts each sequence at the
@@ -404,7 +405,7 @@ class CpuPagedAttention(SdpaAttention):
     """
 
     name = "cpu_paged"
-    # set by the model runner for EngineConfig.batch_invariant: prompts skip the prefill kernel
+    # set by the model runner for EngineConfig.batch_invariant: every prompt through paged_prefill
     batch_invariant = False
 
     def __init__(self) -> None:
@@ -446,14 +447,15 @@ class CpuPagedAttention(SdpaAttention):
         return verdict
 
     def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
-        # prompts computed from scratch read their K/V from this step's rows, all
-        # in one native call; prompts that continue cached context read it in place
-        # batch_invariant: every prompt through the decode kernel, so that a token's attention is the same sum
-        # whether its prompt was fresh, chunked, a prefix-cache hit or recomputed (docs/batch-invariance.md)
+        # Prompts that continue cached context (a later chunk, a prefix-cache hit, a recompute after
+        # preemption) read it in place, through their block tables (paged_prefill); with batch_invariant
+        # every prompt does, so that a token's attention has the decode kernel's bits whichever step
+        # computes it (docs/batch-invariance.md). Otherwise prompts computed from scratch read their K/V
+        # from this step's rows, tiled (prefill_attention): the same products, summed in another order.
         fresh = [] if self.batch_invariant else [i for i in range(meta.num_prefills) if meta.num_computed[i] == 0]
-        for i in range(meta.num_prefills):
-            if self.batch_invariant or meta.num_computed[i] != 0:
-                self._continued_prefill(i, q, k_cache, v_cache, meta, scale, out)
+        paged = [i for i in range(meta.num_prefills) if not fresh or meta.num_computed[i] != 0]
+        if paged:
+            self._paged_prefills(paged, q, k_cache, v_cache, meta, scale, out)
         if not fresh:
             return
         bounds = torch.tensor(
@@ -462,29 +464,31 @@ class CpuPagedAttention(SdpaAttention):
         # the op checks dtypes, head layout and bounds (ValueError)
         self._ops.prefill_attention(q, k, v, out, bounds, scale)
 
-    def _continued_prefill(self, i, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
-        """Prompt ``i``, which continues cached context, read in place from the cache.
+    def _paged_prefills(self, prompts, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+        """Prompts ``prompts`` (indices of prefills) attending to the cache in place, all in one native call.
 
-        Each of its tokens is a decode query of its own: the query at position
-        ``p`` reads keys ``0 .. p`` through the prompt's block table (repeated,
-        not copied). Its new K/V were written before ``attend``. Gathering the
-        context instead (the parent's SDPA path) copies every cached row in
+        The token at position ``p`` reads keys ``0 .. p`` through its prompt's
+        block table (its own K/V were written before ``attend``), with the
+        decode kernel's reduction order (``kernels/paged_prefill.cpp``). Gathering
+        the context instead (the parent's SDPA path) copies every cached row in
         every layer for every chunk: at 4k tokens of context that copy made a
         16-token chunk of a long prompt cost twice as much per token as a
         2,048-token one, and so capped how finely a prompt can be chunked
         among running streams (``engine/step_budget.py``).
         """
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        num_computed, seq_len = meta.num_computed[i], meta.seq_lens[i]
         if k_cache.dim() == 4 and k_cache.shape[1] != meta.block_size:
             raise ValueError(f"cpu_paged: a cache of {tuple(k_cache.shape)} does not have block_size {meta.block_size}")
-        width = (seq_len + meta.block_size - 1) // meta.block_size
-        tables = meta.block_tables[i : i + 1, :width].expand(end - start, width)  # [q_len, width], row stride 0
-        seq_lens = torch.arange(num_computed + 1, seq_len + 1, dtype=torch.int64)  # [q_len]: keys each query sees
-        qi = q[start:end].contiguous()  # [q_len, num_heads, head_dim]
-        result = torch.empty_like(qi)
-        self._ops.paged_decode(qi, k_cache, v_cache, tables, seq_lens, scale, result, 0)
-        out[start:end] = result
+        bounds = torch.tensor(
+            [b for i in prompts for b in (meta.query_start_loc[i], meta.query_start_loc[i + 1])], dtype=torch.int64
+        )  # [2 * num_prompts]: each prompt's first and one-past-last row
+        if len(prompts) == meta.num_prefills:
+            tables, seq_lens = meta.block_tables[: meta.num_prefills], meta.seq_lens_tensor[: meta.num_prefills]
+        else:
+            index = torch.tensor(prompts, dtype=torch.int64)
+            tables, seq_lens = meta.block_tables[index], meta.seq_lens_tensor[index]
+        # q and out may be views with a row stride (slices of the fused qkv); the op checks them, the bounds,
+        # every length against its table and every block read (ValueError)
+        self._ops.paged_prefill(q, k_cache, v_cache, tables, bounds, seq_lens.contiguous(), scale, out)
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None) -> None:  # noqa: ANN001
         # the op checks the tensors and every block a sequence reads (ValueError);
