@@ -35,6 +35,7 @@
 #define KV_ROW_TILE 2   /* 8 accumulators of 8 */
 #define KV_OUT_CHUNK 32 /* 4 vectors of 8 */
 #endif
+#define KV_ROWS_MAX 1024 /* rows one attend_rows call takes */
 #endif
 
 #ifndef KV_ELEM1
@@ -444,7 +445,7 @@ static inline void KV_NAME(values_rows)(float *const *o, int nr, const float *p,
 }
 
 /* Rows [0, nr) of one sequence and kv head: q[r] (head_dim floats) attends to keys [0, lens[r]) into o[r].
-   head_dim a multiple of 64. table: the sequence's block table; kv_off: the kv head's offset in a slot's
+   nr <= KV_ROWS_MAX, head_dim a multiple of 64. table: the sequence's block table; kv_off: the kv head's offset in a slot's
    row of `row` elements. Scratch: scores [nr][round_up(max len, 4)], rows [max len] pointers. */
 static __attribute__((unused)) void KV_NAME(attend_rows)(const float *const *q, float *const *o, const int64_t *lens, int nr,
                                  const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t kv_off,
@@ -455,9 +456,15 @@ static __attribute__((unused)) void KV_NAME(attend_rows)(const float *const *q, 
     const int64_t ld = (lmax + 3) / 4 * 4;
     for (int64_t t = 0; t < lmax; t++)
         rows[t] = k_cache + (table[t / block_size] * block_size + t % block_size) * row + kv_off;
-    for (int r0 = 0; r0 < nr; r0 += KV_ROW_TILE)
-        KV_NAME(scores_rows)(q + r0, nr - r0 < KV_ROW_TILE ? nr - r0 : KV_ROW_TILE, rows, lmax, head_dim, scale,
-                             scores + r0 * ld, ld);
+    /* each row tile stops at its own longest row: keys past it have weight 0 for all its rows */
+    int64_t tile_len[(KV_ROWS_MAX + KV_ROW_TILE - 1) / KV_ROW_TILE];
+    for (int r0 = 0; r0 < nr; r0 += KV_ROW_TILE) {
+        const int n_r = nr - r0 < KV_ROW_TILE ? nr - r0 : KV_ROW_TILE;
+        int64_t len = 1;
+        for (int r = r0; r < r0 + n_r; r++) len = lens[r] > len ? lens[r] : len;
+        tile_len[r0 / KV_ROW_TILE] = len;
+        KV_NAME(scores_rows)(q + r0, n_r, rows, len, head_dim, scale, scores + r0 * ld, ld);
+    }
     for (int r = 0; r < nr; r++) {
         softmax_row(scores + r * ld, lens[r]);
         for (int64_t t = lens[r]; t < lmax; t++) scores[r * ld + t] = 0.0f;
@@ -467,17 +474,19 @@ static __attribute__((unused)) void KV_NAME(attend_rows)(const float *const *q, 
         rows[t] = v_cache + (table[t / block_size] * block_size + t % block_size) * row + kv_off;
     const int64_t span = (int64_t)KV_STREAMS * block_size;
     for (int d0 = 0; d0 < head_dim; d0 += KV_OUT_CHUNK)
-        for (int64_t t0 = 0; t0 < lmax; t0 += span) {
-            int64_t n[KV_STREAMS];
-            int nb = 0;
-            for (; nb < KV_STREAMS && t0 + nb * block_size < lmax; nb++) {
-                const int64_t tb = t0 + (int64_t)nb * block_size;
-                n[nb] = lmax - tb < block_size ? lmax - tb : block_size;
-            }
-            for (int r0 = 0; r0 < nr; r0 += KV_ROW_TILE)
+        for (int64_t t0 = 0; t0 < lmax; t0 += span)
+            for (int r0 = 0; r0 < nr; r0 += KV_ROW_TILE) {
+                const int64_t len = tile_len[r0 / KV_ROW_TILE];
+                if (t0 >= len) continue;
+                int64_t n[KV_STREAMS];
+                int nb = 0;
+                for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
+                    const int64_t tb = t0 + (int64_t)nb * block_size;
+                    n[nb] = len - tb < block_size ? len - tb : block_size;
+                }
                 KV_NAME(values_rows)(o + r0, nr - r0 < KV_ROW_TILE ? nr - r0 : KV_ROW_TILE, scores + r0 * ld, ld,
                                      rows, t0, nb, n, block_size, head_dim, d0);
-        }
+            }
 }
 #endif /* KV_VECTOR */
 

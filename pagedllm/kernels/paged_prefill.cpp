@@ -35,7 +35,7 @@
 #include "kernels.h"
 #include "paged_attention.h"
 
-#define PP_TILE 16 /* positions per task */
+#define PP_TILE 8 /* positions per task */
 /* attend_rows exists for every cache type where the build has vectors and F16C (float16 and fp8 widen with it) */
 #if PA_VECTOR && defined(__F16C__)
 #define PP_TILED 1
@@ -49,7 +49,7 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
                          const void *k_cache, const void *v_cache, const int64_t *table, int kvh, int num_kv_heads,
                          int head_dim, int block_size, float scale, float *scores, void **rows, float *qr) {
 #if PP_TILED
-    const float *qs[PP_TILE * 64];
+    const float *qs[KV_ROWS_MAX];
     for (int r = 0; r < nr; r++) qs[r] = q[r];
     switch (kv_type) {
     case KV_FLOAT32: {
@@ -136,7 +136,7 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, con
                       const int64_t *seq_lens, float *out, int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                       float scale, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int tiled = PP_TILED && head_dim % 64 == 0 && group * PP_TILE <= PP_TILE * 64;
+    const int tiled = PP_TILED && head_dim % 64 == 0 && group * PP_TILE <= KV_ROWS_MAX;
     int64_t max_len = 1, num_tasks = 0;
     for (int s = 0; s < num_seqs; s++) {
         max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
@@ -182,9 +182,9 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, con
             const int kvh = (int)(local % num_kv_heads);
             const int64_t tile = num_tiles - 1 - local / num_kv_heads;
             const int64_t p0 = tile * PP_TILE, p1 = p0 + PP_TILE < q_len ? p0 + PP_TILE : q_len;
-            const float *qrow[PP_TILE * 64];
-            float *orow[PP_TILE * 64];
-            int64_t lens[PP_TILE * 64];
+            const float *qrow[KV_ROWS_MAX];
+            float *orow[KV_ROWS_MAX];
+            int64_t lens[KV_ROWS_MAX];
             int nr = 0;
             for (int j = 0; j < group; j++)
                 for (int64_t i = p0; i < p1; i++, nr++) {
