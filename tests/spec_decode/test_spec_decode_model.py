@@ -100,3 +100,35 @@ def test_a_stop_inside_accepted_drafts_ends_the_output_there(plain, spec):
     want = chat(plain, params).outputs[0]
     got = chat(spec, params).outputs[0]
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+
+
+def test_server_metrics_carry_the_draft_counts(spec):
+    from prometheus_client import generate_latest
+
+    from pagedllm.clients.metrics import ServerMetrics, engine_stats
+
+    chat(spec, SamplingParams(temperature=0, max_tokens=20))
+    engine = spec.llm_engine
+    stats = engine_stats(engine)
+    assert stats.spec_decode_num_accepted_tokens == engine.speculator.num_accepted_tokens > 0
+    metrics = ServerMetrics("m")
+    metrics.update_from_engine(engine)
+    text = generate_latest(metrics.registry).decode()
+    accepted = float(engine.speculator.num_accepted_tokens)
+    assert f'pagedllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}' in text
+    assert "pagedllm:spec_decode_num_draft_tokens_total" in text and "pagedllm:spec_decode_num_drafts_total" in text
+
+
+def test_cli_takes_speculative_config_json():
+    from pagedllm.engine.llm import make_engine_config
+    from pagedllm.entrypoints.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    )
+    kwargs = _engine_kwargs(args)
+    cfg = make_engine_config(None, **kwargs)  # what LLM(...) builds from the CLI's arguments
+    assert cfg.speculative_config.num_speculative_tokens == 3
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "suffix"}'])
+    with pytest.raises(ValueError, match="not implemented yet"):
+        make_engine_config(None, **_engine_kwargs(args))
