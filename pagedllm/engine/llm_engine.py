@@ -528,8 +528,11 @@ class LLMEngine:
         """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost model."""
         if self.step_costs is None:
             return
-        num_decodes = sum(1 for s in output.scheduled if s.num_new_tokens == 1 and not s.is_prefill)
-        self.step_costs.observe(num_decodes, output.num_batched_tokens - num_decodes, seconds)
+        # a verify step (a decode with drafts) is a decode: its drafts are no prompt tokens to budget
+        num_decodes = sum(1 for s in output.scheduled if not s.is_prefill and (s.num_new_tokens == 1 or s.num_draft_tokens))
+        num_prompt = sum(s.num_new_tokens for s in output.scheduled if s.is_prefill or
+                         (s.num_new_tokens > 1 and not s.num_draft_tokens))
+        self.step_costs.observe(num_decodes, num_prompt, seconds)
 
     def _check_ranks(self) -> None:
         """DistributedError if a tensor-parallel rank has failed (or the engine was shut down)."""

@@ -363,7 +363,11 @@ class ModelRunner:
         try:
             emitted = verify_drafts(logits, list(step.token_ids[-k:]), step.sampling, step.uniforms)
             tokens = torch.tensor(emitted, dtype=torch.int64)
-            result.samples = token_logprobs(logits[: len(emitted)], tokens, [step.sampling.num_top_logprobs] * len(emitted))
+            rows = logits[: len(emitted)]
+            # the logsumexp of logit_stats, as a plain sample's logprob has (torch's differs in the last bits)
+            result.samples = token_logprobs(
+                rows, tokens, [step.sampling.num_top_logprobs] * len(emitted), lse=logit_stats(rows).lse
+            )
         except Exception as e:  # this sequence's alone
             logger.exception("sequence %s failed while verifying drafts", step.request_id)
             result.error = e

@@ -132,3 +132,21 @@ def test_cli_takes_speculative_config_json():
     args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "suffix"}'])
     with pytest.raises(ValueError, match="not implemented yet"):
         make_engine_config(None, **_engine_kwargs(args))
+
+
+@pytest.mark.slow
+def test_batch_invariant_speculation_is_bitwise_plain_decoding():
+    """With batch_invariant=True a verify step's tokens go through the decode kernel: tokens and logprobs
+    are plain decoding's to the bit (without it they agree to float rounding)."""
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=3)
+    runs = []
+    for speculative_config in (None, NGRAM):
+        llm = LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, batch_invariant=True,
+                  speculative_config=speculative_config)
+        runs.append(chat(llm, params))
+    want, got = (r.outputs[0] for r in runs)
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in pos.items()} for pos in got.logprobs] == [
+        {t: lp.logprob for t, lp in pos.items()} for pos in want.logprobs
+    ]
+    assert runs[1].metrics["spec_decode_num_accepted_tokens"] > 0
