@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedllm.engine.sequence import Sequence
@@ -45,6 +47,28 @@ def test_a_match_may_run_into_the_tail_itself():
     # the latest earlier [3, 3] starts at 1: what follows it is the last token
     assert propose_ngram([3, 3, 3, 3], 4, 1, 2) == [3]
     assert propose_ngram([3, 3, 3, 3], 4, 1, 1) == [3]
+
+
+def scan(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule written as a plain scan: longest n first, the latest earlier match that a token follows."""
+    num = len(token_ids)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        for start in range(num - n - 1, -1, -1):
+            if token_ids[start : start + n] == token_ids[num - n :]:
+                return token_ids[start + n : start + n + k]
+    return []
+
+
+def test_the_byte_search_finds_what_a_plain_scan_finds():
+    # small vocabularies make many matches; ids past 2**32 and byte patterns that recur off a token
+    # boundary check that only aligned hits count
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 5, 300, 2**40, 257])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        lo, hi = sorted((rng.randint(1, 4), rng.randint(1, 4)))
+        k = rng.randint(1, 5)
+        assert propose_ngram(tokens, k, lo, hi) == scan(tokens, k, lo, hi), (tokens, k, lo, hi)
 
 
 # --- SpeculativeConfig ----------------------------------------------------------------------
