@@ -150,3 +150,24 @@ def test_batch_invariant_speculation_is_bitwise_plain_decoding():
         {t: lp.logprob for t, lp in pos.items()} for pos in want.logprobs
     ]
     assert runs[1].metrics["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_preemption_under_a_tight_pool_keeps_speculation_lossless():
+    """Four code-repeat requests in a pool too small for them: sequences with drafts are preempted and
+    recomputed, and every output is still plain decoding's, bit for bit (batch_invariant=True on both)."""
+    prompts = [
+        [{"role": "user", "content": f"Repeat this Python function exactly:\n\n{CODE.replace('fibonacci', name)}"}]
+        for name in ("fib", "fibo", "f", "fn")
+    ]
+    params = SamplingParams(temperature=0, max_tokens=50)
+    runs = []
+    for speculative_config in (None, NGRAM):
+        llm = LLM(num_kv_blocks=64, max_model_len=256, block_size=4, batch_invariant=True,
+                  speculative_config=speculative_config)
+        runs.append([o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)])
+        engine = llm.llm_engine
+        assert engine.scheduler.num_preemptions > 0, "the pool was not tight enough to preempt"
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert runs[1] == runs[0]
+    assert engine.speculator.num_accepted_tokens > 0
