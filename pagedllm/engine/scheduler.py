@@ -4,7 +4,11 @@ Each step the scheduler
   1. gives every running sequence a slot for its next token (decode). When the
      pool has no block left it *preempts* the newest running sequence: frees
      its blocks and puts it back at the front of the waiting queue, to be
-     recomputed later from its tokens (prompt + what it generated so far);
+     recomputed later from its tokens (prompt + what it generated so far).
+     With speculative decoding (``drafts``) a decode may carry draft tokens:
+     they are appended to the sequence and take slots like any token, and the
+     decode becomes a verify chunk of ``1 + k`` tokens (docs/speculative-decoding.md;
+     the engine rolls the rejected ones back with ``BlockManager.rollback``);
   2. continues prompts that an earlier step prefilled only in part (chunked
      prefill), oldest first, with the token budget the decodes left; a
      chunk takes its blocks now and is cut to what the pool holds, and a
