@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
 from pagedllm.runner.grammar_limits import GrammarLimits
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 
 class Positive:
@@ -296,6 +297,10 @@ class EngineConfig:
             kernel. CPU, one rank, the ``cpu_paged`` attention and the
             packed or GGUF 8-bit-activation linears only (ValueError
             otherwise).
+        speculative_config: speculative decoding (docs/speculative-decoding.md):
+            a ``SpeculativeConfig``, or a dict / JSON text with vLLM's keys,
+            e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 4}``; None: off.
     """
 
     model: Path
@@ -329,6 +334,7 @@ class EngineConfig:
     all_reduce_backend: AllReduceBackend = "auto"
     grammar_limits: GrammarLimits = GrammarLimits()
     batch_invariant: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def weight_group_size(self) -> int | None:
@@ -347,7 +353,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # each field against its declared type (choices, positive numbers, paths), then what
         # fields say about each other
+        # a dict or JSON text of vLLM's keys becomes the validated record (frozen: set once, here)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_fields(self)
+        if self.speculative_config is not None and self.kv_allocator != "paged":
+            raise ValueError("speculative_config needs kv_allocator='paged' (drafts take and return blocks)")
         if self.kv_allocator == "paged" and self.contiguous_reserve != "max_tokens":
             raise ValueError("contiguous_reserve applies to kv_allocator='contiguous' only")
         if self.kv_allocator == "contiguous" and self.enable_prefix_caching:

@@ -25,6 +25,8 @@ with the context::
                                       empty when the step does not reach the last token
         token_bitmasks                each sampled row's structured-output mask (packed int32 words
                                       as bytes; b"": none this step), when the request has a constraint
+        num_kept_tokens               truncate the runner's tokens first (drafts a verify step rejected)
+        num_draft_tokens              a verify step: the last new tokens are drafts, all positions sampled
         prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
 
@@ -118,6 +120,9 @@ class SequenceStep(NamedTuple):
     # one per sampled row when the request has a structured-output constraint, else empty:
     # ceil(vocab / 32) int32 words (native byte order), bit i of word w allows token 32w+i; b"": all allowed
     token_bitmasks: tuple[bytes, ...] = ()
+    # speculative decoding's verify step: the last ``num_draft_tokens`` tokens are drafts; every new
+    # token's logits are sampled, ``uniforms`` holds one per draft and one for the token after them
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -164,6 +169,10 @@ class ScheduledStep(NamedTuple):
     prompt_targets: tuple[int, ...] = ()
     # one per sampled row when the request has a structured-output constraint, else empty (SequenceStep's)
     token_bitmasks: tuple[bytes, ...] = ()
+    # the runner keeps only its first ``num_kept_tokens`` tokens before appending ``new_token_ids``:
+    # drafts a verify step rejected (None: keep all)
+    num_kept_tokens: int | None = None
+    num_draft_tokens: int = 0  # a verify step: its last new tokens are drafts (SequenceStep's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,12 @@ class ServerMetrics:
             "Prompt tokens computed by prefills (prefix-cache hits excluded, recomputation included)",
         )
         self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens")
+        # speculative decoding (vLLM's names); zero when it is off
+        self.spec_decode_num_drafts = counter("pagedllm:spec_decode_num_drafts", "Verify steps run (one per drafting sequence)")
+        self.spec_decode_num_draft_tokens = counter("pagedllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_decode_num_accepted_tokens = counter(
+            "pagedllm:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification"
+        )
         self._request_success = Counter(
             "pagedllm:request_success",
             "Requests finished, by finish reason",
@@ -99,7 +105,8 @@ class ServerMetrics:
             "pagedllm:e2e_request_latency_seconds", "Time from arrival to the last token", E2E_BUCKETS
         )
         # engine totals already exported, so each update adds only the difference
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "computed": 0, "generated": 0}
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "computed": 0, "generated": 0,
+                      "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self._grammars_watched = False
 
     def watch_grammars(self, compiler: GrammarCompiler) -> None:
@@ -131,6 +138,9 @@ class ServerMetrics:
             "preemptions": (stats.preemptions, self.num_preemptions),
             "computed": (stats.prompt_tokens_computed, self.prompt_tokens_computed),
             "generated": (stats.generated_tokens, self.generation_tokens),
+            "drafts": (stats.spec_decode_num_drafts, self.spec_decode_num_drafts),
+            "draft_tokens": (stats.spec_decode_num_draft_tokens, self.spec_decode_num_draft_tokens),
+            "accepted_tokens": (stats.spec_decode_num_accepted_tokens, self.spec_decode_num_accepted_tokens),
         }
         for key, (total, metric) in totals.items():
             delta = total - self._seen[key]
@@ -157,6 +167,9 @@ class EngineStats:
     generated_tokens: int = 0
     kv_reserved_bytes: int = 0
     kv_resident_bytes: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -177,6 +190,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     """The engine's figures now; call on the thread that steps it."""
     bm, runner = engine.block_manager, engine.model_runner
     running = sum(1 for req in engine.requests.values() if any(s.status.value == "running" for s in req.seqs))
+    spec = getattr(engine, "speculator", None)  # (stand-in engines in tests have none)
     return EngineStats(
         num_blocks=bm.num_blocks,
         used_blocks=bm.num_used_blocks,
@@ -190,6 +204,9 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         kv_reserved_bytes=runner.kv_cache_bytes,
         # the bookkeeping's count (a syscall over the whole pool each step would cost more than it tells)
         kv_resident_bytes=getattr(bm, "num_touched_blocks", bm.num_used_blocks) * runner.kv_bytes_per_block,
+        spec_decode_num_drafts=spec.num_drafts if spec is not None else 0,
+        spec_decode_num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
+        spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
     )
 
 

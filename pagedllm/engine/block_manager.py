@@ -315,6 +315,31 @@ class BlockManager:
             seq.block_table.append(self._pop_free_block())
         return True
 
+    def rollback(self, seq: Sequence, num_computed_tokens: int) -> list[int]:
+        """Move ``seq``'s computed length back to ``num_computed_tokens`` (rejected drafts); returns the freed blocks.
+
+        After a verify step the slots past the new length hold K/V of
+        rejected drafts: they are overwritten by the next tokens written
+        there, and blocks past ``ceil(num_computed_tokens / block_size)``
+        held nothing else, so they go back to the free list (no hash: they
+        were never published, ``cache_full_blocks`` stops at the verified
+        token). The sequence then holds exactly the blocks a plain decode
+        would hold.
+        """
+        if not 0 <= num_computed_tokens <= seq.num_computed_tokens:
+            raise ValueError(
+                f"rollback to {num_computed_tokens} tokens: must be 0..{seq.num_computed_tokens} (the computed ones)"
+            )
+        keep = -(-num_computed_tokens // self.block_size)
+        freed = seq.block_table[keep:]
+        del seq.block_table[keep:]
+        for block in reversed(freed):
+            self._release(block)
+        seq.num_computed_tokens = num_computed_tokens
+        # hashes of blocks no longer full of the sequence's own tokens would be stale
+        del seq.block_hashes[len(seq) // self.block_size :]
+        return freed
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` (ref counts go up)."""
         if child.block_table:

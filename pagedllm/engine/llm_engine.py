@@ -27,7 +27,7 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
 from pagedllm.engine.step_builder import StepRecordBuilder, logits_rules
@@ -45,6 +45,7 @@ from pagedllm.runner.tp_workers import (
     start_tensor_parallel,
 )
 from pagedllm.sampling_params import SamplingParams, check_text
+from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules
 
 logger = logging.getLogger(__name__)
@@ -121,9 +122,14 @@ class LLMEngine:
         self.step_costs: StepCostModel | None = None
         if config.itl_target_ms is not None:
             self.step_costs = StepCostModel(None if config.itl_target_ms == "auto" else float(config.itl_target_ms))
+        # speculative decoding: drafts for decodes, verified in the same step (docs/speculative-decoding.md)
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config.speculative_config, config.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.step_costs.max_prefill_tokens if self.step_costs is not None else None,
+            self.speculator,
         )
         # what the runner holds of each sequence: each step's record sends only what changed
         self.step_records = StepRecordBuilder()
@@ -264,6 +270,12 @@ class LLMEngine:
             reserve = self.config.max_model_len
         for seq in req.seqs:
             seq.reserve_len = reserve
+        if self.speculator is not None:
+            # drafts are verified against plain sampling: a request whose rows the runner also processes
+            # (penalties, bans, a grammar) or that samples several sequences decodes plainly
+            req.speculates = params.num_samples == 1 and rules is None and grammar is None
+            max_len = len(ids) + params.max_tokens if params.max_tokens is not None else None
+            self.speculator.register(req.seqs[0], req.speculates, max_len)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])  # the others are forked from it at admission
 
@@ -445,10 +457,15 @@ class LLMEngine:
             if s.is_prefill:
                 self.num_prompt_tokens_computed += s.num_new_tokens
             if s.seq.request_id in failed:
+                s.seq.discard_draft_tokens()  # never part of the output
                 continue
             req = self.requests[s.seq.request_id]
             if result.prompt_logprobs is not None:
                 self._add_prompt_logprobs(req, result)
+            if s.num_draft_tokens:
+                self._apply_verify_step(req, s, result)
+                touched[req.request_id] = req
+                continue
             for seq, sample in zip((s.seq, *s.forks), result.samples):
                 if req.beam is not None:
                     req.beam.add_result(seq, list(sample.top))
@@ -475,6 +492,29 @@ class LLMEngine:
                 outputs.append(self.output_processor.make_output(req))
         return outputs
 
+    def _apply_verify_step(self, req: Request, s: ScheduledSequence, result: StepResult) -> None:
+        """A verify step ran: drop the drafts, append what it emitted (accepted drafts, then one sampled
+        token) one at a time so every stop rule sees each, and roll the cache back to what is kept.
+
+        The sequence ends computed up to its newest token, as after a plain
+        decode: K/V of the kept drafts stays, slots of the rejected ones are
+        reused, blocks only they used go back (``BlockManager.rollback``).
+        """
+        seq = s.seq
+        drafts = seq.discard_draft_tokens()
+        num_accepted = len(result.samples) - 1
+        for sample in result.samples:
+            self.output_processor.append_sample(req, seq, sample)
+            self.num_generated_tokens += 1
+            if seq.is_finished:
+                break  # blocks already freed; later tokens are past a stop
+        if not seq.is_finished:
+            self.block_manager.rollback(seq, len(seq) - 1)
+        req.num_draft_tokens += len(drafts)
+        req.num_accepted_tokens += num_accepted
+        if self.speculator is not None:
+            self.speculator.observe(seq, len(drafts), num_accepted)
+
     def _add_prompt_logprobs(self, req: Request, result: StepResult) -> None:
         """A prompt in chunks brings its logprobs a chunk at a time; a recomputed one
         (after preemption) brings again what is already there."""
@@ -488,8 +528,11 @@ class LLMEngine:
         """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost model."""
         if self.step_costs is None:
             return
-        num_decodes = sum(1 for s in output.scheduled if s.num_new_tokens == 1 and not s.is_prefill)
-        self.step_costs.observe(num_decodes, output.num_batched_tokens - num_decodes, seconds)
+        # a verify step (a decode with drafts) is a decode: its drafts are no prompt tokens to budget
+        num_decodes = sum(1 for s in output.scheduled if not s.is_prefill and (s.num_new_tokens == 1 or s.num_draft_tokens))
+        num_prompt = sum(s.num_new_tokens for s in output.scheduled if s.is_prefill or
+                         (s.num_new_tokens > 1 and not s.num_draft_tokens))
+        self.step_costs.observe(num_decodes, num_prompt, seconds)
 
     def _check_ranks(self) -> None:
         """DistributedError if a tensor-parallel rank has failed (or the engine was shut down)."""

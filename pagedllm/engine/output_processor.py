@@ -116,8 +116,17 @@ class OutputProcessor:
             finished=req.is_finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             prompt_logprobs=req.prompt_logprobs,
-            metrics={"arrival_time": req.arrival_time, "finished_time": time.monotonic() if req.is_finished else None},
+            metrics=self._metrics(req),
         )
+
+    @staticmethod
+    def _metrics(req: Request) -> dict:
+        """Times, and for a request that speculates its draft counts (vLLM's names for the totals)."""
+        metrics = {"arrival_time": req.arrival_time, "finished_time": time.monotonic() if req.is_finished else None}
+        if req.speculates:
+            metrics["spec_decode_num_draft_tokens"] = req.num_draft_tokens
+            metrics["spec_decode_num_accepted_tokens"] = req.num_accepted_tokens
+        return metrics
 
     def _beam_output(self, req: Request) -> RequestOutput:
         outs = [

@@ -61,6 +61,10 @@ class Request:
         # set for beam-search requests: the beams are forked as the search goes
         self.beam: BeamSearch | None = None
         self.beam_done = False
+        # speculative decoding: whether its sequence drafts, and the drafts proposed and accepted so far
+        self.speculates = False
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def is_finished(self) -> bool:

@@ -4,7 +4,11 @@ Each step the scheduler
   1. gives every running sequence a slot for its next token (decode). When the
      pool has no block left it *preempts* the newest running sequence: frees
      its blocks and puts it back at the front of the waiting queue, to be
-     recomputed later from its tokens (prompt + what it generated so far);
+     recomputed later from its tokens (prompt + what it generated so far).
+     With speculative decoding (``drafts``) a decode may carry draft tokens:
+     they are appended to the sequence and take slots like any token, and the
+     decode becomes a verify chunk of ``1 + k`` tokens (docs/speculative-decoding.md;
+     the engine rolls the rejected ones back with ``BlockManager.rollback``);
   2. continues prompts that an earlier step prefilled only in part (chunked
      prefill), oldest first, with the token budget the decodes left; a
      chunk takes its blocks now and is cut to what the pool holds, and a
@@ -50,6 +54,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -70,6 +75,9 @@ class ScheduledSequence:
     # samples forked from ``seq`` at admission: they ride on its prefill and
     # sample their own first token from its last logits
     forks: tuple[Sequence, ...] = ()
+    # a verify step (speculative decoding): the last ``num_draft_tokens`` of the new tokens are drafts,
+    # and every new token's logits are sampled (docs/speculative-decoding.md)
+    num_draft_tokens: int = 0
 
     @property
     def is_prefill(self) -> bool:
@@ -105,6 +113,19 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class DraftSource(Protocol):
+    """What proposes draft tokens for a decode (``spec_decode/speculator.py``)."""
+
+    def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
+        """Up to ``max_num_tokens`` drafts after ``seq``'s last token in a step of ``batch_size`` sequences."""
+        ...
+
+
+def _num_decode_tokens(decodes: list[Sequence]) -> int:
+    """Tokens the planned decodes compute: one each, plus their drafts."""
+    return sum(1 + s.num_draft_tokens for s in decodes)
+
+
 def _age(seq: Sequence) -> tuple[int, int]:
     """Arrival order; ties (the samples of one request) broken by seq_id."""
     return (seq.arrival, seq.seq_id)
@@ -122,11 +143,12 @@ class Scheduler:
             for no cap beyond ``max_num_batched_tokens``
             (``StepCostModel.max_prefill_tokens``: running streams keep their
             pace while a long prompt prefills); None: never capped.
+        drafts: proposes draft tokens for decodes (speculative decoding); None: none.
     """
 
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-        prefill_cap: Callable[[int], int | None] | None = None,
+        prefill_cap: Callable[[int], int | None] | None = None, drafts: DraftSource | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -136,6 +158,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_cap = prefill_cap
+        self.drafts = drafts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -227,6 +250,35 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, forks)
 
+    def _verify_chunk(self, seq: Sequence) -> ScheduledSequence:
+        """A decode with drafts: its last token and the drafts, all sampled.
+
+        Only blocks full of the sequence's own tokens are published: a block
+        holding a draft enters the prefix cache only once a later step finds
+        it full of accepted tokens (``rollback`` returns the others).
+        """
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + 1)
+        return ScheduledSequence(seq, seq.num_computed_tokens, 1 + seq.num_draft_tokens, (), seq.num_draft_tokens)
+
+    def _add_drafts(self, seq: Sequence, budget: int, num_decodes_left: int) -> int:
+        """Draft tokens for the decode of ``seq`` (slot already given), within ``budget`` tokens; their number.
+
+        Drafts take blocks only while every running sequence not yet planned
+        could still get one (a draft never preempts anyone); when the pool
+        cannot hold them, the decode stays plain.
+        """
+        if self.drafts is None or budget < 1:
+            return 0
+        draft_ids = self.drafts.propose(seq, budget, len(self.running))
+        if not draft_ids:
+            return 0
+        seq.add_draft_tokens(draft_ids)
+        missing = -(-len(seq) // self.block_manager.block_size) - len(seq.block_table)
+        if missing > self.block_manager.num_free_blocks - num_decodes_left or not self.block_manager.append_slot(seq):
+            seq.discard_draft_tokens()
+            return 0
+        return len(draft_ids)
+
     def schedule(self) -> SchedulerOutput:
         """Plan one step: decodes of running sequences, unfinished prefills, then admissions.
 
@@ -247,11 +299,11 @@ class Scheduler:
         reserve = self._share_of_younger_prompts(prompt_budget) if cap is not None else 0
         decodes, continued = self._plan_prompt_chunks(decodes, preempted, prompt_budget, reserve)
         budget = min(
-            self.max_num_batched_tokens - len(decodes), prompt_budget
+            self.max_num_batched_tokens - _num_decode_tokens(decodes), prompt_budget
         ) - sum(n for _, n in continued)
         # published only now: a block of a sequence dropped above is never
         # written; a prompt's last token (its final one-token chunk) may start its forks
-        planned_decodes = [self._chunk(seq, 1) for seq in decodes]
+        planned_decodes = [self._verify_chunk(seq) if seq.num_draft_tokens else self._chunk(seq, 1) for seq in decodes]
         prefills = [self._chunk(seq, n) for seq, n in continued]
         # no admission after a preemption: the pool just proved too small for what is running
         if not preempted:
@@ -267,7 +319,7 @@ class Scheduler:
         other prompts in chunks and the oldest waiting request still have to compute, at most half."""
         in_chunks = sorted(
             (s for s in self.running
-             if s.status == SequenceStatus.RUNNING and len(s) - s.num_computed_tokens > 1),
+             if s.status == SequenceStatus.RUNNING and not s.num_draft_tokens and len(s) - s.num_computed_tokens > 1),
             key=_age,
         )
         wanted = sum(len(s) - s.num_computed_tokens for s in in_chunks[1:])
@@ -279,20 +331,23 @@ class Scheduler:
         """Step 1: running sequences with one new token, oldest first, each given its slot; the victim of a
         preemption is the newest request (all its samples), appended to ``preempted``."""
         decodes: list[Sequence] = []
-        for seq in sorted(self.running, key=_age):
+        order = sorted(self.running, key=_age)
+        for i, seq in enumerate(order):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if len(seq) - seq.num_computed_tokens != 1:
                 continue  # 0: a beam waiting for its siblings; > 1: a prompt in chunks (step 2)
-            if self.max_num_batched_tokens - len(decodes) < 1:
+            if self.max_num_batched_tokens - _num_decode_tokens(decodes) < 1:
                 break
             victims = self._preempt_until(seq, lambda seq=seq: self.block_manager.append_slot(seq))
             if victims:
                 # a preempted request may have had older samples planned already: they leave the plan
+                # (a preempted sequence drops its drafts with its blocks)
                 preempted.extend(victims)
                 decodes = [d for d in decodes if d.status == SequenceStatus.RUNNING]
             if seq.status == SequenceStatus.RUNNING:
                 decodes.append(seq)
+                self._add_drafts(seq, self.max_num_batched_tokens - _num_decode_tokens(decodes), len(order) - i - 1)
         return decodes
 
     def _plan_prompt_chunks(
@@ -306,14 +361,16 @@ class Scheduler:
         continued: list[tuple[Sequence, int]] = []
 
         def left() -> int:
-            return min(self.max_num_batched_tokens - len(decodes), prompt_budget) - sum(n for _, n in continued)
+            return min(self.max_num_batched_tokens - _num_decode_tokens(decodes), prompt_budget) - sum(
+                n for _, n in continued
+            )
 
         for seq in sorted(self.running, key=_age):
             budget = left()
             if budget < 1:
                 break
-            if seq.status != SequenceStatus.RUNNING or len(seq) - seq.num_computed_tokens <= 1:
-                continue
+            if seq.status != SequenceStatus.RUNNING or seq.num_draft_tokens or len(seq) - seq.num_computed_tokens <= 1:
+                continue  # a decode with drafts was planned in step 1
             victims = self._preempt_until(seq, lambda seq=seq: self.block_manager.num_appendable_tokens(seq) >= 1)
             if victims:
                 # what the victims had planned leaves the plan; its budget comes back

@@ -102,6 +102,9 @@ class Sequence:
         # the detokenizer's stream (engine/detokenizer.py), opaque here; never copied by fork
         self.detok_state: object | None = None
         self.stop_reason: int | str | None = None
+        # speculative decoding: the last ``num_draft_tokens`` of ``token_ids`` are drafts that the
+        # planned step verifies, not yet part of the output (docs/speculative-decoding.md)
+        self.num_draft_tokens: int = 0
 
     # --- lengths -----------------------------------------------------------
     def __len__(self) -> int:
@@ -139,6 +142,23 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def add_draft_tokens(self, draft_ids: list[int]) -> None:
+        """Append drafts after the last token, for the next step to verify (none may be pending)."""
+        if self.num_draft_tokens:
+            raise ValueError(f"sequence {self.seq_id} already holds {self.num_draft_tokens} draft tokens")
+        self.token_ids.extend(draft_ids)
+        self.num_draft_tokens = len(draft_ids)
+
+    def discard_draft_tokens(self) -> list[int]:
+        """Remove the pending drafts from ``token_ids``; returns them."""
+        k = self.num_draft_tokens
+        if not k:
+            return []
+        drafts = self.token_ids[-k:]
+        del self.token_ids[-k:]
+        self.num_draft_tokens = 0
+        return drafts
+
     def fork(self, index: int, rng: random.Random | None = None) -> Sequence:
         """A new sequence with this one's tokens, progress and text, but no blocks.
 
@@ -160,7 +180,8 @@ class Sequence:
         return child
 
     def reset_for_recompute(self) -> None:
-        """Forget the cache state after preemption; tokens are kept."""
+        """Forget the cache state after preemption; tokens are kept (pending drafts are not: never accepted)."""
+        self.discard_draft_tokens()
         self.block_table = []
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING

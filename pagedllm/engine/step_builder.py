@@ -174,21 +174,39 @@ class StepRecordBuilder:
             # sampling_spec's greedy rule: the spec itself is built only for a sequence sent whole
             random_rows = p.temperature >= MIN_TEMPERATURE
             uniforms = tuple(seq.rng.random() if random_rows else 0.0 for seq in (s.seq, *s.forks))
+            if s.num_draft_tokens:
+                # a verify step: one draw per draft (accept or not) and one for the token after them,
+                # drawn whatever is accepted, so a seeded stream does not depend on the batch
+                uniforms += tuple(s.seq.rng.random() if random_rows else 0.0 for _ in range(s.num_draft_tokens))
         if masks and len(masks) != len(uniforms):
             raise ValueError("a constrained sequence needs one bitmask per sampled row")
         scored, targets = _prompt_scoring(s, p)
+        kept: int | None = None
         if s.seq.seq_id not in self._sent:
             new.append(self._send_whole(s, sampling_spec(p, top, rule)))
             token_ids: tuple[int, ...] = ()
             block_ids: tuple[int, ...] = ()
             table: tuple[int, ...] | None = None
         else:
+            kept = self._rolled_back(s)
             token_ids, block_ids, table = self._changes(s)
         # positional (the field order of ScheduledStep): the fastest way to build one
         return ScheduledStep(
             s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, token_ids, block_ids, table,
-            uniforms, scored, targets, tuple(masks),
+            uniforms, scored, targets, tuple(masks), kept, s.num_draft_tokens,
         )
+
+    def _rolled_back(self, s: ScheduledSequence) -> int | None:
+        """The runner's token count to cut back to when it holds tokens past the computed ones, else None.
+
+        Only a verify step leaves it so: the runner got its drafts, and those
+        rejected are gone from the sequence (``BlockManager.rollback``).
+        """
+        sent = self._sent[s.seq.seq_id]
+        if sent.num_tokens <= s.num_computed_tokens:
+            return None
+        sent.num_tokens = s.num_computed_tokens
+        return s.num_computed_tokens
 
     def release(self, ranges: list[tuple[int, int]]) -> StepRecord:
         """A record that runs nothing: the runner drops the sequences gone since the last step and gives

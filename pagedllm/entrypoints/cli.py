@@ -101,6 +101,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest wait in one collective before the engine stops with an error")
     g.add_argument("--all-reduce-backend", default="auto", choices=["auto", "shm", "gloo"],
                    help="auto: shared memory between ranks of one machine (steps up to 256 tokens), else gloo")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (docs/speculative-decoding.md)')
     _grammar_arguments(p)
 
 
@@ -167,6 +170,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         cpu_bind=args.cpu_bind,
         distributed_timeout_s=args.distributed_timeout_s,
         all_reduce_backend=args.all_reduce_backend,
+        # JSON text: EngineConfig parses and validates it (ValueError for a bad method or value)
+        speculative_config=args.speculative_config,
         grammar_limits=GrammarLimits(
             max_bytes=args.grammar_max_bytes, max_num_entries=args.grammar_max_num_entries,
             max_depth=args.grammar_max_depth, max_num_properties=args.grammar_max_num_properties,
@@ -214,6 +219,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"({num_tokens / elapsed:.1f} tokens/s); KV blocks: peak {engine.peak_used_blocks} used of "
         f"{bm.num_blocks} (block_size {bm.block_size}), {bm.num_used_blocks} held now"
     )
+    spec = engine.speculator
+    if spec is not None:
+        rate = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+        print(f"speculative decoding: {spec.num_accepted_tokens} of {spec.num_draft_tokens} draft tokens accepted "
+              f"({rate:.0%}) in {spec.num_drafts} verify steps")
     return 0
 
 

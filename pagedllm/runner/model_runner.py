@@ -16,6 +16,7 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.runner.captured_decode import CapturedDecode
+from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.input_batch import InputBatch
 from pagedllm.runner.kv_cache import (
     allocate_kv_cache,
@@ -304,6 +305,8 @@ class ModelRunner:
         results = [StepResult() for _ in steps]
         if rows.num_sampled:
             self._sample_step(logits[: rows.num_sampled], steps, results)
+        for i, (start, stop) in rows.verify_rows.items():
+            self._verify_step(logits[start:stop], steps[i], results[i])
         for i, s in enumerate(steps):
             if s.prompt_logprobs is None:
                 continue
@@ -350,6 +353,25 @@ class ModelRunner:
         while (record := self.tp.broadcast_record()) is not None:
             self.execute(record)
 
+    def _verify_step(self, logits: torch.Tensor, step: SequenceStep, result: StepResult) -> None:
+        """A verify step's emitted tokens (accepted drafts, then one sampled) into ``result.samples``.
+
+        ``logits`` ``[k + 1, vocab]``: one row per new token (``runner/draft_verifier.py``).
+        Logprobs are the raw model's at each emitted position, as for plain samples.
+        """
+        k = step.num_draft_tokens
+        try:
+            emitted = verify_drafts(logits, list(step.token_ids[-k:]), step.sampling, step.uniforms)
+            tokens = torch.tensor(emitted, dtype=torch.int64)
+            rows = logits[: len(emitted)]
+            # the logsumexp of logit_stats, as a plain sample's logprob has (torch's differs in the last bits)
+            result.samples = token_logprobs(
+                rows, tokens, [step.sampling.num_top_logprobs] * len(emitted), lse=logit_stats(rows).lse
+            )
+        except Exception as e:  # this sequence's alone
+            logger.exception("sequence %s failed while verifying drafts", step.request_id)
+            result.error = e
+
     def _sample_step(self, logits: torch.Tensor, steps: list[SequenceStep], results: list[StepResult]) -> None:
         """Sample every sequence that reached its last token this step into ``results``.
 
@@ -366,6 +388,8 @@ class ModelRunner:
         bitmasks: list[bytes] = []  # a row's structured-output mask; b"": none
         owners: list[int] = []  # the step entry of each row
         for i, s in enumerate(steps):
+            if s.num_draft_tokens:
+                continue  # a verify step: _verify_step samples its rows
             for j, u in enumerate(s.uniforms):
                 specs.append(s.sampling)
                 uniforms.append(u)
@@ -409,18 +433,29 @@ class _LogitRows:
     hidden_rows: list[int]
     num_sampled: int
     prompt_rows: dict[int, tuple[int, int]]  # step entry -> its [start, stop) in the logits
+    # verify steps (speculative decoding): every new token's row, after the prompt rows
+    verify_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, steps: list[SequenceStep], meta: AttentionMetadata) -> _LogitRows:
-        rows = [int(meta.query_start_loc[i + 1]) - 1 for i, s in enumerate(steps) for _ in s.uniforms]
+        rows = [
+            int(meta.query_start_loc[i + 1]) - 1 for i, s in enumerate(steps) if not s.num_draft_tokens
+            for _ in s.uniforms
+        ]
         num_sampled = len(rows)
         prompt_rows: dict[int, tuple[int, int]] = {}
+        verify_rows: dict[int, tuple[int, int]] = {}
         for i, s in enumerate(steps):
             if s.prompt_logprobs is not None:
                 start = int(meta.query_start_loc[i])
                 prompt_rows[i] = (len(rows), len(rows) + len(s.prompt_targets))
                 rows += range(start, start + len(s.prompt_targets))
-        return cls(rows, num_sampled, prompt_rows)
+        for i, s in enumerate(steps):
+            if s.num_draft_tokens:
+                start, stop = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+                verify_rows[i] = (len(rows), len(rows) + stop - start)
+                rows += range(start, stop)
+        return cls(rows, num_sampled, prompt_rows, verify_rows)
 
 
 @dataclass

@@ -57,6 +57,8 @@ class SequenceStates:
         state = self.states.get(s.seq_id)
         if state is None:
             raise ValueError(f"step record schedules sequence {s.seq_id}, which the runner does not hold")
+        if s.num_kept_tokens is not None:
+            del state.token_ids[s.num_kept_tokens :]  # drafts the last verify step rejected
         state.token_ids.extend(s.new_token_ids)
         if s.block_table is not None:
             state.block_table = list(s.block_table)
@@ -70,7 +72,7 @@ class SequenceStates:
         return SequenceStep(
             state.request_id, s.num_computed_tokens, tuple(state.token_ids[s.num_computed_tokens : end]),
             tuple(state.block_table), state.sampling, s.uniforms, s.prompt_logprobs, s.prompt_targets,
-            prompt_ids, output_ids, s.token_bitmasks,
+            prompt_ids, output_ids, s.token_bitmasks, s.num_draft_tokens,
         )
 
     @staticmethod

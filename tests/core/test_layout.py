@@ -20,7 +20,9 @@ ALLOWED = {
     "distributed": {"loader", "kernels"},
     "models": {"layers", "loader"},  # loader: its config types only (test below)
     "loader": set(),
-    "engine": {"loader", "runner", "distributed"},
+    "engine": {"loader", "runner", "distributed", "spec_decode"},
+    # speculative decoding's proposers and policy: plain Python below the engine (the runner verifies)
+    "spec_decode": set(),
     "runner": {"kernels", "layers", "models", "loader", "distributed"},
     # engine clients (one engine thread, data-parallel replicas): above the engine, below the server
     "clients": {"engine", "loader", "runner", "distributed"},

@@ -1,0 +1,173 @@
+"""Speculative decoding (ngram) end to end on the bundled model: lossless greedy, reproducible seeds.
+
+The prompt asks the model to repeat a Python function it is given, so
+prompt lookup finds drafts and many are accepted; every test asserts that
+drafts were proposed and accepted, so none can pass with speculation idle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+    a, b = 0, 1
+    for _ in range(n - 1):
+        a, b = b, a + b
+    return b
+'''
+REPEAT = [{"role": "user", "content": "Repeat this Python function exactly, with no changes:\n\n" + CODE}]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+MAX_TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(num_kv_blocks=512, max_model_len=1024, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    # small blocks: drafts cross block boundaries and get blocks of their own often
+    return LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, speculative_config=NGRAM)
+
+
+@pytest.fixture(autouse=True)
+def pool_is_whole_after_each_test(spec):
+    yield
+    engine = spec.llm_engine
+    assert not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def chat(llm, params, messages=REPEAT):
+    return llm.chat(messages, params, use_tqdm=False)[0]
+
+
+def test_greedy_with_ngram_equals_plain_decoding(plain, spec):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    want = chat(plain, params).outputs[0]
+    out = chat(spec, params)
+    got = out.outputs[0]
+    assert got.token_ids == want.token_ids
+    assert got.text == want.text and got.finish_reason == want.finish_reason
+    proposed, accepted = out.metrics["spec_decode_num_draft_tokens"], out.metrics["spec_decode_num_accepted_tokens"]
+    assert proposed > 0 and accepted > 0, "no draft was proposed and accepted: the test would pass vacuously"
+    assert accepted <= proposed
+    assert spec.llm_engine.speculator.num_accepted_tokens >= accepted
+
+
+def test_greedy_batch_with_ngram_equals_plain(plain, spec):
+    """Two requests in one batch, one of them with logprobs: each equals its plain run, logprobs included."""
+    params = [SamplingParams(temperature=0, max_tokens=24, logprobs=2), SamplingParams(temperature=0, max_tokens=30)]
+    prompts = [CODE + "\n" + CODE[:40], "1, 2, 3, 4, 5, 6, 1, 2, 3,"]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert [list(p) for p in got[0].outputs[0].logprobs] == [list(p) for p in want[0].outputs[0].logprobs]
+    # close, not bitwise: a verify step runs its tokens through the prefill kernels, a plain decode
+    # through the decode kernels (docs/speculative-decoding.md)
+    for w_pos, g_pos in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
+        for t in w_pos:
+            assert g_pos[t].logprob == pytest.approx(w_pos[t].logprob, abs=0.1)
+    assert sum(g.metrics["spec_decode_num_accepted_tokens"] for g in got) > 0
+
+
+def test_seeded_sampling_with_ngram_is_reproducible(spec):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS)
+    first = chat(spec, params)
+    second = chat(spec, params)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert first.metrics["spec_decode_num_accepted_tokens"] > 0
+    other = chat(spec, SamplingParams(temperature=0.8, top_p=0.95, seed=99, max_tokens=MAX_TOKENS))
+    assert other.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_requests_with_logits_processors_decode_plainly(plain, spec):
+    params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2)
+    out = chat(spec, params)
+    assert "spec_decode_num_draft_tokens" not in out.metrics
+    assert out.outputs[0].token_ids == chat(plain, params).outputs[0].token_ids
+
+
+def test_a_stop_inside_accepted_drafts_ends_the_output_there(plain, spec):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["a, b"])
+    want = chat(plain, params).outputs[0]
+    got = chat(spec, params).outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+
+
+def test_server_metrics_carry_the_draft_counts(spec):
+    from prometheus_client import generate_latest
+
+    from pagedllm.clients.metrics import ServerMetrics, engine_stats
+
+    chat(spec, SamplingParams(temperature=0, max_tokens=20))
+    engine = spec.llm_engine
+    stats = engine_stats(engine)
+    assert stats.spec_decode_num_accepted_tokens == engine.speculator.num_accepted_tokens > 0
+    metrics = ServerMetrics("m")
+    metrics.update_from_engine(engine)
+    text = generate_latest(metrics.registry).decode()
+    accepted = float(engine.speculator.num_accepted_tokens)
+    assert f'pagedllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}' in text
+    assert "pagedllm:spec_decode_num_draft_tokens_total" in text and "pagedllm:spec_decode_num_drafts_total" in text
+
+
+def test_cli_takes_speculative_config_json():
+    from pagedllm.engine.llm import make_engine_config
+    from pagedllm.entrypoints.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "hi", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    )
+    kwargs = _engine_kwargs(args)
+    cfg = make_engine_config(None, **kwargs)  # what LLM(...) builds from the CLI's arguments
+    assert cfg.speculative_config.num_speculative_tokens == 3
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "suffix"}'])
+    with pytest.raises(ValueError, match="not implemented yet"):
+        make_engine_config(None, **_engine_kwargs(args))
+
+
+@pytest.mark.slow
+def test_batch_invariant_speculation_is_bitwise_plain_decoding():
+    """With batch_invariant=True a verify step's tokens go through the decode kernel: tokens and logprobs
+    are plain decoding's to the bit (without it they agree to float rounding)."""
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=3)
+    runs = []
+    for speculative_config in (None, NGRAM):
+        llm = LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, batch_invariant=True,
+                  speculative_config=speculative_config)
+        runs.append(chat(llm, params))
+    want, got = (r.outputs[0] for r in runs)
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in pos.items()} for pos in got.logprobs] == [
+        {t: lp.logprob for t, lp in pos.items()} for pos in want.logprobs
+    ]
+    assert runs[1].metrics["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_preemption_under_a_tight_pool_keeps_speculation_lossless():
+    """Four code-repeat requests in a pool too small for them: sequences with drafts are preempted and
+    recomputed, and every output is still plain decoding's, bit for bit (batch_invariant=True on both)."""
+    prompts = [
+        [{"role": "user", "content": f"Repeat this Python function exactly:\n\n{CODE.replace('fibonacci', name)}"}]
+        for name in ("fib", "fibo", "f", "fn")
+    ]
+    params = SamplingParams(temperature=0, max_tokens=50)
+    runs = []
+    for speculative_config in (None, NGRAM):
+        llm = LLM(num_kv_blocks=64, max_model_len=256, block_size=4, batch_invariant=True,
+                  speculative_config=speculative_config)
+        runs.append([o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)])
+        engine = llm.llm_engine
+        assert engine.scheduler.num_preemptions > 0, "the pool was not tight enough to preempt"
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert runs[1] == runs[0]
+    assert engine.speculator.num_accepted_tokens > 0
