@@ -292,11 +292,13 @@ class EngineConfig:
             logprobs and prompt logprobs are bitwise the same alone or in
             any batch, however its prompt is chunked, after a prefix-cache
             hit or a preemption, captured or eager. Every prompt token's
-            attention then goes through the decode kernel (one reduction
-            order over the KV sequence) instead of the faster prefill
-            kernel. CPU, one rank, the ``cpu_paged`` attention and the
-            packed or GGUF 8-bit-activation linears only (ValueError
-            otherwise).
+            attention then reads the cache in the decode kernel's order
+            (``kernels/paged_prefill.cpp``) instead of the prefill kernel's
+            tiles. None ("auto", the default): on wherever it can be, that is
+            on the CPU, one rank, float32 or bfloat16 weights, the native
+            kernels built, ``cpu_paged`` attention and the packed or GGUF
+            8-bit-activation linears; off elsewhere. True where it cannot be
+            is a ValueError; False turns it off.
         speculative_config: speculative decoding (docs/speculative-decoding.md):
             a ``SpeculativeConfig``, or a dict / JSON text with vLLM's keys,
             e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
@@ -333,7 +335,7 @@ class EngineConfig:
     distributed_timeout_s: PositiveSeconds = 120.0
     all_reduce_backend: AllReduceBackend = "auto"
     grammar_limits: GrammarLimits = GrammarLimits()
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
     speculative_config: SpeculativeConfig | None = None
 
     @property
@@ -379,7 +381,9 @@ class EngineConfig:
         if self.kv_cache_dtype in ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2") and self.device != "cpu":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
                              f"read its blocks); use a float kv_cache_dtype with device={self.device!r}")
-        if self.batch_invariant:
+        if self.batch_invariant is None:  # "auto", resolved once, here
+            object.__setattr__(self, "batch_invariant", self._batch_invariant_possible())
+        elif self.batch_invariant:
             self._check_batch_invariant()
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -387,10 +391,9 @@ class EngineConfig:
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
 
-    def _check_batch_invariant(self) -> None:
-        """ValueError for what ``batch_invariant`` cannot cover: kernels chosen by shape, or one row of a
-        sum split across ranks or computed by a kernel kept for a single row."""
-        refusals = {
+    def _batch_invariant_refusals(self) -> dict[str, tuple[bool, str]]:
+        """What ``batch_invariant`` cannot cover: field -> (whether this config has it, why)."""
+        return {
             "device": (self.device != "cpu", "the invariant kernels are CPU code"),
             "tensor_parallel_size": (self.tensor_parallel_size > 1, "one rank only (no all-reduce order is fixed)"),
             "attention_backend": (self.attention_backend in ("sdpa", "reference"),
@@ -402,9 +405,26 @@ class EngineConfig:
             "gguf_activations": (self.gguf_activations == "float32",
                                  "GGUF on float activations computes one row alone another way; use 'int8'"),
         }
-        for name, (refused, why) in refusals.items():
+
+    def _check_batch_invariant(self) -> None:
+        """ValueError for what ``batch_invariant=True`` cannot cover: kernels chosen by shape, or one row of a
+        sum split across ranks or computed by a kernel kept for a single row."""
+        for name, (refused, why) in self._batch_invariant_refusals().items():
             if refused:
                 raise ValueError(f"batch_invariant=True does not cover {name}={getattr(self, name)!r}: {why}")
+
+    def _batch_invariant_possible(self) -> bool:
+        """``batch_invariant=None``: whether every kernel on this config's path is one of ours that computes a
+        row alike in any batch (what the runner would otherwise refuse), so the mode costs nothing to turn on."""
+        if any(refused for refused, _ in self._batch_invariant_refusals().values()):
+            return False
+        if self.dtype not in ("float32", "bfloat16"):
+            return False  # float16 runs torch's linears
+        from pagedllm.kernels import load_kernels  # torch, the native build: only when a config is resolved
+
+        ops = load_kernels()
+        # bfloat16 takes the packed bf16 panels only where they run in vector code
+        return ops is not None and (self.dtype == "float32" or bool(ops.packed_linear_bf16_native()))
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""

@@ -87,10 +87,11 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
              "decode step; the server captures at start); the trace takes seconds and pays after hundreds of steps",
     )
     g.add_argument(
-        "--batch-invariant", action="store_true",
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
         help="a request's tokens and logprobs are bitwise the same whatever else runs with it (its batch, "
-             "chunking, prefix-cache hits, preemption; docs/batch-invariance.md); prompts run the decode "
-             "attention kernel",
+             "chunking, prefix-cache hits, preemption; docs/batch-invariance.md); default: on wherever the "
+             "kernels allow it (CPU, one rank, float32/bfloat16, the native kernels), off elsewhere; "
+             "--no-batch-invariant turns it off",
     )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="processes the model is split over (Megatron-style; gloo on the CPU)")

@@ -158,8 +158,8 @@ def collect() -> dict[str, Any]:
         },
         "kernels": _kernels(),
         "auto": _auto_backends(),
-        # EngineConfig.batch_invariant's default (off: --batch-invariant), docs/batch-invariance.md
-        "batch_invariant": {"default": False, "flag": "--batch-invariant"},
+        # EngineConfig.batch_invariant's default ("auto": on wherever the kernels allow), docs/batch-invariance.md
+        "batch_invariant": {"default": "auto", "flag": "--batch-invariant / --no-batch-invariant"},
     }
 
 

@@ -169,7 +169,22 @@ def test_the_cli_flag_reaches_the_engine_config(command: list[str]) -> None:
 
     parser = build_parser()
     assert _engine_kwargs(parser.parse_args([*command, "--batch-invariant"]))["batch_invariant"] is True
-    assert _engine_kwargs(parser.parse_args(command))["batch_invariant"] is False
+    assert _engine_kwargs(parser.parse_args([*command, "--no-batch-invariant"]))["batch_invariant"] is False
+    assert _engine_kwargs(parser.parse_args(command))["batch_invariant"] is None  # "auto": EngineConfig resolves it
+
+
+def test_auto_turns_the_mode_on_where_it_can_and_off_where_it_cannot() -> None:
+    """The default (None) resolves once, in the config: on for the bundled model on the CPU (this build's
+    kernels loaded), off, with no error, for each configuration that True refuses."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.loader import bundled_model_path
+
+    assert EngineConfig(model=bundled_model_path()).batch_invariant is True
+    assert EngineConfig(model=bundled_model_path(), dtype="bfloat16").batch_invariant is True
+    assert EngineConfig(model=bundled_model_path(), batch_invariant=False).batch_invariant is False
+    for kwargs in ({"attention_backend": "sdpa"}, {"linear_backend": "onednn"}, {"quantization": "int8"},
+                   {"gguf_activations": "float32"}, {"dtype": "float16"}):
+        assert EngineConfig(model=bundled_model_path(), **kwargs).batch_invariant is False, kwargs
 
 
 def test_metrics_and_env_report_the_mode() -> None:
@@ -181,4 +196,4 @@ def test_metrics_and_env_report_the_mode() -> None:
     metrics = ServerMetrics("m")
     metrics.batch_invariant.set(1)  # as update_from_engine sets it from engine.config.batch_invariant
     assert 'pagedllm:batch_invariant{model_name="m"} 1.0' in generate_latest(metrics.registry).decode()
-    assert collect()["batch_invariant"]["default"] is False
+    assert collect()["batch_invariant"]["default"] == "auto"
