@@ -420,7 +420,8 @@ class EngineConfig:
             return False
         if self.dtype not in ("float32", "bfloat16"):
             return False  # float16 runs torch's linears
-        from pagedllm.kernels import load_kernels  # torch, the native build: only when a config is resolved
+        # imported here: torch and the native build are needed only when a config resolves "auto"
+        from pagedllm.kernels import load_kernels
 
         ops = load_kernels()
         # bfloat16 takes the packed bf16 panels only where they run in vector code
