@@ -1,7 +1,7 @@
 """The same prompt N times at temperature 0 through the server, under other load: how many answers?
 
 Thinking Machines' experiment ("Defeating Nondeterminism in LLM Inference", Sept 2025) on
-our server: for each mode (``--modes off,on``: without and with ``--batch-invariant``)
+our server: for each mode (``--modes off,on``: ``--no-batch-invariant`` and ``--batch-invariant``)
 this starts ``pagedllm serve`` on a free loopback port, waits for ``/health``, and sends
 the *needle* (the first lines of the GPL-3 text and a question, a chat request at
 temperature 0, top-5 logprobs) ``--num-requests`` times, ``--concurrency`` at once,
@@ -151,8 +151,8 @@ def start_server(args: argparse.Namespace, mode: str, port: int, log_path: Path)
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port)]
     if args.model:
         command.append(args.model)
-    if mode == "on":
-        command.append("--batch-invariant")
+    # the server's default is on wherever the kernels allow it: each mode says which it wants
+    command.append("--batch-invariant" if mode == "on" else "--no-batch-invariant")
     command += shlex.split(args.server_args)
     print(f"[{mode}] {' '.join(command)} (log: {log_path})", file=sys.stderr)
     with open(log_path, "wb") as log:
@@ -311,7 +311,7 @@ def print_result(summary: dict[str, object], result: ModeResult, as_json: bool) 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="off,on", help="comma-separated: off, on (--batch-invariant); default off,on")
+    p.add_argument("--modes", default="off,on", help="comma-separated: off (--no-batch-invariant), on (--batch-invariant); default off,on")
     p.add_argument("--num-requests", type=int, default=1000, help="needle requests per mode (default 1000)")
     p.add_argument("--concurrency", type=int, default=24, help="needle requests in flight (default 24)")
     p.add_argument("--background", type=int, default=4, help="background clients, one request each in flight")

@@ -13,6 +13,7 @@ load, ``gguf_x16.h``, and their int8 matmuls),
 ``kv_write.cpp`` (new K/V rows into their cache slots, rounded to the cache's dtype),
 ``elementwise.cpp`` (RMSNorm with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply),
 ``prefill_attention.cpp`` (causal attention of prompts computed from scratch),
+``paged_prefill.cpp`` (prompt tokens read from the paged cache in the decode kernel's order),
 ``shm_allreduce.cpp`` (tensor-parallel ranks of one machine summing through shared memory)
 and ``step_nodes.cpp`` (runs kernel calls recorded as plain "nodes" in one
 OpenMP parallel region), with the shared headers ``paged_attention.h``
