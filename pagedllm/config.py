@@ -295,7 +295,7 @@ class EngineConfig:
             attention then reads the cache in the decode kernel's order
             (``kernels/paged_prefill.cpp``) instead of the prefill kernel's
             tiles. None ("auto", the default): on wherever it can be, that is
-            on the CPU, one rank, float32 or bfloat16 weights, the native
+            on the CPU, one or two ranks, float32 or bfloat16 weights, the native
             kernels built, ``cpu_paged`` attention and the packed or GGUF
             8-bit-activation linears; off elsewhere. True where it cannot be
             is a ValueError; False turns it off.
@@ -395,7 +395,14 @@ class EngineConfig:
         """What ``batch_invariant`` cannot cover: field -> (whether this config has it, why)."""
         return {
             "device": (self.device != "cpu", "the invariant kernels are CPU code"),
-            "tensor_parallel_size": (self.tensor_parallel_size > 1, "one rank only (no all-reduce order is fixed)"),
+            # two ranks: each element of an all-reduce is one addition, the same bits in either order; more
+            # ranks: rank order only through shared memory, which takes steps of up to 256 tokens
+            "tensor_parallel_size": (
+                self.tensor_parallel_size > 2
+                and not (self.all_reduce_backend == "shm" and self.max_num_batched_tokens <= 256),
+                "more than two ranks sum in a fixed (rank) order only through shared memory: use "
+                "all_reduce_backend='shm' and max_num_batched_tokens <= 256",
+            ),
             "attention_backend": (self.attention_backend in ("sdpa", "reference"),
                                   "torch's attention picks its kernel by shape; use 'auto' or 'cpu_paged'"),
             "linear_backend": (self.linear_backend in ("onednn", "torch"),

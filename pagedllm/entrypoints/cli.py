@@ -90,7 +90,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
         help="a request's tokens and logprobs are bitwise the same whatever else runs with it (its batch, "
              "chunking, prefix-cache hits, preemption; docs/batch-invariance.md); default: on wherever the "
-             "kernels allow it (CPU, one rank, float32/bfloat16, the native kernels), off elsewhere; "
+             "kernels allow it (CPU, one or two ranks, float32/bfloat16, the native kernels), off elsewhere; "
              "--no-batch-invariant turns it off",
     )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

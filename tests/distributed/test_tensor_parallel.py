@@ -47,8 +47,8 @@ def _restore_threads() -> Iterator[None]:
 def _tp(path: str | None, size: int, **kwargs: object) -> LLM:
     kwargs.setdefault("num_kv_blocks", 128)
     kwargs.setdefault("max_model_len", 256)
-    # ranks and one process agree to float rounding (conftest); batch_invariant, which would make them agree
-    # on 8-bit activations, refuses tensor_parallel_size > 1 (no all-reduce order is fixed)
+    # ranks and one process agree to float rounding (conftest): a rank's slice of a sum is rounded on its own,
+    # so two ranks are not one process's bits, whatever the mode (batch_invariant holds within one engine)
     for key, value in FLOAT_ACTIVATIONS.items():
         kwargs.setdefault(key, value)
     return LLM(path, tensor_parallel_size=size, num_threads=1, **kwargs)
@@ -472,3 +472,26 @@ def test_int8_kv_cache_on_two_ranks_equals_one(tiny_model_dirs, kv_cache_dtype: 
         kv_bytes = [kv for _, kv in two.llm_engine.model_runner.rank_bytes]
     assert got == expected
     assert kv_bytes == [one_bytes // 2] * 2, (kv_bytes, one_bytes)
+
+
+def test_two_ranks_keep_a_request_batch_invariant() -> None:
+    """batch_invariant on two ranks, on the default 8-bit activations: a needle's tokens, logprobs and prompt
+    logprobs alone equal, bitwise, the same needle among neighbours and in 16-token chunks (each element of an
+    all-reduce is one addition of two ranks' values, the same bits in either order)."""
+    needle = {"prompt_token_ids": list(range(300, 350))}
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    neighbours = [{"prompt_token_ids": list(range(500 + 7 * i, 520 + 13 * i))} for i in range(5)]
+
+    def key(out) -> tuple:  # noqa: ANN001
+        c = out.outputs[0]
+        return (list(c.token_ids), [sorted(p.items()) for p in c.logprobs],
+                [None if p is None else sorted(p.items()) for p in out.prompt_logprobs])
+
+    with _tp(None, 2, gguf_activations="int8", batch_invariant=True, enable_prefix_caching=False) as two:
+        assert two.llm_engine.config.batch_invariant is True
+        alone = key(two.generate([needle], params, use_tqdm=False)[0])
+        among = two.generate([*neighbours[:3], needle, *neighbours[3:]], params, use_tqdm=False)
+        assert key(among[3]) == alone
+    with _tp(None, 2, gguf_activations="int8", batch_invariant=True, enable_prefix_caching=False,
+             max_num_batched_tokens=16) as chunked:
+        assert key(chunked.generate([needle, *neighbours], params, use_tqdm=False)[0]) == alone

@@ -147,7 +147,7 @@ def test_the_default_engine_is_not_invariant() -> None:
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
         ({"attention_backend": "sdpa"}, "attention_backend"),
         ({"linear_backend": "onednn"}, "linear_backend"),
         ({"quantization": "int8"}, "quantization"),
@@ -182,8 +182,12 @@ def test_auto_turns_the_mode_on_where_it_can_and_off_where_it_cannot() -> None:
     assert EngineConfig(model=bundled_model_path()).batch_invariant is True
     assert EngineConfig(model=bundled_model_path(), dtype="bfloat16").batch_invariant is True
     assert EngineConfig(model=bundled_model_path(), batch_invariant=False).batch_invariant is False
+    # two ranks sum each element once (either order, the same bits); three only through shared memory
+    assert EngineConfig(model=bundled_model_path(), tensor_parallel_size=2).batch_invariant is True
+    assert EngineConfig(model=bundled_model_path(), tensor_parallel_size=3, all_reduce_backend="shm",
+                        max_num_batched_tokens=256).batch_invariant is True
     for kwargs in ({"attention_backend": "sdpa"}, {"linear_backend": "onednn"}, {"quantization": "int8"},
-                   {"gguf_activations": "float32"}, {"dtype": "float16"}):
+                   {"gguf_activations": "float32"}, {"dtype": "float16"}, {"tensor_parallel_size": 3}):
         assert EngineConfig(model=bundled_model_path(), **kwargs).batch_invariant is False, kwargs
 
 
