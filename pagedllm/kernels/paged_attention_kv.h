@@ -36,6 +36,12 @@
 #define KV_OUT_CHUNK 32 /* 4 vectors of 8 */
 #endif
 #define KV_ROWS_MAX 1024 /* rows one attend_rows call takes */
+/* a vf32 (simd.h: the build's widest float vector) of cache elements, with the type's load */
+#if SIMD_F32X16
+#define KV_LOADV(p) KV_LOAD16(p)
+#else
+#define KV_LOADV(p) KV_LOAD8(p)
+#endif
 #endif
 
 #ifndef KV_ELEM1
@@ -395,53 +401,29 @@ static inline void KV_NAME(values_rows)(float *const *o, int nr, const float *p,
         ot[r] = o[r < nr ? r : nr - 1] + d0;
         pt[r] = p + (r < nr ? r : nr - 1) * ld + t0;
     }
-#if SIMD_F32X16
-    f32x16 acc[KV_ROW_TILE][4];
+    /* KV_OUT_CHUNK floats as 4 vectors of the build's widest (simd.h's vf32), as attend_vec's value loop */
+    vf32 acc[KV_ROW_TILE][4];
 #pragma GCC unroll 8
     for (int r = 0; r < KV_ROW_TILE; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = f32x16_load(ot[r] + 16 * c);
+        for (int c = 0; c < 4; c++) acc[r][c] = vf32_load(ot[r] + SIMD_F32_WIDTH * c);
     for (int64_t i = 0; i < block_size; i++)
         for (int g = 0; g < nb; g++) {
             if (i >= n[g]) continue;
             const KV_T *vh = vrow[t0 + (int64_t)g * block_size + i];
             const KV_T *v = KV_AT(vh, d0);
-            const f32x16 c0 = KV_LOAD16(KV_AT(v, 0)), c1 = KV_LOAD16(KV_AT(v, 16));
-            const f32x16 c2 = KV_LOAD16(KV_AT(v, 32)), c3 = KV_LOAD16(KV_AT(v, 48));
+            const vf32 c0 = KV_LOADV(KV_AT(v, 0)), c1 = KV_LOADV(KV_AT(v, SIMD_F32_WIDTH));
+            const vf32 c2 = KV_LOADV(KV_AT(v, 2 * SIMD_F32_WIDTH)), c3 = KV_LOADV(KV_AT(v, 3 * SIMD_F32_WIDTH));
 #pragma GCC unroll 8
             for (int r = 0; r < KV_ROW_TILE; r++) {
-                const f32x16 w = f32x16_set1(pt[r][(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
-                acc[r][0] = f32x16_fma(w, c0, acc[r][0]);
-                acc[r][1] = f32x16_fma(w, c1, acc[r][1]);
-                acc[r][2] = f32x16_fma(w, c2, acc[r][2]);
-                acc[r][3] = f32x16_fma(w, c3, acc[r][3]);
+                const vf32 w = vf32_set1(pt[r][(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
+                acc[r][0] = vf32_fma(w, c0, acc[r][0]);
+                acc[r][1] = vf32_fma(w, c1, acc[r][1]);
+                acc[r][2] = vf32_fma(w, c2, acc[r][2]);
+                acc[r][3] = vf32_fma(w, c3, acc[r][3]);
             }
         }
     for (int r = 0; r < nr; r++) /* the repeated rows are not stored */
-        for (int c = 0; c < 4; c++) f32x16_store(ot[r] + 16 * c, acc[r][c]);
-#else
-    f32x8 acc[KV_ROW_TILE][4];
-#pragma GCC unroll 8
-    for (int r = 0; r < KV_ROW_TILE; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = f32x8_load(ot[r] + 8 * c);
-    for (int64_t i = 0; i < block_size; i++)
-        for (int g = 0; g < nb; g++) {
-            if (i >= n[g]) continue;
-            const KV_T *vh = vrow[t0 + (int64_t)g * block_size + i];
-            const KV_T *v = KV_AT(vh, d0);
-            const f32x8 c0 = KV_LOAD8(KV_AT(v, 0)), c1 = KV_LOAD8(KV_AT(v, 8));
-            const f32x8 c2 = KV_LOAD8(KV_AT(v, 16)), c3 = KV_LOAD8(KV_AT(v, 24));
-#pragma GCC unroll 8
-            for (int r = 0; r < KV_ROW_TILE; r++) {
-                const f32x8 w = f32x8_set1(pt[r][(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
-                acc[r][0] = f32x8_fma(w, c0, acc[r][0]);
-                acc[r][1] = f32x8_fma(w, c1, acc[r][1]);
-                acc[r][2] = f32x8_fma(w, c2, acc[r][2]);
-                acc[r][3] = f32x8_fma(w, c3, acc[r][3]);
-            }
-        }
-    for (int r = 0; r < nr; r++)
-        for (int c = 0; c < 4; c++) f32x8_store(ot[r] + 8 * c, acc[r][c]);
-#endif
+        for (int c = 0; c < 4; c++) vf32_store(ot[r] + SIMD_F32_WIDTH * c, acc[r][c]);
 }
 
 /* Rows [0, nr) of one sequence and kv head: q[r] (head_dim floats) attends to keys [0, lens[r]) into o[r].
