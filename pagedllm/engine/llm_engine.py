@@ -368,8 +368,9 @@ class LLMEngine:
             self.model_runner.warm_up()  # the trace now pays for itself (EngineConfig.capture_min_decode_steps)
         results = self._execute(output)
         outputs = self._process(output, results)
-        if self.model_runner.num_decode_traces == num_traces:  # a step that traced the decode is no step's cost
-            self._observe_step(output, time.perf_counter() - started)
+        # a step that traced the decode is no step's cost
+        traced = self.model_runner.num_decode_traces != num_traces
+        self._observe_step(output, None if traced else time.perf_counter() - started)
         self._give_back_kv_pages()
         return outputs
 
@@ -524,15 +525,18 @@ class LLMEngine:
             if pos == len(req.prompt_logprobs):
                 req.prompt_logprobs.append(self.output_processor.position_logprobs(t))
 
-    def _observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost model."""
-        if self.step_costs is None:
-            return
+    def _observe_step(self, output: SchedulerOutput, seconds: float | None) -> None:
+        """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost models
+        (None: the step's time is no step's cost)."""
         # a verify step (a decode with drafts) is a decode: its drafts are no prompt tokens to budget
         num_decodes = sum(1 for s in output.scheduled if not s.is_prefill and (s.num_new_tokens == 1 or s.num_draft_tokens))
         num_prompt = sum(s.num_new_tokens for s in output.scheduled if s.is_prefill or
                          (s.num_new_tokens > 1 and not s.num_draft_tokens))
-        self.step_costs.observe(num_decodes, num_prompt, seconds)
+        if self.speculator is not None:
+            num_drafts = sum(s.num_draft_tokens for s in output.scheduled)
+            self.speculator.observe_step(num_decodes, num_drafts, num_prompt, seconds)
+        if self.step_costs is not None and seconds is not None:
+            self.step_costs.observe(num_decodes, num_prompt, seconds)
 
     def _check_ranks(self) -> None:
         """DistributedError if a tensor-parallel rank has failed (or the engine was shut down)."""

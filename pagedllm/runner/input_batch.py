@@ -104,3 +104,35 @@ class InputBatch:
             block_size=bs,
         )
         return self._tensor(input_ids), self._tensor(positions), meta
+
+
+def as_decode_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
+    """The same step with every new token a decode row of its own: the form a captured decode step reads.
+
+    For a speculative verify step (a sequence's last token and its drafts):
+    each token attends to the cache up to and including itself, through its
+    sequence's block table, as a decode of that length would. The layers
+    write every row's K/V before any row attends, so a draft sees the
+    tokens before it that this same step computes::
+
+        sequence at 9 cached tokens, verifying 3:   rows   positions  seq_lens  table
+          tokens t9 t10 t11                          0       9         10       T
+                                                     1       10        11       T
+                                                     2       11        12       T
+
+    ``positions`` is the step's ``[num_tokens]`` tensor; the slots are the step's own.
+    """
+    num_new = torch.tensor([b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])])  # [num_seqs]
+    tables = meta.block_tables.repeat_interleave(num_new.to(meta.block_tables.device), dim=0)  # [num_tokens, width]
+    seq_lens_tensor = positions + 1  # [num_tokens]
+    seq_lens = seq_lens_tensor.tolist()
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_tables=tables,
+        seq_lens_tensor=seq_lens_tensor,
+        query_start_loc=list(range(len(seq_lens) + 1)),
+        seq_lens=seq_lens,
+        num_computed=[n - 1 for n in seq_lens],
+        num_prefills=0,
+        block_size=meta.block_size,
+    )

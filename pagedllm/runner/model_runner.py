@@ -17,7 +17,7 @@ from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
-from pagedllm.runner.input_batch import InputBatch
+from pagedllm.runner.input_batch import InputBatch, as_decode_rows
 from pagedllm.runner.kv_cache import (
     allocate_kv_cache,
     available_memory_bytes,
@@ -144,9 +144,12 @@ class ModelRunner:
         # rank traces and replays the same steps, so their collectives stay in step (gloo's are not ops)
         shm = self.tp.shm if self.tp is not None else None
         capturable = self.tp is None or shm is not None
+        # a verify step's tokens are rows of a captured step too: its last token and up to k drafts
+        spec = config.speculative_config
+        rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         if not config.enforce_eager and capturable and CapturedDecode.supports(self.backend, model_config):
             self.captured_decode = CapturedDecode(
-                self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs, MAX_CAPTURED_ROWS),
+                self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs * rows_per_seq, MAX_CAPTURED_ROWS),
                 self.block_size, -(-config.max_model_len // self.block_size),
                 native_programs=self.native_ops is not None,
                 shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
@@ -332,10 +335,7 @@ class ModelRunner:
         """
         try:
             input_ids, positions, meta = self.prepare(steps)
-            if self.captured_decode is not None and self.captured_decode.accepts(meta, input_ids.shape[0]):
-                hidden = self.captured_decode(input_ids, positions, meta)
-            else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self._forward(steps, input_ids, positions, meta)
             rows = _LogitRows.of(steps, meta)
             index = torch.tensor(rows.hidden_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden[index]) if rows.hidden_rows else None  # [rows, vocab]
@@ -344,6 +344,22 @@ class ModelRunner:
                 raise
             raise DistributedError(f"tensor-parallel rank {self.tp.rank} failed in a step: {e}") from e
         return rows, logits
+
+    def _forward(
+        self, steps: list[SequenceStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states ``[num_tokens, hidden]``: replayed from the captured decode where the step is
+        decodes and verify steps only (each verify token a decode row: ``as_decode_rows``), else the model's
+        forward. Every token gets the same bits either way (the decode kernel is the prompt kernel's order)."""
+        cd = self.captured_decode
+        if cd is not None:
+            if cd.accepts(meta, input_ids.shape[0]):
+                return cd(input_ids, positions, meta)
+            if meta.num_prefills and all(s.num_new_tokens == 1 or s.num_draft_tokens for s in steps):
+                rows = as_decode_rows(meta, positions)
+                if cd.accepts(rows, input_ids.shape[0]):
+                    return cd(input_ids, positions, rows)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def serve_steps(self) -> None:

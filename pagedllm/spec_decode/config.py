@@ -9,9 +9,6 @@ from typing import Any
 # methods this engine runs; vLLM's other names are refused with a clear message
 METHODS = ("ngram",)
 _LATER_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")
-# a running batch above this many sequences decodes plainly: verifying drafts costs tokens that a
-# big batch already spends on its own rows (a cost model comes later, docs/speculative-decoding.md)
-DEFAULT_MAX_BATCH_SIZE = 8
 
 
 def _int(name: str, value: object, low: int) -> None:
@@ -30,7 +27,13 @@ class SpeculativeConfig:
         prompt_lookup_min: shortest n-gram matched.
         prompt_lookup_max: longest n-gram matched (tried first).
         max_batch_size: speculate only while at most this many sequences
-            run; a larger batch decodes plainly.
+            run; None (the default): the cost model decides from measured
+            step times and acceptance (``cost_model.py``), which turns
+            drafting off where a batch is compute-bound.
+        cost_model: draft only as many of the proposed tokens as the cost
+            model expects to pay (``cost_model.py``); False: verify every
+            proposal (to measure speculation itself, or in tests that need
+            drafts to run whatever this machine's timings say).
         max_failures: a sequence whose proposals were rejected whole this
             many times in a row stops proposing for ``backoff_steps`` steps.
         backoff_steps: decode steps such a sequence runs without proposing.
@@ -42,7 +45,8 @@ class SpeculativeConfig:
     # text into break-even and kept the gain on code (docs/speculative-decoding.md, measurements)
     prompt_lookup_min: int = 3
     prompt_lookup_max: int = 4
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_batch_size: int | None = None
+    cost_model: bool = True
     max_failures: int = 3
     backoff_steps: int = 16
 
@@ -54,7 +58,10 @@ class SpeculativeConfig:
         _int("num_speculative_tokens", self.num_speculative_tokens, 1)
         _int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _int("prompt_lookup_max", self.prompt_lookup_max, 1)
-        _int("max_batch_size", self.max_batch_size, 1)
+        if not isinstance(self.cost_model, bool):
+            raise ValueError(f"speculative_config.cost_model must be true or false, got {self.cost_model!r}")
+        if self.max_batch_size is not None:
+            _int("max_batch_size", self.max_batch_size, 1)
         _int("max_failures", self.max_failures, 1)
         _int("backoff_steps", self.backoff_steps, 0)
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -3,11 +3,12 @@
 The scheduler asks ``propose`` for each decode it plans; the engine reports
 each verify step back with ``observe``. The rules (docs/speculative-decoding.md)::
 
-    batch > max_batch_size        -> no drafts (plain decodes)
+    batch > max_batch_size (if set) -> no drafts (plain decodes)
     sequence not eligible         -> no drafts (the engine says which are: see ``eligible``)
     backing off                   -> no drafts, one step of the back-off used up
     no n-gram recurs              -> no drafts: a plain decode step
-    else                          -> up to k drafts (fewer near max_tokens or max_model_len)
+    else                          -> the cost model's number of the proposed drafts (0 to k,
+                                     fewer near max_tokens or max_model_len): cost_model.py
     `max_failures` verify steps in a row accept nothing -> back off `backoff_steps` steps
 
 Plain Python, no torch: the state is a few integers per sequence, held in a
@@ -17,11 +18,22 @@ weak dictionary so a finished sequence's entry goes with it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.cost_model import (
+    PRIOR_ACCEPTANCE,
+    AcceptanceEstimate,
+    StepTimeModel,
+    best_num_drafts,
+)
 from pagedllm.spec_decode.ngram_proposer import propose_ngram
+
+# where the cost model says drafting does not pay, one sequence still drafts after this many steps
+# without a verify step, so the fit keeps measuring what a verify costs now (a probe of one
+# sequence's rows: ~0.2% of a 64-sequence batch's time at this rate)
+PROBE_EVERY = 32
 
 
 class Sequence(Protocol):
@@ -39,6 +51,7 @@ class _SeqState:
     eligible: bool = False  # until the engine registers the sequence (beams, for one, never are)
     max_len: int | None = None  # most tokens it may reach (prompt + max_tokens, or max_model_len)
     failures: int = 0  # verify steps in a row that accepted nothing
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     backoff: int = 0  # decode steps left without proposing
 
 
@@ -58,6 +71,13 @@ class Speculator:
         self.num_drafts = 0  # verify steps run
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # the cost model (cost_model.py): step times fitted to the engine's steps, and the acceptance
+        # rate of all sequences, the prior of one that has not verified yet
+        self.step_times = StepTimeModel()
+        self.acceptance = AcceptanceEstimate(forget=0.98)
+        self._num_step_decodes = 0  # decodes proposed for in the step being planned
+        self._num_step_drafts = 0  # drafts given to it so far
+        self._num_plain_steps = 0  # steps in a row without drafts
 
     def _state(self, seq: Sequence) -> _SeqState:
         state = self._states.get(seq)
@@ -75,7 +95,8 @@ class Speculator:
         """Draft tokens to verify after ``seq``'s last token in a step of ``batch_size`` sequences ([]: decode plainly)."""
         cfg = self.config
         state = self._state(seq)
-        if batch_size > cfg.max_batch_size or not state.eligible:
+        self._num_step_decodes += 1
+        if (cfg.max_batch_size is not None and batch_size > cfg.max_batch_size) or not state.eligible:
             return []
         if state.backoff > 0:
             state.backoff -= 1
@@ -85,7 +106,32 @@ class Speculator:
         k = min(cfg.num_speculative_tokens, max_num_tokens, limit - len(seq) - 1)
         if k < 1:
             return []
-        return propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if not drafts or not cfg.cost_model:
+            return drafts
+        alpha = state.acceptance.rate(self.acceptance.rate(PRIOR_ACCEPTANCE))
+        # every running sequence may decode in this step: the batch the step's time is predicted for
+        num_decodes = max(batch_size, self._num_step_decodes)
+        k = best_num_drafts(self.step_times, alpha, len(drafts), num_decodes, self._num_step_drafts)
+        if not k:
+            # unmeasured, or judged not to pay: a verify step's cost is only known from verify steps,
+            # so one sequence of a step (never a whole batch) probes while none ran for a while
+            if self._num_step_drafts or (k == 0 and self._num_plain_steps < PROBE_EVERY):
+                return []
+            k = len(drafts)
+        self._num_step_drafts += k
+        return drafts[:k]
+
+    def observe_step(
+        self, num_decodes: int, num_draft_tokens: int, num_prompt_tokens: int, seconds: float | None
+    ) -> None:
+        """A step ran ``num_decodes`` decodes carrying ``num_draft_tokens`` drafts and ``num_prompt_tokens``
+        prompt tokens in ``seconds`` (None: a time that is no step's cost, e.g. it traced the decode).
+        The cost model learns from steps of decodes alone; the next step's planning starts."""
+        self._num_step_decodes = self._num_step_drafts = 0
+        self._num_plain_steps = 0 if num_draft_tokens else self._num_plain_steps + 1
+        if num_prompt_tokens == 0 and seconds is not None:
+            self.step_times.observe(num_decodes, num_draft_tokens, seconds)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verify step of ``seq`` accepted ``num_accepted`` of ``num_proposed`` drafts."""
@@ -93,7 +139,10 @@ class Speculator:
         self.num_draft_tokens += num_proposed
         self.num_accepted_tokens += num_accepted
         state = self._state(seq)
+        state.acceptance.observe(num_proposed, num_accepted)
+        self.acceptance.observe(num_proposed, num_accepted)
         state.failures = 0 if num_accepted else state.failures + 1
         if state.failures >= self.config.max_failures:
             state.failures = 0
             state.backoff = self.config.backoff_steps
+            state.acceptance = AcceptanceEstimate()  # it comes back judged by the global rate

@@ -114,12 +114,13 @@ def test_engine_config_takes_a_dict_and_refuses_the_contiguous_allocator(tmp_pat
 
 
 # --- Speculator: the per-sequence policy ---------------------------------------------------------
+# (cost_model off: these are the rules around it; test_cost_model.py tests the cost model's)
 def repeating(n: int = 12) -> Sequence:
     return Sequence([1, 2, 3, 4] * (n // 4), 16)
 
 
 def test_only_registered_sequences_propose_within_their_length():
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=100)
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, cost_model=False), max_model_len=100)
     seq = repeating()
     assert spec.propose(seq, 10, 1) == []  # not registered (a beam, say)
     spec.register(seq, eligible=True, max_len=14)
@@ -132,7 +133,7 @@ def test_only_registered_sequences_propose_within_their_length():
 
 
 def test_a_large_batch_decodes_plainly():
-    spec = Speculator(SpeculativeConfig(max_batch_size=4), max_model_len=100)
+    spec = Speculator(SpeculativeConfig(max_batch_size=4, cost_model=False), max_model_len=100)
     seq = repeating()
     spec.register(seq, eligible=True)
     assert spec.propose(seq, 10, 4) != []
@@ -140,7 +141,7 @@ def test_a_large_batch_decodes_plainly():
 
 
 def test_a_sequence_whose_drafts_keep_failing_backs_off():
-    spec = Speculator(SpeculativeConfig(max_failures=2, backoff_steps=3), max_model_len=100)
+    spec = Speculator(SpeculativeConfig(max_failures=2, backoff_steps=3, cost_model=False), max_model_len=100)
     seq = repeating()
     spec.register(seq, eligible=True)
     spec.observe(seq, 4, 0)

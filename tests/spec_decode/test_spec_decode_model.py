@@ -21,7 +21,9 @@ CODE = '''def fibonacci(n):
     return b
 '''
 REPEAT = [{"role": "user", "content": "Repeat this Python function exactly, with no changes:\n\n" + CODE}]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+# cost_model off: every proposal is verified, so the tests exercise drafts whatever this machine's timings
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+         "cost_model": False}
 MAX_TOKENS = 60
 
 
@@ -171,3 +173,41 @@ def test_preemption_under_a_tight_pool_keeps_speculation_lossless():
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert runs[1] == runs[0]
     assert engine.speculator.num_accepted_tokens > 0
+
+
+class CountingCapture:
+    """The runner's captured decode, counting the steps it replays that verify drafts (rows that share a table)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.num_verify_steps = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, input_ids, positions, meta):
+        if len({tuple(row) for row in meta.block_tables.tolist()}) < input_ids.shape[0]:
+            self.num_verify_steps += 1
+        return self.inner(input_ids, positions, meta)
+
+
+@pytest.mark.slow
+def test_captured_verify_steps_are_bitwise_plain_captured_decoding():
+    """With decode steps captured from the first, verify steps replay the same graph, each draft a decode row:
+    tokens and logprobs are plain (captured) decoding's to the bit."""
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=3)
+    runs, captures = [], []
+    for speculative_config in (None, NGRAM):
+        llm = LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, batch_invariant=True,
+                  capture_min_decode_steps=0, speculative_config=speculative_config)
+        runner = llm.llm_engine.model_runner
+        runner.captured_decode = CountingCapture(runner.captured_decode)
+        runs.append(chat(llm, params))
+        captures.append(runner.captured_decode)
+    want, got = (r.outputs[0] for r in runs)
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in pos.items()} for pos in got.logprobs] == [
+        {t: lp.logprob for t, lp in pos.items()} for pos in want.logprobs
+    ]
+    assert runs[1].metrics["spec_decode_num_accepted_tokens"] > 0
+    assert captures[1].num_verify_steps > 0 and captures[0].num_verify_steps == 0
