@@ -42,6 +42,24 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--output-len must be >= 2 (one prefill token and at least one decode step)")
 
 
+def spec_counts(spec) -> tuple[int, int, int]:  # noqa: ANN001
+    """The speculator's running totals: verify steps, draft tokens, accepted tokens ((0, 0, 0): none)."""
+    return (0, 0, 0) if spec is None else (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+
+
+def spec_summary(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
+    """vLLM's speculative figures over the timed runs: acceptance rate (accepted / drafted tokens) and mean
+    acceptance length (tokens a verify step emits: 1 + its accepted drafts, on average)."""
+    num_drafts, num_draft_tokens, num_accepted = (a - b for a, b in zip(after, before))
+    return {
+        "num_drafts": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted,
+        "acceptance_rate": round(num_accepted / num_draft_tokens, 3) if num_draft_tokens else None,
+        "mean_acceptance_length": round(1 + num_accepted / num_drafts, 3) if num_drafts else None,
+    }
+
+
 def _one_run(engine, prompts: list[list[int]], params) -> tuple[float, list[float]]:  # noqa: ANN001
     """Queue the prompts, step to the end; (first-step seconds, later step seconds)."""
     for ids in prompts:
@@ -84,13 +102,16 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
 
     _one_run(engine, prompts, params)  # warm-up
+    spec = engine.speculator
+    spec_before = spec_counts(spec)
     ttfts, decode_rates, step_ms = [], [], []
     for _ in range(args.num_iters):
         first, rest = _one_run(engine, prompts, params)
-        if len(rest) != args.output_len - 1:
+        # a verify step (speculative decoding) emits one token or more per sequence: fewer steps, not more
+        if len(rest) != args.output_len - 1 if spec is None else not 0 < len(rest) <= args.output_len - 1:
             raise RuntimeError(f"expected {args.output_len - 1} decode steps, ran {len(rest)} (preempted?)")
         ttfts.append(first)
-        decode_rates.append(args.batch_size * len(rest) / sum(rest))
+        decode_rates.append(args.batch_size * (args.output_len - 1) / sum(rest))
         step_ms.append(1000 * statistics.median(rest))
 
     # matmul weights: an untied embedding table is only looked up, not multiplied
@@ -115,6 +136,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         "weight_dtype": engine.model_runner.weight_format,
         "weight_bytes": llm.weight_bytes,
     }
+    if spec is not None:
+        result["spec_decode"] = spec_summary(spec_before, spec_counts(spec))
+        print(f"speculative decoding: {result['spec_decode']}")
     print(
         f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: TTFT {result['ttft_ms']:.1f} ms "
         f"({result['prefill_tokens_per_s']:.0f} prefill tok/s), decode {rate:.1f} tok/s "

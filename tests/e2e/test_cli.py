@@ -316,3 +316,20 @@ def test_env_reports_the_cpu_the_kernels_and_the_backends(tiny_model_dirs):
     loaded = report["loaded"]
     assert loaded["dtype"] == "bfloat16" and loaded["linear_backend"] == report["auto"]["bfloat16"]["linear"]
     assert sum(loaded["layer_classes"].values()) > 0
+
+
+def test_bench_latency_with_speculation_reports_acceptance():
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "cost_model": false}'
+    proc = run_cli(
+        "bench", "latency", "--input-len", "64", "--output-len", "48", "--num-iters", "1", "--json",
+        "--num-kv-blocks", "64", "--max-model-len", "256", "--speculative-config", spec,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    s = r["spec_decode"]
+    # random prompt tokens, but a one-token n-gram recurs in any 100 tokens: drafts were verified
+    assert s["num_drafts"] > 0 and s["num_draft_tokens"] >= s["num_drafts"]
+    assert s["acceptance_rate"] == pytest.approx(s["num_accepted_tokens"] / s["num_draft_tokens"], abs=1e-3)
+    assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_drafts"], abs=1e-3)
+    assert "speculative decoding:" in proc.stdout
