@@ -25,6 +25,7 @@ from pagedllm.distributed.launch import leave_group
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
+from pagedllm.engine.draft_model import DraftModelProposer
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -124,8 +125,16 @@ class LLMEngine:
             self.step_costs = StepCostModel(None if config.itl_target_ms == "auto" else float(config.itl_target_ms))
         # speculative decoding: drafts for decodes, verified in the same step (docs/speculative-decoding.md)
         self.speculator: Speculator | None = None
-        if config.speculative_config is not None:
-            self.speculator = Speculator(config.speculative_config, config.max_model_len)
+        self.draft_proposer: DraftModelProposer | None = None
+        spec = config.speculative_config
+        if spec is not None:
+            if spec.method == "draft_model":
+                self.draft_proposer = DraftModelProposer.build(
+                    config, spec.model, self.tokenizer.hf.get_vocab(), type(self)
+                )
+            self.speculator = Speculator(
+                spec, config.max_model_len, self.draft_proposer.propose if self.draft_proposer is not None else None
+            )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.step_costs.max_prefill_tokens if self.step_costs is not None else None,
@@ -336,6 +345,8 @@ class LLMEngine:
     # --- the loop ------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave their group; no step may run after this (one process: no-op)."""
+        if self.draft_proposer is not None:
+            self.draft_proposer.engine.shutdown()
         if self.config.tensor_parallel_size > 1 and self.dead is None:
             self.dead = DistributedError("the engine was shut down")
             self._stop_ranks(graceful=True)
@@ -411,6 +422,11 @@ class LLMEngine:
         """The scheduler's plan for this step (blocks allocated, preemptions done)."""
         # blocks published by a plan that never ran (its schedule raised) must not be hit
         self.block_manager.unpublish_unconfirmed()
+        if self.draft_proposer is not None:
+            # the draft model drafts for every decode this step may plan, in one batched run
+            decodes = [s for s in self.scheduler.running
+                       if s.status == SequenceStatus.RUNNING and len(s) - s.num_computed_tokens == 1]
+            self.speculator.prepare(decodes, len(self.scheduler.running))
         output = self.scheduler.schedule()
         self.last_step_scheduled = False
         if not output.is_empty:

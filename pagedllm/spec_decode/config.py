@@ -7,8 +7,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 # methods this engine runs; vLLM's other names are refused with a clear message
-METHODS = ("ngram",)
-_LATER_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator")
+METHODS = ("ngram", "draft_model")
+_LATER_METHODS = ("suffix", "eagle", "eagle3", "medusa", "mlp_speculator")
+# keys that only prompt lookup reads: refused with another method rather than ignored
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 
 
 def _int(name: str, value: object, low: int) -> None:
@@ -22,7 +24,11 @@ class SpeculativeConfig:
 
     Args:
         method: "ngram" (prompt lookup: the tokens that followed the latest
-            earlier occurrence of the sequence's last n tokens).
+            earlier occurrence of the sequence's last n tokens) or
+            "draft_model" (a smaller model with the same tokenizer drafts
+            greedily: ``engine/draft_model.py``).
+        model: the draft model (a path, as ``EngineConfig.model``); required
+            with "draft_model", refused with other methods.
         num_speculative_tokens: most draft tokens per step (k).
         prompt_lookup_min: shortest n-gram matched.
         prompt_lookup_max: longest n-gram matched (tried first).
@@ -40,6 +46,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 4
     # a 1- or 2-token match drafts mostly noise: on the bundled model min 3 turned a 2% loss on free
     # text into break-even and kept the gain on code (docs/speculative-decoding.md, measurements)
@@ -55,6 +62,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} is not implemented yet; supported: {METHODS}")
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; supported: {METHODS}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative method 'draft_model' needs a 'model' (the draft model's path)")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config.model is the draft model of method 'draft_model', not {self.method!r}")
         _int("num_speculative_tokens", self.num_speculative_tokens, 1)
         _int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _int("prompt_lookup_max", self.prompt_lookup_max, 1)
@@ -90,5 +101,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         if "method" not in value:
-            raise ValueError("speculative_config needs a 'method' (supported: 'ngram')")
+            raise ValueError(f"speculative_config needs a 'method' (supported: {METHODS})")
+        given = sorted(k for k in _NGRAM_KEYS if k in value)
+        if given and value["method"] != "ngram":
+            raise ValueError(f"speculative_config {given} are prompt lookup's ('ngram'), not {value['method']!r}'s")
         return cls(**value)

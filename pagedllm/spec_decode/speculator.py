@@ -18,6 +18,7 @@ weak dictionary so a finished sequence's entry goes with it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,6 +45,10 @@ class Sequence(Protocol):
     def __len__(self) -> int: ...
 
 
+# drafts for several (sequence, most drafts) at once, in order: a draft model's batched run
+BatchProposer = Callable[[list[tuple["Sequence", int]]], list[list[int]]]
+
+
 @dataclass
 class _SeqState:
     """One sequence's speculation record."""
@@ -63,9 +68,16 @@ class Speculator:
         max_model_len: no draft may take a sequence past this length.
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, batch_proposer: BatchProposer | None = None
+    ) -> None:
+        if (config.method == "draft_model") != (batch_proposer is not None):
+            raise ValueError("a batch proposer drafts for method 'draft_model', and only for it")
         self.config = config
         self.max_model_len = max_model_len
+        self.batch_proposer = batch_proposer
+        # drafts made by ``prepare`` for this step's decodes (draft_model), taken by ``propose``
+        self._prepared: weakref.WeakKeyDictionary[Sequence, list[int]] = weakref.WeakKeyDictionary()
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
         # totals for metrics (vLLM's spec_decode_num_* counters)
         self.num_drafts = 0  # verify steps run
@@ -91,22 +103,44 @@ class Speculator:
         state.eligible = eligible
         state.max_len = max_len
 
+    def _max_num_drafts(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> int:
+        """The most drafts ``seq`` may verify in a step of ``batch_size`` (0: none), before any proposal."""
+        cfg = self.config
+        state = self._state(seq)
+        if (cfg.max_batch_size is not None and batch_size > cfg.max_batch_size) or not state.eligible:
+            return 0
+        if state.backoff > 0:
+            return 0
+        limit = self.max_model_len if state.max_len is None else min(state.max_len, self.max_model_len)
+        # the verify step computes the last token and the drafts, and samples one more after them
+        return max(0, min(cfg.num_speculative_tokens, max_num_tokens, limit - len(seq) - 1))
+
+    def prepare(self, seqs: list[Sequence], batch_size: int) -> None:
+        """Before a step's schedule: draft for ``seqs`` (the decodes it may plan) in one run of the batch
+        proposer (method "draft_model"); ``propose`` then hands them out. No-op for the other methods."""
+        self._prepared.clear()
+        if self.batch_proposer is None:
+            return
+        wanted = [(seq, k) for seq in seqs if (k := self._max_num_drafts(seq, self.config.num_speculative_tokens,
+                                                                          batch_size))]
+        if wanted:
+            for (seq, _), drafts in zip(wanted, self.batch_proposer(wanted)):
+                self._prepared[seq] = drafts
+
     def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last token in a step of ``batch_size`` sequences ([]: decode plainly)."""
         cfg = self.config
         state = self._state(seq)
         self._num_step_decodes += 1
-        if (cfg.max_batch_size is not None and batch_size > cfg.max_batch_size) or not state.eligible:
-            return []
-        if state.backoff > 0:
+        k = self._max_num_drafts(seq, max_num_tokens, batch_size)
+        if state.backoff > 0 and state.eligible:
             state.backoff -= 1
-            return []
-        limit = self.max_model_len if state.max_len is None else min(state.max_len, self.max_model_len)
-        # the verify step computes the last token and the drafts, and samples one more after them
-        k = min(cfg.num_speculative_tokens, max_num_tokens, limit - len(seq) - 1)
         if k < 1:
             return []
-        drafts = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if self.batch_proposer is not None:
+            drafts = self._prepared.pop(seq, [])[:k]
+        else:
+            drafts = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if not drafts or not cfg.cost_model:
             return drafts
         alpha = state.acceptance.rate(self.acceptance.rate(PRIOR_ACCEPTANCE))

@@ -85,7 +85,11 @@ def test_config_from_vllm_keys_and_json():
     ("value", "message"),
     [
         ({"method": "suffix"}, "not implemented yet"),
-        ({"method": "draft_model"}, "not implemented yet"),
+        ({"method": "eagle"}, "not implemented yet"),
+        ({"method": "draft_model"}, "needs a 'model'"),
+        ({"method": "draft_model", "model": ""}, "needs a 'model'"),
+        ({"method": "ngram", "model": "/some/path"}, "not 'ngram'"),
+        ({"method": "draft_model", "model": "/m", "prompt_lookup_min": 2}, "prompt lookup's"),
         ({"method": "magic"}, "unknown speculative method"),
         ({"num_speculative_tokens": 3}, "needs a 'method'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
