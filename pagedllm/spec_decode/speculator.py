@@ -123,9 +123,20 @@ class Speculator:
             return
         wanted = [(seq, k) for seq in seqs if (k := self._max_num_drafts(seq, self.config.num_speculative_tokens,
                                                                           batch_size))]
+        if self.config.cost_model:
+            # a draft model's run costs even for drafts the cost model would drop: ask it first (with the
+            # most drafts each may take), keeping one sequence where a probe is due
+            probe_due = self.step_times.num_verify_steps == 0 or self._num_plain_steps >= PROBE_EVERY
+            kept = [(seq, k) for seq, k in wanted
+                    if best_num_drafts(self.step_times, self._alpha(seq), k, batch_size, 0)]
+            wanted = kept or wanted[:1] if probe_due else kept
         if wanted:
             for (seq, _), drafts in zip(wanted, self.batch_proposer(wanted)):
                 self._prepared[seq] = drafts
+
+    def _alpha(self, seq: Sequence) -> float:
+        """``seq``'s expected acceptance rate per draft: its own, pulled to the rate of all sequences."""
+        return self._state(seq).acceptance.rate(self.acceptance.rate(PRIOR_ACCEPTANCE))
 
     def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last token in a step of ``batch_size`` sequences ([]: decode plainly)."""
@@ -143,10 +154,9 @@ class Speculator:
             drafts = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if not drafts or not cfg.cost_model:
             return drafts
-        alpha = state.acceptance.rate(self.acceptance.rate(PRIOR_ACCEPTANCE))
         # every running sequence may decode in this step: the batch the step's time is predicted for
         num_decodes = max(batch_size, self._num_step_decodes)
-        k = best_num_drafts(self.step_times, alpha, len(drafts), num_decodes, self._num_step_drafts)
+        k = best_num_drafts(self.step_times, self._alpha(seq), len(drafts), num_decodes, self._num_step_drafts)
         if not k:
             # unmeasured, or judged not to pay: a verify step's cost is only known from verify steps,
             # so one sequence of a step (never a whole batch) probes while none ran for a while

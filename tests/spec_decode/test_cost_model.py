@@ -176,3 +176,32 @@ def test_a_set_max_batch_size_still_caps():
     assert spec.propose(seq, 10, 5) == []
     with pytest.raises(ValueError, match="max_batch_size"):
         SpeculativeConfig(max_batch_size=0)
+
+
+def test_a_draft_model_runs_only_for_the_sequences_the_cost_model_keeps():
+    asked: list[list[int]] = []
+
+    def draft(requests):
+        asked.append([k for _, k in requests])
+        return [[1, 2, 3, 4][:k] for _, k in requests]
+
+    seqs = [Sequence([1, 2, 3, 4] * 8, 16) for _ in range(3)]
+    for cost_model, shapes, want in [
+        (False, [], [[4, 4, 4]]),  # every decode drafts
+        (True, [], [[4]]),  # nothing measured: one sequence probes
+        # a compute-bound machine at 64 sequences: nobody drafts, the draft model does not run
+        (True, [*varied_shapes(), (1, 4)], []),
+    ]:
+        config = SpeculativeConfig(method="draft_model", model="/draft", num_speculative_tokens=4,
+                                   cost_model=cost_model)
+        spec = Speculator(config, max_model_len=1000, batch_proposer=draft)
+        feed(spec, machine(2 * MS, 1 * MS, 1 * MS, 1 * MS), shapes)
+        for seq in seqs:
+            spec.register(seq, eligible=True)
+        asked.clear()
+        spec.prepare(seqs, 64 if shapes else 3)
+        assert asked == want
+        drafts = [spec.propose(seq, 10, 64 if shapes else 3) for seq in seqs]
+        assert drafts == [[1, 2, 3, 4] if i < len(want[0]) else [] for i in range(3)] if want else [[], [], []]
+    with pytest.raises(ValueError, match="batch proposer"):
+        Speculator(SpeculativeConfig(), max_model_len=100, batch_proposer=draft)
