@@ -407,10 +407,11 @@ class EngineConfig:
                                   "torch's attention picks its kernel by shape; use 'auto' or 'cpu_paged'"),
             "linear_backend": (self.linear_backend in ("onednn", "torch"),
                                "oneDNN / MKL pick their kernels by shape; use 'auto' or 'packed'"),
-            "quantization": (self.quantization in ("int8", "int4"),
-                             "the int8/int4 kernels compute one row alone another way than rows in a batch"),
-            "gguf_activations": (self.gguf_activations == "float32",
-                                 "GGUF on float activations computes one row alone another way; use 'int8'"),
+            # int8/int4 blocks on float activations sum a row alike alone or in a batch (gguf_linear.cpp's
+            # group_direct_row); a GGUF file's own 32-weight blocks factor a lone row's scales out
+            "gguf_activations": (self.gguf_activations == "float32" and self.quantization not in ("int8", "int4", "none"),
+                                 "a GGUF file's blocks on float activations compute one row alone another way; use "
+                                 "'int8'"),
         }
 
     def _check_batch_invariant(self) -> None:

@@ -99,7 +99,7 @@ class ModelRunner:
         loaded = load_model(config, self.local_config, weights, self.backend, self.device, self.tp)
         self.model = loaded.model
         self.linear_backend = loaded.linear_backend
-        if config.batch_invariant and self.linear_backend != "packed":
+        if config.batch_invariant and self.linear_backend not in ("packed", "int8", "int4"):
             raise ValueError(f"batch_invariant=True needs the packed linear kernels; here they resolve to "
                              f"{self.linear_backend!r} (the native kernels did not build, or no packed kernel for "
                              f"{config.dtype})")

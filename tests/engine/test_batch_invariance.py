@@ -134,6 +134,25 @@ def test_a_preempted_needle_gives_the_same_bits(model: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", [{"quantization": "int8"}, {"quantization": "int4"},
+                                     {"quantization": "int8", "gguf_activations": "float32"},
+                                     {"quantization": "int4", "gguf_activations": "float32"}],
+                         ids=["int8", "int4", "int8-float-activations", "int4-float-activations"])
+def test_weight_only_int8_and_int4_give_the_needle_the_same_bits(weights: dict) -> None:
+    """Weight-only int8/int4 (the bundled file's weights rounded again at load), on 8-bit activations (the
+    blocks interleaved) and on float ones (one row alone dequantized in registers): the needle alone, in
+    16-token chunks among neighbours, and captured in 64-token chunks, bitwise."""
+    name = "weight-only " + ", ".join(f"{k}={v}" for k, v in weights.items())
+    KV_MODELS.setdefault(name, weights)
+    for seeded in (False, True):
+        want = reference(name, seeded)
+        for chunk, captured in ((16, False), (64, True)):
+            llm = make(name, chunk, captured)
+            assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want
+            assert needle_in(llm, params(seeded), [300, 40, 500], 1, seed=3) == want
+
+
 def test_the_default_engine_is_not_invariant() -> None:
     """The inverse: without the mode the harness finds a difference (a chunked prompt's attention runs the
     decode kernel, a whole prompt the prefill kernel), so the tests above can fail."""
@@ -150,7 +169,6 @@ def test_the_default_engine_is_not_invariant() -> None:
         ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
         ({"attention_backend": "sdpa"}, "attention_backend"),
         ({"linear_backend": "onednn"}, "linear_backend"),
-        ({"quantization": "int8"}, "quantization"),
         ({"gguf_activations": "float32"}, "gguf_activations"),
         ({"device": "cuda"}, "device"),
     ],
@@ -186,7 +204,10 @@ def test_auto_turns_the_mode_on_where_it_can_and_off_where_it_cannot() -> None:
     assert EngineConfig(model=bundled_model_path(), tensor_parallel_size=2).batch_invariant is True
     assert EngineConfig(model=bundled_model_path(), tensor_parallel_size=3, all_reduce_backend="shm",
                         max_num_batched_tokens=256).batch_invariant is True
-    for kwargs in ({"attention_backend": "sdpa"}, {"linear_backend": "onednn"}, {"quantization": "int8"},
+    # weight-only int8/int4 (either activations) sum a row alike alone or in a batch: on
+    for kwargs in ({"quantization": "int8"}, {"quantization": "int4", "gguf_activations": "float32"}):
+        assert EngineConfig(model=bundled_model_path(), **kwargs).batch_invariant is True, kwargs
+    for kwargs in ({"attention_backend": "sdpa"}, {"linear_backend": "onednn"},
                    {"gguf_activations": "float32"}, {"dtype": "float16"}, {"tensor_parallel_size": 3}):
         assert EngineConfig(model=bundled_model_path(), **kwargs).batch_invariant is False, kwargs
 
