@@ -271,11 +271,13 @@ class LLMEngine:
         for seq in req.seqs:
             seq.reserve_len = reserve
         if self.speculator is not None:
-            # drafts are verified against plain sampling: a request whose rows the runner also processes
-            # (penalties, bans, a grammar) or that samples several sequences decodes plainly
-            req.speculates = params.num_samples == 1 and rules is None and grammar is None
+            # every sample (n, best_of) speculates on its own; the runner applies the logits processors at
+            # each verify position with the drafts before it counted, so penalties and bans stay lossless.
+            # A grammar still decodes plainly (docs/speculative-decoding.md)
+            req.speculates = grammar is None
             max_len = len(ids) + params.max_tokens if params.max_tokens is not None else None
-            self.speculator.register(req.seqs[0], req.speculates, max_len)
+            for seq in req.seqs:
+                self.speculator.register(seq, req.speculates, max_len)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])  # the others are forked from it at admission
 
