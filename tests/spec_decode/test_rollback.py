@@ -232,7 +232,13 @@ def test_the_runner_state_drops_rejected_drafts():
 def test_verify_rows_see_the_drafts_before_them_as_output():
     """Row j of a verify step counts drafts 0..j-1 in its output (penalties, bad words, min_tokens read it),
     as plain decoding's output was when it sampled that position; the prompt stays the prompt."""
-    from pagedllm.step_record import LogitsRules, NewSequence, SamplingSpec, ScheduledStep, StepRecord
+    from pagedllm.step_record import (
+        LogitsRules,
+        NewSequence,
+        SamplingSpec,
+        ScheduledStep,
+        StepRecord,
+    )
 
     rules = LogitsRules(frequency_penalty=0.5, repetition_penalty=1.1)
     spec = SamplingSpec(0.0, 0, 1.0, 0.0, None, rules)
