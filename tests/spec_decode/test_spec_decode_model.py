@@ -207,3 +207,57 @@ def test_preemption_under_a_tight_pool_keeps_speculation_lossless():
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert runs[1] == runs[0]
     assert engine.speculator.num_accepted_tokens > 0
+
+
+PERSON = '{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": "the first program"}'
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "field": {"type": "string"},
+                   "known_for": {"type": "string"}},
+    "required": ["name", "born", "field", "known_for"],
+}
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_structured_output_with_ngram_equals_plain(plain, spec, kind):
+    """A constrained request speculates: drafts the grammar rejects are cut before verify, each verify row is
+    masked as plain decoding's row at that position was; tokens and logprobs equal plain decoding's."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    constraint = (StructuredOutputsParams(json=PERSON_SCHEMA) if kind == "json"
+                  else StructuredOutputsParams(regex=r'\{"name": "[A-Za-z ]+", "born": [0-9]+, .{0,80}\}'))
+    messages = [{"role": "user", "content": "Repeat this JSON exactly:\n" + PERSON + "\n" + PERSON}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2, structured_outputs=constraint)
+    want = chat(plain, params, messages).outputs[0]
+    out = chat(spec, params, messages)
+    got = out.outputs[0]
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    for w_pos, g_pos in zip(want.logprobs, got.logprobs):
+        assert set(g_pos) == set(w_pos)
+        for t in w_pos:
+            assert g_pos[t].logprob == pytest.approx(w_pos[t].logprob, abs=0.1)
+    assert out.metrics["spec_decode_num_accepted_tokens"] > 0, "no draft accepted: the test would pass vacuously"
+
+
+def test_grammar_cuts_drafts_at_the_first_rejected_token_and_rolls_back(spec):
+    """``valid_drafts`` keeps the drafts the grammar allows, up to the first it rejects; the matcher is left
+    where it was (rolled back), and ``verify_bitmasks`` gives one mask per kept draft plus one."""
+    from types import SimpleNamespace
+
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    engine = spec.llm_engine
+    grammar = engine.compile_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(regex="ab+c")))
+    tok = engine.tokenizer
+    a, b, c, x = (tok.encode(s, add_special_tokens=False)[0] for s in ("a", "b", "c", "x"))
+    seq = SimpleNamespace(seq_id=1, token_ids=[7, a], num_prompt_tokens=1, num_output_tokens=1)
+    assert grammar.valid_drafts(seq, [b, b, x, b]) == [b, b]
+    assert grammar.valid_drafts(seq, [x]) == []
+    assert grammar._accepted[1] == 1  # the walks rolled the matcher back to the output
+    seq.token_ids += [b, b]
+    seq.num_output_tokens = 3
+    masks = grammar.verify_bitmasks(seq, 2)
+    assert len(masks) == 3 and all(masks)
+    seq.token_ids[-1] = x  # a draft the grammar rejects was never to be verified
+    with pytest.raises(ValueError, match="rejects draft 1"):
+        grammar.verify_bitmasks(seq, 2)
