@@ -88,7 +88,7 @@ def test_streamed_greedy_text_with_ngram_equals_plain_server(plain_server, spec_
     assert metrics(plain_server).get("pagedllm:spec_decode_num_draft_tokens_total", 0.0) == 0
 
 
-def test_streamed_n2_with_logprobs_equals_plain_server(plain_server, spec_server):
+def test_streamed_n2_equals_plain_server(plain_server, spec_server):
     """Two greedy choices, streamed: each choice's text is plain decoding's, and the choices speculated."""
     want = _stream_chat(plain_server, n=2)
     before = metrics(spec_server)["pagedllm:spec_decode_num_accepted_tokens_total"]
