@@ -66,6 +66,28 @@ def _release_ranks(workers: TensorParallelWorkers, tp: TensorParallelGroup, heal
     leave_group()
 
 
+class _GrammarCutDrafts:
+    """The speculator's drafts for a decode, cut before the first token the request's grammar rejects.
+
+    Sits between the scheduler and the ``Speculator`` (the scheduler's
+    ``DraftSource``), so a cut happens before the drafts take slots: a
+    structured-output sequence verifies only drafts its grammar allows, each
+    row under the mask of its position (``RequestGrammar.verify_bitmasks``).
+    """
+
+    def __init__(self, speculator: Speculator, requests: dict[str, Request]) -> None:
+        self.speculator = speculator
+        self.requests = requests
+
+    def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
+        """``Speculator.propose``'s drafts, cut to what a constrained request's grammar allows."""
+        drafts = self.speculator.propose(seq, max_num_tokens, batch_size)
+        req = self.requests.get(seq.request_id)
+        if drafts and req is not None and req.grammar is not None:
+            drafts = req.grammar.valid_drafts(seq, drafts)
+        return drafts
+
+
 class ContextLengthError(ValueError):
     """The prompt, or the prompt plus max_tokens, does not fit in max_model_len."""
 
@@ -135,10 +157,11 @@ class LLMEngine:
             self.speculator = Speculator(
                 spec, config.max_model_len, self.draft_proposer.propose if self.draft_proposer is not None else None
             )
+        self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.step_costs.max_prefill_tokens if self.step_costs is not None else None,
-            self.speculator,
+            _GrammarCutDrafts(self.speculator, self.requests) if self.speculator is not None else None,
         )
         # what the runner holds of each sequence: each step's record sends only what changed
         self.step_records = StepRecordBuilder()
@@ -148,7 +171,6 @@ class LLMEngine:
             self.tokenizer, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
             config.grammar_limits,
         )
-        self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
@@ -280,11 +302,14 @@ class LLMEngine:
         for seq in req.seqs:
             seq.reserve_len = reserve
         if self.speculator is not None:
-            # drafts are verified against plain sampling: a request whose rows the runner also processes
-            # (penalties, bans, a grammar) or that samples several sequences decodes plainly
-            req.speculates = params.num_samples == 1 and rules is None and grammar is None
+            # every sample (n, best_of) speculates on its own; the runner applies the logits processors at
+            # each verify position with the drafts before it counted, and a grammar's mask of that position
+            # (drafts it rejects are cut before verify), so all stay lossless (docs/speculative-decoding.md).
+            # Beam search never registers: its beams decode plainly
+            req.speculates = True
             max_len = len(ids) + params.max_tokens if params.max_tokens is not None else None
-            self.speculator.register(req.seqs[0], req.speculates, max_len)
+            for seq in req.seqs:
+                self.speculator.register(seq, req.speculates, max_len)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])  # the others are forked from it at admission
 
@@ -480,7 +505,11 @@ class LLMEngine:
             if result.prompt_logprobs is not None:
                 self._add_prompt_logprobs(req, result)
             if s.num_draft_tokens:
-                self._apply_verify_step(req, s, result)
+                try:
+                    self._apply_verify_step(req, s, result)
+                except GrammarRejectedError as e:  # this request's alone
+                    failed[req.request_id] = e
+                    continue
                 touched[req.request_id] = req
                 continue
             for seq, sample in zip((s.seq, *s.forks), result.samples):
@@ -521,7 +550,7 @@ class LLMEngine:
         drafts = seq.discard_draft_tokens()
         num_accepted = len(result.samples) - 1
         for sample in result.samples:
-            self.output_processor.append_sample(req, seq, sample)
+            self._append_sample(req, seq, sample)  # the grammar's matcher takes each token too
             self.num_generated_tokens += 1
             if seq.is_finished:
                 break  # blocks already freed; later tokens are past a stop
@@ -576,7 +605,9 @@ class LLMEngine:
         if all(r.grammar is None for r in reqs):
             return None
         return [
-            tuple(r.grammar.bitmask(q) for q in (s.seq, *s.forks)) if r.grammar is not None and s.samples else ()
+            () if r.grammar is None or not s.samples
+            else r.grammar.verify_bitmasks(s.seq, s.num_draft_tokens) if s.num_draft_tokens
+            else tuple(r.grammar.bitmask(q) for q in (s.seq, *s.forks))
             for s, r in zip(output.scheduled, reqs)
         ]
 

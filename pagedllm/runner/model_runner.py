@@ -377,7 +377,8 @@ class ModelRunner:
         """
         k = step.num_draft_tokens
         try:
-            emitted = verify_drafts(logits, list(step.token_ids[-k:]), step.sampling, step.uniforms)
+            emitted = verify_drafts(self._verify_sample_from(logits, step), list(step.token_ids[-k:]),
+                                    step.sampling, step.uniforms)
             tokens = torch.tensor(emitted, dtype=torch.int64)
             rows = logits[: len(emitted)]
             # the logsumexp of logit_stats, as a plain sample's logprob has (torch's differs in the last bits)
@@ -387,6 +388,28 @@ class ModelRunner:
         except Exception as e:  # this sequence's alone
             logger.exception("sequence %s failed while verifying drafts", step.request_id)
             result.error = e
+
+    @staticmethod
+    def _verify_sample_from(logits: torch.Tensor, step: SequenceStep) -> torch.Tensor:
+        """What a verify step's rows sample from: each row's structured-output mask applied to ``logits`` in
+        place (logprobs see it too, as a plain sample's), then the request's logits processors on a copy.
+
+        Row j's mask is the grammar's after drafts 0..j-1 and its processors count those drafts
+        (``SequenceStep.output_token_ids``), so every row is the one plain decoding would have sampled.
+        """
+        if step.token_bitmasks:
+            apply_token_bitmasks(logits, list(step.token_bitmasks))
+        rules = step.sampling.rules
+        if rules is None:
+            return logits
+        num_rows = logits.shape[0]
+        prompts = [step.prompt_token_ids] * num_rows
+        outputs = list(step.output_token_ids) if step.output_token_ids else [()] * num_rows
+        processed = apply_logits_rules(logits, [rules] * num_rows, prompts, outputs)
+        sample_from = logits if processed is None else processed[0]
+        if bool(torch.isneginf(sample_from.max(dim=-1).values).any()):
+            raise ValueError("the structured output constraint and the logits processors leave no token to sample")
+        return sample_from
 
     def _sample_step(self, logits: torch.Tensor, steps: list[SequenceStep], results: list[StepResult]) -> None:
         """Sample every sequence that reached its last token this step into ``results``.

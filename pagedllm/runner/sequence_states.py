@@ -81,6 +81,9 @@ class SequenceStates:
 
         A sequence's forks ride only on the step that completes its prompt,
         right after they were forked from it, so their outputs are its own.
+        A verify step's row j (it judges draft j) has the output up to its
+        last real token plus drafts 0..j-1, as plain decoding would have had
+        when it sampled that position (the penalties count the drafts before it).
         """
         rules = state.sampling.rules
         if rules is None or not s.uniforms:
@@ -88,5 +91,10 @@ class SequenceStates:
         prompt = tuple(state.token_ids[: state.num_prompt_tokens]) if rules.needs_prompt else ()
         if not rules.needs_output:
             return prompt, ()
+        if s.num_draft_tokens:
+            end = s.num_computed_tokens + s.num_new_tokens  # the drafts are the tokens before it
+            first = end - s.num_draft_tokens
+            return prompt, tuple(tuple(state.token_ids[state.num_prompt_tokens : first + j])
+                                 for j in range(s.num_draft_tokens + 1))
         output = tuple(state.token_ids[state.num_prompt_tokens :])
         return prompt, (output,) * len(s.uniforms)

@@ -232,17 +232,19 @@ class RequestGrammar:
         # one row, reused: fill_next_token_bitmask writes into it
         self._row = np.empty((1, xgrammar().get_bitmask_shape(1, vocab_size)[1]), dtype=np.int32)  # [1, ceil(vocab / 32)]
 
-    def _synced(self, seq: GrammarSequence) -> xgr.GrammarMatcher:
-        """The sequence's matcher, having accepted exactly its output tokens."""
+    def _synced(self, seq: GrammarSequence, num_output: int | None = None) -> xgr.GrammarMatcher:
+        """The sequence's matcher, having accepted exactly its first ``num_output`` output tokens (default: all;
+        fewer leave out the drafts a sequence holds for a verify step)."""
         matcher = self._matchers.get(seq.seq_id)
         if matcher is None:
             matcher = self._matchers[seq.seq_id] = xgrammar().GrammarMatcher(self.compiled)
             self._accepted[seq.seq_id] = 0
-        accepted, num_output = self._accepted[seq.seq_id], seq.num_output_tokens
+        accepted = self._accepted[seq.seq_id]
+        num_output = seq.num_output_tokens if num_output is None else num_output
         if accepted > num_output:
             matcher.rollback(accepted - num_output)
             accepted = num_output
-        for token in seq.token_ids[seq.num_prompt_tokens + accepted :]:
+        for token in seq.token_ids[seq.num_prompt_tokens + accepted : seq.num_prompt_tokens + num_output]:
             if not matcher.accept_token(token):
                 raise GrammarRejectedError(f"the output's token {token} does not follow the structured output grammar")
             accepted += 1
@@ -258,6 +260,44 @@ class RequestGrammar:
         if not matcher.fill_next_token_bitmask(self._row, 0):
             return b""
         return self._row.tobytes()
+
+    def _walk_drafts(self, seq: GrammarSequence, num_output: int, drafts: list[int]) -> list[bytes]:
+        """The masks plain decoding would apply at each draft position: mask j is the grammar's after drafts
+        0..j-1. Stops at the first draft the grammar rejects (or after its stop token), so ``len(masks) - 1``
+        drafts are valid and the last mask is that of the token after them. The matcher is rolled back."""
+        matcher = self._synced(seq, num_output)
+        masks: list[bytes] = []
+        walked = 0
+        for draft in drafts:
+            if matcher.is_terminated():
+                break  # a draft after the grammar's stop token: the output ends at that token anyway
+            masks.append(self._next_mask(matcher))
+            if not matcher.accept_token(draft):
+                break
+            walked += 1
+        if len(masks) == walked:
+            # the row after the last valid draft; after the stop token it is never appended (b"": any)
+            masks.append(b"" if matcher.is_terminated() else self._next_mask(matcher))
+        if walked:
+            matcher.rollback(walked)
+        return masks
+
+    def _next_mask(self, matcher: xgr.GrammarMatcher) -> bytes:
+        """The packed mask of ``matcher``'s next token; b"" when every token is allowed."""
+        return self._row.tobytes() if matcher.fill_next_token_bitmask(self._row, 0) else b""
+
+    def valid_drafts(self, seq: GrammarSequence, drafts: list[int]) -> list[int]:
+        """``drafts`` (proposed after ``seq``'s tokens, not yet appended) cut before the first the grammar rejects."""
+        return drafts[: len(self._walk_drafts(seq, seq.num_output_tokens, drafts)) - 1]
+
+    def verify_bitmasks(self, seq: GrammarSequence, num_drafts: int) -> tuple[bytes, ...]:
+        """The ``num_drafts + 1`` masks of a verify step of ``seq``, whose last ``num_drafts`` tokens are drafts
+        the grammar allows (``valid_drafts`` cut them): row j's is the grammar's after drafts 0..j-1."""
+        drafts = list(seq.token_ids[len(seq.token_ids) - num_drafts :])
+        masks = self._walk_drafts(seq, seq.num_output_tokens - num_drafts, drafts)
+        if len(masks) != num_drafts + 1:
+            raise ValueError(f"sequence {seq.seq_id}: the grammar rejects draft {len(masks) - 1} of {num_drafts}")
+        return tuple(masks)
 
     def accept(self, seq: GrammarSequence, token_id: int) -> bool:
         """Advance the sequence's matcher by its new ``token_id``, sampled after its current tokens.

@@ -104,3 +104,51 @@ def test_a_certain_draft_is_always_accepted_and_an_impossible_one_never():
         u = (rng.random(), rng.random())
         assert verify_drafts(logits, [2], spec, u)[0] == 2
         assert verify_drafts(logits, [4], spec, u) == [2]
+
+
+def _verify(logits: torch.Tensor, drafts: list[int], spec: SamplingSpec, outputs: tuple, masks: tuple = ()) -> list[int]:
+    """The runner's verify of one sequence (``ModelRunner._verify_step``) over synthetic logits."""
+    from pagedllm.runner.model_runner import ModelRunner, StepResult
+    from pagedllm.step_record import SequenceStep
+
+    step = SequenceStep("r", 5, (9, *drafts), (0,), spec, (0.0,) * (len(drafts) + 1),
+                        output_token_ids=outputs, token_bitmasks=masks, num_draft_tokens=len(drafts))
+    result = StepResult()
+    ModelRunner._verify_step(object.__new__(ModelRunner), logits.clone(), step, result)
+    assert result.error is None, result.error
+    return [s.token_id for s in result.samples]
+
+
+def test_verify_applies_penalties_per_row_with_the_drafts_before_it():
+    """Drafts 3, 3. Row 0 prefers 3 (1.0 over 0.5): no 3 in the output yet, accepted. Row 1 prefers 3 by 0.7,
+    but with draft 0 counted a frequency penalty of 1.0 makes 5 win: plain decoding emits 3, 5. Counting
+    both drafts in row 0 would reject at once; skipping the penalty would accept both."""
+    from pagedllm.step_record import LogitsRules
+
+    logits = torch.full((3, 12), -5.0)
+    logits[0, 3], logits[0, 5] = 1.0, 0.5
+    logits[1, 3], logits[1, 5] = 1.2, 0.5
+    logits[2, 3], logits[2, 6] = 1.0, 0.9
+    spec = SamplingSpec(0.0, 0, 1.0, 0.0, None, LogitsRules(frequency_penalty=1.0))
+    assert _verify(logits, [3, 3], spec, ((9,), (9, 3), (9, 3, 3))) == [3, 5]
+    assert _verify(logits, [3, 3], SamplingSpec(0.0, 0, 1.0, 0.0, None), ()) == [3, 3, 3]
+
+
+def test_verify_applies_each_rows_grammar_mask():
+    """Row j's structured-output mask forbids what plain decoding's grammar would: draft 1 (token 4) is
+    masked out of row 1, so the step emits draft 0 and row 1's best allowed token."""
+    import numpy as np
+
+    logits = torch.full((3, 40), -5.0)
+    logits[0, 2] = logits[1, 4] = logits[2, 7] = 1.0
+    logits[1, 33] = 0.5
+
+    def mask(*allowed: int) -> bytes:
+        words = np.zeros(2, dtype=np.int32)
+        for t in allowed:
+            words[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        return words.tobytes()
+
+    greedy = SamplingSpec(0.0, 0, 1.0, 0.0, 1)
+    assert _verify(logits, [2, 4], greedy, (), (b"", mask(33, 5), b"")) == [2, 33]
+    assert _verify(logits, [2, 4], greedy, (), (b"", b"", b"")) == [2, 4, 7]

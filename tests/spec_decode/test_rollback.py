@@ -227,3 +227,26 @@ def test_the_runner_state_drops_rejected_drafts():
     state = states.states[seq.seq_id]
     assert state.token_ids == [1, 2, 3, 4, 5, 6, 7, 901, 20]
     assert state.block_table == seq.block_table == [0, 1, 2]
+
+
+def test_verify_rows_see_the_drafts_before_them_as_output():
+    """Row j of a verify step counts drafts 0..j-1 in its output (penalties, bad words, min_tokens read it),
+    as plain decoding's output was when it sampled that position; the prompt stays the prompt."""
+    from pagedllm.step_record import (
+        LogitsRules,
+        NewSequence,
+        SamplingSpec,
+        ScheduledStep,
+        StepRecord,
+    )
+
+    rules = LogitsRules(frequency_penalty=0.5, repetition_penalty=1.1)
+    spec = SamplingSpec(0.0, 0, 1.0, 0.0, None, rules)
+    states = SequenceStates()
+    # prompt 10 11 12, outputs 20 21 (21 not computed yet), drafts 30 31 32
+    new = NewSequence(7, "r", (10, 11, 12, 20, 21, 30, 31, 32), 3, (0, 1), spec)
+    step = ScheduledStep(7, 4, 4, uniforms=(0.0,) * 4, num_draft_tokens=3)
+    (full,) = states.apply(StepRecord((step,), new_sequences=(new,)))
+    assert full.token_ids == (21, 30, 31, 32)
+    assert full.prompt_token_ids == (10, 11, 12)
+    assert full.output_token_ids == ((20, 21), (20, 21, 30), (20, 21, 30, 31), (20, 21, 30, 31, 32))

@@ -90,11 +90,47 @@ def test_seeded_sampling_with_ngram_is_reproducible(spec):
     assert other.outputs[0].token_ids != first.outputs[0].token_ids
 
 
-def test_requests_with_logits_processors_decode_plainly(plain, spec):
-    params = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2)
+@pytest.mark.parametrize(
+    "penalties",
+    # strong enough to change plain greedy's output on this prompt (frequency/presence 1.0 from token 47,
+    # measured), else a verify step that skipped them would pass too
+    [dict(frequency_penalty=1.0), dict(presence_penalty=1.0, repetition_penalty=1.05),
+     dict(repetition_penalty=1.05, frequency_penalty=0.2, logit_bias={28: -2.0}, bad_words=["Fib"])],
+)
+def test_greedy_with_logits_processors_and_ngram_equals_plain(plain, spec, penalties):
+    """The runner applies the processors at each verify position with the drafts before it counted as output:
+    the tokens and the (raw) logprobs are plain decoding's, and drafts were accepted."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2, **penalties)
+    want = chat(plain, params).outputs[0]
     out = chat(spec, params)
-    assert "spec_decode_num_draft_tokens" not in out.metrics
-    assert out.outputs[0].token_ids == chat(plain, params).outputs[0].token_ids
+    got = out.outputs[0]
+    assert got.token_ids == want.token_ids
+    for w_pos, g_pos in zip(want.logprobs, got.logprobs):
+        assert set(g_pos) == set(w_pos)
+        for t in w_pos:
+            assert g_pos[t].logprob == pytest.approx(w_pos[t].logprob, abs=0.1)
+    assert out.metrics["spec_decode_num_accepted_tokens"] > 0, "no draft accepted: the test would pass vacuously"
+
+
+def test_n_and_best_of_speculate_per_sample(plain, spec):
+    """n > 1: each sample drafts on its own; greedy samples are plain decoding's, and best_of picks as plainly."""
+    single = chat(spec, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    params = SamplingParams(n=2, best_of=3, temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
+    want = chat(plain, params)
+    got = chat(spec, params)
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert all(c.token_ids == single.outputs[0].token_ids for c in got.outputs)
+    assert [c.cumulative_logprob for c in got.outputs] == pytest.approx([c.cumulative_logprob for c in want.outputs], abs=0.5)
+    # three samples, each drafting: more accepted than the single sequence's
+    assert got.metrics["spec_decode_num_accepted_tokens"] > single.metrics["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_seeded_n_samples_speculate_and_are_reproducible(spec):
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=7, max_tokens=30, frequency_penalty=0.1)
+    first, second = chat(spec, params), chat(spec, params)
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1, "the samples should differ"
+    assert first.metrics["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_a_stop_inside_accepted_drafts_ends_the_output_there(plain, spec):
@@ -211,3 +247,57 @@ def test_captured_verify_steps_are_bitwise_plain_captured_decoding():
     ]
     assert runs[1].metrics["spec_decode_num_accepted_tokens"] > 0
     assert captures[1].num_verify_steps > 0 and captures[0].num_verify_steps == 0
+
+
+PERSON = '{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": "the first program"}'
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "field": {"type": "string"},
+                   "known_for": {"type": "string"}},
+    "required": ["name", "born", "field", "known_for"],
+}
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_structured_output_with_ngram_equals_plain(plain, spec, kind):
+    """A constrained request speculates: drafts the grammar rejects are cut before verify, each verify row is
+    masked as plain decoding's row at that position was; tokens and logprobs equal plain decoding's."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    constraint = (StructuredOutputsParams(json=PERSON_SCHEMA) if kind == "json"
+                  else StructuredOutputsParams(regex=r'\{"name": "[A-Za-z ]+", "born": [0-9]+, .{0,80}\}'))
+    messages = [{"role": "user", "content": "Repeat this JSON exactly:\n" + PERSON + "\n" + PERSON}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2, structured_outputs=constraint)
+    want = chat(plain, params, messages).outputs[0]
+    out = chat(spec, params, messages)
+    got = out.outputs[0]
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    for w_pos, g_pos in zip(want.logprobs, got.logprobs):
+        assert set(g_pos) == set(w_pos)
+        for t in w_pos:
+            assert g_pos[t].logprob == pytest.approx(w_pos[t].logprob, abs=0.1)
+    assert out.metrics["spec_decode_num_accepted_tokens"] > 0, "no draft accepted: the test would pass vacuously"
+
+
+def test_grammar_cuts_drafts_at_the_first_rejected_token_and_rolls_back(spec):
+    """``valid_drafts`` keeps the drafts the grammar allows, up to the first it rejects; the matcher is left
+    where it was (rolled back), and ``verify_bitmasks`` gives one mask per kept draft plus one."""
+    from types import SimpleNamespace
+
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    engine = spec.llm_engine
+    grammar = engine.compile_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(regex="ab+c")))
+    tok = engine.tokenizer
+    a, b, c, x = (tok.encode(s, add_special_tokens=False)[0] for s in ("a", "b", "c", "x"))
+    seq = SimpleNamespace(seq_id=1, token_ids=[7, a], num_prompt_tokens=1, num_output_tokens=1)
+    assert grammar.valid_drafts(seq, [b, b, x, b]) == [b, b]
+    assert grammar.valid_drafts(seq, [x]) == []
+    assert grammar._accepted[1] == 1  # the walks rolled the matcher back to the output
+    seq.token_ids += [b, b]
+    seq.num_output_tokens = 3
+    masks = grammar.verify_bitmasks(seq, 2)
+    assert len(masks) == 3 and all(masks)
+    seq.token_ids[-1] = x  # a draft the grammar rejects was never to be verified
+    with pytest.raises(ValueError, match="rejects draft 1"):
+        grammar.verify_bitmasks(seq, 2)
