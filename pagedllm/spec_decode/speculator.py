@@ -6,7 +6,7 @@ each verify step back with ``observe``. The rules (docs/speculative-decoding.md)
     batch > max_batch_size        -> no drafts (plain decodes)
     sequence not eligible         -> no drafts (the engine says which are: see ``eligible``)
     backing off                   -> no drafts, one step of the back-off used up
-    no n-gram recurs              -> no drafts: a plain decode step
+    the proposer finds nothing    -> no drafts: a plain decode step (ngram: no n-gram recurs)
     else                          -> up to k drafts (fewer near max_tokens or max_model_len)
     `max_failures` verify steps in a row accept nothing -> back off `backoff_steps` steps
 
@@ -21,15 +21,26 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.ngram_proposer import propose_ngram
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.proposer import Proposer
+from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 
 
 class Sequence(Protocol):
     """What the policy reads of a sequence (``engine/sequence.py``'s; this package sits below the engine)."""
 
     token_ids: list[int]
+    num_prompt_tokens: int
 
     def __len__(self) -> int: ...
+
+
+def _make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The draft method ``config`` names, behind the proposer interface."""
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 @dataclass
@@ -53,6 +64,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.proposer = _make_proposer(config)
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
         # totals for metrics (vLLM's spec_decode_num_* counters)
         self.num_drafts = 0  # verify steps run
@@ -85,7 +97,11 @@ class Speculator:
         k = min(cfg.num_speculative_tokens, max_num_tokens, limit - len(seq) - 1)
         if k < 1:
             return []
-        return propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return self.proposer.propose(seq, k)
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted: the proposer forgets it (and suffix decoding learns its output)."""
+        self.proposer.finish(seq)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verify step of ``seq`` accepted ``num_accepted`` of ``num_proposed`` drafts."""

@@ -84,7 +84,7 @@ def test_config_from_vllm_keys_and_json():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({"method": "suffix"}, "not implemented yet"),
+        ({"method": "eagle"}, "not implemented yet"),
         ({"method": "draft_model"}, "not implemented yet"),
         ({"method": "magic"}, "unknown speculative method"),
         ({"num_speculative_tokens": 3}, "needs a 'method'"),

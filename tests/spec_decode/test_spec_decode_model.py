@@ -129,7 +129,7 @@ def test_cli_takes_speculative_config_json():
     kwargs = _engine_kwargs(args)
     cfg = make_engine_config(None, **kwargs)  # what LLM(...) builds from the CLI's arguments
     assert cfg.speculative_config.num_speculative_tokens == 3
-    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "suffix"}'])
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "draft_model"}'])
     with pytest.raises(ValueError, match="not implemented yet"):
         make_engine_config(None, **_engine_kwargs(args))
 
