@@ -23,7 +23,7 @@ import weakref
 from collections import deque
 
 from pagedllm.spec_decode.proposer import ProposerSequence
-from pagedllm.spec_decode.suffix_tree import SuffixTree, TrieNode, draft
+from pagedllm.spec_decode.suffix_tree import SuffixTree
 
 
 class SuffixProposer:
@@ -65,22 +65,23 @@ class SuffixProposer:
             tree.extend(tokens[tree.num_tokens :])
         return tree
 
-    def _draft(self, node: TrieNode, match_len: int, max_num_tokens: int) -> tuple[list[int], float]:
-        if match_len == 0:
+    def _draft(self, tree: SuffixTree, match: tuple[int, int], max_num_tokens: int) -> tuple[list[int], float]:
+        """``tree``'s draft below ``match`` (node, length), as long as the match length allows."""
+        node, length = match
+        if length == 0:
             return [], 0.0
-        budget = min(max_num_tokens, int(self.max_spec_factor * match_len))
-        return draft(node, budget, self.min_token_prob)
+        budget = min(max_num_tokens, int(self.max_spec_factor * length))
+        return tree.draft(node, budget, self.min_token_prob)
 
     def propose(self, seq: ProposerSequence, max_num_tokens: int) -> list[int]:
         """The better of the local and the global tree's drafts, at most ``max_num_tokens`` tokens."""
         # the longest match that leaves room below it for max_num_tokens tokens in the tree
         max_match = max(1, self.max_depth - max_num_tokens)
         tree = self._tree(seq)
-        node, length = tree.match_tail(max_match)
-        best = self._draft(node, length, max_num_tokens)
-        if self.global_tree is not None and self._cached:
-            node, length = self.global_tree.match(seq.token_ids[-max_match:], max_match)
-            other = self._draft(node, length, max_num_tokens)
+        best = self._draft(tree, tree.match_tail(max_match), max_num_tokens)
+        glob = self.global_tree
+        if glob is not None and self._cached:
+            other = self._draft(glob, glob.match(seq.token_ids[-max_match:], max_match), max_num_tokens)
             if other[1] > best[1]:
                 best = other
         return best[0]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pagedllm.engine.sequence import Sequence
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
-from pagedllm.spec_decode.suffix_tree import SuffixTree, TrieNode, draft
+from pagedllm.spec_decode.suffix_tree import ROOT, SuffixTree
 
 # small vocabularies: many repeats, ties and long matches
 tokens_st = st.lists(st.integers(0, 3), max_size=40)
@@ -67,12 +67,12 @@ def dump(tree: SuffixTree) -> dict[tuple[int, ...], tuple[int, int]]:
     """Every path of ``tree`` -> (count, total)."""
     paths: dict[tuple[int, ...], tuple[int, int]] = {}
 
-    def walk(node: TrieNode, path: tuple[int, ...]) -> None:
-        for token, child in node.children():
-            paths[path + (token,)] = (child.count, child.total)
+    def walk(node: int, path: tuple[int, ...]) -> None:
+        for token, child in tree.children(node):
+            paths[path + (token,)] = (tree.count(child), tree.total(child))
             walk(child, path + (token,))
 
-    walk(tree.root, ())
+    walk(ROOT, ())
     return paths
 
 
@@ -109,9 +109,12 @@ def test_remove_undoes_add(a, b, c, depth):
     tree.remove(b)
     assert dump(tree) == ref_dump([a, c], depth)
     assert tree.num_nodes == len(ref_dump([a, c], depth)) + 1
+    tree.add(b[::-1])  # into the ids that b left
+    assert dump(tree) == ref_dump([a, c, b[::-1]], depth)
+    tree.remove(b[::-1])
     tree.remove(a)
     tree.remove(c)
-    assert dump(tree) == {} and tree.num_nodes == 1 and tree.root.total == 0
+    assert dump(tree) == {} and tree.num_nodes == 1 and tree.total(ROOT) == 0
 
 
 @settings(max_examples=300, deadline=None)
@@ -124,7 +127,7 @@ def test_match_and_draft_equal_a_plain_scan(docs, context, depth, max_len, max_n
     node, length = tree.match(context, max_len)
     assert length == ref_match(docs, context, max_len, depth)
     if length:  # the proposer drafts only after a match
-        got, score = draft(node, max_num, min_prob)
+        got, score = tree.draft(node, max_num, min_prob)
         assert got == ref_draft(docs, context[len(context) - length :], max_num, min_prob, depth)
         assert (score > 0) == bool(got)
 
@@ -136,8 +139,7 @@ def test_the_kept_tail_matches_like_a_lookup(tokens, depth, max_len):
     tree.extend(tokens)
     node, length = tree.match_tail(max_len)
     assert length == ref_match([tokens], tokens, max_len, depth)
-    looked_up = tree.match(tokens, max_len)
-    assert looked_up[1] == length and looked_up[0] is node
+    assert tree.match(tokens, max_len) == (node, length)
 
 
 def test_a_worked_example():
@@ -145,9 +147,9 @@ def test_a_worked_example():
     tree = SuffixTree(3)
     tree.extend([0, 1, 0, 1, 2])
     node, length = tree.match([7, 0, 1], 5)
-    assert length == 2 and (node.count, node.total) == (2, 2)
-    assert draft(node, 5, 0.0) == ([0], 0.5)  # the tie goes to the smaller token; depth 3 stops it there
-    assert draft(node, 5, 0.6) == ([], 0.0)  # share 1/2 < 0.6
+    assert length == 2 and (tree.count(node), tree.total(node)) == (2, 2)
+    assert tree.draft(node, 5, 0.0) == ([0], 0.5)  # the tie goes to the smaller token; depth 3 stops it there
+    assert tree.draft(node, 5, 0.6) == ([], 0.0)  # share 1/2 < 0.6
 
 
 # --- the proposer ----------------------------------------------------------------------------
