@@ -10,6 +10,7 @@ class ProposerSequence(Protocol):
 
     token_ids: list[int]
     num_prompt_tokens: int
+    num_draft_tokens: int  # the last ones of token_ids are drafts (only while a step verifies them)
 
 
 class Proposer(Protocol):

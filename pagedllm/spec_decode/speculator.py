@@ -31,6 +31,7 @@ class Sequence(Protocol):
 
     token_ids: list[int]
     num_prompt_tokens: int
+    num_draft_tokens: int
 
     def __len__(self) -> int: ...
 

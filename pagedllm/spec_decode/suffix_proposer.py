@@ -89,7 +89,8 @@ class SuffixProposer:
     def finish(self, seq: ProposerSequence) -> None:
         """Drop ``seq``'s tree; its output joins the global tree, evicting the oldest beyond the bound."""
         self._trees.pop(seq, None)
-        output = seq.token_ids[seq.num_prompt_tokens :]
+        # a step that failed leaves its drafts in place (the request is aborted): they are no output
+        output = seq.token_ids[seq.num_prompt_tokens : len(seq.token_ids) - seq.num_draft_tokens]
         if self.global_tree is None or not output:
             return
         self.global_tree.add(output)

@@ -188,6 +188,11 @@ def test_the_global_tree_drafts_an_earlier_output_and_keeps_a_bounded_number():
     assert proposer.propose(Sequence([0, 20, 21], 16), 4) == [22, 23]
     assert proposer.propose(Sequence([0, 10, 11, 12], 16), 4) == []  # evicted
     assert not proposer._trees.get(seq)
+    with_drafts = finished([1], [40, 41, 42])
+    with_drafts.add_draft_tokens([43, 44])  # a failed verify step's request is aborted with its drafts
+    proposer.finish(with_drafts)
+    assert proposer.propose(Sequence([0, 41, 42], 16), 4) == []  # learnt [40, 41, 42], not the drafts
+    assert proposer.propose(Sequence([0, 40, 41], 16), 4) == [42]
 
 
 def test_the_better_scoring_tree_wins():
