@@ -302,7 +302,8 @@ class EngineConfig:
         speculative_config: speculative decoding (docs/speculative-decoding.md):
             a ``SpeculativeConfig``, or a dict / JSON text with vLLM's keys,
             e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
-            "prompt_lookup_min": 1, "prompt_lookup_max": 4}``; None: off.
+            "prompt_lookup_min": 1, "prompt_lookup_max": 4}`` or
+            ``{"method": "suffix"}``; None: off.
     """
 
     model: Path

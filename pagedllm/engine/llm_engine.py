@@ -355,6 +355,7 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._finish_speculation(req)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay); with no request left, their pages go back to the OS."""
@@ -532,6 +533,7 @@ class LLMEngine:
         for req in touched.values():
             if req.is_finished:
                 del self.requests[req.request_id]
+                self._finish_speculation(req)
                 outputs.append(self.output_processor.make_output(req))
             elif req.beam is None and req.params.num_samples == req.params.n:
                 # with best_of > n the winners are known only at the end
@@ -560,6 +562,13 @@ class LLMEngine:
         req.num_accepted_tokens += num_accepted
         if self.speculator is not None:
             self.speculator.observe(seq, len(drafts), num_accepted)
+
+    def _finish_speculation(self, req: Request) -> None:
+        """``req`` left: the speculator forgets its sequences (suffix decoding learns their outputs; beams'
+        hypotheses are not outputs)."""
+        if self.speculator is not None and req.beam is None:
+            for seq in req.seqs:
+                self.speculator.finish(seq)
 
     def _add_prompt_logprobs(self, req: Request, result: StepResult) -> None:
         """A prompt in chunks brings its logprobs a chunk at a time; a recomputed one
@@ -633,6 +642,7 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._finish_speculation(req)
         if req.beam is not None:
             req.beam.abort()
             req.beam_done = True

@@ -104,7 +104,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: shared memory between ranks of one machine (steps up to 256 tokens), else gloo")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (docs/speculative-decoding.md)')
+                        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' '
+                        '(docs/speculative-decoding.md)')
     _grammar_arguments(p)
 
 

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 # methods this engine runs; vLLM's other names are refused with a clear message
-METHODS = ("ngram", "draft_model")
-_LATER_METHODS = ("suffix", "eagle", "eagle3", "medusa", "mlp_speculator")
-# keys that only prompt lookup reads: refused with another method rather than ignored
-_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+METHODS = ("ngram", "suffix", "draft_model")
+_LATER_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator")
+# each method's own keys and their defaults: given with the other method they are refused (never ignored)
+# (ngram: a 1- or 2-token match drafts mostly noise: on the bundled model min 3 turned a 2% loss on free
+# text into break-even and kept the gain on code, docs/speculative-decoding.md, measurements)
+NGRAM_DEFAULTS = {"prompt_lookup_min": 3, "prompt_lookup_max": 4}
+SUFFIX_DEFAULTS: dict[str, int | float] = {
+    "suffix_decoding_max_tree_depth": 24,  # vLLM's
+    # vLLM's default is 10000; here a tree node is a Python object (~70-300 bytes, up to max_tree_depth
+    # nodes per output token), so the default keeps the global tree to tens of MB (docs/speculative-decoding.md)
+    "suffix_decoding_max_cached_requests": 64,
+    "suffix_decoding_max_spec_factor": 1.0,  # vLLM's
+    "suffix_decoding_min_token_prob": 0.1,  # vLLM's
+}
 
 
 def _int(name: str, value: object, low: int) -> None:
@@ -18,20 +29,32 @@ def _int(name: str, value: object, low: int) -> None:
         raise ValueError(f"speculative_config.{name} must be an integer >= {low}, got {value!r}")
 
 
+def _float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or not (low < value if low_open else low <= value) or value > high:  # type: ignore[operator]
+        bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != math.inf else "")
+        raise ValueError(f"speculative_config.{name} must be a number {bound}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How a decoding sequence drafts tokens that one step then verifies.
 
+    Each method's own keys default to None and are filled in for that
+    method (``NGRAM_DEFAULTS``, ``SUFFIX_DEFAULTS``); one given for the other
+    method is a ValueError.
+
     Args:
         method: "ngram" (prompt lookup: the tokens that followed the latest
-            earlier occurrence of the sequence's last n tokens) or
-            "draft_model" (a smaller model with the same tokenizer drafts
-            greedily: ``engine/draft_model.py``).
+            earlier occurrence of the sequence's last n tokens), "suffix"
+            (suffix decoding: suffix trees over the request and over earlier
+            outputs, ``suffix_proposer.py``) or "draft_model" (a smaller model
+            with the same tokenizer drafts greedily: ``engine/draft_model.py``).
         model: the draft model (a path, as ``EngineConfig.model``); required
             with "draft_model", refused with other methods.
         num_speculative_tokens: most draft tokens per step (k).
-        prompt_lookup_min: shortest n-gram matched.
-        prompt_lookup_max: longest n-gram matched (tried first).
+        prompt_lookup_min: ngram: shortest n-gram matched.
+        prompt_lookup_max: ngram: longest n-gram matched (tried first).
         max_batch_size: speculate only while at most this many sequences
             run; None (the default): the cost model decides from measured
             step times and acceptance (``cost_model.py``), which turns
@@ -43,42 +66,78 @@ class SpeculativeConfig:
         max_failures: a sequence whose proposals were rejected whole this
             many times in a row stops proposing for ``backoff_steps`` steps.
         backoff_steps: decode steps such a sequence runs without proposing.
+        suffix_decoding_max_tree_depth: suffix: deepest path of the suffix
+            trees; a match and its draft fit in it together (k must be smaller).
+        suffix_decoding_max_cached_requests: suffix: finished outputs the
+            global tree holds (oldest evicted first); 0: no global tree.
+        suffix_decoding_max_spec_factor: suffix: a match of n tokens drafts
+            at most factor * n tokens.
+        suffix_decoding_min_token_prob: suffix: a draft stops before a token
+            whose estimated probability (from the tree's counts) is lower.
     """
 
     method: str = "ngram"
     model: str | None = None
     num_speculative_tokens: int = 4
-    # a 1- or 2-token match drafts mostly noise: on the bundled model min 3 turned a 2% loss on free
-    # text into break-even and kept the gain on code (docs/speculative-decoding.md, measurements)
-    prompt_lookup_min: int = 3
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     max_batch_size: int | None = None
     cost_model: bool = True
     max_failures: int = 3
     backoff_steps: int = 16
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     def __post_init__(self) -> None:
         if self.method in _LATER_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not implemented yet; supported: {METHODS}")
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; supported: {METHODS}")
+        own = {"ngram": NGRAM_DEFAULTS, "suffix": SUFFIX_DEFAULTS}.get(self.method, {})
+        other = [name for d in (NGRAM_DEFAULTS, SUFFIX_DEFAULTS) if d is not own for name in d]
+        given = sorted(name for name in other if getattr(self, name) is not None)
+        if given:
+            raise ValueError(f"speculative_config keys {given} do not apply to method {self.method!r}")
+        for name, default in own.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)  # frozen: filled in once, here
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative method 'draft_model' needs a 'model' (the draft model's path)")
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"speculative_config.model is the draft model of method 'draft_model', not {self.method!r}")
         _int("num_speculative_tokens", self.num_speculative_tokens, 1)
-        _int("prompt_lookup_min", self.prompt_lookup_min, 1)
-        _int("prompt_lookup_max", self.prompt_lookup_max, 1)
-        if not isinstance(self.cost_model, bool):
-            raise ValueError(f"speculative_config.cost_model must be true or false, got {self.cost_model!r}")
         if self.max_batch_size is not None:
             _int("max_batch_size", self.max_batch_size, 1)
+        if not isinstance(self.cost_model, bool):
+            raise ValueError(f"speculative_config.cost_model must be true or false, got {self.cost_model!r}")
         _int("max_failures", self.max_failures, 1)
         _int("backoff_steps", self.backoff_steps, 0)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
+        if self.method == "ngram":
+            self._check_ngram()
+        elif self.method == "suffix":
+            self._check_suffix()
+
+    def _check_ngram(self) -> None:
+        _int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:  # type: ignore[operator]
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    def _check_suffix(self) -> None:
+        _int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2)
+        _int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
+        _float("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0.0, math.inf, low_open=True)
+        _float("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0.0, 1.0)
+        if self.num_speculative_tokens >= self.suffix_decoding_max_tree_depth:  # type: ignore[operator]
+            # a match of at least one token and the draft below it share the tree's depth
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens ({self.num_speculative_tokens}) must be < "
+                f"suffix_decoding_max_tree_depth ({self.suffix_decoding_max_tree_depth})"
             )
 
     @classmethod
@@ -102,7 +161,4 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         if "method" not in value:
             raise ValueError(f"speculative_config needs a 'method' (supported: {METHODS})")
-        given = sorted(k for k in _NGRAM_KEYS if k in value)
-        if given and value["method"] != "ngram":
-            raise ValueError(f"speculative_config {given} are prompt lookup's ('ngram'), not {value['method']!r}'s")
         return cls(**value)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from array import array
 
+from pagedllm.spec_decode.proposer import ProposerSequence
+
 _WIDTH = array("q").itemsize  # bytes per token id in the searched string
 
 
@@ -48,3 +50,23 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
         if start >= 0:
             return token_ids[start + n : start + n + k]
     return []
+
+
+class NgramProposer:
+    """``propose_ngram`` behind the proposer interface (``proposer.py``): no state.
+
+    Args:
+        min_n: shortest n-gram matched.
+        max_n: longest n-gram matched (tried first).
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, seq: ProposerSequence, max_num_tokens: int) -> list[int]:
+        """``propose_ngram`` over ``seq``'s prompt and output."""
+        return propose_ngram(seq.token_ids, max_num_tokens, self.min_n, self.max_n)
+
+    def finish(self, seq: ProposerSequence) -> None:
+        """Nothing to forget."""

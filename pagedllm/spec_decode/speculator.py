@@ -6,7 +6,7 @@ each verify step back with ``observe``. The rules (docs/speculative-decoding.md)
     batch > max_batch_size (if set) -> no drafts (plain decodes)
     sequence not eligible         -> no drafts (the engine says which are: see ``eligible``)
     backing off                   -> no drafts, one step of the back-off used up
-    no n-gram recurs              -> no drafts: a plain decode step
+    the proposer finds nothing    -> no drafts: a plain decode step (ngram: no n-gram recurs)
     else                          -> the cost model's number of the proposed drafts (0 to k,
                                      fewer near max_tokens or max_model_len): cost_model.py
     `max_failures` verify steps in a row accept nothing -> back off `backoff_steps` steps
@@ -29,7 +29,9 @@ from pagedllm.spec_decode.cost_model import (
     StepTimeModel,
     best_num_drafts,
 )
-from pagedllm.spec_decode.ngram_proposer import propose_ngram
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.proposer import Proposer
+from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 
 # where the cost model says drafting does not pay, one sequence still drafts after this many steps
 # without a verify step, so the fit keeps measuring what a verify costs now (a probe of one
@@ -41,8 +43,21 @@ class Sequence(Protocol):
     """What the policy reads of a sequence (``engine/sequence.py``'s; this package sits below the engine)."""
 
     token_ids: list[int]
+    num_prompt_tokens: int
+    num_draft_tokens: int
 
     def __len__(self) -> int: ...
+
+
+def _make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The draft method ``config`` names, behind the proposer interface (None: a draft model, whose batched
+    runs the engine hands in as the Speculator's ``batch_proposer``)."""
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    return None
 
 
 # drafts for several (sequence, most drafts) at once, in order: a draft model's batched run
@@ -76,6 +91,7 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.batch_proposer = batch_proposer
+        self.proposer = _make_proposer(config)
         # drafts made by ``prepare`` for this step's decodes (draft_model), taken by ``propose``
         self._prepared: weakref.WeakKeyDictionary[Sequence, list[int]] = weakref.WeakKeyDictionary()
         self._states: weakref.WeakKeyDictionary[Sequence, _SeqState] = weakref.WeakKeyDictionary()
@@ -151,7 +167,7 @@ class Speculator:
         if self.batch_proposer is not None:
             drafts = self._prepared.pop(seq, [])[:k]
         else:
-            drafts = propose_ngram(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            drafts = self.proposer.propose(seq, k)
         if not drafts or not cfg.cost_model:
             return drafts
         # every running sequence may decode in this step: the batch the step's time is predicted for
@@ -176,6 +192,11 @@ class Speculator:
         self._num_plain_steps = 0 if num_draft_tokens else self._num_plain_steps + 1
         if num_prompt_tokens == 0 and seconds is not None:
             self.step_times.observe(num_decodes, num_draft_tokens, seconds)
+
+    def finish(self, seq: Sequence) -> None:
+        """``seq`` finished or was aborted: the proposer forgets it (and suffix decoding learns its output)."""
+        if self.proposer is not None:
+            self.proposer.finish(seq)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verify step of ``seq`` accepted ``num_accepted`` of ``num_proposed`` drafts."""

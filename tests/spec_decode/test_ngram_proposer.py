@@ -84,12 +84,12 @@ def test_config_from_vllm_keys_and_json():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({"method": "suffix"}, "not implemented yet"),
         ({"method": "eagle"}, "not implemented yet"),
         ({"method": "draft_model"}, "needs a 'model'"),
         ({"method": "draft_model", "model": ""}, "needs a 'model'"),
         ({"method": "ngram", "model": "/some/path"}, "not 'ngram'"),
-        ({"method": "draft_model", "model": "/m", "prompt_lookup_min": 2}, "prompt lookup's"),
+        ({"method": "draft_model", "model": "/m", "prompt_lookup_min": 2}, "do not apply to method 'draft_model'"),
+        ({"method": "draft_model", "model": "/m", "suffix_decoding_max_tree_depth": 8}, "do not apply"),
         ({"method": "magic"}, "unknown speculative method"),
         ({"num_speculative_tokens": 3}, "needs a 'method'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -1,8 +1,10 @@
-"""Speculative decoding (ngram) end to end on the bundled model: lossless greedy, reproducible seeds.
+"""Speculative decoding (ngram, suffix) end to end on the bundled model: lossless greedy, reproducible seeds.
 
 The prompt asks the model to repeat a Python function it is given, so
 prompt lookup finds drafts and many are accepted; every test asserts that
 drafts were proposed and accepted, so none can pass with speculation idle.
+Suffix decoding also runs a request twice, so that its global tree (earlier
+outputs) drafts the second one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ REPEAT = [{"role": "user", "content": "Repeat this Python function exactly, with
 # cost_model off: every proposal is verified, so the tests exercise drafts whatever this machine's timings
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
          "cost_model": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "cost_model": False}
+STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}]
 MAX_TOKENS = 60
 
 
@@ -38,12 +42,19 @@ def spec():
     return LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, speculative_config=NGRAM)
 
 
+@pytest.fixture(scope="module")
+def suffix():
+    return LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, speculative_config=SUFFIX)
+
+
 @pytest.fixture(autouse=True)
-def pool_is_whole_after_each_test(spec):
+def pool_is_whole_after_each_test(request):
     yield
-    engine = spec.llm_engine
-    assert not engine.requests
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for name in ("spec", "suffix"):
+        if name in request.fixturenames:
+            engine = request.getfixturevalue(name).llm_engine
+            assert not engine.requests
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def chat(llm, params, messages=REPEAT):
@@ -61,6 +72,36 @@ def test_greedy_with_ngram_equals_plain_decoding(plain, spec):
     assert proposed > 0 and accepted > 0, "no draft was proposed and accepted: the test would pass vacuously"
     assert accepted <= proposed
     assert spec.llm_engine.speculator.num_accepted_tokens >= accepted
+
+
+def drafts(out) -> tuple[int, int]:
+    return out.metrics.get("spec_decode_num_draft_tokens", 0), out.metrics.get("spec_decode_num_accepted_tokens", 0)
+
+
+@pytest.mark.slow
+def test_greedy_with_suffix_equals_plain_decoding(plain, suffix):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    want = chat(plain, params).outputs[0]
+    out = chat(suffix, params)
+    assert out.outputs[0].token_ids == want.token_ids and out.outputs[0].text == want.text
+    proposed, accepted = drafts(out)
+    assert proposed > 0 and accepted > 0, "no draft was proposed and accepted: the test would pass vacuously"
+
+
+@pytest.mark.slow
+def test_suffix_drafts_a_repeated_request_from_its_earlier_output(plain, suffix):
+    """The same free-text request twice: the first output joins the global tree, which drafts the second
+    (nothing in the prompt to copy); both are plain decoding's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    want = chat(plain, params, STORY).outputs[0].token_ids
+    proposer = suffix.llm_engine.speculator.proposer
+    cached = proposer.num_cached_requests
+    first = chat(suffix, params, STORY)
+    assert proposer.num_cached_requests == cached + 1  # finish() gave the global tree its output
+    second = chat(suffix, params, STORY)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == want
+    (_, accepted_first), (proposed, accepted) = drafts(first), drafts(second)
+    assert accepted > accepted_first and accepted >= len(want) // 2, (accepted_first, proposed, accepted)
 
 
 def test_greedy_batch_with_ngram_equals_plain(plain, spec):
@@ -167,7 +208,7 @@ def test_cli_takes_speculative_config_json():
     kwargs = _engine_kwargs(args)
     cfg = make_engine_config(None, **kwargs)  # what LLM(...) builds from the CLI's arguments
     assert cfg.speculative_config.num_speculative_tokens == 3
-    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "suffix"}'])
+    args = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"method": "eagle"}'])
     with pytest.raises(ValueError, match="not implemented yet"):
         make_engine_config(None, **_engine_kwargs(args))
 
