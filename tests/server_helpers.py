@@ -95,6 +95,19 @@ def launch_server(args: list[str], log: Path) -> subprocess.Popen:
         )
 
 
+def served(args: list[str], log_dir: Path) -> Iterator[str]:
+    """``pagedllm serve ARGS`` on a free port, its log in ``log_dir``: yields its URL once healthy, stops it after
+    (the body of a module-scoped server fixture)."""
+    port = free_port()
+    proc = launch_server(["--port", str(port), *args], log_dir / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log_dir / "server.log")
+        yield url
+    finally:
+        stop_server(proc)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL if it does not exit in 30 s."""
     proc.terminate()

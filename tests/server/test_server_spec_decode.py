@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from openai import OpenAI
-from server_helpers import free_port, launch_server, metrics, stop_server, wait_healthy
+from server_helpers import metrics, served
 
 from pagedllm.loader import bundled_model_path
 
@@ -40,15 +38,7 @@ MAX_TOKENS = 80
 
 
 def _serve(tmp_path_factory: pytest.TempPathFactory, extra: list[str]) -> Iterator[str]:
-    port = free_port()
-    log: Path = tmp_path_factory.mktemp("server") / "server.log"
-    proc: subprocess.Popen = launch_server(["--port", str(port), *ENGINE, *extra], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
-        yield url
-    finally:
-        stop_server(proc)
+    yield from served([*ENGINE, *extra], tmp_path_factory.mktemp("server"))
 
 
 @pytest.fixture(scope="module")

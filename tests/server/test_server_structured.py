@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
-from server_helpers import assert_openai_error, free_port, launch_server, stop_server, wait_healthy
+from server_helpers import assert_openai_error, served
 
 from pagedllm.loader import bundled_model_path
 
@@ -45,15 +43,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log: Path = tmp_path_factory.mktemp("server") / "server.log"
-    proc: subprocess.Popen = launch_server(["--port", str(port), *ENGINE], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
-        yield url
-    finally:
-        stop_server(proc)
+    yield from served(ENGINE, tmp_path_factory.mktemp("server"))
 
 
 @pytest.fixture(scope="module")
