@@ -139,23 +139,28 @@ class ModelRunner:
         # decode steps run from an FX trace of the model's own forward (runner/captured_decode.py),
         # its kernels in one parallel region per program where the native ops are loaded
         # (runner/step_program.py)
-        self.captured_decode: CapturedDecode | None = None
+        self.captured_decode = self._make_captured_decode(config, model_config)
+
+    def _make_captured_decode(self, config: EngineConfig, model_config: ModelArchConfig) -> CapturedDecode | None:
+        """The captured decode where the backend reads a step through tensors and this process can replay the
+        step's collectives; None otherwise (every step runs the model directly)."""
         # under tensor parallelism only with the shared-memory all-reduce, a native op a graph replays; every
         # rank traces and replays the same steps, so their collectives stay in step (gloo's are not ops)
         shm = self.tp.shm if self.tp is not None else None
         capturable = self.tp is None or shm is not None
+        if config.enforce_eager or not capturable or not CapturedDecode.supports(self.backend, model_config):
+            return None
         # a verify step's tokens are rows of a captured step too: its last token and up to k drafts
         spec = config.speculative_config
         rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        if not config.enforce_eager and capturable and CapturedDecode.supports(self.backend, model_config):
-            self.captured_decode = CapturedDecode(
-                self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs * rows_per_seq, MAX_CAPTURED_ROWS),
-                self.block_size, -(-config.max_model_len // self.block_size),
-                native_programs=self.native_ops is not None,
-                shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
-                # tensor-parallel ranks all trace at the first decode step, so none waits in a collective
-                armed=config.capture_min_decode_steps == 0 or self.tp is not None,
-            )
+        return CapturedDecode(
+            self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs * rows_per_seq, MAX_CAPTURED_ROWS),
+            self.block_size, -(-config.max_model_len // self.block_size),
+            native_programs=self.native_ops is not None,
+            shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
+            # tensor-parallel ranks all trace at the first decode step, so none waits in a collective
+            armed=config.capture_min_decode_steps == 0 or self.tp is not None,
+        )
 
     def _make_batch_invariant(self) -> None:
         """Route every prompt token through the decode attention kernel (``EngineConfig.batch_invariant``);
