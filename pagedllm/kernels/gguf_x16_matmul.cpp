@@ -82,6 +82,29 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t
 template <int MR>
 static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_t *qs, const int8_t *xq, int64_t k,
                                                            vq_int *isum) {
+#if SIMD_Q_SUM16
+    /* vpmaddubsw without VNNI: a run's 8 products per lane pair add up in 16 bits and widen once; a q8 weight
+       (stored q + 128, SIMD_Q8_OFFSET) is two 4-bit digits, 16 hi + lo, each summed so and widened apart */
+    vq_int lo16[MR], hi16[MR];
+    for (int r = 0; r < MR; r++) lo16[r] = vq_zero(), hi16[r] = vq_zero();
+    for (int u = 0; u < (q8 ? 8 : 4); u++) {
+        const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
+        for (int r = 0; r < MR; r++) {
+            if (q8) {
+                const vq_int x = vq_quad(xq + r * k + 4 * u);
+                lo16[r] = vq_madd16(lo16[r], lo, x);
+                hi16[r] = vq_madd16(hi16[r], hi, x);
+            } else {
+                lo16[r] = vq_madd16(lo16[r], lo, vq_quad(xq + r * k + 8 * u));
+                lo16[r] = vq_madd16(lo16[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        isum[r] = vq_widen16(isum[r], lo16[r], 1);
+        if (q8) isum[r] = vq_widen16(isum[r], hi16[r], 16);
+    }
+#else
     if (q8) {
         for (int u = 0; u < 8; u++) {
             const vq_int w = vq_load(qs + 64 * u);
@@ -96,6 +119,7 @@ static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_
             isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
         }
     }
+#endif
 }
 
 /* y[r0 + r][the lanes' channels of tile t] = acc[r] (+ bias) */

@@ -165,8 +165,12 @@ SIMD_INLINE f32x8 f32x8_load_i8(const uint8_t *p) {
 #if SIMD_Q_LANES == 8
 /* ---- the x16 GGUF kernels' lanes (simd.h, vq_*): 8 channels, a tile in two halves ---- */
 
-/* the weights' offset the Q8 dot product needs (vq_dot_q8 takes signed weights directly here) */
-#define SIMD_Q8_OFFSET 0
+/* the weights' offset the Q8 dot product needs: the kernels read the stored q ^ 0x80 as q + 128 and split it
+   into two 4-bit digits (SIMD_Q_SUM16 below) */
+#define SIMD_Q8_OFFSET 128
+/* vpmaddubsw's 16-bit sums are kept: up to 8 of them add in 16-bit lanes before one vpmaddwd widens them
+   (8 x 2 products of a 4-bit digit and an int8: |sum| <= 16 x 15 x 127 = 30480 < 2^15) */
+#define SIMD_Q_SUM16 1
 typedef __m256i vq_int;
 typedef __m256 vq_float;
 /* 32 weight bytes: 4 for each lane */
@@ -185,12 +189,13 @@ SIMD_INLINE vq_int vq_nib_hi(vq_int v) { return _mm256_and_si256(_mm256_srli_epi
 SIMD_INLINE vq_int vq_dot_u4(vq_int acc, vq_int w, vq_int x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
-/* the same with int8 weights stored sign-flipped (q ^ 0x80): |q| times x with q's sign (vpmaddubsw takes its
-   first operand unsigned) */
-SIMD_INLINE vq_int vq_dot_q8(vq_int acc, vq_int w, vq_int x) {
-    const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)),
-                                                   _mm256_set1_epi16(1)));
+/* acc16 + the products of 4-bit digits w (0..15) and int8 x, two per 16-bit lane (no widening: vq_widen16) */
+SIMD_INLINE vq_int vq_madd16(vq_int acc16, vq_int w, vq_int x) {
+    return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x));
+}
+/* acc + m times the sums of acc16's lane pairs, as int32 lanes (one channel each) */
+SIMD_INLINE vq_int vq_widen16(vq_int acc, vq_int acc16, int16_t m) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(m)));
 }
 /* byte ops for the k-quants' upper bits (16-bit shifts: the masks drop what crosses a byte) */
 SIMD_INLINE vq_int vq_bits(vq_int v, int s, int mask) {
