@@ -15,7 +15,9 @@ if TYPE_CHECKING:  # xgrammar imports torch; the bookkeeping only holds the obje
     from pagedllm.runner.structured_output import RequestGrammar
 
 
-def spec_decode_rates(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> tuple[float | None, float | None]:
+def spec_decode_rates(
+    num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int
+) -> tuple[float | None, float | None]:
     """vLLM's speculative figures from the three counts: the acceptance rate (accepted / draft tokens; None
     without a draft token) and the mean acceptance length (1 + accepted tokens / verify steps that carried
     drafts: the tokens a verify step emits on average; None without a verify step)."""
