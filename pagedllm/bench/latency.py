@@ -23,6 +23,7 @@ import statistics
 import time
 
 from pagedllm.bench.workload import TOKEN_ID_HIGH, TOKEN_ID_LOW
+from pagedllm.engine.request import spec_decode_rates
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,12 +52,13 @@ def spec_summary(before: tuple[int, int, int], after: tuple[int, int, int]) -> d
     """vLLM's speculative figures over the timed runs: acceptance rate (accepted / drafted tokens) and mean
     acceptance length (tokens a verify step emits: 1 + its accepted drafts, on average)."""
     num_drafts, num_draft_tokens, num_accepted = (a - b for a, b in zip(after, before))
+    rate, length = spec_decode_rates(num_drafts, num_draft_tokens, num_accepted)  # a request's metrics' figures
     return {
         "num_drafts": num_drafts,
         "num_draft_tokens": num_draft_tokens,
         "num_accepted_tokens": num_accepted,
-        "acceptance_rate": round(num_accepted / num_draft_tokens, 3) if num_draft_tokens else None,
-        "mean_acceptance_length": round(1 + num_accepted / num_drafts, 3) if num_drafts else None,
+        "acceptance_rate": None if rate is None else round(rate, 3),
+        "mean_acceptance_length": None if length is None else round(length, 3),
     }
 
 

@@ -558,6 +558,7 @@ class LLMEngine:
                 break  # blocks already freed; later tokens are past a stop
         if not seq.is_finished:
             self.block_manager.rollback(seq, len(seq) - 1)
+        req.num_drafts += 1
         req.num_draft_tokens += len(drafts)
         req.num_accepted_tokens += num_accepted
         if self.speculator is not None:

@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.detokenizer import detokenize_incrementally
-from pagedllm.engine.request import Request
+from pagedllm.engine.request import Request, spec_decode_rates
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
@@ -121,11 +121,16 @@ class OutputProcessor:
 
     @staticmethod
     def _metrics(req: Request) -> dict:
-        """Times, and for a request that speculates its draft counts (vLLM's names for the totals)."""
+        """Times, and for a request that speculates its draft counts, acceptance rate and mean acceptance
+        length (vLLM's names and definitions; all samples of the request together)."""
         metrics = {"arrival_time": req.arrival_time, "finished_time": time.monotonic() if req.is_finished else None}
         if req.speculates:
+            rate, length = spec_decode_rates(req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens)
+            metrics["spec_decode_num_drafts"] = req.num_drafts
             metrics["spec_decode_num_draft_tokens"] = req.num_draft_tokens
             metrics["spec_decode_num_accepted_tokens"] = req.num_accepted_tokens
+            metrics["spec_decode_acceptance_rate"] = rate
+            metrics["spec_decode_mean_acceptance_length"] = length
         return metrics
 
     def _beam_output(self, req: Request) -> RequestOutput:

@@ -15,6 +15,22 @@ if TYPE_CHECKING:  # xgrammar imports torch; the bookkeeping only holds the obje
     from pagedllm.runner.structured_output import RequestGrammar
 
 
+def spec_decode_rates(
+    num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int
+) -> tuple[float | None, float | None]:
+    """vLLM's speculative figures from the three counts: the acceptance rate (accepted / draft tokens; None
+    without a draft token) and the mean acceptance length (1 + accepted tokens / verify steps that carried
+    drafts: the tokens a verify step emits on average; None without a verify step)."""
+    if min(num_drafts, num_draft_tokens, num_accepted_tokens) < 0 or num_accepted_tokens > num_draft_tokens:
+        raise ValueError(
+            f"bad speculative counts: {num_drafts} verify steps, {num_draft_tokens} draft tokens, "
+            f"{num_accepted_tokens} accepted"
+        )
+    rate = num_accepted_tokens / num_draft_tokens if num_draft_tokens else None
+    length = 1 + num_accepted_tokens / num_drafts if num_drafts else None
+    return rate, length
+
+
 class Request:
     """Groups the sequences sampled from one prompt (``best_of`` or ``n`` of them).
 
@@ -61,8 +77,10 @@ class Request:
         # set for beam-search requests: the beams are forked as the search goes
         self.beam: BeamSearch | None = None
         self.beam_done = False
-        # speculative decoding: whether its sequence drafts, and the drafts proposed and accepted so far
+        # speculative decoding: whether its sequence drafts, its verify steps that carried drafts (vLLM's
+        # num_drafts; all samples together), and the draft tokens proposed and accepted so far
         self.speculates = False
+        self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 from openai import OpenAI
 from server_helpers import metrics, served
+from spec_prompts import REPEAT
 
 from pagedllm.loader import bundled_model_path
 
@@ -24,16 +25,6 @@ pytestmark = pytest.mark.slow  # real servers in subprocesses: outside the fast 
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1", "--block-size", "4"]
 # cost_model off: every proposal verified, so drafts run whatever this machine's timings say
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "cost_model": False}
-CODE = '''def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    if n < 2:
-        return n
-    a, b = 0, 1
-    for _ in range(n - 1):
-        a, b = b, a + b
-    return b
-'''
-MESSAGES = [{"role": "user", "content": "Repeat this Python function exactly, with no changes:\n\n" + CODE}]
 MAX_TOKENS = 80
 
 
@@ -55,7 +46,7 @@ def _stream_chat(url: str, **extra: object) -> dict[int, tuple[str, str | None]]
     """Each choice's streamed text and finish reason for the greedy code-repeat chat, through the openai client."""
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     stream = client.chat.completions.create(
-        model=os.path.basename(bundled_model_path()), messages=MESSAGES, temperature=0,
+        model=os.path.basename(bundled_model_path()), messages=REPEAT, temperature=0,
         max_tokens=MAX_TOKENS, stream=True, **extra,
     )
     texts: dict[int, str] = {}

@@ -1,32 +1,29 @@
-"""Speculative decoding (ngram, suffix) end to end on the bundled model: lossless greedy, reproducible seeds.
+"""Speculative decoding (ngram, suffix, draft_model) end to end on the bundled model: lossless greedy,
+reproducible seeds, the request's spec_decode_* metrics.
 
-The prompt asks the model to repeat a Python function it is given, so
-prompt lookup finds drafts and many are accepted; every test asserts that
+The prompts (``tests/spec_prompts.py``) ask the model to repeat a Python
+function it is given, or to answer a question about a document by quoting it,
+so prompt lookup finds drafts and many are accepted; every test asserts that
 drafts were proposed and accepted, so none can pass with speculation idle.
 Suffix decoding also runs a request twice, so that its global tree (earlier
-outputs) drafts the second one.
+outputs) drafts the second one. draft_model runs the bundled model as its own
+draft (slow: two engines).
 """
 
 from __future__ import annotations
 
 import pytest
+from spec_prompts import CODE, DOCUMENT_QA, REPEAT
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.loader import bundled_model_path
 
-CODE = '''def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    if n < 2:
-        return n
-    a, b = 0, 1
-    for _ in range(n - 1):
-        a, b = b, a + b
-    return b
-'''
-REPEAT = [{"role": "user", "content": "Repeat this Python function exactly, with no changes:\n\n" + CODE}]
 # cost_model off: every proposal is verified, so the tests exercise drafts whatever this machine's timings
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
          "cost_model": False}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "cost_model": False}
+# the bundled model drafts for itself: same tokenizer, nearly every draft accepted
+DRAFT = {"method": "draft_model", "model": bundled_model_path(), "num_speculative_tokens": 3, "cost_model": False}
 STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}]
 MAX_TOKENS = 60
 
@@ -47,31 +44,75 @@ def suffix():
     return LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, speculative_config=SUFFIX)
 
 
+@pytest.fixture(scope="module")
+def draft():
+    return LLM(num_kv_blocks=512, max_model_len=1024, block_size=4, speculative_config=DRAFT)
+
+
+def assert_pools_whole(llm: LLM) -> None:
+    """No request left and every block free, in the target's pool and (with a draft model) the draft's."""
+    engine = llm.llm_engine
+    for e in [engine] + ([engine.draft_proposer.engine] if engine.draft_proposer is not None else []):
+        assert not e.requests
+        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+
 @pytest.fixture(autouse=True)
 def pool_is_whole_after_each_test(request):
     yield
-    for name in ("spec", "suffix"):
+    for name in ("spec", "suffix", "draft"):
         if name in request.fixturenames:
-            engine = request.getfixturevalue(name).llm_engine
-            assert not engine.requests
-            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+            assert_pools_whole(request.getfixturevalue(name))
 
 
 def chat(llm, params, messages=REPEAT):
     return llm.chat(messages, params, use_tqdm=False)[0]
 
 
-def test_greedy_with_ngram_equals_plain_decoding(plain, spec):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    want = chat(plain, params).outputs[0]
-    out = chat(spec, params)
+def assert_lossless_and_accepted(out, want) -> None:  # noqa: ANN001
+    """``out`` (a speculating run) has plain decoding's tokens, text and finish reason, and drafts were
+    proposed and accepted."""
     got = out.outputs[0]
     assert got.token_ids == want.token_ids
     assert got.text == want.text and got.finish_reason == want.finish_reason
     proposed, accepted = out.metrics["spec_decode_num_draft_tokens"], out.metrics["spec_decode_num_accepted_tokens"]
     assert proposed > 0 and accepted > 0, "no draft was proposed and accepted: the test would pass vacuously"
     assert accepted <= proposed
-    assert spec.llm_engine.speculator.num_accepted_tokens >= accepted
+
+
+def test_greedy_with_ngram_equals_plain_decoding(plain, spec):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    want = chat(plain, params).outputs[0]
+    out = chat(spec, params)
+    assert_lossless_and_accepted(out, want)
+    assert spec.llm_engine.speculator.num_accepted_tokens >= out.metrics["spec_decode_num_accepted_tokens"]
+
+
+@pytest.fixture(scope="module")
+def plain_document_qa(plain):
+    """Plain greedy decoding's answer to the document-QA prompt (computed once for every method)."""
+    return chat(plain, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), DOCUMENT_QA).outputs[0]
+
+
+@pytest.mark.parametrize("method", ["spec", "suffix", pytest.param("draft", marks=pytest.mark.slow)])
+def test_greedy_document_qa_with_each_method_equals_plain_decoding(plain_document_qa, request, method):
+    """A question about real text (the heapq module's docstring) whose answer quotes it: ngram, suffix and the
+    bundled model as its own draft all draft from the document, and greedy output is plain decoding's."""
+    llm = request.getfixturevalue(method)
+    out = chat(llm, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), DOCUMENT_QA)
+    assert_lossless_and_accepted(out, plain_document_qa)
+    assert_pools_whole(llm)
+
+
+@pytest.mark.slow
+def test_greedy_with_the_bundled_model_as_its_own_draft_equals_plain_decoding(plain, draft):
+    """draft_model with the bundled model as target and draft (one tokenizer): the code-repeat output is plain
+    decoding's, and the same weights' greedy drafts are nearly all accepted."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    want = chat(plain, params).outputs[0]
+    out = chat(draft, params)
+    assert_lossless_and_accepted(out, want)
+    assert out.metrics["spec_decode_num_accepted_tokens"] >= 0.9 * out.metrics["spec_decode_num_draft_tokens"]
 
 
 def drafts(out) -> tuple[int, int]:
@@ -82,10 +123,7 @@ def drafts(out) -> tuple[int, int]:
 def test_greedy_with_suffix_equals_plain_decoding(plain, suffix):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     want = chat(plain, params).outputs[0]
-    out = chat(suffix, params)
-    assert out.outputs[0].token_ids == want.token_ids and out.outputs[0].text == want.text
-    proposed, accepted = drafts(out)
-    assert proposed > 0 and accepted > 0, "no draft was proposed and accepted: the test would pass vacuously"
+    assert_lossless_and_accepted(chat(suffix, params), want)
 
 
 @pytest.mark.slow
@@ -181,21 +219,103 @@ def test_a_stop_inside_accepted_drafts_ends_the_output_there(plain, spec):
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
 
 
+def test_request_metrics_count_verify_steps_and_acceptance_exactly(spec):
+    """A run driven step by step: the request's verify steps, draft and accepted tokens are what the speculator
+    was told at each verify (counted here), its accepted tokens what the steps emitted beyond one token each, and
+    its rate and mean acceptance length those counts' ratios (vLLM's definitions)."""
+    engine = spec.llm_engine
+    speculator = engine.speculator
+    observed: list[tuple[int, int]] = []
+
+    def counting_observe(seq, num_proposed: int, num_accepted: int) -> None:  # noqa: ANN001
+        observed.append((num_proposed, num_accepted))
+        type(speculator).observe(speculator, seq, num_proposed, num_accepted)
+
+    speculator.observe = counting_observe
+    try:
+        engine.add_request("metrics", {"prompt_token_ids": engine.tokenizer.encode(CODE + "\n" + CODE[:40])},
+                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        emitted, last = [], None
+        while engine.has_unfinished_requests():
+            (out,) = engine.step()
+            emitted.append(len(out.outputs[0].token_ids) - sum(emitted))
+            last = out
+    finally:
+        del speculator.observe
+    num_drafts = len(observed)
+    num_draft_tokens = sum(p for p, _ in observed)
+    num_accepted = sum(a for _, a in observed)
+    assert num_drafts > 0 and num_accepted > 0, "no draft accepted: the test would pass vacuously"
+    # a step emits one token, or one plus the drafts it accepted: what it emitted beyond one was accepted
+    assert num_accepted == sum(n - 1 for n in emitted if n > 1)
+    assert sum(emitted) == 40
+    assert {k: v for k, v in last.metrics.items() if k.startswith("spec_decode_")} == {
+        "spec_decode_num_drafts": num_drafts,
+        "spec_decode_num_draft_tokens": num_draft_tokens,
+        "spec_decode_num_accepted_tokens": num_accepted,
+        "spec_decode_acceptance_rate": num_accepted / num_draft_tokens,
+        "spec_decode_mean_acceptance_length": 1 + num_accepted / num_drafts,
+    }
+
+
+def test_request_metrics_figures_from_a_requests_counts():
+    """The output processor's figures for a Request whose counts are set by hand: 4 verify steps carrying 10
+    drafts, 7 accepted -> rate 0.7, mean acceptance length 1 + 7 / 4 = 2.75; none drafted yet -> None."""
+    import random
+
+    from pagedllm.engine.output_processor import OutputProcessor
+    from pagedllm.engine.request import Request, spec_decode_rates
+
+    req = Request("r", None, [1, 2, 3], SamplingParams(max_tokens=4), 4, random.Random(0), 0)
+    assert "spec_decode_num_drafts" not in OutputProcessor._metrics(req)  # a request that does not speculate
+    req.speculates = True
+    metrics = OutputProcessor._metrics(req)
+    assert (metrics["spec_decode_acceptance_rate"], metrics["spec_decode_mean_acceptance_length"]) == (None, None)
+    req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens = 4, 10, 7
+    metrics = OutputProcessor._metrics(req)
+    assert metrics["spec_decode_num_drafts"] == 4
+    assert metrics["spec_decode_acceptance_rate"] == pytest.approx(0.7)
+    assert metrics["spec_decode_mean_acceptance_length"] == 2.75
+    assert spec_decode_rates(0, 0, 0) == (None, None)
+    for bad in ((1, 2, 3), (-1, 0, 0), (1, -2, 0)):
+        with pytest.raises(ValueError, match="bad speculative counts"):
+            spec_decode_rates(*bad)
+
+
+def test_bench_latency_summary_uses_the_same_figures():
+    """``bench latency --speculative-config``'s summary over the timed runs: the differences of the totals,
+    with the rate and mean acceptance length of a request's metrics (rounded to 3 places)."""
+    from pagedllm.bench.latency import spec_summary
+
+    assert spec_summary((1, 2, 1), (7, 21, 9)) == {
+        "num_drafts": 6, "num_draft_tokens": 19, "num_accepted_tokens": 8,
+        "acceptance_rate": 0.421, "mean_acceptance_length": 2.333,
+    }
+    assert spec_summary((3, 9, 4), (3, 9, 4))["mean_acceptance_length"] is None
+
+
 def test_server_metrics_carry_the_draft_counts(spec):
     from prometheus_client import generate_latest
 
     from pagedllm.clients.metrics import ServerMetrics, engine_stats
 
-    chat(spec, SamplingParams(temperature=0, max_tokens=20))
     engine = spec.llm_engine
+    before = engine.speculator.num_drafts, engine.speculator.num_draft_tokens, engine.speculator.num_accepted_tokens
+    out = chat(spec, SamplingParams(temperature=0, max_tokens=20))
     stats = engine_stats(engine)
     assert stats.spec_decode_num_accepted_tokens == engine.speculator.num_accepted_tokens > 0
+    # the engine's totals grew by the request's own counts (one request ran)
+    assert (stats.spec_decode_num_drafts - before[0], stats.spec_decode_num_draft_tokens - before[1],
+            stats.spec_decode_num_accepted_tokens - before[2]) == (
+        out.metrics["spec_decode_num_drafts"], out.metrics["spec_decode_num_draft_tokens"],
+        out.metrics["spec_decode_num_accepted_tokens"])
     metrics = ServerMetrics("m")
     metrics.update_from_engine(engine)
     text = generate_latest(metrics.registry).decode()
     accepted = float(engine.speculator.num_accepted_tokens)
     assert f'pagedllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}' in text
-    assert "pagedllm:spec_decode_num_draft_tokens_total" in text and "pagedllm:spec_decode_num_drafts_total" in text
+    assert f'pagedllm:spec_decode_num_drafts_total{{model_name="m"}} {float(stats.spec_decode_num_drafts)}' in text
+    assert "pagedllm:spec_decode_num_draft_tokens_total" in text
 
 
 def test_cli_takes_speculative_config_json():

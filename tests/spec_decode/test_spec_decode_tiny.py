@@ -1,4 +1,5 @@
-"""Speculative decoding (ngram) on tiny random-weight Llama, Qwen3 and Gemma 3 models: greedy is plain decoding.
+"""Speculative decoding (ngram, suffix, draft_model) on tiny random-weight Llama, Qwen3 and Gemma 3 models:
+greedy is plain decoding.
 
 The prompts repeat a token pattern. The models are conftest's tiny shapes with
 ``initializer_range`` 0.05 rather than 0.2: at 0.2 the seeded models never
@@ -6,7 +7,8 @@ continue a pattern (no draft was ever accepted on the prompts tried), at 0.05
 they fall into short loops that prompt lookup drafts from. Each test asserts
 that drafts were proposed and accepted, so none passes with speculation idle. Gemma 3 brings sliding-window
 layers (a window of 8 tokens, shorter than the verify chunk's context),
-soft-capped logits and its own RoPE per layer kind.
+soft-capped logits and its own RoPE per layer kind. draft_model runs each
+model as its own draft (one tokenizer; the same weights' greedy drafts).
 """
 
 from __future__ import annotations
@@ -18,12 +20,22 @@ from pagedllm import LLM, SamplingParams
 # cost_model off: every proposal verified, so drafts run whatever this machine's timings say
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "cost_model": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "cost_model": False}
 PROMPTS = [
     {"prompt_token_ids": [300 + (i % 5) for i in range(30)]},
     {"prompt_token_ids": [1000 + (i * 7) % 11 for i in range(17)] * 2},
     {"prompt_token_ids": [5000, 17, 4242, 999] * 5},
 ]
 ARCHS = ("llama", "qwen3", "gemma3")
+METHODS = ("ngram", "suffix", "draft_model")
+PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+
+
+def speculative_config(method: str, path: str) -> dict:
+    """The config of ``method`` for the model at ``path`` (draft_model: the model drafts for itself)."""
+    if method == "draft_model":
+        return {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "cost_model": False}
+    return {"ngram": NGRAM, "suffix": SUFFIX}[method]
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +61,22 @@ def _run(path: str, speculative_config: dict | None, prompts: list, params: Samp
     llm = LLM(path, num_kv_blocks=256, max_model_len=256, block_size=4, speculative_config=speculative_config)
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
-    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for e in [engine] + ([engine.draft_proposer.engine] if engine.draft_proposer is not None else []):
+        assert not e.requests and e.block_manager.num_free_blocks == e.block_manager.num_blocks
     return outs, llm
 
 
+@pytest.fixture(scope="module")
+def plain_outputs(model_dirs) -> dict[str, list]:  # noqa: ANN001
+    """Each architecture's plain greedy outputs for PROMPTS, computed once for every method."""
+    return {arch: _run(model_dirs[arch], None, PROMPTS, PARAMS)[0] for arch in ARCHS}
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_greedy_with_ngram_equals_plain(model_dirs, arch):
-    prompts = PROMPTS
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
-    want, _ = _run(model_dirs[arch], None, prompts, params)
-    got, llm = _run(model_dirs[arch], NGRAM, prompts, params)
+def test_tiny_greedy_with_each_method_equals_plain(model_dirs, plain_outputs, arch, method):
+    want = plain_outputs[arch]
+    got, llm = _run(model_dirs[arch], speculative_config(method, model_dirs[arch]), PROMPTS, PARAMS)
     assert llm.llm_engine.config.batch_invariant
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -75,5 +93,5 @@ def test_tiny_greedy_with_ngram_equals_plain(model_dirs, arch):
             assert got_lps == want_lps
     proposed = sum(g.metrics["spec_decode_num_draft_tokens"] for g in got)
     accepted = sum(g.metrics["spec_decode_num_accepted_tokens"] for g in got)
-    assert proposed > 0 and accepted > 0, f"{arch}: no draft proposed and accepted, the test would pass vacuously"
+    assert proposed > 0 and accepted > 0, f"{arch} {method}: no draft accepted, the test would pass vacuously"
     assert llm.llm_engine.speculator.num_accepted_tokens == accepted
