@@ -1,49 +1,40 @@
 """Speculative decoding (ngram, suffix) against plain decoding, one conversation at a time.
 
-Workloads from text nobody here wrote: code edits on functions of Python's own standard library
-("repeat this function with a name changed", where the answer copies the prompt) and open-ended
-chat (nothing to copy). Each prompt runs greedy through the plain engine and one engine per
+Workloads from text nobody here wrote (``benchmarks/spec_workloads.py``, shared with the llama.cpp
+peer ``benchmarks/peers/llama_cpp/spec_peer.py``): ``code-edit`` (five functions of Python's own
+standard library, "repeat this function renamed": the answer copies the prompt), ``doc-qa`` (a
+module docstring or a license text pasted, then a question whose answer quotes it),
+``multi-turn-code`` (an earlier assistant turn holds a standard-library function, the last turn
+asks to change it: type hints, None handling, ...) and ``open-chat`` (nothing to copy);
+``--workloads`` picks some. Each prompt runs greedy through the plain engine and one engine per
 ``--speculative-config`` (default: ngram), alternated, and prints output tokens/s, the ratio, the
-drafts proposed and accepted, and the accepted drafts per verify step. All engines must emit the
-same tokens (checked: speculation is lossless).
+drafts proposed and accepted (the acceptance rate), the accepted drafts per verify step and the
+mean accepted length (1 + that, vLLM's definition). All engines must emit the same tokens
+(checked: speculation is lossless). ``--model`` runs another GGUF file or Hugging Face folder
+(default: the bundled SmolLM2-135M-Instruct).
 
 Suffix decoding remembers earlier outputs (its global tree), so a prompt's second round finds its
 own first output there: acceptance is reported for the first round (each prompt new, the tree
 holding the earlier prompts' outputs) and for the later rounds (a repeated request) apart.
 
     PYTHONPATH=. .venv/bin/python benchmarks/spec_decode.py [--rounds 2] [--max-tokens 200] [--json] \
+        [--workloads code-edit,doc-qa] [--model path/to/model.gguf] \
         [--speculative-config '{"method": "ngram"}' --speculative-config '{"method": "suffix"}']
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import statistics
-import textwrap
+import os
+import sys
 import time
 
-from pagedllm import LLM, SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CODE_FUNCTIONS = [textwrap.dedent, textwrap.indent, inspect.cleandoc, statistics.median, json.dumps]
-CHAT_PROMPTS = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "What are the main differences between a list and a tuple in Python? Explain briefly.",
-]
+from spec_workloads import WORKLOADS, workload_names, workloads  # noqa: E402  (benchmarks/spec_workloads.py)
 
-
-def workloads() -> dict[str, list[list[dict]]]:
-    """Chat conversations by workload name."""
-    edits = []
-    for fn in CODE_FUNCTIONS:
-        source = textwrap.dedent(inspect.getsource(fn))
-        if len(source) > 1500:  # keep each prompt a few hundred tokens
-            source = source[:1500].rsplit("\n", 1)[0]
-        edits.append([{"role": "user", "content": f"Repeat this Python function exactly, but rename it to "
-                       f"`{fn.__name__}_v2`:\n\n```python\n{source}\n```"}])
-    chat = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
-    return {"code-edit": edits, "open-chat": chat}
+from pagedllm import LLM, SamplingParams  # noqa: E402
 
 
 def run(llm: LLM, conversation: list[dict], params: SamplingParams) -> tuple[list[int], float, dict]:
@@ -62,9 +53,10 @@ def engine_names(configs: list[dict]) -> list[str]:
 def acceptance(counts: list[int]) -> dict:
     """Figures from [draft tokens, accepted tokens, verify steps]."""
     drafted, accepted, steps = counts
-    return {"draft_tokens": drafted, "accepted_tokens": accepted,
+    return {"draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": steps,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "accepted_per_step": round(accepted / steps, 2) if steps else None}
+            "accepted_per_step": round(accepted / steps, 2) if steps else None,
+            "mean_accepted_length": round(1 + accepted / steps, 2) if steps else None}
 
 
 def main() -> None:
@@ -79,18 +71,24 @@ def main() -> None:
                    help="as the engine's flag (default 512, the engine's: short requests decode eager; 0: "
                         "plain decode steps captured from the first)")
     p.add_argument("--json", action="store_true", help="one JSON line per workload")
+    p.add_argument("--workloads", type=workload_names, default=None, metavar="NAMES",
+                   help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
+    p.add_argument("--model", default=None,
+                   help="a GGUF file or Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
     args = p.parse_args()
     configs = [json.loads(c) for c in args.speculative_config or []] or [
         {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}]
-    common = {"max_model_len": 2048, "capture_min_decode_steps": args.capture_min_decode_steps}
-    engines = {"plain": LLM(**common)}
+    common = {"max_model_len": 2048, "capture_min_decode_steps": args.capture_min_decode_steps,
+              "tokenizer": args.tokenizer}
+    engines = {"plain": LLM(args.model, **common)}
     for e, config in zip(engine_names(configs), configs):
-        engines[e] = LLM(**common, speculative_config=config)
+        engines[e] = LLM(args.model, **common, speculative_config=config)
     spec_engines = [e for e in engines if e != "plain"]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in engines.values():  # untimed: the decode trace (capture) and first-call costs
         run(llm, [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=16))
-    for name, conversations in workloads().items():
+    for name, conversations in workloads(args.workloads).items():
         totals = {e: [0, 0.0] for e in engines}  # tokens, seconds (best round per prompt)
         # seconds of the first round: a prompt the engine has not seen (suffix's global tree learns outputs)
         first_seconds = {e: 0.0 for e in engines}
@@ -136,9 +134,10 @@ def main() -> None:
             print(f"  {e}: {row[e]['tok_s']} tok/s ({row[e]['ratio']}x best round, {row[e]['first_round_ratio']}x "
                   f"first round); first round: accepted "
                   f"{first['accepted_tokens']}/{first['draft_tokens']} ({first['acceptance']}), "
-                  f"{first['accepted_per_step']} per verify step; later rounds: "
+                  f"{first['accepted_per_step']} per verify step (mean accepted length "
+                  f"{first['mean_accepted_length']}); later rounds: "
                   f"{later['accepted_tokens']}/{later['draft_tokens']} ({later['acceptance']}), "
-                  f"{later['accepted_per_step']} per step")
+                  f"{later['accepted_per_step']} per step (length {later['mean_accepted_length']})")
 
 
 if __name__ == "__main__":
