@@ -227,7 +227,8 @@ static inline __attribute__((always_inline)) void block_weights(int type, const 
  * is dequantized in registers (block_weights) and summed into one V-lane accumulator per channel in k
  * order, as strip_tile sums the strip buffer: the same bits as the same row in a batch (batch invariance,
  * docs/batch-invariance.md), without the buffer's stores and loads. (Factoring each block's scale out of
- * its sum, d * sum q x + m * sum x, rounds differently; it was no faster on the Zen 5 here.) */
+ * its sum, d * sum q x + m * sum x, rounds differently: on the Zen 5 here it was level on AVX-512 and
+ * 6-15% faster per layer on AVX2, docs/batch-invariance.md#cost.) */
 template <int NR>
 static inline __attribute__((always_inline)) void direct_row(const float *x, int64_t k, const uint8_t *w,
                                                              int64_t row_bytes, int type, const float *bias,
