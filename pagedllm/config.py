@@ -296,8 +296,9 @@ class EngineConfig:
             (``kernels/paged_prefill.cpp``) instead of the prefill kernel's
             tiles. None ("auto", the default): on wherever it can be, that is
             on the CPU, one or two ranks, float32 or bfloat16 weights, the native
-            kernels built, ``cpu_paged`` attention and the packed or GGUF
-            8-bit-activation linears; off elsewhere. True where it cannot be
+            kernels built, ``cpu_paged`` attention and the packed or
+            quantized-block linears (GGUF blocks and int8/int4 on either
+            activations); off elsewhere. True where it cannot be
             is a ValueError; False turns it off.
         speculative_config: speculative decoding (docs/speculative-decoding.md):
             a ``SpeculativeConfig``, or a dict / JSON text with vLLM's keys,
@@ -408,11 +409,6 @@ class EngineConfig:
                                   "torch's attention picks its kernel by shape; use 'auto' or 'cpu_paged'"),
             "linear_backend": (self.linear_backend in ("onednn", "torch"),
                                "oneDNN / MKL pick their kernels by shape; use 'auto' or 'packed'"),
-            # int8/int4 blocks on float activations sum a row alike alone or in a batch (gguf_linear.cpp's
-            # group_direct_row); a GGUF file's own 32-weight blocks factor a lone row's scales out
-            "gguf_activations": (self.gguf_activations == "float32" and self.quantization not in ("int8", "int4", "none"),
-                                 "a GGUF file's blocks on float activations compute one row alone another way; use "
-                                 "'int8'"),
         }
 
     def _check_batch_invariant(self) -> None:

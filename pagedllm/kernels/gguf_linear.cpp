@@ -20,8 +20,9 @@
  * The weights stream from memory once per call in their quantized bytes (a
  * quarter to an eighth of float32's: decode is bound by them), and are
  * dequantized once per call, not once per row. Every (row, channel) sum
- * adds the same terms in the same order whatever the other rows are, so a
- * sequence's logits do not depend on its batch. Long inputs (prefills) go
+ * adds the same terms in the same order whatever the other rows are (one
+ * row alone, which skips the buffer, too: direct_row, group_direct_row), so
+ * a sequence's logits do not depend on its batch. Long inputs (prefills) go
  * in blocks of rows whose activations stay in L2, a strip dequantized again
  * per block.
  */
@@ -198,31 +199,44 @@ static void strip_rows(const float *x, int64_t m, int64_t k, const float *buf, c
 }
 
 #ifdef V
-/* The 32 quants of a block as V-lane float vectors (integers, not yet scaled): q[0] = quants 0.. */
-static inline __attribute__((always_inline)) void block_quants(int type, const uint8_t *blk, vf32 *q) {
-    if (type == GGUF_Q8_0)
-        quants_i8(blk + 2, q);
-    else
-        quants_u4(blk + (type == GGUF_Q4_1 ? 4 : 2), q);
+/* The 32 weights of a Q4_0 / Q4_1 / Q8_0 block as V-lane vectors: the values gguf_block_vec stores for
+ * the strip path (Q8_0 d * q, Q4_0 / Q4_1 fma(q, d, m)), one rounding each, so that a lone row sums the
+ * very terms a row in a batch sums. On AVX-512 a 4-bit block's 16 possible values are computed once,
+ * table[q] = fma(q, d, m) (the same rounding), and looked up by each nibble (vpermps), as group_run does
+ * for int4: two lookups in place of two widenings and two fmas, which kept a lone Q4 row as fast as the
+ * factored form it replaces. */
+static inline __attribute__((always_inline)) void block_weights(int type, const uint8_t *blk, vf32 *w) {
+    constexpr int NQ = GGUF_BLOCK / V;
+    const float d = gguf_half(blk);
+    const vf32 dv = vf32_set1(d);
+    if (type == GGUF_Q8_0) {
+        quants_i8(blk + 2, w);
+        for (int i = 0; i < NQ; i++) w[i] = vf32_mul(w[i], dv);
+        return;
+    }
+    const vf32 mv = vf32_set1(gguf_block_min(type, blk, d));
+#if V == 16
+    f32x16_lookup_u4(blk + gguf_quants_at(type), vf32_fma(f32x16_iota(), dv, mv), w);
+#else
+    quants_u4(blk + gguf_quants_at(type), w);
+    for (int i = 0; i < NQ; i++) w[i] = vf32_fma(w[i], dv, mv);
+#endif
 }
 
-/* One row (decode of one sequence) against a strip of NR channels of a 32-weight block type, with the
- * block's scale factored out, as decode is bound by these instructions more than by bytes:
- *
- *   sum over a block = d * sum_i q[i] x[i] + m * sum_i x[i]
- *
- * (Q4_1: w = d q + m; Q4_0: m = -8 d; Q8_0: m = 0). The quants become floats straight from the bytes, one
- * multiply-add each; d once per block; sx[b] = sum_i x[i] of block b is the row's, shared by every
- * channel. Rounding differs from the strip path's (which scales each weight first) in the last bits. */
+/* One row (decode of one sequence) against a strip of NR channels of a 32-weight block type. Each weight
+ * is dequantized in registers (block_weights) and summed into one V-lane accumulator per channel in k
+ * order, as strip_tile sums the strip buffer: the same bits as the same row in a batch (batch invariance,
+ * docs/batch-invariance.md), without the buffer's stores and loads. (Factoring each block's scale out of
+ * its sum, d * sum q x + m * sum x, rounds differently: on the Zen 5 here it was level on AVX-512 and
+ * 6-15% faster per layer on AVX2, docs/batch-invariance.md#cost.) */
 template <int NR>
-static inline __attribute__((always_inline)) void direct_row(const float *x, const float *sx, int64_t k,
-                                                             const uint8_t *w, int64_t row_bytes, int type,
-                                                             const float *bias, float *y) {
+static inline __attribute__((always_inline)) void direct_row(const float *x, int64_t k, const uint8_t *w,
+                                                             int64_t row_bytes, int type, const float *bias,
+                                                             float *y) {
     constexpr int NQ = GGUF_BLOCK / V;
     const int64_t block_bytes = gguf_block_bytes(type);
     vf32 acc[NR];
-    float msum[NR];
-    for (int c = 0; c < NR; c++) acc[c] = vf32_zero(), msum[c] = 0.0f;
+    for (int c = 0; c < NR; c++) acc[c] = vf32_zero();
     for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
         vf32 xv[NQ];
         for (int i = 0; i < NQ; i++) xv[i] = vf32_load(x + b * GGUF_BLOCK + i * V);
@@ -231,17 +245,12 @@ static inline __attribute__((always_inline)) void direct_row(const float *x, con
             // NR rows are read side by side, a block (18-34 bytes) at a time: ask for each row's
             // bytes a few cache lines ahead, as the hardware prefetchers follow so many streams late
             simd_prefetch_l1((const char *)blk + 6 * 64);
-            const float d = gguf_half(blk);
-            vf32 q[NQ];
-            block_quants(type, blk, q);
-            vf32 part = vf32_mul(q[0], xv[0]);
-            for (int i = 1; i < NQ; i++) part = vf32_fma(q[i], xv[i], part);
-            acc[c] = vf32_fma(part, vf32_set1(d), acc[c]);
-            const float m = type == GGUF_Q4_1 ? gguf_half(blk + 2) : (type == GGUF_Q4_0 ? -8.0f * d : 0.0f);
-            msum[c] += m * sx[b];
+            vf32 wv[NQ];
+            block_weights(type, blk, wv);
+            for (int i = 0; i < NQ; i++) acc[c] = vf32_fma(wv[i], xv[i], acc[c]);
         }
     }
-    for (int c = 0; c < NR; c++) y[c] = vf32_hsum(acc[c]) + msum[c] + (bias ? bias[c] : 0.0f);
+    for (int c = 0; c < NR; c++) y[c] = vf32_hsum(acc[c]) + (bias ? bias[c] : 0.0f);
 }
 
 /* One row against a strip of NR channels of a grouped type. Each weight is dequantized in registers by
@@ -303,27 +312,12 @@ static float *strip_buffer(int64_t floats) {
 
 #ifdef V
 /* one row of a direct_type, strip by strip, no buffer */
-static void direct_team(const LinearNode *n, int64_t row_bytes, int *failed) {
+static void direct_team(const LinearNode *n, int64_t row_bytes) {
     const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
     const int type = n->weight_type;
     const bool grouped = is_group_type(type);
-    float *sx = NULL;  // GGUF's factored path: [k / 32] the row's block sums, each thread its own
-    if (!grouped) {
-        sx = strip_buffer(k / GGUF_BLOCK);
-        if (sx == NULL) {
-#pragma omp atomic write
-            *failed = 1;
-        } else {
-            for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
-                float sum = 0.0f;
-                for (int i = 0; i < GGUF_BLOCK; i++) sum += n->x[b * GGUF_BLOCK + i];
-                sx[b] = sum;
-            }
-        }
-    }
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < num_strips; s++) {
-        if (!grouped && sx == NULL) continue;
         const int64_t c0 = s * STRIP;
         const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
         const uint8_t *w = (const uint8_t *)n->weight + c0 * row_bytes;
@@ -343,11 +337,11 @@ static void direct_team(const LinearNode *n, int64_t row_bytes, int *failed) {
         }
         switch (nc) {
 #if STRIP > 3
-            case 4: direct_row<4>(n->x, sx, k, w, row_bytes, type, bias, y); break;
+            case 4: direct_row<4>(n->x, k, w, row_bytes, type, bias, y); break;
 #endif
-            case 3: direct_row<3>(n->x, sx, k, w, row_bytes, type, bias, y); break;
-            case 2: direct_row<2>(n->x, sx, k, w, row_bytes, type, bias, y); break;
-            default: direct_row<1>(n->x, sx, k, w, row_bytes, type, bias, y); break;
+            case 3: direct_row<3>(n->x, k, w, row_bytes, type, bias, y); break;
+            case 2: direct_row<2>(n->x, k, w, row_bytes, type, bias, y); break;
+            default: direct_row<1>(n->x, k, w, row_bytes, type, bias, y); break;
         }
     }
 }
@@ -389,7 +383,7 @@ void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed) {
     const int64_t row_bytes = blocks_row_bytes(n->weight_type, k, n->group_size);
 #ifdef V
     if (rows == 1 && direct_type(n->weight_type)) {
-        direct_team(n, row_bytes, failed);
+        direct_team(n, row_bytes);
         return;
     }
 #endif

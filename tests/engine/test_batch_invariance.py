@@ -134,7 +134,6 @@ def test_a_preempted_needle_gives_the_same_bits(model: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("weights", [{"quantization": "int8"}, {"quantization": "int4"},
                                      {"quantization": "int8", "gguf_activations": "float32"},
                                      {"quantization": "int4", "gguf_activations": "float32"}],
@@ -145,6 +144,21 @@ def test_weight_only_int8_and_int4_give_the_needle_the_same_bits(weights: dict) 
     16-token chunks among neighbours, and captured in 64-token chunks, bitwise."""
     name = "weight-only " + ", ".join(f"{k}={v}" for k, v in weights.items())
     KV_MODELS.setdefault(name, weights)
+    for seeded in (False, True):
+        want = reference(name, seeded)
+        for chunk, captured in ((16, False), (64, True)):
+            llm = make(name, chunk, captured)
+            assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want
+            assert needle_in(llm, params(seeded), [300, 40, 500], 1, seed=3) == want
+
+
+@pytest.mark.slow
+def test_gguf_blocks_on_float_activations_give_the_needle_the_same_bits() -> None:
+    """The bundled file's own blocks (Q4_1 + Q8_0) on float activations: a lone decode row dequantizes each
+    block in registers in the order a batch's rows sum the dequantized strip, so the needle alone, in
+    16-token chunks among neighbours, and captured in 64-token chunks gives the same bits."""
+    name = "gguf blocks, gguf_activations=float32"
+    KV_MODELS.setdefault(name, {"gguf_activations": "float32"})
     for seeded in (False, True):
         want = reference(name, seeded)
         for chunk, captured in ((16, False), (64, True)):
@@ -169,7 +183,6 @@ def test_the_default_engine_is_not_invariant() -> None:
         ({"tensor_parallel_size": 3}, "tensor_parallel_size"),
         ({"attention_backend": "sdpa"}, "attention_backend"),
         ({"linear_backend": "onednn"}, "linear_backend"),
-        ({"gguf_activations": "float32"}, "gguf_activations"),
         ({"device": "cuda"}, "device"),
     ],
 )
@@ -204,11 +217,12 @@ def test_auto_turns_the_mode_on_where_it_can_and_off_where_it_cannot() -> None:
     assert EngineConfig(model=bundled_model_path(), tensor_parallel_size=2).batch_invariant is True
     assert EngineConfig(model=bundled_model_path(), tensor_parallel_size=3, all_reduce_backend="shm",
                         max_num_batched_tokens=256).batch_invariant is True
-    # weight-only int8/int4 (either activations) sum a row alike alone or in a batch: on
-    for kwargs in ({"quantization": "int8"}, {"quantization": "int4", "gguf_activations": "float32"}):
+    # the file's blocks and weight-only int8/int4, on either activations, sum a row alike alone or in a batch
+    for kwargs in ({"gguf_activations": "float32"}, {"quantization": "int8"},
+                   {"quantization": "int4", "gguf_activations": "float32"}):
         assert EngineConfig(model=bundled_model_path(), **kwargs).batch_invariant is True, kwargs
     for kwargs in ({"attention_backend": "sdpa"}, {"linear_backend": "onednn"},
-                   {"gguf_activations": "float32"}, {"dtype": "float16"}, {"tensor_parallel_size": 3}):
+                   {"dtype": "float16"}, {"tensor_parallel_size": 3}):
         assert EngineConfig(model=bundled_model_path(), **kwargs).batch_invariant is False, kwargs
 
 

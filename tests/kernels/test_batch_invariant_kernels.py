@@ -1,7 +1,7 @@
 """Per-kernel batch invariance (docs/batch-invariance.md): a row's bits do not depend on the rows around it.
 
 Linear kernels: every row of a call of 1..97 rows equals the same row computed alone, bitwise (float32
-panels, bf16 panels, GGUF blocks on 8-bit activations). Attention: with ``batch_invariant`` a prompt
+panels, bf16 panels, GGUF blocks on 8-bit and on float activations). Attention: with ``batch_invariant`` a prompt
 computed from scratch and the same prompt continuing cached context (a chunk, a prefix-cache hit) give
 each token the same bits, because both go through the decode kernel's one reduction order.
 """
@@ -57,6 +57,24 @@ def test_gguf_blocks_on_8bit_activations_compute_a_row_alike_in_any_batch(ggml_t
                        for r in range(MAX_ROWS)])
     for m in range(1, MAX_ROWS + 1):
         together = torch.ops.pagedllm.gguf_linear(x[:m].contiguous(), weight, X16[t], 768, None)
+        assert torch.equal(together, alone[:m]), f"{m} rows"
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_gguf_blocks_on_float_activations_compute_a_row_alike_in_any_batch(ggml_type: str) -> None:
+    """The file's own blocks with float32 activations (gguf_activations="float32"): one row alone runs
+    gguf_linear.cpp's direct_row (Q4_0 / Q4_1 / Q8_0 on vector builds), a batch the strip path."""
+    from gguf import GGMLQuantizationType
+    from test_gguf_quantized import random_blocks
+
+    t = GGMLQuantizationType[ggml_type]
+    weight = torch.from_numpy(random_blocks(t, OUT, 768, seed=6))
+    bias = torch.randn(OUT, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(MAX_ROWS, 768, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([torch.ops.pagedllm.gguf_linear(x[r : r + 1].contiguous(), weight, int(t), 768, bias)
+                       for r in range(MAX_ROWS)])
+    for m in range(1, MAX_ROWS + 1):
+        together = torch.ops.pagedllm.gguf_linear(x[:m].contiguous(), weight, int(t), 768, bias)
         assert torch.equal(together, alone[:m]), f"{m} rows"
 
 
