@@ -54,25 +54,47 @@ static QRows scratch_rows(const LinearNode *n, int64_t rows) {
             (const int32_t *)(base + quants + 8 * nb)};
 }
 
-/* one row's k inputs as int8 blocks of 32 (scalar code: the same integers in every build; nearbyintf
-   rounds half to even, as the vector conversions would) */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s, int32_t *h) {
-    for (int64_t b = 0; b < k / GGUF_BLOCK; b++) {
-        const float *xb = x + b * GGUF_BLOCK;
-        float amax = 0.0f;
-        for (int i = 0; i < GGUF_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
-        int32_t sum = 0;
-        for (int i = 0; i < GGUF_BLOCK; i++) {
-            float v = nearbyintf(xb[i] * inv);
-            v = fminf(fmaxf(v, -127.0f), 127.0f);
-            q[b * GGUF_BLOCK + i] = (int8_t)v;
-            sum += (int32_t)v;
-            if (i == 15) h[b] = sum;
-        }
-        d[b] = dx;
-        s[b] = sum;
+/* one block of 32 inputs rounded to int8 as llama.cpp's Q8 activations: dx = max |x| / 127, q = round(x / dx)
+   (nearbyintf: half to even), clamped to [-127, 127]; *s = the sum of the 32 quants, *h that of the first 16.
+   Every step is exact or one float operation per value in the same order, so the vector and the plain C
+   code give the same integers and dx in every build (a NaN input too: max and min keep their other operand,
+   as fmaxf / fminf do) */
+static inline void quantize_block(const float *xb, int8_t *q, float *d, int32_t *s, int32_t *h) {
+#if SIMD_F32X8
+    f32x8 v[4], m = f32x8_zero();
+    for (int i = 0; i < 4; i++) {
+        v[i] = f32x8_load(xb + 8 * i);
+        m = f32x8_max(f32x8_abs(v[i]), m);
     }
+    const float dx = f32x8_hmax(m) / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    const f32x8 vinv = f32x8_set1(inv), lo = f32x8_set1(-127.0f), hi = f32x8_set1(127.0f);
+    i32x8 qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = i32x8_from_f32(f32x8_min(f32x8_max(f32x8_round(f32x8_mul(v[i], vinv)), lo), hi));
+    *h = i32x8_hsum(i32x8_add(qi[0], qi[1]));
+    *s = *h + i32x8_hsum(i32x8_add(qi[2], qi[3]));
+    *d = dx;
+    i8x32_store_i32(q, qi[0], qi[1], qi[2], qi[3]);
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < GGUF_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+    const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < GGUF_BLOCK; i++) {
+        float v = nearbyintf(xb[i] * inv);
+        v = fminf(fmaxf(v, -127.0f), 127.0f);
+        q[i] = (int8_t)v;
+        sum += (int32_t)v;
+        if (i == 15) *h = sum;
+    }
+    *d = dx;
+    *s = sum;
+#endif
+}
+
+/* one row's k inputs as int8 blocks of 32 (quantize_block) */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s, int32_t *h) {
+    for (int64_t b = 0; b < k / GGUF_BLOCK; b++)
+        quantize_block(x + b * GGUF_BLOCK, q + b * GGUF_BLOCK, d + b, s + b, h + b);
 }
 
 /* ---- the tile kernel ---- */

@@ -59,6 +59,22 @@ SIMD_INLINE f32x8 f32x8_load_u4(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(n, _mm256_set1_epi32(8)));
 }
 
+/* lane-wise max / min; where a lane of a is NaN the lane of b comes out (maxps / minps return their second
+   operand then), which is what fmaxf(b, a) / fminf(b, a) give when a is NaN */
+SIMD_INLINE f32x8 f32x8_max(f32x8 a, f32x8 b) { return _mm256_max_ps(a, b); }
+SIMD_INLINE f32x8 f32x8_min(f32x8 a, f32x8 b) { return _mm256_min_ps(a, b); }
+/* |a|: the sign bits cleared */
+SIMD_INLINE f32x8 f32x8_abs(f32x8 a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+/* a rounded to the nearest integer, ties to even: nearbyintf's result in the default rounding mode */
+SIMD_INLINE f32x8 f32x8_round(f32x8 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+/* the largest of the 8 lanes (none NaN) */
+SIMD_INLINE float f32x8_hmax(f32x8 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 /* lane-wise a > b (ordered, quiet: false where either is NaN), as a mask of all-ones lanes */
 SIMD_INLINE f32x8 f32x8_gt(f32x8 a, f32x8 b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
 /* mask ? b : a, lane by lane (the mask's sign bits decide) */
@@ -125,6 +141,23 @@ SIMD_INLINE i32x8 i32x8_set1(int32_t x) { return _mm256_set1_epi32(x); }
 SIMD_INLINE i32x8 i32x8_iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 SIMD_INLINE i32x8 i32x8_add(i32x8 a, i32x8 b) { return _mm256_add_epi32(a, b); }
 SIMD_INLINE void i32x8_store(int32_t *p, i32x8 v) { _mm256_storeu_si256((__m256i *)p, v); }
+/* 8 floats that hold integers, as int32s (exact) */
+SIMD_INLINE i32x8 i32x8_from_f32(f32x8 a) { return _mm256_cvtps_epi32(a); }
+/* the sum of the 8 lanes */
+SIMD_INLINE int32_t i32x8_hsum(i32x8 v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+/* a, b, c, d's 32 lanes (each in [-128, 127]) as 32 int8 at p, in that order. The packs work per 128-bit
+   half, leaving the 4-lane groups as a0 b0 c0 d0 a1 b1 c1 d1 (x0: lanes 0-3, x1: lanes 4-7); one permute of
+   32-bit groups puts them back in order */
+SIMD_INLINE void i8x32_store_i32(int8_t *p, i32x8 a, i32x8 b, i32x8 c, i32x8 d) {
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)p, ordered);
+}
 /* mask ? b : a, lane by lane, with a float mask (f32x8_gt's) */
 SIMD_INLINE i32x8 i32x8_select(i32x8 a, i32x8 b, f32x8 mask) {
     return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), mask));

@@ -207,6 +207,29 @@ def test_interleaved_rows_do_not_depend_on_their_batch(ggml_type: GGMLQuantizati
             assert torch.equal(part, together[r : r + n])
 
 
+def test_activations_are_rounded_to_int8_exactly_as_llama_cpp_rounds_them() -> None:
+    """Q8_0 rows that each pick one input (quant 1, scale 1) make y the rounded input itself, dx * round(x / dx):
+    every value of q8_rows, bitwise, including ties to even, a block of zeros and tiny values (the vector and
+    the plain C rounding give the same integers and scales)."""
+    k = 128
+    raw = np.zeros((k, k // 32, 34), dtype=np.uint8)  # row c: block c // 32 has quant 1 at input c % 32
+    raw[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    for c in range(k):
+        raw[c, c // 32, 2 + c % 32] = 1
+    weight = interleaved(raw.reshape(k, -1), Q.Q8_0)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(37, k, generator=gen) * torch.rand(37, 1, generator=gen) * 50
+    x[1, :32] = torch.arange(32) - 15.5  # amax 16.5 -> dx 16.5/127: values off the grid
+    x[2, :32] = torch.arange(32) * 0.5 - 8.0  # a half-step grid
+    x[3, :32] = torch.tensor([127.0] + [i + 0.5 for i in range(-16, 15)])  # dx = 1: x.5 rounds to even
+    x[4, :32] = 0.0  # dx = 0: every quant 0
+    x[5, 32:64] = -0.0
+    x[6, 64:96] = torch.tensor([1e-30] * 31 + [-1e-30])
+    got = torch.ops.pagedllm.gguf_linear(x, weight, X16[Q.Q8_0], k, None)
+    assert torch.equal(got, q8_rows(x))
+    assert got[3, 1:8].tolist() == [-16.0, -14.0, -14.0, -12.0, -12.0, -10.0, -10.0]  # ties to even
+
+
 @pytest.mark.parametrize("ggml_type", X16_TYPES, ids=lambda t: t.name)
 def test_interleaving_keeps_every_weight(ggml_type: GGMLQuantizationType) -> None:
     raw = random_blocks(ggml_type, 48, 512, seed=7)
