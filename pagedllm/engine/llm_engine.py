@@ -70,7 +70,9 @@ class _GrammarCutDrafts:
     """The speculator's drafts for a decode, cut before the first token the request's grammar rejects.
 
     Sits between the scheduler and the ``Speculator`` (the scheduler's
-    ``DraftSource``), so a cut happens before the drafts take slots: a
+    ``DraftSource``); the cut happens inside ``Speculator.propose``, before the
+    cost model weighs the drafts and counts them into the step, and before
+    they take slots: a
     structured-output sequence verifies only drafts its grammar allows, each
     row under the mask of its position (``RequestGrammar.verify_bitmasks``).
     """
@@ -81,11 +83,10 @@ class _GrammarCutDrafts:
 
     def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
         """``Speculator.propose``'s drafts, cut to what a constrained request's grammar allows."""
-        drafts = self.speculator.propose(seq, max_num_tokens, batch_size)
         req = self.requests.get(seq.request_id)
-        if drafts and req is not None and req.grammar is not None:
-            drafts = req.grammar.valid_drafts(seq, drafts)
-        return drafts
+        grammar = req.grammar if req is not None else None
+        allow = (lambda drafts: grammar.valid_drafts(seq, drafts)) if grammar is not None else None
+        return self.speculator.propose(seq, max_num_tokens, batch_size, allow)
 
 
 class ContextLengthError(ValueError):

@@ -154,8 +154,14 @@ class Speculator:
         """``seq``'s expected acceptance rate per draft: its own, pulled to the rate of all sequences."""
         return self._state(seq).acceptance.rate(self.acceptance.rate(PRIOR_ACCEPTANCE))
 
-    def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
-        """Draft tokens to verify after ``seq``'s last token in a step of ``batch_size`` sequences ([]: decode plainly)."""
+    def propose(
+        self, seq: Sequence, max_num_tokens: int, batch_size: int,
+        allow: Callable[[list[int]], list[int]] | None = None,
+    ) -> list[int]:
+        """Draft tokens to verify after ``seq``'s last token in a step of ``batch_size`` sequences ([]: decode plainly).
+
+        ``allow`` cuts the proposer's drafts to those the request may emit (a structured output's grammar)
+        before the cost model weighs them and counts them into the step."""
         cfg = self.config
         state = self._state(seq)
         self._num_step_decodes += 1
@@ -168,6 +174,8 @@ class Speculator:
             drafts = self._prepared.pop(seq, [])[:k]
         else:
             drafts = self.proposer.propose(seq, k)
+        if drafts and allow is not None:
+            drafts = allow(drafts)
         if not drafts or not cfg.cost_model:
             return drafts
         # every running sequence may decode in this step: the batch the step's time is predicted for

@@ -153,6 +153,24 @@ def test_one_sequence_of_a_step_probes_while_nothing_is_measured():
     assert [spec.propose(seq, 10, 3) for seq in seqs] == [[1, 2, 3, 4], [], []]
 
 
+def test_drafts_a_grammar_cuts_are_not_counted_into_the_step():
+    """A structured output's cut comes before the cost model: drafts its grammar rejects take no part of the
+    step, so with nothing measured the next sequence still probes (counted after the cut, the first
+    sequence's four rejected drafts would have used up the step's probe)."""
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000)
+    seqs = [Sequence([1, 2, 3, 4] * 8, 16) for _ in range(3)]
+    for seq in seqs:
+        spec.register(seq, eligible=True)
+    seen = []
+    def reject_all(drafts: list[int]) -> list[int]:
+        seen.append(list(drafts))
+        return []
+    assert spec.propose(seqs[0], 10, 3, reject_all) == []
+    assert seen == [[1, 2, 3, 4]]  # the proposer's drafts reached the cut
+    assert spec.propose(seqs[1], 10, 3, lambda drafts: drafts[:2]) == [1, 2]  # the probe, cut to two
+    assert spec.propose(seqs[2], 10, 3) == []
+
+
 def test_a_sequence_judged_not_to_pay_probes_again_after_a_while():
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000)
     step_time = machine(5 * MS, 0.05 * MS, 20 * MS, 5 * MS)  # a verify step far too dear

@@ -1,0 +1,74 @@
+"""The x16 GGUF matmul on 8-bit activations, on SmolLM2's layer shapes: time per layer and integer rate.
+
+The decoder's four weights per layer (qkv 960 x 576, o 576 x 576, gate_up
+3072 x 576, down 576 x 1536) for 30 layers, quantized by the ``gguf``
+package (random weights) and interleaved as the loader does, each called
+with M rows. The 30 layers' blocks (~60 MB in Q4_1) are more than the
+last-level cache, so weights stream from memory as in a real step. The rate
+counts 2 operations per weight per row. Pin it to one core to time the
+kernel alone:
+
+    taskset -c 0 .venv/bin/python benchmarks/micro_gguf_linear.py [--rows 1 8 32 64] [--type Q4_1] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
+
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.gguf_linear import GGUF_INTERLEAVED
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
+NUM_LAYERS = 30
+
+
+def _layer(ggml_type: GGMLQuantizationType, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32) * 0.05
+    blocks = torch.from_numpy(np.ascontiguousarray(quantize(w, ggml_type)))  # [out, row bytes] uint8
+    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if blocks.shape[1] != in_features // block_weights * block_bytes:
+        raise ValueError(f"unexpected {ggml_type.name} row of {blocks.shape[1]} bytes")
+    torch.ops.pagedllm.gguf_interleave_(blocks, int(ggml_type), in_features)
+    return blocks
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    if load_kernels() is None:
+        raise SystemExit("the GGUF kernels need the native build")
+    torch.set_num_threads(args.threads)
+    ggml_type = GGMLQuantizationType[args.type]
+    x16 = GGUF_INTERLEAVED[int(ggml_type)]
+    layers = [(_layer(ggml_type, o, i, seed=n * 4 + j), i) for n in range(NUM_LAYERS) for j, (o, i) in enumerate(SHAPES)]
+    weights_per_layer = sum(o * i for o, i in SHAPES)
+    for rows in args.rows:
+        xs = {i: torch.randn(rows, i) for _, i in SHAPES}  # [rows, in_features]
+
+        def run() -> None:
+            for w, i in layers:  # noqa: B023 (run is called in this iteration only)
+                torch.ops.pagedllm.gguf_linear(xs[i], w, x16, i, None)  # noqa: B023
+
+        run()
+        best = float("inf")
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        rate = 2 * weights_per_layer * rows * NUM_LAYERS / best / 1e9
+        print(f"{args.type} x16, {rows:3d} rows, {args.threads} thread(s): {best * 1e3 / NUM_LAYERS:.3f} ms per layer, "
+              f"{rate:.1f} G integer ops/s")
+
+
+if __name__ == "__main__":
+    main()
