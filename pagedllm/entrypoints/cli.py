@@ -223,9 +223,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     spec = engine.speculator
     if spec is not None:
-        rate = spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+        from pagedllm.engine.request import spec_decode_rates
+
+        rate, length = spec_decode_rates(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
         print(f"speculative decoding: {spec.num_accepted_tokens} of {spec.num_draft_tokens} draft tokens accepted "
-              f"({rate:.0%}) in {spec.num_drafts} verify steps")
+              f"({rate or 0.0:.0%}) in {spec.num_drafts} verify steps, mean acceptance length {length or 1.0:.2f}")
     return 0
 
 

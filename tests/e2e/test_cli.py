@@ -77,6 +77,24 @@ def test_generate_prints_prompt_text_and_stats(generate_run):
     assert int(m.group(3)) == 1
 
 
+def test_generate_with_speculation_prints_acceptance_and_mean_length():
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "cost_model": false}'
+    prompt = "Repeat exactly: red green blue red green blue red green blue red green blue"
+    proc = run_cli("generate", prompt, "--temperature", "0", "--max-tokens", "24", "--speculative-config", spec, *ENGINE)
+    assert proc.returncode == 0, proc.stderr
+    assert_no_traceback(proc)
+    m = re.fullmatch(
+        r"speculative decoding: (\d+) of (\d+) draft tokens accepted \((\d+)%\) in (\d+) verify steps, "
+        r"mean acceptance length ([\d.]+)",
+        proc.stdout.splitlines()[-1],
+    )
+    assert m, proc.stdout
+    accepted, drafted, percent, steps, length = (float(g) for g in m.groups())
+    assert steps > 0 and drafted >= steps and accepted <= drafted  # a one-token n-gram recurs: drafts were verified
+    assert percent == round(100 * accepted / drafted)
+    assert length == pytest.approx(1 + accepted / steps, abs=0.005)
+
+
 def test_generate_chat_many_prompts_in_order():
     proc = run_cli(
         "generate", "--chat", "Hello", "What is the capital of France?",
