@@ -13,7 +13,9 @@
  *
  *   f32x8_*, f32x4_*, i32x8_*  8 (4) floats, 8 int32s: AVX2+FMA builds and
  *                    up (SIMD_F32X8). The softmax's exp, the decode
- *                    attention's dot products, the horizontal sums.
+ *                    attention's dot products, the horizontal sums, the
+ *                    x16 GGUF kernels' rounding of activations to int8
+ *                    (max, abs, round, i8x32_store_i32).
  *   u8x16_*          16 bytes of GGUF quants: nibbles split, fifth bits
  *                    spread, widened to floats (f32x8_from_u8, ...).
  *   f32x8_load_u4, f32x16_load_u4  8 / 16 packed nibbles (an int4 KV
