@@ -61,18 +61,48 @@ def test_emitted_tokens_follow_the_target_distribution(spec, drafts):
         for _ in range(TRIALS)
     )
     assert set(got) <= {e for e, p in want.items() if p > 0}, "emitted a prefix of probability 0"
-    cats = [e for e, p in want.items() if p * TRIALS >= 5]  # chi-square's rule of thumb; the rest pooled
+    assert prefix_pvalue(got, want) > 1e-3
+
+
+def prefix_pvalue(got: Counter, want: dict[tuple[int, ...], float]) -> float:
+    """The chi-square p-value of the emitted prefixes ``got`` against their probabilities ``want``."""
+    trials = sum(got.values())
+    cats = [e for e, p in want.items() if p * trials >= 5]  # chi-square's rule of thumb; the rest pooled
     observed = [got[e] for e in cats]
-    exp = [want[e] * TRIALS for e in cats]
-    rest_observed, rest_expected = TRIALS - sum(observed), TRIALS - sum(exp)
+    exp = [want[e] * trials for e in cats]
+    rest_observed, rest_expected = trials - sum(observed), trials - sum(exp)
     if rest_expected >= 5:
         observed.append(rest_observed)
         exp.append(rest_expected)
-    else:
-        assert rest_observed <= 20, "rare prefixes came out far more often than their probability"
+    elif rest_observed > 20:
+        return 0.0  # rare prefixes came out far more often than their probability
     total = sum(observed)
     exp = [x * total / sum(exp) for x in exp]  # the same total, as chisquare requires
-    assert chisquare(observed, exp).pvalue > 1e-3
+    return float(chisquare(observed, exp).pvalue)
+
+
+def test_the_threshold_fails_a_wrong_acceptance_rule():
+    """The test above can fail: the classic mistake, resampling a rejected position from p itself instead of
+    the residual max(p - q, 0) (the draft removed), gives the draft token twice its chances, and the same
+    threshold rejects it."""
+    drafts = [2, 5]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(len(drafts) + 1, V, generator=gen)
+    logits[0, drafts[0]] += 1.0
+    probs = sampling_probs(logits, SamplingSpec(1.0, 0, 1.0, 0.0, None))
+    rng = random.Random(11)
+
+    def wrong_verify() -> list[int]:
+        out: list[int] = []
+        for j, d in enumerate(drafts):
+            if rng.random() < float(probs[j, d]):
+                out.append(d)
+                continue
+            return [*out, rng.choices(range(V), weights=probs[j].tolist())[0]]  # should exclude d
+        return [*out, rng.choices(range(V), weights=probs[len(drafts)].tolist())[0]]
+
+    got = Counter(tuple(wrong_verify()) for _ in range(TRIALS))
+    assert prefix_pvalue(got, expected(probs, drafts)) < 1e-3
 
 
 def test_sampling_probs_match_the_samplers_filters():

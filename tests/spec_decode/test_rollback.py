@@ -183,6 +183,36 @@ def test_preempted_sequence_drops_its_drafts():
     assert seq.token_ids == [1, 2, 3, 4] and seq.num_draft_tokens == 0
 
 
+def test_a_prompt_chunk_preempts_a_sequence_holding_drafts_and_gets_its_blocks():
+    """Preemption mid-speculation, exact ids: B's verify step took the pool's last block for its drafts in step 1;
+    the older A's next prompt chunk then finds no block, B (the newest) is preempted, its drafts dropped with
+    all its blocks, and A's chunk takes the lowest freed id."""
+    bm = BlockManager(4, BS, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, drafts=FixedDrafts({}))
+    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8], BS, arrival=0)
+    assert bm.allocate(a, 4)  # its first chunk of 4: block 0
+    b = Sequence([11, 12, 13, 14, 15], BS, arrival=1)
+    assert bm.allocate(b)  # blocks 1, 2
+    for seq, computed in ((a, 4), (b, 5)):
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = computed
+        sched.running.append(seq)
+    b.append_token(16)
+    assert a.block_table == [0] and b.block_table == [1, 2] and bm.num_free_blocks == 1
+    sched.drafts = FixedDrafts({b.seq_id: [901, 902, 903]})  # positions 6..8: position 8 needs block 3
+    out = sched.schedule()
+    # without B's drafts holding block 3, A's chunk would have taken it and no one would be preempted
+    assert out.preempted == [b]
+    assert b.block_table == [] and b.num_draft_tokens == 0 and b.token_ids == [11, 12, 13, 14, 15, 16]
+    assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0
+    (s,) = out.scheduled
+    assert s.seq is a and (s.num_computed_tokens, s.num_new_tokens, s.num_draft_tokens) == (4, 4, 0)
+    assert a.block_table == [0, 1]  # B's blocks 1, 2, 3 came back; the lowest first
+    assert bm.num_free_blocks == 2 and bm.ref_counts == [1, 1, 0, 0]
+    sched.update(out)
+    assert_no_leak(bm, sched)
+
+
 def test_drafts_never_take_the_last_free_blocks_of_others():
     # 3 blocks: a holds 2 after its prefill; b waits for a slot; a's drafts would need block 2
     bm = BlockManager(3, BS, enable_prefix_caching=False)
