@@ -301,12 +301,14 @@ request = st.tuples(
 )
 
 
+# the pool and batch shapes both scheduler properties draw from
+POOL_SHAPES = {"block_size": st.integers(1, 4), "caching": st.booleans(), "max_num_seqs": st.integers(1, 4)}
+
+
 @settings(max_examples=200, deadline=None)
 @given(
-    block_size=st.integers(1, 4),
+    **POOL_SHAPES,
     extra_blocks=st.integers(0, 6),
-    caching=st.booleans(),
-    max_num_seqs=st.integers(1, 4),
     extra_tokens=st.integers(-12, 8),
     requests=st.lists(request, min_size=1, max_size=8),
 )
@@ -446,10 +448,8 @@ def verify(bm: BlockManager, seq: Sequence, gen) -> int:  # noqa: ANN001
 
 @settings(max_examples=150, deadline=None)
 @given(
-    block_size=st.integers(1, 4),
+    **POOL_SHAPES,
     extra_blocks=st.integers(0, 8),
-    caching=st.booleans(),
-    max_num_seqs=st.integers(1, 4),
     requests=st.lists(st.tuples(st.lists(TOKENS, min_size=1, max_size=8), st.integers(1, 16)), min_size=1, max_size=8),
     data=st.data(),
 )
