@@ -209,8 +209,9 @@ def test_interleaved_rows_do_not_depend_on_their_batch(ggml_type: GGMLQuantizati
 
 def test_activations_are_rounded_to_int8_exactly_as_llama_cpp_rounds_them() -> None:
     """Q8_0 rows that each pick one input (quant 1, scale 1) make y the rounded input itself, dx * round(x / dx):
-    every value of q8_rows, bitwise, including ties to even, a block of zeros and tiny values (the vector and
-    the plain C rounding give the same integers and scales)."""
+    every value of q8_rows, bitwise, including ties to even, a block of zeros, tiny values and a NaN (the
+    vector and the plain C rounding give the same integers and scales; test_kernel_variants runs this on
+    every build the CPU can run)."""
     k = 128
     raw = np.zeros((k, k // 32, 34), dtype=np.uint8)  # row c: block c // 32 has quant 1 at input c % 32
     raw[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
@@ -225,9 +226,15 @@ def test_activations_are_rounded_to_int8_exactly_as_llama_cpp_rounds_them() -> N
     x[4, :32] = 0.0  # dx = 0: every quant 0
     x[5, 32:64] = -0.0
     x[6, 64:96] = torch.tensor([1e-30] * 31 + [-1e-30])
+    x[7, 29] = float("nan")  # fmaxf's rule in every build: max |x| skips it, the clamp makes it -127
     got = torch.ops.pagedllm.gguf_linear(x, weight, X16[Q.Q8_0], k, None)
-    assert torch.equal(got, q8_rows(x))
+    assert torch.equal(got[:7], q8_rows(x[:7])) and torch.equal(got[8:], q8_rows(x[8:]))
     assert got[3, 1:8].tolist() == [-16.0, -14.0, -14.0, -12.0, -12.0, -10.0, -10.0]  # ties to even
+    without_nan = x[7:8].clone()
+    without_nan[0, 29] = 0.0
+    want = q8_rows(without_nan)[0]
+    want[29] = -127 * (without_nan[0, :32].abs().amax() / 127)
+    assert torch.equal(got[7], want)
 
 
 @pytest.mark.parametrize("ggml_type", X16_TYPES, ids=lambda t: t.name)

@@ -97,6 +97,7 @@ def test_tiny_greedy_with_each_method_equals_plain(model_dirs, plain_outputs, ar
     assert llm.llm_engine.speculator.num_accepted_tokens == accepted
 
 
+@pytest.mark.slow  # 4,000 requests: ~90 s
 def test_sampled_tokens_keep_their_distribution_with_ngram_drafts(model_dirs):
     """Rejection sampling through the engine: 2,000 seeded samples of the next 3 tokens of a tiny Llama (top-k 3,
     temperature 1), with and without ngram drafts, come from one distribution (a two-sample chi-square test),
