@@ -57,7 +57,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument(
         "--kv-cache-dtype", default="auto", choices=list(get_args(KvCacheDtype)),
-        help="what the KV cache stores (auto: --dtype); 2-byte caches halve the bytes decode attention reads; "
+        help="what the KV cache stores (auto: --dtype, float16 where GGUF blocks are kept); 2-byte caches halve "
+             "the bytes decode attention reads; "
              "the quantized ones (CPU) hold one scale per token and KV head: see docs/configuration.md",
     )
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])

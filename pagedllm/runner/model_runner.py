@@ -51,6 +51,22 @@ KV_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, weight_format: str) -> torch.dtype:
+    """What the KV cache stores, with "auto" resolved.
+
+    "auto" is the model's ``dtype``, except where the weights stay GGUF blocks
+    (``weight_format`` "gguf:..."): float16 there, llama.cpp's default cache
+    for the same file (and vLLM's, whose GGUF models run in 16 bits). The
+    blocks already round the weights far coarser than float16 rounds K and V,
+    and decode attention reads half the bytes.
+    """
+    if kv_cache_dtype != "auto":
+        return KV_DTYPES[kv_cache_dtype]
+    return torch.float16 if weight_format.startswith("gguf:") else dtype
+
+
 # the most sequences a captured decode step has: past that the Python between kernels is a small share of a step
 MAX_CAPTURED_ROWS = 64
 
@@ -88,8 +104,6 @@ class ModelRunner:
             raise ValueError("device='cuda' but torch sees no CUDA device")
         precision = resolve_precision(config, self.device)
         self.dtype, self.compute_dtype = precision.weights, precision.compute
-        # what the cache stores ("auto": the model's dtype); resolved here, not in the config
-        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
         self.backend = make_backend(config.attention_backend, self.device.type, self.compute_dtype)
         if config.batch_invariant:
             self._make_batch_invariant()
@@ -109,6 +123,8 @@ class ModelRunner:
         self.weight_bytes = loaded.weight_bytes
         self.weight_format = loaded.weight_format
 
+        # what the cache stores; "auto" resolved here, once the weights' format is known
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.weight_format)
         self.block_size = config.block_size
         self.num_kv_blocks = decide_num_kv_blocks(
             config, self.local_config, self.kv_cache_dtype, available, self.weight_bytes

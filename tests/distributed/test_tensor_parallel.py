@@ -44,12 +44,17 @@ def _restore_threads() -> Iterator[None]:
     os.sched_setaffinity(0, cores)
 
 
+ONE_PROCESS_KV = {"kv_cache_dtype": "float32"}
+
+
 def _tp(path: str | None, size: int, **kwargs: object) -> LLM:
     kwargs.setdefault("num_kv_blocks", 128)
     kwargs.setdefault("max_model_len", 256)
     # ranks and one process agree to float rounding (conftest): a rank's slice of a sum is rounded on its own,
     # so two ranks are not one process's bits, whatever the mode (batch_invariant holds within one engine)
-    for key, value in FLOAT_ACTIVATIONS.items():
+    # and a float32 cache (ONE_PROCESS_KV): a float16 one, the GGUF default, would round those sums again,
+    # now and then across a float16 step
+    for key, value in {**FLOAT_ACTIVATIONS, **ONE_PROCESS_KV}.items():
         kwargs.setdefault(key, value)
     return LLM(path, tensor_parallel_size=size, num_threads=1, **kwargs)
 
@@ -226,7 +231,7 @@ def test_int4_weights_on_two_ranks_equal_one(tiny_model_dirs) -> None:  # noqa: 
 def smollm_one() -> LLM:
     # chunked prefill (64-token steps) and prefix caching on, as in the two-rank engine
     return LLM(None, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=64, num_threads=1,
-               **FLOAT_ACTIVATIONS)
+               **FLOAT_ACTIVATIONS, **ONE_PROCESS_KV)
 
 
 def _long_prompt(llm: LLM) -> list[int]:
@@ -364,7 +369,8 @@ def test_two_torchrun_nodes_on_loopback_give_the_tokens_of_one_process(smollm_on
                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "pagedllm.entrypoints.cli",
                "generate", "--tensor-parallel-size", "2", "--num-threads", "1", "--num-kv-blocks", "64",
                "--max-model-len", "256", "--temperature", "0", "--max-tokens", str(GREEDY.max_tokens),
-               "--ignore-eos", "--gguf-activations", "float32", *PROMPTS[:2]]
+               "--ignore-eos", "--gguf-activations", "float32", "--kv-cache-dtype", "float32",
+               *PROMPTS[:2]]
         log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log))
     for proc, log in procs:
@@ -414,7 +420,8 @@ def test_data_parallel_replicas_of_two_ranks_each(smollm_one: LLM, tmp_path: Pat
     port = free_port()
     log = tmp_path / "server.log"
     proc = launch_server(["--port", str(port), "-dp", "2", "-tp", "2", "--num-kv-blocks", "64",
-                          "--max-model-len", "256", "--served-model-name", "m", "--gguf-activations", "float32"], log)
+                          "--max-model-len", "256", "--served-model-name", "m", "--gguf-activations", "float32",
+                          "--kv-cache-dtype", "float32"], log)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, log)

@@ -32,6 +32,9 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]  # 32-weight blocks; gguf's wri
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # 256-weight super-blocks (Q4_K_M files)
 LOW_K_TYPES = [Q.Q2_K, Q.Q3_K]  # Q2_K / Q3_K_M files
 FLOAT_TYPES = [Q.F16, Q.BF16]
+# the whole-model comparisons with transformers check the weights' blocks: a float32 cache, as
+# transformers keeps, not the float16 one that kv_cache_dtype="auto" gives GGUF files
+F32_KV = {"kv_cache_dtype": "float32"}
 ALL_TYPES = TYPES + K_TYPES + LOW_K_TYPES + FLOAT_TYPES
 # the fp16 fields of a block that scale its quants: (byte offset, size of the values drawn)
 _HALF_FIELDS = {
@@ -340,6 +343,8 @@ def test_bundled_model_holds_its_blocks(smollm_path: str) -> None:
     assert model.lm_head.qweight is model.model.embed_tokens.qweight  # the tied head: the same bytes
     assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == "gguf-q4_1-x16"
     assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.shape[0] >= 192 for p in model.parameters())
+    # kv_cache_dtype="auto" with the blocks kept: a float16 cache, llama.cpp's default for the file
+    assert smollm.llm_engine.model_runner.kv_cache.dtype == torch.float16
     # the parsed file (metadata objects and the mapping) is let go once the weights are loaded
     from pagedllm.loader.gguf_loader import open_reader
 
@@ -442,7 +447,7 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     path = os.path.join(tmp_path_factory.mktemp(f"gguf-{arch}"), f"tiny-{ggml_type.name}.gguf")
     rounded = write_quantized_gguf(hf, arch, ggml_type, path)
     hf.load_state_dict(rounded)  # transformers runs the weights the file's blocks hold
-    llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64)
+    llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64, **F32_KV)
     model = llm.llm_engine.model_runner.model
     assert model.lm_head.quant_method.name == f"gguf-{ggml_type.name.lower()}-x16"
     assert type(model.model.embed_tokens.quant_method).__name__ == "GGUFEmbeddingMethod"
@@ -452,7 +457,8 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     for prompt, out in zip(prompts, outs):  # interleaved blocks: 8-bit activations (kernels/gguf_x16.h)
         assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
     # on float32 activations, the file's blocks give transformers' tokens exactly
-    llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64, gguf_activations="float32")
+    llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64, **F32_KV,
+              gguf_activations="float32")
     assert llm.llm_engine.model_runner.model.lm_head.quant_method.name == f"gguf-{ggml_type.name.lower()}"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -499,7 +505,7 @@ def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
     prompts = [[1, 400, 3000, 77, 12000, 5], list(range(100, 140))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for activations, suffix in (("int8", "-x16"), ("float32", "")):
-        llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64,
+        llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64, **F32_KV,
                   gguf_activations=activations)
         model = llm.llm_engine.model_runner.model
         low = base.name.lower()
@@ -526,7 +532,8 @@ def test_tiny_q2_k_and_q3_k_files_run_from_their_blocks(
     path = os.path.join(tmp_path_factory.mktemp("gguf-low-k"), f"tiny-{base.name}.gguf")
     rounded = write_quantized_gguf(hf, "llama", base, path, {"v_proj.weight": others[0], "down_proj.weight": others[1]})
     hf.load_state_dict(rounded)
-    llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, gguf_activations="float32")
+    llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, **F32_KV,
+              gguf_activations="float32")
     model = llm.llm_engine.model_runner.model
     low = base.name.lower()
     assert model.model.layers[0].mlp.gate_up_proj.quant_method.name == f"gguf-{low}"
@@ -538,7 +545,7 @@ def test_tiny_q2_k_and_q3_k_files_run_from_their_blocks(
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
     # by default every part is interleaved, each in its own type
-    llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64)
+    llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, **F32_KV)
     layer = llm.llm_engine.model_runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant_method.name == f"gguf-{low}-x16+{low}-x16+{others[0].name.lower()}-x16"
     assert layer.mlp.gate_up_proj.quant_method.name == f"gguf-{low}-x16"
@@ -567,7 +574,7 @@ def test_k_quant_files_of_narrow_rows_run_their_q5_fallbacks_from_their_blocks(
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     low = base.name.lower()
     for activations, suffix in (("int8", "-x16"), ("float32", "")):
-        llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64,
+        llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, **F32_KV,
                   gguf_activations=activations)
         model = llm.llm_engine.model_runner.model
         assert llm.llm_engine.model_runner.weight_format == f"gguf:{base.name}+Q8_0"
@@ -594,7 +601,7 @@ def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
     rounded = write_quantized_gguf(hf, "llama", Q.Q8_0, path, {"v_proj.weight": Q.MXFP4, "down_proj.weight": Q.MXFP4})
     hf.load_state_dict(rounded)
     with caplog.at_level(logging.WARNING, logger="pagedllm.runner.model_loader"):
-        llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64)
+        llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, **F32_KV)
     assert "dequantized to float32" in caplog.text and "MXFP4" in caplog.text
     layer = llm.llm_engine.model_runner.model.model.layers[0]
     assert not layer.self_attn.qkv_proj.quant_method.name.startswith("gguf")

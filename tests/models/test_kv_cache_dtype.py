@@ -43,7 +43,7 @@ def _pool_whole(llm: LLM) -> bool:
 
 @pytest.fixture(scope="module")
 def float32_llm() -> LLM:
-    return _engine("auto")
+    return _engine("float32")
 
 
 def test_unknown_kv_cache_dtype_is_refused() -> None:
@@ -347,3 +347,18 @@ def test_quantized_prefix_cache_hit_and_preemption_give_the_same_tokens(
     assert _tiny_tokens(tight, prompts, params) == want
     assert tight.llm_engine.scheduler.num_preemptions > 0
     assert tight.llm_engine.block_manager.num_free_blocks == 40
+
+
+def test_auto_cache_is_float16_where_gguf_blocks_are_kept() -> None:
+    from pagedllm.runner.model_runner import resolve_kv_cache_dtype
+
+    # llama.cpp's default cache for a GGUF file, whatever its blocks
+    assert resolve_kv_cache_dtype("auto", torch.float32, "gguf:Q4_1+Q8_0") == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, "gguf:Q4_K+Q6_K") == torch.float16
+    # elsewhere (a float folder, or a GGUF file dequantized: quantization="none") the model's dtype
+    assert resolve_kv_cache_dtype("auto", torch.float32, "float32") == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, "bfloat16") == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, "int4-g128") == torch.float32
+    # a dtype asked for is kept
+    assert resolve_kv_cache_dtype("float32", torch.float32, "gguf:Q4_1+Q8_0") == torch.float32
+    assert resolve_kv_cache_dtype("int8", torch.float32, "gguf:Q4_1+Q8_0") == torch.int8
