@@ -9,6 +9,12 @@ counts 2 operations per weight per row. Pin it to one core to time the
 kernel alone:
 
     taskset -c 0 .venv/bin/python benchmarks/micro_gguf_linear.py [--rows 1 8 32 64] [--type Q4_1] [--threads 1]
+
+``--float32`` also times torch's own float32 linear (``F.linear``: MKL or
+oneDNN, what vLLM's CPU build runs for float32 weights) on the same shapes
+and prints the ratio: with ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+ONEDNN_MAX_CPU_ISA=AVX2 PAGEDLLM_KERNEL_ISA=avx2`` both sides are held to AVX2.
+``benchmarks/isa_peak.c`` gives the ceilings of both (instruction rates).
 """
 
 from __future__ import annotations
@@ -38,12 +44,24 @@ def _layer(ggml_type: GGMLQuantizationType, out_features: int, in_features: int,
     return blocks
 
 
+def _best_time(fn, repeats: int) -> float:  # noqa: ANN001
+    """The fastest of ``repeats`` timed calls of ``fn``, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--type", default="Q4_1", choices=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--float32", action="store_true", help="also time torch's float32 F.linear on the same shapes")
     args = p.parse_args()
     if load_kernels() is None:
         raise SystemExit("the GGUF kernels need the native build")
@@ -52,6 +70,8 @@ def main() -> None:
     x16 = GGUF_INTERLEAVED[int(ggml_type)]
     layers = [(_layer(ggml_type, o, i, seed=n * 4 + j), i) for n in range(NUM_LAYERS) for j, (o, i) in enumerate(SHAPES)]
     weights_per_layer = sum(o * i for o, i in SHAPES)
+    # [out, in] float32 weights for torch's F.linear (~425 MB for the 30 layers: streamed from memory too)
+    dense = [(torch.randn(o, i) * 0.05, i) for _ in range(NUM_LAYERS) for o, i in SHAPES] if args.float32 else []
     for rows in args.rows:
         xs = {i: torch.randn(rows, i) for _, i in SHAPES}  # [rows, in_features]
 
@@ -68,6 +88,12 @@ def main() -> None:
         rate = 2 * weights_per_layer * rows * NUM_LAYERS / best / 1e9
         print(f"{args.type} x16, {rows:3d} rows, {args.threads} thread(s): {best * 1e3 / NUM_LAYERS:.3f} ms per layer, "
               f"{rate:.1f} G integer ops/s")
+        if dense:
+            dense_best = _best_time(lambda: [torch.nn.functional.linear(xs[i], w) for w, i in dense],  # noqa: B023
+                                    args.repeats)
+            print(f"float32 F.linear, {rows:3d} rows: {dense_best * 1e3 / NUM_LAYERS:.3f} ms per layer, "
+                  f"{2 * weights_per_layer * rows * NUM_LAYERS / dense_best / 1e9:.1f} GFLOP/s; "
+                  f"{args.type} x16 is {dense_best / best:.2f}x as fast")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import runpy
 import sys
 import time
 
@@ -32,6 +33,18 @@ _result_out = sys.stdout
 def fail(msg: str) -> None:
     print(f"vllm_cpu/run.py: {msg}", file=sys.stderr)
     sys.exit(1)
+
+
+def force_avx2() -> None:
+    """Hold this process and its children to AVX2 (before torch or vllm is imported)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "force_avx2")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    # this process started before PYTHONPATH named the folder: run the file here too
+    runpy.run_path(os.path.join(here, "sitecustomize.py"))
+
+    os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    os.environ["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
 
 
 def main() -> None:
@@ -61,6 +74,11 @@ def main() -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile")
     p.add_argument("--no-detokenize", action="store_true", help="SamplingParams(detokenize=False)")
+    p.add_argument(
+        "--isa", choices=["native", "avx2"], default="native",
+        help="avx2: run vLLM's AVX2 build and hold torch, oneDNN and MKL to AVX2 on an AVX-512 machine "
+        "(force_avx2/sitecustomize.py), to compare with pagedllm's PAGEDLLM_KERNEL_ISA=avx2",
+    )
     args = p.parse_args()
 
     # stdout carries only the result line: vLLM (and its engine-core child process, which
@@ -77,6 +95,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.isa == "avx2":
+        force_avx2()
 
     model_dir = args.model or os.path.join(args.data, "smollm2-135m-f32")
     wl_path = os.path.join(args.data, "workload.json")
@@ -166,6 +186,7 @@ def main() -> None:
         "max_model_len": args.max_model_len,
         "threads_bind": args.threads_bind,
         "enforce_eager": args.enforce_eager,
+        "isa": args.isa,
         "detokenize": detok,
         "load_s": round(load_s, 1),
         "torch": __import__("torch").__version__,
