@@ -23,7 +23,7 @@
 #include <time.h>
 
 #define ITERS 20000000L
-#define NACC 12 /* REP12 */
+#define NACC 12 /* the accumulators of REP12 */
 
 static double now(void) {
     struct timespec t;
@@ -31,85 +31,52 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-/* twelve accumulators as named variables (an array of them would live in memory) */
-#define REP12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+/* twelve accumulators c0..c11 as named variables (an array of them would live in memory) */
+#define REP12(X, ...) X(0, __VA_ARGS__) X(1, __VA_ARGS__) X(2, __VA_ARGS__) X(3, __VA_ARGS__) \
+    X(4, __VA_ARGS__) X(5, __VA_ARGS__) X(6, __VA_ARGS__) X(7, __VA_ARGS__) X(8, __VA_ARGS__) \
+    X(9, __VA_ARGS__) X(10, __VA_ARGS__) X(11, __VA_ARGS__)
+#define DECL(k, TYPE, INIT) TYPE c##k = INIT(k);
+#define STEP(k, INSTR, REG) asm volatile(INSTR " %2, %1, %0" : "+" REG(c##k) : REG(a), REG(b));
+#define FOLD(k, F) s += F(c##k);
 
-/* every loop returns a value built from its accumulators, so none is optimized away */
-__attribute__((target("avx2,fma"))) static float fma_ymm(void) {
-    __m256 a = _mm256_set1_ps(1.0001f), b = _mm256_set1_ps(0.9999f);
-#define DECL(k) __m256 c##k = _mm256_set1_ps((float)k);
-#define STEP(k) asm volatile("vfmadd231ps %2, %1, %0" : "+x"(c##k) : "x"(a), "x"(b));
-#define SUM(k) s += _mm256_cvtss_f32(c##k);
-    REP12(DECL)
-    for (long i = 0; i < ITERS; i++) { REP12(STEP) }
-    float s = 0;
-    REP12(SUM)
-    return s;
-#undef DECL
-#undef STEP
-#undef SUM
-}
+/* NAME: ITERS rounds of one INSTR on each accumulator (TYPE, set by INIT) with the operands a and b (OPERANDS),
+   in registers of class REG ("x": ymm, "v": zmm); returns the accumulators folded by F, so none is optimized away */
+#define PEAK(NAME, TARGET, TYPE, INIT, OPERANDS, INSTR, REG, F) \
+    __attribute__((target(TARGET))) static float NAME(void) {   \
+        OPERANDS;                                               \
+        REP12(DECL, TYPE, INIT)                                 \
+        for (long i = 0; i < ITERS; i++) { REP12(STEP, INSTR, REG) } \
+        float s = 0;                                            \
+        REP12(FOLD, F)                                          \
+        return s;                                               \
+    }
 
+#define PS256(k) _mm256_set1_ps((float)(k))
+#define PS512(k) _mm512_set1_ps((float)(k))
+#define EPI32_512(k) _mm512_set1_epi32(k)
+
+PEAK(fma_ymm, "avx2,fma", __m256, PS256, __m256 a = _mm256_set1_ps(1.0001f); __m256 b = _mm256_set1_ps(0.9999f),
+     "vfmadd231ps", "x", _mm256_cvtss_f32)
+PEAK(fma_zmm, "avx512f", __m512, PS512, __m512 a = _mm512_set1_ps(1.0001f); __m512 b = _mm512_set1_ps(0.9999f),
+     "vfmadd231ps", "v", _mm512_reduce_add_ps)
+PEAK(bf16_zmm, "avx512f,avx512bf16", __m512, PS512,
+     __m512i a = _mm512_set1_epi16(0x3f80); __m512i b = _mm512_set1_epi16(0x3f80), "vdpbf16ps", "v",
+     _mm512_reduce_add_ps)
+PEAK(vnni_zmm, "avx512f,avx512vnni", __m512i, EPI32_512,
+     __m512i a = _mm512_set1_epi8(3); __m512i b = _mm512_set1_epi8(-2), "vpdpbusd", "v", _mm512_reduce_add_epi32)
+
+/* AVX2's 8-bit dot product is three instructions (u8 x s8 pairs to int16, int16 pairs to int32, the sum);
+   12 accumulators + 3 operands leave one of AVX2's 16 registers for the temporary */
 __attribute__((target("avx2"))) static float int8_ymm(void) {
     __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), one = _mm256_set1_epi16(1);
-    /* 12 accumulators + 3 operands leave one of AVX2's 16 registers for the temporaries */
-#define DECL(k) __m256i c##k = _mm256_set1_epi32(k);
-#define STEP(k) { __m256i t; asm volatile("vpmaddubsw %3, %2, %1\n\tvpmaddwd %4, %1, %1\n\tvpaddd %1, %0, %0" \
-                                          : "+x"(c##k), "=&x"(t) : "x"(a), "x"(b), "x"(one)); }
-#define SUM(k) s += _mm256_cvtsi256_si32(c##k);
-    REP12(DECL)
-    for (long i = 0; i < ITERS; i++) { REP12(STEP) }
-    int s = 0;
-    REP12(SUM)
-    return (float)s;
-#undef DECL
-#undef STEP
-#undef SUM
-}
-
-__attribute__((target("avx512f"))) static float fma_zmm(void) {
-    __m512 a = _mm512_set1_ps(1.0001f), b = _mm512_set1_ps(0.9999f);
-#define DECL(k) __m512 c##k = _mm512_set1_ps((float)k);
-#define STEP(k) asm volatile("vfmadd231ps %2, %1, %0" : "+v"(c##k) : "v"(a), "v"(b));
-#define SUM(k) s += _mm512_reduce_add_ps(c##k);
-    REP12(DECL)
-    for (long i = 0; i < ITERS; i++) { REP12(STEP) }
+#define EPI32_256(k) _mm256_set1_epi32(k)
+#define STEP3(k, unused) { __m256i t; asm volatile("vpmaddubsw %3, %2, %1\n\tvpmaddwd %4, %1, %1\n\tvpaddd %1, %0, %0" \
+                                                   : "+x"(c##k), "=&x"(t) : "x"(a), "x"(b), "x"(one)); }
+    REP12(DECL, __m256i, EPI32_256)
+    for (long i = 0; i < ITERS; i++) { REP12(STEP3, 0) }
     float s = 0;
-    REP12(SUM)
+    REP12(FOLD, _mm256_cvtsi256_si32)
     return s;
-#undef DECL
-#undef STEP
-#undef SUM
-}
-
-__attribute__((target("avx512f,avx512bf16"))) static float bf16_zmm(void) {
-    __m512i a = _mm512_set1_epi16(0x3f80), b = _mm512_set1_epi16(0x3f80);
-#define DECL(k) __m512 c##k = _mm512_set1_ps((float)k);
-#define STEP(k) asm volatile("vdpbf16ps %2, %1, %0" : "+v"(c##k) : "v"(a), "v"(b));
-#define SUM(k) s += _mm512_reduce_add_ps(c##k);
-    REP12(DECL)
-    for (long i = 0; i < ITERS; i++) { REP12(STEP) }
-    float s = 0;
-    REP12(SUM)
-    return s;
-#undef DECL
-#undef STEP
-#undef SUM
-}
-
-__attribute__((target("avx512f,avx512vnni"))) static float vnni_zmm(void) {
-    __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
-#define DECL(k) __m512i c##k = _mm512_set1_epi32(k);
-#define STEP(k) asm volatile("vpdpbusd %2, %1, %0" : "+v"(c##k) : "v"(a), "v"(b));
-#define SUM(k) s += _mm512_reduce_add_epi32(c##k);
-    REP12(DECL)
-    for (long i = 0; i < ITERS; i++) { REP12(STEP) }
-    int s = 0;
-    REP12(SUM)
-    return (float)s;
-#undef DECL
-#undef STEP
-#undef SUM
 }
 
 static void report(const char *name, int supported, float (*loop)(void), int macs_per_instr) {
