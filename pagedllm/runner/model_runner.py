@@ -11,6 +11,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention, make_backend
+from pagedllm.layers.gguf_linear import gguf_types_held
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
@@ -52,19 +53,17 @@ KV_DTYPES = {
 }
 
 
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, weight_format: str) -> torch.dtype:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, keeps_gguf_blocks: bool) -> torch.dtype:
     """What the KV cache stores, with "auto" resolved.
 
-    "auto" is the model's ``dtype``, except where the weights stay GGUF blocks
-    (``weight_format`` "gguf:..."): float16 there, llama.cpp's default cache
-    for the same file (and vLLM's, whose GGUF models run in 16 bits). The
+    "auto" is the model's ``dtype``, except where the weights stay GGUF
+    blocks: float16 there, llama.cpp's default cache for the same file. The
     blocks already round the weights far coarser than float16 rounds K and V,
     and decode attention reads half the bytes.
     """
     if kv_cache_dtype != "auto":
         return KV_DTYPES[kv_cache_dtype]
-    return torch.float16 if weight_format.startswith("gguf:") else dtype
+    return torch.float16 if keeps_gguf_blocks else dtype
 
 
 # the most sequences a captured decode step has: past that the Python between kernels is a small share of a step
@@ -124,7 +123,8 @@ class ModelRunner:
         self.weight_format = loaded.weight_format
 
         # what the cache stores; "auto" resolved here, once the weights' format is known
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.weight_format)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
+                                                     keeps_gguf_blocks=bool(gguf_types_held(self.model)))
         self.block_size = config.block_size
         self.num_kv_blocks = decide_num_kv_blocks(
             config, self.local_config, self.kv_cache_dtype, available, self.weight_bytes

@@ -352,13 +352,18 @@ def test_quantized_prefix_cache_hit_and_preemption_give_the_same_tokens(
 def test_auto_cache_is_float16_where_gguf_blocks_are_kept() -> None:
     from pagedllm.runner.model_runner import resolve_kv_cache_dtype
 
-    # llama.cpp's default cache for a GGUF file, whatever its blocks
-    assert resolve_kv_cache_dtype("auto", torch.float32, "gguf:Q4_1+Q8_0") == torch.float16
-    assert resolve_kv_cache_dtype("auto", torch.float32, "gguf:Q4_K+Q6_K") == torch.float16
-    # elsewhere (a float folder, or a GGUF file dequantized: quantization="none") the model's dtype
-    assert resolve_kv_cache_dtype("auto", torch.float32, "float32") == torch.float32
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, "bfloat16") == torch.bfloat16
-    assert resolve_kv_cache_dtype("auto", torch.float32, "int4-g128") == torch.float32
+    # llama.cpp's default cache for a GGUF file kept in its blocks
+    assert resolve_kv_cache_dtype("auto", torch.float32, keeps_gguf_blocks=True) == torch.float16
+    # elsewhere (a float folder, int8/int4 weights, a GGUF file dequantized: quantization="none") the model's dtype
+    assert resolve_kv_cache_dtype("auto", torch.float32, keeps_gguf_blocks=False) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, keeps_gguf_blocks=False) == torch.bfloat16
     # a dtype asked for is kept
-    assert resolve_kv_cache_dtype("float32", torch.float32, "gguf:Q4_1+Q8_0") == torch.float32
-    assert resolve_kv_cache_dtype("int8", torch.float32, "gguf:Q4_1+Q8_0") == torch.int8
+    assert resolve_kv_cache_dtype("float32", torch.float32, keeps_gguf_blocks=True) == torch.float32
+    assert resolve_kv_cache_dtype("int8", torch.float32, keeps_gguf_blocks=True) == torch.int8
+
+
+@pytest.mark.slow
+def test_the_bundled_file_dequantized_keeps_a_float32_cache() -> None:
+    # quantization="none" turns the blocks into float32 weights: "auto" follows dtype again
+    llm = LLM(quantization="none", num_kv_blocks=64, max_model_len=256)
+    assert llm.llm_engine.model_runner.kv_cache.dtype == torch.float32
