@@ -95,16 +95,18 @@ def attend(backend: CpuPagedAttention, q, k, v, k_cache, v_cache, cached: int, c
                            meta, 0.125)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_prefill_and_decode_attention_give_a_token_the_same_bits(head_dim: int) -> None:
-    """batch_invariant: a prompt whole, and the same prompt in chunks over its cached part, bit for bit."""
+def test_prefill_and_decode_attention_give_a_token_the_same_bits(head_dim: int, cache_dtype: torch.dtype) -> None:
+    """batch_invariant: a prompt whole, and the same prompt in chunks over its cached part, bit for bit (on a
+    float32 cache, and the float16 one GGUF files default to)."""
     heads, kv_heads, length, block_size = 9, 3, 70, 16
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(length, heads, head_dim, generator=gen)
     k, v = (torch.randn(length, kv_heads, head_dim, generator=gen) for _ in range(2))
 
     def cache() -> torch.Tensor:
-        return torch.zeros(8, block_size, kv_heads, head_dim)
+        return torch.zeros(8, block_size, kv_heads, head_dim, dtype=cache_dtype)
 
     backend = CpuPagedAttention()
     backend.batch_invariant = True
