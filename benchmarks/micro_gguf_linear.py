@@ -79,12 +79,7 @@ def main() -> None:
             for w, i in layers:  # noqa: B023 (run is called in this iteration only)
                 torch.ops.pagedllm.gguf_linear(xs[i], w, x16, i, None)  # noqa: B023
 
-        run()
-        best = float("inf")
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
+        best = _best_time(run, args.repeats)
         rate = 2 * weights_per_layer * rows * NUM_LAYERS / best / 1e9
         print(f"{args.type} x16, {rows:3d} rows, {args.threads} thread(s): {best * 1e3 / NUM_LAYERS:.3f} ms per layer, "
               f"{rate:.1f} G integer ops/s")
