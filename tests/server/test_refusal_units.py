@@ -105,7 +105,8 @@ def test_both_framing_headers_are_refused_and_either_alone_is_not() -> None:
         assert _feed(head + framing + b"\r\n")[1] is None
 
 
-def test_an_unknown_transfer_coding_keeps_h11s_501() -> None:
+def test_an_unknown_transfer_coding_is_a_400_too() -> None:
     conn, error = _feed(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n")
+    assert error is not None and error.error_status_hint == 501  # h11's hint; every refusal here is a 4xx
     status, body = _protocol_error_body(conn.last_error)
-    assert status == 501 and json.loads(body)["error"]["code"] == "unsupported_transfer_encoding"
+    assert status == 400 and json.loads(body)["error"]["code"] == "unsupported_transfer_encoding"

@@ -24,8 +24,9 @@ the client still sends is read and thrown away, never buffered, until it closes,
 **Framing errors in JSON, and one more refused.** A request h11 cannot
 parse (``Content-Length: -5``, ``1e3``, ``0x10``, a bad chunk size...) was
 answered by uvicorn in plain text ("Invalid HTTP request received."); here
-it gets the OpenAI error body like every other refusal, with h11's status
-(400, or 501 for a transfer coding other than chunked) and h11's reason. A
+it gets the OpenAI error body like every other refusal: a 400 with h11's
+reason (``code`` ``unsupported_transfer_encoding`` for a transfer coding
+other than chunked, where h11 would hint 501). A
 request carrying both ``Transfer-Encoding`` and ``Content-Length`` is refused
 the same way (400): h11 would read it as chunked, but a proxy in front that
 trusts ``Content-Length`` would see another request boundary, the ingredient
@@ -190,13 +191,19 @@ class FramingCheckedConnection(h11.Connection):
 
 
 def _protocol_error_body(error: h11.RemoteProtocolError | None) -> tuple[int, bytes]:
-    """The status and OpenAI-style body of the answer to a request h11 refused."""
-    status = error.error_status_hint if error is not None else 400
+    """The status and OpenAI-style body of the answer to a request h11 refused.
+
+    Always a 4xx: h11 hints 501 for a transfer coding other than chunked, but
+    that is the client's framing too, and every refusal of this server is a
+    4xx (a 5xx reads as the server failing); the code tells the two apart.
+    A 431 hint (headers past h11's buffer) is kept.
+    """
+    hint = error.error_status_hint if error is not None else 400
+    status = hint if 400 <= hint < 500 else 400
     reason = str(error) if error is not None and str(error) else "unparsable request"
-    message = f"invalid HTTP/1.1 request: {reason}"
-    code = "unsupported_transfer_encoding" if status == 501 else "invalid_http_request"
-    err_type = "server_error" if status >= 500 else "invalid_request_error"
-    return status, json.dumps(APIError(status, message, err_type, code).body()).encode()
+    code = "unsupported_transfer_encoding" if hint == 501 else "invalid_http_request"
+    body = APIError(status, f"invalid HTTP/1.1 request: {reason}", "invalid_request_error", code).body()
+    return status, json.dumps(body).encode()
 
 
 class GuardedH11Protocol(H11Protocol):
