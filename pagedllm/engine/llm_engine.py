@@ -510,8 +510,8 @@ class LLMEngine:
         # a sequence whose settings leave no token to sample ends there; its request goes on (n > 1)
         ended: set[int] = set()
         for i, (s, r) in enumerate(zip(output.scheduled, results)):
-            req = self.requests[s.seq.request_id]
-            if isinstance(r.error, NoTokenToSampleError) and req.beam is None:
+            req = self.requests[s.seq.request_id] if isinstance(r.error, NoTokenToSampleError) else None
+            if req is not None and req.beam is None:  # a beam search cannot end one beam alone
                 self._end_without_token(req, s)
                 touched[req.request_id] = req
                 ended.add(i)
