@@ -207,8 +207,8 @@ def _protocol_error_body(error: h11.RemoteProtocolError | None) -> tuple[int, by
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 connection with a header deadline, a cap on connections sending headers, and a
-    lingering close (see the module's docstring). Made per server by ``make_protocol_class``."""
+    """uvicorn's h11 connection with a header deadline, a cap on connections sending headers, a
+    lingering close, and framing errors answered in JSON (see the module's docstring). Made per server by ``make_protocol_class``."""
 
     limits: HTTPLimits
     header_waits: HeaderWaitList
@@ -262,7 +262,8 @@ class GuardedH11Protocol(H11Protocol):
             return
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]
-        for event in (h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status]), h11.Data(data=body), h11.EndOfMessage()):
+        response = h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status])
+        for event in (response, h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
 
