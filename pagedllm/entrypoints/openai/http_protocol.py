@@ -208,7 +208,8 @@ def _protocol_error_body(error: h11.RemoteProtocolError | None) -> tuple[int, by
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 connection with a header deadline, a cap on connections sending headers, a
-    lingering close, and framing errors answered in JSON (see the module's docstring). Made per server by ``make_protocol_class``."""
+    lingering close, and framing errors answered in JSON (see the module's docstring). Made per
+    server by ``make_protocol_class``."""
 
     limits: HTTPLimits
     header_waits: HeaderWaitList
