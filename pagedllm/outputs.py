@@ -24,7 +24,9 @@ class CompletionOutput:
 
     ``finish_reason`` is None while running, then "stop" (EOS, a stop token or
     a stop string; ``stop_reason`` says which) or "length" (max_tokens or the
-    context limit) or "abort".
+    context limit) or "abort", or "no_valid_token" (its sampling settings left
+    no token to sample: ``allowed_token_ids``, ``bad_words``, ``min_tokens``
+    and a structured output that exclude each other only as it runs).
     """
 
     index: int

@@ -281,6 +281,25 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
             )
+        self._check_choice_reaches_min_tokens()
+
+    def _check_choice_reaches_min_tokens(self) -> None:
+        """ValueError when ``min_tokens`` is more than any ``choice`` can take.
+
+        A token the grammar allows is at least one byte of text and EOS is
+        banned until ``min_tokens``, so a choice of k bytes ends within k
+        tokens: past every choice's length the request could only dead-end.
+        Below that it may still (the tokenizer may write a choice in fewer
+        tokens); that sequence then ends with finish reason "no_valid_token".
+        """
+        if self.structured_outputs is None or self.structured_outputs.choice is None or not self.min_tokens:
+            return
+        longest = max(len(c.encode()) for c in self.structured_outputs.choice)
+        if self.min_tokens > longest:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} is more tokens than any structured_outputs.choice can take (the "
+                f"longest is {longest} bytes, and every token is at least one byte)"
+            )
 
     def _check_logits_processors(self) -> None:
         """Validate (and normalise) the penalty, bias, allowed-id, bad-word and min_tokens settings."""

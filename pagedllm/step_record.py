@@ -41,6 +41,23 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 
+class NoTokenToSampleError(ValueError):
+    """A sequence's own sampling settings leave no token it may sample next.
+
+    ``allowed_token_ids`` minus what ``bad_words`` and ``min_tokens`` ban,
+    intersected with a structured output's mask, can be empty at some step
+    although it was not at the first (a ``choice`` that ends before
+    ``min_tokens``). The runner raises it for that sequence alone (its
+    ``StepResult.error``); the engine ends the sequence cleanly with finish
+    reason ``"no_valid_token"``, not as a failed request.
+    """
+
+    def __init__(self, message: str = (
+        "the request's allowed_token_ids, bad_words, min_tokens and structured output leave no token to sample"
+    )) -> None:
+        super().__init__(message)
+
+
 @dataclass(frozen=True, slots=True)
 class LogitsRules:
     """A request's logits processors, resolved against the tokenizer and vocabulary (vLLM's order).

@@ -31,7 +31,7 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
-from pagedllm.engine.step_builder import StepRecordBuilder, logits_rules
+from pagedllm.engine.step_builder import StepRecordBuilder, first_usable_token_ids, logits_rules
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
@@ -47,7 +47,7 @@ from pagedllm.runner.tp_workers import (
 )
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.spec_decode.speculator import Speculator
-from pagedllm.step_record import LogitsRules
+from pagedllm.step_record import LogitsRules, NoTokenToSampleError
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,17 @@ class _GrammarCutDrafts:
 
 class ContextLengthError(ValueError):
     """The prompt, or the prompt plus max_tokens, does not fit in max_model_len."""
+
+
+def _check_first_token(rules: LogitsRules | None, grammar: RequestGrammar | None) -> None:
+    """ValueError when a structured output cannot start with any token ``allowed_token_ids`` leave."""
+    usable = first_usable_token_ids(rules) if rules is not None else None
+    if grammar is None or usable is None or grammar.allows_first(usable):
+        return
+    raise ValueError(
+        "allowed_token_ids leave no token that can start the structured output (after what bad_words and "
+        "min_tokens ban): no token is left to sample"
+    )
 
 
 class LLMEngine:
@@ -291,6 +302,7 @@ class LLMEngine:
         text, ids = self.process_prompt(prompt, params)
         rules = self.logits_rules(params)
         grammar = self.compile_grammar(params)
+        _check_first_token(rules, grammar)
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )
@@ -494,12 +506,25 @@ class LLMEngine:
 
     def _process(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         """Append each sequence's sampled tokens, apply beam steps, and make the step's outputs."""
-        # a sequence that failed alone (its own sampling settings) fails its request only
-        failed = {s.seq.request_id: r.error for s, r in zip(output.scheduled, results) if r.error is not None}
         touched: dict[str, Request] = {}
-        for s, result in zip(output.scheduled, results):
+        # a sequence whose settings leave no token to sample ends there; its request goes on (n > 1)
+        ended: set[int] = set()
+        for i, (s, r) in enumerate(zip(output.scheduled, results)):
+            req = self.requests[s.seq.request_id] if isinstance(r.error, NoTokenToSampleError) else None
+            if req is not None and req.beam is None:  # a beam search cannot end one beam alone
+                self._end_without_token(req, s)
+                touched[req.request_id] = req
+                ended.add(i)
+        # a sequence that failed alone (a bug, a beam's dead end) fails its request only
+        failed = {
+            s.seq.request_id: r.error
+            for i, (s, r) in enumerate(zip(output.scheduled, results)) if r.error is not None and i not in ended
+        }
+        for i, (s, result) in enumerate(zip(output.scheduled, results)):
             if s.is_prefill:
                 self.num_prompt_tokens_computed += s.num_new_tokens
+            if i in ended:
+                continue
             if s.seq.request_id in failed:
                 s.seq.discard_draft_tokens()  # never part of the output
                 continue
@@ -637,6 +662,17 @@ class LLMEngine:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if req.grammar is not None and seq.is_finished:
             req.grammar.release(seq.seq_id)
+
+    def _end_without_token(self, req: Request, s: ScheduledSequence) -> None:
+        """End ``s``'s sequence and forks, whose sampling settings leave no token: finish reason
+        ``"no_valid_token"``, their output as it stands (a client's settings, not a failure)."""
+        for seq in (s.seq, *s.forks):
+            seq.discard_draft_tokens()
+            if not seq.is_finished:
+                seq.stop_reason = None
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_NO_VALID_TOKEN)
+            if req.grammar is not None:
+                req.grammar.release(seq.seq_id)
 
     def _fail_request(self, request_id: str, error: BaseException) -> RequestOutput:
         """End a request whose own computation raised: free its blocks, report it with ``error`` set."""

@@ -30,6 +30,8 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # its sampling settings left no token to sample (allowed_token_ids, bad_words, min_tokens, a grammar)
+    FINISHED_NO_VALID_TOKEN = "no_valid_token"
 
     @property
     def is_finished(self) -> bool:

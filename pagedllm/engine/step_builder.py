@@ -53,6 +53,37 @@ def bad_word_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> 
     return out
 
 
+def always_banned(bad_words: Iterable[tuple[int, ...]]) -> set[int]:
+    """The tokens ``bad_words`` ban at every step: those of one-token words (a longer word's last token is
+    banned only after its other tokens)."""
+    return {word[0] for word in bad_words if len(word) == 1}
+
+
+def first_usable_token_ids(rules: LogitsRules) -> set[int] | None:
+    """The tokens ``rules`` let a sequence sample first (``min_tokens`` bans included); None: any."""
+    if not rules.allowed_token_ids:
+        return None
+    usable = set(rules.allowed_token_ids) - always_banned(rules.bad_words)
+    return usable - set(rules.min_tokens_banned) if rules.min_tokens else usable
+
+
+def _check_something_allowed(
+    allowed: tuple[int, ...], bad_words: tuple[tuple[int, ...], ...], min_tokens_banned: tuple[int, ...]
+) -> None:
+    """ValueError when ``allowed_token_ids`` leave no token to sample, at any step or until ``min_tokens``."""
+    if not allowed:
+        return  # the whole vocabulary: bad_words cannot ban it all
+    usable = set(allowed) - always_banned(bad_words)
+    if not usable:
+        raise ValueError(
+            f"allowed_token_ids {list(allowed)[:5]} are all banned by bad_words: no token is left to sample"
+        )
+    if min_tokens_banned and not usable - set(min_tokens_banned):
+        raise ValueError(
+            "min_tokens would ban every token in allowed_token_ids that bad_words leave (EOS and stop_token_ids)"
+        )
+
+
 def logits_rules(
     params: SamplingParams, encode: Callable[[str], list[int]], eos_token_ids: Iterable[int], vocab_size: int
 ) -> LogitsRules | None:
@@ -74,8 +105,7 @@ def logits_rules(
     banned: tuple[int, ...] = ()
     if params.min_tokens:
         banned = tuple(sorted({t for t in (*eos_token_ids, *(params.stop_token_ids or ())) if 0 <= t < vocab_size}))
-        if allowed and set(allowed) <= set(banned):
-            raise ValueError("min_tokens would ban every token in allowed_token_ids (EOS and stop_token_ids)")
+    _check_something_allowed(allowed, bad_words, banned)
     return LogitsRules(
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),

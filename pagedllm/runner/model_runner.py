@@ -38,7 +38,7 @@ from pagedllm.runner.sampler import (
     token_logprobs,
 )
 from pagedllm.runner.sequence_states import SequenceStates
-from pagedllm.step_record import SamplingSpec, SequenceStep, StepRecord
+from pagedllm.step_record import NoTokenToSampleError, SamplingSpec, SequenceStep, StepRecord
 
 logger = logging.getLogger(__name__)
 # what each kv_cache_dtype stores: a float dtype, or int8 / fp8 values or int4 nibbles (uint8) with their
@@ -249,11 +249,11 @@ class ModelRunner:
             sample_from, changed = processed
             argmax = stats.argmax.clone()
             argmax[changed] = sample_from[changed].argmax(dim=-1)
-        # a row with nothing left to sample (a constraint and processors that exclude each other)
-        # fails rather than sampling a banned token; the greedy token is -inf only then
+        # a row with nothing left to sample (its settings exclude every token, e.g. a choice shorter than
+        # min_tokens) ends rather than sampling a banned token; the greedy token is -inf only then
         best = sample_from.gather(1, argmax.unsqueeze(1)).squeeze(1)  # [R]
         if bool(torch.isneginf(best).any()):
-            raise ValueError("the structured output constraint and the logits processors leave no token to sample")
+            raise NoTokenToSampleError()
         tokens = self.sampler(sample_from, self._sampling_tensors(specs, uniforms), argmax=argmax)
         return token_logprobs(logits, tokens, [p.num_top_logprobs for p in specs], lse=stats.lse)
 
@@ -406,6 +406,9 @@ class ModelRunner:
             result.samples = token_logprobs(
                 rows, tokens, [step.sampling.num_top_logprobs] * len(emitted), lse=logit_stats(rows).lse
             )
+        except NoTokenToSampleError as e:  # its own settings: it ends (the engine's _end_without_token)
+            logger.info("sequence %s has no token left to sample", step.request_id)
+            result.error = e
         except Exception as e:  # this sequence's alone
             logger.exception("sequence %s failed while verifying drafts", step.request_id)
             result.error = e
@@ -429,7 +432,7 @@ class ModelRunner:
         processed = apply_logits_rules(logits, [rules] * num_rows, prompts, outputs)
         sample_from = logits if processed is None else processed[0]
         if bool(torch.isneginf(sample_from.max(dim=-1).values).any()):
-            raise ValueError("the structured output constraint and the logits processors leave no token to sample")
+            raise NoTokenToSampleError()
         return sample_from
 
     def _sample_step(self, logits: torch.Tensor, steps: list[SequenceStep], results: list[StepResult]) -> None:
@@ -474,6 +477,9 @@ class ModelRunner:
                 results[i].samples = self._sample(
                     logits[mine], [specs[r] for r in mine], [uniforms[r] for r in mine], history.select(mine)
                 )
+            except NoTokenToSampleError as e:  # the request's own settings: it ends, nothing failed
+                logger.info("sequence %s has no token left to sample", steps[i].request_id)
+                results[i].error = e
             except Exception as e:
                 logger.exception("sequence %s failed while sampling", steps[i].request_id)
                 results[i].error = e

@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -260,6 +261,15 @@ class RequestGrammar:
         if not matcher.fill_next_token_bitmask(self._row, 0):
             return b""
         return self._row.tobytes()
+
+    def allows_first(self, token_ids: Iterable[int]) -> bool:
+        """Whether the grammar lets an output start with any of ``token_ids`` (a fresh matcher's mask)."""
+        matcher = xgrammar().GrammarMatcher(self.compiled)
+        row = np.empty_like(self._row)
+        if not matcher.fill_next_token_bitmask(row, 0):
+            return True  # every token is allowed
+        words = row[0].view(np.uint32)  # bit i of word w: token 32w + i
+        return any(t < self.vocab_size and (int(words[t >> 5]) >> (t & 31)) & 1 for t in token_ids)
 
     def _walk_drafts(self, seq: GrammarSequence, num_output: int, drafts: list[int]) -> list[bytes]:
         """The masks plain decoding would apply at each draft position: mask j is the grammar's after drafts

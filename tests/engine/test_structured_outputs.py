@@ -21,7 +21,6 @@ import torch
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.sequence import Sequence
-from pagedllm.entrypoints.llm import RequestFailedError
 from pagedllm.runner.logits_processors import apply_token_bitmasks
 from pagedllm.runner.structured_output import RequestGrammar, choice_grammar
 
@@ -177,17 +176,27 @@ def test_logit_bias_chooses_among_what_the_grammar_allows(llm, prompt):
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text in ("red", "green", "blue")
 
 
-def test_constraint_and_allowed_ids_that_exclude_each_other_fail_that_request_only(llm, prompt):
+def test_constraint_and_allowed_ids_that_exclude_each_other_are_refused_up_front(llm, prompt):
     tok = llm.get_tokenizer()
     letters = tok.encode(" hello world", add_special_tokens=False)
     bad = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=letters,
                          structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    with pytest.raises(ValueError, match="leave no token that can start the structured output"):
+        llm.generate(prompt, bad, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_constraint_that_dead_ends_on_the_allowed_ids_ends_that_sequence_only(llm, prompt):
+    tok = llm.get_tokenizer()
+    (one,) = tok.encode("1", add_special_tokens=False)
+    # "1" three times, then the grammar wants EOS, which the allowed ids leave out: nothing to sample
+    dead_end = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[one],
+                              structured_outputs=StructuredOutputsParams(regex="1{3}"))
     good = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
-    with pytest.raises(RequestFailedError) as info:
-        llm.generate([prompt, prompt], [bad, good], use_tqdm=False)
-    failed, ok = info.value.outputs
-    assert "leave no token" in failed.error
+    ended, ok = llm.generate([prompt, prompt], [dead_end, good], use_tqdm=False)
+    assert ended.outputs[0].text == "111" and ended.outputs[0].finish_reason == "no_valid_token"
     assert ok.error is None and re.fullmatch("[0-9]+", ok.outputs[0].text)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 # --- forks and preemption ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ the KV pool is small enough that they preempt each other.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -157,6 +159,58 @@ def test_fuzzed_requests_get_no_5xx_and_follow_the_schema(api_schema: schemathes
         assert 200 in statuses["POST /v1/completions"] and 200 in statuses["POST /v1/chat/completions"]
     else:
         assert all(code < 500 for codes in statuses.values() for code in codes)
+
+
+SURROGATE_EXAMPLES = 25  # per operation with a body: ~100 requests, most refused at validation
+
+
+def _with_surrogates(value: object, data: st.DataObject, found: list[int]) -> object:
+    """``value`` with lone surrogates drawn into some of its strings and object keys (``found`` counts them)."""
+    if isinstance(value, str):
+        if not data.draw(st.booleans()):
+            return value
+        found.append(1)
+        at = data.draw(st.integers(0, len(value)))
+        return value[:at] + chr(data.draw(st.integers(0xD800, 0xDFFF))) + value[at:]
+    if isinstance(value, list):
+        return [_with_surrogates(v, data, found) for v in value]
+    if isinstance(value, dict):
+        return {_with_surrogates(k, data, found): _with_surrogates(v, data, found) for k, v in value.items()}
+    return value
+
+
+def test_fuzzed_bodies_with_lone_surrogates_get_no_5xx(fuzz_server: dict, api_schema: schemathesis.BaseSchema) -> None:
+    """Schema-valid bodies with lone UTF-16 surrogates drawn into their strings and keys: never a 5xx, and
+    a 400 in OpenAI's shape whenever one is there. Sent by hand as JSON with ``\\udXXX`` escapes (as a
+    client's encoder writes them): schemathesis re-validates a changed body and cannot encode one."""
+    num_with = 0
+    for result in api_schema.get_all_operations():
+        operation = result.ok()
+        if not len(operation.body):
+            continue
+
+        @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE), data=st.data())
+        @settings(
+            max_examples=SURROGATE_EXAMPLES, deadline=None, derandomize=True, database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        def fuzz(case: schemathesis.Case, data: st.DataObject) -> None:
+            nonlocal num_with
+            found: list[int] = []
+            body = json.dumps(_with_surrogates(case.body, data, found))  # ensure_ascii: escapes
+            response = httpx.request(
+                case.method, f"{fuzz_server['url']}{case.formatted_path}", content=body.encode(),
+                headers={"Content-Type": "application/json"}, timeout=120,
+            )
+            assert response.status_code < 500, response.text
+            assert response.headers["content-type"].startswith(("application/json", "text/event-stream"))
+            if found:
+                num_with += 1
+                err = response.json()["error"]
+                assert response.status_code == 400 and "lone surrogate" in err["message"], response.text
+
+        fuzz()
+    assert num_with >= 20  # the draws did put surrogates in
 
 
 def test_the_pool_is_whole_after_fuzzing(fuzz_server: dict) -> None:

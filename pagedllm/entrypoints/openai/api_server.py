@@ -40,7 +40,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -54,14 +54,15 @@ from pagedllm.clients.metrics import ServerMetrics
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai.engine_errors import server_error
 from pagedllm.entrypoints.openai.guards import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     HostCheckMiddleware,
     require_json,
 )
+from pagedllm.entrypoints.openai.json_response import OpenAIJSONResponse
 from pagedllm.entrypoints.openai.kv_page import add_kv_routes
+from pagedllm.entrypoints.openai.last_resort import LastResortMiddleware
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -121,31 +122,26 @@ def _add_guards(app: FastAPI, settings: ServerSettings) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's body: ours, FastAPI's validation (400, never 422), routing, bugs."""
+    """Every error as OpenAI's body: ours, FastAPI's validation (400, never 422), routing, bugs.
+    A bug's 500 is ``LastResortMiddleware``'s (outermost: the guards' bugs too), which keeps the connection."""
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+    async def api_error(request: Request, exc: APIError) -> OpenAIJSONResponse:
+        return OpenAIJSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, exc: RequestValidationError) -> OpenAIJSONResponse:
         err = describe_validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), status_code=err.status_code)
+        return OpenAIJSONResponse(err.body(), status_code=err.status_code)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> OpenAIJSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         err = APIError(exc.status_code, str(exc.detail), kind, None)
         if exc.status_code == 400 and exc.__cause__ is not None:
             # FastAPI's "error parsing the body": bytes that are not UTF-8 JSON
             err = APIError(400, f"the request body is not valid JSON: {exc.__cause__}", kind, "invalid_json")
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error in %s", request.url.path)
-        err = server_error(f"internal error: {type(exc).__name__}")
-        return JSONResponse(err.body(), status_code=500)
+        return OpenAIJSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 def _add_docs(app: FastAPI) -> None:
@@ -216,11 +212,12 @@ def build_app(
 
     app = FastAPI(
         title="pagedllm", summary="An OpenAI-compatible LLM server", lifespan=lifespan, docs_url=None,
-        redoc_url=None,
+        redoc_url=None, default_response_class=OpenAIJSONResponse,
     )
     _add_docs(app)
     _add_guards(app, settings)
     _add_error_handlers(app)
+    app.add_middleware(LastResortMiddleware)  # added last: outermost
     _openapi_without_422(app, engine.model_config.vocab_size)
     prompts = PromptEncoder(engine, tokenizer)
     name = settings.model_name
@@ -295,10 +292,10 @@ def _add_info_routes(
         is shutting down."""
         if not async_engine.is_alive or async_engine.draining:
             err = APIError(503, "the engine is not running", "server_error", "engine_unavailable")
-            return JSONResponse(err.body(), status_code=503)
+            return OpenAIJSONResponse(err.body(), status_code=503)
         report = async_engine.health_report()
         if report is not None:
-            return JSONResponse(report)
+            return OpenAIJSONResponse(report)
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={404: _ERRORS[404]})

@@ -28,9 +28,9 @@ import hmac
 import ipaddress
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pagedllm.entrypoints.openai.json_response import OpenAIJSONResponse
 from pagedllm.entrypoints.openai.protocol import APIError
 
 # the default --max-request-bytes: a 128-prompt batch of 2048 token ids is under 2 MiB
@@ -64,7 +64,7 @@ def _host_name(header: str) -> str:
 
 
 async def _send_error(scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
-    await JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)(scope, receive, send)
+    await OpenAIJSONResponse(err.body(), status_code=err.status_code, headers=err.headers)(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

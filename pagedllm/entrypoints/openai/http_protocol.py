@@ -21,6 +21,18 @@ the client still sends is read and thrown away, never buffered, until it closes,
 ``LINGER_IDLE_S``; then the socket closes. nginx and Apache do the same
 ("lingering close").
 
+**Framing errors in JSON, and one more refused.** A request h11 cannot
+parse (``Content-Length: -5``, ``1e3``, ``0x10``, a bad chunk size...) was
+answered by uvicorn in plain text ("Invalid HTTP request received."); here
+it gets the OpenAI error body like every other refusal: a 400 with h11's
+reason (``code`` ``unsupported_transfer_encoding`` for a transfer coding
+other than chunked, where h11 would hint 501). A
+request carrying both ``Transfer-Encoding`` and ``Content-Length`` is refused
+the same way (400): h11 would read it as chunked, but a proxy in front that
+trusts ``Content-Length`` would see another request boundary, the ingredient
+of request smuggling; RFC 9112 section 6.3 lets a server reject it. Either
+answer closes the connection: its framing can no longer be trusted.
+
 Only the h11 protocol is extended: the server runs it even where ``httptools``
 is installed.
 """
@@ -35,7 +47,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import (
+    DEFAULT_MAX_INCOMPLETE_EVENT_SIZE,
+    STATUS_PHRASES,
+    H11Protocol,
+)
 
 from pagedllm.entrypoints.openai.protocol import APIError
 
@@ -144,15 +160,66 @@ def _timeout_response(message: str) -> bytes:
     return head.encode("latin-1") + body
 
 
+def _has_both_framings(request: h11.Request) -> bool:
+    """Whether a request declares its body both chunked and by ``Content-Length`` (h11 lowercases names)."""
+    names = {name for name, _ in request.headers}
+    return b"transfer-encoding" in names and b"content-length" in names
+
+
+class FramingCheckedConnection(h11.Connection):
+    """h11's server connection that also refuses a request with both framing headers, and keeps the
+    last error it raised (uvicorn's handler gets no exception to describe)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_error: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> Any:
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as e:
+            self.last_error = e
+            raise
+        if isinstance(event, h11.Request) and _has_both_framings(event):
+            # h11 is now reading the body as chunked; the answer closes the connection, so it never does
+            self.last_error = h11.RemoteProtocolError(
+                "the request has both Transfer-Encoding and Content-Length headers (RFC 9112 section 6.3: "
+                "a request smuggling risk); send one of them", 400,
+            )
+            raise self.last_error
+        return event
+
+
+def _protocol_error_body(error: h11.RemoteProtocolError | None) -> tuple[int, bytes]:
+    """The status and OpenAI-style body of the answer to a request h11 refused.
+
+    Always a 4xx: h11 hints 501 for a transfer coding other than chunked, but
+    that is the client's framing too, and every refusal of this server is a
+    4xx (a 5xx reads as the server failing); the code tells the two apart.
+    A 431 hint (headers past h11's buffer) is kept.
+    """
+    hint = error.error_status_hint if error is not None else 400
+    status = hint if 400 <= hint < 500 else 400
+    reason = str(error) if error is not None and str(error) else "unparsable request"
+    code = "unsupported_transfer_encoding" if hint == 501 else "invalid_http_request"
+    body = APIError(status, f"invalid HTTP/1.1 request: {reason}", "invalid_request_error", code).body()
+    return status, json.dumps(body).encode()
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 connection with a header deadline, a cap on connections sending headers, and a
-    lingering close (see the module's docstring). Made per server by ``make_protocol_class``."""
+    """uvicorn's h11 connection with a header deadline, a cap on connections sending headers, a
+    lingering close, and framing errors answered in JSON (see the module's docstring). Made per
+    server by ``make_protocol_class``."""
 
     limits: HTTPLimits
     header_waits: HeaderWaitList
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.conn = FramingCheckedConnection(  # uvicorn's, with the framing check
+            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_event_size
+            if self.config.h11_max_incomplete_event_size is not None else DEFAULT_MAX_INCOMPLETE_EVENT_SIZE,
+        )
         self._raw: asyncio.Transport = None  # type: ignore[assignment]  # set in connection_made, like uvicorn's
         self._header_timer: asyncio.TimerHandle | None = None
         self._lingering = False
@@ -185,6 +252,21 @@ class GuardedH11Protocol(H11Protocol):
         self._stop_header_timer()
         self._stop_lingering()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 refused, as an OpenAI JSON error (``_protocol_error_body``)."""
+        status, body = _protocol_error_body(self.conn.last_error)
+        logger.info("refusing a request from %s: %s", self.client, self.conn.last_error)
+        self._stop_header_timer()
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.close()  # an answer is under way: the connection can only end
+            return
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        response = h11.Response(status_code=status, headers=headers, reason=STATUS_PHRASES[status])
+        for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     # --- headers -------------------------------------------------------------------------
 

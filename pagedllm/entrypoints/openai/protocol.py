@@ -25,9 +25,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException
 
+from pagedllm.entrypoints.openai.json_response import find_lone_surrogate
 from pagedllm.entrypoints.openai.tool_choice import ToolRequestError, ToolSpec
 from pagedllm.entrypoints.openai.tool_messages import ToolMessageError, to_template_messages
 from pagedllm.runner.grammar_limits import GrammarLimits
@@ -138,6 +140,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# pydantic's error type for a string that is not Unicode text (``_describe`` turns it into the 400)
+LONE_SURROGATE = "lone_surrogate"
+
+
+class _Body(_Strict):
+    """A request body: every string in it, object keys included, must be Unicode text.
+
+    Checked once over the whole body before any field is validated, so every
+    route and field refuses a lone UTF-16 surrogate the same way (a 400 naming
+    where it is), and no later step (the model's 404, a validation message
+    quoting the value, the tokenizer) ever meets one.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data)
+        if found is not None:
+            where, index = found
+            raise PydanticCustomError(
+                LONE_SURROGATE, "{where} is not valid UTF-8 text: a lone surrogate at position {index}",
+                {"where": where, "index": index},
+            )
+        return data
+
+
 class StreamOptions(_Strict):
     """``stream_options``: only ``include_usage`` is defined by OpenAI."""
 
@@ -190,7 +218,7 @@ _STREAM_OPTIONS_RULE = {"anyOf": [
 ]}
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Body):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE]})
@@ -541,7 +569,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         raise bad_request(str(e), "messages", e.code) from e
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """``POST /tokenize``: a prompt, or a conversation rendered by the chat template."""
 
     # exactly one of prompt and messages (checked by the handler); what the schema says of it
@@ -558,7 +586,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     """``POST /detokenize``."""
 
     model: str | None = None
@@ -610,6 +638,9 @@ def describe_validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 def _describe(first: dict[str, Any]) -> tuple[str, str | None, str]:
     """(message, param, code) for the first field at fault."""
+    if first["type"] == LONE_SURROGATE:
+        where = first["ctx"]["where"]
+        return first["msg"], where.split(".", 1)[0].split("[", 1)[0] if " " not in where else None, "invalid_value"
     if first["type"] == "json_invalid":
         reason = first.get("ctx", {}).get("error", first["msg"])
         return f"the request body is not valid JSON: {reason}", None, "invalid_json"

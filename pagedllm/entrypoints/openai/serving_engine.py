@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from pagedllm.engine.protocol import (
     EngineClient,
@@ -19,6 +18,7 @@ from pagedllm.engine.protocol import (
     RequestStream,
 )
 from pagedllm.entrypoints.openai.engine_errors import engine_failure, to_api_error
+from pagedllm.entrypoints.openai.json_response import OpenAIJSONResponse
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import APIError, bad_request
 from pagedllm.entrypoints.openai.sse import watch_disconnect
@@ -93,7 +93,7 @@ class OpenAIServing:
 
     async def wait_all(
         self, request: Request, sub: RequestStream, make_response: Callable[[list[RequestOutput]], dict[str, Any]]
-    ) -> JSONResponse:
+    ) -> OpenAIJSONResponse:
         """Wait for every prompt of a non-streamed request; abort if the client leaves."""
         watcher = asyncio.create_task(watch_disconnect(request, sub.abort))
         final: dict[int, RequestOutput] = {}
@@ -108,7 +108,7 @@ class OpenAIServing:
             sub.abort()  # no-op unless something above failed
         if len(final) < len(sub.streams):  # the client left; nobody reads this
             raise APIError(499, "the client closed the request", "invalid_request_error", "client_closed")
-        return JSONResponse(make_response([final[i] for i in range(len(sub.streams))]))
+        return OpenAIJSONResponse(make_response([final[i] for i in range(len(sub.streams))]))
 
 
 def check_model(name: str | None, served: str) -> None:
