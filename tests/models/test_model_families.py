@@ -207,3 +207,20 @@ def test_layer_without_rope_norms_only_in_either_implementation(with_norms: bool
     assert torch.equal(qkv, before)  # copies: v and the rest of qkv untouched
     torch.testing.assert_close(native_q, q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(native_k, k, rtol=1e-5, atol=1e-5)
+
+
+def test_every_registered_family_is_a_decoder_spec_on_the_shared_blocks() -> None:
+    """A family file holds a ``decoder_spec``; its layers are the shared ones (no attention or MLP of its own)."""
+    from pagedllm.layers.decoder import DecoderLayer
+    from pagedllm.layers.mlp import GatedMLP
+    from pagedllm.layers.self_attention import SelfAttention
+
+    backend = make_backend("reference", "cpu", torch.float32)
+    for family in MODEL_REGISTRY.families:
+        assert issubclass(family.model_class, CausalLM), family.model_class
+        architecture = "gemma3" if family.model_class is Gemma3ForCausalLM else "llama"
+        with torch.device("meta"):
+            model = family.model_class(_arch(architecture=architecture), backend)
+        layer = model.model.layers[0]
+        assert type(layer) is DecoderLayer
+        assert type(layer.self_attn) is SelfAttention and type(layer.mlp) is GatedMLP
