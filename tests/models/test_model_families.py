@@ -37,14 +37,24 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(100, 49000) for _ in range(n)] for n in (1, 6, 19)]
 
 
-def _save_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer, hidden_act: str, name: str) -> str:  # noqa: ANN001
-    """A tiny random Llama with ``hidden_act`` (transformers' LlamaConfig), saved with the tokenizer."""
+def _save_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer, hidden_act: str, name: str,  # noqa: ANN001
+                attention_bias: bool = False) -> str:
+    """A tiny random Llama with ``hidden_act`` (transformers' LlamaConfig), saved with the tokenizer.
+
+    With ``attention_bias`` the biases are random too (transformers starts them at zero, which would hide
+    a bias left out).
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
     config = _tiny_config("llama")
     config.hidden_act = hidden_act
+    config.attention_bias = attention_bias
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -73,6 +83,15 @@ def test_llama_honours_hidden_act(hidden_act: str, tmp_path_factory, smollm_toke
     assert want != _hf_tokens(path, prompts, hidden_act="silu")  # the activation shows in the tokens
     llm = LLM(path, num_kv_blocks=64, max_model_len=128, block_size=8)
     assert _greedy(llm, prompts) == want
+
+
+def test_llama_attention_bias_on_qkv_and_output_matches_transformers(tmp_path_factory, smollm_tokenizer) -> None:  # noqa: ANN001
+    """transformers' Llama biases q, k, v and o with ``attention_bias`` (refused for o_proj's bias before)."""
+    path = _save_llama(tmp_path_factory, smollm_tokenizer, "silu", "llama-bias", attention_bias=True)
+    prompts = _prompts()
+    llm = LLM(path, num_kv_blocks=64, max_model_len=128, block_size=8)
+    assert llm.llm_engine.model_runner.model.model.layers[0].self_attn.o_proj.bias is not None
+    assert _greedy(llm, prompts) == _hf_tokens(path, prompts)
 
 
 class ExactGeluLlama(CausalLM):
