@@ -1,1 +1,1 @@
-"""Building blocks the models are written from: linear methods, attention backends, norms, rotary embeddings, activations."""
+"""Building blocks the model families are written from: attention, MLP, norms, RoPE, the decoder; linear methods."""

@@ -1,4 +1,4 @@
-"""Gated activations: ``act(gate) * up`` over rows ``[gate | up]``."""
+"""Gated activations: ``act(gate) * up`` over rows ``[gate | up]``, chosen by the checkpoint's activation name."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class GeluAndMul(nn.Module):
     """``gelu(gate) * up`` for ``x`` ``[num_tokens, 2 * inter]`` -> ``[num_tokens, inter]`` (Gemma's MLP).
 
     ``approximate``: "tanh" (transformers' ``gelu_pytorch_tanh``, Gemma's
-    default) or "none" (exact erf GELU). Plain torch: there is no native kernel.
+    default) or "none" (exact erf GELU, transformers' ``gelu``). Plain torch:
+    there is no native kernel.
     """
 
     def __init__(self, approximate: str = "tanh") -> None:
@@ -41,3 +42,33 @@ class GeluAndMul(nn.Module):
         """``gelu(gate) * up`` in torch ops."""
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate=self.approximate) * up
+
+
+class ReluAndMul(nn.Module):
+    """``relu(gate) * up`` for ``x`` ``[num_tokens, 2 * inter]`` -> ``[num_tokens, inter]``. Plain torch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(gate) * up`` in torch ops."""
+        gate, up = x.chunk(2, dim=-1)
+        return nn.functional.relu(gate) * up
+
+
+# transformers' activation names (ACT2FN keys) -> the gated layer computing the same function
+GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The ``act(gate) * up`` layer for the checkpoint's ``hidden_act`` / ``hidden_activation`` ``name``.
+
+    Raises ValueError naming an activation no layer computes (and the
+    supported ones), rather than running another function in its place.
+    """
+    if name in ("silu", "swish"):  # transformers' "swish" is SiLU
+        return SiluAndMul()
+    if name == "gelu":
+        return GeluAndMul("none")
+    if name == "gelu_pytorch_tanh":
+        return GeluAndMul("tanh")
+    if name == "relu":
+        return ReluAndMul()
+    raise ValueError(f"unsupported hidden activation {name!r}; supported: {GATED_ACTIVATIONS}")

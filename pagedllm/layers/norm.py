@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,18 @@ from torch import nn
 
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.native_ops import NativeOps
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """Which RMSNorm a model uses: its epsilon and whether the weight is stored as an offset from 1 (Gemma)."""
+
+    eps: float
+    unit_offset: bool = False
+
+    def build(self, dim: int) -> RMSNorm:
+        """An ``RMSNorm`` of this kind over ``dim`` features."""
+        return RMSNorm(dim, self.eps, self.unit_offset)
 
 
 class RMSNorm(CustomOp):

@@ -26,6 +26,10 @@ class QKNormRotary(CustomOp):
     - native: norms and rotation in place on the q and k of ``qkv``, one
       pass (``NativeOps.qk_norm_rope_``); q and k are views of ``qkv``.
 
+    ``rotate=False`` (a layer without RoPE, SmolLM3's every fourth): the
+    norms only, on copies of q and k, in either implementation; ``cos_sin``
+    is then ignored (None).
+
     The norms are the attention's modules (their weights load under the
     checkpoint's names, ``self_attn.q_norm.weight``); this layer uses them
     without owning them, and selects their implementation with its own.
@@ -33,7 +37,7 @@ class QKNormRotary(CustomOp):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int,
-        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotate: bool = True,
     ) -> None:
         if (q_norm is None) != (k_norm is None):
             raise ValueError("QKNormRotary takes both q_norm and k_norm, or neither")
@@ -43,9 +47,12 @@ class QKNormRotary(CustomOp):
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
+        self.rotate = rotate
         # a tuple, not attributes: nn.Module would register the norms here as well as on the
         # attention, and their parameters would get a second name
         self._norms: tuple[RMSNorm, RMSNorm] | None = None if q_norm is None else (q_norm, k_norm)
+        if not rotate:  # chosen here and again by select_impl: the same path in either implementation
+            self._forward_impl = self._forward_unrotated
 
     def select_impl(self, ops: NativeOps | None) -> None:
         """Run through ``ops`` from now on (None: plain torch), the q/k norms too; after the weights are loaded."""
@@ -54,6 +61,18 @@ class QKNormRotary(CustomOp):
             for norm in self._norms:
                 norm.select_impl(ops)
         super().select_impl(ops)
+        if not self.rotate:
+            self._forward_impl = self._forward_unrotated
+
+    def _forward_unrotated(self, qkv: torch.Tensor, cos_sin: CosSin | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k of ``qkv``, per-head normed (copies) where the model has q/k norms; no rotation."""
+        q = qkv[:, : self.q_size]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
+        if self._norms is not None:
+            # whole heads as rows: the norms' own implementation (native rows or torch) over copies
+            q_norm, k_norm = self._norms
+            q, k = q_norm(q.reshape(-1, self.head_dim)), k_norm(k.reshape(-1, self.head_dim))
+        return q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
 
     def forward_native(self, qkv: torch.Tensor, cos_sin: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms and RoPE in place on ``qkv``'s q and k heads, one native pass; q and k are views of ``qkv``."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -162,3 +163,39 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by its tokens' angles."""
         cos, sin = cos_sin
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One RoPE table: head size, positions covered, base and scaling (``RotaryEmbedding``'s arguments)."""
+
+    head_dim: int
+    max_position: int
+    theta: float
+    scaling: Mapping[str, Any] | None = None
+
+    def build(self) -> RotaryEmbedding:
+        """The table this spec describes."""
+        return RotaryEmbedding(self.head_dim, self.max_position, self.theta, self.scaling)
+
+
+class RotaryTables(nn.Module):
+    """A model's RoPE tables by name, one per way its layers rotate (Gemma 3: "full" and "local" bases).
+
+    ``cos_sin`` looks the step's positions up once per table, for every
+    layer that reads it; ``build_tables`` fills them all (the runner calls
+    it after moving the model).
+    """
+
+    def __init__(self, specs: Mapping[str, RopeSpec]) -> None:
+        super().__init__()
+        self.tables = nn.ModuleDict({name: spec.build() for name, spec in specs.items()})
+
+    def build_tables(self) -> None:
+        """Fill every cos/sin table (again after a model built on the meta device)."""
+        for table in self.tables.values():
+            table.build_tables()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Table name -> cos and signed sin of the step's positions (``RotaryEmbedding.cos_sin``)."""
+        return {name: table.cos_sin(positions, dtype) for name, table in self.tables.items()}

@@ -22,11 +22,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from pagedllm.loader.model_config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from pagedllm.loader.model_config import ModelArchConfig
 
-# Gemma 3 loads from Hugging Face folders only: its GGUF tensor names and norm
-# weights (llama.cpp stores 1 + w) are not mapped here
-GGUF_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES if a != "gemma3")
+# Which general.architecture values a model runs is models/registry.py's to say (Gemma 3, for one, loads
+# from Hugging Face folders only: its GGUF norm weights, stored as 1 + w, are not mapped here). The
+# metadata below is read under any architecture's prefix; a tensor with no Hugging Face name is refused
+# when it is read.
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -38,6 +39,7 @@ _LAYER_NAMES = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -49,6 +51,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# metadata every decoder's GGUF file carries under its architecture's prefix
+_REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -222,14 +226,17 @@ def _yarn_scaling(key: Callable[[str], object], factor: object) -> dict[str, obj
 def read_config(reader: GGUFReader) -> ModelArchConfig:
     """Architecture facts from the GGUF metadata."""
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {GGUF_ARCHITECTURES}")
+    if not isinstance(arch, str) or not arch:
+        raise ValueError(f"GGUF file has no general.architecture (got {arch!r})")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
 
     def key(name: str, default: object = None) -> object:
         return _field(reader, f"{arch}.{name}", default)
 
+    missing = [f"{arch}.{k}" for k in _REQUIRED_KEYS if key(k) is None]
+    if missing:
+        raise ValueError(f"GGUF file (architecture {arch!r}) lacks {missing}")
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     vocab = key("vocab_size")
@@ -254,6 +261,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
         eos_token_ids=() if eos is None else (int(eos),),
+        checkpoint_format="gguf",
     )
 
 
@@ -263,13 +271,16 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name_or_none(gguf_name: str) -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if m:
         suffix = _LAYER_NAMES.get(m.group(2))
-        name = None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
-    else:
-        name = _GLOBAL_NAMES.get(gguf_name)
+        return None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
+    return _GLOBAL_NAMES.get(gguf_name)
+
+
+def _hf_name(gguf_name: str, path: str) -> str:
+    name = _hf_name_or_none(gguf_name)
     if name is None:
         raise ValueError(f"unexpected tensor {gguf_name!r} in {path}")
     return name
@@ -288,10 +299,13 @@ class GGUFWeights:
     def __init__(self, path: str, config: ModelArchConfig) -> None:
         self.path, self.config = path, config
         reader = open_reader(path)
+        # a tensor with no Hugging Face name is refused when it is read, after the model registry has had its
+        # say on the architecture (the clearer error for a family not supported)
         self.quantized: dict[str, int] = {
-            _hf_name(t.name, path): int(t.tensor_type)
+            name: int(t.tensor_type)
             for t in reader.tensors
             if len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32
+            and (name := _hf_name_or_none(t.name)) is not None
         }
         self.keep: set[str] = set()
 

@@ -11,7 +11,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# how a checkpoint was written: a Hugging Face folder (config.json) or a GGUF file
+CHECKPOINT_FORMATS = ("hf", "gguf")
 # the rope_types transformers' ROPE_INIT_FUNCTIONS computes (plus "default") that this table design was
 # checked against; a type a later transformers adds is refused until it is (it may depend on the sequence,
 # as dynamic and longrope do)
@@ -35,13 +36,19 @@ def check_rope_type(scaling: Mapping[str, Any] | None) -> str:
 
 SUPPORTED_ROPE_SCALING = SUPPORTED_ROPE_TYPES  # computed by transformers' ROPE_INIT_FUNCTIONS (layers/rotary.py)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# hidden_activation of Gemma's MLP -> the approximation torch's gelu takes
-GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Shape and numerics of a decoder (the Llama family, Gemma 3).
+    """Shape and numerics of a decoder, as read from its checkpoint.
+
+    ``architecture`` says how the configuration was read: config.json's
+    model_type family ("llama", "mistral", "qwen2", "qwen3", "gemma3", or the
+    model_type itself where no reading of its own applies) or a GGUF file's
+    ``general.architecture``. ``architectures`` is config.json's list of
+    class names (``LlamaForCausalLM``); ``checkpoint_format`` "hf" or
+    "gguf". Which model class runs it is ``models/registry.py``'s choice,
+    from those names: an architecture no family implements is refused there.
 
     ``attention_bias`` adds biases to q/k/v (Qwen2); ``qk_norm`` applies an
     RMSNorm per head to q and k before RoPE (Qwen3, Gemma 3).
@@ -56,8 +63,10 @@ class ModelArchConfig:
     layers taking ``local_rope_theta`` / ``local_rope_scaling``;
     ``attn_scale`` replaces ``head_dim**-0.5``; the softcaps bound attention
     scores and final logits by ``cap * tanh(x / cap)`` (transformers' Gemma 3
-    caps logits only, so its configs' score cap is read as None); ``hidden_act`` is the
-    MLP's gate activation (a key of ``GELU_APPROXIMATIONS`` or "silu").
+    caps logits only, so its configs' score cap is read as None). ``hidden_act`` is the
+    MLP's gate activation as transformers names it (config.json's
+    ``hidden_act`` / ``hidden_activation``); the MLP layer refuses a name it
+    does not compute (``layers/activation.py``).
     """
 
     architecture: str
@@ -84,19 +93,17 @@ class ModelArchConfig:
     attn_scale: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    architectures: tuple[str, ...] = ()
+    checkpoint_format: str = "hf"
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
-            )
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         for scaling in (self.rope_scaling, self.local_rope_scaling):
             check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
-        if self.hidden_act != "silu" and self.hidden_act not in GELU_APPROXIMATIONS:
-            raise ValueError(f"unsupported hidden activation {self.hidden_act!r}")
         for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -124,9 +131,10 @@ class ModelArchConfig:
         return any(w is not None for w in self.sliding_windows)
 
 
-# config.json's model_type -> our architecture name
+# config.json's model_type -> the reading of its keys (any other model_type is read as Llama's keys)
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3"}
 # what transformers' config classes assume when config.json leaves a key out
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
 _QWEN_MAX_WINDOW_LAYERS = 28
 _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
@@ -213,8 +221,6 @@ def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("gemma3 with use_bidirectional_attention is not supported (causal decoding only)")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in GELU_APPROXIMATIONS:
-        raise ValueError(f"gemma3: unsupported hidden_activation {act!r}; supported: {sorted(GELU_APPROXIMATIONS)}")
     theta, scaling, local_theta, local_scaling = _gemma3_rope_settings(cfg)
     scalar = cfg.get("query_pre_attn_scalar", _GEMMA3_DEFAULTS["query_pre_attn_scalar"])
     if not isinstance(scalar, (int, float)) or scalar <= 0:
@@ -250,16 +256,20 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
             "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
             "use a text-only Gemma3ForCausalLM checkpoint (model_type 'gemma3_text')"
         )
-    if model_type not in _MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_MODEL_TYPES)}")
-    arch = _MODEL_TYPES[model_type]
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"config.json has no model_type (got {model_type!r})")
+    arch = _MODEL_TYPES.get(model_type, model_type)
     if arch == "gemma3":
         cfg = {**_GEMMA3_DEFAULTS, **cfg}
+    missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json ({model_type}) lacks {missing}")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope_settings(cfg)
     windows, types = _sliding_windows(cfg, arch)
-    extra = _gemma3_settings(cfg) if arch == "gemma3" else {"rope_theta": theta, "rope_scaling": scaling}
+    extra = _gemma3_settings(cfg) if arch == "gemma3" else {
+        "rope_theta": theta, "rope_scaling": scaling, "hidden_act": cfg.get("hidden_act") or "silu"}
     return ModelArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -277,6 +287,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         eos_token_ids=_eos_ids(cfg, generation_config),
         sliding_windows=windows,
         layer_types=types,
+        architectures=tuple(cfg.get("architectures") or ()),
+        checkpoint_format="hf",
         **extra,
     )
 

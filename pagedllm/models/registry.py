@@ -1,26 +1,99 @@
-"""Which model class runs which architecture: the one place that maps a config to a class."""
+"""Which model class runs which architecture: the one table from a checkpoint's architecture name to a family.
+
+A checkpoint names its architecture in one of two ways: a Hugging Face
+folder by config.json's ``architectures`` (``"LlamaForCausalLM"``), a GGUF
+file by ``general.architecture`` (``"llama"``). ``Family`` lists both kinds
+of name for one model class; ``MODEL_REGISTRY`` holds the families this
+package implements, and ``model_class`` is how the runner (and through it
+both loaders' configurations) finds the class. A name no family lists is a
+ValueError that names it and the supported ones.
+
+A family is a ``CausalLM`` subclass (``layers/decoder.py``) written from
+the shared blocks; adding one that differs from Llama only in parameters
+needs no layer code, only its ``decoder_spec`` and an entry here (or, for a
+family defined outside this package, ``MODEL_REGISTRY.with_family``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from torch import nn
 
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
-# ModelArchConfig.architecture -> the class that implements it
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "gemma3": Gemma3ForCausalLM,
-}
+
+@dataclass(frozen=True)
+class Family:
+    """One model class and the architecture names it runs.
+
+    ``hf_architectures``: config.json ``architectures`` entries.
+    ``gguf_architectures``: GGUF ``general.architecture`` values (empty: the
+    family loads from Hugging Face folders only). ``config_types``: the
+    loader's reading of config.json's model_type (``ModelArchConfig.architecture``),
+    used only for a config.json that lists no ``architectures``.
+    """
+
+    model_class: type[nn.Module]
+    hf_architectures: tuple[str, ...]
+    gguf_architectures: tuple[str, ...] = ()
+    config_types: tuple[str, ...] = ()
+
+
+class ModelRegistry:
+    """Families by architecture name; immutable (``with_family`` returns a new registry)."""
+
+    def __init__(self, families: Iterable[Family]) -> None:
+        self.families: tuple[Family, ...] = tuple(families)
+        for kind in ("hf_architectures", "gguf_architectures", "config_types"):
+            names = [name for family in self.families for name in getattr(family, kind)]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise ValueError(f"{kind} {repeated} are registered to more than one family")
+
+    def with_family(self, family: Family) -> ModelRegistry:
+        """This registry plus ``family``; ValueError if it claims a name already registered."""
+        return ModelRegistry((*self.families, family))
+
+    def supported(self, checkpoint_format: str) -> list[str]:
+        """The architecture names of one checkpoint format ("hf" or "gguf"), sorted."""
+        kind = "gguf_architectures" if checkpoint_format == "gguf" else "hf_architectures"
+        return sorted(name for family in self.families for name in getattr(family, kind))
+
+    def model_class(self, cfg: ModelArchConfig) -> type[nn.Module]:
+        """The model class for ``cfg``'s architecture; ValueError naming it and the supported ones if none."""
+        if cfg.checkpoint_format == "gguf":
+            found = self._find("gguf_architectures", (cfg.architecture,))
+            if found is None:
+                raise ValueError(f"unsupported GGUF architecture {cfg.architecture!r}; supported: "
+                                 f"{self.supported('gguf')}")
+            return found
+        names = cfg.architectures
+        found = self._find("hf_architectures", names) if names else self._find("config_types", (cfg.architecture,))
+        if found is None:
+            given = list(names) if names else f"model_type {cfg.architecture!r}"
+            raise ValueError(f"unsupported architecture {given}; supported: {self.supported('hf')}")
+        return found
+
+    def _find(self, kind: str, names: Iterable[str]) -> type[nn.Module] | None:
+        for name in names:  # config.json lists the most specific class first
+            for family in self.families:
+                if name in getattr(family, kind):
+                    return family.model_class
+        return None
+
+
+MODEL_REGISTRY = ModelRegistry((
+    Family(LlamaForCausalLM, ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
+           ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
+    Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), (), ("gemma3",)),
+))
 
 
 def model_class(cfg: ModelArchConfig) -> type[nn.Module]:
-    """The model class for ``cfg``'s architecture; ValueError if none implements it."""
-    cls = MODEL_CLASSES.get(cfg.architecture)
-    if cls is None:
-        raise ValueError(f"no model implements architecture {cfg.architecture!r}; known: {sorted(MODEL_CLASSES)}")
-    return cls
+    """The model class ``MODEL_REGISTRY`` gives ``cfg``'s architecture; ValueError if none implements it."""
+    return MODEL_REGISTRY.model_class(cfg)

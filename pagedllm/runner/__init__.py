@@ -1,1 +1,1 @@
-"""Model execution: the KV cache, attention backends and the sampler."""
+"""Model execution: loading the model, the KV cache, running steps and sampling (attention backends are layers/)."""

@@ -1,0 +1,112 @@
+"""The self-attention block of a decoder layer, with the options the model families differ in.
+
+``AttentionSpec`` says what one layer computes: its head counts and size
+(per layer: a family may give layers different head sizes), biases on the
+q/k/v and output projections, per-head q/k norms and their kind, the score
+scale and softcap, a sliding window, and whether the layer rotates q and k
+at all. ``SelfAttention`` builds the layer from it; which kernels run it is
+chosen once, by ``select_impl`` (``layers/custom_op.py``) and the
+attention backend the runner made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
+from pagedllm.layers.kv_transform import KvTransform
+from pagedllm.layers.linear import Linear
+from pagedllm.layers.native_ops import NativeOps
+from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.parallel import RowParallelLinear, TensorParallelGroup
+from pagedllm.layers.qk_rotary import QKNormRotary
+from pagedllm.layers.quant_config import QuantConfig
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention, as this process holds it (with tensor parallelism: a rank's head counts).
+
+    ``qk_norm``: the RMSNorm applied to each q and k head before RoPE (None:
+    none). ``scale``: multiplies the scores (None: ``head_dim ** -0.5``).
+    ``softcap``: scores become ``cap * tanh(s / cap)`` (None: uncapped).
+    ``sliding_window``: a query at ``i`` sees keys ``i - w < j <= i`` (None:
+    every earlier key). ``rope``: whether q and k are rotated.
+    """
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: NormSpec | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    sliding_window: int | None = None
+    rope: bool = True
+
+
+class SelfAttention(nn.Module):
+    """Fused qkv projection, q/k norms and RoPE, paged attention, output projection.
+
+    Parameter names are Hugging Face's (``q_norm``, ``k_norm``, ``o_proj``)
+    but for ``qkv_proj``, which holds q, k and v fused (loaded by parts,
+    ``layers/weights.py``).
+    """
+
+    def __init__(
+        self, spec: AttentionSpec, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, quant_config,
+                               f"{prefix}.qkv_proj")
+        q_start = tp.plan.q_rows[0] if tp is not None else 0
+        self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp, q_start, quant_config,
+                                        f"{prefix}.o_proj")
+        self.q_norm = spec.qk_norm.build(self.head_dim) if spec.qk_norm is not None else None
+        self.k_norm = spec.qk_norm.build(self.head_dim) if spec.qk_norm is not None else None
+        self.backend = backend
+        self.scale = spec.scale if spec.scale is not None else self.head_dim**-0.5
+        self.sliding_window = spec.sliding_window  # None: full attention
+        self.softcap = spec.softcap
+        self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
+                                         rotate=spec.rope)
+        # an int4 cache's change of variables for K (layers/kv_transform.py), fitted by the runner; shifting
+        # keys changes capped scores, so a capped layer keeps its keys as they are
+        self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=self.softcap is None)
+
+    @property
+    def native(self) -> NativeOps | None:
+        """The native ops q/k norms and RoPE run through (None: torch), as ``qk_norm_rope`` chose them.
+
+        Read only, for callers that inspect which path a layer takes.
+        """
+        return self.qk_norm_rope.native
+
+    def forward(
+        self, cos_sin: CosSin | None, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden]`` -> attention output ``[num_tokens, hidden]``; ``cos_sin`` None without RoPE."""
+        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_norm_rope(qkv, cos_sin)
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        q, k = self.kv_transform.encode(q, k)  # the identity unless an int4 cache fitted it
+        out = self.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+            sliding_window=self.sliding_window, softcap=self.softcap,
+        )  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.flatten(1))
