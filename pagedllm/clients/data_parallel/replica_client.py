@@ -348,7 +348,8 @@ class ReplicaClient:
             self._unstarted.pop(rid, None)
             stream = self.streams.pop(rid, None)
             if stream is not None:
-                stream.put(EngineStepError(f"the engine failed on this request: {error}"))
+                # the replica's engine thread already wrote the whole message (AsyncEngine's prefix included)
+                stream.put(EngineStepError(error))
 
     def _watch_loop(self) -> None:
         """Kill the process once it has sent nothing, heartbeats included, for ``heartbeat_timeout`` seconds."""
