@@ -22,6 +22,7 @@ from pagedllm.runner.prompt_scoring import PROMPT_LOGITS_ROWS
 
 PROMPT_LEN = 2 * MAX_SCORED_PROMPT_TOKENS + 77  # three chunks, the last one cut short
 NUM_TOP = 5
+TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +69,14 @@ def test_scored_prompt_in_chunks_equals_the_whole_prompt(tiny_model_dirs, hf_tin
     for t, got in enumerate(out.prompt_logprobs[1:]):
         row = want[t]
         target = prompt_ids[t + 1]
-        top_ids = row.topk(NUM_TOP).indices.tolist()
-        assert set(got) == set(top_ids) | {target}, t
-        assert got[target].logprob == pytest.approx(float(row[target]), abs=1e-4)
-        assert got[target].rank == int((row > row[target]).sum()) + 1
-        for tok in top_ids:
-            assert got[tok].logprob == pytest.approx(float(row[tok]), abs=1e-4)
+        for tok, lp in got.items():
+            assert lp.logprob == pytest.approx(float(row[tok]), abs=TOL), (t, tok)
+        # ranks and the top set, up to values the two computations may order differently (within TOL)
+        assert int((row > row[target] + TOL).sum()) + 1 <= got[target].rank <= int((row >= row[target] - TOL).sum()), t
+        top = [tok for tok, lp in got.items() if lp.rank <= NUM_TOP]
+        assert len(top) == NUM_TOP and len(got) in (NUM_TOP, NUM_TOP + 1), t
+        kth = float(row.topk(NUM_TOP).values[-1])
+        assert all(float(row[tok]) >= kth - TOL for tok in top), t
     assert llm.llm_engine.block_manager.num_free_blocks == 128
 
 
