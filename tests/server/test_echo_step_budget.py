@@ -114,7 +114,10 @@ def test_short_request_beside_a_long_echo_request(server: dict) -> None:
     lp = resp.json()["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == ECHO_LEN + 2
     assert lp["token_logprobs"][0] is None and all(v is not None for v in lp["token_logprobs"][1:])
-    assert all(len(top) == 20 for top in lp["top_logprobs"][1:])
+    # 20 candidates (and the prompt token when it is not among them), keyed by text: pieces that decode
+    # alike share a key
+    assert all(1 <= len(top) <= 21 for top in lp["top_logprobs"][1:])
+    assert sum(len(top) >= 20 for top in lp["top_logprobs"][1:]) > ECHO_LEN // 2
     growth = peak[0] - rss_before
     print(f"ttft alone {alone:.3f}s, beside the echo request {beside:.3f}s; echo {echo['seconds']:.1f}s; "
           f"rss {rss_before:.0f} MB before, peak {peak[0]:.0f} MB (+{growth:.0f} MB)")
