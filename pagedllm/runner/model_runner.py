@@ -334,8 +334,10 @@ class ModelRunner:
         for i, (start, stop) in rows.verify_rows.items():
             self._verify_step(logits[start:stop], steps[i], results[i])
         for i, one in scored.items():
-            if results[i].error is None:
-                results[i].prompt_logprobs, results[i].error = one.logprobs, one.error
+            if results[i].error is None and one.error is None:
+                results[i].prompt_logprobs = one.logprobs
+            elif results[i].error is None:
+                results[i].error = one.error  # this sequence's alone: the others keep theirs
             results[i].prompt_logprobs_start = steps[i].num_computed_tokens + 1
         unordered: list[StepResult] = [StepResult()] * len(steps)
         for i, r in zip(order, results):
