@@ -82,6 +82,11 @@ class ServerMetrics:
             "Prompt tokens computed by prefills (prefix-cache hits excluded, recomputation included)",
         )
         self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens")
+        self.stream_write_timeouts = counter(
+            "pagedllm:stream_write_timeouts",
+            "Streams ended, and their requests aborted, because a write waited --stream-write-timeout seconds "
+            "for a client that read nothing",
+        )
         # speculative decoding (vLLM's names); zero when it is off
         self.spec_decode_num_drafts = counter("pagedllm:spec_decode_num_drafts", "Verify steps run (one per drafting sequence)")
         self.spec_decode_num_draft_tokens = counter("pagedllm:spec_decode_num_draft_tokens", "Draft tokens proposed")

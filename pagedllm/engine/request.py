@@ -66,6 +66,7 @@ class Request:
             )
             seq = Sequence(prompt_token_ids, block_size, request_id, i, rng, arrival)
             seq.allow_prefix_hits = params.prompt_logprobs is None
+            seq.scores_prompt = params.prompt_logprobs is not None
             if params.logprobs is not None:
                 seq.logprobs = []
             self.seqs.append(seq)

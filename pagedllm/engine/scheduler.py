@@ -22,6 +22,11 @@ also capped by ``prefill_cap``, so that a long prompt cannot stall the
 running streams for seconds (``step_budget.py``: the cap follows a latency
 target from measured step costs).
 
+A prompt whose tokens are scored (prompt logprobs) is computed at most
+``MAX_SCORED_PROMPT_TOKENS`` a step whatever the budget: its logits are one
+full-vocabulary row per token, and a request arriving meanwhile is admitted
+after one such chunk rather than after the whole prompt.
+
 Prefills and decodes share one step. A prompt longer than the budget left
 is computed in chunks over several steps (``max_num_batched_tokens`` may be
 smaller than ``max_model_len``); it takes blocks chunk by chunk, as vLLM
@@ -58,6 +63,7 @@ from typing import Protocol
 
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.step_budget import MAX_SCORED_PROMPT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,15 @@ class DraftSource(Protocol):
 def _num_decode_tokens(decodes: list[Sequence]) -> int:
     """Tokens the planned decodes compute: one each, plus their drafts."""
     return sum(1 + s.num_draft_tokens for s in decodes)
+
+
+def _chunk_budget(seq: Sequence, budget: int) -> int:
+    """The tokens of ``budget`` that ``seq``'s next chunk may take: at most ``MAX_SCORED_PROMPT_TOKENS``
+    while it computes a prompt it scores (prompt logprobs), so that no step holds the logits of a
+    whole long prompt and a request arriving meanwhile waits for one chunk, not the whole prompt."""
+    if seq.scores_prompt and seq.num_computed_tokens < seq.num_prompt_tokens:
+        return min(budget, MAX_SCORED_PROMPT_TOKENS)
+    return budget
 
 
 def _age(seq: Sequence) -> tuple[int, int]:
@@ -382,7 +397,8 @@ class Scheduler:
                 continue
             if not continued:
                 budget = max(1, budget - reserve)  # the oldest: what younger prompts want stays for them
-            num_new = min(len(seq) - seq.num_computed_tokens, budget, self.block_manager.num_appendable_tokens(seq))
+            num_new = min(len(seq) - seq.num_computed_tokens, _chunk_budget(seq, budget),
+                          self.block_manager.num_appendable_tokens(seq))
             if not self.block_manager.append_slot(seq, num_new):
                 raise RuntimeError("append_slot refused the tokens num_appendable_tokens promised")
             continued.append((seq, num_new))
@@ -412,7 +428,8 @@ class Scheduler:
             new_reserved = max(reserved.get(rid, 1), seq.num_reserved_seqs)
             if num_seqs - held + max(new_running, new_reserved) > self.max_num_seqs:
                 break
-            if not self.block_manager.allocate(seq, budget):
+            seq_budget = _chunk_budget(seq, budget)
+            if not self.block_manager.allocate(seq, seq_budget):
                 break
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(seq)
@@ -420,7 +437,7 @@ class Scheduler:
             self.running.append(seq)
             running[rid], reserved[rid] = new_running, new_reserved
             num_seqs += max(new_running, new_reserved) - held
-            chunk = self._chunk(seq, budget)
+            chunk = self._chunk(seq, seq_budget)
             admitted.append(chunk)
             budget -= chunk.num_new_tokens
         return admitted

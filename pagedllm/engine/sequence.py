@@ -94,6 +94,11 @@ class Sequence:
         # a request that wants prompt logprobs needs every prompt position
         # computed, so it takes no prefix-cache hits
         self.allow_prefix_hits: bool = True
+        # a request that wants prompt logprobs scores every prompt token: its
+        # prompt is computed in chunks of at most MAX_SCORED_PROMPT_TOKENS a step
+        # (engine/step_budget.py), so that its logits stay small and a request
+        # arriving meanwhile waits one such chunk, not the whole prompt
+        self.scores_prompt: bool = False
         self.cumulative_logprob: float = 0.0
         # per output token: {token_id: (logprob, rank)}, when logprobs are asked for
         self.logprobs: list[dict[int, tuple[float, int]]] | None = None
@@ -173,6 +178,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.allow_prefix_hits = self.allow_prefix_hits
+        child.scores_prompt = self.scores_prompt
         child.reserve_len = self.reserve_len
         child.num_reserved_seqs = self.num_reserved_seqs
         child.cumulative_logprob = self.cumulative_logprob

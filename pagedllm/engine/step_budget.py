@@ -42,6 +42,14 @@ AUTO_ITL_FACTOR = 4.0
 MIN_PREFILL_TOKENS = 32
 # prompt tokens of the first mixed step, before any cost was measured
 INITIAL_PREFILL_TOKENS = 64
+# prompt tokens one step computes of a sequence that scores its prompt (prompt logprobs, or
+# echo with logprobs), whatever the step's budget: each such token needs a full-vocabulary
+# row of logits and its top-k. A 6k-token echo request computed in one step held ~1.2 GB of
+# logits and kept every request arriving meanwhile waiting for 37-48 s (issue 53); in chunks
+# of 256 a request arriving meanwhile waits for one chunk's step (about a second for the
+# bundled model on a 2-core EPYC, BENCHMARKS.md), and the steps' fixed cost (~15 ms each) adds
+# ~2% to the prompt's time
+MAX_SCORED_PROMPT_TOKENS = 256
 # weight of the newest step in the moving averages
 EMA_WEIGHT = 0.25
 

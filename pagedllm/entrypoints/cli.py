@@ -362,6 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_page=not args.no_kv_page,
         http_limits=http_limits,
         default_max_tokens=args.default_max_tokens,
+        stream_write_timeout_s=_stream_write_timeout(args.stream_write_timeout),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size > 1:
@@ -411,6 +412,13 @@ def _http_limits(args: argparse.Namespace) -> HTTPLimits:
     return HTTPLimits(args.header_timeout, args.max_header_connections, args.linger_timeout, args.max_linger_bytes)
 
 
+def _stream_write_timeout(seconds: float) -> float | None:
+    """``--stream-write-timeout``: seconds, or None for 0 (no bound)."""
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"--stream-write-timeout must be a number of seconds >= 0, got {seconds}")
+    return seconds or None
+
+
 def _comma_list(value: str | None) -> list[str] | None:
     """``"a,b"`` -> ``["a", "b"]``; None stays None."""
     if value is None:
@@ -424,6 +432,7 @@ def _comma_list(value: str | None) -> list[str] | None:
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     from pagedllm.entrypoints.openai import http_protocol as hp
     from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES
+    from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")
@@ -453,6 +462,10 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-linger-bytes", type=int, default=hp.DEFAULT_MAX_LINGER_BYTES, metavar="N",
                    help="the most bytes discarded so; 0: close at once "
                         f"(default {hp.DEFAULT_MAX_LINGER_BYTES})")
+    g.add_argument("--stream-write-timeout", type=float, default=DEFAULT_STREAM_WRITE_TIMEOUT_S, metavar="SECONDS",
+                   help="the most seconds one write of a streamed answer may wait for a client that reads nothing; "
+                        "then the stream ends, its request is aborted and its KV blocks freed (counted in "
+                        f"pagedllm:stream_write_timeouts_total); 0: no bound (default {DEFAULT_STREAM_WRITE_TIMEOUT_S:g})")
     g.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="comma-separated Host names accepted besides loopback ones ('*': any); "
                         "bound to loopback, other names are refused (DNS rebinding)")

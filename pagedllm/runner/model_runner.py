@@ -30,6 +30,7 @@ from pagedllm.runner.kv_cache import (
 from pagedllm.runner.kv_calibration import calibrate_kv_transforms, calibration_text
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
+from pagedllm.runner.prompt_scoring import ScoredPrompt, score_prompt_rows
 from pagedllm.runner.sampler import (
     Sampler,
     SamplingTensors,
@@ -322,7 +323,8 @@ class ModelRunner:
         self.copy_blocks(record.blocks_to_copy)
         order = sorted(range(len(full)), key=lambda i: full[i].num_new_tokens == 1)
         steps = [full[i] for i in order]
-        rows, logits = self._logits(steps)
+        rows, logits, hidden = self._logits(steps)
+        scored = self._score_prompts(steps, rows, hidden)
         if self.tp is not None and not self.tp.is_driver:
             return []
         logits = logits.cpu() if logits is not None else None
@@ -331,25 +333,21 @@ class ModelRunner:
             self._sample_step(logits[: rows.num_sampled], steps, results)
         for i, (start, stop) in rows.verify_rows.items():
             self._verify_step(logits[start:stop], steps[i], results[i])
-        for i, s in enumerate(steps):
-            if s.prompt_logprobs is None:
-                continue
-            start, stop = rows.prompt_rows[i]
-            if results[i].error is None:
-                try:
-                    targets = torch.tensor(s.prompt_targets, dtype=torch.int64)
-                    results[i].prompt_logprobs = token_logprobs(logits[start:stop], targets, [s.prompt_logprobs] * len(targets))
-                except Exception as e:  # this sequence's alone: the others keep theirs
-                    results[i].error = e
-            results[i].prompt_logprobs_start = s.num_computed_tokens + 1
+        for i, one in scored.items():
+            if results[i].error is None and one.error is None:
+                results[i].prompt_logprobs = one.logprobs
+            elif results[i].error is None:
+                results[i].error = one.error  # this sequence's alone: the others keep theirs
+            results[i].prompt_logprobs_start = steps[i].num_computed_tokens + 1
         unordered: list[StepResult] = [StepResult()] * len(steps)
         for i, r in zip(order, results):
             unordered[i] = r
         return unordered
 
-    def _logits(self, steps: list[SequenceStep]) -> tuple[_LogitRows, torch.Tensor | None]:
-        """The model over the step, then one LM-head call for every row that needs logits (the sampled
-        rows, then the prompt-logprob rows); None when no row does, or on a tensor-parallel rank but 0.
+    def _logits(self, steps: list[SequenceStep]) -> tuple[_LogitRows, torch.Tensor | None, torch.Tensor]:
+        """The model over the step, then one LM-head call for every row that samples (the sampled rows,
+        then the verify rows); None when no row does, or on a tensor-parallel rank but 0. The final hidden
+        states come along for the prompt-logprob rows (``_score_prompts``).
 
         Under tensor parallelism a failure here leaves the ranks out of step (one may have passed a
         collective another has not reached): it is a DistributedError, whatever raised it.
@@ -364,7 +362,24 @@ class ModelRunner:
             if self.tp is None or isinstance(e, DistributedError):
                 raise
             raise DistributedError(f"tensor-parallel rank {self.tp.rank} failed in a step: {e}") from e
-        return rows, logits
+        return rows, logits, hidden
+
+    def _score_prompts(
+        self, steps: list[SequenceStep], rows: _LogitRows, hidden: torch.Tensor
+    ) -> dict[int, ScoredPrompt]:
+        """Each prompt-logprobs step entry's scored tokens, a few rows of logits at a time
+        (``runner/prompt_scoring.py``); every tensor-parallel rank runs the same LM-head passes."""
+        scored: dict[int, ScoredPrompt] = {}
+        try:
+            for i, (start, stop) in rows.prompt_rows.items():
+                s = steps[i]
+                scored[i] = score_prompt_rows(self.model.compute_logits, hidden[start:stop], s.prompt_targets,
+                                              s.prompt_logprobs)
+        except Exception as e:
+            if self.tp is None or isinstance(e, DistributedError):
+                raise
+            raise DistributedError(f"tensor-parallel rank {self.tp.rank} failed in a step: {e}") from e
+        return scored
 
     def _forward(
         self, steps: list[SequenceStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -487,19 +502,22 @@ class ModelRunner:
 
 @dataclass
 class _LogitRows:
-    """Which rows of a step's hidden states need logits, in one list.
+    """Which rows of a step's hidden states need logits.
 
-    First one row per sample (each sequence's last token, once per fork),
-    then each prompt-logprobs sequence's tokens: target ``j`` of a sequence
-    is scored by the logits of its step token ``j`` (position
-    ``num_computed_tokens + j``). Plain data from the record and metadata,
-    so every tensor-parallel rank computes the same rows.
+    ``hidden_rows``, computed in one LM-head call: first one row per sample
+    (each sequence's last token, once per fork), then every new token of the
+    verify steps. ``prompt_rows``: each prompt-logprobs sequence's scored
+    tokens, whose logits are computed a few rows at a time
+    (``runner/prompt_scoring.py``): target ``j`` of a sequence is scored by
+    the logits of its step token ``j`` (position ``num_computed_tokens + j``).
+    Plain data from the record and metadata, so every tensor-parallel rank
+    computes the same rows.
     """
 
     hidden_rows: list[int]
     num_sampled: int
-    prompt_rows: dict[int, tuple[int, int]]  # step entry -> its [start, stop) in the logits
-    # verify steps (speculative decoding): every new token's row, after the prompt rows
+    prompt_rows: dict[int, tuple[int, int]]  # step entry -> its [start, stop) in the hidden states
+    # verify steps (speculative decoding): every new token's row in the logits, after the sampled rows
     verify_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
@@ -514,8 +532,7 @@ class _LogitRows:
         for i, s in enumerate(steps):
             if s.prompt_logprobs is not None:
                 start = int(meta.query_start_loc[i])
-                prompt_rows[i] = (len(rows), len(rows) + len(s.prompt_targets))
-                rows += range(start, start + len(s.prompt_targets))
+                prompt_rows[i] = (start, start + len(s.prompt_targets))
         for i, s in enumerate(steps):
             if s.num_draft_tokens:
                 start, stop = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])

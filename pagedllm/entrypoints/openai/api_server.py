@@ -79,6 +79,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_engine import check_model
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.settings import ServerSettings
+from pagedllm.entrypoints.openai.sse import StreamWrites
 from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
 logger = logging.getLogger(__name__)
@@ -221,10 +222,13 @@ def build_app(
     _openapi_without_422(app, engine.model_config.vocab_size)
     prompts = PromptEncoder(engine, tokenizer)
     name = settings.model_name
-    _add_generating_routes(
-        app, OpenAIServingCompletion(async_engine, prompts, name, settings.default_max_tokens),
-        OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, settings.default_max_tokens),
+    completion = OpenAIServingCompletion(async_engine, prompts, name, settings.default_max_tokens)
+    chat = OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, settings.default_max_tokens)
+    completion.stream_writes = chat.stream_writes = StreamWrites(
+        settings.stream_write_timeout_s,
+        metrics.stream_write_timeouts.inc if metrics is not None else None,
     )
+    _add_generating_routes(app, completion, chat)
     _add_info_routes(app, async_engine, settings, metrics)
     tokenization = OpenAIServingTokenization(
         prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size

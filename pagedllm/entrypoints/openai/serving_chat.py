@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
             header, req.include_usage, self._stream(sub, params, top_n, tokens, tools),
             lambda: usage(sub.prompt_token_counts[0], sum(tokens.values())),
         )
-        return sse_response(events, on_close=sub.abort)
+        return sse_response(events, on_close=sub.abort, writes=self.stream_writes)
 
     def _response(
         self, header: dict[str, Any], sub: RequestStream, out: RequestOutput, top_n: int, tools: ToolSpec

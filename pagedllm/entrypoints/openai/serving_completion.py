@@ -67,7 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
             header, req.include_usage, self._stream(sub, params, tokens, echo),
             lambda: usage(sum(sub.prompt_token_counts), sum(tokens.values())),
         )
-        return sse_response(events, on_close=sub.abort)
+        return sse_response(events, on_close=sub.abort, writes=self.stream_writes)
 
     async def _encode(self, req: CompletionRequest, params: SamplingParams) -> list[Prompt]:
         """Every prompt tokenized (text) or checked (token ids); 400 for a bad one."""

@@ -21,7 +21,7 @@ from pagedllm.entrypoints.openai.engine_errors import engine_failure, to_api_err
 from pagedllm.entrypoints.openai.json_response import OpenAIJSONResponse
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import APIError, bad_request
-from pagedllm.entrypoints.openai.sse import watch_disconnect
+from pagedllm.entrypoints.openai.sse import StreamWrites, watch_disconnect
 from pagedllm.outputs import RequestOutput
 from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.runner.structured_output import CompileCancelled
@@ -35,12 +35,16 @@ class OpenAIServing:
         engine_client: the engine client (``engine/protocol.py``): one engine thread or data-parallel replicas.
         prompts: the prompt encoder (tokenizer process, chat template).
         model_name: the name clients use in ``model``.
+
+    ``stream_writes``: how long a stream's write may wait for a client that reads
+    nothing (``sse.py``); the app sets it from ``--stream-write-timeout``.
     """
 
     def __init__(self, engine_client: EngineClient, prompts: PromptEncoder, model_name: str) -> None:
         self.engine_client = engine_client
         self.prompts = prompts
         self.model_name = model_name
+        self.stream_writes = StreamWrites()
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model (or None: vLLM's leniency)."""

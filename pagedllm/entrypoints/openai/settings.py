@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
+from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S, StreamWrites
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -36,6 +37,9 @@ class ServerSettings:
         default_max_tokens: the most tokens a reply gets when its request sets
             no ``max_tokens`` / ``max_completion_tokens``; None: no cap (to the
             end of the context). Never raises or lowers a request's own value.
+        stream_write_timeout_s: seconds one write of a streamed answer may wait
+            for a client that reads nothing; past it the stream ends and its
+            request is aborted (``sse.py``). None: no bound.
     """
 
     model_name: str
@@ -52,6 +56,7 @@ class ServerSettings:
     kv_page: bool = True
     http_limits: HTTPLimits = field(default_factory=HTTPLimits)
     default_max_tokens: int | None = None
+    stream_write_timeout_s: float | None = DEFAULT_STREAM_WRITE_TIMEOUT_S
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -64,6 +69,7 @@ class ServerSettings:
             or self.default_max_tokens < 1
         ):
             raise ValueError(f"default_max_tokens must be an integer >= 1 or None, got {self.default_max_tokens!r}")
+        StreamWrites(self.stream_write_timeout_s)  # its checks
         if not isinstance(self.http_limits, HTTPLimits):
             raise ValueError(f"http_limits must be an HTTPLimits, got {self.http_limits!r}")
         if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_PARSERS:
