@@ -57,8 +57,6 @@ GGUF_ACTIVATIONS = get_args(GgufActivations)
 LINEAR_BACKENDS = get_args(LinearBackend)
 DISTRIBUTED_EXECUTORS = get_args(DistributedExecutor)
 ALL_REDUCE_BACKENDS = get_args(AllReduceBackend)
-# weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
-DEFAULT_INT4_GROUP_SIZE = 128
 
 
 def _check_itl_target(value: object) -> object:
@@ -231,7 +229,8 @@ class EngineConfig:
             kernels built, ``cpu_paged`` attention and the packed or
             quantized-block linears (GGUF blocks and int8/int4 on either
             activations); off elsewhere. True where it cannot be
-            is a ValueError; False turns it off.
+            is a ValueError when the engine starts (``resolve_config``, before
+            the weights load); False turns it off.
         speculative_config: speculative decoding (docs/speculative-decoding.md):
             a ``SpeculativeConfig``, or a dict / JSON text with vLLM's keys,
             e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
@@ -275,16 +274,17 @@ class EngineConfig:
     @property
     def weight_group_size(self) -> int | None:
         """The group size of "int8" / "int4" once the default is resolved (None: one group per channel)."""
-        if self.quantization_group_size is None and self.quantization == "int4":
-            return DEFAULT_INT4_GROUP_SIZE
-        return self.quantization_group_size
+        # imported here: the resolver imports this module's types
+        from pagedllm.resolved_config import weight_group_size
+
+        return weight_group_size(self)
 
     @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on, once the default is resolved."""
-        if self.enable_prefix_caching is None:
-            return self.kv_allocator == "paged"
-        return self.enable_prefix_caching
+        from pagedllm.resolved_config import prefix_caching
+
+        return prefix_caching(self)
 
     def __post_init__(self) -> None:
         # pydantic checked each field against its declared type (choices, positive numbers, paths) and made
@@ -307,54 +307,11 @@ class EngineConfig:
         if self.kv_cache_dtype in ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2") and self.device != "cpu":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
                              f"read its blocks); use a float kv_cache_dtype with device={self.device!r}")
-        if self.batch_invariant is None:  # "auto", resolved once, here
-            object.__setattr__(self, "batch_invariant", self._batch_invariant_possible())
-        elif self.batch_invariant:
-            self._check_batch_invariant()
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
-
-    def _batch_invariant_refusals(self) -> dict[str, tuple[bool, str]]:
-        """What ``batch_invariant`` cannot cover: field -> (whether this config has it, why)."""
-        return {
-            "device": (self.device != "cpu", "the invariant kernels are CPU code"),
-            # two ranks: each element of an all-reduce is one addition, the same bits in either order; more
-            # ranks: rank order only through shared memory, which takes steps of up to 256 tokens
-            "tensor_parallel_size": (
-                self.tensor_parallel_size > 2
-                and not (self.all_reduce_backend == "shm" and self.max_num_batched_tokens <= 256),
-                "more than two ranks sum in a fixed (rank) order only through shared memory: use "
-                "all_reduce_backend='shm' and max_num_batched_tokens <= 256",
-            ),
-            "attention_backend": (self.attention_backend in ("sdpa", "reference"),
-                                  "torch's attention picks its kernel by shape; use 'auto' or 'cpu_paged'"),
-            "linear_backend": (self.linear_backend in ("onednn", "torch"),
-                               "oneDNN / MKL pick their kernels by shape; use 'auto' or 'packed'"),
-        }
-
-    def _check_batch_invariant(self) -> None:
-        """ValueError for what ``batch_invariant=True`` cannot cover: kernels chosen by shape, or one row of a
-        sum split across ranks or computed by a kernel kept for a single row."""
-        for name, (refused, why) in self._batch_invariant_refusals().items():
-            if refused:
-                raise ValueError(f"batch_invariant=True does not cover {name}={getattr(self, name)!r}: {why}")
-
-    def _batch_invariant_possible(self) -> bool:
-        """``batch_invariant=None``: whether every kernel on this config's path is one of ours that computes a
-        row alike in any batch (what the runner would otherwise refuse), so the mode costs nothing to turn on."""
-        if any(refused for refused, _ in self._batch_invariant_refusals().values()):
-            return False
-        if self.dtype not in ("float32", "bfloat16"):
-            return False  # float16 runs torch's linears
-        # imported here: torch and the native build are needed only when a config resolves "auto"
-        from pagedllm.kernels import load_kernels
-
-        ops = load_kernels()
-        # bfloat16 takes the packed bf16 panels only where they run in vector code
-        return ops is not None and (self.dtype == "float32" or bool(ops.packed_linear_bf16_native()))
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""
