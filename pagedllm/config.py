@@ -89,7 +89,7 @@ class EngineConfig:
         device: "cpu" or "cuda".
         kv_cache_dtype: what the KV cache stores: "auto" (default: ``dtype``,
             except float16 where a GGUF file's blocks are kept, llama.cpp's
-            default cache; resolved by the runner once the weights load),
+            default cache; resolved by ``resolve_kv_cache_dtype`` once the weights load),
             or "float32", "float16", "bfloat16". A 2-byte cache with float32
             activations halves the cache's memory (twice the blocks for the
             same bytes) and the bytes decode attention reads; K and V are

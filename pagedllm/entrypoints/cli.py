@@ -300,7 +300,8 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
             return _SERVER_FLAGS.get(match.group(0), "--" + match.group(0).replace("_", "-"))
 
         fields = {f.name for f in (*dataclasses.fields(ServerSettings), *dataclasses.fields(HTTPLimits))}
-        raise ValueError(re.sub("|".join(sorted(fields, key=len, reverse=True)), flag, str(e))) from None
+        names = "|".join(sorted(fields, key=len, reverse=True))
+        raise ValueError(re.sub(rf"\b(?:{names})\b", flag, str(e))) from None
 
 
 def check_port_free(host: str, port: int) -> None:
