@@ -182,3 +182,28 @@ def test_ctrl_c_during_the_load_exits_quietly_with_130() -> None:
     assert proc.returncode == 130
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip() == "interrupted"
+
+
+def test_a_first_kernel_build_says_what_it_is_doing(monkeypatch: pytest.MonkeyPatch, tmp_path,  # noqa: ANN001
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """One line before a build and one, with its time, after; nothing when the library is built already."""
+    import logging
+
+    from torch.utils import cpp_extension
+
+    from pagedllm import kernels
+
+    def fake_build(**kwargs: object) -> None:  # the compiler's work, without the minutes
+        (tmp_path / "build" / f"{kernels._LIBRARY_NAME}.so").write_bytes(b"")
+
+    monkeypatch.setattr(kernels, "_loaded_builds", lambda: [])
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    with caplog.at_level(logging.INFO, logger="pagedllm.kernels"):
+        kernels._compile(tmp_path / "build", [])
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        kernels._compile(tmp_path / "build", [])  # built: quiet
+    assert len(first) == 2
+    assert first[0].startswith("building the native CPU kernels into") and "minutes" in first[0]
+    assert first[1].startswith("built the native CPU kernels in") and first[1].endswith(" s")
+    assert caplog.records == []
