@@ -1,10 +1,12 @@
 """The engine's one configuration record, validated when it is built.
 
-Each field's type declares what it takes (``Literal`` choices, ``Annotated``
-positive numbers and paths); ``check_fields`` validates every field against
-its declared type, so a choice is written once, in the type, and the tuples
+Each field's type declares what it takes (``Literal`` choices, positive
+numbers, non-empty paths: ``config_record.py``) and pydantic checks every
+field against it, so a choice is written once, in the type, and the tuples
 other modules import (``DTYPES``, ...) are read off it. What fields say about
-each other is checked by hand after that.
+each other is checked after that, in ``__post_init__``. The command-line flags
+are generated from these fields and the ``Args:`` of the docstring
+(``entrypoints/arg_fields.py``).
 
 Values the engine computes while it starts (the number of KV blocks, the EOS
 ids) are not written back here; they live on the objects that compute them
@@ -13,39 +15,23 @@ ids) are not written back here; they live on the objects that compute them
 
 from __future__ import annotations
 
-import types
-from dataclasses import dataclass, fields
-from functools import cache
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Literal, get_args
 
+from pydantic import BeforeValidator
+
+from pagedllm.config_record import (
+    NonEmptyStr,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    config_record,
+    positive_multiple_of,
+)
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
 from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.spec_decode.config import SpeculativeConfig
 
-
-class Positive:
-    """``Annotated`` marker: the field must be a positive number (an integer where the type is ``int``)."""
-
-
-class NonNegative:
-    """``Annotated`` marker: the field must be an integer >= 0."""
-
-
-class NonEmpty:
-    """``Annotated`` marker: the field must be a non-empty string (a path)."""
-
-
-@dataclass(frozen=True)
-class MultipleOf:
-    """``Annotated`` marker: the field must be a positive integer multiple of ``step``."""
-
-    step: int
-
-
-PositiveInt = Annotated[int, Positive]
-NonNegativeInt = Annotated[int, NonNegative]
-PositiveSeconds = Annotated[float, Positive]
-Path = Annotated[str, NonEmpty]
+Path = NonEmptyStr
 
 # the choices of each string field: the field's type says them, these tuples are read off it
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -71,81 +57,23 @@ GGUF_ACTIVATIONS = get_args(GgufActivations)
 LINEAR_BACKENDS = get_args(LinearBackend)
 DISTRIBUTED_EXECUTORS = get_args(DistributedExecutor)
 ALL_REDUCE_BACKENDS = get_args(AllReduceBackend)
-# weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
-DEFAULT_INT4_GROUP_SIZE = 128
 
 
-def check_field(name: str, value: object, hint: Any) -> None:  # noqa: ANN401 (a type hint is any typing form)
-    """ValueError unless ``value`` fits the declared type ``hint``.
-
-    Understands what the config declares: ``X | None``, ``Literal[...]``,
-    ``Annotated[int | float | str, Positive | NonEmpty]``, ``bool``, ``int``
-    (never a bool) and classes; anything else (a union of unrelated types,
-    such as ``itl_target_ms``'s) is left to the field's own check.
-    """
-    args = get_args(hint)
-    if get_origin(hint) in (Union, types.UnionType) and type(None) in args:
-        if value is None:
-            return
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            return
-        hint = rest[0]
-        if get_origin(hint) is Literal:
-            if value not in get_args(hint):
-                raise ValueError(f"{name} must be one of {(None, *get_args(hint))}, got {value!r}")
-            return
-    origin, args = get_origin(hint), get_args(hint)
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{name} must be one of {args}, got {value!r}")
-    elif origin is Annotated:
-        _check_annotated(name, value, args[0], args[1:])
-    elif hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {value!r}")
-    elif hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    elif hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {value!r}")
-    elif isinstance(hint, type) and not isinstance(value, hint):
-        raise ValueError(f"{name} must be a {hint.__name__}, got {value!r}")
+def _check_itl_target(value: object) -> object:
+    """``itl_target_ms``: "auto", None or a positive number of milliseconds."""
+    if value in ("auto", None):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {value!r}")
+    return float(value)
 
 
-def _check_annotated(name: str, value: object, base: type, markers: tuple) -> None:
-    steps = [m.step for m in markers if isinstance(m, MultipleOf)]
-    if steps:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % steps[0]:
-            raise ValueError(f"{name} must be a positive multiple of {steps[0]}, got {value!r}")
-    elif Positive in markers and base is int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    elif Positive in markers:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-    elif NonNegative in markers:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    elif NonEmpty in markers and (not isinstance(value, str) or not value):
-        raise ValueError(f"{name} must be a non-empty path, got {value!r}")
+ItlTarget = Annotated[PositiveFloat | Literal["auto"] | None, BeforeValidator(_check_itl_target)]
+GroupSize = Annotated[int | None, positive_multiple_of(32, optional=True)]
+SpeculativeField = Annotated[SpeculativeConfig | None, BeforeValidator(SpeculativeConfig.parse)]
 
 
-@cache
-def _field_types(cls: type) -> dict[str, Any]:
-    """The declared type of each field of ``cls`` (read once: the annotations are strings)."""
-    return get_type_hints(cls, include_extras=True)
-
-
-def check_fields(record: object) -> None:
-    """Check every field of the dataclass ``record`` against its declared type (``check_field``)."""
-    types = _field_types(type(record))
-    for f in fields(record):
-        check_field(f.name, getattr(record, f.name), types[f.name])
-
-
-@dataclass(frozen=True)
+@config_record
 class EngineConfig:
     """Everything needed to start an engine.
 
@@ -161,7 +89,7 @@ class EngineConfig:
         device: "cpu" or "cuda".
         kv_cache_dtype: what the KV cache stores: "auto" (default: ``dtype``,
             except float16 where a GGUF file's blocks are kept, llama.cpp's
-            default cache; resolved by the runner once the weights load),
+            default cache; resolved by ``resolve_kv_cache_dtype`` once the weights load),
             or "float32", "float16", "bfloat16". A 2-byte cache with float32
             activations halves the cache's memory (twice the blocks for the
             same bytes) and the bytes decode attention reads; K and V are
@@ -301,7 +229,8 @@ class EngineConfig:
             kernels built, ``cpu_paged`` attention and the packed or
             quantized-block linears (GGUF blocks and int8/int4 on either
             activations); off elsewhere. True where it cannot be
-            is a ValueError; False turns it off.
+            is a ValueError when the engine starts (``resolve_config``, before
+            the weights load); False turns it off.
         speculative_config: speculative decoding (docs/speculative-decoding.md):
             a ``SpeculativeConfig``, or a dict / JSON text with vLLM's keys,
             e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
@@ -320,7 +249,7 @@ class EngineConfig:
     max_model_len: PositiveInt = 2048
     max_num_seqs: PositiveInt = 128
     max_num_batched_tokens: PositiveInt = 8192
-    itl_target_ms: float | str | None = "auto"
+    itl_target_ms: ItlTarget = "auto"
     enable_prefix_caching: bool | None = None
     kv_allocator: KvAllocator = "paged"
     contiguous_reserve: ContiguousReserve = "max_tokens"
@@ -328,7 +257,7 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     num_threads: PositiveInt | None = None
     quantization: Quantization | None = None
-    quantization_group_size: Annotated[int, MultipleOf(32)] | None = None
+    quantization_group_size: GroupSize = None
     gguf_activations: GgufActivations = "int8"
     linear_backend: LinearBackend = "auto"
     enforce_eager: bool = False
@@ -336,32 +265,30 @@ class EngineConfig:
     tensor_parallel_size: PositiveInt = 1
     distributed_executor_backend: DistributedExecutor = "auto"
     cpu_bind: str | None = None
-    distributed_timeout_s: PositiveSeconds = 120.0
+    distributed_timeout_s: PositiveFloat = 120.0
     all_reduce_backend: AllReduceBackend = "auto"
     grammar_limits: GrammarLimits = GrammarLimits()
     batch_invariant: bool | None = None
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: SpeculativeField = None
 
     @property
     def weight_group_size(self) -> int | None:
         """The group size of "int8" / "int4" once the default is resolved (None: one group per channel)."""
-        if self.quantization_group_size is None and self.quantization == "int4":
-            return DEFAULT_INT4_GROUP_SIZE
-        return self.quantization_group_size
+        # imported here: the resolver imports this module's types
+        from pagedllm.resolved_config import weight_group_size
+
+        return weight_group_size(self)
 
     @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on, once the default is resolved."""
-        if self.enable_prefix_caching is None:
-            return self.kv_allocator == "paged"
-        return self.enable_prefix_caching
+        from pagedllm.resolved_config import prefix_caching
+
+        return prefix_caching(self)
 
     def __post_init__(self) -> None:
-        # each field against its declared type (choices, positive numbers, paths), then what
-        # fields say about each other
-        # a dict or JSON text of vLLM's keys becomes the validated record (frozen: set once, here)
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        check_fields(self)
+        # pydantic checked each field against its declared type (choices, positive numbers, paths) and made
+        # speculative_config's dict or JSON text the record; here: what fields say about each other
         if self.speculative_config is not None and self.kv_allocator != "paged":
             raise ValueError("speculative_config needs kv_allocator='paged' (drafts take and return blocks)")
         if self.kv_allocator == "paged" and self.contiguous_reserve != "max_tokens":
@@ -375,64 +302,16 @@ class EngineConfig:
                              f"got quantization={self.quantization!r}")
         if self.linear_backend in ("packed", "onednn") and (self.device != "cpu" or self.dtype == "float16"):
             raise ValueError(f"linear_backend={self.linear_backend!r} runs float32 or bfloat16 weights on the CPU only")
-        target = self.itl_target_ms
-        if target not in ("auto", None) and (
-            isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0
-        ):
-            raise ValueError(f"itl_target_ms must be 'auto', None or a positive number of milliseconds, got {target!r}")
         if self.cpu_bind is not None:
             parse_cpu_bind(self.cpu_bind, self.tensor_parallel_size)
         if self.kv_cache_dtype in ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2") and self.device != "cpu":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
                              f"read its blocks); use a float kv_cache_dtype with device={self.device!r}")
-        if self.batch_invariant is None:  # "auto", resolved once, here
-            object.__setattr__(self, "batch_invariant", self._batch_invariant_possible())
-        elif self.batch_invariant:
-            self._check_batch_invariant()
         if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
-
-    def _batch_invariant_refusals(self) -> dict[str, tuple[bool, str]]:
-        """What ``batch_invariant`` cannot cover: field -> (whether this config has it, why)."""
-        return {
-            "device": (self.device != "cpu", "the invariant kernels are CPU code"),
-            # two ranks: each element of an all-reduce is one addition, the same bits in either order; more
-            # ranks: rank order only through shared memory, which takes steps of up to 256 tokens
-            "tensor_parallel_size": (
-                self.tensor_parallel_size > 2
-                and not (self.all_reduce_backend == "shm" and self.max_num_batched_tokens <= 256),
-                "more than two ranks sum in a fixed (rank) order only through shared memory: use "
-                "all_reduce_backend='shm' and max_num_batched_tokens <= 256",
-            ),
-            "attention_backend": (self.attention_backend in ("sdpa", "reference"),
-                                  "torch's attention picks its kernel by shape; use 'auto' or 'cpu_paged'"),
-            "linear_backend": (self.linear_backend in ("onednn", "torch"),
-                               "oneDNN / MKL pick their kernels by shape; use 'auto' or 'packed'"),
-        }
-
-    def _check_batch_invariant(self) -> None:
-        """ValueError for what ``batch_invariant=True`` cannot cover: kernels chosen by shape, or one row of a
-        sum split across ranks or computed by a kernel kept for a single row."""
-        for name, (refused, why) in self._batch_invariant_refusals().items():
-            if refused:
-                raise ValueError(f"batch_invariant=True does not cover {name}={getattr(self, name)!r}: {why}")
-
-    def _batch_invariant_possible(self) -> bool:
-        """``batch_invariant=None``: whether every kernel on this config's path is one of ours that computes a
-        row alike in any batch (what the runner would otherwise refuse), so the mode costs nothing to turn on."""
-        if any(refused for refused, _ in self._batch_invariant_refusals().values()):
-            return False
-        if self.dtype not in ("float32", "bfloat16"):
-            return False  # float16 runs torch's linears
-        # imported here: torch and the native build are needed only when a config resolves "auto"
-        from pagedllm.kernels import load_kernels
-
-        ops = load_kernels()
-        # bfloat16 takes the packed bf16 panels only where they run in vector code
-        return ops is not None and (self.dtype == "float32" or bool(ops.packed_linear_bf16_native()))
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""

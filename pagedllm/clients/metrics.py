@@ -126,7 +126,7 @@ class ServerMetrics:
 
     def update_from_engine(self, engine: LLMEngine) -> None:
         """Refresh gauges and counters from the engine; call on the engine's own thread."""
-        self.batch_invariant.set(int(engine.config.batch_invariant))
+        self.batch_invariant.set(int(engine.resolved_config.batch_invariant))
         self.update_from_stats(engine_stats(engine))
 
     def update_from_stats(self, stats: EngineStats) -> None:

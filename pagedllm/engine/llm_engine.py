@@ -35,6 +35,7 @@ from pagedllm.engine.step_builder import StepRecordBuilder, first_usable_token_i
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
+from pagedllm.resolved_config import resolve_config
 from pagedllm.runner.model_runner import ModelRunner, StepResult
 from pagedllm.runner.process_settings import apply_process_settings
 from pagedllm.runner.sampler import TokenLogprobs
@@ -124,6 +125,8 @@ class LLMEngine:
             serve_torchrun_rank(config)
             raise SystemExit(0)
         self.config = config
+        # every "auto" resolved once, before anything loads (a combination it refuses fails here)
+        self.resolved_config = resolve_config(config)
         self.model_config = load_model_config(config.model)
         if config.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -155,8 +158,8 @@ class LLMEngine:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         # the prompt tokens a step may add to running decodes, from measured step costs (None: no target)
         self.step_costs: StepCostModel | None = None
-        if config.itl_target_ms is not None:
-            self.step_costs = StepCostModel(None if config.itl_target_ms == "auto" else float(config.itl_target_ms))
+        if self.resolved_config.itl_auto or self.resolved_config.itl_target_ms is not None:
+            self.step_costs = StepCostModel(self.resolved_config.itl_target_ms)
         # speculative decoding: drafts for decodes, verified in the same step (docs/speculative-decoding.md)
         self.speculator: Speculator | None = None
         self.draft_proposer: DraftModelProposer | None = None

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import re
+import signal
+import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING
 
-from pagedllm.config import KvCacheDtype
-from pagedllm.runner.grammar_limits import GrammarLimits
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.arg_fields import add_record_arguments, record_kwargs
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
     from pagedllm.entrypoints.openai.settings import ServerSettings
 
 
@@ -31,158 +34,56 @@ def _itl_target(text: str) -> float | str | None:
     return value
 
 
+# what the help says where ``LLM`` applies another default than ``EngineConfig``'s
+_LLM_DEFAULTS = {
+    "model": "the bundled SmolLM2-135M-Instruct",
+    "max_model_len": "the model's context length",
+    "max_num_batched_tokens": "2048 on the CPU, 8192 on a GPU",
+}
+
+
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument(
-        "--itl-target-ms", type=_itl_target, default="auto",
-        help="while sequences decode, a step takes only the prompt tokens that fit this latency target by the "
-             "measured step costs (a long prompt prefills in shorter steps); auto (default): 4x the decodes' own "
-             "step; off: up to --max-num-batched-tokens",
+    """A flag for every ``EngineConfig`` field, generated from the field (``arg_fields.py``)."""
+    g = p.add_argument_group("engine (EngineConfig's fields; docs/configuration.md)")
+    flags = add_record_arguments(
+        g, EngineConfig,
+        # "off" is None on the command line; speculative_config is JSON text, which EngineConfig parses
+        parsers={"itl_target_ms": _itl_target, "speculative_config": str},
+        defaults=_LLM_DEFAULTS,
+        aliases={"tensor_parallel_size": ("-tp",), "enable_prefix_caching": ("--prefix-caching",)},
+        taken=lambda flag: flag in p._option_string_actions,
     )
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--kv-allocator", default="paged", choices=["paged", "contiguous"])
-    g.add_argument("--contiguous-reserve", default="max_tokens", choices=["max_tokens", "max_model_len"])
-    g.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-        help="float32 (default); bfloat16 on the CPU: bf16 weights and matmuls around float32 "
-        "activations, a bf16 KV cache (fast with AVX512-BF16)",
-    )
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument(
-        "--kv-cache-dtype", default="auto", choices=list(get_args(KvCacheDtype)),
-        help="what the KV cache stores (auto: --dtype, float16 where GGUF blocks are kept); 2-byte caches halve "
-             "the bytes decode attention reads; "
-             "the quantized ones (CPU) hold one scale per token and KV head: see docs/configuration.md",
-    )
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu_paged", "sdpa", "reference"])
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument(
-        "--quantization", default=None, choices=["none", "int8", "int4"],
-        help="default: a GGUF file's blocks kept as stored; none: every weight in --dtype; "
-             "int8 / int4: weight-only, rounded at load in groups of --quantization-group-size (CPU, float32)",
-    )
-    g.add_argument(
-        "--quantization-group-size", type=int, default=None,
-        help="weights per group of int8 / int4, a multiple of 32 (default: 128 for int4, per channel for int8)",
-    )
-    g.add_argument(
-        "--gguf-activations", default="int8", choices=["int8", "float32"],
-        help="int8: layers in quantized blocks (GGUF's, --quantization int8/int4) multiply 8-bit activations with "
-             "integer dot products (llama.cpp's way, fast); float32: float activations, as transformers computes",
-    )
-    g.add_argument("--linear-backend", default="auto", choices=["auto", "packed", "onednn", "torch"])
-    g.add_argument(
-        "--enforce-eager", action="store_true",
-        help="run every step through the model's modules (no replay of captured decode steps)",
-    )
-    g.add_argument(
-        "--capture-min-decode-steps", type=int, default=512,
-        help="trace the decode step once the requests may still decode this many steps (0: at the first "
-             "decode step; the server captures at start); the trace takes seconds and pays after hundreds of steps",
-    )
-    g.add_argument(
-        "--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-        help="a request's tokens and logprobs are bitwise the same whatever else runs with it (its batch, "
-             "chunking, prefix-cache hits, preemption; docs/batch-invariance.md); default: on wherever the "
-             "kernels allow it (CPU, one or two ranks, float32/bfloat16, the native kernels), off elsewhere; "
-             "--no-batch-invariant turns it off",
-    )
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="processes the model is split over (Megatron-style; gloo on the CPU)")
-    g.add_argument("--distributed-executor-backend", default="auto", choices=["auto", "mp", "torchrun"],
-                   help="auto: torchrun inside a torchrun launch, else mp (this process spawns the ranks)")
-    g.add_argument("--cpu-bind", default=None, help="cores of each tensor-parallel rank, e.g. '0-3|4-7'")
-    g.add_argument("--distributed-timeout-s", type=float, default=120.0,
-                   help="longest wait in one collective before the engine stops with an error")
-    g.add_argument("--all-reduce-backend", default="auto", choices=["auto", "shm", "gloo"],
-                   help="auto: shared memory between ranks of one machine (steps up to 256 tokens), else gloo")
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' '
-                        '(docs/speculative-decoding.md)')
-    _grammar_arguments(p)
-
-
-def _grammar_arguments(p: argparse.ArgumentParser) -> None:
-    """``--grammar-*``: the limits of one structured-output constraint (``GrammarLimits``)."""
-    g = p.add_argument_group("structured outputs (limits of one constraint; over one is a 400)")
-    d = GrammarLimits()
-    g.add_argument("--grammar-max-bytes", type=int, default=d.max_bytes,
-                   help="a schema (as JSON), regex, grammar or choice list, in bytes")
-    g.add_argument("--grammar-max-num-entries", type=int, default=d.max_num_entries,
-                   help="enum values, consts and choices, counted together")
-    g.add_argument("--grammar-max-depth", type=int, default=d.max_depth, help="JSON nesting of a schema")
-    g.add_argument("--grammar-max-num-properties", type=int, default=d.max_num_properties,
-                   help="object properties over a whole schema")
-    g.add_argument("--grammar-compile-timeout-s", type=float, default=d.compile_timeout_s,
-                   help="a compile is killed past this")
-    g.add_argument("--grammar-compile-memory-bytes", type=int, default=d.compile_memory_bytes,
-                   help="memory a compile may allocate (its worker process is limited to it)")
-    g.add_argument("--grammar-max-num-compiles", type=int, default=d.max_num_compiles,
-                   help="compiles at once, each in a worker process; more wait")
-    g.add_argument("--grammar-cache-bytes", type=int, default=d.cache_bytes,
-                   help="compiled grammars kept for reuse, in bytes")
+    p.set_defaults(engine_flags=flags, model=None)
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=0.9)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    """``SamplingParams`` of every prompt (vLLM's names and meanings)."""
+    g = p.add_argument_group("sampling (SamplingParams)")
+    g.add_argument("--temperature", type=float, default=0.7,
+                   help="randomness of sampling: 0 is greedy, higher flattens the distribution (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.9,
+                   help="sample from the smallest set of tokens whose probability sums to this (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens; 0 or -1: all (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this fraction of the most likely one (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most tokens generated per output (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of each request's sampling, for reproducible samples (default: unset, the engine's "
+                        "stream)")
+    g.add_argument("--n", type=int, default=1, help="outputs per prompt (default: %(default)s)")
+    g.add_argument("--stop", action="append", default=None,
+                   help="stop string, not included in the output (repeatable; default: none)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, up to --max-tokens (default: off)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = dict(
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        itl_target_ms=args.itl_target_ms,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=False if args.no_prefix_caching else None,
-        kv_allocator=args.kv_allocator,
-        contiguous_reserve=args.contiguous_reserve,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_dtype=args.kv_cache_dtype,
-        attention_backend=args.attention_backend,
-        num_threads=args.num_threads,
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-        gguf_activations=args.gguf_activations,
-        linear_backend=args.linear_backend,
-        enforce_eager=args.enforce_eager,
-        batch_invariant=args.batch_invariant,
-        capture_min_decode_steps=args.capture_min_decode_steps,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        cpu_bind=args.cpu_bind,
-        distributed_timeout_s=args.distributed_timeout_s,
-        all_reduce_backend=args.all_reduce_backend,
-        # JSON text: EngineConfig parses and validates it (ValueError for a bad method or value)
-        speculative_config=args.speculative_config,
-        grammar_limits=GrammarLimits(
-            max_bytes=args.grammar_max_bytes, max_num_entries=args.grammar_max_num_entries,
-            max_depth=args.grammar_max_depth, max_num_properties=args.grammar_max_num_properties,
-            compile_timeout_s=args.grammar_compile_timeout_s,
-            compile_memory_bytes=args.grammar_compile_memory_bytes,
-            max_num_compiles=args.grammar_max_num_compiles, cache_bytes=args.grammar_cache_bytes,
-        ),
-    )
+    """The ``EngineConfig`` fields the command line set (the model aside: it is passed on its own); the rest
+    keep ``LLM``'s defaults."""
+    kwargs = record_kwargs(args, EngineConfig, args.engine_flags)
+    kwargs.pop("model", None)
     return kwargs
 
 
@@ -323,51 +224,26 @@ def cmd_bench_sharing(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the OpenAI-compatible server (``pagedllm serve [MODEL]``)."""
-    import logging
-
     from pagedllm import LLM
-    from pagedllm.entrypoints.openai.api_server import (
-        ServerSettings,
-        default_model_name,
-        run_server,
-    )
+    from pagedllm.entrypoints.openai.api_server import default_model_name, run_server
 
     if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
         raise ValueError("give the model either as an argument or with --model, not both")
-    # the server's own flags are checked before the model loads
-    if args.max_waiting is not None and args.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    if args.max_request_bytes < 1:
-        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    if args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    http_limits = _http_limits(args)
+    # the server's own flags, and the port, are checked before the model loads
+    settings = _server_settings(args)
     if args.replica_heartbeat_timeout is not None:
         from pagedllm.clients.data_parallel.replica_client import check_heartbeat_timeout
 
         if args.data_parallel_size == 1:
             raise ValueError("--replica-heartbeat-timeout needs --data-parallel-size > 1 (one engine has no replicas)")
         check_heartbeat_timeout(args.replica_heartbeat_timeout)
-    settings = ServerSettings(
-        model_name=args.served_model_name or "",
-        api_key=args.api_key or None,
-        max_waiting=args.max_waiting,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        max_request_bytes=args.max_request_bytes,
-        allowed_hosts=_comma_list(args.allowed_hosts),
-        allowed_origins=_comma_list(args.allowed_origins),
-        tool_call_parser=args.tool_call_parser,
-        kv_page=not args.no_kv_page,
-        http_limits=http_limits,
-        default_max_tokens=args.default_max_tokens,
-        stream_write_timeout_s=_stream_write_timeout(args.stream_write_timeout),
-    )
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    check_port_free(settings.host, settings.port)
+    logging.getLogger().setLevel(args.log_level.upper())
     if args.data_parallel_size > 1:
         return _serve_data_parallel(args, settings)
-    llm = LLM(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
+    llm = LLM(args.model_pos or args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
     settings = dataclasses.replace(
         settings, model_name=settings.model_name or default_model_name(engine.config.model),
@@ -385,7 +261,7 @@ def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> 
     from pagedllm.engine.llm import make_engine_config
     from pagedllm.entrypoints.openai.api_server import default_model_name, run_dp_server
 
-    config = make_engine_config(args.model_pos or args.model, seed=args.seed, **_engine_kwargs(args))
+    config = make_engine_config(args.model_pos or args.model, **_engine_kwargs(args))
     settings = dataclasses.replace(
         settings, model_name=settings.model_name or default_model_name(config.model), model_path=config.model,
     )
@@ -396,20 +272,49 @@ def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> 
     return 0
 
 
-def _http_limits(args: argparse.Namespace) -> HTTPLimits:
-    """``--header-timeout``, ``--max-header-connections``, ``--linger-timeout``, ``--max-linger-bytes``."""
+# the serve flag of each ServerSettings / HTTPLimits field whose flag is not named as the field
+_SERVER_FLAGS = {
+    "model_name": "--served-model-name", "kv_page": "--no-kv-page", "header_timeout_s": "--header-timeout",
+    "linger_timeout_s": "--linger-timeout", "stream_write_timeout_s": "--stream-write-timeout",
+}
+
+
+def _server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from its flags; a refused value is a ValueError naming the flag."""
+    from pagedllm.entrypoints.openai.api_server import ServerSettings
     from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
 
-    finite = float("inf")
-    if not 0 < args.header_timeout < finite:
-        raise ValueError(f"--header-timeout must be a number of seconds > 0, got {args.header_timeout}")
-    if args.max_header_connections < 1:
-        raise ValueError(f"--max-header-connections must be >= 1, got {args.max_header_connections}")
-    if not 0 <= args.linger_timeout < finite:
-        raise ValueError(f"--linger-timeout must be a number of seconds >= 0, got {args.linger_timeout}")
-    if args.max_linger_bytes < 0:
-        raise ValueError(f"--max-linger-bytes must be >= 0, got {args.max_linger_bytes}")
-    return HTTPLimits(args.header_timeout, args.max_header_connections, args.linger_timeout, args.max_linger_bytes)
+    try:
+        http_limits = HTTPLimits(header_timeout_s=args.header_timeout, max_header_connections=args.max_header_connections,
+                                 linger_timeout_s=args.linger_timeout, max_linger_bytes=args.max_linger_bytes)
+        return ServerSettings(
+            model_name=args.served_model_name or "", api_key=args.api_key or None, max_waiting=args.max_waiting,
+            host=args.host, port=args.port, log_level=args.log_level, max_request_bytes=args.max_request_bytes,
+            allowed_hosts=_comma_list(args.allowed_hosts), allowed_origins=_comma_list(args.allowed_origins),
+            tool_call_parser=args.tool_call_parser, kv_page=not args.no_kv_page, http_limits=http_limits,
+            default_max_tokens=args.default_max_tokens,
+            stream_write_timeout_s=_stream_write_timeout(args.stream_write_timeout),
+        )
+    except ValueError as e:
+        # the records name their fields; the person typed flags
+        def flag(match: re.Match) -> str:
+            return _SERVER_FLAGS.get(match.group(0), "--" + match.group(0).replace("_", "-"))
+
+        fields = {f.name for f in (*dataclasses.fields(ServerSettings), *dataclasses.fields(HTTPLimits))}
+        names = "|".join(sorted(fields, key=len, reverse=True))
+        raise ValueError(re.sub(rf"\b(?:{names})\b", flag, str(e))) from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError when ``host:port`` cannot be bound (another server holds it), before a model loads for it."""
+    if port == 0:
+        return  # the OS picks a free one
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); is another server running there? "
+                         "pick another --port") from None
 
 
 def _stream_write_timeout(seconds: float) -> float | None:
@@ -479,7 +384,6 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: no cap, replies may run to the end of the context, as in OpenAI and vLLM)")
     g.add_argument("--no-kv-page", action="store_true",
                    help="do not serve the live KV-cache page (/kv, /kv/state, /kv/events)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for requests that bring none")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="N engine processes (replicas) behind this server; a request goes to the replica with "
                         "the longest cached prefix of its prompt, else the least loaded (default 1: one engine "
@@ -515,20 +419,23 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedllm import __version__
+
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference")
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate continuations of prompts")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     gen.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
+    _sampling_arguments(gen, max_tokens=64)  # first: its per-request --seed makes the engine's --engine-seed
     _engine_arguments(gen)
-    _sampling_arguments(gen, max_tokens=64)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat, tokens streamed as they come")
     chat.add_argument("--system", default=None, help="system prompt")
-    _engine_arguments(chat)
     _sampling_arguments(chat, max_tokens=256)
+    _engine_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
     env = sub.add_parser("env", help="CPU features, torch, native kernels and layer backends (for bug reports)")
@@ -594,13 +501,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``pagedllm`` command; its exit status (2: a refused value, 130: interrupted)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # warnings, and the one line before and after a first-run kernel build (pagedllm/kernels/__init__.py)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedllm.kernels").setLevel(logging.INFO)
     try:
         return args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C while a model loads or the kernels build: stop quietly, with the shell's status for SIGINT
+        print("interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

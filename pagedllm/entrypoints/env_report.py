@@ -77,31 +77,23 @@ def _kernels() -> dict[str, Any]:
 
 
 def _auto_backends() -> dict[str, Any]:
-    """What "auto" picks here for float32 and bfloat16 on the CPU (no model needed)."""
-    import torch
-
+    """What "auto" picks here for float32 and bfloat16 on the CPU (no model needed): ``resolve_config``'s
+    choices for a config of each dtype, not a derivation of its own."""
+    from pagedllm.config import EngineConfig
     from pagedllm.kernels import load_kernels
-    from pagedllm.layers.attention import make_backend
-    from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported
+    from pagedllm.resolved_config import resolve_config
 
     native = load_kernels() is not None
-    bf16_vector = False
-    if native:
-        from pagedllm.layers.packed_linear import packed_linear_bf16_native
-
-        bf16_vector = packed_linear_bf16_native()
-    f32_linear = "packed" if native else ("onednn" if onednn_available() else "torch")
-    if native and bf16_vector:
-        bf16_linear = "packed"
-    elif onednn_bf16_supported():
-        bf16_linear = "onednn"
-    else:
-        bf16_linear = "torch (slow: no bf16 kernel for this CPU)"
+    # the model is not read to resolve the backends: any path names the config
+    f32 = resolve_config(EngineConfig(model="(none)", dtype="float32"))
+    bf16 = resolve_config(EngineConfig(model="(none)", dtype="bfloat16"))
+    f32_linear = f32.linear_backend
+    bf16_linear = bf16.linear_backend if bf16.linear_backend != "torch" else "torch (slow: no bf16 kernel for this CPU)"
     return {
-        "float32": {"linear": f32_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
+        "float32": {"linear": f32_linear, "attention": f32.attention_backend, "batch_invariant": f32.batch_invariant,
                     "norms_rope_silu": "native" if native else "torch", "captured_decode": native,
                     "step_programs": native},
-        "bfloat16": {"linear": bf16_linear, "attention": make_backend("auto", "cpu", torch.float32).name,
+        "bfloat16": {"linear": bf16_linear, "attention": bf16.attention_backend, "batch_invariant": bf16.batch_invariant,
                      "captured_decode": native, "step_programs": native},
         "int8": {"linear": "int8 blocks" if native else "refused (no kernels)", "captured_decode": native,
                  "step_programs": native},
@@ -128,7 +120,7 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         "kv_cache_dtype": kv_format_name(runner.kv_cache.dtype),
         # one block across all layers, K and V (an int8 / int4 cache's scales included)
         "kv_bytes_per_block": runner.kv_bytes_per_block,
-        "batch_invariant": llm.llm_engine.config.batch_invariant,
+        "batch_invariant": llm.llm_engine.resolved_config.batch_invariant,
         "layer_classes": dict(sorted(layers.items())),
     }
 

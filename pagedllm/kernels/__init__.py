@@ -218,10 +218,18 @@ def _compile(build_dir: Path, flags: list[str]) -> str:
                            "one variant per process")
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir / "lock")
+    # a first build takes minutes: say so before and after, or the first run looks hung
+    building = not Path(path).exists()
+    if building:
+        logger.info("building the native CPU kernels into %s (once per machine and source version; "
+                    "a few minutes)", build_dir)
+    start = time.perf_counter()
     cpp_extension.load(
         name=_LIBRARY_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=list(flags),
         extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False, verbose=False,
     )
+    if building:
+        logger.info("built the native CPU kernels in %.0f s", time.perf_counter() - start)
     return path
 
 

@@ -405,10 +405,9 @@ class CpuPagedAttention(SdpaAttention):
     """
 
     name = "cpu_paged"
-    # set by the model runner for EngineConfig.batch_invariant: every prompt through paged_prefill
-    batch_invariant = False
-
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
+        # EngineConfig.batch_invariant, resolved: every prompt token through paged_prefill
+        self.batch_invariant = batch_invariant
         from pagedllm.kernels import kernels_failure, load_kernels
 
         ops = load_kernels()
@@ -505,22 +504,16 @@ class CpuPagedAttention(SdpaAttention):
             out.copy_(result)
 
 
-def make_backend(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """Backend by name: "auto", "cpu_paged", "sdpa" or "reference".
-
-    "auto" takes ``cpu_paged`` for float32 on the CPU when its kernel builds,
-    and ``sdpa`` otherwise.
-    """
+def make_backend(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 batch_invariant: bool = False) -> AttentionBackend:
+    """Backend by its resolved name: "cpu_paged", "sdpa" or "reference" ("auto" is resolved by
+    ``resolved_config.resolve_config``); ``batch_invariant``: cpu_paged's mode (``EngineConfig.batch_invariant``)."""
     backends = {"reference": ReferenceAttention, "sdpa": SdpaAttention, "cpu_paged": CpuPagedAttention}
-    if name == "auto":
-        if device == "cpu" and dtype == torch.float32:
-            from pagedllm.kernels import kernels_available
-
-            if kernels_available():
-                return CpuPagedAttention()
-        return SdpaAttention()
     if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends) + ['auto']}")
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(backends)} "
+                         "(\"auto\" is resolved by resolve_config)")
     if name == "cpu_paged" and (device != "cpu" or dtype != torch.float32):
         raise ValueError("the cpu_paged attention backend runs float32 on the CPU only")
-    return backends[name]()
+    if batch_invariant and name != "cpu_paged":
+        raise ValueError(f"batch_invariant needs the cpu_paged attention backend, not {name!r}")
+    return CpuPagedAttention(batch_invariant) if name == "cpu_paged" else backends[name]()

@@ -19,8 +19,10 @@ This module imports neither torch nor xgrammar: ``EngineConfig`` holds a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from pagedllm.config_record import PositiveFloat, PositiveInt, config_record
 
 # keywords whose values are data (a JSON value), not schemas
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
@@ -32,7 +34,7 @@ class GrammarLimitError(ValueError):
     """A constraint over one of the ``GrammarLimits`` (a 400 on the server, a ValueError offline)."""
 
 
-@dataclass(frozen=True)
+@config_record(prefix="grammar_limits.")
 class GrammarLimits:
     """What one structured-output constraint may cost; each field has an engine flag of the same name.
 
@@ -61,23 +63,14 @@ class GrammarLimits:
             ``memory_size_bytes``); a grammar larger than this is refused.
     """
 
-    max_bytes: int = 128 * 1024
-    max_num_entries: int = 2000
-    max_depth: int = 32
-    max_num_properties: int = 500
-    compile_timeout_s: float = 15.0
-    compile_memory_bytes: int = 1 << 30
-    max_num_compiles: int = 1
-    cache_bytes: int = 256 << 20
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "compile_timeout_s":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                    raise ValueError(f"grammar_limits.compile_timeout_s must be a positive number, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"grammar_limits.{f.name} must be a positive integer, got {value!r}")
+    max_bytes: PositiveInt = 128 * 1024
+    max_num_entries: PositiveInt = 2000
+    max_depth: PositiveInt = 32
+    max_num_properties: PositiveInt = 500
+    compile_timeout_s: PositiveFloat = 15.0
+    compile_memory_bytes: PositiveInt = 1 << 30
+    max_num_compiles: PositiveInt = 1
+    cache_bytes: PositiveInt = 256 << 20
 
     def refuse(self, what: str, amount: int | float, limit: str, unit: str = "") -> GrammarLimitError:
         """The error for ``what`` measuring ``amount`` over the limit ``limit`` (a field name)."""

@@ -31,7 +31,6 @@ from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, layer_
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.onednn_linear import (
     OneDnnLinearMethod,
-    onednn_available,
     onednn_bf16_supported,
 )
 from pagedllm.layers.packed_linear import (
@@ -51,6 +50,7 @@ from pagedllm.layers.quantized_linear import (
 )
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.registry import model_class
+from pagedllm.resolved_config import resolve_config
 
 logger = logging.getLogger(__name__)
 
@@ -78,24 +78,6 @@ def resolve_precision(config: EngineConfig, device: torch.device) -> Precision:
     dtype = DTYPES[config.dtype]
     bf16_matmul_only = device.type == "cpu" and dtype == torch.bfloat16
     return Precision(dtype, torch.float32 if bf16_matmul_only else dtype, bf16_matmul_only)
-
-
-def resolve_linear_backend(config: EngineConfig, device: torch.device, precision: Precision) -> str:
-    """``config.linear_backend`` with "auto" resolved for this device, dtype and CPU ("int8" / "int4": theirs)."""
-    if config.quantization in WEIGHT_ONLY:
-        return config.quantization
-    if config.linear_backend != "auto":
-        return config.linear_backend
-    if device.type != "cpu" or precision.compute != torch.float32:
-        return "torch"
-    # float32: our packed-panel kernel measured 1.17-1.56x oneDNN at 1-64 rows here, oneDNN 2-4x MKL;
-    # bf16: ours in vector code (AVX512-BF16's dot product, or AVX2 widening bf16 in
-    # registers); oneDNN only where it has bf16 kernels (AVX-512), else its reorder raises
-    if load_kernels() is not None and (not precision.bf16_matmul_only or packed_linear_bf16_native()):
-        return "packed"
-    if onednn_available() and (not precision.bf16_matmul_only or onednn_bf16_supported()):
-        return "onednn"
-    return "torch"
 
 
 def _warn_if_slow_half_precision(config: EngineConfig, device: torch.device, precision: Precision, linear: str) -> None:
@@ -264,7 +246,7 @@ def load_model(
     """
     start = time.perf_counter()
     precision = resolve_precision(config, device)
-    linear = resolve_linear_backend(config, device, precision)
+    linear = resolve_config(config).linear_backend
     _warn_if_slow_half_precision(config, device, precision, linear)
     quant_config = resolve_quant_config(config, model_config, weights, device, precision, linear, tp)
     # built on the meta device: no time spent on random init of weights that the checkpoint overwrites

@@ -10,12 +10,13 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
-from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention, make_backend
+from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.gguf_linear import gguf_types_held
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.tokenizer import Tokenizer
+from pagedllm.resolved_config import resolve_config, resolve_kv_cache_dtype
 from pagedllm.runner.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.input_batch import InputBatch, as_decode_rows
@@ -52,19 +53,6 @@ KV_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, keeps_gguf_blocks: bool) -> torch.dtype:
-    """What the KV cache stores, with "auto" resolved.
-
-    "auto" is the model's ``dtype``, except where the weights stay GGUF
-    blocks: float16 there, llama.cpp's default cache for the same file. The
-    blocks already round the weights far coarser than float16 rounds K and V,
-    and decode attention reads half the bytes.
-    """
-    if kv_cache_dtype != "auto":
-        return KV_DTYPES[kv_cache_dtype]
-    return torch.float16 if keeps_gguf_blocks else dtype
 
 
 # the most sequences a captured decode step has: past that the Python between kernels is a small share of a step
@@ -104,28 +92,25 @@ class ModelRunner:
             raise ValueError("device='cuda' but torch sees no CUDA device")
         precision = resolve_precision(config, self.device)
         self.dtype, self.compute_dtype = precision.weights, precision.compute
-        self.backend = make_backend(config.attention_backend, self.device.type, self.compute_dtype)
-        if config.batch_invariant:
-            self._make_batch_invariant()
+        # every choice "auto" left open, taken once (resolved_config.py); batch_invariant's refusals there too
+        self.resolved = resolve_config(config)
+        self.backend = make_backend(self.resolved.attention_backend, self.device.type, self.compute_dtype,
+                                    batch_invariant=self.resolved.batch_invariant)
 
         # measured before loading: the default KV budget is what the weights leave of it
         available = available_memory_bytes(self.device)
         loaded = load_model(config, self.local_config, weights, self.backend, self.device, self.tp)
         self.model = loaded.model
         self.linear_backend = loaded.linear_backend
-        if config.batch_invariant and self.linear_backend not in ("packed", "int8", "int4"):
-            raise ValueError(f"batch_invariant=True needs the packed linear kernels; here they resolve to "
-                             f"{self.linear_backend!r} (the native kernels did not build, or no packed kernel for "
-                             f"{config.dtype})")
         self.native_ops = loaded.native_ops
         self.num_params = loaded.num_params  # the whole model's, once tensor-parallel ranks have told theirs
         self.load_seconds = loaded.load_seconds
         self.weight_bytes = loaded.weight_bytes
         self.weight_format = loaded.weight_format
 
-        # what the cache stores; "auto" resolved here, once the weights' format is known
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
-                                                     keeps_gguf_blocks=bool(gguf_types_held(self.model)))
+        # what the cache stores; "auto" resolved once the weights' format is known
+        self.kv_cache_dtype = KV_DTYPES[resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype,
+                                                               keeps_gguf_blocks=bool(gguf_types_held(self.model)))]
         self.block_size = config.block_size
         self.num_kv_blocks = decide_num_kv_blocks(
             config, self.local_config, self.kv_cache_dtype, available, self.weight_bytes
@@ -178,15 +163,6 @@ class ModelRunner:
             # tensor-parallel ranks all trace at the first decode step, so none waits in a collective
             armed=config.capture_min_decode_steps == 0 or self.tp is not None,
         )
-
-    def _make_batch_invariant(self) -> None:
-        """Route every prompt token through the decode attention kernel (``EngineConfig.batch_invariant``);
-        ValueError where the backend is not the native one (torch's attention picks kernels by shape)."""
-        if not isinstance(self.backend, CpuPagedAttention):
-            raise ValueError(f"batch_invariant=True needs the cpu_paged attention backend; here it resolves to "
-                             f"{self.backend.name!r} (the native kernels did not build, or dtype "
-                             f"{self.config.dtype!r} computes attention in {self.compute_dtype})")
-        self.backend.batch_invariant = True
 
     def _calibrate_kv_transforms(self) -> None:
         """Fit every layer's ``KvTransform`` from the calibration prompt (``runner/kv_calibration.py``)."""

@@ -23,7 +23,6 @@ from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.distributed.launch import (
     Rendezvous,
     join_group,
-    launched_by_torchrun,
     leave_group,
     parse_cpu_bind,
     pin_rank,
@@ -32,19 +31,13 @@ from pagedllm.distributed.launch import (
 )
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.resolved_config import resolve_config
 from pagedllm.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # seconds a worker is given to leave after rank 0 says stop, then it is terminated, then killed
 STOP_GRACE_S = 10.0
-
-
-def resolve_executor(config: EngineConfig) -> str:
-    """``distributed_executor_backend`` with "auto" resolved: "torchrun" inside a torchrun launch, else "mp"."""
-    if config.distributed_executor_backend != "auto":
-        return config.distributed_executor_backend
-    return "torchrun" if launched_by_torchrun() else "mp"
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -80,7 +73,7 @@ def serve_torchrun_rank(config: EngineConfig) -> None:
 
 def is_torchrun_worker(config: EngineConfig) -> bool:
     """Whether this process is a torchrun rank other than 0 of a tensor-parallel engine."""
-    return config.tensor_parallel_size > 1 and resolve_executor(config) == "torchrun" and torchrun_rank() != 0
+    return config.tensor_parallel_size > 1 and resolve_config(config).distributed_executor_backend == "torchrun" and torchrun_rank() != 0
 
 
 def _worker_entry(config: EngineConfig, rank: int, where: Rendezvous, cores: list[int] | None) -> None:
@@ -124,7 +117,7 @@ def start_tensor_parallel(
 ) -> tuple[TensorParallelGroup, TensorParallelWorkers]:
     """Rank 0's start: start (or, under torchrun, meet) the other ranks and join the group with them."""
     size = config.tensor_parallel_size
-    executor = resolve_executor(config)
+    executor = resolve_config(config).distributed_executor_backend
     binds = parse_cpu_bind(config.cpu_bind, size)
     if executor == "torchrun":
         where = Rendezvous.from_torchrun()

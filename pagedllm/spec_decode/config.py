@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import fields
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from pagedllm.config_record import NonNegativeInt, PositiveFloat, PositiveInt, config_record
 
 # methods this engine runs; vLLM's other names are refused with a clear message
 METHODS = ("ngram", "suffix", "draft_model")
@@ -24,19 +27,7 @@ SUFFIX_DEFAULTS: dict[str, int | float] = {
 }
 
 
-def _int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"speculative_config.{name} must be an integer >= {low}, got {value!r}")
-
-
-def _float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or not (low < value if low_open else low <= value) or value > high:  # type: ignore[operator]
-        bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != math.inf else "")
-        raise ValueError(f"speculative_config.{name} must be a number {bound}, got {value!r}")
-
-
-@dataclass(frozen=True)
+@config_record(prefix="speculative_config.")
 class SpeculativeConfig:
     """How a decoding sequence drafts tokens that one step then verifies.
 
@@ -78,17 +69,17 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     model: str | None = None
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    max_batch_size: int | None = None
+    num_speculative_tokens: PositiveInt = 4
+    prompt_lookup_min: PositiveInt | None = None
+    prompt_lookup_max: PositiveInt | None = None
+    max_batch_size: PositiveInt | None = None
     cost_model: bool = True
-    max_failures: int = 3
-    backoff_steps: int = 16
-    suffix_decoding_max_tree_depth: int | None = None
-    suffix_decoding_max_cached_requests: int | None = None
-    suffix_decoding_max_spec_factor: float | None = None
-    suffix_decoding_min_token_prob: float | None = None
+    max_failures: PositiveInt = 3
+    backoff_steps: NonNegativeInt = 16
+    suffix_decoding_max_tree_depth: Annotated[int, Field(ge=2)] | None = None
+    suffix_decoding_max_cached_requests: NonNegativeInt | None = None
+    suffix_decoding_max_spec_factor: PositiveFloat | None = None
+    suffix_decoding_min_token_prob: Annotated[float, Field(ge=0, le=1)] | None = None
 
     def __post_init__(self) -> None:
         if self.method in _LATER_METHODS:
@@ -107,21 +98,12 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft_model' needs a 'model' (the draft model's path)")
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"speculative_config.model is the draft model of method 'draft_model', not {self.method!r}")
-        _int("num_speculative_tokens", self.num_speculative_tokens, 1)
-        if self.max_batch_size is not None:
-            _int("max_batch_size", self.max_batch_size, 1)
-        if not isinstance(self.cost_model, bool):
-            raise ValueError(f"speculative_config.cost_model must be true or false, got {self.cost_model!r}")
-        _int("max_failures", self.max_failures, 1)
-        _int("backoff_steps", self.backoff_steps, 0)
         if self.method == "ngram":
             self._check_ngram()
         elif self.method == "suffix":
             self._check_suffix()
 
     def _check_ngram(self) -> None:
-        _int("prompt_lookup_min", self.prompt_lookup_min, 1)
-        _int("prompt_lookup_max", self.prompt_lookup_max, 1)
         if self.prompt_lookup_min > self.prompt_lookup_max:  # type: ignore[operator]
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
@@ -129,10 +111,6 @@ class SpeculativeConfig:
             )
 
     def _check_suffix(self) -> None:
-        _int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 2)
-        _int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0)
-        _float("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0.0, math.inf, low_open=True)
-        _float("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0.0, 1.0)
         if self.num_speculative_tokens >= self.suffix_decoding_max_tree_depth:  # type: ignore[operator]
             # a match of at least one token and the draft below it share the tree's depth
             raise ValueError(

@@ -29,7 +29,10 @@ ALLOWED = {
     "entrypoints": {"clients", "engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
     "bench": {"engine", "loader", "distributed"},
 }
-DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table", "cache_dir"}
+# config_record: how config records are declared (pydantic); resolved_config: the config's "auto"s resolved,
+# the one top-level module that asks the machine (it imports kernels / layers / distributed inside functions)
+DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
+                "block_table", "cache_dir"}
 
 
 def _module_name(path: Path) -> str:

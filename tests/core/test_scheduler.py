@@ -76,11 +76,14 @@ def view(out: SchedulerOutput):
 
 
 # --- construction ----------------------------------------------------------------
-@pytest.mark.parametrize(("seqs", "tokens"), [(0, 8), (1, 0), (-1, 8)])
-def test_bad_limits(seqs, tokens):
-    bm = BlockManager(num_blocks=4, block_size=BS)
-    with pytest.raises(ValueError):
-        Scheduler(bm, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+# the limits are EngineConfig's fields, checked there once (the scheduler no longer re-checks them)
+@pytest.mark.parametrize(("field", "value"), [("max_num_seqs", 0), ("max_num_batched_tokens", 0),
+                                              ("max_num_seqs", -1)])
+def test_bad_limits(field, value):
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer, got {value}"):
+        EngineConfig(model="m", **{field: value})
 
 
 def test_add_rejects_sequence_with_blocks():

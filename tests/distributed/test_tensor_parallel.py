@@ -495,7 +495,7 @@ def test_two_ranks_keep_a_request_batch_invariant() -> None:
                 [None if p is None else sorted(p.items()) for p in out.prompt_logprobs])
 
     with _tp(None, 2, gguf_activations="int8", batch_invariant=True, enable_prefix_caching=False) as two:
-        assert two.llm_engine.config.batch_invariant is True
+        assert two.llm_engine.resolved_config.batch_invariant is True
         alone = key(two.generate([needle], params, use_tqdm=False)[0])
         among = two.generate([*neighbours[:3], needle, *neighbours[3:]], params, use_tqdm=False)
         assert key(among[3]) == alone

@@ -190,9 +190,11 @@ def test_the_default_engine_is_not_invariant() -> None:
 def test_what_the_mode_cannot_cover_is_refused(kwargs: dict, field: str) -> None:
     from pagedllm.config import EngineConfig
     from pagedllm.loader import bundled_model_path
+    from pagedllm.resolved_config import resolve_config
 
+    config = EngineConfig(model=bundled_model_path(), batch_invariant=True, **kwargs)
     with pytest.raises(ValueError, match=f"batch_invariant=True does not cover {field}"):
-        EngineConfig(model=bundled_model_path(), batch_invariant=True, **kwargs)
+        resolve_config(config)  # when the engine starts, before the weights load
 
 
 @pytest.mark.parametrize("command", [["generate", "x"], ["serve"], ["bench", "throughput"], ["bench", "latency"]])
@@ -202,14 +204,19 @@ def test_the_cli_flag_reaches_the_engine_config(command: list[str]) -> None:
     parser = build_parser()
     assert _engine_kwargs(parser.parse_args([*command, "--batch-invariant"]))["batch_invariant"] is True
     assert _engine_kwargs(parser.parse_args([*command, "--no-batch-invariant"]))["batch_invariant"] is False
-    assert _engine_kwargs(parser.parse_args(command))["batch_invariant"] is None  # "auto": EngineConfig resolves it
+    # left out: not passed, EngineConfig's None ("auto"), which resolve_config resolves
+    assert "batch_invariant" not in _engine_kwargs(parser.parse_args(command))
 
 
 def test_auto_turns_the_mode_on_where_it_can_and_off_where_it_cannot() -> None:
-    """The default (None) resolves once, in the config: on for the bundled model on the CPU (this build's
+    """The default (None) resolves once, in resolve_config: on for the bundled model on the CPU (this build's
     kernels loaded), off, with no error, for each configuration that True refuses."""
-    from pagedllm.config import EngineConfig
+    from pagedllm.config import EngineConfig as Config
     from pagedllm.loader import bundled_model_path
+    from pagedllm.resolved_config import resolve_config
+
+    def EngineConfig(**kwargs: object) -> object:  # noqa: N802 (reads as the config it resolves)
+        return resolve_config(Config(**kwargs))
 
     assert EngineConfig(model=bundled_model_path()).batch_invariant is True
     assert EngineConfig(model=bundled_model_path(), dtype="bfloat16").batch_invariant is True

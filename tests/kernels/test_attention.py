@@ -218,8 +218,15 @@ def test_cpu_paged_decode_on_model_sized_heads(
 
 
 def test_auto_backend_choice() -> None:
-    assert make_backend("auto", "cpu", torch.float32).name == "cpu_paged"
-    assert make_backend("auto", "cpu", torch.bfloat16).name == "sdpa"
+    from pagedllm.config import EngineConfig
+    from pagedllm.resolved_config import resolve_config
+
+    # "auto" is resolved by the config's resolver (bf16 on the CPU computes attention in float32), never here
+    assert resolve_config(EngineConfig(model="m")).attention_backend == "cpu_paged"
+    assert resolve_config(EngineConfig(model="m", dtype="bfloat16")).attention_backend == "cpu_paged"
+    assert resolve_config(EngineConfig(model="m", dtype="float16")).attention_backend == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("auto", "cpu", torch.float32)
     with pytest.raises(ValueError, match="float32 on the CPU"):
         make_backend("cpu_paged", "cpu", torch.float16)
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -265,7 +272,10 @@ def test_without_a_compiler_auto_falls_back_and_int8_is_refused(monkeypatch, tmp
     try:
         assert kernels.load_kernels() is None
         assert "no-such-compiler" in kernels.kernels_failure()
-        assert make_backend("auto", "cpu", torch.float32).name == "sdpa"
+        from pagedllm.config import EngineConfig
+        from pagedllm.resolved_config import resolve_config
+
+        assert resolve_config(EngineConfig(model="m")).attention_backend == "sdpa"
         with pytest.raises(ValueError, match="cannot be built here"):
             make_backend("cpu_paged", "cpu", torch.float32)
         from pagedllm import LLM

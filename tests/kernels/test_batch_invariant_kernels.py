@@ -108,8 +108,7 @@ def test_prefill_and_decode_attention_give_a_token_the_same_bits(head_dim: int, 
     def cache() -> torch.Tensor:
         return torch.zeros(8, block_size, kv_heads, head_dim, dtype=cache_dtype)
 
-    backend = CpuPagedAttention()
-    backend.batch_invariant = True
+    backend = CpuPagedAttention(batch_invariant=True)
     k_cache, v_cache = cache(), cache()
     whole = attend(backend, q, k, v, k_cache, v_cache, 0, length)
     k_cache, v_cache = cache(), cache()

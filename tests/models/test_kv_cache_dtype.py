@@ -350,16 +350,16 @@ def test_quantized_prefix_cache_hit_and_preemption_give_the_same_tokens(
 
 
 def test_auto_cache_is_float16_where_gguf_blocks_are_kept() -> None:
-    from pagedllm.runner.model_runner import resolve_kv_cache_dtype
+    from pagedllm.resolved_config import resolve_kv_cache_dtype
 
     # llama.cpp's default cache for a GGUF file kept in its blocks
-    assert resolve_kv_cache_dtype("auto", torch.float32, keeps_gguf_blocks=True) == torch.float16
+    assert resolve_kv_cache_dtype("auto", "float32", keeps_gguf_blocks=True) == "float16"
     # elsewhere (a float folder, int8/int4 weights, a GGUF file dequantized: quantization="none") the model's dtype
-    assert resolve_kv_cache_dtype("auto", torch.float32, keeps_gguf_blocks=False) == torch.float32
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, keeps_gguf_blocks=False) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", "float32", keeps_gguf_blocks=False) == "float32"
+    assert resolve_kv_cache_dtype("auto", "bfloat16", keeps_gguf_blocks=False) == "bfloat16"
     # a dtype asked for is kept
-    assert resolve_kv_cache_dtype("float32", torch.float32, keeps_gguf_blocks=True) == torch.float32
-    assert resolve_kv_cache_dtype("int8", torch.float32, keeps_gguf_blocks=True) == torch.int8
+    assert resolve_kv_cache_dtype("float32", "float32", keeps_gguf_blocks=True) == "float32"
+    assert resolve_kv_cache_dtype("int8", "float32", keeps_gguf_blocks=True) == "int8"
 
 
 @pytest.mark.slow

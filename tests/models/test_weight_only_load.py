@@ -23,6 +23,7 @@ from pagedllm.layers.attention import make_backend
 from pagedllm.layers.linear import layer_shape
 from pagedllm.layers.quantized_linear import layer_group_size, pack_groups, quantize_groups
 from pagedllm.loader import iter_weights, load_model_config
+from pagedllm.resolved_config import resolve_config
 from pagedllm.runner.model_loader import LoadedModel, load_model, model_tensors, resident_bytes
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="int8/int4 need the native build")
@@ -54,7 +55,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _load(path: str, **config: object) -> LoadedModel:
     engine_config = EngineConfig(model=path, **config)
     model_config = load_model_config(path)
-    backend = make_backend("auto", "cpu", torch.float32)
+    backend = make_backend(resolve_config(engine_config).attention_backend, "cpu", torch.float32)
     return load_model(engine_config, model_config, iter_weights(path, model_config), backend, torch.device("cpu"))
 
 
@@ -147,7 +148,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
     path, quantization = sys.argv[1:]
     load_kernels()
     config, model_config = EngineConfig(model=path, quantization=quantization), load_model_config(path)
-    backend = make_backend("auto", "cpu", torch.float32)
+    backend = make_backend(resolve_config(config).attention_backend, "cpu", torch.float32)
     with torch.device("meta"):
         model_class(model_config)(model_config, backend, None)
     before = status("VmRSS")

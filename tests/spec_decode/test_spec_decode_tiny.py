@@ -77,7 +77,7 @@ def plain_outputs(model_dirs) -> dict[str, list]:  # noqa: ANN001
 def test_tiny_greedy_with_each_method_equals_plain(model_dirs, plain_outputs, arch, method):
     want = plain_outputs[arch]
     got, llm = _run(model_dirs[arch], speculative_config(method, model_dirs[arch]), PROMPTS, PARAMS)
-    assert llm.llm_engine.config.batch_invariant
+    assert llm.llm_engine.resolved_config.batch_invariant
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         # the logprobs at each emitted position are the raw model's: bit for bit on Llama and Qwen3 (batch

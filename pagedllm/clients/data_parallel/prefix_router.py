@@ -44,8 +44,7 @@ class PrefixRouter:
     def __init__(self, num_replicas: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        # block_size is EngineConfig's, checked there
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.prefix_caching = prefix_caching

@@ -81,6 +81,7 @@ from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokeni
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.sse import StreamWrites
 from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from pagedllm.resolved_config import resolve_config
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +386,7 @@ def create_dp_server_app(
     """
     metrics = ServerMetrics(settings.model_name) if enable_metrics else None
     if metrics is not None:
-        metrics.batch_invariant.set(int(config.batch_invariant))
+        metrics.batch_invariant.set(int(resolve_config(config).batch_invariant))
     dp = DataParallelEngine(config, num_replicas, metrics, settings.max_waiting, settings.kv_page, heartbeat_timeout)
     app = build_app(dp, settings, TokenizerWorker(dp.engine.tokenizer.hf), metrics)
     app.state.async_engine = dp

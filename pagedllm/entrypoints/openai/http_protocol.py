@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -53,6 +52,13 @@ from uvicorn.protocols.http.h11_impl import (
     H11Protocol,
 )
 
+from pagedllm.config_record import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    config_record,
+)
 from pagedllm.entrypoints.openai.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -69,7 +75,7 @@ DEFAULT_LINGER_TIMEOUT_S = 10.0
 DEFAULT_MAX_LINGER_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
+@config_record
 class HTTPLimits:
     """Bounds on how long and how many connections may hold the server before a request runs.
 
@@ -81,24 +87,10 @@ class HTTPLimits:
         max_linger_bytes: most bytes of it read and discarded (0: close at once).
     """
 
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    max_header_connections: int = DEFAULT_MAX_HEADER_CONNECTIONS
-    linger_timeout_s: float = DEFAULT_LINGER_TIMEOUT_S
-    max_linger_bytes: int = DEFAULT_MAX_LINGER_BYTES
-
-    def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "linger_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        if self.header_timeout_s <= 0:
-            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s!r}")
-        if isinstance(self.max_header_connections, bool) or not isinstance(self.max_header_connections, int) \
-                or self.max_header_connections < 1:
-            raise ValueError(f"max_header_connections must be an integer >= 1, got {self.max_header_connections!r}")
-        if isinstance(self.max_linger_bytes, bool) or not isinstance(self.max_linger_bytes, int) \
-                or self.max_linger_bytes < 0:
-            raise ValueError(f"max_linger_bytes must be an integer >= 0, got {self.max_linger_bytes!r}")
+    header_timeout_s: PositiveFloat = DEFAULT_HEADER_TIMEOUT_S
+    max_header_connections: PositiveInt = DEFAULT_MAX_HEADER_CONNECTIONS
+    linger_timeout_s: NonNegativeFloat = DEFAULT_LINGER_TIMEOUT_S
+    max_linger_bytes: NonNegativeInt = DEFAULT_MAX_LINGER_BYTES
 
     @property
     def lingers(self) -> bool:

@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated, Literal
 
+from pydantic import AfterValidator, Field
+
+from pagedllm.config_record import NonEmptyStr, PositiveFloat, PositiveInt, config_record
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
-from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S, StreamWrites
+from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
-@dataclass
+def _check_tool_call_parser(name: str) -> str:
+    if name != "auto" and name not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser {name!r} is unknown; known: auto, {', '.join(sorted(TOOL_PARSERS))}")
+    return name
+
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+@config_record
 class ServerSettings:
     """What ``pagedllm serve`` needs besides the engine.
 
@@ -45,41 +58,19 @@ class ServerSettings:
     model_name: str
     model_path: str = ""
     api_key: str | None = None
-    max_waiting: int | None = 1024
+    max_waiting: PositiveInt | None = 1024
     host: str = "127.0.0.1"
-    port: int = 8000
-    log_level: str = "info"
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    allowed_hosts: list[str] | None = None
-    allowed_origins: list[str] | None = None
-    tool_call_parser: str = "auto"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    log_level: LogLevel = "info"
+    max_request_bytes: PositiveInt = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: list[NonEmptyStr] | None = None
+    allowed_origins: list[NonEmptyStr] | None = None
+    tool_call_parser: Annotated[str, AfterValidator(_check_tool_call_parser)] = "auto"
     kv_page: bool = True
     http_limits: HTTPLimits = field(default_factory=HTTPLimits)
-    default_max_tokens: int | None = None
-    stream_write_timeout_s: float | None = DEFAULT_STREAM_WRITE_TIMEOUT_S
+    default_max_tokens: PositiveInt | None = None
+    stream_write_timeout_s: PositiveFloat | None = DEFAULT_STREAM_WRITE_TIMEOUT_S
     created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or self.max_waiting < 1):
-            raise ValueError(f"max_waiting must be an integer >= 1 or None, got {self.max_waiting!r}")
-        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be a positive integer, got {self.max_request_bytes!r}")
-        if self.default_max_tokens is not None and (
-            not isinstance(self.default_max_tokens, int) or isinstance(self.default_max_tokens, bool)
-            or self.default_max_tokens < 1
-        ):
-            raise ValueError(f"default_max_tokens must be an integer >= 1 or None, got {self.default_max_tokens!r}")
-        StreamWrites(self.stream_write_timeout_s)  # its checks
-        if not isinstance(self.http_limits, HTTPLimits):
-            raise ValueError(f"http_limits must be an HTTPLimits, got {self.http_limits!r}")
-        if self.tool_call_parser != "auto" and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(
-                f"unknown tool call parser {self.tool_call_parser!r}; known: auto, {', '.join(sorted(TOOL_PARSERS))}"
-            )
-        for name in ("allowed_hosts", "allowed_origins"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) and v for v in value)):
-                raise ValueError(f"{name} must be a list of non-empty strings or None, got {value!r}")
 
     @property
     def host_check(self) -> list[str] | None:

@@ -1,0 +1,188 @@
+"""Every "auto" of an ``EngineConfig`` resolved, once, for this machine: ``resolve_config``.
+
+``EngineConfig`` records what was asked; several fields may leave the choice to the engine ("auto" or
+None: the attention and linear backends, the executor, batch invariance, prefix caching, the int4 group
+size, the latency target, the KV cache's dtype). ``resolve_config`` takes each of those choices here, in
+one place, from the config, the device and what this machine's build offers (the native kernels,
+oneDNN), and returns a frozen ``ResolvedConfig`` holding no "auto". The runner, the layers, the ``env``
+report and ``/metrics`` read that record; none of them re-derives a choice. A combination the engine
+cannot run (``batch_invariant=True`` where a kernel picks its order by shape) is refused here too, with a
+ValueError, before any weight is read.
+
+The one choice that needs the weights, the KV cache's dtype under "auto" (float16 where a GGUF file's
+blocks are kept), is taken by ``resolve_kv_cache_dtype`` in this module once the runner knows that fact.
+
+torch and the kernels are imported inside the functions: the config module and the engine's
+bookkeeping import this module's types without them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pagedllm.config_record import PositiveFloat, PositiveInt, config_record
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+
+ResolvedAttention = Literal["cpu_paged", "sdpa", "reference"]
+ResolvedLinear = Literal["packed", "onednn", "torch", "int8", "int4"]
+ResolvedExecutor = Literal["mp", "torchrun"]
+ResolvedKvCacheDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2"]
+# weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
+DEFAULT_INT4_GROUP_SIZE = 128
+
+
+@config_record
+class ResolvedConfig:
+    """The engine's choices, each resolved (no "auto", no None standing for a default).
+
+    Args:
+        attention_backend: the attention backend every layer runs.
+        linear_backend: what the linear layers run: "packed", "onednn" or
+            "torch" for float weights, "int8" / "int4" for weight-only ones
+            (a GGUF file's blocks run their own kernels whatever this says).
+        distributed_executor_backend: how tensor-parallel ranks start.
+        batch_invariant: whether every request is computed alike in any batch.
+        prefix_caching: whether identical prompt prefixes share KV blocks.
+        weight_group_size: weights per group of int8 / int4 (None: one
+            group per output channel, int8's default, or no weight-only
+            quantization).
+        itl_target_ms: a fixed latency target of steps with prompt tokens
+            while decodes run; None: none given (see ``itl_auto``).
+        itl_auto: the target follows the measured decode steps (4x theirs).
+    """
+
+    attention_backend: ResolvedAttention
+    linear_backend: ResolvedLinear
+    distributed_executor_backend: ResolvedExecutor
+    batch_invariant: bool
+    prefix_caching: bool
+    weight_group_size: PositiveInt | None
+    itl_target_ms: PositiveFloat | None
+    itl_auto: bool
+
+
+def _compute_dtype(config: EngineConfig) -> str:
+    """What activations are computed in: ``dtype``, except bf16 on the CPU (only the linears multiply bf16)."""
+    return "float32" if config.device == "cpu" and config.dtype == "bfloat16" else config.dtype
+
+
+def _attention_backend(config: EngineConfig) -> str:
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    if config.device == "cpu" and _compute_dtype(config) == "float32":
+        from pagedllm.kernels import kernels_available
+
+        if kernels_available():
+            return "cpu_paged"
+    return "sdpa"
+
+
+def _linear_backend(config: EngineConfig) -> str:
+    if config.quantization in ("int8", "int4"):
+        return config.quantization
+    if config.linear_backend != "auto":
+        return config.linear_backend
+    if config.device != "cpu" or _compute_dtype(config) != "float32":
+        return "torch"
+    from pagedllm.kernels import load_kernels
+    from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported
+    from pagedllm.layers.packed_linear import packed_linear_bf16_native
+
+    bf16 = config.dtype == "bfloat16"
+    # float32: our packed-panel kernel measured 1.17-1.56x oneDNN at 1-64 rows here, oneDNN 2-4x MKL;
+    # bf16: ours in vector code (AVX512-BF16's dot product, or AVX2 widening bf16 in registers);
+    # oneDNN only where it has bf16 kernels (AVX-512), else its reorder raises
+    if load_kernels() is not None and (not bf16 or packed_linear_bf16_native()):
+        return "packed"
+    if onednn_available() and (not bf16 or onednn_bf16_supported()):
+        return "onednn"
+    return "torch"
+
+
+def _executor(config: EngineConfig) -> str:
+    if config.distributed_executor_backend != "auto":
+        return config.distributed_executor_backend
+    from pagedllm.distributed.launch import launched_by_torchrun
+
+    return "torchrun" if launched_by_torchrun() else "mp"
+
+
+def _batch_invariant_refusals(config: EngineConfig, attention: str, linear: str) -> dict[str, tuple[bool, str]]:
+    """What ``batch_invariant`` cannot cover: field -> (whether this config has it, why)."""
+    return {
+        "device": (config.device != "cpu", "the invariant kernels are CPU code"),
+        "dtype": (config.dtype == "float16", "float16 runs torch's linears, which pick their kernels by shape"),
+        # two ranks: each element of an all-reduce is one addition, the same bits in either order; more
+        # ranks: rank order only through shared memory, which takes steps of up to 256 tokens
+        "tensor_parallel_size": (
+            config.tensor_parallel_size > 2
+            and not (config.all_reduce_backend == "shm" and config.max_num_batched_tokens <= 256),
+            "more than two ranks sum in a fixed (rank) order only through shared memory: use "
+            "all_reduce_backend='shm' and max_num_batched_tokens <= 256",
+        ),
+        "attention_backend": (attention != "cpu_paged",
+                              f"it resolves to {attention!r}: torch's attention picks its kernel by shape "
+                              "(use 'auto' or 'cpu_paged', with the native kernels built)"),
+        "linear_backend": (linear not in ("packed", "int8", "int4"),
+                           f"it resolves to {linear!r}: oneDNN / MKL pick their kernels by shape (use 'auto' or "
+                           "'packed', with the native kernels built)"),
+    }
+
+
+def _batch_invariant(config: EngineConfig, attention: str, linear: str) -> bool:
+    """None: on wherever every kernel on the path computes a row alike in any batch; True: ValueError where
+    one does not; False: off."""
+    refusals = _batch_invariant_refusals(config, attention, linear)
+    if config.batch_invariant is None:
+        return not any(refused for refused, _ in refusals.values())
+    if config.batch_invariant:
+        for name, (refused, why) in refusals.items():
+            if refused:
+                raise ValueError(f"batch_invariant=True does not cover {name}={getattr(config, name)!r}: {why}")
+    return config.batch_invariant
+
+
+def weight_group_size(config: EngineConfig) -> int | None:
+    """The group size of "int8" / "int4" once the default is resolved (None: one group per channel)."""
+    if config.quantization_group_size is None and config.quantization == "int4":
+        return DEFAULT_INT4_GROUP_SIZE
+    return config.quantization_group_size
+
+
+def prefix_caching(config: EngineConfig) -> bool:
+    """Whether prefix caching is on: ``enable_prefix_caching``, None meaning on for the paged allocator."""
+    return config.kv_allocator == "paged" if config.enable_prefix_caching is None else config.enable_prefix_caching
+
+
+def resolve_config(config: EngineConfig) -> ResolvedConfig:
+    """Every choice ``config`` leaves open, taken for this machine; ValueError for a combination the engine
+    cannot run. The engine calls it once, when it starts, and keeps the record (``LLMEngine.resolved_config``,
+    ``ModelRunner.resolved``); the answer depends only on the config and this process's build (the native
+    kernels load once per process)."""
+    attention = _attention_backend(config)
+    linear = _linear_backend(config)
+    target = config.itl_target_ms
+    return ResolvedConfig(
+        attention_backend=attention,
+        linear_backend=linear,
+        distributed_executor_backend=_executor(config),
+        batch_invariant=_batch_invariant(config, attention, linear),
+        prefix_caching=prefix_caching(config),
+        weight_group_size=weight_group_size(config),
+        itl_target_ms=None if target in ("auto", None) else float(target),
+        itl_auto=target == "auto",
+    )
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, keeps_gguf_blocks: bool) -> str:
+    """What the KV cache stores (``EngineConfig.kv_cache_dtype``), "auto" resolved once the weights' format is known.
+
+    "auto" is the model's ``dtype``, except where the weights stay GGUF blocks: float16 there, llama.cpp's
+    default cache for the same file. The blocks already round the weights far coarser than float16 rounds
+    K and V, and decode attention reads half the bytes.
+    """
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "float16" if keeps_gguf_blocks else dtype
