@@ -108,6 +108,19 @@ def served(args: list[str], log_dir: Path) -> Iterator[str]:
         stop_server(proc)
 
 
+def served_with_port(args: list[str], log_dir: Path) -> Iterator[dict]:
+    """Like ``served``, for tests that also open raw sockets or read the log: yields ``{"url", "port", "log"}``."""
+    port = free_port()
+    log = log_dir / "server.log"
+    proc = launch_server(["--port", str(port), *args], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield {"url": url, "port": port, "log": log}
+    finally:
+        stop_server(proc)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL if it does not exit in 30 s."""
     proc.terminate()

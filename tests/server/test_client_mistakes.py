@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import free_port, launch_server, stop_server, wait_healthy, wait_kv_free
+from server_helpers import served_with_port, wait_kv_free
 
 pytestmark = pytest.mark.slow  # a real server: outside the fast tier
 
@@ -35,15 +35,7 @@ SECOND = ("/tokenize", b'{"prompt": "hi"}')  # the keep-alive follow-up: always 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("client-mistakes") / "server.log"
-    proc = launch_server(["--port", str(port), *SERVER_ARGS], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
-        yield {"url": url, "port": port, "log": log}
-    finally:
-        stop_server(proc)
+    yield from served_with_port(SERVER_ARGS, tmp_path_factory.mktemp("client-mistakes"))
 
 
 def _post(sock: socket.socket, route: str, body: bytes, extra_headers: str = "") -> None:

@@ -23,15 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_helpers import (
-    assert_openai_error,
-    free_port,
-    launch_server,
-    sse_events,
-    stop_server,
-    wait_healthy,
-    wait_kv_free,
-)
+from server_helpers import assert_openai_error, served_with_port, sse_events, wait_kv_free
 
 from pagedllm import BeamSearchParams, SamplingParams
 
@@ -177,15 +169,7 @@ SERVER_ARGS = [
 
 @pytest.fixture(scope="module")
 def hard_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("hard-server") / "server.log"
-    proc = launch_server(["--port", str(port), *SERVER_ARGS], log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
-        yield {"url": url, "port": port, "log": log}
-    finally:
-        stop_server(proc)
+    yield from served_with_port(SERVER_ARGS, tmp_path_factory.mktemp("hard-server"))
 
 
 def _raw_request(port: int, head: str, body: bytes = b"", read_timeout: float = 10.0) -> tuple[bytes, float]:
