@@ -349,7 +349,9 @@ class GGUFWeights:
                 raise ValueError(f"{self.path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
                                  f"{t.tensor_type.name} and shape need {expected}: the file is truncated or corrupt")
             if name in self.keep:
-                w = np.asarray(t.data, dtype=np.uint8)  # [rows, row bytes] as stored
+                # [rows, row bytes] as stored: gguf gives block types as bytes already, but F16 (F32, ...) as
+                # values, which a dtype conversion would cast rather than reinterpret
+                w = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.data.shape[0], -1)
             else:
                 w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             w = self._rows_in_hf_order(name, w)
