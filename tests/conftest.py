@@ -147,6 +147,16 @@ def save_tiny_models(archs: tuple[str, ...], tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="session")
+def llama_cpp_gguf(tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """``(arch, outtype) -> path``: the tiny folder of ``arch`` (``tiny_model_dirs``) converted to GGUF by
+    llama.cpp's own ``convert_hf_to_gguf.py`` (``--outtype f32`` / ``f16`` ...; tests/gguf_convert.py fetches
+    the converter once into the pagedllm cache), each file converted once per session."""
+    from gguf_convert import ConvertedModels
+
+    return ConvertedModels(tiny_model_dirs, tmp_path_factory.mktemp("llama-cpp-gguf"))
+
+
+@pytest.fixture(scope="session")
 def window_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
     """Tiny random-weight windowed models (and a tied Gemma 3) saved as safetensors folders."""
     return save_tiny_models((*TINY_WINDOW_ARCHS, "gemma3_tied"), tmp_path_factory, smollm_tokenizer)

@@ -20,6 +20,14 @@ cannot hold is decided here, per type:
   past the original length (what transformers computes for every sequence
   longer than it), ``short_factor`` otherwise. Shorter sequences of such a
   model then differ from transformers'; a warning says so at load.
+
+A GGUF file of Llama 3.1 and later carries no ``rope_scaling``: llama.cpp's
+converter turns the ``llama3`` scaling into a ``rope_freqs`` tensor, one
+divisor per rotated pair, which llama.cpp divides each frequency by.
+``freq_factors`` takes those divisors: the frequencies (the unscaled ones,
+or a linear scaling's, which llama.cpp composes with them the same way) are
+divided by them once, when the table is built. A ``llama3`` scaling (or any
+other non-linear one) beside them would scale twice, and is refused.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ def _transformers_config(
 
 
 def rope_parameters(
-    head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None
+    head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None,
+    freq_factors: tuple[float, ...] = (),
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` (float32, CPU) and the factor cos and sin are scaled by.
 
@@ -69,10 +78,14 @@ def rope_parameters(
     longrope derive a missing ``factor`` from it, dynamic its threshold).
     Computed by transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``; see the
     module docstring for the choices made for ``dynamic`` and ``longrope``.
-    ValueError for an unknown rope_type, missing or bad parameters, or a
-    partial rotary dimension (the tables rotate the whole head).
+    ``freq_factors`` (a GGUF file's ``rope_freqs``, empty: none) divide the
+    frequencies one by one afterwards. ValueError for an unknown rope_type,
+    missing or bad parameters, a partial rotary dimension (the tables rotate
+    the whole head), or factors of the wrong count, not positive, or beside
+    a scaling other than linear.
     """
     kind = check_rope_type(scaling)
+    divisors = _check_freq_factors(freq_factors, head_dim, kind)
     # the initialisers create some tensors on the default device: a model built on the meta device
     # would get meta frequencies
     with torch.device("cpu"):
@@ -87,7 +100,27 @@ def rope_parameters(
             f"RoPE {kind!r} gives {inv_freq.numel()} frequencies for a head of {head_dim} "
             f"(a partial_rotary_factor?); only rotations of the whole head are supported"
         )
+    if divisors is not None:
+        # in float32, as llama.cpp divides each angle by its factor (theta / freq_factor)
+        inv_freq = inv_freq.float() / divisors
     return inv_freq.float(), float(attention_factor)
+
+
+def _check_freq_factors(freq_factors: tuple[float, ...], head_dim: int, kind: str) -> torch.Tensor | None:
+    """The divisors as a float32 tensor (None when there are none); ValueError where they cannot apply."""
+    if not freq_factors:
+        return None
+    if kind not in ("default", "linear"):
+        # llama3 is what the factors were computed from: applying both would scale twice
+        raise ValueError(f"RoPE frequency factors (GGUF rope_freqs) cannot be combined with rope_type {kind!r}; "
+                         "they replace a llama3 scaling and compose only with a linear one")
+    if len(freq_factors) != head_dim // 2:
+        raise ValueError(f"{len(freq_factors)} RoPE frequency factors (GGUF rope_freqs) for a head of {head_dim}: "
+                         f"need one per rotated pair ({head_dim // 2})")
+    divisors = torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
+    if not bool(torch.isfinite(divisors).all()) or not bool((divisors > 0).all()):
+        raise ValueError(f"RoPE frequency factors (GGUF rope_freqs) must be positive and finite, got {freq_factors}")
+    return divisors
 
 
 def _scaled_parameters(
@@ -129,23 +162,27 @@ class RotaryEmbedding(nn.Module):
     ``SUPPORTED_ROPE_TYPES``): its frequencies come from ``rope_parameters``
     and both tables are scaled by its attention factor (yarn, longrope), as
     transformers scales cos and sin. ``max_position`` is the model's
-    ``max_position_embeddings``: the table's length.
+    ``max_position_embeddings``: the table's length. ``freq_factors``: a
+    GGUF file's ``rope_freqs`` divisors (see the module docstring).
     """
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None,
+        freq_factors: tuple[float, ...] = (),
+    ) -> None:
         super().__init__()
-        self.settings = (head_dim, max_position, theta, scaling)
+        self.settings = (head_dim, max_position, theta, scaling, tuple(freq_factors))
         # computed here so that bad parameters fail at load, and again by build_tables (cheap): the
         # frequencies are not kept, so no cast of the model rounds them and the weights hold only the tables
-        rope_parameters(head_dim, max_position, theta, scaling)
+        rope_parameters(*self.settings)
         self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
         self.build_tables()
 
     def build_tables(self) -> None:
         """Fill the cos/sin tables (again after a model built on the meta device)."""
-        head_dim, max_position, theta, scaling = self.settings
-        inv_freq, attention_factor = rope_parameters(head_dim, max_position, theta, scaling)
+        head_dim, max_position = self.settings[:2]
+        inv_freq, attention_factor = rope_parameters(*self.settings)
         with torch.device("cpu"):
             freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
             emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
@@ -167,16 +204,18 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """One RoPE table: head size, positions covered, base and scaling (``RotaryEmbedding``'s arguments)."""
+    """One RoPE table: head size, positions covered, base, scaling and frequency divisors (``RotaryEmbedding``'s
+    arguments)."""
 
     head_dim: int
     max_position: int
     theta: float
     scaling: Mapping[str, Any] | None = None
+    freq_factors: tuple[float, ...] = ()
 
     def build(self) -> RotaryEmbedding:
         """The table this spec describes."""
-        return RotaryEmbedding(self.head_dim, self.max_position, self.theta, self.scaling)
+        return RotaryEmbedding(self.head_dim, self.max_position, self.theta, self.scaling, self.freq_factors)
 
 
 class RotaryTables(nn.Module):

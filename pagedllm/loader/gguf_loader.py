@@ -54,6 +54,8 @@ _GLOBAL_NAMES = {
 # metadata every decoder's GGUF file carries under its architecture's prefix
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# read with the configuration (ModelArchConfig.rope_freq_factors), not a weight
+_ROPE_FREQS = "rope_freqs.weight"
 
 
 _SCALARS = {
@@ -223,13 +225,30 @@ def _yarn_scaling(key: Callable[[str], object], factor: object) -> dict[str, obj
     return scaling
 
 
+def _rope_freq_factors(reader: GGUFReader) -> tuple[float, ...]:
+    """The ``rope_freqs`` tensor's values: per rotated pair, the divisor of its RoPE frequency; () without one.
+
+    llama.cpp's converter writes it in place of a Hugging Face ``llama3``
+    scaling (Llama 3.1, 3.2, 3.3 and their fine-tunes), and no
+    ``rope.scaling.*`` key for it. It is small (head size / 2 values), so it
+    is read with the configuration; the RoPE table divides the frequencies by
+    it (``layers/rotary.py``, which also checks its length and values).
+    """
+    tensor = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if tensor is None:
+        return ()
+    if tensor.data.nbytes != _expected_bytes(tensor):
+        raise ValueError(f"GGUF tensor {_ROPE_FREQS!r} holds {tensor.data.nbytes} bytes, its type and shape need "
+                         f"{_expected_bytes(tensor)}: the file is truncated or corrupt")
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+    return tuple(float(v) for v in values)
+
+
 def read_config(reader: GGUFReader) -> ModelArchConfig:
     """Architecture facts from the GGUF metadata."""
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ValueError(f"GGUF file has no general.architecture (got {arch!r})")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
 
     def key(name: str, default: object = None) -> object:
         return _field(reader, f"{arch}.{name}", default)
@@ -256,6 +275,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
+        rope_freq_factors=_rope_freq_factors(reader),
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings=not has_output,
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
@@ -321,13 +341,17 @@ class GGUFWeights:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         reader = open_reader(self.path)
         for t in reader.tensors:
+            if t.name == _ROPE_FREQS:
+                continue  # the configuration's (rope_freq_factors), applied to the RoPE table
             name = _hf_name(t.name, self.path)
             expected = _expected_bytes(t)
             if t.data.nbytes != expected:
                 raise ValueError(f"{self.path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
                                  f"{t.tensor_type.name} and shape need {expected}: the file is truncated or corrupt")
             if name in self.keep:
-                w = np.asarray(t.data, dtype=np.uint8)  # [rows, row bytes] as stored
+                # [rows, row bytes] as stored: gguf gives block types as bytes already, but F16 (F32, ...) as
+                # values, which a dtype conversion would cast rather than reinterpret
+                w = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.data.shape[0], -1)
             else:
                 w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             w = self._rows_in_hf_order(name, w)

@@ -53,6 +53,11 @@ class ModelArchConfig:
     ``attention_bias`` adds biases to q/k/v (Qwen2); ``qk_norm`` applies an
     RMSNorm per head to q and k before RoPE (Qwen3, Gemma 3).
 
+    ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
+    per rotated pair of the RoPE frequencies (llama.cpp's converter writes
+    Llama 3.1+'s ``llama3`` scaling this way, with no ``rope_scaling``);
+    empty where the checkpoint has none (``layers/rotary.py`` applies them).
+
     ``sliding_windows`` holds one entry per layer: None for full attention,
     ``w`` for a layer whose query at position ``i`` sees keys at ``i - w < j
     <= i`` (as transformers' masking); empty means every layer is full. The
@@ -84,6 +89,7 @@ class ModelArchConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
+    rope_freq_factors: tuple[float, ...] = ()
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_windows: tuple[int | None, ...] = ()
     layer_types: tuple[str, ...] = ()

@@ -4,7 +4,7 @@ Pre-norm layers of the shared blocks (``layers/decoder.py``) that differ in
 switches read from ``ModelArchConfig``: q/k/v and output biases
 (``attention_bias``; Qwen2 never biases the output), a per-head RMSNorm on q and k (Qwen3), the MLP's
 activation (``hidden_act``, SiLU unless the config names another), tied
-embeddings, RoPE scaling and a per-layer sliding window (Mistral, Qwen3
+embeddings, RoPE scaling (a GGUF file's ``rope_freqs`` divisors too) and a per-layer sliding window (Mistral, Qwen3
 with ``use_sliding_window``).
 """
 
@@ -39,7 +39,8 @@ class LlamaForCausalLM(CausalLM):
             DecoderLayerSpec(cls.attention_spec(cfg, i), cfg.intermediate_size, cfg.hidden_act, norm)
             for i in range(cfg.num_hidden_layers)
         )
-        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                        cfg.rope_freq_factors)
         return DecoderSpec(cfg.vocab_size, cfg.hidden_size, layers, norm, {"default": rope},
                            tie_word_embeddings=cfg.tie_word_embeddings)
 

@@ -466,6 +466,30 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
+@pytest.mark.parametrize("ggml_type", [Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_half_precision_files_are_held_as_their_bytes_and_match_transformers(
+    ggml_type: GGMLQuantizationType, tiny_model_dirs: dict[str, str], hf_tiny: dict,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """F16 / BF16 matrices (``convert_hf_to_gguf.py --outtype f16`` / ``bf16``) are held as the file's bytes.
+
+    gguf hands F16 tensors over as float16 values, not bytes: read as uint8 they were cast value by value
+    (a load error, or worse); the loader reinterprets them instead.
+    """
+    import copy
+
+    hf = copy.deepcopy(hf_tiny["llama"])
+    path = os.path.join(tmp_path_factory.mktemp("gguf-half"), f"tiny-{ggml_type.name}.gguf")
+    rounded = write_quantized_gguf(hf, "llama", ggml_type, path)
+    hf.load_state_dict(rounded)
+    llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, **F32_KV,
+              gguf_activations="float32")
+    assert llm.llm_engine.model_runner.weight_format == f"gguf:{ggml_type.name}"
+    prompts = [[1, 400, 3000, 77, 12000, 5], list(range(100, 140))]
+    assert_greedy_like_transformers(llm, hf, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                    "float32")
+
+
 def assert_greedy_like_transformers(llm: LLM, hf, prompts: list[list[int]], params: SamplingParams,  # noqa: ANN001
                                     activations: str) -> None:
     """``llm``'s greedy tokens are transformers' on the same weights: exactly on float32 activations, up to a

@@ -332,3 +332,34 @@ def test_gguf_yarn_settings_map_to_transformers_names_and_unmappable_ones_are_re
         read({"add_rope_scaling_type": RopeScalingType.LONGROPE}, "longrope.gguf")
     with pytest.raises(ValueError, match="factor"):
         read({"add_rope_scaling_type": RopeScalingType.LINEAR}, "nofactor.gguf")
+
+
+# --- GGUF rope_freqs (Llama 3.1+): per-pair divisors of the frequencies --------------------------------------
+# Files made by llama.cpp's converter are tested against transformers in tests/models/test_gguf_converted.py.
+
+def test_frequency_factors_divide_the_frequencies_once() -> None:
+    factors = (1.0, 1.0, 1.5, 2.0, 4.0, 8.0, 8.0, 8.0)
+    plain, _ = rope_parameters(HEAD_DIM, 256, 500000.0, None)
+    divided, factor = rope_parameters(HEAD_DIM, 256, 500000.0, None, factors)
+    assert torch.equal(divided, plain / torch.tensor(factors)) and factor == 1.0
+    # llama.cpp composes them with a linear scaling (positions divided by its factor): so does the table
+    linear = {"rope_type": "linear", "factor": 4.0}
+    both, _ = rope_parameters(HEAD_DIM, 256, 500000.0, linear, factors)
+    torch.testing.assert_close(both, plain / torch.tensor(factors) / 4.0, rtol=1e-6, atol=0)
+    rotary = RotaryEmbedding(HEAD_DIM, 256, 500000.0, None, factors)
+    positions = torch.arange(256, dtype=torch.float32).unsqueeze(1)
+    assert torch.equal(rotary.cos[:, : HEAD_DIM // 2], (positions * divided).cos())
+
+
+def test_frequency_factors_beside_llama3_scaling_or_of_the_wrong_shape_are_refused() -> None:
+    factors = (1.0,) * (HEAD_DIM // 2)
+    llama3 = SCALINGS["llama3"][1]
+    with pytest.raises(ValueError, match="llama3"):  # the factors are llama3's scaling: it would apply twice
+        RotaryEmbedding(HEAD_DIM, 256, 500000.0, llama3, factors)
+    with pytest.raises(ValueError, match="'yarn'"):
+        rope_parameters(HEAD_DIM, 256, 10000.0, SCALINGS["yarn"][1], factors)
+    with pytest.raises(ValueError, match="one per rotated pair"):
+        rope_parameters(HEAD_DIM, 256, 10000.0, None, factors[:-1])
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="positive and finite"):
+            rope_parameters(HEAD_DIM, 256, 10000.0, None, (*factors[:-1], bad))

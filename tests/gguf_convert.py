@@ -1,0 +1,168 @@
+"""GGUF files made as users make them: llama.cpp's own ``convert_hf_to_gguf.py`` run on a Hugging Face folder.
+
+The converter (with the ``conversion`` package it imports and the
+``gguf-py`` it was written against) is taken from the llama-cpp-python
+sdist on PyPI, which vendors llama.cpp: ``pip download`` fetches the
+pinned version once (its sha256 checked), and the three parts are
+extracted into ``<pagedllm cache>/llama-cpp-converter/<version>/``
+(``$PAGEDLLM_CACHE_DIR``, default ``~/.cache/pagedllm``), where later runs
+find them; the 77 MB archive is not kept. A lock file makes concurrent
+test sessions fetch it once.
+
+The converter runs in a subprocess of this interpreter (so with the
+environment's torch, numpy and transformers; it also needs
+``sentencepiece``, in the ``test`` extra) with its own ``gguf-py`` first on
+``PYTHONPATH``, not the ``gguf`` package pagedllm reads files with.
+
+One thing differs from a user's run, for folders whose ``model_type`` is
+``qwen2``: transformers 5 loads such a folder's tokenizer as
+``Qwen2Tokenizer``, which rebuilds Qwen's pre-tokenizer instead of reading
+the one saved in ``tokenizer.json``. The tiny test checkpoints carry
+SmolLM2's tokenizer, and the converter identifies a BPE pre-tokenizer by
+hashing its tokens for a fixed text: SmolLM2's vocabulary under Qwen's
+rules is a tokenizer it does not know (a real Qwen2 folder, Qwen's
+vocabulary under Qwen's rules, is one it knows), so it stops. For those
+folders the converter is started through a two-line wrapper that makes
+``AutoTokenizer`` read ``tokenizer.json`` as saved, as it does for the
+Llama and Qwen3 folders. Weights and metadata are converted untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from pagedllm.cache_dir import cache_root
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# of llama_cpp_python-0.3.36.tar.gz on PyPI
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# what the converter needs from the sdist's vendor/llama.cpp/
+_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+# model_types whose saved tokenizer transformers 5 rebuilds under another class (see the module docstring)
+_RETOKENIZED_MODEL_TYPES = ("qwen2",)
+_RUN_WITH_SAVED_TOKENIZER = (
+    "import runpy, sys\n"
+    "from transformers import AutoTokenizer, PreTrainedTokenizerFast\n"
+    "AutoTokenizer.from_pretrained = PreTrainedTokenizerFast.from_pretrained\n"
+    "sys.argv = sys.argv[1:]\n"
+    "sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0])\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+_PIP_TIMEOUT_S = 600
+_CONVERT_TIMEOUT_S = 300
+
+
+def converter_dir() -> Path:
+    """The folder holding ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``, fetched on first use.
+
+    RuntimeError (with pip's output) when it cannot be fetched: the tests
+    that need it need PyPI once.
+    """
+    root = cache_root() / "llama-cpp-converter"
+    target = root / LLAMA_CPP_PYTHON_VERSION
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / ".lock"):
+        if not (target / "convert_hf_to_gguf.py").is_file():  # another session may have fetched it meanwhile
+            _fetch(root, target)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _fetch(root: Path, target: Path) -> None:
+    """Download the sdist, check it, extract the converter's parts into ``target`` (renamed into place whole)."""
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        # --no-binary for this package only: the sdist, while pip prepares its metadata with wheels of its
+        # build requirements (':all:' would build those from source, cmake included)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+               "--disable-pip-version-check", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+        archive = Path(tmp) / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+        if done.returncode != 0 or not archive.is_file():
+            raise RuntimeError(f"could not fetch llama.cpp's converter ({' '.join(cmd)}):\n"
+                               f"{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+        if digest != SDIST_SHA256:
+            raise RuntimeError(f"{archive.name} has sha256 {digest}, expected {SDIST_SHA256}")
+        staging = Path(tmp) / "parts"
+        _extract_parts(archive, staging)
+        os.replace(staging, target)
+
+
+def _extract_parts(archive: Path, dest: Path) -> None:
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(archive) as tar:
+        members = []
+        for member in tar.getmembers():
+            rel = member.name.removeprefix(prefix)
+            if member.name.startswith(prefix) and rel.split("/", 1)[0] in _PARTS and (member.isfile() or member.isdir()):
+                member.name = rel
+                members.append(member)
+        kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(dest, members=members, **kwargs)
+    missing = [p for p in _PARTS if not (dest / p).exists()]
+    if missing:
+        raise RuntimeError(f"{archive.name} lacks vendor/llama.cpp/{missing}")
+
+
+def convert(model_dir: str, outtype: str, out_path: str) -> str:
+    """Run llama.cpp's converter on the Hugging Face folder ``model_dir``; returns ``out_path``, the GGUF written.
+
+    RuntimeError with the converter's output when it fails.
+    """
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
+    script = converter_dir() / "convert_hf_to_gguf.py"
+    env = dict(os.environ)
+    # the converter's own gguf-py first (it also puts it on sys.path itself, after the script's folder)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(script.parent / "gguf-py"), env.get("PYTHONPATH")) if p)
+    args = [str(script), model_dir, "--outtype", outtype, "--outfile", out_path]
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type in _RETOKENIZED_MODEL_TYPES:
+        cmd = [sys.executable, "-c", _RUN_WITH_SAVED_TOKENIZER, *args]
+    else:
+        cmd = [sys.executable, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_CONVERT_TIMEOUT_S)
+    if done.returncode != 0 or not os.path.isfile(out_path):
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir} (--outtype {outtype}):\n"
+                           f"{done.stdout[-2000:]}{done.stderr[-6000:]}")
+    return out_path
+
+
+class ConvertedModels:
+    """GGUF files converted from tiny checkpoints, once per (name, outtype) for the life of this object."""
+
+    def __init__(self, model_dirs: dict[str, str], out_dir: Path) -> None:
+        self.model_dirs, self.out_dir = model_dirs, out_dir
+        self.files: dict[tuple[str, str], str] = {}
+
+    def __call__(self, name: str, outtype: str) -> str:
+        """The GGUF of ``model_dirs[name]`` in ``outtype``, converted on first request."""
+        key = (name, outtype)
+        if key not in self.files:
+            out = self.out_dir / f"{name}-{outtype}.gguf"
+            self.files[key] = convert(self.model_dirs[name], outtype, str(out))
+        return self.files[key]
+
