@@ -39,7 +39,6 @@ from pagedllm.resolved_config import resolve_config
 from pagedllm.runner.model_runner import ModelRunner, StepResult
 from pagedllm.runner.process_settings import apply_process_settings
 from pagedllm.runner.sampler import TokenLogprobs
-from pagedllm.runner.structured_output import GrammarCompiler, GrammarRejectedError, RequestGrammar
 from pagedllm.runner.tp_workers import (
     TensorParallelWorkers,
     is_torchrun_worker,
@@ -49,6 +48,11 @@ from pagedllm.runner.tp_workers import (
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules, NoTokenToSampleError
+from pagedllm.structured_output.compiler import (
+    GrammarCompiler,
+    GrammarRejectedError,
+    RequestGrammar,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.sequence import Sequence
 from pagedllm.runner.logits_processors import apply_token_bitmasks
-from pagedllm.runner.structured_output import RequestGrammar, choice_grammar
+from pagedllm.structured_output.compiler import RequestGrammar, choice_grammar
 
 NUM_SEEDS = 20
 SCHEMAS = {

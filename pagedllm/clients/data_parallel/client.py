@@ -51,8 +51,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt
 from pagedllm.loader import load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
-from pagedllm.runner.structured_output import GrammarCompiler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from pagedllm.runner.grammar_limits import GrammarLimits, check_constraint
-from pagedllm.runner.grammar_worker import (
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.compile_workers import (
     CompileCancelled,
     CompileWorkers,
     ConstraintError,
@@ -42,7 +42,7 @@ from pagedllm.runner.grammar_worker import (
     compile_key,
     xgrammar_message,
 )
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.limits import GrammarLimits, check_constraint
 
 __all__ = [
     "CompileCancelled", "GrammarCompiler", "GrammarRejectedError", "GrammarSequence", "RequestGrammar",
@@ -84,7 +84,7 @@ class GrammarCompiler:
         limits: what a constraint may cost (structure, compile time and
             memory, compiles at once) and the cache's size in bytes.
 
-    A compile first runs in a worker process (``grammar_worker.py``) that is
+    A compile first runs in a worker process (``compile_workers.py``) that is
     killed past the time or memory limit or on ``cancel``; only a
     constraint that compiled there is compiled here. ``compile`` may be
     called from any thread.
