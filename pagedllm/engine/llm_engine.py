@@ -48,11 +48,8 @@ from pagedllm.runner.tp_workers import (
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules, NoTokenToSampleError
-from pagedllm.structured_output.compiler import (
-    GrammarCompiler,
-    GrammarRejectedError,
-    RequestGrammar,
-)
+from pagedllm.structured_output.compiler import GrammarCompiler
+from pagedllm.structured_output.grammar_state import GrammarRejectedError, RequestGrammar
 
 logger = logging.getLogger(__name__)
 

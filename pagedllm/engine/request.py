@@ -12,7 +12,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_record import LogitsRules
 
 if TYPE_CHECKING:  # xgrammar imports torch; the bookkeeping only holds the object
-    from pagedllm.structured_output.compiler import RequestGrammar
+    from pagedllm.structured_output.grammar_state import RequestGrammar
 
 
 def spec_decode_rates(
