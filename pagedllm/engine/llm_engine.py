@@ -36,9 +36,8 @@ from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.resolved_config import resolve_config
-from pagedllm.runner.model_runner import ModelRunner, StepResult
+from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
-from pagedllm.runner.sampler import TokenLogprobs
 from pagedllm.runner.tp_workers import (
     TensorParallelWorkers,
     is_torchrun_worker,
@@ -48,6 +47,7 @@ from pagedllm.runner.tp_workers import (
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules, NoTokenToSampleError
+from pagedllm.step_result import StepResult, TokenLogprobs
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.grammar_state import GrammarRejectedError, RequestGrammar
 

@@ -10,8 +10,8 @@ from pagedllm.engine.request import Request, spec_decode_rates
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from pagedllm.runner.sampler import TokenLogprobs
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step_result import TokenLogprobs
 
 if TYPE_CHECKING:
     from pagedllm.loader.tokenizer import Tokenizer
