@@ -45,7 +45,7 @@ from pagedllm.runner.tp_workers import (
     serve_torchrun_rank,
     start_tensor_parallel,
 )
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules, NoTokenToSampleError
 from pagedllm.step_result import StepResult, TokenLogprobs
@@ -512,7 +512,8 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self._finish_speculation(req)
                 outputs.append(self.output_processor.make_output(req))
-            elif req.beam is None and req.params.num_samples == req.params.n:
+            elif (req.beam is None and req.params.num_samples == req.params.n
+                  and req.params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
         return outputs

@@ -256,7 +256,7 @@ class DataParallelEngine:
 
         Errors as ``AsyncEngine.add_requests``; EngineDeadError (a 503) when no replica serves.
         """
-        sub = open_submission(self, request_id, len(prompts))
+        sub = open_submission(self, request_id, len(prompts), params)
         streams = sub.streams
         hashes = [self.router.prompt_hashes(ids) for _, ids in prompts]
         try:
