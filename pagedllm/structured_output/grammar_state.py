@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class GrammarSequence(Protocol):
-    """What a matcher reads of a sequence (``engine.sequence.Sequence`` has it; the runner never imports it)."""
+    """What a matcher reads of a sequence (``engine.sequence.Sequence`` has it; this package never imports the engine)."""
 
     seq_id: int
     token_ids: list[int]
