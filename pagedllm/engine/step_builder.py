@@ -83,7 +83,7 @@ class StepRecordBuilder:
         The uniforms each sampling row needs are drawn here, once, from its
         sequence's own stream; greedy rows draw nothing, so a seeded stream is
         never disturbed by them. ``rules`` (None: no request has any) are the
-        requests' logits processors (``logits_rules``); ``bitmasks`` (None: no
+        requests' logits processors (``inputs.logits_rules``); ``bitmasks`` (None: no
         request has a constraint) the structured-output masks of each sampled
         row, as the engine's grammar state filled them (empty for a sequence
         without a constraint or that does not sample).
