@@ -28,8 +28,8 @@ from pagedllm.config_record import (
     positive_multiple_of,
 )
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
-from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.structured_output.limits import GrammarLimits
 
 Path = NonEmptyStr
 
@@ -216,7 +216,7 @@ class EngineConfig:
         grammar_limits: what one structured-output constraint may cost (its
             size, entries, depth and properties; compile time, memory and
             compiles at once) and the compiled-grammar cache's bytes
-            (``runner/grammar_limits.py``); over a limit is a ValueError.
+            (``structured_output/limits.py``); over a limit is a ValueError.
         batch_invariant: compute every request the same way whatever else
             the engine runs (docs/batch-invariance.md): a request's tokens,
             logprobs and prompt logprobs are bitwise the same alone or in

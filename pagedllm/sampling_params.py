@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -156,6 +157,22 @@ def _schema_dict(schema: object) -> dict[str, Any]:
     return schema
 
 
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names).
+
+    CUMULATIVE: every output so far, whole (the default; ``LLM.generate``'s shape).
+    DELTA: only what is new since the request's previous output: the text (the
+        last ``longest stop string - 1`` characters held back until the output
+        finishes, since a stop string may yet cut them), the token ids and their
+        logprobs; a streaming client formats each as it comes.
+    FINAL_ONLY: one output, when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample a request's outputs.
@@ -206,6 +223,9 @@ class SamplingParams:
             (greedy too), and the output ends with finish_reason "stop" when
             the constraint is complete and the model's EOS is sampled, or
             "length" at ``max_tokens``.
+        output_kind: a ``RequestOutputKind``: whole outputs (CUMULATIVE, the
+            default), what is new in each (DELTA, for streaming), or the
+            final one only (FINAL_ONLY).
 
     The logits processors above (penalties, bias, allowed ids, bad words,
     min_tokens) change which token is sampled, greedy rows included; the
@@ -237,6 +257,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -281,6 +302,8 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
             )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {_short(self.output_kind)}")
         self._check_choice_reaches_min_tokens()
 
     def _check_choice_reaches_min_tokens(self) -> None:

@@ -69,7 +69,7 @@ class LogitsRules:
     tokens, set to -inf; ``logit_bias`` added; the repetition penalty over
     prompt and output tokens; then ``frequency_penalty * count +
     presence_penalty * (count > 0)`` subtracted, counting the output.
-    Built once per request (``engine/step_builder.py``: ``logits_rules``).
+    Built once per request (``engine/inputs.py``: ``logits_rules``).
     """
 
     presence_penalty: float = 0.0

@@ -40,7 +40,7 @@ from pagedllm.engine.protocol import (
     TooManyPromptsError,
 )
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +111,10 @@ class _RequestStream:
 
     def __init__(
         self, request_id: str, index: int, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop,
-        owner: SubmissionOwner,
+        owner: SubmissionOwner, delta: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.delta = delta  # outputs carry only what is new (RequestOutputKind.DELTA): token counts add up
         self.index = index
         self.queue = queue
         self.loop = loop
@@ -138,8 +139,8 @@ class _RequestStream:
         if metrics is None:
             return
         for c in out.outputs:
-            n = len(c.token_ids)
             prev = self.num_tokens.get(c.index, 0)
+            n = prev + len(c.token_ids) if self.delta else len(c.token_ids)
             if n <= prev:
                 continue
             if self.first_token_time is None:
@@ -208,13 +209,15 @@ class _Client(SubmissionOwner, _Admitting, Protocol):
     """An engine client as a submission sees it: it admits, counts waiting streams, aborts."""
 
 
-def open_submission(owner: _Client, request_id: str, num_prompts: int) -> Submission:
+def open_submission(owner: _Client, request_id: str, num_prompts: int, params: SamplingParams) -> Submission:
     """Admit one API request's ``num_prompts`` prompts (``check_admission``: 400 / 429 / 503) and open their
-    streams, counted in ``owner.num_waiting`` until each one's first output."""
+    streams, counted in ``owner.num_waiting`` until each one's first output; ``params`` says whether the
+    outputs will be deltas."""
     check_admission(owner, num_prompts)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, owner) for i in range(num_prompts)]
+    delta = params.output_kind is RequestOutputKind.DELTA
+    streams = [_RequestStream(f"{request_id}-{i}", i, queue, loop, owner, delta) for i in range(num_prompts)]
     owner.num_waiting += len(streams)
     return Submission(owner, streams, queue)
 
@@ -332,7 +335,7 @@ class AsyncEngine:
         outside the vocabulary...); the server maps them to its answers
         (``entrypoints/openai/engine_errors.py``).
         """
-        sub = open_submission(self, request_id, len(prompts))
+        sub = open_submission(self, request_id, len(prompts), params)
         streams = sub.streams
 
         try:

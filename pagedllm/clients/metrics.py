@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.runner.structured_output import GrammarCompiler
+    from pagedllm.structured_output.compiler import GrammarCompiler
 
 # vLLM's buckets, in seconds
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -19,7 +19,7 @@ from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.loader import load_model_config, resolve_model_path
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -243,6 +243,10 @@ class LLM:
         for i, prompt in enumerate(prompts):
             if params is not None and not isinstance(params[i], SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(params[i]).__name__}")
+            if params is not None and params[i].output_kind is RequestOutputKind.DELTA:
+                # generate returns each request's last output: with deltas that would be its last piece
+                raise ValueError("output_kind DELTA is for streaming clients (LLMEngine.step); generate returns "
+                                 "whole outputs")
             text, token_ids = self.llm_engine.process_prompt(prompt, None if params is None else params[i])
             if params is not None:
                 self.llm_engine.logits_rules(params[i])  # vocabulary checks, before anything is queued

@@ -26,29 +26,31 @@ from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, apply_beam
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
 from pagedllm.engine.draft_model import DraftModelProposer
+from pagedllm.engine.inputs import InputProcessor, check_first_token, check_prompt_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
-from pagedllm.engine.step_builder import StepRecordBuilder, first_usable_token_ids, logits_rules
+from pagedllm.engine.step_builder import StepRecordBuilder
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.resolved_config import resolve_config
-from pagedllm.runner.model_runner import ModelRunner, StepResult
+from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
-from pagedllm.runner.sampler import TokenLogprobs
-from pagedllm.runner.structured_output import GrammarCompiler, GrammarRejectedError, RequestGrammar
 from pagedllm.runner.tp_workers import (
     TensorParallelWorkers,
     is_torchrun_worker,
     serve_torchrun_rank,
     start_tensor_parallel,
 )
-from pagedllm.sampling_params import SamplingParams, check_text
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules, NoTokenToSampleError
+from pagedllm.step_result import StepResult, TokenLogprobs
+from pagedllm.structured_output.compiler import GrammarCompiler
+from pagedllm.structured_output.grammar_state import GrammarRejectedError, RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -90,21 +92,6 @@ class _GrammarCutDrafts:
         return self.speculator.propose(seq, max_num_tokens, batch_size, allow)
 
 
-class ContextLengthError(ValueError):
-    """The prompt, or the prompt plus max_tokens, does not fit in max_model_len."""
-
-
-def _check_first_token(rules: LogitsRules | None, grammar: RequestGrammar | None) -> None:
-    """ValueError when a structured output cannot start with any token ``allowed_token_ids`` leave."""
-    usable = first_usable_token_ids(rules) if rules is not None else None
-    if grammar is None or usable is None or grammar.allows_first(usable):
-        return
-    raise ValueError(
-        "allowed_token_ids leave no token that can start the structured output (after what bad_words and "
-        "min_tokens ban): no token is left to sample"
-    )
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -134,6 +121,7 @@ class LLMEngine:
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, config.max_model_len)
         # tensor parallelism: the other ranks' processes (runner/tp_workers.py); None in one process
         self.tp_workers: TensorParallelWorkers | None = None
         # set when a tensor-parallel rank failed: the ranks are out of step, no step may run again
@@ -208,52 +196,17 @@ class LLMEngine:
         With ``params``, the prompt plus ``params.max_tokens`` must fit in
         ``max_model_len`` too: the one rule of the offline API and the server
         (``ContextLengthError``, a ValueError); ``params.truncate_prompt_tokens``
-        keeps the last k token ids first (the text stays as given).
+        keeps the last k token ids first (the text stays as given). The rules
+        are ``engine/inputs.py``'s, which the server's ``PromptEncoder`` applies too.
         """
-        if isinstance(prompt, str):
-            check_text("the prompt", prompt)
-            text, ids = prompt, (self.tokenizer.encode(prompt) if prompt else [])
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self.process_prompt(prompt["prompt"], params)
-        else:
-            raise ValueError(
-                "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
-                f"got {type(prompt).__name__}"
-            )
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if params is not None and params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens :]
-        self.check_prompt_len(len(ids), params)
-        return text, list(ids)
+        return self.inputs.process_prompt(prompt, params)
 
     def check_prompt_len(self, num_prompt_tokens: int, params: SamplingParams | None = None) -> None:
         """Raise ContextLengthError unless the prompt (plus ``params.max_tokens``) fits in max_model_len.
 
         Reads only the configuration, so any thread may call it.
         """
-        limit = self.config.max_model_len
-        if num_prompt_tokens >= limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens (max_model_len). However, the "
-                f"prompt has {num_prompt_tokens} tokens, which leaves no room for output. Please reduce "
-                "the length of the prompt."
-            )
-        if params is not None and params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens (max_model_len). However, "
-                f"{num_prompt_tokens + params.max_tokens} tokens were requested ({num_prompt_tokens} in the "
-                f"prompt, {params.max_tokens} in the completion). Please reduce the length of the prompt or "
-                "of max_tokens."
-            )
+        check_prompt_len(num_prompt_tokens, params, self.config.max_model_len)
 
     def logits_rules(self, params: SamplingParams) -> LogitsRules | None:
         """The request's logits processors against this model's tokenizer and vocabulary.
@@ -261,12 +214,7 @@ class LLMEngine:
         Raises ValueError for token ids outside the vocabulary (``logit_bias``,
         ``allowed_token_ids``) and bad words that tokenize to nothing.
         """
-        return logits_rules(
-            params,
-            lambda word: self.tokenizer.encode(word, add_special_tokens=False),
-            self.tokenizer.eos_token_ids,
-            self.model_config.vocab_size,
-        )
+        return self.inputs.logits_rules(params)
 
     def compile_grammar(
         self, params: SamplingParams, cancel: threading.Event | None = None
@@ -305,7 +253,7 @@ class LLMEngine:
         text, ids = self.process_prompt(prompt, params)
         rules = self.logits_rules(params)
         grammar = self.compile_grammar(params)
-        _check_first_token(rules, grammar)
+        check_first_token(rules, grammar)
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )
@@ -564,7 +512,8 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self._finish_speculation(req)
                 outputs.append(self.output_processor.make_output(req))
-            elif req.beam is None and req.params.num_samples == req.params.n:
+            elif (req.beam is None and req.params.num_samples == req.params.n
+                  and req.params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 # with best_of > n the winners are known only at the end
                 outputs.append(self.output_processor.make_output(req))
         return outputs

@@ -6,12 +6,13 @@ import time
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.detokenizer import detokenize_incrementally
+from pagedllm.engine.output_deltas import DeltaCursor, held_chars
 from pagedllm.engine.request import Request, spec_decode_rates
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from pagedllm.runner.sampler import TokenLogprobs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.step_result import TokenLogprobs
 
 if TYPE_CHECKING:
     from pagedllm.loader.tokenizer import Tokenizer
@@ -89,25 +90,18 @@ class OutputProcessor:
         return None
 
     def make_output(self, req: Request) -> RequestOutput:
-        """The request's current state as vLLM's RequestOutput (cumulative)."""
+        """The request's current state as vLLM's RequestOutput: whole, or with ``RequestOutputKind.DELTA``
+        only what is new since its previous output (the choices with nothing new left out)."""
         if req.beam is not None:
             return self._beam_output(req)
         seqs = req.seqs
         if len(seqs) > req.params.n:
             # best_of: the n samples with the highest cumulative logprob
             seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[: req.params.n]
-        outs = [
-            CompletionOutput(
-                index=index,
-                text=seq.output_text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                finish_reason=seq.status.value if seq.is_finished else None,
-                stop_reason=seq.stop_reason,
-            )
-            for index, seq in enumerate(seqs)
-        ]
+        if req.params.output_kind is RequestOutputKind.DELTA:
+            outs = self._delta_outputs(req, seqs)
+        else:
+            outs = [_completion(index, seq, seq.output_text) for index, seq in enumerate(seqs)]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -118,6 +112,21 @@ class OutputProcessor:
             prompt_logprobs=req.prompt_logprobs,
             metrics=self._metrics(req),
         )
+
+    @staticmethod
+    def _delta_outputs(req: Request, seqs: list[Sequence]) -> list[CompletionOutput]:
+        """Each choice's new text, tokens and logprobs since the request's previous output, text held back
+        while a stop string may still cut it (``output_deltas.py``)."""
+        hold = held_chars(req.params)
+        outs = []
+        for index, seq in enumerate(seqs):
+            cursor = req.delta_cursors.get(seq.seq_id)
+            if cursor is None:
+                cursor = req.delta_cursors[seq.seq_id] = DeltaCursor()
+            delta = cursor.advance(seq.output_text, seq.num_output_tokens, seq.is_finished, hold)
+            if delta is not None:
+                outs.append(_completion(index, seq, *delta))
+        return outs
 
     @staticmethod
     def _metrics(req: Request) -> dict:
@@ -146,3 +155,20 @@ class OutputProcessor:
         ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True,
                              metrics={"beam_scores": [h.score for h in req.beam.finished]})
+
+
+def _completion(
+    index: int, seq: Sequence, text: str, first_token: int = 0, end_token: int | None = None
+) -> CompletionOutput:
+    """Choice ``index``: ``text`` and the sequence's output tokens ``first_token:end_token`` (default: all)
+    with their logprobs."""
+    start = seq.num_prompt_tokens
+    return CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=seq.token_ids[start + first_token : None if end_token is None else start + end_token],
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=None if seq.logprobs is None else seq.logprobs[first_token:end_token],
+        finish_reason=seq.status.value if seq.is_finished else None,
+        stop_reason=seq.stop_reason,
+    )

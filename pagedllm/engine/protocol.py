@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from pagedllm.loader.model_config import ModelArchConfig
     from pagedllm.loader.tokenizer import Tokenizer
     from pagedllm.outputs import RequestOutput
-    from pagedllm.runner.structured_output import GrammarCompiler
     from pagedllm.sampling_params import SamplingParams
+    from pagedllm.structured_output.compiler import GrammarCompiler
 
 # A prompt as an engine client queues it: (text or None, token ids), tokenized off the engine's thread.
 Prompt = tuple[str | None, list[int]]

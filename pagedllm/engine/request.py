@@ -7,12 +7,13 @@ import time
 from typing import TYPE_CHECKING
 
 from pagedllm.engine.beam_search import BeamSearch
+from pagedllm.engine.output_deltas import DeltaCursor
 from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_record import LogitsRules
 
 if TYPE_CHECKING:  # xgrammar imports torch; the bookkeeping only holds the object
-    from pagedllm.runner.structured_output import RequestGrammar
+    from pagedllm.structured_output.grammar_state import RequestGrammar
 
 
 def spec_decode_rates(
@@ -78,6 +79,8 @@ class Request:
         # set for beam-search requests: the beams are forked as the search goes
         self.beam: BeamSearch | None = None
         self.beam_done = False
+        # RequestOutputKind.DELTA: what each sequence has sent so far, by sequence id (output_processor.py)
+        self.delta_cursors: dict[int, DeltaCursor] = {}
         # speculative decoding: whether its sequence drafts, its verify steps that carried drafts (vLLM's
         # num_drafts; all samples together), and the draft tokens proposed and accepted so far
         self.speculates = False

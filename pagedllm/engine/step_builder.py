@@ -7,7 +7,6 @@ the first time (and again after a preemption), then what each step adds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -25,97 +24,6 @@ def sampling_spec(
     """The sampling settings of ``params`` as the sampler applies them."""
     temperature = params.temperature if params.temperature >= MIN_TEMPERATURE else 0.0
     return SamplingSpec(temperature, params.top_k, params.top_p, params.min_p, num_top_logprobs, rules)
-
-
-def _check_vocab(name: str, ids: Iterable[int], vocab_size: int) -> None:
-    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
-    if bad:
-        raise ValueError(f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
-
-
-def bad_word_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[tuple[int, ...]]:
-    """The token sequences ``words`` ban, as vLLM derives them.
-
-    Each word (its leading spaces stripped) is tokenized as is, and with a
-    leading space: the spaced form is banned too when it starts with another
-    token and has as many tokens (a word inside text, where most tokenizers
-    fold the space into the word's first token).
-    """
-    out: list[tuple[int, ...]] = []
-    for word in words:
-        bare = tuple(encode(word.lstrip()))
-        if not bare:
-            raise ValueError(f"bad_words entry {word!r} tokenizes to no token")
-        out.append(bare)
-        spaced = tuple(encode(" " + word.lstrip()))
-        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-            out.append(spaced)
-    return out
-
-
-def always_banned(bad_words: Iterable[tuple[int, ...]]) -> set[int]:
-    """The tokens ``bad_words`` ban at every step: those of one-token words (a longer word's last token is
-    banned only after its other tokens)."""
-    return {word[0] for word in bad_words if len(word) == 1}
-
-
-def first_usable_token_ids(rules: LogitsRules) -> set[int] | None:
-    """The tokens ``rules`` let a sequence sample first (``min_tokens`` bans included); None: any."""
-    if not rules.allowed_token_ids:
-        return None
-    usable = set(rules.allowed_token_ids) - always_banned(rules.bad_words)
-    return usable - set(rules.min_tokens_banned) if rules.min_tokens else usable
-
-
-def _check_something_allowed(
-    allowed: tuple[int, ...], bad_words: tuple[tuple[int, ...], ...], min_tokens_banned: tuple[int, ...]
-) -> None:
-    """ValueError when ``allowed_token_ids`` leave no token to sample, at any step or until ``min_tokens``."""
-    if not allowed:
-        return  # the whole vocabulary: bad_words cannot ban it all
-    usable = set(allowed) - always_banned(bad_words)
-    if not usable:
-        raise ValueError(
-            f"allowed_token_ids {list(allowed)[:5]} are all banned by bad_words: no token is left to sample"
-        )
-    if min_tokens_banned and not usable - set(min_tokens_banned):
-        raise ValueError(
-            "min_tokens would ban every token in allowed_token_ids that bad_words leave (EOS and stop_token_ids)"
-        )
-
-
-def logits_rules(
-    params: SamplingParams, encode: Callable[[str], list[int]], eos_token_ids: Iterable[int], vocab_size: int
-) -> LogitsRules | None:
-    """The logits processors of ``params`` for a model with ``vocab_size`` tokens; None when it has none.
-
-    ``encode`` tokenizes without special tokens (for ``bad_words``). Raises
-    ValueError for a token id outside the vocabulary, and for ``min_tokens``
-    that would ban every allowed token.
-    """
-    if not params.has_logits_processors:
-        return None
-    bias = tuple(sorted((params.logit_bias or {}).items()))
-    _check_vocab("logit_bias", (t for t, _ in bias), vocab_size)
-    allowed = tuple(sorted(set(params.allowed_token_ids or ())))
-    _check_vocab("allowed_token_ids", allowed, vocab_size)
-    bad_words = tuple(bad_word_token_ids(params.bad_words or [], encode))
-    _check_vocab("bad_words", (t for w in bad_words for t in w), vocab_size)
-    # vLLM masks the EOS ids even with ignore_eos: min_tokens is about length
-    banned: tuple[int, ...] = ()
-    if params.min_tokens:
-        banned = tuple(sorted({t for t in (*eos_token_ids, *(params.stop_token_ids or ())) if 0 <= t < vocab_size}))
-    _check_something_allowed(allowed, bad_words, banned)
-    return LogitsRules(
-        presence_penalty=float(params.presence_penalty),
-        frequency_penalty=float(params.frequency_penalty),
-        repetition_penalty=float(params.repetition_penalty),
-        logit_bias=bias,
-        allowed_token_ids=allowed,
-        bad_words=bad_words,
-        min_tokens=params.min_tokens,
-        min_tokens_banned=banned,
-    )
 
 
 def _prompt_scoring(s: ScheduledSequence, params: SamplingParams) -> tuple[int | None, tuple[int, ...]]:
@@ -175,7 +83,7 @@ class StepRecordBuilder:
         The uniforms each sampling row needs are drawn here, once, from its
         sequence's own stream; greedy rows draw nothing, so a seeded stream is
         never disturbed by them. ``rules`` (None: no request has any) are the
-        requests' logits processors (``logits_rules``); ``bitmasks`` (None: no
+        requests' logits processors (``inputs.logits_rules``); ``bitmasks`` (None: no
         request has a constraint) the structured-output masks of each sampled
         row, as the engine's grammar state filled them (empty for a sequence
         without a constraint or that does not sample).

@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.runner.structured_output import xgrammar
 from pagedllm.step_record import LogitsRules
 
 
@@ -131,7 +130,9 @@ def apply_token_bitmasks(logits: torch.Tensor, bitmasks: list[bytes]) -> None:
     rows = [r for r, mask in enumerate(bitmasks) if mask]
     if not rows:
         return
-    xgr = xgrammar()
+    # imported here, on the first constrained step: it pulls in triton (~25 MiB, 0.1 s) that no other step needs
+    import xgrammar as xgr
+
     words = xgr.get_bitmask_shape(1, logits.shape[1])[1]
     # xgrammar indexes logits and mask with the same row ids: unmasked rows get all bits set
     packed = np.full((logits.shape[0], words), -1, dtype=np.int32)  # [R, ceil(vocab / 32)]

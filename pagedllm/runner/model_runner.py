@@ -35,12 +35,12 @@ from pagedllm.runner.prompt_scoring import ScoredPrompt, score_prompt_rows
 from pagedllm.runner.sampler import (
     Sampler,
     SamplingTensors,
-    TokenLogprobs,
     logit_stats,
     token_logprobs,
 )
 from pagedllm.runner.sequence_states import SequenceStates
 from pagedllm.step_record import NoTokenToSampleError, SamplingSpec, SequenceStep, StepRecord
+from pagedllm.step_result import StepResult, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 # what each kv_cache_dtype stores: a float dtype, or int8 / fp8 values or int4 nibbles (uint8) with their
@@ -526,14 +526,3 @@ class _RowHistory:
 
     def select(self, rows: list[int]) -> _RowHistory:
         return _RowHistory([self.prompts[r] for r in rows], [self.outputs[r] for r in rows])
-
-
-@dataclass
-class StepResult:
-    """What one step produced for one scheduled sequence."""
-
-    samples: list[TokenLogprobs] = field(default_factory=list)  # [seq, *forks] when it sampled
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs_start: int = 1  # the prompt position of prompt_logprobs[0]
-    # set when this sequence alone failed (its sampling settings); the step's other results stand
-    error: Exception | None = None

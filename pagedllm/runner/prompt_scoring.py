@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.runner.sampler import TokenLogprobs, token_logprobs
+from pagedllm.runner.sampler import token_logprobs
+from pagedllm.step_result import TokenLogprobs
 
 # rows of logits one pass computes and reduces
 PROMPT_LOGITS_ROWS = 128

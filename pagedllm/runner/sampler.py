@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.kernels import load_kernels
+from pagedllm.step_result import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,6 @@ def _sample_rows(
     if order is not None:
         picks = order.gather(1, picks.unsqueeze(1)).squeeze(1)
     return picks
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A chosen token with its log-probability, its rank (1 = most likely) and the top alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int | None  # None when the request did not ask for logprobs (not computed)
-    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first
 
 
 def token_logprobs(

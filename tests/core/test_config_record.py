@@ -17,8 +17,8 @@ import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.config_record import ConfigError, field_docs
 from pagedllm.resolved_config import ResolvedConfig, resolve_config
-from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.structured_output.limits import GrammarLimits
 
 ROOT = Path(pagedllm.__file__).parent
 

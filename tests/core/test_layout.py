@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Set
 from pathlib import Path
 
@@ -20,19 +22,27 @@ ALLOWED = {
     "distributed": {"loader", "kernels"},
     "models": {"layers", "loader"},  # loader: its config types only (test below)
     "loader": set(),
-    "engine": {"loader", "runner", "distributed", "spec_decode"},
+    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output"},
     # speculative decoding's proposers and policy: plain Python below the engine (the runner verifies)
     "spec_decode": set(),
+    # constraint limits, compile workers and grammar state: used by the engine and the server; the runner
+    # only applies the packed masks they produce, without importing it
+    "structured_output": set(),
     "runner": {"kernels", "layers", "models", "loader", "distributed"},
     # engine clients (one engine thread, data-parallel replicas): above the engine, below the server
-    "clients": {"engine", "loader", "runner", "distributed"},
-    "entrypoints": {"clients", "engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
+    "clients": {"engine", "loader", "distributed", "structured_output"},
+    "entrypoints": {"clients", "engine", "loader", "structured_output", "kernels", "layers", "bench", "distributed"},
     "bench": {"engine", "loader", "distributed"},
 }
 # config_record: how config records are declared (pydantic); resolved_config: the config's "auto"s resolved,
 # the one top-level module that asks the machine (it imports kernels / layers / distributed inside functions)
 DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
-                "block_table", "cache_dir"}
+                "step_result", "block_table", "cache_dir"}
+# the packages a top-level data module may import: plain Python that itself imports only these (and data
+# modules). Every package imports the data modules, so a data module importing anything higher (the runner,
+# the engine) would be an import running back up the layers. resolved_config alone also reads the machine
+# (kernels, layers, distributed, inside its functions), never the runner or the engine.
+DATA_MODULE_PACKAGES = {"structured_output", "spec_decode", "distributed", "kernels", "loader"}
 
 
 def _module_name(path: Path) -> str:
@@ -244,3 +254,48 @@ def test_the_checks_see_what_an_import_reaches() -> None:
     # the module graph leaves out what runs only when a function is called
     assert "pagedllm.runner.sampler" not in _imports_of(source, "pagedllm.engine.x", False, into_functions=False)
     assert "pagedllm.engine.request" in _imports_of(source, "pagedllm.engine.x", False, into_functions=False)
+
+
+def _reachable(package: str) -> set[str]:
+    """The packages ``package`` may import, directly or through others (ALLOWED's transitive closure)."""
+    seen: set[str] = set()
+    todo = [package]
+    while todo:
+        for dep in ALLOWED[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_no_data_module_imports_back_up() -> None:
+    """The top-level data modules (config, sampling parameters, step records) import only plain packages below
+    the runner, and those only each other: ``config.py`` once imported the runner for ``GrammarLimits``."""
+    for package in DATA_MODULE_PACKAGES:
+        assert _reachable(package) <= DATA_MODULE_PACKAGES, f"pagedllm.{package} reaches above the data modules"
+    for name in sorted(DATA_MODULES):
+        deps = {_package_of(module) for module in _imports(ROOT / f"{name}.py")} - {""} - DATA_MODULES
+        may = DATA_MODULE_PACKAGES | ({"layers"} if name == "resolved_config" else set())
+        assert deps <= may, f"pagedllm.{name} imports {sorted(deps - may)}"
+        assert "runner" not in deps and "engine" not in deps
+
+
+def test_structured_output_imports_without_runner_or_torch() -> None:
+    """``pagedllm.structured_output`` (and ``pagedllm.config``, which holds its limits) import neither the runner
+    nor torch nor xgrammar: the engine's bookkeeping and the server's request checks use them torch-free."""
+    code = (
+        "import sys\n"
+        "import pagedllm.structured_output, pagedllm.structured_output.compile_workers, pagedllm.config\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'xgrammar', 'triton')"
+        " or m.startswith('pagedllm.runner')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_runner_does_not_import_structured_output() -> None:
+    """The runner applies the masks a step carries as bytes; the grammars themselves stay above it."""
+    for path in (ROOT / "runner").rglob("*.py"):
+        names = {name for name in _imports(path) if _package_of(name) == "structured_output"}
+        assert not names, f"runner/{path.name} imports {sorted(names)}"

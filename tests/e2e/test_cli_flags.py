@@ -21,8 +21,8 @@ import pytest
 import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints import cli
-from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.structured_output.limits import GrammarLimits
 
 # field -> (the flags that set it to a value other than its default, the value EngineConfig then holds)
 VALUES: dict[str, tuple[list[str], object]] = {

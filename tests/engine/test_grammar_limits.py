@@ -28,14 +28,14 @@ from server_helpers import (
 from pagedllm.config import EngineConfig
 from pagedllm.loader import bundled_model_path, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
-from pagedllm.runner.grammar_limits import (
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.compiler import CompileCancelled, GrammarCompiler
+from pagedllm.structured_output.limits import (
     GrammarLimitError,
     GrammarLimits,
     check_constraint,
     check_schema,
 )
-from pagedllm.runner.structured_output import CompileCancelled, GrammarCompiler
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_PROPERTIES = 4000
 COMPILE_TIMEOUT_S = 20
@@ -281,7 +281,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]
 
 def worker_pids(server_pid: int) -> list[int]:
     return [p.pid for p in psutil.Process(server_pid).children(recursive=True)
-            if "pagedllm.runner.grammar_worker" in " ".join(p.cmdline())]
+            if "pagedllm.structured_output.compile_workers" in " ".join(p.cmdline())]
 
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

@@ -179,7 +179,7 @@ def test_context_limit_ends_generation_with_length(llm):
 
 def test_prompt_plus_max_tokens_past_the_context_is_refused_as_the_server_does(llm):
     """One rule offline and on the server: prompt + max_tokens > max_model_len is a ValueError, not a cut."""
-    from pagedllm.engine.llm_engine import ContextLengthError
+    from pagedllm.engine.inputs import ContextLengthError
 
     engine = llm.llm_engine
     max_len = engine.config.max_model_len

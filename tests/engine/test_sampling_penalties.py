@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.step_builder import bad_word_token_ids
+from pagedllm.engine.inputs import bad_word_token_ids
 from pagedllm.runner.logits_processors import apply_logits_rules
 from pagedllm.step_record import LogitsRules
 

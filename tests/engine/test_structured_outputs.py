@@ -22,7 +22,8 @@ import torch
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.sequence import Sequence
 from pagedllm.runner.logits_processors import apply_token_bitmasks
-from pagedllm.runner.structured_output import RequestGrammar, choice_grammar
+from pagedllm.structured_output.compiler import choice_grammar
+from pagedllm.structured_output.grammar_state import RequestGrammar
 
 NUM_SEEDS = 20
 SCHEMAS = {

@@ -138,8 +138,9 @@ def test_a_certain_draft_is_always_accepted_and_an_impossible_one_never():
 
 def _verify(logits: torch.Tensor, drafts: list[int], spec: SamplingSpec, outputs: tuple, masks: tuple = ()) -> list[int]:
     """The runner's verify of one sequence (``ModelRunner._verify_step``) over synthetic logits."""
-    from pagedllm.runner.model_runner import ModelRunner, StepResult
+    from pagedllm.runner.model_runner import ModelRunner
     from pagedllm.step_record import SequenceStep
+    from pagedllm.step_result import StepResult
 
     step = SequenceStep("r", 5, (9, *drafts), (0,), spec, (0.0,) * (len(drafts) + 1),
                         output_token_ids=outputs, token_bitmasks=masks, num_draft_tokens=len(drafts))

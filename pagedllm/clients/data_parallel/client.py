@@ -51,8 +51,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt
 from pagedllm.loader import load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
-from pagedllm.runner.structured_output import GrammarCompiler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class DataParallelEngine:
 
         Errors as ``AsyncEngine.add_requests``; EngineDeadError (a 503) when no replica serves.
         """
-        sub = open_submission(self, request_id, len(prompts))
+        sub = open_submission(self, request_id, len(prompts), params)
         streams = sub.streams
         hashes = [self.router.prompt_hashes(ids) for _, ids in prompts]
         try:

@@ -11,7 +11,8 @@ The package follows the data flow of a request, as vLLM lays out
         engine/protocol.py's EngineClient     -- the engine client, the only engine the routes see
           (clients/async_engine.py: one engine thread; clients/data_parallel/: N replica processes)
         engine_errors.py                      -- what the client raises, as HTTP answers
-        deltas.py, logprobs.py, sse.py        -- the answer, whole or as server-sent events
+        logprobs.py, sse.py                   -- the answer, whole or as server-sent events (the engine's
+                                                 deltas, engine/output_deltas.py, formatted)
       serving_tokenization.py                 -- /tokenize, /detokenize, /tokenizer_info
     clients/metrics.py                        -- Prometheus, fed by the engine client
 

@@ -12,7 +12,7 @@ import logging
 
 import jinja2
 
-from pagedllm.engine.llm_engine import ContextLengthError
+from pagedllm.engine.inputs import ContextLengthError
 from pagedllm.engine.protocol import (
     EngineDeadError,
     EngineOverloadedError,

@@ -10,16 +10,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pagedllm.engine.inputs import check_prompt_text, truncate_prompt
 from pagedllm.engine.protocol import EngineView, Prompt
 from pagedllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
-from pagedllm.sampling_params import SamplingParams, check_text
+from pagedllm.sampling_params import SamplingParams
 
 
 class PromptEncoder:
     """Turns request prompts into (text, token ids) off the engine thread.
 
     Text goes to the tokenizer process (``tokenizer_worker.py``); a prompt
-    that cannot fit in the context is refused from its token count. Chat
+    that cannot fit in the context is refused from its token count. The
+    rules are the engine's own (``engine/inputs.py``), applied here before a
+    request is queued. Chat
     templates render on a worker thread of this process.
     """
 
@@ -33,14 +36,12 @@ class PromptEncoder:
         With ``truncate_prompt_tokens`` the whole text is tokenized and its
         last k tokens kept, so a longer text may still fit.
         """
-        if not text:
-            raise ValueError("the prompt is empty")
-        check_text("the prompt", text)
+        check_prompt_text(text)
         keep = params.truncate_prompt_tokens if params is not None else None
         limit = self.engine.config.max_model_len if keep is None else None
         count, ids = await self.worker.encode(text, add_special_tokens, limit=limit)
         if keep is not None and ids is not None:
-            ids = ids[-keep:]
+            ids = truncate_prompt(ids, params)
             count = len(ids)
         self.engine.check_prompt_len(count, params)
         if not ids:
@@ -49,10 +50,9 @@ class PromptEncoder:
 
     async def token_ids(self, ids: list[int], params: SamplingParams) -> Prompt:
         """A prompt given as token ids (checked against the vocabulary on the engine thread)."""
-        if params.truncate_prompt_tokens is not None:
-            ids = ids[-params.truncate_prompt_tokens :]
+        ids = truncate_prompt(list(ids), params)
         self.engine.check_prompt_len(len(ids), params)
-        return None, list(ids)
+        return None, ids
 
     async def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None

@@ -32,7 +32,6 @@ from starlette.exceptions import HTTPException
 from pagedllm.entrypoints.openai.json_response import find_lone_surrogate
 from pagedllm.entrypoints.openai.tool_choice import ToolRequestError, ToolSpec
 from pagedllm.entrypoints.openai.tool_messages import ToolMessageError, to_template_messages
-from pagedllm.runner.grammar_limits import GrammarLimits
 from pagedllm.sampling_params import (
     INT64_RANGE,
     MAX_ADDITIVE_PENALTY,
@@ -41,6 +40,7 @@ from pagedllm.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from pagedllm.structured_output.limits import GrammarLimits
 
 # a stop string: SamplingParams refuses an empty one, so the schema says so too
 StopString = Annotated[str, Field(min_length=1)]

@@ -19,7 +19,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.engine.protocol import EngineClient, RequestStream
-from pagedllm.entrypoints.openai.deltas import DeltaTracker
 from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
@@ -29,7 +28,7 @@ from pagedllm.entrypoints.openai.sse import sse_chunks, sse_response
 from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -59,6 +58,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         tools = await asyncio.to_thread(req.tool_spec, self.grammar_limits)  # xgrammar checks each schema
         params = req.to_sampling_params(tools, self.default_max_tokens)
+        if req.stream:
+            params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
         await self.compile_constraint(params, req.constraint_param, request)
         try:
             messages = req.template_messages()
@@ -104,8 +105,11 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self, sub: RequestStream, params: SamplingParams, top_n: int, tokens: dict[int, int], tools: ToolSpec
     ) -> AsyncIterator[list[dict[str, Any]]]:
-        """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk."""
-        tracker = DeltaTracker(params)
+        """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk.
+
+        The engine's outputs are deltas (``RequestOutputKind.DELTA``): each
+        choice's new text (held back while a stop string may cut it), tokens and logprobs.
+        """
         parsers: dict[int, ToolParser | None] = {}
         async for _, out in sub.outputs():
             for c in out.outputs:
@@ -114,13 +118,9 @@ class OpenAIServingChat(OpenAIServing):
                     parsers[c.index] = tools.new_parser(self.tool_parser)
                     yield [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}]
-                tokens[c.index] = len(c.token_ids)
-                d = tracker.delta(c.index, c)
-                if d is None:
-                    continue
-                text, finished, first_token, end = d
-                for chunk in _choice_chunks(c, text, finished, chat_logprobs(c, first_token, end, top_n),
-                                            parsers[c.index], tools):
+                tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
+                for chunk in _choice_chunks(c, c.text, c.finish_reason is not None,
+                                            chat_logprobs(c, 0, len(c.token_ids), top_n), parsers[c.index], tools):
                     yield [chunk]
 
 

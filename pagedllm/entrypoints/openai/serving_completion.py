@@ -17,7 +17,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.engine.protocol import EngineClient, Prompt, RequestStream
-from pagedllm.entrypoints.openai.deltas import DeltaTracker
 from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.logprobs import (
     completion_logprobs,
@@ -29,7 +28,7 @@ from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage
 from pagedllm.entrypoints.openai.sse import sse_chunks, sse_response
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -54,6 +53,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """Answer one completions request, streamed or whole."""
         self.check_model(req.model)
         params = req.to_sampling_params(self.default_max_tokens)
+        if req.stream:
+            params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
         await self.compile_constraint(params, req.constraint_param, request)
         encoded = await self._encode(req, params)
         echo = await self._echo_texts(encoded, params) if req.echo else None
@@ -108,25 +109,23 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk.
 
-        With ``echo`` a choice's first chunk carries its prompt first.
+        The engine's outputs are deltas (``RequestOutputKind.DELTA``): each
+        choice's new text (held back while a stop string may cut it), tokens
+        and logprobs. With ``echo`` a choice's first chunk carries its prompt first.
         """
-        tracker = DeltaTracker(params)
+        text_offsets: dict[int, int] = {}  # per choice: the logprobs' text_offset after what was sent
         async for index, out in sub.outputs():
             for c in out.outputs:
                 choice = index * params.n + c.index
-                tokens[choice] = len(c.token_ids)
-                d = tracker.delta(choice, c)
-                if d is None:
-                    continue
-                text, finished, first_token, end = d
-                fin = _finish(c) if finished else {"finish_reason": None, "stop_reason": None}
-                if echo is not None and first_token == 0:
+                first = choice not in tokens
+                tokens[choice] = tokens.get(choice, 0) + len(c.token_ids)
+                text, end = c.text, len(c.token_ids)
+                fin = _finish(c) if c.finish_reason is not None else {"finish_reason": None, "stop_reason": None}
+                if echo is not None and first:
                     text = echo[index].text + text
-                    logprobs, tracker.text_offset[choice] = _echo_logprobs(echo[index], out, c, end)
+                    logprobs, text_offsets[choice] = _echo_logprobs(echo[index], out, c, end)
                 else:
-                    logprobs, tracker.text_offset[choice] = completion_logprobs(
-                        c, first_token, end, tracker.text_offset.get(choice, 0)
-                    )
+                    logprobs, text_offsets[choice] = completion_logprobs(c, 0, end, text_offsets.get(choice, 0))
                 yield [{"index": choice, "text": text, "logprobs": logprobs, **fin}]
 
 

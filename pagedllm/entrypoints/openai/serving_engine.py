@@ -23,9 +23,9 @@ from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import APIError, bad_request
 from pagedllm.entrypoints.openai.sse import StreamWrites, watch_disconnect
 from pagedllm.outputs import RequestOutput
-from pagedllm.runner.grammar_limits import GrammarLimits
-from pagedllm.runner.structured_output import CompileCancelled
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.compiler import CompileCancelled
+from pagedllm.structured_output.limits import GrammarLimits
 
 
 class OpenAIServing:

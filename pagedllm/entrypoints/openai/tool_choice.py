@@ -53,8 +53,8 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ToolParser,
     assemble_deltas,
 )
-from pagedllm.runner.grammar_limits import GrammarLimitError, GrammarLimits, check_schema
 from pagedllm.sampling_params import StructuredOutputsParams, check_text
+from pagedllm.structured_output.limits import GrammarLimitError, GrammarLimits, check_schema
 
 # OpenAI's rule for function names
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -3,7 +3,7 @@
 xgrammar compiles in C++; on a Python thread nothing interrupts it, so a
 hostile schema compiled in the server process runs (and allocates) until it
 is done, long after its client left. Here each compile first runs in a
-worker process (``python -m pagedllm.runner.grammar_worker``, spawned on the
+worker process (``python -m pagedllm.structured_output.compile_workers``, spawned on the
 first compile and kept), which
 
 - holds the tokenizer's xgrammar info (sent once, as JSON),
@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
-from pagedllm.runner.grammar_limits import GrammarLimitError, GrammarLimits
+from pagedllm.structured_output.limits import GrammarLimitError, GrammarLimits
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class _Worker:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    MALLOC_ARENA_MAX="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.runner.grammar_worker", str(child.fileno()), str(self._memory_bytes),
+            [sys.executable, "-m", "pagedllm.structured_output.compile_workers", str(child.fileno()), str(self._memory_bytes),
              str(self._timeout_s)],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
         )
@@ -342,7 +342,7 @@ def _serve(conn: Connection, memory_bytes: int, timeout_s: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m pagedllm.runner.grammar_worker FD MEMORY_BYTES TIMEOUT_S``: serve compiles on the pipe end FD."""
+    """``python -m pagedllm.structured_output.compile_workers FD MEMORY_BYTES TIMEOUT_S``: serve compiles on the pipe end FD."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C on the server is the server's to handle
     _exit_with_parent()
     conn = Connection(int(argv[0]))

@@ -9,7 +9,7 @@ per optional property *suffix*: 1,000 optional properties took ~20 s and
   (``check_constraint``, ``check_schema``): the constraint's size in bytes,
   its enum/const/choice entries, its nesting depth and its object properties;
 - compile limits, enforced by running the compile where it can be killed
-  (``grammar_worker.py``): wall time, memory, and how many compiles run at once;
+  (``compile_workers.py``): wall time, memory, and how many compiles run at once;
 - the compiled-grammar cache's size in bytes (``structured_output.py``).
 
 This module imports neither torch nor xgrammar: ``EngineConfig`` holds a
