@@ -124,6 +124,7 @@ class _RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: dict[int, float] = {}
         self.num_tokens: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}  # choice index -> why it ended, as seen
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Hand an output or an error to the handler (from the engine thread)."""
@@ -139,6 +140,9 @@ class _RequestStream:
         if metrics is None:
             return
         for c in out.outputs:
+            if c.finish_reason is not None:
+                # with deltas a choice that finished early is absent from later outputs
+                self.finish_reasons.setdefault(c.index, c.finish_reason)
             prev = self.num_tokens.get(c.index, 0)
             n = prev + len(c.token_ids) if self.delta else len(c.token_ids)
             if n <= prev:
@@ -155,7 +159,8 @@ class _RequestStream:
             self.last_token_time[c.index] = now
         if out.finished:
             metrics.e2e_request_latency.observe(now - self.arrival)
-            metrics.request_success(out.outputs[0].finish_reason or "abort")
+            first = min(self.finish_reasons, default=None)
+            metrics.request_success(self.finish_reasons[first] if first is not None else "abort")
 
 
 # queued to a submission's reader once the submission is aborted
