@@ -59,7 +59,7 @@ def resolve_repo(model: str, *, revision: str | None = None, gguf_file: str | No
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
-        raise ValueError(f"model {model!r} is not a local path, nor a valid Hugging Face repo id: {e}") from e
+        raise ValueError(f"model {model!r} is neither a local path nor a valid Hugging Face repo id: {e}") from e
     if tag is not None and gguf_file is not None:
         raise ValueError(f"model {model!r} names a quantization tag and gguf_file={gguf_file!r} too: give one")
     try:
@@ -93,7 +93,7 @@ def resolve_tokenizer_repo(repo_id: str, *, revision: str | None = None) -> str:
         validate_repo_id(repo_id)
         return _download(repo_id, revision, patterns)
     except HFValidationError as e:
-        raise ValueError(f"tokenizer {repo_id!r} is not a local path, nor a valid Hugging Face repo id: {e}") from e
+        raise ValueError(f"tokenizer {repo_id!r} is neither a local path nor a valid Hugging Face repo id: {e}") from e
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         raise ValueError(_not_cached_message(repo_id, revision)) from e
     except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as e:
