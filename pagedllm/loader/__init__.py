@@ -60,13 +60,12 @@ def resolve_model_path(model: str | None, *, revision: str | None = None, gguf_f
 
 
 def resolve_tokenizer_path(tokenizer: str, *, revision: str | None = None) -> str:
-    """A tokenizer folder or GGUF file: a local path as given, a repo id's tokenizer files from the hub."""
-    if os.path.exists(os.path.expanduser(tokenizer)):
-        return os.path.expanduser(tokenizer)
+    """A tokenizer folder or GGUF file: a repo id's tokenizer files from the hub; any other name as given (the
+    tokenizer's load says what is wrong with a path that is not there)."""
     from pagedllm.loader.hub import looks_like_repo_id, resolve_tokenizer_repo
 
-    if not looks_like_repo_id(tokenizer) or ":" in tokenizer:
-        raise ValueError(f"tokenizer {tokenizer!r} is neither a local path nor a Hugging Face repo id (org/repo)")
+    if os.path.exists(os.path.expanduser(tokenizer)) or not looks_like_repo_id(tokenizer) or ":" in tokenizer:
+        return tokenizer
     return resolve_tokenizer_repo(tokenizer, revision=revision)
 
 

@@ -269,3 +269,20 @@ def test_served_name_is_the_repo_id(tmp_path: Path) -> None:
     local.write_bytes(b"")
     assert _served_name(str(local), str(local)) == "smol.gguf"
     assert _served_name(None, str(local)) == "smol.gguf"
+
+
+def test_tokenizer_by_repo_id_and_revision(hub_cache: Path, tiny_llama: str, smollm_path: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.engine.llm import make_engine_config
+
+    main = lay_out_repo(hub_cache, "org/tiny-llama", folder_files(tiny_llama))
+    v2 = lay_out_repo(hub_cache, "org/tiny-llama", folder_files(tiny_llama), ref="v2", commit="c" * 40)
+    asked = []
+    real = hub.snapshot_download
+    monkeypatch.setattr(hub, "snapshot_download", lambda *a, **k: asked.append(k.get("allow_patterns")) or real(*a, **k))
+    assert make_engine_config(smollm_path, tokenizer="org/tiny-llama").tokenizer == str(main)
+    assert not any("safetensors" in p for p in asked[-1])  # a tokenizer's files, not the weights
+    config = make_engine_config(smollm_path, tokenizer="org/tiny-llama", tokenizer_revision="v2")
+    assert (config.tokenizer, config.tokenizer_revision) == (str(v2), "v2")
+    with pytest.raises(ValueError, match="not in the Hugging Face cache"):
+        make_engine_config(smollm_path, tokenizer="org/no-tokenizer")
