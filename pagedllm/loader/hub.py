@@ -102,20 +102,25 @@ def resolve_tokenizer_repo(repo_id: str, *, revision: str | None = None) -> str:
 
 def _not_cached_message(model: str, revision: str | None) -> str:
     rev = f" at revision {revision!r}" if revision else ""
+    repo_id = model.split(":")[0]
+    # `hf` is huggingface_hub's command since 1.0; `huggingface-cli` before
+    download = f"download it first with `hf download {repo_id}` (`huggingface-cli download {repo_id}`)"
+    local = "or pass a local path (a .gguf file or a folder with config.json)"
     where = constants.HF_HUB_CACHE
     if constants.HF_HUB_OFFLINE:
         return (f"model {model!r}{rev} is not in the Hugging Face cache ({where}) and HF_HUB_OFFLINE is set: "
-                "set HF_HUB_OFFLINE=0 to download it, download it first with `huggingface-cli download "
-                f"{model.split(':')[0]}`, or pass a local path (a .gguf file or a folder with config.json)")
+                f"set HF_HUB_OFFLINE=0 to download it, {download}, {local}")
     return (f"model {model!r}{rev} is not in the Hugging Face cache ({where}) and could not be downloaded "
-            "(no connection to the hub?): download it with `huggingface-cli download`, or pass a local path")
+            f"(no connection to the hub?): {download}, {local}")
 
 
 def _repo_files(repo_id: str, revision: str | None) -> list[str]:
     """The repo's file names: asked of the hub, or read off the cached snapshot when offline or unreachable."""
     if not constants.HF_HUB_OFFLINE:
         try:
-            return HfApi().list_repo_files(repo_id, revision=revision)
+            # model_info, not list_repo_files: the listing retries a failed connection for ~30 s
+            info = HfApi().model_info(repo_id, revision=revision)
+            return sorted(sibling.rfilename for sibling in info.siblings or ())
         except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError):
             raise
         except Exception:  # noqa: BLE001 (no connection, a proxy, a timeout: the cache may still have it)

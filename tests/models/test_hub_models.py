@@ -219,7 +219,7 @@ def test_nothing_cached_offline_is_one_clear_error(hub_cache: Path) -> None:
     with pytest.raises(ValueError) as info:
         resolve_model_path("org/not-downloaded")
     message = str(info.value)
-    for hint in ("org/not-downloaded", "HF_HUB_OFFLINE=0", "huggingface-cli download org/not-downloaded",
+    for hint in ("org/not-downloaded", "HF_HUB_OFFLINE=0", "hf download org/not-downloaded",
                  "local path", str(hub_cache)):
         assert hint in message, message
 
