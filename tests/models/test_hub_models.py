@@ -286,3 +286,24 @@ def test_tokenizer_by_repo_id_and_revision(hub_cache: Path, tiny_llama: str, smo
     assert (config.tokenizer, config.tokenizer_revision) == (str(v2), "v2")
     with pytest.raises(ValueError, match="not in the Hugging Face cache"):
         make_engine_config(smollm_path, tokenizer="org/no-tokenizer")
+
+
+def test_serve_repo_id_loads_the_snapshot_and_serves_the_id(hub_cache: Path, smollm_path: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pagedllm serve org/repo:QUANT`` (positional): the engine loads the cached file, /v1/models names the id."""
+    from pagedllm.entrypoints import cli
+    from pagedllm.entrypoints.openai import api_server
+
+    snapshot = lay_out_repo(hub_cache, "org/smol-GGUF", {"smol.Q4_1.gguf": smollm_path, "smol.Q8_0.gguf": smollm_path})
+    served = {}
+
+    def fake_run_server(engine, settings) -> None:  # noqa: ANN001 (stands in for the HTTP server)
+        served.update(model=engine.config.model, name=settings.model_name, path=settings.model_path)
+
+    monkeypatch.setattr(api_server, "run_server", fake_run_server)
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
+    status = cli.main(["serve", "org/smol-GGUF:q4_1", "--num-kv-blocks", "64", "--max-model-len", "256",
+                       "--num-threads", "1"])
+    assert status == 0
+    assert served == {"model": str(snapshot / "smol.Q4_1.gguf"), "name": "org/smol-GGUF:q4_1",
+                      "path": str(snapshot / "smol.Q4_1.gguf")}
