@@ -18,6 +18,7 @@ import re
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
+    HfHubHTTPError,
     HFValidationError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
@@ -84,6 +85,8 @@ def resolve_repo(model: str, *, revision: str | None = None, gguf_file: str | No
         raise ValueError(f"no Hugging Face repo {repo_id!r} (or it is private: set HF_TOKEN)") from e
     except RevisionNotFoundError as e:
         raise ValueError(f"{repo_id} has no revision {revision!r}") from e
+    except HfHubHTTPError as e:  # the hub answered with another error (rate limit, server error)
+        raise ValueError(f"fetching {repo_id} from the Hugging Face hub failed: {e}") from e
 
 
 def resolve_tokenizer_repo(repo_id: str, *, revision: str | None = None) -> str:
@@ -96,7 +99,7 @@ def resolve_tokenizer_repo(repo_id: str, *, revision: str | None = None) -> str:
         raise ValueError(f"tokenizer {repo_id!r} is neither a local path nor a valid Hugging Face repo id: {e}") from e
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
         raise ValueError(_not_cached_message(repo_id, revision)) from e
-    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as e:
+    except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, HfHubHTTPError) as e:
         raise ValueError(f"tokenizer {repo_id!r} at revision {revision!r}: {e}") from e
 
 
@@ -147,7 +150,9 @@ def gguf_parts(files: list[str], repo_id: str, *, tag: str | None, gguf_file: st
     """
     models = _gguf_models(files)
     if not models:
-        raise ValueError(f"{repo_id} has neither config.json nor a .gguf file: not a model pagedllm loads")
+        folder = "config.json" in files
+        raise ValueError(f"{repo_id} has no .gguf file" + (" to pick with a tag or gguf_file: name it as org/repo"
+                         if folder else " nor config.json: not a model pagedllm loads"))
     if gguf_file is not None:
         picked = [parts for parts in models if gguf_file in parts or _basenames(parts, gguf_file)]
         if not picked:

@@ -307,3 +307,14 @@ def test_serve_repo_id_loads_the_snapshot_and_serves_the_id(hub_cache: Path, smo
     assert status == 0
     assert served == {"model": str(snapshot / "smol.Q4_1.gguf"), "name": "org/smol-GGUF:q4_1",
                       "path": str(snapshot / "smol.Q4_1.gguf")}
+
+
+def test_tag_on_a_folder_repo_and_a_repo_with_no_model(hub_cache: Path, tiny_llama: str, tmp_path: Path) -> None:
+    lay_out_repo(hub_cache, "org/tiny-llama", folder_files(tiny_llama))
+    with pytest.raises(ValueError, match="no .gguf file to pick with a tag"):
+        resolve_model_path("org/tiny-llama:Q4_K_M")
+    readme = tmp_path / "README.md"
+    readme.write_text("no model here")
+    lay_out_repo(hub_cache, "org/empty", {"README.md": str(readme)})
+    with pytest.raises(ValueError, match="no .gguf file nor config.json"):
+        resolve_model_path("org/empty")
