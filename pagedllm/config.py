@@ -78,8 +78,19 @@ class EngineConfig:
     """Everything needed to start an engine.
 
     Args:
-        model: path of a GGUF file or a Hugging Face model folder.
-        tokenizer: tokenizer folder; None takes the model's own.
+        model: path of a GGUF file or a Hugging Face model folder, or a
+            Hugging Face repo id ("org/repo"; a GGUF repo as llama.cpp names
+            it, "org/repo:Q4_K_M"), fetched through huggingface_hub's cache
+            (HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN). A local path wins over
+            a repo id; the engine keeps the resolved local path here.
+        revision: the branch, tag or commit of a model named by repo id;
+            None: "main".
+        gguf_file: the GGUF file to load among several in a repo or a local
+            folder (a split file by its first part); None: the one the repo id's
+            ":QUANT" tag names, or the only one (else Q4_K_M).
+        tokenizer: tokenizer folder or repo id; None takes the model's own.
+        tokenizer_revision: the branch, tag or commit of a tokenizer named by
+            repo id; None: "main".
         dtype: weights and activations dtype, "float32" (default), "bfloat16"
             or "float16". On the CPU, "bfloat16" rounds every weight to bf16
             but computes only the linear layers with bf16 operands (float32
@@ -239,7 +250,10 @@ class EngineConfig:
     """
 
     model: Path
+    revision: NonEmptyStr | None = None
+    gguf_file: NonEmptyStr | None = None
     tokenizer: Path | None = None
+    tokenizer_revision: NonEmptyStr | None = None
     dtype: Dtype = "float32"
     device: Device = "cpu"
     kv_cache_dtype: KvCacheDtype = "auto"

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.loader import load_model_config, resolve_model_path
+from pagedllm.loader import load_model_config, resolve_model_path, resolve_tokenizer_path
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,7 +43,9 @@ def make_engine_config(
     Reads the model's configuration only, not its weights (``pagedllm serve
     --data-parallel-size`` hands it to the replica processes).
     """
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, revision=kwargs.get("revision"), gguf_file=kwargs.get("gguf_file"))
+    if kwargs.get("tokenizer") is not None:
+        kwargs["tokenizer"] = resolve_tokenizer_path(kwargs["tokenizer"], revision=kwargs.get("tokenizer_revision"))
     if max_model_len is None:
         max_model_len = load_model_config(path).max_position_embeddings
     if max_num_batched_tokens is None:
@@ -64,8 +66,10 @@ class LLM:
     """Batch generation with a paged KV cache.
 
     Args:
-        model: a ``.gguf`` file or a Hugging Face folder; None loads the
-            bundled SmolLM2-135M-Instruct.
+        model: a ``.gguf`` file, a Hugging Face folder or a Hugging Face
+            repo id (``org/repo``, ``org/repo:Q4_K_M`` for a GGUF repo;
+            ``revision=``, ``gguf_file=``); None loads the bundled
+            SmolLM2-135M-Instruct.
         max_model_len: longest prompt + output; None takes the model's.
         max_num_batched_tokens: token budget per step; longer prompts are
             prefilled in chunks. None takes 2048 on the CPU (measured best

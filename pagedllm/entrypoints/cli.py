@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 import signal
 import socket
@@ -225,7 +226,7 @@ def cmd_bench_sharing(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the OpenAI-compatible server (``pagedllm serve [MODEL]``)."""
     from pagedllm import LLM
-    from pagedllm.entrypoints.openai.api_server import default_model_name, run_server
+    from pagedllm.entrypoints.openai.api_server import run_server
 
     if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
         raise ValueError("give the model either as an argument or with --model, not both")
@@ -246,7 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model_pos or args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
     settings = dataclasses.replace(
-        settings, model_name=settings.model_name or default_model_name(engine.config.model),
+        settings, model_name=settings.model_name or _served_name(args.model_pos or args.model, engine.config.model),
         model_path=engine.config.model,
     )
     try:
@@ -256,14 +257,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _served_name(given: str | None, path: str) -> str:
+    """The name a model is served under: the repo id it was named by (as vLLM serves it), else its file or
+    folder name."""
+    from pagedllm.entrypoints.openai.api_server import default_model_name
+
+    if given is not None and not os.path.exists(os.path.expanduser(given)):
+        return given
+    return default_model_name(path)
+
+
 def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> int:
     """``pagedllm serve --data-parallel-size N`` (N > 1): the replicas load the model, this process does not."""
     from pagedllm.engine.llm import make_engine_config
-    from pagedllm.entrypoints.openai.api_server import default_model_name, run_dp_server
+    from pagedllm.entrypoints.openai.api_server import run_dp_server
 
     config = make_engine_config(args.model_pos or args.model, **_engine_kwargs(args))
     settings = dataclasses.replace(
-        settings, model_name=settings.model_name or default_model_name(config.model), model_path=config.model,
+        settings, model_name=settings.model_name or _served_name(args.model_pos or args.model, config.model),
+        model_path=config.model,
     )
     if args.replica_heartbeat_timeout is None:
         run_dp_server(config, settings, args.data_parallel_size)
@@ -340,7 +352,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                   help="a .gguf file or a Hugging Face folder (default: bundled SmolLM2)")
+                   help="a .gguf file, a Hugging Face folder or repo id (org/repo, org/repo:Q4_K_M) "
+                        "(default: bundled SmolLM2)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)

@@ -31,19 +31,42 @@ def bundled_model_path() -> str:
     return path
 
 
-def resolve_model_path(model: str | None) -> str:
-    """A GGUF file or a model folder; None means the bundled model."""
+def resolve_model_path(model: str | None, *, revision: str | None = None, gguf_file: str | None = None) -> str:
+    """A GGUF file (its first part, when split) or a model folder; None means the bundled model.
+
+    A local path wins over a Hugging Face repo id of the same spelling; a name
+    that is no local path is looked up as ``org/repo`` or ``org/repo:QUANT``
+    through ``huggingface_hub`` (``hub.py``), at ``revision``. ``gguf_file``
+    picks a GGUF file inside a local folder or a repo.
+    """
     if model is None:
         return bundled_model_path()
     path = os.path.expanduser(model)
+    if os.path.isdir(path) and gguf_file is not None:
+        path = os.path.join(path, gguf_file)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return os.path.abspath(path)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return os.path.abspath(path)
-    raise ValueError(
-        f"model {model!r} is neither a .gguf file nor a folder with config.json "
-        "(models are loaded from local paths only)"
-    )
+    if os.path.exists(path):
+        raise ValueError(f"model {model!r} is neither a .gguf file nor a folder with config.json")
+    # imported here: huggingface_hub is needed only for models named by repo id
+    from pagedllm.loader.hub import looks_like_repo_id, resolve_repo
+
+    if not looks_like_repo_id(model) or model.startswith((".", "~")):
+        raise ValueError(f"model {model!r} is neither a local path (a .gguf file or a folder with config.json) "
+                         "nor a Hugging Face repo id (org/repo, or org/repo:QUANT for a GGUF repo)")
+    return resolve_repo(model, revision=revision, gguf_file=gguf_file)
+
+
+def resolve_tokenizer_path(tokenizer: str, *, revision: str | None = None) -> str:
+    """A tokenizer folder or GGUF file: a repo id's tokenizer files from the hub; any other name as given (the
+    tokenizer's load says what is wrong with a path that is not there)."""
+    from pagedllm.loader.hub import looks_like_repo_id, resolve_tokenizer_repo
+
+    if os.path.exists(os.path.expanduser(tokenizer)) or not looks_like_repo_id(tokenizer) or ":" in tokenizer:
+        return tokenizer
+    return resolve_tokenizer_repo(tokenizer, revision=revision)
 
 
 def load_model_config(path: str) -> ModelArchConfig:

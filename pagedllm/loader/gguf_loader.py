@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
 
 # Which general.architecture values a model runs is models/registry.py's to say (Gemma 3, for one, loads
@@ -318,12 +319,13 @@ class GGUFWeights:
 
     def __init__(self, path: str, config: ModelArchConfig) -> None:
         self.path, self.config = path, config
-        reader = open_reader(path)
+        self.part_paths = model_part_paths(path)
         # a tensor with no Hugging Face name is refused when it is read, after the model registry has had its
         # say on the architecture (the clearer error for a family not supported)
         self.quantized: dict[str, int] = {
             name: int(t.tensor_type)
-            for t in reader.tensors
+            for part in self.part_paths
+            for t in open_reader(part).tensors
             if len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32
             and (name := _hf_name_or_none(t.name)) is not None
         }
@@ -339,14 +341,19 @@ class GGUFWeights:
         return w
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        reader = open_reader(self.path)
+        for part in self.part_paths:
+            yield from self._iter_part(part)
+
+    def _iter_part(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of one file of the model (the only one, or one part of a split model)."""
+        reader = open_reader(path)
         for t in reader.tensors:
             if t.name == _ROPE_FREQS:
                 continue  # the configuration's (rope_freq_factors), applied to the RoPE table
-            name = _hf_name(t.name, self.path)
+            name = _hf_name(t.name, path)
             expected = _expected_bytes(t)
             if t.data.nbytes != expected:
-                raise ValueError(f"{self.path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
+                raise ValueError(f"{path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
                                  f"{t.tensor_type.name} and shape need {expected}: the file is truncated or corrupt")
             if name in self.keep:
                 # [rows, row bytes] as stored: gguf gives block types as bytes already, but F16 (F32, ...) as
@@ -395,6 +402,14 @@ def _expected_bytes(t: object) -> int:
     """Bytes a tensor of its type and shape takes (gguf's block sizes)."""
     block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
     return int(np.prod(t.shape)) // block * type_bytes
+
+
+def model_part_paths(path: str) -> list[str]:
+    """The files of the model named by GGUF file ``path``: itself, or every part of a split model
+    (``gguf_split.py``)."""
+    fields = open_reader(path).fields
+    split = {key: fields[key].contents() for key in ("split.count", "split.no") if key in fields}
+    return split_part_paths(path, split)
 
 
 def iter_weights(path: str, config: ModelArchConfig) -> GGUFWeights:

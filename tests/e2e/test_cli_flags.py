@@ -27,6 +27,10 @@ from pagedllm.structured_output.limits import GrammarLimits
 # field -> (the flags that set it to a value other than its default, the value EngineConfig then holds)
 VALUES: dict[str, tuple[list[str], object]] = {
     "tokenizer": (["--tokenizer", "/some/tokenizer"], "/some/tokenizer"),
+    # a local model (the bundled one here) takes no revision nor GGUF file name; the config records them
+    "revision": (["--revision", "v2"], "v2"),
+    "gguf_file": (["--gguf-file", "model-Q8_0.gguf"], "model-Q8_0.gguf"),
+    "tokenizer_revision": (["--tokenizer-revision", "v3"], "v3"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16"),
     "device": (["--device", "cuda"], "cuda"),
     "kv_cache_dtype": (["--kv-cache-dtype", "int8"], "int8"),
