@@ -40,8 +40,11 @@ def resolve_model_path(model: str | None, *, revision: str | None = None, gguf_f
     picks a GGUF file inside a local folder or a repo.
     """
     if model is None:
+        _check_local_options("the bundled model", revision, gguf_file, folder=False)
         return bundled_model_path()
     path = os.path.expanduser(model)
+    if os.path.exists(path):
+        _check_local_options(f"model {model!r}", revision, gguf_file, folder=os.path.isdir(path))
     if os.path.isdir(path) and gguf_file is not None:
         path = os.path.join(path, gguf_file)
     if os.path.isfile(path) and path.endswith(".gguf"):
@@ -57,6 +60,15 @@ def resolve_model_path(model: str | None, *, revision: str | None = None, gguf_f
         raise ValueError(f"model {model!r} is neither a local path (a .gguf file or a folder with config.json) "
                          "nor a Hugging Face repo id (org/repo, or org/repo:QUANT for a GGUF repo)")
     return resolve_repo(model, revision=revision, gguf_file=gguf_file)
+
+
+def _check_local_options(what: str, revision: str | None, gguf_file: str | None, *, folder: bool) -> None:
+    """ValueError for a repo-only option given with a local model, where it would otherwise be ignored."""
+    if revision is not None:
+        raise ValueError(f"revision={revision!r} applies to a Hugging Face repo id; {what} is a local path "
+                         "(check out the revision you want there, or name the repo)")
+    if gguf_file is not None and not folder:
+        raise ValueError(f"gguf_file={gguf_file!r} picks a file in a folder or a repo; {what} is one file already")
 
 
 def resolve_tokenizer_path(tokenizer: str, *, revision: str | None = None) -> str:

@@ -20,14 +20,16 @@ import pytest
 
 import pagedllm
 from pagedllm.config import EngineConfig
+from pagedllm.engine import llm as engine_llm
 from pagedllm.entrypoints import cli
+from pagedllm.loader import bundled_model_path
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.limits import GrammarLimits
 
 # field -> (the flags that set it to a value other than its default, the value EngineConfig then holds)
 VALUES: dict[str, tuple[list[str], object]] = {
     "tokenizer": (["--tokenizer", "/some/tokenizer"], "/some/tokenizer"),
-    # a local model (the bundled one here) takes no revision nor GGUF file name; the config records them
+    # the config records them; the model's resolution (which refuses them for a local model) is stubbed below
     "revision": (["--revision", "v2"], "v2"),
     "gguf_file": (["--gguf-file", "model-Q8_0.gguf"], "model-Q8_0.gguf"),
     "tokenizer_revision": (["--tokenizer-revision", "v3"], "v3"),
@@ -80,6 +82,8 @@ def _fake_llm(model: str | None = None, **kwargs: object) -> None:
 
 def _config_from(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> EngineConfig:
     monkeypatch.setattr(pagedllm, "LLM", _fake_llm, raising=False)
+    # flags are checked here, not where a model comes from (tests/models/test_hub_models.py)
+    monkeypatch.setattr(engine_llm, "resolve_model_path", lambda model, **kwargs: bundled_model_path())
     with pytest.raises(_Loaded) as info:
         cli.main(argv)
     return info.value.config
@@ -163,6 +167,7 @@ _SLOW_LOAD = """
 import sys, time
 import pagedllm
 from pagedllm.entrypoints import cli
+from pagedllm.loader import bundled_model_path
 
 def slow_llm(*args, **kwargs):
     print("loading", flush=True)

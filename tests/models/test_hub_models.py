@@ -237,6 +237,19 @@ def test_tag_and_gguf_file_together_are_refused(hub_cache: Path, smollm_path: st
         resolve_model_path("org/smol-GGUF:Q4_1", gguf_file="smol.Q4_1.gguf")
 
 
+def test_repo_options_with_a_local_model_are_refused_not_ignored(smollm_path: str, tiny_llama: str) -> None:
+    with pytest.raises(ValueError, match="revision='v1' applies to a Hugging Face repo id"):
+        resolve_model_path(smollm_path, revision="v1")
+    with pytest.raises(ValueError, match="revision='v1' applies to a Hugging Face repo id"):
+        resolve_model_path(tiny_llama, revision="v1")
+    with pytest.raises(ValueError, match="the bundled model is a local path"):
+        resolve_model_path(None, revision="v1")
+    with pytest.raises(ValueError, match="is one file already"):
+        resolve_model_path(smollm_path, gguf_file="other.gguf")
+    with pytest.raises(ValueError, match="is one file already"):
+        resolve_model_path(None, gguf_file="other.gguf")
+
+
 # --- the command line ----------------------------------------------------------------
 
 
