@@ -97,7 +97,7 @@ class AttentionMetadata:
 class DecodeMetadata:
     """A decode-only step's addressing, tensors only: one new token per sequence, row ``i`` sequence ``i``.
 
-    What a traced decode step reads (``runner/captured_decode.py``): the
+    What a traced decode step reads (``runner/capture/captured_decode.py``): the
     step's row count is the tensors' first dimension, which the trace keeps
     a symbol, and nothing of the step reaches Python. The decode paths that
     size their work from Python lengths (SDPA's gather, the reference) read

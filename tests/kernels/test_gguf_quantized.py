@@ -22,7 +22,7 @@ from gguf.quants import dequantize, quantize
 from pagedllm import SamplingParams
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.gguf_linear import GGUFLinearMethod
-from pagedllm.runner.decode_graph import num_programs
+from pagedllm.runner.capture.decode_graph import num_programs
 from pagedllm.runner.model_loader import model_tensors, resident_bytes
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the GGUF kernels need the native build")
