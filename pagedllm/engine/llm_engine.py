@@ -42,6 +42,7 @@ from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules
+from pagedllm.step_time import StepTimeModel
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +121,14 @@ class LLMEngine:
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        # the prompt tokens a step may add to running decodes, from measured step costs (None: no target)
+        # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
+        # and the drafting cost both read
+        self.step_times = StepTimeModel()
+        # the prompt tokens a step may add to running decodes, from the fitted step time (None: no target)
         self.step_costs: StepCostModel | None = None
         if config.itl_target_ms is not None:
-            self.step_costs = StepCostModel(None if config.itl_target_ms == "auto" else float(config.itl_target_ms))
+            target = None if config.itl_target_ms == "auto" else float(config.itl_target_ms)
+            self.step_costs = StepCostModel(target, self.step_times)
         # speculative decoding: drafts for decodes, verified in the same step (docs/speculative-decoding.md)
         self.speculator: Speculator | None = None
         self.draft_proposer: DraftModelProposer | None = None
@@ -134,7 +139,8 @@ class LLMEngine:
                     config, spec.model, self.tokenizer.hf.get_vocab(), type(self)
                 )
             self.speculator = Speculator(
-                spec, config.max_model_len, self.draft_proposer.propose if self.draft_proposer is not None else None
+                spec, config.max_model_len, self.draft_proposer.propose if self.draft_proposer is not None else None,
+                self.step_times,
             )
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(
@@ -557,17 +563,17 @@ class LLMEngine:
                 req.prompt_logprobs.append(self.output_processor.position_logprobs(t))
 
     def _observe_step(self, output: SchedulerOutput, seconds: float | None) -> None:
-        """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost models
-        (None: the step's time is no step's cost)."""
+        """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the step-time
+        model that the prefill cap and the drafting cost read (None: the step's time is no step's cost)."""
         # a verify step (a decode with drafts) is a decode: its drafts are no prompt tokens to budget
         num_decodes = sum(1 for s in output.scheduled if not s.is_prefill and (s.num_new_tokens == 1 or s.num_draft_tokens))
         num_prompt = sum(s.num_new_tokens for s in output.scheduled if s.is_prefill or
                          (s.num_new_tokens > 1 and not s.num_draft_tokens))
+        num_drafts = sum(s.num_draft_tokens for s in output.scheduled)
         if self.speculator is not None:
-            num_drafts = sum(s.num_draft_tokens for s in output.scheduled)
-            self.speculator.observe_step(num_decodes, num_drafts, num_prompt, seconds)
-        if self.step_costs is not None and seconds is not None:
-            self.step_costs.observe(num_decodes, num_prompt, seconds)
+            self.speculator.end_step(num_drafts)
+        if seconds is not None:
+            self.step_times.observe(num_decodes, num_drafts, num_prompt, seconds)
 
     def _bitmasks(self, output: SchedulerOutput, reqs: list[Request]) -> list[tuple[bytes, ...]] | None:
         """The structured-output mask of every row the step samples; None when no request has a constraint."""

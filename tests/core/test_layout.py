@@ -11,8 +11,9 @@ import pagedllm
 ROOT = Path(pagedllm.__file__).parent
 
 # package -> the pagedllm packages it may import (top-level modules such as
-# pagedllm.config and pagedllm.sampling_params are plain data, and pagedllm.cache_dir
-# a leaf that names a folder: open to all). The map is acyclic, so it orders the
+# pagedllm.config and pagedllm.sampling_params are plain data, pagedllm.cache_dir
+# a leaf that names a folder and pagedllm.step_time a leaf fit of a step's time that
+# the engine's prefill cap and spec_decode's drafting cost both read: open to all). The map is acyclic, so it orders the
 # packages in layers: each may import only packages below it.
 ALLOWED = {
     "kernels": set(),
@@ -29,7 +30,7 @@ ALLOWED = {
     "entrypoints": {"clients", "engine", "loader", "runner", "kernels", "layers", "bench", "distributed"},
     "bench": {"engine", "loader", "distributed"},
 }
-DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table", "cache_dir"}
+DATA_MODULES = {"config", "sampling_params", "outputs", "step_record", "block_table", "cache_dir", "step_time"}
 
 
 def _module_name(path: Path) -> str:
