@@ -67,7 +67,7 @@ def _extensions() -> dict:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    sources = [str(p.relative_to(ROOT)) for p in sorted(KERNELS.glob("*.cpp"))]
+    sources = [str(p.relative_to(ROOT)) for p in sorted(KERNELS.rglob("*.cpp"))]
 
     class BuildVariants(BuildExtension):
         """One build folder per variant (they compile the same sources), and the record of the build."""

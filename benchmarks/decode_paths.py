@@ -6,9 +6,9 @@ Prints output tok/s for one sequence (best of three runs) and 32 sequences on
 the three paths a decode step can take, and their ratios:
 
 - ``programs``: captured steps whose kernels run as native step programs,
-  one parallel region per step (``runner/step_program.py``; the default);
+  one parallel region per step (``runner/capture/step_program.py``; the default);
 - ``replay``: the same traced steps run op by op from Python
-  (``runner/decode_graph.py``: every op a Python call), one parallel region per kernel;
+  (``runner/capture/decode_graph.py``: every op a Python call), one parallel region per kernel;
 - ``eager``: the model's forward, module by module (``enforce_eager``).
 """
 

@@ -193,7 +193,7 @@ class EngineConfig:
         enforce_eager: run every step through the model's modules; False
             (default) replays decode steps from graphs recorded from the
             model's own forward, without the Python between its kernels
-            (``runner/captured_decode.py``; CPU, ``cpu_paged`` attention).
+            (``runner/capture/captured_decode.py``; CPU, ``cpu_paged`` attention).
         capture_min_decode_steps: when the decode step is traced: at the
             first step whose requests may still decode this many steps (their
             ``max_tokens``, or up to ``max_model_len``), or when the server

@@ -208,7 +208,7 @@ def q8_linear_inputs(model, skip: tuple = ()) -> Iterator:  # noqa: ANN001
 
     Each run of 32 features of a row becomes ``dx * round(x / dx)`` with ``dx = max |x| / 127`` (ties to
     even): what pagedllm's integer kernels over interleaved Q4_0 / Q4_1 / Q8_0 blocks multiply (see
-    ``kernels/gguf_x16.h``), so transformers on the dequantized weights with these inputs is the oracle
+    ``kernels/gguf/gguf_x16.h``), so transformers on the dequantized weights with these inputs is the oracle
     for a model held in those blocks. Written from that definition, not from the kernels.
     """
     def hook(module: torch.nn.Module, args: tuple) -> tuple:

@@ -17,15 +17,12 @@ import logging
 import random
 import threading
 import time
-import weakref
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.group import DistributedError, TensorParallelGroup
-from pagedllm.distributed.launch import leave_group
+from pagedllm.distributed.group import DistributedError
 from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, apply_beam_step
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
-from pagedllm.engine.draft_model import DraftModelProposer
 from pagedllm.engine.inputs import InputProcessor, check_first_token, check_prompt_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
@@ -37,36 +34,20 @@ from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.resolved_config import resolve_config
+from pagedllm.runner.executor import TensorParallelExecutor
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
-from pagedllm.runner.tp_workers import (
-    TensorParallelWorkers,
-    is_torchrun_worker,
-    serve_torchrun_rank,
-    start_tensor_parallel,
-)
+from pagedllm.runner.tp_workers import is_torchrun_worker, serve_torchrun_rank
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step_record import LogitsRules, NoTokenToSampleError
 from pagedllm.step_result import StepResult, TokenLogprobs
+from pagedllm.step_time import StepTimeModel
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.grammar_state import GrammarRejectedError, RequestGrammar
 
 logger = logging.getLogger(__name__)
-
-
-def _release_ranks(workers: TensorParallelWorkers, tp: TensorParallelGroup, healthy: list[bool]) -> None:
-    """Stop the other ranks and leave the group, once: at ``shutdown()``, at a failure, or when the engine
-    is collected or the process exits without either. Healthy ranks are asked to leave (under torchrun,
-    ranks on other machines end cleanly too); after a failure they are killed."""
-    if healthy[0]:
-        try:
-            tp.broadcast_record(None)  # the workers' serve_steps return
-            workers.stop()
-        except DistributedError:
-            pass
-    workers.stop(grace_s=0.0)
-    leave_group()
 
 
 class _GrammarCutDrafts:
@@ -122,32 +103,33 @@ class LLMEngine:
             )
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, config.max_model_len)
-        # tensor parallelism: the other ranks' processes (runner/tp_workers.py); None in one process
-        self.tp_workers: TensorParallelWorkers | None = None
-        # set when a tensor-parallel rank failed: the ranks are out of step, no step may run again
-        self.dead: DistributedError | None = None
-        tp = None
+        # tensor parallelism: the other ranks and their lifecycle (runner/executor.py); None in one process
+        self.executor: TensorParallelExecutor | None = None
         if config.tensor_parallel_size > 1:
-            tp, self.tp_workers = start_tensor_parallel(config, self.model_config)
-            # an engine dropped without shutdown() still stops its ranks and leaves the group
-            self._healthy = [True]  # False once a rank failed: the others are killed, not asked
-            self._release = weakref.finalize(self, _release_ranks, self.tp_workers, tp, self._healthy)
+            self.executor = TensorParallelExecutor(config, self.model_config)
         else:
             apply_process_settings(config)
         try:
-            self.model_runner = ModelRunner(config, self.model_config, iter_weights(config.model, self.model_config), tp)
+            self.model_runner = ModelRunner(
+                config, self.model_config, iter_weights(config.model, self.model_config),
+                self.executor.group if self.executor is not None else None,
+            )
         except BaseException:
-            self._stop_ranks(graceful=False)
+            if self.executor is not None:
+                self.executor.stop(graceful=False)
             raise
         num_blocks = self.model_runner.num_kv_blocks
         if config.kv_allocator == "contiguous":
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        # the prompt tokens a step may add to running decodes, from measured step costs (None: no target)
+        # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
+        # and the drafting cost both read
+        self.step_times = StepTimeModel()
+        # the prompt tokens a step may add to running decodes, from the fitted step time (None: no target)
         self.step_costs: StepCostModel | None = None
         if self.resolved_config.itl_auto or self.resolved_config.itl_target_ms is not None:
-            self.step_costs = StepCostModel(self.resolved_config.itl_target_ms)
+            self.step_costs = StepCostModel(self.resolved_config.itl_target_ms, self.step_times)
         # speculative decoding: drafts for decodes, verified in the same step (docs/speculative-decoding.md)
         self.speculator: Speculator | None = None
         self.draft_proposer: DraftModelProposer | None = None
@@ -158,7 +140,8 @@ class LLMEngine:
                     config, spec.model, self.tokenizer.hf.get_vocab(), type(self)
                 )
             self.speculator = Speculator(
-                spec, config.max_model_len, self.draft_proposer.propose if self.draft_proposer is not None else None
+                spec, config.max_model_len, self.draft_proposer.propose if self.draft_proposer is not None else None,
+                self.step_times,
             )
         self.requests: dict[str, Request] = {}
         self.scheduler = Scheduler(
@@ -337,17 +320,13 @@ class LLMEngine:
         """Stop the tensor-parallel workers and leave their group; no step may run after this (one process: no-op)."""
         if self.draft_proposer is not None:
             self.draft_proposer.engine.shutdown()
-        if self.config.tensor_parallel_size > 1 and self.dead is None:
-            self.dead = DistributedError("the engine was shut down")
-            self._stop_ranks(graceful=True)
+        if self.executor is not None:
+            self.executor.shutdown()
 
-    def _stop_ranks(self, graceful: bool) -> None:
-        """Stop the other ranks: ask them to leave (graceful) or kill them; then leave the group."""
-        release = getattr(self, "_release", None)
-        if release is None:
-            return
-        self._healthy[0] = graceful
-        release()  # runs once
+    @property
+    def dead(self) -> DistributedError | None:
+        """Why no step may run again: a tensor-parallel rank failed or the engine shut down; None in one process."""
+        return self.executor.dead if self.executor is not None else None
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs of requests that progressed (``DistributedError``, now
@@ -357,7 +336,8 @@ class LLMEngine:
         ``_execute`` (the runner computes them from a plain ``StepRecord``) and
         ``_process`` (sampled tokens become text, finished requests leave).
         """
-        self._check_ranks()
+        if self.executor is not None:
+            self.executor.check()
         started = time.perf_counter()
         num_traces = self.model_runner.num_decode_traces
         output = self._schedule()
@@ -448,8 +428,8 @@ class LLMEngine:
             self.block_manager.unpublish_unconfirmed()
             for s in output.scheduled:
                 self._abort(s.seq.request_id)
-            if isinstance(e, DistributedError):
-                self._die(e)
+            if isinstance(e, DistributedError) and self.executor is not None:
+                self.executor.fail(e)
             raise
         self.block_manager.confirm_published()
         self.scheduler.update(output)
@@ -559,34 +539,17 @@ class LLMEngine:
                 req.prompt_logprobs.append(self.output_processor.position_logprobs(t))
 
     def _observe_step(self, output: SchedulerOutput, seconds: float | None) -> None:
-        """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the cost models
-        (None: the step's time is no step's cost)."""
+        """Feed the step's wall time (schedule to outputs: what a decoding stream waited) to the step-time
+        model that the prefill cap and the drafting cost read (None: the step's time is no step's cost)."""
         # a verify step (a decode with drafts) is a decode: its drafts are no prompt tokens to budget
         num_decodes = sum(1 for s in output.scheduled if not s.is_prefill and (s.num_new_tokens == 1 or s.num_draft_tokens))
         num_prompt = sum(s.num_new_tokens for s in output.scheduled if s.is_prefill or
                          (s.num_new_tokens > 1 and not s.num_draft_tokens))
+        num_drafts = sum(s.num_draft_tokens for s in output.scheduled)
         if self.speculator is not None:
-            num_drafts = sum(s.num_draft_tokens for s in output.scheduled)
-            self.speculator.observe_step(num_decodes, num_drafts, num_prompt, seconds)
-        if self.step_costs is not None and seconds is not None:
-            self.step_costs.observe(num_decodes, num_prompt, seconds)
-
-    def _check_ranks(self) -> None:
-        """DistributedError if a tensor-parallel rank has failed (or the engine was shut down)."""
-        if self.dead is not None:
-            raise self.dead
-        if self.tp_workers is not None:
-            try:
-                self.tp_workers.check()
-            except DistributedError as e:
-                self._die(e)
-
-    def _die(self, error: DistributedError) -> None:
-        """A rank failed: stop every rank, remember why, raise it."""
-        logger.error("tensor parallelism failed, the engine stops: %s", error)
-        self.dead = error
-        self._stop_ranks(graceful=False)
-        raise error
+            self.speculator.end_step(num_drafts)
+        if seconds is not None:
+            self.step_times.observe(num_decodes, num_drafts, num_prompt, seconds)
 
     def _bitmasks(self, output: SchedulerOutput, reqs: list[Request]) -> list[tuple[bytes, ...]] | None:
         """The structured-output mask of every row the step samples; None when no request has a constraint."""

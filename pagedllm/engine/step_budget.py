@@ -11,10 +11,10 @@ latency target and this machine's measured costs::
     target     =  itl_target_ms, or AUTO_ITL_FACTOR x decode_s ("auto")
     cap        =  (target - decode_s) / token_s   prompt tokens, at least MIN_PREFILL_TOKENS
 
-``decode_s`` and ``token_s`` are moving averages of the steps the engine ran
-(steps of decodes alone, and the extra time of steps with prompt tokens per
-prompt token): nothing to calibrate, and they follow a prompt's growing
-attention cost chunk by chunk. A step with no decode has no one to keep
+``decode_s`` (for these B decodes) and ``token_s`` come from the engine's one
+fitted model of a step's time (``pagedllm/step_time.py``, which the drafting
+cost reads too): nothing to calibrate, and the fit forgets older steps, so
+it follows a prompt's growing attention cost chunk by chunk. A step with no decode has no one to keep
 waiting, so it takes the whole ``max_num_batched_tokens``.
 
 Why a factor of ``AUTO_ITL_FACTOR``: with steps k times a decode step, a
@@ -25,12 +25,14 @@ the gap within k decode steps and the prompt within less than k/(k - 1) of
 its time alone. Where a decode step is cheap next to a prompt token (a small
 model on a slow core) ``MIN_PREFILL_TOKENS`` sets the step instead, and the
 gap during a prefill is that chunk's step. Plain Python: the scheduler reads the cap,
-the engine feeds the timings; no torch here.
+the engine feeds the timings to the step-time model; no torch here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pagedllm.step_time import StepTimeModel
 
 # "auto": a step with prompt tokens may take this many decode steps' time
 AUTO_ITL_FACTOR = 4.0
@@ -50,56 +52,49 @@ INITIAL_PREFILL_TOKENS = 64
 # bundled model on a 2-core EPYC, BENCHMARKS.md), and the steps' fixed cost (~15 ms each) adds
 # ~2% to the prompt's time
 MAX_SCORED_PROMPT_TOKENS = 256
-# weight of the newest step in the moving averages
-EMA_WEIGHT = 0.25
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA_WEIGHT * (new - old)
 
 
 @dataclass
 class StepCostModel:
-    """Measured step costs, and the prompt tokens a step may add to its decodes.
+    """The prompt tokens a step may add to its decodes, from the fitted step time.
 
     Args:
         itl_target_ms: the longest step (the decodes' inter-token gap) a step
             with prompt tokens should take, in milliseconds; None:
             ``AUTO_ITL_FACTOR`` times the measured decode step.
+        times: the engine's step-time model (the engine feeds it every timed step).
     """
 
     itl_target_ms: float | None = None
-    decode_s: float | None = None  # a step of decodes alone
-    token_s: float | None = None  # what one prompt token adds to a step
+    times: StepTimeModel = field(default_factory=StepTimeModel)
 
     def __post_init__(self) -> None:
         t = self.itl_target_ms
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"itl_target_ms must be a positive number of milliseconds or None, got {t!r}")
 
+    def decode_s(self, num_decodes: int) -> float | None:
+        """A step of ``num_decodes`` decodes alone, as fitted; None until a step of decodes alone was seen."""
+        return self.times.predict(num_decodes, 0) if self.times.num_plain_steps else None
+
     @property
-    def target_s(self) -> float | None:
-        """The step time aimed at while decodes run; None until a decode step was measured ("auto")."""
+    def token_s(self) -> float | None:
+        """What one prompt token adds to a step, as fitted; None until a step with prompt tokens was seen."""
+        return self.times.prompt_token_s
+
+    def target_s(self, num_decodes: int) -> float | None:
+        """The step time aimed at while ``num_decodes`` decodes run; None until such a step was measured ("auto")."""
         if self.itl_target_ms is not None:
             return self.itl_target_ms / 1000.0
-        return None if self.decode_s is None else AUTO_ITL_FACTOR * self.decode_s
+        decode_s = self.decode_s(num_decodes)
+        return None if decode_s is None else AUTO_ITL_FACTOR * decode_s
 
     def max_prefill_tokens(self, num_decodes: int) -> int | None:
         """Prompt tokens a step with ``num_decodes`` decodes may compute; None: no cap (no decode waits)."""
         if num_decodes == 0:
             return None
-        target = self.target_s
-        if target is None or self.token_s is None:
+        target, token_s = self.target_s(num_decodes), self.token_s
+        if target is None or token_s is None:
             return INITIAL_PREFILL_TOKENS
-        spare = target - (self.decode_s or 0.0)
-        return max(MIN_PREFILL_TOKENS, int(spare / max(self.token_s, 1e-9)))
-
-    def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
-        """Record a step that ran ``num_decodes`` one-token decodes and ``num_prompt_tokens`` other tokens."""
-        if seconds <= 0 or num_decodes + num_prompt_tokens == 0:
-            return
-        if num_prompt_tokens == 0:
-            self.decode_s = _ema(self.decode_s, seconds)
-            return
-        base = self.decode_s if num_decodes and self.decode_s is not None else 0.0
-        self.token_s = _ema(self.token_s, max(seconds - base, 0.0) / num_prompt_tokens)
+        spare = target - (self.decode_s(num_decodes) or 0.0)
+        return max(MIN_PREFILL_TOKENS, int(spare / max(token_s, 1e-9)))

@@ -115,7 +115,7 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         "attention_backend": runner.backend.name,
         "native_ops": runner.native_ops is not None,
         "captured_decode": runner.captured_decode is not None,
-        # replayed decode steps run their kernels as native step programs (runner/step_program.py)
+        # replayed decode steps run their kernels as native step programs (runner/capture/step_program.py)
         "step_programs": runner.captured_decode is not None and runner.captured_decode.native_programs,
         "kv_cache_dtype": kv_format_name(runner.kv_cache.dtype),
         # one block across all layers, K and V (an int8 / int4 cache's scales included)

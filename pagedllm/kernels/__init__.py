@@ -1,36 +1,38 @@
 """Native CPU kernels as typed torch ops (``torch.ops.pagedllm.*``), compiled on first use.
 
-The kernels are C++ files with OpenMP and no torch headers:
-``paged_decode.cpp`` (decode attention reading KV blocks in place, from a
-float32, float16 or bfloat16 cache),
-``gguf_linear.cpp`` (matmuls and row lookups over quantized blocks: GGUF's,
-and the grouped int8 / int4 of weights quantized at load), ``gguf_x16_repack.cpp``
-and ``gguf_x16_matmul.cpp`` (those blocks interleaved 16 channels at a time at
-load, ``gguf_x16.h``, and their int8 matmuls),
-``packed_linear.cpp`` (float32 matmul over weights packed into column panels),
-``packed_linear_bf16.cpp`` (the same with bfloat16 weights and products, float32 in and out),
-``logit_stats.cpp`` (per-row argmax and logsumexp of the logits),
-``kv_write.cpp`` (new K/V rows into their cache slots, rounded to the cache's dtype),
-``elementwise.cpp`` (RMSNorm with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply),
-``prefill_attention.cpp`` (causal attention of prompts computed from scratch),
-``paged_prefill.cpp`` (prompt tokens read from the paged cache in the decode kernel's order),
-``shm_allreduce.cpp`` (tensor-parallel ranks of one machine summing through shared memory)
-and ``step_nodes.cpp`` (runs kernel calls recorded as plain "nodes" in one
-OpenMP parallel region), with the shared headers ``paged_attention.h``
-(with ``paged_attention_kv.h``, instantiated once per cache dtype),
-``gguf_blocks.h``, ``panel_f32.h``, ``panel_bf16.h``, ``kv_rows.h`` and ``elementwise.h``; the two panel
-matmuls share ``panel_units.h``. Every SIMD intrinsic is in ``simd.h``, the
-vector layer (one section per ISA: ``simd_avx512.h``, ``simd_avx2.h``,
-``simd_scalar.h``). The decode-path kernels are team functions
-(orphaned ``omp for`` loops, ``step_nodes.h``): an eager op runs one node, a
+The kernels are C++ files with OpenMP and no torch headers, grouped by concept:
+``attention/`` (``paged_decode.cpp``: decode attention reading KV blocks in
+place, from any of the seven cache types, float32, float16, bfloat16, int8,
+int4, fp8 E4M3 and E5M2; ``prefill_attention.cpp``: causal attention of
+prompts computed from scratch; ``paged_prefill.cpp``: prompt tokens read from
+the paged cache in the decode kernel's order; ``kv_write.cpp``: new K/V rows
+into their cache slots, rounded to the cache's type; the shared headers
+``paged_attention.h`` and ``paged_attention_kv.h``, whose kernels are C++
+templates over the cache-type traits structs of ``kv_types.h``, and
+``kv_rows.h``), ``gguf/`` (``gguf_linear.cpp``: matmuls and row lookups over
+quantized blocks, GGUF's and the grouped int8 / int4 of weights quantized at
+load, ``gguf_blocks.h``; ``gguf_x16_repack.cpp`` and ``gguf_x16_matmul.cpp``:
+those blocks interleaved 16 channels at a time at load, ``gguf_x16.h``, and
+their int8 matmuls), ``packed/`` (``packed_linear.cpp``: float32 matmul over
+weights packed into column panels; ``packed_linear_bf16.cpp``: the same with
+bfloat16 weights and products; ``panel_f32.h``, ``panel_bf16.h`` and the
+``panel_units.h`` they share), ``elementwise/`` (``elementwise.cpp``: RMSNorm
+with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply;
+``logit_stats.cpp``: per-row argmax and logsumexp of the logits), ``simd/``
+(``simd.h``, the one vector layer holding every SIMD intrinsic, one section
+per ISA: ``simd_avx512.h``, ``simd_avx2.h``, ``simd_scalar.h``) and ``step/``
+(``step_nodes.cpp`` runs kernel calls recorded as plain "nodes" in one OpenMP
+parallel region). The decode-path kernels are team functions (orphaned
+``omp for`` loops, ``step/step_nodes.h``): an eager op runs one node, a
 recorded decode step (``torch.classes.pagedllm.StepProgram``,
-``step_program.h``) runs all of its nodes in one region. ``kernels.h`` and
-``step_nodes.h`` declare the entry points. One binding file, ``ops.cpp``
-(with ``step_program.h``), registers the ops' schemas
-(``TORCH_LIBRARY(pagedllm, ...)``) and CPU implementations that check their
-tensors (dtype, device, contiguity, shapes, the indices a kernel trusts) and
-raise ValueError, then call the kernels on the data pointers. Fake (meta)
-implementations for tracing live in ``meta.py``.
+``step/step_program.h``) runs all of its nodes in one region. At the top,
+``kernels.h`` and ``step/step_nodes.h`` declare the entry points,
+``shm_allreduce.cpp`` lets tensor-parallel ranks of one machine sum through
+shared memory, and one binding file, ``ops.cpp`` (with ``step_program.h``),
+registers the ops' schemas (``TORCH_LIBRARY(pagedllm, ...)``) and CPU
+implementations that check their tensors (dtype, device, contiguity, shapes,
+the indices a kernel trusts) and raise ValueError, then call the kernels on
+the data pointers. Fake (meta) implementations for tracing live in ``meta.py``.
 
 A wheel holds them prebuilt: ``setup.py`` compiles one library per named
 x86-64 variant (``scalar``, ``avx2``, ``avx512``, ``avx512_bf16``) into
@@ -90,8 +92,9 @@ from pagedllm.kernels.variants import (
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = sorted(_HERE.glob("*.cpp"))
-_HEADERS = sorted(_HERE.glob("*.h"))
+# grouped in folders by concept (attention/, gguf/, packed/, simd/, step/, elementwise/), the binding at the top
+_SOURCES = sorted(_HERE.rglob("*.cpp"))
+_HEADERS = sorted(_HERE.rglob("*.h"))
 _LIBRARY_NAME = LIBRARY_NAME
 _CFLAGS = CFLAGS
 _LDFLAGS = LDFLAGS
@@ -167,7 +170,7 @@ def _build_dir(isa: str, flags: list[str], compiler: str) -> Path:
     import torch
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    sources = "\0".join(p.name + "\0" + p.read_text() for p in [*_SOURCES, *_HEADERS])
+    sources = "\0".join(f"{p.parent.name}/{p.name}\0{p.read_text()}" for p in [*_SOURCES, *_HEADERS])
     # a named variant's code runs on every CPU with its features: the build folder can be
     # shared between machines; -march=native is this CPU's own
     cpu = _cpu_flags() if isa == "native" else ""

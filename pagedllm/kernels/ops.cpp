@@ -30,13 +30,13 @@
 #include <string>
 #include <vector>
 
-#include "gguf_blocks.h"
-#include "gguf_x16.h"
+#include "gguf/gguf_blocks.h"
+#include "gguf/gguf_x16.h"
 #include "kernels.h"
-#include "paged_attention.h"
-#include "panel_bf16.h"
-#include "panel_f32.h"
-#include "step_nodes.h"
+#include "attention/paged_attention.h"
+#include "packed/panel_bf16.h"
+#include "packed/panel_f32.h"
+#include "step/step_nodes.h"
 
 namespace {
 
@@ -746,7 +746,7 @@ int64_t bf16_native() { return packed_linear_bf16_native(); }
 
 }  // namespace
 
-#include "step_program.h"
+#include "step/step_program.h"
 
 /* An op a step program runs has its node builder registered by step_node (step_program.h) after its schema,
    which the builder's parameters must follow (checked there). */

@@ -45,15 +45,15 @@ PREBUILT_ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
 
 
 def source_files() -> list[Path]:
-    """The kernels' C++ sources and headers, in a fixed order."""
-    return sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h"))
+    """The kernels' C++ sources and headers (in their folders), in a fixed order."""
+    return sorted(HERE.rglob("*.cpp")) + sorted(HERE.rglob("*.h"))
 
 
 def sources_digest() -> str:
     """A hash of the kernels' sources and headers (names and contents)."""
     h = hashlib.sha256()
     for p in source_files():
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        h.update(p.relative_to(HERE).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

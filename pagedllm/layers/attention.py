@@ -97,7 +97,7 @@ class AttentionMetadata:
 class DecodeMetadata:
     """A decode-only step's addressing, tensors only: one new token per sequence, row ``i`` sequence ``i``.
 
-    What a traced decode step reads (``runner/captured_decode.py``): the
+    What a traced decode step reads (``runner/capture/captured_decode.py``): the
     step's row count is the tensors' first dimension, which the trace keeps
     a symbol, and nothing of the step reaches Python. The decode paths that
     size their work from Python lengths (SDPA's gather, the reference) read
@@ -379,14 +379,14 @@ class SdpaAttention(AttentionBackend):
 class CpuPagedAttention(SdpaAttention):
     """Native kernels for decodes and for prompts computed from scratch; SDPA for the rest.
 
-    The decode kernel (``kernels/paged_decode.cpp``) walks each sequence's
+    The decode kernel (``kernels/attention/paged_decode.cpp``) walks each sequence's
     block table and never copies the context, which is where the SDPA
     backend spends its decode time on the CPU. Prompts with nothing cached
     attend over their own new K/V rows, all of them in one call
-    (``kernels/prefill_attention.cpp``); prompts that continue cached context
+    (``kernels/attention/prefill_attention.cpp``); prompts that continue cached context
     (prefix-cache hits, chunked prefills), and every prompt under
     ``batch_invariant``, read it in place in the decode kernel's order, all of
-    them in one call (``kernels/paged_prefill.cpp``). Float32 queries on the CPU; the cache may be float32, float16,
+    them in one call (``kernels/attention/paged_prefill.cpp``). Float32 queries on the CPU; the cache may be float32, float16,
     bfloat16, int8, int4 or fp8 (values and per-head scales, read in place and widened in registers).
 
     The decode kernel takes a sliding window (it starts each sequence at the
@@ -468,7 +468,7 @@ class CpuPagedAttention(SdpaAttention):
 
         The token at position ``p`` reads keys ``0 .. p`` through its prompt's
         block table (its own K/V were written before ``attend``), with the
-        decode kernel's reduction order (``kernels/paged_prefill.cpp``). Gathering
+        decode kernel's reduction order (``kernels/attention/paged_prefill.cpp``). Gathering
         the context instead (the parent's SDPA path) copies every cached row in
         every layer for every chunk: at 4k tokens of context that copy made a
         16-token chunk of a long prompt cost twice as much per token as a

@@ -4,7 +4,7 @@ A GGUF tensor of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, F16 or BF16 is
 held as its bytes, ``qweight`` ``[rows, in_features / block weights * block
 bytes]`` uint8 (one row per output channel, its blocks back to back), and
 multiplied by
-``kernels/gguf_linear.cpp``, which dequantizes in registers and a
+``kernels/gguf/gguf_linear.cpp``, which dequantizes in registers and a
 cache-sized strip at a time: nothing float32 of the weight is kept. The
 bundled SmolLM2 (Q4_1 layers, a Q8_0 embedding tied to the LM head) holds
 ~98 MB of weights this way against 538 MB dequantized.
@@ -38,14 +38,14 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.parallel import EmbeddingMethod
 from pagedllm.layers.weights import FusedMap, fused_part
 
-# ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf_blocks.h reads
+# ggml's type numbers -> (name, weights per block, bytes per block): the types kernels/gguf/gguf_blocks.h reads
 GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
-# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants Q2_K to Q6_K interleaved 16 rows at a time (kernels/gguf_x16.h):
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants Q2_K to Q6_K interleaved 16 rows at a time (kernels/gguf/gguf_x16.h):
 # ggml type -> the kernels' number for it
 GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)}
 GGUF_KERNEL_TYPES.update({x16: GGUF_KERNEL_TYPES[t] for t, x16 in GGUF_INTERLEAVED.items()})  # the same blocks
@@ -79,7 +79,7 @@ def _type_name(ggml_type: int) -> str:
 
 def _interleave_table(qweight: torch.Tensor, ggml_type: int, in_features: int) -> int:
     """Interleave ``qweight`` ``[rows, row bytes]`` 16 rows at a time in place where its type and rows allow;
-    returns the type it now holds (the same bytes in ``kernels/gguf_x16.h``'s order: 2-3x the file order's
+    returns the type it now holds (the same bytes in ``kernels/gguf/gguf_x16.h``'s order: 2-3x the file order's
     speed for one row on activations rounded to int8 per block of 32, as llama.cpp does)."""
     if ggml_type not in GGUF_INTERLEAVED or qweight.shape[0] % INTERLEAVE_ROWS:
         return ggml_type

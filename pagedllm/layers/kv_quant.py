@@ -18,7 +18,7 @@ and a float cache keeps a NaN as well): the head's scale is stored as NaN
 and its values as 0, so the whole head row reads back NaN and the attention
 that reads it is NaN, as it would be with a float cache.
 
-The native write (``kernels/kv_rows.h``) computes the same bits; these
+The native write (``kernels/attention/kv_rows.h``) computes the same bits; these
 functions serve the torch attention paths (the reference and SDPA backends,
 softcapped layers) and ``as_stored``. Per block the scales take 4 bytes per
 head per token next to head_dim bytes of values: the same bytes hold
@@ -87,7 +87,7 @@ INT8_SCALE_BYTES = 4  # one float32 scale after each head's values
 INT4_SCALE_BYTES = 4  # one float32 scale after each head's nibbles
 _SATURATE = 65504.0
 _INT4_MAX = 7  # symmetric levels -7 .. 7
-# the clip ratios a key row's int4 scale is chosen from (kernels/kv_rows.h has the same list)
+# the clip ratios a key row's int4 scale is chosen from (kernels/attention/kv_rows.h has the same list)
 INT4_KEY_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 # the fp8 formats' largest finite values
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -126,7 +126,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
     The fast transform: log2(b) stages of (a + c, a - c) butterflies on pairs
     h apart (h = 1, 2, 4, ...), then one multiply by 1 / sqrt(b) rounded to
-    float32; ``kernels/kv_rows.h`` runs the same float32 operations in the
+    float32; ``kernels/attention/kv_rows.h`` runs the same float32 operations in the
     same order, so both give the same bits. Self-inverse.
     """
     head_dim = x.shape[-1]

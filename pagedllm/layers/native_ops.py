@@ -1,4 +1,4 @@
-"""Fused elementwise ops for float32 on the CPU (``kernels/elementwise.cpp``).
+"""Fused elementwise ops for float32 on the CPU (``kernels/elementwise/elementwise.cpp``).
 
 Between its matmuls a Llama layer runs about twenty small torch ops: the
 residual add and RMSNorm (five ops inside), RoPE on q and k (multiply, roll,

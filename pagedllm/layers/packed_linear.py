@@ -1,7 +1,7 @@
 """Float32 linear layers through our own packed-panel kernel (CPU).
 
 The weight ``[out, in]`` is reordered once at load into column panels
-(``kernels/packed_linear.cpp`` draws the layout) and the plain copy is
+(``kernels/packed/packed_linear.cpp`` draws the layout) and the plain copy is
 dropped, so memory does not grow. The kernel keeps an 8-row (6 with AVX2)
 x one-panel tile of sums in registers and, while it computes one panel, prefetches the next
 one into L2; at the row counts a decode step has (8-64) that is where oneDNN's

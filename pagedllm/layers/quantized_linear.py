@@ -20,7 +20,7 @@ would take it to 0.83%, groups of 128 to 0.68%), so it keeps one scale a
 group, the scheme of the earlier int8 path and of torch's
 ``_weight_int8pack_mm``.
 
-The blocks are ``kernels/gguf_blocks.h``'s ``GROUP_I8`` / ``GROUP_I4``, one
+The blocks are ``kernels/gguf/gguf_blocks.h``'s ``GROUP_I8`` / ``GROUP_I4``, one
 row of groups per output channel, ``qweight`` ``[out_features, row bytes]``
 uint8::
 
@@ -28,7 +28,7 @@ uint8::
     GROUP_I4 group:  [scale f32][min f32][group / 32 runs of 16 bytes]         8 + group / 2 bytes
                      a run holds 32 q: byte j = q[j] | q[j + 16] << 4 (as GGUF's Q4_0)
 
-and the matmul is ``kernels/gguf_linear.cpp``'s, the GGUF kernel: strips of
+and the matmul is ``kernels/gguf/gguf_linear.cpp``'s, the GGUF kernel: strips of
 a few channels dequantized into an L1 buffer and multiplied by every row of
 the call (prefills), one row dequantized in registers (decode), the same
 bits either way. ``group`` is a multiple of 32 dividing ``in_features``: a
@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.gguf_linear import INTERLEAVE_ROWS  # the rows of a tile of kernels/gguf_x16.h
+from pagedllm.layers.gguf_linear import INTERLEAVE_ROWS  # rows of a tile of kernels/gguf/gguf_x16.h
 from pagedllm.layers.linear import (
     Linear,
     LinearMethod,
@@ -191,7 +191,7 @@ class QuantizedLinearMethod(_GroupedBlocks, LinearMethod):
     """Grouped int8 / int4 blocks in ``layer.qweight``; the native kernel multiplies.
 
     ``interleave``: interleave the blocks 16 rows at a time after loading
-    (``gguf_activations="int8"``: ``kernels/gguf_x16.h``'s integer dot products
+    (``gguf_activations="int8"``: ``kernels/gguf/gguf_x16.h``'s integer dot products
     on activations rounded to int8 per block of 32; rows that are not tiles of
     16 keep the groups' order; a tied embedding then looks its rows up in the
     new order).

@@ -1,1 +1,3 @@
-"""Model execution: loading the model, the KV cache, running steps and sampling (attention backends are layers/)."""
+"""Model execution: the model runner and its KV cache, captured decode steps (``capture/``), the sampler,
+the verification of draft tokens, and the tensor-parallel ranks (``tp_workers``, ``executor``). The
+attention backends are layers (``layers/attention.py``)."""

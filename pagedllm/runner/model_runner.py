@@ -17,7 +17,7 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.resolved_config import resolve_config, resolve_kv_cache_dtype
-from pagedllm.runner.captured_decode import CapturedDecode
+from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.input_batch import InputBatch, as_decode_rows
 from pagedllm.runner.kv_cache import (
@@ -138,9 +138,9 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size, self.device)
         # every sequence's tokens, block table and sampling settings, kept from the incremental records
         self.sequence_states = SequenceStates()
-        # decode steps run from an FX trace of the model's own forward (runner/captured_decode.py),
+        # decode steps run from an FX trace of the model's own forward (runner/capture/captured_decode.py),
         # its kernels in one parallel region per program where the native ops are loaded
-        # (runner/step_program.py)
+        # (runner/capture/step_program.py)
         self.captured_decode = self._make_captured_decode(config, model_config)
 
     def _make_captured_decode(self, config: EngineConfig, model_config: ModelArchConfig) -> CapturedDecode | None:

@@ -27,7 +27,7 @@ class LogitStats:
 def logit_stats(logits: torch.Tensor) -> LogitStats:
     """Argmax and logsumexp of each row of ``logits`` ``[R, vocab]``.
 
-    One native pass for float32 CPU logits (``kernels/logit_stats.cpp``, about
+    One native pass for float32 CPU logits (``kernels/elementwise/logit_stats.cpp``, about
     a tenth of torch's two reductions at 40 x 49152), torch otherwise. Rows
     holding NaN are redone in torch, which ranks NaN highest.
     """

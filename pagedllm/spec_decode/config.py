@@ -40,7 +40,7 @@ class SpeculativeConfig:
             earlier occurrence of the sequence's last n tokens), "suffix"
             (suffix decoding: suffix trees over the request and over earlier
             outputs, ``suffix_proposer.py``) or "draft_model" (a smaller model
-            with the same tokenizer drafts greedily: ``engine/draft_model.py``).
+            with the same tokenizer drafts greedily: ``spec_decode/draft_model.py``).
         model: the draft model (a path, as ``EngineConfig.model``); required
             with "draft_model", refused with other methods.
         num_speculative_tokens: most draft tokens per step (k).

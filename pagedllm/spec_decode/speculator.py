@@ -26,12 +26,12 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.cost_model import (
     PRIOR_ACCEPTANCE,
     AcceptanceEstimate,
-    StepTimeModel,
     best_num_drafts,
 )
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
+from pagedllm.step_time import StepTimeModel
 
 # where the cost model says drafting does not pay, one sequence still drafts after this many steps
 # without a verify step, so the fit keeps measuring what a verify costs now (a probe of one
@@ -81,10 +81,13 @@ class Speculator:
     Args:
         config: the speculative settings.
         max_model_len: no draft may take a sequence past this length.
+        batch_proposer: what drafts for all of a step's decodes at once (method "draft_model" only).
+        step_times: the engine's step-time model, which the engine feeds; a model of its own when None.
     """
 
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, batch_proposer: BatchProposer | None = None
+        self, config: SpeculativeConfig, max_model_len: int, batch_proposer: BatchProposer | None = None,
+        step_times: StepTimeModel | None = None,
     ) -> None:
         if (config.method == "draft_model") != (batch_proposer is not None):
             raise ValueError("a batch proposer drafts for method 'draft_model', and only for it")
@@ -99,9 +102,10 @@ class Speculator:
         self.num_drafts = 0  # verify steps run
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        # the cost model (cost_model.py): step times fitted to the engine's steps, and the acceptance
-        # rate of all sequences, the prior of one that has not verified yet
-        self.step_times = StepTimeModel()
+        # the cost model (cost_model.py): step times fitted to the engine's steps (the engine's one
+        # model, which it feeds), and the acceptance rate of all sequences, the prior of one that has
+        # not verified yet
+        self.step_times = step_times if step_times is not None else StepTimeModel()
         self.acceptance = AcceptanceEstimate(forget=0.98)
         self._num_step_decodes = 0  # decodes proposed for in the step being planned
         self._num_step_drafts = 0  # drafts given to it so far
@@ -190,16 +194,11 @@ class Speculator:
         self._num_step_drafts += k
         return drafts[:k]
 
-    def observe_step(
-        self, num_decodes: int, num_draft_tokens: int, num_prompt_tokens: int, seconds: float | None
-    ) -> None:
-        """A step ran ``num_decodes`` decodes carrying ``num_draft_tokens`` drafts and ``num_prompt_tokens``
-        prompt tokens in ``seconds`` (None: a time that is no step's cost, e.g. it traced the decode).
-        The cost model learns from steps of decodes alone; the next step's planning starts."""
+    def end_step(self, num_draft_tokens: int) -> None:
+        """The step planned last ran, with ``num_draft_tokens`` drafts in all; the next step's planning starts.
+        (Its time goes to ``step_times``, which the engine feeds.)"""
         self._num_step_decodes = self._num_step_drafts = 0
         self._num_plain_steps = 0 if num_draft_tokens else self._num_plain_steps + 1
-        if num_prompt_tokens == 0 and seconds is not None:
-            self.step_times.observe(num_decodes, num_draft_tokens, seconds)
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` finished or was aborted: the proposer forgets it (and suffix decoding learns its output)."""

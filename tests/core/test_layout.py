@@ -13,8 +13,9 @@ import pagedllm
 ROOT = Path(pagedllm.__file__).parent
 
 # package -> the pagedllm packages it may import (top-level modules such as
-# pagedllm.config and pagedllm.sampling_params are plain data, and pagedllm.cache_dir
-# a leaf that names a folder: open to all). The map is acyclic, so it orders the
+# pagedllm.config and pagedllm.sampling_params are plain data, pagedllm.cache_dir
+# a leaf that names a folder and pagedllm.step_time a leaf fit of a step's time that
+# the engine's prefill cap and spec_decode's drafting cost both read: open to all). The map is acyclic, so it orders the
 # packages in layers: each may import only packages below it.
 ALLOWED = {
     "kernels": set(),
@@ -35,9 +36,10 @@ ALLOWED = {
     "bench": {"engine", "loader", "distributed"},
 }
 # config_record: how config records are declared (pydantic); resolved_config: the config's "auto"s resolved,
-# the one top-level module that asks the machine (it imports kernels / layers / distributed inside functions)
+# the one top-level module that asks the machine (it imports kernels / layers / distributed inside functions);
+# step_time: the fitted model of a step's time, a leaf both the engine and spec_decode read
 DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
-                "step_result", "block_table", "cache_dir"}
+                "step_result", "block_table", "cache_dir", "step_time"}
 # the packages a top-level data module may import: plain Python that itself imports only these (and data
 # modules). Every package imports the data modules, so a data module importing anything higher (the runner,
 # the engine) would be an import running back up the layers. resolved_config alone also reads the machine

@@ -328,7 +328,7 @@ def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(how: signal.Sign
     """SIGKILL: the all-reduce fails at once; SIGSTOP (a hang): after distributed_timeout_s. Either way the
     engine raises DistributedError, every later step too, and no child process is left."""
     llm = _tp(None, 2, distributed_timeout_s=4, cpu_bind="0|1", max_model_len=1024)
-    worker = llm.llm_engine.tp_workers.processes[0]
+    worker = llm.llm_engine.executor.workers.processes[0]
     # cpu_bind: each rank on its own core
     assert os.sched_getaffinity(0) == {0}
     assert os.sched_getaffinity(worker.pid) == {1}
@@ -397,7 +397,7 @@ def test_server_on_two_ranks_answers_then_reports_a_dead_worker(smollm_one: LLM)
             got = [client.completions.create(model="tp", prompt=p, max_tokens=GREEDY.max_tokens, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS[:2]]
             assert got == expected
-            worker = llm.llm_engine.tp_workers.processes[0]
+            worker = llm.llm_engine.executor.workers.processes[0]
             threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
             with pytest.raises(openai.APIStatusError) as failed:
                 client.completions.create(model="tp", prompt=PROMPTS[0], max_tokens=900, temperature=0,

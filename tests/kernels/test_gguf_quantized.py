@@ -22,7 +22,7 @@ from gguf.quants import dequantize, quantize
 from pagedllm import SamplingParams
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.gguf_linear import GGUFLinearMethod
-from pagedllm.runner.decode_graph import num_programs
+from pagedllm.runner.capture.decode_graph import num_programs
 from pagedllm.runner.model_loader import model_tensors, resident_bytes
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the GGUF kernels need the native build")
@@ -153,7 +153,7 @@ def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:
         program.run(6)
 
 
-# --- interleaved blocks and 8-bit activations (kernels/gguf_x16.h) ----------------------------------
+# --- interleaved blocks and 8-bit activations (kernels/gguf/gguf_x16.h) ----------------------------------
 X16_TYPES = TYPES + K_TYPES + LOW_K_TYPES
 X16 = {t: 512 + int(t) for t in X16_TYPES}  # the kernels' numbers for the types interleaved 16 rows at a time
 
@@ -454,7 +454,7 @@ def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     prompts = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):  # interleaved blocks: 8-bit activations (kernels/gguf_x16.h)
+    for prompt, out in zip(prompts, outs):  # interleaved blocks: 8-bit activations (kernels/gguf/gguf_x16.h)
         assert_greedy_within_q8_noise(hf, prompt, out.outputs[0].token_ids)
     # on float32 activations, the file's blocks give transformers' tokens exactly
     llm = LLM(path, tokenizer=tiny_model_dirs[arch], max_model_len=256, num_kv_blocks=64, **F32_KV,

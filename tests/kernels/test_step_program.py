@@ -18,7 +18,7 @@ from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.kv_quant import is_quantized, quantize_heads
 from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
-from pagedllm.runner.decode_graph import (
+from pagedllm.runner.capture.decode_graph import (
     CaptureError,
     DecodeGraph,
     PythonCall,
@@ -28,8 +28,8 @@ from pagedllm.runner.decode_graph import (
     num_programs,
     trace,
 )
+from pagedllm.runner.capture.step_program import native_calls
 from pagedllm.runner.kv_cache import cache_head_width
-from pagedllm.runner.step_program import native_calls
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 80, 4, 2, 16, 96, 50
 BLOCK_SIZE, NUM_BLOCKS, TABLE_WIDTH = 4, 12, 3

@@ -15,7 +15,7 @@ from conftest import CapturingLLM as LLM  # decode steps captured from the first
 
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.runner.decode_graph import num_programs
+from pagedllm.runner.capture.decode_graph import num_programs
 
 PROMPTS = [
     "The capital of France is",

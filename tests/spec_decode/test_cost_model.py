@@ -10,11 +10,11 @@ from pagedllm.engine.sequence import Sequence
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.cost_model import (
     AcceptanceEstimate,
-    StepTimeModel,
     best_num_drafts,
     expected_extra_tokens,
 )
 from pagedllm.spec_decode.speculator import PROBE_EVERY, Speculator
+from pagedllm.step_time import StepTimeModel
 
 MS = 1e-3
 
@@ -27,7 +27,7 @@ def machine(a: float, b: float, delta: float, c: float):
 def fitted(step_time, shapes) -> StepTimeModel:
     times = StepTimeModel()
     for num_decodes, num_drafts in shapes:
-        times.observe(num_decodes, num_drafts, step_time(num_decodes, num_drafts))
+        times.observe(num_decodes, num_drafts, 0, step_time(num_decodes, num_drafts))
     return times
 
 
@@ -39,7 +39,8 @@ def varied_shapes(seed: int = 0, n: int = 200) -> list[tuple[int, int]]:
 def test_the_fit_recovers_a_machine_from_its_timings():
     step_time = machine(4 * MS, 0.2 * MS, 1.5 * MS, 0.5 * MS)
     times = fitted(step_time, varied_shapes())
-    for got, want in zip(times.coefficients, (4 * MS, 0.2 * MS, 1.5 * MS, 0.5 * MS)):
+    # no step had prompt tokens: their coefficient stays at the ridge's prior
+    for got, want in zip(times.coefficients, (4 * MS, 0.2 * MS, 1.5 * MS, 0.5 * MS, 0.0), strict=True):
         assert got == pytest.approx(want, rel=0.02, abs=2e-5)
     assert times.predict(8, 12) == pytest.approx(step_time(8, 12), rel=0.01)
 
@@ -48,7 +49,7 @@ def test_the_fit_follows_a_machine_that_changes():
     slow, fast = machine(8 * MS, 0.4 * MS, 2 * MS, 1 * MS), machine(4 * MS, 0.2 * MS, 1 * MS, 0.5 * MS)
     times = fitted(slow, varied_shapes(1))
     for num_decodes, num_drafts in varied_shapes(2, 400):  # older steps are forgotten
-        times.observe(num_decodes, num_drafts, fast(num_decodes, num_drafts))
+        times.observe(num_decodes, num_drafts, 0, fast(num_decodes, num_drafts))
     assert times.predict(4, 8) == pytest.approx(fast(4, 8), rel=0.02)
 
 
@@ -56,11 +57,11 @@ def test_nothing_measured_means_no_prediction():
     times = StepTimeModel()
     assert times.predict(1, 0) is None and times.coefficients is None
     assert best_num_drafts(times, 0.1, 4, 1, 0) is None
-    times.observe(1, 0, 5 * MS)  # plain steps only: what a verify step costs is still unknown
+    times.observe(1, 0, 0, 5 * MS)  # plain steps only: what a verify step costs is still unknown
     assert best_num_drafts(times, 0.1, 4, 1, 0) is None
-    times.observe(1, 4, 50 * MS)  # the first verify step pays one-off costs: not fitted
+    times.observe(1, 4, 0, 50 * MS)  # the first verify step pays one-off costs: not fitted
     assert times.num_verify_steps == 0 and best_num_drafts(times, 0.1, 4, 1, 0) is None
-    times.observe(1, 4, 9 * MS)
+    times.observe(1, 4, 0, 9 * MS)
     assert times.num_verify_steps == 1 and best_num_drafts(times, 0.1, 4, 1, 0) is not None
 
 
@@ -68,7 +69,7 @@ def test_a_stalled_step_moves_the_fit_only_so_far():
     step_time = machine(5 * MS, 0.1 * MS, 1 * MS, 0.5 * MS)
     times = fitted(step_time, varied_shapes())
     before = times.predict(1, 0)
-    times.observe(1, 0, 2.0)  # another process took the cores for 2 s
+    times.observe(1, 0, 0, 2.0)  # another process took the cores for 2 s
     assert times.predict(1, 0) < 1.2 * before
 
 
@@ -125,8 +126,10 @@ def test_acceptance_counts_one_failure_per_partly_rejected_verify():
 
 # --- in the Speculator ----------------------------------------------------------------------------
 def feed(spec: Speculator, step_time, shapes) -> None:
+    """Steps as the engine reports them: the time to the step-time model, the end of the step to the speculator."""
     for num_decodes, num_drafts in shapes:
-        spec.observe_step(num_decodes, num_drafts, 0, step_time(num_decodes, num_drafts))
+        spec.step_times.observe(num_decodes, num_drafts, 0, step_time(num_decodes, num_drafts))
+        spec.end_step(num_drafts)
 
 
 def test_the_speculator_drafts_alone_but_not_in_a_compute_bound_batch():
@@ -138,7 +141,7 @@ def test_the_speculator_drafts_alone_but_not_in_a_compute_bound_batch():
     for _ in range(5):
         spec.observe(seq, 4, 4)  # its drafts are good
     assert spec.propose(seq, 10, 1) == [1, 2, 3, 4]
-    spec.observe_step(1, 4, 0, None)  # the next step (an untimed one: nothing learnt)
+    spec.end_step(4)  # the next step (an untimed one: nothing learnt)
     assert spec.propose(seq, 10, 64) == []  # among 63 others: a token is worth ~0.5 ms, a row costs 0.44
 
 
@@ -149,7 +152,7 @@ def test_one_sequence_of_a_step_probes_while_nothing_is_measured():
         spec.register(seq, eligible=True)
     # a step of 3 decodes: the first drafts (its time will tell what a verify costs), the others not
     assert [spec.propose(seq, 10, 3) for seq in seqs] == [[1, 2, 3, 4], [], []]
-    spec.observe_step(3, 4, 0, 30 * MS)  # the first verify: one-off costs, not fitted
+    feed(spec, lambda num_decodes, num_drafts: 30 * MS, [(3, 4)])  # the first verify: one-off costs, not fitted
     assert [spec.propose(seq, 10, 3) for seq in seqs] == [[1, 2, 3, 4], [], []]
 
 
@@ -181,7 +184,7 @@ def test_a_sequence_judged_not_to_pay_probes_again_after_a_while():
     for _ in range(2 * PROBE_EVERY + 2):
         drafts = spec.propose(seq, 10, 1)
         proposed.append(len(drafts))
-        spec.observe_step(1, len(drafts), 0, step_time(1, len(drafts)))
+        feed(spec, step_time, [(1, len(drafts))])
     # plain steps, one probe after PROBE_EVERY of them, and again
     assert [i for i, n in enumerate(proposed) if n] == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
 

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "panel_units.h"
-#include "simd.h"
+#include "../simd/simd.h"
 
 #define BF_PANEL 48
 #define BF_MR 8

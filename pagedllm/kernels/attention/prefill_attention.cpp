@@ -34,7 +34,7 @@
  *       k = kt[d][t0 : t0 + PF_KEYS]      v = v_t[d0 : d0 + PF_DCHUNK]
  *       for each query i: s_i += q_i[d] * k       for each query i: o_i += p_i[t] * v
  */
-#include "kernels.h"
+#include "../kernels.h"
 #include <stdlib.h>
 
 #include "paged_attention.h"
@@ -147,7 +147,7 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
         /* the four-key product works on whole vectors: head sizes that are multiples of 8 */
         for (; head_dim % 8 == 0 && t + 4 <= n; t += 4) {
             const float *k0 = k + t * k_stride;
-            f32x4_store(scores + t, f32x4_mul(dot4_keys_f32(qi, k0, k0 + k_stride, k0 + 2 * k_stride,
+            f32x4_store(scores + t, f32x4_mul(dot4_keys<KvF32>(qi, k0, k0 + k_stride, k0 + 2 * k_stride,
                                                             k0 + 3 * k_stride, head_dim), vscale));
         }
 #endif

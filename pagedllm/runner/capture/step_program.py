@@ -1,10 +1,10 @@
 """Which traced ops are ``pagedllm.StepProgram`` nodes, and with what: read from the ops' schemas.
 
-A traced decode step (``runner/decode_graph.py``) calls ~360 kernels; each
+A traced decode step (``runner/capture/decode_graph.py``) calls ~360 kernels; each
 opens its own OpenMP parallel region, and on two cores the team falls
 asleep between regions and is woken ~360 times a step. The lowering hands
 every run of ops ``native_calls`` knows to one native ``StepProgram``
-(``kernels/step_program.h``), which runs their kernels back to back in a
+(``kernels/step/step_program.h``), which runs their kernels back to back in a
 single parallel region, the team meeting at a barrier between them:
 
     traced ops      embedding  index  index  add_rms_norm  packed_linear ... mul ... add_

@@ -45,7 +45,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from pagedllm.runner.step_program import native_calls
+from pagedllm.runner.capture.step_program import native_calls
 
 _aten = torch.ops.aten
 # new tensors of undefined content: a static buffer stands for them, nothing runs

@@ -26,7 +26,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "simd.h"
+#include "../simd/simd.h"
 
 /* lanes per vector (a tile's 16 channels in 16 / X16_VL parts) and rows per register tile */
 #define X16_VL SIMD_Q_LANES

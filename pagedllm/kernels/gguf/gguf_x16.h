@@ -91,7 +91,7 @@
 #include <stdint.h>
 
 #include "gguf_blocks.h"
-#include "step_nodes.h"
+#include "../step/step_nodes.h"
 
 /* ---- offsets in the layout above, shared by the repacking (gguf_x16_repack.cpp) and the matmuls
    (gguf_x16_matmul.cpp) ---- */

@@ -54,7 +54,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "simd.h"
+#include "../simd/simd.h"
 
 enum GgufType {
     GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q2_K = 10, GGUF_Q3_K = 11,

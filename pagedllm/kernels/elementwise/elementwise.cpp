@@ -10,7 +10,7 @@
  *   row_affine_   x = x * mul + add per column, in place (either may be absent)
  */
 #include "elementwise.h"
-#include "step_nodes.h"
+#include "../step/step_nodes.h"
 
 void add_rms_norm_team(const AddRmsNormNode *n, int64_t rows) {
 #pragma omp for schedule(static)

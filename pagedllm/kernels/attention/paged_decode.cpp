@@ -1,6 +1,6 @@
 /*
  * Decode attention that reads the paged KV cache in place (CPU; float32
- * queries, a float32, float16, bfloat16, int8 or int4 cache).
+ * queries, a float32, float16, bfloat16, int8, int4 or fp8 (E4M3 / E5M2) cache).
  *
  * One query token per sequence. For each (sequence, kv head) pair, the
  * kernel walks the sequence's block table and reads each key/value row
@@ -32,7 +32,7 @@
 #include <stdlib.h>
 
 #include "paged_attention.h"
-#include "step_nodes.h"
+#include "../step/step_nodes.h"
 
 /* A team function (step_nodes.h). Work is split by sequence; with fewer
    sequences than threads, by (sequence, kv head) so that one long sequence
@@ -73,25 +73,25 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
         const int64_t span = len - first_block * block_size; /* tokens read: skip of them masked */
         const int h0 = part * heads_per_part, h1 = (part + 1) * heads_per_part;
         if (n->kv_type == KV_FLOAT32)
-            attend_f32(qb, (const float *)n->k_cache, (const float *)n->v_cache, table, span, ob, num_heads,
+            attend<KvF32>(qb, (const float *)n->k_cache, (const float *)n->v_cache, table, span, ob, num_heads,
                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else if (n->kv_type == KV_FLOAT16)
-            attend_f16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob, num_heads,
+            attend<KvF16>(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob, num_heads,
                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else if (n->kv_type == KV_INT4)
             attend_i4_rotated(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob,
                               num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, qr);
         else if (n->kv_type == KV_FP8E4M3)
-            attend_e4m3(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
+            attend<KvE4M3>(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
                         num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else if (n->kv_type == KV_FP8E5M2)
-            attend_e5m2(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
+            attend<KvE5M2>(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
                         num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else if (n->kv_type == KV_INT8)
-            attend_i8(qb, (const int8_t *)n->k_cache, (const int8_t *)n->v_cache, table, span, ob, num_heads,
+            attend<KvI8>(qb, (const int8_t *)n->k_cache, (const int8_t *)n->v_cache, table, span, ob, num_heads,
                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
         else
-            attend_bf16(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob,
+            attend<KvBF16>(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob,
                         num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
     }
     free(scores);

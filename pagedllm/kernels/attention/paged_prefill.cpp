@@ -32,7 +32,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "kernels.h"
+#include "../kernels.h"
 #include "paged_attention.h"
 
 #define PP_TILE 8 /* positions per task */
@@ -54,7 +54,7 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
     switch (kv_type) {
     case KV_FLOAT32: {
         const int64_t hs = head_dim, row = (int64_t)num_kv_heads * hs;
-        attend_rows_f32(qs, o, lens, nr, (const float *)k_cache, (const float *)v_cache, table, kvh * hs, row,
+        attend_rows<KvF32>(qs, o, lens, nr, (const float *)k_cache, (const float *)v_cache, table, kvh * hs, row,
                         head_dim, block_size, scale, scores, (const float **)rows);
         break;
     }
@@ -62,16 +62,16 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
     case KV_BFLOAT16: {
         const int64_t hs = head_dim, row = (int64_t)num_kv_heads * hs;
         if (kv_type == KV_FLOAT16)
-            attend_rows_f16(qs, o, lens, nr, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, kvh * hs,
+            attend_rows<KvF16>(qs, o, lens, nr, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, kvh * hs,
                             row, head_dim, block_size, scale, scores, (const uint16_t **)rows);
         else
-            attend_rows_bf16(qs, o, lens, nr, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, kvh * hs,
+            attend_rows<KvBF16>(qs, o, lens, nr, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, kvh * hs,
                              row, head_dim, block_size, scale, scores, (const uint16_t **)rows);
         break;
     }
     case KV_INT8: {
         const int64_t hs = head_dim + KV_I8_SCALE_BYTES, row = (int64_t)num_kv_heads * hs;
-        attend_rows_i8(qs, o, lens, nr, (const int8_t *)k_cache, (const int8_t *)v_cache, table, kvh * hs, row,
+        attend_rows<KvI8>(qs, o, lens, nr, (const int8_t *)k_cache, (const int8_t *)v_cache, table, kvh * hs, row,
                        head_dim, block_size, scale, scores, (const int8_t **)rows);
         break;
     }
@@ -82,7 +82,7 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
             hadamard_f32(qr + (int64_t)r * head_dim, head_dim);
             qs[r] = qr + (int64_t)r * head_dim;
         }
-        attend_rows_i4(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs, row,
+        attend_rows<KvI4>(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs, row,
                        head_dim, block_size, scale, scores, (const uint8_t **)rows);
         for (int r = 0; r < nr; r++) hadamard_f32(o[r], head_dim);
         break;
@@ -90,10 +90,10 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
     default: { /* fp8: E4M3 or E5M2 */
         const int64_t hs = head_dim + KV_I8_SCALE_BYTES, row = (int64_t)num_kv_heads * hs;
         if (kv_type == KV_FP8E4M3)
-            attend_rows_e4m3(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs,
+            attend_rows<KvE4M3>(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs,
                              row, head_dim, block_size, scale, scores, (const uint8_t **)rows);
         else
-            attend_rows_e5m2(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs,
+            attend_rows<KvE5M2>(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs,
                              row, head_dim, block_size, scale, scores, (const uint8_t **)rows);
     }
     }
@@ -109,25 +109,25 @@ static void prefill_token(int kv_type, const float *q, float *out, const void *k
                           int block_size, float scale, float *scores, float *qr) {
     const int h1 = num_kv_heads;
     if (kv_type == KV_FLOAT32)
-        attend_f32(q, (const float *)k_cache, (const float *)v_cache, table, len, out, num_heads, num_kv_heads,
+        attend<KvF32>(q, (const float *)k_cache, (const float *)v_cache, table, len, out, num_heads, num_kv_heads,
                    head_dim, block_size, scale, 0, h1, scores, 0);
     else if (kv_type == KV_FLOAT16)
-        attend_f16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, num_heads,
+        attend<KvF16>(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, num_heads,
                    num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
     else if (kv_type == KV_BFLOAT16)
-        attend_bf16(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, num_heads,
+        attend<KvBF16>(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, num_heads,
                     num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
     else if (kv_type == KV_INT8)
-        attend_i8(q, (const int8_t *)k_cache, (const int8_t *)v_cache, table, len, out, num_heads, num_kv_heads,
+        attend<KvI8>(q, (const int8_t *)k_cache, (const int8_t *)v_cache, table, len, out, num_heads, num_kv_heads,
                   head_dim, block_size, scale, 0, h1, scores, 0);
     else if (kv_type == KV_INT4)
         attend_i4_rotated(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
                           num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0, qr);
     else if (kv_type == KV_FP8E4M3)
-        attend_e4m3(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
+        attend<KvE4M3>(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
                     num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
     else
-        attend_e5m2(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
+        attend<KvE5M2>(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
                     num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
 }
 

@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "simd.h"
+#include "../simd/simd.h"
 
 /* y = w * (x / sqrt(mean(x^2) + eps)) for one row of n; y may be x */
 static inline void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {

@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 #include "panel_units.h"
-#include "simd.h"
+#include "../simd/simd.h"
 
 /* tile shape per ISA: MR rows x PANEL columns of sums stay in registers, in the build's widest float vector
  * (simd.h; AVX-512: 8 x 3 zmm = 24 of 32 registers; AVX2: 6 x 2 ymm = 12 of 16) */

@@ -35,12 +35,12 @@
  * The sum over k runs in order, one FMA per term, so results differ from
  * other GEMMs only by rounding (the order of additions).
  */
-#include "kernels.h"
+#include "../kernels.h"
 #include <omp.h>
 #include <stdint.h>
 
 #include "panel_f32.h"
-#include "step_nodes.h"
+#include "../step/step_nodes.h"
 
 /* Output columns per panel in this build; the caller sizes the packed buffer with it. */
 int packed_linear_panel(void) { return PANEL; }

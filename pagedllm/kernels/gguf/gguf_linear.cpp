@@ -31,7 +31,7 @@
 
 #include "gguf_blocks.h"
 #include "gguf_x16.h"
-#include "step_nodes.h"
+#include "../step/step_nodes.h"
 
 /* strips and tiles per ISA; V: lanes of the build's widest float vector (simd.h), where it has one */
 #if SIMD_F32_WIDTH == 16

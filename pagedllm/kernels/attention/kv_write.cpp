@@ -16,7 +16,7 @@
 #include <stdint.h>
 
 #include "kv_rows.h"
-#include "step_nodes.h"
+#include "../step/step_nodes.h"
 
 void write_kv_team(const WriteKvNode *n, int64_t rows) {
 #pragma omp for schedule(static)

@@ -1,4 +1,4 @@
-"""Decode steps run from one FX trace of the model's own forward pass (``runner/decode_graph.py``).
+"""Decode steps run from one FX trace of the model's own forward pass (``runner/capture/decode_graph.py``).
 
 The first decode step traces the model's forward symbolically (its rows
 and block-table width are symbols; about a second) on ``DecodeMetadata``,
@@ -14,7 +14,7 @@ corner of the static inputs and runs the first rows:
 
 With ``native_programs`` (the runner's default where the native kernels are
 loaded) the trace's kernels are grouped into ``StepProgram`` runs
-(``runner/step_program.py``): the step's kernels in one OpenMP parallel
+(``runner/capture/step_program.py``): the step's kernels in one OpenMP parallel
 region instead of one region per kernel; ops without a program node
 (Gemma 3's embedding scale and GELU) run from Python between programs.
 
@@ -37,7 +37,7 @@ from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, DecodeMetadata
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.runner.decode_graph import (
+from pagedllm.runner.capture.decode_graph import (
     CaptureError,
     DecodeGraph,
     check_constants,

@@ -33,13 +33,13 @@
  * half the weight bytes of float32 panels. Without AVX2 a scalar loop
  * computes the same sums; correct everywhere, slow.
  */
-#include "kernels.h"
+#include "../kernels.h"
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "panel_bf16.h"
-#include "step_nodes.h"
+#include "../step/step_nodes.h"
 
 int packed_linear_bf16_panel(void) { return BF_PANEL; }
 

@@ -10,12 +10,12 @@
  * a NaN logsumexp, and the caller falls back to torch for it (torch treats
  * NaN as the maximum). A row of -inf only gets lse = -inf.
  */
-#include "kernels.h"
+#include "../kernels.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 
-#include "simd.h"
+#include "../simd/simd.h"
 
 static void row_stats(const float *x, int64_t n, int64_t *argmax, float *lse) {
     float best = -INFINITY;

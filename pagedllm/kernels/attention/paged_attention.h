@@ -6,10 +6,11 @@
  * Layouts (all contiguous):
  *   q, out       [num_heads, head_dim]         float32 (one sequence)
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
- *                float32, float16 or bfloat16 (attend_f32 / _f16 / _bf16),
+ *                float32, float16 or bfloat16 (attend<KvF32> / <KvF16> / <KvBF16>),
  *                or int8 [num_blocks, block_size, num_kv_heads, head_dim + 4]
- *                (attend_i8): each head's head_dim int8 values followed by
+ *                (attend<KvI8>): each head's head_dim int8 values followed by
  *                their float32 scale (KV_I8_SCALE_BYTES), see kv_rows.h;
+ *                fp8 bytes in int8's layout (attend<KvE4M3> / <KvE5M2>);
  *                or int4 (uint8) [..., head_dim / 2 + 4] (attend_i4_rotated):
  *                Hadamard-rotated nibbles and a float32 scale (KV_I4_*)
  *   table        [>= ceil(len / block_size)]   int64 block ids
@@ -19,7 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include "simd.h"
+#include "../simd/simd.h"
 
 static inline float dot(const float *a, const float *b, int n) {
     float s = 0.0f;
@@ -158,102 +159,8 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 #define PA_VECTOR 0
 #endif
 
-#define KV_NAME(f) f##_f32
-#define KV_T float
-#define KV_VECTOR PA_VECTOR
-#define KV_LOAD1(p) (*(p))
-#define KV_LOAD8(p) f32x8_load(p)
-#define KV_LOAD16(p) f32x16_load(p)
-/* float caches: heads are head_dim elements apart and carry no scale */
-#define KV_HEAD_STRIDE(d) (d)
-#define KV_SCALE(head, d) 1.0f
+/* the kernels, templates over the cache's element type (kv_types.h): attend<KvF32>, attend_rows<KvF16>, ... */
 #include "paged_attention_kv.h"
-#undef KV_NAME
-#undef KV_T
-#undef KV_VECTOR
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
-
-#define KV_NAME(f) f##_f16
-#define KV_T uint16_t
-#if PA_VECTOR && defined(__F16C__)
-#define KV_VECTOR 1
-#else
-#define KV_VECTOR 0
-#endif
-#define KV_LOAD1(p) f16_bits_to_f32(*(p))
-#define KV_LOAD8(p) f32x8_load_f16(p)
-#define KV_LOAD16(p) f32x16_load_f16(p)
-#include "paged_attention_kv.h"
-#undef KV_NAME
-#undef KV_T
-#undef KV_VECTOR
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
-
-#define KV_NAME(f) f##_bf16
-#define KV_T uint16_t
-#define KV_VECTOR PA_VECTOR
-#define KV_LOAD1(p) bf16_bits_to_f32(*(p))
-#define KV_LOAD8(p) f32x8_load_bf16(p)
-#define KV_LOAD16(p) f32x16_load_bf16(p)
-#include "paged_attention_kv.h"
-#undef KV_NAME
-#undef KV_T
-#undef KV_VECTOR
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
-#undef KV_HEAD_STRIDE
-#undef KV_SCALE
-
-/* int8: a head row is head_dim values and a float32 scale; the scale is
-   applied once per dot product (keys) or per weight (values), not per
-   element */
-#define KV_NAME(f) f##_i8
-#define KV_T int8_t
-#define KV_VECTOR PA_VECTOR
-#define KV_LOAD1(p) ((float)*(p))
-#define KV_LOAD8(p) f32x8_load_i8(p)
-#define KV_LOAD16(p) f32x16_load_i8(p)
-#define KV_HEAD_STRIDE(d) ((d) + KV_I8_SCALE_BYTES)
-#define KV_SCALE(head, d) kv_i8_scale(head, d)
-#include "paged_attention_kv.h"
-#undef KV_NAME
-#undef KV_T
-#undef KV_VECTOR
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
-#undef KV_HEAD_STRIDE
-#undef KV_SCALE
-
-/* int4: a head row is head_dim / 2 bytes of nibbles and a float32 scale;
-   element d of a row sits at byte d / 2 (KV_AT: the vector loads start at
-   even d), unpacked to floats in registers */
-#define KV_NAME(f) f##_i4
-#define KV_T uint8_t
-#define KV_VECTOR PA_VECTOR
-#define KV_ELEM1(p, i) kv_i4_elem(p, i)
-#define KV_AT(p, d) ((p) + (d) / 2)
-#define KV_LOAD1(p) ((float)*(p)) /* unused: KV_ELEM1 reads elements */
-#define KV_LOAD8(p) f32x8_load_u4(p)
-#define KV_LOAD16(p) f32x16_load_u4(p)
-#define KV_HEAD_STRIDE(d) ((d) / 2 + KV_I4_SCALE_BYTES)
-#define KV_SCALE(head, d) kv_i4_scale(head, d)
-#include "paged_attention_kv.h"
-#undef KV_NAME
-#undef KV_T
-#undef KV_VECTOR
-#undef KV_ELEM1
-#undef KV_AT
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
-#undef KV_HEAD_STRIDE
-#undef KV_SCALE
 
 /* attend_i4 with the rotation: the task's query heads rotated into qr
    (room for num_heads * head_dim floats), attention over the rotated rows
@@ -266,54 +173,9 @@ static inline void attend_i4_rotated(const float *q, const uint8_t *k_cache, con
     const int64_t first = (int64_t)h0 * group * head_dim, count = (int64_t)(h1 - h0) * group * head_dim;
     memcpy(qr + first, q + first, sizeof(float) * (size_t)count);
     for (int64_t i = first; i < first + count; i += head_dim) hadamard_f32(qr + i, head_dim);
-    attend_i4(qr, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size, scale, h0, h1,
-              scores, skip);
+    attend<KvI4>(qr, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size, scale, h0,
+                 h1, scores, skip);
     for (int64_t i = first; i < first + count; i += head_dim) hadamard_f32(out + i, head_dim);
 }
 
-/* fp8, read as float16 bits (simd.h's fp8 loads) and widened by F16C where
-   the build has it. E5M2 is the top byte of a float16: exact. E4M3 gets its
-   exponent and mantissa shifted into a float16's, which reads as the value
-   times 2^-8 (normals and subnormals alike), so its KV_SCALE is the stored
-   scale times 2^8 (exact). Neither has NaN or inf in its values: the write
-   clamps them, a NaN head has a NaN scale. */
-#define KV_NAME(f) f##_e4m3
-#define KV_T uint8_t
-#if PA_VECTOR && defined(__F16C__)
-#define KV_VECTOR 1
-#else
-#define KV_VECTOR 0
-#endif
-#define KV_LOAD1(p) f16_bits_to_f32(fp8e4m3_f16_bits(*(p)))
-#define KV_LOAD8(p) f32x8_load_e4m3(p)
-#define KV_LOAD16(p) f32x16_load_e4m3(p)
-#define KV_HEAD_STRIDE(d) ((d) + KV_I8_SCALE_BYTES)
-#define KV_SCALE(head, d) (kv_fp8_scale(head, d) * 256.0f)
-#include "paged_attention_kv.h"
-#undef KV_NAME
-#undef KV_VECTOR
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
-#undef KV_SCALE
-
-#define KV_NAME(f) f##_e5m2
-#if PA_VECTOR && defined(__F16C__)
-#define KV_VECTOR 1
-#else
-#define KV_VECTOR 0
-#endif
-#define KV_LOAD1(p) f16_bits_to_f32((uint16_t)(*(p) << 8))
-#define KV_LOAD8(p) f32x8_load_e5m2(p)
-#define KV_LOAD16(p) f32x16_load_e5m2(p)
-#define KV_SCALE(head, d) kv_fp8_scale(head, d)
-#include "paged_attention_kv.h"
-#undef KV_NAME
-#undef KV_T
-#undef KV_VECTOR
-#undef KV_LOAD1
-#undef KV_LOAD8
-#undef KV_LOAD16
-#undef KV_HEAD_STRIDE
-#undef KV_SCALE
 #endif

@@ -1,24 +1,13 @@
 /*
- * Paged decode attention for one KV cache element type. Included by
- * paged_attention.h once per type (float32, float16, bfloat16) with:
+ * Paged decode attention, one template per kernel over the KV cache's
+ * element type: a traits struct of kv_types.h (KvF32, KvF16, KvBF16, KvI8,
+ * KvI4, KvE4M3, KvE5M2) says how a row's elements are read, where the next
+ * head's row starts and what scale a row carries. paged_decode.cpp calls
+ * attend<KV>, paged_prefill.cpp attend_rows<KV> (and attend<KV>), and each
+ * translation unit holds its own instantiations.
  *
- *   KV_T          the cache's element type (float, or uint16_t bits)
- *   KV_NAME(f)    f with the type's suffix: attend_f32, attend_f16, ...
- *   KV_LOAD1(p)   one element at p as a float
- *   KV_LOAD8(p)   eight elements at p as an f32x8  (AVX2 builds; simd.h)
- *   KV_LOAD16(p)  sixteen elements at p as an f32x16 (AVX-512 builds)
- *   KV_HEAD_STRIDE(d)  elements from one head's row to the next: d, or
- *                 d + 4 for int8 (each head's float32 scale follows it)
- *   KV_SCALE(h, d)  the factor of head row h's values: 1.0f, or the int8
- *                 row's scale
- *
- *   KV_ELEM1(p, i), KV_AT(p, d)  optional: element i of the row at p as a
- *                 float, and where the vector loads of element d start
- *                 (default KV_LOAD1(p + i) and p + d; int4 packs two
- *                 elements a byte)
- *
- * A key's score is scale * KV_SCALE * (q . raw k); a value's weight is
- * p * KV_SCALE: the scale is applied once per row, never per element, and
+ * A key's score is scale * KV::scale * (q . raw k); a value's weight is
+ * p * KV::scale: the scale is applied once per row, never per element, and
  * for the float types it is the constant 1 the compiler drops.
  * Queries, scores and outputs are float32 whatever the cache holds; only
  * the reads of K and V rows convert. Decode attention is bound by the bytes
@@ -26,8 +15,10 @@
  * cache halves its memory traffic; the conversion is one instruction per
  * vector.
  */
+#ifndef PAGEDLLM_PAGED_ATTENTION_KV_H
+#define PAGEDLLM_PAGED_ATTENTION_KV_H
+#include "kv_types.h"
 
-#ifndef KV_ROW_TILE
 #if SIMD_F32X16
 #define KV_ROW_TILE 4   /* query rows per register tile of attend_rows: 16 accumulators of 16 */
 #define KV_OUT_CHUNK 64 /* output floats per values pass: 4 vectors of 16 */
@@ -36,29 +27,21 @@
 #define KV_OUT_CHUNK 32 /* 4 vectors of 8 */
 #endif
 #define KV_ROWS_MAX 1024 /* rows one attend_rows call takes */
-/* a vf32 (simd.h: the build's widest float vector) of cache elements, with the type's load */
-#if SIMD_F32X16
-#define KV_LOADV(p) KV_LOAD16(p)
-#else
-#define KV_LOADV(p) KV_LOAD8(p)
-#endif
-#endif
 
-#ifndef KV_ELEM1
-#define KV_ELEM1(p, i) KV_LOAD1((p) + (i))
-#endif
-#ifndef KV_AT
-#define KV_AT(p, d) ((p) + (d))
-#endif
+/* the element type of a traits struct's cache */
+template <class KV>
+using kv_t = typename KV::T;
 
-static inline float KV_NAME(dot_kv)(const float *a, const KV_T *b, int n) {
+template <class KV>
+static inline float dot_kv(const float *a, const kv_t<KV> *b, int n) {
     float s = 0.0f;
-    for (int i = 0; i < n; i++) s += a[i] * KV_ELEM1(b, i);
+    for (int i = 0; i < n; i++) s += a[i] * KV::elem1(b, i);
     return s;
 }
 
-static inline void KV_NAME(axpy_kv)(float *y, float a, const KV_T *x, int n) {
-    for (int i = 0; i < n; i++) y[i] += a * KV_ELEM1(x, i);
+template <class KV>
+static inline void axpy_kv(float *y, float a, const kv_t<KV> *x, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * KV::elem1(x, i);
 }
 
 /* Attention of sequence b's query heads for kv heads [h0, h1). Scores go to
@@ -67,29 +50,30 @@ static inline void KV_NAME(axpy_kv)(float *y, float a, const KV_T *x, int n) {
    read (the caller starts `table` at the window's first block). Token rows are read
    whole (all the task's kv heads at once), so a block is one contiguous
    sweep of memory, which is what the hardware prefetcher follows best. */
-static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
-    const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t len, float *out,
+template <class KV>
+static inline __attribute__((always_inline)) void attend_one(
+    const float *q, const kv_t<KV> *k_cache, const kv_t<KV> *v_cache, const int64_t *table, int64_t len, float *out,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
     int64_t skip) {
     const int group = num_heads / num_kv_heads;
-    const int64_t hs = KV_HEAD_STRIDE(head_dim);          /* elements per head row */
+    const int64_t hs = KV::head_stride(head_dim);         /* elements per head row */
     const int64_t row = (int64_t)num_kv_heads * hs;       /* elements per cache slot */
     const int nq = (h1 - h0) * group;                     /* query heads in this task */
     const float *qh = q + (int64_t)h0 * group * head_dim;
-    const int64_t block_bytes = (int64_t)block_size * row * (int64_t)sizeof(KV_T);
+    const int64_t block_bytes = (int64_t)block_size * row * (int64_t)sizeof(kv_t<KV>);
 
     /* scores[j][t] = scale * q_j . k_t for the task's query heads j */
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t block = table[t0 / block_size];
         const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
-        const KV_T *kb = k_cache + block * block_size * row;
+        const kv_t<KV> *kb = k_cache + block * block_size * row;
         if (t0 + block_size < len) prefetch_block(k_cache + table[t0 / block_size + 1] * block_size * row, block_bytes);
         for (int64_t i = 0; i < n; i++) {
-            const KV_T *krow = kb + i * row;
+            const kv_t<KV> *krow = kb + i * row;
             for (int j = 0; j < nq; j++) {
-                const KV_T *kh = krow + (int64_t)(h0 + j / group) * hs;
+                const kv_t<KV> *kh = krow + (int64_t)(h0 + j / group) * hs;
                 scores[(int64_t)j * len + t0 + i] =
-                    scale * KV_SCALE(kh, head_dim) * KV_NAME(dot_kv)(qh + (int64_t)j * head_dim, kh, head_dim);
+                    scale * KV::scale(kh, head_dim) * dot_kv<KV>(qh + (int64_t)j * head_dim, kh, head_dim);
             }
         }
     }
@@ -103,20 +87,20 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t block = table[t0 / block_size];
         const int64_t n = (len - t0 < block_size) ? len - t0 : block_size;
-        const KV_T *vb = v_cache + block * block_size * row;
+        const kv_t<KV> *vb = v_cache + block * block_size * row;
         if (t0 + block_size < len) prefetch_block(v_cache + table[t0 / block_size + 1] * block_size * row, block_bytes);
         for (int64_t i = 0; i < n; i++) {
-            const KV_T *vrow = vb + i * row;
+            const kv_t<KV> *vrow = vb + i * row;
             for (int j = 0; j < nq; j++) {
-                const KV_T *vh = vrow + (int64_t)(h0 + j / group) * hs;
-                KV_NAME(axpy_kv)(o + (int64_t)j * head_dim, scores[(int64_t)j * len + t0 + i] * KV_SCALE(vh, head_dim),
-                                 vh, head_dim);
+                const kv_t<KV> *vh = vrow + (int64_t)(h0 + j / group) * hs;
+                axpy_kv<KV>(o + (int64_t)j * head_dim, scores[(int64_t)j * len + t0 + i] * KV::scale(vh, head_dim),
+                            vh, head_dim);
             }
         }
     }
 }
 
-#if KV_VECTOR
+#if PA_VECTOR
 /* attend_one with 8-wide vectors for head_dim a multiple of 8 (the same
    three passes). Scores: four keys at a time, each q . k kept as a vector
    of partial sums and the four reduced together, instead of one horizontal
@@ -133,8 +117,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_one)(
 
 /* The next group of up to KV_STREAMS blocks from token t0: each block's
    base in `cache` and its token count. Returns how many blocks. */
-static inline int KV_NAME(block_group)(const KV_T *cache, const int64_t *table, int64_t t0, int64_t len,
-                                       int block_size, int64_t row, const KV_T **base, int64_t *n) {
+template <class KV>
+static inline int block_group(const kv_t<KV> *cache, const int64_t *table, int64_t t0, int64_t len,
+                              int block_size, int64_t row, const kv_t<KV> **base, int64_t *n) {
     int nb = 0;
     for (; nb < KV_STREAMS && t0 + nb * block_size < len; nb++) {
         const int64_t tb = t0 + (int64_t)nb * block_size;
@@ -148,18 +133,20 @@ static inline int KV_NAME(block_group)(const KV_T *cache, const int64_t *table, 
    brought into cache. The hardware prefetcher loses the stream at every
    block boundary and needs a while to find a new one; the kernel prefetches
    the next group of blocks a slice at a time while it works on this one. */
-static inline void KV_NAME(prefetch_rows)(const KV_T *const *base, const int64_t *n, int nb, int64_t r0, int64_t r1,
-                                          int64_t row) {
+template <class KV>
+static inline void prefetch_rows(const kv_t<KV> *const *base, const int64_t *n, int nb, int64_t r0, int64_t r1,
+                                 int64_t row) {
     for (int g = 0; g < nb; g++) {
         const int64_t end = r1 < n[g] ? r1 : n[g];
-        if (r0 < end) prefetch_block(base[g] + r0 * row, (end - r0) * row * (int64_t)sizeof(KV_T));
+        if (r0 < end) prefetch_block(base[g] + r0 * row, (end - r0) * row * (int64_t)sizeof(kv_t<KV>));
     }
 }
 
 /* q . k for four keys at once: the four dot products as 4 floats */
-static inline __attribute__((always_inline)) f32x4 KV_NAME(dot4_keys)(const float *qj, const KV_T *k0,
-                                                                       const KV_T *k1, const KV_T *k2,
-                                                                       const KV_T *k3, int head_dim) {
+template <class KV>
+static inline __attribute__((always_inline)) f32x4 dot4_keys(const float *qj, const kv_t<KV> *k0,
+                                                             const kv_t<KV> *k1, const kv_t<KV> *k2,
+                                                             const kv_t<KV> *k3, int head_dim) {
     f32x8 a0 = f32x8_zero(), a1 = f32x8_zero(), a2 = f32x8_zero(), a3 = f32x8_zero();
     int d = 0;
 #if SIMD_F32X16
@@ -167,10 +154,10 @@ static inline __attribute__((always_inline)) f32x4 KV_NAME(dot4_keys)(const floa
     f32x16 w0 = f32x16_zero(), w1 = f32x16_zero(), w2 = f32x16_zero(), w3 = f32x16_zero();
     for (; d + 16 <= head_dim; d += 16) {
         const f32x16 qv = f32x16_load(qj + d);
-        w0 = f32x16_fma(qv, KV_LOAD16(KV_AT(k0, d)), w0);
-        w1 = f32x16_fma(qv, KV_LOAD16(KV_AT(k1, d)), w1);
-        w2 = f32x16_fma(qv, KV_LOAD16(KV_AT(k2, d)), w2);
-        w3 = f32x16_fma(qv, KV_LOAD16(KV_AT(k3, d)), w3);
+        w0 = f32x16_fma(qv, KV::load16(KV::at(k0, d)), w0);
+        w1 = f32x16_fma(qv, KV::load16(KV::at(k1, d)), w1);
+        w2 = f32x16_fma(qv, KV::load16(KV::at(k2, d)), w2);
+        w3 = f32x16_fma(qv, KV::load16(KV::at(k3, d)), w3);
     }
     a0 = f32x16_fold8(w0);
     a1 = f32x16_fold8(w1);
@@ -179,20 +166,21 @@ static inline __attribute__((always_inline)) f32x4 KV_NAME(dot4_keys)(const floa
 #endif
     for (; d < head_dim; d += 8) {
         const f32x8 qv = f32x8_load(qj + d);
-        a0 = f32x8_fma(qv, KV_LOAD8(KV_AT(k0, d)), a0);
-        a1 = f32x8_fma(qv, KV_LOAD8(KV_AT(k1, d)), a1);
-        a2 = f32x8_fma(qv, KV_LOAD8(KV_AT(k2, d)), a2);
-        a3 = f32x8_fma(qv, KV_LOAD8(KV_AT(k3, d)), a3);
+        a0 = f32x8_fma(qv, KV::load8(KV::at(k0, d)), a0);
+        a1 = f32x8_fma(qv, KV::load8(KV::at(k1, d)), a1);
+        a2 = f32x8_fma(qv, KV::load8(KV::at(k2, d)), a2);
+        a3 = f32x8_fma(qv, KV::load8(KV::at(k3, d)), a3);
     }
     return f32x8_hsum4(a0, a1, a2, a3);
 }
 
-static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
-    const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t len, float *out,
+template <class KV>
+static inline __attribute__((always_inline)) void attend_vec(
+    const float *q, const kv_t<KV> *k_cache, const kv_t<KV> *v_cache, const int64_t *table, int64_t len, float *out,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
     int64_t skip) {
     const int group = num_heads / num_kv_heads;
-    const int64_t hs = KV_HEAD_STRIDE(head_dim); /* elements per head row */
+    const int64_t hs = KV::head_stride(head_dim); /* elements per head row */
     const int64_t row = (int64_t)num_kv_heads * hs;
     const int nq = (h1 - h0) * group;
     const float *qh = q + (int64_t)h0 * group * head_dim;
@@ -200,25 +188,25 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
     const int64_t span = (int64_t)KV_STREAMS * block_size; /* tokens per group of blocks */
 
     /* scores[j][t] = scale * q_j . k_t */
-    const KV_T *kb[KV_STREAMS], *kn[KV_STREAMS];
+    const kv_t<KV> *kb[KV_STREAMS], *kn[KV_STREAMS];
     int64_t n[KV_STREAMS], nn[KV_STREAMS];
-    int nb = KV_NAME(block_group)(k_cache, table, 0, len, block_size, row, kb, n);
+    int nb = block_group<KV>(k_cache, table, 0, len, block_size, row, kb, n);
     for (int64_t t0 = 0; t0 < len; t0 += span) {
         /* the next group, prefetched row by row as this one is read */
-        const int nbn = KV_NAME(block_group)(k_cache, table, t0 + span, len, block_size, row, kn, nn);
+        const int nbn = block_group<KV>(k_cache, table, t0 + span, len, block_size, row, kn, nn);
         /* all four blocks are full except, at most, the sequence's last one */
         const int64_t full = nb == KV_STREAMS ? n[KV_STREAMS - 1] : 0; /* tokens every block has */
-        if (full == 0) KV_NAME(prefetch_rows)(kn, nn, nbn, 0, block_size, row);
+        if (full == 0) prefetch_rows<KV>(kn, nn, nbn, 0, block_size, row);
         for (int64_t i = 0; i < full; i++) {
-            KV_NAME(prefetch_rows)(kn, nn, nbn, i, i + 1, row);
+            prefetch_rows<KV>(kn, nn, nbn, i, i + 1, row);
             for (int j = 0; j < nq; j++) {
                 const int64_t off = (int64_t)(h0 + j / group) * hs + i * row;
                 float s4[4];
-                f32x4_store(s4, f32x4_mul(KV_NAME(dot4_keys)(qh + (int64_t)j * head_dim, kb[0] + off,
-                                                             kb[1] + off, kb[2] + off, kb[3] + off, head_dim),
+                f32x4_store(s4, f32x4_mul(dot4_keys<KV>(qh + (int64_t)j * head_dim, kb[0] + off,
+                                                        kb[1] + off, kb[2] + off, kb[3] + off, head_dim),
                                           vscale));
                 float *sj = scores + (int64_t)j * len + t0 + i;
-                for (int g = 0; g < 4; g++) sj[(int64_t)g * block_size] = s4[g] * KV_SCALE(kb[g] + off, head_dim);
+                for (int g = 0; g < 4; g++) sj[(int64_t)g * block_size] = s4[g] * KV::scale(kb[g] + off, head_dim);
             }
         }
         /* the rest (the sequence's last group, the tokens past a partial last
@@ -226,25 +214,25 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
         for (int g = 0; g < nb; g++) {
             for (int j = 0; j < nq; j++) {
                 const float *qj = qh + (int64_t)j * head_dim;
-                const KV_T *kj = kb[g] + (int64_t)(h0 + j / group) * hs;
+                const kv_t<KV> *kj = kb[g] + (int64_t)(h0 + j / group) * hs;
                 float *sj = scores + (int64_t)j * len + t0 + (int64_t)g * block_size;
                 int64_t i = full;
                 for (; i + 4 <= n[g]; i += 4) {
-                    f32x4_store(sj + i, f32x4_mul(KV_NAME(dot4_keys)(qj, kj + i * row, kj + (i + 1) * row,
-                                                                     kj + (i + 2) * row, kj + (i + 3) * row,
-                                                                     head_dim),
+                    f32x4_store(sj + i, f32x4_mul(dot4_keys<KV>(qj, kj + i * row, kj + (i + 1) * row,
+                                                                kj + (i + 2) * row, kj + (i + 3) * row,
+                                                                head_dim),
                                                   vscale));
-                    for (int u = 0; u < 4; u++) sj[i + u] *= KV_SCALE(kj + (i + u) * row, head_dim);
+                    for (int u = 0; u < 4; u++) sj[i + u] *= KV::scale(kj + (i + u) * row, head_dim);
                 }
                 /* the last 1-3 keys: a four-key product too (its last key repeated, the extra lanes
                    dropped), so that every score is the same function of its q and k whatever the
                    length: what lets attend_rows give a prompt's tokens these bits */
                 if (i < n[g]) {
-                    const KV_T *kr[4];
+                    const kv_t<KV> *kr[4];
                     for (int u = 0; u < 4; u++) kr[u] = kj + (i + u < n[g] ? i + u : n[g] - 1) * row;
                     float s4[4];
-                    f32x4_store(s4, f32x4_mul(KV_NAME(dot4_keys)(qj, kr[0], kr[1], kr[2], kr[3], head_dim), vscale));
-                    for (int u = 0; i + u < n[g]; u++) sj[i + u] = s4[u] * KV_SCALE(kr[u], head_dim);
+                    f32x4_store(s4, f32x4_mul(dot4_keys<KV>(qj, kr[0], kr[1], kr[2], kr[3], head_dim), vscale));
+                    for (int u = 0; i + u < n[g]; u++) sj[i + u] = s4[u] * KV::scale(kr[u], head_dim);
                 }
             }
         }
@@ -258,13 +246,13 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
     /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
     memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
-    const KV_T *vb[KV_STREAMS], *vn[KV_STREAMS];
-    nb = KV_NAME(block_group)(v_cache, table, 0, len, block_size, row, vb, n);
+    const kv_t<KV> *vb[KV_STREAMS], *vn[KV_STREAMS];
+    nb = block_group<KV>(v_cache, table, 0, len, block_size, row, vb, n);
     const int64_t rows_per_head = (block_size + nq - 1) / nq; /* next group's rows prefetched per query head */
     for (int64_t t0 = 0; t0 < len; t0 += span) {
-        const int nbn = KV_NAME(block_group)(v_cache, table, t0 + span, len, block_size, row, vn, nn);
+        const int nbn = block_group<KV>(v_cache, table, t0 + span, len, block_size, row, vn, nn);
         for (int j = 0; j < nq; j++) {
-            KV_NAME(prefetch_rows)(vn, nn, nbn, j * rows_per_head, (j + 1) * rows_per_head, row);
+            prefetch_rows<KV>(vn, nn, nbn, j * rows_per_head, (j + 1) * rows_per_head, row);
             const int64_t kv_off = (int64_t)(h0 + j / group) * hs;
             const float *pj = scores + (int64_t)j * len + t0;
             for (int d0 = 0; d0 < head_dim; d0 += 64) {
@@ -277,10 +265,10 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                     for (int64_t i = 0; i < block_size; i++)
                         for (int g = 0; g < nb; g++) {
                             if (i >= n[g]) continue;
-                            const KV_T *vh = vb[g] + i * row + kv_off;
-                            const f32x16 p = f32x16_set1(pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
-                            const KV_T *v = KV_AT(vh, d0);
-                            for (int c = 0; c < 4; c++) acc[c] = f32x16_fma(p, KV_LOAD16(KV_AT(v, 16 * c)), acc[c]);
+                            const kv_t<KV> *vh = vb[g] + i * row + kv_off;
+                            const f32x16 p = f32x16_set1(pj[(int64_t)g * block_size + i] * KV::scale(vh, head_dim));
+                            const kv_t<KV> *v = KV::at(vh, d0);
+                            for (int c = 0; c < 4; c++) acc[c] = f32x16_fma(p, KV::load16(KV::at(v, 16 * c)), acc[c]);
                         }
                     for (int c = 0; c < 4; c++) f32x16_store(oj + 16 * c, acc[c]);
 #else
@@ -289,19 +277,19 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
                     for (int64_t i = 0; i < block_size; i++)
                         for (int g = 0; g < nb; g++) {
                             if (i >= n[g]) continue;
-                            const KV_T *vh = vb[g] + i * row + kv_off;
-                            const f32x8 p = f32x8_set1(pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
-                            const KV_T *v = KV_AT(vh, d0);
-                            for (int c = 0; c < 8; c++) acc[c] = f32x8_fma(p, KV_LOAD8(KV_AT(v, 8 * c)), acc[c]);
+                            const kv_t<KV> *vh = vb[g] + i * row + kv_off;
+                            const f32x8 p = f32x8_set1(pj[(int64_t)g * block_size + i] * KV::scale(vh, head_dim));
+                            const kv_t<KV> *v = KV::at(vh, d0);
+                            for (int c = 0; c < 8; c++) acc[c] = f32x8_fma(p, KV::load8(KV::at(v, 8 * c)), acc[c]);
                         }
                     for (int c = 0; c < 8; c++) f32x8_store(oj + 8 * c, acc[c]);
 #endif
                 } else {
                     for (int g = 0; g < nb; g++)
                         for (int64_t i = 0; i < n[g]; i++) {
-                            const KV_T *vh = vb[g] + i * row + kv_off;
-                            KV_NAME(axpy_kv)(oj, pj[(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim),
-                                             KV_AT(vh, d0), width);
+                            const kv_t<KV> *vh = vb[g] + i * row + kv_off;
+                            axpy_kv<KV>(oj, pj[(int64_t)g * block_size + i] * KV::scale(vh, head_dim),
+                                        KV::at(vh, d0), width);
                         }
                 }
             }
@@ -309,6 +297,16 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
         for (int g = 0; g < nbn; g++) vb[g] = vn[g], n[g] = nn[g];
         nb = nbn;
     }
+}
+
+/* a vf32 (simd.h: the build's widest float vector) of cache elements, with the type's load */
+template <class KV>
+static inline __attribute__((always_inline)) vf32 kv_loadv(const kv_t<KV> *p) {
+#if SIMD_F32X16
+    return KV::load16(p);
+#else
+    return KV::load8(p);
+#endif
 }
 
 /* ---- several queries of one kv head at once, each in attend_vec's order ----
@@ -329,9 +327,10 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_vec)(
    own: fma(0, v, acc) == acc for a finite v, the only kind a cache holds. */
 
 /* q . k of four keys for KV_ROW_TILE query rows: dot4_keys' operations per row, each key vector loaded once */
-static inline __attribute__((always_inline)) void KV_NAME(dot4_keys_rows)(const float *const *q, const KV_T *k0,
-                                                                           const KV_T *k1, const KV_T *k2,
-                                                                           const KV_T *k3, int head_dim, f32x4 *res) {
+template <class KV>
+static inline __attribute__((always_inline)) void dot4_keys_rows(const float *const *q, const kv_t<KV> *k0,
+                                                                 const kv_t<KV> *k1, const kv_t<KV> *k2,
+                                                                 const kv_t<KV> *k3, int head_dim, f32x4 *res) {
     f32x8 a[KV_ROW_TILE][4];
     for (int r = 0; r < KV_ROW_TILE; r++)
         for (int g = 0; g < 4; g++) a[r][g] = f32x8_zero();
@@ -341,8 +340,8 @@ static inline __attribute__((always_inline)) void KV_NAME(dot4_keys_rows)(const 
     for (int r = 0; r < KV_ROW_TILE; r++)
         for (int g = 0; g < 4; g++) w[r][g] = f32x16_zero();
     for (; d + 16 <= head_dim; d += 16) {
-        const f32x16 c0 = KV_LOAD16(KV_AT(k0, d)), c1 = KV_LOAD16(KV_AT(k1, d));
-        const f32x16 c2 = KV_LOAD16(KV_AT(k2, d)), c3 = KV_LOAD16(KV_AT(k3, d));
+        const f32x16 c0 = KV::load16(KV::at(k0, d)), c1 = KV::load16(KV::at(k1, d));
+        const f32x16 c2 = KV::load16(KV::at(k2, d)), c3 = KV::load16(KV::at(k3, d));
 #pragma GCC unroll 8
         for (int r = 0; r < KV_ROW_TILE; r++) {
             const f32x16 qv = f32x16_load(q[r] + d);
@@ -356,8 +355,8 @@ static inline __attribute__((always_inline)) void KV_NAME(dot4_keys_rows)(const 
         for (int g = 0; g < 4; g++) a[r][g] = f32x16_fold8(w[r][g]);
 #endif
     for (; d < head_dim; d += 8) {
-        const f32x8 c0 = KV_LOAD8(KV_AT(k0, d)), c1 = KV_LOAD8(KV_AT(k1, d));
-        const f32x8 c2 = KV_LOAD8(KV_AT(k2, d)), c3 = KV_LOAD8(KV_AT(k3, d));
+        const f32x8 c0 = KV::load8(KV::at(k0, d)), c1 = KV::load8(KV::at(k1, d));
+        const f32x8 c2 = KV::load8(KV::at(k2, d)), c3 = KV::load8(KV::at(k3, d));
 #pragma GCC unroll 8
         for (int r = 0; r < KV_ROW_TILE; r++) {
             const f32x8 qv = f32x8_load(q[r] + d);
@@ -372,29 +371,31 @@ static inline __attribute__((always_inline)) void KV_NAME(dot4_keys_rows)(const 
 
 /* scores[r * ld + t] for rows [0, nr) (nr <= KV_ROW_TILE; the missing rows repeat the last, their results
    dropped) and keys t < lmax, whose head rows are krow[t] */
-static inline void KV_NAME(scores_rows)(const float *const *q, int nr, const KV_T *const *krow, int64_t lmax,
-                                        int head_dim, float scale, float *scores, int64_t ld) {
+template <class KV>
+static inline void scores_rows(const float *const *q, int nr, const kv_t<KV> *const *krow, int64_t lmax,
+                               int head_dim, float scale, float *scores, int64_t ld) {
     const float *qt[KV_ROW_TILE];
     for (int r = 0; r < KV_ROW_TILE; r++) qt[r] = q[r < nr ? r : nr - 1];
     const f32x4 vscale = f32x4_set1(scale);
     for (int64_t t = 0; t < lmax; t += 4) {
-        const KV_T *kr[4];
+        const kv_t<KV> *kr[4];
         for (int u = 0; u < 4; u++) kr[u] = krow[t + u < lmax ? t + u : lmax - 1];
         f32x4 res[KV_ROW_TILE];
-        KV_NAME(dot4_keys_rows)(qt, kr[0], kr[1], kr[2], kr[3], head_dim, res);
+        dot4_keys_rows<KV>(qt, kr[0], kr[1], kr[2], kr[3], head_dim, res);
         for (int r = 0; r < nr; r++) {
             float s4[4];
             f32x4_store(s4, f32x4_mul(res[r], vscale));
-            for (int u = 0; u < 4 && t + u < lmax; u++) scores[r * ld + t + u] = s4[u] * KV_SCALE(kr[u], head_dim);
+            for (int u = 0; u < 4 && t + u < lmax; u++) scores[r * ld + t + u] = s4[u] * KV::scale(kr[u], head_dim);
         }
     }
 }
 
 /* rows [0, nr) of one group of blocks (tokens t0 + g * block_size + i, g < nb, i < n[g]) added into their
    outputs' slice [d0, d0 + KV_OUT_CHUNK): attend_vec's FMAs per lane, each row's weight p[r * ld + t] */
-static inline void KV_NAME(values_rows)(float *const *o, int nr, const float *p, int64_t ld,
-                                        const KV_T *const *vrow, int64_t t0, int nb, const int64_t *n,
-                                        int block_size, int head_dim, int d0) {
+template <class KV>
+static inline void values_rows(float *const *o, int nr, const float *p, int64_t ld,
+                               const kv_t<KV> *const *vrow, int64_t t0, int nb, const int64_t *n,
+                               int block_size, int head_dim, int d0) {
     float *ot[KV_ROW_TILE];
     const float *pt[KV_ROW_TILE];
     for (int r = 0; r < KV_ROW_TILE; r++) {
@@ -409,13 +410,14 @@ static inline void KV_NAME(values_rows)(float *const *o, int nr, const float *p,
     for (int64_t i = 0; i < block_size; i++)
         for (int g = 0; g < nb; g++) {
             if (i >= n[g]) continue;
-            const KV_T *vh = vrow[t0 + (int64_t)g * block_size + i];
-            const KV_T *v = KV_AT(vh, d0);
-            const vf32 c0 = KV_LOADV(KV_AT(v, 0)), c1 = KV_LOADV(KV_AT(v, SIMD_F32_WIDTH));
-            const vf32 c2 = KV_LOADV(KV_AT(v, 2 * SIMD_F32_WIDTH)), c3 = KV_LOADV(KV_AT(v, 3 * SIMD_F32_WIDTH));
+            const kv_t<KV> *vh = vrow[t0 + (int64_t)g * block_size + i];
+            const kv_t<KV> *v = KV::at(vh, d0);
+            const vf32 c0 = kv_loadv<KV>(KV::at(v, 0)), c1 = kv_loadv<KV>(KV::at(v, SIMD_F32_WIDTH));
+            const vf32 c2 = kv_loadv<KV>(KV::at(v, 2 * SIMD_F32_WIDTH));
+            const vf32 c3 = kv_loadv<KV>(KV::at(v, 3 * SIMD_F32_WIDTH));
 #pragma GCC unroll 8
             for (int r = 0; r < KV_ROW_TILE; r++) {
-                const vf32 w = vf32_set1(pt[r][(int64_t)g * block_size + i] * KV_SCALE(vh, head_dim));
+                const vf32 w = vf32_set1(pt[r][(int64_t)g * block_size + i] * KV::scale(vh, head_dim));
                 acc[r][0] = vf32_fma(w, c0, acc[r][0]);
                 acc[r][1] = vf32_fma(w, c1, acc[r][1]);
                 acc[r][2] = vf32_fma(w, c2, acc[r][2]);
@@ -429,10 +431,11 @@ static inline void KV_NAME(values_rows)(float *const *o, int nr, const float *p,
 /* Rows [0, nr) of one sequence and kv head: q[r] (head_dim floats) attends to keys [0, lens[r]) into o[r].
    nr <= KV_ROWS_MAX, head_dim a multiple of 64. table: the sequence's block table; kv_off: the kv head's offset in a slot's
    row of `row` elements. Scratch: scores [nr][round_up(max len, 4)], rows [max len] pointers. */
-static __attribute__((unused)) void KV_NAME(attend_rows)(const float *const *q, float *const *o, const int64_t *lens, int nr,
-                                 const KV_T *k_cache, const KV_T *v_cache, const int64_t *table, int64_t kv_off,
-                                 int64_t row, int head_dim, int block_size, float scale, float *scores,
-                                 const KV_T **rows) {
+template <class KV>
+static __attribute__((unused)) void attend_rows(const float *const *q, float *const *o, const int64_t *lens, int nr,
+                                                const kv_t<KV> *k_cache, const kv_t<KV> *v_cache,
+                                                const int64_t *table, int64_t kv_off, int64_t row, int head_dim,
+                                                int block_size, float scale, float *scores, const kv_t<KV> **rows) {
     int64_t lmax = 1;
     for (int r = 0; r < nr; r++) lmax = lens[r] > lmax ? lens[r] : lmax;
     const int64_t ld = (lmax + 3) / 4 * 4;
@@ -445,7 +448,7 @@ static __attribute__((unused)) void KV_NAME(attend_rows)(const float *const *q, 
         int64_t len = 1;
         for (int r = r0; r < r0 + n_r; r++) len = lens[r] > len ? lens[r] : len;
         tile_len[r0 / KV_ROW_TILE] = len;
-        KV_NAME(scores_rows)(q + r0, n_r, rows, len, head_dim, scale, scores + r0 * ld, ld);
+        scores_rows<KV>(q + r0, n_r, rows, len, head_dim, scale, scores + r0 * ld, ld);
     }
     for (int r = 0; r < nr; r++) {
         softmax_row(scores + r * ld, lens[r]);
@@ -466,42 +469,46 @@ static __attribute__((unused)) void KV_NAME(attend_rows)(const float *const *q, 
                     const int64_t tb = t0 + (int64_t)nb * block_size;
                     n[nb] = len - tb < block_size ? len - tb : block_size;
                 }
-                KV_NAME(values_rows)(o + r0, nr - r0 < KV_ROW_TILE ? nr - r0 : KV_ROW_TILE, scores + r0 * ld, ld,
-                                     rows, t0, nb, n, block_size, head_dim, d0);
+                values_rows<KV>(o + r0, nr - r0 < KV_ROW_TILE ? nr - r0 : KV_ROW_TILE, scores + r0 * ld, ld,
+                                rows, t0, nb, n, block_size, head_dim, d0);
             }
 }
-#endif /* KV_VECTOR */
+#endif /* PA_VECTOR */
 
 /* The vector path for head sizes that are multiples of 8 where the build
    has it, attend_one otherwise; the common head sizes get loops of known
    length, which gcc unrolls fully. */
 /* not inlined: paged_decode.cpp and paged_prefill.cpp each hold one copy of the same code, so a query
    gets the same operations from either */
-static __attribute__((noinline, unused)) void KV_NAME(attend)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
-                                   int64_t len, float *out, int num_heads, int num_kv_heads, int head_dim,
-                                   int block_size, float scale, int h0, int h1, float *scores, int64_t skip) {
-#if KV_VECTOR
-    if (head_dim == 64)
-        KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
-                            h1, scores, skip);
-    else if (head_dim == 128)
-        KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
-                            h0, h1, scores, skip);
-    else if (head_dim % 8 == 0)
-        KV_NAME(attend_vec)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, h0, h1, scores, skip);
-    else
-#else
-    if (head_dim == 64)
-        KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
-                            h1, scores, skip);
-    else if (head_dim == 128)
-        KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
-                            h0, h1, scores, skip);
-    else
+template <class KV>
+static __attribute__((noinline, unused)) void attend(const float *q, const kv_t<KV> *k_cache, const kv_t<KV> *v_cache,
+                                                     const int64_t *table, int64_t len, float *out, int num_heads,
+                                                     int num_kv_heads, int head_dim, int block_size, float scale,
+                                                     int h0, int h1, float *scores, int64_t skip) {
+#if PA_VECTOR
+    if constexpr (KV::vector) {
+        if (head_dim == 64)
+            attend_vec<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
+                           h1, scores, skip);
+        else if (head_dim == 128)
+            attend_vec<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
+                           h0, h1, scores, skip);
+        else if (head_dim % 8 == 0)
+            attend_vec<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
+                           scale, h0, h1, scores, skip);
+        else
+            attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
+                           scale, h0, h1, scores, skip);
+    } else
 #endif
-        KV_NAME(attend_one)(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, h0, h1, scores, skip);
+    if (head_dim == 64)
+        attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
+                       h1, scores, skip);
+    else if (head_dim == 128)
+        attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
+                       h0, h1, scores, skip);
+    else
+        attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
+                       scale, h0, h1, scores, skip);
 }
-#undef KV_ELEM1
-#undef KV_AT
+#endif
