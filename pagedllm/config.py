@@ -234,7 +234,7 @@ class EngineConfig:
             any batch, however its prompt is chunked, after a prefix-cache
             hit or a preemption, captured or eager. Every prompt token's
             attention then reads the cache in the decode kernel's order
-            (``kernels/paged_prefill.cpp``) instead of the prefill kernel's
+            (``kernels/attention/paged_prefill.cpp``) instead of the prefill kernel's
             tiles. None ("auto", the default): on wherever it can be, that is
             on the CPU, one or two ranks, float32 or bfloat16 weights, the native
             kernels built, ``cpu_paged`` attention and the packed or
