@@ -51,7 +51,7 @@ def positive_multiple_of(step: int, optional: bool = False) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-def _phrase(error: dict[str, Any], number: str) -> str:
+def requirement(error: dict[str, Any], number: str) -> str:
     """What the value must be, from one of pydantic's error records (``number``: "an integer" or "a number",
     what the field holds)."""
     kind, ctx = error["type"], error.get("ctx", {})
@@ -71,6 +71,7 @@ def _phrase(error: dict[str, Any], number: str) -> str:
         "int_type": "must be an integer", "int_from_float": "must be an integer", "int_parsing": "must be an integer",
         "float_type": "must be a number", "float_parsing": "must be a number", "bool_type": "must be true or false",
         "string_type": "must be a string", "string_too_short": "must be a non-empty string",
+        "too_short": "must not be empty",
         "finite_number": "must be a finite number", "list_type": "must be a list", "none_required": "must be None",
         "multiple_of": f"must be a multiple of {ctx.get('multiple_of')}",
         "unexpected_keyword_argument": "is not a field", "missing_argument": "is required", "missing": "is required",
@@ -126,7 +127,7 @@ def readable_error(error: ValidationError, prefix: str = "", cls: type | None = 
             continue
         got = "" if e["type"] in ("missing_argument", "missing") else f", got {e['input']!r}"
         number = kinds.get(loc[0], "an integer" if isinstance(e.get("input"), int) else "a number")
-        lines.append(f"{name} {_phrase(e, number)}{got}")
+        lines.append(f"{name} {requirement(e, number)}{got}")
     return "; ".join(lines)
 
 

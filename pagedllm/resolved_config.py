@@ -1,7 +1,7 @@
 """Every "auto" of an ``EngineConfig`` resolved, once, for this machine: ``resolve_config``.
 
 ``EngineConfig`` records what was asked; several fields may leave the choice to the engine ("auto" or
-None: the attention and linear backends, the executor, batch invariance, prefix caching, the int4 group
+None: the attention and linear backends, the executor, the all-reduce, batch invariance, prefix caching, the int4 group
 size, the latency target, the KV cache's dtype). ``resolve_config`` takes each of those choices here, in
 one place, from the config, the device and what this machine's build offers (the native kernels,
 oneDNN), and returns a frozen ``ResolvedConfig`` holding no "auto". The runner, the layers, the ``env``
@@ -12,12 +12,20 @@ ValueError, before any weight is read.
 The one choice that needs the weights, the KV cache's dtype under "auto" (float16 where a GGUF file's
 blocks are kept), is taken by ``resolve_kv_cache_dtype`` in this module once the runner knows that fact.
 
+``all_reduce_backend`` is resolved here from what the launch tells this process (``_shm_refusal``): an
+``mp`` launch puts every rank on this machine, torchrun's ``LOCAL_WORLD_SIZE`` says whether it did. What
+one process cannot see is the other ranks themselves (another host's name, a rank whose kernels failed
+to load): each rank resolves for itself, and when they meet (``distributed/launch.py: join_group``) they
+only check their answers agree and share one host, refusing with a ValueError on every rank otherwise;
+they choose nothing there.
+
 torch and the kernels are imported inside the functions: the config module and the engine's
 bookkeeping import this module's types without them.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Literal
 
 from pagedllm.config_record import PositiveFloat, PositiveInt, config_record
@@ -28,6 +36,7 @@ if TYPE_CHECKING:
 ResolvedAttention = Literal["cpu_paged", "sdpa", "reference"]
 ResolvedLinear = Literal["packed", "onednn", "torch", "int8", "int4"]
 ResolvedExecutor = Literal["mp", "torchrun"]
+ResolvedAllReduce = Literal["shm", "gloo"]
 ResolvedKvCacheDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2"]
 # weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
 DEFAULT_INT4_GROUP_SIZE = 128
@@ -43,6 +52,10 @@ class ResolvedConfig:
             "torch" for float weights, "int8" / "int4" for weight-only ones
             (a GGUF file's blocks run their own kernels whatever this says).
         distributed_executor_backend: how tensor-parallel ranks start.
+        all_reduce_backend: how tensor-parallel ranks sum partial results:
+            "shm" (shared memory, every rank on this machine) or "gloo" (the
+            process group: gloo, or NCCL on a GPU; also one rank, which sums
+            nothing).
         batch_invariant: whether every request is computed alike in any batch.
         prefix_caching: whether identical prompt prefixes share KV blocks.
         weight_group_size: weights per group of int8 / int4 (None: one
@@ -56,6 +69,7 @@ class ResolvedConfig:
     attention_backend: ResolvedAttention
     linear_backend: ResolvedLinear
     distributed_executor_backend: ResolvedExecutor
+    all_reduce_backend: ResolvedAllReduce
     batch_invariant: bool
     prefix_caching: bool
     weight_group_size: PositiveInt | None
@@ -107,6 +121,37 @@ def _executor(config: EngineConfig) -> str:
     from pagedllm.distributed.launch import launched_by_torchrun
 
     return "torchrun" if launched_by_torchrun() else "mp"
+
+
+def _shm_refusal(config: EngineConfig, executor: str) -> str | None:
+    """Why the ranks cannot sum through shared memory, as far as this process can tell (None: they can).
+
+    The ranks share memory only on one machine: an ``mp`` launch starts every rank here; a ``torchrun``
+    launch says so when its ``LOCAL_WORLD_SIZE`` (ranks on this node) equals ``WORLD_SIZE`` (without
+    it, a hand-set ``RANK`` / ``WORLD_SIZE``, nothing says where the other ranks run).
+    """
+    from pagedllm.kernels import kernels_available
+
+    if config.device != "cpu":
+        return "needs device='cpu' (GPU ranks sum through NCCL)"
+    if not kernels_available() or not os.path.isdir("/dev/shm"):
+        return "needs the native kernels and /dev/shm on this machine"
+    if executor == "torchrun" and os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return ("needs every rank on this machine, and torchrun's LOCAL_WORLD_SIZE "
+                f"({os.environ.get('LOCAL_WORLD_SIZE', 'unset')}) is not its WORLD_SIZE "
+                f"({os.environ.get('WORLD_SIZE', 'unset')})")
+    return None
+
+
+def _all_reduce(config: EngineConfig, executor: str) -> str:
+    """"auto": "shm" where ``_shm_refusal`` finds nothing against it, else "gloo"; "shm" refused (ValueError)
+    where it finds something. One rank sums nothing: "gloo", whatever was asked."""
+    if config.tensor_parallel_size == 1 or config.all_reduce_backend == "gloo":
+        return "gloo"
+    refusal = _shm_refusal(config, executor)
+    if refusal is not None and config.all_reduce_backend == "shm":
+        raise ValueError(f"all_reduce_backend='shm' {refusal}")
+    return "gloo" if refusal is not None else "shm"
 
 
 def _batch_invariant_refusals(config: EngineConfig, attention: str, linear: str) -> dict[str, tuple[bool, str]]:
@@ -164,10 +209,12 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
     attention = _attention_backend(config)
     linear = _linear_backend(config)
     target = config.itl_target_ms
+    executor = _executor(config)
     return ResolvedConfig(
         attention_backend=attention,
         linear_backend=linear,
-        distributed_executor_backend=_executor(config),
+        distributed_executor_backend=executor,
+        all_reduce_backend=_all_reduce(config, executor),
         batch_invariant=_batch_invariant(config, attention, linear),
         prefix_caching=prefix_caching(config),
         weight_group_size=weight_group_size(config),

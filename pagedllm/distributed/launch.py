@@ -24,6 +24,7 @@ from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.distributed.shard_plan import ShardPlan
 from pagedllm.distributed.shm_all_reduce import MAX_ROWS, ShmAllReduce
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.resolved_config import ResolvedAllReduce
 
 __all__ = ["Rendezvous", "join_group", "launched_by_torchrun", "leave_group", "parse_cpu_bind", "pin_rank",
            "rank_threads", "torchrun_rank"]
@@ -95,16 +96,18 @@ def pin_rank(cores: list[int] | None, threads: int) -> None:
 
 def join_group(
     model_config: ModelArchConfig, rank: int, where: Rendezvous, timeout_s: float, device: torch.device,
-    all_reduce: str = "auto", max_rows: int = MAX_ROWS,
+    all_reduce: ResolvedAllReduce, max_rows: int = MAX_ROWS,
 ) -> TensorParallelGroup:
     """Meet the other ranks and build this rank's groups: start-up, the steps' collectives, step dispatch.
 
     A step's collectives wait at most ``timeout_s``; on the dispatch group
     rank 0 does too, while a worker waits for its next step as long as the
     engine idles. Start-up waits up to ``START_WAIT`` for the slowest rank.
-    ``all_reduce``: "auto" (shared memory where every rank is on this
-    machine, for tensors of up to ``max_rows`` rows; gloo / NCCL otherwise),
-    "shm" (the same, refused when it cannot) or "gloo" (the process group only).
+    ``all_reduce``: ``ResolvedConfig.all_reduce_backend``, "shm" (shared
+    memory for tensors of up to ``max_rows`` rows) or "gloo" (the process
+    group: gloo, NCCL on a GPU). Each rank resolved it for itself; meeting,
+    the ranks check that they agree and, for "shm", that they share one host
+    (ValueError on every rank otherwise).
     """
     plan = ShardPlan.make(model_config, rank, where.size)
     if dist.is_initialized():
@@ -121,12 +124,17 @@ def join_group(
     except (RuntimeError, ValueError) as e:
         raise DistributedError(f"rank {rank} could not join the tensor-parallel group at {where.addr}:{where.port}: {e}") from e
     shm = None
-    if all_reduce != "gloo" and device.type == "cpu":
+    if device.type == "cpu":
         capacity = min(max_rows, MAX_ROWS) * model_config.hidden_size
-        shm = ShmAllReduce.create(dist.group.WORLD, rank, where.size, capacity, timeout_s)
+        try:
+            shm = ShmAllReduce.create(dist.group.WORLD, rank, where.size, capacity, timeout_s, all_reduce == "shm")
+        except ValueError:
+            leave_group()
+            raise
         if shm is None and all_reduce == "shm":
             leave_group()
-            raise ValueError("all_reduce_backend='shm' needs every rank on one machine with the native kernels")
+            raise ValueError("all_reduce_backend resolved to 'shm', but the ranks met on more than one host or "
+                             "without the native kernels on every rank")
     return TensorParallelGroup(plan, collectives, dispatch, dist.group.WORLD, shm)
 
 

@@ -54,13 +54,22 @@ class ShmAllReduce:
         torch.ops.pagedllm.shm_all_reduce(x, self.slots, self.flags, self.pids, self.rank, self.timeout_s)
 
     @classmethod
-    def create(cls, startup: object, rank: int, size: int, capacity: int, timeout_s: float) -> ShmAllReduce | None:
+    def create(
+        cls, startup: object, rank: int, size: int, capacity: int, timeout_s: float, wanted: bool = True,
+    ) -> ShmAllReduce | None:
         """Map the shared slots on every rank (a collective on ``startup``); None, on every rank, when the ranks
-        are on different machines or the native kernels are missing on any of them."""
+        are on different machines, the native kernels are missing on any of them, or no rank ``wanted`` them.
+
+        Every rank calls it, whatever it resolved, so that ranks which resolved differently (ValueError on
+        every rank) never leave one waiting in a collective the others skip.
+        """
         usable = load_kernels() is not None and os.path.isdir("/dev/shm")
         facts: list[object] = [None] * size
-        dist.all_gather_object(facts, (socket.gethostname(), usable, os.getpid()), group=startup)
-        if len({host for host, _, _ in facts}) != 1 or not all(ok for _, ok, _ in facts):
+        dist.all_gather_object(facts, (socket.gethostname(), usable, os.getpid(), wanted), group=startup)
+        if len({want for *_, want in facts}) != 1:
+            raise ValueError(f"the ranks resolved all_reduce_backend differently (shm wanted by rank(s) "
+                             f"{[r for r, (*_, want) in enumerate(facts) if want]} only)")
+        if not wanted or len({host for host, *_ in facts}) != 1 or not all(ok for _, ok, *_ in facts):
             return None
         nbytes = _FLAGS_BYTES + 2 * size * capacity * 4
         box = [f"/dev/shm/pagedllm-tp-{uuid.uuid4().hex}" if rank == 0 else None]
@@ -76,5 +85,5 @@ class ShmAllReduce:
                 os.unlink(box[0])  # mapped everywhere: nothing is left in /dev/shm, even after a crash
         flags = memory[: size * 8].view(torch.int64)  # [ranks]
         slots = memory[_FLAGS_BYTES:].view(torch.float32).view(2, size, capacity)  # [2, ranks, capacity]
-        pids = torch.tensor([pid for _, _, pid in facts], dtype=torch.int64)  # [ranks]
+        pids = torch.tensor([pid for _, _, pid, _ in facts], dtype=torch.int64)  # [ranks]
         return cls(slots, flags, pids, rank, timeout_s)

@@ -8,6 +8,10 @@ a field is documented once and the command line cannot drift from the library.
 
 A flag left out is not set at all (``argparse.SUPPRESS``): the library then applies its own default, so
 the defaults, too, are written once. ``record_kwargs`` reads the flags given back into keyword arguments.
+
+A field whose flag is not named as the field says, or whose text means something else than the value
+(``--stream-write-timeout 0``: no bound, None), carries a ``Flag`` in its annotation
+(``Annotated[float, Flag("--header-timeout", ...)]``); pydantic ignores it, the command line reads it.
 """
 
 from __future__ import annotations
@@ -23,9 +27,51 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 from pagedllm.config_record import field_docs
 
 
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """How a record field appears on the command line where its name and type do not say it all.
+
+    Args:
+        name: the option, where it is not ``--<field-name>`` (``--served-model-name``).
+        parser: reads the flag's text into the field's value (``"0"`` -> None, ``"a,b"`` -> a list) when
+            the record is built (``record_kwargs``), so that a ValueError it raises is a refused value,
+            as the record's own, naming the flag.
+        metavar: the value's name in ``--help``.
+        default: the default as ``--help`` shows it, where the record's own would mislead.
+        prefix: for a nested record, the prefix of its fields' flags (default: the field's first word).
+        skip: no flag: the command sets the field itself (a name read from the model, a timestamp).
+    """
+
+    name: str | None = None
+    parser: Callable[[str], object] | None = None
+    metavar: str | None = None
+    default: str | None = None
+    prefix: str | None = None
+    skip: bool = False
+
+
+NO_FLAG = Flag(skip=True)
+
+
 @cache
 def _hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls, include_extras=True)
+
+
+def field_flag(cls: type, name: str) -> Flag:
+    """The ``Flag`` in the annotation of ``cls``'s field ``name`` (outermost ``Annotated``), or a plain one."""
+    hint = _hints(cls)[name]
+    if get_origin(hint) is Annotated:
+        for meta in get_args(hint)[1:]:
+            if isinstance(meta, Flag):
+                return meta
+    return Flag()
+
+
+def _nested_prefix(cls: type, name: str, prefix: str) -> str:
+    """The flag prefix of the fields of ``cls``'s nested record ``name`` (``grammar_limits`` -> ``grammar-``)."""
+    own = field_flag(cls, name).prefix
+    return prefix + (name.split("_")[0] + "-" if own is None else own)
 
 
 def _strip(hint: Any) -> tuple[Any, bool]:  # noqa: ANN401 (a typing form)
@@ -71,6 +117,7 @@ class FieldFlag:
     flag: str
     dest: str
     nested: bool = False
+    parse: Callable[[str], object] | None = None
 
 
 def add_record_arguments(
@@ -94,20 +141,25 @@ def add_record_arguments(
     docs, hints = field_docs(cls), _hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        marker = field_flag(cls, f.name)
+        if f.name in skip or marker.skip:
             continue
         key = prefix.replace("-", "_") + f.name
-        flag, dest = flag_name(f.name, prefix), key
+        flag, dest = marker.name or flag_name(f.name, prefix), key
         if taken(flag):  # the command has a flag of that name already (generate's per-request --seed)
             flag, dest = flag_name(f.name, "engine-" + prefix), "engine_" + key
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        shown = (defaults or {}).get(f.name, _show(default))
+        shown = (defaults or {}).get(f.name, marker.default or _show(default))
         text = first_sentence(docs.get(f.name, "")).replace("%", "%%") or f.name.replace("_", " ")
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": f"{text} (default: {shown})"}
+        if marker.metavar is not None:
+            kwargs["metavar"] = marker.metavar
         hint, _ = _strip(hints[f.name])
         if f.name in (parsers or {}):
             kwargs["type"] = parsers[f.name]
+        elif marker.parser is not None:
+            kwargs["type"] = str  # read by the marker's parser in record_kwargs
         elif hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif get_origin(hint) is Literal:
@@ -116,12 +168,12 @@ def add_record_arguments(
             kwargs["type"] = hint
         elif dataclasses.is_dataclass(hint):
             out.append(FieldFlag(key, flag, dest, nested=True))  # the record's own flags, under its name
-            out.extend(add_record_arguments(group, hint, prefix=prefix + f.name.split("_")[0] + "-", taken=taken))
+            out.extend(add_record_arguments(group, hint, prefix=_nested_prefix(cls, f.name, prefix), taken=taken))
             continue
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no flag for type {hint!r}; give it a parser")
         group.add_argument(flag, *(aliases or {}).get(f.name, ()), **kwargs)
-        out.append(FieldFlag(key, flag, dest))
+        out.append(FieldFlag(key, flag, dest, parse=marker.parser))
     return out
 
 
@@ -135,9 +187,20 @@ def record_kwargs(args: argparse.Namespace, cls: type, flags: list[FieldFlag], p
             continue
         if flag.nested:
             record, _ = _strip(_hints(cls)[f.name])
-            inner = record_kwargs(args, record, flags, prefix + f.name.split("_")[0] + "_")
+            inner_prefix = _nested_prefix(cls, f.name, prefix.replace("_", "-")).replace("-", "_")
+            inner = record_kwargs(args, record, flags, inner_prefix)
             if inner:
                 kwargs[f.name] = record(**inner)
         elif hasattr(args, flag.dest):
-            kwargs[f.name] = getattr(args, flag.dest)
+            kwargs[f.name] = _parsed(flag, getattr(args, flag.dest))
     return kwargs
+
+
+def _parsed(flag: FieldFlag, value: object) -> object:
+    """A flag's value through its field's ``Flag.parser`` (if any); its ValueError names the flag."""
+    if flag.parse is None:
+        return value
+    try:
+        return flag.parse(value)
+    except ValueError as e:
+        raise ValueError(f"{flag.flag} {e}") from None

@@ -241,7 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     check_port_free(settings.host, settings.port)
-    logging.getLogger().setLevel(args.log_level.upper())
+    # uvicorn's "trace" is below logging's levels: debug is the most this process's loggers say
+    logging.getLogger().setLevel("DEBUG" if settings.log_level == "trace" else settings.log_level.upper())
     if args.data_parallel_size > 1:
         return _serve_data_parallel(args, settings)
     llm = LLM(args.model_pos or args.model, **_engine_kwargs(args))
@@ -284,37 +285,19 @@ def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> 
     return 0
 
 
-# the serve flag of each ServerSettings / HTTPLimits field whose flag is not named as the field
-_SERVER_FLAGS = {
-    "model_name": "--served-model-name", "kv_page": "--no-kv-page", "header_timeout_s": "--header-timeout",
-    "linger_timeout_s": "--linger-timeout", "stream_write_timeout_s": "--stream-write-timeout",
-}
-
-
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
-    """The server's settings from its flags; a refused value is a ValueError naming the flag."""
-    from pagedllm.entrypoints.openai.api_server import ServerSettings
-    from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
+    """The server's settings from its flags (``_serve_arguments``); a refused value is a ValueError naming the
+    flag."""
+    from pagedllm.entrypoints.openai.settings import ServerSettings
 
     try:
-        http_limits = HTTPLimits(header_timeout_s=args.header_timeout, max_header_connections=args.max_header_connections,
-                                 linger_timeout_s=args.linger_timeout, max_linger_bytes=args.max_linger_bytes)
-        return ServerSettings(
-            model_name=args.served_model_name or "", api_key=args.api_key or None, max_waiting=args.max_waiting,
-            host=args.host, port=args.port, log_level=args.log_level, max_request_bytes=args.max_request_bytes,
-            allowed_hosts=_comma_list(args.allowed_hosts), allowed_origins=_comma_list(args.allowed_origins),
-            tool_call_parser=args.tool_call_parser, kv_page=not args.no_kv_page, http_limits=http_limits,
-            default_max_tokens=args.default_max_tokens,
-            stream_write_timeout_s=_stream_write_timeout(args.stream_write_timeout),
-        )
+        # the model's name is read from the model when --served-model-name is not given
+        return ServerSettings(**{"model_name": "", **record_kwargs(args, ServerSettings, args.server_flags)})
     except ValueError as e:
         # the records name their fields; the person typed flags
-        def flag(match: re.Match) -> str:
-            return _SERVER_FLAGS.get(match.group(0), "--" + match.group(0).replace("_", "-"))
-
-        fields = {f.name for f in (*dataclasses.fields(ServerSettings), *dataclasses.fields(HTTPLimits))}
-        names = "|".join(sorted(fields, key=len, reverse=True))
-        raise ValueError(re.sub(rf"\b(?:{names})\b", flag, str(e))) from None
+        flags = {flag.key: flag.flag for flag in args.server_flags if not flag.nested}
+        names = "|".join(sorted(flags, key=len, reverse=True))
+        raise ValueError(re.sub(rf"\b(?:{names})\b", lambda match: flags[match.group(0)], str(e))) from None
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -329,74 +312,16 @@ def check_port_free(host: str, port: int) -> None:
                          "pick another --port") from None
 
 
-def _stream_write_timeout(seconds: float) -> float | None:
-    """``--stream-write-timeout``: seconds, or None for 0 (no bound)."""
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(f"--stream-write-timeout must be a number of seconds >= 0, got {seconds}")
-    return seconds or None
-
-
-def _comma_list(value: str | None) -> list[str] | None:
-    """``"a,b"`` -> ``["a", "b"]``; None stays None."""
-    if value is None:
-        return None
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise ValueError(f"expected a comma-separated list, got {value!r}")
-    return items
-
-
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    from pagedllm.entrypoints.openai import http_protocol as hp
-    from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES
-    from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S
+    """A flag for every ``ServerSettings`` / ``HTTPLimits`` field, generated from the field (``arg_fields.py``;
+    a field's ``Flag`` names those spelled otherwise), and the data-parallel flags."""
+    from pagedllm.entrypoints.openai.settings import ServerSettings
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file, a Hugging Face folder or repo id (org/repo, org/repo:Q4_K_M) "
                         "(default: bundled SmolLM2)")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as 'model' (default: the model's file or folder name)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
-                        "/openapi.json, /docs and the /kv page's")
-    g.add_argument("--max-waiting", type=int, default=1024,
-                   help="most requests waiting for their first token; past it new requests get 429")
-    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_BYTES})")
-    g.add_argument("--header-timeout", type=float, default=hp.DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
-                   help="seconds a connection gets to send its request line and headers, from when it opens (or "
-                        "its next request's first byte); then it is closed, with a 408 if it sent any "
-                        f"(default {hp.DEFAULT_HEADER_TIMEOUT_S:g})")
-    g.add_argument("--max-header-connections", type=int, default=hp.DEFAULT_MAX_HEADER_CONNECTIONS, metavar="N",
-                   help="most connections sending their headers at once; past it a new one closes the one waiting "
-                        f"longest (if it waited {hp.MIN_EVICTABLE_S:g} s) (default {hp.DEFAULT_MAX_HEADER_CONNECTIONS})")
-    g.add_argument("--linger-timeout", type=float, default=hp.DEFAULT_LINGER_TIMEOUT_S, metavar="SECONDS",
-                   help="after an answer sent before the body was read (413), the most seconds the rest of the "
-                        "body is read and discarded before the connection closes, so the client can read the "
-                        f"answer; 0: close at once (default {hp.DEFAULT_LINGER_TIMEOUT_S:g})")
-    g.add_argument("--max-linger-bytes", type=int, default=hp.DEFAULT_MAX_LINGER_BYTES, metavar="N",
-                   help="the most bytes discarded so; 0: close at once "
-                        f"(default {hp.DEFAULT_MAX_LINGER_BYTES})")
-    g.add_argument("--stream-write-timeout", type=float, default=DEFAULT_STREAM_WRITE_TIMEOUT_S, metavar="SECONDS",
-                   help="the most seconds one write of a streamed answer may wait for a client that reads nothing; "
-                        "then the stream ends, its request is aborted and its KV blocks freed (counted in "
-                        f"pagedllm:stream_write_timeouts_total); 0: no bound (default {DEFAULT_STREAM_WRITE_TIMEOUT_S:g})")
-    g.add_argument("--allowed-hosts", default=None, metavar="NAMES",
-                   help="comma-separated Host names accepted besides loopback ones ('*': any); "
-                        "bound to loopback, other names are refused (DNS rebinding)")
-    g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
-                   help="comma-separated origins browsers may call from (CORS); default: none")
-    g.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
-                   help="the model's tool-call format for tool_choice 'auto' (default: read from the chat template)")
-    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
-                   help="most tokens a reply gets when the request sets no max_tokens / max_completion_tokens "
-                        "(chat; completions' max_tokens: null); a request's own value is never changed "
-                        "(default: no cap, replies may run to the end of the context, as in OpenAI and vLLM)")
-    g.add_argument("--no-kv-page", action="store_true",
-                   help="do not serve the live KV-cache page (/kv, /kv/state, /kv/events)")
+    g = p.add_argument_group("server (ServerSettings' and HTTPLimits' fields; docs/serving.md)")
+    p.set_defaults(server_flags=add_record_arguments(g, ServerSettings))
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="N engine processes (replicas) behind this server; a request goes to the replica with "
                         "the longest cached prefix of its prompt, else the least loaded (default 1: one engine "
@@ -405,7 +330,6 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --data-parallel-size: a replica that sends nothing, heartbeats included, for this "
                         "long is marked down, killed and started again (default 10; at least 1). Heartbeats come "
                         "from a thread of their own, so a long engine step does not delay them")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def cmd_env(args: argparse.Namespace) -> int:

@@ -52,8 +52,8 @@ def run_worker(config: EngineConfig, rank: int, where: Rendezvous, cores: list[i
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = join_group(model_config, rank, where, config.distributed_timeout_s, device, config.all_reduce_backend,
-                    config.max_num_batched_tokens)
+    tp = join_group(model_config, rank, where, config.distributed_timeout_s, device,
+                    resolve_config(config).all_reduce_backend, config.max_num_batched_tokens)
     try:
         runner = ModelRunner(config, model_config, iter_weights(config.model, model_config), tp)
         runner.serve_steps()
@@ -157,7 +157,7 @@ def _join_watching(
     def join() -> None:
         try:
             joined.append(join_group(model_config, 0, where, config.distributed_timeout_s, rank_device(config, 0),
-                                     config.all_reduce_backend, config.max_num_batched_tokens))
+                                     resolve_config(config).all_reduce_backend, config.max_num_batched_tokens))
         except BaseException as e:  # handed to the waiting thread
             joined.append(e)
 

@@ -77,7 +77,8 @@ def test_field_docs_read_the_args_section() -> None:
 
 # EngineConfig's fields whose value may leave a choice to the engine
 AUTO_FIELDS = {"attention_backend", "linear_backend", "distributed_executor_backend", "kv_cache_dtype",
-               "itl_target_ms", "batch_invariant"}
+               "itl_target_ms", "batch_invariant", "all_reduce_backend"}
+AUTO_ARGUMENTS = AUTO_FIELDS | {"all_reduce"}
 RESOLVER = ROOT / "resolved_config.py"
 # config.py declares the fields and checks what a given value combines with (e.g. linear_backend left at
 # "auto" under weight-only quantization): it validates the request, it takes no choice
@@ -92,6 +93,8 @@ def _reads_of_auto(path: Path) -> list[str]:
             continue
         sides = [node.left, *node.comparators]
         fields = [s.attr for s in sides if isinstance(s, ast.Attribute) and s.attr in AUTO_FIELDS]
+        # a field handed on as a plain argument keeps a shorter name (join_group's ``all_reduce``)
+        fields += [s.id for s in sides if isinstance(s, ast.Name) and s.id in AUTO_ARGUMENTS]
         constants = [s.value for s in sides if isinstance(s, ast.Constant)]
         if fields and ("auto" in constants or (None in constants and "batch_invariant" in fields)):
             found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} reads {fields[0]}")
@@ -109,7 +112,7 @@ def test_the_resolved_config_holds_no_auto() -> None:
     resolved = resolve_config(EngineConfig(model="m"))
     assert "auto" not in dataclasses.astuple(resolved)
     assert resolved.itl_auto and resolved.itl_target_ms is None
-    for field in ("attention_backend", "linear_backend", "distributed_executor_backend"):
+    for field in ("attention_backend", "linear_backend", "distributed_executor_backend", "all_reduce_backend"):
         with pytest.raises(ValueError, match=f"{field} must be one of"):
             dataclasses.replace(resolved, **{field: "auto"})
     with pytest.raises(ValueError, match="batch_invariant must be true or false"):
@@ -130,3 +133,29 @@ def test_the_resolver_takes_each_choice() -> None:
     assert not resolve_config(EngineConfig(model="m", attention_backend="sdpa")).batch_invariant
     with pytest.raises(ValueError, match="batch_invariant=True does not cover attention_backend='sdpa'"):
         resolve_config(EngineConfig(model="m", attention_backend="sdpa", batch_invariant=True))
+
+
+def test_the_resolver_takes_the_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.kernels import kernels_available
+
+    def resolved(**kwargs: object) -> str:
+        return resolve_config(EngineConfig(model="m", **kwargs)).all_reduce_backend
+
+    assert resolved() == "gloo"  # one rank sums nothing
+    assert resolved(tensor_parallel_size=2, all_reduce_backend="gloo") == "gloo"
+    # mp starts every rank on this machine: shared memory wherever the kernels load
+    shm_here = "shm" if kernels_available() else "gloo"
+    assert resolved(tensor_parallel_size=2, distributed_executor_backend="mp") == shm_here
+    assert resolved(tensor_parallel_size=2, device="cuda") == "gloo"
+    with pytest.raises(ValueError, match="all_reduce_backend='shm' needs device='cpu'"):
+        resolved(tensor_parallel_size=2, device="cuda", all_reduce_backend="shm")
+    # torchrun: on one machine only when all of its ranks are local
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolved(tensor_parallel_size=2, distributed_executor_backend="torchrun") == shm_here
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolved(tensor_parallel_size=4, distributed_executor_backend="torchrun") == "gloo"
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE \(2\) is not its WORLD_SIZE \(4\)"):
+        resolved(tensor_parallel_size=4, distributed_executor_backend="torchrun", all_reduce_backend="shm")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # RANK / WORLD_SIZE set by hand: where the others run is unknown
+    assert resolved(tensor_parallel_size=4, distributed_executor_backend="torchrun") == "gloo"

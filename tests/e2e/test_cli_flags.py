@@ -1,6 +1,6 @@
-"""The command line is generated from the configuration records: every ``EngineConfig`` field has a flag
-with help and its default, a value given on the command line reaches the engine's config, and the
-newcomer's path (``--version``, a busy port, Ctrl-C) ends with a line, not a traceback.
+"""The command line is generated from the configuration records: every ``EngineConfig``, ``ServerSettings``
+and ``HTTPLimits`` field has a flag with help and its default, a value given on the command line reaches
+the engine's config or the server's settings, and the newcomer's path (``--version``, a busy port, Ctrl-C) ends with a line, not a traceback.
 
 The engine is not loaded here: ``pagedllm.LLM`` is replaced by a stand-in that builds the config as
 ``LLM`` does (``make_engine_config``) and stops, so each case costs milliseconds.
@@ -22,6 +22,8 @@ import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.engine import llm as engine_llm
 from pagedllm.entrypoints import cli
+from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
+from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.loader import bundled_model_path
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.limits import GrammarLimits
@@ -67,6 +69,35 @@ VALUES: dict[str, tuple[list[str], object]] = {
 }
 
 
+# ServerSettings field -> (the serve flags that set it to a value other than its default, the value it then holds)
+SERVER_VALUES: dict[str, tuple[list[str], object]] = {
+    "model_name": (["--served-model-name", "tiny"], "tiny"),
+    "api_key": (["--api-key", "sk-test"], "sk-test"),
+    "max_waiting": (["--max-waiting", "5"], 5),
+    "host": (["--host", "0.0.0.0"], "0.0.0.0"),
+    "port": (["--port", "9001"], 9001),
+    "log_level": (["--log-level", "trace"], "trace"),
+    "max_request_bytes": (["--max-request-bytes", "1000"], 1000),
+    "allowed_hosts": (["--allowed-hosts", "a.test, b.test"], ["a.test", "b.test"]),
+    "allowed_origins": (["--allowed-origins", "http://x.test"], ["http://x.test"]),
+    "tool_call_parser": (["--tool-call-parser", "hermes"], "hermes"),
+    "kv_page": (["--no-kv-page"], False),
+    "http_limits": (["--header-timeout", "2.5", "--max-linger-bytes", "7"],
+                    HTTPLimits(header_timeout_s=2.5, max_linger_bytes=7)),
+    "default_max_tokens": (["--default-max-tokens", "4"], 4),
+    "stream_write_timeout_s": (["--stream-write-timeout", "0"], None),  # 0: no bound
+}
+# HTTPLimits field -> the same, for the settings' http_limits
+HTTP_VALUES: dict[str, tuple[list[str], object]] = {
+    "header_timeout_s": (["--header-timeout", "2.5"], 2.5),
+    "max_header_connections": (["--max-header-connections", "3"], 3),
+    "linger_timeout_s": (["--linger-timeout", "0"], 0.0),
+    "max_linger_bytes": (["--max-linger-bytes", "7"], 7),
+}
+# set by serve itself, not by a flag: the model's path, the start time
+SERVER_SET_BY_SERVE = {"model_path", "created"}
+
+
 class _Loaded(Exception):
     """Raised by the stand-in LLM with the config the command line built."""
 
@@ -101,6 +132,54 @@ def test_a_flag_given_reaches_the_engine_config(field: str, monkeypatch: pytest.
     assert getattr(default, field) != expected  # the case sets something the defaults do not
     config = _config_from(["generate", "hi", *flags], monkeypatch)
     assert getattr(config, field) == expected
+
+
+def _settings_from(argv: list[str]) -> ServerSettings:
+    return cli._server_settings(cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_the_server_tables_cover_every_field() -> None:
+    fields = {f.name for f in dataclasses.fields(ServerSettings)} - SERVER_SET_BY_SERVE
+    assert fields == set(SERVER_VALUES), "a new ServerSettings field needs a row here (and gets its flag generated)"
+    assert {f.name for f in dataclasses.fields(HTTPLimits)} == set(HTTP_VALUES)
+
+
+@pytest.mark.parametrize("field", sorted(SERVER_VALUES))
+def test_a_serve_flag_given_reaches_the_server_settings(field: str) -> None:
+    flags, expected = SERVER_VALUES[field]
+    assert getattr(_settings_from([]), field) != expected  # the case sets something the defaults do not
+    assert getattr(_settings_from(flags), field) == expected
+
+
+@pytest.mark.parametrize("field", sorted(HTTP_VALUES))
+def test_a_serve_flag_given_reaches_the_http_limits(field: str) -> None:
+    flags, expected = HTTP_VALUES[field]
+    assert getattr(_settings_from([]).http_limits, field) != expected
+    assert getattr(_settings_from(flags).http_limits, field) == expected
+
+
+def test_serve_flags_left_out_keep_the_records_defaults() -> None:
+    settings = _settings_from([])
+    assert dataclasses.replace(settings, created=0) == ServerSettings(model_name="", created=0)
+    assert _settings_from(["--stream-write-timeout", "1.5"]).stream_write_timeout_s == 1.5
+
+
+def test_every_serve_field_has_a_flag_with_help_and_default() -> None:
+    sub = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    by_dest = {a.dest: a for a in sub._actions}
+    names = [f.name for f in dataclasses.fields(ServerSettings) if f.name not in SERVER_SET_BY_SERVE | {"http_limits"}]
+    for name in [*names, *HTTP_VALUES]:
+        assert by_dest[name].help and "(default: " in by_dest[name].help, name
+    assert not SERVER_SET_BY_SERVE & set(by_dest)
+
+
+@pytest.mark.parametrize("flag, value", [("--header-timeout", "0"), ("--stream-write-timeout", "-1"),
+                                         ("--allowed-hosts", ","), ("--tool-call-parser", "nope"),
+                                         ("--max-waiting", "0"), ("--port", "70000")])
+def test_a_bad_serve_value_names_its_flag(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", flag, value]) == 2  # refused before the model loads
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag} ") and "_" not in err.split()[1], err
 
 
 def test_serve_takes_the_same_flags_and_its_seed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,7 +246,6 @@ _SLOW_LOAD = """
 import sys, time
 import pagedllm
 from pagedllm.entrypoints import cli
-from pagedllm.loader import bundled_model_path
 
 def slow_llm(*args, **kwargs):
     print("loading", flush=True)

@@ -194,7 +194,7 @@ def test_kv_routes_are_open_with_an_api_key_like_metrics(keyed_server: str) -> N
 def test_no_kv_page_removes_the_routes(tiny_model_dirs: dict[str, str]) -> None:
     from pagedllm.entrypoints.cli import build_parser
 
-    assert build_parser().parse_args(["serve", "--no-kv-page"]).no_kv_page is True
+    assert build_parser().parse_args(["serve", "--no-kv-page"]).kv_page is False
     threads = torch.get_num_threads()
     stop, url = start_server(tiny_model_dirs["llama"], kv_page=False)
     try:

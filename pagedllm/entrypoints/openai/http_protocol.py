@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
+from typing import Annotated, Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import (
@@ -59,6 +59,7 @@ from pagedllm.config_record import (
     PositiveInt,
     config_record,
 )
+from pagedllm.entrypoints.arg_fields import Flag
 from pagedllm.entrypoints.openai.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -80,17 +81,20 @@ class HTTPLimits:
     """Bounds on how long and how many connections may hold the server before a request runs.
 
     Args:
-        header_timeout_s: seconds a connection gets to send its request line and headers.
-        max_header_connections: most connections sending their headers at once.
-        linger_timeout_s: most seconds an unread request body is read and discarded after an
-            early answer (0: close at once, as uvicorn does).
-        max_linger_bytes: most bytes of it read and discarded (0: close at once).
+        header_timeout_s: seconds a connection gets to send its request line and headers, from when
+            it opens (or its next request's first byte); then it is closed, with a 408 if it sent any.
+        max_header_connections: most connections sending their headers at once; past it a new one
+            closes the one waiting longest (if it waited a second or more, ``MIN_EVICTABLE_S``).
+        linger_timeout_s: after an answer sent before the body was read (413), the most seconds the
+            rest of the body is read and discarded so the client can read the answer (0: close at
+            once, as uvicorn does).
+        max_linger_bytes: the most bytes of it read and discarded (0: close at once).
     """
 
-    header_timeout_s: PositiveFloat = DEFAULT_HEADER_TIMEOUT_S
-    max_header_connections: PositiveInt = DEFAULT_MAX_HEADER_CONNECTIONS
-    linger_timeout_s: NonNegativeFloat = DEFAULT_LINGER_TIMEOUT_S
-    max_linger_bytes: NonNegativeInt = DEFAULT_MAX_LINGER_BYTES
+    header_timeout_s: Annotated[PositiveFloat, Flag("--header-timeout", metavar="SECONDS")] = DEFAULT_HEADER_TIMEOUT_S
+    max_header_connections: Annotated[PositiveInt, Flag(metavar="N")] = DEFAULT_MAX_HEADER_CONNECTIONS
+    linger_timeout_s: Annotated[NonNegativeFloat, Flag("--linger-timeout", metavar="SECONDS")] = DEFAULT_LINGER_TIMEOUT_S
+    max_linger_bytes: Annotated[NonNegativeInt, Flag(metavar="N")] = DEFAULT_MAX_LINGER_BYTES
 
     @property
     def lingers(self) -> bool:

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from pagedllm.config_record import NonEmptyStr, PositiveFloat, PositiveInt, config_record
+from pagedllm.entrypoints.arg_fields import NO_FLAG, Flag
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
 from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S
@@ -24,53 +25,86 @@ def _check_tool_call_parser(name: str) -> str:
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
 
+def comma_list(text: str) -> list[str]:
+    """``"a, b"`` -> ``["a", "b"]`` (``--allowed-hosts``, ``--allowed-origins``); ValueError for no name."""
+    items = [v.strip() for v in text.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"expects a comma-separated list of names, got {text!r}")
+    return items
+
+
+def seconds_or_unbounded(text: str) -> float | None:
+    """``--stream-write-timeout``: seconds, "0" meaning no bound (None)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"must be a number of seconds >= 0 (0: no bound), got {text!r}")
+    return seconds or None
+
+
+def text_or_none(text: str) -> str | None:
+    """``--api-key ""``: no key, as if the flag were not given."""
+    return text or None
+
+
 @config_record
 class ServerSettings:
     """What ``pagedllm serve`` needs besides the engine.
 
     Args:
-        model_name: the name clients use in ``model``.
+        model_name: the name clients pass as ``model`` (and see in /v1/models).
         model_path: where the weights came from (shown in /v1/models).
-        api_key: when set, every /v1 route needs ``Authorization: Bearer <key>``.
-        max_waiting: most requests waiting for their first token before new
-            ones get 429; None: no limit.
+        api_key: when set, every route but /health, /metrics, /openapi.json, /docs and the /kv page's
+            needs ``Authorization: Bearer <key>``.
+        max_waiting: most requests waiting for their first token; past it new requests get 429.
+            None: no limit.
         host: address to bind (loopback by default).
-        port: TCP port.
-        log_level: uvicorn's log level.
+        port: TCP port (0: any free one).
+        log_level: uvicorn's log level (and pagedllm's).
         max_request_bytes: largest request body; larger ones get 413 unread.
-        allowed_hosts: ``Host`` names accepted besides loopback ones while
-            bound to loopback (``["*"]``: any); None: loopback names only.
-            Bound elsewhere, None accepts any name.
-        allowed_origins: origins a browser may call from (CORS); None: no
-            CORS headers at all, so no other origin can read an answer.
-        tool_call_parser: the model's tool-call format for ``tool_choice="auto"``:
-            ``hermes``, ``llama3_json``, or ``auto`` (read from the chat template).
+        allowed_hosts: ``Host`` names accepted besides loopback ones while bound to loopback (``*``:
+            any; comma-separated on the command line; other names are refused: DNS rebinding). None: loopback names only. Bound elsewhere,
+            None accepts any name.
+        allowed_origins: origins a browser may call from (CORS; comma-separated on the command line).
+            None: no CORS headers at all, so
+            no other origin can read an answer.
+        tool_call_parser: the model's tool-call format for ``tool_choice="auto"``: ``hermes``,
+            ``llama3_json``, or ``auto`` (read from the chat template).
         kv_page: serve the live KV-cache page (``/kv``, ``/kv/state``, ``/kv/events``).
         http_limits: header deadline and count, lingering close (``http_protocol.py``).
-        default_max_tokens: the most tokens a reply gets when its request sets
-            no ``max_tokens`` / ``max_completion_tokens``; None: no cap (to the
-            end of the context). Never raises or lowers a request's own value.
-        stream_write_timeout_s: seconds one write of a streamed answer may wait
-            for a client that reads nothing; past it the stream ends and its
-            request is aborted (``sse.py``). None: no bound.
+        default_max_tokens: most tokens a reply gets when its request sets no ``max_tokens`` /
+            ``max_completion_tokens`` (None: no cap, to the end of the context, as in OpenAI and vLLM).
+            Never raises or lowers a request's own value.
+        stream_write_timeout_s: the most seconds one write of a streamed answer may wait for a client
+            that reads nothing, then the stream ends and its request is aborted (None, or 0 on the
+            command line: no bound). Its KV blocks are freed and it is counted in
+            ``pagedllm:stream_write_timeouts_total`` (``sse.py``).
+        created: when the server started (the ``created`` of /v1/models).
     """
 
-    model_name: str
-    model_path: str = ""
-    api_key: str | None = None
-    max_waiting: PositiveInt | None = 1024
+    # each field's ``Flag`` says how ``pagedllm serve`` spells it where its name does not (arg_fields.py)
+    model_name: Annotated[str, Flag("--served-model-name", default="the model's file or folder name")]
+    model_path: Annotated[str, NO_FLAG] = ""
+    api_key: Annotated[str | None, Flag(parser=text_or_none, metavar="KEY")] = None
+    max_waiting: Annotated[PositiveInt | None, Flag(metavar="N")] = 1024
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     log_level: LogLevel = "info"
-    max_request_bytes: PositiveInt = DEFAULT_MAX_REQUEST_BYTES
-    allowed_hosts: list[NonEmptyStr] | None = None
-    allowed_origins: list[NonEmptyStr] | None = None
-    tool_call_parser: Annotated[str, AfterValidator(_check_tool_call_parser)] = "auto"
+    max_request_bytes: Annotated[PositiveInt, Flag(metavar="N")] = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: Annotated[list[NonEmptyStr] | None, Flag(parser=comma_list, metavar="NAMES")] = None
+    allowed_origins: Annotated[list[NonEmptyStr] | None, Flag(parser=comma_list, metavar="ORIGINS")] = None
+    tool_call_parser: Annotated[
+        str, AfterValidator(_check_tool_call_parser), Flag(metavar="{" + ",".join(["auto", *sorted(TOOL_PARSERS)]) + "}"),
+    ] = "auto"
     kv_page: bool = True
-    http_limits: HTTPLimits = field(default_factory=HTTPLimits)
-    default_max_tokens: PositiveInt | None = None
-    stream_write_timeout_s: PositiveFloat | None = DEFAULT_STREAM_WRITE_TIMEOUT_S
-    created: int = field(default_factory=lambda: int(time.time()))
+    http_limits: Annotated[HTTPLimits, Flag(prefix="")] = field(default_factory=HTTPLimits)
+    default_max_tokens: Annotated[PositiveInt | None, Flag(metavar="N")] = None
+    stream_write_timeout_s: Annotated[
+        PositiveFloat | None, Flag("--stream-write-timeout", parser=seconds_or_unbounded, metavar="SECONDS"),
+    ] = DEFAULT_STREAM_WRITE_TIMEOUT_S
+    created: Annotated[int, NO_FLAG] = field(default_factory=lambda: int(time.time()))
 
     @property
     def host_check(self) -> list[str] | None:
