@@ -10,9 +10,14 @@ find them; the 77 MB archive is not kept. A lock file makes concurrent
 test sessions fetch it once.
 
 The converter runs in a subprocess of this interpreter (so with the
-environment's torch, numpy and transformers; it also needs
-``sentencepiece``, in the ``test`` extra) with its own ``gguf-py`` first on
-``PYTHONPATH``, not the ``gguf`` package pagedllm reads files with.
+environment's torch, numpy and transformers) with its own ``gguf-py`` first on
+``PYTHONPATH``, not the ``gguf`` package pagedllm reads files with. It also
+imports ``sentencepiece``, which is installed beside it (``pip install
+--target <cache>/llama-cpp-converter/deps``) and put on the converter's
+``PYTHONPATH`` only, never into the environment: sentencepiece's wheel
+carries its own libgomp, and a test process that imported it (transformers
+does, where it is installed) would run two OpenMP runtimes
+(``test_native_ops`` checks that the kernels share torch's).
 
 One thing differs from a user's run, for folders whose ``model_type`` is
 ``qwen2``: transformers 5 loads such a folder's tokenizer as
@@ -59,6 +64,8 @@ _RUN_WITH_SAVED_TOKENIZER = (
     "sys.path.insert(0, sys.argv[0].rsplit('/', 1)[0])\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
+# what the converter imports that the test environment must not (see the module docstring)
+_CONVERTER_DEPS = ("sentencepiece",)
 _PIP_TIMEOUT_S = 600
 _CONVERT_TIMEOUT_S = 300
 
@@ -77,6 +84,27 @@ def converter_dir() -> Path:
     with _locked(root / ".lock"):
         if not (target / "convert_hf_to_gguf.py").is_file():  # another session may have fetched it meanwhile
             _fetch(root, target)
+    return target
+
+
+def converter_deps_dir() -> Path:
+    """The folder of the converter's own dependencies (``_CONVERTER_DEPS``), installed there on first use."""
+    root = cache_root() / "llama-cpp-converter"
+    target = root / "deps"
+    if (target / ".done").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / ".lock"), tempfile.TemporaryDirectory(dir=root) as tmp:
+        if not (target / ".done").is_file():
+            cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--quiet",
+                   "--target", tmp, *_CONVERTER_DEPS]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(f"could not install the converter's dependencies ({' '.join(cmd)}):\n"
+                                   f"{done.stdout[-2000:]}{done.stderr[-4000:]}")
+            Path(tmp, ".done").touch()
+            os.replace(tmp, target)
+            os.mkdir(tmp)  # for the TemporaryDirectory's own clean-up
     return target
 
 
@@ -136,7 +164,8 @@ def convert(model_dir: str, outtype: str, out_path: str) -> str:
     script = converter_dir() / "convert_hf_to_gguf.py"
     env = dict(os.environ)
     # the converter's own gguf-py first (it also puts it on sys.path itself, after the script's folder)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(script.parent / "gguf-py"), env.get("PYTHONPATH")) if p)
+    paths = (str(script.parent / "gguf-py"), str(converter_deps_dir()), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     args = [str(script), model_dir, "--outtype", outtype, "--outfile", out_path]
     with open(os.path.join(model_dir, "config.json")) as f:
         model_type = json.load(f).get("model_type")
