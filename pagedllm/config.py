@@ -5,7 +5,7 @@ numbers, non-empty paths: ``config_record.py``) and pydantic checks every
 field against it, so a choice is written once, in the type, and the tuples
 other modules import (``DTYPES``, ...) are read off it. What fields say about
 each other is checked after that, in ``__post_init__``. The command-line flags
-are generated from these fields and the ``Args:`` of the docstring
+are generated from these fields and the ``Attributes:`` of the docstring
 (``entrypoints/arg_fields.py``).
 
 Values the engine computes while it starts (the number of KV blocks, the EOS
@@ -77,7 +77,7 @@ SpeculativeField = Annotated[SpeculativeConfig | None, BeforeValidator(Speculati
 class EngineConfig:
     """Everything needed to start an engine.
 
-    Args:
+    Attributes:
         model: path of a GGUF file or a Hugging Face model folder, or a
             Hugging Face repo id ("org/repo"; a GGUF repo as llama.cpp names
             it, "org/repo:Q4_K_M"), fetched through huggingface_hub's cache

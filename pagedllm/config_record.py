@@ -9,7 +9,7 @@ typo'd value is an error, never a silent coercion.
 
 Errors stay ValueErrors (``ConfigError``) with a readable message such as
 ``block_size must be a positive integer, got 0`` instead of pydantic's multi-line report. The command line
-(``entrypoints/arg_fields.py``) reads each field's help from the ``Args:`` section of the class docstring
+(``entrypoints/arg_fields.py``) reads each field's help from the ``Attributes:`` section of the class docstring
 (``field_docs``), so a field is documented once.
 """
 
@@ -162,9 +162,9 @@ def config_record(cls: type[T] | None = None, *, prefix: str = "") -> Any:  # no
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's text from the ``Args:`` section of ``cls``'s docstring, joined into one paragraph."""
+    """Each field's text from the ``Attributes:`` section of ``cls``'s docstring, joined into one paragraph."""
     doc = inspect.getdoc(cls) or ""
-    _, _, args = doc.partition("\nArgs:\n")
+    _, _, args = doc.partition("\nAttributes:\n")
     docs: dict[str, str] = {}
     name = None
     for line in args.splitlines():

@@ -46,7 +46,7 @@ DEFAULT_INT4_GROUP_SIZE = 128
 class ResolvedConfig:
     """The engine's choices, each resolved (no "auto", no None standing for a default).
 
-    Args:
+    Attributes:
         attention_backend: the attention backend every layer runs.
         linear_backend: what the linear layers run: "packed", "onednn" or
             "torch" for float weights, "int8" / "int4" for weight-only ones

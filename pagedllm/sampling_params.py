@@ -253,7 +253,7 @@ def _readable(error: ValidationError, given: dict[str, object]) -> str:
 class SamplingParams(BaseModel):
     """How to sample a request's outputs.
 
-    Args:
+    Attributes:
         n: number of outputs for the prompt.
         best_of: sample this many (>= n) and return the n with the highest
             cumulative logprob; None means n. The samples share the prompt's

@@ -3,7 +3,7 @@
 A field ``max_num_seqs`` becomes ``--max-num-seqs``: its type gives the flag's parser (``int``, ``float``,
 ``str``), a ``Literal`` its choices, a bool the pair ``--flag`` / ``--no-flag``, a nested record (such as
 ``grammar_limits``) one flag per field of its own under a prefix (``--grammar-max-bytes``). The help is
-the first sentence of the field's entry in the record's ``Args:`` docstring, followed by its default, so
+the first sentence of the field's entry in the record's ``Attributes:`` docstring, followed by its default, so
 a field is documented once and the command line cannot drift from the library.
 
 A flag left out is not set at all (``argparse.SUPPRESS``): the library then applies its own default, so

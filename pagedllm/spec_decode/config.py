@@ -35,7 +35,7 @@ class SpeculativeConfig:
     method (``NGRAM_DEFAULTS``, ``SUFFIX_DEFAULTS``); one given for the other
     method is a ValueError.
 
-    Args:
+    Attributes:
         method: "ngram" (prompt lookup: the tokens that followed the latest
             earlier occurrence of the sequence's last n tokens), "suffix"
             (suffix decoding: suffix trees over the request and over earlier

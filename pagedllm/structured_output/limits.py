@@ -43,7 +43,7 @@ class GrammarLimits:
     characters of names and values) while keeping a compile to seconds on
     a small CPU; see docs/server-limits.md.
 
-    Args:
+    Attributes:
         max_bytes: the constraint's text (a schema as JSON, a regex, a
             grammar, the choices as a JSON list), UTF-8 bytes.
         max_num_entries: enum values, ``const``s and ``choice`` items, all

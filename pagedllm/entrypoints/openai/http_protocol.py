@@ -80,7 +80,7 @@ DEFAULT_MAX_LINGER_BYTES = 64 << 20
 class HTTPLimits:
     """Bounds on how long and how many connections may hold the server before a request runs.
 
-    Args:
+    Attributes:
         header_timeout_s: seconds a connection gets to send its request line and headers, from when
             it opens (or its next request's first byte); then it is closed, with a 408 if it sent any.
         max_header_connections: most connections sending their headers at once; past it a new one

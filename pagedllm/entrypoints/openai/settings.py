@@ -53,7 +53,7 @@ def text_or_none(text: str) -> str | None:
 class ServerSettings:
     """What ``pagedllm serve`` needs besides the engine.
 
-    Args:
+    Attributes:
         model_name: the name clients pass as ``model`` (and see in /v1/models).
         model_path: where the weights came from (shown in /v1/models).
         api_key: when set, every route but /health, /metrics, /openapi.json, /docs and the /kv page's
