@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.gguf_linear import GGUF_INTERLEAVED
+from pagedllm.layers.quantization.gguf_linear import GGUF_INTERLEAVED
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer
 NUM_LAYERS = 30

@@ -24,14 +24,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.onednn_linear import (
+from pagedllm.layers.quantization.onednn_linear import (
     OneDnnLinearMethod,
     onednn_bf16_supported,
     onednn_linear,
     pack_weight,
 )
-from pagedllm.layers.packed_linear import PackedBF16LinearMethod, pack_weight_panels, packed_linear
-from pagedllm.layers.quantized_linear import QuantizedLinearMethod
+from pagedllm.layers.quantization.packed_linear import (
+    PackedBF16LinearMethod,
+    pack_weight_panels,
+    packed_linear,
+)
+from pagedllm.layers.quantization.quantized_linear import QuantizedLinearMethod
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # (out, in) per layer
 

@@ -7,7 +7,7 @@ down_proj, 49152x576 the LM head) and row count, the time of one call of:
 
 - ``quantized_linear`` int8 (one group per channel, the default) and int4
   (groups of 128, or 64 where 128 does not divide ``in``: the group torch's
-  int4 kernel takes too), ``layers/quantized_linear.py``, in the groups'
+  int4 kernel takes too), ``layers/quantization/quantized_linear.py``, in the groups'
   own order (float32 activations) and interleaved (``x16``: activations
   rounded to int8, integer dot products; the engine's default);
 - torch's ``aten._weight_int8pack_mm`` (int8, a scale per channel) and
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.packed_linear import pack_weight_panels, packed_linear
-from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
+from pagedllm.layers.quantization.packed_linear import pack_weight_panels, packed_linear
+from pagedllm.layers.quantization.quantized_linear import pack_groups, quantize_groups
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # (out, in)
 FLOAT32_BYTES = 256 << 20

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.packed_linear import pack_weight_panels_bf16
+from pagedllm.layers.quantization.packed_linear import pack_weight_panels_bf16
 
 ROWS, LAYERS, CONTEXT, BLOCK_SIZE = 40, 30, 216, 16
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down

@@ -21,8 +21,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.workload import make_workload
-from pagedllm.layers import packed_linear as pl
 from pagedllm.layers.native_ops import NativeOps
+from pagedllm.layers.quantization import packed_linear as pl
 from pagedllm.runner import model_runner as mr
 
 

@@ -96,7 +96,7 @@ class EngineConfig:
             but computes only the linear layers with bf16 operands (float32
             sums); activations between them stay float32 and the KV cache
             (``kv_cache_dtype="auto"``) stores bf16. Fast where the CPU has
-            AVX512-BF16; see ``layers/bf16_linear.py``.
+            AVX512-BF16; see ``layers/quantization/bf16_linear.py``.
         device: "cpu" or "cuda".
         kv_cache_dtype: what the KV cache stores: "auto" (default: ``dtype``,
             except float16 where a GGUF file's blocks are kept, llama.cpp's
@@ -165,7 +165,7 @@ class EngineConfig:
             layer and the token embedding rounded at load to int8 (symmetric)
             or int4 (asymmetric: a scale and a minimum) in groups of
             ``quantization_group_size`` inputs with float32 scales, and only
-            those blocks kept (``layers/quantized_linear.py``); CPU only,
+            those blocks kept (``layers/quantization/quantized_linear.py``); CPU only,
             activations in float32. A GGUF file's tensors are dequantized
             first and rounded again (a warning says so when they were
             quantized). Outputs differ slightly from the float model.

@@ -101,8 +101,8 @@ def _linear_backend(config: EngineConfig) -> str:
     if config.device != "cpu" or _compute_dtype(config) != "float32":
         return "torch"
     from pagedllm.kernels import load_kernels
-    from pagedllm.layers.onednn_linear import onednn_available, onednn_bf16_supported
-    from pagedllm.layers.packed_linear import packed_linear_bf16_native
+    from pagedllm.layers.quantization.onednn_linear import onednn_available, onednn_bf16_supported
+    from pagedllm.layers.quantization.packed_linear import packed_linear_bf16_native
 
     bf16 = config.dtype == "bfloat16"
     # float32: our packed-panel kernel measured 1.17-1.56x oneDNN at 1-64 rows here, oneDNN 2-4x MKL;

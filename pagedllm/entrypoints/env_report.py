@@ -69,7 +69,7 @@ def _kernels() -> dict[str, Any]:
         "compiler": _compiler(),
     }
     if lib is not None:
-        from pagedllm.layers.packed_linear import packed_linear_bf16_isa
+        from pagedllm.layers.quantization.packed_linear import packed_linear_bf16_isa
 
         out["bf16_linear_isa"] = packed_linear_bf16_isa()
         out["library"] = kernels.library_path()
@@ -131,7 +131,7 @@ def collect() -> dict[str, Any]:
 
     from pagedllm import __version__
     from pagedllm.kernels import cpu_flags
-    from pagedllm.layers.onednn_linear import onednn_bf16_supported
+    from pagedllm.layers.quantization.onednn_linear import onednn_bf16_supported
 
     flags = cpu_flags()
     return {

@@ -36,7 +36,7 @@ from pagedllm.layers.custom_op import NativeOpsMixin
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import NormSpec
 from pagedllm.layers.parallel import ParallelLMHead, TensorParallelGroup, VocabParallelEmbedding
-from pagedllm.layers.quant_config import QuantConfig
+from pagedllm.layers.quantization.quant_config import QuantConfig
 from pagedllm.layers.rotary import RopeSpec, RotaryTables
 from pagedllm.layers.self_attention import AttentionSpec, CosSin, SelfAttention
 from pagedllm.layers.weights import FusedMap, fused_projections, load_hf_weights

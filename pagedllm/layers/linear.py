@@ -1,7 +1,7 @@
 """One linear layer class; how it stores and multiplies its weight is its pluggable ``LinearMethod``.
 
 Models are written with ``Linear``. When a layer is built it asks the
-model's quantization config (``layers/quant_config.py``) for its method,
+model's quantization config (``layers/quantization/quant_config.py``) for its method,
 ``quant_config.get_quant_method(layer, prefix)``; the method then owns the
 layer's storage through the three steps of every load::
 
@@ -11,10 +11,10 @@ layer's storage through the three steps of every load::
     Linear.forward(x) = quant_method.apply(layer, x)
 
 Methods: ``UnquantizedLinearMethod`` (``F.linear``, below),
-``PackedLinearMethod`` / ``PackedBF16LinearMethod`` (``layers/packed_linear.py``),
-``OneDnnLinearMethod`` (``layers/onednn_linear.py``), ``TorchBF16LinearMethod``
-(``layers/bf16_linear.py``), ``QuantizedLinearMethod`` (``layers/quantized_linear.py``),
-``GGUFLinearMethod`` / ``GGUFPartsLinearMethod`` (``layers/gguf_linear.py``).
+``PackedLinearMethod`` / ``PackedBF16LinearMethod`` (``layers/quantization/packed_linear.py``),
+``OneDnnLinearMethod`` (``layers/quantization/onednn_linear.py``), ``TorchBF16LinearMethod``
+(``layers/quantization/bf16_linear.py``), ``QuantizedLinearMethod`` (``layers/quantization/quantized_linear.py``),
+``GGUFLinearMethod`` / ``GGUFPartsLinearMethod`` (``layers/quantization/gguf_linear.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 
 class QuantConfig(Protocol):
-    """What a layer asks when built (``layers/quant_config.py``'s ``QuantConfig``; named here so that the
+    """What a layer asks when built (``layers/quantization/quant_config.py``'s ``QuantConfig``; named here so that the
     layers need not import the module that imports them)."""
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:

@@ -8,7 +8,7 @@ from torch import nn
 from pagedllm.layers.activation import gated_activation
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.parallel import RowParallelLinear, TensorParallelGroup
-from pagedllm.layers.quant_config import QuantConfig
+from pagedllm.layers.quantization.quant_config import QuantConfig
 
 
 class GatedMLP(nn.Module):

@@ -23,7 +23,7 @@ from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import NormSpec
 from pagedllm.layers.parallel import RowParallelLinear, TensorParallelGroup
 from pagedllm.layers.qk_rotary import QKNormRotary
-from pagedllm.layers.quant_config import QuantConfig
+from pagedllm.layers.quantization.quant_config import QuantConfig
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 

@@ -5,7 +5,7 @@ each is one matmul; a checkpoint has them apart. ``fused_projections`` says
 where each separate tensor goes, ``load_hf_weights`` copies them there and
 checks that every parameter was written exactly once by name. Each
 tensor goes through the ``weight_loader`` of its layer's quantization
-method (``layers/quant_config.py``): a float copy, GGUF bytes into the
+method (``layers/quantization/quant_config.py``): a float copy, GGUF bytes into the
 layer's blocks, or float rows rounded into int8 / int4 blocks as they
 arrive; a layer with no method (norms) is copied into.
 """

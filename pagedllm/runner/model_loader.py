@@ -1,6 +1,6 @@
 """Builds the model the runner steps: build -> load -> process after loading.
 
-The quantization config (``layers/quant_config.py``) is resolved here once,
+The quantization config (``layers/quantization/quant_config.py``) is resolved here once,
 from the checkpoint and the engine config, and every layer asks it for its
 method when built; then one sequence for every method: build on the meta
 device, allocate, load each tensor through its layer's ``weight_loader``,
@@ -24,26 +24,26 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.kernels import kernels_failure, load_kernels
 from pagedllm.layers.attention import AttentionBackend
-from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
 from pagedllm.layers.custom_op import select_impls
-from pagedllm.layers.gguf_linear import GGUF_KERNEL_TYPES, gguf_types_held
 from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, layer_shape
 from pagedllm.layers.native_ops import NativeOps
-from pagedllm.layers.onednn_linear import (
+from pagedllm.layers.quantization.bf16_linear import TorchBF16LinearMethod
+from pagedllm.layers.quantization.gguf_linear import GGUF_KERNEL_TYPES, gguf_types_held
+from pagedllm.layers.quantization.onednn_linear import (
     OneDnnLinearMethod,
     onednn_bf16_supported,
 )
-from pagedllm.layers.packed_linear import (
+from pagedllm.layers.quantization.packed_linear import (
     PackedBF16LinearMethod,
     PackedLinearMethod,
     packed_linear_bf16_native,
 )
-from pagedllm.layers.quant_config import (
+from pagedllm.layers.quantization.quant_config import (
     QuantConfig,
     process_weights_after_loading,
     stored_checkpoint_names,
 )
-from pagedllm.layers.quantized_linear import (
+from pagedllm.layers.quantization.quantized_linear import (
     QuantizedEmbeddingMethod,
     QuantizedLinearMethod,
     group_fallbacks,
@@ -55,7 +55,7 @@ from pagedllm.resolved_config import resolve_config
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# quantization values that round float weights at load (layers/quantized_linear.py): their bits
+# quantization values that round float weights at load (layers/quantization/quantized_linear.py): their bits
 WEIGHT_ONLY = {"int8": 8, "int4": 4}
 
 
@@ -65,7 +65,7 @@ class Precision:
 
     ``compute`` is what activations are computed in: the model's dtype,
     except bf16 on the CPU, where only the linear layers multiply bf16
-    values and the rest stays float32 (``layers/bf16_linear.py``).
+    values and the rest stays float32 (``layers/quantization/bf16_linear.py``).
     """
 
     weights: torch.dtype

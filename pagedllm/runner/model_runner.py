@@ -11,9 +11,9 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
-from pagedllm.layers.gguf_linear import gguf_types_held
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.quantization.gguf_linear import gguf_types_held
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.resolved_config import resolve_config, resolve_kv_cache_dtype

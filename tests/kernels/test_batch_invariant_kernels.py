@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata, CpuPagedAttention
-from pagedllm.layers.packed_linear import (
+from pagedllm.layers.quantization.packed_linear import (
     pack_weight_panels,
     pack_weight_panels_bf16,
     packed_linear,

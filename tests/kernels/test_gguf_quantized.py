@@ -21,7 +21,7 @@ from gguf.quants import dequantize, quantize
 
 from pagedllm import SamplingParams
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.gguf_linear import GGUFLinearMethod
+from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm.runner.capture.decode_graph import num_programs
 from pagedllm.runner.model_loader import model_tensors, resident_bytes
 
@@ -285,8 +285,8 @@ def test_a_step_program_runs_interleaved_nodes_as_the_ops_do() -> None:
 def test_a_fused_layer_of_mixed_types_keeps_each_part_in_its_type() -> None:
     """q/k in Q4_K and v in Q6_K (as Q4_K_M files hold some layers), with a bias: each part's blocks as stored
     in one flat buffer, multiplied part by part, in the file's order and interleaved."""
-    from pagedllm.layers.gguf_linear import GGUFPartsLinearMethod
     from pagedllm.layers.linear import Linear, replace_parameter
+    from pagedllm.layers.quantization.gguf_linear import GGUFPartsLinearMethod
 
     spans = [(0, 64, Q.Q4_K), (64, 32, Q.Q4_K), (96, 32, Q.Q6_K), (128, 8, Q.Q8_0)]  # the Q8_0 part: 8 rows
     layer = Linear(512, 136)
@@ -319,7 +319,7 @@ def test_a_fused_layer_of_mixed_types_keeps_each_part_in_its_type() -> None:
 
 
 def test_parts_of_a_fused_layer_must_cover_its_rows() -> None:
-    from pagedllm.layers.gguf_linear import GGUFPartsLinearMethod
+    from pagedllm.layers.quantization.gguf_linear import GGUFPartsLinearMethod
 
     with pytest.raises(ValueError, match="cover its rows in turn"):
         GGUFPartsLinearMethod([(0, 16, int(Q.Q4_K)), (32, 16, int(Q.Q6_K))], 256)

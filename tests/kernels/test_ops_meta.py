@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
+from pagedllm.layers.quantization.quantized_linear import pack_groups, quantize_groups
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="native kernels unavailable")
 

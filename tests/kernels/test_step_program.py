@@ -17,7 +17,7 @@ from conftest import CapturingLLM as LLM  # decode steps captured from the first
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.kv_quant import is_quantized, quantize_heads
-from pagedllm.layers.quantized_linear import pack_groups, quantize_groups
+from pagedllm.layers.quantization.quantized_linear import pack_groups, quantize_groups
 from pagedllm.runner.capture.decode_graph import (
     CaptureError,
     DecodeGraph,

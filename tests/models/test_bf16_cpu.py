@@ -20,14 +20,14 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.layers.bf16_linear import TorchBF16LinearMethod
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.onednn_linear import (
+from pagedllm.layers.quantization.bf16_linear import TorchBF16LinearMethod
+from pagedllm.layers.quantization.onednn_linear import (
     OneDnnLinearMethod,
     onednn_available,
     onednn_bf16_supported,
 )
-from pagedllm.layers.packed_linear import (
+from pagedllm.layers.quantization.packed_linear import (
     PackedBF16LinearMethod,
     pack_weight_panels_bf16,
     packed_linear_available,

@@ -13,7 +13,7 @@ from decode_checks import CheckedDecode
 from pagedllm import SamplingParams
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.packed_linear import PackedLinearMethod
+from pagedllm.layers.quantization.packed_linear import PackedLinearMethod
 from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.capture.decode_graph import PythonCall, num_programs
 from pagedllm.runner.model_runner import MAX_CAPTURED_ROWS

@@ -11,8 +11,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.onednn_linear import OneDnnLinearMethod, onednn_available
-from pagedllm.layers.packed_linear import (
+from pagedllm.layers.quantization.onednn_linear import OneDnnLinearMethod, onednn_available
+from pagedllm.layers.quantization.packed_linear import (
     PackedLinearMethod,
     pack_weight_panels,
     packed_linear,
@@ -130,7 +130,7 @@ def test_packed_linear_module_inputs_and_errors() -> None:
 
 def test_bfloat16_on_a_slow_cpu_path_warns(tiny_model_dirs: dict[str, str], caplog) -> None:  # noqa: ANN001
     """bf16 through torch's own matmul on the CPU is the slow path: say so; the default picks a fast one."""
-    from pagedllm.layers.packed_linear import packed_linear_bf16_native
+    from pagedllm.layers.quantization.packed_linear import packed_linear_bf16_native
 
     with caplog.at_level("WARNING", logger="pagedllm.runner.model_loader"):
         LLM(tiny_model_dirs["llama"], num_kv_blocks=64, max_model_len=256, block_size=8, dtype="bfloat16",

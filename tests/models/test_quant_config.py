@@ -14,7 +14,7 @@ from torch import nn
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from pagedllm.layers.quant_config import QuantConfig, register_quant_method
+from pagedllm.layers.quantization.quant_config import QuantConfig, register_quant_method
 
 PICKED = "model.layers.1.mlp.down_proj"
 

@@ -21,7 +21,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.linear import Linear
-from pagedllm.layers.quantized_linear import (
+from pagedllm.layers.quantization.quantized_linear import (
     GROUP_RUN,
     QuantizedLinearMethod,
     group_block_bytes,

@@ -16,12 +16,16 @@ import pytest
 import torch
 from torch import nn
 
-import pagedllm.layers.quantized_linear as quantized_linear
+import pagedllm.layers.quantization.quantized_linear as quantized_linear
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.attention import make_backend
 from pagedllm.layers.linear import layer_shape
-from pagedllm.layers.quantized_linear import layer_group_size, pack_groups, quantize_groups
+from pagedllm.layers.quantization.quantized_linear import (
+    layer_group_size,
+    pack_groups,
+    quantize_groups,
+)
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.resolved_config import resolve_config
 from pagedllm.runner.model_loader import LoadedModel, load_model, model_tensors, resident_bytes

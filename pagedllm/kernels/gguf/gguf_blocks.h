@@ -39,7 +39,7 @@
  * (AVX2: four 8-lane vectors); gguf_row turns a row of any type into floats.
  *
  * pagedllm's own grouped formats, for float checkpoints quantized at load
- * (layers/quantized_linear.py, quantization="int8" / "int4"), numbered past
+ * (layers/quantization/quantized_linear.py, quantization="int8" / "int4"), numbered past
  * ggml's types. Their blocks are groups of G weights, G a multiple of 32
  * given at run time (the group size), with float32 scales (exact, and the
  * same numbers the Python side rounds with):

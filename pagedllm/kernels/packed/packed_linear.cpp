@@ -20,7 +20,7 @@
  * split evenly over the threads, so a thread runs all row chunks of a panel
  * back to back and the panel is read from memory once, then from L2.
  *
- * Why not oneDNN's packed matmul (layers/onednn_linear.py), which this
+ * Why not oneDNN's packed matmul (layers/quantization/onednn_linear.py), which this
  * replaces by default: at decode sizes (8-64 rows) the first row chunk of a
  * panel waits on memory. Here, while one panel is computed, each of its row
  * chunks also prefetches a share of the next panel's cache lines into L2, one

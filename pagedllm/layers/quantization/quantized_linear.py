@@ -40,7 +40,7 @@ blocks.
 
 A load gives each layer, as it is built on the meta device,
 ``QuantizedLinearMethod`` / ``QuantizedEmbeddingMethod`` (the quantization
-config's answer, ``layers/quant_config.py``): empty blocks and no float
+config's answer, ``layers/quantization/quant_config.py``): empty blocks and no float
 weight, and the method's ``weight_loader`` quantizes each float tensor into
 its rows as it is handed over (``quantize_rows_into``), so the float32
 model never exists. Every group lies within one output row, so quantizing a
@@ -55,7 +55,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.gguf_linear import INTERLEAVE_ROWS  # rows of a tile of kernels/gguf/gguf_x16.h
 from pagedllm.layers.linear import (
     Linear,
     LinearMethod,
@@ -66,6 +65,9 @@ from pagedllm.layers.linear import (
     replace_parameter,
 )
 from pagedllm.layers.parallel import EmbeddingMethod
+from pagedllm.layers.quantization.gguf_linear import (
+    INTERLEAVE_ROWS,  # rows of a tile of kernels/gguf/gguf_x16.h
+)
 
 GROUP_RUN = 32  # the kernels read groups in runs of 32 weights (vector loads)
 BITS = (4, 8)

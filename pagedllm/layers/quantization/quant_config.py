@@ -25,9 +25,12 @@ from types import MappingProxyType
 
 from torch import nn
 
-from pagedllm.layers.gguf_linear import gguf_method, gguf_spans
 from pagedllm.layers.linear import Linear, LinearMethod, QuantMethod, UnquantizedLinearMethod
-from pagedllm.layers.quantized_linear import QuantizedEmbeddingMethod, QuantizedLinearMethod
+from pagedllm.layers.quantization.gguf_linear import gguf_method, gguf_spans
+from pagedllm.layers.quantization.quantized_linear import (
+    QuantizedEmbeddingMethod,
+    QuantizedLinearMethod,
+)
 from pagedllm.layers.weights import FusedMap
 
 # (layer, prefix) -> the method that layer takes, or None to leave the choice to the config

@@ -9,7 +9,7 @@ cache-sized strip at a time: nothing float32 of the weight is kept. The
 bundled SmolLM2 (Q4_1 layers, a Q8_0 embedding tied to the LM head) holds
 ~98 MB of weights this way against 538 MB dequantized.
 
-The quantization config (``layers/quant_config.py``) gives a layer whose
+The quantization config (``layers/quantization/quant_config.py``) gives a layer whose
 checkpoint tensors all have a type with a kernel ``gguf_method``'s answer
 when it is built: ``GGUFLinearMethod`` (one type), ``GGUFPartsLinearMethod``
 (a fused layer of mixed types) or, for the token embedding,
