@@ -168,6 +168,7 @@ def _check_alone_chunked_and_captured(name: str) -> None:
             assert needle_in(llm, params(seeded), [300, 40, 500], 1, seed=3) == want
 
 
+@pytest.mark.slow  # ~6 s: `make test`
 def test_the_default_engine_is_not_invariant() -> None:
     """The inverse: without the mode the harness finds a difference (a chunked prompt's attention runs the
     decode kernel, a whole prompt the prefill kernel), so the tests above can fail."""

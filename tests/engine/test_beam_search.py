@@ -122,6 +122,7 @@ def test_smollm_two_prompts_in_one_call(smollm, hf_smollm):
     assert pool_is_whole(smollm)
 
 
+@pytest.mark.slow  # ~5 s: `make test`
 def test_text_prompt_and_text_output(smollm):
     (ours,) = smollm.beam_search("The capital of France is", BeamSearchParams(2, 4))
     tok = smollm.get_tokenizer()

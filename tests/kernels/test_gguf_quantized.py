@@ -436,7 +436,7 @@ def write_quantized_gguf(
 
 
 @pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3: `make test`
 def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     arch: str, ggml_type: GGMLQuantizationType, tiny_model_dirs: dict[str, str], hf_tiny: dict,
     tmp_path_factory: pytest.TempPathFactory,
@@ -515,6 +515,7 @@ def _k_quant_model(arch: str):  # noqa: ANN202
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+@pytest.mark.slow  # seconds per case: `make test` (the dequantized-weights test above keeps the fast tier's)
 @pytest.mark.parametrize(("arch", "base"), [("llama", Q.Q4_K), ("qwen3", Q.Q4_K), ("llama", Q.Q5_K)],
                          ids=["llama-Q4_K_M", "qwen3-Q4_K_M", "llama-Q5_K_M"])
 def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
@@ -543,6 +544,7 @@ def test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights(
         assert_greedy_like_transformers(llm, hf, prompts, params, activations)
 
 
+@pytest.mark.slow  # seconds per case: `make test`
 @pytest.mark.parametrize(("base", "others"), [(Q.Q3_K, (Q.Q5_K, Q.Q4_K)), (Q.Q2_K, (Q.Q3_K, Q.Q3_K))],
                          ids=["Q3_K_M", "Q2_K"])
 def test_tiny_q2_k_and_q3_k_files_run_from_their_blocks(

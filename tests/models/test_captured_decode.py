@@ -48,7 +48,8 @@ def _tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
+# the fast tier replays Llama in every cache and weight format; the other families run in `make test`
+@pytest.mark.parametrize("arch", ["llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "qwen3", "llama3"))])
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype", "quantization"),
     [("float32", "auto", None), ("float32", "float16", None), ("bfloat16", "auto", None),

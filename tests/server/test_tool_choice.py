@@ -223,7 +223,7 @@ def _check_stream(spec: ToolSpec, text: str, expected: list[tuple[str, str]], rn
     assert [(c.name, c.arguments) for c in assemble_deltas(deltas).tool_calls] == expected
 
 
-@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("parallel", [pytest.param(True, marks=pytest.mark.slow), False])  # True: `make test`
 def test_required_always_gives_calls_that_follow_their_schemas(llm, prompt, parallel):
     """Every output holds calls; with parallel calls the model may go on calling past max_tokens.
 

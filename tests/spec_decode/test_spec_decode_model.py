@@ -419,6 +419,7 @@ PERSON_SCHEMA = {
 }
 
 
+@pytest.mark.slow  # 4-5 s a case: `make test`
 @pytest.mark.parametrize("kind", ["json", "regex"])
 def test_structured_output_with_ngram_equals_plain(plain, spec, kind):
     """A constrained request speculates: drafts the grammar rejects are cut before verify, each verify row is
