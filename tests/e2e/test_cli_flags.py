@@ -257,8 +257,11 @@ sys.exit(cli.main(["generate", "hi"]))
 
 
 def test_ctrl_c_during_the_load_exits_quietly_with_130() -> None:
+    # SIGINT back to its default in the child: a shell that runs the suite as a background job hands its
+    # children SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ))
+                            text=True, env=dict(os.environ),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "loading"
         time.sleep(0.2)

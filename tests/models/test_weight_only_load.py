@@ -143,6 +143,7 @@ _PEAK_SCRIPT = textwrap.dedent("""
     from pagedllm.layers.attention import make_backend
     from pagedllm.loader import iter_weights, load_model_config
     from pagedllm.models.registry import model_class
+    from pagedllm.resolved_config import resolve_config
     from pagedllm.runner.model_loader import load_model
 
     def status(key):
