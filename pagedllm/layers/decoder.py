@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
+from pagedllm.layers.branch_scale import BranchScale
 from pagedllm.layers.custom_op import NativeOpsMixin
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import NormSpec
@@ -135,7 +136,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = spec.norm.build(hidden_size)
             self.post_feedforward_layernorm = spec.norm.build(hidden_size)
         self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, tp, quant_config, f"{prefix}.mlp")
-        self.residual_multiplier = spec.residual_multiplier
+        if spec.residual_multiplier is not None:
+            self.branch_scale = BranchScale(hidden_size, spec.residual_multiplier)
         self._forward: Callable[[CosSin | None, torch.Tensor, KvCache, AttentionMetadata], torch.Tensor] = (
             self._forward_sandwich if spec.post_norms
             else self._forward_pre_norm if spec.residual_multiplier is None else self._forward_pre_norm_scaled
@@ -161,10 +163,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         # Granite: each branch scaled (in place: it is the projection's own output) before it is added, as
         # transformers rounds it, so the first add stays fused into the MLP's norm on the native path
-        m = self.residual_multiplier
-        attn_out = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta).mul_(m)
+        attn_out = self.branch_scale(self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta))
         h = self.post_attention_layernorm.add_forward(x, attn_out)
-        return x.add_(self.mlp(h).mul_(m))
+        return x.add_(self.branch_scale(self.mlp(h)))
 
     def _forward_sandwich(
         self, cos_sin: CosSin | None, x: torch.Tensor, kv_cache: KvCache, meta: AttentionMetadata
