@@ -12,7 +12,9 @@ config.json, as transformers 5's config classes read it:
   ``layer_types`` entry is "sliding_attention" attends through
   ``sliding_window`` (the mask transformers builds for it; its default
   layer types mark the NoPE layers sliding when ``use_sliding_window``).
-  ``rope_theta`` defaults to 2,000,000 (``SmolLM3Config.default_theta``).
+  ``rope_theta`` defaults to 2,000,000 (``SmolLM3Config.default_theta``),
+  and the other keys ``SmolLM3Config`` defaults unlike Llama's (tied
+  embeddings, 32,768 positions, 4 KV heads) to its values.
 - Granite (``GraniteConfig``): ``embedding_multiplier``,
   ``residual_multiplier``, ``logits_scaling`` and ``attention_multiplier``
   (the score scale in place of ``head_dim ** -0.5``), each 1.0 by default.
@@ -41,12 +43,15 @@ if TYPE_CHECKING:  # model_config imports this module
 
 _SMOLLM3_DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta
 _SMOLLM3_NOPE_INTERVAL = 4  # SmolLM3Config.no_rope_layer_interval's default; llama.cpp's constant step
+# SmolLM3Config's defaults where they differ from the Llama reading's, for a config.json that leaves them out
+_SMOLLM3_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 32768, "num_key_value_heads": 4}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 
 
 def hf_family_fields(config: ModelArchConfig, cfg: dict[str, Any]) -> ModelArchConfig:
     """``config`` with SmolLM3's or Granite's fields read from config.json ``cfg``; others unchanged."""
     if config.architecture == "smollm3":
+        config = dataclasses.replace(config, **{k: v for k, v in _SMOLLM3_DEFAULTS.items() if k not in cfg})
         return dataclasses.replace(config, **_smollm3_hf(cfg, config.max_position_embeddings))
     if config.architecture == "granite":
         return dataclasses.replace(config, **_granite_hf(cfg))

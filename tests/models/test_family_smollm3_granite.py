@@ -209,7 +209,10 @@ def _smollm3_dict(**extra: object) -> dict:
 def test_smollm3_config_reading() -> None:
     """``no_rope_layers`` (1 = RoPE) or every ``no_rope_layer_interval``-th layer; windows on the layers
     ``layer_types`` marks; SmolLM3's own default theta; malformed values refused by name."""
-    assert from_hf_config(_smollm3_dict()).nope_layers == (3,)
+    defaults = from_hf_config(_smollm3_dict())
+    assert defaults.nope_layers == (3,)  # SmolLM3Config's defaults for the keys left out
+    assert (defaults.tie_word_embeddings, defaults.max_position_embeddings, defaults.num_key_value_heads) == (
+        True, 32768, 4)
     assert from_hf_config(_smollm3_dict(no_rope_layer_interval=2)).nope_layers == (1, 3, 5)
     explicit = from_hf_config(_smollm3_dict(no_rope_layers=[0, 1, 1, 0, 1, 1, 1]))  # longer than the layers: ok
     assert explicit.nope_layers == (0, 3) and explicit.rope_theta == 2_000_000.0
