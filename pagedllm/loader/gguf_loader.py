@@ -24,6 +24,7 @@ from gguf.quants import dequantize
 
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
 # Which general.architecture values a model runs is models/registry.py's to say (Gemma 3, for one, loads
 # from Hugging Face folders only: its GGUF norm weights, stored as 1 + w, are not mapped here). The
@@ -55,6 +56,8 @@ _GLOBAL_NAMES = {
 # metadata every decoder's GGUF file carries under its architecture's prefix
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
 # read with the configuration (ModelArchConfig.rope_freq_factors), not a weight
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -264,7 +267,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return ModelArchConfig(
+    config = ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -284,6 +287,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         checkpoint_format="gguf",
     )
+    return gguf_family_fields(config, key)
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -333,7 +337,7 @@ class GGUFWeights:
 
     def _rows_in_hf_order(self, name: str, w: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Q/K row permutation (rows are output channels, whole in either form)."""
-        if self.config.architecture in ("llama", "mistral"):
+        if self.config.architecture in _PERMUTED_QK:
             if ".q_proj." in name:
                 return _unpermute_rope_rows(w, self.config.num_attention_heads)
             if ".k_proj." in name:

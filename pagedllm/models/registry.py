@@ -23,7 +23,9 @@ from torch import nn
 
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pagedllm.models.smollm3 import SmolLM3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ MODEL_REGISTRY = ModelRegistry((
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), (), ("gemma3",)),
+    Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
+    Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
 ))
 
 
