@@ -110,6 +110,15 @@ def test_pool_sources_and_cap() -> None:
         kv_pool_blocks(small, 0, GIB, 0)
 
 
+def test_env_reports_the_memory_and_the_default_pool() -> None:
+    from pagedllm.entrypoints.env_report import _memory
+
+    memory = _memory()
+    assert memory["available_gib"] > 0
+    assert memory["default_kv_pool"].startswith(f"{DEFAULT_KV_SHARE:g} of what the weights leave")
+    assert "--max-model-len" in memory["max_model_len_default"]
+
+
 # --- real start-ups: checkpoints with Llama-3.2-1B's and Qwen3-0.6B's KV shapes -------------------------------
 
 # name -> (config class, its KV shape and context as the real model's config.json has them, bytes a KV block)
@@ -174,6 +183,12 @@ def test_real_kv_shapes_start_with_no_flags(
         assert f"blocks of 16 tokens, {runner.num_kv_blocks * per_block / GIB:.2f} GiB reserved" in caplog.text
         assert f"max_model_len {max_len}" in caplog.text
         assert ("max_model_len lowered" in caplog.text) == (max_len < context)
+        # pagedllm env --load reports the same figures
+        from pagedllm.entrypoints.env_report import loaded_model_report
+
+        report = loaded_model_report(llm)
+        assert (report["max_model_len"], report["num_kv_blocks"]) == (max_len, runner.num_kv_blocks)
+        assert report["kv_cache_reserved_gib"] == round(runner.num_kv_blocks * per_block / GIB, 3)
     caplog.clear()
 
     free = 3 * GIB
