@@ -354,3 +354,18 @@ def plan_kv_pool(
         budget_bytes=budget_bytes,
         requested_max_model_len=config.max_model_len,
     )
+
+
+def replica_kv_budget(config: EngineConfig, num_replicas: int, available_bytes: int, file_bytes: int) -> int | None:
+    """The KV budget each of ``num_replicas`` data-parallel replicas on this machine gets where the config
+    leaves the pool to the default (None: it does not, or one replica).
+
+    Each replica would otherwise measure the same free memory (a pool takes none until written) and reserve
+    the default share of it for itself, N times over: here the share of what N copies of the weights
+    (``file_bytes`` each, the model's files: an estimate made before any replica loads) leave is split
+    evenly.
+    """
+    if num_replicas <= 1 or config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None:
+        return None
+    return max(1, default_kv_budget(available_bytes, num_replicas * file_bytes, config.device == "cpu")
+               // num_replicas)

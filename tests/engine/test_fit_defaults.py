@@ -14,6 +14,7 @@ with no flags, once with this machine's memory and once with a memory figure tha
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -108,6 +109,18 @@ def test_pool_sources_and_cap() -> None:
     assert kv_pool_blocks(small, 4096, 100 * GIB, 0) == (4 * 16, 50 * GIB)
     with pytest.raises(ValueError, match="bytes_per_block"):
         kv_pool_blocks(small, 0, GIB, 0)
+
+
+def test_data_parallel_replicas_split_the_default_pool(smollm_path: str) -> None:
+    """Two replicas on 21 GiB with 1 GiB model files: half of the 19 GiB two copies leave, split: 4.75 GiB each."""
+    from pagedllm.loader import model_file_bytes
+    from pagedllm.resolved_config import replica_kv_budget
+
+    cfg = _config(4096, fit=True)
+    assert replica_kv_budget(cfg, 2, 21 * GIB, 1 * GIB) == 19 * GIB // 4
+    assert replica_kv_budget(cfg, 1, 21 * GIB, 1 * GIB) is None  # one replica: the engine's own default
+    assert replica_kv_budget(_config(4096, fit=True, kv_cache_memory_bytes=GIB), 2, 21 * GIB, 0) is None
+    assert model_file_bytes(smollm_path) == os.path.getsize(smollm_path)
 
 
 def test_env_reports_the_memory_and_the_default_pool() -> None:
