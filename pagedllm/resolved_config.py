@@ -297,7 +297,9 @@ def kv_pool_blocks(
 
     The default budget (``default_kv_budget``) names no more blocks than ``max_num_seqs`` sequences of
     ``max_model_len`` tokens can ever hold at once: a small model's blocks are a few KiB, and a pool of
-    millions of them would only cost the block manager's bookkeeping.
+    millions of them would only cost the block manager's bookkeeping. On the CPU each of
+    ``tensor_parallel_size`` ranks (``weight_bytes``: its slice) measures the same free memory, so each
+    takes its share of the default, not the whole of it.
     """
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
@@ -306,7 +308,8 @@ def kv_pool_blocks(
     budget = config.kv_cache_memory_bytes
     blocks_per_seq = -(-config.max_model_len // config.block_size)
     if budget is None:
-        budget = default_kv_budget(available_bytes, weight_bytes, lazy)
+        ranks = config.tensor_parallel_size if lazy else 1  # a GPU rank has a GPU of its own
+        budget = default_kv_budget(available_bytes, ranks * weight_bytes, lazy) // ranks
         return max(1, min(budget // bytes_per_block, config.max_num_seqs * blocks_per_seq)), budget
     return max(1, budget // bytes_per_block), budget
 
