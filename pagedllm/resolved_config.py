@@ -321,14 +321,16 @@ def _gib(num_bytes: int) -> str:
 def fit_max_model_len(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> int:
     """The longest sequence the engine takes with a pool of ``num_blocks``: ``max_model_len`` where one
     sequence of it fits; else, with ``fit_max_model_len``, the tokens the whole pool holds (a multiple of
-    ``block_size``), where that is at least ``MIN_FIT_MAX_MODEL_LEN``. ValueError otherwise, naming the
-    flags that change it."""
+    ``block_size``), where that is at least ``MIN_FIT_MAX_MODEL_LEN`` or the pool's size was given
+    (``num_kv_blocks`` / ``kv_cache_memory_bytes``: the floor guards the default only). ValueError
+    otherwise, naming the flags that change it."""
     requested = config.max_model_len
     needed = -(-requested // config.block_size)
     if num_blocks >= needed:
         return requested
     fitted = num_blocks * config.block_size
-    if config.fit_max_model_len and fitted >= MIN_FIT_MAX_MODEL_LEN:
+    pool_given = config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None
+    if config.fit_max_model_len and (fitted >= MIN_FIT_MAX_MODEL_LEN or pool_given):
         return fitted
     # the ways out, with the flags of the commands and the arguments of LLM
     fix = ("pass a smaller --max-model-len (max_model_len=), or give the cache more memory with "

@@ -93,6 +93,9 @@ def test_fitting_stops_at_a_useful_context() -> None:
     assert fit_max_model_len(short, 63, LLAMA_1B_BLOCK) == 1000
     with pytest.raises(ValueError, match="not one sequence of max_model_len=1000"):
         fit_max_model_len(short, 62, LLAMA_1B_BLOCK)
+    # a pool whose size was given is what the user chose: lowered to it, however short
+    assert fit_max_model_len(_config(131072, fit=True, num_kv_blocks=40), 40, LLAMA_1B_BLOCK) == 640
+    assert fit_max_model_len(_config(131072, fit=True, kv_cache_memory_bytes=40 * MIB), 40, LLAMA_1B_BLOCK) == 640
 
 
 def test_pool_sources_and_cap() -> None:
