@@ -318,7 +318,10 @@ class GGUFWeights:
     ggml type number): the ones a model may take as stored, where it has
     kernels for their type. The model loader sets ``keep`` to the
     names its layers take as they are stored: those come out as their bytes,
-    ``uint8 [rows, row bytes]``; every other tensor is dequantized to float32.
+    ``uint8 [rows, row bytes]``; and ``half`` to the names its layers hold in
+    bfloat16 (types with no kernel, ``layers/quantization/gguf_dequantized.py``):
+    those come out dequantized and rounded to bfloat16. Every other tensor is
+    dequantized to float32.
     """
 
     def __init__(self, path: str, config: ModelArchConfig) -> None:
@@ -334,6 +337,7 @@ class GGUFWeights:
             and (name := _hf_name_or_none(t.name)) is not None
         }
         self.keep: set[str] = set()
+        self.half: set[str] = set()
 
     def _rows_in_hf_order(self, name: str, w: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Q/K row permutation (rows are output channels, whole in either form)."""
@@ -364,11 +368,12 @@ class GGUFWeights:
                 # values, which a dtype conversion would cast rather than reinterpret
                 w = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.data.shape[0], -1)
             else:
-                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                w = _dequantized(t, path)
             w = self._rows_in_hf_order(name, w)
             if not w.flags.writeable or not w.flags.c_contiguous:
                 w = np.array(w, order="C")
-            yield name, torch.from_numpy(w)
+            # a 2-byte copy where the layer holds one: half the bytes in flight, and the layer's values exactly
+            yield name, torch.from_numpy(w).to(torch.bfloat16) if name in self.half else torch.from_numpy(w)
             # not held while the next is dequantized: a load holds one checkpoint tensor at a time
             del w
             _drop_mapped_pages(reader, t)
@@ -376,6 +381,16 @@ class GGUFWeights:
         # file's mapping, which would otherwise stay resident for the life of the process
         del reader, t
         open_reader.cache_clear()
+
+
+def _dequantized(t: object, path: str) -> np.ndarray:
+    """Tensor ``t`` as float32 values (``gguf``'s dequantization); ValueError for a type it cannot
+    dequantize (Q8_K and Q8_1 are llama.cpp's activation types: a file holding weights in them is refused)."""
+    try:
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which neither a kernel "
+                         "here nor the gguf package's dequantization reads") from None
 
 
 _FAULT_AROUND_BYTES = 2 << 20  # a multiple of the page size: the largest window one fault maps (a PMD)
