@@ -46,6 +46,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Llama's mlp_bias
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+    # OLMo 2's norms of the attention and MLP outputs (no attn_norm / ffn_norm there)
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -281,6 +288,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         tie_word_embeddings=not has_output,
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
+        mlp_bias=any(t.name.endswith("ffn_gate.bias") for t in reader.tensors),
+        num_experts=int(key("expert_count", 0) or 0),
         eos_token_ids=() if eos is None else (int(eos),),
         checkpoint_format="gguf",
     )

@@ -1,0 +1,82 @@
+"""config.json fields that change a model's arithmetic: which families honour them, and refusing the rest by name.
+
+``model_config.from_hf_config`` reads what each family's transformers class
+reads (head counts and sizes, ``head_dim``, ``rms_norm_eps``, RoPE,
+``hidden_act``, ``attention_bias``, ``mlp_bias`` where Llama reads it,
+``tie_word_embeddings``, sliding windows...). A config.json may also carry
+a field of another family (a softcap, a q/k-norm switch, a partial
+rotation, Granite's multipliers) that the family it names does not
+compute: ``check_unread_fields`` refuses such a field, by name, whenever
+its value would change the result, instead of running a different model
+than the checkpoint describes. A field at its neutral value (``null``,
+``false``, ``1.0``) is accepted: many checkpoints carry ``"mlp_bias":
+false`` or ``"pretraining_tp": 1``.
+
+``pretraining_tp`` is honoured without code: transformers 4 computed the
+same products in slices, transformers 5 no longer reads it.
+
+Mixtures of experts are counted here (``num_experts``), and refused by the
+model registry with the architecture's name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# field -> (its neutral values, the families (ModelArchConfig.architecture) whose transformers class computes it);
+# a field set to anything else in a config.json of another of the families below is refused
+_FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
+    "mlp_bias": ((None, False), ("llama",)),
+    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "gemma3", "olmo2")),
+    "attn_logit_softcapping": ((None,), ("gemma3",)),  # gemma3: read and ignored, as transformers does
+    "final_logit_softcapping": ((None,), ("gemma3",)),
+    "query_pre_attn_scalar": ((None,), ("gemma3",)),
+    "partial_rotary_factor": ((None, 1, 1.0), ()),
+    "use_qk_norm": ((None, False), ()),
+    "qk_layernorm": ((None, False), ()),
+    "clip_qkv": ((None,), ()),
+    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "gemma3")),
+    "use_sliding_window": ((None, False), ("qwen2", "qwen3")),
+    "embedding_multiplier": ((None, 1, 1.0), ()),
+    "residual_multiplier": ((None, 1, 1.0), ()),
+    "attention_multiplier": ((None,), ()),
+    "logits_scaling": ((None, 1, 1.0), ()),
+    "scale_emb": ((None, 1, 1.0), ()),
+    "scale_depth": ((None, 1, 1.0), ()),
+    "no_rope_layers": ((None,), ()),
+}
+# the families this table was written for (other families read their config.json in their own way)
+AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
+# how config.json says "mixture of experts" (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, gpt-oss)
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_unread_fields(cfg: dict[str, Any], arch: str) -> None:
+    """ValueError naming the first config.json field that ``arch``'s model would not compute as set.
+
+    Only for the families of ``AUDITED_ARCHITECTURES``; any other
+    architecture is the registry's to accept or refuse.
+    """
+    if arch not in AUDITED_ARCHITECTURES:
+        return
+    for name, (neutral, honoured_by) in _FIELDS.items():
+        value = cfg.get(name)
+        if arch in honoured_by or any(value == n and type(value) is type(n) for n in neutral):
+            continue
+        allowed = " or ".join(json.dumps(n) for n in neutral)
+        raise ValueError(f"config.json sets {name}={json.dumps(value)}, which the {arch!r} architecture does not "
+                         f"compute; leave it out or set it to {allowed}")
+    if "layer_norm_eps" in cfg and "rms_norm_eps" not in cfg:
+        # these families normalise by RMSNorm with rms_norm_eps; a LayerNorm epsilon is another model's
+        raise ValueError(f"config.json sets layer_norm_eps but no rms_norm_eps; the {arch!r} architecture uses "
+                         "RMSNorm with rms_norm_eps")
+
+
+def num_experts(cfg: dict[str, Any]) -> int:
+    """How many experts a config.json's MLPs route between; 0 for a dense model."""
+    for key in _EXPERT_COUNT_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
