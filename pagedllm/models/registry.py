@@ -74,8 +74,8 @@ class ModelRegistry:
         if cfg.num_experts:
             fmt = "gguf" if cfg.checkpoint_format == "gguf" else "hf"
             name = cfg.architecture if fmt == "gguf" else list(cfg.architectures) or cfg.architecture
-            raise ValueError(f"architecture {name!r} is a mixture-of-experts model ({cfg.num_experts} experts): "
-                             f"mixture-of-experts is not supported yet; supported: {self.supported(fmt)}")
+            raise ValueError(f"architecture {name!r} with {cfg.num_experts} experts is a mixture of experts: "
+                             f"mixture-of-experts models are not supported yet; supported: {self.supported(fmt)}")
         if cfg.checkpoint_format == "gguf":
             found = self._find("gguf_architectures", (cfg.architecture,))
             if found is None:
