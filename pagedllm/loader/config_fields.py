@@ -32,7 +32,6 @@ _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "attn_logit_softcapping": ((None,), ("gemma3",)),  # gemma3: read and ignored, as transformers does
     "final_logit_softcapping": ((None,), ("gemma3",)),
     "query_pre_attn_scalar": ((None,), ("gemma3",)),
-    "partial_rotary_factor": ((None, 1, 1.0), ()),
     "use_qk_norm": ((None, False), ()),
     "qk_layernorm": ((None, False), ()),
     "clip_qkv": ((None,), ()),
@@ -67,10 +66,23 @@ def check_unread_fields(cfg: dict[str, Any], arch: str) -> None:
         allowed = " or ".join(json.dumps(n) for n in neutral)
         raise ValueError(f"config.json sets {name}={json.dumps(value)}, which the {arch!r} architecture does not "
                          f"compute; leave it out or set it to {allowed}")
+    _check_partial_rotation(cfg, arch)
     if "layer_norm_eps" in cfg and "rms_norm_eps" not in cfg:
         # these families normalise by RMSNorm with rms_norm_eps; a LayerNorm epsilon is another model's
         raise ValueError(f"config.json sets layer_norm_eps but no rms_norm_eps; the {arch!r} architecture uses "
                          "RMSNorm with rms_norm_eps")
+
+
+def _check_partial_rotation(cfg: dict[str, Any], arch: str) -> None:
+    """A ``partial_rotary_factor`` under the default RoPE is refused: the default frequencies rotate the whole
+    head (transformers' default ignores the factor). A scaled RoPE reads it (``proportional`` rotates part of
+    the head), and its table refuses what it cannot compute when it is built (``layers/rotary.py``)."""
+    factor = cfg.get("partial_rotary_factor")
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if factor not in (None, 1, 1.0) and kind == "default":
+        raise ValueError(f"config.json sets partial_rotary_factor={json.dumps(factor)} with the default RoPE, which "
+                         f"rotates whole heads in the {arch!r} architecture; leave it out or set it to 1.0")
 
 
 def num_experts(cfg: dict[str, Any]) -> int:
