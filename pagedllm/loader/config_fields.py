@@ -22,6 +22,7 @@ model registry with the architecture's name.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 # field -> (its neutral values, the families (ModelArchConfig.architecture) whose transformers class computes it);
@@ -47,6 +48,20 @@ _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
 }
 # the families this table was written for (other families read their config.json in their own way)
 AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
+# the GGUF metadata (under "<arch>.") that changes the arithmetic of these architectures' files, with its neutral
+# values: the loader reads none of it for them, so a file that sets it is refused
+_GGUF_KEYS: dict[str, tuple[Any, ...]] = {
+    "attention.sliding_window": (0,),  # OLMo 3 is written as "olmo2" with windows
+    "attention.sliding_window_pattern": (),
+    "attention.clamp_kqv": (),
+    "attention.scale": (),
+    "attn_logit_softcapping": (),
+    "final_logit_softcapping": (),
+    "logit_scale": (1.0,),
+    "embedding_scale": (1.0,),
+    "residual_scale": (1.0,),
+}
+AUDITED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 # how config.json says "mixture of experts" (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, gpt-oss)
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -71,6 +86,26 @@ def check_unread_fields(cfg: dict[str, Any], arch: str) -> None:
         # these families normalise by RMSNorm with rms_norm_eps; a LayerNorm epsilon is another model's
         raise ValueError(f"config.json sets layer_norm_eps but no rms_norm_eps; the {arch!r} architecture uses "
                          "RMSNorm with rms_norm_eps")
+
+
+def check_unread_gguf_metadata(key: Callable[[str], object], arch: str, head_dim: int) -> None:
+    """ValueError naming the first GGUF metadata key (``key(name)`` reads ``<arch>.<name>``, None if absent) that
+    a file of ``arch`` sets and the loader does not compute: a partial rotation (``rope.dimension_count`` short of
+    the head), windows, caps and scales of other architectures. Only for ``AUDITED_GGUF_ARCHITECTURES``."""
+    if arch not in AUDITED_GGUF_ARCHITECTURES:
+        return
+    rotated = key("rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim:
+        raise ValueError(f"GGUF {arch}.rope.dimension_count={rotated} rotates part of each head of {head_dim}: "
+                         "partial rotations are not supported for this architecture")
+    for name, neutral in _GGUF_KEYS.items():
+        value = key(name)
+        if value is not None and value not in neutral:
+            raise ValueError(f"GGUF {arch}.{name}={value!r} is not computed for architecture {arch!r} "
+                             "(this file is another model than the architecture's loader reads)")
+    if key("attention.layer_norm_epsilon") is not None and key("attention.layer_norm_rms_epsilon") is None:
+        raise ValueError(f"GGUF {arch}.attention.layer_norm_epsilon without layer_norm_rms_epsilon: architecture "
+                         f"{arch!r} uses RMSNorm")
 
 
 def _check_partial_rotation(cfg: dict[str, Any], arch: str) -> None:

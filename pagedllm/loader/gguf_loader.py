@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
 
@@ -266,6 +267,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         raise ValueError(f"GGUF file (architecture {arch!r}) lacks {missing}")
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
+    check_unread_gguf_metadata(key, arch, int(key("attention.key_length", hidden // num_heads)))
     vocab = key("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())

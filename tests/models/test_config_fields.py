@@ -218,3 +218,26 @@ def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir
     with pytest.raises(ValueError, match=r"architecture 'llama' with 4 experts is a mixture of experts: "
                                          r"mixture-of-experts models are not supported yet; supported: \[.*'llama'"):
         LLM(path, **ENGINE)
+
+
+@pytest.mark.parametrize(("arch", "metadata", "message"), [
+    ("llama", {"rope.dimension_count": 32}, r"llama.rope.dimension_count=32 rotates part of each head of 64"),
+    ("olmo2", {"attention.sliding_window": 4096}, r"olmo2.attention.sliding_window=4096 is not computed"),
+    ("qwen2", {"final_logit_softcapping": 30.0}, r"qwen2.final_logit_softcapping=30.0"),
+    ("llama", {"logit_scale": 0.5}, r"llama.logit_scale=0.5"),
+    ("llama", {"embedding_scale": 12.0}, r"llama.embedding_scale=12.0"),
+    ("llama", {"residual_scale": 0.2}, r"llama.residual_scale=0.2"),
+    ("llama", {"attention.clamp_kqv": 8.0}, r"llama.attention.clamp_kqv=8.0"),
+    ("llama", {"attention.layer_norm_epsilon": 1e-5}, r"layer_norm_epsilon without layer_norm_rms_epsilon"),
+])
+def test_gguf_metadata_the_architecture_does_not_compute_is_refused_by_name(
+    arch: str, metadata: dict, message: str,
+) -> None:
+    from pagedllm.loader.config_fields import check_unread_gguf_metadata
+
+    with pytest.raises(ValueError, match=message):
+        check_unread_gguf_metadata(metadata.get, arch, 64)
+    # the neutral values llama.cpp's converter writes load
+    neutral = {"rope.dimension_count": 64, "attention.sliding_window": 0, "logit_scale": 1.0,
+               "attention.layer_norm_rms_epsilon": 1e-5}
+    check_unread_gguf_metadata(neutral.get, arch, 64)
