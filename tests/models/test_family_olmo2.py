@@ -115,7 +115,8 @@ def test_olmo2_folder_matches_transformers(native: bool, olmo2_dir: str) -> None
     cfg = load_model_config(olmo2_dir)
     assert cfg.architecture == "olmo2" and cfg.qk_norm and cfg.rms_norm_eps == 1e-5  # Olmo2Config's default
     hf = _hf(olmo2_dir)
-    llm = LLM(olmo2_dir, **ENGINE)
+    # native: decode steps traced and replayed from the first one (the projection norms' copies included)
+    llm = LLM(olmo2_dir, **ENGINE, capture_min_decode_steps=0 if native else 512)
     model = llm.llm_engine.model_runner.model
     layer = model.model.layers[0]
     assert isinstance(model, Olmo2ForCausalLM)
@@ -125,6 +126,9 @@ def test_olmo2_folder_matches_transformers(native: bool, olmo2_dir: str) -> None
     if not native:
         model.use_native_ops(None)
     _check_against_transformers(llm, hf, _prompts(5)[:1] if native else _prompts(5), logprobs=not native)
+    if native:
+        captured = llm.llm_engine.model_runner.captured_decode
+        assert captured.failed is None and captured.graphs
     assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
 
 
