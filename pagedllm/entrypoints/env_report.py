@@ -120,8 +120,8 @@ def _memory() -> dict[str, Any]:
     """The memory free here and the default KV pool's share of it (``resolved_config.default_kv_budget``)."""
     import torch
 
+    from pagedllm.device_memory import available_memory_bytes
     from pagedllm.resolved_config import DEFAULT_KV_SHARE
-    from pagedllm.runner.kv_cache import available_memory_bytes
 
     available = available_memory_bytes(torch.device("cpu"))
     return {

@@ -54,8 +54,10 @@ class DecoderLayerSpec:
 
     ``rope_table``: the name of the ``DecoderSpec.rope_tables`` entry this
     layer rotates by; None for a layer without RoPE (then
-    ``attention.rope`` is False too). ``post_norms``: Gemma's sandwich, each
-    branch normed again before it joins the residual.
+    ``attention.rope`` is False too). ``post_norms``: each branch normed
+    before it joins the residual; with ``pre_norms`` too that is Gemma's
+    sandwich, without (``pre_norms=False``) OLMo 2's layout, where the branch
+    reads the residual stream as it is. At least one of the two.
     ``residual_multiplier``: Granite's, each branch multiplied by it before
     it joins the residual (None: added as it is; pre-norm layers only).
     """
@@ -67,6 +69,12 @@ class DecoderLayerSpec:
     rope_table: str | None = "default"
     post_norms: bool = False
     residual_multiplier: float | None = None
+    pre_norms: bool = True
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.pre_norms or self.post_norms):
+            raise ValueError("a decoder layer norms before its branches (pre_norms), after them (post_norms) or both")
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,9 @@ class DecoderLayer(nn.Module):
     without post-norms ``post_attention_layernorm`` is the norm before the
     MLP (Llama), with them it norms the attention output and
     ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` surround
-    the MLP (Gemma). The forward pass for the layout is bound here, once.
+    the MLP (Gemma); with post-norms only (OLMo 2) there is no
+    ``input_layernorm`` nor ``pre_feedforward_layernorm``. The forward pass
+    for the layout is bound here, once.
     """
 
     def __init__(
@@ -129,17 +139,20 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.rope_table = spec.rope_table
-        self.input_layernorm = spec.norm.build(hidden_size)
+        if spec.pre_norms:
+            self.input_layernorm = spec.norm.build(hidden_size)
         self.self_attn = SelfAttention(spec.attention, backend, tp, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = spec.norm.build(hidden_size)
-        if spec.post_norms:
+        if spec.post_norms and spec.pre_norms:
             self.pre_feedforward_layernorm = spec.norm.build(hidden_size)
+        if spec.post_norms:
             self.post_feedforward_layernorm = spec.norm.build(hidden_size)
-        self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, tp, quant_config, f"{prefix}.mlp")
+        self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, tp, quant_config, f"{prefix}.mlp",
+                            bias=spec.mlp_bias)
         if spec.residual_multiplier is not None:
             self.branch_scale = BranchScale(hidden_size, spec.residual_multiplier)
         self._forward: Callable[[CosSin | None, torch.Tensor, KvCache, AttentionMetadata], torch.Tensor] = (
-            self._forward_sandwich if spec.post_norms
+            (self._forward_sandwich if spec.pre_norms else self._forward_post_norm) if spec.post_norms
             else self._forward_pre_norm if spec.residual_multiplier is None else self._forward_pre_norm_scaled
         )
 
@@ -174,6 +187,14 @@ class DecoderLayer(nn.Module):
         x.add_(self.post_attention_layernorm(attn_out))
         mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
         return x.add_(self.post_feedforward_layernorm(mlp_out))
+
+    def _forward_post_norm(
+        self, cos_sin: CosSin | None, x: torch.Tensor, kv_cache: KvCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # OLMo 2: the branches read the residual stream un-normed; only their outputs are normed
+        attn_out = self.self_attn(cos_sin, x, kv_cache, meta)
+        x.add_(self.post_attention_layernorm(attn_out))
+        return x.add_(self.post_feedforward_layernorm(self.mlp(x)))
 
 
 class DecoderModel(nn.Module):

@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
@@ -47,6 +48,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Llama's mlp_bias
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+    # OLMo 2's norms of the attention and MLP outputs (no attn_norm / ffn_norm there)
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -262,6 +270,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         raise ValueError(f"GGUF file (architecture {arch!r}) lacks {missing}")
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
+    check_unread_gguf_metadata(key, arch, int(key("attention.key_length", hidden // num_heads)))
     vocab = key("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
@@ -284,6 +293,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         tie_word_embeddings=not has_output,
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
+        mlp_bias=any(t.name.endswith("ffn_gate.bias") for t in reader.tensors),
+        num_experts=int(key("expert_count", 0) or 0),
         eos_token_ids=() if eos is None else (int(eos),),
         checkpoint_format="gguf",
     )

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.loader.config_fields import check_unread_fields, num_experts
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,11 @@ class ModelArchConfig:
     from those names: an architecture no family implements is refused there.
 
     ``attention_bias`` adds biases to q/k/v (Qwen2); ``qk_norm`` applies an
-    RMSNorm per head to q and k before RoPE (Qwen3, Gemma 3).
+    RMSNorm to q and k before RoPE (Qwen3, Gemma 3 per head; OLMo 2 over the
+    whole projection, the family's choice). ``mlp_bias``: biases on the
+    MLP's gate, up and down projections (Llama's ``mlp_bias``).
+    ``num_experts``: experts a mixture-of-experts MLP routes between (0: a
+    dense MLP); read so that the registry can refuse such a model by name.
 
     ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
     per rotated pair of the RoPE frequencies (llama.cpp's converter writes
@@ -115,6 +120,8 @@ class ModelArchConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    mlp_bias: bool = False
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -170,6 +177,7 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral":
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
 _QWEN_MAX_WINDOW_LAYERS = 28
+_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5}  # Olmo2Config's; every other family's is 1e-6
 _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
 
@@ -297,6 +305,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
     if missing:
         raise ValueError(f"config.json ({model_type}) lacks {missing}")
+    check_unread_fields(cfg, arch)
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope_settings(cfg)
@@ -312,11 +321,14 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         num_attention_heads=num_heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", _RMS_NORM_EPS_DEFAULTS.get(arch, 1e-6))),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        qk_norm=arch in ("qwen3", "gemma3"),  # per-head RMSNorm on q and k
+        # transformers' Qwen2 biases q, k and v whatever attention_bias says
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "gemma3", "olmo2"),  # RMSNorm on q and k
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        num_experts=num_experts(cfg),
         eos_token_ids=_eos_ids(cfg, generation_config),
         sliding_windows=windows,
         layer_types=types,

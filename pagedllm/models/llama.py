@@ -2,7 +2,7 @@
 
 Pre-norm layers of the shared blocks (``layers/decoder.py``) that differ in
 switches read from ``ModelArchConfig``: q/k/v and output biases
-(``attention_bias``; Qwen2 never biases the output), a per-head RMSNorm on q and k (Qwen3), the MLP's
+(``attention_bias``; Qwen2 never biases the output), biases on the MLP's three projections (``mlp_bias``), a per-head RMSNorm on q and k (Qwen3), the MLP's
 activation (``hidden_act``, SiLU unless the config names another), tied
 embeddings, RoPE scaling (a GGUF file's ``rope_freqs`` divisors too) and a per-layer sliding window (Mistral, Qwen3
 with ``use_sliding_window``).
@@ -36,7 +36,8 @@ class LlamaForCausalLM(CausalLM):
         """Every layer pre-normed with Llama's RMSNorm, rotated by the one table of ``rope_theta`` and scaling."""
         norm = NormSpec(cfg.rms_norm_eps)
         layers = tuple(
-            DecoderLayerSpec(cls.attention_spec(cfg, i), cfg.intermediate_size, cfg.hidden_act, norm)
+            DecoderLayerSpec(cls.attention_spec(cfg, i), cfg.intermediate_size, cfg.hidden_act, norm,
+                             mlp_bias=cfg.mlp_bias)
             for i in range(cfg.num_hidden_layers)
         )
         rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,

@@ -58,18 +58,6 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on ``device`` (the GPU's free bytes, or the host's MemAvailable)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 << 30
-
-
 def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements one head of one token takes in a cache of ``dtype``: ``head_dim``, plus an int8 / fp8 cache's
     scale bytes; an int4 cache (uint8) ``head_dim / 2`` bytes of nibbles and its scale's (ValueError for an odd

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.device_memory import available_memory_bytes
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.kv_quant import indexable, kv_format_name
@@ -29,7 +30,6 @@ from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.input_batch import InputBatch, as_decode_rows
 from pagedllm.runner.kv_cache import (
     allocate_kv_cache,
-    available_memory_bytes,
     kv_bytes_per_block,
     release_kv_blocks,
     resident_kv_bytes,

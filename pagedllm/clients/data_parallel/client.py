@@ -49,12 +49,12 @@ from pagedllm.clients.data_parallel.replica_client import (
 )
 from pagedllm.clients.metrics import EngineStats, ServerMetrics
 from pagedllm.config import EngineConfig
+from pagedllm.device_memory import available_memory_bytes
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt
 from pagedllm.loader import load_model_config, model_file_bytes
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.resolved_config import replica_kv_budget
-from pagedllm.runner.kv_cache import available_memory_bytes
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 
