@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:  # model_config imports this module
-    from pagedllm.loader.model_config import ModelArchConfig
+# model_config imports this module, so the configuration is typed by a variable (a ModelArchConfig)
+ArchConfig = TypeVar("ArchConfig")
 
 _SMOLLM3_DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta
 _SMOLLM3_NOPE_INTERVAL = 4  # SmolLM3Config.no_rope_layer_interval's default; llama.cpp's constant step
@@ -48,7 +48,7 @@ _SMOLLM3_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 327
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 
 
-def hf_family_fields(config: ModelArchConfig, cfg: dict[str, Any]) -> ModelArchConfig:
+def hf_family_fields(config: ArchConfig, cfg: dict[str, Any]) -> ArchConfig:
     """``config`` with SmolLM3's or Granite's fields read from config.json ``cfg``; others unchanged."""
     if config.architecture == "smollm3":
         config = dataclasses.replace(config, **{k: v for k, v in _SMOLLM3_DEFAULTS.items() if k not in cfg})
@@ -105,7 +105,7 @@ def _granite_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**{name: float(v) for name, v in values.items()}, "attn_scale": scale}
 
 
-def gguf_family_fields(config: ModelArchConfig, key: Callable[[str], object]) -> ModelArchConfig:
+def gguf_family_fields(config: ArchConfig, key: Callable[[str], object]) -> ArchConfig:
     """``config`` with SmolLM3's or Granite's fields from GGUF metadata; ``key(name)`` reads ``{arch}.{name}``."""
     if config.architecture == "smollm3":
         n = config.num_hidden_layers

@@ -23,10 +23,13 @@ from torch import nn
 
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.granite import GraniteForCausalLM
-from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pagedllm.models.llama import (
+    GraniteForCausalLM,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    SmolLM3ForCausalLM,
+)
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
-from pagedllm.models.smollm3 import SmolLM3ForCausalLM
 
 
 @dataclass(frozen=True)

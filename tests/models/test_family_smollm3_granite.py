@@ -39,9 +39,8 @@ from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader import load_model_config
 from pagedllm.loader.model_config import ModelArchConfig, from_hf_config
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
-from pagedllm.models.granite import GraniteForCausalLM
+from pagedllm.models.llama import GraniteForCausalLM, SmolLM3ForCausalLM
 from pagedllm.models.registry import MODEL_REGISTRY
-from pagedllm.models.smollm3 import SmolLM3ForCausalLM
 from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.capture.decode_graph import num_programs
 
