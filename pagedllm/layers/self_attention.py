@@ -37,6 +37,8 @@ class AttentionSpec:
     ``softcap``: scores become ``cap * tanh(s / cap)`` (None: uncapped).
     ``sliding_window``: a query at ``i`` sees keys ``i - w < j <= i`` (None:
     every earlier key). ``rope``: whether q and k are rotated.
+    ``rotary_dim``: how many leading dimensions of each head are rotated
+    (None: all of them; fewer for a partial rotation, Phi-4-mini's).
     """
 
     hidden_size: int
@@ -50,6 +52,7 @@ class AttentionSpec:
     softcap: float | None = None
     sliding_window: int | None = None
     rope: bool = True
+    rotary_dim: int | None = None
 
 
 class SelfAttention(nn.Module):
@@ -82,7 +85,7 @@ class SelfAttention(nn.Module):
         self.sliding_window = spec.sliding_window  # None: full attention
         self.softcap = spec.softcap
         self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
-                                         rotate=spec.rope)
+                                         rotate=spec.rope, rotary_dim=spec.rotary_dim)
         # an int4 cache's change of variables for K (layers/kv_transform.py), fitted by the runner; shifting
         # keys changes capped scores, so a capped layer keeps its keys as they are
         self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=self.softcap is None)

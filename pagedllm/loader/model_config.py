@@ -72,6 +72,10 @@ class ModelArchConfig:
     MLP's gate activation as transformers names it (config.json's
     ``hidden_act`` / ``hidden_activation``); the MLP layer refuses a name it
     does not compute (``layers/activation.py``).
+
+    ``partial_rotary_factor``: the part of each head RoPE rotates (Phi-4-mini:
+    0.75), for the families that take it (Phi-3); read for every config, it
+    stays 1.0 where a family's transformers model rotates the whole head.
     """
 
     architecture: str
@@ -101,6 +105,7 @@ class ModelArchConfig:
     final_logit_softcapping: float | None = None
     architectures: tuple[str, ...] = ()
     checkpoint_format: str = "hf"
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -138,7 +143,8 @@ class ModelArchConfig:
 
 
 # config.json's model_type -> the reading of its keys (any other model_type is read as Llama's keys)
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3",
+                "phi3": "phi3"}
 # what transformers' config classes assume when config.json leaves a key out
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
@@ -245,6 +251,45 @@ def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+_PHI3_ORIGINAL_MAX_POSITION = 4096  # Phi3Config's original_max_position_embeddings default
+
+
+def _phi3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's RoPE as ``Phi3Config`` reads it: theta, longrope scaling, the part of each head rotated.
+
+    ``rope_type`` "su" and "yarn" (older Phi-3 configs) are Phi-3's names
+    for longrope; the top-level ``original_max_position_embeddings`` (4096
+    when absent) wins over the scaling's own, as transformers'
+    ``standardize_rope_params`` gives it priority; ``partial_rotary_factor``
+    is the RoPE parameters' (else the top-level one, else 1.0).
+    """
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+    kind = params.get("rope_type", params.get("type"))
+    scaling = None
+    if kind in ("su", "yarn", "longrope"):
+        original = cfg.get("original_max_position_embeddings", _PHI3_ORIGINAL_MAX_POSITION)
+        scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+        scaling.update(rope_type="longrope", original_max_position_embeddings=int(original))
+    elif kind not in (None, "default"):
+        # Phi3Config.validate_rope accepts these two only
+        raise ValueError(f"phi3: unsupported rope_type {kind!r}; Phi-3 takes 'default' or 'longrope' ('su', 'yarn')")
+    return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+                hidden_act=cfg.get("hidden_act") or "silu")
+
+
+def _phi3_windows(cfg: dict[str, Any]) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
+    """Phi-3's window: transformers' Phi3Attention applies ``sliding_window`` (None by default) to every layer."""
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window!r}")
+    if window is None or window >= cfg.get("max_position_embeddings", 4096):
+        return (), ()  # never masks a position the RoPE table covers: full attention
+    n = cfg["num_hidden_layers"]
+    return (window,) * n, ("sliding_attention",) * n
+
+
 def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any] | None) -> tuple[int, ...]:
     for source in (generation_config or {}, cfg):
         value = source.get("eos_token_id")
@@ -273,9 +318,13 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope_settings(cfg)
-    windows, types = _sliding_windows(cfg, arch)
-    extra = _gemma3_settings(cfg) if arch == "gemma3" else {
-        "rope_theta": theta, "rope_scaling": scaling, "hidden_act": cfg.get("hidden_act") or "silu"}
+    windows, types = _phi3_windows(cfg) if arch == "phi3" else _sliding_windows(cfg, arch)
+    if arch == "gemma3":
+        extra = _gemma3_settings(cfg)
+    elif arch == "phi3":
+        extra = _phi3_settings(cfg)
+    else:
+        extra = {"rope_theta": theta, "rope_scaling": scaling, "hidden_act": cfg.get("hidden_act") or "silu"}
     return ModelArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],

@@ -24,6 +24,7 @@ from torch import nn
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ MODEL_REGISTRY = ModelRegistry((
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), (), ("gemma3",)),
+    Family(Phi3ForCausalLM, ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
 ))
 
 
