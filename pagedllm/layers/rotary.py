@@ -109,8 +109,9 @@ def rope_parameters(
             inv_freq, attention_factor = _scaled_parameters(kind, head_dim, max_position, theta, scaling)
     if inv_freq.shape != (dim // 2,):
         raise ValueError(
-            f"RoPE {kind!r} gives {inv_freq.numel()} frequencies for a head of {head_dim} rotated over {dim} "
-            f"dimensions (a partial_rotary_factor this model does not take?)"
+            f"RoPE {kind!r} gives {inv_freq.numel()} frequencies where {dim} rotated dimensions of a head of "
+            f"{head_dim} need {dim // 2}: a partial_rotary_factor in the scaling of a model that rotates "
+            f"{'the whole head' if dim == head_dim else 'another part'}?"
         )
     if divisors is not None:
         # in float32, as llama.cpp divides each angle by its factor (theta / freq_factor)

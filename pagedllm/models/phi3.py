@@ -39,8 +39,6 @@ class Phi3ForCausalLM(CausalLM):
     @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
         """Pre-normed layers, one RoPE table of ``rope_theta``, the longrope scaling and the rotated part."""
-        if cfg.architecture != "phi3":
-            raise ValueError(f"Phi3ForCausalLM cannot run a {cfg.architecture!r} model")
         rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                         partial_rotary_factor=cfg.partial_rotary_factor)
         norm = NormSpec(cfg.rms_norm_eps)
