@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def test_phi3_folders_match_transformers(phi3_dirs: dict[str, str]) -> None:
 
 def test_phi3_bad_configs_are_refused() -> None:
     """A RoPE type Phi-3 does not take, and a partial rotation of an odd number of dimensions, are ValueErrors;
-    a fused tensor of the wrong rows is one too."""
+    a fused tensor of the wrong rows is one too, and so is a tensor-parallel load."""
     base = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=10, hidden_size=64,
                 intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
     with pytest.raises(ValueError, match="phi3: unsupported rope_type 'dynamic'"):
@@ -207,6 +208,10 @@ def test_phi3_bad_configs_are_refused() -> None:
     assert split["l.self_attn.k_proj.weight"].tolist() == [[8.0, 9.0], [10.0, 11.0]]
     with pytest.raises(ValueError, match="7 rows"):
         list(split_fused_checkpoint([("l.self_attn.qkv_proj.weight", torch.zeros(7, 2))], parts))
+    # tensor parallelism is refused before any tensor is read (a rank holds only its own head counts)
+    rank = SimpleNamespace(tp=SimpleNamespace(plan=SimpleNamespace(size=2)))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        Phi3ForCausalLM.load_weights(rank, iter(()))
 
 
 @pytest.mark.slow  # converts the checkpoints in subprocesses (seconds each), fetches the converter once
@@ -237,5 +242,8 @@ def test_phi3_converted_gguf_match_transformers(phi3_dirs: dict[str, str], tmp_p
             torch.testing.assert_close(freq, want_freq, rtol=0, atol=0)
             assert factor == pytest.approx(want_factor, rel=1e-7)
             llm = LLM(path, **ENGINE, gguf_activations="float32")
+            if outtype == "f16":  # the fused F16 attn_qkv / ffn_up kept as stored, split by rows of blocks
+                mlp = llm.llm_engine.model_runner.model.model.layers[0].mlp
+                assert mlp.gate_up_proj.quant_method.name.startswith("gguf-f16")
             _check_against(llm, _hf(hf_folder, path), prompts, GENERATED)
             del llm
