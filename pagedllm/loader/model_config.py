@@ -74,8 +74,9 @@ class ModelArchConfig:
     does not compute (``layers/activation.py``).
 
     ``partial_rotary_factor``: the part of each head RoPE rotates (Phi-4-mini:
-    0.75), for the families that take it (Phi-3); read for every config, it
-    stays 1.0 where a family's transformers model rotates the whole head.
+    0.75); read for Phi-3 only (config.json or GGUF ``rope.dimension_count``).
+    Other families keep 1.0, as their transformers models rotate the whole
+    head; a partial factor inside their RoPE scaling is refused by the table.
     """
 
     architecture: str
