@@ -24,6 +24,7 @@ from gguf.quants import dequantize
 
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
 # Which general.architecture values a model runs is models/registry.py's to say (Gemma 3, for one, loads
 # from Hugging Face folders only: its GGUF norm weights, stored as 1 + w, are not mapped here). The
@@ -59,6 +60,8 @@ _GLOBAL_NAMES = {
 # metadata every decoder's GGUF file carries under its architecture's prefix
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
 # read with the configuration (ModelArchConfig.rope_freq_factors, the longrope factors of rope_scaling), not weights
 _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_FACTORS_LONG = "rope_factors_long.weight"
@@ -320,7 +323,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         rope = _phi3_settings(reader, head_dim, max_position)
     else:
         rope["rope_scaling"] = _rope_scaling(reader, arch)
-    return ModelArchConfig(
+    config = ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -340,6 +343,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         checkpoint_format="gguf",
         **rope,
     )
+    return gguf_family_fields(config, key)
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -370,7 +374,10 @@ class GGUFWeights:
     ggml type number): the ones a model may take as stored, where it has
     kernels for their type. The model loader sets ``keep`` to the
     names its layers take as they are stored: those come out as their bytes,
-    ``uint8 [rows, row bytes]``; every other tensor is dequantized to float32.
+    ``uint8 [rows, row bytes]``; and ``half`` to the names its layers hold in
+    bfloat16 (types with no kernel, ``layers/quantization/gguf_dequantized.py``):
+    those come out dequantized and rounded to bfloat16. Every other tensor is
+    dequantized to float32.
     """
 
     def __init__(self, path: str, config: ModelArchConfig) -> None:
@@ -386,10 +393,11 @@ class GGUFWeights:
             and (name := _hf_name_or_none(t.name, config.architecture)) is not None
         }
         self.keep: set[str] = set()
+        self.half: set[str] = set()
 
     def _rows_in_hf_order(self, name: str, w: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Q/K row permutation (rows are output channels, whole in either form)."""
-        if self.config.architecture in ("llama", "mistral"):
+        if self.config.architecture in _PERMUTED_QK:
             if ".q_proj." in name:
                 return _unpermute_rope_rows(w, self.config.num_attention_heads)
             if ".k_proj." in name:
@@ -416,11 +424,12 @@ class GGUFWeights:
                 # values, which a dtype conversion would cast rather than reinterpret
                 w = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.data.shape[0], -1)
             else:
-                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                w = _dequantized(t, path)
             w = self._rows_in_hf_order(name, w)
             if not w.flags.writeable or not w.flags.c_contiguous:
                 w = np.array(w, order="C")
-            yield name, torch.from_numpy(w)
+            # a 2-byte copy where the layer holds one: half the bytes in flight, and the layer's values exactly
+            yield name, torch.from_numpy(w).to(torch.bfloat16) if name in self.half else torch.from_numpy(w)
             # not held while the next is dequantized: a load holds one checkpoint tensor at a time
             del w
             _drop_mapped_pages(reader, t)
@@ -428,6 +437,16 @@ class GGUFWeights:
         # file's mapping, which would otherwise stay resident for the life of the process
         del reader, t
         open_reader.cache_clear()
+
+
+def _dequantized(t: object, path: str) -> np.ndarray:
+    """Tensor ``t`` as float32 values (``gguf``'s dequantization); ValueError for a type it cannot
+    dequantize (Q8_K and Q8_1 are llama.cpp's activation types: a file holding weights in them is refused)."""
+    try:
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which neither a kernel "
+                         "here nor the gguf package's dequantization reads") from None
 
 
 _FAULT_AROUND_BYTES = 2 << 20  # a multiple of the page size: the largest window one fault maps (a PMD)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,13 @@ class ModelArchConfig:
     0.75); read for Phi-3 only (config.json or GGUF ``rope.dimension_count``).
     Other families keep 1.0, as their transformers models rotate the whole
     head; a partial factor inside their RoPE scaling is refused by the table.
+
+    ``nope_layers``: the layers that do not rotate q and k (SmolLM3's every
+    fourth). Granite's multipliers: ``embedding_multiplier`` scales the
+    embeddings, ``residual_multiplier`` each branch before its residual
+    add, ``logits_scaling`` divides the logits (its ``attention_multiplier``
+    is ``attn_scale``); 1.0 where a family has none. Both are read by
+    ``loader/smollm3_granite_config.py``.
     """
 
     architecture: str
@@ -106,6 +116,10 @@ class ModelArchConfig:
     final_logit_softcapping: float | None = None
     architectures: tuple[str, ...] = ()
     checkpoint_format: str = "hf"
+    nope_layers: tuple[int, ...] = ()
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
@@ -116,6 +130,7 @@ class ModelArchConfig:
         for scaling in (self.rope_scaling, self.local_rope_scaling):
             check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
+        check_multipliers(self)
         for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -141,6 +156,18 @@ class ModelArchConfig:
     def has_sliding_window(self) -> bool:
         """Whether any layer attends through a sliding window."""
         return any(w is not None for w in self.sliding_windows)
+
+
+def check_multipliers(cfg: ModelArchConfig) -> None:
+    """ValueError for a layer index of ``nope_layers`` out of range or a multiplier not finite and positive."""
+    bad = [i for i in cfg.nope_layers if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"nope_layers {bad} are not layers of a {cfg.num_hidden_layers}-layer model")
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite positive number, got {value!r}")
 
 
 # config.json's model_type -> the reading of its keys (any other model_type is read as Llama's keys)
@@ -326,7 +353,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         extra = _phi3_settings(cfg)
     else:
         extra = {"rope_theta": theta, "rope_scaling": scaling, "hidden_act": cfg.get("hidden_act") or "silu"}
-    return ModelArchConfig(
+    config = ModelArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -347,6 +374,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
+    return hf_family_fields(config, cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

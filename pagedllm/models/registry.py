@@ -23,8 +23,10 @@ from torch import nn
 
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.smollm3 import SmolLM3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ MODEL_REGISTRY = ModelRegistry((
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), (), ("gemma3",)),
     Family(Phi3ForCausalLM, ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
+    Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
+    Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
 ))
 
 
