@@ -104,6 +104,11 @@ class DecoderSpec:
             if layer.rope_table is not None and layer.rope_table not in self.rope_tables:
                 raise ValueError(f"layer {i} rotates by table {layer.rope_table!r}; the model has "
                                  f"{sorted(self.rope_tables)}")
+            if layer.rope_table is not None:
+                table_dim, head_dim = self.rope_tables[layer.rope_table].rotary_dim, layer.attention.head_dim
+                if table_dim != (layer.attention.rotary_dim or head_dim):
+                    raise ValueError(f"layer {i} rotates {layer.attention.rotary_dim or head_dim} dimensions of each "
+                                     f"head; table {layer.rope_table!r} has {table_dim}")
             if layer.residual_multiplier is not None and layer.post_norms:
                 raise ValueError(f"layer {i}: a residual multiplier applies to pre-norm layers only")
         if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:

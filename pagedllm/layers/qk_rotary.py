@@ -35,6 +35,10 @@ class QKNormRotary(CustomOp):
     head; the native path norms copies through the norms' native rows and
     writes them back into ``qkv``, then rotates in place with the same
     native pass, given no per-head weights.
+    ``rotary_dim`` below ``head_dim`` (Phi-4-mini's partial rotation): the
+    first ``rotary_dim`` dimensions of each head are rotated, the rest pass
+    (``RotaryEmbedding.apply_partial``). The native pass rotates whole heads,
+    so such a layer runs its torch implementation, whatever ops it is given.
 
     The norms are the attention's modules (their weights load under the
     checkpoint's names, ``self_attn.q_norm.weight``); this layer uses them
@@ -45,6 +49,7 @@ class QKNormRotary(CustomOp):
         self, num_heads: int, num_kv_heads: int, head_dim: int,
         q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotate: bool = True,
         whole_projection: bool = False,
+        rotary_dim: int | None = None,
     ) -> None:
         if (q_norm is None) != (k_norm is None):
             raise ValueError("QKNormRotary takes both q_norm and k_norm, or neither")
@@ -58,6 +63,11 @@ class QKNormRotary(CustomOp):
         self.kv_size = num_kv_heads * head_dim
         self.rotate = rotate
         self.whole_projection = whole_projection
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < self.rotary_dim <= head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and in (0, {head_dim}], got {self.rotary_dim}")
+        # chosen once: a whole head's rotation or a partial one (torch only)
+        self._rotate = RotaryEmbedding.apply if self.rotary_dim == head_dim else RotaryEmbedding.apply_partial
         # a tuple, not attributes: nn.Module would register the norms here as well as on the
         # attention, and their parameters would get a second name
         self._norms: tuple[RMSNorm, RMSNorm] | None = None if q_norm is None else (q_norm, k_norm)
@@ -70,7 +80,8 @@ class QKNormRotary(CustomOp):
             # the native pass reads the norms' native weights (Gemma's 1 + w), made by their select_impl
             for norm in self._norms:
                 norm.select_impl(ops)
-        super().select_impl(ops)
+        # the native pass rotates whole heads only: a partial rotation stays torch (the norms may still be native)
+        super().select_impl(ops if self.rotary_dim == self.head_dim else None)
         if not self.rotate:
             self._forward_impl = self._forward_unrotated
 
@@ -118,13 +129,13 @@ class QKNormRotary(CustomOp):
         if self._norms is None:
             # q and k sit side by side in qkv: rotate both blocks of heads at once
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = RotaryEmbedding.apply(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self._rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
             return q, k
         if self.whole_projection:
             q, k = self._normed_rows(qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size])
             q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
-            return RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
+            return self._rotate(q, cos_sin), self._rotate(k, cos_sin)
         q_norm, k_norm = self._norms
         q = q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
         k = k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
-        return RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
+        return self._rotate(q, cos_sin), self._rotate(k, cos_sin)

@@ -21,6 +21,12 @@ cannot hold is decided here, per type:
   longer than it), ``short_factor`` otherwise. Shorter sequences of such a
   model then differ from transformers'; a warning says so at load.
 
+A partial rotation (``partial_rotary_factor`` below 1: Phi-4-mini's 0.75)
+rotates the first ``int(head_dim * partial_rotary_factor)`` dimensions of
+each head, rotate-half within them, and leaves the rest as they are, as
+transformers' Phi-3 does; the tables then hold that many columns
+(``rotary_dim``), and the attention factor scales the rotated part only.
+
 A GGUF file of Llama 3.1 and later carries no ``rope_scaling``: llama.cpp's
 converter turns the ``llama3`` scaling into a ``rope_freqs`` tensor, one
 divisor per rotated pair, which llama.cpp divides each frequency by.
@@ -70,40 +76,58 @@ def _transformers_config(
 
 def rope_parameters(
     head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None,
-    freq_factors: tuple[float, ...] = (),
+    freq_factors: tuple[float, ...] = (), partial_rotary_factor: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[head_dim // 2]`` (float32, CPU) and the factor cos and sin are scaled by.
+    """Inverse frequencies ``[rotary_dim // 2]`` (float32, CPU) and the factor cos and sin are scaled by.
 
     ``max_position`` is the model's ``max_position_embeddings`` (yarn and
     longrope derive a missing ``factor`` from it, dynamic its threshold).
     Computed by transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``; see the
     module docstring for the choices made for ``dynamic`` and ``longrope``.
     ``freq_factors`` (a GGUF file's ``rope_freqs``, empty: none) divide the
-    frequencies one by one afterwards. ValueError for an unknown rope_type,
-    missing or bad parameters, a partial rotary dimension (the tables rotate
-    the whole head), or factors of the wrong count, not positive, or beside
-    a scaling other than linear.
+    frequencies one by one afterwards. ``partial_rotary_factor``: the part
+    of the head rotated (``rotary_dim = int(head_dim * factor)``, as
+    transformers computes it); a scaling's own ``partial_rotary_factor`` is
+    replaced by it. ValueError for an unknown rope_type, missing or bad
+    parameters, frequencies of another count than ``rotary_dim // 2`` (a
+    scaling that names a partial rotation this model does not take), or
+    factors of the wrong count, not positive, or beside a scaling other than linear.
     """
     kind = check_rope_type(scaling)
-    divisors = _check_freq_factors(freq_factors, head_dim, kind)
+    dim = rotary_dim(head_dim, partial_rotary_factor)
+    divisors = _check_freq_factors(freq_factors, dim, kind)
     # the initialisers create some tensors on the default device: a model built on the meta device
     # would get meta frequencies
     with torch.device("cpu"):
         if kind == "default":
             # transformers' models compute the default themselves (compute_default_rope_parameters)
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             attention_factor = 1.0
         else:
+            if partial_rotary_factor != 1.0:
+                scaling = {**(scaling or {}), "partial_rotary_factor": partial_rotary_factor}
             inv_freq, attention_factor = _scaled_parameters(kind, head_dim, max_position, theta, scaling)
-    if inv_freq.shape != (head_dim // 2,):
+    if inv_freq.shape != (dim // 2,):
         raise ValueError(
-            f"RoPE {kind!r} gives {inv_freq.numel()} frequencies for a head of {head_dim} "
-            f"(a partial_rotary_factor?); only rotations of the whole head are supported"
+            f"RoPE {kind!r} gives {inv_freq.numel()} frequencies where {dim} rotated dimensions of a head of "
+            f"{head_dim} need {dim // 2}: a partial_rotary_factor in the scaling of a model that rotates "
+            f"{'the whole head' if dim == head_dim else 'another part'}?"
         )
     if divisors is not None:
         # in float32, as llama.cpp divides each angle by its factor (theta / freq_factor)
         inv_freq = inv_freq.float() / divisors
     return inv_freq.float(), float(attention_factor)
+
+
+def rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:
+    """The dimensions of a head RoPE rotates, as transformers counts them; ValueError unless a positive even number."""
+    if not 0.0 < partial_rotary_factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial_rotary_factor!r}")
+    dim = int(head_dim * partial_rotary_factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"partial_rotary_factor {partial_rotary_factor} rotates {dim} of {head_dim} dimensions: "
+                         "need an even number, at least 2")
+    return dim
 
 
 def _check_freq_factors(freq_factors: tuple[float, ...], head_dim: int, kind: str) -> torch.Tensor | None:
@@ -115,8 +139,8 @@ def _check_freq_factors(freq_factors: tuple[float, ...], head_dim: int, kind: st
         raise ValueError(f"RoPE frequency factors (GGUF rope_freqs) cannot be combined with rope_type {kind!r}; "
                          "they replace a llama3 scaling and compose only with a linear one")
     if len(freq_factors) != head_dim // 2:
-        raise ValueError(f"{len(freq_factors)} RoPE frequency factors (GGUF rope_freqs) for a head of {head_dim}: "
-                         f"need one per rotated pair ({head_dim // 2})")
+        raise ValueError(f"{len(freq_factors)} RoPE frequency factors (GGUF rope_freqs) for {head_dim} rotated "
+                         f"dimensions: need one per rotated pair ({head_dim // 2})")
     divisors = torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
     if not bool(torch.isfinite(divisors).all()) or not bool((divisors > 0).all()):
         raise ValueError(f"RoPE frequency factors (GGUF rope_freqs) must be positive and finite, got {freq_factors}")
@@ -164,29 +188,33 @@ class RotaryEmbedding(nn.Module):
     transformers scales cos and sin. ``max_position`` is the model's
     ``max_position_embeddings``: the table's length. ``freq_factors``: a
     GGUF file's ``rope_freqs`` divisors (see the module docstring).
+    ``partial_rotary_factor``: the part of each head rotated; the tables
+    then have ``rotary_dim`` columns, and ``apply_partial`` rotates the
+    first ``rotary_dim`` dimensions of a head.
     """
 
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None,
-        freq_factors: tuple[float, ...] = (),
+        freq_factors: tuple[float, ...] = (), partial_rotary_factor: float = 1.0,
     ) -> None:
         super().__init__()
-        self.settings = (head_dim, max_position, theta, scaling, tuple(freq_factors))
+        self.settings = (head_dim, max_position, theta, scaling, tuple(freq_factors), partial_rotary_factor)
+        self.rotary_dim = rotary_dim(head_dim, partial_rotary_factor)
         # computed here so that bad parameters fail at load, and again by build_tables (cheap): the
         # frequencies are not kept, so no cast of the model rounds them and the weights hold only the tables
         rope_parameters(*self.settings)
-        self.register_buffer("cos", torch.empty(max_position, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_position, head_dim), persistent=False)
+        self.register_buffer("cos", torch.empty(max_position, self.rotary_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_position, self.rotary_dim), persistent=False)
         self.build_tables()
 
     def build_tables(self) -> None:
         """Fill the cos/sin tables (again after a model built on the meta device)."""
-        head_dim, max_position = self.settings[:2]
+        max_position, dim = self.settings[1], self.rotary_dim
         inv_freq, attention_factor = rope_parameters(*self.settings)
         with torch.device("cpu"):
             freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
-            emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, head_dim]
-            sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])  # [head_dim]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, rotary_dim]
+            sign = torch.cat([-torch.ones(dim // 2), torch.ones(dim // 2)])  # [rotary_dim]
             # scaled in float32 before any cast, as transformers scales cos and sin
             self.cos = (emb.cos() * attention_factor).to(self.cos.device)
             self.sin = (emb.sin() * attention_factor * sign).to(self.sin.device)  # signed: see above
@@ -201,21 +229,34 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
+    @staticmethod
+    def apply_partial(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate the first ``rotary_dim`` (the tables' width) dimensions of each head of ``x``; the rest pass."""
+        dim = cos_sin[0].shape[-1]
+        return torch.cat([RotaryEmbedding.apply(x[..., :dim], cos_sin), x[..., dim:]], dim=-1)
+
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """One RoPE table: head size, positions covered, base, scaling and frequency divisors (``RotaryEmbedding``'s
-    arguments)."""
+    """One RoPE table: head size, positions covered, base, scaling, frequency divisors and the part of the head
+    rotated (``RotaryEmbedding``'s arguments)."""
 
     head_dim: int
     max_position: int
     theta: float
     scaling: Mapping[str, Any] | None = None
     freq_factors: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head this table rotates."""
+        return rotary_dim(self.head_dim, self.partial_rotary_factor)
 
     def build(self) -> RotaryEmbedding:
         """The table this spec describes."""
-        return RotaryEmbedding(self.head_dim, self.max_position, self.theta, self.scaling, self.freq_factors)
+        return RotaryEmbedding(self.head_dim, self.max_position, self.theta, self.scaling, self.freq_factors,
+                               self.partial_rotary_factor)
 
 
 class RotaryTables(nn.Module):

@@ -43,6 +43,8 @@ class AttentionSpec:
     whole q or k projection, weights ``[num_heads * head_dim]`` and
     ``[num_kv_heads * head_dim]``; one process only, since a rank's heads
     would lack the others' share of the mean square).
+    ``rotary_dim``: how many leading dimensions of each head are rotated
+    (None: all of them; fewer for a partial rotation, Phi-4-mini's).
     """
 
     hidden_size: int
@@ -57,6 +59,7 @@ class AttentionSpec:
     sliding_window: int | None = None
     rope: bool = True
     qk_norm_span: str = "head"
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.qk_norm_span not in QK_NORM_SPANS:
@@ -98,7 +101,7 @@ class SelfAttention(nn.Module):
         self.sliding_window = spec.sliding_window  # None: full attention
         self.softcap = spec.softcap
         self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
-                                         rotate=spec.rope, whole_projection=whole)
+                                         rotate=spec.rope, whole_projection=whole, rotary_dim=spec.rotary_dim)
         # an int4 cache's change of variables for K (layers/kv_transform.py), fitted by the runner; shifting
         # keys changes capped scores, so a capped layer keeps its keys as they are
         self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=self.softcap is None)

@@ -12,7 +12,7 @@ arrive; a layer with no method (norms) is copied into.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -124,3 +124,33 @@ def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: 
         else:
             names.add(name)
     return names
+
+
+def split_fused_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]], splits: dict[str, tuple[tuple[str, int], ...]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint whose projections are stored fused (Phi-3's ``qkv_proj``, ``gate_up_proj``) as separate parts.
+
+    ``splits``: fused name -> its parts in row order, ``(part name, rows)``.
+    A tensor named ``....<fused>.weight`` (or ``.bias``) comes out as one
+    row slice (a view) per part, renamed ``....<part>.weight``, so that it
+    loads through ``fused_projections``' map like a checkpoint that stores
+    the parts apart; whatever the rows hold (floats, or a GGUF file's
+    ``[rows, row bytes]`` blocks). ValueError when its rows are not the parts' sum.
+    """
+    for name, tensor in weights:
+        owner, _, param = name.rpartition(".")
+        module, _, fused = owner.rpartition(".")
+        parts = splits.get(fused)
+        if parts is None:
+            yield name, tensor
+            continue
+        total = sum(rows for _, rows in parts)
+        if tensor.shape[0] != total:
+            raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, its parts "
+                             f"{[part for part, _ in parts]} need {total}")
+        start = 0
+        for part, rows in parts:
+            yield f"{module}.{part}.{param}", tensor.narrow(0, start, rows)
+            start += rows
+        del tensor

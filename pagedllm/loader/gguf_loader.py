@@ -56,6 +56,10 @@ _LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# where an architecture names a tensor otherwise: Phi-3 stores q/k/v and gate/up fused, as its checkpoints do
+_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -66,8 +70,11 @@ _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_leng
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
 _PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
-# read with the configuration (ModelArchConfig.rope_freq_factors), not a weight
+# read with the configuration (ModelArchConfig.rope_freq_factors, the longrope factors of rope_scaling), not weights
 _ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FACTORS_LONG = "rope_factors_long.weight"
+_ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+_CONFIG_TENSORS = (_ROPE_FREQS, _ROPE_FACTORS_LONG, _ROPE_FACTORS_SHORT)
 
 
 _SCALARS = {
@@ -211,7 +218,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, object] | None:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
         return _yarn_scaling(key, factor)
-    # longrope files hold their factors as rope_factors_long/short tensors of architectures not loaded here
+    # longrope's factors are tensors (rope_factors_long/short) of phi3 files, read by _phi3_settings
     raise ValueError(f"unsupported GGUF rope.scaling.type {kind!r}; supported: 'none', 'linear', 'yarn'")
 
 
@@ -246,14 +253,56 @@ def _rope_freq_factors(reader: GGUFReader) -> tuple[float, ...]:
     is read with the configuration; the RoPE table divides the frequencies by
     it (``layers/rotary.py``, which also checks its length and values).
     """
-    tensor = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    return _small_tensor(reader, _ROPE_FREQS)
+
+
+def _small_tensor(reader: GGUFReader, name: str) -> tuple[float, ...]:
+    """The values of a small tensor read with the configuration (``_CONFIG_TENSORS``); () when the file has none."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
         return ()
     if tensor.data.nbytes != _expected_bytes(tensor):
-        raise ValueError(f"GGUF tensor {_ROPE_FREQS!r} holds {tensor.data.nbytes} bytes, its type and shape need "
+        raise ValueError(f"GGUF tensor {name!r} holds {tensor.data.nbytes} bytes, its type and shape need "
                          f"{_expected_bytes(tensor)}: the file is truncated or corrupt")
     values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
     return tuple(float(v) for v in values)
+
+
+def _phi3_settings(reader: GGUFReader, head_dim: int, max_position: int) -> dict[str, Any]:
+    """Phi-3's RoPE and window as llama.cpp's converter writes them (its ``Phi3MiniModel``).
+
+    ``rope.dimension_count``: the rotated dimensions of a head (a partial
+    rotation below ``head_dim``, Phi-4-mini's); ``rope_factors_short`` /
+    ``rope_factors_long`` tensors: longrope's factors, with
+    ``rope.scaling.original_context_length`` and ``rope.scaling.attn_factor``
+    (the converter's value of transformers' default attention factor);
+    ``attention.sliding_window``: 0 for none, else every layer's window.
+    """
+    def key(name: str) -> object:
+        return _field(reader, f"phi3.{name}")
+
+    rope_dims = int(key("rope.dimension_count") or head_dim)
+    partial = rope_dims / head_dim
+    if int(head_dim * partial) != rope_dims:  # the factor transformers' int(head_dim * factor) turns back into it
+        partial = float(np.nextafter(partial, 2.0))
+    settings: dict[str, Any] = {"partial_rotary_factor": partial, "rope_scaling": None}
+    long_factor, short_factor = _small_tensor(reader, _ROPE_FACTORS_LONG), _small_tensor(reader, _ROPE_FACTORS_SHORT)
+    if long_factor or short_factor:
+        if not (long_factor and short_factor):
+            raise ValueError("GGUF phi3 file with one of rope_factors_long / rope_factors_short: longrope needs both")
+        original = key("rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError("GGUF phi3 longrope without phi3.rope.scaling.original_context_length")
+        scaling = {"rope_type": "longrope", "short_factor": list(short_factor), "long_factor": list(long_factor),
+                   "original_max_position_embeddings": int(original)}
+        if key("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        settings["rope_scaling"] = scaling
+    window = int(key("attention.sliding_window") or 0)
+    if 0 < window < max_position:
+        settings["sliding_windows"] = (window,) * int(key("block_count"))
+        settings["layer_types"] = ("sliding_attention",) * int(key("block_count"))
+    return settings
 
 
 def read_config(reader: GGUFReader) -> ModelArchConfig:
@@ -276,6 +325,13 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    max_position = int(key("context_length", 2048))
+    rope: dict[str, Any] = {"rope_scaling": None}
+    if arch == "phi3":
+        rope = _phi3_settings(reader, head_dim, max_position)
+    else:
+        rope["rope_scaling"] = _rope_scaling(reader, arch)
     config = ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -284,12 +340,11 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
-        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
         rope_freq_factors=_rope_freq_factors(reader),
-        max_position_embeddings=int(key("context_length", 2048)),
+        max_position_embeddings=max_position,
         tie_word_embeddings=not has_output,
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
@@ -297,6 +352,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         num_experts=int(key("expert_count", 0) or 0),
         eos_token_ids=() if eos is None else (int(eos),),
         checkpoint_format="gguf",
+        **rope,
     )
     return gguf_family_fields(config, key)
 
@@ -307,16 +363,16 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _hf_name_or_none(gguf_name: str) -> str | None:
+def _hf_name_or_none(gguf_name: str, arch: str = "") -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if m:
-        suffix = _LAYER_NAMES.get(m.group(2))
+        suffix = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
         return None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
     return _GLOBAL_NAMES.get(gguf_name)
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
-    name = _hf_name_or_none(gguf_name)
+def _hf_name(gguf_name: str, path: str, arch: str = "") -> str:
+    name = _hf_name_or_none(gguf_name, arch)
     if name is None:
         raise ValueError(f"unexpected tensor {gguf_name!r} in {path}")
     return name
@@ -345,7 +401,7 @@ class GGUFWeights:
             for part in self.part_paths
             for t in open_reader(part).tensors
             if len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32
-            and (name := _hf_name_or_none(t.name)) is not None
+            and (name := _hf_name_or_none(t.name, config.architecture)) is not None
         }
         self.keep: set[str] = set()
         self.half: set[str] = set()
@@ -367,9 +423,9 @@ class GGUFWeights:
         """The tensors of one file of the model (the only one, or one part of a split model)."""
         reader = open_reader(path)
         for t in reader.tensors:
-            if t.name == _ROPE_FREQS:
-                continue  # the configuration's (rope_freq_factors), applied to the RoPE table
-            name = _hf_name(t.name, path)
+            if t.name in _CONFIG_TENSORS:
+                continue  # the configuration's (rope_freq_factors, longrope's factors), applied to the RoPE table
+            name = _hf_name(t.name, path, self.config.architecture)
             expected = _expected_bytes(t)
             if t.data.nbytes != expected:
                 raise ValueError(f"{path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "

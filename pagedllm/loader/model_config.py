@@ -81,6 +81,11 @@ class ModelArchConfig:
     ``hidden_act`` / ``hidden_activation``); the MLP layer refuses a name it
     does not compute (``layers/activation.py``).
 
+    ``partial_rotary_factor``: the part of each head RoPE rotates (Phi-4-mini:
+    0.75); read for Phi-3 only (config.json or GGUF ``rope.dimension_count``).
+    Other families keep 1.0, as their transformers models rotate the whole
+    head; a partial factor inside their RoPE scaling is refused by the table.
+
     ``nope_layers``: the layers that do not rotate q and k (SmolLM3's every
     fourth). Granite's multipliers: ``embedding_multiplier`` scales the
     embeddings, ``residual_multiplier`` each branch before its residual
@@ -122,6 +127,7 @@ class ModelArchConfig:
     logits_scaling: float = 1.0
     mlp_bias: bool = False
     num_experts: int = 0
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -172,7 +178,8 @@ def check_multipliers(cfg: ModelArchConfig) -> None:
 
 
 # config.json's model_type -> the reading of its keys (any other model_type is read as Llama's keys)
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3",
+                "phi3": "phi3"}
 # what transformers' config classes assume when config.json leaves a key out
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
@@ -280,6 +287,45 @@ def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+_PHI3_ORIGINAL_MAX_POSITION = 4096  # Phi3Config's original_max_position_embeddings default
+
+
+def _phi3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's RoPE as ``Phi3Config`` reads it: theta, longrope scaling, the part of each head rotated.
+
+    ``rope_type`` "su" and "yarn" (older Phi-3 configs) are Phi-3's names
+    for longrope; the top-level ``original_max_position_embeddings`` (4096
+    when absent) wins over the scaling's own, as transformers'
+    ``standardize_rope_params`` gives it priority; ``partial_rotary_factor``
+    is the RoPE parameters' (else the top-level one, else 1.0).
+    """
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+    kind = params.get("rope_type", params.get("type"))
+    scaling = None
+    if kind in ("su", "yarn", "longrope"):
+        original = cfg.get("original_max_position_embeddings", _PHI3_ORIGINAL_MAX_POSITION)
+        scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+        scaling.update(rope_type="longrope", original_max_position_embeddings=int(original))
+    elif kind not in (None, "default"):
+        # Phi3Config.validate_rope accepts these two only
+        raise ValueError(f"phi3: unsupported rope_type {kind!r}; Phi-3 takes 'default' or 'longrope' ('su', 'yarn')")
+    return dict(rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+                hidden_act=cfg.get("hidden_act") or "silu")
+
+
+def _phi3_windows(cfg: dict[str, Any]) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
+    """Phi-3's window: transformers' Phi3Attention applies ``sliding_window`` (None by default) to every layer."""
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window!r}")
+    if window is None or window >= cfg.get("max_position_embeddings", 4096):
+        return (), ()  # never masks a position the RoPE table covers: full attention
+    n = cfg["num_hidden_layers"]
+    return (window,) * n, ("sliding_attention",) * n
+
+
 def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any] | None) -> tuple[int, ...]:
     for source in (generation_config or {}, cfg):
         value = source.get("eos_token_id")
@@ -309,9 +355,13 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope_settings(cfg)
-    windows, types = _sliding_windows(cfg, arch)
-    extra = _gemma3_settings(cfg) if arch == "gemma3" else {
-        "rope_theta": theta, "rope_scaling": scaling, "hidden_act": cfg.get("hidden_act") or "silu"}
+    windows, types = _phi3_windows(cfg) if arch == "phi3" else _sliding_windows(cfg, arch)
+    if arch == "gemma3":
+        extra = _gemma3_settings(cfg)
+    elif arch == "phi3":
+        extra = _phi3_settings(cfg)
+    else:
+        extra = {"rope_theta": theta, "rope_scaling": scaling, "hidden_act": cfg.get("hidden_act") or "silu"}
     config = ModelArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],

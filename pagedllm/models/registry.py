@@ -30,6 +30,7 @@ from pagedllm.models.llama import (
     SmolLM3ForCausalLM,
 )
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ MODEL_REGISTRY = ModelRegistry((
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), (), ("gemma3",)),
+    Family(Phi3ForCausalLM, ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family(Olmo2ForCausalLM, ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),

@@ -153,9 +153,10 @@ def test_registry_finds_the_family_by_either_name(names, architecture, checkpoin
 
 
 @pytest.mark.parametrize(("cfg", "message"), [
-    (_arch(("Phi3ForCausalLM",), "phi3"), r"unsupported architecture \['Phi3ForCausalLM'\]; supported: .*'Qwen2ForCausalLM'"),
-    (_arch((), "phi3"), r"unsupported architecture model_type 'phi3'; supported: .*'LlamaForCausalLM'"),
-    (_arch((), "gemma3", "gguf"), r"unsupported GGUF architecture 'gemma3'; supported: \[.*'llama', 'mistral', 'olmo2', 'qwen2', 'qwen3'.*\]"),
+    (_arch(("GPTNeoXForCausalLM",), "gpt_neox"),
+     r"unsupported architecture \['GPTNeoXForCausalLM'\]; supported: .*'Qwen2ForCausalLM'"),
+    (_arch((), "gpt_neox"), r"unsupported architecture model_type 'gpt_neox'; supported: .*'LlamaForCausalLM'"),
+    (_arch((), "gemma3", "gguf"), r"unsupported GGUF architecture 'gemma3'; supported: \[.*'llama', 'mistral', 'olmo2', 'phi3', 'qwen2', 'qwen3'.*\]"),
 ])
 def test_registry_refuses_an_unknown_architecture_by_name(cfg: ModelArchConfig, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -165,15 +166,15 @@ def test_registry_refuses_an_unknown_architecture_by_name(cfg: ModelArchConfig, 
 def test_registry_refuses_a_name_claimed_twice() -> None:
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         MODEL_REGISTRY.with_family(Family(ExactGeluLlama, ("LlamaForCausalLM",)))
-    assert {"llama", "mistral", "olmo2", "qwen2", "qwen3"} <= set(ModelRegistry(MODEL_REGISTRY.families).supported("gguf"))
+    assert {"llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"} <= set(ModelRegistry(MODEL_REGISTRY.families).supported("gguf"))
 
 
 def test_an_unknown_model_type_is_read_and_refused_by_the_registry() -> None:
     """An unknown model_type is read as Llama's keys; which class runs it is the registry's to refuse."""
-    cfg = {**_tiny_config("llama").to_dict(), "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}
+    cfg = {**_tiny_config("llama").to_dict(), "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}
     parsed = from_hf_config(cfg)
-    assert parsed.architecture == "phi3" and parsed.architectures == ("Phi3ForCausalLM",)
-    with pytest.raises(ValueError, match="Phi3ForCausalLM"):
+    assert parsed.architecture == "gpt_neox" and parsed.architectures == ("GPTNeoXForCausalLM",)
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
         registry.model_class(parsed)
     with pytest.raises(ValueError, match="intermediate_size"):
         from_hf_config({k: v for k, v in cfg.items() if k != "intermediate_size"})
