@@ -55,7 +55,7 @@ def _blocks(ggml_type: GGMLQuantizationType, out_features: int, in_features: int
         if ggml_type == GGMLQuantizationType.MXFP4:
             raw[:, :, 0] = rng.integers(118, 123, size=raw.shape[:2], dtype=np.uint8)  # e: 2^-10 .. 2^-6
         else:
-            raw[:, :, :2] = np.float16(0.001).view(np.uint8)  # d
+            raw[:, :, :2] = np.array([0.001], np.float16).view(np.uint8)  # d
         return raw.reshape(out_features, -1)
     w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05
     return quantize(w, ggml_type)

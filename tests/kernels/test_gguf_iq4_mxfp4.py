@@ -12,6 +12,7 @@ transformers does on the dequantized weights.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -137,6 +138,18 @@ def test_a_rows_result_does_not_depend_on_its_batch(ggml_type: GGMLQuantizationT
             for n in (1, 2):
                 part = torch.ops.pagedllm.gguf_linear(x[r : r + n].contiguous(), weight, kind, 768, None)
                 assert torch.equal(part, together[r : r + n])
+
+
+def x16_digest() -> str:
+    """A hash of the interleaved kernels' outputs for each type (fixed random blocks and rows, 1 and 7 rows):
+    test_kernel_variants.py asks every ISA variant for it, which must give the default build's bits."""
+    h = hashlib.sha256()
+    for ggml_type in TYPES:
+        weight = interleaved(random_blocks(ggml_type, 32, 512, seed=5), ggml_type)
+        x = torch.randn(7, 512, generator=torch.Generator().manual_seed(5)) * 2
+        for rows in (x[:1], x):
+            h.update(torch.ops.pagedllm.gguf_linear(rows, weight, X16[ggml_type], 512, None).numpy().tobytes())
+    return h.hexdigest()
 
 
 def test_bad_inputs_are_value_errors() -> None:

@@ -74,6 +74,15 @@ def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> 
     assert " passed" in proc.stdout.splitlines()[-1]
     built = list((tmp_path / "cache" / "kernels").glob(f"{isa}-*/pagedllm_kernels.so"))
     assert built, "the forced variant was not the one built"
+    # the interleaved kernels' integer sums are exact: the variant gives the default build's very bits
+    from test_gguf_iq4_mxfp4 import x16_digest
+
+    code = (f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / 'kernels')!r}]; "
+            "from test_gguf_iq4_mxfp4 import x16_digest; print(x16_digest())")
+    digest = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert digest.returncode == 0, digest.stderr[-2000:]
+    assert digest.stdout.split()[-1] == x16_digest()
 
 
 def test_a_variant_the_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

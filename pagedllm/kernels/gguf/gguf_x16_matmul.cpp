@@ -152,13 +152,15 @@ static inline __attribute__((always_inline)) void table_run_sums(vq_tab tab, con
                                                                  int64_t k, vq_int *isum) {
 #if SIMD_Q_SUM16
     /* as run_sums' q8 branch: each looked-up byte (q + 128) two 4-bit digits, 8 chunks of 4 inputs summed in
-       16 bits per digit, then widened */
+       16 bits per digit, then widened; the digits are looked up from two tables (no split of the bytes) */
+    vq_tab tab_lo, tab_hi;
+    vq_table_digits(tab, &tab_lo, &tab_hi);
     vq_int lo16[MR], hi16[MR];
     for (int r = 0; r < MR; r++) lo16[r] = vq_zero(), hi16[r] = vq_zero();
     for (int u = 0; u < 4; u++) {
         const vq_int w = vq_load(qs + 64 * u);
         for (int e = 0; e < 2; e++) {  // the low nibbles are inputs 8u..8u + 3, the high ones 8u + 4..8u + 7
-            const vq_int q = vq_lookup(tab, e ? vq_nib_hi(w) : vq_nib_lo(w)), lo = vq_nib_lo(q), hi = vq_nib_hi(q);
+            const vq_int idx = e ? vq_nib_hi(w) : vq_nib_lo(w), lo = vq_lookup(tab_lo, idx), hi = vq_lookup(tab_hi, idx);
             for (int r = 0; r < MR; r++) {
                 const vq_int x = vq_quad(xq + r * k + 8 * u + 4 * e);
                 lo16[r] = vq_madd16(lo16[r], lo, x);

@@ -239,6 +239,12 @@ SIMD_INLINE vq_tab vq_table(const int8_t *t16) {
 }
 /* each byte (0..15) replaced by its entry of the table (vpshufb) */
 SIMD_INLINE vq_int vq_lookup(vq_tab t, vq_int idx) { return _mm256_shuffle_epi8(t, idx); }
+/* the table's entries split into their 4-bit digits (SIMD_Q_SUM16's weights): lo = entry & 15, hi = entry >> 4,
+   so that a lookup gives a digit without splitting the looked-up bytes */
+SIMD_INLINE void vq_table_digits(vq_tab t, vq_tab *lo, vq_tab *hi) {
+    *lo = _mm256_and_si256(t, _mm256_set1_epi8(0x0f));
+    *hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), _mm256_set1_epi8(0x0f));
+}
 /* the lanes' E8M0 scales (a byte each at p) halved, 2^(e - 128), as floats: the exponent field e - 1, or
    below e = 2 the subnormals 2^-128, 2^-127 */
 SIMD_INLINE vq_float vq_fe8m0(const uint8_t *p) {
