@@ -180,6 +180,32 @@ static inline __attribute__((always_inline)) void table_run_sums(vq_tab tab, con
 #endif
 }
 
+#if SIMD_Q_SUM16
+/* MXFP4's offset on the 16-bit path: its values (|v| <= 12) looked up as v + 12 (vq_table_offset), one
+   vpmaddubsw each, where a full int8 value takes two digits (table_run_sums) */
+#define MXFP4_OFFSET 12
+/* one MXFP4 run of 32 inputs against rows xq, xq + k, ...: isum[r] += sum (v + 12) x. 16-bit lanes hold 8
+   products of at most 24 x 127 (24384 < 2^15): widened after each half run */
+template <int MR>
+static inline __attribute__((always_inline)) void mxfp4_run_sums(vq_tab tab, const uint8_t *qs, const int8_t *xq,
+                                                                 int64_t k, vq_int *isum) {
+    for (int half = 0; half < 2; half++) {
+        vq_int acc16[MR];
+        for (int r = 0; r < MR; r++) acc16[r] = vq_zero();
+        for (int u = 2 * half; u < 2 * half + 2; u++) {
+            const vq_int w = vq_load(qs + 64 * u), lo = vq_lookup(tab, vq_nib_lo(w)), hi = vq_lookup(tab, vq_nib_hi(w));
+            for (int r = 0; r < MR; r++) {
+                acc16[r] = vq_madd16(acc16[r], lo, vq_quad(xq + r * k + 8 * u));
+                acc16[r] = vq_madd16(acc16[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+            }
+        }
+        for (int r = 0; r < MR; r++) isum[r] = vq_widen16(isum[r], acc16[r], 1);
+    }
+}
+#else
+#define MXFP4_OFFSET X16_Q8_OFFSET
+#endif
+
 /* y[r0 + r][the lanes' channels of tile t] = acc[r] (+ bias) */
 template <int MR>
 static inline __attribute__((always_inline)) void store_rows(const LinearNode *n, const vq_float *acc, int64_t t,
@@ -263,18 +289,28 @@ static inline __attribute__((always_inline)) void ttile_rows(const LinearNode *n
     const int64_t k = n->in_features, nb = k / GGUF_BLOCK, block_bytes = gguf_block_bytes(TYPE);
     const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nb * block_bytes;
     const int head = tile_head_bytes(TYPE), lane_bytes = 4 * X16_VL;
+#if SIMD_Q_SUM16
+    const vq_tab tab = TYPE == GGUF_MXFP4 ? vq_table_offset(KVALUES_MXFP4, MXFP4_OFFSET) : vq_table(gguf_kvalues(TYPE));
+#else
     const vq_tab tab = vq_table(gguf_kvalues(TYPE));
+#endif
+    const int32_t offset = TYPE == GGUF_MXFP4 ? MXFP4_OFFSET : X16_Q8_OFFSET;
     vq_float acc[MR];
     for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * X16_TILE * block_bytes;
         vq_int isum[MR];
         for (int r = 0; r < MR; r++) isum[r] = vq_zero();
-        table_run_sums<MR>(tab, blk + head + lane_bytes * h, qr.q + r0 * k + b * 32, k, isum);
+#if SIMD_Q_SUM16
+        if constexpr (TYPE == GGUF_MXFP4)
+            mxfp4_run_sums<MR>(tab, blk + head + lane_bytes * h, qr.q + r0 * k + b * 32, k, isum);
+        else
+#endif
+            table_run_sums<MR>(tab, blk + head + lane_bytes * h, qr.q + r0 * k + b * 32, k, isum);
         const vq_float d = TYPE == GGUF_MXFP4 ? vq_fe8m0(blk + X16_VL * h) : vq_fhalves(blk + 2 * X16_VL * h);
         for (int r = 0; r < MR; r++) {
             const int64_t i = (r0 + r) * nb + b;
-            const vq_int sum = X16_Q8_OFFSET ? vq_sub1(isum[r], X16_Q8_OFFSET * qr.s[i]) : isum[r];
+            const vq_int sum = offset ? vq_sub1(isum[r], offset * qr.s[i]) : isum[r];
             acc[r] = vq_ffma(vq_fcvt(sum), vq_fmul(d, vq_fset1(qr.d[i])), acc[r]);
         }
     }

@@ -239,6 +239,11 @@ SIMD_INLINE vq_tab vq_table(const int8_t *t16) {
 }
 /* each byte (0..15) replaced by its entry of the table (vpshufb) */
 SIMD_INLINE vq_int vq_lookup(vq_tab t, vq_int idx) { return _mm256_shuffle_epi8(t, idx); }
+/* a table of 16 small int8 values (|v| <= 127 - offset) plus offset, unsigned: MXFP4's values (|v| <= 12) as
+   Q4_0's nibbles are, q + 8, so that one vpmaddubsw takes them */
+SIMD_INLINE vq_tab vq_table_offset(const int8_t *t16, int8_t offset) {
+    return _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128((const __m128i *)t16), _mm_set1_epi8(offset)));
+}
 /* the table's entries split into their 4-bit digits (SIMD_Q_SUM16's weights): lo = entry & 15, hi = entry >> 4,
    so that a lookup gives a digit without splitting the looked-up bytes */
 SIMD_INLINE void vq_table_digits(vq_tab t, vq_tab *lo, vq_tab *hi) {
