@@ -127,8 +127,13 @@ class EngineConfig:
         block_size: token slots per KV block.
         num_kv_blocks: exact pool size; overrides ``kv_cache_memory_bytes``.
         kv_cache_memory_bytes: memory for the KV pool; None picks a share of
-            free memory.
+            free memory (on the CPU half of what the weights leave, reserved and
+            resident only where written; on a GPU a quarter, at most 2 GiB).
         max_model_len: longest sequence (prompt + output) in tokens.
+        fit_max_model_len: lower max_model_len to what the KV pool holds, with a
+            warning, where one sequence of it does not fit (llama.cpp's ``--fit``),
+            rather than refuse to start. ``LLM`` and the commands turn it on where
+            ``max_model_len`` is not given (the model's context is the start).
         max_num_seqs: most sequences in one step.
         max_num_batched_tokens: most tokens computed in one step; a prompt
             longer than what is left of it is prefilled in chunks over
@@ -261,6 +266,7 @@ class EngineConfig:
     num_kv_blocks: PositiveInt | None = None
     kv_cache_memory_bytes: PositiveInt | None = None
     max_model_len: PositiveInt = 2048
+    fit_max_model_len: bool = False
     max_num_seqs: PositiveInt = 128
     max_num_batched_tokens: PositiveInt = 8192
     itl_target_ms: ItlTarget = "auto"
@@ -321,7 +327,8 @@ class EngineConfig:
         if self.kv_cache_dtype in ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2") and self.device != "cpu":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is a CPU cache (the CPU kernels quantize and "
                              f"read its blocks); use a float kv_cache_dtype with device={self.device!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks * self.block_size < self.max_model_len:
+        if (self.num_kv_blocks is not None and not self.fit_max_model_len
+                and self.num_kv_blocks * self.block_size < self.max_model_len):
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"

@@ -233,3 +233,144 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, keeps_gguf_blocks: b
     if kv_cache_dtype != "auto":
         return kv_cache_dtype
     return "float16" if keeps_gguf_blocks else dtype
+
+
+# --- the KV pool and max_model_len, once the weights' bytes are known -----------------------------------------
+
+# the pool's budget when neither num_kv_blocks nor kv_cache_memory_bytes is given: on the CPU the pool is
+# address space backed page by page as blocks are written (runner/kv_cache.py), so it may name half of what
+# the weights leave: the other half stays for activations, the torch runtime and the rest of the machine
+# (llama.cpp's --fit leaves a fixed margin free in the same spirit; vLLM's GPU default takes 90%)
+DEFAULT_KV_SHARE = 0.5
+# a GPU's pool is allocated whole, at once: a quarter of its free memory, at most 2 GiB
+GPU_KV_SHARE = 0.25
+GPU_KV_CAP_BYTES = 2 << 30
+# the shortest context fitting lowers max_model_len to: below this the engine refuses to start, as a context
+# of a few hundred tokens is rarely what was meant (llama.cpp's --fit has such a floor too, --fit-ctx)
+MIN_FIT_MAX_MODEL_LEN = 2048
+
+
+@config_record
+class KvPoolPlan:
+    """How large the KV pool is and how long a sequence may grow, resolved once the weights are loaded.
+
+    Attributes:
+        num_kv_blocks: blocks in the pool.
+        max_model_len: the longest sequence the engine takes: the config's, or lower where
+            ``fit_max_model_len`` fitted it to the pool.
+        budget_bytes: the memory the pool was sized from (``kv_cache_memory_bytes`` or the default
+            share of free memory); None where ``num_kv_blocks`` was given.
+        requested_max_model_len: the config's ``max_model_len`` (the model's context where it was
+            not given), kept to report a lowered one.
+    """
+
+    num_kv_blocks: PositiveInt
+    max_model_len: PositiveInt
+    budget_bytes: int | None
+    requested_max_model_len: PositiveInt
+
+    @property
+    def lowered(self) -> bool:
+        """Whether ``max_model_len`` was lowered to fit the pool."""
+        return self.max_model_len < self.requested_max_model_len
+
+
+def default_kv_budget(available_bytes: int, weight_bytes: int, lazy: bool = True) -> int:
+    """The pool's budget when none is given: ``DEFAULT_KV_SHARE`` of the memory the weights leave where the
+    pool is resident only where written (``lazy``: the CPU's), else (a GPU's, allocated whole) a quarter
+    of it, at most 2 GiB.
+
+    ``available_bytes`` is measured before the weights are loaded and ``weight_bytes`` is what the loaded
+    model holds, so the budget follows the weights' real resident size (int4 blocks leave more room than
+    float32 weights).
+    """
+    left = max(0, available_bytes - weight_bytes)
+    if lazy:
+        return int(left * DEFAULT_KV_SHARE)
+    return min(int(left * GPU_KV_SHARE), GPU_KV_CAP_BYTES)
+
+
+def kv_pool_blocks(
+    config: EngineConfig, bytes_per_block: int, available_bytes: int, weight_bytes: int, lazy: bool = True
+) -> tuple[int, int | None]:
+    """``(blocks, budget bytes or None)``: ``num_kv_blocks`` if given, else what the budget holds.
+
+    The default budget (``default_kv_budget``) names no more blocks than ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens can ever hold at once: a small model's blocks are a few KiB, and a pool of
+    millions of them would only cost the block manager's bookkeeping. On the CPU each of
+    ``tensor_parallel_size`` ranks (``weight_bytes``: its slice) measures the same free memory, so each
+    takes its share of the default, not the whole of it.
+    """
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, None
+    budget = config.kv_cache_memory_bytes
+    blocks_per_seq = -(-config.max_model_len // config.block_size)
+    if budget is None:
+        ranks = config.tensor_parallel_size if lazy else 1  # a GPU rank has a GPU of its own
+        budget = default_kv_budget(available_bytes, ranks * weight_bytes, lazy) // ranks
+        return max(1, min(budget // bytes_per_block, config.max_num_seqs * blocks_per_seq)), budget
+    return max(1, budget // bytes_per_block), budget
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def fit_max_model_len(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> int:
+    """The longest sequence the engine takes with a pool of ``num_blocks``: ``max_model_len`` where one
+    sequence of it fits; else, with ``fit_max_model_len``, the tokens the whole pool holds (a multiple of
+    ``block_size``), where that is at least ``MIN_FIT_MAX_MODEL_LEN`` or the pool's size was given
+    (``num_kv_blocks`` / ``kv_cache_memory_bytes``: the floor guards the default only). ValueError
+    otherwise, naming the flags that change it."""
+    requested = config.max_model_len
+    needed = -(-requested // config.block_size)
+    if num_blocks >= needed:
+        return requested
+    fitted = num_blocks * config.block_size
+    pool_given = config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None
+    if config.fit_max_model_len and (fitted >= MIN_FIT_MAX_MODEL_LEN or pool_given):
+        return fitted
+    # the ways out, with the flags of the commands and the arguments of LLM
+    fix = ("pass a smaller --max-model-len (max_model_len=), or give the cache more memory with "
+           "--kv-cache-memory-bytes (kv_cache_memory_bytes=) or --num-kv-blocks (num_kv_blocks=)")
+    if config.fit_max_model_len:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks} blocks of {config.block_size} tokens ({fitted} tokens, "
+            f"{_gib(num_blocks * bytes_per_block)}), not one sequence of max_model_len={requested}, and "
+            f"max_model_len is lowered to fit no further than {MIN_FIT_MAX_MODEL_LEN} tokens; {fix}"
+        )
+    raise ValueError(
+        f"max_model_len={requested} does not fit: one sequence needs {needed} KV blocks of {config.block_size} "
+        f"tokens ({_gib(needed * bytes_per_block)}), the KV cache has room for {num_blocks} "
+        f"({_gib(num_blocks * bytes_per_block)}); {fix}"
+    )
+
+
+def plan_kv_pool(
+    config: EngineConfig, num_blocks: int, budget_bytes: int | None, bytes_per_block: int
+) -> KvPoolPlan:
+    """The pool of ``num_blocks`` (``kv_pool_blocks``, the same on every tensor-parallel rank) and the
+    ``max_model_len`` it holds (``fit_max_model_len``)."""
+    return KvPoolPlan(
+        num_kv_blocks=num_blocks,
+        max_model_len=fit_max_model_len(config, num_blocks, bytes_per_block),
+        budget_bytes=budget_bytes,
+        requested_max_model_len=config.max_model_len,
+    )
+
+
+def replica_kv_budget(config: EngineConfig, num_replicas: int, available_bytes: int, file_bytes: int) -> int | None:
+    """The KV budget each of ``num_replicas`` data-parallel replicas on this machine gets where the config
+    leaves the pool to the default (None: it does not, or one replica).
+
+    Each replica would otherwise measure the same free memory (a pool takes none until written) and reserve
+    the default share of it for itself, N times over: here the share of what N copies of the weights
+    (``file_bytes`` each, the model's files: an estimate made before any replica loads) leave is split
+    evenly.
+    """
+    if num_replicas <= 1 or config.num_kv_blocks is not None or config.kv_cache_memory_bytes is not None:
+        return None
+    return max(1, default_kv_budget(available_bytes, num_replicas * file_bytes, config.device == "cpu")
+               // num_replicas)

@@ -47,7 +47,9 @@ def make_engine_config(
     if kwargs.get("tokenizer") is not None:
         kwargs["tokenizer"] = resolve_tokenizer_path(kwargs["tokenizer"], revision=kwargs.get("tokenizer_revision"))
     if max_model_len is None:
+        # the model's context, lowered to what the KV pool holds where it does not fit (resolved_config.py)
         max_model_len = load_model_config(path).max_position_embeddings
+        kwargs.setdefault("fit_max_model_len", True)
     if max_num_batched_tokens is None:
         on_gpu = kwargs.get("device", "cpu") == "cuda"
         max_num_batched_tokens = _DEFAULT_GPU_BATCHED_TOKENS if on_gpu else _DEFAULT_CPU_BATCHED_TOKENS
@@ -70,7 +72,10 @@ class LLM:
             repo id (``org/repo``, ``org/repo:Q4_K_M`` for a GGUF repo;
             ``revision=``, ``gguf_file=``); None loads the bundled
             SmolLM2-135M-Instruct.
-        max_model_len: longest prompt + output; None takes the model's.
+        max_model_len: longest prompt + output; None takes the model's, lowered
+            (with a warning) to what the KV cache holds where one sequence of it
+            does not fit (``fit_max_model_len``); a value given that does not fit
+            is refused.
         max_num_batched_tokens: token budget per step; longer prompts are
             prefilled in chunks. None takes 2048 on the CPU (measured best
             for throughput there: activations stay in cache, BENCHMARKS.md)

@@ -102,7 +102,6 @@ class LLMEngine:
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, config.max_model_len)
         # tensor parallelism: the other ranks and their lifecycle (runner/executor.py); None in one process
         self.executor: TensorParallelExecutor | None = None
         if config.tensor_parallel_size > 1:
@@ -118,6 +117,10 @@ class LLMEngine:
             if self.executor is not None:
                 self.executor.stop(graceful=False)
             raise
+        # the runner sized the KV pool and, where fit_max_model_len allows, lowered max_model_len to what it
+        # holds (resolved_config.plan_kv_pool): from here on the engine runs under that config
+        self.config = config = self.model_runner.config
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, config.max_model_len)
         num_blocks = self.model_runner.num_kv_blocks
         if config.kv_allocator == "contiguous":
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)

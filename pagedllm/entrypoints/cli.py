@@ -38,7 +38,8 @@ def _itl_target(text: str) -> float | str | None:
 # what the help says where ``LLM`` applies another default than ``EngineConfig``'s
 _LLM_DEFAULTS = {
     "model": "the bundled SmolLM2-135M-Instruct",
-    "max_model_len": "the model's context length",
+    "max_model_len": "the model's context length, lowered to what the KV cache holds",
+    "fit_max_model_len": "on where --max-model-len is not given",
     "max_num_batched_tokens": "2048 on the CPU, 8192 on a GPU",
 }
 
@@ -340,8 +341,9 @@ def cmd_env(args: argparse.Namespace) -> int:
     if args.load:
         from pagedllm import LLM
 
+        # the engine's own defaults: the report shows the KV pool and max_model_len they resolve to here
         llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
-                  quantization_group_size=args.quantization_group_size, num_kv_blocks=64, max_model_len=512)
+                  quantization_group_size=args.quantization_group_size)
         report["loaded"] = env_report.loaded_model_report(llm)
     print(env_report.to_json(report) if args.json else env_report.format_report(report))
     return 0

@@ -102,6 +102,37 @@ def _auto_backends() -> dict[str, Any]:
     }
 
 
+def _kv_pool_report(runner: Any) -> dict[str, Any]:
+    """The loaded engine's KV pool and ``max_model_len``, and where each came from."""
+    plan = runner.kv_pool
+    budget = "num_kv_blocks" if plan.budget_bytes is None else f"{plan.budget_bytes / 2**30:.2f} GiB"
+    return {
+        "max_model_len": plan.max_model_len,
+        "max_model_len_source": (f"lowered from {plan.requested_max_model_len} to fit the KV cache"
+                                 if plan.lowered else "as requested (or the model's context)"),
+        "num_kv_blocks": plan.num_kv_blocks,
+        "kv_cache_reserved_gib": round(runner.kv_cache_bytes / 2**30, 3),
+        "kv_cache_budget": budget,
+    }
+
+
+def _memory() -> dict[str, Any]:
+    """The memory free here and the default KV pool's share of it (``resolved_config.default_kv_budget``)."""
+    import torch
+
+    from pagedllm.device_memory import available_memory_bytes
+    from pagedllm.resolved_config import DEFAULT_KV_SHARE
+
+    available = available_memory_bytes(torch.device("cpu"))
+    return {
+        "available_gib": round(available / 2**30, 2),
+        "default_kv_pool": f"{DEFAULT_KV_SHARE:g} of what the weights leave of the available memory "
+                           "(reserved; resident only where written)",
+        "max_model_len_default": "the model's context, lowered to what the KV pool holds (--max-model-len, "
+                                 "--kv-cache-memory-bytes to choose)",
+    }
+
+
 def loaded_model_report(llm: Any) -> dict[str, Any]:
     """The layer classes and backends a loaded ``LLM`` runs."""
     from pagedllm.layers.kv_quant import kv_format_name
@@ -121,6 +152,8 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         # one block across all layers, K and V (an int8 / int4 cache's scales included)
         "kv_bytes_per_block": runner.kv_bytes_per_block,
         "batch_invariant": llm.llm_engine.resolved_config.batch_invariant,
+        # the pool and the context resolved for this machine's memory (resolved_config.plan_kv_pool)
+        **_kv_pool_report(runner),
         "layer_classes": dict(sorted(layers.items())),
     }
 
@@ -149,6 +182,7 @@ def collect() -> dict[str, Any]:
             "cuda": torch.cuda.is_available(),
         },
         "kernels": _kernels(),
+        "memory": _memory(),
         "auto": _auto_backends(),
         # EngineConfig.batch_invariant's default ("auto": on wherever the kernels allow), docs/batch-invariance.md
         "batch_invariant": {"default": "auto", "flag": "--batch-invariant / --no-batch-invariant"},

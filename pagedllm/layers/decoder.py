@@ -13,8 +13,9 @@ weights into the fused parameters) is here, once:
   Gemma's ``(1 + w) * x``), before each branch, and after it where the
   family norms the branch again before the residual add (``post_norms``);
 - ``RotaryTables``: one table per way layers rotate, chosen per layer;
-- the embedding with its scale (Gemma's ``sqrt(hidden)``) and the final
-  logit softcap.
+- the embedding with its scale (Gemma's ``sqrt(hidden)``, Granite's
+  multiplier), Granite's residual multiplier on each branch, and the
+  logits' divisor (Granite) and softcap.
 
 Tokens of all sequences in a step are one flat batch ``[num_tokens,
 hidden]``; only attention needs to know where one sequence ends, and it
@@ -25,6 +26,7 @@ the runner hands the loaded model its native ops, never per step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
+from pagedllm.layers.branch_scale import BranchScale
 from pagedllm.layers.custom_op import NativeOpsMixin
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import NormSpec
@@ -51,8 +54,12 @@ class DecoderLayerSpec:
 
     ``rope_table``: the name of the ``DecoderSpec.rope_tables`` entry this
     layer rotates by; None for a layer without RoPE (then
-    ``attention.rope`` is False too). ``post_norms``: Gemma's sandwich, each
-    branch normed again before it joins the residual.
+    ``attention.rope`` is False too). ``post_norms``: each branch normed
+    before it joins the residual; with ``pre_norms`` too that is Gemma's
+    sandwich, without (``pre_norms=False``) OLMo 2's layout, where the branch
+    reads the residual stream as it is. At least one of the two.
+    ``residual_multiplier``: Granite's, each branch multiplied by it before
+    it joins the residual (None: added as it is; pre-norm layers only).
     """
 
     attention: AttentionSpec
@@ -61,12 +68,20 @@ class DecoderLayerSpec:
     norm: NormSpec
     rope_table: str | None = "default"
     post_norms: bool = False
+    residual_multiplier: float | None = None
+    pre_norms: bool = True
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.pre_norms or self.post_norms):
+            raise ValueError("a decoder layer norms before its branches (pre_norms), after them (post_norms) or both")
 
 
 @dataclass(frozen=True)
 class DecoderSpec:
     """A whole decoder: vocabulary, width, layers, final norm, RoPE tables, embedding scale, logit softcap.
 
+    ``logits_scaling``: Granite's, the logits divided by it (None: not).
     With tensor parallelism it is a rank's (its head counts and
     intermediate size), built from ``ShardPlan.local_config``.
     """
@@ -79,6 +94,7 @@ class DecoderSpec:
     embed_scale: float | None = None
     final_logit_softcap: float | None = None
     tie_word_embeddings: bool = False
+    logits_scaling: float | None = None
 
     def __post_init__(self) -> None:
         for i, layer in enumerate(self.layers):
@@ -88,8 +104,21 @@ class DecoderSpec:
             if layer.rope_table is not None and layer.rope_table not in self.rope_tables:
                 raise ValueError(f"layer {i} rotates by table {layer.rope_table!r}; the model has "
                                  f"{sorted(self.rope_tables)}")
+            if layer.residual_multiplier is not None and layer.post_norms:
+                raise ValueError(f"layer {i}: a residual multiplier applies to pre-norm layers only")
         if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
             raise ValueError(f"final_logit_softcap must be positive or None, got {self.final_logit_softcap!r}")
+        if self.logits_scaling is not None and not self.logits_scaling > 0:
+            raise ValueError(f"logits_scaling must be positive or None, got {self.logits_scaling!r}")
+
+    def without_rope(self, layers: Iterable[int]) -> DecoderSpec:
+        """This spec with the given layers rotating q and k by no table (NoPE layers: SmolLM3, Granite's switch)."""
+        nope = set(layers)
+        return dataclasses.replace(self, layers=tuple(
+            dataclasses.replace(layer, rope_table=None, attention=dataclasses.replace(layer.attention, rope=False))
+            if i in nope else layer
+            for i, layer in enumerate(self.layers)
+        ))
 
 
 class DecoderLayer(nn.Module):
@@ -99,7 +128,9 @@ class DecoderLayer(nn.Module):
     without post-norms ``post_attention_layernorm`` is the norm before the
     MLP (Llama), with them it norms the attention output and
     ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` surround
-    the MLP (Gemma). The forward pass for the layout is bound here, once.
+    the MLP (Gemma); with post-norms only (OLMo 2) there is no
+    ``input_layernorm`` nor ``pre_feedforward_layernorm``. The forward pass
+    for the layout is bound here, once.
     """
 
     def __init__(
@@ -108,15 +139,21 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.rope_table = spec.rope_table
-        self.input_layernorm = spec.norm.build(hidden_size)
+        if spec.pre_norms:
+            self.input_layernorm = spec.norm.build(hidden_size)
         self.self_attn = SelfAttention(spec.attention, backend, tp, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = spec.norm.build(hidden_size)
-        if spec.post_norms:
+        if spec.post_norms and spec.pre_norms:
             self.pre_feedforward_layernorm = spec.norm.build(hidden_size)
+        if spec.post_norms:
             self.post_feedforward_layernorm = spec.norm.build(hidden_size)
-        self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, tp, quant_config, f"{prefix}.mlp")
+        self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, tp, quant_config, f"{prefix}.mlp",
+                            bias=spec.mlp_bias)
+        if spec.residual_multiplier is not None:
+            self.branch_scale = BranchScale(hidden_size, spec.residual_multiplier)
         self._forward: Callable[[CosSin | None, torch.Tensor, KvCache, AttentionMetadata], torch.Tensor] = (
-            self._forward_sandwich if spec.post_norms else self._forward_pre_norm
+            (self._forward_sandwich if spec.pre_norms else self._forward_post_norm) if spec.post_norms
+            else self._forward_pre_norm if spec.residual_multiplier is None else self._forward_pre_norm_scaled
         )
 
     def forward(
@@ -134,6 +171,15 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_forward(x, attn_out)
         return x.add_(self.mlp(h))
 
+    def _forward_pre_norm_scaled(
+        self, cos_sin: CosSin | None, x: torch.Tensor, kv_cache: KvCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # Granite: each branch scaled (in place: it is the projection's own output) before it is added, as
+        # transformers rounds it, so the first add stays fused into the MLP's norm on the native path
+        attn_out = self.branch_scale(self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta))
+        h = self.post_attention_layernorm.add_forward(x, attn_out)
+        return x.add_(self.branch_scale(self.mlp(h)))
+
     def _forward_sandwich(
         self, cos_sin: CosSin | None, x: torch.Tensor, kv_cache: KvCache, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -141,6 +187,14 @@ class DecoderLayer(nn.Module):
         x.add_(self.post_attention_layernorm(attn_out))
         mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
         return x.add_(self.post_feedforward_layernorm(mlp_out))
+
+    def _forward_post_norm(
+        self, cos_sin: CosSin | None, x: torch.Tensor, kv_cache: KvCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # OLMo 2: the branches read the residual stream un-normed; only their outputs are normed
+        attn_out = self.self_attn(cos_sin, x, kv_cache, meta)
+        x.add_(self.post_attention_layernorm(attn_out))
+        return x.add_(self.post_feedforward_layernorm(self.mlp(x)))
 
 
 class DecoderModel(nn.Module):
@@ -223,11 +277,14 @@ class CausalLM(NativeOpsMixin, nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits ``[n, vocab]`` in float32, for the rows that sample only; ``cap * tanh(x / cap)`` if capped.
+        """Logits ``[n, vocab]`` in float32, for the rows that sample only; divided by ``logits_scaling``, then
+        ``cap * tanh(x / cap)`` if capped.
 
         None on tensor-parallel ranks but 0 (their slices are gathered there).
         """
         logits = self.lm_head(hidden)
+        if self.spec.logits_scaling is not None:
+            logits = logits / self.spec.logits_scaling
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -18,17 +18,18 @@ class GatedMLP(nn.Module):
     this rank's slice of the intermediate size); ``down_proj`` is
     row-parallel. The activation layer is chosen here, once
     (``layers/activation.gated_activation``): an unknown name is a ValueError.
+    ``bias``: gate, up and down each add a bias (Llama's ``mlp_bias``).
     """
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, hidden_act: str, tp: TensorParallelGroup | None = None,
-        quant_config: QuantConfig | None = None, prefix: str = "",
+        quant_config: QuantConfig | None = None, prefix: str = "", bias: bool = False,
     ) -> None:
         super().__init__()
         self.act_fn = gated_activation(hidden_act)
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, quant_config, f"{prefix}.gate_up_proj")
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, quant_config, f"{prefix}.gate_up_proj")
         start = tp.plan.intermediate[0] if tp is not None else 0
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp, start, quant_config,
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp, start, quant_config,
                                            f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

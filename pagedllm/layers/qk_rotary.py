@@ -30,6 +30,12 @@ class QKNormRotary(CustomOp):
     norms only, on copies of q and k, in either implementation; ``cos_sin``
     is then ignored (None).
 
+    ``whole_projection=True`` (OLMo 2): each norm spans the whole q
+    (``num_heads * head_dim`` features) or k projection of a token, not one
+    head; the native path norms copies through the norms' native rows and
+    writes them back into ``qkv``, then rotates in place with the same
+    native pass, given no per-head weights.
+
     The norms are the attention's modules (their weights load under the
     checkpoint's names, ``self_attn.q_norm.weight``); this layer uses them
     without owning them, and selects their implementation with its own.
@@ -38,9 +44,12 @@ class QKNormRotary(CustomOp):
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int,
         q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotate: bool = True,
+        whole_projection: bool = False,
     ) -> None:
         if (q_norm is None) != (k_norm is None):
             raise ValueError("QKNormRotary takes both q_norm and k_norm, or neither")
+        if whole_projection and q_norm is None:
+            raise ValueError("QKNormRotary: whole_projection applies to q/k norms, and none were given")
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -48,6 +57,7 @@ class QKNormRotary(CustomOp):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.rotate = rotate
+        self.whole_projection = whole_projection
         # a tuple, not attributes: nn.Module would register the norms here as well as on the
         # attention, and their parameters would get a second name
         self._norms: tuple[RMSNorm, RMSNorm] | None = None if q_norm is None else (q_norm, k_norm)
@@ -69,15 +79,29 @@ class QKNormRotary(CustomOp):
         q = qkv[:, : self.q_size]
         k = qkv[:, self.q_size : self.q_size + self.kv_size]
         if self._norms is not None:
-            # whole heads as rows: the norms' own implementation (native rows or torch) over copies
-            q_norm, k_norm = self._norms
-            q, k = q_norm(q.reshape(-1, self.head_dim)), k_norm(k.reshape(-1, self.head_dim))
+            # whole heads (or whole projections) as rows: the norms' own implementation (native rows or torch)
+            # over copies
+            q, k = self._normed_rows(q, k)
         return q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
+
+    def _normed_rows(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed copies of ``q`` ``[num_tokens, q_size]`` and ``k`` ``[num_tokens, kv_size]``, per head or over
+        the whole projection; as rows (``[-1, span]``), contiguous as the native rows need them."""
+        q_norm, k_norm = self._norms
+        q_span, k_span = (self.q_size, self.kv_size) if self.whole_projection else (self.head_dim, self.head_dim)
+        return q_norm(q.reshape(-1, q_span).contiguous()), k_norm(k.reshape(-1, k_span).contiguous())
 
     def forward_native(self, qkv: torch.Tensor, cos_sin: CosSin) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms and RoPE in place on ``qkv``'s q and k heads, one native pass; q and k are views of ``qkv``."""
         cos, sin = (t.view(-1, self.head_dim) for t in cos_sin)
-        if self._norms is None:
+        if self.whole_projection:
+            # norms over whole projections, written back; the native pass then rotates only
+            q_rows, k_rows = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q_normed, k_normed = self._normed_rows(q_rows, k_rows)
+            q_rows.copy_(q_normed)
+            k_rows.copy_(k_normed)
+            q_weight, k_weight, eps = None, None, 0.0
+        elif self._norms is None:
             q_weight, k_weight, eps = None, None, 0.0
         else:
             q_norm, k_norm = self._norms
@@ -96,6 +120,10 @@ class QKNormRotary(CustomOp):
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = RotaryEmbedding.apply(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
             return q, k
+        if self.whole_projection:
+            q, k = self._normed_rows(qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size])
+            q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+            return RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
         q_norm, k_norm = self._norms
         q = q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
         k = k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))

@@ -26,6 +26,7 @@ from pagedllm.layers.qk_rotary import QKNormRotary
 from pagedllm.layers.quantization.quant_config import QuantConfig
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+QK_NORM_SPANS = ("head", "projection")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class AttentionSpec:
     ``softcap``: scores become ``cap * tanh(s / cap)`` (None: uncapped).
     ``sliding_window``: a query at ``i`` sees keys ``i - w < j <= i`` (None:
     every earlier key). ``rope``: whether q and k are rotated.
+    ``qk_norm_span``: what one q/k norm spans, "head" (Qwen3, Gemma 3: each
+    head alone, weight ``[head_dim]``) or "projection" (OLMo 2: a token's
+    whole q or k projection, weights ``[num_heads * head_dim]`` and
+    ``[num_kv_heads * head_dim]``; one process only, since a rank's heads
+    would lack the others' share of the mean square).
     """
 
     hidden_size: int
@@ -50,6 +56,11 @@ class AttentionSpec:
     softcap: float | None = None
     sliding_window: int | None = None
     rope: bool = True
+    qk_norm_span: str = "head"
+
+    def __post_init__(self) -> None:
+        if self.qk_norm_span not in QK_NORM_SPANS:
+            raise ValueError(f"qk_norm_span must be one of {QK_NORM_SPANS}, got {self.qk_norm_span!r}")
 
 
 class SelfAttention(nn.Module):
@@ -75,14 +86,19 @@ class SelfAttention(nn.Module):
         q_start = tp.plan.q_rows[0] if tp is not None else 0
         self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, tp, q_start, quant_config,
                                         f"{prefix}.o_proj")
-        self.q_norm = spec.qk_norm.build(self.head_dim) if spec.qk_norm is not None else None
-        self.k_norm = spec.qk_norm.build(self.head_dim) if spec.qk_norm is not None else None
+        whole = spec.qk_norm is not None and spec.qk_norm_span == "projection"
+        if whole and tp is not None and tp.size > 1:
+            raise ValueError("q/k norms over the whole projection (OLMo 2) need every head on one process; "
+                             "tensor parallelism is not supported for this model")
+        q_span, k_span = (self.q_size, self.kv_size) if whole else (self.head_dim, self.head_dim)
+        self.q_norm = spec.qk_norm.build(q_span) if spec.qk_norm is not None else None
+        self.k_norm = spec.qk_norm.build(k_span) if spec.qk_norm is not None else None
         self.backend = backend
         self.scale = spec.scale if spec.scale is not None else self.head_dim**-0.5
         self.sliding_window = spec.sliding_window  # None: full attention
         self.softcap = spec.softcap
         self.qk_norm_rope = QKNormRotary(self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm,
-                                         rotate=spec.rope)
+                                         rotate=spec.rope, whole_projection=whole)
         # an int4 cache's change of variables for K (layers/kv_transform.py), fitted by the runner; shifting
         # keys changes capped scores, so a capped layer keeps its keys as they are
         self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=self.softcap is None)

@@ -120,9 +120,6 @@ def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: 
         split = [part for part, (fname, *_) in fused.items() if f".{fname}." in name]
         if split:
             fused_name = fused[split[0]][0]
-            suffix = name.split(f".{fused_name}.")[1]
-            if suffix == "bias" and fused_name == "gate_up_proj":
-                continue
             names.update(name.replace(fused_name, part) for part in split)
         else:
             names.add(name)

@@ -91,3 +91,11 @@ def iter_weights(path: str, config: ModelArchConfig) -> Iterator[tuple[str, torc
     if path.endswith(".gguf"):
         return gguf_loader.iter_weights(path, config)
     return hf_loader.iter_weights(path)
+
+
+def model_file_bytes(path: str) -> int:
+    """Bytes of the model's weight files (a GGUF file and its split parts, or a folder's ``*.safetensors``):
+    an estimate of its weights' memory taken before loading."""
+    if path.endswith(".gguf"):
+        return sum(os.path.getsize(p) for p in gguf_loader.model_part_paths(path))
+    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.name.endswith(".safetensors"))

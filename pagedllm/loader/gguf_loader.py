@@ -22,8 +22,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
 # Which general.architecture values a model runs is models/registry.py's to say (Gemma 3, for one, loads
 # from Hugging Face folders only: its GGUF norm weights, stored as 1 + w, are not mapped here). The
@@ -46,6 +48,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Llama's mlp_bias
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+    # OLMo 2's norms of the attention and MLP outputs (no attn_norm / ffn_norm there)
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -55,6 +64,8 @@ _GLOBAL_NAMES = {
 # metadata every decoder's GGUF file carries under its architecture's prefix
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
 # read with the configuration (ModelArchConfig.rope_freq_factors), not a weight
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -259,12 +270,13 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         raise ValueError(f"GGUF file (architecture {arch!r}) lacks {missing}")
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
+    check_unread_gguf_metadata(key, arch, int(key("attention.key_length", hidden // num_heads)))
     vocab = key("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return ModelArchConfig(
+    config = ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -281,9 +293,12 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         tie_word_embeddings=not has_output,
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
+        mlp_bias=any(t.name.endswith("ffn_gate.bias") for t in reader.tensors),
+        num_experts=int(key("expert_count", 0) or 0),
         eos_token_ids=() if eos is None else (int(eos),),
         checkpoint_format="gguf",
     )
+    return gguf_family_fields(config, key)
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -314,7 +329,10 @@ class GGUFWeights:
     ggml type number): the ones a model may take as stored, where it has
     kernels for their type. The model loader sets ``keep`` to the
     names its layers take as they are stored: those come out as their bytes,
-    ``uint8 [rows, row bytes]``; every other tensor is dequantized to float32.
+    ``uint8 [rows, row bytes]``; and ``half`` to the names its layers hold in
+    bfloat16 (types with no kernel, ``layers/quantization/gguf_dequantized.py``):
+    those come out dequantized and rounded to bfloat16. Every other tensor is
+    dequantized to float32.
     """
 
     def __init__(self, path: str, config: ModelArchConfig) -> None:
@@ -330,10 +348,11 @@ class GGUFWeights:
             and (name := _hf_name_or_none(t.name)) is not None
         }
         self.keep: set[str] = set()
+        self.half: set[str] = set()
 
     def _rows_in_hf_order(self, name: str, w: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Q/K row permutation (rows are output channels, whole in either form)."""
-        if self.config.architecture in ("llama", "mistral"):
+        if self.config.architecture in _PERMUTED_QK:
             if ".q_proj." in name:
                 return _unpermute_rope_rows(w, self.config.num_attention_heads)
             if ".k_proj." in name:
@@ -360,11 +379,12 @@ class GGUFWeights:
                 # values, which a dtype conversion would cast rather than reinterpret
                 w = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.data.shape[0], -1)
             else:
-                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+                w = _dequantized(t, path)
             w = self._rows_in_hf_order(name, w)
             if not w.flags.writeable or not w.flags.c_contiguous:
                 w = np.array(w, order="C")
-            yield name, torch.from_numpy(w)
+            # a 2-byte copy where the layer holds one: half the bytes in flight, and the layer's values exactly
+            yield name, torch.from_numpy(w).to(torch.bfloat16) if name in self.half else torch.from_numpy(w)
             # not held while the next is dequantized: a load holds one checkpoint tensor at a time
             del w
             _drop_mapped_pages(reader, t)
@@ -372,6 +392,16 @@ class GGUFWeights:
         # file's mapping, which would otherwise stay resident for the life of the process
         del reader, t
         open_reader.cache_clear()
+
+
+def _dequantized(t: object, path: str) -> np.ndarray:
+    """Tensor ``t`` as float32 values (``gguf``'s dequantization); ValueError for a type it cannot
+    dequantize (Q8_K and Q8_1 are llama.cpp's activation types: a file holding weights in them is refused)."""
+    try:
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which neither a kernel "
+                         "here nor the gguf package's dequantization reads") from None
 
 
 _FAULT_AROUND_BYTES = 2 << 20  # a multiple of the page size: the largest window one fault maps (a PMD)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm.loader.config_fields import check_unread_fields, num_experts
+from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,11 @@ class ModelArchConfig:
     from those names: an architecture no family implements is refused there.
 
     ``attention_bias`` adds biases to q/k/v (Qwen2); ``qk_norm`` applies an
-    RMSNorm per head to q and k before RoPE (Qwen3, Gemma 3).
+    RMSNorm to q and k before RoPE (Qwen3, Gemma 3 per head; OLMo 2 over the
+    whole projection, the family's choice). ``mlp_bias``: biases on the
+    MLP's gate, up and down projections (Llama's ``mlp_bias``).
+    ``num_experts``: experts a mixture-of-experts MLP routes between (0: a
+    dense MLP); read so that the registry can refuse such a model by name.
 
     ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
     per rotated pair of the RoPE frequencies (llama.cpp's converter writes
@@ -72,6 +80,13 @@ class ModelArchConfig:
     MLP's gate activation as transformers names it (config.json's
     ``hidden_act`` / ``hidden_activation``); the MLP layer refuses a name it
     does not compute (``layers/activation.py``).
+
+    ``nope_layers``: the layers that do not rotate q and k (SmolLM3's every
+    fourth). Granite's multipliers: ``embedding_multiplier`` scales the
+    embeddings, ``residual_multiplier`` each branch before its residual
+    add, ``logits_scaling`` divides the logits (its ``attention_multiplier``
+    is ``attn_scale``); 1.0 where a family has none. Both are read by
+    ``loader/smollm3_granite_config.py``.
     """
 
     architecture: str
@@ -101,6 +116,12 @@ class ModelArchConfig:
     final_logit_softcapping: float | None = None
     architectures: tuple[str, ...] = ()
     checkpoint_format: str = "hf"
+    nope_layers: tuple[int, ...] = ()
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    mlp_bias: bool = False
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -110,6 +131,7 @@ class ModelArchConfig:
         for scaling in (self.rope_scaling, self.local_rope_scaling):
             check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
+        check_multipliers(self)
         for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -137,12 +159,25 @@ class ModelArchConfig:
         return any(w is not None for w in self.sliding_windows)
 
 
+def check_multipliers(cfg: ModelArchConfig) -> None:
+    """ValueError for a layer index of ``nope_layers`` out of range or a multiplier not finite and positive."""
+    bad = [i for i in cfg.nope_layers if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"nope_layers {bad} are not layers of a {cfg.num_hidden_layers}-layer model")
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+
 # config.json's model_type -> the reading of its keys (any other model_type is read as Llama's keys)
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3"}
 # what transformers' config classes assume when config.json leaves a key out
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
 _QWEN_MAX_WINDOW_LAYERS = 28
+_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5}  # Olmo2Config's; every other family's is 1e-6
 _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
 
@@ -270,13 +305,14 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
     if missing:
         raise ValueError(f"config.json ({model_type}) lacks {missing}")
+    check_unread_fields(cfg, arch)
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope_settings(cfg)
     windows, types = _sliding_windows(cfg, arch)
     extra = _gemma3_settings(cfg) if arch == "gemma3" else {
         "rope_theta": theta, "rope_scaling": scaling, "hidden_act": cfg.get("hidden_act") or "silu"}
-    return ModelArchConfig(
+    config = ModelArchConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -285,11 +321,14 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         num_attention_heads=num_heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", _RMS_NORM_EPS_DEFAULTS.get(arch, 1e-6))),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-        qk_norm=arch in ("qwen3", "gemma3"),  # per-head RMSNorm on q and k
+        # transformers' Qwen2 biases q, k and v whatever attention_bias says
+        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "gemma3", "olmo2"),  # RMSNorm on q and k
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        num_experts=num_experts(cfg),
         eos_token_ids=_eos_ids(cfg, generation_config),
         sliding_windows=windows,
         layer_types=types,
@@ -297,6 +336,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
+    return hf_family_fields(config, cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

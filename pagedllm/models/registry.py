@@ -23,7 +23,13 @@ from torch import nn
 
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pagedllm.models.llama import (
+    GraniteForCausalLM,
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    SmolLM3ForCausalLM,
+)
+from pagedllm.models.olmo2 import Olmo2ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,17 @@ class ModelRegistry:
         return sorted(name for family in self.families for name in getattr(family, kind))
 
     def model_class(self, cfg: ModelArchConfig) -> type[nn.Module]:
-        """The model class for ``cfg``'s architecture; ValueError naming it and the supported ones if none."""
+        """The model class for ``cfg``'s architecture; ValueError naming it and the supported ones if none.
+
+        A mixture of experts (``cfg.num_experts`` > 0) is refused whatever its
+        name: no family computes routed MLPs (llama.cpp writes Mixtral as
+        GGUF architecture "llama", with an expert count).
+        """
+        if cfg.num_experts:
+            fmt = "gguf" if cfg.checkpoint_format == "gguf" else "hf"
+            name = cfg.architecture if fmt == "gguf" else list(cfg.architectures) or cfg.architecture
+            raise ValueError(f"architecture {name!r} with {cfg.num_experts} experts is a mixture of experts: "
+                             f"mixture-of-experts models are not supported yet; supported: {self.supported(fmt)}")
         if cfg.checkpoint_format == "gguf":
             found = self._find("gguf_architectures", (cfg.architecture,))
             if found is None:
@@ -91,6 +107,9 @@ MODEL_REGISTRY = ModelRegistry((
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), (), ("gemma3",)),
+    Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
+    Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
+    Family(Olmo2ForCausalLM, ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
 ))
 
 

@@ -20,7 +20,8 @@ backends read and write it through block tables and the slot mapping.
 
 On the CPU the tensor lives in an anonymous private mapping the OS backs page
 by page on first write, so the process's resident memory follows the blocks
-in use, not the pool's size: a default pool of 2 GiB costs nothing until
+in use, not the pool's size: the default pool, half of the memory the
+weights leave (``resolved_config.default_kv_budget``), costs nothing until
 requests write into it. The block manager hands out the lowest free ids
 first, which keeps the written pages packed at the start of each layer's
 slice; when its blocks empty, ``release_kv_blocks`` gives their pages back
@@ -40,7 +41,6 @@ import mmap
 
 import torch
 
-from pagedllm.config import EngineConfig
 from pagedllm.layers.kv_quant import (
     INT4_SCALE_BYTES,
     INT8_SCALE_BYTES,
@@ -56,23 +56,6 @@ _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)  # 4 on Linux
 def _libc() -> ctypes.CDLL:
     """The C library, for madvise on an address (Python's mmap.madvise wants the mapping object)."""
     return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
-# when neither num_kv_blocks nor kv_cache_memory_bytes is given
-DEFAULT_KV_SHARE = 0.25
-DEFAULT_KV_CAP_BYTES = 2 << 30
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on ``device`` (the GPU's free bytes, or the host's MemAvailable)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 8 << 30
 
 
 def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
@@ -91,43 +74,6 @@ def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: to
     elem = torch.tensor([], dtype=dtype).element_size()
     width = cache_head_width(mc.head_dim, dtype)
     return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * width * elem
-
-
-def default_kv_budget(available_bytes: int, weight_bytes: int) -> int:
-    """The pool's budget when none is given: a quarter of the memory the weights leave, at most 2 GiB.
-
-    ``available_bytes`` is measured before the weights are loaded and
-    ``weight_bytes`` is what the loaded model holds (``ModelRunner.weight_bytes``),
-    so the budget follows the weights' real resident size (int4 blocks leave
-    more room than float32 weights) and not whatever the allocator still
-    keeps of the float32 tensors that quantizing at load let go.
-    """
-    return min(int(max(0, available_bytes - weight_bytes) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP_BYTES)
-
-
-def decide_num_kv_blocks(
-    config: EngineConfig, model_config: ModelArchConfig, dtype: torch.dtype, available_bytes: int, weight_bytes: int
-) -> int:
-    """Blocks in the pool: ``num_kv_blocks`` if given, else what the memory budget holds.
-
-    The budget is ``kv_cache_memory_bytes``, or ``default_kv_budget`` of the
-    memory available before loading and the weights' bytes. ValueError when
-    the pool cannot hold one sequence of ``max_model_len`` tokens.
-    """
-    num_blocks = config.num_kv_blocks
-    if num_blocks is None:
-        budget = config.kv_cache_memory_bytes
-        if budget is None:
-            budget = default_kv_budget(available_bytes, weight_bytes)
-        num_blocks = max(1, budget // kv_bytes_per_block(model_config, config.block_size, dtype))
-    min_blocks = (config.max_model_len + config.block_size - 1) // config.block_size
-    if num_blocks < min_blocks:
-        raise ValueError(
-            f"the KV cache has room for {num_blocks} blocks, fewer than one sequence of "
-            f"max_model_len={config.max_model_len} needs ({min_blocks}); lower max_model_len or "
-            "give the cache more memory"
-        )
-    return num_blocks
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

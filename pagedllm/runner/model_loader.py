@@ -28,6 +28,7 @@ from pagedllm.layers.custom_op import select_impls
 from pagedllm.layers.linear import LinearMethod, UnquantizedLinearMethod, layer_shape
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.quantization.bf16_linear import TorchBF16LinearMethod
+from pagedllm.layers.quantization.gguf_dequantized import dequantized_linear_method, has_gguf_kernel
 from pagedllm.layers.quantization.gguf_linear import GGUF_KERNEL_TYPES, gguf_types_held
 from pagedllm.layers.quantization.onednn_linear import (
     OneDnnLinearMethod,
@@ -40,6 +41,7 @@ from pagedllm.layers.quantization.packed_linear import (
 )
 from pagedllm.layers.quantization.quant_config import (
     QuantConfig,
+    dequantized_checkpoint_names,
     process_weights_after_loading,
     stored_checkpoint_names,
 )
@@ -140,6 +142,8 @@ def resolve_quant_config(
         group_size=config.weight_group_size if bits is not None else None,
         gguf_types=quantized if keep_gguf else {}, fused=fused_map(model_config, tp) if keep_gguf else {},
         interleave=config.gguf_activations == "int8",
+        # types with no kernel: held in bfloat16 where this CPU multiplies it fast (gguf_dequantized.py)
+        dequantized_method=dequantized_linear_method() if keep_gguf else None,
     )
 
 
@@ -149,7 +153,16 @@ def _warn_what_stays_float(
     """Say which layers do not hold what was asked: GGUF tensors dequantized, int8 / int4 groups made smaller."""
     quantized = quant_config.gguf_types
     if quantized:
-        left = sorted(name for name in quantized if name not in weights.keep and name != "lm_head.weight")
+        half = sorted(weights.half)
+        if half:
+            kinds = {GGMLQuantizationType(quantized[name]).name for name in half}
+            no_kernel = sorted(k for k in kinds if not has_gguf_kernel(GGMLQuantizationType[k]))
+            logger.warning("%d GGUF tensors are dequantized to bfloat16 (%s linears): types %s have no kernel here%s; "
+                           "e.g. %s", len(half), quant_config.dequantized_method.name, no_kernel,
+                           f" (with the {sorted(kinds - set(no_kernel))} parts of the same fused layers)"
+                           if kinds - set(no_kernel) else "", half[0])
+        left = sorted(name for name in quantized
+                      if name not in weights.keep and name not in weights.half and name != "lm_head.weight")
         if left:
             kinds = sorted({GGMLQuantizationType(quantized[name]).name for name in left})
             logger.warning("%d GGUF tensors are dequantized to float32 (no kernel for their type, or a fused layer "
@@ -255,6 +268,8 @@ def load_model(
         model = model_class(model_config)(model_config, backend, tp, quant_config)
     if hasattr(weights, "keep"):  # a GGUF file hands these tensors over as stored, the others dequantized
         weights.keep = stored_checkpoint_names(model)
+        # the tensors of layers with a part of a type no kernel reads: handed over in bfloat16, their dtype
+        weights.half = dequantized_checkpoint_names(model, quant_config)
     _warn_what_stays_float(config, quant_config, model, weights)
     # model.to_empty(device="cpu"), but through torch.empty_strided: to_empty's empty_like of a meta tensor runs
     # torch._refs, which imports sympy (a second or more of a cold start)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.device_memory import available_memory_bytes
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.kv_quant import indexable, kv_format_name
@@ -16,14 +18,18 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.quantization.gguf_linear import gguf_types_held
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.tokenizer import Tokenizer
-from pagedllm.resolved_config import resolve_config, resolve_kv_cache_dtype
+from pagedllm.resolved_config import (
+    KvPoolPlan,
+    kv_pool_blocks,
+    plan_kv_pool,
+    resolve_config,
+    resolve_kv_cache_dtype,
+)
 from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.input_batch import InputBatch, as_decode_rows
 from pagedllm.runner.kv_cache import (
     allocate_kv_cache,
-    available_memory_bytes,
-    decide_num_kv_blocks,
     kv_bytes_per_block,
     release_kv_blocks,
     resident_kv_bytes,
@@ -112,11 +118,11 @@ class ModelRunner:
         self.kv_cache_dtype = KV_DTYPES[resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype,
                                                                keeps_gguf_blocks=bool(gguf_types_held(self.model)))]
         self.block_size = config.block_size
-        self.num_kv_blocks = decide_num_kv_blocks(
-            config, self.local_config, self.kv_cache_dtype, available, self.weight_bytes
-        )
-        if self.tp is not None:  # one block table addresses every rank's cache: all hold as many blocks
-            self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
+        # the pool's size, and max_model_len lowered to it where fit_max_model_len allows (resolved_config.py)
+        self.kv_pool = self._plan_kv_pool(available)
+        self.num_kv_blocks = self.kv_pool.num_kv_blocks
+        if self.kv_pool.lowered:  # everything after this reads the length the pool holds
+            self.config = config = dataclasses.replace(config, max_model_len=self.kv_pool.max_model_len)
         self.kv_cache, self.kv_caches = allocate_kv_cache(
             self.local_config, self.num_kv_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
@@ -142,6 +148,36 @@ class ModelRunner:
         # its kernels in one parallel region per program where the native ops are loaded
         # (runner/capture/step_program.py)
         self.captured_decode = self._make_captured_decode(config, model_config)
+
+    def _plan_kv_pool(self, available: int) -> KvPoolPlan:
+        """The pool's blocks (the fewest any tensor-parallel rank has room for) and the ``max_model_len``
+        they hold; logs both, and warns where max_model_len was lowered to fit."""
+        per_block = kv_bytes_per_block(self.local_config, self.block_size, self.kv_cache_dtype)
+        num_blocks, budget = kv_pool_blocks(self.config, per_block, available, self.weight_bytes,
+                                            lazy=self.device.type == "cpu")
+        if self.tp is not None:  # one block table addresses every rank's cache: all hold as many blocks
+            num_blocks = self.tp.min_int(num_blocks)
+        plan = plan_kv_pool(self.config, num_blocks, budget, per_block)
+        if self.tp is not None and self.tp.rank != 0:
+            return plan
+        pool = f"{num_blocks} blocks of {self.block_size} tokens, {num_blocks * per_block / 2**30:.2f} GiB reserved"
+        if budget is None:
+            source = "num_kv_blocks"
+        elif self.config.kv_cache_memory_bytes is not None:
+            source = "kv_cache_memory_bytes"
+        else:
+            source = (f"default: a share of the {max(0, available - self.weight_bytes) / 2**30:.2f} GiB free "
+                      "after the weights")
+        if plan.lowered:
+            logger.warning(
+                "max_model_len lowered from %d to %d tokens to fit the KV cache (%s; %s): one sequence of %d "
+                "tokens needs %.2f GiB. Pass --max-model-len (max_model_len=) to choose the length, or "
+                "--kv-cache-memory-bytes (kv_cache_memory_bytes=) for a larger pool",
+                plan.requested_max_model_len, plan.max_model_len, pool, source, plan.requested_max_model_len,
+                -(-plan.requested_max_model_len // self.block_size) * per_block / 2**30,
+            )
+        logger.info("KV pool: %s (%s); max_model_len %d", pool, source, plan.max_model_len)
+        return plan
 
     def _make_captured_decode(self, config: EngineConfig, model_config: ModelArchConfig) -> CapturedDecode | None:
         """The captured decode where the backend reads a step through tensors and this process can replay the

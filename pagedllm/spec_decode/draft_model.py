@@ -57,6 +57,8 @@ def draft_engine_config(target: EngineConfig, model: str) -> EngineConfig:
         target, model=model, tokenizer=None, speculative_config=None, tensor_parallel_size=1,
         quantization=None, quantization_group_size=None, num_kv_blocks=None, kv_cache_memory_bytes=None,
         enable_prefix_caching=True, cpu_bind=None, batch_invariant=None,
+        # the draft runs every target sequence: it must hold the target's (possibly fitted) length
+        fit_max_model_len=False,
     )
 
 

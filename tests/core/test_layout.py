@@ -39,7 +39,7 @@ ALLOWED = {
 # the one top-level module that asks the machine (it imports kernels / layers / distributed inside functions);
 # step_time: the fitted model of a step's time, a leaf both the engine and spec_decode read
 DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
-                "step_result", "block_table", "cache_dir", "step_time"}
+                "step_result", "block_table", "cache_dir", "step_time", "device_memory"}
 # the packages a top-level data module may import: plain Python that itself imports only these (and data
 # modules). Every package imports the data modules, so a data module importing anything higher (the runner,
 # the engine) would be an import running back up the layers. resolved_config alone also reads the machine

@@ -334,6 +334,9 @@ def test_env_reports_the_cpu_the_kernels_and_the_backends(tiny_model_dirs):
     loaded = report["loaded"]
     assert loaded["dtype"] == "bfloat16" and loaded["linear_backend"] == report["auto"]["bfloat16"]["linear"]
     assert sum(loaded["layer_classes"].values()) > 0
+    # with the engine's defaults: the tiny model's whole context (1024 tokens) in a pool sized from free memory
+    assert loaded["max_model_len"] == 1024 and loaded["num_kv_blocks"] >= 64
+    assert report["memory"]["available_gib"] > 0
 
 
 def test_bench_latency_with_speculation_reports_acceptance():

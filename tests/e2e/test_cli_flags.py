@@ -42,6 +42,7 @@ VALUES: dict[str, tuple[list[str], object]] = {
     "num_kv_blocks": (["--num-kv-blocks", "4096"], 4096),
     "kv_cache_memory_bytes": (["--kv-cache-memory-bytes", "123456789"], 123456789),
     "max_model_len": (["--max-model-len", "384"], 384),
+    "fit_max_model_len": (["--no-fit-max-model-len"], False),
     "max_num_seqs": (["--max-num-seqs", "7"], 7),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "999"], 999),
     "itl_target_ms": (["--itl-target-ms", "off"], None),

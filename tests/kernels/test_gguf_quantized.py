@@ -620,7 +620,8 @@ def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
     tiny_model_dirs: dict[str, str], hf_tiny: dict, tmp_path_factory: pytest.TempPathFactory,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """NVFP4 has no kernel here: those layers (v_proj, so the fused qkv, and down_proj) load as float32."""
+    """NVFP4 has no kernel here: those layers (v_proj, so the fused qkv, and down_proj) load as bfloat16
+    (tests/models/test_gguf_dequantized.py)."""
     import copy
     import logging
 
@@ -630,7 +631,7 @@ def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
     hf.load_state_dict(rounded)
     with caplog.at_level(logging.WARNING, logger="pagedllm.runner.model_loader"):
         llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, **F32_KV)
-    assert "dequantized to float32" in caplog.text and "NVFP4" in caplog.text
+    assert "dequantized to bfloat16" in caplog.text and "NVFP4" in caplog.text
     layer = llm.llm_engine.model_runner.model.model.layers[0]
     assert not layer.self_attn.qkv_proj.quant_method.name.startswith("gguf")
     assert not layer.mlp.down_proj.quant_method.name.startswith("gguf")

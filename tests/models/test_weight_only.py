@@ -461,20 +461,22 @@ def test_a_tied_head_and_the_embedding_share_their_blocks(window_dirs: dict[str,
 def test_kv_cache_default_size_follows_the_real_weight_bytes(
     tiny_model_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The default pool is a quarter of what the weights leave of the memory free before loading: int4's
-    smaller weights leave room for more blocks than float32's, with the same memory free."""
+    """The default pool is a share (half on the CPU) of what the weights leave of the memory free before
+    loading: int4's smaller weights leave room for more blocks than float32's, with the same memory free."""
     import pagedllm.runner.kv_cache as kv_cache
     import pagedllm.runner.model_runner as model_runner
+    from pagedllm.resolved_config import DEFAULT_KV_SHARE
 
-    free = 40 << 20  # below the 2 GiB cap, and of the order of the tiny model's float32 weights (25 MiB)
+    free = 40 << 20  # of the order of the tiny model's float32 weights (25 MiB)
     for module in (kv_cache, model_runner):  # wherever the free memory is read
         monkeypatch.setattr(module, "available_memory_bytes", lambda device: free, raising=False)
-    kw = {"max_model_len": 128, "block_size": 8}
+    # enough sequences that the pool's cap (max_num_seqs full sequences) is not what binds
+    kw = {"max_model_len": 128, "block_size": 8, "max_num_seqs": 1024}
     blocks = {}
     for quantization in (None, "int4"):
         llm = LLM(tiny_model_dirs["llama"], quantization=quantization, **kw)
         runner = llm.llm_engine.model_runner
-        want = int((free - llm.weight_bytes) * kv_cache.DEFAULT_KV_SHARE) // runner.kv_bytes_per_block
+        want = int((free - llm.weight_bytes) * DEFAULT_KV_SHARE) // runner.kv_bytes_per_block
         assert runner.num_kv_blocks == want
         blocks[quantization] = want
     assert blocks["int4"] > 1.5 * blocks[None]

@@ -21,8 +21,8 @@ blocks, published to the prefix cache, and a partial one, which is not.
   every block the burst wrote goes back; the process's resident set must fall
   from its peak by about that much.
 
-Both servers run with the default pool (a quarter of free memory, at most
-2 GiB), as a user's would: resident is a small part of reserved.
+Both servers run with the default pool (half of what the weights leave of
+free memory), as a user's would: resident is a small part of reserved.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from pagedllm.clients.async_engine import Submission, _RequestStream, open_submission
 from pagedllm.clients.data_parallel.metrics import ReplicaMetrics
 from pagedllm.clients.data_parallel.prefix_router import PrefixRouter
@@ -47,10 +49,12 @@ from pagedllm.clients.data_parallel.replica_client import (
 )
 from pagedllm.clients.metrics import EngineStats, ServerMetrics
 from pagedllm.config import EngineConfig
+from pagedllm.device_memory import available_memory_bytes
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt
-from pagedllm.loader import load_model_config
+from pagedllm.loader import load_model_config, model_file_bytes
 from pagedllm.loader.tokenizer import Tokenizer
+from pagedllm.resolved_config import replica_kv_budget
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 
@@ -124,6 +128,11 @@ class DataParallelEngine:
         self.router = PrefixRouter(num_replicas, config.block_size, config.prefix_caching)
         self.replica_metrics = ReplicaMetrics(metrics, num_replicas) if metrics is not None else None
         replica_config = dataclasses.replace(config, num_threads=threads)
+        # a default KV pool: each replica's share of the machine's, not the whole share each (resolved_config.py)
+        budget = replica_kv_budget(config, num_replicas, available_memory_bytes(torch.device(config.device)),
+                                   model_file_bytes(config.model))
+        if budget is not None:
+            replica_config = dataclasses.replace(replica_config, kv_cache_memory_bytes=budget)
         events = ReplicaEvents(self._on_stats, self._on_up, self._on_unresponsive, self._on_lost)
         self.replicas = [
             ReplicaClient(i, replica_config, cores[i], kv_page, metrics, events, heartbeat_timeout)

@@ -26,6 +26,10 @@ from types import MappingProxyType
 from torch import nn
 
 from pagedllm.layers.linear import Linear, LinearMethod, QuantMethod, UnquantizedLinearMethod
+from pagedllm.layers.quantization.gguf_dequantized import (
+    DequantizedEmbeddingMethod,
+    has_gguf_kernel,
+)
 from pagedllm.layers.quantization.gguf_linear import gguf_method, gguf_spans
 from pagedllm.layers.quantization.quantized_linear import (
     QuantizedEmbeddingMethod,
@@ -57,6 +61,8 @@ class QuantConfig:
     ggml type), ``fused``: where a checkpoint's q/k/v and gate/up parts go.
     ``interleave``: interleave blocks after loading (``gguf_activations="int8"``).
     ``rules``: extra deciders consulted first (default: those ``register_quant_method`` holds now).
+    ``dequantized_method``: the 2-byte method of a layer with a GGUF part of a type no kernel reads
+    (``gguf_dequantized.py``); None: such layers take the float method.
     """
 
     float_method: LinearMethod = field(default_factory=UnquantizedLinearMethod)
@@ -66,6 +72,7 @@ class QuantConfig:
     fused: FusedMap = field(default_factory=dict)
     interleave: bool = False
     rules: tuple[QuantRule, ...] = field(default_factory=lambda: tuple(_RULES))
+    dequantized_method: LinearMethod | None = None
     # checkpoint parameter -> its quantized parts (gguf_spans), derived once from gguf_types and fused
     _gguf_parts: Mapping[str, list[tuple[str, int, int | None, int]]] = field(init=False, repr=False, compare=False)
 
@@ -83,11 +90,27 @@ class QuantConfig:
             method = gguf_method(layer, parts, self.interleave)
             if method is not None:
                 return method
+            if self.dequantized_method is not None and not all(has_gguf_kernel(kind) for *_, kind in parts):
+                return (DequantizedEmbeddingMethod(self.dequantized_method) if isinstance(layer, nn.Embedding)
+                        else self.dequantized_method)
         if self.weight_only_bits is not None:
             if isinstance(layer, nn.Embedding):
                 return QuantizedEmbeddingMethod(self.weight_only_bits, self.group_size)
             return QuantizedLinearMethod(self.weight_only_bits, self.group_size, self.interleave)
         return self.float_method if isinstance(layer, Linear) else None
+
+
+def dequantized_checkpoint_names(model: nn.Module, quant_config: QuantConfig) -> set[str]:
+    """The checkpoint tensors ``model``'s layers hold in bfloat16 because a part of theirs has a GGUF type no
+    kernel reads (``gguf_dequantized.py``): those parts, and the other parts of the same fused layers."""
+    names: set[str] = set()
+    if quant_config.dequantized_method is None:
+        return names
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is quant_config.dequantized_method or isinstance(method, DequantizedEmbeddingMethod):
+            names.update(name for name, *_ in quant_config._gguf_parts.get(f"{prefix}.weight", ()))
+    return names
 
 
 def stored_checkpoint_names(model: nn.Module) -> set[str]:
