@@ -406,8 +406,8 @@ int64_t check_gguf_weight(const Tensor &w, int64_t type, int64_t in_features, co
     const int64_t block_bytes = gguf_block_bytes((int)type), block_weights = gguf_block_weights((int)type);
     TORCH_CHECK_VALUE(block_bytes > 0, op, ": no kernel for GGUF tensor type ", type, " (kernels exist for F16 (1), ",
                       "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), ",
-                      "Q6_K (14) and BF16 (30), and Q4_0 to Q8_0 and Q2_K to Q6_K interleaved by gguf_interleave_ ",
-                      "(512 + the type))");
+                      "Q6_K (14), IQ4_NL (20), IQ4_XS (23), BF16 (30) and MXFP4 (39), and all but F16 and BF16 ",
+                      "interleaved by gguf_interleave_ (512 + the type))");
     const int64_t multiple = block_weights > GGUF_BLOCK ? block_weights : GGUF_BLOCK;
     TORCH_CHECK_VALUE(in_features > 0 && in_features % multiple == 0, op, ": in_features must be a positive ",
                       "multiple of ", multiple, " for GGUF type ", type, ", got ", in_features);
@@ -485,12 +485,14 @@ Tensor gguf_dequantize(const Tensor &w, int64_t type, int64_t in_features) {
     return out;
 }
 
-/* rewrites a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K weight, rows a multiple of 16, in place into the x16 order
+/* rewrites a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K-Q6_K / IQ4_NL / IQ4_XS / MXFP4 weight, rows a multiple of 16,
+   in place into the x16 order
    (gguf_x16.h); the op then takes it as type 512 + type */
 void gguf_interleave_(const Tensor &w, int64_t type, int64_t in_features) {
     const char *op = "gguf_interleave_";
     TORCH_CHECK_VALUE(x16_takes((int)type) && !is_group_type((int)type), op, ": interleaves Q4_0 (2), Q4_1 (3), Q5_0 (6), ",
-                      "Q5_1 (7), Q8_0 (8) and Q2_K (10) to Q6_K (14) weights, got type ", type);
+                      "Q5_1 (7), Q8_0 (8), Q2_K (10) to Q6_K (14), IQ4_NL (20), IQ4_XS (23) and MXFP4 (39) ",
+                      "weights, got type ", type);
     check_gguf_weight(w, type, in_features, op);
     TORCH_CHECK_VALUE(w.size(0) % X16_TILE == 0, op, ": interleaves ", X16_TILE, " rows at a time, got ", w.size(0),
                       " rows");

@@ -56,7 +56,9 @@ def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: i
     block_weights, size = GGML_QUANT_SIZES[ggml_type]
     num_blocks = cols // block_weights
     raw = rng.integers(0, 256, size=(rows, num_blocks, size), dtype=np.uint8)
-    for offset, scale in _HALF_FIELDS[ggml_type]:
+    if ggml_type == Q.NVFP4:  # 4 unsigned E4M3 scales, of a sane size (no kernel here: the loader's fallback)
+        raw[:, :, :4] = rng.integers(0x10, 0x30, size=(rows, num_blocks, 4), dtype=np.uint8)
+    for offset, scale in _HALF_FIELDS.get(ggml_type, []):
         halves = (rng.random((rows, num_blocks)) * scale + 0.05 * scale).astype(np.float16)
         raw[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(rows, num_blocks, 2)
     return raw.reshape(rows, num_blocks * size)
@@ -116,8 +118,8 @@ def test_embedding_rows_and_dequantize_equal_gguf(ggml_type: GGMLQuantizationTyp
 def test_bad_gguf_inputs_are_value_errors() -> None:
     raw = torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 8, 64, seed=1))
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="no kernel for GGUF tensor type 39"):
-        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.MXFP4), 64, None)
+    with pytest.raises(ValueError, match="no kernel for GGUF tensor type 40"):
+        torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.NVFP4), 64, None)
     with pytest.raises(ValueError, match="multiple of 256"):
         torch.ops.pagedllm.gguf_linear(x, raw, int(GGMLQuantizationType.Q4_K), 64, None)
     with pytest.raises(ValueError, match="rows of 40 bytes"):
@@ -129,7 +131,7 @@ def test_bad_gguf_inputs_are_value_errors() -> None:
     with pytest.raises(ValueError, match="outside the table of 8 rows"):
         torch.ops.pagedllm.gguf_embedding(raw, int(GGMLQuantizationType.Q4_1), 64, torch.tensor([1, 8]))
     with pytest.raises(ValueError, match="no GGUF kernel"):
-        GGUFLinearMethod(int(GGMLQuantizationType.MXFP4))
+        GGUFLinearMethod(int(GGMLQuantizationType.NVFP4))
 
 
 def test_a_step_program_runs_gguf_nodes_as_the_ops_do() -> None:
@@ -410,8 +412,8 @@ def write_quantized_gguf(
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
             stored = _permute_rope_rows(w, heads)
         kind = next((t for sfx, t in (types or {}).items() if name.endswith(sfx)), ggml_type)
-        if w.ndim == 2 and kind in K_TYPES + LOW_K_TYPES:
-            # gguf cannot quantize to K types: the file gets random valid blocks, and the model
+        if w.ndim == 2 and kind in [*K_TYPES, *LOW_K_TYPES, Q.NVFP4]:
+            # gguf cannot quantize to K types (nor NVFP4): the file gets random valid blocks, and the model
             # (transformers too) runs what they hold
             blocks = random_blocks(kind, *w.shape, seed=zlib.crc32(name.encode()))
             writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
@@ -618,18 +620,18 @@ def test_a_type_with_no_kernel_is_dequantized_with_a_warning(
     tiny_model_dirs: dict[str, str], hf_tiny: dict, tmp_path_factory: pytest.TempPathFactory,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """MXFP4 has no kernel here: those layers (v_proj, so the fused qkv, and down_proj) load as bfloat16
+    """NVFP4 has no kernel here: those layers (v_proj, so the fused qkv, and down_proj) load as bfloat16
     (tests/models/test_gguf_dequantized.py)."""
     import copy
     import logging
 
     hf = copy.deepcopy(hf_tiny["llama"])
     path = os.path.join(tmp_path_factory.mktemp("gguf-mixed"), "mixed.gguf")
-    rounded = write_quantized_gguf(hf, "llama", Q.Q8_0, path, {"v_proj.weight": Q.MXFP4, "down_proj.weight": Q.MXFP4})
+    rounded = write_quantized_gguf(hf, "llama", Q.Q8_0, path, {"v_proj.weight": Q.NVFP4, "down_proj.weight": Q.NVFP4})
     hf.load_state_dict(rounded)
     with caplog.at_level(logging.WARNING, logger="pagedllm.runner.model_loader"):
         llm = LLM(path, tokenizer=tiny_model_dirs["llama"], max_model_len=256, num_kv_blocks=64, **F32_KV)
-    assert "dequantized to bfloat16" in caplog.text and "MXFP4" in caplog.text
+    assert "dequantized to bfloat16" in caplog.text and "NVFP4" in caplog.text
     layer = llm.llm_engine.model_runner.model.model.layers[0]
     assert not layer.self_attn.qkv_proj.quant_method.name.startswith("gguf")
     assert not layer.mlp.down_proj.quant_method.name.startswith("gguf")

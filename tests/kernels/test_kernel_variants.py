@@ -50,6 +50,11 @@ KERNEL_TESTS = [
     "kernels/test_gguf_quantized.py::test_interleaving_keeps_every_weight",
     "kernels/test_gguf_quantized.py::test_activations_are_rounded_to_int8_exactly_as_llama_cpp_rounds_them",
     "kernels/test_gguf_quantized.py::test_a_step_program_runs_interleaved_nodes_as_the_ops_do",
+    "kernels/test_gguf_iq4_mxfp4.py::test_weights_equal_ggufs_dequantization_in_both_layouts",
+    "kernels/test_gguf_iq4_mxfp4.py::test_file_order_linear_is_the_float_product",
+    "kernels/test_gguf_iq4_mxfp4.py::test_interleaved_linear_is_the_product_of_rounded_activations",
+    "kernels/test_gguf_iq4_mxfp4.py::test_a_rows_result_does_not_depend_on_its_batch",
+    "kernels/test_gguf_iq4_mxfp4.py::test_bad_inputs_are_value_errors",
 ]
 
 
@@ -69,6 +74,15 @@ def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> 
     assert " passed" in proc.stdout.splitlines()[-1]
     built = list((tmp_path / "cache" / "kernels").glob(f"{isa}-*/pagedllm_kernels.so"))
     assert built, "the forced variant was not the one built"
+    # the interleaved kernels' integer sums are exact: the variant gives the default build's very bits
+    from test_gguf_iq4_mxfp4 import x16_digest
+
+    code = (f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / 'kernels')!r}]; "
+            "from test_gguf_iq4_mxfp4 import x16_digest; print(x16_digest())")
+    digest = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert digest.returncode == 0, digest.stderr[-2000:]
+    assert digest.stdout.split()[-1] == x16_digest()
 
 
 def test_a_variant_the_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

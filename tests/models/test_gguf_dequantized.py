@@ -138,7 +138,7 @@ def _bf16_inputs(model) -> list:  # noqa: ANN001
             if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in BF16_LINEARS]
 
 
-@pytest.mark.slow  # the fast tier's tests/kernels/test_gguf_quantized.py covers an MXFP4 file's bf16 layers
+@pytest.mark.slow  # the fast tier's tests/kernels/test_gguf_quantized.py covers an NVFP4 file's bf16 layers
 def test_no_kernel_types_load_as_bf16_and_match_transformers(
     dequantized_file: tuple, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -33,6 +33,18 @@
  *        high 2: pairs of scales[8..12)), w = d * (scale - 32) * (q - 4 + 4 * hbit),
  *        q's low 2 bits as Q2_K's, hbit = bit n / 32 of hmask[n % 32].
  *
+ * Non-linear 4-bit types, each nibble an index into a table of 16 int8 values
+ * (nibbles in Q4_0's order: byte j = q[j] | q[j + 16] << 4):
+ *   IQ4_NL  18 bytes (32 weights): d (fp16), qs[16]     w[i] = d * kvalues_iq4nl[q[i]]
+ *   IQ4_XS 136 bytes (256 weights): d (fp16), scales_h (uint16), scales_l[4], qs[128]
+ *        8 sub-blocks of 32, each a 6-bit scale ls: low 4 bits the nibble j % 2 of
+ *        scales_l[j / 2], high 2 bits bits 2j, 2j + 1 of scales_h; w = d * (ls - 32) * kvalues_iq4nl[q],
+ *        sub-block j's quants in qs[16j..16j + 16) as an IQ4_NL block's
+ *   MXFP4   17 bytes (32 weights): e (E8M0), qs[16]     w[i] = 2^(e - 128) * kvalues_mxfp4[q[i]]
+ *        (E2M1 values doubled in the table, the power of two halved: ggml's convention;
+ *        e = 0 and 1 give the subnormals 2^-128, 2^-127)
+ * Every weight is one exact product (d * table, and for IQ4_XS (d * s) * table: 11 + 6 + 7 bits).
+ *
  * And plain 2-byte floats, F16 and BF16 (one weight a "block").
  *
  * gguf_block_vec turns one 32-weight block into float32 in registers
@@ -58,8 +70,33 @@
 
 enum GgufType {
     GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8, GGUF_Q2_K = 10, GGUF_Q3_K = 11,
-    GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30,
+    GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_IQ4_NL = 20, GGUF_IQ4_XS = 23, GGUF_BF16 = 30,
+    GGUF_MXFP4 = 39,
 };
+
+/* the non-linear 4-bit types' tables: a nibble's int8 value (MXFP4: its E2M1 value doubled) */
+static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline bool is_table_type(int type) {
+    return type == GGUF_IQ4_NL || type == GGUF_IQ4_XS || type == GGUF_MXFP4;
+}
+
+/* the table of a non-linear 4-bit type */
+static inline const int8_t *gguf_kvalues(int type) { return type == GGUF_MXFP4 ? KVALUES_MXFP4 : KVALUES_IQ4NL; }
+
+/* an MXFP4 block's scale, 2^(e - 128) (ggml's E8M0 halved): the exponent bits, or a subnormal below e = 2 */
+static inline float gguf_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* sub-block j's 6-bit scale (0..63, before the - 32) of an IQ4_XS super-block: h = scales_h, l = scales_l */
+static inline int gguf_iq4_xs_scale(uint16_t h, const uint8_t *l, int j) {
+    return ((l[j / 2] >> (4 * (j % 2))) & 0x0f) | ((h >> (2 * j)) & 3) << 4;
+}
 #define GGUF_BLOCK 32 /* a row's length is a multiple of this for every type the kernels take */
 
 /* pagedllm's grouped formats (not ggml's: its type numbers stay below 256) */
@@ -74,6 +111,8 @@ enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4
                    GGUF_Q8_0_X16 = 512 + GGUF_Q8_0, GGUF_Q2_K_X16 = 512 + GGUF_Q2_K, GGUF_Q3_K_X16 = 512 + GGUF_Q3_K,
                    GGUF_Q4_K_X16 = 512 + GGUF_Q4_K,
                    GGUF_Q5_K_X16 = 512 + GGUF_Q5_K, GGUF_Q6_K_X16 = 512 + GGUF_Q6_K,
+                   GGUF_IQ4_NL_X16 = 512 + GGUF_IQ4_NL, GGUF_IQ4_XS_X16 = 512 + GGUF_IQ4_XS,
+                   GGUF_MXFP4_X16 = 512 + GGUF_MXFP4,
                    GROUP_I8_X16 = 512 + GROUP_I8, GROUP_I4_X16 = 512 + GROUP_I4 };
 #define X16_TILE 16 /* rows (output channels) a tile interleaves */
 
@@ -81,7 +120,8 @@ enum GgufX16Type { GGUF_X16_BASE = 512, GGUF_Q4_0_X16 = 512 + GGUF_Q4_0, GGUF_Q4
 static inline bool x16_takes(int ggml_type) {
     switch (ggml_type) {
         case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: case GGUF_Q2_K:
-        case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GROUP_I8: case GROUP_I4: return true;
+        case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GROUP_I8: case GROUP_I4:
+        case GGUF_IQ4_NL: case GGUF_IQ4_XS: case GGUF_MXFP4: return true;
         default: return false;
     }
 }
@@ -108,6 +148,9 @@ static inline int64_t gguf_block_bytes(int type) {
         case GGUF_Q4_K: return 144;
         case GGUF_Q5_K: return 176;
         case GGUF_Q6_K: return 210;
+        case GGUF_IQ4_NL: return 18;
+        case GGUF_IQ4_XS: return 136;
+        case GGUF_MXFP4: return 17;
         default: return 0;
     }
 }
@@ -116,7 +159,7 @@ static inline int64_t gguf_block_bytes(int type) {
 static inline int64_t gguf_block_weights(int type) {
     switch (x16_base_type(type)) {
         case GGUF_F16: case GGUF_BF16: return 1;
-        case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
+        case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GGUF_IQ4_XS: return 256;
         default: return 32;
     }
 }
@@ -137,12 +180,13 @@ static inline uint32_t gguf_q5_high(int type, const uint8_t *blk) {
     return qh;
 }
 
-/* where a 32-weight block's quants start: after d (m) (qh) */
+/* where a 32-weight block's quants start: after d (m) (qh), or MXFP4's e */
 static inline int gguf_quants_at(int type) {
     switch (type) {
         case GGUF_Q4_1: return 4;
         case GGUF_Q5_0: return 6;
         case GGUF_Q5_1: return 8;
+        case GGUF_MXFP4: return 1;
         default: return 2;
     }
 }
@@ -287,6 +331,36 @@ static inline void gguf_q3_k_block(const uint8_t *blk, float *w) {
     }
 }
 
+/* 32 weights of a non-linear 4-bit type from their 16 bytes of nibbles: w[i] = scale * table[q[i]] (exact) */
+static inline void gguf_table_run(const int8_t *table, float scale, const uint8_t *qs, float *w) {
+    for (int j = 0; j < 16; j++) {
+        w[j] = scale * (float)table[qs[j] & 0x0f];
+        w[j + 16] = scale * (float)table[qs[j] >> 4];
+    }
+}
+
+/* the k weights of a row of IQ4_NL, IQ4_XS or MXFP4 */
+static inline void gguf_table_row(int type, const uint8_t *row, int64_t k, float *out) {
+    const int8_t *table = gguf_kvalues(type);
+    if (type == GGUF_IQ4_XS) {
+        for (int64_t b = 0; b < k / 256; b++) {
+            const uint8_t *blk = row + b * 136;
+            const float d = gguf_half(blk);
+            uint16_t h;
+            memcpy(&h, blk + 2, 2);
+            for (int j = 0; j < 8; j++)
+                gguf_table_run(table, d * (float)(gguf_iq4_xs_scale(h, blk + 4, j) - 32), blk + 8 + 16 * j,
+                               out + b * 256 + 32 * j);
+        }
+        return;
+    }
+    const int64_t block_bytes = gguf_block_bytes(type), at = type == GGUF_MXFP4 ? 1 : 2;
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *blk = row + b * block_bytes;
+        gguf_table_run(table, type == GGUF_MXFP4 ? gguf_e8m0_half(blk[0]) : gguf_half(blk), blk + at, out + b * 32);
+    }
+}
+
 #if SIMD_F32X8
 #define GGUF_VECTOR 1
 /* the 32 weights of one block as four 8-lane vectors: w[0] = weights 0..7, ... w[3] = 24..31 */
@@ -315,6 +389,10 @@ static inline __attribute__((always_inline)) void gguf_block_vec(int type, const
 
 /* the k weights of one row of `type` (k a multiple of GGUF_BLOCK, and of 256 for the k-quants) */
 static inline void gguf_row(int type, const uint8_t *row, int64_t k, float *out) {
+    if (is_table_type(type)) {
+        gguf_table_row(type, row, k, out);
+        return;
+    }
     switch (type) {
         case GGUF_Q2_K:
             for (int64_t b = 0; b < k / 256; b++) gguf_q2_k_block(row + b * 84, out + b * 256);

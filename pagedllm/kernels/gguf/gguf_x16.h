@@ -73,6 +73,21 @@
  *   Q2_K  y += float(sc_lo isum_lo + sc_hi isum_hi) d dx  +  float(m_lo sx_lo + m_hi sx_hi) (-dmin) dx
  *   Q3_K  y += float(s_lo (isum_lo - 4 sx_lo) + s_hi (isum_hi - 4 sx_hi)) d dx     (s = 6-bit scale - 32)
  *
+ * The non-linear 4-bit types keep Q4_0's chunk order, each nibble an index
+ * into the type's table of 16 int8 values:
+ *
+ *     IQ4_NL  d[16] fp16 (32 B) | qs: 4 chunks of 64 B                                   288 B
+ *     MXFP4   e[16] E8M0 (16 B) | qs: 4 chunks of 64 B                                   272 B
+ *     IQ4_XS  d[16] | S[6][16] (scales_h's 2 bytes, scales_l's 4) | 8 runs of: qs 4 chunks  2176 B
+ *
+ * A chunk's nibbles are looked up (one byte shuffle: vpshufb) to the table's
+ * values stored as Q8 weights are (the sign flipped), and summed as Q8_0's:
+ *
+ *   IQ4_NL, MXFP4  y += float(isum - o sx) d dx         (MXFP4: d = 2^(e - 128))
+ *   IQ4_XS         y += float((ls_j - 32) (isum - o sx)) d dx      per run j
+ *
+ * with o as for Q8_0 (|isum| <= 32 x 127 x 127 and |ls - 32| <= 32: exact).
+ *
  * pagedllm's grouped int8 / int4 (GROUP_I8 / GROUP_I4, gguf_blocks.h) go the
  * same way, a tile group (16 x group bytes) holding the 16 channels' float32
  * scales (and mins) side by side, then the group's G / 32 runs back to back:
@@ -96,8 +111,12 @@
 /* ---- offsets in the layout above, shared by the repacking (gguf_x16_repack.cpp) and the matmuls
    (gguf_x16_matmul.cpp) ---- */
 
-/* bytes of a tile block's scales (and mins) ahead of its chunks */
-static inline int tile_head_bytes(int type) { return gguf_has_min(type) ? 64 : 32; }
+/* bytes of a tile block's scales (and mins) ahead of its chunks: fp16 d (and m), MXFP4's E8M0 bytes */
+static inline int tile_head_bytes(int type) { return gguf_has_min(type) ? 64 : (type == GGUF_MXFP4 ? 16 : 32); }
+
+/* offsets in a tile super-block of IQ4_XS: d[16], S[6][16] (the scale bytes), then run j's 4 chunks */
+#define IQ4XS_SCALES 32
+static inline int iq4xs_run_offset(int j) { return 128 + 256 * j; }
 
 /* offsets in a tile super-block: run j's low 4 bits (4 chunks of 64 B), then the bits above them,
    runs back to back after the headers (one stream of loads) */

@@ -144,6 +144,68 @@ static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_
 #endif
 }
 
+/* one run of 32 inputs of a non-linear 4-bit type (4 chunks of nibble pairs) against rows xq, xq + k, ...:
+   each nibble looked up to its table value, stored as a Q8 weight is (the sign flipped: vq_table), and
+   isum[r] += the integer dot products as run_sums sums Q8_0's quants (less SIMD_Q8_OFFSET sx, the caller's) */
+template <int MR>
+static inline __attribute__((always_inline)) void table_run_sums(vq_tab tab, const uint8_t *qs, const int8_t *xq,
+                                                                 int64_t k, vq_int *isum) {
+#if SIMD_Q_SUM16
+    /* as run_sums' q8 branch: each looked-up byte (q + 128) two 4-bit digits, 8 chunks of 4 inputs summed in
+       16 bits per digit, then widened; the digits are looked up from two tables (no split of the bytes) */
+    vq_tab tab_lo, tab_hi;
+    vq_table_digits(tab, &tab_lo, &tab_hi);
+    vq_int lo16[MR], hi16[MR];
+    for (int r = 0; r < MR; r++) lo16[r] = vq_zero(), hi16[r] = vq_zero();
+    for (int u = 0; u < 4; u++) {
+        const vq_int w = vq_load(qs + 64 * u);
+        for (int e = 0; e < 2; e++) {  // the low nibbles are inputs 8u..8u + 3, the high ones 8u + 4..8u + 7
+            const vq_int idx = e ? vq_nib_hi(w) : vq_nib_lo(w), lo = vq_lookup(tab_lo, idx), hi = vq_lookup(tab_hi, idx);
+            for (int r = 0; r < MR; r++) {
+                const vq_int x = vq_quad(xq + r * k + 8 * u + 4 * e);
+                lo16[r] = vq_madd16(lo16[r], lo, x);
+                hi16[r] = vq_madd16(hi16[r], hi, x);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) isum[r] = vq_widen16(vq_widen16(isum[r], lo16[r], 1), hi16[r], 16);
+#else
+    for (int u = 0; u < 4; u++) {
+        const vq_int w = vq_load(qs + 64 * u), lo = vq_lookup(tab, vq_nib_lo(w)), hi = vq_lookup(tab, vq_nib_hi(w));
+        for (int r = 0; r < MR; r++) {
+            isum[r] = vq_dot_q8(isum[r], lo, vq_quad(xq + r * k + 8 * u));
+            isum[r] = vq_dot_q8(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+        }
+    }
+#endif
+}
+
+#if SIMD_Q_SUM16
+/* MXFP4's offset on the 16-bit path: its values (|v| <= 12) looked up as v + 12 (vq_table_offset), one
+   vpmaddubsw each, where a full int8 value takes two digits (table_run_sums) */
+#define MXFP4_OFFSET 12
+/* one MXFP4 run of 32 inputs against rows xq, xq + k, ...: isum[r] += sum (v + 12) x. 16-bit lanes hold 8
+   products of at most 24 x 127 (24384 < 2^15): widened after each half run */
+template <int MR>
+static inline __attribute__((always_inline)) void mxfp4_run_sums(vq_tab tab, const uint8_t *qs, const int8_t *xq,
+                                                                 int64_t k, vq_int *isum) {
+    for (int half = 0; half < 2; half++) {
+        vq_int acc16[MR];
+        for (int r = 0; r < MR; r++) acc16[r] = vq_zero();
+        for (int u = 2 * half; u < 2 * half + 2; u++) {
+            const vq_int w = vq_load(qs + 64 * u), lo = vq_lookup(tab, vq_nib_lo(w)), hi = vq_lookup(tab, vq_nib_hi(w));
+            for (int r = 0; r < MR; r++) {
+                acc16[r] = vq_madd16(acc16[r], lo, vq_quad(xq + r * k + 8 * u));
+                acc16[r] = vq_madd16(acc16[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+            }
+        }
+        for (int r = 0; r < MR; r++) isum[r] = vq_widen16(isum[r], acc16[r], 1);
+    }
+}
+#else
+#define MXFP4_OFFSET X16_Q8_OFFSET
+#endif
+
 /* y[r0 + r][the lanes' channels of tile t] = acc[r] (+ bias) */
 template <int MR>
 static inline __attribute__((always_inline)) void store_rows(const LinearNode *n, const vq_float *acc, int64_t t,
@@ -212,6 +274,77 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
             for (int r = 0; r < MR; r++) {
                 const int64_t i = (r0 + r) * nb + b;
                 acc[r] = vq_ffma(m, vq_fset1(qr.d[i] * (float)qr.s[i]), acc[r]);
+            }
+        }
+    }
+    store_rows<MR>(n, acc, t, r0, h);
+}
+
+/* IQ4_NL / MXFP4: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a block of 32
+   inputs at a time: its looked-up quants summed in integers, scaled by the block's d (MXFP4: 2^(e - 128))
+   times dx, as Q8_0's */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void ttile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                             int64_t r0, int h) {
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, block_bytes = gguf_block_bytes(TYPE);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nb * block_bytes;
+    const int head = tile_head_bytes(TYPE), lane_bytes = 4 * X16_VL;
+#if SIMD_Q_SUM16
+    const vq_tab tab = TYPE == GGUF_MXFP4 ? vq_table_offset(KVALUES_MXFP4, MXFP4_OFFSET) : vq_table(gguf_kvalues(TYPE));
+#else
+    const vq_tab tab = vq_table(gguf_kvalues(TYPE));
+#endif
+    const int32_t offset = TYPE == GGUF_MXFP4 ? MXFP4_OFFSET : X16_Q8_OFFSET;
+    vq_float acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + b * X16_TILE * block_bytes;
+        vq_int isum[MR];
+        for (int r = 0; r < MR; r++) isum[r] = vq_zero();
+#if SIMD_Q_SUM16
+        if constexpr (TYPE == GGUF_MXFP4)
+            mxfp4_run_sums<MR>(tab, blk + head + lane_bytes * h, qr.q + r0 * k + b * 32, k, isum);
+        else
+#endif
+            table_run_sums<MR>(tab, blk + head + lane_bytes * h, qr.q + r0 * k + b * 32, k, isum);
+        const vq_float d = TYPE == GGUF_MXFP4 ? vq_fe8m0(blk + X16_VL * h) : vq_fhalves(blk + 2 * X16_VL * h);
+        for (int r = 0; r < MR; r++) {
+            const int64_t i = (r0 + r) * nb + b;
+            const vq_int sum = offset ? vq_sub1(isum[r], offset * qr.s[i]) : isum[r];
+            acc[r] = vq_ffma(vq_fcvt(sum), vq_fmul(d, vq_fset1(qr.d[i])), acc[r]);
+        }
+    }
+    store_rows<MR>(n, acc, t, r0, h);
+}
+
+/* IQ4_XS: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a run of 32 inputs at a
+   time as an IQ4_NL block's, its integer sum times the run's scale ls - 32 (exact: |product| < 2^24), then
+   float(...) d dx */
+template <int MR>
+static inline __attribute__((always_inline)) void xtile_rows(const LinearNode *n, const QRows &qr, int64_t t,
+                                                             int64_t r0, int h) {
+    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, nsb = k / 256, sb_bytes = gguf_block_bytes(GGUF_IQ4_XS);
+    const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nsb * sb_bytes;
+    const int lane_bytes = 4 * X16_VL;
+    const vq_tab tab = vq_table(KVALUES_IQ4NL);
+    vq_float acc[MR];
+    for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = tile + sb * X16_TILE * sb_bytes, *S = blk + IQ4XS_SCALES + X16_VL * h;
+        const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
+        for (int j = 0; j < 8; j++) {
+            vq_int isum[MR];
+            for (int r = 0; r < MR; r++) isum[r] = vq_zero();
+            table_run_sums<MR>(tab, blk + iq4xs_run_offset(j) + lane_bytes * h, qr.q + r0 * k + sb * 256 + 32 * j,
+                               k, isum);
+            // gguf_iq4_xs_scale for the lanes: low 4 bits from scales_l (S[2..6)), high 2 from scales_h (S[0..2))
+            const vq_int low = vq_and1(vq_srl(vq_lanes_u8(S + 16 * (2 + j / 2)), 4 * (j % 2)), 15);
+            const vq_int high = vq_and1(vq_srl(vq_lanes_u8(S + 16 * (j / 4)), 2 * (j % 4)), 3);
+            const vq_int ls = vq_add(vq_or(low, vq_sll(high, 4)), vq_set1(-32));
+            for (int r = 0; r < MR; r++) {
+                const int64_t i = (r0 + r) * nb + sb * 8 + j;
+                const vq_int sum = X16_Q8_OFFSET ? vq_sub1(isum[r], X16_Q8_OFFSET * qr.s[i]) : isum[r];
+                acc[r] = vq_ffma(vq_fcvt(vq_mul(sum, ls)), vq_fmul(d, vq_fset1(qr.d[i])), acc[r]);
             }
         }
     }
@@ -397,6 +530,10 @@ static inline __attribute__((always_inline)) void rows_against_tile(const Linear
         gtile_rows<MR, TYPE>(n, qr, t, r0, h);
     else if constexpr (TYPE == GGUF_Q2_K || TYPE == GGUF_Q3_K)
         lktile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else if constexpr (TYPE == GGUF_IQ4_NL || TYPE == GGUF_MXFP4)
+        ttile_rows<MR, TYPE>(n, qr, t, r0, h);
+    else if constexpr (TYPE == GGUF_IQ4_XS)
+        xtile_rows<MR>(n, qr, t, r0, h);
     else
         tile_rows<MR, TYPE>(n, qr, t, r0, h);
 }
@@ -445,6 +582,9 @@ void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
                 case GGUF_Q3_K: tile_team_rows<GGUF_Q3_K>(n, qr, t, row0, m); break;
                 case GROUP_I8: tile_team_rows<GROUP_I8>(n, qr, t, row0, m); break;
                 case GROUP_I4: tile_team_rows<GROUP_I4>(n, qr, t, row0, m); break;
+                case GGUF_IQ4_NL: tile_team_rows<GGUF_IQ4_NL>(n, qr, t, row0, m); break;
+                case GGUF_IQ4_XS: tile_team_rows<GGUF_IQ4_XS>(n, qr, t, row0, m); break;
+                case GGUF_MXFP4: tile_team_rows<GGUF_MXFP4>(n, qr, t, row0, m); break;
                 default: tile_team_rows<GGUF_Q6_K>(n, qr, t, row0, m); break;
             }
         }

@@ -26,6 +26,10 @@ static inline int raw_quant(int type, const uint8_t *blk, int n) {
 /* one tile block from the 16 raw blocks src[c] (c = 0..15) of ggml `type` */
 static void interleave_block(int type, uint8_t *const *src, uint8_t *dst) {
     for (int c = 0; c < X16_TILE; c++) {
+        if (type == GGUF_MXFP4) {
+            dst[c] = src[c][0];                                                 // e
+            continue;
+        }
         memcpy(dst + 2 * c, src[c], 2);                                         // d
         if (gguf_has_min(type)) memcpy(dst + 32 + 2 * c, src[c] + 2, 2);        // m
     }
@@ -50,7 +54,8 @@ static void interleave_block(int type, uint8_t *const *src, uint8_t *dst) {
 
 /* the raw block of channel c from a tile block (the inverse of interleave_block) */
 static void raw_block(int type, const uint8_t *tile_block, int c, uint8_t *dst) {
-    memcpy(dst, tile_block + 2 * c, 2);
+    if (type == GGUF_MXFP4) dst[0] = tile_block[c];
+    else memcpy(dst, tile_block + 2 * c, 2);
     if (gguf_has_min(type)) memcpy(dst + 2, tile_block + 32 + 2 * c, 2);
     const uint8_t *qs = tile_block + tile_head_bytes(type);
     uint8_t *q = dst + gguf_quants_at(type);
@@ -226,9 +231,46 @@ static void move_lowk_block(int type, uint8_t *const *raw, uint8_t *tile, bool t
     }
 }
 
+/* ---- IQ4_XS's layout ---- */
+
+/* one tile super-block from the 16 raw IQ4_XS super-blocks raw[c] (to_tile; c0 = 0, c1 = 16), or back:
+   channels [c0, c1)'s raw super-blocks from the tile's. d[16] | S[6][16] (byte i of channel c's scales_h,
+   scales_l at S[i][c]) | 8 runs, each an IQ4_NL block's 32 nibbles in Q4's chunk order */
+static void move_iq4xs_block(uint8_t *const *raw, uint8_t *tile, bool to_tile, int c0, int c1) {
+    for (int c = c0; c < c1; c++) {
+        uint8_t *src = raw[c];
+        if (to_tile) memcpy(tile + 2 * c, src, 2);
+        else memcpy(src, tile + 2 * c, 2);
+        for (int i = 0; i < 6; i++) {
+            uint8_t *byte = tile + IQ4XS_SCALES + 16 * i + c;
+            if (to_tile) *byte = src[2 + i];
+            else src[2 + i] = *byte;
+        }
+        for (int j = 0; j < 8; j++) {
+            uint8_t *qs = src + 8 + 16 * j, *run = tile + iq4xs_run_offset(j);
+            int q[32];
+            if (to_tile)
+                for (int n = 0; n < 32; n++) q[n] = raw_q4(qs, n);
+            for (int u = 0; u < 4; u++)
+                for (int i = 0; i < 4; i++) {
+                    uint8_t *byte = run + 64 * u + 4 * c + i;
+                    if (to_tile) {
+                        *byte = (uint8_t)(q[8 * u + i] | q[8 * u + 4 + i] << 4);
+                    } else {
+                        q[8 * u + i] = *byte & 0x0f;
+                        q[8 * u + 4 + i] = *byte >> 4;
+                    }
+                }
+            if (!to_tile)
+                for (int n = 0; n < 16; n++) qs[n] = (uint8_t)(q[n] | q[n + 16] << 4);
+        }
+    }
+}
+
 /* the tile super-block's way in and out, by type */
 static void move_block256(int type, uint8_t *const *raw, uint8_t *tile, bool to_tile, int c0, int c1) {
-    if (type == GGUF_Q2_K || type == GGUF_Q3_K) move_lowk_block(type, raw, tile, to_tile, c0, c1);
+    if (type == GGUF_IQ4_XS) move_iq4xs_block(raw, tile, to_tile, c0, c1);
+    else if (type == GGUF_Q2_K || type == GGUF_Q3_K) move_lowk_block(type, raw, tile, to_tile, c0, c1);
     else move_kblock(type, raw, tile, to_tile, c0, c1);
 }
 

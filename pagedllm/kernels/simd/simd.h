@@ -32,7 +32,10 @@
  *                    (gguf_x16.h): SIMD_Q_LANES int32 lanes, one output
  *                    channel each (16, 8, or 1 in plain C), each summing
  *                    4 uint8 weights times 4 int8 inputs per step, with a
- *                    float vector of as many lanes for the scales.
+ *                    float vector of as many lanes for the scales;
+ *                    vq_table / vq_lookup, a 16-byte table indexed by
+ *                    nibbles (vpshufb: the IQ4 / MXFP4 values), and
+ *                    vq_fe8m0, MXFP4's E8M0 exponents as float scales.
  *   simd_f16_to_f32  one float16 (bits) widened: F16C, or by hand.
  *   simd_prefetch_l1/_l2  a cache line into L1 / L2.
  *

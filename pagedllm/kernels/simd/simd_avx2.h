@@ -230,6 +230,34 @@ SIMD_INLINE vq_int vq_madd16(vq_int acc16, vq_int w, vq_int x) {
 SIMD_INLINE vq_int vq_widen16(vq_int acc, vq_int acc16, int16_t m) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(m)));
 }
+/* a table of 16 bytes (the non-linear 4-bit types' values, sign flipped as Q8 weights are stored), in both
+   128-bit halves for vpshufb */
+typedef __m256i vq_tab;
+SIMD_INLINE vq_tab vq_table(const int8_t *t16) {
+    const __m128i t = _mm_xor_si128(_mm_loadu_si128((const __m128i *)t16), _mm_set1_epi8((char)0x80));
+    return _mm256_broadcastsi128_si256(t);
+}
+/* each byte (0..15) replaced by its entry of the table (vpshufb) */
+SIMD_INLINE vq_int vq_lookup(vq_tab t, vq_int idx) { return _mm256_shuffle_epi8(t, idx); }
+/* a table of 16 small int8 values (|v| <= 127 - offset) plus offset, unsigned: MXFP4's values (|v| <= 12) as
+   Q4_0's nibbles are, q + 8, so that one vpmaddubsw takes them */
+SIMD_INLINE vq_tab vq_table_offset(const int8_t *t16, int8_t offset) {
+    return _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadu_si128((const __m128i *)t16), _mm_set1_epi8(offset)));
+}
+/* the table's entries split into their 4-bit digits (SIMD_Q_SUM16's weights): lo = entry & 15, hi = entry >> 4,
+   so that a lookup gives a digit without splitting the looked-up bytes */
+SIMD_INLINE void vq_table_digits(vq_tab t, vq_tab *lo, vq_tab *hi) {
+    *lo = _mm256_and_si256(t, _mm256_set1_epi8(0x0f));
+    *hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), _mm256_set1_epi8(0x0f));
+}
+/* the lanes' E8M0 scales (a byte each at p) halved, 2^(e - 128), as floats: the exponent field e - 1, or
+   below e = 2 the subnormals 2^-128, 2^-127 */
+SIMD_INLINE vq_float vq_fe8m0(const uint8_t *p) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
 /* byte ops for the k-quants' upper bits (16-bit shifts: the masks drop what crosses a byte) */
 SIMD_INLINE vq_int vq_bits(vq_int v, int s, int mask) {
     return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask));

@@ -136,6 +136,24 @@ SIMD_INLINE vq_int vq_dot_q8(vq_int acc, vq_int w, vq_int x) {
                             _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(q), xs), _mm512_set1_epi16(1)));
 }
 #endif
+/* a table of 16 bytes (the non-linear 4-bit types' values, sign flipped as Q8 weights are stored), in every
+   128-bit quarter for vpshufb */
+typedef __m512i vq_tab;
+SIMD_INLINE vq_tab vq_table(const int8_t *t16) {
+    const __m128i t = _mm_xor_si128(_mm_loadu_si128((const __m128i *)t16), _mm_set1_epi8((char)0x80));
+    return _mm512_broadcast_i32x4(t);
+}
+/* each byte (0..15) replaced by its entry of the table (vpshufb) */
+SIMD_INLINE vq_int vq_lookup(vq_tab t, vq_int idx) { return _mm512_shuffle_epi8(t, idx); }
+/* the lanes' E8M0 scales (a byte each at p) halved, 2^(e - 128), as floats: the exponent field e - 1, or
+   below e = 2 the subnormals 2^-128, 2^-127 */
+SIMD_INLINE vq_float vq_fe8m0(const uint8_t *p) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny));
+}
 /* byte ops for the k-quants' upper bits (16-bit shifts: the masks drop what crosses a byte) */
 SIMD_INLINE vq_int vq_bits(vq_int v, int s, int mask) {
     return _mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8((char)mask));

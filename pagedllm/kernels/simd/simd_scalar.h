@@ -62,6 +62,28 @@ SIMD_INLINE vq_int vq_dot_q8(vq_int acc, vq_int w, vq_int x) {
         acc += (int32_t)(int8_t)(((uint32_t)w >> (8 * i)) ^ 0x80u) * (int32_t)(int8_t)((uint32_t)x >> (8 * i));
     return acc;
 }
+/* a table of 16 bytes (the non-linear 4-bit types' values, sign flipped as Q8 weights are stored) */
+typedef struct {
+    uint8_t b[16];
+} vq_tab;
+SIMD_INLINE vq_tab vq_table(const int8_t *t16) {
+    vq_tab t;
+    for (int i = 0; i < 16; i++) t.b[i] = (uint8_t)t16[i] ^ 0x80u;
+    return t;
+}
+/* each of the 4 bytes (0..15) replaced by its entry of the table */
+SIMD_INLINE vq_int vq_lookup(vq_tab t, vq_int idx) {
+    uint32_t out = 0;
+    for (int i = 0; i < 4; i++) out |= (uint32_t)t.b[((uint32_t)idx >> (8 * i)) & 0x0f] << (8 * i);
+    return (int32_t)out;
+}
+/* the lane's E8M0 scale halved, 2^(e - 128): the exponent field e - 1, or below e = 2 the subnormals */
+SIMD_INLINE vq_float vq_fe8m0(const uint8_t *p) {
+    const uint32_t e = p[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 SIMD_INLINE vq_int vq_bits(vq_int v, int s, int mask) {
     return (int32_t)(((uint32_t)v >> s) & ((uint32_t)mask * 0x01010101u));
 }

@@ -1,6 +1,7 @@
 """Linear layers and embeddings over GGUF's quantized blocks, kept as the file stores them.
 
-A GGUF tensor of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, F16 or BF16 is
+A GGUF tensor of type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL, IQ4_XS,
+MXFP4, F16 or BF16 is
 held as its bytes, ``qweight`` ``[rows, in_features / block weights * block
 bytes]`` uint8 (one row per output channel, its blocks back to back), and
 multiplied by
@@ -43,11 +44,13 @@ GGUF_KERNEL_TYPES: dict[int, tuple[str, int, int]] = {
     1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+    # the non-linear 4-bit types: nibbles indexing a table of 16 int8 values (kernels/gguf/gguf_blocks.h)
+    20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 39: ("MXFP4", 32, 17),
 }
 GGUF_BLOCK = 32  # every row the kernels take is whole runs of 32 weights (vector loads)
-# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants Q2_K to Q6_K interleaved 16 rows at a time (kernels/gguf/gguf_x16.h):
-# ggml type -> the kernels' number for it
-GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)}
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the k-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS and MXFP4 interleaved 16 rows at a time
+# (kernels/gguf/gguf_x16.h): ggml type -> the kernels' number for it
+GGUF_INTERLEAVED: dict[int, int] = {t: 512 + t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39)}
 GGUF_KERNEL_TYPES.update({x16: GGUF_KERNEL_TYPES[t] for t, x16 in GGUF_INTERLEAVED.items()})  # the same blocks
 INTERLEAVE_ROWS = 16
 
