@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.loader.end_tokens import gguf_end_token_ids
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
@@ -265,7 +266,6 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     vocab = key("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = ModelArchConfig(
         architecture=arch,
@@ -284,7 +284,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         tie_word_embeddings=not has_output,
         attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=gguf_end_token_ids(metadata(reader)),  # EOS, EOT, EOM and end-of-turn controls
         checkpoint_format="gguf",
     )
     return gguf_family_fields(config, key)
