@@ -14,6 +14,7 @@ by the official ``openai`` client must sample with them when a request leaves th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -80,6 +81,7 @@ def oracle(model_dir: str):  # noqa: ANN201
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
+    @functools.cache
     def greedy(num_tokens: int, penalty: float) -> list[int]:
         ids = list(PROMPT)
         with torch.inference_mode():
@@ -99,9 +101,12 @@ def llm(model_dir: str) -> LLM:
     return LLM(model_dir, **ENGINE)
 
 
-def _tokens(llm: LLM, params: SamplingParams | None = None) -> tuple[list[int], str]:
-    out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
-    return list(out.token_ids), out.finish_reason
+def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams] | None = None,
+            num_prompts: int = 1) -> list[tuple[list[int], str]]:
+    """(token ids, finish reason) of each of ``num_prompts`` copies of PROMPT (one per params of a list)."""
+    num_prompts = len(params) if isinstance(params, list) else num_prompts
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * num_prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
 
 
 def test_a_request_that_sets_nothing_samples_with_the_models_defaults(llm: LLM, oracle) -> None:  # noqa: ANN001
@@ -111,40 +116,34 @@ def test_a_request_that_sets_nothing_samples_with_the_models_defaults(llm: LLM, 
     penalized, plain = oracle(7, 1.3), oracle(7, 1.0)
     assert penalized != plain, "the penalty must change the greedy tokens, or this test checks nothing"
     assert not {IM_END_ID, EOT_ID} & set(penalized)
-    # top_k=1: the same tokens on every call, with no seed; 7 of them (max_new_tokens)
-    for _ in range(3):
-        assert _tokens(llm) == (penalized, "length")
+    # top_k=1: the same tokens for every request, with no seed; 7 of them (max_new_tokens)
+    assert _tokens(llm, num_prompts=3) == [(penalized, "length")] * 3
     # a SamplingParams that leaves the sampling fields unset gets them too (greedy: temperature 0 is its own)
-    assert _tokens(llm, SamplingParams(temperature=0)) == (penalized, "length")
+    assert _tokens(llm, SamplingParams(temperature=0)) == [(penalized, "length")]
 
 
 def test_a_requests_own_values_win(llm: LLM, oracle) -> None:  # noqa: ANN001
-    assert _tokens(llm, SamplingParams(repetition_penalty=1.0, max_tokens=5)) == (oracle(5, 1.0), "length")
+    own = [SamplingParams(repetition_penalty=1.0, max_tokens=5), SamplingParams(min_tokens=9, max_tokens=9)]
+    assert _tokens(llm, own) == [(oracle(5, 1.0), "length"), (oracle(9, 1.3), "length")]
     # the model's max_tokens cannot undercut a request's min_tokens unnoticed
     with pytest.raises(ValueError, match="min_tokens"):
         llm.generate("hi", SamplingParams(min_tokens=9), use_tqdm=False)
-    assert _tokens(llm, SamplingParams(min_tokens=9, max_tokens=9))[0] == oracle(9, 1.3)
 
 
 def test_generation_config_vllm_ignores_the_models_defaults(model_dir: str, oracle) -> None:  # noqa: ANN001
     llm = LLM(model_dir, generation_config="vllm", **ENGINE)
     assert llm.get_default_sampling_params() == SamplingParams()
     assert llm.llm_engine.generation_defaults == GenerationDefaults()
-    assert _tokens(llm, SamplingParams(temperature=0, max_tokens=7)) == (oracle(7, 1.0), "length")
+    assert _tokens(llm, SamplingParams(temperature=0, max_tokens=7)) == [(oracle(7, 1.0), "length")]
     # the end tokens are the model's whatever generation_config says
     assert {IM_END_ID, EOT_ID} <= llm.llm_engine.tokenizer.eos_token_ids
 
 
 def test_end_of_turn_tokens_stop_an_hf_folder(llm: LLM) -> None:
-    forced = {"max_tokens": 5, "ignore_eos": False}
-    for token in (EOT_ID, IM_END_ID):  # generation_config's eos_token_id list, the tokenizer's EOS
-        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(logit_bias={token: 100.0}, **forced),
-                           use_tqdm=False)[0].outputs[0]
-        assert (list(out.token_ids), out.finish_reason) == ([token], "stop")
-    # a folder's end tokens are those it lists (as vLLM and transformers read it): <end_of_turn> is not one here
-    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(logit_bias={END_OF_TURN_ID: 100.0}, **forced),
-                       use_tqdm=False)[0].outputs[0]
-    assert (list(out.token_ids), out.finish_reason) == ([END_OF_TURN_ID] * 5, "length")
+    # generation_config's eos_token_id list (<|eot_id|>), the tokenizer's EOS (<|im_end|>); a folder's end tokens
+    # are those it lists, as vLLM and transformers read it: <end_of_turn> is not one of this folder's
+    forced = [SamplingParams(logit_bias={token: 100.0}, max_tokens=5) for token in (EOT_ID, IM_END_ID, END_OF_TURN_ID)]
+    assert _tokens(llm, forced) == [([EOT_ID], "stop"), ([IM_END_ID], "stop"), ([END_OF_TURN_ID] * 5, "length")]
 
 
 def test_the_defaults_are_read_checked_and_logged(model_dir: str, tmp_path, caplog) -> None:  # noqa: ANN001
@@ -199,19 +198,31 @@ def test_gguf_end_tokens_are_its_eos_eot_eom_and_end_of_turn_controls() -> None:
     assert gguf_loader.read_config(reader).eos_token_ids == (0, 2)
 
 
-def test_the_command_line_and_env_use_the_models_defaults(model_dir: str, oracle, capsys, caplog) -> None:  # noqa: ANN001
+def test_the_command_line_and_env_use_the_models_defaults(model_dir: str, capsys, caplog) -> None:  # noqa: ANN001
     argv = ["generate", "--model", model_dir, "--max-model-len", "256", "--num-kv-blocks", "64", "Hello"]
     with caplog.at_level(logging.INFO, logger="pagedllm.loader.generation_defaults"):
         assert cli.main(argv) == 0
     assert "sampling defaults from the model's generation_config.json: temperature=0.8" in caplog.text
     assert "(7 tokens, finish_reason=length)" in capsys.readouterr().out
-    # a flag given wins over the model
-    assert cli.main([*argv, "--max-tokens", "3"]) == 0
-    assert "(3 tokens, finish_reason=length)" in capsys.readouterr().out
     assert cli.main(["env", "--model", model_dir]) == 0
     report = capsys.readouterr().out
     assert "values: temperature=0.8, top_p=0.9, top_k=1, repetition_penalty=1.3, max_tokens=7" in report
     assert f"end_token_ids: {IM_END_ID}, {EOT_ID}" in report
+
+
+def test_the_command_lines_sampling_is_its_flags_then_the_models_then_its_own() -> None:
+    def params(flags: list[str], model: dict) -> SamplingParams:
+        args = cli.build_parser().parse_args(["generate", "hi", *flags])
+        return cli._sampling_params(args, GenerationDefaults(model, "test"))
+
+    def fields(p: SamplingParams) -> tuple:
+        return p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens
+
+    assert fields(params([], {})) == (0.7, 0.9, 0, 1.0, 64)  # the command's own
+    assert fields(params([], MODEL_DEFAULTS)) == (0.8, 0.9, 1, 1.3, 7)
+    assert fields(params(["--temperature", "0", "--max-tokens", "3", "--repetition-penalty", "1.1"],
+                         MODEL_DEFAULTS)) == (0, 0.9, 1, 1.1, 3)
+    assert fields(params(["--top-k", "5"], {"temperature": 0.2})) == (0.2, 0.9, 5, 1.0, 64)
 
 
 @pytest.mark.slow  # llama.cpp's converter runs in a subprocess (seconds)
@@ -228,12 +239,9 @@ def test_a_converted_gguf_carries_the_defaults_and_stops_at_end_of_turn(
     assert defaults.source == "the GGUF file's general.sampling metadata"
     # its EOS is the tokenizer's <|im_end|>; <|eot_id|>, <end_of_turn> and <|endoftext|> stop by their text
     assert llm.llm_engine.tokenizer.eos_token_ids == {0, IM_END_ID, EOT_ID, END_OF_TURN_ID}
-    for _ in range(2):
-        assert _tokens(llm, SamplingParams(max_tokens=7)) == (oracle(7, 1.3), "length")
-    for token in (EOT_ID, END_OF_TURN_ID):
-        out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(logit_bias={token: 100.0}, max_tokens=5),
-                           use_tqdm=False)[0].outputs[0]
-        assert (list(out.token_ids), out.finish_reason) == ([token], "stop")
+    assert _tokens(llm, SamplingParams(max_tokens=7), num_prompts=2) == [(oracle(7, 1.3), "length")] * 2
+    forced = [SamplingParams(logit_bias={token: 100.0}, max_tokens=5) for token in (EOT_ID, END_OF_TURN_ID)]
+    assert _tokens(llm, forced) == [([EOT_ID], "stop"), ([END_OF_TURN_ID], "stop")]
 
 
 @pytest.mark.slow  # a real uvicorn server (seconds to start and stop)
@@ -241,7 +249,7 @@ def test_the_server_samples_with_the_models_defaults(llm: LLM, oracle) -> None: 
     from openai import OpenAI
     from server_helpers import serve_in_thread
 
-    with serve_in_thread(llm.llm_engine) as url:
+    with serve_in_thread(llm.llm_engine, model_name="tiny") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         prompt_text = llm.llm_engine.tokenizer.decode(PROMPT)
