@@ -27,8 +27,10 @@ browser:
 			|| echo "apt-get could not install chromium: the browser tests will skip and say so"; \
 	else echo "no chromium: the browser tests will skip (install Debian's chromium chromium-driver as root)"; fi
 
+# the sampling SmolLM2-135M-Instruct's model card recommends (its GGUF file carries none: no general.sampling.*);
+# a model whose generation_config.json sets its own needs no flags
 run: setup
-	$(VENV)/bin/pagedllm generate --chat --temperature 0 --max-tokens 64 \
+	$(VENV)/bin/pagedllm generate --chat --temperature 0.2 --top-p 0.9 --max-tokens 64 \
 		"What is the capital of France?" \
 		"Write a haiku about autumn leaves." \
 		"Give me three tips for learning Python." \
