@@ -156,6 +156,16 @@ class EngineConfig:
             (prompt + max_tokens, or max_model_len when max_tokens is None) or
             "max_model_len" (as when the output length is unknown).
         seed: seed of the random stream of requests that bring no seed.
+        generation_config: where the default sampling settings come from
+            (vLLM's ``--generation-config``): "auto" (default) the model's
+            own, its ``generation_config.json`` (a GGUF file: its
+            ``general.sampling.*`` metadata): temperature, top_p, top_k,
+            min_p, repetition_penalty and max_new_tokens (as max_tokens);
+            "vllm" ignores them (``SamplingParams``' own defaults); a folder
+            path reads ``generation_config.json`` from there. A request's own
+            values win; what it leaves unset takes these
+            (``loader/generation_defaults.py``). The model's end-of-turn
+            tokens stop generation whatever this says.
         attention_backend: "auto" (default: "cpu_paged" for float32 on the
             CPU when its native kernel builds, else "sdpa"), "cpu_paged"
             (decode reads KV blocks in place), "sdpa" (decode through torch
@@ -274,6 +284,7 @@ class EngineConfig:
     kv_allocator: KvAllocator = "paged"
     contiguous_reserve: ContiguousReserve = "max_tokens"
     seed: int = 0
+    generation_config: NonEmptyStr = "auto"
     attention_backend: AttentionBackend = "auto"
     num_threads: PositiveInt | None = None
     quantization: Quantization | None = None

@@ -412,3 +412,25 @@ class SamplingParams(BaseModel):
         """``stop`` as a list (a new one each time: the caller may keep it)."""
         stop = self.stop
         return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+# the SamplingParams fields a model's generation_config.json (or a GGUF file's general.sampling.*) may default:
+# vLLM's list, max_new_tokens read as max_tokens
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+def with_defaults(params: SamplingParams, defaults: dict[str, Any]) -> SamplingParams:
+    """``params`` with each field it leaves unset taken from ``defaults`` (the model's, ``MODEL_DEFAULT_FIELDS``).
+
+    A field is set when it was passed to the constructor or assigned after
+    (pydantic's ``model_fields_set``), even at its class default:
+    ``SamplingParams(temperature=1.0)`` keeps 1.0 whatever the model says.
+    The result is a new object, checked again as a whole (a ``min_tokens``
+    above the model's ``max_tokens`` is a ValueError); ``params`` itself when
+    nothing applies.
+    """
+    missing = {k: v for k, v in defaults.items() if k not in params.model_fields_set}
+    if not missing:
+        return params
+    given = {k: getattr(params, k) for k in params.model_fields_set}
+    return SamplingParams(**given, **missing)

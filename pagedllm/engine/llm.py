@@ -123,6 +123,12 @@ class LLM:
         """Bytes of the KV cache tensor (every block of the pool, K and V, every layer)."""
         return self.llm_engine.model_runner.kv_cache_bytes
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling a request gets when it sets nothing, as vLLM's: ``SamplingParams()`` with the model's
+        defaults (its ``generation_config.json`` or GGUF ``general.sampling.*``; none with
+        ``generation_config="vllm"``)."""
+        return self.llm_engine.generation_defaults.sampling_params()
+
     def get_tokenizer(self) -> Any:
         """The underlying Hugging Face tokenizer."""
         return self.llm_engine.tokenizer.hf
@@ -146,16 +152,22 @@ class LLM:
                 f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
             )
         prompts = list(prompts)
+        # what a request leaves unset takes the model's defaults (generation_config.json); its own values win
+        defaults = self.llm_engine.generation_defaults
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+            params_list = [defaults.apply(sampling_params)] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts"
                 )
+            for p in params_list:
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            params_list = [defaults.apply(p) for p in params_list]
         engine = self.llm_engine
         # validated (and tokenized, once) before anything is queued
         prompts = self._validated(prompts, params_list)

@@ -31,6 +31,7 @@ from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
 from pagedllm.engine.step_builder import StepRecordBuilder
 from pagedllm.loader import iter_weights, load_model_config
+from pagedllm.loader.generation_defaults import load_generation_defaults
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.resolved_config import resolve_config
@@ -101,6 +102,9 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
+        # the model's sampling defaults (generation_config.json), which the entry points apply to what a request
+        # leaves unset; read before the weights, so a file with a bad value stops the start at once
+        self.generation_defaults = load_generation_defaults(config.model, config.generation_config)
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
         # tensor parallelism: the other ranks and their lifecycle (runner/executor.py); None in one process
         self.executor: TensorParallelExecutor | None = None

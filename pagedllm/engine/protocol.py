@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
+    from pagedllm.loader.generation_defaults import GenerationDefaults
     from pagedllm.loader.model_config import ModelArchConfig
     from pagedllm.loader.tokenizer import Tokenizer
     from pagedllm.outputs import RequestOutput
@@ -83,6 +84,7 @@ class EngineView(Protocol):
 
     config: EngineConfig
     model_config: ModelArchConfig
+    generation_defaults: GenerationDefaults
     tokenizer: Tokenizer
     grammar_compiler: GrammarCompiler
 

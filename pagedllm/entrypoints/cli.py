@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.arg_fields import add_record_arguments, record_kwargs
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, with_defaults
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.settings import ServerSettings
+    from pagedllm.loader.generation_defaults import GenerationDefaults
 
 
 def _itl_target(text: str) -> float | str | None:
@@ -58,19 +59,33 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(engine_flags=flags, model=None)
 
 
+# the sampling of generate / chat where neither the command line nor the model (generation_config.json) sets it
+_CLI_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+_FROM_MODEL = "the model's generation_config.json, else"
+
+
 def _sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    """``SamplingParams`` of every prompt (vLLM's names and meanings)."""
-    g = p.add_argument_group("sampling (SamplingParams)")
-    g.add_argument("--temperature", type=float, default=0.7,
-                   help="randomness of sampling: 0 is greedy, higher flattens the distribution (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=0.9,
-                   help="sample from the smallest set of tokens whose probability sums to this (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=0,
-                   help="sample from the k most likely tokens; 0 or -1: all (default: %(default)s)")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens less likely than this fraction of the most likely one (default: %(default)s)")
-    g.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help="most tokens generated per output (default: %(default)s)")
+    """``SamplingParams`` of every prompt (vLLM's names and meanings).
+
+    A flag left out is None: the model's default applies (``--generation-config``), then this command's.
+    """
+    g = p.add_argument_group("sampling (SamplingParams; a flag left out takes the model's generation_config.json)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="randomness of sampling: 0 is greedy, higher flattens the distribution "
+                        f"(default: {_FROM_MODEL} {_CLI_SAMPLING['temperature']})")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="sample from the smallest set of tokens whose probability sums to this "
+                        f"(default: {_FROM_MODEL} {_CLI_SAMPLING['top_p']})")
+    g.add_argument("--top-k", type=int, default=None,
+                   help=f"sample from the k most likely tokens; 0 or -1: all (default: {_FROM_MODEL} 0)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens less likely than this fraction of the most likely one (default: {_FROM_MODEL} 0)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide positive logits of tokens already in the prompt or output by this, multiply "
+                        f"negative ones (> 1 discourages repeats; default: {_FROM_MODEL} 1)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most tokens generated per output (default: the model's max_new_tokens, else {max_tokens})")
+    p.set_defaults(cli_max_tokens=max_tokens)
     g.add_argument("--seed", type=int, default=None,
                    help="seed of each request's sampling, for reproducible samples (default: unset, the engine's "
                         "stream)")
@@ -89,19 +104,21 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-    )
+def _sampling_params(args: argparse.Namespace, model_defaults: GenerationDefaults) -> SamplingParams:
+    """The flags given, then the model's defaults for what they leave out, then the command's own."""
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                    "max_tokens", "seed", "stop")
+             if getattr(args, name) is not None}
+    params = model_defaults.apply(SamplingParams(n=args.n, ignore_eos=args.ignore_eos, **given))
+    return with_defaults(params, {**_CLI_SAMPLING, "max_tokens": args.cli_max_tokens})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
-    params = _sampling_params(args)
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
+    params = _sampling_params(args, engine.generation_defaults)
     start = time.perf_counter()
     show_bar = len(args.prompts) > 1
     if args.chat:
@@ -140,9 +157,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.n != 1:
         raise ValueError("chat shows one reply per turn; --n must be 1")
-    params = _sampling_params(args)
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
+    params = _sampling_params(args, engine.generation_defaults)
     tokenizer = engine.tokenizer
     # a session decodes many replies: the decode step is traced (seconds) while the user types the first
     # message, as a server traces before its first request; joined before the first step
@@ -338,12 +355,14 @@ def cmd_env(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints import env_report
 
     report = env_report.collect()
+    if args.model is not None or args.load:
+        report["model_defaults"] = env_report.model_defaults_report(args.model, args.generation_config)
     if args.load:
         from pagedllm import LLM
 
         # the engine's own defaults: the report shows the KV pool and max_model_len they resolve to here
         llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
-                  quantization_group_size=args.quantization_group_size)
+                  quantization_group_size=args.quantization_group_size, generation_config=args.generation_config)
         report["loaded"] = env_report.loaded_model_report(llm)
     print(env_report.to_json(report) if args.json else env_report.format_report(report))
     return 0
@@ -380,7 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="CPU features, torch, native kernels and layer backends (for bug reports)")
     env.add_argument("--json", action="store_true")
     env.add_argument("--load", action="store_true", help="also load a model and list the layers it runs")
-    env.add_argument("--model", default=None, help="the model --load loads (default: bundled SmolLM2)")
+    env.add_argument("--model", default=None, help="the model whose defaults (sampling, end tokens) are shown and "
+                                                   "--load loads (default: bundled SmolLM2)")
+    env.add_argument("--generation-config", default="auto",
+                     help="where the sampling defaults come from: auto (the model's), vllm (none) or a folder "
+                          "(default: %(default)s)")
     env.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     env.add_argument("--quantization", default=None, choices=["none", "int8", "int4"])
     env.add_argument("--quantization-group-size", type=int, default=None)
@@ -446,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     # warnings, and the one line before and after a first-run kernel build (pagedllm/kernels/__init__.py)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedllm.kernels").setLevel(logging.INFO)
+    # which sampling defaults came from the model (one line; none when it sets none)
+    logging.getLogger("pagedllm.loader.generation_defaults").setLevel(logging.INFO)
     try:
         return args.func(args)
     except ValueError as e:

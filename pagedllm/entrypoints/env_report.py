@@ -4,7 +4,8 @@ The CPU's model and the SIMD features the kernels look for, torch's build and
 what its CPU backends can do here, the native kernels (ISA variant, whether the library is a wheel's prebuilt one
 or built here, C++ compiler, flags, where the built library is cached, or why it did not build) and which backend each
 kind of layer runs on: what ``"auto"`` resolves to, and with ``--load`` the
-classes a loaded model actually holds.
+classes a loaded model actually holds. With ``--model`` (or ``--load``), the model's own defaults: the
+sampling its ``generation_config.json`` (or GGUF metadata) sets and the tokens that end generation.
 """
 
 from __future__ import annotations
@@ -152,9 +153,28 @@ def loaded_model_report(llm: Any) -> dict[str, Any]:
         # one block across all layers, K and V (an int8 / int4 cache's scales included)
         "kv_bytes_per_block": runner.kv_bytes_per_block,
         "batch_invariant": llm.llm_engine.resolved_config.batch_invariant,
+        "sampling_defaults": llm.llm_engine.generation_defaults.report(),
+        "end_token_ids": ", ".join(map(str, sorted(llm.llm_engine.tokenizer.eos_token_ids))),
         # the pool and the context resolved for this machine's memory (resolved_config.plan_kv_pool)
         **_kv_pool_report(runner),
         "layer_classes": dict(sorted(layers.items())),
+    }
+
+
+def model_defaults_report(model: str | None, generation_config: str = "auto") -> dict[str, Any]:
+    """What the model brings besides its weights, read without loading them: the sampling defaults that
+    ``generation_config`` selects (and where they came from) and the tokens that end generation."""
+    from pagedllm.loader import load_model_config, resolve_model_path
+    from pagedllm.loader.generation_defaults import load_generation_defaults
+
+    path = resolve_model_path(model)
+    end_ids = load_model_config(path).eos_token_ids
+    return {
+        "model": path,
+        "generation_config": generation_config,
+        "sampling_defaults": load_generation_defaults(path, generation_config).report(),
+        # with the tokenizer's own EOS, which the engine adds (loader/tokenizer.py)
+        "end_token_ids": ", ".join(map(str, end_ids)) or "the tokenizer's EOS only",
     }
 
 

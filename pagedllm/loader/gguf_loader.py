@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.quants import dequantize
 
 from pagedllm.loader.config_fields import check_unread_gguf_metadata
+from pagedllm.loader.end_tokens import gguf_end_token_ids
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
@@ -322,8 +323,9 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     check_unread_gguf_metadata(key, arch, int(key("attention.key_length", hidden // num_heads)))
     vocab = key("vocab_size")
     if vocab is None:
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise ValueError(f"GGUF file (architecture {arch!r}) has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     head_dim = int(key("attention.key_length", hidden // num_heads))
     max_position = int(key("context_length", 2048))
@@ -350,7 +352,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
         mlp_bias=any(t.name.endswith("ffn_gate.bias") for t in reader.tensors),
         num_experts=int(key("expert_count", 0) or 0),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=gguf_end_token_ids(metadata(reader)),  # EOS, EOT, EOM and end-of-turn controls
         checkpoint_format="gguf",
         **rope,
     )

@@ -52,11 +52,12 @@ class Sequence(Protocol):
 
 def draft_engine_config(target: EngineConfig, model: str) -> EngineConfig:
     """The draft engine's config: the target's, for another model, without speculation, tensor parallelism
-    or the target's quantization choices (the draft file's own format holds)."""
+    or the target's quantization choices (the draft file's own format holds). The draft samples nothing of
+    its own (drafts are greedy), so its model's sampling defaults are not read (``generation_config``)."""
     return replace(
         target, model=model, tokenizer=None, speculative_config=None, tensor_parallel_size=1,
         quantization=None, quantization_group_size=None, num_kv_blocks=None, kv_cache_memory_bytes=None,
-        enable_prefix_caching=True, cpu_bind=None, batch_invariant=None,
+        enable_prefix_caching=True, cpu_bind=None, batch_invariant=None, generation_config="vllm",
         # the draft runs every target sequence: it must hold the target's (possibly fitted) length
         fit_max_model_len=False,
     )

@@ -50,6 +50,7 @@ VALUES: dict[str, tuple[list[str], object]] = {
     "kv_allocator": (["--kv-allocator", "contiguous"], "contiguous"),
     "contiguous_reserve": (["--kv-allocator", "contiguous", "--contiguous-reserve", "max_model_len"], "max_model_len"),
     "seed": (["--engine-seed", "11"], 11),
+    "generation_config": (["--generation-config", "vllm"], "vllm"),
     "attention_backend": (["--attention-backend", "sdpa"], "sdpa"),
     "num_threads": (["--num-threads", "1"], 1),
     "quantization": (["--quantization", "none"], "none"),

@@ -53,6 +53,7 @@ from pagedllm.device_memory import available_memory_bytes
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt
 from pagedllm.loader import load_model_config, model_file_bytes
+from pagedllm.loader.generation_defaults import load_generation_defaults
 from pagedllm.loader.tokenizer import Tokenizer
 from pagedllm.resolved_config import replica_kv_budget
 from pagedllm.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class ServingFrontend:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = load_model_config(config.model)
+        self.generation_defaults = load_generation_defaults(config.model, config.generation_config)
         self.tokenizer = Tokenizer(config.tokenizer or config.model, self.model_config.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
@@ -127,7 +129,9 @@ class DataParallelEngine:
         self.draining = False
         self.router = PrefixRouter(num_replicas, config.block_size, config.prefix_caching)
         self.replica_metrics = ReplicaMetrics(metrics, num_replicas) if metrics is not None else None
-        replica_config = dataclasses.replace(config, num_threads=threads)
+        # the front end applies the model's sampling defaults before a request reaches a replica: the replicas
+        # need not read (nor log) them again
+        replica_config = dataclasses.replace(config, num_threads=threads, generation_config="vllm")
         # a default KV pool: each replica's share of the machine's, not the whole share each (resolved_config.py)
         budget = replica_kv_budget(config, num_replicas, available_memory_bytes(torch.device(config.device)),
                                    model_file_bytes(config.model))

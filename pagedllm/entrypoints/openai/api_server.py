@@ -224,8 +224,12 @@ def build_app(
     _openapi_without_422(app, engine.model_config.vocab_size)
     prompts = PromptEncoder(engine, tokenizer)
     name = settings.model_name
-    completion = OpenAIServingCompletion(async_engine, prompts, name, settings.default_max_tokens)
-    chat = OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, settings.default_max_tokens)
+    # --default-max-tokens, else the model's max_new_tokens (generation_config.json), as vLLM caps a reply
+    default_max_tokens = settings.default_max_tokens
+    if default_max_tokens is None:
+        default_max_tokens = engine.generation_defaults.values.get("max_tokens")
+    completion = OpenAIServingCompletion(async_engine, prompts, name, default_max_tokens)
+    chat = OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, default_max_tokens)
     completion.stream_writes = chat.stream_writes = StreamWrites(
         settings.stream_write_timeout_s,
         metrics.stream_write_timeouts.inc if metrics is not None else None,

@@ -299,17 +299,25 @@ class _SamplingRequest(_Body):
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None = None, best_of: int | None = None,
         prompt_logprobs: int | None = None, structured_outputs: StructuredOutputsParams | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
+        model = sampling_defaults or {}
+
+        def pick(name: str, fallback: float) -> Any:  # noqa: ANN401 (the field's own type)
+            """The request's value, else the model's default, else OpenAI's."""
+            value = getattr(self, name)
+            return value if value is not None else model.get(name, fallback)
+
         try:
             return SamplingParams(
                 n=self.n,
                 best_of=best_of,
                 prompt_logprobs=prompt_logprobs,
                 logprobs=logprobs,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                min_p=0.0 if self.min_p is None else self.min_p,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
                 seed=self.seed,
                 max_tokens=max_tokens,
                 stop=self.stop,
@@ -319,7 +327,7 @@ class _SamplingRequest(_Body):
                 skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
                 frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 min_tokens=self.min_tokens,
                 logit_bias=self._logit_bias(),
                 allowed_token_ids=self.allowed_token_ids,
@@ -363,13 +371,17 @@ class CompletionRequest(_SamplingRequest):
     best_of: JsonInt | None = _ranged(None, minimum=1, maximum=MAX_N)
     suffix: None = Field(None, description="not supported by this server: only null")
 
-    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int | None = None, sampling_defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         """Check the request and build its SamplingParams; raises APIError (400).
 
         ``max_tokens`` left out is OpenAI's 16; ``null`` is no limit but the
         context's, or ``default_max_tokens`` (the server's cap) when set,
         which also lowers the 16 of a request that left it out, never a value
-        the request gives.
+        the request gives. ``sampling_defaults``: the model's
+        (``GenerationDefaults.values``), for temperature, top_p, top_k, min_p
+        and repetition_penalty the request leaves out.
 
         ``logprobs=k``: each output token's logprob and the k most likely
         alternatives. ``best_of``: sample that many, return the ``n`` with the
@@ -388,7 +400,8 @@ class CompletionRequest(_SamplingRequest):
         max_tokens = self.max_tokens
         if default_max_tokens is not None and (max_tokens is None or "max_tokens" not in self.model_fields_set):
             max_tokens = default_max_tokens if max_tokens is None else min(max_tokens, default_max_tokens)
-        return self._sampling_params(max_tokens, self.logprobs, self.best_of, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, self.best_of, prompt_logprobs,
+                                     sampling_defaults=sampling_defaults)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
@@ -529,14 +542,17 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request(str(e), e.param) from e
 
     def to_sampling_params(
-        self, tools: ToolSpec | None = None, default_max_tokens: int | None = None
+        self, tools: ToolSpec | None = None, default_max_tokens: int | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """Check the request and build its SamplingParams; raises APIError (400).
 
         With no ``max_tokens``/``max_completion_tokens`` the reply may run to
         the end of the context, as in OpenAI and vLLM, unless the server sets
-        ``default_max_tokens`` (``--default-max-tokens``), which then caps it;
-        a value the request gives is used as it is. ``tools``: the request's checked
+        ``default_max_tokens`` (``--default-max-tokens``, else the model's
+        max_new_tokens), which then caps it; a value the request gives is used
+        as it is. ``sampling_defaults``: the model's, for the sampling fields
+        the request leaves out (as ``CompletionRequest``'s). ``tools``: the request's checked
         tools; a forced call (``required``, a named function) becomes the
         structured-output constraint, so it cannot be combined with another.
         """
@@ -554,7 +570,8 @@ class ChatCompletionRequest(_SamplingRequest):
                 "constrains the output already; it cannot be combined with response_format or structured_outputs",
                 "tool_choice",
             )
-        return self._sampling_params(max_tokens, logprobs, structured_outputs=forced)
+        return self._sampling_params(max_tokens, logprobs, structured_outputs=forced,
+                                     sampling_defaults=sampling_defaults)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat templates read it (tool calls' arguments decoded); 400 when malformed."""

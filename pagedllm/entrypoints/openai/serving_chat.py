@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         """Answer one chat request, streamed or whole."""
         self.check_model(req.model)
         tools = await asyncio.to_thread(req.tool_spec, self.grammar_limits)  # xgrammar checks each schema
-        params = req.to_sampling_params(tools, self.default_max_tokens)
+        params = req.to_sampling_params(tools, self.default_max_tokens, self.sampling_defaults)
         if req.stream:
             params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
         await self.compile_constraint(params, req.constraint_param, request)

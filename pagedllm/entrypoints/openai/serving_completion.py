@@ -52,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         """Answer one completions request, streamed or whole."""
         self.check_model(req.model)
-        params = req.to_sampling_params(self.default_max_tokens)
+        params = req.to_sampling_params(self.default_max_tokens, self.sampling_defaults)
         if req.stream:
             params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
         await self.compile_constraint(params, req.constraint_param, request)

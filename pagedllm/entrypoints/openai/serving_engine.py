@@ -38,6 +38,8 @@ class OpenAIServing:
 
     ``stream_writes``: how long a stream's write may wait for a client that reads
     nothing (``sse.py``); the app sets it from ``--stream-write-timeout``.
+    ``sampling_defaults``: the model's (``generation_config.json``), for the
+    sampling fields a request leaves out.
     """
 
     def __init__(self, engine_client: EngineClient, prompts: PromptEncoder, model_name: str) -> None:
@@ -45,6 +47,7 @@ class OpenAIServing:
         self.prompts = prompts
         self.model_name = model_name
         self.stream_writes = StreamWrites()
+        self.sampling_defaults: dict[str, Any] = dict(engine_client.engine.generation_defaults.values)
 
     def check_model(self, name: str | None) -> None:
         """404 unless ``name`` is the served model (or None: vLLM's leniency)."""

@@ -75,7 +75,8 @@ class ServerSettings:
         kv_page: serve the live KV-cache page (``/kv``, ``/kv/state``, ``/kv/events``).
         http_limits: header deadline and count, lingering close (``http_protocol.py``).
         default_max_tokens: most tokens a reply gets when its request sets no ``max_tokens`` /
-            ``max_completion_tokens`` (None: no cap, to the end of the context, as in OpenAI and vLLM).
+            ``max_completion_tokens`` (None: the model's ``max_new_tokens`` from its
+            generation_config.json, else no cap, to the end of the context, as in OpenAI and vLLM).
             Never raises or lowers a request's own value.
         stream_write_timeout_s: the most seconds one write of a streamed answer may wait for a client
             that reads nothing, then the stream ends and its request is aborted (None, or 0 on the
