@@ -8,6 +8,7 @@ same for both formats.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import re
@@ -22,14 +23,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, gemma_gguf_settings
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
-# Which general.architecture values a model runs is models/registry.py's to say (Gemma 3, for one, loads
-# from Hugging Face folders only: its GGUF norm weights, stored as 1 + w, are not mapped here). The
-# metadata below is read under any architecture's prefix; a tensor with no Hugging Face name is refused
-# when it is read.
+# Which general.architecture values a model runs is models/registry.py's to say. The metadata below is
+# read under any architecture's prefix (Gemma's own in gguf_gemma.py); a tensor with no Hugging Face name
+# is refused when it is read.
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -287,6 +288,10 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         checkpoint_format="gguf",
     )
+    if arch in GEMMA_ARCHITECTURES:
+        return dataclasses.replace(config, **gemma_gguf_settings(
+            key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
+            config.max_position_embeddings))
     return gguf_family_fields(config, key)
 
 
@@ -296,16 +301,17 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _hf_name_or_none(gguf_name: str) -> str | None:
+def _hf_name_or_none(gguf_name: str, arch: str = "") -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if m:
-        suffix = _LAYER_NAMES.get(m.group(2))
+        suffix = (GEMMA_LAYER_NAMES if arch in GEMMA_ARCHITECTURES else {}).get(m.group(2))
+        suffix = suffix or _LAYER_NAMES.get(m.group(2))
         return None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
     return _GLOBAL_NAMES.get(gguf_name)
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
-    name = _hf_name_or_none(gguf_name)
+def _hf_name(gguf_name: str, path: str, arch: str = "") -> str:
+    name = _hf_name_or_none(gguf_name, arch)
     if name is None:
         raise ValueError(f"unexpected tensor {gguf_name!r} in {path}")
     return name
@@ -334,7 +340,7 @@ class GGUFWeights:
             for part in self.part_paths
             for t in open_reader(part).tensors
             if len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32
-            and (name := _hf_name_or_none(t.name)) is not None
+            and (name := _hf_name_or_none(t.name, config.architecture)) is not None
         }
         self.keep: set[str] = set()
         self.half: set[str] = set()
@@ -358,7 +364,7 @@ class GGUFWeights:
         for t in reader.tensors:
             if t.name == _ROPE_FREQS:
                 continue  # the configuration's (rope_freq_factors), applied to the RoPE table
-            name = _hf_name(t.name, path)
+            name = _hf_name(t.name, path, self.config.architecture)
             expected = _expected_bytes(t)
             if t.data.nbytes != expected:
                 raise ValueError(f"{path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
@@ -92,9 +93,10 @@ MODEL_REGISTRY = ModelRegistry((
     Family(LlamaForCausalLM, ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
-    Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), (), ("gemma3",)),
+    Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3",)),
     Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
+    Family(Gemma2ForCausalLM, ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
 ))
 
 
