@@ -50,7 +50,7 @@ from pagedllm.loader.model_config import from_hf_config
 ARCHS = ("gemma2", "gemma3")
 WINDOW = 8
 CAP = 3.0  # Gemma 2's score cap, and both families' final logit cap
-GENERATED = 16
+GENERATED = 12
 # float32 activations and KV on both sides, the same (rounded) weights: only summation order differs
 LOGPROB_TOL = 1e-4
 ENGINE = dict(max_model_len=128, num_kv_blocks=64, block_size=8, kv_cache_dtype="float32")
@@ -178,7 +178,7 @@ def test_gemma_folder_matches_transformers(arch: str, gemma_dirs: dict[str, str]
     assert (captured is None) == (arch == "gemma2")
     if arch == "gemma2":
         uncapped = _hf(gemma_dirs[arch], attn_logit_softcapping=None)
-        assert [o.outputs[0].token_ids for o in outs] != [hf_greedy(uncapped, p, GENERATED) for p in prompts]
+        assert outs[0].outputs[0].token_ids != hf_greedy(uncapped, prompts[0], GENERATED)
         # the final cap is monotonic: invisible to greedy tokens, plain in the logprobs
         assert _max_logprob_error(outs[0], _hf(gemma_dirs[arch], final_logit_softcapping=None)) > 0.1
 
