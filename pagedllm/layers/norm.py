@@ -15,14 +15,17 @@ from pagedllm.layers.native_ops import NativeOps
 
 @dataclass(frozen=True)
 class NormSpec:
-    """Which RMSNorm a model uses: its epsilon and whether the weight is stored as an offset from 1 (Gemma)."""
+    """Which RMSNorm a model uses: its epsilon, whether the weight is stored as an offset from 1 (Gemma's
+    Hugging Face checkpoints), and whether the weight multiplies in float32 before the cast back (Gemma's
+    order, implied by ``unit_offset``; a Gemma GGUF file holds ``1 + w`` already, so it sets this alone)."""
 
     eps: float
     unit_offset: bool = False
+    float32_weight: bool = False
 
     def build(self, dim: int) -> RMSNorm:
         """An ``RMSNorm`` of this kind over ``dim`` features."""
-        return RMSNorm(dim, self.eps, self.unit_offset)
+        return RMSNorm(dim, self.eps, self.unit_offset, self.float32_weight)
 
 
 class RMSNorm(CustomOp):
@@ -31,7 +34,9 @@ class RMSNorm(CustomOp):
     ``unit_offset=False`` (Llama): ``weight * rms_norm(x)``, the weight
     applied in ``x``'s dtype. ``unit_offset=True`` (Gemma): ``rms_norm(x) *
     (1 + weight)`` all in float32, cast back last; checkpoints store the
-    weight as an offset from 1. The native kernel computes Llama's form,
+    weight as an offset from 1. ``float32_weight=True`` alone: ``rms_norm(x)
+    * weight`` in float32, cast back last (Gemma's arithmetic on a weight
+    that holds ``1 + w`` already, as llama.cpp's converter writes it). The native kernel computes Llama's form,
     ``rms_norm(x) * w``; in float32 that is Gemma's with ``w = 1 + weight``,
     so a unit-offset norm hands it that sum, made once in ``select_impl``
     (after the weights are loaded: it is a copy). The native kernel runs
@@ -42,11 +47,12 @@ class RMSNorm(CustomOp):
     and ``add_forward(x, delta)`` (the residual add, then the norm).
     """
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False, float32_weight: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.float32_weight = float32_weight or unit_offset
         self.native_weight: torch.Tensor | None = None  # [dim] float32: what the native kernel multiplies by
         self._add_forward_impl: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._add_forward_torch
 
@@ -71,9 +77,10 @@ class RMSNorm(CustomOp):
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """The norm in torch ops, Llama's or Gemma's form (see the class docstring)."""
-        if self.unit_offset:
+        if self.float32_weight:
             normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+            weight = 1.0 + self.weight.float() if self.unit_offset else self.weight.float()
+            return (normed * weight).to(x.dtype)
         # one call instead of five small ops (same arithmetic: x * rsqrt(mean(x^2) + eps));
         # the weight is applied after casting back, in the input dtype, as the reference does
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)

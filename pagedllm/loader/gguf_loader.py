@@ -8,6 +8,7 @@ same for both formats.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import re
@@ -24,14 +25,14 @@ from gguf.quants import dequantize
 
 from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.end_tokens import gguf_end_token_ids
+from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, gemma_gguf_settings
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
-# Which general.architecture values a model runs is models/registry.py's to say (Gemma 3, for one, loads
-# from Hugging Face folders only: its GGUF norm weights, stored as 1 + w, are not mapped here). The
-# metadata below is read under any architecture's prefix; a tensor with no Hugging Face name is refused
-# when it is read.
+# Which general.architecture values a model runs is models/registry.py's to say. The metadata below is
+# read under any architecture's prefix (Gemma's own in gguf_gemma.py); a tensor with no Hugging Face name
+# is refused when it is read.
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -60,6 +61,7 @@ _LAYER_NAMES = {
 # where an architecture names a tensor otherwise: Phi-3 stores q/k/v and gate/up fused, as its checkpoints do
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    **dict.fromkeys(GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -356,6 +358,10 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         checkpoint_format="gguf",
         **rope,
     )
+    if arch in GEMMA_ARCHITECTURES:
+        return dataclasses.replace(config, **gemma_gguf_settings(
+            key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
+            config.max_position_embeddings))
     return gguf_family_fields(config, key)
 
 

@@ -71,12 +71,12 @@ class ModelArchConfig:
     <= i`` (as transformers' masking); empty means every layer is full. The
     KV cache still keeps every block of such a layer: the window is a mask.
 
-    The rest is Gemma 3's: ``layer_types`` ("sliding_attention" /
-    "full_attention" per layer) chooses the RoPE of each layer, sliding
+    The rest is Gemma's: ``layer_types`` ("sliding_attention" /
+    "full_attention" per layer) chooses the RoPE of each Gemma 3 layer, sliding
     layers taking ``local_rope_theta`` / ``local_rope_scaling``;
     ``attn_scale`` replaces ``head_dim**-0.5``; the softcaps bound attention
-    scores and final logits by ``cap * tanh(x / cap)`` (transformers' Gemma 3
-    caps logits only, so its configs' score cap is read as None). ``hidden_act`` is the
+    scores and final logits by ``cap * tanh(x / cap)`` (Gemma 2 caps both;
+    transformers' Gemma 3 caps logits only, so its configs' score cap is read as None). ``hidden_act`` is the
     MLP's gate activation as transformers names it (config.json's
     ``hidden_act`` / ``hidden_activation``); the MLP layer refuses a name it
     does not compute (``layers/activation.py``).
@@ -179,7 +179,7 @@ def check_multipliers(cfg: ModelArchConfig) -> None:
 
 # config.json's model_type -> the reading of its keys (any other model_type is read as Llama's keys)
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3",
-                "phi3": "phi3"}
+                "phi3": "phi3", "gemma2": "gemma2"}
 # what transformers' config classes assume when config.json leaves a key out
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
@@ -187,6 +187,10 @@ _QWEN_MAX_WINDOW_LAYERS = 28
 _RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5}  # Olmo2Config's; every other family's is 1e-6
 _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
+# Gemma2Config's defaults for the keys this reading needs (its softcaps are applied, unlike Gemma 3's)
+_GEMMA2_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0}
 
 
 def _scaling_or_none(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -237,6 +241,9 @@ def _layer_types(cfg: dict[str, Any], arch: str, window: int | None) -> tuple[st
         if not isinstance(pattern, int) or pattern <= 0:
             raise ValueError(f"gemma3: sliding_window_pattern must be a positive integer, got {pattern!r}")
         return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
+    if arch == "gemma2":
+        # even layers slide, odd ones are global (Gemma2Config.__post_init__)
+        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n))
     # Qwen2/Qwen3: layers from max_window_layers on slide, when the window is on
     first = cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS)
     return tuple("sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n))
@@ -244,7 +251,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, window: int | None) -> tuple[st
 
 def _sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
     """(window per layer, layer types) as transformers' models apply them; () where the family has none."""
-    if arch not in ("mistral", "qwen2", "qwen3", "gemma3"):
+    if arch not in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3"):
         return (), ()
     window = cfg.get("sliding_window", _DEFAULT_WINDOW)
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
@@ -255,8 +262,8 @@ def _sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[tuple[int | None, 
     if arch == "mistral":
         # MistralAttention applies config.sliding_window to every layer (layer_types are ignored)
         types = ("sliding_attention" if window is not None else "full_attention",) * cfg["num_hidden_layers"]
-    if arch == "gemma3" and window is None and "sliding_attention" in types:
-        raise ValueError("gemma3: sliding_attention layers need a sliding_window")
+    if arch in ("gemma2", "gemma3") and window is None and "sliding_attention" in types:
+        raise ValueError(f"{arch}: sliding_attention layers need a sliding_window")
     # a window as long as the positions RoPE covers never masks anything: full attention
     max_pos = cfg.get("max_position_embeddings", 2048)
     if window is not None and window >= max_pos:
@@ -326,6 +333,27 @@ def _phi3_windows(cfg: dict[str, Any]) -> tuple[tuple[int | None, ...], tuple[st
     return (window,) * n, ("sliding_attention",) * n
 
 
+def _gemma2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArchConfig fields Gemma 2 sets: one RoPE table, both softcaps applied (Gemma2Attention hands
+    ``attn_logit_softcapping`` to the attention, unlike Gemma 3), ``query_pre_attn_scalar ** -0.5``."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma2 with use_bidirectional_attention is not supported (causal decoding only)")
+    theta, scaling = _rope_settings(cfg)
+    scalar = cfg["query_pre_attn_scalar"]
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ValueError(f"gemma2: query_pre_attn_scalar must be positive, got {scalar!r}")
+    return dict(
+        rope_theta=theta, rope_scaling=scaling, attn_scale=float(scalar) ** -0.5,
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+    )
+
+
+# the readings of their own (RoPE tables, activation, score scale, softcaps) of Gemma's model types
+_GEMMA_SETTINGS = {"gemma2": _gemma2_settings, "gemma3": _gemma3_settings}
+
+
 def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any] | None) -> tuple[int, ...]:
     for source in (generation_config or {}, cfg):
         value = source.get("eos_token_id")
@@ -346,8 +374,9 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"config.json has no model_type (got {model_type!r})")
     arch = _MODEL_TYPES.get(model_type, model_type)
-    if arch == "gemma3":
-        cfg = {**_GEMMA3_DEFAULTS, **cfg}
+    if arch in ("gemma2", "gemma3"):
+        # the config class's defaults where config.json leaves a key out
+        cfg = {**(_GEMMA3_DEFAULTS if arch == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
     missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
     if missing:
         raise ValueError(f"config.json ({model_type}) lacks {missing}")
@@ -356,8 +385,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     theta, scaling = _rope_settings(cfg)
     windows, types = _phi3_windows(cfg) if arch == "phi3" else _sliding_windows(cfg, arch)
-    if arch == "gemma3":
-        extra = _gemma3_settings(cfg)
+    if arch in _GEMMA_SETTINGS:
+        extra = _GEMMA_SETTINGS[arch](cfg)
     elif arch == "phi3":
         extra = _phi3_settings(cfg)
     else:

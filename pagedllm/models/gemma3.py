@@ -1,10 +1,13 @@
-"""Gemma 3, text only (transformers' ``Gemma3ForCausalLM``, model_type ``gemma3_text``), on the shared blocks.
+"""Gemma 3, text only (transformers' ``Gemma3ForCausalLM``, model_type ``gemma3_text``; GGUF ``gemma3``), on the
+shared blocks.
 
 Where it differs from the Llama family, each as transformers computes it:
 
 - embeddings are multiplied by ``sqrt(hidden_size)``, that factor rounded
   to the model's dtype first (``DecoderSpec.embed_scale``);
-- every RMSNorm is Gemma's: ``rms_norm(x) * (1 + weight)`` in float32;
+- every RMSNorm is Gemma's: ``rms_norm(x) * (1 + weight)`` in float32 (a
+  GGUF file holds ``1 + weight``: its norms multiply by the weight as
+  stored, in the same order; ``loader/gguf_gemma.py``);
 - four norms per layer: before and after attention, before and after the MLP,
   the "after" ones applied to the branch before it joins the residual;
 - q and k are RMS-normed per head before RoPE;
@@ -39,7 +42,8 @@ class Gemma3ForCausalLM(CausalLM):
         """Gemma's norms everywhere; sliding layers rotate by the "local" table, global ones by "full"."""
         if cfg.architecture != "gemma3":
             raise ValueError(f"Gemma3ForCausalLM cannot run a {cfg.architecture!r} model")
-        norm = NormSpec(cfg.rms_norm_eps, unit_offset=True)
+        # a Hugging Face folder stores w (the norm adds 1), a GGUF file 1 + w
+        norm = NormSpec(cfg.rms_norm_eps, unit_offset=cfg.checkpoint_format == "hf", float32_weight=True)
         layers = []
         for i in range(cfg.num_hidden_layers):
             sliding = bool(cfg.layer_types) and cfg.layer_types[i] == "sliding_attention"

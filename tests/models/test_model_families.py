@@ -25,6 +25,7 @@ from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig, from_hf_config
 from pagedllm.models import registry
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from pagedllm.models.registry import MODEL_REGISTRY, Family, ModelRegistry
@@ -147,6 +148,9 @@ def _arch(names: tuple[str, ...] = (), architecture: str = "llama", checkpoint_f
     ((), "qwen3", "hf", LlamaForCausalLM),  # a config.json that lists no architectures: its model_type
     ((), "llama", "gguf", LlamaForCausalLM),
     ((), "qwen2", "gguf", Qwen2ForCausalLM),
+    ((), "gemma3", "gguf", Gemma3ForCausalLM),
+    (("Gemma2ForCausalLM",), "gemma2", "hf", Gemma2ForCausalLM),
+    ((), "gemma2", "gguf", Gemma2ForCausalLM),
 ])
 def test_registry_finds_the_family_by_either_name(names, architecture, checkpoint_format, cls) -> None:  # noqa: ANN001
     assert registry.model_class(_arch(names, architecture, checkpoint_format)) is cls
@@ -156,7 +160,7 @@ def test_registry_finds_the_family_by_either_name(names, architecture, checkpoin
     (_arch(("GPTNeoXForCausalLM",), "gpt_neox"),
      r"unsupported architecture \['GPTNeoXForCausalLM'\]; supported: .*'Qwen2ForCausalLM'"),
     (_arch((), "gpt_neox"), r"unsupported architecture model_type 'gpt_neox'; supported: .*'LlamaForCausalLM'"),
-    (_arch((), "gemma3", "gguf"), r"unsupported GGUF architecture 'gemma3'; supported: \[.*'llama', 'mistral', 'olmo2', 'phi3', 'qwen2', 'qwen3'.*\]"),
+    (_arch((), "mamba", "gguf"), r"unsupported GGUF architecture 'mamba'; supported: \[.*'gemma2', 'gemma3'.*'llama'.*'olmo2', 'phi3', 'qwen2', 'qwen3'.*\]"),
 ])
 def test_registry_refuses_an_unknown_architecture_by_name(cfg: ModelArchConfig, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -166,7 +170,9 @@ def test_registry_refuses_an_unknown_architecture_by_name(cfg: ModelArchConfig, 
 def test_registry_refuses_a_name_claimed_twice() -> None:
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         MODEL_REGISTRY.with_family(Family(ExactGeluLlama, ("LlamaForCausalLM",)))
-    assert {"llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"} <= set(ModelRegistry(MODEL_REGISTRY.families).supported("gguf"))
+    supported = ModelRegistry(MODEL_REGISTRY.families).supported("gguf")
+    assert supported == sorted(supported)
+    assert {"gemma2", "gemma3", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"} <= set(supported)
 
 
 def test_an_unknown_model_type_is_read_and_refused_by_the_registry() -> None:
@@ -238,7 +244,7 @@ def test_every_registered_family_is_a_decoder_spec_on_the_shared_blocks() -> Non
     backend = make_backend("reference", "cpu", torch.float32)
     for family in MODEL_REGISTRY.families:
         assert issubclass(family.model_class, CausalLM), family.model_class
-        architecture = "gemma3" if family.model_class is Gemma3ForCausalLM else "llama"
+        architecture = family.config_types[0] if family.config_types else "llama"
         with torch.device("meta"):
             model = family.model_class(_arch(architecture=architecture), backend)
         layer = model.model.layers[0]
