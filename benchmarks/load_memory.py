@@ -45,7 +45,7 @@ from pagedllm import LLM, SamplingParams
 imported, rss_import = time.perf_counter(), status("VmRSS")
 llm = LLM(model=path, max_model_len=max_model_len)
 loaded, peak_load, rss_after_load = time.perf_counter(), status("VmHWM"), status("VmRSS")
-llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0))
+llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1, temperature=0.0))
 first = time.perf_counter()
 print(json.dumps({
     "import_s": imported - start, "load_s": loaded - imported, "first_token_s": first - start,
