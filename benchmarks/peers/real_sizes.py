@@ -52,14 +52,14 @@ def params(n):
 if mode == "single":
     llm = LLM(model=path, max_model_len=a + b + 16, max_num_seqs=1, enable_prefix_caching=False)
     prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(a)]}
-    llm.generate([prompt], params(2), use_tqdm=False)  # warm-up
+    llm.generate([prompt], params(b + 1), use_tqdm=False)  # warm-up, as long as the timed run (decode capture)
     t = time.perf_counter(); llm.generate([prompt], params(1), use_tqdm=False); prefill = time.perf_counter() - t
     t = time.perf_counter(); llm.generate([prompt], params(b + 1), use_tqdm=False); whole = time.perf_counter() - t
     print(json.dumps({"prefill_tok_s": a / prefill, "decode_tok_s": b / max(whole - prefill, 1e-9)}))
 else:
     llm = LLM(model=path, max_model_len=32 + b + 16, max_num_seqs=a, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(32)]} for _ in range(a)]
-    llm.generate(prompts[:1], params(2), use_tqdm=False)  # warm-up
+    llm.generate(prompts[:2], params(b), use_tqdm=False)  # warm-up (decode capture)
     t = time.perf_counter()
     outs = llm.generate(prompts, params(b), use_tqdm=False)
     elapsed = time.perf_counter() - t
