@@ -205,11 +205,21 @@ class RotaryEmbedding(nn.Module):
         rope_parameters(*self.settings)
         self.register_buffer("cos", torch.empty(max_position, self.rotary_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_position, self.rotary_dim), persistent=False)
-        self.build_tables()
+        if self.cos.device.type != "meta":  # a model built on the meta device builds its tables once loaded
+            self.build_tables()
 
-    def build_tables(self) -> None:
-        """Fill the cos/sin tables (again after a model built on the meta device)."""
+    def build_tables(self, num_positions: int | None = None) -> None:
+        """Fill the cos/sin tables (again after a model built on the meta device).
+
+        ``num_positions``: the rows to build, the engine's ``max_model_len`` (no position reaches it), where
+        that is fewer than ``max_position``: a 128k-position table of head size 128 is 134 MB of float32
+        that a 4k-token engine never reads. The frequencies stay the model's (``settings``).
+        """
         max_position, dim = self.settings[1], self.rotary_dim
+        if num_positions is not None:
+            if num_positions < 1:
+                raise ValueError(f"a RoPE table needs at least one position, got num_positions={num_positions}")
+            max_position = min(max_position, num_positions)
         inv_freq, attention_factor = rope_parameters(*self.settings)
         with torch.device("cpu"):
             freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
@@ -271,10 +281,11 @@ class RotaryTables(nn.Module):
         super().__init__()
         self.tables = nn.ModuleDict({name: spec.build() for name, spec in specs.items()})
 
-    def build_tables(self) -> None:
-        """Fill every cos/sin table (again after a model built on the meta device)."""
+    def build_tables(self, num_positions: int | None = None) -> None:
+        """Fill every cos/sin table (again after a model built on the meta device), ``num_positions`` rows at
+        most (``RotaryEmbedding.build_tables``)."""
         for table in self.tables.values():
-            table.build_tables()
+            table.build_tables(num_positions)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Table name -> cos and signed sin of the step's positions (``RotaryEmbedding.cos_sin``)."""

@@ -285,8 +285,8 @@ def load_model(
     native_ops = NativeOps(lib) if lib is not None else None
     # each layer with a native implementation binds it (or its torch one) now, once
     select_impls(model, native_ops)
-    # RoPE tables stay float32 whatever the model dtype
-    model.model.rotary.float().build_tables()
+    # RoPE tables stay float32 whatever the model dtype, and cover the positions the engine reaches only
+    model.model.rotary.float().build_tables(config.max_model_len)
     return LoadedModel(
         model, linear, native_ops, num_params, time.perf_counter() - start,
         resident_bytes(model_tensors(model)), weight_format(config, model, precision),

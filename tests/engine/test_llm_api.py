@@ -629,8 +629,9 @@ def test_resident_weight_and_kv_cache_bytes_are_reported(tiny_model_dirs: dict[s
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter + 2 * hidden
     lm_head = 0 if cfg.get("tie_word_embeddings") else vocab * hidden
     params = vocab * hidden + layers * per_layer + hidden + lm_head
-    rope_tables = 2 * cfg["max_position_embeddings"] * head_dim  # cos and sin, float32
     kw = {"num_kv_blocks": 32, "max_model_len": 128, "block_size": 8}
+    # cos and sin, float32, for the positions the engine reaches
+    rope_tables = 2 * min(cfg["max_position_embeddings"], kw["max_model_len"]) * head_dim
     with caplog.at_level("INFO", logger="pagedllm.runner.model_runner"):
         plain = LLM(path, linear_backend="torch", **kw)  # the weights as loaded
     assert plain.weight_bytes == 4 * (params + rope_tables)
