@@ -20,8 +20,10 @@ import pytest
 import torch
 from conftest import CapturingLLM as LLM
 from conftest import assert_greedy_within_q8_noise, hf_greedy
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from gguf_write import finish, llama_writer, rope_order
+from gguf_write import gguf_name as to_gguf_name
 
 from pagedllm import SamplingParams
 from pagedllm.kernels import load_kernels
@@ -167,15 +169,6 @@ def test_bad_inputs_are_value_errors() -> None:
 
 # --- a tiny model held in each type ------------------------------------------------------------------------
 
-_GGUF_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-
-
 def _nearest(w: np.ndarray, scale: np.ndarray, values: np.ndarray = IQ4NL_VALUES) -> np.ndarray:
     """Each weight's nibble: the index in ``values`` of the value nearest w / scale (w [..., n], scale [..., 1];
     the midpoints of the sorted values split the line)."""
@@ -230,27 +223,11 @@ def write_gguf(hf_model, ggml_type: GGMLQuantizationType, path: str) -> dict[str
     """``hf_model`` (a Llama) as a GGUF file, every matrix but the token embedding (F16) in ``ggml_type``;
     returns the weights it holds (Hugging Face names, dequantized by gguf)."""
     cfg = hf_model.config
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_eos_token_id(cfg.eos_token_id)
+    writer = llama_writer(cfg, path)
     held: dict[str, torch.Tensor] = {}
     for name, tensor in hf_model.state_dict().items():
         w = tensor.detach().float().numpy()
-        special = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-                   "model.norm.weight": "output_norm.weight"}
-        if name in special:
-            gguf_name = special[name]
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_NAMES[rest]}"
+        gguf_name = to_gguf_name(name)
         if w.ndim != 2:
             writer.add_tensor(gguf_name, w)
             held[name] = tensor.detach().float()
@@ -262,7 +239,7 @@ def write_gguf(hf_model, ggml_type: GGMLQuantizationType, path: str) -> dict[str
         stored = w
         if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):  # llama.cpp's rotary row order, per head
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
-            stored = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+            stored = rope_order(w, heads)
         def blocks_of(m: np.ndarray) -> np.ndarray:
             return quantize_mxfp4(m) if ggml_type == Q.MXFP4 else quantize_iq4(m, ggml_type)
 
@@ -271,10 +248,7 @@ def write_gguf(hf_model, ggml_type: GGMLQuantizationType, path: str) -> dict[str
         # rows are whole blocks, so quantizing in Hugging Face's row order rounds each row the same
         same = blocks if stored is w else blocks_of(w)
         held[name] = torch.from_numpy(np.asarray(dequantize(same, ggml_type), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return held
 
 

@@ -23,6 +23,8 @@ from conftest import hf_greedy
 from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
+from gguf_write import finish, llama_writer, rope_order
+from gguf_write import gguf_name as to_gguf_name
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.quantization.packed_linear import packed_linear_bf16_native
@@ -34,14 +36,6 @@ TYPES = {
 }
 # the transformers modules whose weights pagedllm holds in bf16, and whose inputs its bf16 kernel rounds
 BF16_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "lm_head")
-_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-
 pytestmark = pytest.mark.skipif(not packed_linear_bf16_native(), reason="no vector bf16 kernel on this CPU")
 
 
@@ -55,36 +49,16 @@ def _iq2_xxs_blocks(rows: int, cols: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def _permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row order (per head: halves -> interleaved), as its converter writes them."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
-
 
 def _write(hf_model, path: str, types: dict[str, Q]) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """``hf_model`` as a llama GGUF file in ``types`` (Q8_0 otherwise); returns what gguf dequantizes each
     weight to (HF names, HF row order)."""
     cfg = hf_model.config
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_eos_token_id(cfg.eos_token_id)
+    writer = llama_writer(cfg, path)
     held: dict[str, torch.Tensor] = {}
     for name, tensor in hf_model.state_dict().items():
         w = tensor.detach().float().numpy()
-        special = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-                   "model.norm.weight": "output_norm.weight"}
-        if name in special:
-            gguf_name = special[name]
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{_NAMES[rest]}"
+        gguf_name = to_gguf_name(name)
         if w.ndim != 2:
             writer.add_tensor(gguf_name, w)
             held[name] = tensor.detach().float()
@@ -95,13 +69,10 @@ def _write(hf_model, path: str, types: dict[str, Q]) -> dict[str, torch.Tensor]:
         stored = blocks
         if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
-            stored = _permute_rope_rows(blocks, heads)
+            stored = rope_order(blocks, heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(stored), raw_dtype=kind)
         held[name] = torch.from_numpy(values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return held
 
 
@@ -192,10 +163,7 @@ def test_a_type_nothing_dequantizes_is_a_value_error(tmp_path_factory: pytest.Te
     writer.add_vocab_size(64)
     _, size = GGML_QUANT_SIZES[Q.Q8_K]
     writer.add_tensor("blk.0.ffn_down.weight", np.zeros((256, size), np.uint8), raw_dtype=Q.Q8_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     weights = GGUFWeights(out, read_config(open_reader(out)))
     with pytest.raises(ValueError, match="'blk.0.ffn_down.weight' is of type Q8_K"):
         list(weights)

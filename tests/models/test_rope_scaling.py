@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
-from gguf import GGUFWriter, RopeScalingType
+from gguf import RopeScalingType
+from gguf_write import finish, llama_writer, rope_order
+from gguf_write import gguf_name as to_gguf_name
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.rotary import RotaryEmbedding, rope_parameters
@@ -239,51 +241,22 @@ def test_old_style_rope_scaling_with_type_reads_as_rope_parameters() -> None:
 
 # --- GGUF: rope.scaling.* metadata -> the same rope_parameters -------------------------------------------
 
-_GGUF_NAMES = {
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight", "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
-
-
 def _write_gguf(hf, path: str, rope_keys: dict[str, object]) -> None:  # noqa: ANN001
     """A Llama's float32 weights as a GGUF file (Q/K rows in llama.cpp's order), with ``rope_keys`` (a
     ``GGUFWriter`` method name -> value) for its RoPE scaling, as llama.cpp's converter writes them."""
     cfg = hf.config
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_eos_token_id(cfg.eos_token_id)
+    writer = llama_writer(cfg, path, HEAD_DIM)
     for method, value in rope_keys.items():
         getattr(writer, method)(value)
     for name, tensor in hf.state_dict().items():
         w = tensor.detach().float().numpy()
-        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-                         "model.norm.weight": "output_norm.weight"}[name]
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_NAMES[rest]}"
+        gguf_name = to_gguf_name(name)
         if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             # per head: halves -> interleaved, llama.cpp's RoPE order (the loader undoes it)
             heads = cfg.num_attention_heads if "attn_q" in gguf_name else cfg.num_key_value_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+            w = rope_order(w, heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 _GGUF_ROPE = {
