@@ -210,18 +210,13 @@ def test_without_a_cap_the_budget_is_max_num_batched_tokens() -> None:
 
 
 # --- a real engine --------------------------------------------------------------------
-def _long_prompt_among_streams(model: str, itl_target_ms: float | str | None) -> tuple[list, float]:
+def _long_prompt_among_streams(engine, seed: int) -> tuple[list, float]:  # noqa: ANN001
     """Three streams decode, then a 768-token prompt arrives: (per step: decodes, prompt tokens, seconds),
-    and the seconds to its first token."""
-    from pagedllm.engine.llm_engine import LLMEngine
+    and the seconds to its first token. ``seed`` picks the prompts (a run after another must not hit the
+    prefix cache)."""
     from pagedllm.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(
-        model=model, num_kv_blocks=160, max_model_len=2048, max_num_batched_tokens=1024,
-        itl_target_ms=itl_target_ms, num_threads=2,
-        capture_min_decode_steps=0,  # replayed decode steps from the first, as a server's: steadier step times
-    ))
-    rng = random.Random(0)
+    rng = random.Random(seed)
     greedy = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"s{i}", {"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(8)]}, greedy)
@@ -246,10 +241,22 @@ def _long_prompt_among_streams(model: str, itl_target_ms: float | str | None) ->
 
 @pytest.mark.slow
 def test_a_long_prompt_no_longer_freezes_the_streams(smollm_path: str) -> None:
-    off, _ = _long_prompt_among_streams(smollm_path, None)
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    # one engine for both runs (loading and tracing the model once): first as configured, with the auto
+    # target, on a fresh cost model as before; then with the scheduler's cap taken away, which is what
+    # itl_target_ms=None builds (no StepCostModel, no prefill_cap: LLMEngine.__init__)
+    engine = LLMEngine(EngineConfig(
+        model=smollm_path, num_kv_blocks=160, max_model_len=2048, max_num_batched_tokens=1024,
+        itl_target_ms="auto", num_threads=2,
+        capture_min_decode_steps=0,  # replayed decode steps from the first, as a server's: steadier step times
+    ))
+    assert engine.scheduler.prefill_cap is not None
+    on, _ = _long_prompt_among_streams(engine, seed=0)
+    engine.scheduler.prefill_cap = None
+    off, _ = _long_prompt_among_streams(engine, seed=1)
     # without a target the whole prompt is one step beside the decodes: the freeze the issue measured
     assert max(tokens for _, tokens, _ in off) == 768
-    on, _ = _long_prompt_among_streams(smollm_path, "auto")
     chunks = [tokens for _, tokens, _ in on if tokens]
     assert len(chunks) >= 4 and max(chunks) < 400, chunks
     assert sum(chunks) == 768

@@ -1,4 +1,6 @@
-"""The ``pagedllm`` console script, run for real in subprocesses.
+"""The ``pagedllm`` console script: each command (generate, chat, bench throughput, bench latency, env) and a
+refused flag run for real in a subprocess; the other cases call the same entry point, ``cli.main(argv)``, in
+this process (capturing what it prints), which saves each of them a Python start and torch's import.
 
 Every model-loading command gets ``--num-threads 1``: on a small shared CPU
 box two OpenMP threads stall each other when another process runs.
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.bench.workload import make_workload
 from pagedllm.entrypoints import cli
@@ -38,6 +41,21 @@ def run_cli(*args: str, stdin: str | None = None, unset: tuple[str, ...] = ()) -
         timeout=TIMEOUT,
         env=env,
     )
+
+
+def run_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """``pagedllm ARGS`` through ``cli.main`` in this process, as ``run_cli`` reports a subprocess.
+
+    ``--num-threads`` sizes torch's pool for the whole process: put back what later tests had.
+    """
+    capsys.readouterr()  # what earlier output the test printed is not this command's
+    num_threads = torch.get_num_threads()
+    try:
+        code = cli.main(list(args))
+    finally:
+        torch.set_num_threads(num_threads)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["pagedllm", *args], code, out, err)
 
 
 def assert_no_traceback(proc: subprocess.CompletedProcess) -> None:
@@ -77,10 +95,10 @@ def test_generate_prints_prompt_text_and_stats(generate_run):
     assert int(m.group(3)) == 1
 
 
-def test_generate_with_speculation_prints_acceptance_and_mean_length():
+def test_generate_with_speculation_prints_acceptance_and_mean_length(capsys):
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "cost_model": false}'
     prompt = "Repeat exactly: red green blue red green blue red green blue red green blue"
-    proc = run_cli("generate", prompt, "--temperature", "0", "--max-tokens", "24", "--speculative-config", spec, *ENGINE)
+    proc = run_in_process(capsys, "generate", prompt, "--temperature", "0", "--max-tokens", "24", "--speculative-config", spec, *ENGINE)
     assert proc.returncode == 0, proc.stderr
     assert_no_traceback(proc)
     m = re.fullmatch(
@@ -95,9 +113,9 @@ def test_generate_with_speculation_prints_acceptance_and_mean_length():
     assert length == pytest.approx(1 + accepted / steps, abs=0.005)
 
 
-def test_generate_chat_many_prompts_in_order():
-    proc = run_cli(
-        "generate", "--chat", "Hello", "What is the capital of France?",
+def test_generate_chat_many_prompts_in_order(capsys):
+    proc = run_in_process(
+        capsys, "generate", "--chat", "Hello", "What is the capital of France?",
         # float32 activations answer "The capital of France is Paris."; 8-bit ones take the first token's
         # near-tie the other way ("L" at -1.96 against "The" at -1.88 in float32) and answer "L'Etoile..."
         "--temperature", "0", "--max-tokens", "8", "--gguf-activations", "float32", *ENGINE,
@@ -234,9 +252,9 @@ def test_bench_throughput_json():
     assert result["elapsed_s"] > 0 and result["output_tokens_per_s"] > 0
 
 
-def test_bench_throughput_structured_keeps_the_workload_lengths():
-    proc = run_cli(
-        "bench", "throughput", "--num-requests", "3", "--min-len", "8", "--max-len", "16",
+def test_bench_throughput_structured_keeps_the_workload_lengths(capsys):
+    proc = run_in_process(
+        capsys, "bench", "throughput", "--num-requests", "3", "--min-len", "8", "--max-len", "16",
         "--workload-seed", "7", "--json", "--structured",
         "--num-kv-blocks", "128", "--max-model-len", "512", "--num-threads", "1",
     )
@@ -246,14 +264,15 @@ def test_bench_throughput_structured_keeps_the_workload_lengths():
     assert result["structured"] is True
     # the run checks every request produced its output_len under the schema
     assert result["output_tokens"] == sum(r.output_len for r in make_workload(3, 8, 16, 7))
-    refused = run_cli("bench", "throughput", "--structured", "--compare", "transformers")
+    refused = run_in_process(capsys, "bench", "throughput", "--structured", "--compare", "transformers")
     assert refused.returncode != 0 and "--structured" in refused.stderr
+    assert_no_traceback(refused)
 
 
-def test_bench_throughput_compare_transformers(tiny_model_dirs):
+def test_bench_throughput_compare_transformers(tiny_model_dirs, capsys):
     """Our line, then one line per transformers peer, on the same workload and model."""
-    proc = run_cli(
-        "bench", "throughput", "--model", tiny_model_dirs["llama"], "--num-requests", "5", "--min-len", "4",
+    proc = run_in_process(
+        capsys, "bench", "throughput", "--model", tiny_model_dirs["llama"], "--num-requests", "5", "--min-len", "4",
         "--max-len", "12", "--json", "--compare", "transformers", "--peer-batch-size", "2",
         "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1",
     )
@@ -274,11 +293,11 @@ def test_bench_throughput_compare_transformers(tiny_model_dirs):
         )
 
 
-def test_bench_throughput_peer_model(tiny_model_dirs, tmp_path):
+def test_bench_throughput_peer_model(tiny_model_dirs, tmp_path, capsys):
     """--peer-model: the transformers peer loads that folder (the harness's HF copy), not --model."""
     common = ["bench", "throughput", "--model", tiny_model_dirs["llama"], "--num-requests", "3", "--min-len", "4",
               "--max-len", "8", "--json", "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1"]
-    proc = run_cli(*common, "--compare", "transformers-padded", "--peer-model", tiny_model_dirs["qwen2"])
+    proc = run_in_process(capsys, *common, "--compare", "transformers-padded", "--peer-model", tiny_model_dirs["qwen2"])
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["engine"] for r in lines] == ["pagedllm", "transformers-generate-padded"]
@@ -287,15 +306,17 @@ def test_bench_throughput_peer_model(tiny_model_dirs, tmp_path):
         (["--compare", "transformers", "--peer-model", str(tmp_path / "nowhere")], "does not exist"),
         (["--peer-model", tiny_model_dirs["qwen2"]], "give --compare too"),
     ]:
-        proc = run_cli(*common, *bad)
+        proc = run_in_process(capsys, *common, *bad)
         assert proc.returncode != 0 and message in proc.stderr
         assert_no_traceback(proc)
 
 
 @pytest.mark.parametrize("extra", [[], ["--quantization", "int8"], ["--quantization", "int4",
                                     "--quantization-group-size", "64"]], ids=["gguf", "int8", "int4"])
-def test_bench_latency_json(extra):
-    proc = run_cli(
+def test_bench_latency_json(extra, capsys):
+    # the bundled file's case in a real subprocess, the re-quantized ones in this process
+    run = run_cli if not extra else lambda *args: run_in_process(capsys, *args)
+    proc = run(
         "bench", "latency", "--batch-size", "2", "--input-len", "16", "--output-len", "5", "--num-iters", "2",
         "--json", "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1", *extra,
     )
@@ -339,11 +360,11 @@ def test_env_reports_the_cpu_the_kernels_and_the_backends(tiny_model_dirs):
     assert report["memory"]["available_gib"] > 0
 
 
-def test_bench_latency_with_speculation_reports_acceptance():
+def test_bench_latency_with_speculation_reports_acceptance(capsys):
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "cost_model": false}'
-    proc = run_cli(
-        "bench", "latency", "--input-len", "64", "--output-len", "48", "--num-iters", "1", "--json",
-        "--num-kv-blocks", "64", "--max-model-len", "256", "--speculative-config", spec,
+    proc = run_in_process(
+        capsys, "bench", "latency", "--input-len", "64", "--output-len", "48", "--num-iters", "1", "--json",
+        "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1", "--speculative-config", spec,
     )
     assert proc.returncode == 0, proc.stderr
     assert_no_traceback(proc)
