@@ -1,8 +1,9 @@
 """``pagedllm serve --data-parallel-size 2``, run for real on loopback, driven by the official ``openai`` client.
 
-Two subprocess servers on the bundled model, started side by side: ``dp``
-with two replica processes (one thread each, pinned to one core each) and
-``single`` with one engine, the reference for greedy answers. The tests
+A subprocess server on the bundled model, ``dp``, with two replica processes
+(one thread each, pinned to one core each), and ``single``, one engine of the
+same settings in this process: the reference for greedy answers (the
+server's answers are the engine's: tests/server). The tests
 read the per-replica counters of ``/metrics`` (``replica`` label) to see where
 requests went, kill a replica with SIGKILL mid-run, and stop the server to
 check that no child process survives it. The tests run in file order; the
@@ -26,6 +27,7 @@ import pytest
 from openai import OpenAI
 from server_helpers import free_port, launch_server, metrics, stop_server, wait_healthy
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.loader import bundled_model_path
 
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "1024", "--num-threads", "1"]
@@ -39,30 +41,20 @@ def _launch(tmp: Path, name: str, extra: list[str]) -> tuple[str, subprocess.Pop
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """Both servers, started together (their models load side by side)."""
-    tmp = tmp_path_factory.mktemp("dp")
-    servers = {"dp": _launch(tmp, "dp", ["--data-parallel-size", "2"]), "single": _launch(tmp, "single", [])}
+def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    url, proc, log = _launch(tmp_path_factory.mktemp("dp"), "dp", ["--data-parallel-size", "2"])
     try:
-        yield servers
+        wait_healthy(url, proc, log)
+        yield {"url": url, "proc": proc, "log": log,
+               "client": OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
     finally:
-        for _, proc, _ in servers.values():
-            stop_server(proc)
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
-def dp(launched: dict) -> dict:
-    url, proc, log = launched["dp"]
-    wait_healthy(url, proc, log)
-    return {"url": url, "proc": proc, "log": log,
-            "client": OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)}
-
-
-@pytest.fixture(scope="module")
-def single(launched: dict) -> OpenAI:
-    url, proc, log = launched["single"]
-    wait_healthy(url, proc, log)
-    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+def single() -> LLM:
+    """One engine with the replicas' settings (ENGINE): what one replica answers alone."""
+    return LLM(None, num_kv_blocks=256, max_model_len=1024, num_threads=1)
 
 
 def replica_figure(m: dict[str, float], name: str, replica: int) -> float:
@@ -120,7 +112,7 @@ def test_shared_prefix_goes_where_it_is_cached_and_others_spread(dp):
     )
 
 
-def test_32_concurrent_streams_complete_and_equal_one_engine(dp, single):
+def test_32_concurrent_streams_complete_and_equal_one_engine(dp, single: LLM):
     client = dp["client"]
     num = 32
     prompts = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(num)]
@@ -143,8 +135,8 @@ def test_32_concurrent_streams_complete_and_equal_one_engine(dp, single):
         assert replica_figure(after, "generation_tokens_total", r) > replica_figure(
             before, "generation_tokens_total", r)
     assert after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] == 6 * num
-    expected = [single.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0,
-                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    expected = [o.outputs[0].text for o in single.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)]
     assert texts == expected
 
 

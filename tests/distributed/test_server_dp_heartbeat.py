@@ -46,11 +46,12 @@ def test_heartbeat_timeout_rejects_unusable_values(bad: object) -> None:
         check_heartbeat_timeout(bad)  # type: ignore[arg-type]
 
 
-def test_heartbeat_timeout_flag_needs_replicas(tmp_path: Path) -> None:
-    port = free_port()
-    proc = launch_server(["--port", str(port), "--replica-heartbeat-timeout", "3"], tmp_path / "log")
-    assert proc.wait(60) == 2
-    assert "--replica-heartbeat-timeout needs --data-parallel-size > 1" in (tmp_path / "log").read_text()
+def test_heartbeat_timeout_flag_needs_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before the model loads (in this process: the CLI's own exit status and message)."""
+    from pagedllm.entrypoints import cli
+
+    assert cli.main(["serve", "--port", str(free_port()), "--replica-heartbeat-timeout", "3"]) == 2
+    assert "--replica-heartbeat-timeout needs --data-parallel-size > 1" in capsys.readouterr().err
 
 
 class _Sink:

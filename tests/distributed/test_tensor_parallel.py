@@ -2,8 +2,12 @@
 
 Every engine here has ``tensor_parallel_size=2`` with one thread per rank:
 rank 0 is this test process, rank 1 a process it spawns. One
-tensor-parallel engine may live in a process at a time, so each test shuts
-its engine down (``with LLM(...)``) before the next starts.
+tensor-parallel engine may live in a process at a time. The tests that only
+generate and compare share one engine per configuration (``two_ranks``:
+consecutive tests asking for the same settings get the same engine, asked
+for other settings it shuts the engine down and starts the next); a test
+about start-up, shutdown or a failing rank starts its own (``two_ranks.own``,
+which shuts the shared one down first).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
 from pagedllm.distributed.group import DistributedError
+from pagedllm.distributed.launch import pin_rank, rank_threads
 from pagedllm.distributed.shard_plan import ShardPlan, split_evenly
 from pagedllm.loader import bundled_model_path, load_model_config
 
@@ -61,6 +66,61 @@ def _tp(path: str | None, size: int, **kwargs: object) -> LLM:
 
 def _tokens(outs: list) -> list[list[int]]:
     return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+class TwoRankEngines:
+    """The two-rank engines of this module, one alive at a time (one tensor-parallel group per process).
+
+    ``shared``: the engine of these settings, kept for the next test that asks for the same ones (a test
+    hands it back with no request unfinished and no KV block in use: checked when it is handed out again
+    and at the end). ``own``: a fresh engine the test shuts down itself (start-up, shutdown, a failing rank).
+    """
+
+    def __init__(self) -> None:
+        self._settings: tuple | None = None
+        self._llm: LLM | None = None
+
+    def shared(self, path: str | None, **kwargs: object) -> LLM:
+        """The shared engine of ``_tp(path, 2, **kwargs)``, started if the last one had other settings."""
+        settings = (path, sorted(kwargs.items()))
+        if self._llm is None or settings != self._settings:
+            self.close()
+            self._llm, self._settings = _tp(path, 2, **kwargs), settings
+        else:
+            self._check_idle(self._llm)
+            # _restore_threads put this process's thread pool back after the last test: rank 0's again
+            pin_rank(None, rank_threads(1, None, 2))
+        return self._llm
+
+    def own(self, path: str | None, **kwargs: object) -> LLM:
+        """A new engine of ``_tp(path, 2, **kwargs)`` for the caller alone (the shared one is shut down first)."""
+        self.close()
+        return _tp(path, 2, **kwargs)
+
+    def close(self) -> None:
+        """Shut the shared engine down (checking that it was left idle), if one is up."""
+        llm, self._llm, self._settings = self._llm, None, None
+        if llm is not None:
+            try:
+                self._check_idle(llm)
+            finally:
+                llm.shutdown()
+
+    @staticmethod
+    def _check_idle(llm: LLM) -> None:
+        engine = llm.llm_engine
+        if engine.has_unfinished_requests() or engine.block_manager.num_used_blocks:
+            raise AssertionError(f"a test left the shared engine busy: {engine.block_manager.num_used_blocks} "
+                                 "KV blocks in use")
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> Iterator[TwoRankEngines]:
+    """This module's two-rank engines; at its end the shared one is shut down and no worker process is left."""
+    engines = TwoRankEngines()
+    yield engines
+    engines.close()
+    assert multiprocessing.active_children() == []
 
 
 # --- the plan (no processes) ---------------------------------------------------------
@@ -176,8 +236,14 @@ def test_shm_all_reduce_checks_its_tensors(x: torch.Tensor, slots: torch.Tensor,
 # --- two ranks --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_two_ranks_equal_one_and_transformers(arch: str, tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
+# Qwen2's two-rank engine is also the shared-memory side of the gloo test (which runs next, on it): "shm"
+# named, where the other models take "auto" (which resolves to the same on one machine)
+TINY_SETTINGS = {"qwen2": {"all_reduce_backend": "shm"}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_tiny_models_two_ranks_equal_one_and_transformers(arch: str, tiny_model_dirs, hf_tiny,  # noqa: ANN001
+                                                          two_ranks: TwoRankEngines) -> None:
     """Llama, Qwen2 (q/k/v biases split with their rows) and Qwen3 (per-head q/k norms) over 2 ranks."""
     path = tiny_model_dirs[arch]
     one = _tp(path, 1, block_size=8)
@@ -185,11 +251,11 @@ def test_tiny_models_two_ranks_equal_one_and_transformers(arch: str, tiny_model_
     ids = [tok.encode(p) for p in PROMPTS]
     expected = _tokens(one.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False))
     whole = one.weight_bytes
-    with _tp(path, 2, block_size=8) as two:
-        got = _tokens(two.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False))
-        rank_bytes = two.llm_engine.model_runner.rank_bytes
-        # the parameter count is the whole model's, summed over the ranks (replicated norms once)
-        assert two.llm_engine.model_runner.num_params == one.llm_engine.model_runner.num_params
+    two = two_ranks.shared(path, block_size=8, **TINY_SETTINGS.get(arch, {}))
+    got = _tokens(two.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False))
+    rank_bytes = two.llm_engine.model_runner.rank_bytes
+    # the parameter count is the whole model's, summed over the ranks (replicated norms once)
+    assert two.llm_engine.model_runner.num_params == one.llm_engine.model_runner.num_params
     assert got == expected
     assert got == [hf_greedy(hf_tiny[arch], i, GREEDY.max_tokens) for i in ids]
     # each rank holds about half the weights (norms are replicated, tiny here): measured on each rank
@@ -199,32 +265,77 @@ def test_tiny_models_two_ranks_equal_one_and_transformers(arch: str, tiny_model_
     assert [kv for _, kv in rank_bytes] == [one.kv_cache_bytes // 2] * 2
 
 
-def test_gloo_and_shared_memory_all_reduce_give_the_same_tokens(tiny_model_dirs) -> None:  # noqa: ANN001
+def test_gloo_and_shared_memory_all_reduce_give_the_same_tokens(tiny_model_dirs,  # noqa: ANN001
+                                                               two_ranks: TwoRankEngines) -> None:
     """gloo (the process group) is the shared-memory path's oracle: same tokens, same logprobs to rounding."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     runs = {}
-    for backend in ("gloo", "shm"):
-        with _tp(tiny_model_dirs["qwen2"], 2, block_size=8, all_reduce_backend=backend) as two:
-            assert (two.llm_engine.model_runner.tp.shm is not None) == (backend == "shm")
-            runs[backend] = two.generate(PROMPTS, params, use_tqdm=False)
+    for backend in ("shm", "gloo"):  # "shm": the Qwen2 engine of the test above
+        two = two_ranks.shared(tiny_model_dirs["qwen2"], block_size=8, all_reduce_backend=backend)
+        assert (two.llm_engine.model_runner.tp.shm is not None) == (backend == "shm")
+        runs[backend] = two.generate(PROMPTS, params, use_tqdm=False)
     assert _tokens(runs["gloo"]) == _tokens(runs["shm"])
     for a, b in zip(runs["gloo"], runs["shm"]):
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
 
 
-def test_int4_weights_on_two_ranks_equal_one(tiny_model_dirs) -> None:  # noqa: ANN001
+def test_int4_weights_on_two_ranks_equal_one(tiny_model_dirs, two_ranks: TwoRankEngines) -> None:  # noqa: ANN001
     """Weight-only int4 in groups of 32, quantized by each rank from its slice: the shard boundaries fall on
     group boundaries, so the blocks are one process's blocks and so are the tokens."""
     path = tiny_model_dirs["llama"]
     one = _tp(path, 1, block_size=8, quantization="int4", quantization_group_size=32)
     expected = _tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False))
-    with _tp(path, 2, block_size=8, quantization="int4", quantization_group_size=32) as two:
-        assert two.llm_engine.model_runner.weight_format == "int4-g32"
-        got = _tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
-        weights = [w for w, _ in two.llm_engine.model_runner.rank_bytes]
+    two = two_ranks.shared(path, block_size=8, quantization="int4", quantization_group_size=32)
+    assert two.llm_engine.model_runner.weight_format == "int4-g32"
+    got = _tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
+    weights = [w for w, _ in two.llm_engine.model_runner.rank_bytes]
     assert got == expected
     assert all(0.4 * one.weight_bytes < w < 0.6 * one.weight_bytes for w in weights), (weights, one.weight_bytes)
+
+
+def test_a_q4_k_m_file_with_mixed_qkv_on_two_ranks(tiny_model_dirs: dict[str, str],
+                                                   tmp_path_factory: pytest.TempPathFactory,
+                                                   two_ranks: TwoRankEngines) -> None:
+    """A Q4_K_M-like file (Q4_K q/k, Q6_K v and down_proj) over 2 ranks: each rank holds its slices of the fused
+    q/k/v part by part in their types, and greedy tokens equal transformers' on the blocks' weights (float32
+    activations), or part from them at near-ties only (8-bit activations, each rank's slices interleaved)."""
+    from test_gguf_quantized import Q, _k_quant_model, write_quantized_gguf
+
+    hf = _k_quant_model("llama")
+    path = os.path.join(tmp_path_factory.mktemp("tp-k"), "tiny-Q4_K_M.gguf")
+    hf.load_state_dict(write_quantized_gguf(hf, "llama", Q.Q4_K, path,
+                                            {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K}))
+    prompts = [{"prompt_token_ids": [1, 400, 3000, 77, 12000, 5]}, {"prompt_token_ids": list(range(100, 140))}]
+    two = two_ranks.shared(path, tokenizer=tiny_model_dirs["llama"])
+    qkv = two.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.name == "gguf-q4_k+q4_k+q6_k" and qkv.out_features == (256 + 2 * 128) // 2
+    outs = two.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt["prompt_token_ids"], len(out.outputs[0].token_ids))
+    two = two_ranks.shared(path, tokenizer=tiny_model_dirs["llama"], gguf_activations="int8")
+    assert two.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.quant_method.name == (
+        "gguf-q4_k-x16+q4_k-x16+q6_k-x16")
+    outs = two.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_within_q8_noise(hf, prompt["prompt_token_ids"], out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e4m3"])
+def test_int8_kv_cache_on_two_ranks_equals_one(tiny_model_dirs, kv_cache_dtype: str,  # noqa: ANN001
+                                               two_ranks: TwoRankEngines) -> None:
+    """An int8 / fp8 / int4 cache's scales (and int4's rotation and fitted K/V transform) are per KV head, so a
+    rank's slice of the heads carries its own: each rank holds half the cache bytes of one process (the same
+    blocks, half the heads) and the tokens are one process's."""
+    path = tiny_model_dirs["llama"]
+    one = _tp(path, 1, block_size=8, kv_cache_dtype=kv_cache_dtype)
+    expected = _tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False))
+    one_bytes = one.llm_engine.model_runner.kv_cache_bytes
+    two = two_ranks.shared(path, block_size=8, kv_cache_dtype=kv_cache_dtype)
+    got = _tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
+    kv_bytes = [kv for _, kv in two.llm_engine.model_runner.rank_bytes]
+    assert got == expected
+    assert kv_bytes == [one_bytes // 2] * 2, (kv_bytes, one_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -234,22 +345,57 @@ def smollm_one() -> LLM:
                **FLOAT_ACTIVATIONS, **ONE_PROCESS_KV)
 
 
+# The float engine of the two tests below: 64-token steps as smollm_one's, and a pool of 20 blocks of 16 tokens,
+# too small for the preemption test's batch, ample for everything the other test runs (it checks that none
+# of its requests was preempted)
+SMALL_POOL = {"num_kv_blocks": 20, "block_size": 16, "max_num_batched_tokens": 64}
+
+
 def _long_prompt(llm: LLM) -> list[int]:
     text = " ".join(f"Item {i}: a short line about the number {i}." for i in range(12))
     return llm.get_tokenizer().encode(text)
 
 
-def test_bundled_model_two_ranks_on_8_bit_activations(hf_smollm) -> None:  # noqa: ANN001
+# The default activations for the bundled blocks, batch_invariant (on by default there, named for the
+# batch-invariance test) and no prefix caching (so that a needle among neighbours is computed again there)
+INT8_INVARIANT = {"gguf_activations": "int8", "batch_invariant": True, "enable_prefix_caching": False}
+
+
+def test_bundled_model_two_ranks_on_8_bit_activations(hf_smollm, two_ranks: TwoRankEngines) -> None:  # noqa: ANN001
     """The default for the bundled blocks on 2 ranks: each rank's slices are interleaved and multiplied on
-    int8 rows; greedy text is transformers' up to near-ties (conftest.assert_greedy_within_q8_noise)."""
-    with _tp(None, 2, gguf_activations="int8") as two:
-        outs = two.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
-        assert two.llm_engine.model_runner.model.lm_head.quant_method.name == "gguf-q8_0-x16"
+    int8 rows; greedy text is transformers' up to near-ties (conftest.assert_greedy_within_q8_noise).
+    The engine is the batch-invariance test's (no prefix caching, which three unrelated prompts never use)."""
+    two = two_ranks.shared(None, **INT8_INVARIANT)
+    outs = two.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    assert two.llm_engine.model_runner.model.lm_head.quant_method.name == "gguf-q8_0-x16"
     for out in outs:
         assert_greedy_within_q8_noise(hf_smollm, out.prompt_token_ids, out.outputs[0].token_ids)
 
 
-def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm) -> None:  # noqa: ANN001
+def test_two_ranks_keep_a_request_batch_invariant(two_ranks: TwoRankEngines) -> None:
+    """batch_invariant on two ranks, on the default 8-bit activations: a needle's tokens, logprobs and prompt
+    logprobs alone equal, bitwise, the same needle among neighbours and in 16-token chunks (each element of an
+    all-reduce is one addition of two ranks' values, the same bits in either order)."""
+    needle = {"prompt_token_ids": list(range(300, 350))}
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    neighbours = [{"prompt_token_ids": list(range(500 + 7 * i, 520 + 13 * i))} for i in range(5)]
+
+    def key(out) -> tuple:  # noqa: ANN001
+        c = out.outputs[0]
+        return (list(c.token_ids), [sorted(p.items()) for p in c.logprobs],
+                [None if p is None else sorted(p.items()) for p in out.prompt_logprobs])
+
+    two = two_ranks.shared(None, **INT8_INVARIANT)
+    assert two.llm_engine.resolved_config.batch_invariant is True
+    alone = key(two.generate([needle], params, use_tqdm=False)[0])
+    among = two.generate([*neighbours[:3], needle, *neighbours[3:]], params, use_tqdm=False)
+    assert key(among[3]) == alone
+    chunked = two_ranks.shared(None, **INT8_INVARIANT, max_num_batched_tokens=16)
+    assert key(chunked.generate([needle, *neighbours], params, use_tqdm=False)[0]) == alone
+
+
+def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm,  # noqa: ANN001
+                                          two_ranks: TwoRankEngines) -> None:
     """SmolLM2 (uneven heads: 6 + 3) over 2 ranks: greedy tokens equal transformers'; greedy, seeded n=3 (copy-on-write forks), beam search,
     prompt logprobs, a chunked long prompt and prefix-cache hits give what one process gives."""
     seeded = SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=7, max_tokens=12, logprobs=2)
@@ -268,16 +414,18 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm) -> None: 
         return greedy, _tokens(sampled), logprobs, long, prompt_lp, beams
 
     one = run(smollm_one)
-    with _tp(None, 2, max_num_batched_tokens=64) as two:
-        got = run(two)
-        # and transformers, on the prompts tests/test_correctness.py checks one process with
-        oracle_ids = [two.get_tokenizer().encode(t) for t in ORACLE_TEXTS]
-        oracle = _tokens(two.generate([{"prompt_token_ids": i} for i in oracle_ids],
-                                      SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False))
-        engine = two.llm_engine
-        assert engine.block_manager.num_used_blocks == 0
-        assert engine.block_manager.num_prefix_hits > 0
-        rank_bytes = engine.model_runner.rank_bytes
+    two = two_ranks.shared(None, **SMALL_POOL)
+    engine = two.llm_engine
+    preempted, prefix_hits = engine.scheduler.num_preemptions, engine.block_manager.num_prefix_hits
+    got = run(two)
+    # and transformers, on the prompts tests/test_correctness.py checks one process with
+    oracle_ids = [two.get_tokenizer().encode(t) for t in ORACLE_TEXTS]
+    oracle = _tokens(two.generate([{"prompt_token_ids": i} for i in oracle_ids],
+                                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False))
+    assert engine.scheduler.num_preemptions == preempted, "the pool was ample for these requests"
+    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_prefix_hits > prefix_hits
+    rank_bytes = engine.model_runner.rank_bytes
     # the GGUF blocks stay blocks on each rank (embedding included, split by vocabulary): about half each
     whole = smollm_one.weight_bytes
     assert all(0.4 * whole < w < 0.6 * whole for w, _ in rank_bytes), (rank_bytes, whole)
@@ -297,37 +445,40 @@ def test_bundled_model_two_ranks_equal_one(smollm_one: LLM, hf_smollm) -> None: 
         assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
 
 
-def test_preemption_on_two_ranks_gives_the_tokens_of_an_ample_pool(smollm_one: LLM) -> None:
+def test_preemption_on_two_ranks_gives_the_tokens_of_an_ample_pool(smollm_one: LLM,
+                                                                   two_ranks: TwoRankEngines) -> None:
     """A pool too small for the batch preempts and recomputes; the tokens stay those of one ample process.
     An abort mid-run frees its blocks and leaves the other request's tokens alone."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _tokens(smollm_one.generate(PROMPTS, params, use_tqdm=False))
-    # 20 blocks of 16 tokens: 4 sequences of ~48 tokens each need 16 at the end, so they take turns
-    with _tp(None, 2, num_kv_blocks=20, max_model_len=256, block_size=16) as two:
-        got = _tokens(two.generate(PROMPTS * 2, params, use_tqdm=False))
-        preempted = two.llm_engine.scheduler.num_preemptions
-        # abort mid-run: the aborted request's blocks return, the other finishes with its own tokens
-        engine = two.llm_engine
-        engine.add_request("keep", PROMPTS[0], params)
-        engine.add_request("drop", PROMPTS[1], params)
-        for _ in range(5):
-            engine.step()
-        engine.abort_request("drop")
-        finished = {}
-        while engine.has_unfinished_requests():
-            finished.update({o.request_id: o for o in engine.step() if o.finished})
-        assert list(finished) == ["keep"]
-        assert list(finished["keep"].outputs[0].token_ids) == expected[0]
-        assert engine.block_manager.num_used_blocks == 0
+    # 20 blocks of 16 tokens (SMALL_POOL): 4 sequences of ~48 tokens each need 16 at the end, so they take turns
+    two = two_ranks.shared(None, **SMALL_POOL)
+    engine = two.llm_engine
+    before = engine.scheduler.num_preemptions
+    got = _tokens(two.generate(PROMPTS * 2, params, use_tqdm=False))
+    preempted = engine.scheduler.num_preemptions - before
+    # abort mid-run: the aborted request's blocks return, the other finishes with its own tokens
+    engine.add_request("keep", PROMPTS[0], params)
+    engine.add_request("drop", PROMPTS[1], params)
+    for _ in range(5):
+        engine.step()
+    engine.abort_request("drop")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(finished) == ["keep"]
+    assert list(finished["keep"].outputs[0].token_ids) == expected[0]
+    assert engine.block_manager.num_used_blocks == 0
     assert preempted > 0
     assert got == expected * 2
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(how: signal.Signals) -> None:
+def test_a_dead_or_hung_worker_stops_the_engine_in_bounded_time(how: signal.Signals,
+                                                               two_ranks: TwoRankEngines) -> None:
     """SIGKILL: the all-reduce fails at once; SIGSTOP (a hang): after distributed_timeout_s. Either way the
     engine raises DistributedError, every later step too, and no child process is left."""
-    llm = _tp(None, 2, distributed_timeout_s=4, cpu_bind="0|1", max_model_len=1024)
+    llm = two_ranks.own(None, distributed_timeout_s=4, cpu_bind="0|1", max_model_len=1024)
     worker = llm.llm_engine.executor.workers.processes[0]
     # cpu_bind: each rank on its own core
     assert os.sched_getaffinity(0) == {0}
@@ -382,7 +533,8 @@ def test_two_torchrun_nodes_on_loopback_give_the_tokens_of_one_process(smollm_on
         assert f"\n{text}\n" in out0, out0
 
 
-def test_server_on_two_ranks_answers_then_reports_a_dead_worker(smollm_one: LLM) -> None:
+def test_server_on_two_ranks_answers_then_reports_a_dead_worker(smollm_one: LLM,
+                                                                two_ranks: TwoRankEngines) -> None:
     """The OpenAI server over a two-rank engine: the official client's answers equal one process's; a
     killed worker fails the request in flight with a 5xx and /health turns 503, never a hang."""
     import httpx
@@ -390,7 +542,7 @@ def test_server_on_two_ranks_answers_then_reports_a_dead_worker(smollm_one: LLM)
     from server_helpers import serve_in_thread
 
     expected = [o.outputs[0].text for o in smollm_one.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
-    llm = _tp(None, 2, distributed_timeout_s=4, max_model_len=1024)
+    llm = two_ranks.own(None, distributed_timeout_s=4, max_model_len=1024)
     try:
         with serve_in_thread(llm.llm_engine, model_name="tp") as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -437,68 +589,3 @@ def test_data_parallel_replicas_of_two_ranks_each(smollm_one: LLM, tmp_path: Pat
         stop_server(proc)
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert alive == [], log.read_text()
-
-
-def test_a_q4_k_m_file_with_mixed_qkv_on_two_ranks(tiny_model_dirs: dict[str, str],
-                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
-    """A Q4_K_M-like file (Q4_K q/k, Q6_K v and down_proj) over 2 ranks: each rank holds its slices of the fused
-    q/k/v part by part in their types, and greedy tokens equal transformers' on the blocks' weights (float32
-    activations), or part from them at near-ties only (8-bit activations, each rank's slices interleaved)."""
-    from test_gguf_quantized import Q, _k_quant_model, write_quantized_gguf
-
-    hf = _k_quant_model("llama")
-    path = os.path.join(tmp_path_factory.mktemp("tp-k"), "tiny-Q4_K_M.gguf")
-    hf.load_state_dict(write_quantized_gguf(hf, "llama", Q.Q4_K, path,
-                                            {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K}))
-    prompts = [{"prompt_token_ids": [1, 400, 3000, 77, 12000, 5]}, {"prompt_token_ids": list(range(100, 140))}]
-    with _tp(path, 2, tokenizer=tiny_model_dirs["llama"]) as two:
-        qkv = two.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-        assert qkv.quant_method.name == "gguf-q4_k+q4_k+q6_k" and qkv.out_features == (256 + 2 * 128) // 2
-        outs = two.generate(prompts, GREEDY, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt["prompt_token_ids"], len(out.outputs[0].token_ids))
-    with _tp(path, 2, tokenizer=tiny_model_dirs["llama"], gguf_activations="int8") as two:
-        assert two.llm_engine.model_runner.model.model.layers[0].self_attn.qkv_proj.quant_method.name == (
-            "gguf-q4_k-x16+q4_k-x16+q6_k-x16")
-        outs = two.generate(prompts, GREEDY, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert_greedy_within_q8_noise(hf, prompt["prompt_token_ids"], out.outputs[0].token_ids)
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_e4m3"])
-def test_int8_kv_cache_on_two_ranks_equals_one(tiny_model_dirs, kv_cache_dtype: str) -> None:  # noqa: ANN001
-    """An int8 / fp8 / int4 cache's scales (and int4's rotation and fitted K/V transform) are per KV head, so a
-    rank's slice of the heads carries its own: each rank holds half the cache bytes of one process (the same
-    blocks, half the heads) and the tokens are one process's."""
-    path = tiny_model_dirs["llama"]
-    one = _tp(path, 1, block_size=8, kv_cache_dtype=kv_cache_dtype)
-    expected = _tokens(one.generate(PROMPTS, GREEDY, use_tqdm=False))
-    one_bytes = one.llm_engine.model_runner.kv_cache_bytes
-    with _tp(path, 2, block_size=8, kv_cache_dtype=kv_cache_dtype) as two:
-        got = _tokens(two.generate(PROMPTS, GREEDY, use_tqdm=False))
-        kv_bytes = [kv for _, kv in two.llm_engine.model_runner.rank_bytes]
-    assert got == expected
-    assert kv_bytes == [one_bytes // 2] * 2, (kv_bytes, one_bytes)
-
-
-def test_two_ranks_keep_a_request_batch_invariant() -> None:
-    """batch_invariant on two ranks, on the default 8-bit activations: a needle's tokens, logprobs and prompt
-    logprobs alone equal, bitwise, the same needle among neighbours and in 16-token chunks (each element of an
-    all-reduce is one addition of two ranks' values, the same bits in either order)."""
-    needle = {"prompt_token_ids": list(range(300, 350))}
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5, ignore_eos=True)
-    neighbours = [{"prompt_token_ids": list(range(500 + 7 * i, 520 + 13 * i))} for i in range(5)]
-
-    def key(out) -> tuple:  # noqa: ANN001
-        c = out.outputs[0]
-        return (list(c.token_ids), [sorted(p.items()) for p in c.logprobs],
-                [None if p is None else sorted(p.items()) for p in out.prompt_logprobs])
-
-    with _tp(None, 2, gguf_activations="int8", batch_invariant=True, enable_prefix_caching=False) as two:
-        assert two.llm_engine.resolved_config.batch_invariant is True
-        alone = key(two.generate([needle], params, use_tqdm=False)[0])
-        among = two.generate([*neighbours[:3], needle, *neighbours[3:]], params, use_tqdm=False)
-        assert key(among[3]) == alone
-    with _tp(None, 2, gguf_activations="int8", batch_invariant=True, enable_prefix_caching=False,
-             max_num_batched_tokens=16) as chunked:
-        assert key(chunked.generate([needle, *neighbours], params, use_tqdm=False)[0]) == alone
