@@ -104,21 +104,28 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def _sampling_params(args: argparse.Namespace, model_defaults: GenerationDefaults) -> SamplingParams:
-    """The flags given, then the model's defaults for what they leave out, then the command's own."""
+def _given_sampling(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags given, validated: called before the model loads, so a bad value costs no load."""
     given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                     "max_tokens", "seed", "stop")
              if getattr(args, name) is not None}
-    params = model_defaults.apply(SamplingParams(n=args.n, ignore_eos=args.ignore_eos, **given))
+    return SamplingParams(n=args.n, ignore_eos=args.ignore_eos, **given)
+
+
+def _sampling_params(given: SamplingParams, args: argparse.Namespace,
+                     model_defaults: GenerationDefaults) -> SamplingParams:
+    """The flags given, then the model's defaults for what they leave out, then the command's own."""
+    params = model_defaults.apply(given)
     return with_defaults(params, {**_CLI_SAMPLING, "max_tokens": args.cli_max_tokens})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
+    given = _given_sampling(args)
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
-    params = _sampling_params(args, engine.generation_defaults)
+    params = _sampling_params(given, args, engine.generation_defaults)
     start = time.perf_counter()
     show_bar = len(args.prompts) > 1
     if args.chat:
@@ -157,9 +164,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.n != 1:
         raise ValueError("chat shows one reply per turn; --n must be 1")
+    given = _given_sampling(args)
     llm = LLM(args.model, **_engine_kwargs(args))
     engine = llm.llm_engine
-    params = _sampling_params(args, engine.generation_defaults)
+    params = _sampling_params(given, args, engine.generation_defaults)
     tokenizer = engine.tokenizer
     # a session decodes many replies: the decode step is traced (seconds) while the user types the first
     # message, as a server traces before its first request; joined before the first step

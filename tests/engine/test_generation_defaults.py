@@ -213,7 +213,7 @@ def test_the_command_line_and_env_use_the_models_defaults(model_dir: str, capsys
 def test_the_command_lines_sampling_is_its_flags_then_the_models_then_its_own() -> None:
     def params(flags: list[str], model: dict) -> SamplingParams:
         args = cli.build_parser().parse_args(["generate", "hi", *flags])
-        return cli._sampling_params(args, GenerationDefaults(model, "test"))
+        return cli._sampling_params(cli._given_sampling(args), args, GenerationDefaults(model, "test"))
 
     def fields(p: SamplingParams) -> tuple:
         return p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens
