@@ -147,13 +147,14 @@ def save_tiny_models(archs: tuple[str, ...], tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.fixture(scope="session")
-def llama_cpp_gguf(tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def llama_cpp_gguf(tiny_model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory,  # noqa: ANN201
+                   gguf_converter) -> object:  # noqa: ANN001
     """``(arch, outtype) -> path``: the tiny folder of ``arch`` (``tiny_model_dirs``) converted to GGUF by
     llama.cpp's own ``convert_hf_to_gguf.py`` (``--outtype f32`` / ``f16`` ...; tests/gguf_convert.py fetches
     the converter once into the pagedllm cache), each file converted once per session."""
     from gguf_convert import ConvertedModels
 
-    return ConvertedModels(tiny_model_dirs, tmp_path_factory.mktemp("llama-cpp-gguf"))
+    return ConvertedModels(tiny_model_dirs, tmp_path_factory.mktemp("llama-cpp-gguf"), gguf_converter)
 
 
 @pytest.fixture(scope="session")
@@ -276,3 +277,15 @@ def CapturingLLM(*args: object, **kwargs: object) -> LLM:  # noqa: N802 (stands 
     """
     kwargs.setdefault("capture_min_decode_steps", 0)
     return LLM(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def gguf_converter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One llama.cpp converter process for the session's conversions (``tests/gguf_convert.py``'s
+    ``ConverterProcess``: the files are byte for byte those of a process per file, without importing torch,
+    transformers and the converter again for each); ended with the session."""
+    from gguf_convert import ConverterProcess
+
+    converter = ConverterProcess(tmp_path_factory.mktemp("converter-logs"))
+    yield converter
+    converter.close()

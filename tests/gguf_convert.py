@@ -30,6 +30,15 @@ vocabulary under Qwen's rules, is one it knows), so it stops. For those
 folders the converter is started through a two-line wrapper that makes
 ``AutoTokenizer`` read ``tokenizer.json`` as saved, as it does for the
 Llama and Qwen3 folders. Weights and metadata are converted untouched.
+
+``convert`` runs the converter in a process of its own, as a user does.
+``ConverterProcess`` (the tests' session fixture ``gguf_converter``) runs
+it once per file in one long-lived process, the script executed as
+``__main__`` with each file's command line: most of a one-off run is
+importing torch, transformers and the converter, which that process does
+once. Its files are byte for byte the one-off runs' (checked when it was
+written, for Llama and Qwen2 folders in F32 and F16, in either order and
+after a failed run).
 """
 
 from __future__ import annotations
@@ -39,12 +48,15 @@ import fcntl
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
 import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from gguf import GGUFReader
 
 from pagedllm.cache_dir import cache_root
 
@@ -154,37 +166,134 @@ def _extract_parts(archive: Path, dest: Path) -> None:
         raise RuntimeError(f"{archive.name} lacks vendor/llama.cpp/{missing}")
 
 
+def _converter_env() -> dict[str, str]:
+    """The environment the converter runs in: its own ``gguf-py`` and dependencies first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    # the converter's own gguf-py first (it also puts it on sys.path itself, after the script's folder)
+    paths = (str(converter_dir() / "gguf-py"), str(converter_deps_dir()), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def _converter_args(model_dir: str, outtype: str, out_path: str) -> list[str]:
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
+    return [model_dir, "--outtype", outtype, "--outfile", out_path]
+
+
+def _reads_saved_tokenizer(model_dir: str) -> bool:
+    """Whether the converter must be made to read the folder's ``tokenizer.json`` as saved (module docstring)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("model_type") in _RETOKENIZED_MODEL_TYPES
+
+
 def convert(model_dir: str, outtype: str, out_path: str) -> str:
-    """Run llama.cpp's converter on the Hugging Face folder ``model_dir``; returns ``out_path``, the GGUF written.
+    """Run llama.cpp's converter on the Hugging Face folder ``model_dir`` in a process of its own; returns
+    ``out_path``, the GGUF written.
 
     RuntimeError with the converter's output when it fails.
     """
-    if outtype not in OUTTYPES:
-        raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
-    script = converter_dir() / "convert_hf_to_gguf.py"
-    env = dict(os.environ)
-    # the converter's own gguf-py first (it also puts it on sys.path itself, after the script's folder)
-    paths = (str(script.parent / "gguf-py"), str(converter_deps_dir()), env.get("PYTHONPATH"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    args = [str(script), model_dir, "--outtype", outtype, "--outfile", out_path]
-    with open(os.path.join(model_dir, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type in _RETOKENIZED_MODEL_TYPES:
+    args = [str(converter_dir() / "convert_hf_to_gguf.py"), *_converter_args(model_dir, outtype, out_path)]
+    if _reads_saved_tokenizer(model_dir):
         cmd = [sys.executable, "-c", _RUN_WITH_SAVED_TOKENIZER, *args]
     else:
         cmd = [sys.executable, *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_CONVERT_TIMEOUT_S)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_converter_env(), timeout=_CONVERT_TIMEOUT_S)
     if done.returncode != 0 or not os.path.isfile(out_path):
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir} (--outtype {outtype}):\n"
                            f"{done.stdout[-2000:]}{done.stderr[-6000:]}")
     return out_path
 
 
+# The worker of ConverterProcess: runs the converter script as __main__ once per job read from stdin (one JSON
+# line: its arguments, whether it reads the saved tokenizer, its log file) with the process's stdout and stderr
+# sent to the job's log, and answers one JSON line on the stdout it started with. The script's imports (torch,
+# transformers, the conversion package: most of a run's time) stay loaded between jobs.
+_WORKER = (
+    "import json, os, runpy, sys, traceback\n"
+    "from transformers import AutoTokenizer, PreTrainedTokenizerFast\n"
+    "script = sys.argv[1]\n"
+    "sys.path.insert(0, os.path.dirname(script))\n"
+    "own_from_pretrained = AutoTokenizer.__dict__['from_pretrained']\n"
+    "reply = os.fdopen(os.dup(1), 'w')\n"
+    "for line in iter(sys.stdin.readline, ''):\n"
+    "    job = json.loads(line)\n"
+    "    log = os.open(job['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n"
+    "    os.dup2(log, 1); os.dup2(log, 2); os.close(log)\n"
+    "    AutoTokenizer.from_pretrained = (PreTrainedTokenizerFast.from_pretrained if job['saved_tokenizer']\n"
+    "                                     else own_from_pretrained)\n"
+    "    sys.argv = [script, *job['args']]\n"
+    "    error = None\n"
+    "    try:\n"
+    "        runpy.run_path(script, run_name='__main__')\n"
+    "    except BaseException:\n"
+    "        error = traceback.format_exc()\n"
+    "    sys.stdout.flush(); sys.stderr.flush()\n"
+    "    reply.write(json.dumps({'error': error}) + '\\n'); reply.flush()\n"
+)
+
+
+class ConverterProcess:
+    """One converter process that converts many folders, one after another, for the life of this object.
+
+    Each conversion is the script run as ``__main__`` with its command line,
+    as ``convert`` runs it, in a process that keeps the script's imports
+    loaded: most of a one-off run is importing torch, transformers and the
+    converter. Started on first use; ``close`` ends it.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._proc: subprocess.Popen | None = None
+        self.num_jobs = 0
+
+    def _worker(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            script = str(converter_dir() / "convert_hf_to_gguf.py")
+            self._proc = subprocess.Popen([sys.executable, "-c", _WORKER, script], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, env=_converter_env())
+        return self._proc
+
+    def convert(self, model_dir: str, outtype: str, out_path: str) -> str:
+        """As ``convert``, in this object's process; returns ``out_path``."""
+        args = _converter_args(model_dir, outtype, out_path)
+        self.num_jobs += 1
+        log = self.log_dir / f"convert-{self.num_jobs}.log"
+        proc = self._worker()
+        job = {"args": args, "saved_tokenizer": _reads_saved_tokenizer(model_dir), "log": str(log)}
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], _CONVERT_TIMEOUT_S)
+        answer = proc.stdout.readline() if ready else ""
+        if not answer:  # timed out or died: a fresh process for the next job
+            self.close()
+        error = json.loads(answer)["error"] if answer else "the converter process ended or timed out"
+        if error is not None or not os.path.isfile(out_path):
+            output = log.read_text(errors="replace") if log.is_file() else ""
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {model_dir} (--outtype {outtype}):\n"
+                               f"{output[-6000:]}{error or ''}")
+        return out_path
+
+    def close(self) -> None:
+        """End the process (it exits at the end of its input)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
 class ConvertedModels:
     """GGUF files converted from tiny checkpoints, once per (name, outtype) for the life of this object."""
 
-    def __init__(self, model_dirs: dict[str, str], out_dir: Path) -> None:
+    def __init__(self, model_dirs: dict[str, str], out_dir: Path, converter: ConverterProcess | None = None) -> None:
         self.model_dirs, self.out_dir = model_dirs, out_dir
+        self.converter = converter  # None: a process per file (``convert``)
         self.files: dict[tuple[str, str], str] = {}
 
     def __call__(self, name: str, outtype: str) -> str:
@@ -192,6 +301,20 @@ class ConvertedModels:
         key = (name, outtype)
         if key not in self.files:
             out = self.out_dir / f"{name}-{outtype}.gguf"
-            self.files[key] = convert(self.model_dirs[name], outtype, str(out))
+            run = convert if self.converter is None else self.converter.convert
+            self.files[key] = run(self.model_dirs[name], outtype, str(out))
         return self.files[key]
 
+
+
+def read_gguf(path: str) -> GGUFReader:
+    """gguf's ``GGUFReader`` of ``path`` with its metadata parsed by pagedllm's ``struct`` loop (``gguf_loader._Reader``).
+
+    gguf's own parse of a 49k vocabulary and its merges takes seconds per
+    file; this one a tenth of one, and it reads what gguf reads
+    (``tests/engine/test_tokenizer_cache.py`` compares the two on the
+    bundled file). The tensors are gguf's own.
+    """
+    from pagedllm.loader.gguf_loader import _Reader
+
+    return _Reader(path)

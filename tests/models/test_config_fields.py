@@ -93,15 +93,14 @@ def test_llama_mlp_bias_and_attention_bias_match_transformers(biased_llama_dir: 
 @pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)
 @pytest.mark.parametrize("outtype", ["f32", "f16"])
 def test_biased_llama_converter_gguf_matches_transformers(
-    outtype: str, biased_llama_dir: str, tmp_path_factory,  # noqa: ANN001
+    outtype: str, biased_llama_dir: str, tmp_path_factory, gguf_converter,  # noqa: ANN001
 ) -> None:
     """llama.cpp's converter writes the seven biases (ffn_gate/up/down.bias, attn_q/k/v/output.bias; q and k
     bias rows RoPE-permuted as their weights): transformers' tokens and logprobs on float32 activations."""
-    from gguf import GGUFReader
-    from gguf_convert import convert
+    from gguf_convert import read_gguf
 
-    path = convert(biased_llama_dir, outtype, str(tmp_path_factory.mktemp("biased-gguf") / f"llama-{outtype}.gguf"))
-    names = {t.name for t in GGUFReader(path).tensors}
+    path = gguf_converter.convert(biased_llama_dir, outtype, str(tmp_path_factory.mktemp("biased-gguf") / f"llama-{outtype}.gguf"))
+    names = {t.name for t in read_gguf(path).tensors}
     assert {f"blk.0.{n}.bias" for n in ("ffn_gate", "ffn_up", "ffn_down", "attn_q", "attn_output")} <= names
     cfg = load_model_config(path)
     assert cfg.mlp_bias and cfg.attention_bias
@@ -206,14 +205,14 @@ def test_a_qwen3_moe_config_is_refused_as_a_mixture_of_experts() -> None:
 
 
 @pytest.mark.slow  # converts the checkpoint in a subprocess
-def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir: str, tmp_path_factory) -> None:  # noqa: ANN001
+def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir: str, tmp_path_factory,  # noqa: ANN001
+                                                                     gguf_converter) -> None:  # noqa: ANN001
     """llama.cpp writes Mixtral as architecture 'llama' with llama.expert_count and ffn_*_exps tensors: the error
     is the mixture of experts, not the first tensor without a name here."""
-    from gguf import GGUFReader
-    from gguf_convert import convert
+    from gguf_convert import read_gguf
 
-    path = convert(mixtral_dir, "f16", str(tmp_path_factory.mktemp("mixtral-gguf") / "mixtral-f16.gguf"))
-    assert "blk.0.ffn_gate_exps.weight" in {t.name for t in GGUFReader(path).tensors}
+    path = gguf_converter.convert(mixtral_dir, "f16", str(tmp_path_factory.mktemp("mixtral-gguf") / "mixtral-f16.gguf"))
+    assert "blk.0.ffn_gate_exps.weight" in {t.name for t in read_gguf(path).tensors}
     assert load_model_config(path).num_experts == 4
     with pytest.raises(ValueError, match=r"architecture 'llama' with 4 experts is a mixture of experts: "
                                          r"mixture-of-experts models are not supported yet; supported: \[.*'llama'"):

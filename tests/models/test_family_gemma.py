@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CapturingLLM, hf_greedy
-from gguf import GGUFReader
+from gguf_convert import read_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.loader import load_model_config
@@ -105,7 +105,7 @@ def _hf(folder: str, gguf_path: str | None = None, **overrides: object):  # noqa
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
                                               **overrides).eval()
-    if gguf_path is not None and any(t.tensor_type.name == "F16" for t in GGUFReader(gguf_path).tensors):
+    if gguf_path is not None and any(t.tensor_type.name == "F16" for t in read_gguf(gguf_path).tensors):
         with torch.no_grad():
             for p in hf.parameters():
                 if p.dim() == 2:  # the converter writes matrices in the outtype, vectors in F32
@@ -262,7 +262,7 @@ def _with_sentencepiece_tokenizer(folder: str, dest: str) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf(gemma_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def gemma_gguf(gemma_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory, gguf_converter):  # noqa: ANN001, ANN201
     """``(arch, outtype) -> path``, converted once each; ``.expected_ids``: the Gemma 2 tokenizer's ids of
     TOKENIZER_TEXTS."""
     from gguf_convert import ConvertedModels
@@ -270,7 +270,7 @@ def gemma_gguf(gemma_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFact
     tmp = tmp_path_factory.mktemp("gemma-gguf")
     folders = dict(gemma_dirs)
     folders["gemma2"] = str(tmp / "gemma2-spm")
-    converted = ConvertedModels(folders, tmp)
+    converted = ConvertedModels(folders, tmp, gguf_converter)
     converted.expected_ids = _with_sentencepiece_tokenizer(gemma_dirs["gemma2"], folders["gemma2"])
     return converted
 
@@ -279,7 +279,7 @@ def _norm_offsets(path: str, folder: str) -> float:
     """Largest ``|file - (1 + folder)|`` over the norm weights: the converter's convention, checked on the file."""
     from safetensors.torch import load_file
 
-    stored = {t.name: np.asarray(t.data, np.float32) for t in GGUFReader(path).tensors if t.name.endswith("norm.weight")}
+    stored = {t.name: np.asarray(t.data, np.float32) for t in read_gguf(path).tensors if t.name.endswith("norm.weight")}
     weights = load_file(os.path.join(folder, "model.safetensors"))
     pairs = [("output_norm.weight", "model.norm.weight"), ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
              ("blk.0.ffn_norm.weight", "model.layers.0.pre_feedforward_layernorm.weight"),

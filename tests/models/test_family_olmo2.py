@@ -192,12 +192,11 @@ def test_olmo2_blocks_refuse_what_they_cannot_compute() -> None:
 
 @pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)
 @pytest.mark.parametrize("outtype", ["f32", "f16"])
-def test_olmo2_converter_gguf_matches_transformers(outtype: str, olmo2_dir: str, tmp_path_factory) -> None:  # noqa: ANN001
+def test_olmo2_converter_gguf_matches_transformers(outtype: str, olmo2_dir: str, tmp_path_factory,  # noqa: ANN001
+                                                  gguf_converter) -> None:  # noqa: ANN001
     """llama.cpp's converter writes OLMo 2 as architecture 'olmo2' (q/k rows unpermuted, post_attention_norm,
     post_ffw_norm, whole-projection q/k norms): transformers' tokens and logprobs on float32 activations."""
-    from gguf_convert import convert
-
-    path = convert(olmo2_dir, outtype, str(tmp_path_factory.mktemp("olmo2-gguf") / f"olmo2-{outtype}.gguf"))
+    path = gguf_converter.convert(olmo2_dir, outtype, str(tmp_path_factory.mktemp("olmo2-gguf") / f"olmo2-{outtype}.gguf"))
     cfg = load_model_config(path)
     assert (cfg.architecture, cfg.qk_norm, cfg.checkpoint_format) == ("olmo2", True, "gguf")
     assert cfg.rms_norm_eps == pytest.approx(1e-5)

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import hf_greedy
-from gguf import GGUFReader
+from gguf_convert import read_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.rotary import rope_parameters
@@ -103,7 +103,7 @@ def _hf(path: str, gguf_path: str | None = None, long_only: bool = False):  # no
         config.rope_parameters = {**config.rope_parameters, "short_factor": config.rope_parameters["long_factor"]}
     hf = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     if gguf_path is not None:
-        matrix_types = {t.tensor_type.name for t in GGUFReader(gguf_path).tensors if len(t.shape) == 2}
+        matrix_types = {t.tensor_type.name for t in read_gguf(gguf_path).tensors if len(t.shape) == 2}
         assert len(matrix_types) == 1, matrix_types
         if matrix_types == {"F16"}:
             with torch.no_grad():
@@ -215,12 +215,12 @@ def test_phi3_bad_configs_are_refused() -> None:
 
 
 @pytest.mark.slow  # converts the checkpoints in subprocesses (seconds each), fetches the converter once
-def test_phi3_converted_gguf_match_transformers(phi3_dirs: dict[str, str], tmp_path_factory) -> None:  # noqa: ANN001
+def test_phi3_converted_gguf_match_transformers(phi3_dirs: dict[str, str], tmp_path_factory, gguf_converter) -> None:  # noqa: ANN001
     """llama.cpp's converter's F32 and F16 files of both checkpoints (attn_qkv, ffn_up, rope_factors_short/long,
     attn_factor, rope.dimension_count, sliding_window): transformers' tokens and logprobs on the file's weights."""
     from gguf_convert import ConvertedModels
 
-    converted = ConvertedModels(phi3_dirs, tmp_path_factory.mktemp("phi3-gguf"))
+    converted = ConvertedModels(phi3_dirs, tmp_path_factory.mktemp("phi3-gguf"), gguf_converter)
     folder_configs = {name: load_model_config(path) for name, path in phi3_dirs.items()}
     prompts = _prompts([100], seed=9)
     for name in ("phi35", "phi4mini"):

@@ -167,11 +167,11 @@ def test_folder_matches_transformers_captured_and_torch(arch: str, smolgran_dirs
 
 
 @pytest.fixture(scope="session")
-def smolgran_gguf(smolgran_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def smolgran_gguf(smolgran_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory, gguf_converter):  # noqa: ANN001, ANN201
     """``(arch, outtype) -> path``: the folder converted by llama.cpp's converter, once per session."""
     from gguf_convert import ConvertedModels
 
-    return ConvertedModels(smolgran_dirs, tmp_path_factory.mktemp("smolgran-gguf"))
+    return ConvertedModels(smolgran_dirs, tmp_path_factory.mktemp("smolgran-gguf"), gguf_converter)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
-from gguf import GGUFReader
+from gguf_convert import read_gguf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.rotary import rope_parameters
@@ -59,7 +59,7 @@ def _hf_as_stored(path: str, gguf_path: str, rope: dict | None = None):  # noqa:
     if rope is not None:
         config.rope_parameters = rope
     hf = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
-    types = {(len(t.shape), t.tensor_type.name) for t in GGUFReader(gguf_path).tensors}
+    types = {(len(t.shape), t.tensor_type.name) for t in read_gguf(gguf_path).tensors}
     matrix_types = {name for dims, name in types if dims == 2}
     assert {name for dims, name in types if dims == 1} == {"F32"} and len(matrix_types) == 1, types
     if matrix_types == {"F16"}:
@@ -125,7 +125,7 @@ def test_llama31_gguf_rope_freqs_match_transformers_llama3_scaling(
     path = llama_cpp_gguf("llama3", outtype)
     folder = tiny_model_dirs["llama3"]
     cfg = load_model_config(path)
-    stored = next(t for t in GGUFReader(path).tensors if t.name == "rope_freqs.weight")
+    stored = next(t for t in read_gguf(path).tensors if t.name == "rope_freqs.weight")
     assert cfg.rope_scaling is None  # the converter writes no rope.scaling.* key for llama3
     assert cfg.rope_freq_factors == tuple(float(v) for v in np.asarray(stored.data, np.float32))
     assert max(cfg.rope_freq_factors) == 8.0 and min(cfg.rope_freq_factors) == 1.0  # scaled, kept and between

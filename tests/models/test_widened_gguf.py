@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader
+from gguf_convert import read_gguf
 
 from pagedllm import LLM, SamplingParams
 
@@ -35,10 +35,10 @@ def test_the_widened_bundled_model_has_a_1b_shape_and_computes_the_same_function
     out = tmp_path / "wide.gguf"
     num_params = widen_gguf.widen(Path(smollm_path), out)
     assert 1.05e9 < num_params < 1.2e9
-    fields = GGUFReader(out).fields
+    fields = read_gguf(out).fields
     assert int(fields["llama.embedding_length"].contents()) == widen_gguf.HIDDEN
     assert int(fields["llama.attention.head_count_kv"].contents()) == widen_gguf.NUM_KV_HEADS
-    assert fields["tokenizer.chat_template"].contents() == GGUFReader(smollm_path).fields["tokenizer.chat_template"].contents()
+    assert fields["tokenizer.chat_template"].contents() == read_gguf(smollm_path).fields["tokenizer.chat_template"].contents()
 
     want_tokens, want_logprobs = _greedy_with_prompt_logprobs(smollm_path)
     tokens, logprobs = _greedy_with_prompt_logprobs(str(out))
