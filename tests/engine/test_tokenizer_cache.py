@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from pagedllm.loader import gguf_loader
 from pagedllm.loader import tokenizer as tokenizer_module
@@ -52,8 +51,9 @@ def converting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def converted(smollm_path: str):  # noqa: ANN201
-    return AutoTokenizer.from_pretrained(os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path))
+def converted(smollm_tokenizer):  # noqa: ANN001, ANN201
+    """transformers' conversion of the bundled file's metadata (the oracle): conftest's session-wide one."""
+    return smollm_tokenizer
 
 
 def _assert_same(tok: Tokenizer, converted) -> None:  # noqa: ANN001

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import pytest
-from transformers import AutoTokenizer
 
 from pagedllm.entrypoints.openai.tokenizer_worker import (
     SHORT_IDS,
@@ -26,8 +24,9 @@ SENTENCE = "Ünïcödé text, 中文 and code: def f(x): return x ** 2\n"
 
 
 @pytest.fixture(scope="module")
-def hf_tok(smollm_path: str):  # noqa: ANN201
-    return AutoTokenizer.from_pretrained(os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path))
+def hf_tok(smollm_tokenizer):  # noqa: ANN001, ANN201
+    """transformers' conversion of the bundled GGUF's tokenizer: conftest's session-wide one (converted once)."""
+    return smollm_tokenizer
 
 
 @pytest.fixture(scope="module")
