@@ -9,6 +9,8 @@ and grow when a step needs more room:
     seq_index        [0 0 0 0 0 1 2]           np.repeat(arange(num_seqs), num_new)
     positions        [0 1 2 3 4 9 4]           num_computed[seq_index] + (j - query_start_loc[seq_index])
     slots            block_tables[seq_index, positions // B] * B + positions % B
+    RoPE rows        positions; a longrope model's: + original length where the token takes the long
+                     factors (``rope_rows``, ``layers/rotary.py``'s ``longrope_rows``)
 
 The slot formula is ``block_table.batch_slot_mapping``, the one place it is
 written. The tensors handed out share memory with the buffers (on the CPU),
