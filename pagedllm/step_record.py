@@ -140,6 +140,9 @@ class SequenceStep(NamedTuple):
     # speculative decoding's verify step: the last ``num_draft_tokens`` tokens are drafts; every new
     # token's logits are sampled, ``uniforms`` holds one per draft and one for the token after them
     num_draft_tokens: int = 0
+    # the sequence's prompt length: a longrope model rotates every token of a longer-than-original prompt's
+    # sequence with its long factors (layers/rotary.py's longrope_rows)
+    num_prompt_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -23,7 +23,12 @@ makes take-back and eviction O(1), the heap makes a pop O(log n).
 
 A block's hash chains the hash of the block before it with the block's token
 ids, so a hit on block ``i`` means the whole prefix up to it matches; a hit
-still compares the stored token ids to rule out hash collisions.
+still compares the stored token ids to rule out hash collisions. The first
+block's parent is ``_NO_PARENT``, but for a longrope model's sequences whose
+prompt is longer than its original length (``longrope_switch_len``): their
+keys are rotated with the long factors at every position
+(``layers/rotary.py``), so their chain starts from ``_LONG_ROPE_PARENT`` and
+never meets a shorter prompt's blocks of the same tokens.
 
 Copy-on-write. ``fork`` makes a second block table point at the same blocks
 (ref counts go up). Before a sequence writes a token into a block whose ref
@@ -52,6 +57,7 @@ import xxhash
 from pagedllm.engine.sequence import Sequence
 
 _NO_PARENT = 0
+_LONG_ROPE_PARENT = 1  # the chain of a longrope model's long-prompt sequences (see the module docstring)
 
 
 def _check_max_new(max_num_new_tokens: int | None) -> None:
@@ -67,14 +73,14 @@ def hash_block(parent_hash: int, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
-def extend_block_hashes(hashes: list[int], blocks: Iterable[Sequence_[int]]) -> list[int]:
+def extend_block_hashes(hashes: list[int], blocks: Iterable[Sequence_[int]], root: int = _NO_PARENT) -> list[int]:
     """Extend the hash chain ``hashes`` (in place) by one hash per full block of token ids; returns it.
 
-    The prefix cache's chain: the first block's parent is ``_NO_PARENT``.
+    The prefix cache's chain: the first block's parent is ``root`` (``_NO_PARENT``, or ``_LONG_ROPE_PARENT``).
     The data-parallel router calls it on prompts in the server process.
     """
     for tokens in blocks:
-        hashes.append(hash_block(hashes[-1] if hashes else _NO_PARENT, list(tokens)))
+        hashes.append(hash_block(hashes[-1] if hashes else root, list(tokens)))
     return hashes
 
 
@@ -85,15 +91,21 @@ class BlockManager:
         num_blocks: blocks in the pool (the cache tensor's first dimension).
         block_size: token slots per block.
         enable_prefix_caching: reuse full blocks whose chained hash matches.
+        longrope_switch_len: the model's longrope original length (``ModelArchConfig.longrope_switch_len``):
+            sequences with longer prompts hash from their own root; None: every sequence from one.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        longrope_switch_len: int | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
         # block_size is EngineConfig's, checked there
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.longrope_switch_len = longrope_switch_len
         # Free blocks (ref count 0): those holding nothing, lowest id first (already a heap),
         # and those holding a cached hash, least recently freed first.
         self._empty: list[int] = list(range(num_blocks))
@@ -144,7 +156,9 @@ class BlockManager:
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """Chained hashes of the first ``num_full_blocks`` blocks (memoised on seq)."""
         hashes = seq.block_hashes
-        extend_block_hashes(hashes, (seq.block_tokens(i) for i in range(len(hashes), num_full_blocks)))
+        switch = self.longrope_switch_len
+        root = _LONG_ROPE_PARENT if switch is not None and seq.num_prompt_tokens > switch else _NO_PARENT
+        extend_block_hashes(hashes, (seq.block_tokens(i) for i in range(len(hashes), num_full_blocks)), root)
         return hashes[:num_full_blocks]
 
     def _lookup_prefix(self, seq: Sequence) -> list[int]:

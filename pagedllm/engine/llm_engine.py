@@ -129,7 +129,9 @@ class LLMEngine:
         if config.kv_allocator == "contiguous":
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
-            self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+            # a longrope model's long prompts rotate their keys their own way: their own prefix-cache chain
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
+                                              self.model_config.longrope_switch_len)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
         self.step_times = StepTimeModel()

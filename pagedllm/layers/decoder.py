@@ -274,7 +274,11 @@ class CausalLM(NativeOpsMixin, nn.Module):
         kv_caches: list[KvCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        """Hidden states after the final norm for the step's tokens."""
+        """Hidden states after the final norm for the step's tokens.
+
+        ``positions`` index the RoPE tables, and nothing else: the tokens' positions, but for a longrope model
+        whose tables hold short and long rows, each token's row (``layers/rotary.py``'s ``longrope_rows``).
+        """
         x = self.model.embed(input_ids)
         tables = self.model.rotary.cos_sin(positions, x.dtype)  # looked up once per step for all layers
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -12,14 +12,20 @@ cannot hold is decided here, per type:
   unscaled ones. The table covers positions ``< max_position_embeddings``
   only, and the engine refuses ``max_model_len`` above it, so every position
   pagedllm can reach gets transformers' frequencies exactly.
-* ``longrope``: transformers takes ``short_factor`` while a sequence is at
-  most ``original_max_position_embeddings`` long and ``long_factor`` beyond
-  (Phi-3's ``generate`` recomputes the whole cache when a sequence crosses).
-  A paged KV cache holds one rotation per position, shared by prefix hits,
-  so the table takes one set: ``long_factor`` when the model's positions go
-  past the original length (what transformers computes for every sequence
-  longer than it), ``short_factor`` otherwise. Shorter sequences of such a
-  model then differ from transformers'; a warning says so at load.
+* ``longrope``: transformers takes ``short_factor`` for a forward whose
+  largest position + 1 is at most ``original_max_position_embeddings``, and
+  ``long_factor`` beyond, with one attention factor for both; the keys it
+  has cached keep the rotation they were computed with. So a sequence's
+  prompt (one forward) takes the long factors at every position when it is
+  longer than the original length, the short ones otherwise, and each later
+  token the long ones once its position reaches the original length. Such a
+  model's table holds both sets, ``[short rows of positions 0 ..
+  original-1; long rows of positions 0 .. max-1]``, and each token looks up
+  its own row (``longrope_rows``: its position, plus the original length
+  when it takes the long factors), so a batch mixing short and long
+  sequences gives each its own. (Phi-3's ``generate`` in transformers also
+  recomputes a sequence's whole cache once it crosses the original length;
+  its model, with its cache, does not: pagedllm is the model.)
 
 A partial rotation (``partial_rotary_factor`` below 1: Phi-4-mini's 0.75)
 rotates the first ``int(head_dim * partial_rotary_factor)`` dimensions of
@@ -38,20 +44,18 @@ other non-linear one) beside them would scale twice, and is refused.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.loader.model_config import check_rope_type, rope_type_of
+from pagedllm.loader.model_config import check_rope_type, longrope_switch_len, rope_type_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
-
-logger = logging.getLogger(__name__)
 
 def _transformers_config(
     head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None
@@ -76,7 +80,7 @@ def _transformers_config(
 
 def rope_parameters(
     head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None,
-    freq_factors: tuple[float, ...] = (), partial_rotary_factor: float = 1.0,
+    freq_factors: tuple[float, ...] = (), partial_rotary_factor: float = 1.0, long_factors: bool = False,
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``[rotary_dim // 2]`` (float32, CPU) and the factor cos and sin are scaled by.
 
@@ -84,6 +88,8 @@ def rope_parameters(
     longrope derive a missing ``factor`` from it, dynamic its threshold).
     Computed by transformers' ``ROPE_INIT_FUNCTIONS[rope_type]``; see the
     module docstring for the choices made for ``dynamic`` and ``longrope``.
+    ``long_factors``: longrope's long set (transformers' for a sequence
+    longer than the original length), else its short one; other types ignore it.
     ``freq_factors`` (a GGUF file's ``rope_freqs``, empty: none) divide the
     frequencies one by one afterwards. ``partial_rotary_factor``: the part
     of the head rotated (``rotary_dim = int(head_dim * factor)``, as
@@ -106,7 +112,8 @@ def rope_parameters(
         else:
             if partial_rotary_factor != 1.0:
                 scaling = {**(scaling or {}), "partial_rotary_factor": partial_rotary_factor}
-            inv_freq, attention_factor = _scaled_parameters(kind, head_dim, max_position, theta, scaling)
+            inv_freq, attention_factor = _scaled_parameters(kind, head_dim, max_position, theta, scaling,
+                                                            long_factors)
     if inv_freq.shape != (dim // 2,):
         raise ValueError(
             f"RoPE {kind!r} gives {inv_freq.numel()} frequencies where {dim} rotated dimensions of a head of "
@@ -148,7 +155,8 @@ def _check_freq_factors(freq_factors: tuple[float, ...], head_dim: int, kind: st
 
 
 def _scaled_parameters(
-    kind: str, head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None
+    kind: str, head_dim: int, max_position: int, theta: float, scaling: Mapping[str, Any] | None,
+    long_factors: bool,
 ) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -157,19 +165,29 @@ def _scaled_parameters(
     try:
         config = _transformers_config(head_dim, max_position, theta, scaling)
         seq_len = None
-        if kind == "longrope":
-            original = config.rope_parameters["original_max_position_embeddings"]
-            if max_position > original:
-                # one rotation per position (see the module docstring): the long factors, transformers'
-                # choice for every sequence longer than the original length
-                seq_len = original + 1
-                logger.warning(
-                    "longrope RoPE: every position uses long_factor; transformers uses short_factor for "
-                    "sequences of at most %d tokens, so outputs of those differ from transformers'", original,
-                )
+        if kind == "longrope" and long_factors:
+            # the length transformers' dynamic update passes for the long set (any length past the original)
+            seq_len = config.rope_parameters["original_max_position_embeddings"] + 1
         return ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"), seq_len=seq_len)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"bad RoPE scaling parameters for rope_type {kind!r} ({dict(scaling or {})}): {e}") from e
+
+
+def longrope_rows(positions: np.ndarray, num_prompt_tokens: np.ndarray, switch_len: int) -> np.ndarray:
+    """Each token's row of a two-set longrope table (``RotaryEmbedding``): ``[num_tokens]`` int64.
+
+    ``positions`` ``[num_tokens]``; ``num_prompt_tokens`` ``[num_tokens]``:
+    the prompt length of each token's sequence; ``switch_len``: the original
+    length (``longrope_switch_len``). A token takes the long factors (row
+    ``switch_len + position``) when its sequence's prompt is longer than
+    ``switch_len`` (the prompt's forward, and everything after it, is long)
+    or its own position + 1 is (the forward that computes it reaches past
+    the original length); else the short ones (row ``position``). Decided
+    per token, so chunked prefill, preemption and speculative verify steps
+    rotate each token as one plain decoding would.
+    """
+    long = (positions >= switch_len) | (num_prompt_tokens > switch_len)
+    return positions + switch_len * long
 
 
 class RotaryEmbedding(nn.Module):
@@ -190,7 +208,8 @@ class RotaryEmbedding(nn.Module):
     GGUF file's ``rope_freqs`` divisors (see the module docstring).
     ``partial_rotary_factor``: the part of each head rotated; the tables
     then have ``rotary_dim`` columns, and ``apply_partial`` rotates the
-    first ``rotary_dim`` dimensions of a head.
+    first ``rotary_dim`` dimensions of a head. ``switch_len``: where a
+    longrope table's long rows start (None: one set; module docstring).
     """
 
     def __init__(
@@ -200,37 +219,60 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.settings = (head_dim, max_position, theta, scaling, tuple(freq_factors), partial_rotary_factor)
         self.rotary_dim = rotary_dim(head_dim, partial_rotary_factor)
+        # longrope whose positions pass the original length: the table holds both sets (module docstring)
+        self.switch_len = longrope_switch_len(scaling, max_position)
         # computed here so that bad parameters fail at load, and again by build_tables (cheap): the
         # frequencies are not kept, so no cast of the model rounds them and the weights hold only the tables
         rope_parameters(*self.settings)
-        self.register_buffer("cos", torch.empty(max_position, self.rotary_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_position, self.rotary_dim), persistent=False)
+        if self.switch_len is not None:
+            rope_parameters(*self.settings, long_factors=True)
+        num_rows = self._num_rows(max_position)
+        self.register_buffer("cos", torch.empty(num_rows, self.rotary_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(num_rows, self.rotary_dim), persistent=False)
         if self.cos.device.type != "meta":  # a model built on the meta device builds its tables once loaded
             self.build_tables()
+
+    def _num_rows(self, num_positions: int) -> int:
+        """Rows of a table of ``num_positions`` positions: one set, or a longrope model's short rows of the
+        positions below the original length before its long rows of all of them."""
+        if self.switch_len is None or num_positions <= self.switch_len:
+            return num_positions  # no sequence passes the original length: the short set alone
+        return self.switch_len + num_positions
 
     def build_tables(self, num_positions: int | None = None) -> None:
         """Fill the cos/sin tables (again after a model built on the meta device).
 
-        ``num_positions``: the rows to build, the engine's ``max_model_len`` (no position reaches it), where
-        that is fewer than ``max_position``: a 128k-position table of head size 128 is 134 MB of float32
-        that a 4k-token engine never reads. The frequencies stay the model's (``settings``).
+        ``num_positions``: the positions to build, the engine's ``max_model_len`` (no position reaches it),
+        where that is fewer than ``max_position``: a 128k-position table of head size 128 is 134 MB of float32
+        that a 4k-token engine never reads. The frequencies stay the model's (``settings``). A longrope
+        table takes its short rows first, its long rows after (``longrope_rows``).
         """
-        max_position, dim = self.settings[1], self.rotary_dim
+        max_position = self.settings[1]
         if num_positions is not None:
             if num_positions < 1:
                 raise ValueError(f"a RoPE table needs at least one position, got num_positions={num_positions}")
             max_position = min(max_position, num_positions)
-        inv_freq, attention_factor = rope_parameters(*self.settings)
+        num_short = max_position if self.switch_len is None else min(max_position, self.switch_len)
+        cos, sin = self._rows(num_short, long_factors=False)
+        if self._num_rows(max_position) > max_position:  # the long rows, after the short ones
+            long_cos, long_sin = self._rows(max_position, long_factors=True)
+            cos, sin = torch.cat([cos, long_cos]), torch.cat([sin, long_sin])
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+
+    def _rows(self, num_positions: int, long_factors: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of positions ``0 .. num_positions-1`` (float32, CPU), scaled by the attention factor."""
+        dim = self.rotary_dim
+        inv_freq, attention_factor = rope_parameters(*self.settings, long_factors=long_factors)
         with torch.device("cpu"):
-            freqs = torch.arange(max_position, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
-            emb = torch.cat([freqs, freqs], dim=-1)  # [max_position, rotary_dim]
+            freqs = torch.arange(num_positions, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+            emb = torch.cat([freqs, freqs], dim=-1)  # [num_positions, rotary_dim]
             sign = torch.cat([-torch.ones(dim // 2), torch.ones(dim // 2)])  # [rotary_dim]
             # scaled in float32 before any cast, as transformers scales cos and sin
-            self.cos = (emb.cos() * attention_factor).to(self.cos.device)
-            self.sin = (emb.sin() * attention_factor * sign).to(self.sin.device)  # signed: see above
+            return emb.cos() * attention_factor, emb.sin() * attention_factor * sign  # signed: see above
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for the step's tokens, each ``[num_tokens, 1, head_dim]``."""
+        """cos and signed sin for the step's tokens, each ``[num_tokens, 1, head_dim]``; ``positions`` are the
+        tokens' rows (their positions, but for a two-set longrope table: ``longrope_rows``)."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
@@ -280,6 +322,13 @@ class RotaryTables(nn.Module):
     def __init__(self, specs: Mapping[str, RopeSpec]) -> None:
         super().__init__()
         self.tables = nn.ModuleDict({name: spec.build() for name, spec in specs.items()})
+        switches = {table.switch_len for table in self.tables.values()}
+        if len(switches) > 1:
+            # one row per token serves every table: their layouts must agree
+            raise ValueError(f"RoPE tables {list(specs)} switch to longrope's long factors at different lengths "
+                             f"({sorted(switches, key=str)}): a model's tables must take the same rows")
+        # the rows a step's tokens look up: their positions, or longrope_rows past this length (None: positions)
+        self.switch_len: int | None = switches.pop() if switches else None
 
     def build_tables(self, num_positions: int | None = None) -> None:
         """Fill every cos/sin table (again after a model built on the meta device), ``num_positions`` rows at

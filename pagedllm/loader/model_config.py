@@ -38,6 +38,21 @@ def check_rope_type(scaling: Mapping[str, Any] | None) -> str:
     return kind
 
 
+def longrope_switch_len(scaling: Mapping[str, Any] | None, max_position: int) -> int | None:
+    """The sequence length past which a ``longrope`` scaling's long factors apply; None where only one set does.
+
+    transformers takes ``short_factor`` for a forward whose longest position
+    + 1 is at most ``original_max_position_embeddings`` (its default:
+    ``max_position``) and ``long_factor`` beyond. None for another rope type,
+    or where the model's positions (``max_position``) never pass the original
+    length. A token's choice is ``layers/rotary.py``'s ``longrope_rows``.
+    """
+    if rope_type_of(scaling) != "longrope":
+        return None
+    original = int(scaling.get("original_max_position_embeddings") or max_position)
+    return original if original < max_position else None
+
+
 SUPPORTED_ROPE_SCALING = SUPPORTED_ROPE_TYPES  # computed by transformers' ROPE_INIT_FUNCTIONS (layers/rotary.py)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -158,6 +173,11 @@ class ModelArchConfig:
     def sliding_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens; None: full attention."""
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def longrope_switch_len(self) -> int | None:
+        """Where longrope switches to its long factors (``longrope_switch_len``); None: one set of factors."""
+        return longrope_switch_len(self.rope_scaling, self.max_position_embeddings)
 
     @property
     def has_sliding_window(self) -> bool:

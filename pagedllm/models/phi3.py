@@ -15,8 +15,8 @@ Llama's pre-norm layers, with what Phi-3 does its own way:
 - no biases; the LM head is tied to the embedding where the config says
   (Phi-4-mini).
 
-Which of longrope's factor sets a position uses is ``layers/rotary.py``'s
-choice (one table per model; see its module docstring).
+Which of longrope's factor sets a token uses is transformers' choice for its
+sequence (``layers/rotary.py``: one table of both sets, a row per token).
 """
 
 from __future__ import annotations

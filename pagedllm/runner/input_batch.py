@@ -9,6 +9,8 @@ and grow when a step needs more room:
     seq_index        [0 0 0 0 0 1 2]           np.repeat(arange(num_seqs), num_new)
     positions        [0 1 2 3 4 9 4]           num_computed[seq_index] + (j - query_start_loc[seq_index])
     slots            block_tables[seq_index, positions // B] * B + positions % B
+    RoPE rows        positions; a longrope model's: + original length where the token takes the long
+                     factors (``rope_rows``, ``layers/rotary.py``'s ``longrope_rows``)
 
 The slot formula is ``block_table.batch_slot_mapping``, the one place it is
 written. The tensors handed out share memory with the buffers (on the CPU),
@@ -23,6 +25,7 @@ import torch
 
 from pagedllm.block_table import batch_slot_mapping
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.rotary import longrope_rows
 from pagedllm.step_record import SequenceStep
 
 
@@ -32,20 +35,23 @@ class InputBatch:
     Args:
         block_size: tokens per KV block.
         device: where the tensors go (CPU: views of the buffers; other devices: copies).
+        longrope_switch_len: the model's RoPE tables hold longrope's short and long rows, the long ones
+            for sequences past this length (``RotaryTables.switch_len``); None: a token's row is its position.
     """
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, longrope_switch_len: int | None = None) -> None:
         self.block_size = block_size
         self.device = device
-        # flat int64 buffers, grown on demand: [token ids | positions | slots] per token,
+        self.longrope_switch_len = longrope_switch_len
+        # flat int64 buffers, grown on demand: [token ids | positions | slots | RoPE rows] per token,
         # block tables (num_seqs x max_blocks, contiguous) and sequence lengths per sequence
-        self._tokens = np.zeros((3, 0), dtype=np.int64)
+        self._tokens = np.zeros((4, 0), dtype=np.int64)
         self._tables = np.zeros(0, dtype=np.int64)
         self._seq_lens = np.zeros(0, dtype=np.int64)
 
     def _room(self, num_tokens: int, num_seqs: int, num_table_entries: int) -> None:
         if self._tokens.shape[1] < num_tokens:
-            self._tokens = np.zeros((3, max(num_tokens, 2 * self._tokens.shape[1])), dtype=np.int64)
+            self._tokens = np.zeros((4, max(num_tokens, 2 * self._tokens.shape[1])), dtype=np.int64)
         if self._tables.shape[0] < num_table_entries:
             self._tables = np.zeros(max(num_table_entries, 2 * self._tables.shape[0]), dtype=np.int64)
         if self._seq_lens.shape[0] < num_seqs:
@@ -80,7 +86,7 @@ class InputBatch:
         num_tokens = int(query_start_loc[-1])
         self._room(num_tokens, num_seqs, num_seqs * max_blocks)
 
-        input_ids, positions, slots = self._tokens[:, :num_tokens]
+        input_ids, positions, slots, _ = self._tokens[:, :num_tokens]
         # [num_seqs, max_blocks], padded with block 0 (never read: lengths bound every read)
         tables = self._tables[: num_seqs * max_blocks].reshape(num_seqs, max_blocks)
         tables.fill(0)
@@ -104,6 +110,18 @@ class InputBatch:
             block_size=bs,
         )
         return self._tensor(input_ids), self._tensor(positions), meta
+
+    def rope_rows(self, steps: list[SequenceStep], positions: torch.Tensor) -> torch.Tensor:
+        """The RoPE table row of each token of the step ``build`` just built: ``positions`` itself, but for a
+        longrope model, whose tokens take the short or the long rows by their sequence's length
+        (``layers/rotary.py``'s ``longrope_rows``). Valid until the next ``build``."""
+        if self.longrope_switch_len is None:
+            return positions
+        num_tokens = positions.shape[0]
+        _, pos, _, rows = self._tokens[:, :num_tokens]
+        num_prompt = np.repeat([s.num_prompt_tokens for s in steps], [s.num_new_tokens for s in steps])
+        rows[:] = longrope_rows(pos, num_prompt, self.longrope_switch_len)
+        return self._tensor(rows)
 
 
 def as_decode_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:

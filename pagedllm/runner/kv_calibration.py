@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from importlib import resources
 
+import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.kv_transform import KvTransform
+from pagedllm.layers.rotary import longrope_rows
 from pagedllm.runner.kv_cache import release_kv_blocks
 
 CALIBRATION_TEXT = "kv_calibration.txt"
@@ -65,12 +67,16 @@ def calibrate_kv_transforms(
         block_size=block_size,
     )
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    rows = np.arange(num_tokens, dtype=np.int64)  # the RoPE rows the model looks up: the positions, but
+    switch_len = model.model.rotary.switch_len
+    if switch_len is not None:  # a longrope model's rows for a prompt of this length (layers/rotary.py)
+        rows = longrope_rows(rows, np.full(num_tokens, num_tokens), switch_len)
+    rope_rows = torch.from_numpy(rows).to(device)
     for t in transforms:
         t.record()
     try:
         with torch.inference_mode():
-            model(input_ids, positions, kv_caches, meta)
+            model(input_ids, rope_rows, kv_caches, meta)
     finally:
         release_kv_blocks(kv_cache, [(0, num_blocks)])
     for t in transforms:

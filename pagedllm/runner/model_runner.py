@@ -141,7 +141,8 @@ class ModelRunner:
             kv_format_name(self.kv_cache_dtype),
         )
         self.sampler = Sampler()
-        self.input_batch = InputBatch(self.block_size, self.device)
+        # a longrope model's tokens look up the short or the long rows of its RoPE table (layers/rotary.py)
+        self.input_batch = InputBatch(self.block_size, self.device, self.model.model.rotary.switch_len)
         # every sequence's tokens, block table and sampling settings, kept from the incremental records
         self.sequence_states = SequenceStates()
         # decode steps run from an FX trace of the model's own forward (runner/capture/captured_decode.py),
@@ -366,7 +367,7 @@ class ModelRunner:
         """
         try:
             input_ids, positions, meta = self.prepare(steps)
-            hidden = self._forward(steps, input_ids, positions, meta)
+            hidden = self._forward(steps, input_ids, positions, self.input_batch.rope_rows(steps, positions), meta)
             rows = _LogitRows.of(steps, meta)
             index = torch.tensor(rows.hidden_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden[index]) if rows.hidden_rows else None  # [rows, vocab]
@@ -394,20 +395,22 @@ class ModelRunner:
         return scored
 
     def _forward(
-        self, steps: list[SequenceStep], input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, steps: list[SequenceStep], input_ids: torch.Tensor, positions: torch.Tensor, rope_rows: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]``: replayed from the captured decode where the step is
         decodes and verify steps only (each verify token a decode row: ``as_decode_rows``), else the model's
-        forward. Every token gets the same bits either way (the decode kernel is the prompt kernel's order)."""
+        forward. Every token gets the same bits either way (the decode kernel is the prompt kernel's order).
+        The model reads ``rope_rows`` (``InputBatch.rope_rows``) where it reads positions: its RoPE lookup."""
         cd = self.captured_decode
         if cd is not None:
             if cd.accepts(meta, input_ids.shape[0]):
-                return cd(input_ids, positions, meta)
+                return cd(input_ids, rope_rows, meta)
             if meta.num_prefills and all(s.num_new_tokens == 1 or s.num_draft_tokens for s in steps):
                 rows = as_decode_rows(meta, positions)
                 if cd.accepts(rows, input_ids.shape[0]):
-                    return cd(input_ids, positions, rows)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+                    return cd(input_ids, rope_rows, rows)
+        return self.model(input_ids, rope_rows, self.kv_caches, meta)
 
     @torch.inference_mode()
     def serve_steps(self) -> None:

@@ -74,6 +74,7 @@ def _expected(s, rules: LogitsRules | None) -> SequenceStep:  # noqa: ANN001 - a
         uniforms=tuple(0.0 for _ in rows),
         prompt_token_ids=prompt,
         output_token_ids=tuple(tuple(r.output_token_ids) for r in rows) if needs_output else (),
+        num_prompt_tokens=seq.num_prompt_tokens,
     )
 
 

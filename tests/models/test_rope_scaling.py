@@ -4,14 +4,13 @@ Each tiny random-weight model carries one scaling whose original length is
 64 positions, and runs prompts of ~100 tokens (plus 20 generated), so most
 positions are where the scaling changes the angles. ``dynamic`` is the
 exception: transformers scales it only past ``max_position_embeddings``,
-where the engine refuses to go (checked here too). ``longrope`` runs long
-prompts only: pagedllm's table holds its long factors (see
-``pagedllm/layers/rotary.py``).
+where the engine refuses to go (checked here too). ``longrope`` takes its
+short factors for the short prompt and its long ones for the long prompt, as
+transformers does (see ``pagedllm/layers/rotary.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import random
 
 import numpy as np
@@ -56,8 +55,8 @@ SCALINGS: dict[str, tuple[str, dict, int]] = {
     "proportional": ("llama", {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5,
                                "rope_theta": 10000.0}, 256),
 }
-# prompt lengths: long ones, mostly past ORIGINAL, and (but for longrope) a short one
-PROMPT_LENGTHS = {name: ([100, 70] if name == "longrope" else [100, 37]) for name in SCALINGS}
+# prompt lengths: a long one, mostly past ORIGINAL, and a short one (with its output, within ORIGINAL)
+PROMPT_LENGTHS = {name: [100, 37] for name in SCALINGS}
 
 
 def _hf_config(name: str):  # noqa: ANN202
@@ -153,10 +152,11 @@ def test_frequencies_and_tables_are_transformers(name: str) -> None:
     ours = from_hf_config(hf_config.to_dict())  # the loader's reading of the saved config
     kind = SCALINGS[name][1]["rope_type"]
     assert ours.rope_scaling["rope_type"] == kind
-    # longrope: transformers' frequencies for a sequence past the original length (the table's choice)
+    # longrope: transformers' long frequencies for a sequence past the original length (the short ones below)
     seq_len = ORIGINAL + 1 if kind == "longrope" else None
     want_freq, want_factor = ROPE_INIT_FUNCTIONS[kind](hf_config, torch.device("cpu"), seq_len=seq_len)
-    inv_freq, factor = rope_parameters(HEAD_DIM, ours.max_position_embeddings, ours.rope_theta, ours.rope_scaling)
+    inv_freq, factor = rope_parameters(HEAD_DIM, ours.max_position_embeddings, ours.rope_theta, ours.rope_scaling,
+                                       long_factors=True)
     assert torch.equal(inv_freq, want_freq)
     assert factor == want_factor
     if kind in ("yarn", "longrope"):
@@ -166,32 +166,39 @@ def test_frequencies_and_tables_are_transformers(name: str) -> None:
     hf_rotary = LlamaRotaryEmbedding(hf_config)
     positions = torch.arange(ours.max_position_embeddings)
     with torch.inference_mode():
-        # one call over every position: transformers' longrope takes its long factors for it, as the table does
+        # one call over every position: transformers' longrope takes its long factors for it
         cos, sin = hf_rotary(torch.zeros(1, dtype=torch.float32), positions.unsqueeze(0))
     sign = torch.cat([-torch.ones(HEAD_DIM // 2), torch.ones(HEAD_DIM // 2)])
-    assert torch.equal(rotary.cos, cos[0])
-    assert torch.equal(rotary.sin, sin[0] * sign)
+    # a longrope table: the short rows of the positions below ORIGINAL first (test_longrope_table_...), then these
+    first = ORIGINAL if kind == "longrope" else 0
+    assert torch.equal(rotary.cos[first:], cos[0])
+    assert torch.equal(rotary.sin[first:], sin[0] * sign)
 
 
-def test_longrope_table_takes_short_factors_when_positions_stay_within_the_original_length(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_longrope_table_holds_short_rows_then_long_rows() -> None:
+    """Short factors below the original length, long ones for every position after them; one set (the short)
+    where no position passes the original length. No warning: every token gets transformers' choice."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = SCALINGS["longrope"][1]
-    with caplog.at_level(logging.WARNING, logger="pagedllm.layers.rotary"):
-        inv_freq, _ = rope_parameters(HEAD_DIM, ORIGINAL, 10000.0, rope)
-    assert not caplog.records  # no sequence can pass the original length: transformers' choice throughout
     short = [1.0, 1.0, 1.1, 1.1, 1.2, 1.3, 1.5, 1.6]
     hf_config = _hf_config("longrope")
     hf_config.max_position_embeddings = ORIGINAL
     want, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, torch.device("cpu"))
-    assert torch.equal(inv_freq, want)
+    for max_position in (ORIGINAL, 256):
+        inv_freq, _ = rope_parameters(HEAD_DIM, max_position, 10000.0, rope)
+        assert torch.equal(inv_freq, want)  # the short set, whatever the length
     assert torch.allclose(inv_freq, 1.0 / (torch.tensor(short) * 10000.0 ** (torch.arange(0, 16, 2) / 16)))
-
-    with caplog.at_level(logging.WARNING, logger="pagedllm.layers.rotary"):
-        rope_parameters(HEAD_DIM, 256, 10000.0, rope)
-    assert "long_factor" in caplog.text and "differ from transformers" in caplog.text
+    one_set = RotaryEmbedding(HEAD_DIM, ORIGINAL, 10000.0, rope)
+    assert one_set.switch_len is None and one_set.cos.shape == (ORIGINAL, HEAD_DIM)
+    both = RotaryEmbedding(HEAD_DIM, 256, 10000.0, rope)
+    assert both.switch_len == ORIGINAL and both.cos.shape == (ORIGINAL + 256, HEAD_DIM)
+    positions = torch.arange(ORIGINAL, dtype=torch.float32).unsqueeze(1)
+    angles = torch.cat([positions * want, positions * want], dim=-1)
+    _, factor = rope_parameters(HEAD_DIM, 256, 10000.0, rope)  # one attention factor for both sets
+    assert torch.equal(both.cos[:ORIGINAL], angles.cos() * factor)
+    both.build_tables(48)  # an engine of 48 positions never passes the original length: the short rows only
+    assert both.cos.shape == (48, HEAD_DIM) and torch.equal(both.cos, angles[:48].cos() * factor)
 
 
 def test_dynamic_scaling_range_is_refused_by_the_engine(rope_model_dirs: dict[str, str]) -> None:
