@@ -276,3 +276,15 @@ def CapturingLLM(*args: object, **kwargs: object) -> LLM:  # noqa: N802 (stands 
     """
     kwargs.setdefault("capture_min_decode_steps", 0)
     return LLM(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(a wheel of the checkout holding every prebuilt variant this CPU runs, the fresh venv it is installed in).
+
+    Built once per session (minutes: one kernel build per variant) for tests/e2e/test_packaging.py and
+    tests/kernels/test_kernel_variants.py; see tests/wheel_build.py.
+    """
+    from wheel_build import build_and_install
+
+    return build_and_install(tmp_path_factory.mktemp("wheel"))
