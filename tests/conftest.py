@@ -289,3 +289,15 @@ def gguf_converter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
     converter = ConverterProcess(tmp_path_factory.mktemp("converter-logs"))
     yield converter
     converter.close()
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """(a wheel of the checkout holding every prebuilt variant this CPU runs, the fresh venv it is installed in).
+
+    Built once per session (minutes: one kernel build per variant) for tests/e2e/test_packaging.py and
+    tests/kernels/test_kernel_variants.py; see tests/wheel_build.py.
+    """
+    from wheel_build import build_and_install
+
+    return build_and_install(tmp_path_factory.mktemp("wheel"))

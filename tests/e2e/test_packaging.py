@@ -6,11 +6,10 @@ load (the engine then falls back to the slow torch paths). Here the wheel is
 built with pip, holding every prebuilt variant this CPU can run (scalar and
 AVX2 here; AVX-512 and AVX512-BF16 too on a CPU that has them, not the
 others, to build each only where it can be tested), and installed
-non-editable into a fresh virtualenv. The venv sees the project venv's
-packages (torch, tokenizers...) through a path file, but not its editable
-pagedllm: a path line in a ``.pth`` file adds a folder to ``sys.path``
-without running the ``.pth`` files inside it, which is where an editable
-install hooks itself in.
+non-editable into a fresh virtualenv that sees the project venv's packages
+but not its editable pagedllm: once per session, by tests/wheel_build.py
+(tests/kernels/test_kernel_variants.py runs the kernel tests on its
+libraries).
 
 Each check runs the venv's interpreter in a folder holding no checkout, with
 PATH holding no ``c++``/``gcc``/``cc``, ``CC``/``CXX`` pointing nowhere and
@@ -28,20 +27,16 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
+from wheel_build import REPO, WHEEL_ISAS
 
-from pagedllm.kernels import default_isa, runnable_isas
-from pagedllm.kernels.variants import PREBUILT_ISAS
+from pagedllm.kernels import default_isa
 
 pytestmark = pytest.mark.slow  # builds a wheel with two or more kernel variants: outside the fast tier
 
-REPO = Path(__file__).resolve().parents[2]
-# the prebuilt variants this CPU can run: the ones the wheel here holds (none off x86-64: "native" is built)
-WHEEL_ISAS = [isa for isa in PREBUILT_ISAS if isa in runnable_isas()] if default_isa() != "native" else []
 PROMPT = "The capital of France is"
 NUM_TOKENS = 8
 
@@ -71,35 +66,6 @@ print(json.dumps({
     "tokens": list(out.token_ids), "logprobs": [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)],
 }))
 """
-
-
-def _venv_site(venv: Path) -> Path:
-    """The site-packages folder of ``venv`` (created by this interpreter's version)."""
-    rel = Path(sysconfig.get_path("purelib")).relative_to(sysconfig.get_path("data"))
-    return venv / rel
-
-
-@pytest.fixture(scope="module")
-def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the wheel, the fresh virtualenv it is installed into)."""
-    root = tmp_path_factory.mktemp("wheel")
-    dist, venv = root / "dist", root / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
-        check=True, capture_output=True, text=True, timeout=1500,
-        env=dict(os.environ, PAGEDLLM_PREBUILT_ISAS=",".join(WHEEL_ISAS) or "none"),
-    )
-    (wheel,) = dist.glob("pagedllm-*.whl")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    site = _venv_site(venv)
-    # the project venv's packages, without running its .pth files (its editable pagedllm hook among them)
-    (site / "project_packages.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    python = venv / "bin" / "python"
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )
-    return wheel, venv
 
 
 def _no_compiler_env(tmp_path: Path, isa: str | None) -> dict[str, str]:

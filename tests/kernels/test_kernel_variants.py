@@ -3,21 +3,40 @@
 The kernels hold one code path per instruction set (AVX512-BF16, AVX-512,
 AVX2+FMA, plain C), chosen when they are compiled. The rest of the suite runs
 the default build (the best named variant this CPU runs); here each other
-variant this CPU can run (``native`` among them) is forced with
-``PAGEDLLM_KERNEL_ISA``, built into a fresh cache folder and put through the
-kernel-level tests in a subprocess (one variant per process: the op namespace
-is registered once): the same tests, the same tolerances, another code path.
-A variant this CPU cannot execute is refused with a clear error, not run.
+variant this CPU can run is forced with ``PAGEDLLM_KERNEL_ISA`` and put
+through the kernel-level tests in a subprocess (one variant per process: the
+op namespace is registered once): the same tests, the same tolerances,
+another code path, and the interleaved kernels' outputs equal to the default
+build's bits. A variant this CPU cannot execute is refused with a clear error,
+not run.
+
+The named variants are the libraries of the session's wheel
+(tests/wheel_build.py, which tests/e2e/test_packaging.py checks too): the
+same sources compiled with the same flags as a build here, loaded by the
+installed package through the path a user's install takes
+(``choose_prebuilt``), so each variant is compiled once per session, not
+twice. ``native`` (``-march=native``) is never prebuilt: it is built here,
+into a fresh cache folder, where it selects other code paths than the
+default build. On x86-64 it compiles the same sources as the named variants,
+and the paths are chosen by the preprocessor macros the sources test
+(``__AVX512BF16__``, ``__AVX512F__``, ``__AVX2__``...): where ``-march=native``
+defines the same ones as the default variant's flags (a CPU that runs
+AVX512-BF16, this Zen 5 among them), it compiles the very paths the whole
+suite runs and is not built again. Off x86-64 ``native`` is the default build,
+which the whole suite runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from wheel_build import installed_env
 
 from pagedllm.kernels import ISA_VARIANTS, default_isa, runnable_isas
 
@@ -58,31 +77,85 @@ KERNEL_TESTS = [
 ]
 
 
+# the kernel tests, then (in the same process, the library loaded) what was loaded and the interleaved bits
+RUN = r"""
+import json, sys
+import pytest
+
+tests = sys.argv[1]
+code = pytest.main(sys.argv[2:])
+if code != 0:
+    raise SystemExit(int(code))
+sys.path[:0] = [tests, tests + "/kernels"]
+import pagedllm
+from pagedllm import kernels
+from test_gguf_iq4_mxfp4 import x16_digest
+
+print(json.dumps({"file": pagedllm.__file__, "library": kernels.library_path(), "variant": kernels.loaded_variant(),
+                  "prebuilt": kernels.kernels_prebuilt(), "x16": x16_digest()}))
+"""
+# checks the fallback when no library loads (a compiler that is not there): the same for every variant (none
+# is compiled), and run by the whole suite; a prebuilt library is loaded without a compiler, so not here
+NO_COMPILER_TEST = "tests/kernels/test_attention.py::test_without_a_compiler_auto_falls_back_and_int8_is_refused"
+
+
+def _run_kernel_tests(python: str, env: dict[str, str]) -> dict:
+    """Run the kernel tests under ``python`` and ``env``; what the process loaded and its ``x16_digest``."""
+    args = ["-q", "-x", "-p", "no:cacheprovider", "--deselect", NO_COMPILER_TEST, *[str(TESTS / t) for t in KERNEL_TESTS]]
+    proc = subprocess.run([python, "-c", RUN, str(TESTS), *args], cwd=TESTS, env=env, capture_output=True,
+                          text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert " passed" in lines[-2] and "failed" not in lines[-2], lines[-2]
+    return json.loads(lines[-1])
+
+
+def _tested_macros(flags: list[str]) -> set[str]:
+    """The macros the kernel sources choose their code paths by that the compiler defines under ``flags``."""
+    from pagedllm import kernels
+
+    tested = set()
+    for path in [*kernels._SOURCES, *kernels._HEADERS]:
+        for line in path.read_text().splitlines():
+            if line.lstrip().startswith("#") and "if" in line:
+                tested |= set(re.findall(r"\b__[A-Z0-9_]+__\b", line))
+    compiler = kernels.compiler_path()
+    if compiler is None:
+        pytest.fail("no C++ compiler: the suite builds the kernels, so one must be on PATH")
+    proc = subprocess.run([compiler, "-dM", "-E", "-x", "c++", *kernels._CFLAGS, *flags, "-"], input="",
+                          capture_output=True, text=True, check=True, timeout=60)
+    defined = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
+    return tested & defined
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", list(ISA_VARIANTS))
-def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path) -> None:
+def test_kernel_tests_pass_with_every_runnable_isa(isa: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if isa not in runnable_isas():
         pytest.skip(f"this CPU cannot execute the {isa} code path (needs {ISA_VARIANTS[isa][1]})")
     if isa == default_isa():
         pytest.skip(f"{isa} is this CPU's default build, which the whole suite runs")
-    env = dict(os.environ, PAGEDLLM_KERNEL_ISA=isa, PAGEDLLM_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[str(TESTS / t) for t in KERNEL_TESTS]],
-        cwd=TESTS, env=env, capture_output=True, text=True, timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout.splitlines()[-1]
-    built = list((tmp_path / "cache" / "kernels").glob(f"{isa}-*/pagedllm_kernels.so"))
-    assert built, "the forced variant was not the one built"
+    forced = {"PAGEDLLM_KERNEL_ISA": isa, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    if isa == "native":
+        native, default = _tested_macros(ISA_VARIANTS[isa][0]), _tested_macros(ISA_VARIANTS[default_isa()][0])
+        if native == default:
+            pytest.skip(f"-march=native defines the macros the sources test as the default {default_isa()} build "
+                        f"does ({sorted(native)}): the same code paths, which the whole suite runs")
+        got = _run_kernel_tests(sys.executable, os.environ | forced)
+        assert not got["prebuilt"] and got["variant"] == isa, got
+        built = list((tmp_path / "cache" / "kernels").glob(f"{isa}-*/pagedllm_kernels.so"))
+        assert built, "the forced variant was not the one built"
+    else:
+        _, venv = request.getfixturevalue("installed_wheel")
+        got = _run_kernel_tests(str(venv / "bin" / "python"), installed_env(**forced))  # the wheel, not the checkout
+        assert got["file"].startswith(str(venv)), got["file"]
+        assert got["prebuilt"] and got["variant"] == isa, got
+        assert "/_prebuilt/" in got["library"] and f"pagedllm_kernels_{isa}." in got["library"], got["library"]
+        assert not list((tmp_path / "cache").glob("kernels/*/*.so")), "the kernels were built, not loaded"
     # the interleaved kernels' integer sums are exact: the variant gives the default build's very bits
     from test_gguf_iq4_mxfp4 import x16_digest
 
-    code = (f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / 'kernels')!r}]; "
-            "from test_gguf_iq4_mxfp4 import x16_digest; print(x16_digest())")
-    digest = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert digest.returncode == 0, digest.stderr[-2000:]
-    assert digest.stdout.split()[-1] == x16_digest()
+    assert got["x16"] == x16_digest()
 
 
 def test_a_variant_the_cpu_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
