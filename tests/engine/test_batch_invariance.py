@@ -36,6 +36,14 @@ COMMON = {"max_model_len": 512, "num_threads": 1, "num_kv_blocks": 128}
 # and quantized KV caches (issue 34): a token's stored bits depend on its own K/V only (per-token scales; int4's
 # transform is fitted once per engine), so a prefix hit or a recompute reads or writes the same bits
 KV_MODELS = {**MODELS, "gguf-int8, int8 KV": {"kv_cache_dtype": "int8"}, "gguf-int8, int4 KV": {"kv_cache_dtype": "int4"}}
+# weight-only int8/int4 (the bundled file's weights rounded again at load) on either activations, and the file's
+# own blocks on float activations
+WEIGHTS = [{"quantization": "int8"}, {"quantization": "int4"},
+           {"quantization": "int8", "gguf_activations": "float32"},
+           {"quantization": "int4", "gguf_activations": "float32"}]
+WEIGHT_MODELS = {**{"weight-only " + ", ".join(f"{k}={v}" for k, v in w.items()): w for w in WEIGHTS},
+                 "gguf blocks, gguf_activations=float32": {"gguf_activations": "float32"}}
+ALL_MODELS = {**KV_MODELS, **WEIGHT_MODELS}
 
 
 def params(seeded: bool, prompt_logprobs: bool = True) -> SamplingParams:
@@ -74,24 +82,64 @@ def needle_in(llm: LLM, sp: SamplingParams, lengths: list[int], position: int, s
 
 
 @functools.cache
+def references(model: str) -> dict[tuple[bool, bool], tuple]:
+    """The needle alone in a fresh eager engine, whole prompt in one step (the mode on), keyed by (seeded,
+    prompt logprobs): one engine computes them one request at a time, with no prefix caching, so each request
+    computes its whole prompt as in an engine of its own."""
+    llm = LLM(enforce_eager=True, batch_invariant=True, enable_prefix_caching=False, **COMMON, **ALL_MODELS[model])
+    with_prompt_logprobs = (True, False) if model in KV_MODELS else (True,)  # the prefix-hit test asks for False
+    refs = {(seeded, prompt_logprobs): fingerprint(
+        llm.generate([NEEDLE], params(seeded, prompt_logprobs), use_tqdm=False)[0])
+        for seeded in (False, True) for prompt_logprobs in with_prompt_logprobs}
+    assert_idle(llm)
+    return refs
+
+
 def reference(model: str, seeded: bool, prompt_logprobs: bool = True) -> tuple:
-    """The needle alone in a fresh eager engine, whole prompt in one step (the mode on)."""
-    llm = LLM(enforce_eager=True, batch_invariant=True, **COMMON, **KV_MODELS[model])
-    return fingerprint(llm.generate([NEEDLE], params(seeded, prompt_logprobs), use_tqdm=False)[0])
+    """The needle's fingerprint alone in a fresh eager engine of ``model``."""
+    return references(model)[seeded, prompt_logprobs]
+
+
+def assert_idle(llm: LLM) -> None:
+    """No request left and every KV block back in the pool (cached prefixes count as free): an engine shared
+    between tests starts each one clean."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def make(model: str, chunk: int, captured: bool, **kwargs: object) -> LLM:
     """An engine of ``model`` with ``max_num_batched_tokens=chunk``, its decode steps captured or eager."""
-    options = {**COMMON, **KV_MODELS[model], "max_num_batched_tokens": chunk, **kwargs}
+    options = {**COMMON, **ALL_MODELS[model], "max_num_batched_tokens": chunk, **kwargs}
     options.setdefault("batch_invariant", True)
     return CapturingLLM(**options) if captured else LLM(enforce_eager=True, **options)
+
+
+@pytest.fixture(scope="module")
+def captured_64() -> dict[str, LLM]:
+    """The captured engines of 64-token chunks, one per model, shared by the needle tests and the prefix-hit
+    test (which takes each out at its last use, so the module holds at most three)."""
+    return {}
+
+
+def captured_64_engine(engines: dict[str, LLM], model: str, last_use: bool = False) -> LLM:
+    """``make(model, 64, captured=True)``, built once for the module; checked idle before it is lent."""
+    llm = engines.pop(model, None) if last_use else engines.get(model)
+    if llm is None:
+        llm = make(model, 64, captured=True)
+        if not last_use:
+            engines[model] = llm
+    assert_idle(llm)
+    return llm
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("chunk, captured", [(16, False), (64, True), (2048, True)])
-def test_the_needle_is_the_same_in_any_company(model: str, chunk: int, captured: bool) -> None:
-    llm = make(model, chunk, captured)
+def test_the_needle_is_the_same_in_any_company(
+    model: str, chunk: int, captured: bool, captured_64: dict[str, LLM]
+) -> None:
+    llm = captured_64_engine(captured_64, model) if (chunk, captured) == (64, True) else make(model, chunk, captured)
     for seeded in (False, True):
         want = reference(model, seeded)
         assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want
@@ -104,20 +152,22 @@ def test_the_needle_is_the_same_in_any_company(model: str, chunk: int, captured:
             assert needle_in(llm, params(seeded), lengths, position, seed) == want  # noqa: B023
 
         in_a_batch()
+    assert_idle(llm)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(KV_MODELS))
-def test_a_prefix_cache_hit_gives_the_same_bits(model: str) -> None:
+def test_a_prefix_cache_hit_gives_the_same_bits(model: str, captured_64: dict[str, LLM]) -> None:
     # prompt logprobs need every prompt position computed, so those requests take no prefix hit: the
     # needle here asks for sampled logprobs only
-    llm = make(model, 64, captured=True)
+    llm = captured_64_engine(captured_64, model, last_use=True)
     for seeded in (False, True):
         want = reference(model, seeded, prompt_logprobs=False)
         llm.generate([NEEDLE[:300]], params(seeded, False), use_tqdm=False)  # caches the needle's first blocks
         out = llm.generate([NEEDLE], params(seeded, False), use_tqdm=False)[0]
         assert out.num_cached_tokens > 0
         assert fingerprint(out) == want
+    assert_idle(llm)
 
 
 @pytest.mark.slow
@@ -131,20 +181,16 @@ def test_a_preempted_needle_gives_the_same_bits(model: str) -> None:
     outs = llm.generate([NEEDLE, *prompts], [params(True), *sps], use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert fingerprint(outs[0]) == want
+    assert_idle(llm)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", [{"quantization": "int8"}, {"quantization": "int4"},
-                                     {"quantization": "int8", "gguf_activations": "float32"},
-                                     {"quantization": "int4", "gguf_activations": "float32"}],
-                         ids=["int8", "int4", "int8-float-activations", "int4-float-activations"])
+@pytest.mark.parametrize("weights", WEIGHTS, ids=["int8", "int4", "int8-float-activations", "int4-float-activations"])
 def test_weight_only_int8_and_int4_give_the_needle_the_same_bits(weights: dict) -> None:
     """Weight-only int8/int4 (the bundled file's weights rounded again at load), on 8-bit activations (the
     blocks interleaved) and on float ones (one row alone dequantized in registers): the needle alone, in
     16-token chunks among neighbours, and captured in 64-token chunks, bitwise."""
-    name = "weight-only " + ", ".join(f"{k}={v}" for k, v in weights.items())
-    KV_MODELS.setdefault(name, weights)
-    _check_alone_chunked_and_captured(name)
+    _check_alone_chunked_and_captured("weight-only " + ", ".join(f"{k}={v}" for k, v in weights.items()))
 
 
 @pytest.mark.slow
@@ -152,20 +198,19 @@ def test_gguf_blocks_on_float_activations_give_the_needle_the_same_bits() -> Non
     """The bundled file's own blocks (Q4_1 + Q8_0) on float activations: a lone decode row dequantizes each
     block in registers in the order a batch's rows sum the dequantized strip, so the needle alone, in
     16-token chunks among neighbours, and captured in 64-token chunks gives the same bits."""
-    name = "gguf blocks, gguf_activations=float32"
-    KV_MODELS.setdefault(name, {"gguf_activations": "float32"})
-    _check_alone_chunked_and_captured(name)
+    _check_alone_chunked_and_captured("gguf blocks, gguf_activations=float32")
 
 
 def _check_alone_chunked_and_captured(name: str) -> None:
     """Greedy and seeded: the needle alone and among neighbours, in 16-token chunks eager and in 64-token chunks
-    captured, equals the engine's reference for ``name`` bit for bit."""
-    for seeded in (False, True):
-        want = reference(name, seeded)
-        for chunk, captured in ((16, False), (64, True)):
-            llm = make(name, chunk, captured)
+    captured, equals the engine's reference for ``name`` bit for bit (one engine of each kind serves both)."""
+    for chunk, captured in ((16, False), (64, True)):
+        llm = make(name, chunk, captured)
+        for seeded in (False, True):
+            want = reference(name, seeded)
             assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want
             assert needle_in(llm, params(seeded), [300, 40, 500], 1, seed=3) == want
+        assert_idle(llm)
 
 
 @pytest.mark.slow  # ~6 s: `make test`

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,6 +22,21 @@ def _random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 def _token_prompts(prompts: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_tiny: dict) -> Callable[[str, list[int], int], list[int]]:
+    """``hf_greedy`` on a tiny model, computed once per (arch, prompt, length) for the module: every attention
+    backend is compared with the same oracle tokens."""
+    computed: dict[tuple, list[int]] = {}
+
+    def tokens(arch: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (arch, tuple(prompt), max_new_tokens)
+        if key not in computed:
+            computed[key] = hf_greedy(hf_tiny[arch], prompt, max_new_tokens)
+        return computed[key]
+
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +87,14 @@ def test_smollm_batch_equals_one_at_a_time(smollm: LLM, smollm_tokenizer) -> Non
 # cpu_paged: decode steps captured (one trace); cpu_paged_eager: the same kernels, module by module
 @pytest.mark.parametrize("backend", ["cpu_paged", "cpu_paged_eager", "sdpa", "reference"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tiny_models_greedy_match_transformers(arch: str, backend: str, tiny_model_dirs, hf_tiny) -> None:  # noqa: ANN001
+def test_tiny_models_greedy_match_transformers(arch: str, backend: str, tiny_model_dirs, hf_tokens) -> None:  # noqa: ANN001
     # block_size 8: prompts shorter than, equal to and spanning several blocks
     llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8,
               attention_backend=backend.removesuffix("_eager"), enforce_eager=backend.endswith("_eager"))
     prompts = _random_prompts([1, 5, 8, 16, 37], seed=7)
     outs = llm.generate(_token_prompts(prompts), GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf_tiny[arch], prompt, GREEDY.max_tokens)
+        assert out.outputs[0].token_ids == hf_tokens(arch, prompt, GREEDY.max_tokens)
     captured = llm.llm_engine.model_runner.captured_decode
     assert (captured is not None and captured.num_traces == 1) == (backend == "cpu_paged")
     assert llm.llm_engine.block_manager.num_free_blocks == 64

@@ -41,9 +41,29 @@ def _pool_whole(llm: LLM) -> bool:
     return bm.num_free_blocks == bm.num_blocks
 
 
+class SharedEngines:
+    """``_engine(kv_cache_dtype)`` with no other option, built once per cache dtype and shared by the tests of
+    the module; each is checked idle (no request, every block in the pool) whenever it is lent."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, LLM] = {}
+
+    def __call__(self, kv_cache_dtype: str) -> LLM:
+        llm = self._built.get(kv_cache_dtype)
+        if llm is None:
+            llm = self._built[kv_cache_dtype] = _engine(kv_cache_dtype)
+        assert not llm.llm_engine.has_unfinished_requests() and _pool_whole(llm)
+        return llm
+
+
 @pytest.fixture(scope="module")
-def float32_llm() -> LLM:
-    return _engine("float32")
+def engines() -> SharedEngines:
+    return SharedEngines()
+
+
+@pytest.fixture
+def float32_llm(engines: SharedEngines) -> LLM:
+    return engines("float32")
 
 
 def test_unknown_kv_cache_dtype_is_refused() -> None:
@@ -54,9 +74,9 @@ def test_unknown_kv_cache_dtype_is_refused() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype,tolerance", [("float16", 0.02), ("bfloat16", 0.08)])
 def test_half_cache_doubles_the_blocks_and_stays_close_to_float32(
-    float32_llm: LLM, kv_cache_dtype: str, tolerance: float
+    float32_llm: LLM, engines: SharedEngines, kv_cache_dtype: str, tolerance: float
 ) -> None:
-    llm = _engine(kv_cache_dtype)
+    llm = engines(kv_cache_dtype)
     runner, ref_runner = llm.llm_engine.model_runner, float32_llm.llm_engine.model_runner
     assert runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
     assert ref_runner.kv_cache.dtype == torch.float32
@@ -89,7 +109,7 @@ def test_half_cache_doubles_the_blocks_and_stays_close_to_float32(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8", "int4"])
-def test_narrow_cache_sdpa_and_native_kernel_agree(kv_cache_dtype: str) -> None:
+def test_narrow_cache_sdpa_and_native_kernel_agree(engines: SharedEngines, kv_cache_dtype: str) -> None:
     """The native kernels read an int8 / int4 cache in place; SDPA dequantizes what it gathers. bfloat16: the
     same tokens. int8: the same tokens up to a tie, where they may part (measured: one prompt of three at token
     10, the two choices -1.8663 and -1.8669 nats, each in its own run). int4: each engine fits its K transform
@@ -97,7 +117,7 @@ def test_narrow_cache_sdpa_and_native_kernel_agree(kv_cache_dtype: str) -> None:
     clips on a last-bit difference, so the two cache contents differ by int4's own rounding noise: measured,
     one prompt of three parted at token 10, its choices 0.11 nats apart; bounded here by 0.3 nats."""
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, logprobs=0)
-    native = _engine(kv_cache_dtype)
+    native = engines(kv_cache_dtype)
     assert native.llm_engine.model_runner.backend.name == "cpu_paged"
     sdpa = _engine(kv_cache_dtype, attention_backend="sdpa")
     got = native.generate(PROMPTS, params, use_tqdm=False)
@@ -144,9 +164,9 @@ INT8_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def int8_llm() -> LLM:
-    return _engine("int8")
+@pytest.fixture
+def int8_llm(engines: SharedEngines) -> LLM:
+    return engines("int8")
 
 
 @pytest.mark.slow
@@ -201,9 +221,9 @@ def test_int8_cache_keeps_greedy_tokens_close_to_float32(float32_llm: LLM, int8_
 
 
 # --- int4 (Hadamard-rotated nibbles and a float32 scale per token per KV head, layers/kv_quant.py) ---------
-@pytest.fixture(scope="module")
-def int4_llm() -> LLM:
-    return _engine("int4")
+@pytest.fixture
+def int4_llm(engines: SharedEngines) -> LLM:
+    return engines("int4")
 
 
 @pytest.mark.slow
@@ -285,12 +305,15 @@ def test_fp8_cache_holds_int8s_blocks_and_keeps_greedy_tokens_near_float32(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "int8", "int4", "fp8"])
-def test_narrow_cache_gives_the_same_tokens_whole_or_chunked(kv_cache_dtype: str) -> None:
+def test_narrow_cache_gives_the_same_tokens_whole_or_chunked(engines: SharedEngines, kv_cache_dtype: str) -> None:
     """New K/V are seen as stored on every path (an int8 / int4 cache's as dequantized), so chunking a prompt
     changes nothing."""
     prompts = [{"prompt_token_ids": list(range(200 + 37 * i, 200 + 37 * i + n))} for i, n in enumerate([90, 150, 33])]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    whole = _engine(kv_cache_dtype, max_num_batched_tokens=512).generate(prompts, params, use_tqdm=False)
+    # whole: the default budget (8192 tokens) takes the three prompts (273 tokens) in one step
+    whole_llm = engines(kv_cache_dtype)
+    whole = whole_llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in whole) and _pool_whole(whole_llm)
     chunked_llm = _engine(kv_cache_dtype, max_num_batched_tokens=40)
     chunked = chunked_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in chunked] == [o.outputs[0].token_ids for o in whole]

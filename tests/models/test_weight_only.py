@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -355,22 +356,38 @@ def round_like_pagedllm(hf_model: nn.Module, bits: int, group_size: int | None) 
 _PROMPTS = [[1, 400, 3000, 77, 12000, 5], [1, 9, 9, 9], list(range(100, 140))]
 
 
+@pytest.fixture(scope="module")
+def rounded_hf(hf_tiny: dict) -> Callable[[str, str, int | None], nn.Module]:
+    """The oracle of ``round_like_pagedllm`` for (arch, quantization, group size), shared by the two activations'
+    tests, which run one after the other (the latest one kept; ``q8_linear_inputs`` removes its hooks)."""
+    built: dict[tuple, nn.Module] = {}
+
+    def oracle(arch: str, quantization: str, group_size: int | None) -> nn.Module:
+        key = (arch, quantization, group_size)
+        if key not in built:
+            built.clear()
+            group = EngineConfig(model="m", quantization=quantization, quantization_group_size=group_size)
+            built[key] = round_like_pagedllm(copy.deepcopy(hf_tiny[arch]), 8 if quantization == "int8" else 4,
+                                             group.weight_group_size)
+        return built[key]
+
+    return oracle
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize(("quantization", "group_size"), [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_tiny_models_match_transformers_on_the_rounded_weights(
     arch: str, quantization: str, group_size: int | None, activations: str, tiny_model_dirs: dict[str, str],
-    hf_tiny: dict,
+    rounded_hf: Callable[[str, str, int | None], nn.Module],
 ) -> None:
     """Llama, Qwen3 (q/k norms) and Qwen2 (biases): prompts prefilled together, decoded as a batch of 3.
 
     float32 activations (the blocks' own order) give transformers' tokens; int8 activations (the blocks
     interleaved, integer dot products) give them or part from them at a near-tie only, within what rounding
     the linear inputs to 8 bits moves transformers' own top-two gap (``assert_greedy_within_q8_noise``)."""
-    bits = 8 if quantization == "int8" else 4
-    hf = round_like_pagedllm(copy.deepcopy(hf_tiny[arch]), bits, EngineConfig(
-        model="m", quantization=quantization, quantization_group_size=group_size).weight_group_size)
+    hf = rounded_hf(arch, quantization, group_size)
     llm = LLM(tiny_model_dirs[arch], num_kv_blocks=64, max_model_len=256, block_size=8, quantization=quantization,
               quantization_group_size=group_size, gguf_activations=activations)
     model = llm.llm_engine.model_runner.model
