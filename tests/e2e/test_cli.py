@@ -375,3 +375,17 @@ def test_bench_latency_with_speculation_reports_acceptance(capsys):
     assert s["acceptance_rate"] == pytest.approx(s["num_accepted_tokens"] / s["num_draft_tokens"], abs=1e-3)
     assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_drafts"], abs=1e-3)
     assert "speculative decoding:" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--top-p", "2"], ["chat", "--temperature", "-1"]])
+def test_bad_sampling_flags_are_refused_before_the_model_loads(capsys, monkeypatch, argv):
+    """A bad sampling value costs no model load: LLM is never built."""
+    import pagedllm
+
+    def no_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded before the sampling flags were checked")
+
+    monkeypatch.setattr(pagedllm, "LLM", no_load)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "the model was loaded" not in err
