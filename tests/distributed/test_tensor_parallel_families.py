@@ -15,6 +15,7 @@ where the folder is its model. What each family does its own way under the split
   Granite (multipliers), Llama 3 from a GGUF file with ``rope_freqs``.
 
 Prompts run past the sliding windows and Phi-3's original context (32 positions), and one is short.
+Each two-rank engine costs a process start and a load (seconds): one per checkpoint, several checks on it.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ from pagedllm.layers.norm import NormSpec, RMSNorm
 from pagedllm.layers.parallel import ParallelRMSNorm
 from pagedllm.loader import load_model_config
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, 49000) for _ in range(n)] for n in (41, 7, 23)]
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in (41, 7)]
 
 
 def _run(llm, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN001
@@ -152,7 +153,8 @@ def test_phi3_folders_two_ranks_equal_one_and_transformers(name: str, phi3_dirs:
     prompts = _prompts(2)
     one, expected, two, got = _one_and_two(two_ranks, phi3_dirs[name], prompts)
     assert two.llm_engine.model_runner.num_params == one.llm_engine.model_runner.num_params
-    assert two.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj.weight.shape == (128, 64)
+    gate_up = two.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj
+    assert (gate_up.out_features, gate_up.in_features) == (2 * 64, 64)  # this rank's 64 of 128 rows, twice
     assert got == expected
     assert got == _hf_tokens(phi3_dirs[name], prompts)
 
@@ -188,9 +190,8 @@ def test_converted_gguf_two_ranks_equal_one(name: str, outtype: str, converted, 
 def test_other_families_two_ranks_equal_one(arch: str, request: pytest.FixtureRequest,
                                             two_ranks: TwoRankEngines) -> None:  # noqa: F811
     """Gemma 2 (softcaps), Gemma 3 (alternating windows, two RoPE tables), SmolLM3 (NoPE layers), Granite
-    (multipliers) over 2 ranks: one process's tokens, and transformers'."""
+    (multipliers) over 2 ranks: one process's tokens (which their own tests hold to transformers')."""
     dirs = request.getfixturevalue("gemma_dirs" if arch.startswith("gemma") else "smolgran_dirs")
     prompts = _prompts(4)
     _, expected, _, got = _one_and_two(two_ranks, dirs[arch], prompts)
     assert got == expected
-    assert got == _hf_tokens(dirs[arch], prompts)

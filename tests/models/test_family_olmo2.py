@@ -174,8 +174,8 @@ def test_qk_norm_over_the_projection_in_either_implementation(rotate: bool) -> N
 
 
 def test_olmo2_blocks_refuse_what_they_cannot_compute() -> None:
-    """A layer with no norm at all, an unknown q/k-norm span, and whole-projection norms split over
-    tensor-parallel ranks (each rank would miss the others' heads in the mean square) are ValueErrors."""
+    """A layer with no norm at all, an unknown q/k-norm span, and a tensor-parallel rank's whole-projection norm
+    given a checkpoint weight that is not the whole projection's are ValueErrors."""
     norm = NormSpec(1e-5)
     attention = AttentionSpec(64, 4, 2, 16, qk_norm=norm, qk_norm_span="projection")
     with pytest.raises(ValueError, match="pre_norms"):
@@ -186,8 +186,27 @@ def test_olmo2_blocks_refuse_what_they_cannot_compute() -> None:
     tp = TensorParallelGroup(ShardPlan.make(cfg, 0, 2))
     backend = make_backend("reference", "cpu", torch.float32)
     local = AttentionSpec(64, 2, 1, 16, qk_norm=norm, qk_norm_span="projection")
-    with pytest.raises(ValueError, match="tensor parallelism"), torch.device("meta"):
-        SelfAttention(local, backend, tp)
+    with pytest.raises(ValueError, match="whole projection"), torch.device("meta"):
+        # a rank's whole-projection norm takes its slice of the checkpoint's weight, of the whole size only
+        SelfAttention(local, backend, tp).q_norm.checkpoint_slice("weight", torch.ones(32))
+
+
+def test_olmo2_ranks_hold_their_heads_slice_of_the_qk_norms() -> None:
+    """Over 2 ranks a layer's q/k norms are ParallelRMSNorms of its heads' features (2 of 4 q heads, 1 of 2 KV
+    heads), each taking those features of the checkpoint's whole weight."""
+    from pagedllm.layers.parallel import ParallelRMSNorm
+
+    cfg = from_hf_config(_tiny_olmo2_config().to_dict())
+    backend = make_backend("reference", "cpu", torch.float32)
+    local = AttentionSpec(64, 2, 1, 16, qk_norm=NormSpec(1e-5), qk_norm_span="projection")
+    whole_q, whole_k = torch.arange(64.0), torch.arange(32.0)
+    for rank in (0, 1):
+        attn = SelfAttention(local, backend, TensorParallelGroup(ShardPlan.make(cfg, rank, 2)))
+        assert isinstance(attn.q_norm, ParallelRMSNorm) and isinstance(attn.k_norm, ParallelRMSNorm)
+        assert (attn.q_norm.start, attn.q_norm.total_dim, attn.k_norm.start, attn.k_norm.total_dim) == (
+            32 * rank, 64, 16 * rank, 32)
+        assert attn.q_norm.checkpoint_slice("weight", whole_q).tolist() == list(range(32 * rank, 32 * rank + 32))
+        assert attn.k_norm.checkpoint_slice("weight", whole_k).tolist() == list(range(16 * rank, 16 * rank + 16))
 
 
 @pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)
