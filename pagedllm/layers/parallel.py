@@ -191,11 +191,19 @@ class ParallelRMSNorm(RMSNorm):
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., dim]`` (this rank's features) normed by the mean square over every rank's."""
-        xf = x.float()
-        sum_sq = xf.square().sum(-1, keepdim=True)  # [..., 1]: this rank's share
+        sum_sq = self.partial_sum_squares(x)  # [..., 1]: this rank's share
         if _sharded(self.tp):
             self.tp.all_reduce_(sum_sq)
-        normed = xf * torch.rsqrt(sum_sq / self.total_dim + self.eps)
+        return self.scale(x, sum_sq)
+
+    @staticmethod
+    def partial_sum_squares(x: torch.Tensor) -> torch.Tensor:
+        """``[..., 1]`` float32: each row's sum of squares over this rank's features."""
+        return x.float().square().sum(-1, keepdim=True)
+
+    def scale(self, x: torch.Tensor, sum_sq: torch.Tensor) -> torch.Tensor:
+        """``x`` normed by ``sum_sq`` ``[..., 1]``, the sums of squares of every rank's features, and weighted."""
+        normed = x.float() * torch.rsqrt(sum_sq / self.total_dim + self.eps)
         if self.float32_weight:
             weight = 1.0 + self.weight.float() if self.unit_offset else self.weight.float()
             return (normed * weight).to(x.dtype)
@@ -217,3 +225,17 @@ class ParallelRMSNorm(RMSNorm):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]} of {self.total_dim} from {self.start}, eps={self.eps}"
+
+
+def parallel_norm_pair(
+    first: ParallelRMSNorm, second: ParallelRMSNorm, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``first(x)``, ``second(y)`` (rows ``[n, ...]`` each) with one all-reduce for both instead of two.
+
+    OLMo 2's q and k norms of a layer run back to back: their sums of
+    squares travel together as ``[n, 2]``, halving the collectives' latency.
+    """
+    sums = torch.cat([first.partial_sum_squares(x), second.partial_sum_squares(y)], dim=-1)  # [n, 2]
+    if _sharded(first.tp):
+        first.tp.all_reduce_(sums)
+    return first.scale(x, sums[:, :1]), second.scale(y, sums[:, 1:])

@@ -38,7 +38,7 @@ from pagedllm.distributed.shard_plan import ShardPlan
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import NormSpec, RMSNorm
-from pagedllm.layers.parallel import ParallelRMSNorm
+from pagedllm.layers.parallel import ParallelRMSNorm, parallel_norm_pair
 from pagedllm.loader import load_model_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -86,13 +86,14 @@ class _PeerSum:
 @pytest.mark.parametrize("spec", [NormSpec(1e-5), NormSpec(1e-6, unit_offset=True)])
 def test_parallel_rms_norm_slices_equal_the_whole_norm(spec: NormSpec) -> None:
     """Two ranks' slices (40 and 24 of 64 features), each normed with the other's sum of squares added, are
-    the whole norm's slices, in torch and native implementations; without the other's sum they are not."""
+    the whole norm's slices, in torch and native implementations, alone and as a q/k pair sharing one
+    all-reduce; without the other's sum they are not."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 64, generator=gen) * torch.linspace(0.1, 4.0, 64)
     whole = spec.build(64)
     with torch.no_grad():
         whole.weight.copy_(torch.rand(64, generator=gen) + 0.5)
-    want = whole(x).detach()
+    want, want_doubled = whole(x).detach(), whole(2 * x).detach()
     lib = load_kernels()
     for start, dim in ((0, 40), (40, 24)):
         rest = torch.cat([x[:, :start], x[:, start + dim :]], dim=1)
@@ -104,6 +105,14 @@ def test_parallel_rms_norm_slices_equal_the_whole_norm(spec: NormSpec) -> None:
             with torch.no_grad():
                 got = norm(x[:, start : start + dim].contiguous())
             torch.testing.assert_close(got, want[:, start : start + dim], rtol=1e-6, atol=1e-6)
+        # q's and k's norms of a layer: one all-reduce of both sums ([n, 2]), the same results
+        other = norm.tp.other
+        norm.tp = _PeerSum(torch.cat([other, 4 * other], dim=-1))
+        part = x[:, start : start + dim]
+        with torch.no_grad():
+            first, second = parallel_norm_pair(norm, norm, part, 2 * part)
+        torch.testing.assert_close(first, want[:, start : start + dim], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(second, want_doubled[:, start : start + dim], rtol=1e-6, atol=1e-6)
         alone = RMSNorm(dim, spec.eps, spec.unit_offset)
         with torch.no_grad():
             alone.weight.copy_(norm.weight)
@@ -145,18 +154,17 @@ def test_olmo2_two_ranks_equal_one_and_transformers(olmo2_dir: str, two_ranks: T
     assert got == _hf_tokens(olmo2_dir, prompts)
 
 
-@pytest.mark.parametrize("name", ["phi35", "phi4mini"])
-def test_phi3_folders_two_ranks_equal_one_and_transformers(name: str, phi3_dirs: dict[str, str],  # noqa: F811
-                                                           two_ranks: TwoRankEngines) -> None:  # noqa: F811
-    """Phi-3.5's (window, whole rotation) and Phi-4-mini's (partial rotation, tied head) fused checkpoints
-    over 2 ranks: each rank's q, k, v and gate, up rows; long and short LongRoPE prompts."""
+def test_phi4mini_folder_two_ranks_equal_one_and_transformers(phi3_dirs: dict[str, str],  # noqa: F811
+                                                              two_ranks: TwoRankEngines) -> None:  # noqa: F811
+    """Phi-4-mini's fused checkpoint (partial rotation, tied head) over 2 ranks: each rank's q, k, v and gate,
+    up rows; long and short LongRoPE prompts. (Phi-3.5's window and whole rotation: its GGUF file below.)"""
     prompts = _prompts(2)
-    one, expected, two, got = _one_and_two(two_ranks, phi3_dirs[name], prompts)
+    one, expected, two, got = _one_and_two(two_ranks, phi3_dirs["phi4mini"], prompts)
     assert two.llm_engine.model_runner.num_params == one.llm_engine.model_runner.num_params
     gate_up = two.llm_engine.model_runner.model.model.layers[0].mlp.gate_up_proj
     assert (gate_up.out_features, gate_up.in_features) == (2 * 64, 64)  # this rank's 64 of 128 rows, twice
     assert got == expected
-    assert got == _hf_tokens(phi3_dirs[name], prompts)
+    assert got == _hf_tokens(phi3_dirs["phi4mini"], prompts)
 
 
 @pytest.fixture(scope="module")
