@@ -38,31 +38,44 @@ ENGINE = dict(max_model_len=256, num_kv_blocks=64, block_size=8, kv_cache_dtype=
 NUM_EXPERTS, TOP_K = 8, 4
 
 
-def _tiny_config():  # noqa: ANN202
+def _tiny_config(**overrides: object):  # noqa: ANN202
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
-                          mlp_only_layers=[1], max_position_embeddings=1024, initializer_range=0.2,
-                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, mlp_only_layers=[1],
+                  max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    return Qwen3MoeConfig(**{**fields, **overrides})
 
 
-@pytest.fixture(scope="session")
-def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
-    """A tiny random Qwen3-MoE saved as a safetensors folder, norm weights drawn from [0.5, 1.5)."""
+def _save(config, path, tokenizer, seed: int) -> str:  # noqa: ANN001
+    """A tiny random model of ``config`` saved as a safetensors folder, norm weights drawn from [0.5, 1.5)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(4321)
-    model = AutoModelForCausalLM.from_config(_tiny_config(), dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
     model.save_pretrained(path, safe_serialization=True)
-    smollm_tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """Layer 0 sparse (8 experts, top 4), layer 1 dense (``mlp_only_layers``)."""
+    return _save(_tiny_config(), tmp_path_factory.mktemp("tiny-qwen3-moe"), smollm_tokenizer, 4321)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_sparse_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """Both layers sparse, top 2 of 8: what llama.cpp's converter and its ``qwen3moe`` graph take (the
+    converter cannot name a dense layer's MLP in a qwen3moe file)."""
+    config = _tiny_config(mlp_only_layers=[], num_experts_per_tok=2)
+    return _save(config, tmp_path_factory.mktemp("tiny-qwen3-moe-sparse"), smollm_tokenizer, 8765)
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -117,3 +130,42 @@ def test_qwen3_moe_folder_matches_transformers(qwen3_moe_dir: str) -> None:
     assert block.experts.down.out_features == NUM_EXPERTS * 64
     _check_against_transformers(llm, _hf(qwen3_moe_dir), _prompts(5))
     assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_ggufs(qwen3_moe_sparse_dir: str, tmp_path_factory, gguf_converter) -> dict[str, str]:  # noqa: ANN001
+    """The folder converted by llama.cpp's converter, once per outtype (made on first use)."""
+    out = tmp_path_factory.mktemp("qwen3-moe-gguf")
+    made: dict[str, str] = {}
+
+    class Files(dict):
+        def __missing__(self, outtype: str) -> str:
+            made[outtype] = gguf_converter.convert(qwen3_moe_sparse_dir, outtype, str(out / f"qwen3moe-{outtype}.gguf"))
+            self[outtype] = made[outtype]
+            return made[outtype]
+
+    return Files()
+
+
+@pytest.mark.slow  # converts the checkpoint in a subprocess (seconds)
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_qwen3_moe_converter_gguf_matches_transformers(outtype: str, qwen3_moe_sparse_dir: str,
+                                                      qwen3_moe_ggufs: dict[str, str]) -> None:
+    """llama.cpp's converter writes architecture 'qwen3moe' with the experts as 3-D ``ffn_*_exps`` tensors and the
+    router ``ffn_gate_inp`` (kept F32): transformers' tokens and logprobs on float32 activations. F16 experts are
+    held as F16 blocks (never widened), the router in float32."""
+    from gguf_convert import read_gguf
+
+    path = qwen3_moe_ggufs[outtype]
+    names = {t.name for t in read_gguf(path).tensors}
+    assert {"blk.1.ffn_gate_inp.weight", "blk.1.ffn_gate_exps.weight", "blk.1.ffn_down_exps.weight"} <= names
+    cfg = load_model_config(path)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        "qwen3moe", NUM_EXPERTS, 2, 32)
+    assert cfg.dense_layers == () and cfg.norm_topk_prob and cfg.qk_norm
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    block = llm.llm_engine.model_runner.model.model.layers[0].mlp
+    if outtype == "f16":
+        assert block.experts.gate_up.quant_method.name == "gguf-f16"
+        assert block.experts.down.qweight.dtype == torch.uint8
+    _check_against_transformers(llm, _hf(qwen3_moe_sparse_dir, round_matrices_to_f16=outtype == "f16"), _prompts(9))
