@@ -169,3 +169,71 @@ def test_qwen3_moe_converter_gguf_matches_transformers(outtype: str, qwen3_moe_s
         assert block.experts.gate_up.quant_method.name == "gguf-f16"
         assert block.experts.down.qweight.dtype == torch.uint8
     _check_against_transformers(llm, _hf(qwen3_moe_sparse_dir, round_matrices_to_f16=outtype == "f16"), _prompts(9))
+
+
+def _q8_0_rounded(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as Q8_0 holds it (llama.cpp's reference quantizer, in float32): per run of 32 weights of a row,
+    ``d = max |w| / 127``, ``q = roundf(w * (1 / d))`` (halves away from zero), ``d`` stored as float16; read
+    back as ``d16 * q``."""
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (d.half().float() * q).reshape(w.shape)
+
+
+@pytest.mark.slow  # converts the checkpoint in a subprocess (seconds)
+def test_qwen3_moe_q8_0_gguf_keeps_its_blocks_and_is_batch_invariant(qwen3_moe_sparse_dir: str,
+                                                                    qwen3_moe_ggufs: dict[str, str]) -> None:
+    """A Q8_0 file's experts stay Q8_0 blocks (never widened). On float32 activations: transformers' tokens and
+    logprobs on the weights rounded as Q8_0 rounds them. On the default 8-bit activations (interleaved x16
+    experts): a needle request's tokens and logprobs are the same bits alone and among other requests."""
+    path = qwen3_moe_ggufs["q8_0"]
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    experts = llm.llm_engine.model_runner.model.model.layers[0].mlp.experts
+    assert experts.gate_up.quant_method.name == "gguf-q8_0" and experts.down.quant_method.name == "gguf-q8_0"
+    assert experts.gate_up.qweight.shape == (NUM_EXPERTS * 2 * 32, 64 // 32 * 34)
+    hf = _hf(qwen3_moe_sparse_dir)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):  # the router stays F32 in the file
+                p.copy_(_q8_0_rounded(p))
+    _check_against_transformers(llm, hf, _prompts(11))
+    del llm
+    llm = LLM(path, **ENGINE)  # gguf_activations="int8", the default
+    assert llm.llm_engine.model_runner.model.model.layers[1].mlp.experts.down.quant_method.name == "gguf-q8_0-x16"
+    needle, others = _prompts(3)[0], _prompts(4) + _prompts(6)
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=3)
+    alone = llm.generate([{"prompt_token_ids": needle}], params, use_tqdm=False)[0].outputs[0]
+    crowd = llm.generate([{"prompt_token_ids": p} for p in (others[0], needle, *others[1:])], params,
+                         use_tqdm=False)[1].outputs[0]
+    assert crowd.token_ids == alone.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in crowd.logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in alone.logprobs]
+
+
+def test_stacked_3d_experts_load_as_the_per_expert_folder(qwen3_moe_dir: str, tmp_path) -> None:  # noqa: ANN001
+    """transformers 5's in-memory experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``)
+    written as they are load as the per-expert tensors a saved folder holds: the same greedy tokens and logprobs."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pagedllm.loader.hf_loader import iter_weights
+
+    fused = tmp_path / "fused"
+    shutil.copytree(qwen3_moe_dir, fused)
+    hf = _hf(qwen3_moe_dir)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (NUM_EXPERTS, 64, 64)
+    for f in fused.glob("*.safetensors"):
+        f.unlink()
+    save_file(state, str(fused / "model.safetensors"))
+    assert not any(".experts.0." in name for name, _ in iter_weights(str(fused)))
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=2)
+    prompt = [{"prompt_token_ids": _prompts(13)[1]}]
+    want = LLM(qwen3_moe_dir, **ENGINE).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    got = LLM(str(fused), **ENGINE).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in got.logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in want.logprobs]
