@@ -237,3 +237,38 @@ def test_stacked_3d_experts_load_as_the_per_expert_folder(qwen3_moe_dir: str, tm
     assert got.token_ids == want.token_ids
     assert [{t: lp.logprob for t, lp in d.items()} for d in got.logprobs] == \
         [{t: lp.logprob for t, lp in d.items()} for d in want.logprobs]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"shared_expert_intermediate_size": 128}, "shared_expert_intermediate_size=128, which the 'qwen3_moe'"),
+    ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"n_group": 4}, "n_group=4"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok must be between 1 and num_experts=8"),
+    ({"num_experts_per_tok": None}, "num_experts_per_tok must be a positive integer"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers must be a list"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+])
+def test_qwen3_moe_fields_it_does_not_compute_are_refused_by_name(fields: dict, message: str) -> None:
+    """Experts' fields of other families (shared experts, scaled, sigmoid or grouped routers) and bad values."""
+    from pagedllm.loader.model_config import from_hf_config
+
+    with pytest.raises(ValueError, match=message):
+        from_hf_config({**_tiny_config().to_dict(), "architectures": ["Qwen3MoeForCausalLM"], **fields})
+
+
+def test_qwen3_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
+    """Layer i is sparse unless listed in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
+    (``Qwen3MoeDecoderLayer``); the window of use_sliding_window applies to every layer."""
+    from pagedllm.loader.model_config import from_hf_config
+
+    base = {**_tiny_config().to_dict(), "num_hidden_layers": 6}
+    cfg = from_hf_config({**base, "mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert cfg.dense_layers == (0, 2, 4) and [cfg.is_sparse(i) for i in range(6)] == [False, True] * 3
+    cfg = from_hf_config({**base, "mlp_only_layers": [3], "decoder_sparse_step": 1, "use_sliding_window": True,
+                          "sliding_window": 64})
+    assert cfg.dense_layers == (3,) and cfg.sliding_windows == (64,) * 6
+    spec = Qwen3MoeForCausalLM.decoder_spec(cfg)
+    assert [layer.moe is not None for layer in spec.layers] == [True, True, True, False, True, True]
+    assert spec.layers[0].moe.router.renormalize and spec.layers[0].moe.router.top_k == TOP_K
