@@ -167,6 +167,10 @@ class MoEBlock(nn.Module):
         self.gate = Router(spec.router, hidden_size, quant_config, f"{prefix}.gate")
         start = self.tp.plan.expert_intermediate[0] if self.tp is not None else 0
         self.experts = ExpertWeights(spec, hidden_size, quant_config, f"{prefix}.experts", start)
+        # the routing's running counts (runner/expert_load.py reads them when asked, never per step): tokens
+        # each expert was chosen for, and forward passes; tensors, so a traced step would count too
+        self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("num_forwards", torch.zeros(1, dtype=torch.int64), persistent=False)
         self.act_fn = gated_activation(spec.hidden_act)
         if spec.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, None,
@@ -194,8 +198,11 @@ class MoEBlock(nn.Module):
         flat = ids.reshape(-1)  # pair p = token * top_k + slot
         order = torch.argsort(flat, stable=True)  # pairs by expert; within one, by token then slot
         token_ids = torch.div(order, top_k, rounding_mode="floor").to(torch.int32)
+        counts = torch.bincount(flat, minlength=num_experts)  # [num_experts]: this step's tokens per expert
+        self.expert_tokens.add_(counts)
+        self.num_forwards.add_(1)
         offsets = torch.zeros(num_experts + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
+        offsets[1:] = torch.cumsum(counts, 0)
         h = self.act_fn(experts_linear(self.experts.gate_up, x, token_ids, offsets, num_experts))  # [pairs, I]
         pair_rows = torch.arange(h.shape[0], dtype=torch.int32)
         y = experts_linear(self.experts.down, h, pair_rows, offsets, num_experts)  # [pairs, H], by expert

@@ -81,12 +81,17 @@ def test_qwen3_moe_folder_on_two_ranks_equals_one(moe_tp_dir: str, two_ranks: Tw
     one = _tp(moe_tp_dir, 1, block_size=8)
     expected = _run(one, prompts)
     assert _rank0_block(one).experts.down.in_features == 64
+    one_counts = one.llm_engine.model_runner.expert_load.counts()
     one.shutdown()
     two = two_ranks.shared(moe_tp_dir, block_size=8)
     block = _rank0_block(two)
     assert (block.experts.down.in_features, block.experts.gate_up.out_features) == (32, 8 * 2 * 32)
     assert block.gate.out_features == 8  # the router whole on every rank
+    load = two.llm_engine.model_runner.expert_load
+    load.reset()
     assert _run(two, prompts) == expected
+    # the router is whole on every rank: rank 0's counts are the model's, one process's
+    assert load.counts().tokens == one_counts.tokens and sum(one_counts.tokens[0]) > 0
 
 
 @pytest.mark.slow  # converts the checkpoint in a subprocess (seconds)
