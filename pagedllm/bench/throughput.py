@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     from pagedllm.engine.llm import LLM
-    from pagedllm.runner.expert_load import load_summary
+    from pagedllm.expert_counts import load_summary
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     if args.structured and args.compare:
@@ -141,6 +141,6 @@ def _run_peers(args: argparse.Namespace, workload: list) -> list[dict]:
 
 
 def expert_load_line(summary: dict[str, float]) -> str:
-    """The bench's line on a mixture of experts' routing (``runner/expert_load.load_summary``)."""
+    """The bench's line on a mixture of experts' routing (``pagedllm.expert_counts.load_summary``)."""
     return (f"expert load over {summary['num_steps']} steps: tokens per expert per step mean {summary['mean']:.2f}, "
             f"max {summary['max']:.2f}, imbalance (max/mean) {summary['imbalance']:.2f}")

@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.runner.expert_load import ExpertLoad
+    from pagedllm.expert_counts import ExpertCounts
     from pagedllm.structured_output.compiler import GrammarCompiler
 
 # vLLM's buckets, in seconds
@@ -122,14 +122,15 @@ class ServerMetrics:
             self.registry.register(_GrammarCollector(compiler, self._model_name))
             self._grammars_watched = True
 
-    def watch_experts(self, load: ExpertLoad) -> None:
-        """Export a mixture-of-experts model's routing counts, read from ``load`` at each scrape (once per server).
+    def watch_experts(self, read_counts: Callable[[], ExpertCounts]) -> None:
+        """Export a mixture-of-experts model's routing counts, ``read_counts()`` at each scrape (once per server;
+        the runner's ``ExpertLoad.counts``).
 
         Per expert (summed over the sparse layers) and per layer (its imbalance), not per (layer, expert):
         ``num_experts + num_layers`` series (176 for Qwen3-30B-A3B) rather than their product (6144).
         """
         if not self._experts_watched:
-            self.registry.register(_ExpertCollector(load, self._model_name))
+            self.registry.register(_ExpertCollector(read_counts, self._model_name))
             self._experts_watched = True
 
     def request_success(self, finished_reason: str) -> None:
@@ -264,13 +265,13 @@ class _ExpertCollector:
     """A mixture of experts' routing counts (``runner/expert_load.py``), copied out when Prometheus scrapes: the
     engine's steps only add into tensors."""
 
-    def __init__(self, load: ExpertLoad, model_name: str) -> None:
-        self._load = load
+    def __init__(self, read_counts: Callable[[], ExpertCounts], model_name: str) -> None:
+        self._read_counts = read_counts
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         """Tokens per expert (over the layers), forward steps counted, and each layer's max / mean load."""
-        counts = self._load.counts()
+        counts = self._read_counts()
         name = self._model_name
         tokens = CounterMetricFamily(
             "pagedllm:moe_expert_tokens",

@@ -20,7 +20,7 @@ from test_family_qwen3_moe import ENGINE, NUM_EXPERTS, TOP_K, qwen3_moe_dir  # n
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.throughput import expert_load_line
-from pagedllm.runner.expert_load import ExpertCounts, load_summary
+from pagedllm.expert_counts import ExpertCounts, load_summary
 
 NUM_GENERATED = 5
 
