@@ -51,6 +51,7 @@ from pagedllm.layers.experts_linear import experts_linear
 from pagedllm.layers.linear import Linear, LinearMethod
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.quantization.expert_packed import expert_method
+from pagedllm.layers.quantization.gguf_dequantized import has_gguf_kernel
 from pagedllm.layers.quantization.gguf_linear import (
     INTERLEAVE_ROWS,
     GGUFLinearMethod,
@@ -121,7 +122,10 @@ def stacked_experts_layer(in_features: int, rows: int, num_experts: int, bias: b
     ``input_start``: the first of the whole expert's input columns this rank holds (down, under tensor
     parallelism); a GGUF layer whose kernels cannot take that slice as stored is refused."""
     layer = Linear(in_features, num_experts * rows, bias, quant_config, prefix, input_start)
-    if input_start and quant_config is not None and quant_config.gguf_parts(f"{prefix}.weight") \
+    parts = quant_config.gguf_parts(f"{prefix}.weight") if input_start and quant_config is not None else None
+    # types with kernels not taken as stored: the slice is off their blocks (no kernel at all: dequantized, as in
+    # one process)
+    if parts and all(has_gguf_kernel(kind) for *_, kind in parts) \
             and not isinstance(layer.quant_method, (GGUFLinearMethod, GGUFPartsLinearMethod)):
         raise ValueError(f"{prefix}: this rank's experts' columns from {input_start} ({in_features} of them) are "
                          "not whole GGUF blocks of the file's types: the experts cannot be split over these "

@@ -108,3 +108,21 @@ def test_qwen3_moe_q8_0_gguf_on_two_ranks_keeps_its_blocks_and_equals_one(
     # one Q8_0 block (34 bytes) of each of the 64 hidden rows of each of the 8 experts: rank 0's columns 0..31
     assert down.qweight.dtype == torch.uint8 and tuple(down.qweight.shape) == (8 * 64, 34)
     assert _run(two, prompts) == expected
+
+
+def test_a_gguf_experts_slice_off_its_blocks_is_refused_not_widened() -> None:
+    """Down's columns from 16 of a Q8_0 file (blocks of 32): the kernels cannot take the slice as stored, and the
+    layer says so rather than holding every expert in float."""
+    from gguf import GGMLQuantizationType
+
+    from pagedllm.layers.fused_moe import moe_fused_projections, stacked_experts_layer
+    from pagedllm.layers.quantization.quant_config import QuantConfig
+
+    q8_0 = int(GGMLQuantizationType.Q8_0)
+    types = {f"model.layers.0.mlp.experts.{e}.down_proj.weight": q8_0 for e in range(4)}
+    config = QuantConfig(gguf_types=types, fused=moe_fused_projections(4, 16, 64, expert_start=16))
+    prefix = "model.layers.0.mlp.experts.down"
+    with torch.device("meta"):
+        assert stacked_experts_layer(32, 64, 4, False, config, prefix).quant_method.name.startswith("gguf")
+        with pytest.raises(ValueError, match="not whole GGUF blocks"):
+            stacked_experts_layer(16, 64, 4, False, config, prefix, input_start=16)
