@@ -95,3 +95,27 @@ def test_metrics_export_the_counts(moe_llm: LLM, moe_server: str) -> None:
     assert got["pagedllm:moe_steps_total"] == counts.num_steps
     assert got['pagedllm:moe_layer_load_imbalance{"layer": "0"}'] == pytest.approx(counts.layer_imbalance()[0])
     assert not any('"layer": "1"' in key for key in got)  # the dense layer has no series
+
+
+def test_bench_throughput_prints_the_expert_load(qwen3_moe_dir: str, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    """``pagedllm bench throughput`` on the MoE folder: its line and JSON ``expert_load``, counted over the measured
+    run only (every prompt and output token but each request's last, each through top 4 of 8 experts)."""
+    import json
+
+    from pagedllm.bench.workload import make_workload
+    from pagedllm.entrypoints import cli
+
+    num_threads = torch.get_num_threads()
+    try:
+        assert cli.main(["bench", "throughput", "--model", qwen3_moe_dir, "--num-requests", "3", "--min-len", "8",
+                         "--max-len", "16", "--workload-seed", "7", "--json", "--no-enable-prefix-caching",
+                         "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(num_threads)
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])["expert_load"]
+    assert any(line.startswith(f"expert load over {summary['num_steps']} steps") for line in lines)
+    workload = make_workload(3, 8, 16, 7)
+    computed = sum(len(r.prompt_token_ids) + r.output_len - 1 for r in workload)
+    assert summary["mean"] * NUM_EXPERTS * summary["num_steps"] == pytest.approx(computed * TOP_K, abs=0.01 * NUM_EXPERTS * summary["num_steps"])
+    assert summary["imbalance"] == pytest.approx(summary["max"] / summary["mean"], rel=1e-2) and summary["imbalance"] >= 1
