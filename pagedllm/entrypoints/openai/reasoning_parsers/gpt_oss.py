@@ -21,7 +21,8 @@ The parser works on token ids (harmony's markers are special tokens of the
 o200k_harmony vocabulary), one token at a time, so where a stream is cut
 cannot change what it sends. Output that breaks the format (a cut header, a
 token harmony does not expect) stops the reading: the tokens from there on
-are decoded and sent as content, so nothing the model wrote is lost.
+are decoded, special ones spelled out, and sent as content when the output
+ends (whole, so no UTF-8 character is split), so nothing the model wrote is lost.
 """
 
 from __future__ import annotations
