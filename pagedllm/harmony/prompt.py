@@ -54,7 +54,12 @@ def render_prompt(
     developer = _developer_message("\n\n".join(i for i in instructions if i), tools)
     if developer is not None:
         rendered.append(developer)
+    call_names: dict[str, str] = {}  # call id -> function, for tool results that do not name it
     for message in messages:
+        for call in message.get("tool_calls") or []:
+            call_names[call.get("id", "")] = call.get("function", call)["name"]
+        if message["role"] == "tool" and not message.get("name"):
+            message = {**message, "name": call_names.get(message.get("tool_call_id", ""), "")}
         rendered.extend(_turn(message))
     conversation = Conversation.from_messages(rendered)
     return list(harmony_encoding().render_conversation_for_completion(conversation, Role.ASSISTANT))

@@ -23,7 +23,7 @@ ALLOWED = {
     "distributed": {"loader", "kernels"},
     "models": {"layers", "loader"},  # loader: its config types only (test below)
     "loader": set(),
-    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output"},
+    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output", "harmony"},
     # speculative decoding's proposers and policy: plain Python below the engine (the runner verifies)
     "spec_decode": set(),
     # constraint limits, compile workers and grammar state: used by the engine and the server; the runner

@@ -47,19 +47,24 @@ CALL_REGEX = (r"<\|channel\|>analysis<\|message\|>I should call get_weather\.<\|
 
 
 @pytest.fixture(scope="module")
-def harmony_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def harmony_dir(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny harmony model's folder, and its ordinary tokens with a ``<`` in them."""
     from harmony_models import save_tiny_harmony_model
     from transformers import AutoTokenizer
 
-    from pagedllm import LLM
-
     path = save_tiny_harmony_model(Path(tmp_path_factory.mktemp("tiny-harmony")))
     vocab = AutoTokenizer.from_pretrained(path).get_vocab()
-    angled = sorted(i for token, i in vocab.items() if "<" in token and i < NUM_RANKS)
-    llm = LLM(path, num_kv_blocks=64, max_model_len=1024, num_threads=1)
+    return {"path": path, "angled": sorted(i for token, i in vocab.items() if "<" in token and i < NUM_RANKS)}
+
+
+@pytest.fixture(scope="module")
+def harmony_server(harmony_dir: dict) -> Iterator[dict]:
+    from pagedllm import LLM
+
+    llm = LLM(harmony_dir["path"], num_kv_blocks=64, max_model_len=1024, num_threads=1)
     with serve_in_thread(llm.llm_engine, model_name="tiny-harmony") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
-        yield {"url": url, "client": client, "angled": angled}
+        yield {"url": url, "client": client, "angled": harmony_dir["angled"]}
 
 
 def _forced(server: dict, regex: str, stop: int) -> dict:
@@ -137,3 +142,23 @@ def test_harmony_refusals(harmony_server) -> None:  # noqa: ANN001
     assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny-harmony", messages=ASK, reasoning_effort="extreme")
+
+
+def test_llm_chat_renders_harmony_and_parses(harmony_dir: dict) -> None:
+    """``LLM.chat`` renders with openai-harmony and stops at <|call|>; ``parse_reply`` reads the output."""
+    from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+    from pagedllm.entrypoints.openai.reasoning_parsers import parse_reply
+    from pagedllm.harmony.prompt import render_prompt
+
+    llm = LLM(harmony_dir["path"], num_kv_blocks=32, max_model_len=512, num_threads=1)
+    bias = {**{t: -100.0 for t in harmony_dir["angled"]}, CALL: 100.0}
+    params = SamplingParams(temperature=0.0, max_tokens=80, logit_bias=bias,
+                            structured_outputs=StructuredOutputsParams(regex=CALL_REGEX))
+    (out,) = llm.chat(ASK, params, use_tqdm=False, tools=[WEATHER], reasoning_effort="low")
+    assert out.prompt_token_ids == render_prompt(ASK, [WEATHER], "low")
+    assert out.outputs[0].token_ids[-1] == CALL and out.outputs[0].finish_reason == "stop"
+    found = parse_reply(out.outputs[0].token_ids)
+    assert found.reasoning_content == CALL_THOUGHT and found.content is None
+    assert [(c.name, c.arguments) for c in found.tool_calls] == [("get_weather", ARGUMENTS)]
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        llm.chat(ASK, params, use_tqdm=False, reasoning_effort="max")

@@ -14,6 +14,8 @@ always writing it. No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
 from pagedllm.entrypoints.openai.reasoning_parsers.gpt_oss import GptOssReasoningParser
 from pagedllm.entrypoints.openai.reasoning_parsers.reply_parser import ReplyParser
@@ -21,6 +23,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers.think import (
     DeepSeekR1ReasoningParser,
     ThinkReasoningParser,
 )
+from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls
 
 __all__ = [
     "REASONING_PARSERS",
@@ -30,6 +33,7 @@ __all__ = [
     "ReplyParser",
     "ThinkReasoningParser",
     "get_reasoning_parser",
+    "parse_reply",
 ]
 
 # the parsers a server can be told to use, by vLLM's names
@@ -54,3 +58,18 @@ def get_reasoning_parser(name: str | None, harmony_model: bool = False) -> type[
     if parser is None:
         raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSER_CHOICES)}")
     return parser
+
+
+def parse_reply(
+    token_ids: Sequence[int], text: str = "", parser: str = "gpt_oss", prompt_text: str | None = None,
+    calls_allowed: bool = True,
+) -> ExtractedToolCalls:
+    """A finished output split into ``reasoning_content``, ``content`` and (harmony's) ``tool_calls``.
+
+    For ``LLM.chat``'s outputs: ``parse_reply(out.outputs[0].token_ids)`` for
+    gpt-oss; the ``<think>`` parsers read ``text`` (and ``prompt_text``).
+    """
+    cls = get_reasoning_parser(parser)
+    if cls is None:
+        return ExtractedToolCalls(text, [])
+    return ReplyParser(cls(prompt_text=prompt_text, calls_allowed=calls_allowed), None).extract(text, token_ids)
