@@ -194,6 +194,9 @@ def test_think_opened_by_the_prompt() -> None:
     prompt = "<|im_start|>assistant\n<think>\n"
     assert _think("Hmm.\n</think>\n\nHello.", prompt) == ("Hmm.\n", "Hello.", [])
     assert _think("Hmm, still", prompt) == ("Hmm, still", "", [])
+    assert _think("<think>\nHmm.</think>Hi", prompt) == ("\nHmm.", "Hi", [])  # opened twice: once counts
+    assert _think("</think>Hi", prompt) == (None, "Hi", [])
+    assert _think(" <thi", prompt) == (" <thi", "", [])
     # deepseek_r1 assumes the prompt opened it; qwen3 that it did not
     assert _think("Hmm.</think>Hi", parser=DeepSeekR1ReasoningParser) == ("Hmm.", "Hi", [])
     assert _think("Hmm.</think>Hi") == (None, "Hmm.</think>Hi", [])

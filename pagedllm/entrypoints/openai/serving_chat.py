@@ -76,6 +76,10 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is not None and self.reasoning_parser.parses_tool_calls and not self.harmony:
             raise ValueError(f"the {self.reasoning_parser.name} reasoning parser reads harmony output; "
                              "this model does not use the harmony format")
+        if self.harmony:
+            from pagedllm.harmony.vocab import harmony_encoding
+
+            harmony_encoding()  # loaded (and its vocabulary written) at start: a missing one fails here, not per request
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         """Answer one chat request, streamed or whole."""

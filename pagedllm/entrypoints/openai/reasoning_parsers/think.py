@@ -8,7 +8,8 @@ blank line there). Two ways the block opens:
   output that does not is all content (Qwen3 with thinking off);
 - in the prompt: templates that end the generation prompt with ``<think>``
   (DeepSeek-R1, Qwen3's thinking-only releases) make the whole output
-  reasoning until ``</think>``. The parser knows this from the prompt text
+  reasoning until ``</think>`` (a ``<think>`` the model writes again at the
+  very start is dropped). The parser knows this from the prompt text
   (an open ``<think>`` after the last ``</think>``); without the prompt,
   ``deepseek_r1`` assumes it was opened and ``qwen3`` that it was not.
 
@@ -48,8 +49,8 @@ class ThinkReasoningParser(ReasoningParser):
         self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None
     ) -> None:
         super().__init__(prompt_text=prompt_text, calls_allowed=calls_allowed, max_calls=max_calls)
-        opened = self.opened_by_default if prompt_text is None else prompt_opens_block(prompt_text)
-        self._mode = _THINK if opened else _START
+        self._opened = self.opened_by_default if prompt_text is None else prompt_opens_block(prompt_text)
+        self._mode = _START
         self._pending = ""  # text that may be the start of the tag the mode waits for
 
     def _read(self, text: str, token_ids: Sequence[int]) -> None:
@@ -77,15 +78,21 @@ class ThinkReasoningParser(ReasoningParser):
             if stripped == OPEN:
                 self._mode, self._pending = _THINK, ""
             elif not OPEN.startswith(stripped):
-                self._mode, pending, self._pending = _REPLY, self._pending, ""
-                self._send_content(pending)
+                pending, self._pending = self._pending, ""
+                if self._opened:  # the prompt opened the block: what was held is reasoning (or </think>)
+                    self._mode = _THINK
+                    for held in pending:
+                        self._step(held)
+                else:
+                    self._mode = _REPLY
+                    self._send_content(pending)
 
     def _end(self) -> None:
         pending, self._pending = self._pending, ""
         if self._mode == _THINK:
             self._send_reasoning(pending)  # a cut-off block: all of it was reasoning
         elif self._mode == _START:
-            self._send_content(pending)
+            (self._send_reasoning if self._opened else self._send_content)(pending)
 
 
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
