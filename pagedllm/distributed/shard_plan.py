@@ -56,11 +56,15 @@ class ShardPlan:
 
     @classmethod
     def make(cls, cfg: ModelArchConfig, rank: int, size: int) -> ShardPlan:
-        """The slices of rank ``rank`` of ``size``; ValueError when the model has fewer KV heads than ranks."""
+        """The slices of rank ``rank`` of ``size``; ValueError when the model has fewer KV heads than ranks, or
+        experts (not split yet)."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a tensor-parallel group of {size}")
+        if cfg.num_experts and size > 1:
+            raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models ({cfg.num_experts} experts) do "
+                             "not support tensor parallelism yet; run them in one process (tensor_parallel_size=1)")
         if cfg.num_key_value_heads < size:
             raise ValueError(
                 f"tensor_parallel_size={size} is more than the model's {cfg.num_key_value_heads} KV heads: every "

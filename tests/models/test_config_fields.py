@@ -1,13 +1,13 @@
-"""Every config.json field that changes the arithmetic is honoured or refused by name; mixtures of experts refused.
+"""Every config.json field that changes the arithmetic is honoured or refused by name; unsupported experts refused.
 
 Honoured, against transformers on the same tiny random weights: Llama's
 ``mlp_bias`` (biases on gate, up and down) and ``attention_bias``, from the
 folder and from llama.cpp's converter GGUF. Refused: a field the family's
 transformers class does not compute, set to a value that would change the
 result (``loader/config_fields.py``), each named in its error. A Mixtral
-folder, its converter GGUF (architecture "llama" with an expert count) and a
-Qwen3-MoE config are refused as mixtures of experts, naming the
-architecture and the supported ones.
+folder, its converter GGUF (architecture "llama" with an expert count) and
+experts in a dense family's config are refused as mixtures of experts,
+naming the architecture and the mixture-of-experts ones supported (Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -143,6 +143,10 @@ def _config(arch: str, **fields: object) -> dict:
     ("llama", {"logits_scaling": 8.0}, "logits_scaling=8.0"),
     ("llama", {"scale_emb": 12}, "scale_emb=12"),
     ("llama", {"no_rope_layers": [1, 1, 1, 0]}, "no_rope_layers"),
+    ("qwen3", {"norm_topk_prob": True}, "norm_topk_prob=true, which the 'qwen3' architecture"),
+    ("qwen3", {"mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\]"),
+    ("llama", {"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    ("llama", {"scoring_func": "sigmoid"}, "scoring_func=\"sigmoid\""),
 ])
 def test_a_field_the_family_does_not_compute_is_refused_by_name(arch: str, fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -186,22 +190,24 @@ def mixtral_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> s
 
 def test_a_mixtral_folder_is_refused_as_a_mixture_of_experts(mixtral_dir: str) -> None:
     with pytest.raises(ValueError, match=r"architecture \['MixtralForCausalLM'\] with 4 experts is a mixture of "
-                                         r"experts: mixture-of-experts models are not supported yet; supported: "
-                                         r"\[.*'LlamaForCausalLM'"):
+                                         r"experts: mixture-of-experts models are not supported for it; "
+                                         r"mixture-of-experts architectures supported: \[.*'Qwen3MoeForCausalLM'"):
         LLM(mixtral_dir, **ENGINE)
 
 
-def test_a_qwen3_moe_config_is_refused_as_a_mixture_of_experts() -> None:
+def test_experts_are_refused_for_a_family_without_them_and_run_for_qwen3_moe() -> None:
+    """A Qwen3-MoE config runs as Qwen3-MoE (by class or by model_type); experts in a config of a dense family
+    (a Qwen3 config.json carrying num_experts) are refused by name, not run as a dense model."""
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(num_experts=8, num_hidden_layers=2).to_dict()
     cfg = from_hf_config({**config, "architectures": ["Qwen3MoeForCausalLM"]})
     assert cfg.num_experts == 8
-    with pytest.raises(ValueError, match=r"'Qwen3MoeForCausalLM'\] with 8 experts .* not supported yet"):
-        registry.model_class(cfg)
-    # a config.json that lists no architectures is named by its model_type
-    with pytest.raises(ValueError, match=r"architecture 'qwen3_moe' with 8 experts"):
-        registry.model_class(from_hf_config(config))
+    assert registry.model_class(cfg).__name__ == "Qwen3MoeForCausalLM"
+    assert registry.model_class(from_hf_config(config)).__name__ == "Qwen3MoeForCausalLM"
+    dense = {**config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ValueError, match=r"'Qwen3ForCausalLM'\] with 8 experts is a mixture of experts"):
+        registry.model_class(from_hf_config(dense))
 
 
 @pytest.mark.slow  # converts the checkpoint in a subprocess
@@ -215,7 +221,8 @@ def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir
     assert "blk.0.ffn_gate_exps.weight" in {t.name for t in read_gguf(path).tensors}
     assert load_model_config(path).num_experts == 4
     with pytest.raises(ValueError, match=r"architecture 'llama' with 4 experts is a mixture of experts: "
-                                         r"mixture-of-experts models are not supported yet; supported: \[.*'llama'"):
+                                         r"mixture-of-experts models are not supported for it; mixture-of-experts "
+                                         r"architectures supported: \[.*'qwen3moe'"):
         LLM(path, **ENGINE)
 
 
@@ -228,6 +235,10 @@ def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir
     ("llama", {"residual_scale": 0.2}, r"llama.residual_scale=0.2"),
     ("llama", {"attention.clamp_kqv": 8.0}, r"llama.attention.clamp_kqv=8.0"),
     ("llama", {"attention.layer_norm_epsilon": 1e-5}, r"layer_norm_epsilon without layer_norm_rms_epsilon"),
+    ("qwen3moe", {"expert_gating_func": 2}, r"qwen3moe.expert_gating_func=2 is not computed"),
+    ("qwen3moe", {"expert_shared_feed_forward_length": 256}, r"qwen3moe.expert_shared_feed_forward_length=256"),
+    ("qwen3moe", {"expert_weights_scale": 2.5}, r"qwen3moe.expert_weights_scale=2.5"),
+    ("qwen3moe", {"leading_dense_block_count": 1}, r"qwen3moe.leading_dense_block_count=1"),
 ])
 def test_gguf_metadata_the_architecture_does_not_compute_is_refused_by_name(
     arch: str, metadata: dict, message: str,
