@@ -29,8 +29,11 @@ Refused by name, as not computed here: per-layer embeddings
 layers (``num_kv_shared_layers``), bidirectional attention over all tokens
 (``use_bidirectional_attention: "all"``), and a ``per_layer_config`` that
 overrides anything but a global layer's head size and kv heads.
-Gemma4ForConditionalGeneration folders (model_type ``gemma4``, text under
-``text_config``) are refused by the caller.
+A Gemma4ForConditionalGeneration folder (model_type ``gemma4``, the Hub's
+releases) is read for its text model: ``text_config`` with the outer
+``architectures`` and ``tie_word_embeddings`` (``multimodal_text_dict``);
+its vision and audio towers are not loaded (``models/gemma4.py``), so images
+and audio are not supported, only text.
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
+
+
+def multimodal_text_dict(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma4ForConditionalGeneration config.json's text model as a ``gemma4_text`` config.json: its
+    ``text_config``, under the outer ``architectures`` and LM-head tie (transformers ties the outer model's head)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"gemma4: a Gemma4ForConditionalGeneration config.json needs a text_config, got {text!r}")
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", GEMMA4_DEFAULTS["tie_word_embeddings"]))
+    return {**text, "model_type": "gemma4_text", "architectures": cfg.get("architectures") or [],
+            "tie_word_embeddings": tie}
 
 
 def gemma4_text_dict(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
-from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict
+from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.moe_config import hf_moe_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
@@ -457,10 +457,9 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
             "use a text-only Gemma3ForCausalLM checkpoint (model_type 'gemma3_text')"
         )
     if model_type == "gemma4":
-        raise ValueError(
-            "multimodal Gemma 4 checkpoints (model_type 'gemma4', Gemma4ForConditionalGeneration) are not "
-            "supported; use a text-only Gemma4ForCausalLM checkpoint (model_type 'gemma4_text')"
-        )
+        # Gemma4ForConditionalGeneration: its text model is read (models/gemma4.py skips the other towers)
+        cfg = multimodal_text_dict(cfg)
+        model_type = cfg["model_type"]
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"config.json has no model_type (got {model_type!r})")
     arch = _MODEL_TYPES.get(model_type, model_type)

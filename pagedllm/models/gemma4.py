@@ -18,14 +18,20 @@ Where it differs from Gemma 3, each as transformers computes it:
 - embeddings are scaled by ``sqrt(hidden_size)`` (rounded to the model's
   dtype); the LM head is usually tied to the embedding.
 
-Per-layer embeddings (E2B/E4B), KV sharing between layers and multimodal
-checkpoints are refused when the configuration is read
-(``loader/gemma4_config.py``). No tensor parallelism. GGUF files are not
+A Gemma4ForConditionalGeneration folder (the Hub's releases) runs its text
+model: ``model.language_model.*`` loads as ``model.*``, and its vision and
+audio towers and their embedders are not loaded (text prompts only).
+Per-layer embeddings (E2B/E4B) and KV sharing between layers are refused
+when the configuration is read (``loader/gemma4_config.py``). No tensor parallelism. GGUF files are not
 read yet (llama.cpp writes Gemma 4 as architecture ``gemma4``, which the
 registry refuses by name).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
 
 from pagedllm.layers.decoder import CausalLM, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec, moe_fused_projections
@@ -37,6 +43,21 @@ from pagedllm.layers.router import RouterSpec
 from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.layers.weights import FusedMap, fused_projections
 from pagedllm.loader.model_config import ModelArchConfig
+
+# a Gemma4ForConditionalGeneration checkpoint: where its text model's tensors sit, and the towers not loaded
+_MULTIMODAL_TEXT_PREFIX = "model.language_model."
+_MULTIMODAL_SKIPPED = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+
+
+def text_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Gemma4ForConditionalGeneration checkpoint's tensors as its text model's (``Gemma4ForCausalLM``'s)
+    names; the vision and audio towers' tensors left out."""
+    for name, tensor in weights:
+        if name.startswith(_MULTIMODAL_SKIPPED):
+            continue
+        if name.startswith(_MULTIMODAL_TEXT_PREFIX):
+            name = "model." + name.removeprefix(_MULTIMODAL_TEXT_PREFIX)
+        yield name, tensor
 
 
 class Gemma4ForCausalLM(CausalLM):
@@ -89,3 +110,9 @@ class Gemma4ForCausalLM(CausalLM):
         if cfg.num_experts:
             fused = {**moe_fused_projections(cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size), **fused}
         return fused
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As ``CausalLM.load_weights``; a Gemma4ForConditionalGeneration checkpoint's text model only."""
+        if "Gemma4ForConditionalGeneration" in self.config.architectures:
+            weights = text_model_weights(weights)
+        super().load_weights(weights)

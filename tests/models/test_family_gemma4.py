@@ -10,7 +10,8 @@ values with keys on its global layer (``attention_k_eq_v``), with one kv
 head there against two on the sliding layers. Every norm weight, layer
 scalar, router scale and per-expert scale is drawn at random, so a norm
 applied as ``1 + w``, a scalar or scale left out, or a wrong expert changes
-the logprobs.
+the logprobs. A Gemma4ForConditionalGeneration folder (the Hub's form, with
+a tiny vision tower) runs its text model.
 
 On float32 activations (the native kernels): transformers' greedy tokens
 (its own KV cache) and every reported logprob within ``LOGPROB_TOL``
@@ -94,11 +95,13 @@ def _max_logprob_error(hf, out) -> float:  # noqa: ANN001
     return max(abs(lp.logprob - float(want[row, token])) for row, lps in rows for token, lp in lps.items())
 
 
-def _check_against_transformers(path: str, prompts: list[list[int]]) -> LLM:
-    """Greedy tokens equal transformers'; every reported logprob within ``LOGPROB_TOL`` of its; no block leaked."""
+def _check_against_transformers(path: str, prompts: list[list[int]], hf=None) -> LLM:  # noqa: ANN001
+    """Greedy tokens equal transformers' (``hf``, else the folder's causal LM); every reported logprob within
+    ``LOGPROB_TOL`` of its; no block leaked."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if hf is None:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5, prompt_logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -136,6 +139,30 @@ def test_gemma4_moe_folder_matches_transformers(gemma4_moe_dir: str) -> None:
     assert layer.experts.gate_up.out_features == 4 * 2 * 32 and layer.mlp.gate_up_proj.out_features == 2 * 96
 
 
+@pytest.fixture(scope="module")
+def gemma4_multimodal_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """A Gemma4ForConditionalGeneration (the Hub's form: text model under ``model.language_model``, a tiny vision
+    tower beside it) around the dense text shape."""
+    from transformers import Gemma4Config, Gemma4VisionConfig
+
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16)
+    config = Gemma4Config(text_config=_tiny_config(), vision_config=vision, audio_config=None)
+    return _save(config, tmp_path_factory.mktemp("tiny-gemma4-multimodal"), smollm_tokenizer, 777)
+
+
+def test_gemma4_multimodal_folder_runs_its_text_model(gemma4_multimodal_dir: str) -> None:
+    """A Gemma4ForConditionalGeneration folder: its text_config read, ``model.language_model.*`` loaded, the
+    vision tower left out; on text prompts, transformers' (the whole multimodal model's) tokens and logprobs."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    cfg = load_model_config(gemma4_multimodal_dir)
+    assert (cfg.architecture, cfg.architectures, cfg.global_head_dim) == (
+        "gemma4", ("Gemma4ForConditionalGeneration",), 32)
+    hf = Gemma4ForConditionalGeneration.from_pretrained(gemma4_multimodal_dir, dtype=torch.float32).eval()
+    _check_against_transformers(gemma4_multimodal_dir, _prompts(11)[:1], hf)
+
+
 _BASE = dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], vocab_size=512, hidden_size=64,
              intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
@@ -146,7 +173,7 @@ _BASE = dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], voca
     ({"hidden_size_per_layer_input": None}, "per-layer embeddings"),  # transformers' default (256) applies
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
-    ({"model_type": "gemma4"}, "Gemma4ForConditionalGeneration"),
+    ({"model_type": "gemma4"}, "text_config"),
     ({"per_layer_config": {"1": {"sliding_window": 4}}}, "per_layer_config"),
     ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config"),
     ({"query_pre_attn_scalar": 256}, "query_pre_attn_scalar"),
