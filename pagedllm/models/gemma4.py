@@ -38,6 +38,7 @@ from pagedllm.layers.fused_moe import MoESpec, moe_fused_projections
 from pagedllm.layers.gemma4_attention import Gemma4AttentionShape
 from pagedllm.layers.gemma4_layer import Gemma4DecoderLayer, Gemma4LayerSpec
 from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.parallel import TensorParallelGroup
 from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
 from pagedllm.layers.self_attention import AttentionSpec
@@ -84,7 +85,8 @@ class Gemma4ForCausalLM(CausalLM):
         layers = []
         for i in range(cfg.num_hidden_layers):
             num_kv_heads, head_dim = cfg.attention_shape(i)
-            is_global = cfg.layer_types[i] == "full_attention"
+            # no layer types (a configuration not read from a Gemma 4 checkpoint): every layer local
+            is_global = bool(cfg.layer_types) and cfg.layer_types[i] == "full_attention"
             attention = AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, num_kv_heads, head_dim,
                                       qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, scale=cfg.attn_scale,
                                       sliding_window=cfg.sliding_window(i))
@@ -102,7 +104,7 @@ class Gemma4ForCausalLM(CausalLM):
                            tie_word_embeddings=cfg.tie_word_embeddings)
 
     @staticmethod
-    def checkpoint_fused_map(cfg: ModelArchConfig, tp: object | None) -> FusedMap:
+    def checkpoint_fused_map(cfg: ModelArchConfig, tp: TensorParallelGroup | None) -> FusedMap:
         """Only the dense MLP's gate/up (and the experts' parts) fuse: q, k and v are separate layers here,
         their sizes differing between sliding and global layers."""
         fused = {part: where for part, where in fused_projections(0, 0, cfg.intermediate_size).items()
