@@ -8,8 +8,8 @@ As transformers' ``Gemma4TextAttention`` computes it, for a layer of ``num_kv_he
     (attention_k_eq_v, global layers: no v_proj; v = v_norm(k_proj(x)), k before its norm)
     out = o_proj(softmax(q k^T + mask) v)  scores not scaled (scale 1.0), no softcap
 
-Sliding and global layers differ in ``head_dim`` and kv heads (Gemma 4 31B:
-16 heads of 256, 4 of 512), but the KV cache has one shape for all layers
+Sliding and global layers differ in ``head_dim`` and kv heads (global
+layers have larger heads, e.g. 512 against 256, and may have fewer), but the KV cache has one shape for all layers
 (``runner/kv_cache.py``): ``cache_kv_heads`` heads of ``cache_head_dim``.
 A layer with fewer, smaller heads fits them exactly: each kv head is
 repeated ``cache_kv_heads / num_kv_heads`` times (query head ``h`` still
