@@ -20,7 +20,11 @@ them, naming the architecture, for a family that computes no experts. The
 fields of the experts that change the arithmetic (a router's scoring and
 scaling, shared experts, grouped top-k, dense layers) are refused by name
 where the family does not compute them; Qwen3-MoE honours its own
-(``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``).
+(``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``). Gemma 4's own
+fields (per-layer embeddings, KV sharing, global layers' shapes, its experts)
+are read or refused by name in ``loader/gemma4_config.py``; the fields here
+that its transformers class does not read (``query_pre_attn_scalar``, a score
+softcap) are refused for it like for any other.
 """
 
 from __future__ import annotations
@@ -33,14 +37,14 @@ from typing import Any
 # a field set to anything else in a config.json of another of the families below is refused
 _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "mlp_bias": ((None, False), ("llama",)),
-    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "olmo2")),
+    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4", "olmo2")),
     "attn_logit_softcapping": ((None,), ("gemma3",)),  # gemma3: read and ignored, as transformers does
-    "final_logit_softcapping": ((None,), ("gemma3",)),
+    "final_logit_softcapping": ((None,), ("gemma3", "gemma4")),
     "query_pre_attn_scalar": ((None,), ("gemma3",)),
     "use_qk_norm": ((None, False), ()),
     "qk_layernorm": ((None, False), ()),
     "clip_qkv": ((None,), ()),
-    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3")),
+    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4")),
     "use_sliding_window": ((None, False), ("qwen2", "qwen3", "qwen3_moe")),
     "embedding_multiplier": ((None, 1, 1.0), ()),
     "residual_multiplier": ((None, 1, 1.0), ()),
@@ -51,7 +55,7 @@ _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "no_rope_layers": ((None,), ()),
     # mixtures of experts (loader/moe_config.py reads the counts and sizes): Qwen3-MoE's dense layers, and the
     # routers and shared experts of other families, refused where the family named does not compute them
-    "norm_topk_prob": ((None, False), ("qwen3_moe",)),
+    "norm_topk_prob": ((None, False), ("qwen3_moe", "gemma4")),  # gemma4: always renormalised
     "decoder_sparse_step": ((None, 1), ("qwen3_moe",)),
     "mlp_only_layers": ((None, []), ("qwen3_moe",)),
     "shared_expert_intermediate_size": ((None, 0), ()),
@@ -65,7 +69,7 @@ _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "moe_layer_freq": ((None, 1), ()),
 }
 # the families this table was written for (other families read their config.json in their own way)
-AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "olmo2")
+AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4", "olmo2")
 # the GGUF metadata (under "<arch>.") that changes the arithmetic of these architectures' files, with its neutral
 # values: the loader reads none of it for them, so a file that sets it is refused
 _GGUF_KEYS: dict[str, tuple[Any, ...]] = {

@@ -24,6 +24,7 @@ from torch import nn
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gemma4 import Gemma4ForCausalLM
 from pagedllm.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -123,6 +124,7 @@ MODEL_REGISTRY = ModelRegistry((
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3",)),
+    Family(Gemma4ForCausalLM, ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), (), ("gemma4",)),
     Family(Gemma2ForCausalLM, ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family(Phi3ForCausalLM, ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
