@@ -15,8 +15,9 @@ false`` or ``"pretraining_tp": 1``.
 ``pretraining_tp`` is honoured without code: transformers 4 computed the
 same products in slices, transformers 5 no longer reads it.
 
-Mixtures of experts are counted here (``num_experts``), and refused by the
-model registry with the architecture's name.
+Mixtures of experts are counted here (``num_experts``); their routing is
+read by the families that run them (``loader/moe_families_config.py``), and
+the model registry refuses any other with the architecture's name.
 """
 
 from __future__ import annotations
@@ -29,25 +30,27 @@ from typing import Any
 # a field set to anything else in a config.json of another of the families below is refused
 _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "mlp_bias": ((None, False), ("llama",)),
-    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "gemma3", "olmo2")),
+    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "gemma3", "olmo2", "olmoe", "granitemoe")),
     "attn_logit_softcapping": ((None,), ("gemma3",)),  # gemma3: read and ignored, as transformers does
     "final_logit_softcapping": ((None,), ("gemma3",)),
     "query_pre_attn_scalar": ((None,), ("gemma3",)),
     "use_qk_norm": ((None, False), ()),
     "qk_layernorm": ((None, False), ()),
     "clip_qkv": ((None,), ()),
-    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "gemma3")),
-    "use_sliding_window": ((None, False), ("qwen2", "qwen3")),
-    "embedding_multiplier": ((None, 1, 1.0), ()),
-    "residual_multiplier": ((None, 1, 1.0), ()),
-    "attention_multiplier": ((None,), ()),
-    "logits_scaling": ((None, 1, 1.0), ()),
+    # Qwen2MoeConfig writes 0 when use_sliding_window is off (its reading refuses the window on)
+    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen2_moe")),
+    "use_sliding_window": ((None, False), ("qwen2", "qwen3", "qwen2_moe")),
+    "embedding_multiplier": ((None, 1, 1.0), ("granitemoe",)),
+    "residual_multiplier": ((None, 1, 1.0), ("granitemoe",)),
+    "attention_multiplier": ((None,), ("granitemoe",)),
+    "logits_scaling": ((None, 1, 1.0), ("granitemoe",)),
     "scale_emb": ((None, 1, 1.0), ()),
     "scale_depth": ((None, 1, 1.0), ()),
     "no_rope_layers": ((None,), ()),
 }
 # the families this table was written for (other families read their config.json in their own way)
-AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
+AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2", "mixtral", "qwen2_moe", "olmoe",
+                         "granitemoe")
 # the GGUF metadata (under "<arch>.") that changes the arithmetic of these architectures' files, with its neutral
 # values: the loader reads none of it for them, so a file that sets it is refused
 _GGUF_KEYS: dict[str, tuple[Any, ...]] = {
@@ -61,7 +64,7 @@ _GGUF_KEYS: dict[str, tuple[Any, ...]] = {
     "embedding_scale": (1.0,),
     "residual_scale": (1.0,),
 }
-AUDITED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+AUDITED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "qwen2moe", "olmoe")
 # how config.json says "mixture of experts" (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, gpt-oss)
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
+from pagedllm.loader.moe_families_config import hf_moe_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,15 @@ class ModelArchConfig:
     whole projection, the family's choice). ``mlp_bias``: biases on the
     MLP's gate, up and down projections (Llama's ``mlp_bias``).
     ``num_experts``: experts a mixture-of-experts MLP routes between (0: a
-    dense MLP); read so that the registry can refuse such a model by name.
+    dense MLP). A family that runs them reads its routing
+    (``loader/moe_families_config.py``): each token's MLP is the weighted
+    sum of ``num_experts_per_tok`` experts, each ``moe_intermediate_size``
+    wide, their softmax weights renormalised over the chosen ones where
+    ``norm_topk_prob``; ``shared_expert_intermediate_size`` > 0 adds a
+    shared expert of that width (Qwen2-MoE); the layers of
+    ``dense_mlp_layers`` have a dense MLP ``intermediate_size`` wide instead.
+    Left at 0 for an architecture no family reads them for (the registry
+    refuses it by name).
 
     ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
     per rotated pair of the RoPE frequencies (llama.cpp's converter writes
@@ -143,6 +152,11 @@ class ModelArchConfig:
     mlp_bias: bool = False
     num_experts: int = 0
     partial_rotary_factor: float = 1.0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -152,6 +166,7 @@ class ModelArchConfig:
         for scaling in (self.rope_scaling, self.local_rope_scaling):
             check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
+        self._check_experts()
         check_multipliers(self)
         for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
@@ -169,6 +184,19 @@ class ModelArchConfig:
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ValueError(f"unsupported layer types {bad}; supported: {LAYER_TYPES}")
+
+    def _check_experts(self) -> None:
+        if self.num_experts_per_tok and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts="
+                             f"{self.num_experts}")
+        if self.num_experts_per_tok and self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be 0 (none) or positive, got "
+                             f"{self.shared_expert_intermediate_size}")
+        bad = [i for i in self.dense_mlp_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"dense_mlp_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
 
     def sliding_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens; None: full attention."""
@@ -204,7 +232,7 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral":
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
 _QWEN_MAX_WINDOW_LAYERS = 28
-_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5}  # Olmo2Config's; every other family's is 1e-6
+_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5, "olmoe": 1e-5, "mixtral": 1e-5}  # Olmo2Config's; every other family's is 1e-6
 _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
 # Gemma2Config's defaults for the keys this reading needs (its softcaps are applied, unlike Gemma 3's)
@@ -435,7 +463,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_family_fields(config, cfg)
+    return hf_moe_fields(hf_family_fields(config, cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:
