@@ -81,7 +81,7 @@ class ModelArchConfig:
     wide, their softmax weights renormalised over the chosen ones where
     ``norm_topk_prob``; ``shared_expert_intermediate_size`` > 0 adds a
     shared expert of that width (Qwen2-MoE); the layers of
-    ``dense_mlp_layers`` have a dense MLP ``intermediate_size`` wide instead.
+    ``dense_layers`` have a dense MLP ``intermediate_size`` wide instead.
     Left at 0 for an architecture no family reads them for (the registry
     refuses it by name).
 
@@ -156,7 +156,7 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
-    dense_mlp_layers: tuple[int, ...] = ()
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -194,9 +194,9 @@ class ModelArchConfig:
         if self.shared_expert_intermediate_size < 0:
             raise ValueError(f"shared_expert_intermediate_size must be 0 (none) or positive, got "
                              f"{self.shared_expert_intermediate_size}")
-        bad = [i for i in self.dense_mlp_layers if not 0 <= i < self.num_hidden_layers]
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
-            raise ValueError(f"dense_mlp_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
+            raise ValueError(f"dense_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
 
     def sliding_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens; None: full attention."""

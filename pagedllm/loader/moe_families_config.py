@@ -4,7 +4,7 @@ Each reader takes the ``ModelArchConfig`` the generic reading made
 (``model_config.from_hf_config``, ``gguf_loader.read_config``) and returns
 it with the mixture-of-experts fields set (``num_experts_per_tok``,
 ``moe_intermediate_size``, ``norm_topk_prob``,
-``shared_expert_intermediate_size``, ``dense_mlp_layers``) and what else the
+``shared_expert_intermediate_size``, ``dense_layers``) and what else the
 family reads its own way; any other architecture passes through.
 
 config.json, as transformers 5.25's config classes and models read it (the
@@ -124,7 +124,7 @@ def _qwen2_moe_hf(cfg: dict[str, Any], num_layers: int, num_experts: int) -> dic
         "shared_expert_intermediate_size": _positive_int(
             cfg["shared_expert_intermediate_size"], "shared_expert_intermediate_size", "qwen2_moe"),
         "attention_bias": bool(cfg["qkv_bias"]),
-        "dense_mlp_layers": dense,
+        "dense_layers": dense,
     }
 
 

@@ -44,7 +44,7 @@ def test_folder_config_is_read_as_transformers_reads_it(arch: str, moe_dirs: dic
     cfg = load_model_config(moe_dirs[arch])
     assert (cfg.architecture, cfg.checkpoint_format) == (arch, "hf")
     assert _routing(cfg) == ROUTING[arch]
-    assert cfg.dense_mlp_layers == () and cfg.sliding_windows == ()
+    assert cfg.dense_layers == () and cfg.sliding_windows == ()
     if arch == "granitemoe":
         assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attn_scale, cfg.logits_scaling) == (
             6.0, 0.4, 0.05, 3.0)
@@ -87,9 +87,9 @@ def test_family_keys_are_honoured_or_refused_by_name() -> None:
     on every layer; what no family here computes (OLMoE's ``clip_qkv``, Qwen2-MoE's sliding window, a top-k
     over more experts than there are, Mixtral's ``attention_bias``) is refused, named."""
     dense = from_hf_config(_dict("qwen2_moe", mlp_only_layers=[0], decoder_sparse_step=2))
-    assert dense.dense_mlp_layers == (0, 2)  # layer 0 listed, layers 0 and 2 off the step of 2
+    assert dense.dense_layers == (0, 2)  # layer 0 listed, layers 0 and 2 off the step of 2
     # an index past the layers is no layer, as in Qwen2MoeDecoderLayer
-    assert from_hf_config(_dict("qwen2_moe", mlp_only_layers=[3, 7])).dense_mlp_layers == (3,)
+    assert from_hf_config(_dict("qwen2_moe", mlp_only_layers=[3, 7])).dense_layers == (3,)
     assert from_hf_config(_dict("qwen2_moe", qkv_bias=False)).attention_bias is False
     assert from_hf_config(_dict("qwen2_moe", norm_topk_prob=True)).norm_topk_prob is True
     assert from_hf_config(_dict("qwen2_moe", sliding_window=0, use_sliding_window=False)).sliding_windows == ()
