@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
-from pagedllm.loader.moe_families_config import hf_moe_fields
+from pagedllm.loader.moe_config import hf_moe_fields
+from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
@@ -75,15 +76,13 @@ class ModelArchConfig:
     whole projection, the family's choice). ``mlp_bias``: biases on the
     MLP's gate, up and down projections (Llama's ``mlp_bias``).
     ``num_experts``: experts a mixture-of-experts MLP routes between (0: a
-    dense MLP). A family that runs them reads its routing
-    (``loader/moe_families_config.py``): each token's MLP is the weighted
-    sum of ``num_experts_per_tok`` experts, each ``moe_intermediate_size``
-    wide, their softmax weights renormalised over the chosen ones where
-    ``norm_topk_prob``; ``shared_expert_intermediate_size`` > 0 adds a
-    shared expert of that width (Qwen2-MoE); the layers of
-    ``dense_layers`` have a dense MLP ``intermediate_size`` wide instead.
-    Left at 0 for an architecture no family reads them for (the registry
-    refuses it by name).
+    dense MLP; the registry refuses it for a family with no experts). Then
+    ``num_experts_per_tok`` experts of ``moe_intermediate_size`` each per
+    token, their weights renormalised with ``norm_topk_prob``; the layers of
+    ``dense_layers`` keep a dense MLP of ``intermediate_size``; a shared
+    expert of ``shared_expert_intermediate_size`` (0: none). Read by
+    ``loader/moe_config.py``, then what Mixtral, Qwen2-MoE, OLMoE and
+    GraniteMoE read their own way by ``loader/moe_families_config.py``.
 
     ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
     per rotated pair of the RoPE frequencies (llama.cpp's converter writes
@@ -155,8 +154,8 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -166,8 +165,8 @@ class ModelArchConfig:
         for scaling in (self.rope_scaling, self.local_rope_scaling):
             check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
-        self._check_experts()
         check_multipliers(self)
+        self._check_experts()
         for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -186,17 +185,20 @@ class ModelArchConfig:
             raise ValueError(f"unsupported layer types {bad}; supported: {LAYER_TYPES}")
 
     def _check_experts(self) -> None:
-        if self.num_experts_per_tok and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts="
-                             f"{self.num_experts}")
-        if self.num_experts_per_tok and self.moe_intermediate_size <= 0:
-            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
-        if self.shared_expert_intermediate_size < 0:
-            raise ValueError(f"shared_expert_intermediate_size must be 0 (none) or positive, got "
-                             f"{self.shared_expert_intermediate_size}")
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be between 1 and num_experts={self.num_experts}, "
+                             f"got {self.num_experts_per_tok!r}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and layer not in self.dense_layers
 
     def sliding_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens; None: full attention."""
@@ -299,16 +301,16 @@ def _layer_types(cfg: dict[str, Any], arch: str, window: int | None) -> tuple[st
 
 def _sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
     """(window per layer, layer types) as transformers' models apply them; () where the family has none."""
-    if arch not in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3"):
+    if arch not in ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3"):
         return (), ()
     window = cfg.get("sliding_window", _DEFAULT_WINDOW)
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window but switch it off with use_sliding_window
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window!r}")
     types = _layer_types(cfg, arch, window)
-    if arch == "mistral":
-        # MistralAttention applies config.sliding_window to every layer (layer_types are ignored)
+    if arch in ("mistral", "qwen3_moe"):
+        # MistralAttention and Qwen3MoeAttention apply config.sliding_window to every layer (no layer_types)
         types = ("sliding_attention" if window is not None else "full_attention",) * cfg["num_hidden_layers"]
     if arch in ("gemma2", "gemma3") and window is None and "sliding_attention" in types:
         raise ValueError(f"{arch}: sliding_attention layers need a sliding_window")
@@ -422,6 +424,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"config.json has no model_type (got {model_type!r})")
     arch = _MODEL_TYPES.get(model_type, model_type)
+    # the config class's defaults where config.json leaves a key out (an experts' count, widths...)
+    cfg = {**MOE_FAMILY_DEFAULTS.get(arch, {}), **cfg}
     if arch in ("gemma2", "gemma3"):
         # the config class's defaults where config.json leaves a key out
         cfg = {**(_GEMMA3_DEFAULTS if arch == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
@@ -453,9 +457,10 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # transformers' Qwen2 biases q, k and v whatever attention_bias says
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "gemma3", "olmo2"),  # RMSNorm on q and k
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),  # RMSNorm on q and k
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         num_experts=num_experts(cfg),
+        **hf_moe_fields(cfg, num_experts(cfg)),
         eos_token_ids=_eos_ids(cfg, generation_config),
         sliding_windows=windows,
         layer_types=types,
@@ -463,7 +468,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_moe_fields(hf_family_fields(config, cfg), cfg)
+    return hf_moe_family_fields(hf_family_fields(config, cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

@@ -15,7 +15,8 @@ from moe_models import GRANITEMOE_MULTIPLIERS, MOE_ARCHS, moe_config, save_tiny_
 
 from pagedllm.loader import load_model_config
 from pagedllm.loader.model_config import ModelArchConfig, from_hf_config
-from pagedllm.loader.moe_families_config import gguf_moe_fields
+from pagedllm.loader.moe_config import gguf_moe_fields
+from pagedllm.loader.moe_families_config import gguf_moe_family_fields
 
 # per family: (num_experts, top_k, expert width, renormalised, shared expert width, q/k norm, attention bias)
 ROUTING = {
@@ -102,8 +103,8 @@ def test_family_keys_are_honoured_or_refused_by_name() -> None:
         ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
         ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ("mixtral", {"attention_bias": True}, "attention_bias"),
-        ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
-        ("qwen2_moe", {"moe_intermediate_size": 0}, "moe_intermediate_size"),
+        ("qwen2_moe", {"decoder_sparse_step": -1}, "decoder_sparse_step"),
+        ("qwen2_moe", {"moe_intermediate_size": -8}, "moe_intermediate_size"),
         ("qwen2_moe", {"mlp_only_layers": "0"}, "mlp_only_layers"),
         ("granitemoe", {"residual_multiplier": 0}, "residual_multiplier"),
         ("mixtral", {"embedding_multiplier": 2.0}, "embedding_multiplier"),
@@ -117,9 +118,11 @@ def test_gguf_routing_keys_as_llama_cpp_reads_them() -> None:
     feed_forward_length); renormalised as llama.cpp's graph of the architecture does unless
     expert_weights_norm says; a file with experts but no expert_used_count is refused."""
     def read(arch: str, **keys: object) -> ModelArchConfig:
+        routers = [f"blk.{i}.ffn_gate_inp.weight" for i in range(2)]
+        fields = gguf_moe_fields(keys.get, arch, 4, 2, 96, routers)
         base = ModelArchConfig(arch, 100, 32, 96, 2, 4, 2, 8, 1e-6, 1e4, 64, False, checkpoint_format="gguf",
-                               num_experts=int(keys.pop("expert_count", 4)))
-        return gguf_moe_fields(base, keys.get)
+                               num_experts=4, **fields)
+        return gguf_moe_family_fields(base, keys.get)
 
     mixtral = read("llama", expert_used_count=2)
     assert (mixtral.num_experts_per_tok, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (2, 96, True)
@@ -129,7 +132,8 @@ def test_gguf_routing_keys_as_llama_cpp_reads_them() -> None:
     assert read("granitemoe", expert_used_count=2).norm_topk_prob is True
     assert read("qwen2moe", expert_used_count=2, expert_weights_norm=True).norm_topk_prob is True
     dense = ModelArchConfig("llama", 100, 32, 96, 2, 4, 2, 8, 1e-6, 1e4, 64, False, checkpoint_format="gguf")
-    assert gguf_moe_fields(dense, {}.get) is dense
+    assert gguf_moe_family_fields(dense, {}.get) is dense
+    assert read("llama", expert_used_count=2, expert_weights_norm=False).norm_topk_prob is False
     with pytest.raises(ValueError, match="expert_used_count"):
         read("olmoe")
     with pytest.raises(ValueError, match="num_experts_per_tok"):
