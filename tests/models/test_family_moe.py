@@ -1,22 +1,66 @@
-"""Mixtral, Qwen2-MoE, OLMoE and GraniteMoE: their routing read from config.json and GGUF metadata.
+"""Mixtral, Qwen2-MoE, OLMoE and GraniteMoE against transformers, from folders and llama.cpp's converter GGUFs.
 
 The tiny checkpoints are ``tests/moe_models.py``'s (transformers' own config
-classes, seeded). Configuration tests need no model: each family's keys as
+classes, seeded; hidden 64, 2 layers, top-2 of 4 or 8 experts; Qwen2-MoE
+with its gated shared expert, GraniteMoE's multipliers far from 1). The
+oracle is transformers 5.25 on the same weights in float32 with its own KV
+cache (``hf_greedy``) and one forward for logprobs; pagedllm runs float32
+activations and a float32 KV cache, with the native kernels and again
+through torch's layers. Greedy tokens must be equal and every reported
+logprob (prompt and output, top 5) within ``LOGPROB_TOL``; the prompts
+route tokens to every expert of every layer. Each family's routing is shown
+to matter: transformers with another top-k, renormalisation or multiplier
+gives logprobs far from pagedllm's.
+
+The GGUF tests convert each folder with llama.cpp's ``convert_hf_to_gguf.py``
+(``tests/gguf_convert.py``) to F32 and F16 and check what it writes
+(Mixtral as architecture ``llama`` with ``expert_count``; ``qwen2moe``,
+``olmoe``, ``granitemoe``; ``ffn_gate_inp``, ``ffn_*_exps``, ``ffn_*_shexp``,
+``ffn_gate_inp_shexp``; routers kept in F32), the configuration read from it,
+and the same tokens and logprobs against transformers on the weights as the
+file stores them. Configuration tests need no model: each family's keys as
 its transformers config class reads them (defaults included), llama.cpp's
-GGUF keys as its converter writes them, and the refusals by name.
+GGUF keys, and the refusals by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
+import torch
+from conftest import hf_greedy
 from moe_models import GRANITEMOE_MULTIPLIERS, MOE_ARCHS, moe_config, save_tiny_moe
+from test_gguf_converted import _hf_logprobs, _max_logprob_error
 
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.fused_moe import MoEBlock
 from pagedllm.loader import load_model_config
 from pagedllm.loader.model_config import ModelArchConfig, from_hf_config
 from pagedllm.loader.moe_config import gguf_moe_fields
 from pagedllm.loader.moe_families_config import gguf_moe_family_fields
+from pagedllm.models.granitemoe import GraniteMoeForCausalLM
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmoe import OlmoeForCausalLM
+from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
+from pagedllm.models.registry import MODEL_REGISTRY
+
+# float32 on both sides; measured worst gap ~5e-6 (the summation order of the kernels differs)
+LOGPROB_TOL = 1e-4
+GENERATED = 12
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, block_size=8, kv_cache_dtype="float32", enable_prefix_caching=False)
+MODEL_CLASSES = {"mixtral": MixtralForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "olmoe": OlmoeForCausalLM,
+                 "granitemoe": GraniteMoeForCausalLM}
+GGUF_ARCHITECTURES = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+# transformers' model with one of the family's routing choices undone, far from pagedllm's logprobs
+VARIANTS = {
+    "mixtral": {"top-1": {"num_experts_per_tok": 1}},
+    "qwen2_moe": {"renormalised": {"norm_topk_prob": True}},
+    "olmoe": {"renormalised": {"norm_topk_prob": True}},
+    "granitemoe": {name: {name: 1.0} for name in GRANITEMOE_MULTIPLIERS},
+}
 
 # per family: (num_experts, top_k, expert width, renormalised, shared expert width, q/k norm, attention bias)
 ROUTING = {
@@ -31,6 +75,193 @@ ROUTING = {
 def moe_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
     """The four tiny folders (seeded random weights, SmolLM2's tokenizer)."""
     return {arch: save_tiny_moe(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), smollm_tokenizer) for arch in MOE_ARCHS}
+
+
+def _hf(path: str, **overrides: object):  # noqa: ANN202
+    """transformers' model of the folder in float32, config fields replaced by ``overrides``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in (37, 5)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _reference(hf, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:  # noqa: ANN001
+    """Per prompt: transformers' greedy tokens (its own KV cache) and its one-forward logprobs over them."""
+    refs = []
+    for prompt in prompts:
+        tokens = hf_greedy(hf, prompt, GENERATED)
+        refs.append((tokens, _hf_logprobs(hf, prompt + tokens)))
+    return refs
+
+
+def _check_against(refs: list[tuple[list[int], torch.Tensor]], outs: list) -> None:
+    """Greedy tokens equal the reference's, every reported logprob within LOGPROB_TOL of its logprobs."""
+    for (tokens, logprobs), out in zip(refs, outs):
+        assert out.outputs[0].token_ids == tokens
+        assert _max_logprob_error(out, logprobs) < LOGPROB_TOL
+
+
+def _record_routing(model) -> list[set[int]]:  # noqa: ANN001
+    """Per layer, the experts its router chooses from now on (the router's ``route`` wrapped)."""
+    chosen: list[set[int]] = []
+    for layer in model.model.layers:
+        seen: set[int] = set()
+        route = layer.mlp.gate.route
+
+        def recording(x: torch.Tensor, route=route, seen=seen) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+            weights, ids = route(x)
+            seen.update(ids.flatten().tolist())
+            return weights, ids
+
+        layer.mlp.gate.route = recording
+        chosen.append(seen)
+    return chosen
+
+
+def _check_spec(arch: str, model) -> None:  # noqa: ANN001
+    """The family's blocks: every MLP a mixture of experts routed as transformers routes it."""
+    assert type(model) is MODEL_CLASSES[arch]
+    experts, top_k, width, renormalised, shared, _, _ = ROUTING[arch]
+    for layer in model.spec.layers:
+        moe = layer.moe
+        assert moe is not None and (moe.num_experts, moe.router.top_k, moe.intermediate_size) == (experts, top_k,
+                                                                                                    width)
+        assert moe.router.order == ("topk_softmax" if arch == "granitemoe" else "softmax_topk")
+        assert moe.router.renormalize == (renormalised and arch != "granitemoe")
+        assert (moe.shared_expert_intermediate_size, moe.shared_expert_gate) == (shared, shared > 0)
+    if arch == "olmoe":
+        assert {layer.attention.qk_norm_span for layer in model.spec.layers} == {"projection"}
+    assert all(isinstance(layer.mlp, MoEBlock) for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_folder_matches_transformers_native_and_torch(arch: str, moe_dirs: dict[str, str]) -> None:
+    """The folder's model: transformers' greedy tokens and logprobs with the native kernels and with torch's
+    layers, every expert of every layer routed to; each routing choice of the family matters."""
+    path = moe_dirs[arch]
+    prompts = _prompts(seed=7)
+    refs = _reference(_hf(path), prompts)
+    llm = LLM(path, **ENGINE)
+    model = llm.llm_engine.model_runner.model
+    _check_spec(arch, model)
+    chosen = _record_routing(model)
+    outs = _generate(llm, prompts)
+    _check_against(refs, outs)
+    assert all(seen == set(range(ROUTING[arch][0])) for seen in chosen), chosen
+
+    model.use_native_ops(None)  # the same engine through torch's norms, RoPE and activations
+    llm.llm_engine.model_runner.captured_decode = None
+    _check_against(refs, _generate(llm, prompts))
+    assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+
+    ids = prompts[0] + outs[0].outputs[0].token_ids
+    for name, overrides in VARIANTS[arch].items():
+        gap = _max_logprob_error(outs[0], _hf_logprobs(_hf(path, **overrides), ids))
+        assert gap > 100 * LOGPROB_TOL, (name, gap)
+
+
+@pytest.fixture(scope="session")
+def moe_gguf(moe_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory, gguf_converter):  # noqa: ANN001, ANN201
+    """``(arch, outtype) -> path``: the folder converted by llama.cpp's converter, once per session."""
+    from gguf_convert import ConvertedModels
+
+    return ConvertedModels(moe_dirs, tmp_path_factory.mktemp("moe-gguf"), gguf_converter)
+
+
+def _is_router(name: str) -> bool:
+    """A router's (or Qwen2-MoE's shared-expert gate's) weight in transformers' names: kept F32 by the converter."""
+    return name.endswith((".gate.weight", ".router.weight", ".shared_expert_gate.weight"))
+
+
+def _hf_as_stored(path: str, gguf_path: str):  # noqa: ANN202
+    """transformers' model of the folder, its matrices and stacked experts rounded as the GGUF file stores them."""
+    from gguf_convert import read_gguf
+
+    hf = _hf(path)
+    types = {}
+    for t in read_gguf(gguf_path).tensors:
+        kind = "vector" if len(t.shape) == 1 else "router" if "ffn_gate_inp" in t.name else "matrix"
+        types.setdefault(kind, set()).add(t.tensor_type.name)
+    assert types["vector"] == {"F32"} and types["router"] == {"F32"} and len(types["matrix"]) == 1, types
+    if types["matrix"] == {"F16"}:
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if p.dim() >= 2 and not _is_router(name):
+                    p.copy_(p.half().float())
+    return hf
+
+
+def _check_file(arch: str, path: str) -> None:
+    """What llama.cpp's converter wrote: the architecture name, the experts' tensors and their metadata."""
+    from gguf_convert import read_gguf
+
+    reader = read_gguf(path)
+    gguf_arch = GGUF_ARCHITECTURES[arch]
+    assert reader.fields["general.architecture"].contents() == gguf_arch
+    experts, top_k, width, _, shared, _, _ = ROUTING[arch]
+    assert reader.fields[f"{gguf_arch}.expert_count"].contents() == experts
+    assert reader.fields[f"{gguf_arch}.expert_used_count"].contents() == top_k
+    names = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors if t.name.startswith("blk.1.")}
+    assert names["blk.1.ffn_gate_inp.weight"] == (64, experts)
+    for part in ("gate", "up"):
+        assert names[f"blk.1.ffn_{part}_exps.weight"] == (64, width, experts)  # ggml order: [cols, rows, experts]
+    assert names["blk.1.ffn_down_exps.weight"] == (width, 64, experts)
+    if shared:
+        assert reader.fields[f"{gguf_arch}.expert_shared_feed_forward_length"].contents() == shared
+        assert names["blk.1.ffn_gate_inp_shexp.weight"] == (64, 1)
+        assert {f"blk.1.ffn_{part}_shexp.weight" for part in ("gate", "up", "down")} <= set(names)
+    else:
+        assert not any("shexp" in name for name in names)
+
+
+@pytest.mark.slow  # a converter run per file
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_converted_gguf_matches_transformers(arch: str, outtype: str, moe_gguf, moe_dirs: dict[str, str]) -> None:  # noqa: ANN001
+    """The converter's file: its names and metadata, the configuration read from it, and transformers' tokens and
+    logprobs on the weights as the file stores them, on float32 activations."""
+    path = moe_gguf(arch, outtype)
+    _check_file(arch, path)
+    cfg = load_model_config(path)
+    assert (cfg.architecture, cfg.checkpoint_format) == (GGUF_ARCHITECTURES[arch], "gguf")
+    assert _routing(cfg) == ROUTING[arch] and cfg.dense_layers == ()
+    if arch == "granitemoe":  # the converter's granitemoe.*_scale keys, stored as float32
+        f32 = {name: float(torch.tensor(v, dtype=torch.float32)) for name, v in GRANITEMOE_MULTIPLIERS.items()}
+        assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attn_scale, cfg.logits_scaling) == (
+            f32["embedding_multiplier"], f32["residual_multiplier"], f32["attention_multiplier"],
+            f32["logits_scaling"])
+    assert MODEL_REGISTRY.model_class(cfg) is MODEL_CLASSES[arch]
+    prompts = _prompts(seed=13)
+    refs = _reference(_hf_as_stored(moe_dirs[arch], path), prompts)
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    _check_spec(arch, llm.llm_engine.model_runner.model)
+    _check_against(refs, _generate(llm, prompts))
+
+
+def test_registry_tells_mixtral_from_llama_in_gguf() -> None:
+    """llama.cpp's "llama" runs as Mixtral with an expert count and as Llama without; experts under a GGUF
+    architecture no MoE family runs are refused, naming the ones supported."""
+    base = ModelArchConfig("llama", 100, 32, 64, 2, 4, 2, 8, 1e-6, 1e4, 64, False, checkpoint_format="gguf")
+    assert MODEL_REGISTRY.model_class(base) is LlamaForCausalLM
+    sparse = dataclasses.replace(base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    assert MODEL_REGISTRY.model_class(sparse) is MixtralForCausalLM
+    with pytest.raises(ValueError, match=r"architecture 'qwen2' with 4 experts .* supported: \[.*'granitemoe', "
+                                         r"'llama', 'olmoe', 'qwen2moe', 'qwen3moe'\]"):
+        MODEL_REGISTRY.model_class(dataclasses.replace(sparse, architecture="qwen2"))
+    assert MODEL_REGISTRY.supported("hf", experts=True) == [
+        "GraniteMoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 
 
 def _routing(cfg: ModelArchConfig) -> tuple:

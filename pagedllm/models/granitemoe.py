@@ -1,0 +1,74 @@
+"""GraniteMoE (transformers' ``GraniteMoeForCausalLM``, GGUF architecture ``granitemoe``) on the shared blocks.
+
+Granite's layers with its four multipliers (``models/llama.py``'s
+``GraniteForCausalLM``: embeddings, each branch, the score scale, the
+logits' divisor) and every MLP a mixture of experts (``layers/fused_moe.py``)
+routed as ``GraniteMoeTopKRouter`` routes: the ``num_experts_per_tok``
+largest router logits, then a softmax over those only
+(``RouterSpec.order="topk_softmax"``), experts of ``intermediate_size``.
+
+The folder stores the experts stacked, as transformers' JetMoE-style
+``ParallelExperts`` did: ``block_sparse_moe.input_linear.weight``
+``[experts, 2 * intermediate, hidden]`` (each expert's gate rows, then its up
+rows), ``block_sparse_moe.output_linear.weight`` ``[experts, hidden,
+intermediate]`` and the router ``block_sparse_moe.router.layer.weight``; they
+are handed to the shared blocks one expert at a time under
+``mlp.experts.{e}.gate_proj/up_proj/down_proj`` and ``mlp.gate``.
+llama.cpp's converter splits gate from up itself (``ffn_gate_exps``,
+``ffn_up_exps``) and permutes Q/K rows as Granite's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from pagedllm.layers.decoder import DecoderSpec
+from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.router import RouterSpec
+from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.models.llama import GraniteForCausalLM
+from pagedllm.models.mixtral import with_experts
+
+_MOE = ".block_sparse_moe."
+
+
+def granitemoe_weight_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GraniteMoE folder's tensors under the shared blocks' names, the stacked experts one expert at a time."""
+    for name, tensor in weights:
+        owner, moe, part = name.partition(_MOE)
+        if not moe:
+            yield name, tensor
+        elif part == "router.layer.weight":
+            yield f"{owner}.mlp.gate.weight", tensor
+        elif part == "input_linear.weight":
+            if tensor.dim() != 3 or tensor.shape[1] % 2:
+                raise ValueError(f"{name}: expected [experts, 2 * intermediate, hidden], got {tuple(tensor.shape)}")
+            inter = tensor.shape[1] // 2
+            for e, rows in enumerate(tensor):
+                yield f"{owner}.mlp.experts.{e}.gate_proj.weight", rows[:inter]
+                yield f"{owner}.mlp.experts.{e}.up_proj.weight", rows[inter:]
+        elif part == "output_linear.weight":
+            if tensor.dim() != 3:
+                raise ValueError(f"{name}: expected [experts, hidden, intermediate], got {tuple(tensor.shape)}")
+            for e, rows in enumerate(tensor):
+                yield f"{owner}.mlp.experts.{e}.down_proj.weight", rows
+        else:
+            raise ValueError(f"unexpected GraniteMoE tensor {name!r}")
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    """Granite's multiplied layers, each MLP a mixture of experts routed by top-k logits, then softmax."""
+
+    supports_experts = True
+
+    @classmethod
+    def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
+        """Granite's spec with every MLP a softmax over the top-k router logits of ``cfg.num_experts`` experts."""
+        router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, order="topk_softmax")
+        return with_experts(super().decoder_spec(cfg), cfg, MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The stacked experts split per expert and renamed, then loaded as any family's."""
+        super().load_weights(granitemoe_weight_names(weights))
