@@ -1,8 +1,11 @@
 """GraniteMoE (transformers' ``GraniteMoeForCausalLM``, GGUF architecture ``granitemoe``) on the shared blocks.
 
-Granite's layers with its four multipliers (``models/llama.py``'s
-``GraniteForCausalLM``: embeddings, each branch, the score scale, the
-logits' divisor) and every MLP a mixture of experts (``layers/fused_moe.py``)
+Granite's pre-norm layers with its four multipliers, as
+``GraniteForCausalLM`` applies them: ``embedding_multiplier`` scales the
+embeddings, ``residual_multiplier`` each branch before its residual add,
+``attention_multiplier`` is the score scale (in place of ``head_dim **
+-0.5``), ``logits_scaling`` divides the logits (a GGUF file whose
+``rope.scaling.finetuned`` is false rotates no layer); and every MLP a mixture of experts (``layers/fused_moe.py``)
 routed as ``GraniteMoeTopKRouter`` routes: the ``num_experts_per_tok``
 largest router logits, then a softmax over those only
 (``RouterSpec.order="topk_softmax"``), experts of ``intermediate_size``.
@@ -24,12 +27,13 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagedllm.layers.decoder import DecoderSpec
+from pagedllm.layers.decoder import CausalLM, DecoderLayerSpec, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
+from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import GraniteForCausalLM
-from pagedllm.models.mixtral import with_experts
 
 _MOE = ".block_sparse_moe."
 
@@ -58,16 +62,35 @@ def granitemoe_weight_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
             raise ValueError(f"unexpected GraniteMoE tensor {name!r}")
 
 
-class GraniteMoeForCausalLM(GraniteForCausalLM):
+class GraniteMoeForCausalLM(CausalLM):
     """Granite's multiplied layers, each MLP a mixture of experts routed by top-k logits, then softmax."""
 
     supports_experts = True
 
     @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
-        """Granite's spec with every MLP a softmax over the top-k router logits of ``cfg.num_experts`` experts."""
+        """Per layer: attention scaled by ``attention_multiplier``, the experts (softmax over the top-k router
+        logits), each branch scaled by ``residual_multiplier``; a multiplier of 1 adds no work."""
+        norm = NormSpec(cfg.rms_norm_eps)
         router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, order="topk_softmax")
-        return with_experts(super().decoder_spec(cfg), cfg, MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act))
+        moe = MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+        residual = None if cfg.residual_multiplier == 1.0 else cfg.residual_multiplier
+        layers = tuple(
+            DecoderLayerSpec(
+                AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, scale=cfg.attn_scale),
+                cfg.intermediate_size, cfg.hidden_act, norm, residual_multiplier=residual,
+                moe=moe if cfg.is_sparse(i) else None,
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                        cfg.rope_freq_factors)
+        spec = DecoderSpec(cfg.vocab_size, cfg.hidden_size, layers, norm, {"default": rope},
+                           tie_word_embeddings=cfg.tie_word_embeddings,
+                           embed_scale=None if cfg.embedding_multiplier == 1.0 else cfg.embedding_multiplier,
+                           logits_scaling=None if cfg.logits_scaling == 1.0 else cfg.logits_scaling)
+        return spec.without_rope(cfg.nope_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The stacked experts split per expert and renamed, then loaded as any family's."""

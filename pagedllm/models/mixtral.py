@@ -18,17 +18,18 @@ permuted as Llama's) is read by the GGUF loader under those names.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagedllm.layers.decoder import DecoderSpec
+from pagedllm.layers.decoder import CausalLM, DecoderLayerSpec, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
+from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
 
 # Mixtral's expert projections: w1 is the gate, w3 the up projection, w2 the down projection
 _MIXTRAL_EXPERT_RE = re.compile(r"^(.*)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.(weight|bias)$")
@@ -46,23 +47,30 @@ def mixtral_weight_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterato
             yield name.replace(".block_sparse_moe.gate.", ".mlp.gate."), tensor
 
 
-def with_experts(spec: DecoderSpec, cfg: ModelArchConfig, moe: MoESpec) -> DecoderSpec:
-    """``spec`` with ``moe`` in place of the MLP of every sparse layer (all but ``cfg.dense_layers``)."""
-    return dataclasses.replace(spec, layers=tuple(
-        dataclasses.replace(layer, moe=moe) if cfg.is_sparse(i) else layer for i, layer in enumerate(spec.layers)
-    ))
-
-
-class MixtralForCausalLM(LlamaForCausalLM):
-    """Llama's layers, each MLP a mixture of experts routed by softmax, top-k, renormalised."""
+class MixtralForCausalLM(CausalLM):
+    """Llama's pre-norm layers, each MLP a mixture of experts routed by softmax, top-k, renormalised."""
 
     supports_experts = True
 
     @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
-        """Llama's spec with every MLP a renormalised top-k of ``cfg.num_experts`` SiLU experts."""
+        """Per layer: Llama's attention (no biases, the layer's window), then a renormalised top-k of
+        ``cfg.num_experts`` SiLU experts."""
+        norm = NormSpec(cfg.rms_norm_eps)
         router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, renormalize=True)
-        return with_experts(super().decoder_spec(cfg), cfg, MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act))
+        moe = MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+        layers = tuple(
+            DecoderLayerSpec(
+                AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              sliding_window=cfg.sliding_window(i)),
+                cfg.intermediate_size, cfg.hidden_act, norm, moe=moe if cfg.is_sparse(i) else None,
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                        cfg.rope_freq_factors)
+        return DecoderSpec(cfg.vocab_size, cfg.hidden_size, layers, norm, {"default": rope},
+                           tie_word_embeddings=cfg.tie_word_embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Mixtral's names renamed to the shared blocks', then loaded as any family's."""

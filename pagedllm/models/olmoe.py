@@ -17,29 +17,37 @@ them.
 
 from __future__ import annotations
 
-import dataclasses
-
-from pagedllm.layers.decoder import DecoderSpec
+from pagedllm.layers.decoder import CausalLM, DecoderLayerSpec, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
 from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.mixtral import with_experts
 
 
-class OlmoeForCausalLM(LlamaForCausalLM):
-    """Llama's layers with q/k norms over whole projections and a mixture of experts for every MLP."""
+class OlmoeForCausalLM(CausalLM):
+    """Llama's pre-norm layers with q/k norms over whole projections and a mixture of experts for every MLP."""
 
     supports_experts = True
 
     @classmethod
-    def attention_spec(cls, cfg: ModelArchConfig, layer: int) -> AttentionSpec:
-        """Llama's attention with the q/k norms spanning each projection (OLMo 2's)."""
-        return dataclasses.replace(super().attention_spec(cfg, layer), qk_norm_span="projection")
-
-    @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
-        """Llama's spec with every MLP a top-k of ``cfg.num_experts`` SiLU experts."""
+        """Per layer: attention with q and k normed as whole projections (biases with ``attention_bias``), then
+        a top-k of ``cfg.num_experts`` SiLU experts (renormalised with ``norm_topk_prob``)."""
+        norm = NormSpec(cfg.rms_norm_eps)
         router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
-        return with_experts(super().decoder_spec(cfg), cfg, MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act))
+        moe = MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+        layers = tuple(
+            DecoderLayerSpec(
+                AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=norm,
+                              qk_norm_span="projection"),
+                cfg.intermediate_size, cfg.hidden_act, norm, moe=moe if cfg.is_sparse(i) else None,
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                        cfg.rope_freq_factors)
+        return DecoderSpec(cfg.vocab_size, cfg.hidden_size, layers, norm, {"default": rope},
+                           tie_word_embeddings=cfg.tie_word_embeddings)

@@ -21,24 +21,44 @@ Names: the folder's are the shared blocks' own (``mlp.gate``,
 
 from __future__ import annotations
 
-from pagedllm.layers.decoder import DecoderSpec
+from pagedllm.layers.decoder import CausalLM, DecoderLayerSpec, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
+from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import Qwen2ForCausalLM
-from pagedllm.models.mixtral import with_experts
 
 
-class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
-    """Qwen2's layers; the sparse ones route each token to its top-k experts beside a gated shared expert."""
+class Qwen2MoeForCausalLM(CausalLM):
+    """Qwen2's pre-norm layers; the sparse ones route each token to its top-k experts beside a gated shared
+    expert."""
 
     supports_experts = True
 
     @classmethod
-    def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
-        """Qwen2's spec with the sparse layers' experts and shared expert."""
+    def moe_spec(cls, cfg: ModelArchConfig) -> MoESpec:
+        """A sparse layer's block: softmax, top-k (renormalised with ``norm_topk_prob``), the gated shared expert."""
         router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
         shared = cfg.shared_expert_intermediate_size
-        moe = MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act, shared_expert_intermediate_size=shared,
-                      shared_expert_gate=shared > 0)
-        return with_experts(super().decoder_spec(cfg), cfg, moe)
+        return MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act, shared_expert_intermediate_size=shared,
+                       shared_expert_gate=shared > 0)
+
+    @classmethod
+    def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
+        """Per layer: Qwen2's attention (q/k/v biased with ``qkv_bias``, the output never), then the experts where
+        the layer is sparse, else the dense MLP."""
+        norm = NormSpec(cfg.rms_norm_eps)
+        moe = cls.moe_spec(cfg)
+        layers = tuple(
+            DecoderLayerSpec(
+                AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              qkv_bias=cfg.attention_bias, o_bias=False),
+                cfg.intermediate_size, cfg.hidden_act, norm, moe=moe if cfg.is_sparse(i) else None,
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                        cfg.rope_freq_factors)
+        return DecoderSpec(cfg.vocab_size, cfg.hidden_size, layers, norm, {"default": rope},
+                           tie_word_embeddings=cfg.tie_word_embeddings)
