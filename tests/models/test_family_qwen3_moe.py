@@ -130,6 +130,8 @@ def test_qwen3_moe_folder_matches_transformers(qwen3_moe_dir: str) -> None:
     assert block.experts.down.out_features == NUM_EXPERTS * 64
     _check_against_transformers(llm, _hf(qwen3_moe_dir), _prompts(5))
     assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+    # the routing reads the step's expert counts into Python: decode steps are not captured (not tried)
+    assert llm.llm_engine.model_runner.captured_decode is None
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ weights); transformers' greedy tokens on them are the oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -238,6 +239,7 @@ def test_layer_without_rope_norms_only_in_either_implementation(with_norms: bool
 def test_every_registered_family_is_a_decoder_spec_on_the_shared_blocks() -> None:
     """A family file holds a ``decoder_spec``; its layers are the shared ones (no attention or MLP of its own)."""
     from pagedllm.layers.decoder import DecoderLayer
+    from pagedllm.layers.fused_moe import MoEBlock
     from pagedllm.layers.mlp import GatedMLP
     from pagedllm.layers.self_attention import SelfAttention
 
@@ -250,3 +252,9 @@ def test_every_registered_family_is_a_decoder_spec_on_the_shared_blocks() -> Non
         layer = model.model.layers[0]
         assert type(layer) is DecoderLayer
         assert type(layer.self_attn) is SelfAttention and type(layer.mlp) is GatedMLP
+        if getattr(family.model_class, "supports_experts", False):  # and its sparse layers the shared MoE block
+            sparse = dataclasses.replace(_arch(architecture=architecture), num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32)
+            with torch.device("meta"):
+                model = family.model_class(sparse, backend)
+            assert type(model.model.layers[0].mlp) is MoEBlock
