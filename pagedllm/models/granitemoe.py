@@ -68,12 +68,17 @@ class GraniteMoeForCausalLM(CausalLM):
     supports_experts = True
 
     @classmethod
+    def moe_spec(cls, cfg: ModelArchConfig) -> MoESpec:
+        """A layer's block: the top-k router logits, then a softmax over them."""
+        router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, order="topk_softmax")
+        return MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+
+    @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
         """Per layer: attention scaled by ``attention_multiplier``, the experts (softmax over the top-k router
         logits), each branch scaled by ``residual_multiplier``; a multiplier of 1 adds no work."""
         norm = NormSpec(cfg.rms_norm_eps)
-        router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, order="topk_softmax")
-        moe = MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+        moe = cls.moe_spec(cfg) if cfg.num_experts else None  # no experts: every layer dense
         residual = None if cfg.residual_multiplier == 1.0 else cfg.residual_multiplier
         layers = tuple(
             DecoderLayerSpec(

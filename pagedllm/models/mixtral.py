@@ -53,12 +53,17 @@ class MixtralForCausalLM(CausalLM):
     supports_experts = True
 
     @classmethod
+    def moe_spec(cls, cfg: ModelArchConfig) -> MoESpec:
+        """A layer's block: softmax, then top-k, always renormalised (``MixtralTopKRouter``)."""
+        router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, renormalize=True)
+        return MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+
+    @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
         """Per layer: Llama's attention (no biases, the layer's window), then a renormalised top-k of
         ``cfg.num_experts`` SiLU experts."""
         norm = NormSpec(cfg.rms_norm_eps)
-        router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, renormalize=True)
-        moe = MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+        moe = cls.moe_spec(cfg) if cfg.num_experts else None  # no experts: every layer dense
         layers = tuple(
             DecoderLayerSpec(
                 AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,

@@ -32,12 +32,17 @@ class OlmoeForCausalLM(CausalLM):
     supports_experts = True
 
     @classmethod
+    def moe_spec(cls, cfg: ModelArchConfig) -> MoESpec:
+        """A layer's block: softmax, then top-k, renormalised where ``norm_topk_prob`` says."""
+        router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
+        return MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+
+    @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
         """Per layer: attention with q and k normed as whole projections (biases with ``attention_bias``), then
         a top-k of ``cfg.num_experts`` SiLU experts (renormalised with ``norm_topk_prob``)."""
         norm = NormSpec(cfg.rms_norm_eps)
-        router = RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
-        moe = MoESpec(router, cfg.moe_intermediate_size, cfg.hidden_act)
+        moe = cls.moe_spec(cfg) if cfg.num_experts else None  # no experts: every layer dense
         layers = tuple(
             DecoderLayerSpec(
                 AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,

@@ -49,7 +49,7 @@ class Qwen2MoeForCausalLM(CausalLM):
         """Per layer: Qwen2's attention (q/k/v biased with ``qkv_bias``, the output never), then the experts where
         the layer is sparse, else the dense MLP."""
         norm = NormSpec(cfg.rms_norm_eps)
-        moe = cls.moe_spec(cfg)
+        moe = cls.moe_spec(cfg) if cfg.num_experts else None  # no experts: every layer dense
         layers = tuple(
             DecoderLayerSpec(
                 AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
