@@ -42,33 +42,36 @@ _COMMON = dict(
 )
 
 
-def moe_config(arch: str):  # noqa: ANN201
-    """transformers' config of the tiny ``arch`` model (one of ``MOE_ARCHS``)."""
+def moe_config(arch: str, **overrides: object):  # noqa: ANN201
+    """transformers' config of the tiny ``arch`` model (one of ``MOE_ARCHS``), keys replaced by ``overrides``."""
     from transformers import GraniteMoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig
 
     if arch == "mixtral":
-        return MixtralConfig(**_COMMON, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
-                             rms_norm_eps=1e-5)
-    if arch == "qwen2_moe":
+        cls, keys = MixtralConfig, dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                                        rms_norm_eps=1e-5)
+    elif arch == "qwen2_moe":
         # Qwen2-MoE's defaults kept where they matter: q/k/v biases, top-k left unnormalised
-        return Qwen2MoeConfig(**_COMMON, intermediate_size=128, moe_intermediate_size=32,
-                              shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                              norm_topk_prob=False, rms_norm_eps=1e-6)
-    if arch == "olmoe":
-        return OlmoeConfig(**_COMMON, intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-                           norm_topk_prob=False, rms_norm_eps=1e-5)
-    if arch == "granitemoe":
-        return GraniteMoeConfig(**_COMMON, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-                                rms_norm_eps=1e-6, **GRANITEMOE_MULTIPLIERS)
-    raise ValueError(f"no tiny MoE config for {arch!r}; known: {MOE_ARCHS}")
+        cls, keys = Qwen2MoeConfig, dict(intermediate_size=128, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                         norm_topk_prob=False, rms_norm_eps=1e-6)
+    elif arch == "olmoe":
+        cls, keys = OlmoeConfig, dict(intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                      rms_norm_eps=1e-5)
+    elif arch == "granitemoe":
+        cls, keys = GraniteMoeConfig, dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                           rms_norm_eps=1e-6, **GRANITEMOE_MULTIPLIERS)
+    else:
+        raise ValueError(f"no tiny MoE config for {arch!r}; known: {MOE_ARCHS}")
+    return cls(**{**_COMMON, **keys, **overrides})
 
 
-def save_tiny_moe(arch: str, path: Path, tokenizer) -> str:  # noqa: ANN001
-    """The tiny ``arch`` model (seeded random weights, norm weights in [0.5, 1.5)) saved to ``path``."""
+def save_tiny_moe(arch: str, path: Path, tokenizer, **overrides: object) -> str:  # noqa: ANN001
+    """The tiny ``arch`` model (seeded random weights, norm weights in [0.5, 1.5)) saved to ``path``;
+    ``overrides`` replace keys of its config."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(moe_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(moe_config(arch, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

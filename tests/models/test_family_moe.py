@@ -178,6 +178,22 @@ def test_folder_matches_transformers_native_and_torch(arch: str, moe_dirs: dict[
         assert gap > 100 * LOGPROB_TOL, (name, gap)
 
 
+@pytest.mark.slow
+def test_qwen2_moe_dense_layers_from_the_folder(tmp_path, smollm_tokenizer) -> None:  # noqa: ANN001
+    """A Qwen2-MoE whose middle layer is dense (``mlp_only_layers``; llama.cpp's converter cannot write one):
+    that layer is a dense MLP of ``intermediate_size``, the others sparse, and the tokens and logprobs are
+    transformers'."""
+    path = save_tiny_moe("qwen2_moe", tmp_path, smollm_tokenizer, num_hidden_layers=3, mlp_only_layers=[1])
+    assert load_model_config(path).dense_layers == (1,)
+    prompts = _prompts(seed=3)[:1]
+    refs = _reference(_hf(path), prompts)
+    llm = LLM(path, **ENGINE)
+    layers = llm.llm_engine.model_runner.model.model.layers
+    assert [isinstance(layer.mlp, MoEBlock) for layer in layers] == [True, False, True]
+    assert layers[1].mlp.down_proj.in_features == 128
+    _check_against(refs, _generate(llm, prompts))
+
+
 @pytest.fixture(scope="session")
 def moe_gguf(moe_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory, gguf_converter):  # noqa: ANN001, ANN201
     """``(arch, outtype) -> path``: the folder converted by llama.cpp's converter, once per session."""
