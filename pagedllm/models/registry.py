@@ -88,9 +88,10 @@ class ModelRegistry:
         """The model class for ``cfg``'s architecture; ValueError naming it and the supported ones if none.
 
         A mixture of experts (``cfg.num_experts`` > 0) is refused, naming it,
-        unless its family computes routed MLPs (``supports_experts``): llama.cpp
-        writes Mixtral as GGUF architecture "llama" with an expert count, which
-        the Llama family does not run.
+        unless its family computes routed MLPs (``supports_experts``). A GGUF
+        file with experts is looked up first among ``gguf_expert_architectures``:
+        llama.cpp writes Mixtral as architecture "llama" with an expert count,
+        which the Llama family does not run and Mixtral's does.
         """
         try:
             found = self._dense_or_sparse(cfg)
