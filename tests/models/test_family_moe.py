@@ -271,6 +271,46 @@ def test_converted_gguf_matches_transformers(arch: str, outtype: str, moe_gguf, 
     _check_against(refs, _generate(llm, prompts))
 
 
+def _q8_0_rounded(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as Q8_0 holds it (llama.cpp's reference quantizer, in float32): per run of 32 weights of a row,
+    ``d = max |w| / 127``, ``q = roundf(w / d)`` (halves away from zero), ``d`` stored as float16."""
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (d.half().float() * q).reshape(w.shape)
+
+
+@pytest.mark.slow  # a converter run
+def test_qwen2_moe_q8_0_gguf_keeps_its_blocks(moe_gguf, moe_dirs: dict[str, str]) -> None:  # noqa: ANN001
+    """A Q8_0 file of Qwen2-MoE: experts and the shared expert's gate/up stay Q8_0 blocks, the routers F32 (the
+    shared expert's down projection, 48 columns, is F16: not a whole number of 32-weight blocks). On float32
+    activations: transformers' tokens and logprobs on the weights rounded as the file rounds them. On the default
+    8-bit activations a needle request is the same bits alone and among others."""
+    path = moe_gguf("qwen2_moe", "q8_0")
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    block = llm.llm_engine.model_runner.model.model.layers[0].mlp
+    assert {block.experts.gate_up.quant_method.name, block.experts.down.quant_method.name,
+            block.shared_expert.gate_up_proj.quant_method.name} == {"gguf-q8_0"}
+    hf = _hf(moe_dirs["qwen2_moe"])
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and not _is_router(name):
+                p.copy_(_q8_0_rounded(p) if p.shape[-1] % 32 == 0 else p.half().float())
+    prompts = _prompts(seed=11)[:1]
+    _check_against(_reference(hf, prompts), _generate(llm, prompts))
+    del llm
+    llm = LLM(path, **ENGINE)  # gguf_activations="int8", the default
+    needle, others = _prompts(seed=3)[0], _prompts(seed=4)
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=3)
+    alone = llm.generate([{"prompt_token_ids": needle}], params, use_tqdm=False)[0].outputs[0]
+    crowd = llm.generate([{"prompt_token_ids": p} for p in (others[0], needle, others[1])], params,
+                         use_tqdm=False)[1].outputs[0]
+    assert crowd.token_ids == alone.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in crowd.logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in alone.logprobs]
+
+
 def test_registry_tells_mixtral_from_llama_in_gguf() -> None:
     """llama.cpp's "llama" runs as Mixtral with an expert count and as Llama without; experts under a GGUF
     architecture no MoE family runs are refused, naming the ones supported."""
