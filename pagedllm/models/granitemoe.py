@@ -5,8 +5,9 @@ Granite's pre-norm layers with its four multipliers, as
 embeddings, ``residual_multiplier`` each branch before its residual add,
 ``attention_multiplier`` is the score scale (in place of ``head_dim **
 -0.5``), ``logits_scaling`` divides the logits (a GGUF file whose
-``rope.scaling.finetuned`` is false rotates no layer); and every MLP a mixture of experts (``layers/fused_moe.py``)
-routed as ``GraniteMoeTopKRouter`` routes: the ``num_experts_per_tok``
+``rope.scaling.finetuned`` is false rotates no layer); and every MLP a
+mixture of experts (``layers/fused_moe.py``) routed as
+``GraniteMoeTopKRouter`` routes: the ``num_experts_per_tok``
 largest router logits, then a softmax over those only
 (``RouterSpec.order="topk_softmax"``), experts of ``intermediate_size``.
 
