@@ -45,7 +45,7 @@ def granitemoe_weight_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
         owner, moe, part = name.partition(_MOE)
         if not moe:
             yield name, tensor
-        elif part == "router.layer.weight":
+        elif part in ("router.layer.weight", "router.weight"):  # as saved; as transformers 5 holds it
             yield f"{owner}.mlp.gate.weight", tensor
         elif part == "input_linear.weight":
             if tensor.dim() != 3 or tensor.shape[1] % 2:
@@ -59,6 +59,8 @@ def granitemoe_weight_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iter
                 raise ValueError(f"{name}: expected [experts, hidden, intermediate], got {tuple(tensor.shape)}")
             for e, rows in enumerate(tensor):
                 yield f"{owner}.mlp.experts.{e}.down_proj.weight", rows
+        elif part.startswith("experts."):  # transformers 5's in-memory form, split where CausalLM loads it
+            yield f"{owner}.mlp.{part}", tensor
         else:
             raise ValueError(f"unexpected GraniteMoE tensor {name!r}")
 

@@ -44,7 +44,8 @@ def mixtral_weight_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterato
         if m:
             yield f"{m.group(1)}.mlp.experts.{m.group(2)}.{_MIXTRAL_PARTS[m.group(3)]}.{m.group(4)}", tensor
         else:
-            yield name.replace(".block_sparse_moe.gate.", ".mlp.gate."), tensor
+            # the router, and transformers 5's in-memory experts (split where CausalLM loads them)
+            yield name.replace(".block_sparse_moe.", ".mlp."), tensor
 
 
 class MixtralForCausalLM(CausalLM):

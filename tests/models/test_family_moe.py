@@ -194,6 +194,30 @@ def test_qwen2_moe_dense_layers_from_the_folder(tmp_path, smollm_tokenizer) -> N
     _check_against(refs, _generate(llm, prompts))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "granitemoe"])
+def test_transformers_in_memory_experts_load_as_the_saved_folder(arch: str, moe_dirs: dict[str, str],
+                                                                 tmp_path) -> None:  # noqa: ANN001
+    """transformers 5's in-memory names (``mlp.experts.gate_up_proj``, GraniteMoE's
+    ``block_sparse_moe.experts.*`` and ``router.weight``), written as they are, load as the saved folder:
+    the same greedy tokens and logprobs."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    fused = tmp_path / "fused"
+    shutil.copytree(moe_dirs[arch], fused)
+    state = {k: v.contiguous() for k, v in _hf(moe_dirs[arch]).state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    save_file(state, str(fused / "model.safetensors"))
+    prompts = _prompts(seed=5)[:1]
+    want = _generate(LLM(moe_dirs[arch], **ENGINE), prompts)[0]
+    got = _generate(LLM(str(fused), **ENGINE), prompts)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in got.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in d.items()} for d in want.outputs[0].logprobs]
+
+
 @pytest.fixture(scope="session")
 def moe_gguf(moe_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory, gguf_converter):  # noqa: ANN001, ANN201
     """``(arch, outtype) -> path``: the folder converted by llama.cpp's converter, once per session."""
