@@ -427,7 +427,7 @@ class GGUFWeights:
             for t in open_reader(part).tensors
             if len(t.shape) in (2, 3) and t.tensor_type != GGMLQuantizationType.F32
             and (name := _hf_name_or_none(t.name, config.architecture)) is not None
-            for expert_name in (_expert_names(name, int(t.shape[2])) if len(t.shape) == 3 else (name,))
+            for expert_name in (_expert_names(name, int(t.shape[2])) if _stacked_experts(name, t) else (name,))
         }
         self.keep: set[str] = set()
         self.half: set[str] = set()
@@ -456,7 +456,7 @@ class GGUFWeights:
             if t.data.nbytes != expected:
                 raise ValueError(f"{path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
                                  f"{t.tensor_type.name} and shape need {expected}: the file is truncated or corrupt")
-            if len(t.shape) == 3:  # stacked experts
+            if _stacked_experts(name, t):
                 yield from self._experts(name, t)
                 _drop_mapped_pages(reader, t)
                 continue
@@ -494,6 +494,11 @@ class GGUFWeights:
             w = torch.from_numpy(np.array(rows, order="C"))
             yield expert_name, w.to(torch.bfloat16) if expert_name in self.half else w
         del values
+
+
+def _stacked_experts(name: str, t: object) -> bool:
+    """Whether tensor ``t`` (Hugging Face name ``name``) is one projection of every expert, ``[experts, rows, cols]``."""
+    return len(t.shape) == 3 and ".mlp.experts." in name
 
 
 def _expert_names(name: str, num_experts: int) -> tuple[str, ...]:
