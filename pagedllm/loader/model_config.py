@@ -13,6 +13,7 @@ from typing import Any
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
 from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.moe_config import hf_moe_fields
+from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class ModelArchConfig:
     token, their weights renormalised with ``norm_topk_prob``; the layers of
     ``dense_layers`` keep a dense MLP of ``intermediate_size``; a shared
     expert of ``shared_expert_intermediate_size`` (0: none). Read by
-    ``loader/moe_config.py``.
+    ``loader/moe_config.py``, then what Mixtral, Qwen2-MoE, OLMoE and
+    GraniteMoE read their own way by ``loader/moe_families_config.py``.
 
     ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
     per rotated pair of the RoPE frequencies (llama.cpp's converter writes
@@ -269,7 +271,7 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral":
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
 _QWEN_MAX_WINDOW_LAYERS = 28
-_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5}  # Olmo2Config's; every other family's is 1e-6
+_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5, "olmoe": 1e-5, "mixtral": 1e-5}  # Olmo2Config's; every other family's is 1e-6
 _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
 # Gemma2Config's defaults for the keys this reading needs (its softcaps are applied, unlike Gemma 3's)
@@ -463,6 +465,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"config.json has no model_type (got {model_type!r})")
     arch = _MODEL_TYPES.get(model_type, model_type)
+    # the config class's defaults where config.json leaves a key out (an experts' count, widths...)
+    cfg = {**MOE_FAMILY_DEFAULTS.get(arch, {}), **cfg}
     if arch in ("gemma2", "gemma3"):
         # the config class's defaults where config.json leaves a key out
         cfg = {**(_GEMMA3_DEFAULTS if arch == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
@@ -507,7 +511,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_family_fields(config, cfg)
+    return hf_moe_family_fields(hf_family_fields(config, cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:
