@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     from pagedllm.engine.llm import LLM
+    from pagedllm.expert_counts import load_summary
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     if args.structured and args.compare:
@@ -66,6 +67,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
                  SamplingParams(max_tokens=4, structured_outputs=constraint), use_tqdm=False)
     engine = llm.llm_engine
     engine.peak_used_blocks = 0
+    expert_load = engine.model_runner.expert_load  # a mixture of experts: its routing, counted from here
+    if expert_load is not None:
+        expert_load.reset()
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True, structured_outputs=constraint)
@@ -93,6 +97,9 @@ def run(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         f"output tok/s, {result['total_tokens_per_s']:.1f} total tok/s; peak KV blocks "
         f"{engine.peak_used_blocks}/{engine.block_manager.num_blocks}"
     )
+    if expert_load is not None:
+        result["expert_load"] = load_summary(expert_load.counts())
+        print(expert_load_line(result["expert_load"]))
     if args.json:
         print(json.dumps(result))
     # the peers get the machine to themselves: our weights and KV cache go first
@@ -131,3 +138,9 @@ def _run_peers(args: argparse.Namespace, workload: list) -> list[dict]:
     for peer in peers:
         peer["model"] = path
     return peers
+
+
+def expert_load_line(summary: dict[str, float]) -> str:
+    """The bench's line on a mixture of experts' routing (``pagedllm.expert_counts.load_summary``)."""
+    return (f"expert load over {summary['num_steps']} steps: tokens per expert per step mean {summary['mean']:.2f}, "
+            f"max {summary['max']:.2f}, imbalance (max/mean) {summary['imbalance']:.2f}")

@@ -18,9 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.expert_counts import ExpertCounts
     from pagedllm.structured_output.compiler import GrammarCompiler
 
 # vLLM's buckets, in seconds
@@ -113,12 +114,24 @@ class ServerMetrics:
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "computed": 0, "generated": 0,
                       "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self._grammars_watched = False
+        self._experts_watched = False
 
     def watch_grammars(self, compiler: GrammarCompiler) -> None:
         """Export ``compiler``'s cache and compile figures, read at each scrape (once per server: later calls no-op)."""
         if not self._grammars_watched:
             self.registry.register(_GrammarCollector(compiler, self._model_name))
             self._grammars_watched = True
+
+    def watch_experts(self, read_counts: Callable[[], ExpertCounts]) -> None:
+        """Export a mixture-of-experts model's routing counts, ``read_counts()`` at each scrape (once per server;
+        the runner's ``ExpertLoad.counts``).
+
+        Per expert (summed over the sparse layers) and per layer (its imbalance), not per (layer, expert):
+        ``num_experts + num_layers`` series (176 for Qwen3-30B-A3B) rather than their product (6144).
+        """
+        if not self._experts_watched:
+            self.registry.register(_ExpertCollector(read_counts, self._model_name))
+            self._experts_watched = True
 
     def request_success(self, finished_reason: str) -> None:
         """Count a finished request under its (first output's) finish reason."""
@@ -246,3 +259,37 @@ class _GrammarCollector:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self._model_name], value)
             yield metric
+
+
+class _ExpertCollector:
+    """A mixture of experts' routing counts (``runner/expert_load.py``), copied out when Prometheus scrapes: the
+    engine's steps only add into tensors."""
+
+    def __init__(self, read_counts: Callable[[], ExpertCounts], model_name: str) -> None:
+        self._read_counts = read_counts
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        """Tokens per expert (over the layers), forward steps counted, and each layer's max / mean load."""
+        counts = self._read_counts()
+        name = self._model_name
+        tokens = CounterMetricFamily(
+            "pagedllm:moe_expert_tokens",
+            "Tokens routed to each expert, summed over the sparse layers (a token counts once per expert it chose)",
+            labels=["model_name", "expert"],
+        )
+        for expert, n in enumerate(counts.by_expert()):
+            tokens.add_metric([name, str(expert)], n)
+        yield tokens
+        steps = CounterMetricFamily("pagedllm:moe_steps", "Forward steps through the experts counted",
+                                    labels=["model_name"])
+        steps.add_metric([name], counts.num_steps)
+        yield steps
+        imbalance = GaugeMetricFamily(
+            "pagedllm:moe_layer_load_imbalance",
+            "Per sparse layer: its busiest expert's tokens over the mean expert's since the start (1: even)",
+            labels=["model_name", "layer"],
+        )
+        for layer, value in zip(counts.layers, counts.layer_imbalance()):
+            imbalance.add_metric([name, str(layer)], value)
+        yield imbalance

@@ -15,6 +15,16 @@ way: as evenly as they go, the first ranks taking the remainder.
     hidden h  ──> gate_up   (rows: this rank's intermediate)    column-parallel
               ──> down_proj (columns: the same rows)            row-parallel: all-reduce
     embedding / LM head: this rank's vocabulary rows; lookups all-reduced, logits gathered to rank 0
+
+A mixture of experts (``layers/fused_moe.py``) is split as its dense MLP:
+each rank holds a slice of every expert's intermediate rows (``experts``:
+gate/up rows column-parallel, down's input columns row-parallel), the
+router replicated, and one all-reduce after the block. A GGUF file's
+experts are split in whole quantization blocks of down's columns (256
+weights where the expert size is a multiple of it, else 32: every block
+type's size divides one of these), so a rank's slice of a row is whole
+blocks; a split that leaves a rank no block is refused. docs/parallelism.md
+says why this split and not whole experts per rank.
 """
 
 from __future__ import annotations
@@ -53,18 +63,18 @@ class ShardPlan:
     total_q_heads: int
     total_kv_heads: int
     total_intermediate: int
+    # a mixture of experts' slice of every expert's intermediate rows, and the whole expert's (0: no experts)
+    expert_intermediate: tuple[int, int] = (0, 0)
+    total_expert_intermediate: int = 0
 
     @classmethod
     def make(cls, cfg: ModelArchConfig, rank: int, size: int) -> ShardPlan:
         """The slices of rank ``rank`` of ``size``; ValueError when the model has fewer KV heads than ranks, or
-        experts (not split yet)."""
+        experts that do not split over them (``expert_split``), before any rank loads a weight."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a tensor-parallel group of {size}")
-        if cfg.num_experts and size > 1:
-            raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models ({cfg.num_experts} experts) do "
-                             "not support tensor parallelism yet; run them in one process (tensor_parallel_size=1)")
         if cfg.num_key_value_heads < size:
             raise ValueError(
                 f"tensor_parallel_size={size} is more than the model's {cfg.num_key_value_heads} KV heads: every "
@@ -86,6 +96,8 @@ class ShardPlan:
             total_q_heads=cfg.num_attention_heads,
             total_kv_heads=cfg.num_key_value_heads,
             total_intermediate=cfg.intermediate_size,
+            expert_intermediate=expert_split(cfg, size)[rank] if cfg.num_experts else (0, 0),
+            total_expert_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0,
         )
 
     def local_config(self, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -97,6 +109,7 @@ class ShardPlan:
             num_attention_heads=self.q_heads[1],
             num_key_value_heads=self.kv_heads[1],
             intermediate_size=self.intermediate[1],
+            moe_intermediate_size=self.expert_intermediate[1],
         )
 
     @property
@@ -118,3 +131,33 @@ class ShardPlan:
     def kv_rows(self) -> tuple[int, int]:
         """``(start, size)`` of this rank's rows of ``k_proj`` and ``v_proj``."""
         return self.kv_heads[0] * self.head_dim, self.kv_heads[1] * self.head_dim
+
+
+# GGUF block sizes are 32 (Q4_0 ... Q8_0, MXFP4) or 256 (the K-quants): a slice of a row in these units is whole
+# blocks of any type the file holds
+GGUF_EXPERT_UNITS = (256, 32)
+
+
+def expert_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of every rank's slice of each expert's intermediate rows (``cfg.moe_intermediate_size``).
+
+    Float checkpoints split as evenly as they go; a GGUF file's in whole blocks of down's input columns (the
+    largest unit of ``GGUF_EXPERT_UNITS`` dividing the expert size). ValueError when a rank would hold none,
+    or for a shared expert (not split yet).
+    """
+    inter = cfg.moe_intermediate_size
+    if cfg.shared_expert_intermediate_size:
+        raise ValueError("tensor parallelism does not split a shared expert yet: a mixture of experts with "
+                         "shared_expert_intermediate_size > 0 needs tensor_parallel_size=1")
+    unit = 1
+    if cfg.checkpoint_format == "gguf":
+        unit = next((u for u in GGUF_EXPERT_UNITS if inter % u == 0), 0)
+        if not unit:
+            raise ValueError(f"the experts' intermediate size {inter} is not whole GGUF blocks of 32 weights: "
+                             "it cannot be split over tensor-parallel ranks")
+    pieces = [(start * unit, n * unit) for start, n in split_evenly(inter // unit, size)]
+    if any(n == 0 for _, n in pieces):
+        what = f"{inter // unit} GGUF blocks of {unit}" if unit > 1 else f"{inter} rows"
+        raise ValueError(f"tensor_parallel_size={size} is more than each expert's intermediate size holds "
+                         f"({what}): every rank needs a slice of every expert; use at most {inter // unit} ranks")
+    return pieces

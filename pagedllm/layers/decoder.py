@@ -47,6 +47,7 @@ from pagedllm.layers.weights import (
     FusedMap,
     fused_projections,
     load_hf_weights,
+    shard_expert_columns,
     split_stacked_experts,
 )
 from pagedllm.loader.model_config import ModelArchConfig
@@ -329,8 +330,10 @@ class CausalLM(NativeOpsMixin, nn.Module):
         kv_size = cfg.num_key_value_heads * cfg.head_dim
         fused = fused_projections(q_size, kv_size, cfg.intermediate_size, tp.plan if tp else None)
         if cfg.num_experts:  # the experts' parts are looked up first: their names hold the dense parts' names
+            sharded = tp is not None and tp.size > 1
             fused = {**moe_fused_projections(cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size,
-                                             cfg.shared_expert_intermediate_size), **fused}
+                                             cfg.shared_expert_intermediate_size,
+                                             tp.plan.expert_intermediate[0] if sharded else None), **fused}
         return fused
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -338,6 +341,8 @@ class CausalLM(NativeOpsMixin, nn.Module):
         fused = self.checkpoint_fused_map(self.config, self.tp)
         if self.config.num_experts:  # transformers 5's fused 3-D experts, as per-expert tensors
             weights = split_stacked_experts(weights)
+            if self.tp is not None and self.tp.size > 1:  # this rank's columns of each expert's down
+                weights = shard_expert_columns(weights, self.tp.plan)
         load_hf_weights(self, weights, fused, self.spec.tie_word_embeddings)
         if self.spec.embed_scale is not None:
             with torch.no_grad():

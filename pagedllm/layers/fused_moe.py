@@ -24,8 +24,18 @@ machinery as any linear layer (GGUF blocks never widened to float, bf16,
 float32, int8 / int4), so that an expert is a row range
 (``layers/experts_linear.py``). A checkpoint's per-expert tensors
 (``mlp.experts.{e}.gate_proj.weight``...) load into their rows through the
-fused map ``moe_fused_projections``. No tensor parallelism yet: a sharded
-model with experts is refused when built.
+fused map ``moe_fused_projections``.
+
+Tensor parallelism (``distributed/shard_plan.py``, ``ShardPlan.expert_intermediate``)
+splits every expert as a dense MLP is split: a rank holds rows
+``[start, start + I_rank)`` of each expert's gate and of its up
+(column-parallel) and the same input columns of its down (row-parallel), the
+router whole. A rank's block output is then a partial sum (the weighted sum
+of the top-k is linear in each expert's output), all-reduced once after the
+block as a dense MLP's down projection is. A GGUF file's down columns are cut
+in whole blocks (the plan's unit; a layer the kernels could not take as
+stored is refused rather than widened to float), and the x16 interleave is
+kept only where each expert's slice of rows is whole groups of 16.
 """
 
 from __future__ import annotations
@@ -41,7 +51,12 @@ from pagedllm.layers.experts_linear import experts_linear
 from pagedllm.layers.linear import Linear, LinearMethod
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.quantization.expert_packed import expert_method
-from pagedllm.layers.quantization.gguf_linear import INTERLEAVE_ROWS
+from pagedllm.layers.quantization.gguf_dequantized import has_gguf_kernel
+from pagedllm.layers.quantization.gguf_linear import (
+    INTERLEAVE_ROWS,
+    GGUFLinearMethod,
+    GGUFPartsLinearMethod,
+)
 from pagedllm.layers.quantization.quant_config import QuantConfig
 from pagedllm.layers.router import Router, RouterSpec
 from pagedllm.layers.weights import FusedMap
@@ -77,17 +92,21 @@ class MoESpec:
 
 
 def moe_fused_projections(num_experts: int, intermediate_size: int, hidden_size: int,
-                          shared_intermediate_size: int = 0) -> FusedMap:
+                          shared_intermediate_size: int = 0, expert_start: int | None = None) -> FusedMap:
     """Where a checkpoint's per-expert (and shared-expert) tensors go in the block's stacked layers.
 
     Expert ``e``'s ``gate_proj`` takes rows ``[e * 2I, e * 2I + I)`` of ``experts.gate_up``, its ``up_proj``
     the next ``I``, its ``down_proj`` rows ``[e * H, (e + 1) * H)`` of ``experts.down``; a shared expert's
-    gate and up fuse as a dense MLP's.
+    gate and up fuse as a dense MLP's. ``intermediate_size`` is this rank's ``I``; ``expert_start``: the first
+    of each expert's gate and up rows a tensor-parallel rank takes (None: all, one process). Down's columns
+    are cut by ``shard_expert_columns``.
     """
     fused: FusedMap = {}
     for e in range(num_experts):
-        fused[f"experts.{e}.gate_proj"] = ("experts.gate_up", 2 * e * intermediate_size, intermediate_size, None)
-        fused[f"experts.{e}.up_proj"] = ("experts.gate_up", (2 * e + 1) * intermediate_size, intermediate_size, None)
+        fused[f"experts.{e}.gate_proj"] = ("experts.gate_up", 2 * e * intermediate_size, intermediate_size,
+                                           expert_start)
+        fused[f"experts.{e}.up_proj"] = ("experts.gate_up", (2 * e + 1) * intermediate_size, intermediate_size,
+                                         expert_start)
         fused[f"experts.{e}.down_proj"] = ("experts.down", e * hidden_size, hidden_size, None)
     if shared_intermediate_size:
         fused["shared_expert.gate_proj"] = ("shared_expert.gate_up_proj", 0, shared_intermediate_size, None)
@@ -97,10 +116,20 @@ def moe_fused_projections(num_experts: int, intermediate_size: int, hidden_size:
 
 
 def stacked_experts_layer(in_features: int, rows: int, num_experts: int, bias: bool, quant_config: QuantConfig | None,
-                   prefix: str) -> Linear:
+                          prefix: str, input_start: int = 0) -> Linear:
     """The stacked layer of one projection (named ``prefix``): ``rows`` rows per expert, each expert a row range
-    of what the method holds (tiles of 16 rows are interleaved only where no expert starts inside one)."""
-    layer = Linear(in_features, num_experts * rows, bias=bias, quant_config=quant_config, prefix=prefix)
+    of what the method holds (tiles of 16 rows are interleaved only where no expert starts inside one).
+    ``input_start``: the first of the whole expert's input columns this rank holds (down, under tensor
+    parallelism); a GGUF layer whose kernels cannot take that slice as stored is refused."""
+    layer = Linear(in_features, num_experts * rows, bias, quant_config, prefix, input_start)
+    parts = quant_config.gguf_parts(f"{prefix}.weight") if input_start and quant_config is not None else None
+    # types with kernels not taken as stored: the slice is off their blocks (no kernel at all: dequantized, as in
+    # one process)
+    if parts and all(has_gguf_kernel(kind) for *_, kind in parts) \
+            and not isinstance(layer.quant_method, (GGUFLinearMethod, GGUFPartsLinearMethod)):
+        raise ValueError(f"{prefix}: this rank's experts' columns from {input_start} ({in_features} of them) are "
+                         "not whole GGUF blocks of the file's types: the experts cannot be split over these "
+                         "tensor-parallel ranks without widening them to float (use tensor_parallel_size=1)")
     method: LinearMethod = expert_method(layer.quant_method, num_experts)
     if method is not layer.quant_method:
         layer.quant_method = method
@@ -115,27 +144,38 @@ def stacked_experts_layer(in_features: int, rows: int, num_experts: int, bias: b
 class ExpertWeights(nn.Module):
     """The experts' projections stacked by rows: ``gate_up`` ``[E * 2I, H]``, ``down`` ``[E * H, I]``."""
 
-    def __init__(self, spec: MoESpec, hidden_size: int, quant_config: QuantConfig | None, prefix: str) -> None:
+    def __init__(self, spec: MoESpec, hidden_size: int, quant_config: QuantConfig | None, prefix: str,
+                 input_start: int = 0) -> None:
         super().__init__()
         inter, num = spec.intermediate_size, spec.num_experts
         self.num_experts = num
         self.gate_up = stacked_experts_layer(hidden_size, 2 * inter, num, spec.expert_bias, quant_config,
                                              f"{prefix}.gate_up")
-        self.down = stacked_experts_layer(inter, hidden_size, num, spec.expert_bias, quant_config, f"{prefix}.down")
+        self.down = stacked_experts_layer(inter, hidden_size, num, spec.expert_bias, quant_config, f"{prefix}.down",
+                                          input_start)
 
 
 class MoEBlock(nn.Module):
-    """A sparse MLP of ``spec`` over the step's rows ``[num_tokens, hidden]`` (see the module docstring)."""
+    """A sparse MLP of ``spec`` over the step's rows ``[num_tokens, hidden]`` (see the module docstring).
+
+    With ``tp`` of more than one rank, ``spec.intermediate_size`` is this rank's slice of every expert
+    (``tp.plan.expert_intermediate``) and the output is all-reduced once.
+    """
 
     def __init__(self, spec: MoESpec, hidden_size: int, tp: TensorParallelGroup | None = None,
                  quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("mixture-of-experts layers do not support tensor parallelism yet "
-                             "(tensor_parallel_size must be 1)")
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None and spec.shared_expert_intermediate_size:
+            raise ValueError("tensor parallelism does not split a shared expert yet (tensor_parallel_size must be 1)")
         self.spec = spec
         self.gate = Router(spec.router, hidden_size, quant_config, f"{prefix}.gate")
-        self.experts = ExpertWeights(spec, hidden_size, quant_config, f"{prefix}.experts")
+        start = self.tp.plan.expert_intermediate[0] if self.tp is not None else 0
+        self.experts = ExpertWeights(spec, hidden_size, quant_config, f"{prefix}.experts", start)
+        # the routing's running counts (runner/expert_load.py reads them when asked, never per step): tokens
+        # each expert was chosen for, and forward passes; tensors, so a traced step would count too
+        self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("num_forwards", torch.zeros(1, dtype=torch.int64), persistent=False)
         self.act_fn = gated_activation(spec.hidden_act)
         if spec.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, None,
@@ -153,10 +193,14 @@ class MoEBlock(nn.Module):
             if self.spec.shared_expert_gate:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out.add_(shared)
-        return out
+        # each rank's out sums its slice of every expert's down columns: the ranks' sum is the block's output
+        return self.tp.all_reduce_(out) if self.tp is not None else out
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights``."""
+        # this step's tokens per expert, into the running counts (runner/expert_load.py)
+        self.expert_tokens.add_(torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts))
+        self.num_forwards.add_(1)
         return routed_experts(self.experts, self.act_fn, x, weights, ids)
 
 

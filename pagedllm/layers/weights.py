@@ -194,3 +194,35 @@ def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterat
             for i, part in enumerate(parts):
                 yield f"{owner}.{e}.{part}.weight", tensor[e].narrow(0, i * rows, rows)
         del tensor
+
+
+def shard_expert_columns(
+    weights: Iterable[tuple[str, torch.Tensor]], plan: ShardPlan
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert checkpoint tensors with each expert's ``down_proj`` cut to this rank's input columns.
+
+    ``plan.expert_intermediate`` gives the columns (the same rows of gate and
+    up go through the fused map); a GGUF tensor kept as stored (uint8 ``[rows,
+    row bytes]``) is cut in bytes, which the plan's whole-block split makes
+    exact. A down bias is added once: rank 0 keeps it, the others load
+    zeros. Other tensors pass through.
+    """
+    start, local = plan.expert_intermediate
+    total = plan.total_expert_intermediate
+    for name, tensor in weights:
+        owner, _, param = name.rpartition(".")
+        if plan.size == 1 or not owner.endswith(".down_proj") or ".experts." not in owner:
+            yield name, tensor
+            continue
+        if param == "bias":
+            yield name, tensor if plan.rank == 0 else torch.zeros_like(tensor)
+            continue
+        width = tensor.shape[1]
+        if tensor.dtype == torch.uint8:  # GGUF blocks: `width` bytes hold `total` weights
+            if (start * width) % total or (local * width) % total:
+                raise ValueError(f"{name}: columns {start}..{start + local} of {total} are not whole GGUF blocks")
+            yield name, tensor.narrow(1, start * width // total, local * width // total)
+        elif width != total:
+            raise ValueError(f"{name}: an expert's down projection has {width} columns, the config says {total}")
+        else:
+            yield name, tensor.narrow(1, start, local)

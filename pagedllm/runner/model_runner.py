@@ -28,6 +28,7 @@ from pagedllm.resolved_config import (
 )
 from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
+from pagedllm.runner.expert_load import ExpertLoad
 from pagedllm.runner.input_batch import InputBatch, as_decode_rows
 from pagedllm.runner.kv_cache import (
     allocate_kv_cache,
@@ -150,6 +151,9 @@ class ModelRunner:
         # its kernels in one parallel region per program where the native ops are loaded
         # (runner/capture/step_program.py)
         self.captured_decode = self._make_captured_decode(config, model_config)
+        # a mixture of experts' routing counts, from zero now that loading and calibration are done (read by
+        # /metrics and bench when they ask: runner/expert_load.py); None for a dense model
+        self.expert_load = ExpertLoad(self.model) if model_config.num_experts else None
 
     def _plan_kv_pool(self, available: int) -> KvPoolPlan:
         """The pool's blocks (the fewest any tensor-parallel rank has room for) and the ``max_model_len``

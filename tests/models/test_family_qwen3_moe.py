@@ -276,12 +276,13 @@ def test_qwen3_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers()
     assert spec.layers[0].moe.router.renormalize and spec.layers[0].moe.router.top_k == TOP_K
 
 
-def test_tensor_parallelism_is_refused_for_experts_by_name() -> None:
-    """No rank's slice of the experts exists yet: the shard plan refuses a model with experts on 2 ranks."""
+def test_a_split_of_the_experts_that_leaves_a_rank_nothing_is_refused_by_name() -> None:
+    """Experts split over the ranks (tests/distributed/test_tensor_parallel_moe.py); the shard plan refuses, before
+    any rank loads, a split that leaves a rank no row of an expert."""
     from pagedllm.distributed.shard_plan import ShardPlan
     from pagedllm.loader.model_config import from_hf_config
 
-    cfg = from_hf_config({**_tiny_config().to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    cfg = from_hf_config({**_tiny_config(moe_intermediate_size=1).to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
     assert ShardPlan.make(cfg, 0, 1).size == 1
-    with pytest.raises(ValueError, match="mixture-of-experts models .* do not support tensor parallelism yet"):
+    with pytest.raises(ValueError, match="more than each expert's intermediate size holds"):
         ShardPlan.make(cfg, 0, 2)

@@ -330,6 +330,9 @@ def create_server_app(engine: LLMEngine, settings: ServerSettings, enable_metric
     metrics = ServerMetrics(settings.model_name) if enable_metrics else None
     if metrics is not None:
         metrics.update_from_engine(engine)
+        expert_load = getattr(engine.model_runner, "expert_load", None)
+        if expert_load is not None:  # a mixture of experts: its routing counts, read at each scrape
+            metrics.watch_experts(expert_load.counts)
     async_engine = AsyncEngine(engine, metrics, settings.max_waiting)
     app = build_app(async_engine, settings, TokenizerWorker(engine.tokenizer.hf), metrics)
     app.state.async_engine = async_engine

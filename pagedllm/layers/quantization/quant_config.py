@@ -79,6 +79,10 @@ class QuantConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_gguf_parts", MappingProxyType(gguf_spans(self.gguf_types, self.fused)))
 
+    def gguf_parts(self, name: str) -> list[tuple[str, int, int | None, int]] | None:
+        """The checkpoint's quantized parts of parameter ``name`` (``gguf_spans``); None: it has none."""
+        return self._gguf_parts.get(name)
+
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantMethod | None:
         """The method ``layer`` (named ``prefix`` in the model) takes; None: the layer's unquantized default."""
         for rule in self.rules:
