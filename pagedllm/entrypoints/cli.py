@@ -318,7 +318,9 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
 
     try:
         # the model's name is read from the model when --served-model-name is not given
-        return ServerSettings(**{"model_name": "", **record_kwargs(args, ServerSettings, args.server_flags)})
+        kwargs = record_kwargs(args, ServerSettings, args.server_flags)
+        names = kwargs.pop("model_name", [""])  # --served-model-name A B: A answers, B is an alias
+        return ServerSettings(model_name=names[0], model_aliases=names[1:], **kwargs)
     except ValueError as e:
         # the records name their fields; the person typed flags
         flags = {flag.key: flag.flag for flag in args.server_flags if not flag.nested}

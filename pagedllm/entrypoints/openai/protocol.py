@@ -418,10 +418,16 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Strict):
-    """One part of a message's content; only text parts are supported."""
+    """One part of a message's content; only text parts are supported.
 
-    type: Literal["text"]
-    text: str
+    Any part type parses here, so that an image (or audio, a file) part is refused by
+    ``loader/chat_content.py`` with a 400 saying the model takes no images, not with a schema error.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
 
 
 class MessageFunctionCall(_Strict):
@@ -527,6 +533,17 @@ class ChatCompletionRequest(_SamplingRequest):
     # how long a reasoning model thinks: gpt-oss's harmony system message carries it
     # (reasoning_parsers/, harmony/prompt.py); other models have no such setting and ignore it
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking...), as LLM.chat takes them
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's stored completions (its dashboard, evals, GET /v1/chat/completions): this server keeps no
+    # completion once answered, so only "do not store" is true of it; store=true is a 400 (no_store_check)
+    store: bool | None = None
+    # key-value tags of a stored completion (OpenAI: at most 16, keys up to 64 characters, values up to 512);
+    # checked, then unused: nothing is stored to tag, and replies do not echo them (OpenAI's do not either)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, json_schema_extra={"maxProperties": 16})
+    # OpenAI's processing tier; one local server has one tier, which the reply names ("default")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
     @property
     def constraint_param(self) -> str:
@@ -563,6 +580,7 @@ class ChatCompletionRequest(_SamplingRequest):
         structured-output constraint, so it cannot be combined with another.
         """
         self._check_common()
+        self._check_stored_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -578,6 +596,15 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         return self._sampling_params(max_tokens, logprobs, structured_outputs=forced,
                                      sampling_defaults=sampling_defaults)
+
+    def _check_stored_fields(self) -> None:
+        """``store`` and ``metadata``: this server keeps nothing, so storing is refused, not pretended."""
+        if self.store:
+            raise bad_request("store=true is not supported: this server keeps no completion once it has "
+                              "answered (nothing to list or fetch later); leave store unset or false", "store",
+                              "unsupported_parameter")
+        if self.metadata is not None and len(self.metadata) > 16:
+            raise bad_request(f"metadata may hold at most 16 pairs, got {len(self.metadata)}", "metadata")
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat templates read it (tool calls' arguments decoded); 400 when malformed."""

@@ -51,12 +51,13 @@ class OpenAIServingTokenization:
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.served_names: tuple[str, ...] = (model_name,)  # the app adds --served-model-name's others
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
     async def tokenize(self, req: TokenizeRequest) -> Response:
         """The token ids (and, if asked, their strings) of a prompt or conversation."""
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.served_names)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         try:
@@ -83,7 +84,7 @@ class OpenAIServingTokenization:
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """The text of a list of token ids."""
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.served_names)
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "tokens")
