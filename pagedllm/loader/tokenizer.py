@@ -88,11 +88,16 @@ def _hf_from_native(native: GGUFTokenizer) -> PreTrainedTokenizerBase:
     )
 
 
-# what the template renderer passes itself; chat_template_kwargs may not name them
+# what the template renderer passes itself; chat_template_kwargs may not name them (nor the model's
+# special tokens: TEMPLATE_RESERVED_NAMES adds transformers' names of them, for the server's schema)
 _RENDERER_NAMES = frozenset({
     "messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "return_assistant_tokens_mask", "tokenize", "return_dict", "tokenizer_kwargs",
 })
+TEMPLATE_RESERVED_NAMES = _RENDERER_NAMES | {
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+}
 
 
 class Tokenizer:
@@ -203,7 +208,7 @@ class Tokenizer:
             return {}
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
             raise ValueError("chat_template_kwargs must be a dict of template variable names to values")
-        taken = sorted(set(kwargs) & (_RENDERER_NAMES | set(self.special_tokens)))
+        taken = sorted(set(kwargs) & (TEMPLATE_RESERVED_NAMES | set(self.special_tokens)))
         if taken:
             # the renderer passes these itself; a second value would be a TypeError or silently win
             raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the chat template gets them "

@@ -32,9 +32,11 @@ from starlette.exceptions import HTTPException
 from pagedllm.entrypoints.openai.json_response import find_lone_surrogate
 from pagedllm.entrypoints.openai.tool_choice import ToolRequestError, ToolSpec
 from pagedllm.entrypoints.openai.tool_messages import ToolMessageError, to_template_messages
+from pagedllm.loader.tokenizer import TEMPLATE_RESERVED_NAMES
 from pagedllm.sampling_params import (
     INT64_RANGE,
     MAX_ADDITIVE_PENALTY,
+    MAX_FLOAT32,
     MAX_INT32,
     MAX_LOGPROBS,
     SamplingParams,
@@ -225,7 +227,7 @@ class _SamplingRequest(_Body):
 
     model: str | None = None
     n: JsonInt = _ranged(1, minimum=1, maximum=MAX_N)
-    temperature: float | None = _ranged(None, minimum=0)
+    temperature: float | None = _ranged(None, minimum=0, maximum=MAX_FLOAT32)
     top_p: float | None = _ranged(None, exclusiveMinimum=0, maximum=1)
     seed: JsonInt | None = _ranged(None, minimum=INT64_RANGE[0], maximum=INT64_RANGE[1])
     stop: StopString | list[StopString] | None = None
@@ -242,7 +244,7 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[JsonInt] | None = _ranged(None, **_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    repetition_penalty: float | None = _ranged(None, exclusiveMinimum=0)
+    repetition_penalty: float | None = _ranged(None, exclusiveMinimum=0, maximum=MAX_FLOAT32)
     min_tokens: JsonInt = _ranged(0, minimum=0, maximum=MAX_INT32)
     allowed_token_ids: list[JsonInt] | None = _ranged(None, minItems=1, **_TOKEN_IDS)
     bad_words: list[str] | None = None
@@ -424,7 +426,11 @@ class ContentPart(_Strict):
     ``loader/chat_content.py`` with a 400 saying the model takes no images, not with a schema error.
     """
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    # the schema promises what is served: a text part (other parts are refused, as the schema says)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"], "additionalProperties": False,
+    })
 
     type: str
     text: str | None = None
@@ -534,10 +540,14 @@ class ChatCompletionRequest(_SamplingRequest):
     # (reasoning_parsers/, harmony/prompt.py); other models have no such setting and ignore it
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking...), as LLM.chat takes them
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": sorted(
+            TEMPLATE_RESERVED_NAMES)}}},
+        {"type": "null"},
+    ]})
     # OpenAI's stored completions (its dashboard, evals, GET /v1/chat/completions): this server keeps no
     # completion once answered, so only "do not store" is true of it; store=true is a 400 (no_store_check)
-    store: bool | None = None
+    store: bool | None = Field(None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
     # key-value tags of a stored completion (OpenAI: at most 16, keys up to 64 characters, values up to 512);
     # checked, then unused: nothing is stored to tag, and replies do not echo them (OpenAI's do not either)
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
