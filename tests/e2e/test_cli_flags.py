@@ -194,6 +194,23 @@ def test_a_bad_serve_value_names_its_flag(flag: str, value: str, capsys: pytest.
     assert err.startswith(f"error: {flag} ") and "_" not in err.split()[1], err
 
 
+def test_vllm_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = os.path.getsize(bundled_model_path()) * 2 + (64 << 20)
+    monkeypatch.setattr("pagedllm.device_memory.available_memory_bytes", lambda device: free)
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
+    config = _config_from(["serve", "--dtype", "auto", "--trust-remote-code", "--gpu-memory-utilization", "0.5"],
+                          monkeypatch)
+    assert config.dtype == "float32"
+    assert config.kv_cache_memory_bytes == free // 2 - os.path.getsize(bundled_model_path())
+
+
+def test_gpu_memory_utilization_is_refused_for_replicas(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
+    assert cli.main(["serve", "--data-parallel-size", "2", "--gpu-memory-utilization", "0.5"]) == 2
+    assert "--kv-cache-memory-bytes" in capsys.readouterr().err
+
+
 def test_chat_template_reads_a_file(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
