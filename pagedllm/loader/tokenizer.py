@@ -177,7 +177,8 @@ class Tokenizer:
         ``entrypoints.openai.tool_messages.to_template_messages`` makes them.
         """
         if chat_template is None and not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template= (LLM.chat) or start "
+                             "the server with --chat-template FILE")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages

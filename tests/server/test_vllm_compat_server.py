@@ -76,6 +76,10 @@ def test_a_model_without_a_template_chats_with_the_given_one(server: dict, smoll
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.usage.prompt_tokens == _prompt_tokens(smollm_tokenizer, enable_thinking=False)
     assert off.usage.prompt_tokens > out.usage.prompt_tokens
+    # and /tokenize renders the same
+    tok = httpx.post(f"{server['url']}/tokenize", json={"model": ALIAS, "messages": ASK,
+                                                        "chat_template_kwargs": {"enable_thinking": False}}, timeout=30)
+    assert tok.json()["count"] == off.usage.prompt_tokens
     # list-of-parts content: text parts joined by newlines, as the same text given whole
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is the weather"},
                                           {"type": "text", "text": "in Paris?"}]}]

@@ -517,6 +517,14 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# ``chat_template_kwargs``: template variables; the schema says which names the renderer keeps for itself
+_TEMPLATE_KWARGS: Any = Field(None, json_schema_extra={"anyOf": [
+    {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": sorted(
+        TEMPLATE_RESERVED_NAMES)}}},
+    {"type": "null"},
+]})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -540,11 +548,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # (reasoning_parsers/, harmony/prompt.py); other models have no such setting and ignore it
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking...), as LLM.chat takes them
-    chat_template_kwargs: dict[str, Any] | None = Field(None, json_schema_extra={"anyOf": [
-        {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": sorted(
-            TEMPLATE_RESERVED_NAMES)}}},
-        {"type": "null"},
-    ]})
+    chat_template_kwargs: dict[str, Any] | None = _TEMPLATE_KWARGS
     # OpenAI's stored completions (its dashboard, evals, GET /v1/chat/completions): this server keeps no
     # completion once answered, so only "do not store" is true of it; store=true is a 400 (no_store_check)
     store: bool | None = Field(None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
@@ -644,6 +648,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = _TEMPLATE_KWARGS  # as the chat request's (vLLM's too)
 
 
 class DetokenizeRequest(_Body):

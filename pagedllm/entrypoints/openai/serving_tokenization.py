@@ -63,7 +63,8 @@ class OpenAIServingTokenization:
         try:
             if req.messages is not None:  # never empty: the model says minItems 1
                 messages = template_messages(req.messages)
-                text = await self.prompts.render_chat(messages, req.add_generation_prompt)
+                text = await self.prompts.render_chat(messages, req.add_generation_prompt,
+                                                      chat_template_kwargs=req.chat_template_kwargs)
                 add_special = bool(req.add_special_tokens)  # the template holds its own
             else:
                 text = req.prompt or ""
