@@ -17,7 +17,9 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.vllm_args import translate_vllm_args
 from pagedllm.loader import load_model_config, resolve_model_path, resolve_tokenizer_path
+from pagedllm.loader.chat_content import content_text
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -44,6 +46,7 @@ def make_engine_config(
     --data-parallel-size`` hands it to the replica processes).
     """
     path = resolve_model_path(model, revision=kwargs.get("revision"), gguf_file=kwargs.get("gguf_file"))
+    kwargs = translate_vllm_args(path, kwargs)  # dtype="auto", gpu_memory_utilization, trust_remote_code
     if kwargs.get("tokenizer") is not None:
         kwargs["tokenizer"] = resolve_tokenizer_path(kwargs["tokenizer"], revision=kwargs.get("tokenizer_revision"))
     if max_model_len is None:
@@ -83,7 +86,9 @@ class LLM:
         **kwargs: any other ``EngineConfig`` field (block_size, num_kv_blocks,
             kv_cache_memory_bytes, max_num_seqs, enable_prefix_caching, dtype,
             kv_cache_dtype, device, seed, attention_backend, num_threads, quantization,
-            quantization_group_size, linear_backend, enforce_eager, batch_invariant, tokenizer).
+            quantization_group_size, linear_backend, enforce_eager, batch_invariant, tokenizer), and vLLM's
+            ``dtype="auto"``, ``gpu_memory_utilization`` and ``trust_remote_code``
+            (``engine/vllm_args.py``; docs/coming-from-vllm.md).
     """
 
     def __init__(
@@ -191,6 +196,7 @@ class LLM:
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         reasoning_effort: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one or many conversations, then generate.
 
@@ -202,14 +208,23 @@ class LLM:
         ``medium``, ``high``), and stop at ``<|return|>`` / ``<|call|>``;
         ``reasoning_parsers.parse_reply`` splits such an output's tokens into
         reasoning, content and calls.
+
+        A message's ``content`` may be a list of parts, as in OpenAI's API: its
+        text parts are joined by newlines (as vLLM does); an image or other
+        media part is a ValueError (the model reads text only).
+        ``chat_template_kwargs``: more variables for the template, e.g.
+        ``{"enable_thinking": False}`` for Qwen3.
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
+        conversations = [_text_messages(c) for c in conversations]
         if chat_template is None and self._is_harmony():
             return self._harmony_chat(conversations, sampling_params, use_tqdm, tools, reasoning_effort)
         prompts = [
-            self.llm_engine.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, tools=tools)
+            self.llm_engine.tokenizer.apply_chat_template(
+                c, add_generation_prompt, chat_template, tools=tools, chat_template_kwargs=chat_template_kwargs
+            )
             for c in conversations
         ]
         # the template already holds the BOS/special tokens it wants
@@ -336,6 +351,19 @@ class LLM:
                 f"{len(failed)} of {len(outputs)} requests failed; the first: {failed[0].error}", outputs
             )
         return outputs
+
+
+def _text_messages(conversation: object) -> object:
+    """A conversation with each message's list-of-parts ``content`` joined into its text (``chat_content.py``);
+    anything else is left for the template's own checks."""
+    if not isinstance(conversation, list):
+        return conversation
+    out = []
+    for i, message in enumerate(conversation):
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            message = {**message, "content": content_text(message["content"], f"messages[{i}].content")}
+        out.append(message)
+    return out
 
 
 class RequestFailedError(RuntimeError):

@@ -40,6 +40,7 @@ class Flag:
         default: the default as ``--help`` shows it, where the record's own would mislead.
         prefix: for a nested record, the prefix of its fields' flags (default: the field's first word).
         skip: no flag: the command sets the field itself (a name read from the model, a timestamp).
+        nargs: argparse's ``nargs`` (``"+"``: one or more values, handed to ``parser`` as a list).
     """
 
     name: str | None = None
@@ -48,6 +49,7 @@ class Flag:
     default: str | None = None
     prefix: str | None = None
     skip: bool = False
+    nargs: str | None = None
 
 
 NO_FLAG = Flag(skip=True)
@@ -155,6 +157,8 @@ def add_record_arguments(
         kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": f"{text} (default: {shown})"}
         if marker.metavar is not None:
             kwargs["metavar"] = marker.metavar
+        if marker.nargs is not None:
+            kwargs["nargs"] = marker.nargs
         hint, _ = _strip(hints[f.name])
         if f.name in (parsers or {}):
             kwargs["type"] = parsers[f.name]

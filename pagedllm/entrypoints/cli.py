@@ -57,6 +57,19 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         taken=lambda flag: flag in p._option_string_actions,
     )
     p.set_defaults(engine_flags=flags, model=None)
+    _vllm_engine_arguments(p, g)
+
+
+def _vllm_engine_arguments(p: argparse.ArgumentParser, g: argparse._ArgumentGroup) -> None:
+    """vLLM's routine engine flags that are not ``EngineConfig`` fields: ``--dtype auto``,
+    ``--trust-remote-code``, ``--gpu-memory-utilization`` (their meaning: ``engine/vllm_args.py``)."""
+    dtype = p._option_string_actions["--dtype"]
+    dtype.choices = [*dtype.choices, "auto"]
+    g.add_argument("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
+                   help="accepted for vLLM's command lines; pagedllm never runs code from a model repository")
+    g.add_argument("--gpu-memory-utilization", type=float, default=argparse.SUPPRESS, metavar="FRACTION",
+                   help="share of the free memory the engine may take (weights and KV pool), as vLLM's; sets "
+                        "the KV pool's size (default: unset, the default pool)")
 
 
 # the sampling of generate / chat where neither the command line nor the model (generation_config.json) sets it
@@ -101,6 +114,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     keep ``LLM``'s defaults."""
     kwargs = record_kwargs(args, EngineConfig, args.engine_flags)
     kwargs.pop("model", None)
+    for name in ("trust_remote_code", "gpu_memory_utilization"):  # vLLM's (_vllm_engine_arguments)
+        if hasattr(args, name):
+            kwargs[name] = getattr(args, name)
     return kwargs
 
 
@@ -299,6 +315,10 @@ def _serve_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> 
     from pagedllm.engine.llm import make_engine_config
     from pagedllm.entrypoints.openai.api_server import run_dp_server
 
+    if hasattr(args, "gpu_memory_utilization"):
+        # it sizes one engine's pool from the free memory; N replicas would each take that share
+        raise ValueError("--gpu-memory-utilization sizes one engine; with --data-parallel-size > 1 give each "
+                         "replica its pool with --kv-cache-memory-bytes (or leave both out: the default is split)")
     config = make_engine_config(args.model_pos or args.model, **_engine_kwargs(args))
     settings = dataclasses.replace(
         settings, model_name=settings.model_name or _served_name(args.model_pos or args.model, config.model),
@@ -318,7 +338,9 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
 
     try:
         # the model's name is read from the model when --served-model-name is not given
-        return ServerSettings(**{"model_name": "", **record_kwargs(args, ServerSettings, args.server_flags)})
+        kwargs = record_kwargs(args, ServerSettings, args.server_flags)
+        names = kwargs.pop("model_name", [""])  # --served-model-name A B: A answers, B is an alias
+        return ServerSettings(model_name=names[0], model_aliases=names[1:], **kwargs)
     except ValueError as e:
         # the records name their fields; the person typed flags
         flags = {flag.key: flag.flag for flag in args.server_flags if not flag.nested}

@@ -88,6 +88,18 @@ def _hf_from_native(native: GGUFTokenizer) -> PreTrainedTokenizerBase:
     )
 
 
+# what the template renderer passes itself; chat_template_kwargs may not name them (nor the model's
+# special tokens: TEMPLATE_RESERVED_NAMES adds transformers' names of them, for the server's schema)
+_RENDERER_NAMES = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "return_assistant_tokens_mask", "tokenize", "return_dict", "tokenizer_kwargs",
+})
+TEMPLATE_RESERVED_NAMES = _RENDERER_NAMES | {
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+}
+
+
 class Tokenizer:
     """A tokenizer with what the engine needs from it.
 
@@ -151,8 +163,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render a conversation to the prompt text the model was tuned on.
+
+        ``chat_template_kwargs``: more variables for the template (Qwen3's
+        ``enable_thinking``...), as vLLM's; one that names what the renderer
+        sets itself (``messages``, ``tools``, a special token) is a ValueError.
 
         ``tools``: function tools in OpenAI's form (``{"type": "function",
         "function": {...}}``), for templates that list them; messages may
@@ -160,7 +177,8 @@ class Tokenizer:
         ``entrypoints.openai.tool_messages.to_template_messages`` makes them.
         """
         if chat_template is None and not self.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template= (LLM.chat) or start "
+                             "the server with --chat-template FILE")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages
@@ -170,16 +188,40 @@ class Tokenizer:
             raise ValueError("messages must not be empty")
         for i, m in enumerate(messages):
             check_text(f"messages[{i}].content", m["content"])
+        extra = self._template_kwargs(chat_template_kwargs)
         if self._native is None:
             return self.hf.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
+                chat_template=chat_template, **extra,
             )
         # transformers' renderer (its sandboxed jinja environment and filters), without its tokenizer classes
         from transformers.utils.chat_template_utils import render_jinja_template
 
         rendered, _ = render_jinja_template(
             conversations=[messages], tools=tools, documents=None, chat_template=chat_template or self.chat_template,
-            add_generation_prompt=add_generation_prompt, **self.special_tokens,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra,
         )
         return rendered[0]
+
+    def _template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """``chat_template_kwargs`` checked: a dict of variables with names the renderer does not set itself."""
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            raise ValueError("chat_template_kwargs must be a dict of template variable names to values")
+        taken = sorted(set(kwargs) & (TEMPLATE_RESERVED_NAMES | set(self.special_tokens)))
+        if taken:
+            # the renderer passes these itself; a second value would be a TypeError or silently win
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the chat template gets them "
+                             "from the request itself")
+        return dict(kwargs)
+
+    def set_chat_template(self, chat_template: str) -> None:
+        """Use ``chat_template`` (Jinja text) for every conversation from now on (``pagedllm serve --chat-template``)."""
+        if not isinstance(chat_template, str) or not chat_template.strip():
+            raise ValueError("chat_template must be non-empty Jinja text")
+        self.chat_template = chat_template
+        if self._native is not None:
+            self._native.chat_template = chat_template
+        if self._native is None or "hf" in self.__dict__:
+            self.hf.chat_template = chat_template

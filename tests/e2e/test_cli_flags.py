@@ -74,6 +74,10 @@ VALUES: dict[str, tuple[list[str], object]] = {
 # ServerSettings field -> (the serve flags that set it to a value other than its default, the value it then holds)
 SERVER_VALUES: dict[str, tuple[list[str], object]] = {
     "model_name": (["--served-model-name", "tiny"], "tiny"),
+    # vLLM's several names: the first answers, the others are aliases
+    "model_aliases": (["--served-model-name", "tiny", "tiny-alias", "other"], ["tiny-alias", "other"]),
+    "enable_auto_tool_choice": (["--no-enable-auto-tool-choice"], False),
+    "chat_template": (["--chat-template", "{{ messages[0].content }}"], "{{ messages[0].content }}"),
     "api_key": (["--api-key", "sk-test"], "sk-test"),
     "max_waiting": (["--max-waiting", "5"], 5),
     "host": (["--host", "0.0.0.0"], "0.0.0.0"),
@@ -99,6 +103,8 @@ HTTP_VALUES: dict[str, tuple[list[str], object]] = {
 }
 # set by serve itself, not by a flag: the model's path, the start time
 SERVER_SET_BY_SERVE = {"model_path", "created"}
+# set by another field's flag: --served-model-name's names after the first
+SERVER_SET_BY_OTHER_FLAG = {"model_aliases"}
 
 
 class _Loaded(Exception):
@@ -170,7 +176,8 @@ def test_serve_flags_left_out_keep_the_records_defaults() -> None:
 def test_every_serve_field_has_a_flag_with_help_and_default() -> None:
     sub = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
     by_dest = {a.dest: a for a in sub._actions}
-    names = [f.name for f in dataclasses.fields(ServerSettings) if f.name not in SERVER_SET_BY_SERVE | {"http_limits"}]
+    names = [f.name for f in dataclasses.fields(ServerSettings)
+             if f.name not in SERVER_SET_BY_SERVE | SERVER_SET_BY_OTHER_FLAG | {"http_limits"}]
     for name in [*names, *HTTP_VALUES]:
         assert by_dest[name].help and "(default: " in by_dest[name].help, name
     assert not SERVER_SET_BY_SERVE & set(by_dest)
@@ -179,11 +186,35 @@ def test_every_serve_field_has_a_flag_with_help_and_default() -> None:
 @pytest.mark.parametrize("flag, value", [("--header-timeout", "0"), ("--stream-write-timeout", "-1"),
                                          ("--allowed-hosts", ","), ("--tool-call-parser", "nope"),
                                          ("--reasoning-parser", "granite9"),
-                                         ("--max-waiting", "0"), ("--port", "70000")])
+                                         ("--max-waiting", "0"), ("--port", "70000"),
+                                         ("--chat-template", "no-such-template-file.jinja")])
 def test_a_bad_serve_value_names_its_flag(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", flag, value]) == 2  # refused before the model loads
     err = capsys.readouterr().err
     assert err.startswith(f"error: {flag} ") and "_" not in err.split()[1], err
+
+
+def test_vllm_engine_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = os.path.getsize(bundled_model_path()) * 2 + (64 << 20)
+    monkeypatch.setattr("pagedllm.device_memory.available_memory_bytes", lambda device: free)
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
+    config = _config_from(["serve", "--dtype", "auto", "--trust-remote-code", "--gpu-memory-utilization", "0.5"],
+                          monkeypatch)
+    assert config.dtype == "float32"
+    assert config.kv_cache_memory_bytes == free // 2 - os.path.getsize(bundled_model_path())
+
+
+def test_gpu_memory_utilization_is_refused_for_replicas(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
+    assert cli.main(["serve", "--data-parallel-size", "2", "--gpu-memory-utilization", "0.5"]) == 2
+    assert "--kv-cache-memory-bytes" in capsys.readouterr().err
+
+
+def test_chat_template_reads_a_file(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert _settings_from(["--chat-template", str(path)]).chat_template == path.read_text()
 
 
 def test_serve_takes_the_same_flags_and_its_seed(monkeypatch: pytest.MonkeyPatch) -> None:

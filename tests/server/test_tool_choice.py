@@ -298,7 +298,7 @@ def _with(i: int, **fields) -> list[dict]:
     (_with(2, tool_calls=[{"type": "function", "function": {"name": "f", "arguments": "{}"}}]), r"\.id must be"),
     (_with(2, tool_calls=[{"id": "c", "function": {"arguments": "{}"}}]), r"\.function must be"),
     (_with(2, tool_calls=..., content=None), r"missing required parameter: 'messages\[2\].content'"),
-    (_with(1, content=[{"type": "image_url", "image_url": {"url": "x"}}]), "only text content"),
+    (_with(1, content=[{"type": "image_url", "image_url": {"url": "x"}}]), r"messages\[1\].content\[0\] is a .image_url. part: this model takes no images"),
     (_with(1, role="function"), "use role 'tool'"),
     (_with(1, content="bad \ud800"), "not valid UTF-8"),
 ])

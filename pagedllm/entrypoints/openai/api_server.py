@@ -222,6 +222,8 @@ def build_app(
     _add_error_handlers(app)
     app.add_middleware(LastResortMiddleware)  # added last: outermost
     _openapi_without_422(app, engine.model_config.vocab_size)
+    if settings.chat_template is not None:
+        engine.tokenizer.set_chat_template(settings.chat_template)  # --chat-template: before anything reads it
     prompts = PromptEncoder(engine, tokenizer)
     name = settings.model_name
     # --default-max-tokens, else the model's max_new_tokens (generation_config.json), as vLLM caps a reply
@@ -230,16 +232,18 @@ def build_app(
         default_max_tokens = engine.generation_defaults.values.get("max_tokens")
     completion = OpenAIServingCompletion(async_engine, prompts, name, default_max_tokens)
     chat = OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, default_max_tokens,
-                             settings.reasoning_parser)
+                             settings.reasoning_parser, settings.enable_auto_tool_choice)
     completion.stream_writes = chat.stream_writes = StreamWrites(
         settings.stream_write_timeout_s,
         metrics.stream_write_timeouts.inc if metrics is not None else None,
     )
+    completion.served_names = chat.served_names = settings.served_names
     _add_generating_routes(app, completion, chat)
     _add_info_routes(app, async_engine, settings, metrics)
     tokenization = OpenAIServingTokenization(
         prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size
     )
+    tokenization.served_names = settings.served_names
     json_body = [Depends(require_json)]
 
     @app.post("/tokenize", response_model=None, dependencies=json_body, responses=_ERRORS)
@@ -279,22 +283,22 @@ def _add_info_routes(
 ) -> None:
     max_model_len = async_engine.engine.config.max_model_len
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": settings.model_name, "object": "model", "created": settings.created, "owned_by": "pagedllm",
+            "id": name, "object": "model", "created": settings.created, "owned_by": "pagedllm",
             "root": settings.model_path or settings.model_name, "parent": None, "max_model_len": max_model_len,
         }
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        """The served model (one per server)."""
-        return {"object": "list", "data": [model_card()]}
+        """The served model (one per server), once under each of its names (``--served-model-name``)."""
+        return {"object": "list", "data": [model_card(name) for name in settings.served_names]}
 
     @app.get("/v1/models/{model:path}", responses=_ERRORS)
     async def get_model(model: str) -> dict[str, Any]:
-        """The served model, by name; 404 for any other."""
-        check_model(model, settings.model_name)
-        return model_card()
+        """The served model, by any of its names; 404 for any other."""
+        check_model(model, settings.served_names)
+        return model_card(model)
 
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs"}, 503: _ERRORS[503]})
     async def health() -> Response:

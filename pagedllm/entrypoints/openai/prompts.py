@@ -55,16 +55,19 @@ class PromptEncoder:
         return None, ids
 
     async def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The conversation (and the tools the model may call) through the model's chat template."""
+        """The conversation (and the tools the model may call) through the model's chat template, with the
+        request's ``chat_template_kwargs`` as more template variables."""
         render = self.engine.tokenizer.apply_chat_template
-        return await asyncio.to_thread(render, messages, add_generation_prompt, tools=tools)
+        return await asyncio.to_thread(render, messages, add_generation_prompt, tools=tools,
+                                       chat_template_kwargs=chat_template_kwargs)
 
     async def chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
     ) -> Prompt:
         """A conversation, rendered and tokenized (the template holds its own special tokens)."""
-        text = await self.render_chat(messages, add_generation_prompt, tools)
+        text = await self.render_chat(messages, add_generation_prompt, tools, chat_template_kwargs)
         return await self.text(text, params, add_special_tokens=False)

@@ -32,9 +32,11 @@ from starlette.exceptions import HTTPException
 from pagedllm.entrypoints.openai.json_response import find_lone_surrogate
 from pagedllm.entrypoints.openai.tool_choice import ToolRequestError, ToolSpec
 from pagedllm.entrypoints.openai.tool_messages import ToolMessageError, to_template_messages
+from pagedllm.loader.tokenizer import TEMPLATE_RESERVED_NAMES
 from pagedllm.sampling_params import (
     INT64_RANGE,
     MAX_ADDITIVE_PENALTY,
+    MAX_FLOAT32,
     MAX_INT32,
     MAX_LOGPROBS,
     SamplingParams,
@@ -225,7 +227,7 @@ class _SamplingRequest(_Body):
 
     model: str | None = None
     n: JsonInt = _ranged(1, minimum=1, maximum=MAX_N)
-    temperature: float | None = _ranged(None, minimum=0)
+    temperature: float | None = _ranged(None, minimum=0, maximum=MAX_FLOAT32)
     top_p: float | None = _ranged(None, exclusiveMinimum=0, maximum=1)
     seed: JsonInt | None = _ranged(None, minimum=INT64_RANGE[0], maximum=INT64_RANGE[1])
     stop: StopString | list[StopString] | None = None
@@ -242,7 +244,7 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[JsonInt] | None = _ranged(None, **_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    repetition_penalty: float | None = _ranged(None, exclusiveMinimum=0)
+    repetition_penalty: float | None = _ranged(None, exclusiveMinimum=0, maximum=MAX_FLOAT32)
     min_tokens: JsonInt = _ranged(0, minimum=0, maximum=MAX_INT32)
     allowed_token_ids: list[JsonInt] | None = _ranged(None, minItems=1, **_TOKEN_IDS)
     bad_words: list[str] | None = None
@@ -418,10 +420,20 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Strict):
-    """One part of a message's content; only text parts are supported."""
+    """One part of a message's content; only text parts are supported.
 
-    type: Literal["text"]
-    text: str
+    Any part type parses here, so that an image (or audio, a file) part is refused by
+    ``loader/chat_content.py`` with a 400 saying the model takes no images, not with a schema error.
+    """
+
+    # the schema promises what is served: a text part (other parts are refused, as the schema says)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"], "additionalProperties": False,
+    })
+
+    type: str
+    text: str | None = None
 
 
 class MessageFunctionCall(_Strict):
@@ -505,6 +517,14 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# ``chat_template_kwargs``: template variables; the schema says which names the renderer keeps for itself
+_TEMPLATE_KWARGS: Any = Field(None, json_schema_extra={"anyOf": [
+    {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": sorted(
+        TEMPLATE_RESERVED_NAMES)}}},
+    {"type": "null"},
+]})
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -527,6 +547,17 @@ class ChatCompletionRequest(_SamplingRequest):
     # how long a reasoning model thinks: gpt-oss's harmony system message carries it
     # (reasoning_parsers/, harmony/prompt.py); other models have no such setting and ignore it
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking...), as LLM.chat takes them
+    chat_template_kwargs: dict[str, Any] | None = _TEMPLATE_KWARGS
+    # OpenAI's stored completions (its dashboard, evals, GET /v1/chat/completions): this server keeps no
+    # completion once answered, so only "do not store" is true of it; store=true is a 400 (no_store_check)
+    store: bool | None = Field(None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
+    # key-value tags of a stored completion (OpenAI: at most 16, keys up to 64 characters, values up to 512);
+    # checked, then unused: nothing is stored to tag, and replies do not echo them (OpenAI's do not either)
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, json_schema_extra={"maxProperties": 16})
+    # OpenAI's processing tier; one local server has one tier, which the reply names ("default")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
     @property
     def constraint_param(self) -> str:
@@ -563,6 +594,7 @@ class ChatCompletionRequest(_SamplingRequest):
         structured-output constraint, so it cannot be combined with another.
         """
         self._check_common()
+        self._check_stored_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -578,6 +610,15 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         return self._sampling_params(max_tokens, logprobs, structured_outputs=forced,
                                      sampling_defaults=sampling_defaults)
+
+    def _check_stored_fields(self) -> None:
+        """``store`` and ``metadata``: this server keeps nothing, so storing is refused, not pretended."""
+        if self.store:
+            raise bad_request("store=true is not supported: this server keeps no completion once it has "
+                              "answered (nothing to list or fetch later); leave store unset or false", "store",
+                              "unsupported_parameter")
+        if self.metadata is not None and len(self.metadata) > 16:
+            raise bad_request(f"metadata may hold at most 16 pairs, got {len(self.metadata)}", "metadata")
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat templates read it (tool calls' arguments decoded); 400 when malformed."""
@@ -607,6 +648,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = _TEMPLATE_KWARGS  # as the chat request's (vLLM's too)
 
 
 class DetokenizeRequest(_Body):

@@ -58,17 +58,21 @@ class OpenAIServingChat(OpenAIServing):
             ``max_tokens`` / ``max_completion_tokens`` (``--default-max-tokens``); None: none.
         reasoning_parser: ``gpt_oss``, ``qwen3``, ``deepseek_r1``, ``none``, or ``auto``
             (``gpt_oss`` for a gpt-oss model, else none).
+        enable_auto_tool_choice: whether ``tool_choice="auto"`` with tools is served (else a 400, as vLLM
+            without ``--enable-auto-tool-choice``).
     """
 
     def __init__(
         self, engine_client: EngineClient, prompts: PromptEncoder, model_name: str, tool_call_parser: str = "auto",
-        default_max_tokens: int | None = None, reasoning_parser: str = "auto",
+        default_max_tokens: int | None = None, reasoning_parser: str = "auto", enable_auto_tool_choice: bool = True,
     ) -> None:
         super().__init__(engine_client, prompts, model_name)
         self.default_max_tokens = default_max_tokens
+        self.enable_auto_tool_choice = enable_auto_tool_choice
         engine = engine_client.engine
         template = getattr(engine.tokenizer.hf, "chat_template", None)
         template = template if isinstance(template, str) else None
+        self.has_template = template is not None
         self.tool_parser = get_tool_parser(tool_call_parser, template)
         arch = engine.model_config
         self.harmony = is_harmony_model(arch.architecture, arch.architectures, template)
@@ -84,6 +88,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         """Answer one chat request, streamed or whole."""
         self.check_model(req.model)
+        self._check_servable(req)
         tools = await asyncio.to_thread(req.tool_spec, self.grammar_limits)  # xgrammar checks each schema
         params = req.to_sampling_params(tools, self.default_max_tokens, self.sampling_defaults)
         if req.stream:
@@ -96,7 +101,8 @@ class OpenAIServingChat(OpenAIServing):
             if self.harmony:
                 encoded = await self._harmony_prompt(messages, tools, req.reasoning_effort, params)
             else:
-                encoded = await self.prompts.chat(messages, req.add_generation_prompt, params, tools.template_tools())
+                encoded = await self.prompts.chat(messages, req.add_generation_prompt, params, tools.template_tools(),
+                                                  req.chat_template_kwargs)
         except Exception as e:
             raise to_api_error(e, "messages") from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -105,17 +111,29 @@ class OpenAIServingChat(OpenAIServing):
         top_n = req.top_logprobs or 0
         replies = _ReplyParsers(self.reasoning_parser, encoded[0], tools, self.tool_parser)
         if not req.stream:
-            header = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+            header = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                      **_service_tier(req)}
             return await self.wait_all(
                 request, sub, lambda outs: self._response(header, sub, outs[0], top_n, tools, replies)
             )
-        header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                  **_service_tier(req)}
         tokens: dict[int, int] = {}
         events = sse_chunks(
             header, req.include_usage, self._stream(sub, params, top_n, tokens, tools, replies),
             lambda: usage(sub.prompt_token_counts[0], sum(tokens.values())),
         )
         return sse_response(events, on_close=sub.abort, writes=self.stream_writes)
+
+    def _check_servable(self, req: ChatCompletionRequest) -> None:
+        """400 for what this server was started without: a chat template, or auto tool choice."""
+        if not self.has_template and not self.harmony:
+            raise bad_request("this model has no chat template, so it cannot chat; start the server with "
+                              "--chat-template FILE (or use /v1/completions)", "messages", "no_chat_template")
+        auto = req.tool_choice == "auto" or (req.tool_choice is None and req.tools)
+        if auto and req.tools and not self.enable_auto_tool_choice:
+            raise bad_request('tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+                              '(it was started with --no-enable-auto-tool-choice)', "tool_choice")
 
     def _harmony_params(self, params: SamplingParams, tools: ToolSpec) -> None:
         """A harmony request's own rules: it stops at ``<|return|>`` / ``<|call|>``; its calls are not forced.
@@ -193,6 +211,12 @@ class OpenAIServingChat(OpenAIServing):
                 for chunk in _choice_chunks(c, c.text, c.finish_reason is not None,
                                             chat_logprobs(c, 0, len(c.token_ids), top_n), parsers[c.index], tools):
                     yield [chunk]
+
+
+def _service_tier(req: ChatCompletionRequest) -> dict[str, str]:
+    """The tier that served the request, as OpenAI's reply names it, where the request asked for one: a
+    local server has one tier, ``default``, whatever was asked."""
+    return {} if req.service_tier is None else {"service_tier": "default"}
 
 
 class _ReplyParsers:

@@ -36,6 +36,7 @@ class OpenAIServing:
         prompts: the prompt encoder (tokenizer process, chat template).
         model_name: the name clients use in ``model``.
 
+    ``served_names``: every name ``model`` may use (``--served-model-name A B``); replies carry ``model_name``.
     ``stream_writes``: how long a stream's write may wait for a client that reads
     nothing (``sse.py``); the app sets it from ``--stream-write-timeout``.
     ``sampling_defaults``: the model's (``generation_config.json``), for the
@@ -46,12 +47,13 @@ class OpenAIServing:
         self.engine_client = engine_client
         self.prompts = prompts
         self.model_name = model_name
+        self.served_names: tuple[str, ...] = (model_name,)  # the app adds --served-model-name's others
         self.stream_writes = StreamWrites()
         self.sampling_defaults: dict[str, Any] = dict(engine_client.engine.generation_defaults.values)
 
     def check_model(self, name: str | None) -> None:
-        """404 unless ``name`` is the served model (or None: vLLM's leniency)."""
-        check_model(name, self.model_name)
+        """404 unless ``name`` is one of the served model's names (or None: vLLM's leniency)."""
+        check_model(name, self.served_names)
 
     @property
     def grammar_limits(self) -> GrammarLimits:
@@ -118,9 +120,9 @@ class OpenAIServing:
         return OpenAIJSONResponse(make_response([final[i] for i in range(len(sub.streams))]))
 
 
-def check_model(name: str | None, served: str) -> None:
-    """404 unless ``name`` is ``served``; no name means the served one, as vLLM allows."""
-    if name is not None and name != served:
+def check_model(name: str | None, served: str | tuple[str, ...]) -> None:
+    """404 unless ``name`` is ``served`` (or one of its names); no name means the served one, as vLLM allows."""
+    if name is not None and name not in ((served,) if isinstance(served, str) else served):
         raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model_not_found", "model")
 
 

@@ -51,18 +51,20 @@ class OpenAIServingTokenization:
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.served_names: tuple[str, ...] = (model_name,)  # the app adds --served-model-name's others
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
     async def tokenize(self, req: TokenizeRequest) -> Response:
         """The token ids (and, if asked, their strings) of a prompt or conversation."""
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.served_names)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         try:
             if req.messages is not None:  # never empty: the model says minItems 1
                 messages = template_messages(req.messages)
-                text = await self.prompts.render_chat(messages, req.add_generation_prompt)
+                text = await self.prompts.render_chat(messages, req.add_generation_prompt,
+                                                      chat_template_kwargs=req.chat_template_kwargs)
                 add_special = bool(req.add_special_tokens)  # the template holds its own
             else:
                 text = req.prompt or ""
@@ -83,7 +85,7 @@ class OpenAIServingTokenization:
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """The text of a list of token ids."""
-        check_model(req.model, self.model_name)
+        check_model(req.model, self.served_names)
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "tokens")

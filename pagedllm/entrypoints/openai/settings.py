@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import field
 from typing import Annotated, Literal
@@ -51,6 +52,27 @@ def seconds_or_unbounded(text: str) -> float | None:
     return seconds or None
 
 
+def served_names(names: list[str]) -> list[str]:
+    """``--served-model-name A B``: each name clients may pass as ``model``; the first answers in replies."""
+    names = [n.strip() for n in names]
+    if not names or not all(names):
+        raise ValueError(f"expects one or more non-empty names, got {names!r}")
+    return names
+
+
+def template_text(text: str) -> str:
+    """``--chat-template``: the file's text where ``text`` names a file, else ``text`` itself (an inline
+    template, as vLLM takes it); a value that is neither a file nor a template is refused."""
+    if os.path.isfile(os.path.expanduser(text)):
+        with open(os.path.expanduser(text), encoding="utf-8") as f:
+            text = f.read()
+    elif not any(mark in text for mark in ("{{", "{%")):
+        raise ValueError(f"names no file and is not a Jinja template: {text!r}")
+    if not text.strip():
+        raise ValueError("is an empty template")
+    return text
+
+
 def text_or_none(text: str) -> str | None:
     """``--api-key ""``: no key, as if the flag were not given."""
     return text or None
@@ -61,7 +83,11 @@ class ServerSettings:
     """What ``pagedllm serve`` needs besides the engine.
 
     Attributes:
-        model_name: the name clients pass as ``model`` (and see in /v1/models).
+        model_name: the name clients pass as ``model`` (and see in /v1/models); replies carry it.
+            ``--served-model-name`` takes several names, as vLLM's: the first is this one, the others
+            ``model_aliases``.
+        model_aliases: further names a request's ``model`` may use (listed in /v1/models too); any
+            other name is a 404.
         model_path: where the weights came from (shown in /v1/models).
         api_key: when set, every route but /health, /metrics, /openapi.json, /docs and the /kv page's
             needs ``Authorization: Bearer <key>``.
@@ -79,6 +105,13 @@ class ServerSettings:
             no other origin can read an answer.
         tool_call_parser: the model's tool-call format for ``tool_choice="auto"``: ``hermes``,
             ``llama3_json``, or ``auto`` (read from the chat template).
+        enable_auto_tool_choice: whether a request with tools may leave the calls to the model
+            (``tool_choice="auto"``, the default when tools are given), read by ``tool_call_parser``.
+            On by default, unlike vLLM's flag of the same name, which must be given for it; off,
+            such a request is a 400, as in vLLM without the flag.
+        chat_template: the Jinja chat template for every conversation, instead of the model's own
+            (a file, or the template's text on the command line); the one way to chat with a model
+            that has none. None: the model's.
         reasoning_parser: how replies are split into ``reasoning_content`` and content: ``gpt_oss``
             (harmony channels), ``qwen3`` / ``deepseek_r1`` (``<think>`` blocks), ``none``, or
             ``auto`` (``gpt_oss`` for a gpt-oss model, else none).
@@ -96,8 +129,10 @@ class ServerSettings:
     """
 
     # each field's ``Flag`` says how ``pagedllm serve`` spells it where its name does not (arg_fields.py)
-    model_name: Annotated[str, Flag("--served-model-name", default="the model's file or folder name")]
+    model_name: Annotated[str, Flag("--served-model-name", parser=served_names, metavar="NAME", nargs="+",
+                                    default="the model's file or folder name")]
     model_path: Annotated[str, NO_FLAG] = ""
+    model_aliases: Annotated[list[NonEmptyStr], NO_FLAG] = field(default_factory=list)
     api_key: Annotated[str | None, Flag(parser=text_or_none, metavar="KEY")] = None
     max_waiting: Annotated[PositiveInt | None, Flag(metavar="N")] = 1024
     host: str = "127.0.0.1"
@@ -109,6 +144,8 @@ class ServerSettings:
     tool_call_parser: Annotated[
         str, AfterValidator(_check_tool_call_parser), Flag(metavar="{" + ",".join(["auto", *sorted(TOOL_PARSERS)]) + "}"),
     ] = "auto"
+    enable_auto_tool_choice: bool = True
+    chat_template: Annotated[str | None, Flag(parser=template_text, metavar="FILE_OR_TEMPLATE")] = None
     reasoning_parser: Annotated[
         str, AfterValidator(_check_reasoning_parser), Flag(metavar="{" + ",".join(REASONING_PARSER_CHOICES) + "}"),
     ] = "auto"
@@ -119,6 +156,11 @@ class ServerSettings:
         PositiveFloat | None, Flag("--stream-write-timeout", parser=seconds_or_unbounded, metavar="SECONDS"),
     ] = DEFAULT_STREAM_WRITE_TIMEOUT_S
     created: Annotated[int, NO_FLAG] = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may use: ``model_name`` first, then ``model_aliases``."""
+        return (self.model_name, *self.model_aliases)
 
     @property
     def host_check(self) -> list[str] | None:

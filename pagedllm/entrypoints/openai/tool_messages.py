@@ -12,7 +12,8 @@ OpenAI's messages and the templates' differ in three places:
   some templates print.
 
 Content given as a list of parts has its text parts joined by newlines, as
-vLLM does; other part types are refused. Only the fields templates read are
+vLLM does; other part types are refused (``loader/chat_content.py``: an image part says
+the model takes no images). Only the fields templates read are
 kept (``role``, ``content``, ``name``, ``tool_calls``, ``tool_call_id``).
 
 Roles are OpenAI's five (``ROLES``); anything else is refused, since the
@@ -33,6 +34,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagedllm.loader.chat_content import content_text
 from pagedllm.sampling_params import check_text
 
 # the roles OpenAI's chat completions define
@@ -102,18 +104,10 @@ def _content(content: object, where: str, optional: bool = False) -> str:
         return ""
     if content is None:
         raise ToolMessageError(f"missing required parameter: '{where}'", "missing_required_parameter")
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ToolMessageError(f"{where}[{j}] must be a text part {{'type': 'text', 'text': ...}} "
-                                       "(only text content is supported)")
-            texts.append(part["text"])
-        text = "\n".join(texts)
-    else:
-        raise ToolMessageError(f"{where} must be a string or a list of text parts" + ("" if not optional else " or null"))
+    try:
+        text = content_text(content, where)
+    except ValueError as e:
+        raise ToolMessageError(str(e) + ("" if not optional or isinstance(content, Sequence) else " or null")) from None
     try:
         check_text(where, text)
     except ValueError as e:
