@@ -239,7 +239,7 @@ def test_only_known_ops_are_lowered() -> None:
     assert native_calls(pagedllm.add_rms_norm.default, (x, None, w, 1e-5), {}, out) == (
         [("add_rms_norm", [x, None, w, out], [], [1e-5])])
     assert native_calls(pagedllm.paged_decode.default, (x, x, x, x, x, 0.5, out), {}, None) == (
-        [("paged_decode", [x, x, x, x, x, out], [0], [0.5])])
+        [("paged_decode", [x, x, x, x, x, out, None], [0], [0.5])])
     assert native_calls(pagedllm.quantized_linear.default, (x, w, 4, 32, 3, None), {}, out) == (
         [("quantized_linear", [x, w, None, out], [4, 32, 3, 0], [])])
     assert native_calls(pagedllm.qk_norm_rope.default, (x, 1, 1, 4, cos, cos, None, None, 1e-6), {}, None) == (
