@@ -27,6 +27,7 @@ from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.end_tokens import gguf_end_token_ids
 from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, gemma_gguf_settings
 from pagedllm.loader.gguf_split import split_part_paths
+from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
@@ -57,6 +58,8 @@ _LAYER_NAMES = {
     # OLMo 2's norms of the attention and MLP outputs (no attn_norm / ffn_norm there)
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    # gpt-oss: each query head's attention-sink logit (the converter adds ".weight" to the name)
+    "attn_sinks.weight": "self_attn.sinks",
 }
 # where an architecture names a tensor otherwise: Phi-3 stores q/k/v and gate/up fused, as its checkpoints do
 _ARCH_LAYER_NAMES = {
@@ -364,7 +367,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         return dataclasses.replace(config, **gemma_gguf_settings(
             key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
             config.max_position_embeddings))
-    return gguf_family_fields(config, key)
+    return gguf_gpt_oss_fields(gguf_family_fields(config, key), key)
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

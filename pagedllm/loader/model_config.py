@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
+from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,11 @@ class ModelArchConfig:
     add, ``logits_scaling`` divides the logits (its ``attention_multiplier``
     is ``attn_scale``); 1.0 where a family has none. Both are read by
     ``loader/smollm3_granite_config.py``.
+
+    gpt-oss's (``loader/gpt_oss_config.py``): ``attention_sinks``, a learned
+    logit per query head in every layer's softmax denominator; the experts'
+    clamped SwiGLU constants ``swiglu_alpha`` and ``swiglu_limit`` (read with
+    ``hidden_act`` "swiglu_oai").
     """
 
     architecture: str
@@ -143,6 +149,9 @@ class ModelArchConfig:
     mlp_bias: bool = False
     num_experts: int = 0
     partial_rotary_factor: float = 1.0
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -435,7 +444,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_family_fields(config, cfg)
+    return hf_gpt_oss_fields(hf_family_fields(config, cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:
