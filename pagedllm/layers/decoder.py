@@ -36,13 +36,19 @@ from torch import nn
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.branch_scale import BranchScale
 from pagedllm.layers.custom_op import NativeOpsMixin
+from pagedllm.layers.fused_moe import MoEBlock, MoESpec, moe_fused_projections
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import NormSpec
 from pagedllm.layers.parallel import ParallelLMHead, TensorParallelGroup, VocabParallelEmbedding
 from pagedllm.layers.quantization.quant_config import QuantConfig
 from pagedllm.layers.rotary import RopeSpec, RotaryTables
 from pagedllm.layers.self_attention import AttentionSpec, CosSin, SelfAttention
-from pagedllm.layers.weights import FusedMap, fused_projections, load_hf_weights
+from pagedllm.layers.weights import (
+    FusedMap,
+    fused_projections,
+    load_hf_weights,
+    split_stacked_experts,
+)
 from pagedllm.loader.model_config import ModelArchConfig
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
@@ -60,6 +66,9 @@ class DecoderLayerSpec:
     reads the residual stream as it is. At least one of the two.
     ``residual_multiplier``: Granite's, each branch multiplied by it before
     it joins the residual (None: added as it is; pre-norm layers only).
+    ``moe``: a sparse layer's mixture of experts (``layers/fused_moe.py``) in
+    place of the dense MLP; ``intermediate_size``, ``hidden_act`` and
+    ``mlp_bias`` are then the dense MLP's, not read.
     """
 
     attention: AttentionSpec
@@ -71,6 +80,7 @@ class DecoderLayerSpec:
     residual_multiplier: float | None = None
     pre_norms: bool = True
     mlp_bias: bool = False
+    moe: MoESpec | None = None
 
     def __post_init__(self) -> None:
         if not (self.pre_norms or self.post_norms):
@@ -152,8 +162,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = spec.norm.build(hidden_size)
         if spec.post_norms:
             self.post_feedforward_layernorm = spec.norm.build(hidden_size)
-        self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, tp, quant_config, f"{prefix}.mlp",
-                            bias=spec.mlp_bias)
+        self.mlp: nn.Module = (
+            MoEBlock(spec.moe, hidden_size, tp, quant_config, f"{prefix}.mlp") if spec.moe is not None
+            else GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, tp, quant_config, f"{prefix}.mlp",
+                          bias=spec.mlp_bias)
+        )
         if spec.residual_multiplier is not None:
             self.branch_scale = BranchScale(hidden_size, spec.residual_multiplier)
         self._forward: Callable[[CosSin | None, torch.Tensor, KvCache, AttentionMetadata], torch.Tensor] = (
@@ -246,8 +259,12 @@ class CausalLM(NativeOpsMixin, nn.Module):
     head counts and intermediate size (``ShardPlan.local_config``), and
     ``tp.plan`` says which slices they are. ``use_native_ops``
     (``NativeOpsMixin``) switches its layers between native and torch
-    implementations.
+    implementations. ``supports_experts``: the family computes mixture-of-experts
+    layers (``DecoderLayerSpec.moe``); the registry refuses a checkpoint with
+    experts for a family without.
     """
+
+    supports_experts: bool = False
 
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
@@ -306,11 +323,17 @@ class CausalLM(NativeOpsMixin, nn.Module):
         shape ``cfg`` (a rank's, with ``tp``): known before the model is built."""
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
-        return fused_projections(q_size, kv_size, cfg.intermediate_size, tp.plan if tp else None)
+        fused = fused_projections(q_size, kv_size, cfg.intermediate_size, tp.plan if tp else None)
+        if cfg.num_experts:  # the experts' parts are looked up first: their names hold the dense parts' names
+            fused = {**moe_fused_projections(cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size,
+                                             cfg.shared_expert_intermediate_size), **fused}
+        return fused
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters; set the embedding scale."""
         fused = self.checkpoint_fused_map(self.config, self.tp)
+        if self.config.num_experts:  # transformers 5's fused 3-D experts, as per-expert tensors
+            weights = split_stacked_experts(weights)
         load_hf_weights(self, weights, fused, self.spec.tie_word_embeddings)
         if self.spec.embed_scale is not None:
             with torch.no_grad():

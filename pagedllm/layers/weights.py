@@ -48,10 +48,12 @@ def fused_projections(
 def fused_part(name: str, fused: FusedMap) -> tuple[str, int, int, int | None] | None:
     """Where checkpoint tensor ``name`` goes if it is a part of a fused parameter: (the parameter's name, row
     offset, rows, first row a tensor-parallel rank takes); None for a tensor of its own."""
-    for part, (fused_name, offset, size, start) in fused.items():
-        if f".{part}." in name:
-            return name.replace(part, fused_name), offset, size, start
-    return None
+    # the longest part named wins: a shared expert's "shared_expert.gate_proj" holds the dense "gate_proj"
+    found = max((part for part in fused if f".{part}." in name), key=len, default=None)
+    if found is None:
+        return None
+    fused_name, offset, size, start = fused[found]
+    return name.replace(f".{found}.", f".{fused_name}."), offset, size, start
 
 
 def load_hf_weights(
@@ -117,10 +119,11 @@ def _expected_checkpoint_names(model: nn.Module, fused: FusedMap, tied_lm_head: 
     for name in held:
         if name == "lm_head.weight" and tied_lm_head:
             continue
-        split = [part for part, (fname, *_) in fused.items() if f".{fname}." in name]
-        if split:
-            fused_name = fused[split[0]][0]
-            names.update(name.replace(fused_name, part) for part in split)
+        # the longest fused name held wins (an experts' "experts.gate_up" beside a dense "gate_up_proj")
+        fused_name = max((fname for fname, *_ in fused.values() if f".{fname}." in name), key=len, default=None)
+        if fused_name is not None:
+            split = [part for part, (fname, *_) in fused.items() if fname == fused_name]
+            names.update(name.replace(f".{fused_name}.", f".{part}.") for part in split)
         else:
             names.add(name)
     return names
@@ -153,4 +156,37 @@ def split_fused_checkpoint(
         for part, rows in parts:
             yield f"{module}.{part}.{param}", tensor.narrow(0, start, rows)
             start += rows
+        del tensor
+
+
+# transformers 5's fused experts (a ``Qwen3MoeExperts``'s parameters): name -> the per-expert parts of each
+# expert's slice, in row order ((part, rows as a fraction of the slice's): gate then up halves)
+_STACKED_EXPERTS = {
+    "experts.gate_up_proj": ("gate_proj", "up_proj"),
+    "experts.down_proj": ("down_proj",),
+}
+
+
+def split_stacked_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint whose experts are stacked in 3-D tensors, as per-expert tensors (views).
+
+    transformers 5 holds ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows,
+    then up rows) and ``mlp.experts.down_proj`` ``[E, H, I]``; a folder saved
+    by it is per-expert already (``mlp.experts.{e}.gate_proj.weight``), and
+    those pass through. Each stacked tensor comes out as
+    ``mlp.experts.{e}.<part>.weight``, ``[rows, cols]`` of expert ``e``.
+    """
+    for name, tensor in weights:
+        owner, _, last = name.rpartition(".")
+        parts = _STACKED_EXPERTS.get(f"{owner.rpartition('.')[2]}.{last}") if owner.endswith(".experts") else None
+        if parts is None:
+            yield name, tensor
+            continue
+        if tensor.dim() != 3 or tensor.shape[1] % len(parts):
+            raise ValueError(f"{name}: stacked experts must be [experts, rows, cols] with rows split into "
+                             f"{list(parts)}, got {tuple(tensor.shape)}")
+        rows = tensor.shape[1] // len(parts)
+        for e in range(tensor.shape[0]):
+            for i, part in enumerate(parts):
+                yield f"{owner}.{e}.{part}.weight", tensor[e].narrow(0, i * rows, rows)
         del tensor

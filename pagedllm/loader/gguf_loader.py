@@ -29,6 +29,7 @@ from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, g
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.loader.moe_config import gguf_moe_fields
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
 # Which general.architecture values a model runs is models/registry.py's to say. The metadata below is
@@ -60,6 +61,12 @@ _LAYER_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     # gpt-oss: each query head's attention-sink logit (the converter adds ".weight" to the name)
     "attn_sinks.weight": "self_attn.sinks",
+    # a mixture of experts: the router, and each projection's experts stacked in one 3-D tensor
+    # [experts, rows, cols], handed over one expert at a time as mlp.experts.{e}.<part>.weight
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
 }
 # where an architecture names a tensor otherwise: Phi-3 stores q/k/v and gate/up fused, as its checkpoints do
 _ARCH_LAYER_NAMES = {
@@ -359,6 +366,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         qk_norm=any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors),
         mlp_bias=any(t.name.endswith("ffn_gate.bias") for t in reader.tensors),
         num_experts=int(key("expert_count", 0) or 0),
+        **gguf_moe_fields(key, arch, int(key("expert_count", 0) or 0), int(key("block_count")),
+                          int(key("feed_forward_length")), (t.name for t in reader.tensors)),
         eos_token_ids=gguf_end_token_ids(metadata(reader)),  # EOS, EOT, EOM and end-of-turn controls
         checkpoint_format="gguf",
         **rope,
@@ -410,11 +419,12 @@ class GGUFWeights:
         # a tensor with no Hugging Face name is refused when it is read, after the model registry has had its
         # say on the architecture (the clearer error for a family not supported)
         self.quantized: dict[str, int] = {
-            name: int(t.tensor_type)
+            expert_name: int(t.tensor_type)
             for part in self.part_paths
             for t in open_reader(part).tensors
-            if len(t.shape) == 2 and t.tensor_type != GGMLQuantizationType.F32
+            if len(t.shape) in (2, 3) and t.tensor_type != GGMLQuantizationType.F32
             and (name := _hf_name_or_none(t.name, config.architecture)) is not None
+            for expert_name in (_expert_names(name, int(t.shape[2])) if len(t.shape) == 3 else (name,))
         }
         self.keep: set[str] = set()
         self.half: set[str] = set()
@@ -443,6 +453,10 @@ class GGUFWeights:
             if t.data.nbytes != expected:
                 raise ValueError(f"{path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
                                  f"{t.tensor_type.name} and shape need {expected}: the file is truncated or corrupt")
+            if len(t.shape) == 3:  # stacked experts
+                yield from self._experts(name, t)
+                _drop_mapped_pages(reader, t)
+                continue
             if name in self.keep:
                 # [rows, row bytes] as stored: gguf gives block types as bytes already, but F16 (F32, ...) as
                 # values, which a dtype conversion would cast rather than reinterpret
@@ -461,6 +475,28 @@ class GGUFWeights:
         # file's mapping, which would otherwise stay resident for the life of the process
         del reader, t
         open_reader.cache_clear()
+
+
+    def _experts(self, name: str, t: object) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stacked experts' tensor ``[experts, rows, cols]`` one expert at a time, under per-expert names:
+        its rows as stored where the layer keeps them, else dequantized (one expert's copy at a time)."""
+        names = _expert_names(name, int(t.shape[2]))
+        if names[0] in self.keep:
+            stored = t.data.view(np.uint8).reshape(len(names), t.data.shape[1], -1)  # [experts, rows, row bytes]
+            for expert_name, rows in zip(names, stored):
+                yield expert_name, torch.from_numpy(np.array(rows, order="C"))
+            return
+        values = _dequantized(t, self.path).reshape(len(names), t.data.shape[1], -1)  # [experts, rows, cols]
+        for expert_name, rows in zip(names, values):
+            w = torch.from_numpy(np.array(rows, order="C"))
+            yield expert_name, w.to(torch.bfloat16) if expert_name in self.half else w
+        del values
+
+
+def _expert_names(name: str, num_experts: int) -> tuple[str, ...]:
+    """``model.layers.N.mlp.experts.<part>.weight`` -> expert ``e``'s ``model.layers.N.mlp.experts.{e}.<part>.weight``."""
+    owner, _, part = name.partition(".experts.")
+    return tuple(f"{owner}.experts.{e}.{part}" for e in range(num_experts))
 
 
 def _dequantized(t: object, path: str) -> np.ndarray:

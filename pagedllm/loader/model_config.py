@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
 from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
+from pagedllm.loader.moe_config import hf_moe_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,12 @@ class ModelArchConfig:
     whole projection, the family's choice). ``mlp_bias``: biases on the
     MLP's gate, up and down projections (Llama's ``mlp_bias``).
     ``num_experts``: experts a mixture-of-experts MLP routes between (0: a
-    dense MLP); read so that the registry can refuse such a model by name.
+    dense MLP; the registry refuses it for a family with no experts). Then
+    ``num_experts_per_tok`` experts of ``moe_intermediate_size`` each per
+    token, their weights renormalised with ``norm_topk_prob``; the layers of
+    ``dense_layers`` keep a dense MLP of ``intermediate_size``; a shared
+    expert of ``shared_expert_intermediate_size`` (0: none). Read by
+    ``loader/moe_config.py``.
 
     ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
     per rotated pair of the RoPE frequencies (llama.cpp's converter writes
@@ -152,6 +158,11 @@ class ModelArchConfig:
     attention_sinks: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -162,6 +173,7 @@ class ModelArchConfig:
             check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
         check_multipliers(self)
+        self._check_experts()
         for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -178,6 +190,22 @@ class ModelArchConfig:
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ValueError(f"unsupported layer types {bad}; supported: {LAYER_TYPES}")
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be between 1 and num_experts={self.num_experts}, "
+                             f"got {self.num_experts_per_tok!r}")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size!r}")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and layer not in self.dense_layers
 
     def sliding_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` in tokens; None: full attention."""
@@ -280,16 +308,16 @@ def _layer_types(cfg: dict[str, Any], arch: str, window: int | None) -> tuple[st
 
 def _sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
     """(window per layer, layer types) as transformers' models apply them; () where the family has none."""
-    if arch not in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3"):
+    if arch not in ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3"):
         return (), ()
     window = cfg.get("sliding_window", _DEFAULT_WINDOW)
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window but switch it off with use_sliding_window
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window!r}")
     types = _layer_types(cfg, arch, window)
-    if arch == "mistral":
-        # MistralAttention applies config.sliding_window to every layer (layer_types are ignored)
+    if arch in ("mistral", "qwen3_moe"):
+        # MistralAttention and Qwen3MoeAttention apply config.sliding_window to every layer (no layer_types)
         types = ("sliding_attention" if window is not None else "full_attention",) * cfg["num_hidden_layers"]
     if arch in ("gemma2", "gemma3") and window is None and "sliding_attention" in types:
         raise ValueError(f"{arch}: sliding_attention layers need a sliding_window")
@@ -434,9 +462,10 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # transformers' Qwen2 biases q, k and v whatever attention_bias says
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "gemma3", "olmo2"),  # RMSNorm on q and k
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),  # RMSNorm on q and k
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         num_experts=num_experts(cfg),
+        **hf_moe_fields(cfg, num_experts(cfg)),
         eos_token_ids=_eos_ids(cfg, generation_config),
         sliding_windows=windows,
         layer_types=types,

@@ -32,6 +32,7 @@ from pagedllm.models.llama import (
 )
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 @dataclass(frozen=True)
@@ -66,23 +67,36 @@ class ModelRegistry:
         """This registry plus ``family``; ValueError if it claims a name already registered."""
         return ModelRegistry((*self.families, family))
 
-    def supported(self, checkpoint_format: str) -> list[str]:
-        """The architecture names of one checkpoint format ("hf" or "gguf"), sorted."""
+    def supported(self, checkpoint_format: str, experts: bool = False) -> list[str]:
+        """The architecture names of one checkpoint format ("hf" or "gguf"), sorted; with ``experts``, those of
+        the families that compute mixtures of experts only."""
         kind = "gguf_architectures" if checkpoint_format == "gguf" else "hf_architectures"
-        return sorted(name for family in self.families for name in getattr(family, kind))
+        return sorted(name for family in self.families for name in getattr(family, kind)
+                      if not experts or getattr(family.model_class, "supports_experts", False))
 
     def model_class(self, cfg: ModelArchConfig) -> type[nn.Module]:
         """The model class for ``cfg``'s architecture; ValueError naming it and the supported ones if none.
 
-        A mixture of experts (``cfg.num_experts`` > 0) is refused whatever its
-        name: no family computes routed MLPs (llama.cpp writes Mixtral as
-        GGUF architecture "llama", with an expert count).
+        A mixture of experts (``cfg.num_experts`` > 0) is refused, naming it,
+        unless its family computes routed MLPs (``supports_experts``): llama.cpp
+        writes Mixtral as GGUF architecture "llama" with an expert count, which
+        the Llama family does not run.
         """
-        if cfg.num_experts:
+        try:
+            found = self._dense_or_sparse(cfg)
+        except ValueError:
+            if not cfg.num_experts:
+                raise
+            found = None  # an unknown architecture with experts: refused as a mixture of experts below
+        if cfg.num_experts and not getattr(found, "supports_experts", False):
             fmt = "gguf" if cfg.checkpoint_format == "gguf" else "hf"
             name = cfg.architecture if fmt == "gguf" else list(cfg.architectures) or cfg.architecture
             raise ValueError(f"architecture {name!r} with {cfg.num_experts} experts is a mixture of experts: "
-                             f"mixture-of-experts models are not supported yet; supported: {self.supported(fmt)}")
+                             f"mixture-of-experts models are not supported for it; mixture-of-experts "
+                             f"architectures supported: {self.supported(fmt, experts=True)}")
+        return found
+
+    def _dense_or_sparse(self, cfg: ModelArchConfig) -> type[nn.Module]:
         if cfg.checkpoint_format == "gguf":
             found = self._find("gguf_architectures", (cfg.architecture,))
             if found is None:
@@ -114,6 +128,7 @@ MODEL_REGISTRY = ModelRegistry((
     Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family(Olmo2ForCausalLM, ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
+    Family(Qwen3MoeForCausalLM, ("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
 ))
 
 

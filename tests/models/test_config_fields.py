@@ -1,13 +1,13 @@
-"""Every config.json field that changes the arithmetic is honoured or refused by name; mixtures of experts refused.
+"""Every config.json field that changes the arithmetic is honoured or refused by name; unsupported experts refused.
 
 Honoured, against transformers on the same tiny random weights: Llama's
 ``mlp_bias`` (biases on gate, up and down) and ``attention_bias``, from the
 folder and from llama.cpp's converter GGUF. Refused: a field the family's
 transformers class does not compute, set to a value that would change the
 result (``loader/config_fields.py``), each named in its error. A Mixtral
-folder, its converter GGUF (architecture "llama" with an expert count) and a
-Qwen3-MoE config are refused as mixtures of experts, naming the
-architecture and the supported ones.
+folder, its converter GGUF (architecture "llama" with an expert count) and
+experts in a dense family's config are refused as mixtures of experts,
+naming the architecture and the mixture-of-experts ones supported (Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -186,22 +186,24 @@ def mixtral_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> s
 
 def test_a_mixtral_folder_is_refused_as_a_mixture_of_experts(mixtral_dir: str) -> None:
     with pytest.raises(ValueError, match=r"architecture \['MixtralForCausalLM'\] with 4 experts is a mixture of "
-                                         r"experts: mixture-of-experts models are not supported yet; supported: "
-                                         r"\[.*'LlamaForCausalLM'"):
+                                         r"experts: mixture-of-experts models are not supported for it; "
+                                         r"mixture-of-experts architectures supported: \[.*'Qwen3MoeForCausalLM'"):
         LLM(mixtral_dir, **ENGINE)
 
 
-def test_a_qwen3_moe_config_is_refused_as_a_mixture_of_experts() -> None:
+def test_experts_are_refused_for_a_family_without_them_and_run_for_qwen3_moe() -> None:
+    """A Qwen3-MoE config runs as Qwen3-MoE (by class or by model_type); experts in a config of a dense family
+    (a Qwen3 config.json carrying num_experts) are refused by name, not run as a dense model."""
     from transformers import Qwen3MoeConfig
 
     config = Qwen3MoeConfig(num_experts=8, num_hidden_layers=2).to_dict()
     cfg = from_hf_config({**config, "architectures": ["Qwen3MoeForCausalLM"]})
     assert cfg.num_experts == 8
-    with pytest.raises(ValueError, match=r"'Qwen3MoeForCausalLM'\] with 8 experts .* not supported yet"):
-        registry.model_class(cfg)
-    # a config.json that lists no architectures is named by its model_type
-    with pytest.raises(ValueError, match=r"architecture 'qwen3_moe' with 8 experts"):
-        registry.model_class(from_hf_config(config))
+    assert registry.model_class(cfg).__name__ == "Qwen3MoeForCausalLM"
+    assert registry.model_class(from_hf_config(config)).__name__ == "Qwen3MoeForCausalLM"
+    dense = {**config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ValueError, match=r"'Qwen3ForCausalLM'\] with 8 experts is a mixture of experts"):
+        registry.model_class(from_hf_config(dense))
 
 
 @pytest.mark.slow  # converts the checkpoint in a subprocess
@@ -215,7 +217,8 @@ def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir
     assert "blk.0.ffn_gate_exps.weight" in {t.name for t in read_gguf(path).tensors}
     assert load_model_config(path).num_experts == 4
     with pytest.raises(ValueError, match=r"architecture 'llama' with 4 experts is a mixture of experts: "
-                                         r"mixture-of-experts models are not supported yet; supported: \[.*'llama'"):
+                                         r"mixture-of-experts models are not supported for it; mixture-of-experts "
+                                         r"architectures supported: \[.*'qwen3moe'"):
         LLM(path, **ENGINE)
 
 

@@ -1,0 +1,175 @@
+"""The mixture-of-experts MLP block: a router picks ``top_k`` experts per token, each a gated MLP of its own.
+
+``MoESpec`` says what a family's block holds; ``MoEBlock`` (Hugging Face's
+``mlp`` of a sparse layer) computes, for the step's rows ``x`` ``[num_tokens,
+hidden]``::
+
+    weights, ids = router(x)                               [num_tokens, top_k] each (layers/router.py)
+    pairs (token, slot) sorted by expert (stable: by token, then slot, within an expert)
+    h = act(gate_up_e(x[token]))                            per expert, on its pairs only (experts_linear)
+    y = down_e(h)
+    out[t] = sum over slots s = 0..top_k-1, in that order, of weights[t, s] * y[t, s]
+    (+ sigmoid(shared_expert_gate(x)) * shared_expert(x), where the family has a shared expert)
+
+Every step of a row depends on that row only: the routing is per row, each
+expert's product runs the dense kernel on its pairs (a row alike alone or
+among others), and the weighted sum runs over the row's own slots in slot
+order. So batch invariance holds for a mixture of experts as for a dense MLP.
+
+The experts' weights: each projection of all experts is one ``Linear`` whose
+rows are the experts' stacked, ``experts.gate_up`` ``[num_experts * 2 *
+inter, hidden]`` (expert ``e``'s gate rows, then its up rows) and
+``experts.down`` ``[num_experts * hidden, inter]``, held by the quantization
+machinery as any linear layer (GGUF blocks never widened to float, bf16,
+float32, int8 / int4), so that an expert is a row range
+(``layers/experts_linear.py``). A checkpoint's per-expert tensors
+(``mlp.experts.{e}.gate_proj.weight``...) load into their rows through the
+fused map ``moe_fused_projections``. No tensor parallelism yet: a sharded
+model with experts is refused when built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.layers.activation import gated_activation
+from pagedllm.layers.experts_linear import experts_linear
+from pagedllm.layers.linear import Linear, LinearMethod
+from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.quantization.expert_packed import expert_method
+from pagedllm.layers.quantization.gguf_linear import INTERLEAVE_ROWS
+from pagedllm.layers.quantization.quant_config import QuantConfig
+from pagedllm.layers.router import Router, RouterSpec
+from pagedllm.layers.weights import FusedMap
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One sparse MLP: its router, each expert's ``intermediate_size`` and activation (a gated one,
+    ``layers/activation.py``), biases on the experts' projections, and an optional shared expert (a dense
+    gated MLP of ``shared_expert_intermediate_size`` added to every token, 0: none) with an optional
+    sigmoid gate (Qwen2-MoE's ``shared_expert_gate``, ``[1, hidden]``)."""
+
+    router: RouterSpec
+    intermediate_size: int
+    hidden_act: str = "silu"
+    expert_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.intermediate_size, bool) or not isinstance(self.intermediate_size, int) \
+                or self.intermediate_size < 1:
+            raise ValueError(f"an expert needs a positive intermediate size, got {self.intermediate_size!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("shared_expert_intermediate_size must be 0 (no shared expert) or positive")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("a shared-expert gate needs a shared expert (shared_expert_intermediate_size > 0)")
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts (the router's)."""
+        return self.router.num_experts
+
+
+def moe_fused_projections(num_experts: int, intermediate_size: int, hidden_size: int,
+                          shared_intermediate_size: int = 0) -> FusedMap:
+    """Where a checkpoint's per-expert (and shared-expert) tensors go in the block's stacked layers.
+
+    Expert ``e``'s ``gate_proj`` takes rows ``[e * 2I, e * 2I + I)`` of ``experts.gate_up``, its ``up_proj``
+    the next ``I``, its ``down_proj`` rows ``[e * H, (e + 1) * H)`` of ``experts.down``; a shared expert's
+    gate and up fuse as a dense MLP's.
+    """
+    fused: FusedMap = {}
+    for e in range(num_experts):
+        fused[f"experts.{e}.gate_proj"] = ("experts.gate_up", 2 * e * intermediate_size, intermediate_size, None)
+        fused[f"experts.{e}.up_proj"] = ("experts.gate_up", (2 * e + 1) * intermediate_size, intermediate_size, None)
+        fused[f"experts.{e}.down_proj"] = ("experts.down", e * hidden_size, hidden_size, None)
+    if shared_intermediate_size:
+        fused["shared_expert.gate_proj"] = ("shared_expert.gate_up_proj", 0, shared_intermediate_size, None)
+        fused["shared_expert.up_proj"] = ("shared_expert.gate_up_proj", shared_intermediate_size,
+                                          shared_intermediate_size, None)
+    return fused
+
+
+def _experts_layer(in_features: int, rows: int, num_experts: int, bias: bool, quant_config: QuantConfig | None,
+                   prefix: str) -> Linear:
+    """The stacked layer of one projection: ``rows`` rows per expert, each expert a row range of what the
+    method holds (tiles of 16 rows are interleaved only where no expert starts inside one)."""
+    layer = Linear(in_features, num_experts * rows, bias=bias, quant_config=quant_config, prefix=prefix)
+    method: LinearMethod = expert_method(layer.quant_method, num_experts)
+    if method is not layer.quant_method:
+        layer.quant_method = method
+        method.create_weights(layer)
+    if rows % INTERLEAVE_ROWS:
+        for flag in ("interleave", "interleave_after_loading"):
+            if getattr(method, flag, False) is True:
+                setattr(method, flag, False)
+    return layer
+
+
+class ExpertWeights(nn.Module):
+    """The experts' projections stacked by rows: ``gate_up`` ``[E * 2I, H]``, ``down`` ``[E * H, I]``."""
+
+    def __init__(self, spec: MoESpec, hidden_size: int, quant_config: QuantConfig | None, prefix: str) -> None:
+        super().__init__()
+        inter, num = spec.intermediate_size, spec.num_experts
+        self.gate_up = _experts_layer(hidden_size, 2 * inter, num, spec.expert_bias, quant_config, f"{prefix}.gate_up")
+        self.down = _experts_layer(inter, hidden_size, num, spec.expert_bias, quant_config, f"{prefix}.down")
+
+
+class MoEBlock(nn.Module):
+    """A sparse MLP of ``spec`` over the step's rows ``[num_tokens, hidden]`` (see the module docstring)."""
+
+    def __init__(self, spec: MoESpec, hidden_size: int, tp: TensorParallelGroup | None = None,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        if tp is not None and tp.size > 1:
+            raise ValueError("mixture-of-experts layers do not support tensor parallelism yet "
+                             "(tensor_parallel_size must be 1)")
+        self.spec = spec
+        self.gate = Router(spec.router, hidden_size, quant_config, f"{prefix}.gate")
+        self.experts = ExpertWeights(spec, hidden_size, quant_config, f"{prefix}.experts")
+        self.act_fn = gated_activation(spec.hidden_act)
+        if spec.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, None,
+                                          quant_config, f"{prefix}.shared_expert")
+        if spec.shared_expert_gate:
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False, quant_config=quant_config,
+                                             prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
+        weights, ids = self.gate.route(x)  # [num_tokens, top_k] each
+        out = self.routed(x, weights, ids)
+        if self.spec.shared_expert_intermediate_size:
+            shared = self.shared_expert(x)
+            if self.spec.shared_expert_gate:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out.add_(shared)
+        return out
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights``."""
+        num_tokens, top_k = ids.shape
+        num_experts = self.spec.num_experts
+        flat = ids.reshape(-1)  # pair p = token * top_k + slot
+        order = torch.argsort(flat, stable=True)  # pairs by expert; within one, by token then slot
+        token_ids = torch.div(order, top_k, rounding_mode="floor").to(torch.int32)
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
+        h = self.act_fn(experts_linear(self.experts.gate_up, x, token_ids, offsets, num_experts))  # [pairs, I]
+        pair_rows = torch.arange(h.shape[0], dtype=torch.int32)
+        y = experts_linear(self.experts.down, h, pair_rows, offsets, num_experts)  # [pairs, H], by expert
+        by_slot = torch.empty_like(y)
+        by_slot[order] = y  # back in (token, slot) order
+        by_slot = by_slot.view(num_tokens, top_k, -1)
+        w = weights.to(y.dtype)
+        out = by_slot[:, 0] * w[:, :1]
+        for slot in range(1, top_k):  # a fixed order: a row's sum never depends on the other rows
+            out.add_(by_slot[:, slot] * w[:, slot : slot + 1])
+        return out.to(x.dtype)
