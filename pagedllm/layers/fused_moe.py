@@ -52,7 +52,8 @@ class MoESpec:
     """One sparse MLP: its router, each expert's ``intermediate_size`` and activation (a gated one,
     ``layers/activation.py``), biases on the experts' projections, and an optional shared expert (a dense
     gated MLP of ``shared_expert_intermediate_size`` added to every token, 0: none) with an optional
-    sigmoid gate (Qwen2-MoE's ``shared_expert_gate``, ``[1, hidden]``)."""
+    sigmoid gate (Qwen2-MoE's ``shared_expert_gate``, ``[1, hidden]``). ``swiglu_alpha`` / ``swiglu_limit``:
+    the constants of gpt-oss's clamped SwiGLU (``hidden_act`` "swiglu_oai"), unread by other activations."""
 
     router: RouterSpec
     intermediate_size: int
@@ -60,6 +61,8 @@ class MoESpec:
     expert_bias: bool = False
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if isinstance(self.intermediate_size, bool) or not isinstance(self.intermediate_size, int) \
@@ -134,7 +137,7 @@ class MoEBlock(nn.Module):
         self.spec = spec
         self.gate = Router(spec.router, hidden_size, quant_config, f"{prefix}.gate")
         self.experts = ExpertWeights(spec, hidden_size, quant_config, f"{prefix}.experts")
-        self.act_fn = gated_activation(spec.hidden_act)
+        self.act_fn = gated_activation(spec.hidden_act, spec.swiglu_alpha, spec.swiglu_limit)
         if spec.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, None,
                                           quant_config, f"{prefix}.shared_expert")

@@ -72,6 +72,10 @@ _LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     **dict.fromkeys(GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES),
+    # gpt-oss: the router's bias, and each expert projection's biases stacked [experts, rows] (split per expert
+    # by models/gpt_oss.py)
+    "gpt-oss": {"ffn_gate_inp.bias": "mlp.gate.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
+                "ffn_up_exps.bias": "mlp.experts.up_proj.bias", "ffn_down_exps.bias": "mlp.experts.down_proj.bias"},
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

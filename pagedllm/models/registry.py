@@ -24,6 +24,7 @@ from torch import nn
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -129,6 +130,7 @@ MODEL_REGISTRY = ModelRegistry((
     Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family(Olmo2ForCausalLM, ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
     Family(Qwen3MoeForCausalLM, ("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
+    Family(GptOssForCausalLM, ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",)),
 ))
 
 

@@ -1,0 +1,137 @@
+"""gpt-oss (``GptOssForCausalLM``, GGUF ``gpt-oss``) against transformers on the same tiny random weights.
+
+A tiny random checkpoint of transformers' own ``GptOssConfig``: 8 experts,
+2 per token, hidden 64, experts of 32, two layers (the first sliding over a
+window of 8 keys, the second full), YaRN as gpt-oss configures it. The weights
+are drawn wide (``initializer_range`` 0.2), and the sinks, every bias and the
+norms at random, so that the router's choices differ from token to token and
+a wrong sink, bias, clamp, window or interleaving changes the greedy tokens.
+Prompts of 33 tokens and generations of 12 run well past the window.
+
+The folder (experts stacked, gate and up interleaved by columns) runs with
+the native kernels on float32 activations: transformers' greedy tokens and
+logprobs within ``LOGPROB_TOL`` (only summation order differs). The files of
+llama.cpp's own converter (F32; F16, against transformers on the weights the
+converter rounded) give the same.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.fused_moe import MoEBlock
+from pagedllm.loader import load_model_config
+from pagedllm.models.gpt_oss import GptOssForCausalLM
+
+LOGPROB_TOL = 1e-4
+F16_LOGPROB_TOL = 1e-3
+GENERATED = 12
+WINDOW = 8
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, block_size=8, kv_cache_dtype="float32")
+NUM_EXPERTS, TOP_K, NUM_HEADS = 8, 2, 4
+
+
+def _tiny_config():  # noqa: ANN202
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=NUM_HEADS, num_key_value_heads=2, head_dim=16,
+                        num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, sliding_window=WINDOW,
+                        max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """A tiny random gpt-oss saved as a safetensors folder: sinks in [-1, 3), biases N(0, 0.2), norms in [0.5, 1.5)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_tiny_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):
+                param.uniform_(-1.0, 3.0)
+            elif "bias" in name:
+                param.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("tiny-gpt-oss")
+    model.save_pretrained(path, safe_serialization=True)
+    smollm_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in (33, 7)]
+
+
+def _hf(path: str, round_matrices_to_f16: bool = False):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if round_matrices_to_f16:  # the converter writes matrices (experts included) in the outtype, vectors in F32
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if p.dim() >= 2 and not name.endswith(("router.weight", "_bias")):
+                    p.copy_(p.half().float())
+    return hf
+
+
+def _max_logprob_error(hf, out) -> float:  # noqa: ANN001
+    """Largest gap between pagedllm's logprobs (prompt and output, top 5 and chosen) and transformers'."""
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+    prompt_len = len(out.prompt_token_ids)
+    rows = [(i - 1, lps) for i, lps in enumerate(out.prompt_logprobs) if lps is not None]
+    rows += [(prompt_len - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
+    return max(abs(lp.logprob - float(want[row, token])) for row, lps in rows for token, lp in lps.items())
+
+
+def _check_against_transformers(llm: LLM, hf, prompts: list[list[int]], tol: float = LOGPROB_TOL) -> None:  # noqa: ANN001
+    """Greedy tokens equal transformers'; every reported logprob within ``tol`` of its."""
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GENERATED)
+        assert _max_logprob_error(hf, out) < tol
+
+
+def test_gpt_oss_folder_matches_transformers(gpt_oss_dir: str) -> None:
+    """The folder's model on the native kernels: transformers' tokens and logprobs past the window."""
+    cfg = load_model_config(gpt_oss_dir)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_act) == (
+        "gpt_oss", NUM_EXPERTS, TOP_K, "swiglu_oai")
+    assert (cfg.sliding_windows, cfg.attention_sinks, cfg.attention_bias) == ((WINDOW, None), True, True)
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
+    llm = LLM(gpt_oss_dir, **ENGINE)
+    model = llm.llm_engine.model_runner.model
+    assert isinstance(model, GptOssForCausalLM)
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp, MoEBlock) and layer.mlp.experts.gate_up.bias is not None
+    assert layer.self_attn.sinks is not None and layer.self_attn.sliding_window == WINDOW
+    assert model.model.layers[1].self_attn.sliding_window is None
+    _check_against_transformers(llm, _hf(gpt_oss_dir), _prompts(5))
+    assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+
+
+@pytest.mark.parametrize(("outtype", "tol"), [("f32", LOGPROB_TOL), ("f16", F16_LOGPROB_TOL)])
+def test_gpt_oss_gguf_from_llama_cpp_converter_matches_transformers(
+    gpt_oss_dir: str, gguf_converter, tmp_path_factory: pytest.TempPathFactory, outtype: str, tol: float,  # noqa: ANN001
+) -> None:
+    """llama.cpp's converter splits the interleaved gate/up into ffn_gate_exps / ffn_up_exps and writes the
+    sinks, biases and window: the file gives transformers' tokens (F16: on the weights it rounded)."""
+    path = str(tmp_path_factory.mktemp("gpt-oss-gguf") / f"tiny-gpt-oss-{outtype}.gguf")
+    gguf_converter.convert(gpt_oss_dir, outtype, path)
+    cfg = load_model_config(path)
+    assert (cfg.architecture, cfg.num_experts, cfg.attention_sinks, cfg.sliding_windows) == (
+        "gpt-oss", NUM_EXPERTS, True, (WINDOW, None))
+    llm = LLM(path, **ENGINE)
+    _check_against_transformers(llm, _hf(gpt_oss_dir, round_matrices_to_f16=outtype == "f16"), _prompts(6), tol)
