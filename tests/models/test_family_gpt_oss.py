@@ -135,3 +135,4 @@ def test_gpt_oss_gguf_from_llama_cpp_converter_matches_transformers(
         "gpt-oss", NUM_EXPERTS, True, (WINDOW, None))
     llm = LLM(path, **ENGINE)
     _check_against_transformers(llm, _hf(gpt_oss_dir, round_matrices_to_f16=outtype == "f16"), _prompts(6), tol)
+
