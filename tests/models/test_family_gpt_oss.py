@@ -48,7 +48,8 @@ def _tiny_config():  # noqa: ANN202
 
 @pytest.fixture(scope="session")
 def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
-    """A tiny random gpt-oss saved as a safetensors folder: sinks in [-1, 3), biases N(0, 0.2), norms in [0.5, 1.5)."""
+    """A tiny random gpt-oss saved as a safetensors folder: sinks in [-1, 3), biases N(0, 0.2), norms in [0.5, 1.5),
+    the experts' gate/up weights wide enough for the SwiGLU's clamps to act."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
@@ -61,6 +62,8 @@ def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> s
                 param.uniform_(-1.0, 3.0)
             elif "bias" in name:
                 param.normal_(0.0, 0.2)
+            elif name.endswith("gate_up_proj"):
+                param.mul_(4.0)  # gate and up of std ~6: the clamps at 7 act on a good share of them
     path = tmp_path_factory.mktemp("tiny-gpt-oss")
     model.save_pretrained(path, safe_serialization=True)
     smollm_tokenizer.save_pretrained(path)
@@ -136,3 +139,26 @@ def test_gpt_oss_gguf_from_llama_cpp_converter_matches_transformers(
     llm = LLM(path, **ENGINE)
     _check_against_transformers(llm, _hf(gpt_oss_dir, round_matrices_to_f16=outtype == "f16"), _prompts(6), tol)
 
+
+
+def test_the_checkpoints_sinks_window_and_clamp_change_transformers_outputs(gpt_oss_dir: str) -> None:
+    """What the tests above compare would show a dropped sink, window or clamp: each changes the logprobs of
+    the prompts by far more than ``LOGPROB_TOL``."""
+    prompt = torch.tensor([_prompts(5)[0]])
+
+    def logprobs(hf) -> torch.Tensor:  # noqa: ANN001
+        with torch.inference_mode():
+            return torch.log_softmax(hf(input_ids=prompt).logits[0].double(), dim=-1)
+
+    want = logprobs(_hf(gpt_oss_dir))
+    no_sinks = _hf(gpt_oss_dir)
+    with torch.no_grad():
+        for layer in no_sinks.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+    no_window = _hf(gpt_oss_dir)
+    no_window.config.sliding_window = 10_000
+    unclamped = _hf(gpt_oss_dir)
+    for layer in unclamped.model.layers:
+        layer.mlp.experts.limit = float("inf")
+    gaps = [float((logprobs(changed) - want).abs().max()) for changed in (no_sinks, no_window, unclamped)]
+    assert min(gaps) > 100 * LOGPROB_TOL, gaps
