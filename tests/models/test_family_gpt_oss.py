@@ -162,3 +162,71 @@ def test_the_checkpoints_sinks_window_and_clamp_change_transformers_outputs(gpt_
         layer.mlp.experts.limit = float("inf")
     gaps = [float((logprobs(changed) - want).abs().max()) for changed in (no_sinks, no_window, unclamped)]
     assert min(gaps) > 100 * LOGPROB_TOL, gaps
+
+
+# the 16 values of an FP4 (E2M1) nibble, as the MXFP4 format defines them: sign bit 3, then 0 .. 6
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``w`` ``[..., rows, cols]`` in MXFP4 as gpt-oss's checkpoints store it: (blocks uint8 ``[..., rows,
+    cols / 32, 16]``, element 2i in the low nibble of byte i; scales uint8 ``[..., rows, cols / 32]``, E8M0 with
+    bias 127; the values they hold, float32 ``w``'s shape). Each group of 32 takes the power of two that puts
+    its largest magnitude within 6, each value the nearest E2M1 value."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True).clamp_min(2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    nibbles = ((groups / 2.0**exponent).unsqueeze(-1) - E2M1).abs().argmin(-1).to(torch.uint8)
+    values = (E2M1[nibbles.long()] * 2.0**exponent).reshape(w.shape)
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8), values
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_mxfp4(gpt_oss_dir: str, tmp_path_factory: pytest.TempPathFactory, gguf_converter) -> tuple[str, str]:  # noqa: ANN001
+    """(a folder whose experts are MXFP4 blocks, as the released checkpoints; its GGUF file from llama.cpp's
+    converter, which keeps them in blocks), and beside the folder ``oracle/``: the float model holding the
+    values the blocks hold, for transformers."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    folder, oracle = root / "mxfp4", root / "oracle"
+    shutil.copytree(gpt_oss_dir, folder)
+    shutil.copytree(gpt_oss_dir, oracle)
+    tensors = load_file(str(folder / "model.safetensors"))
+    floats = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors.pop(name).transpose(1, 2).contiguous()  # [experts, out, in], as the blocks hold rows
+        blocks, scales, values = _mxfp4(rows)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks.contiguous(), scales.contiguous()
+        floats[name] = values.transpose(1, 2).contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(floats, str(oracle / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    path = str(root / "tiny-gpt-oss-mxfp4.gguf")
+    gguf_converter.convert(str(folder), "f32", path)
+    return str(folder), path
+
+
+def test_gpt_oss_mxfp4_gguf_keeps_the_experts_in_blocks(gpt_oss_mxfp4: tuple[str, str]) -> None:
+    """The converter's file of an MXFP4 folder: the experts stay MXFP4 blocks (never widened to float) and, on
+    float32 activations (``gguf_activations``: the blocks' products in float), give transformers' tokens and
+    logprobs on the values the blocks hold; the folder itself is refused, naming the converter."""
+    from pathlib import Path
+
+    folder, path = gpt_oss_mxfp4
+    llm = LLM(path, gguf_activations="float32", **ENGINE)
+    experts = llm.llm_engine.model_runner.model.model.layers[0].mlp.experts
+    for layer in (experts.gate_up, experts.down):
+        assert layer.quant_method.ggml_type == 39  # MXFP4, in the file's order
+        assert not any(t.is_floating_point() and t.numel() >= layer.in_features * layer.out_features
+                       for t in (*layer.parameters(), *layer.buffers()))
+    _check_against_transformers(llm, _hf(str(Path(folder).parent / "oracle")), _prompts(8))
+    with pytest.raises(ValueError, match="convert_hf_to_gguf"):
+        LLM(folder, **ENGINE)
