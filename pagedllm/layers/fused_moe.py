@@ -99,10 +99,10 @@ def moe_fused_projections(num_experts: int, intermediate_size: int, hidden_size:
     return fused
 
 
-def _experts_layer(in_features: int, rows: int, num_experts: int, bias: bool, quant_config: QuantConfig | None,
+def stacked_experts_layer(in_features: int, rows: int, num_experts: int, bias: bool, quant_config: QuantConfig | None,
                    prefix: str) -> Linear:
-    """The stacked layer of one projection: ``rows`` rows per expert, each expert a row range of what the
-    method holds (tiles of 16 rows are interleaved only where no expert starts inside one)."""
+    """The stacked layer of one projection (named ``prefix``): ``rows`` rows per expert, each expert a row range
+    of what the method holds (tiles of 16 rows are interleaved only where no expert starts inside one)."""
     layer = Linear(in_features, num_experts * rows, bias=bias, quant_config=quant_config, prefix=prefix)
     method: LinearMethod = expert_method(layer.quant_method, num_experts)
     if method is not layer.quant_method:
@@ -121,8 +121,9 @@ class ExpertWeights(nn.Module):
     def __init__(self, spec: MoESpec, hidden_size: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         inter, num = spec.intermediate_size, spec.num_experts
-        self.gate_up = _experts_layer(hidden_size, 2 * inter, num, spec.expert_bias, quant_config, f"{prefix}.gate_up")
-        self.down = _experts_layer(inter, hidden_size, num, spec.expert_bias, quant_config, f"{prefix}.down")
+        self.gate_up = stacked_experts_layer(hidden_size, 2 * inter, num, spec.expert_bias, quant_config,
+                                             f"{prefix}.gate_up")
+        self.down = stacked_experts_layer(inter, hidden_size, num, spec.expert_bias, quant_config, f"{prefix}.down")
 
 
 class MoEBlock(nn.Module):

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.layers.linear import Linear, QuantConfig
+from pagedllm.layers.linear import Linear, QuantConfig, UnquantizedLinearMethod
+from pagedllm.layers.quantization.packed_linear import PackedLinearMethod, packed_linear_available
+from pagedllm.layers.quantization.quantized_linear import QuantizedLinearMethod
 
 SCORINGS = ("softmax", "sigmoid")
 ORDERS = ("softmax_topk", "topk_softmax")
@@ -98,15 +100,27 @@ class Router(Linear):
     """The gate ``[num_experts, hidden]`` (Hugging Face's ``mlp.gate``) and, for a corrected sigmoid router, its
     ``e_score_correction_bias`` ``[num_experts]``; ``route`` gives each token's experts and weights.
 
-    Its weight is held as the quantization config says (a GGUF file's router stays F32 in practice).
+    Its weight is held as the quantization config says (a GGUF file's router is F32: llama.cpp's converter and
+    quantizer keep it so), but in float32 under weight-only int8 / int4.
     """
 
     def __init__(self, spec: RouterSpec, hidden_size: int, quant_config: QuantConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__(hidden_size, spec.num_experts, bias=spec.bias, quant_config=quant_config, prefix=prefix)
         self.spec = spec
+        if isinstance(self.quant_method, QuantizedLinearMethod):
+            self._keep_float()
         if spec.correction_bias:
             self.e_score_correction_bias = torch.nn.Parameter(torch.empty(spec.num_experts), requires_grad=False)
+
+    def _keep_float(self) -> None:
+        """Weight-only int8 / int4 leave the router in float32: its choices are what the experts compute, and
+        transformers' router is never quantized (the packed panels where they build: a row alike in any batch)."""
+        device = self.qweight.device
+        del self._buffers["qweight"]
+        self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, device=device),
+                                         requires_grad=False)
+        self.quant_method = PackedLinearMethod() if packed_linear_available() else UnquantizedLinearMethod()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``x`` ``[num_tokens, hidden]`` -> (weights float32 ``[num_tokens, top_k]``, expert ids int64)."""

@@ -15,8 +15,12 @@ false`` or ``"pretraining_tp": 1``.
 ``pretraining_tp`` is honoured without code: transformers 4 computed the
 same products in slices, transformers 5 no longer reads it.
 
-Mixtures of experts are counted here (``num_experts``), and refused by the
-model registry with the architecture's name.
+Mixtures of experts are counted here (``num_experts``); the registry refuses
+them, naming the architecture, for a family that computes no experts. The
+fields of the experts that change the arithmetic (a router's scoring and
+scaling, shared experts, grouped top-k, dense layers) are refused by name
+where the family does not compute them; Qwen3-MoE honours its own
+(``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -29,15 +33,15 @@ from typing import Any
 # a field set to anything else in a config.json of another of the families below is refused
 _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "mlp_bias": ((None, False), ("llama",)),
-    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "gemma3", "olmo2")),
+    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "olmo2")),
     "attn_logit_softcapping": ((None,), ("gemma3",)),  # gemma3: read and ignored, as transformers does
     "final_logit_softcapping": ((None,), ("gemma3",)),
     "query_pre_attn_scalar": ((None,), ("gemma3",)),
     "use_qk_norm": ((None, False), ()),
     "qk_layernorm": ((None, False), ()),
     "clip_qkv": ((None,), ()),
-    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "gemma3")),
-    "use_sliding_window": ((None, False), ("qwen2", "qwen3")),
+    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3")),
+    "use_sliding_window": ((None, False), ("qwen2", "qwen3", "qwen3_moe")),
     "embedding_multiplier": ((None, 1, 1.0), ()),
     "residual_multiplier": ((None, 1, 1.0), ()),
     "attention_multiplier": ((None,), ()),
@@ -45,9 +49,23 @@ _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "scale_emb": ((None, 1, 1.0), ()),
     "scale_depth": ((None, 1, 1.0), ()),
     "no_rope_layers": ((None,), ()),
+    # mixtures of experts (loader/moe_config.py reads the counts and sizes): Qwen3-MoE's dense layers, and the
+    # routers and shared experts of other families, refused where the family named does not compute them
+    "norm_topk_prob": ((None, False), ("qwen3_moe",)),
+    "decoder_sparse_step": ((None, 1), ("qwen3_moe",)),
+    "mlp_only_layers": ((None, []), ("qwen3_moe",)),
+    "shared_expert_intermediate_size": ((None, 0), ()),
+    "n_shared_experts": ((None, 0), ()),
+    "routed_scaling_factor": ((None, 1, 1.0), ()),
+    "scoring_func": ((None, "softmax"), ()),
+    "topk_method": ((None, "greedy"), ()),
+    "n_group": ((None, 1), ()),
+    "topk_group": ((None, 1), ()),
+    "first_k_dense_replace": ((None, 0), ()),
+    "moe_layer_freq": ((None, 1), ()),
 }
 # the families this table was written for (other families read their config.json in their own way)
-AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
+AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "olmo2")
 # the GGUF metadata (under "<arch>.") that changes the arithmetic of these architectures' files, with its neutral
 # values: the loader reads none of it for them, so a file that sets it is refused
 _GGUF_KEYS: dict[str, tuple[Any, ...]] = {
@@ -60,8 +78,17 @@ _GGUF_KEYS: dict[str, tuple[Any, ...]] = {
     "logit_scale": (1.0,),
     "embedding_scale": (1.0,),
     "residual_scale": (1.0,),
+    # mixtures of experts: a softmax router (llama.cpp's gating function 1), unscaled weights, no shared or
+    # leading dense experts; the expert counts, sizes and expert_weights_norm are read (loader/moe_config.py)
+    "expert_gating_func": (0, 1),  # 0: none given, the architecture's own (softmax here)
+    "expert_weights_scale": (0.0, 1.0),
+    "expert_shared_count": (0,),
+    "expert_shared_feed_forward_length": (0,),
+    "leading_dense_block_count": (0,),
+    "expert_group_count": (0, 1),
+    "expert_group_used_count": (0, 1),
 }
-AUDITED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+AUDITED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "olmo2")
 # how config.json says "mixture of experts" (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, gpt-oss)
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 

@@ -47,8 +47,10 @@ def hf_moe_fields(cfg: dict[str, Any], num_experts: int) -> dict[str, Any]:
         return {}
     n = cfg["num_hidden_layers"]
     top_k = _positive_int(cfg.get("num_experts_per_tok"), "num_experts_per_tok")
-    inter = _positive_int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"], "moe_intermediate_size")
-    step = _positive_int(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step")
+    inter = cfg.get("moe_intermediate_size")
+    inter = _positive_int(cfg["intermediate_size"] if inter is None else inter, "moe_intermediate_size")
+    step = cfg.get("decoder_sparse_step")
+    step = _positive_int(1 if step is None else step, "decoder_sparse_step")
     only_dense = cfg.get("mlp_only_layers") or []
     if not isinstance(only_dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only_dense):
         raise ValueError(f"config.json mlp_only_layers must be a list of layer indices, got {only_dense!r}")

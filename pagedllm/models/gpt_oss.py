@@ -1,6 +1,6 @@
 """gpt-oss (transformers' ``GptOssForCausalLM``, GGUF architecture ``gpt-oss``) on the shared blocks.
 
-Llama's pre-norm layers with what gpt-oss does its own way
+Pre-norm layers (Llama's layout) with what gpt-oss does its own way
 (``loader/gpt_oss_config.py`` reads the configuration):
 
 - attention: biases on q, k, v and the output; attention sinks, one learned
@@ -32,18 +32,18 @@ and ``attn_sinks``.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagedllm.layers.decoder import DecoderSpec
+from pagedllm.layers.decoder import CausalLM, DecoderLayerSpec, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
 from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
 
 # the Hugging Face folder's stacked experts (and a GGUF file's stacked expert biases)
 _STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias|"
@@ -51,15 +51,10 @@ _STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|gate_up_proj_bias|down
 _MXFP4_PARTS = ("_blocks", "_scales")
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
-    """gpt-oss's decoder: Llama's layers with sinks, alternating windows and a mixture of experts in every layer."""
+class GptOssForCausalLM(CausalLM):
+    """gpt-oss's decoder: pre-norm layers with sinks, alternating windows and a mixture of experts in every layer."""
 
     supports_experts = True
-
-    @classmethod
-    def attention_spec(cls, cfg: ModelArchConfig, layer: int) -> AttentionSpec:
-        """Llama's attention (biases on q/k/v and output, the layer's window) with sinks."""
-        return dataclasses.replace(super().attention_spec(cfg, layer), sinks=cfg.attention_sinks)
 
     @classmethod
     def moe_spec(cls, cfg: ModelArchConfig) -> MoESpec:
@@ -70,14 +65,25 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
-        """Llama's spec with every sparse layer's experts (all of gpt-oss's)."""
+        """Per layer: attention with biases on q/k/v/o, sinks and the layer's window, then the experts (every
+        layer of gpt-oss is sparse; a dense one would take the gated MLP); one RoPE table (YaRN)."""
         if not cfg.num_experts:
             raise ValueError("gpt-oss: the configuration has no experts (num_local_experts)")
-        spec = super().decoder_spec(cfg)
+        norm = NormSpec(cfg.rms_norm_eps)
         moe = cls.moe_spec(cfg)
-        return dataclasses.replace(spec, layers=tuple(
-            dataclasses.replace(layer, moe=moe) if cfg.is_sparse(i) else layer for i, layer in enumerate(spec.layers)
-        ))
+        layers = tuple(
+            DecoderLayerSpec(
+                AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                              sliding_window=cfg.sliding_window(i), sinks=cfg.attention_sinks),
+                cfg.intermediate_size, cfg.hidden_act, norm, moe=moe if cfg.is_sparse(i) else None,
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                        cfg.rope_freq_factors)
+        return DecoderSpec(cfg.vocab_size, cfg.hidden_size, layers, norm, {"default": rope},
+                           tie_word_embeddings=cfg.tie_word_embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's stacked experts and router as the shared block's per-expert names, then loaded."""

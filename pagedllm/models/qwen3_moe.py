@@ -13,17 +13,17 @@ a router). Qwen3-30B-A3B: 128 experts, 8 per token, all 48 layers sparse.
 
 from __future__ import annotations
 
-import dataclasses
-
-from pagedllm.layers.decoder import DecoderSpec
+from pagedllm.layers.decoder import CausalLM, DecoderLayerSpec, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
+from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.llama import LlamaForCausalLM
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    """Qwen3's layers; the sparse ones route each token to its top-k experts."""
+class Qwen3MoeForCausalLM(CausalLM):
+    """Qwen3's pre-norm layers; the sparse ones route each token to its top-k experts."""
 
     supports_experts = True
 
@@ -35,9 +35,20 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
-        """Llama's spec (Qwen3's q/k norms come from ``cfg.qk_norm``) with the sparse layers' experts."""
-        spec = super().decoder_spec(cfg)
+        """Per layer: Qwen3's attention (q/k norms per head, biases on q/k/v/o with ``attention_bias``, the
+        layer's window), then the experts where the layer is sparse, else the dense MLP."""
+        norm = NormSpec(cfg.rms_norm_eps)
         moe = cls.moe_spec(cfg)
-        return dataclasses.replace(spec, layers=tuple(
-            dataclasses.replace(layer, moe=moe) if cfg.is_sparse(i) else layer for i, layer in enumerate(spec.layers)
-        ))
+        layers = tuple(
+            DecoderLayerSpec(
+                AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
+                              qk_norm=norm if cfg.qk_norm else None, sliding_window=cfg.sliding_window(i)),
+                cfg.intermediate_size, cfg.hidden_act, norm, moe=moe if cfg.is_sparse(i) else None,
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        rope = RopeSpec(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                        cfg.rope_freq_factors)
+        return DecoderSpec(cfg.vocab_size, cfg.hidden_size, layers, norm, {"default": rope},
+                           tie_word_embeddings=cfg.tie_word_embeddings)

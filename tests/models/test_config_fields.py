@@ -143,6 +143,10 @@ def _config(arch: str, **fields: object) -> dict:
     ("llama", {"logits_scaling": 8.0}, "logits_scaling=8.0"),
     ("llama", {"scale_emb": 12}, "scale_emb=12"),
     ("llama", {"no_rope_layers": [1, 1, 1, 0]}, "no_rope_layers"),
+    ("qwen3", {"norm_topk_prob": True}, "norm_topk_prob=true, which the 'qwen3' architecture"),
+    ("qwen3", {"mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\]"),
+    ("llama", {"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    ("llama", {"scoring_func": "sigmoid"}, "scoring_func=\"sigmoid\""),
 ])
 def test_a_field_the_family_does_not_compute_is_refused_by_name(arch: str, fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -231,6 +235,10 @@ def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir
     ("llama", {"residual_scale": 0.2}, r"llama.residual_scale=0.2"),
     ("llama", {"attention.clamp_kqv": 8.0}, r"llama.attention.clamp_kqv=8.0"),
     ("llama", {"attention.layer_norm_epsilon": 1e-5}, r"layer_norm_epsilon without layer_norm_rms_epsilon"),
+    ("qwen3moe", {"expert_gating_func": 2}, r"qwen3moe.expert_gating_func=2 is not computed"),
+    ("qwen3moe", {"expert_shared_feed_forward_length": 256}, r"qwen3moe.expert_shared_feed_forward_length=256"),
+    ("qwen3moe", {"expert_weights_scale": 2.5}, r"qwen3moe.expert_weights_scale=2.5"),
+    ("qwen3moe", {"leading_dense_block_count": 1}, r"qwen3moe.leading_dense_block_count=1"),
 ])
 def test_gguf_metadata_the_architecture_does_not_compute_is_refused_by_name(
     arch: str, metadata: dict, message: str,
