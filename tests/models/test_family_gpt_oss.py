@@ -122,6 +122,7 @@ def test_gpt_oss_folder_matches_transformers(gpt_oss_dir: str) -> None:
     layer = model.model.layers[0]
     assert isinstance(layer.mlp, MoEBlock) and layer.mlp.experts.gate_up.bias is not None
     assert layer.self_attn.sinks is not None and layer.self_attn.sliding_window == WINDOW
+    assert not layer.self_attn.kv_transform.shift_keys  # an int4 cache's shift would move scores, not sinks
     assert model.model.layers[1].self_attn.sliding_window is None
     _check_against_transformers(llm, _hf(gpt_oss_dir), _prompts(5))
     assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
