@@ -105,15 +105,20 @@ def add_metadata(writer: GGUFWriter, shape: Shape, label: str) -> None:
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_uint32("llama.vocab_size", VOCAB_SIZE)
     writer.add_uint32("general.file_type", 1)  # MOSTLY_F16
+    add_tokenizer(writer, VOCAB_SIZE)
+
+
+def add_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
+    """The bundled file's tokenizer, padded with normal ``[PADn]`` tokens (no merge makes them) to ``vocab_size``."""
     source = GGUFReader(bundled_model_path())
     for field in source.fields.values():
         if not field.name.startswith("tokenizer."):
             continue
         value = field.contents()
         if field.name == "tokenizer.ggml.tokens":
-            value = value + [f"[PAD{i}]" for i in range(len(value), VOCAB_SIZE)]
+            value = value + [f"[PAD{i}]" for i in range(len(value), vocab_size)]
         elif field.name == "tokenizer.ggml.token_type":
-            value = value + [1] * (VOCAB_SIZE - len(value))  # normal tokens that no merge produces
+            value = value + [1] * (vocab_size - len(value))  # normal tokens that no merge produces
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
 

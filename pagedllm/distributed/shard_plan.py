@@ -48,14 +48,23 @@ class ShardPlan:
     vocab: tuple[int, int]
     vocab_sizes: tuple[int, ...]  # every rank's vocabulary rows, for gathering logits
     head_dim: int
+    # the whole model's counts, which a rank's local config no longer holds: for checkpoint tensors that store
+    # every head's rows (Phi-3's fused qkv_proj) and norms that span every head (OLMo 2's q/k norms)
+    total_q_heads: int
+    total_kv_heads: int
+    total_intermediate: int
 
     @classmethod
     def make(cls, cfg: ModelArchConfig, rank: int, size: int) -> ShardPlan:
-        """The slices of rank ``rank`` of ``size``; ValueError when the model has fewer KV heads than ranks."""
+        """The slices of rank ``rank`` of ``size``; ValueError when the model has fewer KV heads than ranks, or
+        experts (not split yet)."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a tensor-parallel group of {size}")
+        if cfg.num_experts and size > 1:
+            raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models ({cfg.num_experts} experts) do "
+                             "not support tensor parallelism yet; run them in one process (tensor_parallel_size=1)")
         if cfg.num_key_value_heads < size:
             raise ValueError(
                 f"tensor_parallel_size={size} is more than the model's {cfg.num_key_value_heads} KV heads: every "
@@ -74,6 +83,9 @@ class ShardPlan:
             vocab=vocab[rank],
             vocab_sizes=tuple(n for _, n in vocab),
             head_dim=cfg.head_dim,
+            total_q_heads=cfg.num_attention_heads,
+            total_kv_heads=cfg.num_key_value_heads,
+            total_intermediate=cfg.intermediate_size,
         )
 
     def local_config(self, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -91,6 +103,16 @@ class ShardPlan:
     def q_rows(self) -> tuple[int, int]:
         """``(start, size)`` of this rank's rows of ``q_proj`` (and columns of ``o_proj``)."""
         return self.q_heads[0] * self.head_dim, self.q_heads[1] * self.head_dim
+
+    @property
+    def total_q_size(self) -> int:
+        """Rows of the whole model's ``q_proj``: every rank's q heads."""
+        return self.total_q_heads * self.head_dim
+
+    @property
+    def total_kv_size(self) -> int:
+        """Rows of the whole model's ``k_proj`` (and ``v_proj``): every rank's KV heads."""
+        return self.total_kv_heads * self.head_dim
 
     @property
     def kv_rows(self) -> tuple[int, int]:

@@ -190,16 +190,24 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one or many conversations, then generate.
 
         ``tools``: function tools in OpenAI's form, for the template to list
         (as vLLM's ``LLM.chat``); the output is text, read for calls by the
-        server's ``tool_parsers``, not here.
+        server's ``tool_parsers``, not here. A gpt-oss (harmony) model's
+        conversations are rendered by openai-harmony instead of the template
+        (``harmony/prompt.py``), with ``reasoning_effort`` (``low``,
+        ``medium``, ``high``), and stop at ``<|return|>`` / ``<|call|>``;
+        ``reasoning_parsers.parse_reply`` splits such an output's tokens into
+        reasoning, content and calls.
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
+        if chat_template is None and self._is_harmony():
+            return self._harmony_chat(conversations, sampling_params, use_tqdm, tools, reasoning_effort)
         prompts = [
             self.llm_engine.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template, tools=tools)
             for c in conversations
@@ -210,6 +218,36 @@ class LLM:
             for p in prompts
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def _is_harmony(self) -> bool:
+        from pagedllm.harmony.detect import is_harmony_model
+
+        arch = self.llm_engine.model_config
+        template = getattr(self.llm_engine.tokenizer.hf, "chat_template", None)
+        return is_harmony_model(arch.architecture, arch.architectures, template if isinstance(template, str) else None)
+
+    def _harmony_chat(
+        self, conversations: list[list[dict[str, Any]]], sampling_params: SamplingParams | SequenceABC[SamplingParams]
+        | None, use_tqdm: bool, tools: list[dict[str, Any]] | None, reasoning_effort: str | None,
+    ) -> list[RequestOutput]:
+        """``chat`` for a harmony model: openai-harmony's prompt tokens, harmony's stop tokens added."""
+        from pagedllm.harmony.prompt import render_prompt
+        from pagedllm.harmony.vocab import harmony_encoding
+
+        for c in conversations:
+            if not isinstance(c, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in c):
+                raise ValueError("each conversation must be a list of {'role': str, 'content': str} dicts")
+        prompts = [{"prompt_token_ids": render_prompt(c, tools, reasoning_effort)} for c in conversations]
+        stops = set(harmony_encoding().stop_tokens_for_assistant_actions())
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        many = not isinstance(sampling_params, SamplingParams)
+        params = [
+            p.model_copy(update={"stop_token_ids": sorted(set(p.stop_token_ids or ()) | stops)})
+            if isinstance(p, SamplingParams) else p
+            for p in (sampling_params if many else [sampling_params])
+        ]
+        return self.generate(prompts, params if many else params[0], use_tqdm)
 
     def beam_search(
         self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams, use_tqdm: bool = False

@@ -13,7 +13,8 @@ templates over the cache-type traits structs of ``kv_types.h``, and
 quantized blocks, GGUF's and the grouped int8 / int4 of weights quantized at
 load, ``gguf_blocks.h``; ``gguf_x16_repack.cpp`` and ``gguf_x16_matmul.cpp``:
 those blocks interleaved 16 channels at a time at load, ``gguf_x16.h``, and
-their int8 matmuls), ``packed/`` (``packed_linear.cpp``: float32 matmul over
+their int8 matmuls; ``gguf_moe_linear.cpp``: a mixture-of-experts layer's
+expert matmuls in one call over stacked experts' blocks, ``gguf_moe.h``), ``packed/`` (``packed_linear.cpp``: float32 matmul over
 weights packed into column panels; ``packed_linear_bf16.cpp``: the same with
 bfloat16 weights and products; ``panel_f32.h``, ``panel_bf16.h`` and the
 ``panel_units.h`` they share), ``elementwise/`` (``elementwise.cpp``: RMSNorm

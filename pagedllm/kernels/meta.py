@@ -36,6 +36,13 @@ def _register_returning() -> None:
     def _(x, weight, type, in_features, bias):  # noqa: ANN001, ANN202, A002
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]
 
+    @reg(_NS + "gguf_moe_linear")
+    def _(x, weight, type, num_experts, token_ids, expert_offsets):  # noqa: ANN001, ANN202, A002
+        if num_experts < 1 or weight.shape[0] % num_experts:
+            raise ValueError(f"gguf_moe_linear: the weight's {weight.shape[0]} rows are not {num_experts} experts")
+        # [num_pairs, out_features of one expert]
+        return x.new_empty(token_ids.shape[0], weight.shape[0] // num_experts, dtype=torch.float32)
+
     @reg(_NS + "gguf_embedding")
     def _(table, type, row_len, index):  # noqa: ANN001, ANN202, A002
         return index.new_empty(index.shape[0], row_len, dtype=torch.float32)  # [num_rows, row_len]

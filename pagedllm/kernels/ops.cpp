@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "gguf/gguf_blocks.h"
+#include "gguf/gguf_moe.h"
 #include "gguf/gguf_x16.h"
 #include "kernels.h"
 #include "attention/paged_attention.h"
@@ -453,6 +454,53 @@ Tensor gguf_linear(const Tensor &x, const Tensor &w, int64_t type, int64_t in_fe
     return out;
 }
 
+/* The routing of a grouped-expert linear (gguf_moe_linear): token_ids int32 [num_pairs], each in
+   [0, num_tokens); expert_offsets int32 [num_experts + 1] from 0, non-decreasing, to num_pairs */
+void check_expert_routing(const Tensor &token_ids, const Tensor &expert_offsets, int64_t num_tokens,
+                          int64_t num_experts, const char *op) {
+    TORCH_CHECK_VALUE(token_ids.dim() == 1, op, ": token_ids must be 1-D [num_pairs], got ", shape_of(token_ids));
+    check_tensor(token_ids, at::kInt, token_ids.sizes(), op, "token_ids");
+    check_tensor(expert_offsets, at::kInt, {num_experts + 1}, op, "expert_offsets");
+    const int32_t *ids = token_ids.data_ptr<int32_t>(), *offsets = expert_offsets.data_ptr<int32_t>();
+    const int64_t num_pairs = token_ids.size(0);
+    TORCH_CHECK_VALUE(offsets[0] == 0 && offsets[num_experts] == num_pairs, op, ": expert_offsets must run from 0 ",
+                      "to num_pairs ", num_pairs, ", got ", offsets[0], " .. ", offsets[num_experts]);
+    for (int64_t e = 0; e < num_experts; e++)
+        TORCH_CHECK_VALUE(offsets[e] <= offsets[e + 1], op, ": expert_offsets must not decrease, got ", offsets[e],
+                          " then ", offsets[e + 1], " at expert ", e);
+    for (int64_t p = 0; p < num_pairs; p++)
+        TORCH_CHECK_VALUE(ids[p] >= 0 && ids[p] < num_tokens, op, ": token id ", ids[p], " at pair ", p,
+                          " is outside the ", num_tokens, " tokens of x");
+}
+
+/* y [num_pairs, out_features]: row p = x[token_ids[p]] W_e^T for the expert e whose pairs hold p (gguf_moe.h);
+   each expert's rows the bits gguf_linear gives them against its rows of the stacked weight */
+Tensor gguf_moe_linear_op(const Tensor &x, const Tensor &w, int64_t type, int64_t num_experts,
+                          const Tensor &token_ids, const Tensor &expert_offsets) {
+    const char *op = "gguf_moe_linear";
+    TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be [num_tokens, in_features], got ", shape_of(x));
+    TORCH_CHECK_VALUE(w.dim() == 2, op, ": expected a 2-D quantized weight, got shape ", shape_of(w));
+    const int64_t in_features = x.size(1);
+    const int64_t row_bytes = check_gguf_weight(w, type, in_features, op);
+    check_activations(x, in_features, op);
+    TORCH_CHECK_VALUE(num_experts >= 1 && w.size(0) % num_experts == 0, op, ": the weight's ", w.size(0),
+                      " rows are not num_experts (", num_experts, ") experts of equal rows");
+    const int64_t out_features = w.size(0) / num_experts;
+    TORCH_CHECK_VALUE(!is_x16_type((int)type) || out_features % X16_TILE == 0, op, ": an interleaved weight's ",
+                      "experts have a multiple of ", X16_TILE, " rows each, got ", out_features);
+    check_expert_routing(token_ids, expert_offsets, x.size(0), num_experts, op);
+    const int64_t num_pairs = token_ids.size(0);
+    Tensor out = at::empty({num_pairs, out_features}, x.options());  // [num_pairs, out_features]
+    if (num_pairs == 0 || out_features == 0) return out;
+    // [bytes]: x16, the tokens rounded to int8 and the pairs' copies; file order, the pairs' rows of x
+    Tensor scratch = at::empty({gguf_moe_scratch_bytes((int)type, x.size(0), num_pairs, in_features)}, at::kByte);
+    const MoeLinearArgs args = {x.data_ptr<float>(), w.data_ptr<uint8_t>(), token_ids.data_ptr<int32_t>(),
+                                expert_offsets.data_ptr<int32_t>(), out.data_ptr<float>(), scratch.data_ptr(),
+                                x.size(0), num_pairs, num_experts, in_features, out_features, row_bytes, (int)type};
+    if (gguf_moe_linear(&args, num_threads()) != 0) out_of_memory(op);
+    return out;
+}
+
 StepNode gguf_embedding_node(const Tensor &table, int64_t type, int64_t row_len, const Tensor &index,
                              const Tensor &out) {
     const char *op = "gguf_embedding";
@@ -783,6 +831,8 @@ TORCH_LIBRARY(pagedllm, m) {
     step_node("gguf_linear", gguf_linear_node);
     m.def("gguf_embedding(Tensor table, int type, int row_len, Tensor index) -> Tensor");
     step_node("gguf_embedding", gguf_embedding_node);
+    m.def("gguf_moe_linear(Tensor x, Tensor weight, int type, int num_experts, Tensor token_ids, "
+          "Tensor expert_offsets) -> Tensor");
     m.def("gguf_dequantize(Tensor weight, int type, int in_features) -> Tensor");
     m.def("gguf_interleave_(Tensor(a!) weight, int type, int in_features) -> ()");
     m.def("quantized_linear(Tensor x, Tensor weight, int bits, int group_size, int in_features, Tensor? bias, "
@@ -822,6 +872,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("row_affine_", &row_affine_);
     m.impl("gguf_linear", &gguf_linear);
     m.impl("gguf_embedding", &gguf_embedding);
+    m.impl("gguf_moe_linear", &gguf_moe_linear_op);
     m.impl("gguf_dequantize", &gguf_dequantize);
     m.impl("gguf_interleave_", &gguf_interleave_);
     m.impl("quantized_linear", &quantized_linear);

@@ -220,14 +220,15 @@ class DecoderModel(nn.Module):
 
     def __init__(
         self, spec: DecoderSpec, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
-        quant_config: QuantConfig | None = None, prefix: str = "model",
+        quant_config: QuantConfig | None = None, prefix: str = "model", layer_class: type[nn.Module] | None = None,
     ) -> None:
         super().__init__()
+        layer_class = DecoderLayer if layer_class is None else layer_class
         vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, spec.vocab_size)
         self.embed_tokens = VocabParallelEmbedding(vocab_rows, spec.hidden_size, tp, vocab_start, quant_config,
                                                    f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
-            DecoderLayer(layer, spec.hidden_size, backend, tp, quant_config, f"{prefix}.layers.{i}")
+            layer_class(layer, spec.hidden_size, backend, tp, quant_config, f"{prefix}.layers.{i}")
             for i, layer in enumerate(spec.layers)
         )
         self.norm = spec.final_norm.build(spec.hidden_size)
@@ -261,10 +262,13 @@ class CausalLM(NativeOpsMixin, nn.Module):
     (``NativeOpsMixin``) switches its layers between native and torch
     implementations. ``supports_experts``: the family computes mixture-of-experts
     layers (``DecoderLayerSpec.moe``); the registry refuses a checkpoint with
-    experts for a family without.
+    experts for a family without. ``layer_class``: the layer module a family
+    builds from each ``DecoderLayerSpec`` (None: ``DecoderLayer``).
     """
 
     supports_experts: bool = False
+    # the decoder layer's module (a family with a layer of its own, Gemma 4's, names it; same arguments)
+    layer_class: type[nn.Module] | None = None
 
     def __init__(
         self, cfg: ModelArchConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
@@ -274,7 +278,7 @@ class CausalLM(NativeOpsMixin, nn.Module):
         self.config = cfg
         self.tp = tp
         self.spec = self.decoder_spec(cfg)
-        self.model = DecoderModel(self.spec, backend, tp, quant_config)
+        self.model = DecoderModel(self.spec, backend, tp, quant_config, layer_class=self.layer_class)
         vocab_start, vocab_rows = tp.plan.vocab if tp is not None else (0, cfg.vocab_size)
         tied = self.model.embed_tokens if self.spec.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.hidden_size, vocab_rows, tp, vocab_start, quant_config, "lm_head", tied)

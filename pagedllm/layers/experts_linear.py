@@ -16,8 +16,10 @@ Each expert's rows are multiplied by the dense kernel of the layer's method,
 on that expert's pairs only, so a pair's row is the very bits the dense
 layer of that expert gives it (the dense kernels sum a row alike alone or
 among others: batch invariance holds). An expert no pair chose costs
-nothing. The native grouped GGUF op that replaces the loop for GGUF blocks
-keeps this contract (``torch.ops.pagedllm.gguf_moe_linear``).
+nothing. A layer of one GGUF block type (plain or x16) takes the native
+grouped op instead of the loop (``torch.ops.pagedllm.gguf_moe_linear``,
+``quantization/gguf_moe.py``): activations rounded once per step, threads
+over (expert x channel chunk), the same bits as the loop.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pagedllm.layers.quantization.expert_packed import (
     ExpertPackedLinearMethod,
 )
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod, GGUFPartsLinearMethod
+from pagedllm.layers.quantization.gguf_moe import gguf_experts_layer
 from pagedllm.layers.quantization.quantized_linear import QuantizedLinearMethod
 
 
@@ -53,6 +56,10 @@ def experts_linear(
     num_pairs = token_ids.shape[0]
     if offsets[0] != 0 or offsets[-1] != num_pairs:
         raise ValueError(f"expert_offsets must run from 0 to the {num_pairs} pairs, got {offsets[0]}..{offsets[-1]}")
+    if x.dtype == torch.float32:
+        grouped = gguf_experts_layer(layer, x, token_ids, expert_offsets, num_experts)
+        if grouped is not None:
+            return grouped
     out = torch.empty(num_pairs, rows, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype,
                       device=x.device)
     gathered = x.index_select(0, token_ids)  # [num_pairs, K]: the pairs' rows, by expert

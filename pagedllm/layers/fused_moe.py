@@ -121,6 +121,7 @@ class ExpertWeights(nn.Module):
     def __init__(self, spec: MoESpec, hidden_size: int, quant_config: QuantConfig | None, prefix: str) -> None:
         super().__init__()
         inter, num = spec.intermediate_size, spec.num_experts
+        self.num_experts = num
         self.gate_up = stacked_experts_layer(hidden_size, 2 * inter, num, spec.expert_bias, quant_config,
                                              f"{prefix}.gate_up")
         self.down = stacked_experts_layer(inter, hidden_size, num, spec.expert_bias, quant_config, f"{prefix}.down")
@@ -159,21 +160,29 @@ class MoEBlock(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights``."""
-        num_tokens, top_k = ids.shape
-        num_experts = self.spec.num_experts
-        flat = ids.reshape(-1)  # pair p = token * top_k + slot
-        order = torch.argsort(flat, stable=True)  # pairs by expert; within one, by token then slot
-        token_ids = torch.div(order, top_k, rounding_mode="floor").to(torch.int32)
-        offsets = torch.zeros(num_experts + 1, dtype=torch.int32)
-        offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
-        h = self.act_fn(experts_linear(self.experts.gate_up, x, token_ids, offsets, num_experts))  # [pairs, I]
-        pair_rows = torch.arange(h.shape[0], dtype=torch.int32)
-        y = experts_linear(self.experts.down, h, pair_rows, offsets, num_experts)  # [pairs, H], by expert
-        by_slot = torch.empty_like(y)
-        by_slot[order] = y  # back in (token, slot) order
-        by_slot = by_slot.view(num_tokens, top_k, -1)
-        w = weights.to(y.dtype)
-        out = by_slot[:, 0] * w[:, :1]
-        for slot in range(1, top_k):  # a fixed order: a row's sum never depends on the other rows
-            out.add_(by_slot[:, slot] * w[:, slot : slot + 1])
-        return out.to(x.dtype)
+        return routed_experts(self.experts, self.act_fn, x, weights, ids)
+
+
+def routed_experts(
+    experts: ExpertWeights, act_fn: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``sum_s weights[t, s] * expert_{ids[t, s]}(x[t])`` for each row ``t`` of ``x`` (the module docstring's
+    arithmetic; a family whose layer holds the experts without ``MoEBlock``'s router calls it too)."""
+    num_tokens, top_k = ids.shape
+    num_experts = experts.num_experts
+    flat = ids.reshape(-1)  # pair p = token * top_k + slot
+    order = torch.argsort(flat, stable=True)  # pairs by expert; within one, by token then slot
+    token_ids = torch.div(order, top_k, rounding_mode="floor").to(torch.int32)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
+    h = act_fn(experts_linear(experts.gate_up, x, token_ids, offsets, num_experts))  # [pairs, I]
+    pair_rows = torch.arange(h.shape[0], dtype=torch.int32)
+    y = experts_linear(experts.down, h, pair_rows, offsets, num_experts)  # [pairs, H], by expert
+    by_slot = torch.empty_like(y)
+    by_slot[order] = y  # back in (token, slot) order
+    by_slot = by_slot.view(num_tokens, top_k, -1)
+    w = weights.to(y.dtype)
+    out = by_slot[:, 0] * w[:, :1]
+    for slot in range(1, top_k):  # a fixed order: a row's sum never depends on the other rows
+        out.add_(by_slot[:, slot] * w[:, slot : slot + 1])
+    return out.to(x.dtype)

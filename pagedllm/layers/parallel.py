@@ -10,6 +10,9 @@ other ranks (``distributed/shard_plan.py`` draws the whole split):
 - ``VocabParallelEmbedding``: this rank's vocabulary rows; a token looked up
   elsewhere is zero here, and the all-reduce fills it in.
 - ``ParallelLMHead``: this rank's vocabulary rows; logits are gathered to rank 0.
+- ``ParallelRMSNorm``: an RMSNorm over features split across the ranks
+  (OLMo 2's q/k norms span every head): this rank's slice of the weight,
+  each token's sum of squares all-reduced before each rank scales its slice.
 
 With ``tp=None`` (one process) each is its plain counterpart. Each layer
 knows which slice of a checkpoint tensor it takes (``checkpoint_slice``),
@@ -30,6 +33,7 @@ from torch import nn
 
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.layers.linear import Linear, LinearMethod, QuantConfig, QuantMethod, replace_parameter
+from pagedllm.layers.norm import NormSpec, RMSNorm
 
 
 def _sharded(tp: TensorParallelGroup | None) -> bool:
@@ -162,3 +166,76 @@ class ParallelLMHead(Linear):
     def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the checkpoint's LM head."""
         return tensor.narrow(0, self.vocab_start, self.out_features) if _sharded(self.tp) else tensor
+
+
+class ParallelRMSNorm(RMSNorm):
+    """An RMSNorm over ``total_dim`` features of which this rank holds ``[start, start + dim)``.
+
+    OLMo 2 norms q and k over a token's whole projection, every head of it,
+    while a rank holds its heads only: each rank sums the squares of its
+    features, the ranks all-reduce those sums (one float per token, through
+    the group's all-reduce: shared memory or gloo), and each scales its own
+    features by ``rsqrt(sum / total_dim + eps)`` and its slice of the weight.
+    The native row kernel would take the mean of this rank's features only,
+    so both implementations run these torch ops (the shared-memory
+    all-reduce is a native op, which a captured decode step replays).
+    """
+
+    def __init__(self, spec: NormSpec, dim: int, tp: TensorParallelGroup, start: int, total_dim: int) -> None:
+        if not 0 <= start <= total_dim - dim:
+            raise ValueError(f"ParallelRMSNorm: features [{start}, {start + dim}) are not within {total_dim}")
+        super().__init__(dim, spec.eps, spec.unit_offset, spec.float32_weight)
+        self.tp = tp
+        self.start = start
+        self.total_dim = total_dim
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., dim]`` (this rank's features) normed by the mean square over every rank's."""
+        sum_sq = self.partial_sum_squares(x)  # [..., 1]: this rank's share
+        if _sharded(self.tp):
+            self.tp.all_reduce_(sum_sq)
+        return self.scale(x, sum_sq)
+
+    @staticmethod
+    def partial_sum_squares(x: torch.Tensor) -> torch.Tensor:
+        """``[..., 1]`` float32: each row's sum of squares over this rank's features."""
+        return x.float().square().sum(-1, keepdim=True)
+
+    def scale(self, x: torch.Tensor, sum_sq: torch.Tensor) -> torch.Tensor:
+        """``x`` normed by ``sum_sq`` ``[..., 1]``, the sums of squares of every rank's features, and weighted."""
+        normed = x.float() * torch.rsqrt(sum_sq / self.total_dim + self.eps)
+        if self.float32_weight:
+            weight = 1.0 + self.weight.float() if self.unit_offset else self.weight.float()
+            return (normed * weight).to(x.dtype)
+        # the weight applied after casting back, in the input dtype, as RMSNorm does
+        return self.weight * normed.to(x.dtype)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch ops (see the class docstring): the native kernel cannot take the other ranks' squares."""
+        return self.forward_torch(x)
+
+    def _add_forward_native(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self.forward_torch(x.add_(delta))
+
+    def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's features of the checkpoint's whole-projection norm weight."""
+        if tensor.shape[0] != self.total_dim:
+            raise ValueError(f"norm weight has {tensor.shape[0]} features, the whole projection {self.total_dim}")
+        return tensor.narrow(0, self.start, self.weight.shape[0]) if _sharded(self.tp) else tensor
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]} of {self.total_dim} from {self.start}, eps={self.eps}"
+
+
+def parallel_norm_pair(
+    first: ParallelRMSNorm, second: ParallelRMSNorm, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``first(x)``, ``second(y)`` (rows ``[n, ...]`` each) with one all-reduce for both instead of two.
+
+    OLMo 2's q and k norms of a layer run back to back: their sums of
+    squares travel together as ``[n, 2]``, halving the collectives' latency.
+    """
+    sums = torch.cat([first.partial_sum_squares(x), second.partial_sum_squares(y)], dim=-1)  # [n, 2]
+    if _sharded(first.tp):
+        first.tp.all_reduce_(sums)
+    return first.scale(x, sums[:, :1]), second.scale(y, sums[:, 1:])

@@ -7,6 +7,7 @@ import torch
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.parallel import ParallelRMSNorm, parallel_norm_pair
 from pagedllm.layers.rotary import RotaryEmbedding
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -34,7 +35,9 @@ class QKNormRotary(CustomOp):
     (``num_heads * head_dim`` features) or k projection of a token, not one
     head; the native path norms copies through the norms' native rows and
     writes them back into ``qkv``, then rotates in place with the same
-    native pass, given no per-head weights.
+    native pass, given no per-head weights. A tensor-parallel rank's such
+    norms (``ParallelRMSNorm``) sum their squares over the ranks in one
+    all-reduce for q and k together (``parallel_norm_pair``).
     ``rotary_dim`` below ``head_dim`` (Phi-4-mini's partial rotation): the
     first ``rotary_dim`` dimensions of each head are rotated, the rest pass
     (``RotaryEmbedding.apply_partial``). The native pass rotates whole heads,
@@ -99,6 +102,9 @@ class QKNormRotary(CustomOp):
         """Normed copies of ``q`` ``[num_tokens, q_size]`` and ``k`` ``[num_tokens, kv_size]``, per head or over
         the whole projection; as rows (``[-1, span]``), contiguous as the native rows need them."""
         q_norm, k_norm = self._norms
+        if isinstance(q_norm, ParallelRMSNorm) and isinstance(k_norm, ParallelRMSNorm):
+            # a tensor-parallel rank's slices of whole-projection norms: one all-reduce for q's and k's squares
+            return parallel_norm_pair(q_norm, k_norm, q, k)
         q_span, k_span = (self.q_size, self.kv_size) if self.whole_projection else (self.head_dim, self.head_dim)
         return q_norm(q.reshape(-1, q_span).contiguous()), k_norm(k.reshape(-1, k_span).contiguous())
 

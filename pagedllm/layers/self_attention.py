@@ -21,7 +21,7 @@ from pagedllm.layers.kv_transform import KvTransform
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import NormSpec
-from pagedllm.layers.parallel import RowParallelLinear, TensorParallelGroup
+from pagedllm.layers.parallel import ParallelRMSNorm, RowParallelLinear, TensorParallelGroup
 from pagedllm.layers.qk_rotary import QKNormRotary
 from pagedllm.layers.quantization.quant_config import QuantConfig
 
@@ -41,8 +41,8 @@ class AttentionSpec:
     ``qk_norm_span``: what one q/k norm spans, "head" (Qwen3, Gemma 3: each
     head alone, weight ``[head_dim]``) or "projection" (OLMo 2: a token's
     whole q or k projection, weights ``[num_heads * head_dim]`` and
-    ``[num_kv_heads * head_dim]``; one process only, since a rank's heads
-    would lack the others' share of the mean square).
+    ``[num_kv_heads * head_dim]``; under tensor parallelism each rank holds
+    its heads' slice and the mean square is all-reduced, ``ParallelRMSNorm``).
     ``rotary_dim``: how many leading dimensions of each head are rotated
     (None: all of them; fewer for a partial rotation, Phi-4-mini's).
     ``sinks``: one learned logit per query head in the softmax's denominator
@@ -94,11 +94,14 @@ class SelfAttention(nn.Module):
                                         f"{prefix}.o_proj")
         whole = spec.qk_norm is not None and spec.qk_norm_span == "projection"
         if whole and tp is not None and tp.size > 1:
-            raise ValueError("q/k norms over the whole projection (OLMo 2) need every head on one process; "
-                             "tensor parallelism is not supported for this model")
-        q_span, k_span = (self.q_size, self.kv_size) if whole else (self.head_dim, self.head_dim)
-        self.q_norm = spec.qk_norm.build(q_span) if spec.qk_norm is not None else None
-        self.k_norm = spec.qk_norm.build(k_span) if spec.qk_norm is not None else None
+            # a rank holds its heads' slice of each norm; the mean square is every rank's (an all-reduce)
+            plan = tp.plan
+            self.q_norm = ParallelRMSNorm(spec.qk_norm, self.q_size, tp, plan.q_rows[0], plan.total_q_size)
+            self.k_norm = ParallelRMSNorm(spec.qk_norm, self.kv_size, tp, plan.kv_rows[0], plan.total_kv_size)
+        else:
+            q_span, k_span = (self.q_size, self.kv_size) if whole else (self.head_dim, self.head_dim)
+            self.q_norm = spec.qk_norm.build(q_span) if spec.qk_norm is not None else None
+            self.k_norm = spec.qk_norm.build(k_span) if spec.qk_norm is not None else None
         self.backend = backend
         self.scale = spec.scale if spec.scale is not None else self.head_dim**-0.5
         self.sliding_window = spec.sliding_window  # None: full attention

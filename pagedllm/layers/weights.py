@@ -48,8 +48,12 @@ def fused_projections(
 def fused_part(name: str, fused: FusedMap) -> tuple[str, int, int, int | None] | None:
     """Where checkpoint tensor ``name`` goes if it is a part of a fused parameter: (the parameter's name, row
     offset, rows, first row a tensor-parallel rank takes); None for a tensor of its own."""
-    # the longest part named wins: a shared expert's "shared_expert.gate_proj" holds the dense "gate_proj"
-    found = max((part for part in fused if f".{part}." in name), key=len, default=None)
+    # the longest part named wins: a shared expert's "shared_expert.gate_proj" holds the dense "gate_proj". The
+    # parts ".{part}." matches are the runs of whole components inside the name (looked up, not scanned: a
+    # mixture of experts has 3 parts per expert)
+    parts = name.split(".")
+    found = max((run for i in range(1, len(parts) - 1) for j in range(i + 1, len(parts))
+                 if (run := ".".join(parts[i:j])) in fused), key=len, default=None)
     if found is None:
         return None
     fused_name, offset, size, start = fused[found]

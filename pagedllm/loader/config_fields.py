@@ -20,7 +20,12 @@ them, naming the architecture, for a family that computes no experts. The
 fields of the experts that change the arithmetic (a router's scoring and
 scaling, shared experts, grouped top-k, dense layers) are refused by name
 where the family does not compute them; Qwen3-MoE honours its own
-(``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``).
+(``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``), and so
+do Mixtral, Qwen2-MoE, OLMoE and GraniteMoE theirs (``loader/moe_families_config.py``). Gemma 4's own
+fields (per-layer embeddings, KV sharing, global layers' shapes, its experts)
+are read or refused by name in ``loader/gemma4_config.py``; the fields here
+that its transformers class does not read (``query_pre_attn_scalar``, a score
+softcap) are refused for it like for any other.
 """
 
 from __future__ import annotations
@@ -33,28 +38,30 @@ from typing import Any
 # a field set to anything else in a config.json of another of the families below is refused
 _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "mlp_bias": ((None, False), ("llama",)),
-    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "olmo2")),
+    "attention_bias": ((None, False), ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4", "olmo2", "olmoe",
+                                       "granitemoe")),
     "attn_logit_softcapping": ((None,), ("gemma3",)),  # gemma3: read and ignored, as transformers does
-    "final_logit_softcapping": ((None,), ("gemma3",)),
+    "final_logit_softcapping": ((None,), ("gemma3", "gemma4")),
     "query_pre_attn_scalar": ((None,), ("gemma3",)),
     "use_qk_norm": ((None, False), ()),
     "qk_layernorm": ((None, False), ()),
     "clip_qkv": ((None,), ()),
-    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3")),
-    "use_sliding_window": ((None, False), ("qwen2", "qwen3", "qwen3_moe")),
-    "embedding_multiplier": ((None, 1, 1.0), ()),
-    "residual_multiplier": ((None, 1, 1.0), ()),
-    "attention_multiplier": ((None,), ()),
-    "logits_scaling": ((None, 1, 1.0), ()),
+    # Qwen2MoeConfig writes 0 when use_sliding_window is off (its reading refuses the window on)
+    "sliding_window": ((None,), ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4", "mixtral", "qwen2_moe")),
+    "use_sliding_window": ((None, False), ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")),
+    "embedding_multiplier": ((None, 1, 1.0), ("granitemoe",)),
+    "residual_multiplier": ((None, 1, 1.0), ("granitemoe",)),
+    "attention_multiplier": ((None,), ("granitemoe",)),
+    "logits_scaling": ((None, 1, 1.0), ("granitemoe",)),
     "scale_emb": ((None, 1, 1.0), ()),
     "scale_depth": ((None, 1, 1.0), ()),
     "no_rope_layers": ((None,), ()),
     # mixtures of experts (loader/moe_config.py reads the counts and sizes): Qwen3-MoE's dense layers, and the
     # routers and shared experts of other families, refused where the family named does not compute them
-    "norm_topk_prob": ((None, False), ("qwen3_moe",)),
-    "decoder_sparse_step": ((None, 1), ("qwen3_moe",)),
-    "mlp_only_layers": ((None, []), ("qwen3_moe",)),
-    "shared_expert_intermediate_size": ((None, 0), ()),
+    "norm_topk_prob": ((None, False), ("qwen3_moe", "qwen2_moe", "olmoe", "gemma4")),  # gemma4: always renormalised
+    "decoder_sparse_step": ((None, 1), ("qwen3_moe", "qwen2_moe")),
+    "mlp_only_layers": ((None, []), ("qwen3_moe", "qwen2_moe")),
+    "shared_expert_intermediate_size": ((None, 0), ("qwen2_moe",)),
     "n_shared_experts": ((None, 0), ()),
     "routed_scaling_factor": ((None, 1, 1.0), ()),
     "scoring_func": ((None, "softmax"), ()),
@@ -65,7 +72,8 @@ _FIELDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "moe_layer_freq": ((None, 1), ()),
 }
 # the families this table was written for (other families read their config.json in their own way)
-AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "olmo2")
+AUDITED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma4", "olmo2", "mixtral",
+                         "qwen2_moe", "olmoe", "granitemoe")
 # the GGUF metadata (under "<arch>.") that changes the arithmetic of these architectures' files, with its neutral
 # values: the loader reads none of it for them, so a file that sets it is refused
 _GGUF_KEYS: dict[str, tuple[Any, ...]] = {
@@ -88,7 +96,9 @@ _GGUF_KEYS: dict[str, tuple[Any, ...]] = {
     "expert_group_count": (0, 1),
     "expert_group_used_count": (0, 1),
 }
-AUDITED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "olmo2")
+AUDITED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "olmo2", "qwen2moe", "olmoe")
+# GGUF keys of the table above that an architecture computes (Qwen2-MoE's shared expert)
+_GGUF_HONOURED: dict[str, tuple[str, ...]] = {"expert_shared_feed_forward_length": ("qwen2moe",)}
 # how config.json says "mixture of experts" (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek, gpt-oss)
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -127,7 +137,7 @@ def check_unread_gguf_metadata(key: Callable[[str], object], arch: str, head_dim
                          "partial rotations are not supported for this architecture")
     for name, neutral in _GGUF_KEYS.items():
         value = key(name)
-        if value is not None and value not in neutral:
+        if value is not None and value not in neutral and arch not in _GGUF_HONOURED.get(name, ()):
             raise ValueError(f"GGUF {arch}.{name}={value!r} is not computed for architecture {arch!r} "
                              "(this file is another model than the architecture's loader reads)")
     if key("attention.layer_norm_epsilon") is not None and key("attention.layer_norm_rms_epsilon") is None:

@@ -30,6 +30,7 @@ from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.moe_config import gguf_moe_fields
+from pagedllm.loader.moe_families_config import gguf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import gguf_family_fields
 
 # Which general.architecture values a model runs is models/registry.py's to say. The metadata below is
@@ -67,6 +68,11 @@ _LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    # Qwen2-MoE's shared expert and its sigmoid gate ([1, hidden])
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 # where an architecture names a tensor otherwise: Phi-3 stores q/k/v and gate/up fused, as its checkpoints do
 _ARCH_LAYER_NAMES = {
@@ -86,7 +92,7 @@ _GLOBAL_NAMES = {
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
-_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite")
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe")
 # read with the configuration (ModelArchConfig.rope_freq_factors, the longrope factors of rope_scaling), not weights
 _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_FACTORS_LONG = "rope_factors_long.weight"
@@ -329,6 +335,11 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ValueError(f"GGUF file has no general.architecture (got {arch!r})")
+    if arch == "gemma4":
+        # llama.cpp's layout of Gemma 4 (per-layer kv-head arrays, layer_output_scale, the router's scales, a
+        # rope_freqs tensor for the proportional RoPE) is not read yet; its folders load (models/gemma4.py)
+        raise ValueError("GGUF architecture 'gemma4' (Gemma 4 as llama.cpp's converter writes it) is not supported "
+                         "yet; load its Hugging Face folder (Gemma4ForCausalLM) instead")
 
     def key(name: str, default: object = None) -> object:
         return _field(reader, f"{arch}.{name}", default)
@@ -380,7 +391,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         return dataclasses.replace(config, **gemma_gguf_settings(
             key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
             config.max_position_embeddings))
-    return gguf_gpt_oss_fields(gguf_family_fields(config, key), key)
+    return gguf_gpt_oss_fields(gguf_moe_family_fields(gguf_family_fields(config, key), key), key)
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -428,7 +439,7 @@ class GGUFWeights:
             for t in open_reader(part).tensors
             if len(t.shape) in (2, 3) and t.tensor_type != GGMLQuantizationType.F32
             and (name := _hf_name_or_none(t.name, config.architecture)) is not None
-            for expert_name in (_expert_names(name, int(t.shape[2])) if len(t.shape) == 3 else (name,))
+            for expert_name in (_expert_names(name, int(t.shape[2])) if _stacked_experts(name, t) else (name,))
         }
         self.keep: set[str] = set()
         self.half: set[str] = set()
@@ -457,7 +468,7 @@ class GGUFWeights:
             if t.data.nbytes != expected:
                 raise ValueError(f"{path}: tensor {t.name!r} holds {t.data.nbytes} bytes, its type "
                                  f"{t.tensor_type.name} and shape need {expected}: the file is truncated or corrupt")
-            if len(t.shape) == 3:  # stacked experts
+            if _stacked_experts(name, t):
                 yield from self._experts(name, t)
                 _drop_mapped_pages(reader, t)
                 continue
@@ -495,6 +506,11 @@ class GGUFWeights:
             w = torch.from_numpy(np.array(rows, order="C"))
             yield expert_name, w.to(torch.bfloat16) if expert_name in self.half else w
         del values
+
+
+def _stacked_experts(name: str, t: object) -> bool:
+    """Whether tensor ``t`` (Hugging Face name ``name``) is one projection of every expert, ``[experts, rows, cols]``."""
+    return len(t.shape) == 3 and ".mlp.experts." in name
 
 
 def _expert_names(name: str, num_experts: int) -> tuple[str, ...]:

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
+from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
 from pagedllm.loader.moe_config import hf_moe_fields
+from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ class ModelArchConfig:
     token, their weights renormalised with ``norm_topk_prob``; the layers of
     ``dense_layers`` keep a dense MLP of ``intermediate_size``; a shared
     expert of ``shared_expert_intermediate_size`` (0: none). Read by
-    ``loader/moe_config.py``.
+    ``loader/moe_config.py``, then what Mixtral, Qwen2-MoE, OLMoE and
+    GraniteMoE read their own way by ``loader/moe_families_config.py``.
 
     ``rope_freq_factors``: a GGUF file's ``rope_freqs`` tensor, one divisor
     per rotated pair of the RoPE frequencies (llama.cpp's converter writes
@@ -114,6 +117,12 @@ class ModelArchConfig:
     add, ``logits_scaling`` divides the logits (its ``attention_multiplier``
     is ``attn_scale``); 1.0 where a family has none. Both are read by
     ``loader/smollm3_granite_config.py``.
+
+    Gemma 4's global layers (``layer_types`` "full_attention") have their own
+    head size ``global_head_dim`` and ``num_global_key_value_heads`` (0: the
+    model's layers all have ``head_dim`` / ``num_key_value_heads``), and with
+    ``attention_k_eq_v`` no v projection, the values being the keys'
+    projection (``loader/gemma4_config.py``; ``attention_shape`` per layer).
 
     gpt-oss's (``loader/gpt_oss_config.py``): ``attention_sinks``, a learned
     logit per query head in every layer's softmax denominator; the experts'
@@ -163,6 +172,9 @@ class ModelArchConfig:
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    global_head_dim: int = 0
+    num_global_key_value_heads: int = 0
+    attention_k_eq_v: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -172,6 +184,7 @@ class ModelArchConfig:
         for scaling in (self.rope_scaling, self.local_rope_scaling):
             check_rope_type(scaling)  # its parameters are checked when the model's RoPE tables are built
         self._check_layers()
+        self._check_global_attention()
         check_multipliers(self)
         self._check_experts()
         for name in ("attn_scale", "attn_logit_softcapping", "final_logit_softcapping"):
@@ -190,6 +203,32 @@ class ModelArchConfig:
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ValueError(f"unsupported layer types {bad}; supported: {LAYER_TYPES}")
+
+    def _check_global_attention(self) -> None:
+        if not self.global_head_dim and not self.num_global_key_value_heads:
+            return
+        if self.global_head_dim <= 0 or self.num_global_key_value_heads <= 0:
+            raise ValueError("global_head_dim and num_global_key_value_heads must both be positive (or both 0)")
+        if self.num_attention_heads % self.num_global_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_global_key_value_heads")
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head size) of ``layer``: a full-attention layer's own where the model gives global layers
+        another shape (Gemma 4), else ``num_key_value_heads`` and ``head_dim``."""
+        if self.global_head_dim and self.layer_types and self.layer_types[layer] == "full_attention":
+            return self.num_global_key_value_heads, self.global_head_dim
+        return self.num_key_value_heads, self.head_dim
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """kv heads one layer's slice of the KV cache holds per token: the most any layer has (a layer with
+        fewer repeats its heads into them, ``layers/gemma4_attention.py``)."""
+        return max(self.attention_shape(i)[0] for i in range(self.num_hidden_layers))
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Head size of the KV cache: the largest any layer has (a smaller head is padded with zeros)."""
+        return max(self.attention_shape(i)[1] for i in range(self.num_hidden_layers))
 
     def _check_experts(self) -> None:
         if not self.num_experts:
@@ -236,12 +275,12 @@ def check_multipliers(cfg: ModelArchConfig) -> None:
 
 # config.json's model_type -> the reading of its keys (any other model_type is read as Llama's keys)
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3",
-                "phi3": "phi3", "gemma2": "gemma2"}
+                "phi3": "phi3", "gemma2": "gemma2", "gemma4_text": "gemma4"}
 # what transformers' config classes assume when config.json leaves a key out
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_WINDOW = 4096  # MistralConfig, Qwen2Config, Qwen3Config, Gemma3TextConfig
 _QWEN_MAX_WINDOW_LAYERS = 28
-_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5}  # Olmo2Config's; every other family's is 1e-6
+_RMS_NORM_EPS_DEFAULTS = {"olmo2": 1e-5, "olmoe": 1e-5, "mixtral": 1e-5}  # Olmo2Config's; every other family's is 1e-6
 _GEMMA3_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window_pattern": 6}
 # Gemma2Config's defaults for the keys this reading needs (its softcaps are applied, unlike Gemma 3's)
@@ -308,7 +347,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, window: int | None) -> tuple[st
 
 def _sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
     """(window per layer, layer types) as transformers' models apply them; () where the family has none."""
-    if arch not in ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3"):
+    if arch not in ("mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma4"):
         return (), ()
     window = cfg.get("sliding_window", _DEFAULT_WINDOW)
     if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
@@ -319,7 +358,7 @@ def _sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[tuple[int | None, 
     if arch in ("mistral", "qwen3_moe"):
         # MistralAttention and Qwen3MoeAttention apply config.sliding_window to every layer (no layer_types)
         types = ("sliding_attention" if window is not None else "full_attention",) * cfg["num_hidden_layers"]
-    if arch in ("gemma2", "gemma3") and window is None and "sliding_attention" in types:
+    if arch in ("gemma2", "gemma3", "gemma4") and window is None and "sliding_attention" in types:
         raise ValueError(f"{arch}: sliding_attention layers need a sliding_window")
     # a window as long as the positions RoPE covers never masks anything: full attention
     max_pos = cfg.get("max_position_embeddings", 2048)
@@ -408,7 +447,7 @@ def _gemma2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # the readings of their own (RoPE tables, activation, score scale, softcaps) of Gemma's model types
-_GEMMA_SETTINGS = {"gemma2": _gemma2_settings, "gemma3": _gemma3_settings}
+_GEMMA_SETTINGS = {"gemma2": _gemma2_settings, "gemma3": _gemma3_settings, "gemma4": gemma4_settings}
 
 
 def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any] | None) -> tuple[int, ...]:
@@ -428,12 +467,20 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
             "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; "
             "use a text-only Gemma3ForCausalLM checkpoint (model_type 'gemma3_text')"
         )
+    if model_type == "gemma4":
+        # Gemma4ForConditionalGeneration: its text model is read (models/gemma4.py skips the other towers)
+        cfg = multimodal_text_dict(cfg)
+        model_type = cfg["model_type"]
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"config.json has no model_type (got {model_type!r})")
     arch = _MODEL_TYPES.get(model_type, model_type)
+    # the config class's defaults where config.json leaves a key out (an experts' count, widths...)
+    cfg = {**MOE_FAMILY_DEFAULTS.get(arch, {}), **cfg}
     if arch in ("gemma2", "gemma3"):
         # the config class's defaults where config.json leaves a key out
         cfg = {**(_GEMMA3_DEFAULTS if arch == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
+    elif arch == "gemma4":
+        cfg = gemma4_text_dict(cfg)
     missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
     if missing:
         raise ValueError(f"config.json ({model_type}) lacks {missing}")
@@ -462,7 +509,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         # transformers' Qwen2 biases q, k and v whatever attention_bias says
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),  # RMSNorm on q and k
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "gemma4", "olmo2"),  # RMSNorm on q and k
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         num_experts=num_experts(cfg),
         **hf_moe_fields(cfg, num_experts(cfg)),
@@ -473,7 +520,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_gpt_oss_fields(hf_family_fields(config, cfg), cfg)
+    return hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

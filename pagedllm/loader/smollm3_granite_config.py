@@ -15,7 +15,7 @@ config.json, as transformers 5's config classes read it:
   ``rope_theta`` defaults to 2,000,000 (``SmolLM3Config.default_theta``),
   and the other keys ``SmolLM3Config`` defaults unlike Llama's (tied
   embeddings, 32,768 positions, 4 KV heads) to its values.
-- Granite (``GraniteConfig``): ``embedding_multiplier``,
+- Granite (``GraniteConfig``, and ``GraniteMoeConfig`` alike): ``embedding_multiplier``,
   ``residual_multiplier``, ``logits_scaling`` and ``attention_multiplier``
   (the score scale in place of ``head_dim ** -0.5``), each 1.0 by default.
 
@@ -24,7 +24,7 @@ GGUF, as llama.cpp's converter writes them and llama.cpp reads them:
 - ``smollm3``: no key records the NoPE layers; llama.cpp skips RoPE in every
   fourth layer (``(i + 1) % 4 == 0``, a constant of its SmolLM3 graph), and
   so do we. A checkpoint with another pattern cannot be told apart in GGUF.
-- ``granite``: ``granite.logit_scale`` (required, as llama.cpp requires it),
+- ``granite`` (and ``granitemoe``, under its own prefix): ``granite.logit_scale`` (required, as llama.cpp requires it),
   ``granite.residual_scale``, ``granite.embedding_scale`` and
   ``granite.attention.scale``; the converter leaves out a multiplier that is
   0 or missing, and llama.cpp then does not scale (``head_dim ** -0.5`` for
@@ -45,6 +45,8 @@ _SMOLLM3_DEFAULT_THETA = 2_000_000.0  # SmolLM3Config.default_theta
 _SMOLLM3_NOPE_INTERVAL = 4  # SmolLM3Config.no_rope_layer_interval's default; llama.cpp's constant step
 # SmolLM3Config's defaults where they differ from the Llama reading's, for a config.json that leaves them out
 _SMOLLM3_DEFAULTS = {"tie_word_embeddings": True, "max_position_embeddings": 32768, "num_key_value_heads": 4}
+# Granite 3.x and its mixture of experts (GraniteMoE): the same four multipliers, the same keys
+GRANITE_ARCHITECTURES = ("granite", "granitemoe")
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier")
 
 
@@ -53,7 +55,7 @@ def hf_family_fields(config: ArchConfig, cfg: dict[str, Any]) -> ArchConfig:
     if config.architecture == "smollm3":
         config = dataclasses.replace(config, **{k: v for k, v in _SMOLLM3_DEFAULTS.items() if k not in cfg})
         return dataclasses.replace(config, **_smollm3_hf(cfg, config.max_position_embeddings))
-    if config.architecture == "granite":
+    if config.architecture in GRANITE_ARCHITECTURES:
         return dataclasses.replace(config, **_granite_hf(cfg))
     return config
 
@@ -111,7 +113,7 @@ def gguf_family_fields(config: ArchConfig, key: Callable[[str], object]) -> Arch
         n = config.num_hidden_layers
         nope = tuple(i for i in range(n) if (i + 1) % _SMOLLM3_NOPE_INTERVAL == 0)
         return dataclasses.replace(config, nope_layers=nope)
-    if config.architecture == "granite":
+    if config.architecture in GRANITE_ARCHITECTURES:
         return dataclasses.replace(config, **_granite_gguf(key, config.num_hidden_layers))
     return config
 

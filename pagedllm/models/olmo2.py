@@ -9,8 +9,9 @@ Where it differs from the Llama family, each as transformers computes it:
   ``post_feedforward_layernorm``);
 - q and k are RMS-normed over the whole projection, not per head (weights
   of ``num_heads * head_dim`` and ``num_kv_heads * head_dim``), before RoPE
-  (``AttentionSpec.qk_norm_span="projection"``); so one process holds every
-  head (no tensor parallelism);
+  (``AttentionSpec.qk_norm_span="projection"``); under tensor parallelism
+  each rank holds its heads' slice of the norms and the sums of squares are
+  all-reduced (``layers/parallel.ParallelRMSNorm``);
 - ``rms_norm_eps`` defaults to 1e-5 (the loader's reading).
 
 ``attention_bias`` biases q, k, v and the output, as in Llama. llama.cpp's

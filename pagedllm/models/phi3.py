@@ -15,6 +15,10 @@ Llama's pre-norm layers, with what Phi-3 does its own way:
 - no biases; the LM head is tied to the embedding where the config says
   (Phi-4-mini).
 
+Under tensor parallelism the fused tensors are split by the whole model's
+sizes (the shard plan's), then each rank takes its q, k, v rows and its gate
+and up rows of the parts, from a folder and a GGUF file alike.
+
 Which of longrope's factor sets a token uses is transformers' choice for its
 sequence (``layers/rotary.py``: one table of both sets, a row per token).
 """
@@ -54,18 +58,23 @@ class Phi3ForCausalLM(CausalLM):
                            tie_word_embeddings=cfg.tie_word_embeddings)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's fused ``qkv_proj`` / ``gate_up_proj`` split into q/k/v and gate/up, then loaded."""
-        if self.tp is not None and self.tp.plan.size > 1:
-            # the split needs the whole model's head counts; a rank holds only its own (ShardPlan.local_config)
-            raise ValueError("phi3 checkpoints (fused qkv_proj / gate_up_proj) do not load with tensor "
-                             "parallelism yet; run them in one process")
+        """The checkpoint's fused ``qkv_proj`` / ``gate_up_proj`` split into q/k/v and gate/up, then loaded.
+
+        The split is by the whole model's rows, whatever this process holds: a tensor-parallel rank's config
+        has its own head counts only, so its sizes come from its shard plan; each part then goes through the
+        fused map like any family's separate q/k/v, which takes this rank's rows of it.
+        """
         super().load_weights(self._split(weights))
 
     def _split(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        if self.tp is not None and self.tp.plan.size > 1:
+            plan = self.tp.plan
+            q_size, kv_size, intermediate = plan.total_q_size, plan.total_kv_size, plan.total_intermediate
+        else:
+            q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            intermediate = cfg.intermediate_size
         return split_fused_checkpoint(weights, {
             "qkv_proj": (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
-            "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
+            "gate_up_proj": (("gate_proj", intermediate), ("up_proj", intermediate)),
         })

@@ -38,7 +38,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         """Per layer: Qwen3's attention (q/k norms per head, biases on q/k/v/o with ``attention_bias``, the
         layer's window), then the experts where the layer is sparse, else the dense MLP."""
         norm = NormSpec(cfg.rms_norm_eps)
-        moe = cls.moe_spec(cfg)
+        moe = cls.moe_spec(cfg) if cfg.num_experts else None  # no experts: every layer dense
         layers = tuple(
             DecoderLayerSpec(
                 AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,

@@ -24,15 +24,20 @@ from torch import nn
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gemma4 import Gemma4ForCausalLM
 from pagedllm.models.gpt_oss import GptOssForCausalLM
+from pagedllm.models.granitemoe import GraniteMoeForCausalLM
 from pagedllm.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
     Qwen2ForCausalLM,
     SmolLM3ForCausalLM,
 )
+from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
+from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -45,12 +50,16 @@ class Family:
     family loads from Hugging Face folders only). ``config_types``: the
     loader's reading of config.json's model_type (``ModelArchConfig.architecture``),
     used only for a config.json that lists no ``architectures``.
+    ``gguf_expert_architectures``: GGUF architectures this family runs when
+    the file has experts, and another family when it has none (llama.cpp
+    writes Mixtral as "llama" with an expert count).
     """
 
     model_class: type[nn.Module]
     hf_architectures: tuple[str, ...]
     gguf_architectures: tuple[str, ...] = ()
     config_types: tuple[str, ...] = ()
+    gguf_expert_architectures: tuple[str, ...] = ()
 
 
 class ModelRegistry:
@@ -58,7 +67,7 @@ class ModelRegistry:
 
     def __init__(self, families: Iterable[Family]) -> None:
         self.families: tuple[Family, ...] = tuple(families)
-        for kind in ("hf_architectures", "gguf_architectures", "config_types"):
+        for kind in ("hf_architectures", "gguf_architectures", "config_types", "gguf_expert_architectures"):
             names = [name for family in self.families for name in getattr(family, kind)]
             repeated = sorted({name for name in names if names.count(name) > 1})
             if repeated:
@@ -71,17 +80,20 @@ class ModelRegistry:
     def supported(self, checkpoint_format: str, experts: bool = False) -> list[str]:
         """The architecture names of one checkpoint format ("hf" or "gguf"), sorted; with ``experts``, those of
         the families that compute mixtures of experts only."""
-        kind = "gguf_architectures" if checkpoint_format == "gguf" else "hf_architectures"
-        return sorted(name for family in self.families for name in getattr(family, kind)
-                      if not experts or getattr(family.model_class, "supports_experts", False))
+        kinds = ("gguf_architectures",) if checkpoint_format == "gguf" else ("hf_architectures",)
+        if experts and checkpoint_format == "gguf":
+            kinds = (*kinds, "gguf_expert_architectures")
+        return sorted({name for family in self.families for kind in kinds for name in getattr(family, kind)
+                       if not experts or getattr(family.model_class, "supports_experts", False)})
 
     def model_class(self, cfg: ModelArchConfig) -> type[nn.Module]:
         """The model class for ``cfg``'s architecture; ValueError naming it and the supported ones if none.
 
         A mixture of experts (``cfg.num_experts`` > 0) is refused, naming it,
-        unless its family computes routed MLPs (``supports_experts``): llama.cpp
-        writes Mixtral as GGUF architecture "llama" with an expert count, which
-        the Llama family does not run.
+        unless its family computes routed MLPs (``supports_experts``). A GGUF
+        file with experts is looked up first among ``gguf_expert_architectures``:
+        llama.cpp writes Mixtral as architecture "llama" with an expert count,
+        which the Llama family does not run and Mixtral's does.
         """
         try:
             found = self._dense_or_sparse(cfg)
@@ -99,7 +111,8 @@ class ModelRegistry:
 
     def _dense_or_sparse(self, cfg: ModelArchConfig) -> type[nn.Module]:
         if cfg.checkpoint_format == "gguf":
-            found = self._find("gguf_architectures", (cfg.architecture,))
+            found = self._find("gguf_expert_architectures", (cfg.architecture,)) if cfg.num_experts else None
+            found = found or self._find("gguf_architectures", (cfg.architecture,))
             if found is None:
                 raise ValueError(f"unsupported GGUF architecture {cfg.architecture!r}; supported: "
                                  f"{self.supported('gguf')}")
@@ -124,12 +137,17 @@ MODEL_REGISTRY = ModelRegistry((
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3",)),
+    Family(Gemma4ForCausalLM, ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), (), ("gemma4",)),
     Family(Gemma2ForCausalLM, ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family(Phi3ForCausalLM, ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family(Olmo2ForCausalLM, ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
     Family(Qwen3MoeForCausalLM, ("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
+    Family(MixtralForCausalLM, ("MixtralForCausalLM",), (), ("mixtral",), gguf_expert_architectures=("llama",)),
+    Family(Qwen2MoeForCausalLM, ("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),
+    Family(OlmoeForCausalLM, ("OlmoeForCausalLM",), ("olmoe",), ("olmoe",)),
+    Family(GraniteMoeForCausalLM, ("GraniteMoeForCausalLM",), ("granitemoe",), ("granitemoe",)),
     Family(GptOssForCausalLM, ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",)),
 ))
 

@@ -5,6 +5,11 @@
     kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
     layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
 
+A model whose layers differ in kv heads or head size (Gemma 4's global
+layers) has one shape for all: the most kv heads and the largest head any
+layer has (``ModelArchConfig.cache_kv_heads`` / ``cache_head_dim``); a
+smaller layer repeats its kv heads and pads its heads with zeros into it.
+
 An int8 or fp8 cache (``kv_cache_dtype="int8"``, ``"fp8*"``) has a last dimension of
 ``head_dim + 4``: each head's int8 values, then the four bytes of their
 float32 scale (``layers/kv_quant.py``). The scales live inside the blocks'
@@ -72,8 +77,8 @@ def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: to
     """Bytes one block takes across all layers, K and V (an int8 / int4 cache's scales included)."""
     mc = model_config
     elem = torch.tensor([], dtype=dtype).element_size()
-    width = cache_head_width(mc.head_dim, dtype)
-    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * width * elem
+    width = cache_head_width(mc.cache_head_dim, dtype)
+    return 2 * mc.num_hidden_layers * block_size * mc.cache_kv_heads * width * elem
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -95,8 +100,8 @@ def allocate_kv_cache(
     mc = model_config
     # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes: int8;
     #  head_dim / 2 + 4 bytes: int4)]
-    shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads,
-             cache_head_width(mc.head_dim, dtype))
+    shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.cache_kv_heads,
+             cache_head_width(mc.cache_head_dim, dtype))
     if device.type == "cpu":
         kv_cache = _lazy_zeros(shape, dtype)
     else:

@@ -15,6 +15,7 @@ from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.parallel import ParallelRMSNorm
 from pagedllm.layers.quantization.gguf_linear import gguf_types_held
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.tokenizer import Tokenizer
@@ -212,7 +213,9 @@ class ModelRunner:
     def _gather_rank_figures(self) -> None:
         """Every tensor-parallel rank's bytes held (``rank_bytes``), and the whole model's parameter count
         (the norms every rank holds a copy of counted once)."""
-        norm_params = sum(p.numel() for m in self.model.modules() if isinstance(m, RMSNorm) for p in m.parameters())
+        # OLMo 2's q/k norms are split over the ranks (ParallelRMSNorm), not copied: counted by every rank's share
+        norm_params = sum(p.numel() for m in self.model.modules()
+                          if isinstance(m, RMSNorm) and not isinstance(m, ParallelRMSNorm) for p in m.parameters())
         gathered = self.tp.all_gather_ints([self.weight_bytes, self.kv_cache_bytes, self.num_params])
         self.rank_bytes = [[w, kv] for w, kv, _ in gathered]
         self.num_params = sum(n for _, _, n in gathered) - (self.tp.size - 1) * norm_params

@@ -23,7 +23,7 @@ ALLOWED = {
     "distributed": {"loader", "kernels"},
     "models": {"layers", "loader"},  # loader: its config types only (test below)
     "loader": set(),
-    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output"},
+    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output", "harmony"},
     # speculative decoding's proposers and policy: plain Python below the engine (the runner verifies)
     "spec_decode": set(),
     # constraint limits, compile workers and grammar state: used by the engine and the server; the runner
@@ -32,7 +32,10 @@ ALLOWED = {
     "runner": {"kernels", "layers", "models", "loader", "distributed"},
     # engine clients (one engine thread, data-parallel replicas): above the engine, below the server
     "clients": {"engine", "loader", "distributed", "structured_output"},
-    "entrypoints": {"clients", "engine", "loader", "structured_output", "kernels", "layers", "bench", "distributed"},
+    # gpt-oss's harmony format (openai-harmony): its vocabulary, prompt rendering and detection; a leaf
+    "harmony": set(),
+    "entrypoints": {"clients", "engine", "loader", "structured_output", "kernels", "layers", "bench", "distributed",
+                    "harmony"},
     "bench": {"engine", "loader", "distributed"},
 }
 # config_record: how config records are declared (pydantic); resolved_config: the config's "auto"s resolved,

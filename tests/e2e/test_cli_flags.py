@@ -83,6 +83,7 @@ SERVER_VALUES: dict[str, tuple[list[str], object]] = {
     "allowed_hosts": (["--allowed-hosts", "a.test, b.test"], ["a.test", "b.test"]),
     "allowed_origins": (["--allowed-origins", "http://x.test"], ["http://x.test"]),
     "tool_call_parser": (["--tool-call-parser", "hermes"], "hermes"),
+    "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
     "kv_page": (["--no-kv-page"], False),
     "http_limits": (["--header-timeout", "2.5", "--max-linger-bytes", "7"],
                     HTTPLimits(header_timeout_s=2.5, max_linger_bytes=7)),
@@ -177,6 +178,7 @@ def test_every_serve_field_has_a_flag_with_help_and_default() -> None:
 
 @pytest.mark.parametrize("flag, value", [("--header-timeout", "0"), ("--stream-write-timeout", "-1"),
                                          ("--allowed-hosts", ","), ("--tool-call-parser", "nope"),
+                                         ("--reasoning-parser", "granite9"),
                                          ("--max-waiting", "0"), ("--port", "70000")])
 def test_a_bad_serve_value_names_its_flag(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", flag, value]) == 2  # refused before the model loads

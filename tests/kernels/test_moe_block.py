@@ -1,5 +1,7 @@
 """The mixture-of-experts block (``layers/fused_moe.py``) and its grouped product (``layers/experts_linear.py``).
 
+- Our router against transformers' own Qwen3-MoE and GraniteMoE routers, bit
+  for bit, ties included (``torch.topk``'s order).
 - Each router kind against a per-token reference written here from the
   routers' definitions (transformers' Qwen3-MoE / OLMoE, GraniteMoE /
   gpt-oss, DeepSeek-V3's corrected sigmoid): softmax then top-k with and
@@ -39,7 +41,7 @@ from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm.layers.quantization.packed_linear import PackedBF16LinearMethod, PackedLinearMethod
 from pagedllm.layers.quantization.quant_config import QuantConfig, process_weights_after_loading
 from pagedllm.layers.quantization.quantized_linear import QuantizedLinearMethod
-from pagedllm.layers.router import RouterSpec
+from pagedllm.layers.router import Router, RouterSpec
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the kernels need the native build")
 
@@ -295,3 +297,40 @@ def test_stacked_experts_refuse_what_they_cannot_multiply() -> None:
         tp = dataclasses.make_dataclass("TP", [("size", int)])(2)
         MoEBlock(MoESpec(RouterSpec(EXPERTS, 2), INTER), HIDDEN, tp)
     assert np.all(np.isfinite(x.numpy()))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "granitemoe"])
+def test_routers_choose_and_weigh_as_transformers_even_on_ties(family: str) -> None:
+    """Our router against transformers' own (``Qwen3MoeTopKRouter``: softmax, top-k, renormalised;
+    ``GraniteMoeTopKRouter``: top-k of the logits, softmax): the same experts in the same slot order and the same
+    float32 weights, bit for bit, with experts whose gate rows are equal (exact ties) among them."""
+    from transformers import GraniteMoeConfig, Qwen3MoeConfig
+    from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(EXPERTS, HIDDEN, generator=gen)
+    weight[4] = weight[1]  # experts 1 and 4 always tie, and 2 and 5
+    weight[5] = weight[2]
+    if family == "qwen3_moe":
+        hf = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=EXPERTS, num_experts_per_tok=3,
+                                               norm_topk_prob=True))
+        spec = RouterSpec(EXPERTS, 3, renormalize=True)
+    else:
+        hf = GraniteMoeTopKRouter(GraniteMoeConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS,
+                                                   num_experts_per_tok=3))
+        spec = RouterSpec(EXPERTS, 3, order="topk_softmax")
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+    with torch.device("meta"):
+        router = Router(spec, HIDDEN)
+    router = router.to_empty(device="cpu")
+    with torch.no_grad():
+        router.weight.copy_(weight)
+    x = torch.randn(40, HIDDEN, generator=gen)
+    with torch.no_grad():
+        _, want_weights, want_ids = hf(x)
+        got_weights, got_ids = router.route(x)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_weights, want_weights)
+    assert any(len(set(row.tolist()) & {1, 4}) == 2 or len(set(row.tolist()) & {2, 5}) == 2 for row in got_ids)

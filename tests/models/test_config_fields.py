@@ -4,10 +4,11 @@ Honoured, against transformers on the same tiny random weights: Llama's
 ``mlp_bias`` (biases on gate, up and down) and ``attention_bias``, from the
 folder and from llama.cpp's converter GGUF. Refused: a field the family's
 transformers class does not compute, set to a value that would change the
-result (``loader/config_fields.py``), each named in its error. A Mixtral
-folder, its converter GGUF (architecture "llama" with an expert count) and
-experts in a dense family's config are refused as mixtures of experts,
-naming the architecture and the mixture-of-experts ones supported (Qwen3-MoE).
+result (``loader/config_fields.py``), each named in its error. Experts in
+a dense family's config are refused as a mixture of experts, naming the
+architecture and the mixture-of-experts ones supported (Mixtral, the
+"llama" GGUF with an expert count that llama.cpp writes for it, and the
+other MoE families run: ``test_family_moe.py``, ``test_family_qwen3_moe.py``).
 """
 
 from __future__ import annotations
@@ -174,27 +175,6 @@ def test_fields_at_neutral_values_and_honoured_fields_are_read() -> None:
     assert from_hf_config(_config("mistral", sliding_window=8)).sliding_window(0) == 8
 
 
-def _mixtral_config():  # noqa: ANN202
-    from transformers import MixtralConfig
-
-    return MixtralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2)
-
-
-@pytest.fixture(scope="session")
-def mixtral_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
-    return _save(_mixtral_config(), tmp_path_factory.mktemp("tiny-mixtral"), smollm_tokenizer)
-
-
-def test_a_mixtral_folder_is_refused_as_a_mixture_of_experts(mixtral_dir: str) -> None:
-    with pytest.raises(ValueError, match=r"architecture \['MixtralForCausalLM'\] with 4 experts is a mixture of "
-                                         r"experts: mixture-of-experts models are not supported for it; "
-                                         r"mixture-of-experts architectures supported: \[.*'Qwen3MoeForCausalLM'"):
-        LLM(mixtral_dir, **ENGINE)
-
-
 def test_experts_are_refused_for_a_family_without_them_and_run_for_qwen3_moe() -> None:
     """A Qwen3-MoE config runs as Qwen3-MoE (by class or by model_type); experts in a config of a dense family
     (a Qwen3 config.json carrying num_experts) are refused by name, not run as a dense model."""
@@ -208,22 +188,6 @@ def test_experts_are_refused_for_a_family_without_them_and_run_for_qwen3_moe() -
     dense = {**config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     with pytest.raises(ValueError, match=r"'Qwen3ForCausalLM'\] with 8 experts is a mixture of experts"):
         registry.model_class(from_hf_config(dense))
-
-
-@pytest.mark.slow  # converts the checkpoint in a subprocess
-def test_a_mixtral_converter_gguf_is_refused_before_any_tensor_error(mixtral_dir: str, tmp_path_factory,  # noqa: ANN001
-                                                                     gguf_converter) -> None:  # noqa: ANN001
-    """llama.cpp writes Mixtral as architecture 'llama' with llama.expert_count and ffn_*_exps tensors: the error
-    is the mixture of experts, not the first tensor without a name here."""
-    from gguf_convert import read_gguf
-
-    path = gguf_converter.convert(mixtral_dir, "f16", str(tmp_path_factory.mktemp("mixtral-gguf") / "mixtral-f16.gguf"))
-    assert "blk.0.ffn_gate_exps.weight" in {t.name for t in read_gguf(path).tensors}
-    assert load_model_config(path).num_experts == 4
-    with pytest.raises(ValueError, match=r"architecture 'llama' with 4 experts is a mixture of experts: "
-                                         r"mixture-of-experts models are not supported for it; mixture-of-experts "
-                                         r"architectures supported: \[.*'qwen3moe'"):
-        LLM(path, **ENGINE)
 
 
 @pytest.mark.parametrize(("arch", "metadata", "message"), [

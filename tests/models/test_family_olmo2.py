@@ -173,9 +173,60 @@ def test_qk_norm_over_the_projection_in_either_implementation(rotate: bool) -> N
     assert not torch.allclose(per_head.view(rows, -1), ref_norm(before[:, :q_size], norms[0].weight.detach()))
 
 
+class _OtherRankSums:
+    """Stands in for a two-rank group: ``all_reduce_`` adds the other rank's sums of squares ``[rows, 2]``."""
+
+    size = 2
+
+    def __init__(self, other: torch.Tensor) -> None:
+        self.other = other
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(self.other)
+
+
+def test_qk_norm_over_a_projection_split_over_ranks_in_either_implementation() -> None:
+    """Each of two ranks' layers (2 of 4 q heads, 1 of 2 KV heads, its slices of the norm weights), given the
+    other rank's sums of squares, gives its heads of the whole layer's q and k, torch and native alike."""
+    from pagedllm.layers.parallel import ParallelRMSNorm
+
+    gen = torch.Generator().manual_seed(11)
+    head_dim, rows, eps = 16, 5, 1e-5
+    qkv = torch.randn(rows, 8 * head_dim, generator=gen) * torch.linspace(0.1, 4.0, 8 * head_dim)
+    q_all, k_all, v_all = qkv.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=1)
+    q_weight, k_weight = torch.rand(4 * head_dim, generator=gen) + 0.5, torch.rand(2 * head_dim, generator=gen) + 0.5
+    tables = RotaryTables({"default": RopeSpec(head_dim, 64, 10000.0)})
+    cos_sin = tables.cos_sin(torch.arange(2, 2 + rows), torch.float32)["default"]
+
+    def whole(x: torch.Tensor, w: torch.Tensor, heads: int) -> torch.Tensor:  # transformers' Olmo2RMSNorm, rotated
+        normed = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return RotaryEmbedding.apply(normed.view(rows, heads, head_dim), cos_sin)
+
+    want_q, want_k = whole(q_all, q_weight, 4), whole(k_all, k_weight, 2)
+    lib = load_kernels()
+    for rank in (0, 1):
+        q_cols, k_cols = slice(32 * rank, 32 * rank + 32), slice(16 * rank, 16 * rank + 16)
+        q_other = q_all.square().sum(-1, keepdim=True) - q_all[:, q_cols].square().sum(-1, keepdim=True)
+        k_other = k_all.square().sum(-1, keepdim=True) - k_all[:, k_cols].square().sum(-1, keepdim=True)
+        group = _OtherRankSums(torch.cat([q_other, k_other], dim=1))
+        norms = (ParallelRMSNorm(NormSpec(eps), 32, group, 32 * rank, 64),
+                 ParallelRMSNorm(NormSpec(eps), 16, group, 16 * rank, 32))
+        with torch.no_grad():
+            norms[0].weight.copy_(norms[0].checkpoint_slice("weight", q_weight))
+            norms[1].weight.copy_(norms[1].checkpoint_slice("weight", k_weight))
+        layer = QKNormRotary(2, 1, head_dim, *norms, whole_projection=True)
+        local = torch.cat([q_all[:, q_cols], k_all[:, k_cols], v_all[:, k_cols]], dim=1)
+        for ops in (None, NativeOps(lib) if lib is not None else None):
+            layer.select_impl(ops)
+            with torch.no_grad():
+                got_q, got_k = layer(local.clone(), cos_sin)
+            torch.testing.assert_close(got_q, want_q[:, 2 * rank : 2 * rank + 2], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_k, want_k[:, rank : rank + 1], rtol=1e-5, atol=1e-5)
+
+
 def test_olmo2_blocks_refuse_what_they_cannot_compute() -> None:
-    """A layer with no norm at all, an unknown q/k-norm span, and whole-projection norms split over
-    tensor-parallel ranks (each rank would miss the others' heads in the mean square) are ValueErrors."""
+    """A layer with no norm at all, an unknown q/k-norm span, and a tensor-parallel rank's whole-projection norm
+    given a checkpoint weight that is not the whole projection's are ValueErrors."""
     norm = NormSpec(1e-5)
     attention = AttentionSpec(64, 4, 2, 16, qk_norm=norm, qk_norm_span="projection")
     with pytest.raises(ValueError, match="pre_norms"):
@@ -186,8 +237,27 @@ def test_olmo2_blocks_refuse_what_they_cannot_compute() -> None:
     tp = TensorParallelGroup(ShardPlan.make(cfg, 0, 2))
     backend = make_backend("reference", "cpu", torch.float32)
     local = AttentionSpec(64, 2, 1, 16, qk_norm=norm, qk_norm_span="projection")
-    with pytest.raises(ValueError, match="tensor parallelism"), torch.device("meta"):
-        SelfAttention(local, backend, tp)
+    with pytest.raises(ValueError, match="whole projection"), torch.device("meta"):
+        # a rank's whole-projection norm takes its slice of the checkpoint's weight, of the whole size only
+        SelfAttention(local, backend, tp).q_norm.checkpoint_slice("weight", torch.ones(32))
+
+
+def test_olmo2_ranks_hold_their_heads_slice_of_the_qk_norms() -> None:
+    """Over 2 ranks a layer's q/k norms are ParallelRMSNorms of its heads' features (2 of 4 q heads, 1 of 2 KV
+    heads), each taking those features of the checkpoint's whole weight."""
+    from pagedllm.layers.parallel import ParallelRMSNorm
+
+    cfg = from_hf_config(_tiny_olmo2_config().to_dict())
+    backend = make_backend("reference", "cpu", torch.float32)
+    local = AttentionSpec(64, 2, 1, 16, qk_norm=NormSpec(1e-5), qk_norm_span="projection")
+    whole_q, whole_k = torch.arange(64.0), torch.arange(32.0)
+    for rank in (0, 1):
+        attn = SelfAttention(local, backend, TensorParallelGroup(ShardPlan.make(cfg, rank, 2)))
+        assert isinstance(attn.q_norm, ParallelRMSNorm) and isinstance(attn.k_norm, ParallelRMSNorm)
+        assert (attn.q_norm.start, attn.q_norm.total_dim, attn.k_norm.start, attn.k_norm.total_dim) == (
+            32 * rank, 64, 16 * rank, 32)
+        assert attn.q_norm.checkpoint_slice("weight", whole_q).tolist() == list(range(32 * rank, 32 * rank + 32))
+        assert attn.k_norm.checkpoint_slice("weight", whole_k).tolist() == list(range(16 * rank, 16 * rank + 16))
 
 
 @pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)

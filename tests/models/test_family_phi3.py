@@ -45,6 +45,7 @@ from conftest import hf_greedy
 from gguf_convert import read_gguf
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.shard_plan import ShardPlan
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.sequence import Sequence
 from pagedllm.layers.rotary import RotaryEmbedding, longrope_rows, rope_parameters
@@ -283,7 +284,7 @@ def test_phi3_folders_match_transformers(phi3_dirs: dict[str, str]) -> None:
 
 def test_phi3_bad_configs_are_refused() -> None:
     """A RoPE type Phi-3 does not take, and a partial rotation of an odd number of dimensions, are ValueErrors;
-    a fused tensor of the wrong rows is one too, and so is a tensor-parallel load."""
+    a fused tensor of the wrong rows is one too; a tensor-parallel rank splits by the whole model's rows."""
     base = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=10, hidden_size=64,
                 intermediate_size=32, num_hidden_layers=1, num_attention_heads=4)
     with pytest.raises(ValueError, match="phi3: unsupported rope_type 'dynamic'"):
@@ -298,10 +299,12 @@ def test_phi3_bad_configs_are_refused() -> None:
     assert split["l.self_attn.k_proj.weight"].tolist() == [[8.0, 9.0], [10.0, 11.0]]
     with pytest.raises(ValueError, match="7 rows"):
         list(split_fused_checkpoint([("l.self_attn.qkv_proj.weight", torch.zeros(7, 2))], parts))
-    # tensor parallelism is refused before any tensor is read (a rank holds only its own head counts)
-    rank = SimpleNamespace(tp=SimpleNamespace(plan=SimpleNamespace(size=2)))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        Phi3ForCausalLM.load_weights(rank, iter(()))
+    # a tensor-parallel rank (its config holds 2 of the 4 heads) splits by the whole model's rows, its plan's
+    plan = ShardPlan.make(cfg, 1, 2)
+    rank = SimpleNamespace(config=plan.local_config(cfg), tp=SimpleNamespace(plan=plan))
+    qkv = torch.arange(192.0).view(192, 1)  # q, k, v of 4 heads of 16
+    split = dict(Phi3ForCausalLM._split(rank, [("l.self_attn.qkv_proj.weight", qkv)]))
+    assert [split[f"l.self_attn.{p}_proj.weight"][0, 0].item() for p in "qkv"] == [0.0, 64.0, 128.0]
 
 
 @pytest.mark.slow  # converts the checkpoints in subprocesses (seconds each), fetches the converter once

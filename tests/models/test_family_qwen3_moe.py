@@ -130,6 +130,8 @@ def test_qwen3_moe_folder_matches_transformers(qwen3_moe_dir: str) -> None:
     assert block.experts.down.out_features == NUM_EXPERTS * 64
     _check_against_transformers(llm, _hf(qwen3_moe_dir), _prompts(5))
     assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+    # the routing reads the step's expert counts into Python: decode steps are not captured (not tried)
+    assert llm.llm_engine.model_runner.captured_decode is None
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +274,14 @@ def test_qwen3_moe_dense_layers_follow_decoder_sparse_step_and_mlp_only_layers()
     spec = Qwen3MoeForCausalLM.decoder_spec(cfg)
     assert [layer.moe is not None for layer in spec.layers] == [True, True, True, False, True, True]
     assert spec.layers[0].moe.router.renormalize and spec.layers[0].moe.router.top_k == TOP_K
+
+
+def test_tensor_parallelism_is_refused_for_experts_by_name() -> None:
+    """No rank's slice of the experts exists yet: the shard plan refuses a model with experts on 2 ranks."""
+    from pagedllm.distributed.shard_plan import ShardPlan
+    from pagedllm.loader.model_config import from_hf_config
+
+    cfg = from_hf_config({**_tiny_config().to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    assert ShardPlan.make(cfg, 0, 1).size == 1
+    with pytest.raises(ValueError, match="mixture-of-experts models .* do not support tensor parallelism yet"):
+        ShardPlan.make(cfg, 0, 2)

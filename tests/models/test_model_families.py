@@ -6,6 +6,7 @@ weights); transformers' greedy tokens on them are the oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -160,7 +161,7 @@ def test_registry_finds_the_family_by_either_name(names, architecture, checkpoin
     (_arch(("GPTNeoXForCausalLM",), "gpt_neox"),
      r"unsupported architecture \['GPTNeoXForCausalLM'\]; supported: .*'Qwen2ForCausalLM'"),
     (_arch((), "gpt_neox"), r"unsupported architecture model_type 'gpt_neox'; supported: .*'LlamaForCausalLM'"),
-    (_arch((), "mamba", "gguf"), r"unsupported GGUF architecture 'mamba'; supported: \[.*'gemma2', 'gemma3'.*'llama'.*'olmo2', 'phi3', 'qwen2', 'qwen3'.*\]"),
+    (_arch((), "mamba", "gguf"), r"unsupported GGUF architecture 'mamba'; supported: \[.*'gemma2', 'gemma3'.*'llama'.*'olmo2'.*'phi3', 'qwen2'.*'qwen3'.*\]"),
 ])
 def test_registry_refuses_an_unknown_architecture_by_name(cfg: ModelArchConfig, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -236,8 +237,13 @@ def test_layer_without_rope_norms_only_in_either_implementation(with_norms: bool
 
 
 def test_every_registered_family_is_a_decoder_spec_on_the_shared_blocks() -> None:
-    """A family file holds a ``decoder_spec``; its layers are the shared ones (no attention or MLP of its own)."""
+    """A family file holds a ``decoder_spec``; its layers are the shared ones (no attention or MLP of its own).
+
+    A family whose layer differs in structure (Gemma 4: experts beside the MLP, per-layer head shapes) names a
+    layer class of ``pagedllm.layers`` (``CausalLM.layer_class``), still built on the shared MLP; the family
+    file itself holds no layer code."""
     from pagedllm.layers.decoder import DecoderLayer
+    from pagedllm.layers.fused_moe import MoEBlock
     from pagedllm.layers.mlp import GatedMLP
     from pagedllm.layers.self_attention import SelfAttention
 
@@ -248,5 +254,16 @@ def test_every_registered_family_is_a_decoder_spec_on_the_shared_blocks() -> Non
         with torch.device("meta"):
             model = family.model_class(_arch(architecture=architecture), backend)
         layer = model.model.layers[0]
+        if family.model_class.layer_class is not None:
+            assert type(layer) is family.model_class.layer_class
+            assert type(layer).__module__.startswith("pagedllm.layers.") and type(layer.mlp) is GatedMLP
+            assert type(layer.self_attn).__module__.startswith("pagedllm.layers.")
+            continue
         assert type(layer) is DecoderLayer
         assert type(layer.self_attn) is SelfAttention and type(layer.mlp) is GatedMLP
+        if getattr(family.model_class, "supports_experts", False):  # and its sparse layers the shared MoE block
+            sparse = dataclasses.replace(_arch(architecture=architecture), num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32)
+            with torch.device("meta"):
+                model = family.model_class(sparse, backend)
+            assert type(model.model.layers[0].mlp) is MoEBlock

@@ -58,12 +58,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 AUTO_CALL = r'I will check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "celsius"\}\}\n</tool_call>'
 
 
-def _serve(path: str | None, name: str) -> Iterator[dict]:
+def _serve(path: str | None, name: str, **settings) -> Iterator[dict]:  # noqa: ANN003
     from pagedllm import LLM
 
     kwargs = {"num_kv_blocks": 96, "max_model_len": 1024, "num_threads": 1}
     llm = LLM(path, **kwargs) if path is not None else LLM(**kwargs)
-    with serve_in_thread(llm.llm_engine, model_name=name) as url:
+    with serve_in_thread(llm.llm_engine, model_name=name, **settings) as url:
         yield {"url": url, "client": OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)}
 
 
@@ -75,6 +75,11 @@ def bundled() -> Iterator[dict]:
 @pytest.fixture(scope="module")
 def tool_model(tiny_tool_model_dir: str) -> Iterator[dict]:
     yield from _serve(tiny_tool_model_dir, "tiny-tools")
+
+
+@pytest.fixture(scope="module")
+def thinking_tool_model(tiny_tool_model_dir: str) -> Iterator[dict]:
+    yield from _serve(tiny_tool_model_dir, "tiny-tools", reasoning_parser="qwen3")
 
 
 def _check_calls(calls, allowed: set[str]) -> None:  # noqa: ANN001
@@ -245,3 +250,34 @@ def test_bench_serve_mixes_schemas_and_tools_into_the_workload(bundled, capsys) 
     assert cli.main(["bench", "serve", "--base-url", bundled["url"], "--mix", "plain:1,video:2"]) == 2
     assert "unknown request kind" in capsys.readouterr().err
     assert wait_kv_free(bundled["url"]) == 0.0
+
+
+# what Qwen3 writes when it thinks, then calls: a <tool_call> inside the thinking is not a call
+THINK_CALL = (r'<think>\nMaybe <tool_call>\{"name": "get_time"\}</tool_call>\? No\.\n</think>\n\n'
+              r'I will check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", '
+              r'"unit": "celsius"\}\}\n</tool_call>')
+
+
+def test_reasoning_and_calls_stream_together(thinking_tool_model) -> None:  # noqa: ANN001
+    """``--reasoning-parser qwen3`` before the Hermes tool parser: the thinking is split off, the call after it parsed."""
+    client = thinking_tool_model["client"]
+    kwargs = dict(model="tiny-tools", messages=ASK, tools=TOOLS, temperature=1.0, seed=0, max_tokens=128,
+                  extra_body={"structured_outputs": {"regex": THINK_CALL}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.message.reasoning_content == '\nMaybe <tool_call>{"name": "get_time"}</tool_call>? No.\n'
+    assert whole.message.content.strip() == "I will check."
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert whole.finish_reason == "tool_calls"
+    reasoning, content, names, args = "", "", [], ""
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                names += [d.function.name] if d.function.name else []
+                args += d.function.arguments or ""
+    assert (reasoning, content) == (whole.message.reasoning_content, whole.message.content)
+    assert names == ["get_weather"] and args == call.function.arguments
+    assert wait_kv_free(thinking_tool_model["url"]) == 0.0

@@ -229,7 +229,8 @@ def build_app(
     if default_max_tokens is None:
         default_max_tokens = engine.generation_defaults.values.get("max_tokens")
     completion = OpenAIServingCompletion(async_engine, prompts, name, default_max_tokens)
-    chat = OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, default_max_tokens)
+    chat = OpenAIServingChat(async_engine, prompts, name, settings.tool_call_parser, default_max_tokens,
+                             settings.reasoning_parser)
     completion.stream_writes = chat.stream_writes = StreamWrites(
         settings.stream_write_timeout_s,
         metrics.stream_write_timeouts.inc if metrics is not None else None,

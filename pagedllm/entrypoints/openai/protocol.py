@@ -467,6 +467,9 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # an earlier reply's reasoning, as clients send replies back; not shown to the model again
+    # (harmony drops earlier turns' analysis, and <think> templates drop earlier thinking)
+    reasoning_content: str | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as OpenAI's plain JSON (for ``to_template_messages``)."""
@@ -521,6 +524,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # how long a reasoning model thinks: gpt-oss's harmony system message carries it
+    # (reasoning_parsers/, harmony/prompt.py); other models have no such setting and ignore it
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @property
     def constraint_param(self) -> str:

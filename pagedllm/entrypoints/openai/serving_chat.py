@@ -5,6 +5,14 @@ calls (``tool_choice.py``, ``tool_parsers/``): in the model's own format
 for ``"auto"``, or as the JSON a grammar forces for ``"required"`` and a
 named function. Calls come back as ``message.tool_calls`` or, streamed, as
 ``delta.tool_calls`` pieces, as OpenAI sends them.
+
+With a reasoning parser (``--reasoning-parser``, or ``gpt_oss`` chosen for a
+gpt-oss model) each choice's output goes through it first
+(``reasoning_parsers/``): the thinking comes back as
+``message.reasoning_content`` / ``delta.reasoning_content``. A gpt-oss
+model's prompt is rendered by openai-harmony (``harmony/prompt.py``), with
+``reasoning_effort``, and its calls come from harmony's ``commentary``
+messages; generation stops at ``<|return|>`` or ``<|call|>``.
 """
 
 from __future__ import annotations
@@ -22,11 +30,17 @@ from pagedllm.engine.protocol import EngineClient, RequestStream
 from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest, bad_request
+from pagedllm.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    ReplyParser,
+    get_reasoning_parser,
+)
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage
 from pagedllm.entrypoints.openai.sse import sse_chunks, sse_response
 from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from pagedllm.harmony.detect import is_harmony_model
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,16 +56,30 @@ class OpenAIServingChat(OpenAIServing):
             (``hermes``, ``llama3_json``, or ``auto``: read from the chat template).
         default_max_tokens: the cap on a reply whose request sets no
             ``max_tokens`` / ``max_completion_tokens`` (``--default-max-tokens``); None: none.
+        reasoning_parser: ``gpt_oss``, ``qwen3``, ``deepseek_r1``, ``none``, or ``auto``
+            (``gpt_oss`` for a gpt-oss model, else none).
     """
 
     def __init__(
         self, engine_client: EngineClient, prompts: PromptEncoder, model_name: str, tool_call_parser: str = "auto",
-        default_max_tokens: int | None = None,
+        default_max_tokens: int | None = None, reasoning_parser: str = "auto",
     ) -> None:
         super().__init__(engine_client, prompts, model_name)
         self.default_max_tokens = default_max_tokens
-        template = getattr(engine_client.engine.tokenizer.hf, "chat_template", None)
-        self.tool_parser = get_tool_parser(tool_call_parser, template if isinstance(template, str) else None)
+        engine = engine_client.engine
+        template = getattr(engine.tokenizer.hf, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        self.tool_parser = get_tool_parser(tool_call_parser, template)
+        arch = engine.model_config
+        self.harmony = is_harmony_model(arch.architecture, arch.architectures, template)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser, self.harmony)
+        if self.reasoning_parser is not None and self.reasoning_parser.parses_tool_calls and not self.harmony:
+            raise ValueError(f"the {self.reasoning_parser.name} reasoning parser reads harmony output; "
+                             "this model does not use the harmony format")
+        if self.harmony:
+            from pagedllm.harmony.vocab import harmony_encoding
+
+            harmony_encoding()  # loaded (and its vocabulary written) at start: a missing one fails here, not per request
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         """Answer one chat request, streamed or whole."""
@@ -60,37 +88,79 @@ class OpenAIServingChat(OpenAIServing):
         params = req.to_sampling_params(tools, self.default_max_tokens, self.sampling_defaults)
         if req.stream:
             params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
+        if self.harmony:
+            self._harmony_params(params, tools)
         await self.compile_constraint(params, req.constraint_param, request)
         try:
             messages = req.template_messages()
-            encoded = await self.prompts.chat(messages, req.add_generation_prompt, params, tools.template_tools())
+            if self.harmony:
+                encoded = await self._harmony_prompt(messages, tools, req.reasoning_effort, params)
+            else:
+                encoded = await self.prompts.chat(messages, req.add_generation_prompt, params, tools.template_tools())
         except Exception as e:
             raise to_api_error(e, "messages") from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self.add_requests(rid, [encoded], params, "messages")
         created = int(time.time())
         top_n = req.top_logprobs or 0
+        replies = _ReplyParsers(self.reasoning_parser, encoded[0], tools, self.tool_parser)
         if not req.stream:
             header = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
             return await self.wait_all(
-                request, sub, lambda outs: self._response(header, sub, outs[0], top_n, tools)
+                request, sub, lambda outs: self._response(header, sub, outs[0], top_n, tools, replies)
             )
         header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         tokens: dict[int, int] = {}
         events = sse_chunks(
-            header, req.include_usage, self._stream(sub, params, top_n, tokens, tools),
+            header, req.include_usage, self._stream(sub, params, top_n, tokens, tools, replies),
             lambda: usage(sub.prompt_token_counts[0], sum(tokens.values())),
         )
         return sse_response(events, on_close=sub.abort, writes=self.stream_writes)
 
+    def _harmony_params(self, params: SamplingParams, tools: ToolSpec) -> None:
+        """A harmony request's own rules: it stops at ``<|return|>`` / ``<|call|>``; its calls are not forced.
+
+        ``required`` and named ``tool_choice`` force calls with a JSON grammar, which would keep
+        the model from writing harmony's channels: refused with a 400.
+        """
+        if tools.tool_choice not in ("auto", "none"):
+            raise bad_request(
+                "tool_choice 'required' or naming a function is not supported for harmony (gpt-oss) models; "
+                "use 'auto'", "tool_choice",
+            )
+        from pagedllm.harmony.vocab import harmony_encoding
+
+        try:
+            stops = harmony_encoding().stop_tokens_for_assistant_actions()
+        except ValueError as e:
+            raise APIError(500, str(e), "server_error") from e
+        params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(stops))
+
+    async def _harmony_prompt(
+        self, messages: list[dict[str, Any]], tools: ToolSpec, effort: str | None, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """The conversation rendered by openai-harmony (on a worker thread): (None, token ids)."""
+        from pagedllm.harmony.prompt import render_prompt
+
+        ids = await asyncio.to_thread(render_prompt, messages, tools.template_tools(), effort)
+        return await self.prompts.token_ids(ids, params)
+
     def _response(
-        self, header: dict[str, Any], sub: RequestStream, out: RequestOutput, top_n: int, tools: ToolSpec
+        self, header: dict[str, Any], sub: RequestStream, out: RequestOutput, top_n: int, tools: ToolSpec,
+        replies: _ReplyParsers,
     ) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             finish_reason = c.finish_reason
-            if tools.parses_calls:
+            parser = replies.new(buffered=True)
+            if parser is not None:
+                found = parser.extract(c.text, c.token_ids)
+                message = {"role": "assistant", "content": found.content, "reasoning_content": found.reasoning_content}
+                if tools.parses_calls:
+                    message["tool_calls"] = [call.to_dict() for call in found.tool_calls]
+                    finish_reason = tools.finish_reason(c.finish_reason, found.tools_called)
+            elif tools.parses_calls:
                 found = tools.extract(c.text, self.tool_parser)
                 message = {"role": "assistant", "content": found.content,
                            "tool_calls": [call.to_dict() for call in found.tool_calls]}
@@ -103,19 +173,20 @@ class OpenAIServingChat(OpenAIServing):
         return {**header, "choices": choices, "usage": usage(sub.prompt_token_counts[0], completion)}
 
     async def _stream(
-        self, sub: RequestStream, params: SamplingParams, top_n: int, tokens: dict[int, int], tools: ToolSpec
+        self, sub: RequestStream, params: SamplingParams, top_n: int, tokens: dict[int, int], tools: ToolSpec,
+        replies: _ReplyParsers,
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """The choices of each chunk; ``tokens`` counts each choice's tokens for the usage chunk.
 
         The engine's outputs are deltas (``RequestOutputKind.DELTA``): each
         choice's new text (held back while a stop string may cut it), tokens and logprobs.
         """
-        parsers: dict[int, ToolParser | None] = {}
+        parsers: dict[int, ToolParser | ReplyParser | None] = {}
         async for _, out in sub.outputs():
             for c in out.outputs:
                 if c.index not in parsers:
                     # as OpenAI: each choice opens with the role, once
-                    parsers[c.index] = tools.new_parser(self.tool_parser)
+                    parsers[c.index] = replies.new(buffered=False) or tools.new_parser(self.tool_parser)
                     yield [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}]
                 tokens[c.index] = tokens.get(c.index, 0) + len(c.token_ids)
@@ -124,9 +195,36 @@ class OpenAIServingChat(OpenAIServing):
                     yield [chunk]
 
 
+class _ReplyParsers:
+    """Makes each choice's ``ReplyParser`` for a request (None without a reasoning parser).
+
+    ``prompt_text``: the rendered prompt (a ``<think>`` template may open the block there).
+    """
+
+    def __init__(
+        self, reasoning: type[ReasoningParser] | None, prompt_text: str | None, tools: ToolSpec,
+        tool_parser: type[ToolParser],
+    ) -> None:
+        self.reasoning = reasoning
+        self.prompt_text = prompt_text
+        self.tools = tools
+        self.tool_parser = tool_parser
+
+    def new(self, buffered: bool) -> ReplyParser | None:
+        """A parser for one choice, or None when the request has no reasoning parser."""
+        if self.reasoning is None:
+            return None
+        tools = self.tools
+        max_calls = None if tools.parallel_tool_calls else 1
+        reasoning = self.reasoning(
+            prompt_text=self.prompt_text, calls_allowed=tools.parses_calls, max_calls=max_calls
+        )
+        return ReplyParser(reasoning, tools.new_parser(self.tool_parser, buffered=buffered))
+
+
 def _choice_chunks(
-    c: CompletionOutput, text: str, finished: bool, logprobs: dict[str, Any] | None, parser: ToolParser | None,
-    tools: ToolSpec,
+    c: CompletionOutput, text: str, finished: bool, logprobs: dict[str, Any] | None,
+    parser: ToolParser | ReplyParser | None, tools: ToolSpec,
 ) -> list[dict[str, Any]]:
     """The chunks one new piece of a choice makes: its delta (text, or call pieces), then its end.
 
@@ -138,7 +236,10 @@ def _choice_chunks(
         fin = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason} if finished else {"finish_reason": None}
         return [{"index": c.index, "delta": delta, "logprobs": logprobs, **fin}]
     chunks = []
-    fed = parser.feed(text) if text else None
+    if isinstance(parser, ReplyParser):
+        fed = parser.feed(text, c.token_ids) if text or c.token_ids else None
+    else:
+        fed = parser.feed(text) if text else None
     delta = fed.to_dict() if fed is not None else {}
     if delta or logprobs is not None:
         chunks.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
@@ -146,7 +247,8 @@ def _choice_chunks(
         tail = parser.finish()
         chunks.append({
             "index": c.index, "delta": tail.to_dict() if tail is not None else {}, "logprobs": None,
-            "finish_reason": tools.finish_reason(c.finish_reason, parser.num_calls > 0),
+            "finish_reason": tools.finish_reason(c.finish_reason, parser.num_calls > 0) if tools.parses_calls
+            else c.finish_reason,
             "stop_reason": c.stop_reason,
         })
     return chunks

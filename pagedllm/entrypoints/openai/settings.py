@@ -12,6 +12,7 @@ from pagedllm.config_record import NonEmptyStr, PositiveFloat, PositiveInt, conf
 from pagedllm.entrypoints.arg_fields import NO_FLAG, Flag
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSER_CHOICES
 from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -19,6 +20,12 @@ from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 def _check_tool_call_parser(name: str) -> str:
     if name != "auto" and name not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser {name!r} is unknown; known: auto, {', '.join(sorted(TOOL_PARSERS))}")
+    return name
+
+
+def _check_reasoning_parser(name: str) -> str:
+    if name not in REASONING_PARSER_CHOICES:
+        raise ValueError(f"reasoning_parser {name!r} is unknown; known: {', '.join(REASONING_PARSER_CHOICES)}")
     return name
 
 
@@ -72,6 +79,9 @@ class ServerSettings:
             no other origin can read an answer.
         tool_call_parser: the model's tool-call format for ``tool_choice="auto"``: ``hermes``,
             ``llama3_json``, or ``auto`` (read from the chat template).
+        reasoning_parser: how replies are split into ``reasoning_content`` and content: ``gpt_oss``
+            (harmony channels), ``qwen3`` / ``deepseek_r1`` (``<think>`` blocks), ``none``, or
+            ``auto`` (``gpt_oss`` for a gpt-oss model, else none).
         kv_page: serve the live KV-cache page (``/kv``, ``/kv/state``, ``/kv/events``).
         http_limits: header deadline and count, lingering close (``http_protocol.py``).
         default_max_tokens: most tokens a reply gets when its request sets no ``max_tokens`` /
@@ -98,6 +108,9 @@ class ServerSettings:
     allowed_origins: Annotated[list[NonEmptyStr] | None, Flag(parser=comma_list, metavar="ORIGINS")] = None
     tool_call_parser: Annotated[
         str, AfterValidator(_check_tool_call_parser), Flag(metavar="{" + ",".join(["auto", *sorted(TOOL_PARSERS)]) + "}"),
+    ] = "auto"
+    reasoning_parser: Annotated[
+        str, AfterValidator(_check_reasoning_parser), Flag(metavar="{" + ",".join(REASONING_PARSER_CHOICES) + "}"),
     ] = "auto"
     kv_page: bool = True
     http_limits: Annotated[HTTPLimits, Flag(prefix="")] = field(default_factory=HTTPLimits)

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 
 #include "gguf_blocks.h"
+#include "gguf_moe.h"
 #include "gguf_x16.h"
 #include "../step/step_nodes.h"
 
@@ -311,45 +312,64 @@ static float *strip_buffer(int64_t floats) {
 }
 
 #ifdef V
-/* one row of a direct_type, strip by strip, no buffer */
-static void direct_team(const LinearNode *n, int64_t row_bytes) {
-    const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
+/* one row of a direct_type against strip s, no buffer */
+static void direct_strip(const LinearNode *n, int64_t row_bytes, int64_t s) {
+    const int64_t k = n->in_features, cols = n->out_features, c0 = s * STRIP;
     const int type = n->weight_type;
-    const bool grouped = is_group_type(type);
-#pragma omp for schedule(static)
-    for (int64_t s = 0; s < num_strips; s++) {
-        const int64_t c0 = s * STRIP;
-        const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
-        const uint8_t *w = (const uint8_t *)n->weight + c0 * row_bytes;
-        const float *bias = n->bias ? n->bias + c0 : NULL;
-        float *y = n->y + c0;
-        if (grouped) {
-            const int64_t g = n->group_size;
-            switch (nc) {
-#if STRIP > 3
-                case 4: group_direct_row<4>(n->x, k, w, row_bytes, type, g, bias, y); break;
-#endif
-                case 3: group_direct_row<3>(n->x, k, w, row_bytes, type, g, bias, y); break;
-                case 2: group_direct_row<2>(n->x, k, w, row_bytes, type, g, bias, y); break;
-                default: group_direct_row<1>(n->x, k, w, row_bytes, type, g, bias, y); break;
-            }
-            continue;
-        }
+    const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
+    const uint8_t *w = (const uint8_t *)n->weight + c0 * row_bytes;
+    const float *bias = n->bias ? n->bias + c0 : NULL;
+    float *y = n->y + c0;
+    if (is_group_type(type)) {
+        const int64_t g = n->group_size;
         switch (nc) {
 #if STRIP > 3
-            case 4: direct_row<4>(n->x, k, w, row_bytes, type, bias, y); break;
+            case 4: group_direct_row<4>(n->x, k, w, row_bytes, type, g, bias, y); break;
 #endif
-            case 3: direct_row<3>(n->x, k, w, row_bytes, type, bias, y); break;
-            case 2: direct_row<2>(n->x, k, w, row_bytes, type, bias, y); break;
-            default: direct_row<1>(n->x, k, w, row_bytes, type, bias, y); break;
+            case 3: group_direct_row<3>(n->x, k, w, row_bytes, type, g, bias, y); break;
+            case 2: group_direct_row<2>(n->x, k, w, row_bytes, type, g, bias, y); break;
+            default: group_direct_row<1>(n->x, k, w, row_bytes, type, g, bias, y); break;
         }
+        return;
     }
+    switch (nc) {
+#if STRIP > 3
+        case 4: direct_row<4>(n->x, k, w, row_bytes, type, bias, y); break;
+#endif
+        case 3: direct_row<3>(n->x, k, w, row_bytes, type, bias, y); break;
+        case 2: direct_row<2>(n->x, k, w, row_bytes, type, bias, y); break;
+        default: direct_row<1>(n->x, k, w, row_bytes, type, bias, y); break;
+    }
+}
+
+/* one row of a direct_type, strip by strip */
+static void direct_team(const LinearNode *n, int64_t row_bytes) {
+    const int64_t num_strips = (n->out_features + STRIP - 1) / STRIP;
+#pragma omp for schedule(static)
+    for (int64_t s = 0; s < num_strips; s++) direct_strip(n, row_bytes, s);
 }
 #endif
 
+/* rows [row0, row0 + m) against strip s, dequantized into buf ([STRIP, k]) first */
+static void one_strip(const LinearNode *n, int64_t row_bytes, int64_t s, int64_t row0, int64_t m, float *buf) {
+    const int64_t k = n->in_features, cols = n->out_features, c0 = s * STRIP;
+    const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
+    dequantize_strip(n, c0, nc, row_bytes, buf);
+    const float *x = n->x + row0 * k, *bias = n->bias ? n->bias + c0 : NULL;
+    float *y = n->y + row0 * cols + c0;
+    switch (nc) {
+#if STRIP > 3
+        case 4: strip_rows<4>(x, m, k, buf, bias, y, cols); break;
+#endif
+        case 3: strip_rows<3>(x, m, k, buf, bias, y, cols); break;
+        case 2: strip_rows<2>(x, m, k, buf, bias, y, cols); break;
+        default: strip_rows<1>(x, m, k, buf, bias, y, cols); break;
+    }
+}
+
 /* rows [row0, row0 + m): each strip dequantized into the thread's buffer, then every row against it */
 static void strip_team(const LinearNode *n, int64_t row_bytes, int64_t row0, int64_t m, int *failed) {
-    const int64_t k = n->in_features, cols = n->out_features, num_strips = (cols + STRIP - 1) / STRIP;
+    const int64_t k = n->in_features, num_strips = (n->out_features + STRIP - 1) / STRIP;
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < num_strips; s++) {
         float *buf = strip_buffer(STRIP * k);  // [STRIP, k]
@@ -358,20 +378,14 @@ static void strip_team(const LinearNode *n, int64_t row_bytes, int64_t row0, int
             *failed = 1;
             continue;
         }
-        const int64_t c0 = s * STRIP;
-        const int nc = (int)(cols - c0 < STRIP ? cols - c0 : STRIP);
-        dequantize_strip(n, c0, nc, row_bytes, buf);
-        const float *x = n->x + row0 * k, *bias = n->bias ? n->bias + c0 : NULL;
-        float *y = n->y + row0 * cols + c0;
-        switch (nc) {
-#if STRIP > 3
-            case 4: strip_rows<4>(x, m, k, buf, bias, y, cols); break;
-#endif
-            case 3: strip_rows<3>(x, m, k, buf, bias, y, cols); break;
-            case 2: strip_rows<2>(x, m, k, buf, bias, y, cols); break;
-            default: strip_rows<1>(x, m, k, buf, bias, y, cols); break;
-        }
+        one_strip(n, row_bytes, s, row0, m, buf);
     }
+}
+
+/* rows per block of a long input: its activations stay in L2 while the strips pass (BLOCK_FLOATS) */
+static int64_t strip_block_rows(int64_t k) {
+    const int64_t block_rows = BLOCK_FLOATS / k / TILE_M * TILE_M;
+    return block_rows < TILE_M ? TILE_M : block_rows;
 }
 
 void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed) {
@@ -387,10 +401,27 @@ void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed) {
         return;
     }
 #endif
-    int64_t block_rows = BLOCK_FLOATS / k / TILE_M * TILE_M;
-    if (block_rows < TILE_M) block_rows = TILE_M;
+    const int64_t block_rows = strip_block_rows(k);
     for (int64_t row0 = 0; row0 < rows; row0 += block_rows)
         strip_team(n, row_bytes, row0, rows - row0 < block_rows ? rows - row0 : block_rows, failed);
+}
+
+int64_t gguf_strip_channels(void) { return STRIP; }
+
+int gguf_linear_strips(const LinearNode *n, int64_t rows, int64_t s0, int64_t s1) {
+    const int64_t k = n->in_features, row_bytes = blocks_row_bytes(n->weight_type, k, n->group_size);
+#ifdef V
+    if (rows == 1 && direct_type(n->weight_type)) {  // as gguf_linear_team: no buffer for one row
+        for (int64_t s = s0; s < s1; s++) direct_strip(n, row_bytes, s);
+        return 0;
+    }
+#endif
+    float *buf = strip_buffer(STRIP * k);  // [STRIP, k]
+    if (buf == NULL) return 1;
+    const int64_t block_rows = strip_block_rows(k);
+    for (int64_t row0 = 0; row0 < rows; row0 += block_rows)
+        for (int64_t s = s0; s < s1; s++) one_strip(n, row_bytes, s, row0, rows - row0 < block_rows ? rows - row0 : block_rows, buf);
+    return 0;
 }
 
 /* out[r] = the dequantized row index[r] of a quantized table */

@@ -151,4 +151,17 @@ void gguf_x16_row(int x16_type, const uint8_t *table, int64_t row, int64_t in_fe
 /* y = x W^T (+ bias) over an x16 weight, `rows` rows (a team function, step_nodes.h); needs n->scratch. This and
    gguf_x16_scratch_bytes are gguf_x16_matmul.cpp; the interleave and the row read back, gguf_x16_repack.cpp */
 void gguf_x16_linear_team(const LinearNode *n, int64_t rows);
+
+/* The pieces of a grouped-expert matmul (gguf_moe_linear.cpp), each on the calling thread, over scratches of
+   gguf_x16_scratch_bytes(rows, k) bytes:
+   gguf_x16_quantize_row: the k inputs x rounded to int8 into row `row` of a scratch of `rows` rows, as
+     gguf_x16_linear_team rounds each of its rows;
+   gguf_x16_copy_row: row src_row of one scratch (its int8 inputs and block sums) to row dst_row of another;
+   gguf_x16_tiles: rows [row0, row0 + m) of a scratch of `rows` rows against tiles [t0, t1) of n's weight,
+     into n->y's rows row0.. (n->x and n->scratch unused), with gguf_x16_linear_team's kernels and blocks */
+void gguf_x16_quantize_row(const float *x, int64_t k, void *scratch, int64_t rows, int64_t row);
+void gguf_x16_copy_row(const void *src, int64_t src_rows, int64_t src_row, void *dst, int64_t dst_rows,
+                       int64_t dst_row, int64_t k);
+void gguf_x16_tiles(const LinearNode *n, const void *scratch, int64_t rows, int64_t row0, int64_t m, int64_t t0,
+                    int64_t t1);
 #endif

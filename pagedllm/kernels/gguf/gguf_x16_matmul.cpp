@@ -47,12 +47,15 @@ typedef struct {
     const int32_t *h; /* [rows, k / 32]: the sum of each block's first 16 quants (Q6_K's sub-blocks) */
 } QRows;
 
-static QRows scratch_rows(const LinearNode *n, int64_t rows) {
-    uint8_t *base = (uint8_t *)n->scratch;
-    const int64_t quants = (rows * n->in_features + 63) / 64 * 64, nb = rows * (n->in_features / GGUF_BLOCK);
+/* the parts of a scratch of `rows` rows of k inputs (gguf_x16_scratch_bytes) */
+static QRows qrows_at(const void *scratch, int64_t rows, int64_t k) {
+    const uint8_t *base = (const uint8_t *)scratch;
+    const int64_t quants = (rows * k + 63) / 64 * 64, nb = rows * (k / GGUF_BLOCK);
     return {(const int8_t *)base, (const float *)(base + quants), (const int32_t *)(base + quants + 4 * nb),
             (const int32_t *)(base + quants + 8 * nb)};
 }
+
+static QRows scratch_rows(const LinearNode *n, int64_t rows) { return qrows_at(n->scratch, rows, n->in_features); }
 
 /* one block of 32 inputs rounded to int8 as llama.cpp's Q8 activations: dx = max |x| / 127, q = round(x / dx)
    (nearbyintf: half to even), clamped to [-127, 127]; *s = the sum of the 32 quants, *h that of the first 16.
@@ -556,37 +559,71 @@ static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int6
 /* int8 rows per block: a block's copies (k bytes and 12 per 32 inputs each) stay in L2 across the tiles */
 #define X16_BLOCK_BYTES (192 * 1024)
 
+/* rows [row0, row0 + m) of qr against tile t, the kernel of the node's type */
+static void type_tile_rows(const LinearNode *n, const QRows &qr, int64_t t, int64_t row0, int64_t m) {
+    switch (x16_base_type(n->weight_type)) {
+        case GGUF_Q4_0: tile_team_rows<GGUF_Q4_0>(n, qr, t, row0, m); break;
+        case GGUF_Q4_1: tile_team_rows<GGUF_Q4_1>(n, qr, t, row0, m); break;
+        case GGUF_Q5_0: tile_team_rows<GGUF_Q5_0>(n, qr, t, row0, m); break;
+        case GGUF_Q5_1: tile_team_rows<GGUF_Q5_1>(n, qr, t, row0, m); break;
+        case GGUF_Q8_0: tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m); break;
+        case GGUF_Q4_K: tile_team_rows<GGUF_Q4_K>(n, qr, t, row0, m); break;
+        case GGUF_Q5_K: tile_team_rows<GGUF_Q5_K>(n, qr, t, row0, m); break;
+        case GGUF_Q2_K: tile_team_rows<GGUF_Q2_K>(n, qr, t, row0, m); break;
+        case GGUF_Q3_K: tile_team_rows<GGUF_Q3_K>(n, qr, t, row0, m); break;
+        case GROUP_I8: tile_team_rows<GROUP_I8>(n, qr, t, row0, m); break;
+        case GROUP_I4: tile_team_rows<GROUP_I4>(n, qr, t, row0, m); break;
+        case GGUF_IQ4_NL: tile_team_rows<GGUF_IQ4_NL>(n, qr, t, row0, m); break;
+        case GGUF_IQ4_XS: tile_team_rows<GGUF_IQ4_XS>(n, qr, t, row0, m); break;
+        case GGUF_MXFP4: tile_team_rows<GGUF_MXFP4>(n, qr, t, row0, m); break;
+        default: tile_team_rows<GGUF_Q6_K>(n, qr, t, row0, m); break;
+    }
+}
+
+/* rows per block of a long input: a block's int8 copies (k bytes and 12 per 32 inputs each) stay in L2 */
+static int64_t x16_block_rows(int64_t k) {
+    const int64_t block_rows = X16_BLOCK_BYTES / (k + 12 * (k / GGUF_BLOCK)) / X16_MR * X16_MR;
+    return block_rows < X16_MR ? X16_MR : block_rows;
+}
+
 void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
     const int64_t k = n->in_features, nb = k / GGUF_BLOCK, num_tiles = n->out_features / X16_TILE;
-    const int type = x16_base_type(n->weight_type);
     const QRows qr = scratch_rows(n, rows);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         quantize_row(n->x + r * k, k, (int8_t *)qr.q + r * k, (float *)qr.d + r * nb, (int32_t *)qr.s + r * nb,
                      (int32_t *)qr.h + r * nb);
-    int64_t block_rows = X16_BLOCK_BYTES / (k + 12 * nb) / X16_MR * X16_MR;
-    if (block_rows < X16_MR) block_rows = X16_MR;
+    const int64_t block_rows = x16_block_rows(k);
     for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
         const int64_t m = rows - row0 < block_rows ? rows - row0 : block_rows;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < num_tiles; t++) {
-            switch (type) {
-                case GGUF_Q4_0: tile_team_rows<GGUF_Q4_0>(n, qr, t, row0, m); break;
-                case GGUF_Q4_1: tile_team_rows<GGUF_Q4_1>(n, qr, t, row0, m); break;
-                case GGUF_Q5_0: tile_team_rows<GGUF_Q5_0>(n, qr, t, row0, m); break;
-                case GGUF_Q5_1: tile_team_rows<GGUF_Q5_1>(n, qr, t, row0, m); break;
-                case GGUF_Q8_0: tile_team_rows<GGUF_Q8_0>(n, qr, t, row0, m); break;
-                case GGUF_Q4_K: tile_team_rows<GGUF_Q4_K>(n, qr, t, row0, m); break;
-                case GGUF_Q5_K: tile_team_rows<GGUF_Q5_K>(n, qr, t, row0, m); break;
-                case GGUF_Q2_K: tile_team_rows<GGUF_Q2_K>(n, qr, t, row0, m); break;
-                case GGUF_Q3_K: tile_team_rows<GGUF_Q3_K>(n, qr, t, row0, m); break;
-                case GROUP_I8: tile_team_rows<GROUP_I8>(n, qr, t, row0, m); break;
-                case GROUP_I4: tile_team_rows<GROUP_I4>(n, qr, t, row0, m); break;
-                case GGUF_IQ4_NL: tile_team_rows<GGUF_IQ4_NL>(n, qr, t, row0, m); break;
-                case GGUF_IQ4_XS: tile_team_rows<GGUF_IQ4_XS>(n, qr, t, row0, m); break;
-                case GGUF_MXFP4: tile_team_rows<GGUF_MXFP4>(n, qr, t, row0, m); break;
-                default: tile_team_rows<GGUF_Q6_K>(n, qr, t, row0, m); break;
-            }
-        }
+        for (int64_t t = 0; t < num_tiles; t++) type_tile_rows(n, qr, t, row0, m);
     }
+}
+
+/* ---- the pieces of a grouped-expert matmul (gguf_moe_linear.cpp) ---- */
+
+void gguf_x16_quantize_row(const float *x, int64_t k, void *scratch, int64_t rows, int64_t row) {
+    const QRows qr = qrows_at(scratch, rows, k);
+    const int64_t nb = k / GGUF_BLOCK;
+    quantize_row(x, k, (int8_t *)qr.q + row * k, (float *)qr.d + row * nb, (int32_t *)qr.s + row * nb,
+                 (int32_t *)qr.h + row * nb);
+}
+
+void gguf_x16_copy_row(const void *src, int64_t src_rows, int64_t src_row, void *dst, int64_t dst_rows,
+                       int64_t dst_row, int64_t k) {
+    const QRows from = qrows_at(src, src_rows, k), to = qrows_at(dst, dst_rows, k);
+    const int64_t nb = k / GGUF_BLOCK;
+    memcpy((int8_t *)to.q + dst_row * k, from.q + src_row * k, (size_t)k);
+    memcpy((float *)to.d + dst_row * nb, from.d + src_row * nb, (size_t)nb * sizeof(float));
+    memcpy((int32_t *)to.s + dst_row * nb, from.s + src_row * nb, (size_t)nb * sizeof(int32_t));
+    memcpy((int32_t *)to.h + dst_row * nb, from.h + src_row * nb, (size_t)nb * sizeof(int32_t));
+}
+
+void gguf_x16_tiles(const LinearNode *n, const void *scratch, int64_t rows, int64_t row0, int64_t m, int64_t t0,
+                    int64_t t1) {
+    const QRows qr = qrows_at(scratch, rows, n->in_features);
+    const int64_t block_rows = x16_block_rows(n->in_features);
+    for (int64_t r = row0; r < row0 + m; r += block_rows)
+        for (int64_t t = t0; t < t1; t++) type_tile_rows(n, qr, t, r, row0 + m - r < block_rows ? row0 + m - r : block_rows);
 }

@@ -68,13 +68,17 @@ class CapturedDecode:
 
     @staticmethod
     def supports(backend: AttentionBackend, model_config: ModelArchConfig) -> bool:
-        """Whether a decode step reads the step through tensors only: ``cpu_paged`` without score softcaps.
+        """Whether a decode step reads the step through tensors only: ``cpu_paged`` without score softcaps, and
+        no mixture of experts.
 
         ``cpu_paged`` decodes (windowed or not) take block tables and lengths
         as tensors; the SDPA decode path sizes its gather from the Python
-        lengths, which a trace would freeze.
+        lengths, which a trace would freeze, and a mixture of experts groups
+        the step's tokens by the experts their router chose, counts it reads
+        into Python (``layers/experts_linear.py``).
         """
-        return backend.name == "cpu_paged" and model_config.attn_logit_softcapping is None
+        return (backend.name == "cpu_paged" and model_config.attn_logit_softcapping is None
+                and not model_config.num_experts)
 
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -75,14 +75,25 @@ class ToolCallDelta:
 
 @dataclass
 class DeltaMessage:
-    """What one streamed chunk of a choice carries: new content, pieces of calls, or both."""
+    """What one streamed chunk of a choice carries: new reasoning, new content, pieces of calls.
+
+    ``reasoning_content`` is set only by a reasoning parser (``reasoning_parsers/``).
+    """
 
     content: str | None = None
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning_content: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        """Whether the delta carries nothing."""
+        return self.content is None and self.reasoning_content is None and not self.tool_calls
 
     def to_dict(self) -> dict[str, Any]:
         """OpenAI's ``delta`` (without ``role``, which the first chunk adds)."""
         out: dict[str, Any] = {}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.content is not None:
             out["content"] = self.content
         if self.tool_calls:
@@ -95,11 +106,13 @@ class ExtractedToolCalls:
     """A whole reply split into content and calls.
 
     ``content`` is None when there are calls and no text besides them; with
-    no calls it is the text (``""`` for an empty reply).
+    no calls it is the text (``""`` for an empty reply). ``reasoning_content``:
+    what a reasoning parser split off (None when there was none).
     """
 
     content: str | None
     tool_calls: list[ToolCall]
+    reasoning_content: str | None = None
 
     @property
     def tools_called(self) -> bool:
@@ -110,10 +123,13 @@ class ExtractedToolCalls:
 def assemble_deltas(deltas: Iterable[DeltaMessage | None]) -> ExtractedToolCalls:
     """Put streamed deltas back together the way a client does: content joined, calls joined by index."""
     content: list[str] = []
+    reasoning: list[str] = []
     calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
     for delta in deltas:
         if delta is None:
             continue
+        if delta.reasoning_content is not None:
+            reasoning.append(delta.reasoning_content)
         if delta.content is not None:
             content.append(delta.content)
         for piece in delta.tool_calls:
@@ -126,7 +142,8 @@ def assemble_deltas(deltas: Iterable[DeltaMessage | None]) -> ExtractedToolCalls
             calls[piece.index][2] += piece.arguments
     tool_calls = [ToolCall(name, args, id_) for _, (id_, name, args) in sorted(calls.items())]
     text = "".join(content)
-    return ExtractedToolCalls(text if text or not tool_calls else None, tool_calls)
+    return ExtractedToolCalls(text if text or not tool_calls else None, tool_calls,
+                              "".join(reasoning) if reasoning else None)
 
 
 class ToolParser(ABC):
@@ -189,7 +206,7 @@ class ToolParser(ABC):
 
     def _take(self) -> DeltaMessage | None:
         out, self._out = self._out, DeltaMessage()
-        return out if out.content is not None or out.tool_calls else None
+        return None if out.empty else out
 
     def _send_content(self, text: str) -> None:
         if text:

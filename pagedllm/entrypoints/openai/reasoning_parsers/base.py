@@ -1,0 +1,113 @@
+"""What every reasoning parser shares: the streaming contract of one choice's output.
+
+A reasoning parser splits a choice's output into ``reasoning_content`` (the
+model's thinking) and the text of the reply, as vLLM's ``--reasoning-parser``
+does. It reads the new text *and* the new token ids of each step: a format
+written in plain tags (``<think>``) reads the text, one written in special
+tokens (gpt-oss's harmony channels) reads the ids, which a detokenizer that
+skips special tokens would lose.
+
+Contract, as the tool parsers' (``tool_parsers/base.py``): ``feed`` after
+each step and ``finish`` once after the last, each returning the
+``DeltaMessage`` to send (or None); the same state machine serves a whole
+output (one ``feed`` of everything), so a stream cut anywhere reassembles
+into the non-streamed answer. The reply text it passes on (``content``) then
+goes through the request's tool parser (``reply_parser.py``), unless the
+format carries its calls itself (``parses_tool_calls``: harmony's
+``commentary`` messages to ``functions.NAME``), in which case the reasoning
+parser sends the calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    DeltaMessage,
+    ToolCallDelta,
+    new_tool_call_id,
+)
+
+
+class ReasoningParser(ABC):
+    """Splits one choice's output into reasoning and reply (and, for some formats, tool calls).
+
+    Args:
+        prompt_text: the rendered prompt, for formats whose template may open
+            the reasoning block in the prompt (``<think>`` at its end); None: unknown.
+        calls_allowed: whether calls may be returned (the request has tools and
+            ``tool_choice`` is ``auto``); only read by parsers that ``parses_tool_calls``.
+        max_calls: keep at most this many calls (1 for ``parallel_tool_calls: false``).
+    """
+
+    name: ClassVar[str] = ""
+    parses_tool_calls: ClassVar[bool] = False  # the format's calls come from this parser, not a tool parser
+
+    def __init__(
+        self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None
+    ) -> None:
+        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+            raise ValueError(f"max_calls must be a positive integer or None, got {max_calls!r}")
+        self.prompt_text = prompt_text
+        self.calls_allowed = calls_allowed
+        self.max_calls = max_calls
+        self.num_calls = 0
+        self._out = DeltaMessage()
+        self._finished = False
+
+    def feed(self, text: str, token_ids: Sequence[int]) -> DeltaMessage | None:
+        """Read the choice's next text and token ids; the delta to send, or None."""
+        if self._finished:
+            raise ValueError("feed() after finish()")
+        self._read(text, token_ids)
+        return self._take()
+
+    def finish(self) -> DeltaMessage | None:
+        """The output has ended: what was held back, resolved; the last delta, or None."""
+        if self._finished:
+            raise ValueError("finish() called twice")
+        self._finished = True
+        self._end()
+        return self._take()
+
+    @abstractmethod
+    def _read(self, text: str, token_ids: Sequence[int]) -> None:
+        """Read one step's new output."""
+
+    @abstractmethod
+    def _end(self) -> None:
+        """Resolve whatever is pending at the end of the output."""
+
+    # --- what subclasses send ---------------------------------------------------------------
+
+    def _take(self) -> DeltaMessage | None:
+        out, self._out = self._out, DeltaMessage()
+        return None if out.empty else out
+
+    def _send_reasoning(self, text: str) -> None:
+        if text:
+            self._out.reasoning_content = (self._out.reasoning_content or "") + text
+
+    def _send_content(self, text: str) -> None:
+        if text:
+            self._out.content = (self._out.content or "") + text
+
+    def _open_call(self, name: str) -> int | None:
+        """Send a call's header; its index, or None when ``max_calls`` are already out (the call is dropped)."""
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            return None
+        index = self.num_calls
+        self.num_calls += 1
+        self._out.tool_calls.append(ToolCallDelta(index, new_tool_call_id(), name))
+        return index
+
+    def _send_arguments(self, index: int, piece: str) -> None:
+        if not piece:
+            return
+        calls = self._out.tool_calls
+        if calls and calls[-1].index == index:
+            calls[-1].arguments += piece  # one piece per call and chunk
+        else:
+            calls.append(ToolCallDelta(index, arguments=piece))

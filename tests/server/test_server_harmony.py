@@ -1,0 +1,164 @@
+"""gpt-oss's harmony format on /v1/chat/completions, through the official openai client.
+
+The server runs a tiny random Llama with the o200k_harmony vocabulary and a
+harmony chat template (``tests/harmony_models.py``), so it picks the
+``gpt_oss`` reasoning parser and openai-harmony's renderer on its own. A
+random model never writes harmony by itself: each request gives a regex
+(the exact text of the reply) and a ``logit_bias`` of -100 on every ordinary
+token with a ``<`` in it, so that where the regex reaches ``<|channel|>`` the
+only token left that spells it is harmony's special one (not ``<|`` written
+out), and of +100 on the stop token the test wants (``<|return|>`` or
+``<|call|>``). The expected reasoning, content
+and call are the literal pieces of the regex, not the server's output.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from server_helpers import serve_in_thread, wait_kv_free
+
+pytestmark = pytest.mark.slow  # a real server: outside the fast tier
+
+RETURN, CALL = 200002, 200012
+NUM_RANKS = 199998  # o200k_base's ordinary tokens; the special ones follow
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ASK = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the weather in Paris?"}]
+THOUGHT = "The user asks about the weather."
+ANSWER = "It is sunny in Paris."
+CALL_THOUGHT = "I should call get_weather."
+ARGUMENTS = '{"city": "Paris"}'
+# what gpt-oss writes after "<|start|>assistant": analysis, then the final answer or a call
+FINAL_REGEX = (r"<\|channel\|>analysis<\|message\|>The user asks about the weather\.<\|end\|>"
+               r"<\|start\|>assistant<\|channel\|>final<\|message\|>It is sunny in Paris\.")
+CALL_REGEX = (r"<\|channel\|>analysis<\|message\|>I should call get_weather\.<\|end\|>"
+              r"<\|start\|>assistant<\|channel\|>commentary to=functions\.get_weather <\|constrain\|>json"
+              r'<\|message\|>\{"city": "Paris"\}')
+
+
+@pytest.fixture(scope="module")
+def harmony_dir(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny harmony model's folder, and its ordinary tokens with a ``<`` in them."""
+    from harmony_models import save_tiny_harmony_model
+    from transformers import AutoTokenizer
+
+    path = save_tiny_harmony_model(Path(tmp_path_factory.mktemp("tiny-harmony")))
+    vocab = AutoTokenizer.from_pretrained(path).get_vocab()
+    return {"path": path, "angled": sorted(i for token, i in vocab.items() if "<" in token and i < NUM_RANKS)}
+
+
+@pytest.fixture(scope="module")
+def harmony_server(harmony_dir: dict) -> Iterator[dict]:
+    from pagedllm import LLM
+
+    llm = LLM(harmony_dir["path"], num_kv_blocks=64, max_model_len=1024, num_threads=1)
+    with serve_in_thread(llm.llm_engine, model_name="tiny-harmony") as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
+        yield {"url": url, "client": client, "angled": harmony_dir["angled"]}
+
+
+def _forced(server: dict, regex: str, stop: int) -> dict:
+    """Request fields that make the random model write ``regex`` in harmony's tokens, then ``stop``."""
+    bias = {**{str(t): -100 for t in server["angled"]}, str(stop): 100}
+    return {"temperature": 0, "max_tokens": 80, "logit_bias": bias, "extra_body": {"structured_outputs": {"regex": regex}}}
+
+
+def _stream(client: OpenAI, **kwargs) -> dict:  # noqa: ANN003
+    """A streamed reply put back together as a client does: reasoning, content, calls by index."""
+    reasoning, content, calls, finish = [], [], {}, None
+    for chunk in client.chat.completions.create(model="tiny-harmony", stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            piece = (delta.model_extra or {}).get("reasoning_content")
+            if piece:
+                reasoning.append(piece)
+            if delta.content:
+                content.append(delta.content)
+            for call in delta.tool_calls or []:
+                if call.id is not None:
+                    assert call.index not in calls, "a call's name is sent once"
+                    calls[call.index] = [call.id, call.function.name, ""]
+                calls[call.index][2] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return {"reasoning": "".join(reasoning), "content": "".join(content), "calls": calls, "finish": finish}
+
+
+def test_analysis_and_final(harmony_server) -> None:  # noqa: ANN001
+    client = harmony_server["client"]
+    out = client.chat.completions.create(
+        model="tiny-harmony", messages=ASK, reasoning_effort="low", **_forced(harmony_server, FINAL_REGEX, RETURN)
+    )
+    message = out.choices[0].message
+    assert message.reasoning_content == THOUGHT  # the openai client reads it (an extra field)
+    assert message.content == ANSWER
+    assert not message.tool_calls
+    assert out.choices[0].finish_reason == "stop"
+    streamed = _stream(client, messages=ASK, **_forced(harmony_server, FINAL_REGEX, RETURN))
+    assert streamed == {"reasoning": THOUGHT, "content": ANSWER, "calls": {}, "finish": "stop"}
+    assert wait_kv_free(harmony_server["url"]) == 0.0
+
+
+def test_analysis_and_tool_call(harmony_server) -> None:  # noqa: ANN001
+    client = harmony_server["client"]
+    kwargs = {"messages": ASK, "tools": [WEATHER], "reasoning_effort": "high", **_forced(harmony_server, CALL_REGEX, CALL)}
+    out = client.chat.completions.create(model="tiny-harmony", **kwargs)
+    choice = out.choices[0]
+    assert choice.message.reasoning_content == CALL_THOUGHT
+    assert not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.function.arguments == ARGUMENTS
+    assert choice.finish_reason == "tool_calls"
+    streamed = _stream(client, **kwargs)
+    assert streamed["reasoning"] == CALL_THOUGHT and streamed["content"] == ""
+    assert [(name, args) for _, name, args in streamed["calls"].values()] == [("get_weather", ARGUMENTS)]
+    assert streamed["finish"] == "tool_calls"
+    # the round trip: the call and its result go back, rendered by openai-harmony
+    follow = [*ASK, choice.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
+    again = client.chat.completions.create(model="tiny-harmony", messages=follow, tools=[WEATHER],
+                                           **_forced(harmony_server, FINAL_REGEX, RETURN))
+    assert again.choices[0].message.content == ANSWER
+    assert wait_kv_free(harmony_server["url"]) == 0.0
+
+
+def test_harmony_refusals(harmony_server) -> None:  # noqa: ANN001
+    import openai
+
+    client = harmony_server["client"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-harmony", messages=ASK, tools=[WEATHER], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-harmony", messages=ASK, reasoning_effort="extreme")
+
+
+def test_llm_chat_renders_harmony_and_parses(harmony_dir: dict) -> None:
+    """``LLM.chat`` renders with openai-harmony and stops at <|call|>; ``parse_reply`` reads the output."""
+    from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+    from pagedllm.entrypoints.openai.reasoning_parsers import parse_reply
+    from pagedllm.harmony.prompt import render_prompt
+
+    llm = LLM(harmony_dir["path"], num_kv_blocks=32, max_model_len=512, num_threads=1)
+    bias = {**{t: -100.0 for t in harmony_dir["angled"]}, CALL: 100.0}
+    params = SamplingParams(temperature=0.0, max_tokens=80, logit_bias=bias,
+                            structured_outputs=StructuredOutputsParams(regex=CALL_REGEX))
+    (out,) = llm.chat(ASK, params, use_tqdm=False, tools=[WEATHER], reasoning_effort="low")
+    assert out.prompt_token_ids == render_prompt(ASK, [WEATHER], "low")
+    assert out.outputs[0].token_ids[-1] == CALL and out.outputs[0].finish_reason == "stop"
+    found = parse_reply(out.outputs[0].token_ids)
+    assert found.reasoning_content == CALL_THOUGHT and found.content is None
+    assert [(c.name, c.arguments) for c in found.tool_calls] == [("get_weather", ARGUMENTS)]
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        llm.chat(ASK, params, use_tqdm=False, reasoning_effort="max")
