@@ -67,10 +67,8 @@ class GptOssForCausalLM(CausalLM):
     def decoder_spec(cls, cfg: ModelArchConfig) -> DecoderSpec:
         """Per layer: attention with biases on q/k/v/o, sinks and the layer's window, then the experts (every
         layer of gpt-oss is sparse; a dense one would take the gated MLP); one RoPE table (YaRN)."""
-        if not cfg.num_experts:
-            raise ValueError("gpt-oss: the configuration has no experts (num_local_experts)")
         norm = NormSpec(cfg.rms_norm_eps)
-        moe = cls.moe_spec(cfg)
+        moe = cls.moe_spec(cfg) if cfg.num_experts else None
         layers = tuple(
             DecoderLayerSpec(
                 AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
