@@ -27,12 +27,13 @@ void logit_stats_f32(const float *logits, int64_t rows, int64_t vocab, int64_t *
 /* prefill_attention.cpp */
 int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
                           int64_t v_stride, float *out, int64_t out_stride, const int64_t *bounds, int num_seqs,
-                          int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads);
+                          int num_heads, int num_kv_heads, int head_dim, float scale, const float *sinks,
+                          int num_threads);
 /* paged_prefill.cpp: prompt tokens read from the paged cache in paged_decode's order */
 int paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_type,
                       const int64_t *block_tables, int64_t table_stride, const int64_t *bounds,
                       const int64_t *seq_lens, float *out, int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                      float scale, int num_threads);
+                      float scale, const float *sinks, int num_threads);
 /* shm_allreduce.cpp: 0 done, 4 timed out, 5 a peer process has exited */
 int shm_all_reduce_f32(float *x, int64_t n, float *slots, int64_t capacity, int64_t *flags, const int64_t *pids,
                        int rank, int size, double timeout_s, int num_threads);

@@ -101,9 +101,9 @@ def _register_in_place() -> None:
     reg(_NS + "qk_norm_rope")(lambda x, nq, nkv, hd, cos, sin, qn, kn, eps: None)
     reg(_NS + "row_affine_")(lambda x, mul, add: None)
     reg(_NS + "write_kv")(lambda k, v, k_cache, v_cache, slots: None)
-    reg(_NS + "paged_decode")(lambda q, k_cache, v_cache, tables, seq_lens, scale, out, window=0: None)
-    reg(_NS + "prefill_attention")(lambda q, k, v, out, bounds, scale: None)
-    reg(_NS + "paged_prefill")(lambda q, k_cache, v_cache, tables, bounds, seq_lens, scale, out: None)
+    reg(_NS + "paged_decode")(lambda q, k_cache, v_cache, tables, seq_lens, scale, out, window=0, sinks=None: None)
+    reg(_NS + "prefill_attention")(lambda q, k, v, out, bounds, scale, sinks=None: None)
+    reg(_NS + "paged_prefill")(lambda q, k_cache, v_cache, tables, bounds, seq_lens, scale, out, sinks=None: None)
     reg(_NS + "shm_all_reduce")(lambda x, slots, flags, pids, rank, timeout_s: None)
 
 

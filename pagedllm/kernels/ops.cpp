@@ -654,7 +654,8 @@ void write_kv_op(const Tensor &k, const Tensor &v, const Tensor &k_cache, const 
 }
 
 StepNode paged_decode_node(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
-                           const Tensor &seq_lens, double scale, const Tensor &out, int64_t window) {
+                           const Tensor &seq_lens, double scale, const Tensor &out, int64_t window,
+                           const OptTensor &sinks) {
     const char *op = "paged_decode";
     TORCH_CHECK_VALUE(window >= 0, op, ": window must be 0 (none) or a number of keys, got ", window);
     TORCH_CHECK_VALUE(q.device().is_cpu() && q.scalar_type() == at::kFloat, op,
@@ -667,6 +668,7 @@ StepNode paged_decode_node(const Tensor &q, const Tensor &k_cache, const Tensor 
     const int64_t num_seqs = q.size(0);
     check_tensor(q, at::kFloat, q.sizes(), op, "q");
     check_tensor(out, at::kFloat, q.sizes(), op, "out");
+    check_optional(sinks, at::kFloat, {q.size(1)}, op, "sinks");
     check_index_vector(seq_lens, num_seqs, op, "seq_lens");
     TORCH_CHECK_VALUE(block_tables.device().is_cpu() && block_tables.scalar_type() == at::kLong &&
                           block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.stride(1) == 1,
@@ -676,19 +678,21 @@ StepNode paged_decode_node(const Tensor &q, const Tensor &k_cache, const Tensor 
     node.attn = {q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), kv_type,
                  block_tables.data_ptr<int64_t>(), block_tables.stride(0), seq_lens.data_ptr<int64_t>(),
                  out.data_ptr<float>(), (int)q.size(1), (int)num_kv_heads, (int)q.size(2),
-                 (int)k_cache.size(1), k_cache.size(0), block_tables.size(1), (float)scale, window};
+                 (int)k_cache.size(1), k_cache.size(0), block_tables.size(1), (float)scale, window,
+                 ptr_or_null<float>(sinks)};
     return node;
 }
 
 void paged_decode_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
-                     const Tensor &seq_lens, double scale, const Tensor &out, int64_t window) {
-    const StepNode node = paged_decode_node(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window);
+                     const Tensor &seq_lens, double scale, const Tensor &out, int64_t window,
+                     const OptTensor &sinks) {
+    const StepNode node = paged_decode_node(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window, sinks);
     check_node_indices(node);
     run_node(node, num_threads(), "paged_decode");
 }
 
 void prefill_attention_op(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &out, const Tensor &bounds,
-                          double scale) {
+                          double scale, const OptTensor &sinks) {
     const char *op = "prefill_attention";
     TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
                       ": needs whole query-head groups, got q ", shape_of(q), " and k ", shape_of(k));
@@ -699,6 +703,7 @@ void prefill_attention_op(const Tensor &q, const Tensor &k, const Tensor &v, con
     check_head_rows(v, num_kv_heads, head_dim, op, "v");
     TORCH_CHECK_VALUE(k.size(0) == rows && v.size(0) == rows && out.size(0) == rows, op,
                       ": q, k, v and out must have as many rows");
+    check_optional(sinks, at::kFloat, {num_heads}, op, "sinks");
     TORCH_CHECK_VALUE(bounds.dim() == 1 && bounds.size(0) % 2 == 0, op, ": bounds must be [2 * num_seqs]");
     check_index_vector(bounds, bounds.size(0), op, "bounds");
     const int64_t *b = bounds.data_ptr<int64_t>();
@@ -708,14 +713,15 @@ void prefill_attention_op(const Tensor &q, const Tensor &k, const Tensor &v, con
     const int status = prefill_attention_f32(q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0),
                                              v.data_ptr<float>(), v.stride(0), out.data_ptr<float>(), out.stride(0),
                                              b, (int)(bounds.size(0) / 2), (int)num_heads, (int)num_kv_heads,
-                                             (int)head_dim, (float)scale, num_threads());
+                                             (int)head_dim, (float)scale, ptr_or_null<float>(sinks), num_threads());
     if (status != 0) out_of_memory(op);
 }
 
 /* Prompt tokens attending through their sequences' block tables, in paged_decode's order (paged_prefill.cpp).
    Checks every index the kernel trusts: the chunks' rows, each length against its table, each block read. */
 void paged_prefill_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_cache, const Tensor &block_tables,
-                      const Tensor &bounds, const Tensor &seq_lens, double scale, const Tensor &out) {
+                      const Tensor &bounds, const Tensor &seq_lens, double scale, const Tensor &out,
+                      const OptTensor &sinks) {
     const char *op = "paged_prefill";
     const int kv_type = check_caches(k_cache, v_cache, op);
     const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1), num_blocks = k_cache.size(0);
@@ -726,6 +732,7 @@ void paged_prefill_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
     check_head_rows(q, num_heads, head_dim, op, "q");
     check_head_rows(out, num_heads, head_dim, op, "out");
     TORCH_CHECK_VALUE(out.size(0) == rows, op, ": q and out must have as many rows");
+    check_optional(sinks, at::kFloat, {num_heads}, op, "sinks");
     const int64_t num_seqs = seq_lens.numel();
     check_index_vector(seq_lens, num_seqs, op, "seq_lens");
     check_index_vector(bounds, 2 * num_seqs, op, "bounds");
@@ -750,7 +757,8 @@ void paged_prefill_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
     const int status = paged_prefill_f32(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                          kv_type, tables, block_tables.stride(0), b, lens, out.data_ptr<float>(),
                                          out.stride(0), (int)num_seqs, (int)num_heads, (int)num_kv_heads,
-                                         (int)head_dim, (int)block_size, (float)scale, num_threads());
+                                         (int)head_dim, (int)block_size, (float)scale, ptr_or_null<float>(sinks),
+                                         num_threads());
     if (status != 0) out_of_memory(op);
 }
 
@@ -843,11 +851,12 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
     step_node("write_kv", write_kv_node);
     m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-          "float scale, Tensor(a!) out, int window=0) -> ()");
+          "float scale, Tensor(a!) out, int window=0, Tensor? sinks=None) -> ()");
     step_node("paged_decode", paged_decode_node);
-    m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale) -> ()");
+    m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor bounds, float scale, "
+          "Tensor? sinks=None) -> ()");
     m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor bounds, "
-          "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+          "Tensor seq_lens, float scale, Tensor(a!) out, Tensor? sinks=None) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
     m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) slots, Tensor(c!) flags, Tensor pids, int rank, float timeout_s) -> ()");
     // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key

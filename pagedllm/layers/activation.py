@@ -53,16 +53,51 @@ class ReluAndMul(nn.Module):
         return nn.functional.relu(gate) * up
 
 
-# transformers' activation names (ACT2FN keys) -> the gated layer computing the same function
-GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``,
+    ``g = min(gate, limit)`` (transformers' ``GptOssExperts._apply_gate``)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def gated_activation(name: str) -> nn.Module:
+class ClampedSwigluAndMul(nn.Module):
+    """gpt-oss's clamped SwiGLU for ``x`` ``[num_tokens, 2 * inter]`` -> ``[num_tokens, inter]``, rows ``[gate | up]``.
+
+    ``clamped_swiglu`` on the halves: the gate clamped above at ``limit``,
+    the up projection to ``[-limit, limit]``, ``glu = gate * sigmoid(alpha *
+    gate)``, out ``(up + 1) * glu``. gpt-oss's defaults are ``alpha`` 1.702 and
+    ``limit`` 7.0 (``swiglu_alpha`` / ``swiglu_limit``). transformers stores
+    gpt-oss's gate and up interleaved (gate in the even columns of
+    ``gate_up_proj``); whoever loads them puts them in halves first. Plain torch.
+    """
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        if not limit > 0:
+            raise ValueError(f"ClampedSwigluAndMul: limit must be positive, got {limit!r}")
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation of ``[gate | up]`` rows, in torch ops."""
+        gate, up = x.chunk(2, dim=-1)
+        return clamped_swiglu(gate, up, self.alpha, self.limit)
+
+
+# transformers' activation names (ACT2FN keys) -> the gated layer computing the same function; "swiglu_oai" is
+# gpt-oss's clamped SwiGLU (not an ACT2FN name: its config says hidden_act "silu" and the experts clamp)
+GATED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu", "swiglu_oai")
+
+
+def gated_activation(name: str, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> nn.Module:
     """The ``act(gate) * up`` layer for the checkpoint's ``hidden_act`` / ``hidden_activation`` ``name``.
 
+    ``swiglu_alpha`` / ``swiglu_limit``: the clamped SwiGLU's (``"swiglu_oai"``) only.
     Raises ValueError naming an activation no layer computes (and the
     supported ones), rather than running another function in its place.
     """
+    if name == "swiglu_oai":
+        return ClampedSwigluAndMul(swiglu_alpha, swiglu_limit)
     if name in ("silu", "swish"):  # transformers' "swish" is SiLU
         return SiluAndMul()
     if name == "gelu":

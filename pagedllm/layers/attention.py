@@ -37,6 +37,14 @@ every block of the sequence, out-of-window ones included. SDPA takes no
 softcap, so softcapped scores go through an explicit softmax
 (``explicit_attention``); ``CpuPagedAttention``'s kernels know neither
 option yet and hand such layers to the SDPA path.
+
+A third, ``sinks`` (a float tensor ``[num_heads]``, gpt-oss's attention
+sinks), adds one learned logit per query head to the softmax's denominator:
+``p_j = exp(s_j) / (sum_t exp(s_t) + exp(sink))``, a term that weights no
+value, so a head may attend to "nothing" (transformers concatenates the
+sink to the scores, takes the softmax and drops its column). SDPA takes
+none, so torch paths with sinks use the explicit softmax; the native
+kernels take them, and start each softmax's max and sum with the sink.
 """
 
 from __future__ import annotations
@@ -167,18 +175,30 @@ def explicit_attention(
     mask: torch.Tensor,  # bool, broadcastable to [..., heads, q_len, kv_len]; True: attend
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [heads]
 ) -> torch.Tensor:  # [..., heads, q_len, head_dim]
-    """Softmax attention written out, for what SDPA cannot do (a softcap on the scores).
+    """Softmax attention written out, for what SDPA cannot do (a softcap on the scores, attention sinks).
 
     As transformers' eager attention: scores in the queries' dtype, capped,
-    masked, softmax in float32, probabilities back in the queries' dtype.
+    masked, softmax in float32 (with each head's sink in the denominator),
+    probabilities back in the queries' dtype.
     """
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = sink_softmax(scores.float(), sinks).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of ``scores`` ``[..., heads, q_len, kv_len]``, each head's sink logit
+    (``sinks`` ``[heads]``, None: none) one more term of its denominator; in ``scores``' dtype."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    # the sink as one more column, dropped after the softmax (a column of its own keeps the max shift exact)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def gather_context(
@@ -226,14 +246,16 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write the new K/V, then attend; ``sliding_window`` / ``softcap``: see the module docstring."""
+        """Write the new K/V, then attend; ``sliding_window`` / ``softcap`` / ``sinks``: see the module docstring."""
         # every new token's K/V goes in first, so queries later in the batch
         # (and other sequences sharing a cached prefix) can read it
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_prefills:
             k, v = as_stored(k, k_cache, keys=True), as_stored(v, v_cache)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap,
+                           sinks=sinks)
 
     @abstractmethod
     def attend(
@@ -248,6 +270,7 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -256,7 +279,8 @@ class ReferenceAttention(AttentionBackend):
 
     name = "reference"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None,  # noqa: ANN001, ANN201
+               sinks=None):
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[2]
         for i in range(meta.num_seqs):
@@ -271,7 +295,7 @@ class ReferenceAttention(AttentionBackend):
                 scores = torch.tanh(scores / softcap) * softcap
             q_pos = torch.arange(num_computed, seq_len, device=q.device)
             scores = scores.masked_fill(~visible_keys(q_pos, seq_len, sliding_window), float("-inf"))
-            probs = scores.softmax(dim=-1)
+            probs = sink_softmax(scores, sinks)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
         return out
 
@@ -292,30 +316,31 @@ class SdpaAttention(AttentionBackend):
 
     name = "sdpa"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None,  # noqa: ANN001, ANN201
+               sinks=None):
         out = torch.empty_like(q)
-        plain = sliding_window is None and softcap is None
-        if plain:
-            self._prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        if sliding_window is None and softcap is None:
+            self._prefills(q, k, v, k_cache, v_cache, meta, scale, out, sinks)
         else:
             for i in range(meta.num_prefills):
-                self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window, softcap)
+                self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window, softcap, sinks)
         first = meta.first_decode_token
         if first is not None:
             if softcap is None:
-                self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window)
+                self._decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window, sinks)
             else:
-                self._sdpa_decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window, softcap)
+                self._sdpa_decodes(q[first:], k_cache, v_cache, meta, scale, out[first:], sliding_window, softcap,
+                                   sinks)
         return out
 
-    def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+    def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out, sinks=None) -> None:  # noqa: ANN001
         for i in range(meta.num_prefills):
-            self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out)
+            self._prefill_one(i, q, k, v, k_cache, v_cache, meta, scale, out, sinks=sinks)
 
     def _prefill_one(  # noqa: ANN001
-        self, i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window=None, softcap=None,
+        self, i, q, k, v, k_cache, v_cache, meta, scale, out, sliding_window=None, softcap=None, sinks=None,
     ) -> None:
-        """Prefill sequence ``i`` through torch SDPA (an explicit softmax when scores are softcapped)."""
+        """Prefill sequence ``i`` through torch SDPA (an explicit softmax for softcapped scores or sinks)."""
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         seq_len, num_computed = meta.seq_lens[i], meta.num_computed[i]
         qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
@@ -325,18 +350,19 @@ class SdpaAttention(AttentionBackend):
         else:
             ki = gather_context(k_cache, meta.block_tables[i], seq_len, meta.block_size).to(q.dtype)
             vi = gather_context(v_cache, meta.block_tables[i], seq_len, meta.block_size).to(q.dtype)
+        explicit = softcap is not None or sinks is not None  # what SDPA cannot do
         mask = None  # plain causal over fresh K/V: SDPA's is_causal, no mask tensor
-        if num_computed or sliding_window is not None or softcap is not None:
+        if num_computed or sliding_window is not None or explicit:
             # [q_len, seq_len]: a query sees keys up to its own position, within its window
             mask = visible_keys(torch.arange(num_computed, seq_len, device=q.device), seq_len, sliding_window)
         group = q.shape[1] // ki.shape[1]
-        if group > 1 and (q.device.type == "cpu" or softcap is not None):
+        if group > 1 and (q.device.type == "cpu" or explicit):
             # K/V heads repeated for the query heads that share them: SDPA with
             # enable_gqa takes torch's slow math path on the CPU, this its fused kernel
             ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
-        if softcap is not None:
+        if explicit:
             out[start:end] = explicit_attention(
-                qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, scale, softcap
+                qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, scale, softcap, sinks
             ).transpose(0, 1)  # [num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
             return
         out[start:end] = F.scaled_dot_product_attention(
@@ -344,14 +370,14 @@ class SdpaAttention(AttentionBackend):
             attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=ki.shape[1] != q.shape[1],
         )[0].transpose(0, 1)  # [1, num_heads, q_len, head_dim] -> [q_len, num_heads, head_dim]
 
-    def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None) -> None:  # noqa: ANN001
+    def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None, sinks=None) -> None:  # noqa: ANN001
         """One new token per sequence ``meta.num_prefills ..``; ``q``/``out`` are ``[B, num_heads, head_dim]``."""
-        self._sdpa_decodes(q, k_cache, v_cache, meta, scale, out, sliding_window)
+        self._sdpa_decodes(q, k_cache, v_cache, meta, scale, out, sliding_window, sinks=sinks)
 
     def _sdpa_decodes(  # noqa: ANN001
-        self, q, k_cache, v_cache, meta, scale, out, sliding_window=None, softcap=None,
+        self, q, k_cache, v_cache, meta, scale, out, sliding_window=None, softcap=None, sinks=None,
     ) -> None:
-        """``_decodes`` through SDPA, with an optional window and softcap (see ``attend``)."""
+        """``_decodes`` through SDPA, with an optional window, softcap and sinks (see ``attend``)."""
         tables = meta.block_tables[meta.num_prefills :]  # [B, max_blocks]
         seq_lens = meta.seq_lens_tensor[meta.num_prefills :]  # [B]
         max_blocks = (max(meta.seq_lens[meta.num_prefills :]) + meta.block_size - 1) // meta.block_size
@@ -366,10 +392,10 @@ class SdpaAttention(AttentionBackend):
         if sliding_window is not None:
             mask &= k_pos >= seq_lens.unsqueeze(1) - sliding_window
         mask = mask[:, None, None, :]  # [B, 1, 1, L]
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             group = q.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-            out[:] = explicit_attention(q.unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
+            out[:] = explicit_attention(q.unsqueeze(2), keys, values, mask, scale, softcap, sinks).squeeze(2)
             return
         out[:] = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
@@ -391,9 +417,10 @@ class CpuPagedAttention(SdpaAttention):
 
     The decode kernel takes a sliding window (it starts each sequence at the
     block holding its window's first key and masks the keys before it); the
-    prefill kernel takes neither a window nor a softcap, so windowed prompts
-    go through SDPA, and so does everything in a softcapped layer (only the
-    K/V write staying native).
+    prefill kernels take neither a window nor a softcap, so windowed prompts
+    go through SDPA (the explicit softmax with sinks), and so does everything
+    in a softcapped layer (only the K/V write staying native). Every native
+    kernel takes attention sinks (a float32 ``[num_heads]`` tensor).
 
     Whether a cache pair suits the native ops (``native_caches``) is
     decided on the pair's first use and remembered: a cache's dtype, device
@@ -418,8 +445,9 @@ class CpuPagedAttention(SdpaAttention):
         # references so that an id reused by a later tensor is never taken for the old cache's
         self._cache_verdicts: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, bool]] = {}
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None):  # noqa: ANN001, ANN201
-        options = {"sliding_window": sliding_window, "softcap": softcap}
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, *, sliding_window=None, softcap=None,  # noqa: ANN001, ANN201
+                sinks=None):
+        options = {"sliding_window": sliding_window, "softcap": softcap, "sinks": sinks}
         if not self._native_caches(k_cache, v_cache):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, **options)
         # as the base class, with the K/V write as one native op (two
@@ -445,7 +473,7 @@ class CpuPagedAttention(SdpaAttention):
         self._cache_verdicts[key] = (weakref.ref(k_cache), weakref.ref(v_cache), verdict)
         return verdict
 
-    def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+    def _prefills(self, q, k, v, k_cache, v_cache, meta, scale, out, sinks=None) -> None:  # noqa: ANN001
         # Prompts that continue cached context (a later chunk, a prefix-cache hit, a recompute after
         # preemption) read it in place, through their block tables (paged_prefill); with batch_invariant
         # every prompt does, so that a token's attention has the decode kernel's bits whichever step
@@ -454,16 +482,16 @@ class CpuPagedAttention(SdpaAttention):
         fresh = [] if self.batch_invariant else [i for i in range(meta.num_prefills) if meta.num_computed[i] == 0]
         paged = [i for i in range(meta.num_prefills) if not fresh or meta.num_computed[i] != 0]
         if paged:
-            self._paged_prefills(paged, q, k_cache, v_cache, meta, scale, out)
+            self._paged_prefills(paged, q, k_cache, v_cache, meta, scale, out, sinks)
         if not fresh:
             return
         bounds = torch.tensor(
             [b for i in fresh for b in (meta.query_start_loc[i], meta.query_start_loc[i + 1])], dtype=torch.int64
         )  # [2 * num_fresh]: each prompt's first and one-past-last row
         # the op checks dtypes, head layout and bounds (ValueError)
-        self._ops.prefill_attention(q, k, v, out, bounds, scale)
+        self._ops.prefill_attention(q, k, v, out, bounds, scale, sinks)
 
-    def _paged_prefills(self, prompts, q, k_cache, v_cache, meta, scale, out) -> None:  # noqa: ANN001
+    def _paged_prefills(self, prompts, q, k_cache, v_cache, meta, scale, out, sinks=None) -> None:  # noqa: ANN001
         """Prompts ``prompts`` (indices of prefills) attending to the cache in place, all in one native call.
 
         The token at position ``p`` reads keys ``0 .. p`` through its prompt's
@@ -487,9 +515,9 @@ class CpuPagedAttention(SdpaAttention):
             tables, seq_lens = meta.block_tables[index], meta.seq_lens_tensor[index]
         # q and out may be views with a row stride (slices of the fused qkv); the op checks them, the bounds,
         # every length against its table and every block read (ValueError)
-        self._ops.paged_prefill(q, k_cache, v_cache, tables, bounds, seq_lens.contiguous(), scale, out)
+        self._ops.paged_prefill(q, k_cache, v_cache, tables, bounds, seq_lens.contiguous(), scale, out, sinks)
 
-    def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None) -> None:  # noqa: ANN001
+    def _decodes(self, q, k_cache, v_cache, meta, scale, out, sliding_window=None, sinks=None) -> None:  # noqa: ANN001
         # the op checks the tensors and every block a sequence reads (ValueError);
         # the block size the metadata was built for is known only here
         if k_cache.dim() == 4 and k_cache.shape[1] != meta.block_size:
@@ -499,7 +527,7 @@ class CpuPagedAttention(SdpaAttention):
         tables = meta.block_tables[meta.num_prefills :]
         seq_lens = meta.seq_lens_tensor[meta.num_prefills :].contiguous()
         # a window reads each sequence's last sliding_window keys only, from the block that holds the first
-        self._ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, result, sliding_window or 0)
+        self._ops.paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, result, sliding_window or 0, sinks)
         if result is not out:
             out.copy_(result)
 

@@ -67,7 +67,8 @@ class MoESpec:
     """One sparse MLP: its router, each expert's ``intermediate_size`` and activation (a gated one,
     ``layers/activation.py``), biases on the experts' projections, and an optional shared expert (a dense
     gated MLP of ``shared_expert_intermediate_size`` added to every token, 0: none) with an optional
-    sigmoid gate (Qwen2-MoE's ``shared_expert_gate``, ``[1, hidden]``)."""
+    sigmoid gate (Qwen2-MoE's ``shared_expert_gate``, ``[1, hidden]``). ``swiglu_alpha`` / ``swiglu_limit``:
+    the constants of gpt-oss's clamped SwiGLU (``hidden_act`` "swiglu_oai"), unread by other activations."""
 
     router: RouterSpec
     intermediate_size: int
@@ -75,6 +76,8 @@ class MoESpec:
     expert_bias: bool = False
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if isinstance(self.intermediate_size, bool) or not isinstance(self.intermediate_size, int) \
@@ -168,6 +171,10 @@ class MoEBlock(nn.Module):
         self.tp = tp if tp is not None and tp.size > 1 else None
         if self.tp is not None and spec.shared_expert_intermediate_size:
             raise ValueError("tensor parallelism does not split a shared expert yet (tensor_parallel_size must be 1)")
+        if self.tp is not None and spec.expert_bias:
+            # each rank would add the down projection's bias before the all-reduce sums the ranks' parts
+            raise ValueError("tensor parallelism does not split experts with biases (gpt-oss) yet "
+                             "(tensor_parallel_size must be 1)")
         self.spec = spec
         self.gate = Router(spec.router, hidden_size, quant_config, f"{prefix}.gate")
         start = self.tp.plan.expert_intermediate[0] if self.tp is not None else 0
@@ -176,7 +183,7 @@ class MoEBlock(nn.Module):
         # each expert was chosen for, and forward passes; tensors, so a traced step would count too
         self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("num_forwards", torch.zeros(1, dtype=torch.int64), persistent=False)
-        self.act_fn = gated_activation(spec.hidden_act)
+        self.act_fn = gated_activation(spec.hidden_act, spec.swiglu_alpha, spec.swiglu_limit)
         if spec.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, None,
                                           quant_config, f"{prefix}.shared_expert")

@@ -20,7 +20,8 @@ attends with ``q' = q * s`` (values are stored as they are):
 with ``m`` the keys' mean and ``s_c = sqrt(std(k_c) / rms(q_c))`` (the
 queries of the KV head's group), which balances the two factors of every
 term ``q_c * err_c``. A layer whose scores are softcapped keeps ``m = 0``:
-tanh does not ignore a constant. (Centring the values as well, exact too
+tanh does not ignore a constant; nor does a layer with attention sinks, whose
+sink logit is not shifted with the scores. (Centring the values as well, exact too
 since the probabilities sum to 1, measured worse: +3.16% perplexity
 against +2.62% without, docs/configuration.md.)
 
@@ -74,7 +75,7 @@ class KvStats:
 class KvTransform(CustomOp):
     """``k' = (k - m) / s`` and ``q' = q * s`` for one attention layer.
 
-    ``shift_keys=False`` (softcapped scores) keeps ``m = 0``. Inactive (the
+    ``shift_keys=False`` (softcapped scores, attention sinks) keeps ``m = 0``. Inactive (the
     identity, no op) until ``fit``; ``record`` makes ``encode`` gather the
     statistics ``fit`` needs (see the module docstring). ``encode`` works in
     place on its arguments (views of the layer's qkv rows) and returns them.

@@ -3,8 +3,8 @@
 ``AttentionSpec`` says what one layer computes: its head counts and size
 (per layer: a family may give layers different head sizes), biases on the
 q/k/v and output projections, per-head q/k norms and their kind, the score
-scale and softcap, a sliding window, and whether the layer rotates q and k
-at all. ``SelfAttention`` builds the layer from it; which kernels run it is
+scale and softcap, a sliding window, attention sinks, and whether the layer
+rotates q and k at all. ``SelfAttention`` builds the layer from it; which kernels run it is
 chosen once, by ``select_impl`` (``layers/custom_op.py``) and the
 attention backend the runner made.
 """
@@ -45,6 +45,8 @@ class AttentionSpec:
     its heads' slice and the mean square is all-reduced, ``ParallelRMSNorm``).
     ``rotary_dim``: how many leading dimensions of each head are rotated
     (None: all of them; fewer for a partial rotation, Phi-4-mini's).
+    ``sinks``: one learned logit per query head in the softmax's denominator
+    (gpt-oss's ``self_attn.sinks``, ``layers/attention.py``).
     """
 
     hidden_size: int
@@ -60,6 +62,7 @@ class AttentionSpec:
     rope: bool = True
     qk_norm_span: str = "head"
     rotary_dim: int | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_norm_span not in QK_NORM_SPANS:
@@ -107,7 +110,23 @@ class SelfAttention(nn.Module):
                                          rotate=spec.rope, whole_projection=whole, rotary_dim=spec.rotary_dim)
         # an int4 cache's change of variables for K (layers/kv_transform.py), fitted by the runner; shifting
         # keys changes capped scores, so a capped layer keeps its keys as they are
-        self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim, shift_keys=self.softcap is None)
+        # (a sink is a logit of its own, not shifted with the keys' scores: a layer with sinks keeps them too)
+        self.kv_transform = KvTransform(self.num_kv_heads, self.head_dim,
+                                        shift_keys=self.softcap is None and not spec.sinks)
+        # this rank's query heads' sink logits, float32 whatever the model's dtype (the native kernels read
+        # float32; the torch softmax runs in float32); the first head's index in the checkpoint's tensor
+        self.first_head = q_start // self.head_dim if tp is not None and tp.size > 1 else None
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False) \
+            if spec.sinks else None
+
+    def checkpoint_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` of this module: its query heads' sinks."""
+        if name == "sinks" and self.first_head is not None:
+            if tensor.shape[0] < self.first_head + self.num_heads:
+                raise ValueError(f"sinks: checkpoint has {tensor.shape[0]} heads, the shard needs heads "
+                                 f"{self.first_head}..{self.first_head + self.num_heads}")
+            return tensor.narrow(0, self.first_head, self.num_heads)
+        return tensor
 
     @property
     def native(self) -> NativeOps | None:
@@ -129,6 +148,6 @@ class SelfAttention(nn.Module):
         q, k = self.kv_transform.encode(q, k)  # the identity unless an int4 cache fitted it
         out = self.backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-            sliding_window=self.sliding_window, softcap=self.softcap,
+            sliding_window=self.sliding_window, softcap=self.softcap, sinks=self.sinks,
         )  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.flatten(1))

@@ -27,6 +27,7 @@ from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.end_tokens import gguf_end_token_ids
 from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, gemma_gguf_settings
 from pagedllm.loader.gguf_split import split_part_paths
+from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.moe_config import gguf_moe_fields
 from pagedllm.loader.moe_families_config import gguf_moe_family_fields
@@ -59,6 +60,8 @@ _LAYER_NAMES = {
     # OLMo 2's norms of the attention and MLP outputs (no attn_norm / ffn_norm there)
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    # gpt-oss: each query head's attention-sink logit (the converter adds ".weight" to the name)
+    "attn_sinks.weight": "self_attn.sinks",
     # a mixture of experts: the router, and each projection's experts stacked in one 3-D tensor
     # [experts, rows, cols], handed over one expert at a time as mlp.experts.{e}.<part>.weight
     "ffn_gate_inp.weight": "mlp.gate.weight",
@@ -75,6 +78,10 @@ _LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     **dict.fromkeys(GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES),
+    # gpt-oss: the router's bias, and each expert projection's biases stacked [experts, rows] (split per expert
+    # by models/gpt_oss.py)
+    "gpt-oss": {"ffn_gate_inp.bias": "mlp.gate.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
+                "ffn_up_exps.bias": "mlp.experts.up_proj.bias", "ffn_down_exps.bias": "mlp.experts.down_proj.bias"},
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -384,7 +391,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         return dataclasses.replace(config, **gemma_gguf_settings(
             key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
             config.max_position_embeddings))
-    return gguf_moe_family_fields(gguf_family_fields(config, key), key)
+    return gguf_gpt_oss_fields(gguf_moe_family_fields(gguf_family_fields(config, key), key), key)
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

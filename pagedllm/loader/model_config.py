@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
 from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
+from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
 from pagedllm.loader.moe_config import hf_moe_fields
 from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
@@ -122,6 +123,11 @@ class ModelArchConfig:
     model's layers all have ``head_dim`` / ``num_key_value_heads``), and with
     ``attention_k_eq_v`` no v projection, the values being the keys'
     projection (``loader/gemma4_config.py``; ``attention_shape`` per layer).
+
+    gpt-oss's (``loader/gpt_oss_config.py``): ``attention_sinks``, a learned
+    logit per query head in every layer's softmax denominator; the experts'
+    clamped SwiGLU constants ``swiglu_alpha`` and ``swiglu_limit`` (read with
+    ``hidden_act`` "swiglu_oai").
     """
 
     architecture: str
@@ -158,6 +164,9 @@ class ModelArchConfig:
     mlp_bias: bool = False
     num_experts: int = 0
     partial_rotary_factor: float = 1.0
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
@@ -511,7 +520,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_moe_family_fields(hf_family_fields(config, cfg), cfg)
+    return hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

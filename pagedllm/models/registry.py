@@ -25,6 +25,7 @@ from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.gemma4 import Gemma4ForCausalLM
+from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granitemoe import GraniteMoeForCausalLM
 from pagedllm.models.llama import (
     GraniteForCausalLM,
@@ -147,6 +148,7 @@ MODEL_REGISTRY = ModelRegistry((
     Family(Qwen2MoeForCausalLM, ("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),
     Family(OlmoeForCausalLM, ("OlmoeForCausalLM",), ("olmoe",), ("olmoe",)),
     Family(GraniteMoeForCausalLM, ("GraniteMoeForCausalLM",), ("granitemoe",), ("granitemoe",)),
+    Family(GptOssForCausalLM, ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",)),
 ))
 
 

@@ -45,6 +45,7 @@ TESTS = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = [
     "kernels/test_native_ops.py",
     "kernels/test_attention.py",
+    "kernels/test_attention_sinks.py",
     "kernels/test_kv_int8.py",
     "kernels/test_kv_int4.py",
     "models/test_bf16_cpu.py::test_packed_bf16_kernel_matches_a_float64_product_of_the_rounded_operands",

@@ -60,6 +60,7 @@ class _Weights:
         self.o = ops.pack_panels_bf16(rand(HIDDEN, HEADS * HEAD_DIM) * 0.1)
         self.gate_up = ops.pack_panels(rand(2 * INTER, HIDDEN) * 0.1)
         self.down = pack_groups(*quantize_groups(rand(HIDDEN, INTER) * 0.1, 4, 32), 4)  # int4, groups of 32
+        self.sinks = rand(HEADS)  # attention-sink logits (gpt-oss): an argument of the decode node
         # [num_blocks, block_size, kv_heads, head_dim] (int8: head_dim values and a float32 scale's 4 bytes;
         # int4 (uint8): head_dim / 2 bytes of nibbles and the scale's)
         width = cache_head_width(HEAD_DIM, kv_dtype)
@@ -83,7 +84,7 @@ def _layer(ops, w: _Weights, ids, positions, slots, tables, lens) -> torch.Tenso
     ops.write_kv(k, v, w.k_cache, w.v_cache, slots)
     q = qkv[:, :q_size].view(-1, HEADS, HEAD_DIM).contiguous()
     attn = torch.empty_like(q)
-    ops.paged_decode(q, w.k_cache, w.v_cache, tables, lens, HEAD_DIM**-0.5, attn, 0)
+    ops.paged_decode(q, w.k_cache, w.v_cache, tables, lens, HEAD_DIM**-0.5, attn, 0, w.sinks)
     o = ops.packed_linear_bf16(attn.flatten(1), w.o, None, HIDDEN)
     h = ops.add_rms_norm(x, o, w.norm, 1e-5)  # x += o in place, then the norm
     h = torch.mul(h, 0.5)  # no node kind: a Python call between two programs
@@ -239,7 +240,7 @@ def test_only_known_ops_are_lowered() -> None:
     assert native_calls(pagedllm.add_rms_norm.default, (x, None, w, 1e-5), {}, out) == (
         [("add_rms_norm", [x, None, w, out], [], [1e-5])])
     assert native_calls(pagedllm.paged_decode.default, (x, x, x, x, x, 0.5, out), {}, None) == (
-        [("paged_decode", [x, x, x, x, x, out], [0], [0.5])])
+        [("paged_decode", [x, x, x, x, x, out, None], [0], [0.5])])
     assert native_calls(pagedllm.quantized_linear.default, (x, w, 4, 32, 3, None), {}, out) == (
         [("quantized_linear", [x, w, None, out], [4, 32, 3, 0], [])])
     assert native_calls(pagedllm.qk_norm_rope.default, (x, 1, 1, 4, cos, cos, None, None, 1e-6), {}, None) == (

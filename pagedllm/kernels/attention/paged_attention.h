@@ -14,6 +14,8 @@
  *                or int4 (uint8) [..., head_dim / 2 + 4] (attend_i4_rotated):
  *                Hadamard-rotated nibbles and a float32 scale (KV_I4_*)
  *   table        [>= ceil(len / block_size)]   int64 block ids
+ *   sinks        [num_heads] float32 or NULL: each query head's attention-sink
+ *                logit, a term of the softmax denominator that weights no value
  */
 #ifndef PAGEDLLM_PAGED_ATTENTION_H
 #define PAGEDLLM_PAGED_ATTENTION_H
@@ -40,9 +42,12 @@ static inline void prefetch_block(const void *p, int64_t n_bytes) {
 }
 
 /* exp(s[t] - max) in place for t < n (the vector exp on AVX2); returns their
-   sum: the softmax without its division, which a caller may fold elsewhere */
-static inline float exp_row(float *s, int64_t n) {
-    float m = -INFINITY;
+   sum: the softmax without its division, which a caller may fold elsewhere.
+   sink: an attention sink's logit (gpt-oss), one more term of the denominator
+   that weights no value; -INFINITY for none, which leaves every bit as it was
+   (the max starts at -inf either way and the sum gains exp(-inf) = +0). */
+static inline float exp_row(float *s, int64_t n, float sink) {
+    float m = sink;
     for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
     float sum = 0.0f;
     int64_t t = 0;
@@ -61,13 +66,13 @@ static inline float exp_row(float *s, int64_t n) {
         s[t] = expf(s[t] - m);
         sum += s[t];
     }
-    return sum;
+    return sum + expf(sink - m);
 }
 
-/* softmax of s[0, n) in place; not inlined, so that every kernel that calls it runs one and the same code
+/* softmax of s[0, n) in place, with an attention sink's logit in the denominator (-INFINITY: none); not inlined, so that every kernel that calls it runs one and the same code
    (the compiler may vectorise the scalar tail differently in different callers) */
-static __attribute__((noinline, unused)) void softmax_row(float *s, int64_t n) {
-    const float inv = 1.0f / exp_row(s, n);
+static __attribute__((noinline, unused)) void softmax_row(float *s, int64_t n, float sink) {
+    const float inv = 1.0f / exp_row(s, n, sink);
     for (int64_t t = 0; t < n; t++) s[t] *= inv;
 }
 
@@ -168,13 +173,13 @@ static inline float bf16_bits_to_f32(uint16_t h) {
 static inline void attend_i4_rotated(const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
                                      const int64_t *table, int64_t len, float *out, int num_heads, int num_kv_heads,
                                      int head_dim, int block_size, float scale, int h0, int h1, float *scores,
-                                     int64_t skip, float *qr) {
+                                     int64_t skip, float *qr, const float *sinks) {
     const int group = num_heads / num_kv_heads;
     const int64_t first = (int64_t)h0 * group * head_dim, count = (int64_t)(h1 - h0) * group * head_dim;
     memcpy(qr + first, q + first, sizeof(float) * (size_t)count);
     for (int64_t i = first; i < first + count; i += head_dim) hadamard_f32(qr + i, head_dim);
     attend<KvI4>(qr, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size, scale, h0,
-                 h1, scores, skip);
+                 h1, scores, skip, sinks);
     for (int64_t i = first; i < first + count; i += head_dim) hadamard_f32(out + i, head_dim);
 }
 

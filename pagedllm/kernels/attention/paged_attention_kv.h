@@ -54,7 +54,7 @@ template <class KV>
 static inline __attribute__((always_inline)) void attend_one(
     const float *q, const kv_t<KV> *k_cache, const kv_t<KV> *v_cache, const int64_t *table, int64_t len, float *out,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
-    int64_t skip) {
+    int64_t skip, const float *sinks) {
     const int group = num_heads / num_kv_heads;
     const int64_t hs = KV::head_stride(head_dim);         /* elements per head row */
     const int64_t row = (int64_t)num_kv_heads * hs;       /* elements per cache slot */
@@ -80,7 +80,9 @@ static inline __attribute__((always_inline)) void attend_one(
     /* keys before a sliding window's start: no weight (the softmax gives exp(-inf) = 0) */
     for (int j = 0; j < nq; j++)
         for (int64_t t = 0; t < skip; t++) scores[(int64_t)j * len + t] = -INFINITY;
-    for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
+    /* per query head, with its sink's logit in the denominator where the layer has sinks */
+    for (int j = 0; j < nq; j++)
+        softmax_row(scores + (int64_t)j * len, len, sinks ? sinks[h0 * group + j] : -INFINITY);
     /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
     memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
@@ -178,7 +180,7 @@ template <class KV>
 static inline __attribute__((always_inline)) void attend_vec(
     const float *q, const kv_t<KV> *k_cache, const kv_t<KV> *v_cache, const int64_t *table, int64_t len, float *out,
     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int h0, int h1, float *scores,
-    int64_t skip) {
+    int64_t skip, const float *sinks) {
     const int group = num_heads / num_kv_heads;
     const int64_t hs = KV::head_stride(head_dim); /* elements per head row */
     const int64_t row = (int64_t)num_kv_heads * hs;
@@ -242,7 +244,9 @@ static inline __attribute__((always_inline)) void attend_vec(
     /* keys before a sliding window's start: no weight (the softmax gives exp(-inf) = 0) */
     for (int j = 0; j < nq; j++)
         for (int64_t t = 0; t < skip; t++) scores[(int64_t)j * len + t] = -INFINITY;
-    for (int j = 0; j < nq; j++) softmax_row(scores + (int64_t)j * len, len); /* per query head */
+    /* per query head, with its sink's logit in the denominator where the layer has sinks */
+    for (int j = 0; j < nq; j++)
+        softmax_row(scores + (int64_t)j * len, len, sinks ? sinks[h0 * group + j] : -INFINITY);
     /* out_j = sum_t p_j[t] * v_t */
     float *o = out + (int64_t)h0 * group * head_dim;
     memset(o, 0, sizeof(float) * (size_t)nq * (size_t)head_dim);
@@ -428,14 +432,16 @@ static inline void values_rows(float *const *o, int nr, const float *p, int64_t 
         for (int c = 0; c < 4; c++) vf32_store(ot[r] + SIMD_F32_WIDTH * c, acc[r][c]);
 }
 
-/* Rows [0, nr) of one sequence and kv head: q[r] (head_dim floats) attends to keys [0, lens[r]) into o[r].
+/* Rows [0, nr) of one sequence and kv head: q[r] (head_dim floats) attends to keys [0, lens[r]) into o[r];
+   sinks: row r's attention-sink logit sinks[r] (its query head's), or NULL for none.
    nr <= KV_ROWS_MAX, head_dim a multiple of 64. table: the sequence's block table; kv_off: the kv head's offset in a slot's
    row of `row` elements. Scratch: scores [nr][round_up(max len, 4)], rows [max len] pointers. */
 template <class KV>
 static __attribute__((unused)) void attend_rows(const float *const *q, float *const *o, const int64_t *lens, int nr,
                                                 const kv_t<KV> *k_cache, const kv_t<KV> *v_cache,
                                                 const int64_t *table, int64_t kv_off, int64_t row, int head_dim,
-                                                int block_size, float scale, float *scores, const kv_t<KV> **rows) {
+                                                int block_size, float scale, float *scores, const kv_t<KV> **rows,
+                                                const float *sinks) {
     int64_t lmax = 1;
     for (int r = 0; r < nr; r++) lmax = lens[r] > lmax ? lens[r] : lmax;
     const int64_t ld = (lmax + 3) / 4 * 4;
@@ -451,7 +457,7 @@ static __attribute__((unused)) void attend_rows(const float *const *q, float *co
         scores_rows<KV>(q + r0, n_r, rows, len, head_dim, scale, scores + r0 * ld, ld);
     }
     for (int r = 0; r < nr; r++) {
-        softmax_row(scores + r * ld, lens[r]);
+        softmax_row(scores + r * ld, lens[r], sinks ? sinks[r] : -INFINITY);
         for (int64_t t = lens[r]; t < lmax; t++) scores[r * ld + t] = 0.0f;
         memset(o[r], 0, sizeof(float) * (size_t)head_dim);
     }
@@ -484,31 +490,32 @@ template <class KV>
 static __attribute__((noinline, unused)) void attend(const float *q, const kv_t<KV> *k_cache, const kv_t<KV> *v_cache,
                                                      const int64_t *table, int64_t len, float *out, int num_heads,
                                                      int num_kv_heads, int head_dim, int block_size, float scale,
-                                                     int h0, int h1, float *scores, int64_t skip) {
+                                                     int h0, int h1, float *scores, int64_t skip,
+                                                     const float *sinks) {
 #if PA_VECTOR
     if constexpr (KV::vector) {
         if (head_dim == 64)
             attend_vec<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
-                           h1, scores, skip);
+                           h1, scores, skip, sinks);
         else if (head_dim == 128)
             attend_vec<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
-                           h0, h1, scores, skip);
+                           h0, h1, scores, skip, sinks);
         else if (head_dim % 8 == 0)
             attend_vec<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
-                           scale, h0, h1, scores, skip);
+                           scale, h0, h1, scores, skip, sinks);
         else
             attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
-                           scale, h0, h1, scores, skip);
+                           scale, h0, h1, scores, skip, sinks);
     } else
 #endif
     if (head_dim == 64)
         attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 64, block_size, scale, h0,
-                       h1, scores, skip);
+                       h1, scores, skip, sinks);
     else if (head_dim == 128)
         attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, 128, block_size, scale,
-                       h0, h1, scores, skip);
+                       h0, h1, scores, skip, sinks);
     else
         attend_one<KV>(q, k_cache, v_cache, table, len, out, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, h0, h1, scores, skip);
+                       scale, h0, h1, scores, skip, sinks);
 }
 #endif

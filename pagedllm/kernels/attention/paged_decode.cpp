@@ -21,6 +21,8 @@
  *                KV_FP8E4M3 / KV_FP8E5M2: the same with fp8 bytes
  *   block_tables [num_seqs, table_stride] int64
  *   seq_lens     [num_seqs] int64
+ *   sinks        [num_heads] float32 or NULL: attention-sink logits (gpt-oss),
+ *                one more term per query head in its softmax denominator
  *
  * Softmax is computed exactly (scores, max, exp, sum, then the weighted sum
  * of values), in float32, as torch's reference does; a 2-byte cache is
@@ -74,25 +76,25 @@ void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed) 
         const int h0 = part * heads_per_part, h1 = (part + 1) * heads_per_part;
         if (n->kv_type == KV_FLOAT32)
             attend<KvF32>(qb, (const float *)n->k_cache, (const float *)n->v_cache, table, span, ob, num_heads,
-                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, n->sinks);
         else if (n->kv_type == KV_FLOAT16)
             attend<KvF16>(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob, num_heads,
-                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+                       num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, n->sinks);
         else if (n->kv_type == KV_INT4)
             attend_i4_rotated(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob,
-                              num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, qr);
+                              num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, qr, n->sinks);
         else if (n->kv_type == KV_FP8E4M3)
             attend<KvE4M3>(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
-                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, n->sinks);
         else if (n->kv_type == KV_FP8E5M2)
             attend<KvE5M2>(qb, (const uint8_t *)n->k_cache, (const uint8_t *)n->v_cache, table, span, ob, num_heads,
-                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+                        num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, n->sinks);
         else if (n->kv_type == KV_INT8)
             attend<KvI8>(qb, (const int8_t *)n->k_cache, (const int8_t *)n->v_cache, table, span, ob, num_heads,
-                      num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+                      num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, n->sinks);
         else
             attend<KvBF16>(qb, (const uint16_t *)n->k_cache, (const uint16_t *)n->v_cache, table, span, ob,
-                        num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip);
+                        num_heads, num_kv_heads, head_dim, block_size, n->scale, h0, h1, scores, skip, n->sinks);
     }
     free(scores);
     free(qr);

@@ -24,6 +24,7 @@
  *   block_tables [num_seqs, width] int64 (rows contiguous)
  *   bounds       [2 * num_seqs] int64: each sequence's first and one-past-last row
  *   seq_lens     [num_seqs] int64: its length after this step
+ *   sinks        [num_heads] float32 or NULL: attention-sink logits, as paged_decode's
  *
  * Head sizes that are not a multiple of 64, and builds without vectors, run
  * attend (paged_decode's own function) once per token: the same bits again,
@@ -47,7 +48,8 @@
    outputs rotated back (attend_i4_rotated's steps, row by row). */
 static void prefill_rows(int kv_type, const float *const *q, float *const *o, const int64_t *lens, int nr,
                          const void *k_cache, const void *v_cache, const int64_t *table, int kvh, int num_kv_heads,
-                         int head_dim, int block_size, float scale, float *scores, void **rows, float *qr) {
+                         int head_dim, int block_size, float scale, float *scores, void **rows, float *qr,
+                         const float *sinks) {
 #if PP_TILED
     const float *qs[KV_ROWS_MAX];
     for (int r = 0; r < nr; r++) qs[r] = q[r];
@@ -55,7 +57,7 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
     case KV_FLOAT32: {
         const int64_t hs = head_dim, row = (int64_t)num_kv_heads * hs;
         attend_rows<KvF32>(qs, o, lens, nr, (const float *)k_cache, (const float *)v_cache, table, kvh * hs, row,
-                        head_dim, block_size, scale, scores, (const float **)rows);
+                        head_dim, block_size, scale, scores, (const float **)rows, sinks);
         break;
     }
     case KV_FLOAT16:
@@ -63,16 +65,16 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
         const int64_t hs = head_dim, row = (int64_t)num_kv_heads * hs;
         if (kv_type == KV_FLOAT16)
             attend_rows<KvF16>(qs, o, lens, nr, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, kvh * hs,
-                            row, head_dim, block_size, scale, scores, (const uint16_t **)rows);
+                            row, head_dim, block_size, scale, scores, (const uint16_t **)rows, sinks);
         else
             attend_rows<KvBF16>(qs, o, lens, nr, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, kvh * hs,
-                             row, head_dim, block_size, scale, scores, (const uint16_t **)rows);
+                             row, head_dim, block_size, scale, scores, (const uint16_t **)rows, sinks);
         break;
     }
     case KV_INT8: {
         const int64_t hs = head_dim + KV_I8_SCALE_BYTES, row = (int64_t)num_kv_heads * hs;
         attend_rows<KvI8>(qs, o, lens, nr, (const int8_t *)k_cache, (const int8_t *)v_cache, table, kvh * hs, row,
-                       head_dim, block_size, scale, scores, (const int8_t **)rows);
+                       head_dim, block_size, scale, scores, (const int8_t **)rows, sinks);
         break;
     }
     case KV_INT4: {
@@ -83,7 +85,7 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
             qs[r] = qr + (int64_t)r * head_dim;
         }
         attend_rows<KvI4>(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs, row,
-                       head_dim, block_size, scale, scores, (const uint8_t **)rows);
+                       head_dim, block_size, scale, scores, (const uint8_t **)rows, sinks);
         for (int r = 0; r < nr; r++) hadamard_f32(o[r], head_dim);
         break;
     }
@@ -91,50 +93,51 @@ static void prefill_rows(int kv_type, const float *const *q, float *const *o, co
         const int64_t hs = head_dim + KV_I8_SCALE_BYTES, row = (int64_t)num_kv_heads * hs;
         if (kv_type == KV_FP8E4M3)
             attend_rows<KvE4M3>(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs,
-                             row, head_dim, block_size, scale, scores, (const uint8_t **)rows);
+                             row, head_dim, block_size, scale, scores, (const uint8_t **)rows, sinks);
         else
             attend_rows<KvE5M2>(qs, o, lens, nr, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, kvh * hs,
-                             row, head_dim, block_size, scale, scores, (const uint8_t **)rows);
+                             row, head_dim, block_size, scale, scores, (const uint8_t **)rows, sinks);
     }
     }
 #else
     (void)kv_type, (void)q, (void)o, (void)lens, (void)nr, (void)k_cache, (void)v_cache, (void)table, (void)kvh;
     (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)scores, (void)rows, (void)qr;
+    (void)sinks;
 #endif
 }
 
 /* One token through paged_decode's own per-query function (the head sizes attend_rows does not take). */
 static void prefill_token(int kv_type, const float *q, float *out, const void *k_cache, const void *v_cache,
                           const int64_t *table, int64_t len, int num_heads, int num_kv_heads, int head_dim,
-                          int block_size, float scale, float *scores, float *qr) {
+                          int block_size, float scale, float *scores, float *qr, const float *sinks) {
     const int h1 = num_kv_heads;
     if (kv_type == KV_FLOAT32)
         attend<KvF32>(q, (const float *)k_cache, (const float *)v_cache, table, len, out, num_heads, num_kv_heads,
-                   head_dim, block_size, scale, 0, h1, scores, 0);
+                   head_dim, block_size, scale, 0, h1, scores, 0, sinks);
     else if (kv_type == KV_FLOAT16)
         attend<KvF16>(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, num_heads,
-                   num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
+                   num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0, sinks);
     else if (kv_type == KV_BFLOAT16)
         attend<KvBF16>(q, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, len, out, num_heads,
-                    num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
+                    num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0, sinks);
     else if (kv_type == KV_INT8)
         attend<KvI8>(q, (const int8_t *)k_cache, (const int8_t *)v_cache, table, len, out, num_heads, num_kv_heads,
-                  head_dim, block_size, scale, 0, h1, scores, 0);
+                  head_dim, block_size, scale, 0, h1, scores, 0, sinks);
     else if (kv_type == KV_INT4)
         attend_i4_rotated(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
-                          num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0, qr);
+                          num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0, qr, sinks);
     else if (kv_type == KV_FP8E4M3)
         attend<KvE4M3>(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
-                    num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
+                    num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0, sinks);
     else
         attend<KvE5M2>(q, (const uint8_t *)k_cache, (const uint8_t *)v_cache, table, len, out, num_heads,
-                    num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0);
+                    num_kv_heads, head_dim, block_size, scale, 0, h1, scores, 0, sinks);
 }
 
 int paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_type,
                       const int64_t *block_tables, int64_t table_stride, const int64_t *bounds,
                       const int64_t *seq_lens, float *out, int64_t out_stride, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                      float scale, int num_threads) {
+                      float scale, const float *sinks, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int tiled = PP_TILED && head_dim % 64 == 0 && group * PP_TILE <= KV_ROWS_MAX;
     int64_t max_len = 1, num_tasks = 0;
@@ -174,7 +177,7 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, con
                 const int64_t r = bounds[2 * s] + local;
                 prefill_token(kv_type, q + r * q_stride, out + r * out_stride, k_cache, v_cache,
                               table, start + local + 1, num_heads, num_kv_heads, head_dim, block_size, scale, scores,
-                              qr);
+                              qr, sinks);
                 continue;
             }
             /* the sequence's last tiles first: the longest rows start early, which balances the threads */
@@ -185,6 +188,7 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, con
             const float *qrow[KV_ROWS_MAX];
             float *orow[KV_ROWS_MAX];
             int64_t lens[KV_ROWS_MAX];
+            float row_sinks[KV_ROWS_MAX]; /* each row's query head's sink logit */
             int nr = 0;
             for (int j = 0; j < group; j++)
                 for (int64_t i = p0; i < p1; i++, nr++) {
@@ -192,9 +196,10 @@ int paged_prefill_f32(const float *q, int64_t q_stride, const void *k_cache, con
                     qrow[nr] = q + r * q_stride + h * head_dim;
                     orow[nr] = out + r * out_stride + h * head_dim;
                     lens[nr] = start + i + 1;
+                    row_sinks[nr] = sinks ? sinks[h] : -INFINITY;
                 }
             prefill_rows(kv_type, qrow, orow, lens, nr, k_cache, v_cache, table, kvh, num_kv_heads, head_dim,
-                         block_size, scale, scores, rows, qr);
+                         block_size, scale, scores, rows, qr, sinks ? row_sinks : NULL);
         }
         free(scores);
         free(rows);

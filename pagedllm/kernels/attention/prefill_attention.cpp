@@ -15,7 +15,8 @@
  *
  * Layouts: row r of q/k/v/out starts at ptr + r * *_stride; within a row,
  * heads are contiguous runs of head_dim floats (q, out: num_heads heads;
- * k, v: num_kv_heads).
+ * k, v: num_kv_heads). sinks: [num_heads] attention-sink logits or NULL, one
+ * more term of each query head's softmax denominator (gpt-oss).
  *
  * Where the head size is a multiple of PF_DCHUNK, a task works like a small
  * GEMM instead (prefill_group_tiled; a task is a (sequence, kv head), or a
@@ -62,10 +63,11 @@ static inline int64_t pf_round_up(int64_t n, int64_t m) { return (n + m - 1) / m
    queries; the same products as prefill_head, summed in another order. The
    keys are transposed once for the group. kt: [head_dim][round_up(len,
    PF_KEYS)] scratch; p: [PF_Q][same] scratch. head_dim is a multiple of
-   PF_DCHUNK; q, out point at the group's first query head. */
+   PF_DCHUNK; q, out point at the group's first query head, sinks (NULL: none)
+   at its attention-sink logit. */
 static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
                                 int64_t v_stride, float *out, int64_t out_stride, int64_t len, int head_dim,
-                                int group, float scale, float *kt, float *p) {
+                                int group, float scale, float *kt, float *p, const float *sinks) {
     const int64_t ld = pf_round_up(len, PF_KEYS);
     for (int64_t t = 0; t < len; t++)
         for (int d = 0; d < head_dim; d++) kt[d * ld + t] = k[t * k_stride + d];
@@ -75,6 +77,7 @@ static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k
     for (int g = 0; g < group; g++) {
         const float *qh = q + (int64_t)g * head_dim;
         float *oh = out + (int64_t)g * head_dim;
+        const float sink = sinks ? sinks[g] : -INFINITY;
         for (int64_t i0 = 0; i0 < len; i0 += PF_Q) {
             const int nq = len - i0 < PF_Q ? (int)(len - i0) : PF_Q;
             const int64_t n = i0 + nq; /* keys [0, n) cover every query of the tile */
@@ -105,7 +108,7 @@ static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k
             for (int qi = 0; qi < PF_Q; qi++) {
                 float *pi = p + qi * ld;
                 const int64_t own = qi < nq ? i0 + qi + 1 : 0;
-                inv[qi] = own ? 1.0f / exp_row(pi, own) : 0.0f;
+                inv[qi] = own ? 1.0f / exp_row(pi, own, sink) : 0.0f;
                 for (int64_t t = own; t < n; t++) pi[t] = 0.0f;
             }
             for (int d0 = 0; d0 < head_dim; d0 += PF_DCHUNK) {
@@ -134,10 +137,11 @@ static void prefill_group_tiled(const float *q, int64_t q_stride, const float *k
 }
 #endif
 
-/* one (sequence, query head): queries [0, len) against keys [0, i] each */
+/* one (sequence, query head): queries [0, len) against keys [0, i] each; sink: the head's
+   attention-sink logit (-INFINITY: none) */
 static void prefill_head(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
                          int64_t v_stride, float *out, int64_t out_stride, int64_t len, int head_dim, float scale,
-                         float *scores) {
+                         float *scores, float sink) {
     for (int64_t i = 0; i < len; i++) {
         const float *qi = q + i * q_stride;
         const int64_t n = i + 1;
@@ -152,7 +156,7 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
         }
 #endif
         for (; t < n; t++) scores[t] = scale * dot(qi, k + t * k_stride, head_dim);
-        softmax_row(scores, n);
+        softmax_row(scores, n, sink);
         float *oi = out + i * out_stride;
         memset(oi, 0, sizeof(float) * (size_t)head_dim);
         int d0 = 0;
@@ -175,7 +179,8 @@ static void prefill_head(const float *q, int64_t q_stride, const float *k, int64
 /* Returns 0 on success, 1 when scratch memory could not be allocated. */
 int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
                           int64_t v_stride, float *out, int64_t out_stride, const int64_t *bounds, int num_seqs,
-                          int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
+                          int num_heads, int num_kv_heads, int head_dim, float scale, const float *sinks,
+                          int num_threads) {
     int64_t max_len = 1;
     for (int s = 0; s < num_seqs; s++)
         if (bounds[2 * s + 1] - bounds[2 * s] > max_len) max_len = bounds[2 * s + 1] - bounds[2 * s];
@@ -215,7 +220,7 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
                                     v + r0 * v_stride + (int64_t)kvh * head_dim, v_stride,
                                     out + r0 * out_stride + (int64_t)h * head_dim, out_stride, len, head_dim,
                                     heads_per_task, scale, scores,
-                                    scores + (int64_t)head_dim * pf_round_up(len, PF_KEYS));
+                                    scores + (int64_t)head_dim * pf_round_up(len, PF_KEYS), sinks ? sinks + h : NULL);
             }
         } else
 #endif
@@ -229,7 +234,7 @@ int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int6
                              k + r0 * k_stride + (int64_t)kvh * head_dim, k_stride,
                              v + r0 * v_stride + (int64_t)kvh * head_dim, v_stride,
                              out + r0 * out_stride + (int64_t)h * head_dim, out_stride, bounds[2 * s + 1] - r0,
-                             head_dim, scale, scores);
+                             head_dim, scale, scores, sinks ? sinks[h] : -INFINITY);
             }
         }
         free(scores);

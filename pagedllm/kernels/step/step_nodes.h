@@ -130,6 +130,7 @@ typedef struct {
     int64_t table_width; /* columns of a table row: every length is at most table_width * block_size */
     float scale;
     int64_t window; /* 0: every key; w > 0: the last w keys */
+    const float *sinks; /* [num_heads] attention-sink logits, or NULL: none */
 } PagedDecodeNode;
 
 typedef struct {
