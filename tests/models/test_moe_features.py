@@ -22,7 +22,7 @@ from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.layers.fused_moe import MoEBlock
 from pagedllm.sampling_params import StructuredOutputsParams
 
-NUM_NEW = 16
+NUM_NEW = 12
 BASE = dict(max_model_len=256, block_size=8, kv_cache_dtype="float32")
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=3)
 # a float32 engine's logprobs are batch invariant (bits); a margin for the summation order of other paths
@@ -34,7 +34,7 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
 
 
-PROMPTS = _prompts(7, (29, 11, 40, 5))
+PROMPTS = _prompts(7, (29, 11, 40))
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_prefix_caching_hits_and_changes_nothing(moe_dir: str, plain) -> None:  
 
 
 def test_preemption_recomputes_the_same_tokens(moe_dir: str, plain) -> None:  # noqa: ANN001
-    """A pool of 12 blocks for four requests of up to 7 blocks each: requests are preempted and recomputed,
+    """A pool of 12 blocks for three requests of 3 to 7 blocks: requests are preempted and recomputed,
     and their tokens and logprobs are the big pool's."""
     _, want = plain
     llm = LLM(moe_dir, **{**BASE, "max_model_len": 64}, num_kv_blocks=12, enable_prefix_caching=False)
@@ -128,19 +128,20 @@ def test_preemption_recomputes_the_same_tokens(moe_dir: str, plain) -> None:  # 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_speculative_decoding_is_plain_greedy(moe_dir: str, plain, method: str) -> None:  # noqa: ANN001
-    """Drafts are proposed and accepted; tokens and logprobs are plain greedy decoding's. The second prompt's
-    greedy continuation repeats a bigram (prompt lookup drafts from it); the prompts are run twice (suffix
+    """Drafts are proposed and accepted; tokens and logprobs are plain greedy decoding's. The prompt's
+    greedy continuation repeats a bigram (prompt lookup drafts from it); the prompt is run twice (suffix
     decoding drafts from the first run's outputs); draft_model is the model drafting for itself."""
     ref_llm, _ = plain
-    prompts = [[300 + i % 5 for i in range(30)], [5000, 17, 4242, 999] * 5]
+    prompts = [[5000, 17, 4242, 999] * 5]
     config = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                         "prompt_lookup_max": 3, "cost_model": False},
               "suffix": {"method": "suffix", "num_speculative_tokens": 4, "cost_model": False},
               "draft_model": {"method": "draft_model", "model": moe_dir, "num_speculative_tokens": 3,
                               "cost_model": False}}[method]
     llm = LLM(moe_dir, **BASE, num_kv_blocks=128, speculative_config=config)
-    got = _generate(llm, prompts) + _generate(llm, prompts)
-    _assert_same(got, _generate(ref_llm, prompts) * 2)
+    num_runs = 2 if method == "suffix" else 1
+    got = [out for _ in range(num_runs) for out in _generate(llm, prompts)]
+    _assert_same(got, _generate(ref_llm, prompts) * num_runs)
     proposed = sum(g.metrics["spec_decode_num_draft_tokens"] for g in got)
     accepted = sum(g.metrics["spec_decode_num_accepted_tokens"] for g in got)
     assert proposed > 0 and accepted > 0
@@ -168,7 +169,7 @@ def test_structured_outputs_follow_the_schema(plain) -> None:  # noqa: ANN001
     regex = r"[a-z]{2,6}-[0-9]{3}"
     regex_params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24,
                                    structured_outputs=StructuredOutputsParams(regex=regex)) for s in range(4)]
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[3]}] * 4, regex_params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[2]}] * 4, regex_params, use_tqdm=False)
     for out in outs:
         assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
     assert _idle(llm)
