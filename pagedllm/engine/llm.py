@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchParams
+from pagedllm.engine.chat_content import content_text
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.vllm_args import translate_vllm_args
 from pagedllm.loader import load_model_config, resolve_model_path, resolve_tokenizer_path
-from pagedllm.loader.chat_content import content_text
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 

@@ -423,7 +423,7 @@ class ContentPart(_Strict):
     """One part of a message's content; only text parts are supported.
 
     Any part type parses here, so that an image (or audio, a file) part is refused by
-    ``loader/chat_content.py`` with a 400 saying the model takes no images, not with a schema error.
+    ``engine/chat_content.py`` with a 400 saying the model takes no images, not with a schema error.
     """
 
     # the schema promises what is served: a text part (other parts are refused, as the schema says)

@@ -12,7 +12,7 @@ OpenAI's messages and the templates' differ in three places:
   some templates print.
 
 Content given as a list of parts has its text parts joined by newlines, as
-vLLM does; other part types are refused (``loader/chat_content.py``: an image part says
+vLLM does; other part types are refused (``engine/chat_content.py``: an image part says
 the model takes no images). Only the fields templates read are
 kept (``role``, ``content``, ``name``, ``tool_calls``, ``tool_call_id``).
 
@@ -34,7 +34,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedllm.loader.chat_content import content_text
+from pagedllm.engine.chat_content import content_text
 from pagedllm.sampling_params import check_text
 
 # the roles OpenAI's chat completions define
