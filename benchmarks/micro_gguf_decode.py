@@ -72,13 +72,12 @@ def _time_pass(weights: list, xs: dict[int, torch.Tensor], times: list[float], c
 
 
 def _report(weights: list, times: list[float], rows: int, threads: int) -> None:
-    per_kind: dict[tuple[str, str, int, int], list[float]] = defaultdict(list)
+    per_kind: dict[tuple[str, str, int, int, int], list[float]] = defaultdict(list)
     for (name, type_name, out_f, in_f, blocks, _), t in zip(weights, times, strict=True):
-        per_kind[(name, type_name, out_f, in_f)].append(t)
+        per_kind[(name, type_name, out_f, in_f, blocks.numel())].append(t)
     total_bytes = sum(w[4].numel() for w in weights)
     total_time = sum(times)
-    for (name, type_name, out_f, in_f), ts in per_kind.items():
-        nbytes = next(w[4].numel() for w in weights if w[0] == name)
+    for (name, type_name, out_f, in_f, nbytes), ts in per_kind.items():
         mean = sum(ts) / len(ts)
         print(f"  rows {rows:3d} threads {threads}  {name:12s} {type_name:6s} {out_f:6d} x {in_f:5d}: "
               f"{mean * 1e6:8.1f} us/call  {nbytes / mean / 1e9:6.2f} GB/s")
