@@ -30,7 +30,11 @@
 
 /* lanes per vector (a tile's 16 channels in 16 / X16_VL parts) and rows per register tile */
 #define X16_VL SIMD_Q_LANES
+#if SIMD_Q_LANES == 16
+#define X16_MR 8  /* 32 vector registers: a tile's loads and nibble splits shared by 8 rows */
+#else
 #define X16_MR 4
+#endif
 #define X16_Q8_OFFSET SIMD_Q8_OFFSET
 
 /* ---- 8-bit activations ---- */
@@ -566,6 +570,12 @@ static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int6
         int64_t r = row0;
         for (; r + X16_MR <= row0 + m; r += X16_MR) rows_against_tile<X16_MR, TYPE>(n, qr, t, r, h);
         switch (row0 + m - r) {
+#if X16_MR > 4
+            case 7: rows_against_tile<7, TYPE>(n, qr, t, r, h); break;
+            case 6: rows_against_tile<6, TYPE>(n, qr, t, r, h); break;
+            case 5: rows_against_tile<5, TYPE>(n, qr, t, r, h); break;
+            case 4: rows_against_tile<4, TYPE>(n, qr, t, r, h); break;
+#endif
             case 3: rows_against_tile<3, TYPE>(n, qr, t, r, h); break;
             case 2: rows_against_tile<2, TYPE>(n, qr, t, r, h); break;
             case 1: rows_against_tile<1, TYPE>(n, qr, t, r, h); break;
