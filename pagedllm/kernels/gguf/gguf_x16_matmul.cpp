@@ -30,7 +30,11 @@
 
 /* lanes per vector (a tile's 16 channels in 16 / X16_VL parts) and rows per register tile */
 #define X16_VL SIMD_Q_LANES
+#if SIMD_Q_LANES == 16
+#define X16_MR 8  /* 32 vector registers: a tile's loads and nibble splits shared by 8 rows */
+#else
 #define X16_MR 4
+#endif
 #define X16_Q8_OFFSET SIMD_Q8_OFFSET
 
 /* ---- 8-bit activations ---- */
@@ -354,6 +358,18 @@ static inline __attribute__((always_inline)) void xtile_rows(const LinearNode *n
     store_rows<MR>(n, acc, t, r0, h);
 }
 
+/* bytes ahead of the run being summed that each run asks for (prefetch) */
+#ifndef X16_PREFETCH_BYTES
+#define X16_PREFETCH_BYTES 2048
+#endif
+
+/* Ask for the bytes X16_PREFETCH_BYTES ahead of run j of a tile super-block (blk, tile_bytes long): an eighth
+   of a super-block's lines per run, so its 8 runs cover the stream ahead once */
+static inline __attribute__((always_inline)) void x16_prefetch_run(const uint8_t *blk, int64_t tile_bytes, int j) {
+    const int64_t per_run = tile_bytes / 8;
+    for (int64_t l = 0; l < per_run; l += 64) simd_prefetch_l1(blk + X16_PREFETCH_BYTES + j * per_run + l);
+}
+
 /* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
    channel (gguf_k_scale_min, for X16_VL channels at once) */
 static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, int j, vq_int *scale, vq_int *min) {
@@ -368,7 +384,12 @@ static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, 
 }
 
 /* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL),
-   a 32-input run at a time, summed in integers per run and scaled as gguf_x16.h writes */
+   a 32-input run at a time, summed in integers per run and scaled as gguf_x16.h writes, with the float work
+   per (row, run) kept to the least (it is as many instructions as the dot products for a batch of rows):
+   - a run's scaled integer sum times the row's dx goes into a per-super-block sum (sacc), times the
+     channels' d once per super-block, not once per run;
+   - Q4_K / Q5_K's min term, -dmin m_j dx sx, is one fma per (row, run): the channels' -dmin m_j (one
+     conversion and product per run, for every row) times the row's dx sx (one float product) */
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n, const QRows &qr, int64_t t,
                                                              int64_t r0, int h) {
@@ -382,7 +403,10 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
         const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
         const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
         const vq_float neg_dmin = type == GGUF_Q6_K ? vq_fzero() : vq_fmul(vq_fhalves(blk + 32 + 2 * X16_VL * h), vq_fset1(-1.0f));
+        vq_float sacc[MR];  // this super-block's sum of float(scaled isum) dx per row, times d at its end
+        for (int r = 0; r < MR; r++) sacc[r] = vq_fzero();
         for (int j = 0; j < 8; j++) {
+            if (h == 0 && r0 < X16_MR) x16_prefetch_run(blk, X16_TILE * sb_bytes, j);  // the tile's first pass
             const uint8_t *qs = blk + kq_qs_offset(type, j) + lane_bytes * h;
             const uint8_t *qh = blk + kq_qh_offset(type, j) + lane_bytes * h;
             vq_int isum[MR], isum_hi[MR];  // Q6_K: isum over the run's first 16 inputs, isum_hi the last 16
@@ -402,19 +426,20 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
                     const int64_t i = (r0 + r) * nb + sb * 8 + j;
                     const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
                     const vq_int sum = vq_add(vq_mul(vq_sub1(isum[r], 32 * sx_lo), sc_lo), vq_mul(vq_sub1(isum_hi[r], 32 * sx_hi), sc_hi));
-                    acc[r] = vq_ffma(vq_fcvt(sum), vq_fmul(d, vq_fset1(qr.d[i])), acc[r]);
+                    sacc[r] = vq_ffma(vq_fcvt(sum), vq_fset1(qr.d[i]), sacc[r]);
                 }
             } else {
                 vq_int scale, min;
                 k_scale_min(blk + 64 + X16_VL * h, j, &scale, &min);
+                const vq_float min_term = vq_fmul(vq_fcvt(min), neg_dmin);  // -dmin m_j of the lanes' channels
                 for (int r = 0; r < MR; r++) {
                     const int64_t i = (r0 + r) * nb + sb * 8 + j;
-                    const vq_float dx = vq_fset1(qr.d[i]);
-                    acc[r] = vq_ffma(vq_fcvt(vq_mul(isum[r], scale)), vq_fmul(d, dx), acc[r]);
-                    acc[r] = vq_ffma(vq_fcvt(vq_mul(min, vq_set1(qr.s[i]))), vq_fmul(neg_dmin, dx), acc[r]);
+                    sacc[r] = vq_ffma(vq_fcvt(vq_mul(isum[r], scale)), vq_fset1(qr.d[i]), sacc[r]);
+                    acc[r] = vq_ffma(min_term, vq_fset1(qr.d[i] * (float)qr.s[i]), acc[r]);
                 }
             }
         }
+        for (int r = 0; r < MR; r++) acc[r] = vq_ffma(sacc[r], d, acc[r]);
     }
     store_rows<MR>(n, acc, t, r0, h);
 }
@@ -548,6 +573,12 @@ static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int6
         int64_t r = row0;
         for (; r + X16_MR <= row0 + m; r += X16_MR) rows_against_tile<X16_MR, TYPE>(n, qr, t, r, h);
         switch (row0 + m - r) {
+#if X16_MR > 4
+            case 7: rows_against_tile<7, TYPE>(n, qr, t, r, h); break;
+            case 6: rows_against_tile<6, TYPE>(n, qr, t, r, h); break;
+            case 5: rows_against_tile<5, TYPE>(n, qr, t, r, h); break;
+            case 4: rows_against_tile<4, TYPE>(n, qr, t, r, h); break;
+#endif
             case 3: rows_against_tile<3, TYPE>(n, qr, t, r, h); break;
             case 2: rows_against_tile<2, TYPE>(n, qr, t, r, h); break;
             case 1: rows_against_tile<1, TYPE>(n, qr, t, r, h); break;
