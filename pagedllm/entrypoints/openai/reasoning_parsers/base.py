@@ -24,14 +24,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pagedllm.entrypoints.openai.tool_parsers.base import (
-    DeltaMessage,
-    ToolCallDelta,
-    new_tool_call_id,
-)
+from pagedllm.entrypoints.openai.tool_parsers.base import DeltaMessage, DeltaSender
 
 
-class ReasoningParser(ABC):
+class ReasoningParser(DeltaSender, ABC):
     """Splits one choice's output into reasoning and reply (and, for some formats, tool calls).
 
     Args:
@@ -48,13 +44,9 @@ class ReasoningParser(ABC):
     def __init__(
         self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None
     ) -> None:
-        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
-            raise ValueError(f"max_calls must be a positive integer or None, got {max_calls!r}")
+        super().__init__(max_calls)
         self.prompt_text = prompt_text
         self.calls_allowed = calls_allowed
-        self.max_calls = max_calls
-        self.num_calls = 0
-        self._out = DeltaMessage()
         self._finished = False
 
     def feed(self, text: str, token_ids: Sequence[int]) -> DeltaMessage | None:
@@ -82,32 +74,6 @@ class ReasoningParser(ABC):
 
     # --- what subclasses send ---------------------------------------------------------------
 
-    def _take(self) -> DeltaMessage | None:
-        out, self._out = self._out, DeltaMessage()
-        return None if out.empty else out
-
     def _send_reasoning(self, text: str) -> None:
         if text:
             self._out.reasoning_content = (self._out.reasoning_content or "") + text
-
-    def _send_content(self, text: str) -> None:
-        if text:
-            self._out.content = (self._out.content or "") + text
-
-    def _open_call(self, name: str) -> int | None:
-        """Send a call's header; its index, or None when ``max_calls`` are already out (the call is dropped)."""
-        if self.max_calls is not None and self.num_calls >= self.max_calls:
-            return None
-        index = self.num_calls
-        self.num_calls += 1
-        self._out.tool_calls.append(ToolCallDelta(index, new_tool_call_id(), name))
-        return index
-
-    def _send_arguments(self, index: int, piece: str) -> None:
-        if not piece:
-            return
-        calls = self._out.tool_calls
-        if calls and calls[-1].index == index:
-            calls[-1].arguments += piece  # one piece per call and chunk
-        else:
-            calls.append(ToolCallDelta(index, arguments=piece))

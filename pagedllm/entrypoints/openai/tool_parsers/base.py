@@ -146,7 +146,51 @@ def assemble_deltas(deltas: Iterable[DeltaMessage | None]) -> ExtractedToolCalls
                               "".join(reasoning) if reasoning else None)
 
 
-class ToolParser(ABC):
+class DeltaSender:
+    """What a streaming output parser keeps and sends: the delta being built, the calls sent so far.
+
+    Shared by the tool parsers (``ToolParser``) and the reasoning parsers
+    (``reasoning_parsers/base.py``): each step's pieces (content, a call's
+    header, its argument fragments) accumulate in one ``DeltaMessage`` that
+    ``_take`` hands out. ``max_calls``: at most this many call headers are
+    sent; later calls are dropped (None: no limit).
+    """
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+            raise ValueError(f"max_calls must be a positive integer or None, got {max_calls!r}")
+        self.max_calls = max_calls
+        self.num_calls = 0
+        self._out = DeltaMessage()
+
+    def _take(self) -> DeltaMessage | None:
+        out, self._out = self._out, DeltaMessage()
+        return None if out.empty else out
+
+    def _send_content(self, text: str) -> None:
+        if text:
+            self._out.content = (self._out.content or "") + text
+
+    def _open_call(self, name: str) -> int | None:
+        """Send a call's header; its index, or None when ``max_calls`` are already out (the call is dropped)."""
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            return None
+        index = self.num_calls
+        self.num_calls += 1
+        self._out.tool_calls.append(ToolCallDelta(index, new_tool_call_id(), name))
+        return index
+
+    def _send_arguments(self, index: int, piece: str) -> None:
+        if not piece:
+            return
+        calls = self._out.tool_calls
+        if calls and calls[-1].index == index:
+            calls[-1].arguments += piece  # one piece per call and chunk
+        else:
+            calls.append(ToolCallDelta(index, arguments=piece))
+
+
+class ToolParser(DeltaSender, ABC):
     """Splits one choice's output into content and tool calls, streamed or whole.
 
     Args:
@@ -163,13 +207,9 @@ class ToolParser(ABC):
     name: ClassVar[str] = ""
 
     def __init__(self, max_calls: int | None = None, *, buffered: bool = False) -> None:
-        if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
-            raise ValueError(f"max_calls must be a positive integer or None, got {max_calls!r}")
-        self.max_calls = max_calls
+        super().__init__(max_calls)
         self.buffered = buffered
-        self.num_calls = 0
         self.diverged = False  # a sent call broke: extract() would return its text as content
-        self._out = DeltaMessage()
         self._finished = False
 
     def feed(self, text: str) -> DeltaMessage | None:
@@ -201,34 +241,6 @@ class ToolParser(ABC):
     @abstractmethod
     def _end(self) -> None:
         """Resolve whatever is pending at the end of the output."""
-
-    # --- what subclasses send ---------------------------------------------------------------
-
-    def _take(self) -> DeltaMessage | None:
-        out, self._out = self._out, DeltaMessage()
-        return None if out.empty else out
-
-    def _send_content(self, text: str) -> None:
-        if text:
-            self._out.content = (self._out.content or "") + text
-
-    def _open_call(self, name: str) -> int | None:
-        """Send a call's header; its index, or None when ``max_calls`` are already out (the call is dropped)."""
-        if self.max_calls is not None and self.num_calls >= self.max_calls:
-            return None
-        index = self.num_calls
-        self.num_calls += 1
-        self._out.tool_calls.append(ToolCallDelta(index, new_tool_call_id(), name))
-        return index
-
-    def _send_arguments(self, index: int, piece: str) -> None:
-        if not piece:
-            return
-        calls = self._out.tool_calls
-        if calls and calls[-1].index == index:
-            calls[-1].arguments += piece  # one piece per call and chunk
-        else:
-            calls.append(ToolCallDelta(index, arguments=piece))
 
 
 class StreamedCall:
