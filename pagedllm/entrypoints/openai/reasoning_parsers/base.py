@@ -20,14 +20,14 @@ parser sends the calls.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
 from pagedllm.entrypoints.openai.tool_parsers.base import DeltaMessage, DeltaSender
 
 
-class ReasoningParser(DeltaSender, ABC):
+class ReasoningParser(DeltaSender):
     """Splits one choice's output into reasoning and reply (and, for some formats, tool calls).
 
     Args:
@@ -47,30 +47,17 @@ class ReasoningParser(DeltaSender, ABC):
         super().__init__(max_calls)
         self.prompt_text = prompt_text
         self.calls_allowed = calls_allowed
-        self._finished = False
 
     def feed(self, text: str, token_ids: Sequence[int]) -> DeltaMessage | None:
         """Read the choice's next text and token ids; the delta to send, or None."""
-        if self._finished:
-            raise ValueError("feed() after finish()")
+        self._check_open()
         self._read(text, token_ids)
-        return self._take()
-
-    def finish(self) -> DeltaMessage | None:
-        """The output has ended: what was held back, resolved; the last delta, or None."""
-        if self._finished:
-            raise ValueError("finish() called twice")
-        self._finished = True
-        self._end()
         return self._take()
 
     @abstractmethod
     def _read(self, text: str, token_ids: Sequence[int]) -> None:
         """Read one step's new output."""
 
-    @abstractmethod
-    def _end(self) -> None:
-        """Resolve whatever is pending at the end of the output."""
 
     # --- what subclasses send ---------------------------------------------------------------
 

@@ -146,7 +146,7 @@ def assemble_deltas(deltas: Iterable[DeltaMessage | None]) -> ExtractedToolCalls
                               "".join(reasoning) if reasoning else None)
 
 
-class DeltaSender:
+class DeltaSender(ABC):
     """What a streaming output parser keeps and sends: the delta being built, the calls sent so far.
 
     Shared by the tool parsers (``ToolParser``) and the reasoning parsers
@@ -162,6 +162,23 @@ class DeltaSender:
         self.max_calls = max_calls
         self.num_calls = 0
         self._out = DeltaMessage()
+        self._finished = False
+
+    def finish(self) -> DeltaMessage | None:
+        """The output has ended: what was held back, resolved; the last delta, or None."""
+        if self._finished:
+            raise ValueError("finish() called twice")
+        self._finished = True
+        self._end()
+        return self._take()
+
+    @abstractmethod
+    def _end(self) -> None:
+        """Resolve whatever is pending at the end of the output."""
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise ValueError("feed() after finish()")
 
     def _take(self) -> DeltaMessage | None:
         out, self._out = self._out, DeltaMessage()
@@ -190,7 +207,7 @@ class DeltaSender:
             calls.append(ToolCallDelta(index, arguments=piece))
 
 
-class ToolParser(DeltaSender, ABC):
+class ToolParser(DeltaSender):
     """Splits one choice's output into content and tool calls, streamed or whole.
 
     Args:
@@ -210,22 +227,12 @@ class ToolParser(DeltaSender, ABC):
         super().__init__(max_calls)
         self.buffered = buffered
         self.diverged = False  # a sent call broke: extract() would return its text as content
-        self._finished = False
 
     def feed(self, text: str) -> DeltaMessage | None:
         """Read the choice's next text; the delta to send, or None when nothing is ready yet."""
-        if self._finished:
-            raise ValueError("feed() after finish()")
+        self._check_open()
         for ch in text:
             self._step(ch)
-        return self._take()
-
-    def finish(self) -> DeltaMessage | None:
-        """The output has ended: what was held back, resolved; the last delta, or None."""
-        if self._finished:
-            raise ValueError("finish() called twice")
-        self._finished = True
-        self._end()
         return self._take()
 
     @classmethod
@@ -237,10 +244,6 @@ class ToolParser(DeltaSender, ABC):
     @abstractmethod
     def _step(self, ch: str) -> None:
         """Read one character of output."""
-
-    @abstractmethod
-    def _end(self) -> None:
-        """Resolve whatever is pending at the end of the output."""
 
 
 class StreamedCall:
