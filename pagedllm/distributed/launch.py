@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ __all__ = ["Rendezvous", "join_group", "launched_by_torchrun", "leave_group", "p
 IDLE_WAIT = datetime.timedelta(days=30)
 # the longest start-up wait: every rank started, its shard loaded and its KV blocks counted
 START_WAIT = datetime.timedelta(minutes=30)
+# seconds the GIL is let go after leaving: gloo's threads drop their last collectives' tensors, which takes the GIL
+GLOO_RELEASE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,15 @@ def join_group(
 
 
 def leave_group() -> None:
-    """Tear this process's process groups down (no-op when none is up)."""
+    """Tear this process's process groups down (no-op when none is up).
+
+    A gloo thread that ran the last collective drops its tensors after the
+    caller's wait returned, and dropping a tensor made in Python takes the
+    GIL. Should the interpreter start finalizing first, that thread is ended
+    by a forced unwind through C++: ``std::terminate``, SIGABRT at exit. So
+    this lets the GIL go a moment, while the interpreter is alive, for those
+    threads (already waiting on it) to finish.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(GLOO_RELEASE_S)

@@ -38,7 +38,7 @@ from pagedllm.resolved_config import resolve_config
 from pagedllm.runner.executor import TensorParallelExecutor
 from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.runner.process_settings import apply_process_settings
-from pagedllm.runner.tp_workers import is_torchrun_worker, serve_torchrun_rank
+from pagedllm.runner.tp_workers import end_worker_process, is_torchrun_worker, serve_torchrun_rank
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.speculator import Speculator
@@ -80,7 +80,8 @@ class LLMEngine:
     With ``tensor_parallel_size > 1`` the engine is rank 0: it starts the
     other ranks (or meets those torchrun started) and its runner drives
     them. In a torchrun rank other than 0, constructing the engine serves
-    rank 0's steps and then ends the process (``SystemExit(0)``) when rank 0
+    rank 0's steps and then ends the process (exit status 0, without the
+    interpreter's finalization: ``end_worker_process``) when rank 0
     shuts down: the same script runs on every rank. Call ``shutdown()`` to
     stop the ranks before the process ends.
 
@@ -92,7 +93,7 @@ class LLMEngine:
         if is_torchrun_worker(config):
             # a torchrun rank other than 0 only serves rank 0's steps; when rank 0 stops, so does this process
             serve_torchrun_rank(config)
-            raise SystemExit(0)
+            end_worker_process(0)
         self.config = config
         # every "auto" resolved once, before anything loads (a combination it refuses fails here)
         self.resolved_config = resolve_config(config)

@@ -11,9 +11,11 @@ that dies or hangs mid-step fails the step's collective (at once, or after
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.multiprocessing as mp
@@ -61,6 +63,25 @@ def run_worker(config: EngineConfig, rank: int, where: Rendezvous, cores: list[i
         leave_group()
 
 
+def end_worker_process(code: int) -> NoReturn:
+    """End a worker rank's process now, with exit status ``code``, skipping the interpreter's finalization.
+
+    A worker's last broadcast (rank 0's stop) can still be released by one of
+    gloo's threads after the process groups are left; that release takes the
+    GIL to drop a tensor, and an interpreter that is finalizing ends such a
+    thread with a forced unwind: ``std::terminate``, SIGABRT. The worker has
+    nothing left to finish (its shared memory is already unlinked), so it
+    flushes its output and logs and exits at once.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing to flush
+            pass
+    os._exit(code)
+
+
 def serve_torchrun_rank(config: EngineConfig) -> None:
     """A torchrun rank other than 0: serve rank 0's steps until it stops (it runs the engine)."""
     where = Rendezvous.from_torchrun()
@@ -83,7 +104,8 @@ def _worker_entry(config: EngineConfig, rank: int, where: Rendezvous, cores: lis
         run_worker(config, rank, where, cores)
     except BaseException as e:  # rank 0 died or said nothing for too long, or loading failed: leave
         logger.error("tensor-parallel worker rank %d stops: %s", rank, e)
-        sys.exit(1)
+        end_worker_process(1)
+    end_worker_process(0)
 
 
 @dataclass
