@@ -66,6 +66,8 @@ class ShardPlan:
     # a mixture of experts' slice of every expert's intermediate rows, and the whole expert's (0: no experts)
     expert_intermediate: tuple[int, int] = (0, 0)
     total_expert_intermediate: int = 0
+    # the shared expert's slice (Qwen2-MoE), split like a routed expert's; (0, 0) without one
+    shared_expert_intermediate: tuple[int, int] = (0, 0)
 
     @classmethod
     def make(cls, cfg: ModelArchConfig, rank: int, size: int) -> ShardPlan:
@@ -98,6 +100,7 @@ class ShardPlan:
             total_intermediate=cfg.intermediate_size,
             expert_intermediate=expert_split(cfg, size)[rank] if cfg.num_experts else (0, 0),
             total_expert_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0,
+            shared_expert_intermediate=shared_expert_split(cfg, size)[rank] if cfg.num_experts else (0, 0),
         )
 
     def local_config(self, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -110,6 +113,7 @@ class ShardPlan:
             num_key_value_heads=self.kv_heads[1],
             intermediate_size=self.intermediate[1],
             moe_intermediate_size=self.expert_intermediate[1],
+            shared_expert_intermediate_size=self.shared_expert_intermediate[1],
         )
 
     @property
@@ -142,22 +146,30 @@ def expert_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:
     """``(start, size)`` of every rank's slice of each expert's intermediate rows (``cfg.moe_intermediate_size``).
 
     Float checkpoints split as evenly as they go; a GGUF file's in whole blocks of down's input columns (the
-    largest unit of ``GGUF_EXPERT_UNITS`` dividing the expert size). ValueError when a rank would hold none,
-    or for a shared expert (not split yet).
+    largest unit of ``GGUF_EXPERT_UNITS`` dividing the expert size). ValueError when a rank would hold none.
     """
-    inter = cfg.moe_intermediate_size
-    if cfg.shared_expert_intermediate_size:
-        raise ValueError("tensor parallelism does not split a shared expert yet: a mixture of experts with "
-                         "shared_expert_intermediate_size > 0 needs tensor_parallel_size=1")
+    return _rows_split(cfg, cfg.moe_intermediate_size, size, "each expert's")
+
+
+def shared_expert_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of every rank's slice of the shared expert's intermediate rows (Qwen2-MoE's
+    ``shared_expert_intermediate_size``; ``(0, 0)`` each without one), cut as ``expert_split`` cuts an expert's:
+    the shared expert's partial sums join the routed experts' before the block's one all-reduce."""
+    if not cfg.shared_expert_intermediate_size:
+        return [(0, 0)] * size
+    return _rows_split(cfg, cfg.shared_expert_intermediate_size, size, "the shared expert's")
+
+
+def _rows_split(cfg: ModelArchConfig, inter: int, size: int, whose: str) -> list[tuple[int, int]]:
     unit = 1
     if cfg.checkpoint_format == "gguf":
         unit = next((u for u in GGUF_EXPERT_UNITS if inter % u == 0), 0)
         if not unit:
-            raise ValueError(f"the experts' intermediate size {inter} is not whole GGUF blocks of 32 weights: "
+            raise ValueError(f"{whose} intermediate size {inter} is not whole GGUF blocks of 32 weights: "
                              "it cannot be split over tensor-parallel ranks")
     pieces = [(start * unit, n * unit) for start, n in split_evenly(inter // unit, size)]
     if any(n == 0 for _, n in pieces):
         what = f"{inter // unit} GGUF blocks of {unit}" if unit > 1 else f"{inter} rows"
-        raise ValueError(f"tensor_parallel_size={size} is more than each expert's intermediate size holds "
+        raise ValueError(f"tensor_parallel_size={size} is more than {whose} intermediate size holds "
                          f"({what}): every rank needs a slice of every expert; use at most {inter // unit} ranks")
     return pieces

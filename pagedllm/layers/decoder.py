@@ -333,7 +333,8 @@ class CausalLM(NativeOpsMixin, nn.Module):
             sharded = tp is not None and tp.size > 1
             fused = {**moe_fused_projections(cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size,
                                              cfg.shared_expert_intermediate_size,
-                                             tp.plan.expert_intermediate[0] if sharded else None), **fused}
+                                             tp.plan.expert_intermediate[0] if sharded else None,
+                                             tp.plan.shared_expert_intermediate[0] if sharded else None), **fused}
         return fused
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -95,14 +95,16 @@ class MoESpec:
 
 
 def moe_fused_projections(num_experts: int, intermediate_size: int, hidden_size: int,
-                          shared_intermediate_size: int = 0, expert_start: int | None = None) -> FusedMap:
+                          shared_intermediate_size: int = 0, expert_start: int | None = None,
+                          shared_start: int | None = None) -> FusedMap:
     """Where a checkpoint's per-expert (and shared-expert) tensors go in the block's stacked layers.
 
     Expert ``e``'s ``gate_proj`` takes rows ``[e * 2I, e * 2I + I)`` of ``experts.gate_up``, its ``up_proj``
     the next ``I``, its ``down_proj`` rows ``[e * H, (e + 1) * H)`` of ``experts.down``; a shared expert's
     gate and up fuse as a dense MLP's. ``intermediate_size`` is this rank's ``I``; ``expert_start``: the first
-    of each expert's gate and up rows a tensor-parallel rank takes (None: all, one process). Down's columns
-    are cut by ``shard_expert_columns``.
+    of each expert's gate and up rows a tensor-parallel rank takes (None: all, one process); ``shared_start``
+    the same of the shared expert's (``shared_intermediate_size`` is then this rank's). Down's columns are cut
+    by ``shard_expert_columns`` (the shared expert's by its ``RowParallelLinear``).
     """
     fused: FusedMap = {}
     for e in range(num_experts):
@@ -112,9 +114,10 @@ def moe_fused_projections(num_experts: int, intermediate_size: int, hidden_size:
                                          expert_start)
         fused[f"experts.{e}.down_proj"] = ("experts.down", e * hidden_size, hidden_size, None)
     if shared_intermediate_size:
-        fused["shared_expert.gate_proj"] = ("shared_expert.gate_up_proj", 0, shared_intermediate_size, None)
+        fused["shared_expert.gate_proj"] = ("shared_expert.gate_up_proj", 0, shared_intermediate_size,
+                                            shared_start)
         fused["shared_expert.up_proj"] = ("shared_expert.gate_up_proj", shared_intermediate_size,
-                                          shared_intermediate_size, None)
+                                          shared_intermediate_size, shared_start)
     return fused
 
 
@@ -169,12 +172,6 @@ class MoEBlock(nn.Module):
                  quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.tp = tp if tp is not None and tp.size > 1 else None
-        if self.tp is not None and spec.shared_expert_intermediate_size:
-            raise ValueError("tensor parallelism does not split a shared expert yet (tensor_parallel_size must be 1)")
-        if self.tp is not None and spec.expert_bias:
-            # each rank would add the down projection's bias before the all-reduce sums the ranks' parts
-            raise ValueError("tensor parallelism does not split experts with biases (gpt-oss) yet "
-                             "(tensor_parallel_size must be 1)")
         self.spec = spec
         self.gate = Router(spec.router, hidden_size, quant_config, f"{prefix}.gate")
         start = self.tp.plan.expert_intermediate[0] if self.tp is not None else 0
@@ -185,8 +182,12 @@ class MoEBlock(nn.Module):
         self.register_buffer("num_forwards", torch.zeros(1, dtype=torch.int64), persistent=False)
         self.act_fn = gated_activation(spec.hidden_act, spec.swiglu_alpha, spec.swiglu_limit)
         if spec.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, None,
-                                          quant_config, f"{prefix}.shared_expert")
+            # under tensor parallelism this rank's slice of its rows, its partial sum joining the routed experts'
+            # before the block's one all-reduce (the gate below is whole on every rank: g * sum = sum of g * part)
+            shared_start = self.tp.plan.shared_expert_intermediate[0] if self.tp is not None else 0
+            self.shared_expert = GatedMLP(hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, self.tp,
+                                          quant_config, f"{prefix}.shared_expert", input_start=shared_start,
+                                          reduce=False)
         if spec.shared_expert_gate:
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False, quant_config=quant_config,
                                              prefix=f"{prefix}.shared_expert_gate")

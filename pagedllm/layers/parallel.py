@@ -57,20 +57,22 @@ def _quantized_columns(tensor: torch.Tensor, start: int, local: int, stored: tor
 class RowParallelLinear(Linear):
     """A linear layer over this rank's input columns ``[input_start, input_start + in_features)``; output all-reduced.
 
-    A bias is added once: rank 0 holds it, the others hold zeros.
+    A bias is added once: rank 0 holds it, the others hold zeros. ``reduce=False`` leaves the partial sum
+    to the caller, which adds it to others before one all-reduce (a shared expert beside the routed ones).
     """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False,
         tp: TensorParallelGroup | None = None, input_start: int = 0, quant_config: QuantConfig | None = None,
-        prefix: str = "",
+        prefix: str = "", reduce: bool = True,
     ) -> None:
         super().__init__(in_features, out_features, bias, quant_config, prefix, input_start)
         self.tp = tp
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x)  # [..., out_features]: this rank's partial sum
-        return self.tp.all_reduce_(out) if _sharded(self.tp) else out
+        return self.tp.all_reduce_(out) if self.reduce and _sharded(self.tp) else out
 
     def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor ``param`` ("weight", "bias") of the whole layer."""

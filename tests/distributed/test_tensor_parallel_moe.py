@@ -18,7 +18,7 @@ from test_family_qwen3_moe import _save, _tiny_config
 from test_tensor_parallel import TwoRankEngines, _restore_threads, _tokens, _tp, two_ranks  # noqa: F401
 
 from pagedllm import SamplingParams
-from pagedllm.distributed.shard_plan import ShardPlan, expert_split
+from pagedllm.distributed.shard_plan import ShardPlan, expert_split, shared_expert_split
 from pagedllm.loader import load_model_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -58,13 +58,20 @@ def test_experts_split_evenly_for_float_and_in_whole_blocks_for_gguf(moe_tp_dir:
     plan = ShardPlan.make(cfg, 1, 2)
     assert (plan.expert_intermediate, plan.total_expert_intermediate) == ((32, 32), 64)
     assert plan.local_config(cfg).moe_intermediate_size == 32
+    assert plan.shared_expert_intermediate == (0, 0) and shared_expert_split(cfg, 2) == [(0, 0), (0, 0)]
+    # a shared expert (Qwen2-MoE's) is cut as a routed one is: evenly, or in whole blocks of a GGUF file
+    shared = dataclasses.replace(cfg, shared_expert_intermediate_size=5632, checkpoint_format="gguf")
+    assert shared_expert_split(shared, 2) == [(0, 2816), (2816, 2816)]
+    plan = ShardPlan.make(dataclasses.replace(cfg, shared_expert_intermediate_size=48), 1, 2)
+    assert plan.shared_expert_intermediate == (24, 24)
+    assert plan.local_config(cfg).shared_expert_intermediate_size == 24
 
 
 @pytest.mark.parametrize(("fields", "size", "match"), [
     ({"moe_intermediate_size": 32, "checkpoint_format": "gguf"}, 2, "more than each expert's"),
     ({"moe_intermediate_size": 48, "checkpoint_format": "gguf"}, 2, "not whole GGUF blocks"),
     ({"moe_intermediate_size": 2}, 2 * 2, "more than"),
-    ({"shared_expert_intermediate_size": 64}, 2, "shared expert"),
+    ({"shared_expert_intermediate_size": 48, "checkpoint_format": "gguf"}, 2, "the shared expert's"),
 ])
 def test_splits_that_leave_a_rank_no_whole_slice_are_refused(moe_tp_dir: str, fields: dict, size: int,
                                                             match: str) -> None:
@@ -126,3 +133,39 @@ def test_a_gguf_experts_slice_off_its_blocks_is_refused_not_widened() -> None:
         assert stacked_experts_layer(32, 64, 4, False, config, prefix).quant_method.name.startswith("gguf")
         with pytest.raises(ValueError, match="not whole GGUF blocks"):
             stacked_experts_layer(16, 64, 4, False, config, prefix, input_start=16)
+
+
+@pytest.fixture(scope="module")
+def shared_and_biased_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
+    """A tiny Qwen2-MoE (a gated shared expert of 48 beside 8 experts of 32) and a tiny gpt-oss (biases on
+    every expert projection, attention sinks), as their family tests save them."""
+    from moe_models import save_tiny_moe
+    from test_family_gpt_oss import save_tiny_gpt_oss
+
+    return {"qwen2_moe": save_tiny_moe("qwen2_moe", tmp_path_factory.mktemp("tp-qwen2-moe"), smollm_tokenizer),
+            "gpt_oss": save_tiny_gpt_oss(tmp_path_factory.mktemp("tp-gpt-oss"), smollm_tokenizer)}
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
+def test_shared_expert_and_expert_biases_on_two_ranks_equal_one(
+        arch: str, shared_and_biased_dirs: dict[str, str], two_ranks: TwoRankEngines) -> None:  # noqa: F811
+    """Qwen2-MoE's shared expert (each rank half its rows, its partial sum joined to the routed experts' before
+    the block's one all-reduce, the sigmoid gate whole) and gpt-oss's expert biases (gate/up's cut with their
+    rows, down's added by rank 0 alone) give one process's greedy tokens."""
+    path = shared_and_biased_dirs[arch]
+    prompts = _prompts()
+    one = _tp(path, 1, block_size=8)
+    expected = _run(one, prompts)
+    one.shutdown()
+    two = two_ranks.own(path, block_size=8)
+    try:
+        block = _rank0_block(two)
+        if arch == "qwen2_moe":
+            shared = block.shared_expert
+            assert (shared.gate_up_proj.out_features, shared.down_proj.in_features) == (2 * 24, 24)
+            assert not shared.down_proj.reduce
+        else:
+            assert block.experts.down.in_features == 16 and block.experts.gate_up.bias is not None
+        assert _run(two, prompts) == expected
+    finally:
+        two.shutdown()

@@ -20,6 +20,7 @@ its experts kept in MXFP4 blocks, against transformers on the blocks' values.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,10 +49,9 @@ def _tiny_config():  # noqa: ANN202
                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-@pytest.fixture(scope="session")
-def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
-    """A tiny random gpt-oss saved as a safetensors folder: sinks in [-1, 3), biases N(0, 0.2), norms in [0.5, 1.5),
-    the experts' gate/up weights wide enough for the SwiGLU's clamps to act."""
+def save_tiny_gpt_oss(path: Path, tokenizer) -> str:  # noqa: ANN001
+    """A tiny random gpt-oss saved as a safetensors folder at ``path``: sinks in [-1, 3), biases N(0, 0.2), norms
+    in [0.5, 1.5), the experts' gate/up weights wide enough for the SwiGLU's clamps to act."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
@@ -66,10 +66,15 @@ def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> s
                 param.normal_(0.0, 0.2)
             elif name.endswith("gate_up_proj"):
                 param.mul_(4.0)  # gate and up of std ~6: the clamps at 7 act on a good share of them
-    path = tmp_path_factory.mktemp("tiny-gpt-oss")
     model.save_pretrained(path, safe_serialization=True)
-    smollm_tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """The tiny random gpt-oss of ``save_tiny_gpt_oss``."""
+    return save_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"), smollm_tokenizer)
 
 
 def _prompts(seed: int) -> list[list[int]]:
