@@ -3,7 +3,8 @@
 Every metric lives in the server's own ``CollectorRegistry`` (one per app),
 never in prometheus-client's global default registry, so two servers in one
 process (tests) do not collide. Names follow vLLM's with a ``pagedllm:``
-prefix. All updates come from the engine thread, except the prompt-token
+prefix; the ones routers and vLLM dashboards read are shown again under
+vLLM's own ``vllm:`` names (``vllm_metric_names.py``). All updates come from the engine thread, except the prompt-token
 counter, which is bumped when a request is accepted; prometheus-client
 metrics are thread-safe.
 """
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pagedllm.clients.vllm_metric_names import VllmNameCollector
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -44,15 +47,20 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
+        # each family by name, for the vLLM names that show them again (vllm_metric_names.py)
+        self._families: dict[str, Gauge | Counter | Histogram] = {}
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+            self._families[name] = Gauge(name, doc, labels, registry=r)
+            return self._families[name].labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            self._families[name] = Counter(name, doc, labels, registry=r)
+            return self._families[name].labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            self._families[name] = Histogram(name, doc, labels, buckets=buckets, registry=r)
+            return self._families[name].labels(model_name)
 
         self.kv_cache_usage = gauge(
             "pagedllm:kv_cache_usage_perc",
@@ -100,6 +108,7 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        self._families["pagedllm:request_success"] = self._request_success
         self._model_name = model_name
         self.time_to_first_token = histogram(
             "pagedllm:time_to_first_token_seconds", "Time from arrival to the first token", TTFT_BUCKETS
@@ -115,6 +124,10 @@ class ServerMetrics:
                       "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self._grammars_watched = False
         self._experts_watched = False
+        # token slots per KV block, for vllm:cache_config_info; 0 until the engine's config is known
+        self.block_size = 0
+        self._num_blocks = 0
+        r.register(VllmNameCollector(self._families, model_name, lambda: (self.block_size, self._num_blocks)))
 
     def watch_grammars(self, compiler: GrammarCompiler) -> None:
         """Export ``compiler``'s cache and compile figures, read at each scrape (once per server: later calls no-op)."""
@@ -140,12 +153,14 @@ class ServerMetrics:
     def update_from_engine(self, engine: LLMEngine) -> None:
         """Refresh gauges and counters from the engine; call on the engine's own thread."""
         self.batch_invariant.set(int(engine.resolved_config.batch_invariant))
+        self.block_size = engine.block_manager.block_size
         self.update_from_stats(engine_stats(engine))
 
     def update_from_stats(self, stats: EngineStats) -> None:
         """Refresh gauges and counters from an engine's figures (or several engines' sum)."""
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.num_kv_blocks.set(stats.num_blocks)
+        self._num_blocks = stats.num_blocks
         self.kv_reserved_bytes.set(stats.kv_reserved_bytes)
         self.kv_resident_bytes.set(stats.kv_resident_bytes)
         self.num_requests_running.set(stats.running)

@@ -26,6 +26,7 @@ from gguf.quants import dequantize
 from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.end_tokens import gguf_end_token_ids
 from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, gemma_gguf_settings
+from pagedllm.loader.gguf_gemma4 import GEMMA4_LAYER_NAMES, gemma4_base_shape, gemma4_gguf_settings
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
 from pagedllm.loader.model_config import ModelArchConfig
@@ -78,6 +79,7 @@ _LAYER_NAMES = {
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     **dict.fromkeys(GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES),
+    "gemma4": GEMMA4_LAYER_NAMES,
     # gpt-oss: the router's bias, and each expert projection's biases stacked [experts, rows] (split per expert
     # by models/gpt_oss.py)
     "gpt-oss": {"ffn_gate_inp.bias": "mlp.gate.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
@@ -335,12 +337,6 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ValueError(f"GGUF file has no general.architecture (got {arch!r})")
-    if arch == "gemma4":
-        # llama.cpp's layout of Gemma 4 (per-layer kv-head arrays, layer_output_scale, the router's scales, a
-        # rope_freqs tensor for the proportional RoPE) is not read yet; its folders load (models/gemma4.py)
-        raise ValueError("GGUF architecture 'gemma4' (Gemma 4 as llama.cpp's converter writes it) is not supported "
-                         "yet; load its Hugging Face folder (Gemma4ForCausalLM) instead")
-
     def key(name: str, default: object = None) -> object:
         return _field(reader, f"{arch}.{name}", default)
 
@@ -350,13 +346,16 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     check_unread_gguf_metadata(key, arch, int(key("attention.key_length", hidden // num_heads)))
+    num_kv_heads = key("attention.head_count_kv", num_heads)
+    head_dim = int(key("attention.key_length", hidden // num_heads))
+    if arch == "gemma4":  # the common fields hold its sliding layers' shape; the global ones' come after
+        num_kv_heads, head_dim = gemma4_base_shape(key)
     vocab = key("vocab_size")
     if vocab is None:
         if "tokenizer.ggml.tokens" not in reader.fields:
             raise ValueError(f"GGUF file (architecture {arch!r}) has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    head_dim = int(key("attention.key_length", hidden // num_heads))
     max_position = int(key("context_length", 2048))
     rope: dict[str, Any] = {"rope_scaling": None}
     if arch == "phi3":
@@ -370,7 +369,7 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(key("attention.head_count_kv", num_heads)),
+        num_key_value_heads=int(num_kv_heads),
         head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -387,6 +386,9 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         checkpoint_format="gguf",
         **rope,
     )
+    if arch == "gemma4":
+        return dataclasses.replace(config, **gemma4_gguf_settings(
+            key, (t.name for t in reader.tensors), config.rope_freq_factors, max_position))
     if arch in GEMMA_ARCHITECTURES:
         return dataclasses.replace(config, **gemma_gguf_settings(
             key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
@@ -493,30 +495,44 @@ class GGUFWeights:
 
 
     def _experts(self, name: str, t: object) -> Iterator[tuple[str, torch.Tensor]]:
-        """A stacked experts' tensor ``[experts, rows, cols]`` one expert at a time, under per-expert names:
-        its rows as stored where the layer keeps them, else dequantized (one expert's copy at a time)."""
-        names = _expert_names(name, int(t.shape[2]))
+        """A stacked experts' tensor ``[experts, rows, cols]`` one expert at a time, under per-expert names
+        (a tensor of two projections, Gemma 4's gate_up, split into its halves): its rows as stored where the
+        layer keeps them, else dequantized (one expert's copy at a time)."""
+        num_experts = int(t.shape[2])
+        names = _expert_names(name, num_experts)
+        per_expert = len(names) // num_experts
         if names[0] in self.keep:
-            stored = t.data.view(np.uint8).reshape(len(names), t.data.shape[1], -1)  # [experts, rows, row bytes]
-            for expert_name, rows in zip(names, stored):
-                yield expert_name, torch.from_numpy(np.array(rows, order="C"))
+            stored = t.data.view(np.uint8).reshape(num_experts, t.data.shape[1], -1)  # [experts, rows, row bytes]
+            for e, rows in enumerate(stored):
+                for part, part_rows in zip(names[e * per_expert:(e + 1) * per_expert],
+                                           np.split(rows, per_expert)):
+                    yield part, torch.from_numpy(np.array(part_rows, order="C"))
             return
-        values = _dequantized(t, self.path).reshape(len(names), t.data.shape[1], -1)  # [experts, rows, cols]
-        for expert_name, rows in zip(names, values):
-            w = torch.from_numpy(np.array(rows, order="C"))
-            yield expert_name, w.to(torch.bfloat16) if expert_name in self.half else w
+        values = _dequantized(t, self.path).reshape(num_experts, t.data.shape[1], -1)  # [experts, rows, cols]
+        for e, rows in enumerate(values):
+            for part, part_rows in zip(names[e * per_expert:(e + 1) * per_expert], np.split(rows, per_expert)):
+                w = torch.from_numpy(np.array(part_rows, order="C"))
+                yield part, w.to(torch.bfloat16) if part in self.half else w
         del values
 
 
 def _stacked_experts(name: str, t: object) -> bool:
-    """Whether tensor ``t`` (Hugging Face name ``name``) is one projection of every expert, ``[experts, rows, cols]``."""
-    return len(t.shape) == 3 and ".mlp.experts." in name
+    """Whether tensor ``t`` (Hugging Face name ``name``) is one projection of every expert, ``[experts, rows, cols]``
+    (``mlp.experts.*``; Gemma 4's ``experts.*`` beside its ``mlp``)."""
+    return len(t.shape) == 3 and ".experts." in name
+
+
+# a stacked tensor holding two projections of each expert, in row order (Gemma 4's gate_up: gate rows, then up)
+_STACKED_PAIRS = {"gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _expert_names(name: str, num_experts: int) -> tuple[str, ...]:
-    """``model.layers.N.mlp.experts.<part>.weight`` -> expert ``e``'s ``model.layers.N.mlp.experts.{e}.<part>.weight``."""
+    """``model.layers.N.mlp.experts.<part>.weight`` -> expert ``e``'s ``model.layers.N.mlp.experts.{e}.<part>.weight``,
+    expert by expert; a gate_up tensor gives each expert's gate then up name."""
     owner, _, part = name.partition(".experts.")
-    return tuple(f"{owner}.experts.{e}.{part}" for e in range(num_experts))
+    proj, _, param = part.partition(".")
+    parts = _STACKED_PAIRS.get(proj, (proj,))
+    return tuple(f"{owner}.experts.{e}.{p}.{param}" for e in range(num_experts) for p in parts)
 
 
 def _dequantized(t: object, path: str) -> np.ndarray:

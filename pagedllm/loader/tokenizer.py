@@ -57,7 +57,7 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         except (OSError, ValueError) as e:
             logger.warning("tokenizer cache %s unreadable (%s); converting %s again", cached, e, path)
             shutil.rmtree(cached, ignore_errors=True)  # replaced below
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    tok = _convert_gguf_tokenizer(path)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(dir=cached.parent)  # written whole, then renamed: readers never see a part
@@ -69,6 +69,25 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     except OSError as e:
         logger.debug("tokenizer of %s not cached: %s", path, e)
     return tok
+
+
+# GGUF architectures whose metadata transformers' AutoTokenizer cannot turn into a model config (it builds one
+# before the tokenizer): Gemma 4's per-layer kv-head counts (26B-A4B) fail its config's validation
+_TOKENIZER_WITHOUT_CONFIG = ("gemma4",)
+
+
+def _convert_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """transformers' conversion of the file's tokenizer; for ``_TOKENIZER_WITHOUT_CONFIG`` architectures the
+    same conversion without the model config AutoTokenizer would build first."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from pagedllm.loader import gguf_loader
+
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    arch = gguf_loader.metadata(gguf_loader.open_reader(path)).get("general.architecture")
+    if arch in _TOKENIZER_WITHOUT_CONFIG:
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def _gguf_native(path: str) -> GGUFTokenizer | None:

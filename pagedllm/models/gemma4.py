@@ -22,9 +22,9 @@ A Gemma4ForConditionalGeneration folder (the Hub's releases) runs its text
 model: ``model.language_model.*`` loads as ``model.*``, and its vision and
 audio towers and their embedders are not loaded (text prompts only).
 Per-layer embeddings (E2B/E4B) and KV sharing between layers are refused
-when the configuration is read (``loader/gemma4_config.py``). No tensor parallelism. GGUF files are not
-read yet (llama.cpp writes Gemma 4 as architecture ``gemma4``, which the
-registry refuses by name).
+when the configuration is read (``loader/gemma4_config.py``). No tensor parallelism. GGUF files of
+llama.cpp's converter (architecture ``gemma4``) load under the same names
+(``loader/gguf_gemma4.py``).
 """
 
 from __future__ import annotations

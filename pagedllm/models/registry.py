@@ -137,7 +137,7 @@ MODEL_REGISTRY = ModelRegistry((
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
     Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3",)),
-    Family(Gemma4ForCausalLM, ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), (), ("gemma4",)),
+    Family(Gemma4ForCausalLM, ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4",), ("gemma4",)),
     Family(Gemma2ForCausalLM, ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     Family(Phi3ForCausalLM, ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),

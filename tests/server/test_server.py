@@ -725,6 +725,54 @@ def test_metrics_are_exported(server, client, model_name):
     assert 0 <= after["pagedllm:kv_cache_usage_perc"] <= 1
 
 
+
+def test_vllm_metric_names_follow_ours(server, client, model_name):
+    """The names a Gateway API Inference Extension / llm-d router and vLLM dashboards read (docs/cluster.md):
+    the same samples as ours in one scrape, and they move with a request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, dict]:
+        text = httpx.get(f"{server}/metrics").text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def pair(samples: dict, name: str) -> tuple[float, float]:
+        key = f"vllm:{name}" + json.dumps({"model_name": model_name})
+        return samples[key], samples[key.replace("vllm:", "pagedllm:", 1)]
+
+    before = scrape()
+    out = client.completions.create(model=model_name, prompt="Metrics for routers", max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert wait_kv_free(server) == 0
+    after = scrape()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_sum",
+                 "e2e_request_latency_seconds_count"):
+        vllm, ours = pair(after, name)
+        assert vllm == ours, name
+    tpot = "vllm:time_per_output_token_seconds_count" + json.dumps({"model_name": model_name})
+    assert after[tpot] == pair(after, "inter_token_latency_seconds_count")[1]
+
+    def delta(name: str) -> float:
+        return pair(after, name)[0] - pair(before, name)[0]
+
+    assert delta("prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("generation_tokens_total") == 3
+    assert delta("time_to_first_token_seconds_count") == 1
+    assert delta("e2e_request_latency_seconds_count") == 1
+    assert delta("inter_token_latency_seconds_count") == 2
+    assert pair(after, "kv_cache_usage_perc")[0] == 0
+    length = "vllm:request_success_total" + json.dumps({"finished_reason": "length", "model_name": model_name},
+                                                        sort_keys=True)
+    assert after[length] - before.get(length, 0.0) == 1
+    cache = [k for k in after if k.startswith("vllm:cache_config_info")]
+    assert cache == ["vllm:cache_config_info" + json.dumps(
+        {"block_size": "16", "model_name": model_name, "num_gpu_blocks": "256"}, sort_keys=True)]
+    assert after["vllm:lora_requests_info" + json.dumps(
+        {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}, sort_keys=True)] > 0
+
+
 # --- the guarded server: API key, back-pressure, failures -------------------------------
 
 

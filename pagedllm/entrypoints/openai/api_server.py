@@ -400,6 +400,7 @@ def create_dp_server_app(
     metrics = ServerMetrics(settings.model_name) if enable_metrics else None
     if metrics is not None:
         metrics.batch_invariant.set(int(resolve_config(config).batch_invariant))
+        metrics.block_size = config.block_size
     dp = DataParallelEngine(config, num_replicas, metrics, settings.max_waiting, settings.kv_page, heartbeat_timeout)
     app = build_app(dp, settings, TokenizerWorker(dp.engine.tokenizer.hf), metrics)
     app.state.async_engine = dp
