@@ -22,7 +22,9 @@ their meaning stated: ``store`` (kept here, ``response_store.py``),
 (the prefix cache needs no key), ``service_tier`` (one tier), ``include``
 (``reasoning.encrypted_content``: reasoning items never carry it, see below),
 ``text.verbosity``. Those it would have to fake (``background``, hosted tools,
-``truncation: "auto"``, ``top_logprobs``) are 400s.
+``truncation: "auto"``, ``top_logprobs``) are 400s. vLLM's ``seed`` and
+``structured_outputs`` (a regex, a choice, a grammar...) are taken too, as on
+the chat route.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pagedllm.entrypoints.openai.protocol import (
     MAX_INT32,
     ChatCompletionRequest,
     JsonInt,
+    StructuredOutputsRequest,
     _Body,
     _ranged,
     _Strict,
@@ -115,6 +118,9 @@ class ResponsesRequest(_Body):
     background: bool | None = None
     top_logprobs: JsonInt | None = None
     max_tool_calls: JsonInt | None = None
+    # vLLM's extensions, as its chat route takes them: a sampling seed and a constraint (regex, choice...)
+    seed: JsonInt | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def check(self) -> None:
         """400 for what this server does not do (rather than pretending) and for values out of OpenAI's rules."""
@@ -155,9 +161,11 @@ class ResponsesRequest(_Body):
         if not messages:
             raise bad_request("the conversation is empty: give input", "input")
         body: dict[str, Any] = {"messages": messages, "stream": self.stream}
-        for name in ("model", "temperature", "top_p", "parallel_tool_calls"):
+        for name in ("model", "temperature", "top_p", "parallel_tool_calls", "seed"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
+        if self.structured_outputs is not None:
+            body["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
         if self.max_output_tokens is not None:
             body["max_completion_tokens"] = self.max_output_tokens
         if self.tools is not None:

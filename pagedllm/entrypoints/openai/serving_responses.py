@@ -50,7 +50,7 @@ from pagedllm.sampling_params import RequestOutputKind
 logger = logging.getLogger(__name__)
 
 # chat's field names in errors -> the Responses field the client sent
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text",
            "reasoning_effort": "reasoning", "chat_template_kwargs": "reasoning"}
 
 
