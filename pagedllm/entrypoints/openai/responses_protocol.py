@@ -20,7 +20,8 @@ Fields OpenAI defines that mean nothing on a local server are accepted with
 their meaning stated: ``store`` (kept here, ``response_store.py``),
 ``metadata`` (echoed), ``user``, ``safety_identifier``, ``prompt_cache_key``
 (the prefix cache needs no key), ``service_tier`` (one tier), ``include``
-(``reasoning.encrypted_content``: reasoning items never carry it, see below),
+(only ``reasoning.encrypted_content``: asked for by Codex, never produced: reasoning items
+carry their text instead),
 ``text.verbosity``. Those it would have to fake (``background``, hosted tools,
 ``truncation: "auto"``, ``top_logprobs``) are 400s. vLLM's ``seed`` and
 ``structured_outputs`` (a regex, a choice, a grammar...) are taken too, as on
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from pagedllm.entrypoints.openai.protocol import (
     MAX_INT32,
@@ -45,18 +46,21 @@ from pagedllm.entrypoints.openai.protocol import (
     unsupported,
 )
 from pagedllm.entrypoints.openai.response_items import ResponseItemError, items_to_messages
-from pagedllm.sampling_params import MAX_FLOAT32
+from pagedllm.sampling_params import INT64_RANGE, MAX_FLOAT32
 
 # reasoning efforts OpenAI defines; harmony (gpt-oss) knows low, medium and high
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 HARMONY_EFFORTS = ("low", "medium", "high")
-# ``include`` values this server can honour: encrypted reasoning is never produced, so asking for it is
-# harmless (Codex always asks); the rest (logprobs, hosted tools' results) would need what it has not
-INCLUDABLE = ("reasoning.encrypted_content",)
 
 
 class TextFormat(_Strict):
     """``text.format``: plain text, any JSON object, or JSON following a named schema (flat, unlike chat's)."""
+
+    # what the schema says of the rule ``_response_format`` checks: json_schema comes with its schema
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"required": ["schema"], "properties": {"schema": {"type": "object"}}},
+    ]})
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -88,15 +92,53 @@ class ResponsesStreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+# what ``input`` may hold, for /openapi.json (``response_items.py`` checks it): a string, or input items
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_NAME = {"type": "string", "minLength": 1}
+_INPUT_ITEMS = {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+        "content": _CONTENT}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": _NAME, "name": _NAME, "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": _NAME, "output": _CONTENT}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "reasoning"}}},
+]}
+_INPUT: Any = Field(None, json_schema_extra={"anyOf": [
+    {"type": "string"}, {"type": "array", "minItems": 1, "items": _INPUT_ITEMS}, {"type": "null"}]})
+# a function tool in the Responses' flat shape (``_chat_tool`` checks it; hosted tools are refused)
+_TOOLS: Any = Field(None, json_schema_extra={"anyOf": [{"type": "array", "items": {
+    "type": "object", "required": ["type", "name"], "additionalProperties": False, "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": ["string", "null"]}, "parameters": {"type": ["object", "null"]},
+        "strict": {"type": ["boolean", "null"]}}}}, {"type": "null"}]})
+_TOOL_CHOICE: Any = Field(None, json_schema_extra={"anyOf": [
+    {"enum": ["none", "auto", "required"]}, {"type": "null"},
+    {"type": "object", "required": ["type", "name"], "additionalProperties": False,
+     "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]})
+
+
 class ResponsesRequest(_Body):
     """``POST /v1/responses``."""
 
+    # rules across fields: input unless a stored conversation continues; stream_options needs stream
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"anyOf": [{"required": ["input"], "properties": {"input": {"not": {"type": "null"}}}},
+                   {"required": ["previous_response_id"],
+                    "properties": {"previous_response_id": {"type": "string"}}}]},
+        {"anyOf": [{"properties": {"stream_options": {"type": "null"}}},
+                   {"required": ["stream"], "properties": {"stream": {"const": True}}}]},
+    ]})
+
     model: str | None = None
-    input: str | list[Any] | None = None
+    input: str | list[Any] | None = _INPUT
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = _TOOLS
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = _TOOL_CHOICE
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -108,18 +150,19 @@ class ResponsesRequest(_Body):
     store: bool = True
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         None, json_schema_extra={"maxProperties": 16})
-    include: list[str] | None = None
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    truncation: Literal["disabled", "auto"] | None = None
-    background: bool | None = None
-    top_logprobs: JsonInt | None = None
-    max_tool_calls: JsonInt | None = None
+    # what would have to be faked is refused (``check``), and the schema says which values are served
+    truncation: Literal["disabled", "auto"] | None = Field(
+        None, json_schema_extra={"anyOf": [{"const": "disabled"}, {"type": "null"}]})
+    background: bool | None = Field(None, json_schema_extra={"anyOf": [{"const": False}, {"type": "null"}]})
+    top_logprobs: JsonInt | None = Field(None, json_schema_extra={"anyOf": [{"const": 0}, {"type": "null"}]})
     # vLLM's extensions, as its chat route takes them: a sampling seed and a constraint (regex, choice...)
-    seed: JsonInt | None = None
+    seed: JsonInt | None = _ranged(None, minimum=INT64_RANGE[0], maximum=INT64_RANGE[1])
     structured_outputs: StructuredOutputsRequest | None = None
 
     def check(self) -> None:
@@ -130,16 +173,10 @@ class ResponsesRequest(_Body):
             raise unsupported("truncation", "a conversation over the context is refused, never cut; use 'disabled'")
         if self.top_logprobs:
             raise unsupported("top_logprobs", "use /v1/chat/completions for logprobs")
-        if self.max_tool_calls is not None:
-            raise unsupported("max_tool_calls", "use parallel_tool_calls=false for at most one call")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         if self.metadata is not None and len(self.metadata) > 16:
             raise bad_request(f"metadata may hold at most 16 pairs, got {len(self.metadata)}", "metadata")
-        for value in self.include or ():
-            if value not in INCLUDABLE:
-                raise bad_request(f"include value {value!r} is not supported; this server can include: "
-                                  f"{', '.join(INCLUDABLE)}", "include", "unsupported_value")
         if self.input is None and self.previous_response_id is None:
             raise bad_request("missing required parameter: 'input'", "input", "missing_required_parameter")
 
@@ -216,7 +253,8 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if unknown:
         raise bad_request(f"tools[{i}] has unknown field(s) {', '.join(map(repr, unknown))}", "tools")
     if "name" not in tool:
-        raise bad_request(f"missing required parameter: 'tools[{i}].name'", "tools", "missing_required_parameter")
+        raise bad_request(f"tools[{i}].name is missing: a function tool needs its name", "tools",
+                          "missing_required_parameter")
     return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and v is not None}}
 
 
