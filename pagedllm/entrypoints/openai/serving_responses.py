@@ -37,9 +37,13 @@ from pagedllm.entrypoints.openai.protocol import (
     describe_validation_error,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers import ReplyParser
-from pagedllm.entrypoints.openai.response_items import new_item_id, normalize_input
+from pagedllm.entrypoints.openai.response_items import (
+    ResponseItemError,
+    new_item_id,
+    normalize_input,
+)
 from pagedllm.entrypoints.openai.response_output import ResponseOutputBuilder
-from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.sse import sse_response, watch_disconnect
@@ -126,21 +130,17 @@ class OpenAIServingResponses:
         builder = state.builder
         state.num_prompt_tokens = sub.prompt_token_counts[0]
         async for _, out in sub.outputs():
-            c = out.outputs[0]
-            state.num_output_tokens += len(c.token_ids)
             state.num_cached_tokens = out.num_cached_tokens
-            if parser is None:
-                delta = DeltaMessage(content=c.text) if c.text else None
-            elif isinstance(parser, ReplyParser):
-                delta = parser.feed(c.text, c.token_ids) if c.text or c.token_ids else None
-            else:
-                delta = parser.feed(c.text) if c.text else None
-            builder.add(delta, len(c.token_ids))
-            if c.finish_reason is not None:
-                if parser is not None:
-                    builder.add(parser.finish())
-                state.finish_reason = c.finish_reason
-                builder.finish(incomplete=c.finish_reason == "length")
+            if out.error is not None:  # the request failed on its own inside a step; the others went on
+                state.error = server_error(f"the engine failed on this request: {out.error}")
+            for c in out.outputs:  # DELTA outputs: a step may carry none (nothing new for the choice)
+                state.num_output_tokens += len(c.token_ids)
+                builder.add(_feed(parser, c.text, c.token_ids), len(c.token_ids))
+                if c.finish_reason is not None:
+                    if parser is not None:
+                        builder.add(parser.finish())
+                    state.finish_reason = c.finish_reason
+                    builder.finish(incomplete=c.finish_reason == "length")
             yield builder.take_events()
 
     async def _whole(
@@ -156,6 +156,8 @@ class OpenAIServingResponses:
         finally:
             watcher.cancel()
             sub.abort()  # no-op unless something above failed
+        if state.error is not None:
+            raise state.error
         if state.finish_reason is None or state.finish_reason == "abort":
             raise APIError(499, "the client closed the request", "invalid_request_error", "client_closed")
         body = state.body()
@@ -181,7 +183,10 @@ class OpenAIServingResponses:
             err = server_error(f"internal error: {type(e).__name__}")
             yield seq.event({"type": "response.failed", "response": state.body("failed", err)})
             return
-        if state.finish_reason is None:
+        if state.error is not None:
+            yield seq.event({"type": "response.failed", "response": state.body("failed", state.error)})
+            return
+        if state.finish_reason is None or state.finish_reason == "abort":
             return  # aborted: the client is gone
         body = state.body()
         self._keep(state, body)
@@ -191,7 +196,8 @@ class OpenAIServingResponses:
         if state.req.store:
             self.store.put(body["id"], body, state.conversation + state.output_items())
 
-    def _stored(self, response_id: str, param: str | None):  # noqa: ANN202 (StoredResponse)
+    def _stored(self, response_id: str, param: str | None) -> StoredResponse:
+        """The stored response, or a 404 saying why it may be missing (``param``: the request field naming it)."""
         entry = self.store.get(response_id)
         if entry is None:
             raise APIError(404, f"Response with id '{response_id}' not found. Responses are kept in this "
@@ -222,6 +228,7 @@ class _ResponseState:
         self.created_at = int(time.time())
         self.builder = ResponseOutputBuilder()
         self.finish_reason: str | None = None
+        self.error: APIError | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
@@ -265,6 +272,15 @@ class _ResponseState:
         }
 
 
+def _feed(parser: ToolParser | ReplyParser | None, text: str, token_ids: list[int]) -> DeltaMessage | None:
+    """One step's new output through the choice's parser (None: the text is the content)."""
+    if parser is None:
+        return DeltaMessage(content=text) if text else None
+    if isinstance(parser, ReplyParser):
+        return parser.feed(text, token_ids) if text or token_ids else None
+    return parser.feed(text) if text else None
+
+
 def _text_format(req: ResponsesRequest) -> dict[str, Any]:
     fmt = req.text.format if req.text is not None else None
     return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
@@ -284,8 +300,6 @@ class _Sequence:
 
 def _checked_input(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as items; 400 for a malformed one."""
-    from pagedllm.entrypoints.openai.response_items import ResponseItemError
-
     try:
         return normalize_input(req.input)
     except ResponseItemError as e:
