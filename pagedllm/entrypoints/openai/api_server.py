@@ -240,7 +240,7 @@ def build_app(
     )
     completion.served_names = chat.served_names = settings.served_names
     _add_generating_routes(app, completion, chat)
-    add_responses_routes(app, chat)  # /v1/responses on the chat machinery (serving_responses.py)
+    add_responses_routes(app, chat, settings)  # /v1/responses on the chat machinery (serving_responses.py)
     _add_info_routes(app, async_engine, settings, metrics)
     tokenization = OpenAIServingTokenization(
         prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size

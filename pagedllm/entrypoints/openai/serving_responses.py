@@ -46,6 +46,7 @@ from pagedllm.entrypoints.openai.response_output import ResponseOutputBuilder
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.sse import sse_response, watch_disconnect
 from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, ToolParser
@@ -322,12 +323,14 @@ def _renamed(e: APIError) -> APIError:
     return e
 
 
-def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, store: ResponseStore | None = None) -> None:
-    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}`` (``app.state.responses``)."""
+def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, settings: ServerSettings) -> None:
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}`` (``app.state.responses``);
+    the store's bounds are the settings' (``--max-num-stored-responses``, ``--max-stored-response-bytes``)."""
     from pagedllm.entrypoints.openai.api_server import _ERRORS, _GENERATING
     from pagedllm.entrypoints.openai.guards import require_json
 
-    serving = OpenAIServingResponses(chat, store if store is not None else ResponseStore())
+    store = ResponseStore(settings.max_num_stored_responses, settings.max_stored_response_bytes)
+    serving = OpenAIServingResponses(chat, store)
     app.state.responses = serving
 
     @app.post("/v1/responses", response_model=None, dependencies=[Depends(require_json)], responses=_GENERATING)
