@@ -124,11 +124,14 @@ _TOOL_CHOICE: Any = Field(None, json_schema_extra={"anyOf": [
 class ResponsesRequest(_Body):
     """``POST /v1/responses``."""
 
-    # rules across fields: input unless a stored conversation continues; stream_options needs stream
+    # rules across fields: input (with a message, a call or a call's output, unless instructions make one) unless
+    # a stored conversation continues; stream_options needs stream
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        {"anyOf": [{"required": ["input"], "properties": {"input": {"not": {"type": "null"}}}},
-                   {"required": ["previous_response_id"],
-                    "properties": {"previous_response_id": {"type": "string"}}}]},
+        {"anyOf": [{"required": ["previous_response_id"], "properties": {"previous_response_id": {"type": "string"}}},
+                   {"required": ["input", "instructions"],
+                    "properties": {"input": {"not": {"type": "null"}}, "instructions": {"type": "string"}}},
+                   {"required": ["input"], "properties": {"input": {"anyOf": [
+                       {"type": "string"}, {"type": "array", "contains": {"anyOf": _INPUT_ITEMS["anyOf"][:3]}}]}}}]},
         {"anyOf": [{"properties": {"stream_options": {"type": "null"}}},
                    {"required": ["stream"], "properties": {"stream": {"const": True}}}]},
     ]})
