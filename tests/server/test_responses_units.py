@@ -133,6 +133,7 @@ def test_bad_translations_are_400s_naming_the_field(body: dict, param: str) -> N
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({}, "input"),
+    ({"input": [], "instructions": "x"}, "input"),
 ])
 def test_what_the_server_cannot_do_is_refused(body: dict, param: str) -> None:
     with pytest.raises(APIError) as e:

@@ -95,7 +95,9 @@ class ResponsesStreamOptions(_Strict):
 # what ``input`` may hold, for /openapi.json (``response_items.py`` checks it): a string, or input items
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
-_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_REFUSAL_PART = {"type": "object", "required": ["type", "refusal"], "properties": {
+    "type": {"const": "refusal"}, "refusal": {"type": "string"}}}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART, _REFUSAL_PART]}}]}
 _NAME = {"type": "string", "minLength": 1}
 _INPUT_ITEMS = {"anyOf": [
     {"type": "object", "required": ["role", "content"], "properties": {
@@ -180,6 +182,8 @@ class ResponsesRequest(_Body):
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         if self.metadata is not None and len(self.metadata) > 16:
             raise bad_request(f"metadata may hold at most 16 pairs, got {len(self.metadata)}", "metadata")
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must not be an empty list", "input")
         if self.input is None and self.previous_response_id is None:
             raise bad_request("missing required parameter: 'input'", "input", "missing_required_parameter")
 
