@@ -93,6 +93,8 @@ SERVER_VALUES: dict[str, tuple[list[str], object]] = {
                     HTTPLimits(header_timeout_s=2.5, max_linger_bytes=7)),
     "default_max_tokens": (["--default-max-tokens", "4"], 4),
     "stream_write_timeout_s": (["--stream-write-timeout", "0"], None),  # 0: no bound
+    "max_num_stored_responses": (["--max-num-stored-responses", "3"], 3),
+    "max_stored_response_bytes": (["--max-stored-response-bytes", "4096"], 4096),
 }
 # HTTPLimits field -> the same, for the settings' http_limits
 HTTP_VALUES: dict[str, tuple[list[str], object]] = {

@@ -78,6 +78,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import check_model
+from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.sse import StreamWrites
@@ -239,6 +240,7 @@ def build_app(
     )
     completion.served_names = chat.served_names = settings.served_names
     _add_generating_routes(app, completion, chat)
+    add_responses_routes(app, chat, settings)  # /v1/responses on the chat machinery (serving_responses.py)
     _add_info_routes(app, async_engine, settings, metrics)
     tokenization = OpenAIServingTokenization(
         prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size

@@ -14,6 +14,7 @@ from pagedllm.entrypoints.arg_fields import NO_FLAG, Flag
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BYTES, is_loopback
 from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSER_CHOICES
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_NUM_RESPONSES
 from pagedllm.entrypoints.openai.sse import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -125,6 +126,10 @@ class ServerSettings:
             that reads nothing, then the stream ends and its request is aborted (None, or 0 on the
             command line: no bound). Its KV blocks are freed and it is counted in
             ``pagedllm:stream_write_timeouts_total`` (``sse.py``).
+        max_num_stored_responses: most responses ``/v1/responses`` keeps in memory (``store``, for
+            ``previous_response_id`` and ``GET``); past it the least recently used is forgotten.
+        max_stored_response_bytes: most bytes (their JSON, conversations included) those responses
+            take; past it the least recently used are forgotten.
         created: when the server started (the ``created`` of /v1/models).
     """
 
@@ -155,6 +160,8 @@ class ServerSettings:
     stream_write_timeout_s: Annotated[
         PositiveFloat | None, Flag("--stream-write-timeout", parser=seconds_or_unbounded, metavar="SECONDS"),
     ] = DEFAULT_STREAM_WRITE_TIMEOUT_S
+    max_num_stored_responses: Annotated[PositiveInt, Flag(metavar="N")] = DEFAULT_MAX_NUM_RESPONSES
+    max_stored_response_bytes: Annotated[PositiveInt, Flag(metavar="N")] = DEFAULT_MAX_BYTES
     created: Annotated[int, NO_FLAG] = field(default_factory=lambda: int(time.time()))
 
     @property
