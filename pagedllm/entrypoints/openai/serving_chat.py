@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import (
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage
 from pagedllm.entrypoints.openai.sse import sse_chunks, sse_response
+from pagedllm.entrypoints.openai.thinking import apply_thinking_budget
 from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.harmony.detect import is_harmony_model
@@ -103,6 +104,8 @@ class OpenAIServingChat(OpenAIServing):
             params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
         if self.harmony:
             self._harmony_params(params, tools)
+        if req.thinking_token_budget is not None:
+            apply_thinking_budget(params, req.thinking_token_budget, self.reasoning_parser)
         await self.compile_constraint(params, req.constraint_param, request)
         try:
             messages = req.template_messages()

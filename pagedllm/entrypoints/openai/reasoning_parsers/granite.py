@@ -44,6 +44,7 @@ class GraniteReasoningParser(ReasoningParser):
     """Granite 3.x's plain-text thought and response markers; vLLM's ``granite`` parser."""
 
     name = "granite"
+    think_markers = (THOUGHT_MARKERS[0], RESPONSE_MARKERS[0] + "\n")
 
     def __init__(
         self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None
