@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedllm.entrypoints.openai.reasoning_parsers import ReplyParser, ThinkReasoningParser
 from pagedllm.entrypoints.openai.tool_choice import FunctionTool, ToolSpec
@@ -291,10 +293,36 @@ def test_chosen_by_name_and_from_the_template() -> None:
 
 
 def test_the_request_tools_reach_the_qwen3_coder_parser() -> None:
-    spec = ToolSpec.from_request([WEATHER.template_dict()], "auto")
+    spec = ToolSpec.from_request([WEATHER.template_dict()], "auto", check_schemas=False)
     parser = spec.new_parser(Qwen3CoderToolParser, buffered=True)
     parser.feed("<tool_call>\n<function=get_weather>\n<parameter=days>\n4\n</parameter>\n</function>\n</tool_call>")
     assert assemble_deltas([parser.finish()]).tool_calls == [] and parser.num_calls == 1
     found = spec.extract("<tool_call><function=get_weather><parameter=days>4</parameter></function>",
                          Qwen3CoderToolParser)
     assert found.tool_calls[0].arguments == '{"days": 4}'
+
+
+# --- no crash on anything ----------------------------------------------------------------------
+
+_PIECES = ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>", "f", ">", "\n",
+           "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "{", "}", "[", "]", '"a"', ":", ",", "1", "(", ")", "x=", "'s'",
+           "<|python_start|>", " ", "days"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=30), st.lists(st.integers(0, 200), max_size=6))
+def test_any_mix_of_markup_never_raises_and_streams_like_whole(parts: list[str], cuts: list[int]) -> None:
+    text = "".join(parts)
+    bounds = [0, *sorted({min(c, len(text)) for c in cuts}), len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    for cls, kwargs in [(Qwen3CoderToolParser, {"tools": TOOLS}), (MistralToolParser, {}), (PythonicToolParser, {})]:
+        whole = cls.extract(text, **kwargs)
+        parser = cls(**kwargs)
+        streamed = assemble_deltas([parser.feed(p) for p in pieces] + [parser.finish()])
+        for call in whole.tool_calls:
+            assert isinstance(json.loads(call.arguments), dict)
+        if not parser.diverged:
+            assert (streamed.content, [(c.name, c.arguments) for c in streamed.tool_calls]) == (
+                whole.content, [(c.name, c.arguments) for c in whole.tool_calls]), (cls.name, pieces)
+        if not whole.tool_calls:
+            assert whole.content == text
