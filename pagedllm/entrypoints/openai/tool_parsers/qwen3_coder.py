@@ -107,13 +107,13 @@ def typed_value(raw: str, schema: Mapping[str, Any] | None) -> Any:
     """A parameter's text as the value its schema asks for; the text itself when it does not parse as one."""
     types = _schema_types(schema)
     if not types or "string" in types:
-        return None if raw == "null" and "null" in types and types != ["string"] else raw
+        return None if raw == "null" and "null" in types else raw  # ["string", "null"]: null is null
+    try:
+        value = _loose_literal(raw.strip())
+    except (ValueError, TypeError):
+        return raw
+    actual = _json_type(value)
     for kind in types:
-        try:
-            value = _loose_literal(raw.strip())
-        except (ValueError, TypeError):
-            return raw
-        actual = _json_type(value)
         if actual == kind or (kind == "number" and actual == "integer"):
             return value
         if kind == "integer" and actual == "number" and math.isfinite(value) and value == int(value):
