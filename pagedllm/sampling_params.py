@@ -293,6 +293,16 @@ class SamplingParams(BaseModel):
             word is banned whenever the output ends with its other tokens
             (a one-token word is always banned).
         truncate_prompt_tokens: keep only the last k prompt tokens (>= 1).
+        thinking_token_budget: at most this many reasoning tokens (vLLM's
+            name; >= 0, None: no limit): once the block opened by
+            ``think_start_str`` (in the output, or left open by the prompt)
+            has run this many tokens without closing, ``think_end_str`` is
+            forced token by token and the answer follows
+            (``pagedllm/thinking_budget.py``). Not with ``structured_outputs``.
+        think_start_str: the text that opens the reasoning block (Qwen3's ``<think>``).
+        think_end_str: what is forced to close it: the closing marker (a block
+            counts as closed once the model writes it), then the whitespace
+            after it (Qwen3's ``</think>`` and a blank line).
         structured_outputs: a ``StructuredOutputsParams`` constraint (JSON
             schema, regex, choice, grammar, any JSON object) the output
             follows: tokens that would break it are masked before sampling
@@ -338,6 +348,9 @@ class SamplingParams(BaseModel):
     allowed_token_ids: Annotated[list[TokenId], AsList, Field(min_length=1)] | None = None
     bad_words: Words | None = None
     truncate_prompt_tokens: PositiveCount | None = None
+    thinking_token_budget: Count | None = None
+    think_start_str: str = "<think>"
+    think_end_str: str = "</think>\n\n"
     structured_outputs: InstanceOf[StructuredOutputsParams] | None = None
     output_kind: InstanceOf[RequestOutputKind] = RequestOutputKind.CUMULATIVE
 
@@ -370,6 +383,11 @@ class SamplingParams(BaseModel):
             for w in self.bad_words:
                 check_text("bad_words", w)
             self.bad_words = list(dict.fromkeys(self.bad_words))
+        if self.thinking_token_budget is not None:
+            for name in ("think_start_str", "think_end_str"):
+                if not getattr(self, name).strip():
+                    raise ValueError(f"{name} must not be empty (or blank) with thinking_token_budget")
+                check_text(name, getattr(self, name))
         self._check_choice_reaches_min_tokens()
 
     def _check_choice_reaches_min_tokens(self) -> None:
@@ -392,10 +410,11 @@ class SamplingParams(BaseModel):
 
     @property
     def has_logits_processors(self) -> bool:
-        """Whether any penalty, bias, allowed-id, bad-word or min_tokens setting is active."""
+        """Whether any penalty, bias, allowed-id, bad-word, min_tokens or thinking-budget setting is active."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+            or self.thinking_token_budget is not None
         )
 
     @property

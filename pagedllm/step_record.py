@@ -40,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pagedllm.thinking_budget import ThinkingBudget
+
 
 class NoTokenToSampleError(ValueError):
     """A sequence's own sampling settings leave no token it may sample next.
@@ -68,7 +70,8 @@ class LogitsRules:
     and ``min_tokens_banned`` while the output has fewer than ``min_tokens``
     tokens, set to -inf; ``logit_bias`` added; the repetition penalty over
     prompt and output tokens; then ``frequency_penalty * count +
-    presence_penalty * (count > 0)`` subtracted, counting the output.
+    presence_penalty * (count > 0)`` subtracted, counting the output; last,
+    a ``thinking`` budget that has run out forces the one token it owes.
     Built once per request (``engine/inputs.py``: ``logits_rules``).
     """
 
@@ -80,6 +83,7 @@ class LogitsRules:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences
     min_tokens: int = 0
     min_tokens_banned: tuple[int, ...] = ()  # EOS and stop_token_ids
+    thinking: ThinkingBudget | None = None  # thinking_token_budget: forces the block's end, after all the others
 
     @property
     def has_penalties(self) -> bool:
@@ -94,7 +98,8 @@ class LogitsRules:
     @property
     def needs_output(self) -> bool:
         """Whether the runner needs each row's output token ids."""
-        return self.has_penalties or self.min_tokens > 0 or any(len(w) > 1 for w in self.bad_words)
+        return (self.has_penalties or self.min_tokens > 0 or any(len(w) > 1 for w in self.bad_words)
+                or self.thinking is not None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.step_record import LogitsRules
+from pagedllm.thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammar_state import RequestGrammar
@@ -160,6 +161,7 @@ def logits_rules(
     if params.min_tokens:
         banned = tuple(sorted({t for t in (*eos_token_ids, *(params.stop_token_ids or ())) if 0 <= t < vocab_size}))
     _check_something_allowed(allowed, bad_words, banned)
+    thinking = thinking_budget(params, encode, vocab_size)
     return LogitsRules(
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),
@@ -169,7 +171,29 @@ def logits_rules(
         bad_words=bad_words,
         min_tokens=params.min_tokens,
         min_tokens_banned=banned,
+        thinking=thinking,
     )
+
+
+def thinking_budget(
+    params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int
+) -> ThinkingBudget | None:
+    """``thinking_token_budget`` and its markers as token ids (not yet knowing the prompt); None without a budget.
+
+    ValueError for a marker that tokenizes to nothing, and with ``structured_outputs`` (a grammar
+    would have to allow the reasoning text and the forced end, which it does not know of).
+    """
+    if params.thinking_token_budget is None:
+        return None
+    if params.structured_outputs is not None:
+        raise ValueError("thinking_token_budget cannot be combined with structured outputs (response_format, "
+                         "structured_outputs or a forced tool_choice)")
+    close_str = params.think_end_str.rstrip()
+    suffix = params.think_end_str[len(close_str) :]
+    start, close = tuple(encode(params.think_start_str)), tuple(encode(close_str))
+    forced = close + (tuple(encode(suffix)) if suffix else ())
+    _check_vocab("think_start_str / think_end_str", (*start, *forced), vocab_size)
+    return ThinkingBudget(params.thinking_token_budget, start, close, forced)
 
 
 def check_first_token(rules: LogitsRules | None, grammar: RequestGrammar | None) -> None:

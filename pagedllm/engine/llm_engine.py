@@ -12,6 +12,7 @@ A thin coordinator. Each ``step()``::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -245,6 +246,9 @@ class LLMEngine:
             )
         text, ids = self.process_prompt(prompt, params)
         rules = self.logits_rules(params)
+        if rules is not None and rules.thinking is not None:
+            # the template may have opened the reasoning block in the prompt (budget counted from the output's start)
+            rules = dataclasses.replace(rules, thinking=rules.thinking.with_prompt(ids))
         grammar = self.compile_grammar(params)
         check_first_token(rules, grammar)
         req = Request(

@@ -8,7 +8,7 @@ no row has any skips all of it (``apply_logits_rules`` returns None).
 
 The order is vLLM's (``step_record.LogitsRules``): allowed ids, bad words and
 min_tokens bans, logit bias, then the repetition, frequency and presence
-penalties. A structured-output mask (``apply_token_bitmasks``) comes before
+penalties; a thinking budget that ran out then forces its token. A structured-output mask (``apply_token_bitmasks``) comes before
 all of them, as vLLM applies its grammar bitmask before the sampler.
 """
 
@@ -117,7 +117,23 @@ def apply_logits_rules(
     penalized = [r for r in changed if active[r].has_penalties]
     if penalized:
         _penalize(logits, penalized, active, prompts, outputs)
+    _force_thinking_end(logits, changed, active, outputs)
     return logits, torch.tensor(changed, dtype=torch.int64)
+
+
+def _force_thinking_end(
+    logits: torch.Tensor, changed: list[int], rules: list[LogitsRules], outputs: list[tuple[int, ...]]
+) -> None:
+    """Rows whose thinking budget ran out may sample only the token it forces (``thinking_budget.py``), in place.
+
+    Last, so that no bias, ban or allowed-id list can keep the block from closing.
+    """
+    for r in changed:
+        budget = rules[r].thinking
+        forced = budget.forced_token(outputs[r]) if budget is not None else None
+        if forced is not None:
+            logits[r] = float("-inf")
+            logits[r, forced] = 0.0
 
 
 def apply_token_bitmasks(logits: torch.Tensor, bitmasks: list[bytes]) -> None:

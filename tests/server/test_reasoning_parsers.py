@@ -1,4 +1,4 @@
-"""Reasoning parsers: harmony channels (gpt_oss) and <think> blocks (qwen3, deepseek_r1), streamed and whole.
+"""Reasoning parsers: harmony channels (gpt_oss), <think> blocks (qwen3, deepseek_r1), granite, streamed and whole.
 
 The harmony outputs are rendered by openai-harmony's own encoder from
 messages built here (what gpt-oss writes after ``<|start|>assistant``), or
@@ -19,8 +19,10 @@ import pytest
 from pagedllm.entrypoints.openai.reasoning_parsers import (
     DeepSeekR1ReasoningParser,
     GptOssReasoningParser,
+    GraniteReasoningParser,
     ReplyParser,
     ThinkReasoningParser,
+    detect_reasoning_parser,
     get_reasoning_parser,
 )
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser, assemble_deltas
@@ -222,3 +224,42 @@ def test_parser_choice_and_delta_shape() -> None:
     delta = parser.feed("<think>a", [])
     assert delta.to_dict() == {"reasoning_content": "a"}
     assert json.loads(json.dumps(parser.feed("</think>b", []).to_dict())) == {"content": "b"}
+
+
+# --- granite -----------------------------------------------------------------------------------
+
+# as Granite 3.2's chat template tells the model to answer with thinking on
+GRANITE_DOC = ("Here is my thought process:\nThe user asks 2+2. Here is my thinking, not a response.\n"
+               "\nHere is my response:\n2 + 2 = 4.")
+
+
+def test_granite_thought_and_response() -> None:
+    reasoning = "The user asks 2+2. Here is my thinking, not a response."
+    assert _think(GRANITE_DOC, parser=GraniteReasoningParser) == (reasoning, "2 + 2 = 4.", [])
+    contracted = GRANITE_DOC.replace("Here is my thought", "Here's my thought").replace("Here is my resp", "Here's my resp")
+    assert _think(contracted, parser=GraniteReasoningParser) == (reasoning, "2 + 2 = 4.", [])
+    # a call after the response goes to the tool parser; one inside the thought does not
+    text = ("Here is my thought process:\n<tool_call>{\"name\": \"x\"}</tool_call>\nHere is my response:\n"
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert _think(text, parser=GraniteReasoningParser, tools=True) == (
+        '<tool_call>{"name": "x"}</tool_call>', None, [("get_time", "{}")])
+
+
+def test_granite_without_markers_or_cut() -> None:
+    assert _think("  Just the answer.", parser=GraniteReasoningParser) == (None, "  Just the answer.", [])
+    assert _think("Here is my thou", parser=GraniteReasoningParser) == (None, "Here is my thou", [])
+    assert _think("Here is my thought process:\nStill thinking  \nHere is my resp",
+                  parser=GraniteReasoningParser) == ("Still thinking  \nHere is my resp", "", [])
+    assert _think("", parser=GraniteReasoningParser) == (None, "", [])
+
+
+def test_auto_choice_from_the_chat_template() -> None:
+    qwen3 = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    granite = "{%- if thinking %}{{- 'Respond with Here is my thought process: then Here is my response:' }}"
+    assert get_reasoning_parser("auto", chat_template=qwen3) is ThinkReasoningParser
+    assert get_reasoning_parser(None, chat_template=granite) is GraniteReasoningParser
+    assert get_reasoning_parser("auto", harmony_model=True, chat_template=qwen3) is GptOssReasoningParser
+    assert get_reasoning_parser("none", chat_template=qwen3) is None  # the override
+    assert get_reasoning_parser("auto", chat_template="{{ '<think>' }}") is None  # opens, never closes: unsure
+    assert detect_reasoning_parser(False, None) == (None, "the chat template shows no reasoning format")
+    assert "<think>" in detect_reasoning_parser(False, qwen3)[1]

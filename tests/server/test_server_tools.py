@@ -281,3 +281,29 @@ def test_reasoning_and_calls_stream_together(thinking_tool_model) -> None:  # no
     assert (reasoning, content) == (whole.message.reasoning_content, whole.message.content)
     assert names == ["get_weather"] and args == call.function.arguments
     assert wait_kv_free(thinking_tool_model["url"]) == 0.0
+
+
+def test_thinking_token_budget_closes_the_block(thinking_tool_model, bundled) -> None:  # noqa: ANN001
+    """A prompt that leaves ``<think>`` open: after 4 tokens the server forces ``</think>``, the answer follows."""
+    client = thinking_tool_model["client"]
+    # the template puts the user's text on its own line, so the prompt ends inside an open block
+    ask = [{"role": "user", "content": "<think>"}]
+    kwargs = dict(model="tiny-tools", messages=ask, temperature=0, max_tokens=24, logprobs=True,
+                  extra_body={"thinking_token_budget": 4, "ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    tokens = [t.token for t in whole.logprobs.content]
+    assert "".join(tokens[4:7]).startswith("</think>")  # forced right after the budget
+    assert whole.message.reasoning_content == "".join(tokens[:4])
+    assert whole.message.content and "</think>" not in whole.message.content
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[0] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed[1] += choice.delta.content or ""
+    assert streamed == [whole.message.reasoning_content, whole.message.content]
+    # no reasoning parser on the bundled server; a grammar cannot follow a forced end: both 400s
+    for server, extra in [(bundled, {}), (thinking_tool_model, {"response_format": {"type": "json_object"}})]:
+        with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+            server["client"].chat.completions.create(
+                model=kwargs["model"] if server is thinking_tool_model else "smollm2", messages=ask, max_tokens=4,
+                extra_body={"thinking_token_budget": 4, **extra})

@@ -385,9 +385,9 @@ def test_the_scanner_accepts_exactly_what_json_loads_does(value, style, inserts,
 def test_parsers_by_name_and_from_the_template(smollm_tokenizer):
     assert get_tool_parser("hermes") is HermesToolParser
     assert get_tool_parser("llama3_json") is Llama3JsonToolParser
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
-    with pytest.raises(ValueError, match="unknown tool call parser 'mistral'.*hermes, llama3_json"):
-        get_tool_parser("mistral")
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic"}
+    with pytest.raises(ValueError, match="unknown tool call parser 'jamba'.*hermes, llama3_json, mistral"):
+        get_tool_parser("jamba")
     qwen = "{{- '<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}"
     llama = ('{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name '
              "and its value}.' }}{%- if builtin_tools %}<|python_tag|>{%- endif %}")

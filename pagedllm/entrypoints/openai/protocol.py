@@ -558,6 +558,9 @@ class ChatCompletionRequest(_SamplingRequest):
         None, json_schema_extra={"maxProperties": 16})
     # OpenAI's processing tier; one local server has one tier, which the reply names ("default")
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # vLLM's: at most this many reasoning tokens, then the server's reasoning parser's end marker is forced
+    # (thinking_budget.py; serving_chat applies it, a 400 without a reasoning parser that has markers)
+    thinking_token_budget: JsonInt | None = _ranged(None, minimum=0, maximum=MAX_INT32)
 
     @property
     def constraint_param(self) -> str:

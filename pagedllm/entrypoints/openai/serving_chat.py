@@ -6,8 +6,8 @@ for ``"auto"``, or as the JSON a grammar forces for ``"required"`` and a
 named function. Calls come back as ``message.tool_calls`` or, streamed, as
 ``delta.tool_calls`` pieces, as OpenAI sends them.
 
-With a reasoning parser (``--reasoning-parser``, or ``gpt_oss`` chosen for a
-gpt-oss model) each choice's output goes through it first
+With a reasoning parser (``--reasoning-parser``, or one chosen from the
+model and its chat template) each choice's output goes through it first
 (``reasoning_parsers/``): the thinking comes back as
 ``message.reasoning_content`` / ``delta.reasoning_content``. A gpt-oss
 model's prompt is rendered by openai-harmony (``harmony/prompt.py``), with
@@ -18,6 +18,7 @@ messages; generation stops at ``<|return|>`` or ``<|call|>``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,15 +35,19 @@ from pagedllm.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning_parsers import (
     ReasoningParser,
     ReplyParser,
+    detect_reasoning_parser,
     get_reasoning_parser,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage
 from pagedllm.entrypoints.openai.sse import sse_chunks, sse_response
+from pagedllm.entrypoints.openai.thinking import apply_thinking_budget
 from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.harmony.detect import is_harmony_model
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -56,8 +61,8 @@ class OpenAIServingChat(OpenAIServing):
             (``hermes``, ``llama3_json``, or ``auto``: read from the chat template).
         default_max_tokens: the cap on a reply whose request sets no
             ``max_tokens`` / ``max_completion_tokens`` (``--default-max-tokens``); None: none.
-        reasoning_parser: ``gpt_oss``, ``qwen3``, ``deepseek_r1``, ``none``, or ``auto``
-            (``gpt_oss`` for a gpt-oss model, else none).
+        reasoning_parser: ``gpt_oss``, ``qwen3``, ``deepseek_r1``, ``granite``, ``none``, or ``auto``
+            (chosen from the model and its chat template: ``reasoning_parsers.detect_reasoning_parser``).
         enable_auto_tool_choice: whether ``tool_choice="auto"`` with tools is served (else a 400, as vLLM
             without ``--enable-auto-tool-choice``).
     """
@@ -76,7 +81,11 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_parser = get_tool_parser(tool_call_parser, template)
         arch = engine.model_config
         self.harmony = is_harmony_model(arch.architecture, arch.architectures, template)
-        self.reasoning_parser = get_reasoning_parser(reasoning_parser, self.harmony)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser, self.harmony, template)
+        if reasoning_parser in (None, "auto"):
+            why = detect_reasoning_parser(self.harmony, template)[1]
+            chosen = self.reasoning_parser.name if self.reasoning_parser is not None else "none"
+            logger.info("reasoning parser: %s (auto: %s; --reasoning-parser overrides)", chosen, why)
         if self.reasoning_parser is not None and self.reasoning_parser.parses_tool_calls and not self.harmony:
             raise ValueError(f"the {self.reasoning_parser.name} reasoning parser reads harmony output; "
                              "this model does not use the harmony format")
@@ -95,6 +104,8 @@ class OpenAIServingChat(OpenAIServing):
             params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
         if self.harmony:
             self._harmony_params(params, tools)
+        if req.thinking_token_budget is not None:
+            apply_thinking_budget(params, req.thinking_token_budget, self.reasoning_parser)
         await self.compile_constraint(params, req.constraint_param, request)
         try:
             messages = req.template_messages()

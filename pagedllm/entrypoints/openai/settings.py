@@ -105,7 +105,8 @@ class ServerSettings:
             None: no CORS headers at all, so
             no other origin can read an answer.
         tool_call_parser: the model's tool-call format for ``tool_choice="auto"``: ``hermes``,
-            ``llama3_json``, or ``auto`` (read from the chat template).
+            ``llama3_json``, ``qwen3_coder``, ``mistral``, ``pythonic``, or ``auto`` (read from the
+            chat template).
         enable_auto_tool_choice: whether a request with tools may leave the calls to the model
             (``tool_choice="auto"``, the default when tools are given), read by ``tool_call_parser``.
             On by default, unlike vLLM's flag of the same name, which must be given for it; off,
@@ -114,8 +115,10 @@ class ServerSettings:
             (a file, or the template's text on the command line); the one way to chat with a model
             that has none. None: the model's.
         reasoning_parser: how replies are split into ``reasoning_content`` and content: ``gpt_oss``
-            (harmony channels), ``qwen3`` / ``deepseek_r1`` (``<think>`` blocks), ``none``, or
-            ``auto`` (``gpt_oss`` for a gpt-oss model, else none).
+            (harmony channels), ``qwen3`` / ``deepseek_r1`` (``<think>`` blocks), ``granite``
+            (Granite 3.x's thought/response markers), ``none``, or ``auto`` (``gpt_oss`` for a
+            gpt-oss model, ``qwen3`` for a template writing ``<think>``/``</think>``, ``granite``
+            for one asking for Granite's thought process, else none; logged at start).
         kv_page: serve the live KV-cache page (``/kv``, ``/kv/state``, ``/kv/events``).
         http_limits: header deadline and count, lingering close (``http_protocol.py``).
         default_max_tokens: most tokens a reply gets when its request sets no ``max_tokens`` /

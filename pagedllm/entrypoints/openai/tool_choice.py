@@ -198,6 +198,8 @@ class ToolSpec:
         if self.tool_choice == "none":
             return None
         if self.tool_choice == "auto":
+            if auto_parser.needs_tools:  # values typed by the tools' schemas (qwen3_coder)
+                return auto_parser(max_calls, buffered=buffered, tools=self.tools)
             return auto_parser(max_calls, buffered=buffered)
         if self.tool_choice == "required":
             return RequiredToolsParser(max_calls, buffered=buffered)

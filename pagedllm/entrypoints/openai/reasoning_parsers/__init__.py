@@ -5,11 +5,13 @@ Chosen by name as vLLM's ``--reasoning-parser`` is, or from the model:
     gpt_oss       harmony channels (gpt-oss): analysis, final, commentary calls
     qwen3         <think>...</think>, opened in the output or by the prompt
     deepseek_r1   the same, assumed opened by the prompt when it is not known
+    granite       Here is my thought process: ... Here is my response: ...  (Granite 3.x)
 
-``auto`` picks ``gpt_oss`` for a gpt-oss model (``harmony.detect``), the
-one choice that is never ambiguous; ``<think>`` models are served plainly
-unless named, since some templates mention ``<think>`` without the model
-always writing it. No torch here.
+``auto`` picks from the model where the choice cannot be wrong
+(``detect_reasoning_parser``): ``gpt_oss`` for a gpt-oss model, ``qwen3``
+for a chat template that writes both ``<think>`` and ``</think>``,
+``granite`` for one that tells the model to write Granite's thought marker;
+anything else gets none. ``none`` turns it off. No torch here.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ from collections.abc import Sequence
 
 from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
 from pagedllm.entrypoints.openai.reasoning_parsers.gpt_oss import GptOssReasoningParser
+from pagedllm.entrypoints.openai.reasoning_parsers.granite import (
+    THOUGHT_MARKERS,
+    GraniteReasoningParser,
+)
 from pagedllm.entrypoints.openai.reasoning_parsers.reply_parser import ReplyParser
 from pagedllm.entrypoints.openai.reasoning_parsers.think import (
+    CLOSE,
+    OPEN,
     DeepSeekR1ReasoningParser,
     ThinkReasoningParser,
 )
@@ -29,9 +37,11 @@ __all__ = [
     "REASONING_PARSERS",
     "DeepSeekR1ReasoningParser",
     "GptOssReasoningParser",
+    "GraniteReasoningParser",
     "ReasoningParser",
     "ReplyParser",
     "ThinkReasoningParser",
+    "detect_reasoning_parser",
     "get_reasoning_parser",
     "parse_reply",
 ]
@@ -41,17 +51,41 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     GptOssReasoningParser.name: GptOssReasoningParser,
     ThinkReasoningParser.name: ThinkReasoningParser,
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
+    GraniteReasoningParser.name: GraniteReasoningParser,
 }
 REASONING_PARSER_CHOICES = ("auto", "none", *sorted(REASONING_PARSERS))
 
 
-def get_reasoning_parser(name: str | None, harmony_model: bool = False) -> type[ReasoningParser] | None:
-    """The parser called ``name``; for ``"auto"``/None ``gpt_oss`` on a harmony model, else none; ``"none"``: none.
+def detect_reasoning_parser(
+    harmony_model: bool = False, chat_template: str | None = None
+) -> tuple[type[ReasoningParser] | None, str]:
+    """The parser ``auto`` picks, and why (a sentence for the log).
+
+    Only where the template leaves no doubt: a harmony model -> ``gpt_oss``;
+    a template that writes both ``<think>`` and ``</think>`` (Qwen3, QwQ,
+    DeepSeek-R1: the ``qwen3`` parser reads from the rendered prompt whether
+    the block was opened there) -> ``qwen3``; a template that asks for
+    Granite's ``Here is my thought process:`` -> ``granite``. Otherwise none.
+    """
+    if harmony_model:
+        return GptOssReasoningParser, "the model speaks harmony (gpt-oss)"
+    text = chat_template or ""
+    if OPEN in text and CLOSE in text:
+        return ThinkReasoningParser, f"the chat template writes {OPEN}...{CLOSE} blocks"
+    if any(marker in text for marker in THOUGHT_MARKERS):
+        return GraniteReasoningParser, "the chat template asks for Granite's thought process"
+    return None, "the chat template shows no reasoning format"
+
+
+def get_reasoning_parser(
+    name: str | None, harmony_model: bool = False, chat_template: str | None = None
+) -> type[ReasoningParser] | None:
+    """The parser called ``name``; for ``"auto"``/None the one ``detect_reasoning_parser`` picks; ``"none"``: none.
 
     ValueError for an unknown name, listing the known ones.
     """
     if name is None or name == "auto":
-        return GptOssReasoningParser if harmony_model else None
+        return detect_reasoning_parser(harmony_model, chat_template)[0]
     if name == "none":
         return None
     parser = REASONING_PARSERS.get(name)

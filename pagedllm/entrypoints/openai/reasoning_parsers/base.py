@@ -40,6 +40,8 @@ class ReasoningParser(DeltaSender):
 
     name: ClassVar[str] = ""
     parses_tool_calls: ClassVar[bool] = False  # the format's calls come from this parser, not a tool parser
+    # the markers a thinking budget forces (SamplingParams.think_start_str / think_end_str); None: no budget
+    think_markers: ClassVar[tuple[str, str] | None] = None
 
     def __init__(
         self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None

@@ -44,6 +44,7 @@ class ThinkReasoningParser(ReasoningParser):
 
     name = "qwen3"
     opened_by_default = False
+    think_markers = (OPEN, CLOSE + "\n\n")  # the blank line Qwen3's template writes after the block
 
     def __init__(
         self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None

@@ -222,6 +222,8 @@ class ToolParser(DeltaSender):
     """
 
     name: ClassVar[str] = ""
+    # whether the parser takes the request's tools (``tools=``, to type values by their schemas)
+    needs_tools: ClassVar[bool] = False
 
     def __init__(self, max_calls: int | None = None, *, buffered: bool = False) -> None:
         super().__init__(max_calls)

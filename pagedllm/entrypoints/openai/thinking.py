@@ -1,0 +1,31 @@
+"""A chat request's ``thinking_token_budget`` (vLLM's field), turned into the engine's forced block end.
+
+The engine counts and forces tokens (``pagedllm/thinking_budget.py``); what
+it needs from the server is which markers open and close the reasoning, and
+those are the server's reasoning parser's (``think_markers``): ``<think>`` /
+``</think>`` and a blank line for ``qwen3`` and ``deepseek_r1``, Granite's
+thought and response markers for ``granite``. Without a reasoning parser, or
+with one whose format has no text markers (``gpt_oss``), the field is a 400,
+as vLLM refuses it without a reasoning configuration.
+"""
+
+from __future__ import annotations
+
+from pagedllm.entrypoints.openai.protocol import bad_request
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedllm.sampling_params import SamplingParams
+
+
+def apply_thinking_budget(params: SamplingParams, budget: int, parser: type[ReasoningParser] | None) -> None:
+    """Set ``params``' budget and the parser's markers; APIError (400) when the server cannot enforce one."""
+    if parser is None or parser.think_markers is None:
+        what = "no reasoning parser" if parser is None else f"the {parser.name} reasoning parser"
+        raise bad_request(
+            f"thinking_token_budget needs a reasoning parser with text markers (qwen3, deepseek_r1, granite); "
+            f"this server runs {what} (--reasoning-parser)", "thinking_token_budget",
+        )
+    if params.structured_outputs is not None:
+        raise bad_request("thinking_token_budget cannot be combined with response_format, structured_outputs or a "
+                          "forced tool_choice", "thinking_token_budget")
+    params.thinking_token_budget = budget
+    params.think_start_str, params.think_end_str = parser.think_markers
