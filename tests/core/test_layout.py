@@ -41,9 +41,12 @@ ALLOWED = {
 # config_record: how config records are declared (pydantic); resolved_config: the config's "auto"s resolved,
 # the one top-level module that asks the machine (it imports kernels / layers / distributed inside functions);
 # step_time: the fitted model of a step's time, a leaf both the engine and spec_decode read; expert_counts: a
-# mixture of experts' routing counts, which the runner fills and the server's metrics and the bench read
+# mixture of experts' routing counts, which the runner fills and the server's metrics and the bench read;
+# thinking_budget: the rule that closes a reasoning block after N tokens (a pure function of the tokens), which
+# the request's sampling spec carries to the runner's logits rules
 DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
-                "step_result", "block_table", "cache_dir", "step_time", "device_memory", "expert_counts"}
+                "step_result", "block_table", "cache_dir", "step_time", "device_memory", "expert_counts",
+                "thinking_budget"}
 # the packages a top-level data module may import: plain Python that itself imports only these (and data
 # modules). Every package imports the data modules, so a data module importing anything higher (the runner,
 # the engine) would be an import running back up the layers. resolved_config alone also reads the machine
