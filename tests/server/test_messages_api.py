@@ -1,10 +1,13 @@
 """Anthropic's Messages API (``/v1/messages``), driven by the official ``anthropic`` client.
 
 One server on the bundled SmolLM2 with an API key (so ``x-api-key`` is
-exercised by every call). Expected values come from the server's OpenAI
-routes, which their own tests pin: the same conversation greedy on
-``/v1/chat/completions`` gives the text, its rendered prompt on
-``/tokenize`` gives the token count.
+exercised by every call), ``--reasoning-parser qwen3`` and a ChatML chat
+template with tools (``tests/tool_models.py``'s) whose generation prompt
+opens ``<think>`` when the template variable ``enable_thinking`` is true, as
+Qwen3's thinking releases do. Expected values come from the server's OpenAI
+routes, which their own tests pin (the same conversation greedy on
+``/v1/chat/completions``, its rendered prompt on ``/tokenize``, the raw
+greedy text of ``/v1/completions``), or from transformers' own rendering.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import httpx
 import jsonschema
 import pytest
 from server_helpers import serve_in_thread, wait_kv_free
+from tool_models import TOOL_CHAT_TEMPLATE
 
 pytestmark = pytest.mark.slow  # a real server: outside the fast tier
 
@@ -39,13 +43,22 @@ WEATHER = {
 }
 
 
+_GENERATION_PROMPT = "{{- '<|im_start|>assistant\\n' }}"
+THINKING_TEMPLATE = TOOL_CHAT_TEMPLATE.replace(
+    _GENERATION_PROMPT, _GENERATION_PROMPT + "{%- if enable_thinking is defined and enable_thinking %}"
+    "{{- '<think>\\n' }}{%- endif %}")
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[dict]:
     from pagedllm import LLM
 
+    assert THINKING_TEMPLATE != TOOL_CHAT_TEMPLATE
     llm = LLM(num_kv_blocks=96, max_model_len=1024, num_threads=1)
-    with serve_in_thread(llm.llm_engine, model_name="smollm2", api_key=KEY) as url:
-        yield {"url": url, "client": anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=300)}
+    with serve_in_thread(llm.llm_engine, model_name="smollm2", api_key=KEY, reasoning_parser="qwen3",
+                         chat_template=THINKING_TEMPLATE) as url:
+        yield {"url": url, "hf_tokenizer": llm.llm_engine.tokenizer.hf,
+               "client": anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=300)}
         assert wait_kv_free(url) == 0.0
 
 
@@ -56,10 +69,27 @@ def _chat(url: str, messages: list[dict], max_tokens: int, **extra) -> dict:  # 
     return resp.json()
 
 
-def _prompt_len(url: str, messages: list[dict]) -> int:
-    resp = httpx.post(f"{url}/tokenize", json={"model": "smollm2", "messages": messages}, headers=BEARER)
+def _prompt(url: str, messages: list[dict], thinking: bool | None = None) -> list[int]:
+    body: dict = {"model": "smollm2", "messages": messages}
+    if thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": thinking}
+    resp = httpx.post(f"{url}/tokenize", json=body, headers=BEARER)
     assert resp.status_code == 200, resp.text
-    return resp.json()["count"]
+    return resp.json()["tokens"]
+
+
+def _prompt_len(url: str, messages: list[dict]) -> int:
+    return len(_prompt(url, messages))
+
+
+def _raw_greedy(url: str, prompt_ids: list[int], max_tokens: int) -> tuple[str, str, int]:
+    """The greedy text of a prompt, with Anthropic's stop reason for how it ended, and its token count."""
+    body = {"model": "smollm2", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0}
+    resp = httpx.post(f"{url}/v1/completions", json=body, headers=BEARER, timeout=300)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    reason = {"length": "max_tokens", "stop": "end_turn"}[choice["finish_reason"]]
+    return choice["text"], reason, resp.json()["usage"]["completion_tokens"]
 
 
 def test_create_is_the_chat_reply(server) -> None:  # noqa: ANN001
@@ -160,9 +190,11 @@ def test_forced_tool_use_and_the_result_round_trip(server) -> None:  # noqa: ANN
         "id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(call.input)}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"},
         {"role": "user", "content": "And tomorrow?"}]
-    counted = client.messages.count_tokens(model="smollm2", messages=history, tools=[WEATHER])
+    # /tokenize takes no tools: the conversation alone is compared there, the tools in the next test
+    counted = client.messages.count_tokens(model="smollm2", messages=history)
     assert counted.input_tokens == _prompt_len(server["url"], openai_history)
-    assert follow.usage.input_tokens + follow.usage.cache_read_input_tokens == counted.input_tokens
+    with_tools = client.messages.count_tokens(model="smollm2", messages=history, tools=[WEATHER]).input_tokens
+    assert follow.usage.input_tokens + follow.usage.cache_read_input_tokens == with_tools > counted.input_tokens
 
 
 def test_count_tokens_is_the_prompt_the_engine_sees(server) -> None:  # noqa: ANN001
@@ -191,9 +223,9 @@ BAD = [
      "takes no images"),
     ("prefill", {"model": "smollm2", "max_tokens": 8, "messages": [*ASK, {"role": "assistant", "content": "It"}]},
      400, "Prefill is not supported"),
-    ("thinking without a reasoning parser", {"model": "smollm2", "max_tokens": 8, "messages": ASK,
-                                             "thinking": {"type": "enabled", "budget_tokens": 4}}, 400,
-     "reasoning parser"),
+    ("thinking budget not below max_tokens", {"model": "smollm2", "max_tokens": 8, "messages": ASK,
+                                              "thinking": {"type": "enabled", "budget_tokens": 8}}, 400,
+     "less than max_tokens"),
     ("tool_result answering no call", {"model": "smollm2", "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]}, 400, "toolu_x"),
     ("tool_choice naming no tool", {"model": "smollm2", "max_tokens": 8, "messages": ASK, "tools": [WEATHER],
@@ -230,3 +262,63 @@ def test_the_api_key(server) -> None:  # noqa: ANN001
     # the OpenAI routes take x-api-key too, and keep their own error shape
     assert httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-api-key": KEY}).status_code == 200
     assert "type" not in httpx.post(f"{url}/v1/chat/completions", json=body).json()
+
+
+TIME_ASK = [{"role": "user", "content": "What time is it in Paris?"}]
+TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {
+    "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}
+
+
+def test_thinking_blocks_whole_and_streamed(server) -> None:  # noqa: ANN001
+    client, url = server["client"], server["url"]
+    thinking = {"type": "enabled", "budget_tokens": 8}
+    prompt = _prompt(url, TIME_ASK, thinking=True)
+    assert client.messages.count_tokens(model="smollm2", messages=TIME_ASK, thinking=thinking).input_tokens == len(prompt)
+    expected, reason, num_tokens = _raw_greedy(url, prompt, 12)
+    assert "</think>" not in expected and expected
+    out = client.messages.create(model="smollm2", max_tokens=12, messages=TIME_ASK, thinking=thinking,
+                                 extra_body=GREEDY)
+    assert [(b.type, b.thinking) for b in out.content] == [("thinking", expected)]
+    assert (out.stop_reason, out.usage.output_tokens) == (reason, num_tokens)
+    with client.messages.stream(model="smollm2", max_tokens=12, messages=TIME_ASK, thinking=thinking,
+                                extra_body=GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = [e.delta.thinking for e in events if e.type == "content_block_delta"]
+    assert "".join(pieces) == expected
+    assert [b.type for b in final.content] == ["thinking"] and final.content[0].thinking == expected
+
+
+def test_without_thinking_the_reply_is_text(server) -> None:  # noqa: ANN001
+    client, url = server["client"], server["url"]
+    for thinking in ({"type": "disabled"}, None):
+        kwargs = {"thinking": thinking} if thinking else {}
+        prompt = _prompt(url, TIME_ASK, thinking=False)
+        counted = client.messages.count_tokens(model="smollm2", messages=TIME_ASK, **kwargs).input_tokens
+        assert counted == len(prompt)
+        expected, _, _ = _raw_greedy(url, prompt, 10)
+        out = client.messages.create(model="smollm2", max_tokens=10, messages=TIME_ASK, extra_body=GREEDY, **kwargs)
+        assert [(b.type, b.text) for b in out.content] == [("text", expected)]
+
+
+def test_tools_and_results_reach_the_template(server) -> None:  # noqa: ANN001
+    client, url = server["client"], server["url"]
+    out = client.messages.create(model="smollm2", max_tokens=48, messages=TIME_ASK, tools=[TIME], extra_body=GREEDY,
+                                 tool_choice={"type": "tool", "name": "get_time"})
+    (call,) = out.content
+    assert call.type == "tool_use" and call.name == "get_time" and call.input["zone"] in ("UTC", "CET")
+    assert out.stop_reason == "tool_use"
+    history = [*TIME_ASK, {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "12:00"}]}]
+    counted = client.messages.count_tokens(model="smollm2", messages=history, tools=[TIME]).input_tokens
+    # transformers' own rendering of the same conversation, as OpenAI-style messages
+    tokenizer = server["hf_tokenizer"]
+    openai_history = [*TIME_ASK, {"role": "assistant", "content": "", "tool_calls": [{
+        "id": call.id, "type": "function", "function": {"name": "get_time", "arguments": call.input}}]},
+        {"role": "tool", "tool_call_id": call.id, "name": "get_time", "content": "12:00"}]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": TIME["input_schema"]}}]
+    text = tokenizer.apply_chat_template(openai_history, tools=tools, chat_template=THINKING_TEMPLATE,
+                                         add_generation_prompt=True, tokenize=False)
+    assert '"name": "get_time"' in text and "<tool_response>\n12:00\n</tool_response>" in text
+    assert counted == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert counted > len(_prompt(url, TIME_ASK, thinking=False)) + 40  # the tool list is in the prompt
