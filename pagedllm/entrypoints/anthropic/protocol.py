@@ -146,7 +146,7 @@ class ThinkingEnabled(_Strict):
     """Thinking on: the template is asked for it, and the reasoning parser's output is sent as thinking blocks.
 
     ``budget_tokens`` is checked as Anthropic checks it (below ``max_tokens``), and bounds nothing
-    more than ``max_tokens`` does (see docs/serving.md).
+    more than ``max_tokens`` does (see docs/messages-api.md).
     """
 
     type: Literal["enabled"]

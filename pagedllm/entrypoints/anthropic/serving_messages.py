@@ -199,7 +199,7 @@ def add_messages_routes(app: FastAPI, chat: OpenAIServingChat) -> None:
     """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, their errors in Anthropic's shape.
 
     Call it after the app's other middleware is added: its error rewriting must be outermost.
-    The routes are left out of ``/openapi.json``, which describes OpenAI's error body; docs/serving.md
+    The routes are left out of ``/openapi.json``, which describes OpenAI's error body; docs/messages-api.md
     describes them.
     """
     handler = AnthropicServingMessages(chat)
