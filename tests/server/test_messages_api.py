@@ -322,3 +322,26 @@ def test_tools_and_results_reach_the_template(server) -> None:  # noqa: ANN001
     assert '"name": "get_time"' in text and "<tool_response>\n12:00\n</tool_response>" in text
     assert counted == len(tokenizer(text, add_special_tokens=False)["input_ids"])
     assert counted > len(_prompt(url, TIME_ASK, thinking=False)) + 40  # the tool list is in the prompt
+
+
+def test_a_claude_code_shaped_request(server) -> None:  # noqa: ANN001
+    """What Claude Code sends: ``?beta=true``, beta headers, cached system blocks, tools with ``$schema``,
+    ``metadata.user_id``, ``temperature: 1``, streamed; the stream is Anthropic's and the KV comes back."""
+    bash = {"name": "Bash", "description": "Run a shell command", "input_schema": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+        "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
+        "required": ["command"], "additionalProperties": False}}
+    body = {
+        "model": "smollm2", "max_tokens": 24, "temperature": 1, "stream": True, "metadata": {"user_id": "user_abc"},
+        "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "List the files.",
+                                                   "cache_control": {"type": "ephemeral"}}]}],
+        "tools": [{**bash, "cache_control": {"type": "ephemeral"}}],
+    }
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14"}
+    with httpx.stream("POST", f"{server['url']}/v1/messages?beta=true", json=body, headers=headers,
+                      timeout=300) as resp:
+        assert resp.status_code == 200
+        types = [json.loads(line[len("data: "):])["type"] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert types[:2] == ["message_start", "ping"] and types[-2:] == ["message_delta", "message_stop"]
+    assert wait_kv_free(server["url"]) == 0.0
