@@ -205,3 +205,61 @@ def test_error_bodies() -> None:
     assert _rewrite(json.dumps(anthropic_error(404, "x")).encode(), 404) is None  # already Anthropic's
     assert anthropic_error(503, "stopping") == {"type": "error", "error": {"type": "overloaded_error",
                                                                            "message": "stopping"}}
+
+
+class _FakeStream:
+    """A ``RequestStream`` whose engine outputs are given: deltas of one choice, then maybe a failure."""
+
+    def __init__(self, pieces: list[tuple[str, int, str | None, object]], fail: Exception | None = None) -> None:
+        self.prompt_token_counts = [7]
+        self.pieces = pieces
+        self.fail = fail
+
+    async def outputs(self):  # noqa: ANN201
+        from pagedllm.outputs import CompletionOutput, RequestOutput
+
+        for text, num_tokens, finish, engine_reason in self.pieces:
+            out = CompletionOutput(0, text, list(range(num_tokens)), finish_reason=finish, stop_reason=engine_reason)
+            yield 0, RequestOutput("r", None, [1] * 7, [out], finish is not None, num_cached_tokens=4)
+        if self.fail is not None:
+            raise self.fail
+
+
+def _stream_events(sub: _FakeStream, parser=None) -> list[dict]:  # noqa: ANN001
+    import asyncio
+
+    from pagedllm.entrypoints.anthropic.serving_messages import _events, _Reply
+
+    async def collect() -> list[dict]:
+        header = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m"}
+        return [e async for e in _events(header, sub, _Reply(parser))]
+
+    events = asyncio.run(collect())
+    assert all(json.loads(e["data"])["type"] == e["event"] for e in events)
+    return [json.loads(e["data"]) for e in events]
+
+
+def test_stream_of_a_stop_sequence_reply() -> None:
+    events = _stream_events(_FakeStream([("Hello", 1, None, None), (" world", 2, "stop", "###")]))
+    for event in events:
+        if event["type"] != "ping":  # the client skips pings; its event union has none
+            EVENTS.validate_python(event)
+    assert [e["type"] for e in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                           "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert events[0]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0}
+    assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "###"}
+    assert events[-2]["usage"] == {"input_tokens": 3, "cache_creation_input_tokens": 0,
+                                   "cache_read_input_tokens": 4, "output_tokens": 3}
+
+
+def test_stream_failures_end_with_an_error_event() -> None:
+    from pagedllm.engine.protocol import EngineDeadError, EngineStepError
+
+    step = _stream_events(_FakeStream([("Hi", 1, None, None)], EngineStepError("the step failed")))
+    assert step[-1] == {"type": "error", "error": {"type": "api_error", "message": "the step failed"}}
+    dead = _stream_events(_FakeStream([], EngineDeadError("stopping")))
+    assert dead[-1] == {"type": "error", "error": {"type": "overloaded_error", "message": "stopping"}}
+    cut = _stream_events(_FakeStream([("Hi", 1, None, None)]))  # the outputs ended before a finish reason
+    assert cut[-1]["type"] == "error" and "ended before its reply" in cut[-1]["error"]["message"]
+    bug = _stream_events(_FakeStream([("Hi", 1, None, None)], KeyError("x")))
+    assert bug[-1] == {"type": "error", "error": {"type": "api_error", "message": "internal error: KeyError"}}
