@@ -273,7 +273,8 @@ def test_thinking_blocks_whole_and_streamed(server) -> None:  # noqa: ANN001
     client, url = server["client"], server["url"]
     thinking = {"type": "enabled", "budget_tokens": 8}
     prompt = _prompt(url, TIME_ASK, thinking=True)
-    assert client.messages.count_tokens(model="smollm2", messages=TIME_ASK, thinking=thinking).input_tokens == len(prompt)
+    counted = client.messages.count_tokens(model="smollm2", messages=TIME_ASK, thinking=thinking)
+    assert counted.input_tokens == len(prompt)
     expected, reason, num_tokens = _raw_greedy(url, prompt, 12)
     assert "</think>" not in expected and expected
     out = client.messages.create(model="smollm2", max_tokens=12, messages=TIME_ASK, thinking=thinking,

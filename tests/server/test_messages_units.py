@@ -178,7 +178,8 @@ def test_parser_output_as_blocks_at_every_split() -> None:
         events += blocks.add(parser.feed(QWEN3_OUTPUT[cut:], [])) + blocks.add(parser.finish()) + blocks.close()
         got = [{k: v for k, v in b.items() if k != "id"} for b in blocks.content()]
         assert got == expected, cut
-        streamed_json = "".join(e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta")
+        deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+        streamed_json = "".join(d.get("partial_json", "") for d in deltas)
         assert json.loads(streamed_json) == {"zone": "UTC"}
 
 

@@ -110,7 +110,9 @@ def _arguments_object(text: str) -> dict[str, Any]:
     return value
 
 
-def stop_reason(finish_reason: str | None, engine_stop_reason: int | str | None, num_calls: int) -> tuple[str, str | None]:
+def stop_reason(
+    finish_reason: str | None, engine_stop_reason: int | str | None, num_calls: int
+) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for an output that ended so.
 
     ``length`` is ``max_tokens``; a reply with calls that stopped is ``tool_use``; one

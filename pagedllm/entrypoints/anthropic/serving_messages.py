@@ -71,7 +71,8 @@ class AnthropicServingMessages:
         header = {"id": rid, "type": "message", "role": "assistant", "model": req.model}
         reply = _Reply(self._parser(encoded[0], tools, buffered=not req.stream))
         if not req.stream:
-            return await chat.wait_all(request, sub, lambda outs: _message(header, sub.prompt_token_counts[0], outs[0], reply))
+            prompt_len = sub.prompt_token_counts[0]
+            return await chat.wait_all(request, sub, lambda outs: _message(header, prompt_len, outs[0], reply))
         return sse_response(_events(header, sub, reply), on_close=sub.abort, writes=chat.stream_writes)
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
