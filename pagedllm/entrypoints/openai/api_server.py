@@ -23,7 +23,8 @@ module needs the usual ``if __name__ == "__main__":`` guard.
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 server-sent-event streaming), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /detokenize``,
-``GET /tokenizer_info``, and the live KV-cache page ``GET /kv`` with
+``GET /tokenizer_info``, Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
+(``entrypoints/anthropic/``), and the live KV-cache page ``GET /kv`` with
 ``GET /kv/state`` and ``GET /kv/events`` (``kv_page.py``; off with ``--no-kv-page``);
 ``GET /openapi.json`` and ``GET /docs`` describe them.
 """
@@ -55,6 +56,7 @@ from pagedllm.clients.metrics import ServerMetrics
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.anthropic.serving_messages import add_messages_routes
 from pagedllm.entrypoints.openai.guards import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -119,7 +121,7 @@ def _add_guards(app: FastAPI, settings: ServerSettings) -> None:
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version"],
         )
     if settings.host_check is not None:
         app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.host_check)
@@ -241,6 +243,7 @@ def build_app(
     completion.served_names = chat.served_names = settings.served_names
     _add_generating_routes(app, completion, chat)
     add_responses_routes(app, chat, settings)  # /v1/responses on the chat machinery (serving_responses.py)
+    add_messages_routes(app, chat)  # Anthropic's /v1/messages (entrypoints/anthropic/)
     _add_info_routes(app, async_engine, settings, metrics)
     tokenization = OpenAIServingTokenization(
         prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size

@@ -106,22 +106,28 @@ class HostCheckMiddleware:
 
 
 class APIKeyMiddleware:
-    """Bearer authentication on every route but ``OPEN_ROUTES``, checked before the body is read.
+    """Key authentication on every route but ``OPEN_ROUTES``, checked before the body is read.
 
-    The comparison is constant-time. CORS preflights (``OPTIONS``) carry no
-    credentials by design, so they pass to the CORS layer.
+    The key comes as ``Authorization: Bearer KEY`` (OpenAI's clients) or
+    ``x-api-key: KEY`` (Anthropic's). The comparisons are constant-time. CORS
+    preflights (``OPTIONS``) carry no credentials by design, so they pass to the CORS layer.
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        bearer = hmac.compare_digest(_header(scope, b"authorization") or b"", self.expected)
+        x_api_key = hmac.compare_digest(_header(scope, b"x-api-key") or b"", self.expected_key)
+        return bearer or x_api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         open_route = path in OPEN_ROUTES or path.startswith(OPEN_PREFIXES)
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and not open_route:
-            given = _header(scope, b"authorization") or b""
-            if not hmac.compare_digest(given, self.expected):
+            if not self._authorized(scope):
                 err = APIError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
                 err.headers = {"WWW-Authenticate": "Bearer"}
                 await _send_error(scope, receive, send, err)
