@@ -84,6 +84,7 @@ def test_thinking_reaches_the_template() -> None:
     off = to_chat_request(_req(messages=ask, thinking={"type": "disabled"}), can_think=False)
     adaptive = to_chat_request(_req(messages=ask, thinking={"type": "adaptive"}), can_think=False)
     assert on.chat_template_kwargs == {"enable_thinking": True}
+    assert on.thinking_token_budget == 16 and off.thinking_token_budget is None  # the block closes after 16
     assert off.chat_template_kwargs == {"enable_thinking": False}
     assert adaptive.chat_template_kwargs is None
 

@@ -81,6 +81,8 @@ def _sampling(req: MessagesRequest) -> dict[str, Any]:
                           f"({req.max_tokens})", "thinking")
     fields = {"max_tokens": req.max_tokens, "stop": req.stop_sequences, "temperature": req.temperature,
               "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream}
+    if isinstance(req.thinking, ThinkingEnabled):  # the block is closed after this many tokens (thinking.py)
+        fields["thinking_token_budget"] = req.thinking.budget_tokens
     return {k: v for k, v in fields.items() if v is not None}
 
 
