@@ -9,6 +9,8 @@ as the pool holds them (an int8 / fp8 / int4 cache's scales included)::
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from pagedllm.layers.kv_quant import indexable
@@ -40,8 +42,10 @@ def write_block_bytes(kv_cache: torch.Tensor, loads: list[tuple[int, bytes]]) ->
         if len(data) != size:
             raise ValueError(f"block {block_id}: {len(data)} bytes, a block of this pool has {size}")
     cache = indexable(kv_cache)
-    shape = (len(loads), *cache[:, :, 0].shape)
-    raw = torch.frombuffer(bytearray(b"".join(d for _, d in loads)), dtype=torch.uint8)
-    src = raw.view(cache.dtype).view(shape).to(cache.device)
-    idx = torch.tensor([b for b, _ in loads], dtype=torch.int64, device=cache.device)
-    cache.index_copy_(2, idx, src.movedim(0, 2))
+    shape = cache[:, :, 0].shape
+    for block_id, data in loads:
+        # one block at a time, straight from the file's bytes: no second copy of a long prompt's blocks
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only bytes: only read here
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        cache[:, :, block_id].copy_(src.view(cache.dtype).view(shape))

@@ -231,3 +231,24 @@ def test_blocks_evicted_from_ram_come_back_from_disk(tiny_llama: str, tmp_path: 
     assert computed < 401 // 2  # most blocks came from disk (RAM had evicted them)
     assert llm.llm_engine.kv_disk.num_hits >= 100 // 2
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "uint8", "float8_e4m3fn"])
+def test_block_bytes_round_trip(dtype: str):
+    import torch
+
+    from pagedllm.runner.kv_block_bytes import block_nbytes, read_block_bytes, write_block_bytes
+
+    dt = getattr(torch, dtype)
+    # [2 (K, V), layers, blocks, block_size, kv heads, width]
+    src = (torch.randn(2, 3, 5, BLOCK, 2, 6) * 20).to(dt)
+    dst = torch.zeros_like(src)
+    blobs = read_block_bytes(src, [3, 1])
+    assert [len(b) for b in blobs] == [block_nbytes(src)] * 2
+    write_block_bytes(dst, [(0, blobs[0]), (4, blobs[1])])
+    as_bytes = (lambda t: t.view(torch.uint8)) if dt.itemsize == 1 else (lambda t: t)
+    assert torch.equal(as_bytes(dst[:, :, 0]), as_bytes(src[:, :, 3]))
+    assert torch.equal(as_bytes(dst[:, :, 4]), as_bytes(src[:, :, 1]))
+    assert not as_bytes(dst[:, :, 1:4]).any()
+    with pytest.raises(ValueError, match="bytes, a block of this pool has"):
+        write_block_bytes(dst, [(0, blobs[0][:-1])])
