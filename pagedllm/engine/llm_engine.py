@@ -31,7 +31,7 @@ from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOut
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
 from pagedllm.engine.step_builder import StepRecordBuilder
-from pagedllm.kv_disk import open_kv_disk_store
+from pagedllm.kv_disk.open_store import open_kv_disk_store
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.generation_defaults import load_generation_defaults
 from pagedllm.loader.tokenizer import Tokenizer

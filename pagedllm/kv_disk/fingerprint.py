@@ -6,8 +6,10 @@ of its bytes: head, middle and tail, so a copied or renamed file still
 matches and hashing a 10 GB file costs milliseconds), the model's
 architecture as read (RoPE and its scaling included), the weights' format
 and quantization, the compute dtype, the KV cache's dtype and block shape,
-the attention and linear backends and the native kernels' sources (their
-rounding may differ), and the pagedllm version. Any difference is another
+the attention and linear backends, and the code that computes K/V (the
+sources of the kernels, layers, models and loader packages: any edit there
+may change rounding, so a checkout that changed them starts a new folder).
+Any difference is another
 folder, so a block is never read by an engine that would have computed
 other bits.
 """
@@ -20,7 +22,6 @@ from typing import Any
 
 import xxhash
 
-import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.loader.model_config import ModelArchConfig
 
@@ -28,7 +29,9 @@ FORMAT_VERSION = 1
 _SAMPLE_BYTES = 2**20
 # files of a checkpoint folder whose bytes change the weights (tokenizer files do not change K/V of given ids)
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
-_KERNEL_SOURCE_SUFFIXES = (".cpp", ".h", ".c", ".cc")
+_SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".c", ".cc")
+# the packages whose code decides a block's bits
+_SOURCE_PACKAGES = ("kernels", "layers", "models", "loader")
 
 
 def file_identity(path: Path) -> dict[str, Any]:
@@ -57,14 +60,15 @@ def model_files_identity(model: Path, gguf_file: str | None = None) -> list[dict
     return [file_identity(p) for p in files]
 
 
-def kernel_sources_hash() -> str:
-    """xxh3 of the native kernels' sources (their file names and bytes)."""
-    root = Path(pagedllm.__file__).parent / "kernels"
+def compute_sources_hash() -> str:
+    """xxh3 of the sources (file names and bytes) of the packages that compute K/V (a few ms)."""
+    root = Path(__file__).resolve().parent.parent
     h = xxhash.xxh3_128()
-    for p in sorted(root.rglob("*")):
-        if p.suffix in _KERNEL_SOURCE_SUFFIXES and p.is_file():
-            h.update(str(p.relative_to(root)).encode())
-            h.update(p.read_bytes())
+    for package in _SOURCE_PACKAGES:
+        for p in sorted((root / package).rglob("*")):
+            if p.suffix in _SOURCE_SUFFIXES and p.is_file():
+                h.update(str(p.relative_to(root)).encode())
+                h.update(p.read_bytes())
     return h.hexdigest()
 
 
@@ -75,7 +79,6 @@ def kv_fingerprint(
     block shape, weight format, backends), as plain values."""
     return {
         "format": FORMAT_VERSION,
-        "pagedllm": pagedllm.__version__,
         "model_files": model_files_identity(config.model, config.gguf_file),
         "revision": config.revision,
         "model_config": _plain(dataclasses.asdict(model_config)),
@@ -85,7 +88,7 @@ def kv_fingerprint(
         "quantization": config.quantization,
         "quantization_group_size": config.quantization_group_size,
         "gguf_activations": config.gguf_activations,
-        "kernels": kernel_sources_hash(),
+        "sources": compute_sources_hash(),
         "runtime": _plain(runtime),
     }
 
