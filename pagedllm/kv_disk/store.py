@@ -29,6 +29,7 @@ Sharing and failure:
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import logging
@@ -100,6 +101,10 @@ class DiskBlockStore:
         self._queue: queue.Queue[tuple[int, tuple[int, ...], bytes] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-disk-writer", daemon=True)
         self._writer.start()
+        self._closed = False
+        # a script that ends without shutting its engine down still gets its queued blocks written
+        # (the writer is a daemon thread, which the interpreter would otherwise drop mid-queue)
+        atexit.register(self.close)
 
     # --- reading (the bookkeeping's thread) ----------------------------------
     def path(self, block_hash: int) -> Path:
@@ -148,7 +153,7 @@ class DiskBlockStore:
     # --- writing (a background thread) ---------------------------------------
     def write(self, block_hash: int, token_ids: tuple[int, ...], payload: bytes) -> None:
         """Queue the block for writing; returns at once. Dropped when writing is off or too much is queued."""
-        if self.writes_disabled is not None:
+        if self.writes_disabled is not None or self._closed:
             return
         if len(payload) != self.payload_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, a block here has {self.payload_bytes}")
@@ -164,7 +169,9 @@ class DiskBlockStore:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer thread. Idempotent."""
+        """Write what is queued, then stop the writer thread. Idempotent; later blocks are not written."""
+        self._closed = True
+        atexit.unregister(self.close)
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
