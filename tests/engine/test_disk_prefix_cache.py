@@ -252,3 +252,19 @@ def test_block_bytes_round_trip(dtype: str):
     assert not as_bytes(dst[:, :, 1:4]).any()
     with pytest.raises(ValueError, match="bytes, a block of this pool has"):
         write_block_bytes(dst, [(0, blobs[0][:-1])])
+
+
+def test_an_engine_on_a_full_disk_keeps_serving(tiny_llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store_module, "open", full, raising=False)
+    llm = make_llm(tiny_llama, tmp_path, num_kv_blocks=64, max_model_len=256)
+    ids = prompt(41, 3)
+    first = run(llm, ids)
+    disk = llm.llm_engine.kv_disk
+    assert disk.writes_disabled is not None and disk.num_writes == 0
+    again = run(llm, ids)  # the RAM prefix cache still serves it
+    assert again[:2] == first[:2] and again[2] == 1
+    assert not list(disk.dir.glob("*.kvb")) and not list(disk.dir.glob("*.tmp"))
+    llm.llm_engine.shutdown()
