@@ -15,6 +15,7 @@ ids) are not written back here; they live on the objects that compute them
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal, get_args
 
 from pydantic import BeforeValidator
@@ -150,6 +151,14 @@ class EngineConfig:
             step takes up to ``max_num_batched_tokens`` whatever it delays.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes;
             None means on for the paged allocator, off for the contiguous one.
+        kv_cache_dir: a folder where full prefix blocks are also kept on
+            disk, named by their hash chain under a fingerprint of the model
+            and KV format (docs/disk-prefix-cache.md): a prompt whose prefix
+            RAM no longer holds (evicted, or the server restarted) reads its
+            blocks back instead of recomputing them. None (default): off.
+            Needs prefix caching and one process (no tensor parallelism).
+        kv_cache_dir_max_bytes: the most bytes of block files the folder
+            keeps (least recently used go first); None: unbounded.
         kv_allocator: "paged" (PagedAttention: blocks on demand) or
             "contiguous" (the baseline: one run reserved per request).
         contiguous_reserve: what a contiguous run covers: "max_tokens"
@@ -281,6 +290,8 @@ class EngineConfig:
     max_num_batched_tokens: PositiveInt = 8192
     itl_target_ms: ItlTarget = "auto"
     enable_prefix_caching: bool | None = None
+    kv_cache_dir: Path | None = None
+    kv_cache_dir_max_bytes: PositiveInt | None = None
     kv_allocator: KvAllocator = "paged"
     contiguous_reserve: ContiguousReserve = "max_tokens"
     seed: int = 0
@@ -326,6 +337,8 @@ class EngineConfig:
             raise ValueError("contiguous_reserve applies to kv_allocator='contiguous' only")
         if self.kv_allocator == "contiguous" and self.enable_prefix_caching:
             raise ValueError("the contiguous allocator has no prefix caching; leave enable_prefix_caching unset")
+        if self.kv_cache_dir is not None or self.kv_cache_dir_max_bytes is not None:
+            self._check_kv_cache_dir()
         if self.quantization in ("int8", "int4"):
             self._check_weight_only()
         elif self.quantization_group_size is not None:
@@ -344,6 +357,19 @@ class EngineConfig:
                 f"num_kv_blocks={self.num_kv_blocks} of {self.block_size} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks or lower max_model_len"
             )
+
+    def _check_kv_cache_dir(self) -> None:
+        """ValueError for what kv_cache_dir cannot run with."""
+        if self.kv_cache_dir is None:
+            raise ValueError("kv_cache_dir_max_bytes bounds kv_cache_dir: set kv_cache_dir too")
+        if not self.prefix_caching:
+            raise ValueError("kv_cache_dir keeps prefix-cache blocks: it needs prefix caching (the paged allocator, "
+                             "enable_prefix_caching not False)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_cache_dir runs in one process; tensor_parallel_size > 1 splits each block's heads "
+                             "over ranks")
+        if os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
+            raise ValueError(f"kv_cache_dir={str(self.kv_cache_dir)!r} exists and is not a folder")
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""

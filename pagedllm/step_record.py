@@ -29,6 +29,7 @@ with the context::
         num_draft_tokens              a verify step: the last new tokens are drafts, all positions sampled
         prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
+      blocks_to_load: (block, bytes) ...  K/V read back from the prefix cache on disk, written first
 
 ``SequenceStep`` is the runner's full view of one scheduled sequence, rebuilt
 from its state each step: the tensors are built from it as before the
@@ -210,3 +211,5 @@ class StepRecord:
     finished_seq_ids: tuple[int, ...] = ()
     # [start, stop) block ids whose K/V will never be read again: their pages go back to the OS
     release_blocks: tuple[tuple[int, int], ...] = ()
+    # (block id, K/V bytes as the pool holds them) read from the prefix cache on disk (kv_disk/store.py)
+    blocks_to_load: tuple[tuple[int, bytes], ...] = ()

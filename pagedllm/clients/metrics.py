@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.expert_counts import ExpertCounts
+    from pagedllm.kv_disk.store import DiskBlockStore
     from pagedllm.structured_output.compiler import GrammarCompiler
 
 # vLLM's buckets, in seconds
@@ -91,6 +92,21 @@ class ServerMetrics:
             "Prompt tokens computed by prefills (prefix-cache hits excluded, recomputation included)",
         )
         self.generation_tokens = counter("pagedllm:generation_tokens", "Generated tokens")
+        # the prefix cache on disk (--kv-cache-dir); zero when it is off
+        self.kv_disk = {
+            "kv_disk_hits": counter("pagedllm:kv_disk_hits", "KV blocks read back from the prefix cache on disk"),
+            "kv_disk_misses": counter(
+                "pagedllm:kv_disk_misses", "Prompts whose next block past RAM's was absent or bad on disk"
+            ),
+            "kv_disk_corrupt": counter(
+                "pagedllm:kv_disk_corrupt", "Block files on disk ignored as torn, corrupt or not the block asked for"
+            ),
+            "kv_disk_bytes_read": counter("pagedllm:kv_disk_bytes_read", "Bytes of block files read back"),
+            "kv_disk_bytes_written": counter("pagedllm:kv_disk_bytes_written", "Bytes of block files written"),
+            "kv_disk_evictions": counter(
+                "pagedllm:kv_disk_evictions", "Block files removed to keep --kv-cache-dir-max-bytes"
+            ),
+        }
         self.stream_write_timeouts = counter(
             "pagedllm:stream_write_timeouts",
             "Streams ended, and their requests aborted, because a write waited --stream-write-timeout seconds "
@@ -121,7 +137,8 @@ class ServerMetrics:
         )
         # engine totals already exported, so each update adds only the difference
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "computed": 0, "generated": 0,
-                      "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+                      "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                      **{name: 0 for name in self.kv_disk}}
         self._grammars_watched = False
         self._experts_watched = False
         # token slots per KV block, for vllm:cache_config_info; 0 until the engine's config is known
@@ -175,6 +192,7 @@ class ServerMetrics:
             "draft_tokens": (stats.spec_decode_num_draft_tokens, self.spec_decode_num_draft_tokens),
             "accepted_tokens": (stats.spec_decode_num_accepted_tokens, self.spec_decode_num_accepted_tokens),
         }
+        totals.update({name: (getattr(stats, name), metric) for name, metric in self.kv_disk.items()})
         for key, (total, metric) in totals.items():
             delta = total - self._seen[key]
             if delta > 0:
@@ -203,6 +221,12 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    kv_disk_hits: int = 0
+    kv_disk_misses: int = 0
+    kv_disk_corrupt: int = 0
+    kv_disk_bytes_read: int = 0
+    kv_disk_bytes_written: int = 0
+    kv_disk_evictions: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -224,6 +248,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     bm, runner = engine.block_manager, engine.model_runner
     running = sum(1 for req in engine.requests.values() if any(s.status.value == "running" for s in req.seqs))
     spec = getattr(engine, "speculator", None)  # (stand-in engines in tests have none)
+    disk = getattr(engine, "kv_disk", None)
     return EngineStats(
         num_blocks=bm.num_blocks,
         used_blocks=bm.num_used_blocks,
@@ -240,7 +265,19 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         spec_decode_num_drafts=spec.num_drafts if spec is not None else 0,
         spec_decode_num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        **kv_disk_stats(disk),
     )
+
+
+def kv_disk_stats(disk: DiskBlockStore | None) -> dict[str, int]:
+    """The disk prefix cache's counters under ``EngineStats``' names (zeros when it is off)."""
+    if disk is None:
+        return {}
+    return {
+        "kv_disk_hits": disk.num_hits, "kv_disk_misses": disk.num_misses, "kv_disk_corrupt": disk.num_corrupt,
+        "kv_disk_bytes_read": disk.bytes_read, "kv_disk_bytes_written": disk.bytes_written,
+        "kv_disk_evictions": disk.num_evictions,
+    }
 
 
 class _GrammarCollector:

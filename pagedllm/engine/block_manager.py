@@ -30,6 +30,14 @@ keys are rotated with the long factors at every position
 (``layers/rotary.py``), so their chain starts from ``_LONG_ROPE_PARENT`` and
 never meets a shorter prompt's blocks of the same tokens.
 
+The prefix cache on disk (``kv_disk/store.py``, optional). Past the last
+block RAM holds, ``allocate`` asks the store for the next blocks of the
+chain; those it reads back (checked) take fresh blocks, are published like
+computed ones and count as cached tokens, and their bytes wait in
+``take_loads`` for the runner to copy into the pool before the step runs.
+Blocks a step computed and published go the other way once it ran
+(``take_saves``: the runner copies them out and the store writes them).
+
 Copy-on-write. ``fork`` makes a second block table point at the same blocks
 (ref counts go up). Before a sequence writes a token into a block whose ref
 count is above 1, ``append_slot`` gives it a private copy::
@@ -55,6 +63,7 @@ from collections.abc import Sequence as Sequence_
 import xxhash
 
 from pagedllm.engine.sequence import Sequence
+from pagedllm.kv_disk.store import DiskBlockStore
 
 _NO_PARENT = 0
 _LONG_ROPE_PARENT = 1  # the chain of a longrope model's long-prompt sequences (see the module docstring)
@@ -93,11 +102,12 @@ class BlockManager:
         enable_prefix_caching: reuse full blocks whose chained hash matches.
         longrope_switch_len: the model's longrope original length (``ModelArchConfig.longrope_switch_len``):
             sequences with longer prompts hash from their own root; None: every sequence from one.
+        disk: the prefix cache on disk, or None (with prefix caching only).
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-        longrope_switch_len: int | None = None,
+        longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
@@ -125,6 +135,13 @@ class BlockManager:
         # copy-on-write copies decided since the last take_copies()
         self._pending_copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
+        self.disk = disk if enable_prefix_caching else None
+        # blocks read back from disk this step: (block id, K/V bytes) for the runner, before the step runs
+        self._pending_loads: list[tuple[int, bytes]] = []
+        # blocks loaded from disk among the unconfirmed ones: not written back
+        self._loaded: set[int] = set()
+        # blocks a step computed and published, for the disk: (block id, hash, token ids)
+        self._pending_saves: list[tuple[int, int, tuple[int, ...]]] = []
 
     # --- pool state ----------------------------------------------------------
     @property
@@ -178,9 +195,23 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def _num_disk_hits(self, seq: Sequence, num_ram_hits: int) -> int:
+        """Blocks after the first ``num_ram_hits`` that the disk holds files of, in a row (contents unchecked)."""
+        if self.disk is None or not seq.allow_prefix_hits:
+            return 0
+        num_lookup = (len(seq) - 1) // self.block_size
+        hashes = self._block_hashes(seq, num_lookup)
+        num = 0
+        for h in hashes[num_ram_hits:]:
+            if h in self.hash_to_block or not self.disk.contains(h):
+                break  # RAM holds it (another prompt's block, after a gap) or the disk does not
+            num += 1
+        return num
+
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` that ``allocate(seq)`` would find cached right now."""
-        return len(self._lookup_prefix(seq)) * self.block_size
+        """Tokens of ``seq`` that ``allocate(seq)`` would find cached right now (in RAM or on disk)."""
+        hits = self._lookup_prefix(seq)
+        return (len(hits) + self._num_disk_hits(seq, len(hits))) * self.block_size
 
     # --- free list -----------------------------------------------------------
     def _pop_free_block(self) -> int:
@@ -212,6 +243,8 @@ class BlockManager:
                 self._cached_free[block] = None  # to the tail: evicted last
             else:
                 heapq.heappush(self._empty, block)
+            if self._pending_loads:
+                self._pending_loads = [p for p in self._pending_loads if p[0] != block]
             if self._pending_copies:
                 # a copy into a block freed before the step runs is moot, and
                 # the block may be handed out again (even as another copy's
@@ -223,19 +256,22 @@ class BlockManager:
         """Whether ``allocate(seq, max_num_new_tokens)`` would succeed now."""
         _check_max_new(max_num_new_tokens)
         hits = self._lookup_prefix(seq)
-        return self._num_blocks_short(seq, hits, max_num_new_tokens) <= 0
+        num_disk = self._num_disk_hits(seq, len(hits))
+        return self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) <= 0
 
-    def _num_blocks_needed(self, seq: Sequence, hits: list[int], max_num_new_tokens: int | None) -> int:
-        """Blocks covering the cached prefix plus the first chunk of new tokens."""
+    def _num_blocks_needed(self, seq: Sequence, num_hits: int, max_num_new_tokens: int | None) -> int:
+        """Blocks covering the cached prefix (``num_hits`` blocks) plus the first chunk of new tokens."""
         num_tokens = len(seq)
         if max_num_new_tokens is not None:
-            num_tokens = min(num_tokens, len(hits) * self.block_size + max_num_new_tokens)
+            num_tokens = min(num_tokens, num_hits * self.block_size + max_num_new_tokens)
         return -(-num_tokens // self.block_size)
 
-    def _num_blocks_short(self, seq: Sequence, hits: list[int], max_num_new_tokens: int | None) -> int:
+    def _num_blocks_short(
+        self, seq: Sequence, hits: list[int], max_num_new_tokens: int | None, num_disk: int = 0
+    ) -> int:
         # hits that sit in the free list leave it when taken, so they count
-        # against the free blocks as well
-        num_new = self._num_blocks_needed(seq, hits, max_num_new_tokens) - len(hits)
+        # against the free blocks as well; a disk hit takes a fresh block like a new one
+        num_new = self._num_blocks_needed(seq, len(hits) + num_disk, max_num_new_tokens) - len(hits)
         num_free_hits = sum(1 for b in hits if self.ref_counts[b] == 0)
         return num_new + num_free_hits - self.num_free_blocks
 
@@ -254,19 +290,57 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         _check_max_new(max_num_new_tokens)
         hits = self._lookup_prefix(seq)
-        if self._num_blocks_short(seq, hits, max_num_new_tokens) > 0:
+        num_disk = self._num_disk_hits(seq, len(hits))
+        if self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) > 0:
             return False
+        # read (and checked) before anything is taken: a bad file shortens the prefix, and fewer disk
+        # hits never need more blocks than the check above counted
+        payloads = self._read_disk_blocks(seq, len(hits), num_disk)
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self._cached_free[block]  # a hit holds a hash: it was free among the cached
             self.ref_counts[block] += 1
         table = list(hits)
-        for _ in range(self._num_blocks_needed(seq, hits, max_num_new_tokens) - len(hits)):
+        for payload in payloads:
+            table.append(self._load_block(seq, len(table), payload))
+        num_hits = len(table)
+        for _ in range(self._num_blocks_needed(seq, num_hits, max_num_new_tokens) - num_hits):
             table.append(self._pop_free_block())
         seq.block_table = table
-        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = num_hits * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         return True
+
+    def _read_disk_blocks(self, seq: Sequence, first: int, num: int) -> list[bytes]:
+        """The K/V bytes of blocks ``first .. first + num - 1`` of ``seq`` from disk, up to the first bad one."""
+        if not num or self.disk is None:
+            return []
+        hashes = self._block_hashes(seq, first + num)[first:]
+        return self.disk.read_chain(hashes, [tuple(seq.block_tokens(i)) for i in range(first, first + num)])
+
+    def _load_block(self, seq: Sequence, index: int, payload: bytes) -> int:
+        """A fresh block for block ``index`` of ``seq`` that the runner fills with ``payload``, published now
+        (an identical prompt admitted in this same step hits it, as a computed block)."""
+        block = self._pop_free_block()
+        h = self._block_hashes(seq, index + 1)[index]
+        self.block_hash[block] = h
+        self.block_token_ids[block] = tuple(seq.block_tokens(index))
+        self.hash_to_block[h] = block
+        self._unconfirmed.append(block)
+        self._loaded.add(block)
+        self._pending_loads.append((block, payload))
+        return block
+
+    def take_loads(self) -> list[tuple[int, bytes]]:
+        """The (block id, K/V bytes) pairs read from disk since the last call: the runner writes them first."""
+        loads, self._pending_loads = self._pending_loads, []
+        return loads
+
+    def take_saves(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block id, hash, token ids) of the blocks computed and published by the steps confirmed since the
+        last call, not yet on disk: the runner copies their K/V out for the store to write."""
+        saves, self._pending_saves = self._pending_saves, []
+        return saves
 
     def record_prefix_lookup(self, seq: Sequence) -> None:
         """Count an admitted sequence's tokens as prefix-cache queries and hits."""
@@ -390,6 +464,12 @@ class BlockManager:
 
     def confirm_published(self) -> None:
         """The step planned with the blocks published since the last call has run: they hold their K/V."""
+        if self.disk is not None:
+            for block in self._unconfirmed:
+                h = self.block_hash[block]
+                if block not in self._loaded and h is not None:
+                    self._pending_saves.append((block, h, self.block_token_ids[block]))
+            self._loaded.clear()
         self._unconfirmed.clear()
 
     def unpublish_unconfirmed(self) -> None:
@@ -401,6 +481,8 @@ class BlockManager:
         for block in self._unconfirmed:
             self._uncache(block)
         self._unconfirmed.clear()
+        self._loaded.clear()
+        self._pending_loads.clear()
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks at ref count 0 become free."""

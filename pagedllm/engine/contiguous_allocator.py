@@ -151,6 +151,10 @@ class ContiguousAllocator:
     def take_copies(self) -> list[tuple[int, int]]:
         return []
 
+    def take_loads(self) -> list[tuple[int, bytes]]:
+        """Blocks read back from a disk cache: never any (no prefix cache here)."""
+        return []
+
     def confirm_published(self) -> None:
         pass
 

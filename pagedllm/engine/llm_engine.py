@@ -31,6 +31,7 @@ from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOut
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
 from pagedllm.engine.step_builder import StepRecordBuilder
+from pagedllm.kv_disk.open_store import open_kv_disk_store
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.generation_defaults import load_generation_defaults
 from pagedllm.loader.tokenizer import Tokenizer
@@ -128,12 +129,14 @@ class LLMEngine:
         self.config = config = self.model_runner.config
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, config.max_model_len)
         num_blocks = self.model_runner.num_kv_blocks
+        # the prefix cache on disk (kv_disk/): blocks outlive RAM eviction and restarts; None when off
+        self.kv_disk = open_kv_disk_store(config, self.model_config, self.model_runner)
         if config.kv_allocator == "contiguous":
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
             # a longrope model's long prompts rotate their keys their own way: their own prefix-cache chain
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
-                                              self.model_config.longrope_switch_len)
+                                              self.model_config.longrope_switch_len, self.kv_disk)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
         self.step_times = StepTimeModel()
@@ -334,6 +337,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers and leave their group; no step may run after this (one process: no-op)."""
         if self.draft_proposer is not None:
             self.draft_proposer.engine.shutdown()
+        if self.kv_disk is not None:
+            self.kv_disk.close()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -446,8 +451,20 @@ class LLMEngine:
                 self.executor.fail(e)
             raise
         self.block_manager.confirm_published()
+        self._save_to_disk()
         self.scheduler.update(output)
         return results
+
+    def _save_to_disk(self) -> None:
+        """Hand the blocks the step computed and published to the disk store: their K/V is copied out of the
+        pool now (the blocks may be reused by the next step), and written by the store's own thread."""
+        if self.kv_disk is None:
+            return
+        saves = self.block_manager.take_saves()
+        if not saves:
+            return
+        for (_, h, tokens), payload in zip(saves, self.model_runner.read_blocks([b for b, _, _ in saves])):
+            self.kv_disk.write(h, tokens, payload)
 
     def _process(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         """Append each sequence's sampled tokens, apply beam steps, and make the step's outputs."""

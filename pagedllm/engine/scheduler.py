@@ -104,11 +104,15 @@ class SchedulerOutput:
     sequences that lost their blocks while this step was planned.
     ``blocks_to_copy`` are the copy-on-write (source, destination) block
     pairs that must be copied in the cache before the step runs.
+    ``blocks_to_load`` are blocks of admitted prompts read back from the
+    prefix cache on disk: (block id, K/V bytes) the runner writes into the
+    pool first.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -324,6 +328,7 @@ class Scheduler:
             scheduled=prefills + planned_decodes,
             preempted=preempted,
             blocks_to_copy=self.block_manager.take_copies(),
+            blocks_to_load=self.block_manager.take_loads(),
         )
 
     def _share_of_younger_prompts(self, prompt_budget: int) -> int:

@@ -100,7 +100,8 @@ class StepRecordBuilder:
         except BaseException:
             self._unsent_finished.extend(finished)  # the runner must still hear of them
             raise
-        return StepRecord(steps, tuple(output.blocks_to_copy), tuple(new), finished)
+        return StepRecord(steps, tuple(output.blocks_to_copy), tuple(new), finished,
+                          blocks_to_load=tuple(output.blocks_to_load))
 
     def _step(
         self, s: ScheduledSequence, p: SamplingParams, top: int | None, rule: LogitsRules | None,

@@ -30,6 +30,7 @@ from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.expert_load import ExpertLoad
 from pagedllm.runner.input_batch import InputBatch, as_decode_rows
+from pagedllm.runner.kv_block_bytes import read_block_bytes, write_block_bytes
 from pagedllm.runner.kv_cache import (
     allocate_kv_cache,
     kv_bytes_per_block,
@@ -315,6 +316,10 @@ class ModelRunner:
         """Bytes of this process's KV cache the OS holds in memory now (the pool is reserved, not resident)."""
         return resident_kv_bytes(self.kv_cache)
 
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The bytes of each block's K/V in every layer (``runner/kv_block_bytes.py``), copied out of the pool."""
+        return read_block_bytes(self.kv_cache, block_ids)
+
     @torch.inference_mode()
     def execute(self, record: StepRecord) -> list[StepResult]:
         """Run one step from its record (``pagedllm/step_record.py``), after folding it into the sequence
@@ -338,6 +343,8 @@ class ModelRunner:
                 raise
             # every rank fails alike, and a worker's serve_steps ends: the ranks stop
             raise DistributedError(f"tensor-parallel rank {self.tp.rank} could not apply a step record: {e}") from e
+        # blocks read back from the prefix cache on disk, before anything reads them
+        write_block_bytes(self.kv_cache, list(record.blocks_to_load))
         if not full:
             return []
         self.copy_blocks(record.blocks_to_copy)

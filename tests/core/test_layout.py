@@ -23,7 +23,10 @@ ALLOWED = {
     "distributed": {"loader", "kernels"},
     "models": {"layers", "loader"},  # loader: its config types only (test below)
     "loader": set(),
-    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output", "harmony"},
+    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output", "harmony", "kv_disk"},
+    # the prefix cache on disk: its store is plain Python the block manager asks; its fingerprint reads the
+    # model's config types
+    "kv_disk": {"loader"},
     # speculative decoding's proposers and policy: plain Python below the engine (the runner verifies)
     "spec_decode": set(),
     # constraint limits, compile workers and grammar state: used by the engine and the server; the runner
@@ -31,7 +34,7 @@ ALLOWED = {
     "structured_output": set(),
     "runner": {"kernels", "layers", "models", "loader", "distributed"},
     # engine clients (one engine thread, data-parallel replicas): above the engine, below the server
-    "clients": {"engine", "loader", "distributed", "structured_output"},
+    "clients": {"engine", "loader", "distributed", "structured_output", "kv_disk"},
     # gpt-oss's harmony format (openai-harmony): its vocabulary, prompt rendering and detection; a leaf
     "harmony": set(),
     "entrypoints": {"clients", "engine", "loader", "structured_output", "kernels", "layers", "bench", "distributed",

@@ -48,6 +48,8 @@ VALUES: dict[str, tuple[list[str], object]] = {
     "itl_target_ms": (["--itl-target-ms", "off"], None),
     "enable_prefix_caching": (["--no-prefix-caching"], False),
     "kv_allocator": (["--kv-allocator", "contiguous"], "contiguous"),
+    "kv_cache_dir": (["--kv-cache-dir", "/some/kv"], "/some/kv"),
+    "kv_cache_dir_max_bytes": (["--kv-cache-dir", "/some/kv", "--kv-cache-dir-max-bytes", "1000"], 1000),
     "contiguous_reserve": (["--kv-allocator", "contiguous", "--contiguous-reserve", "max_model_len"], "max_model_len"),
     "seed": (["--engine-seed", "11"], 11),
     "generation_config": (["--generation-config", "vllm"], "vllm"),
