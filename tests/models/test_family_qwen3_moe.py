@@ -301,6 +301,7 @@ def _expert_counts(llm: LLM) -> list[list[int]]:
     return [[*m.expert_tokens.tolist(), int(m.num_forwards)] for m in model.modules() if isinstance(m, MoEBlock)]
 
 
+@pytest.mark.slow  # converts the checkpoint in a subprocess (seconds)
 def test_qwen3_moe_gguf_decode_steps_are_captured_with_the_eager_bits(qwen3_moe_ggufs: dict[str, str]) -> None:
     """A Q8_0 file (the grouped op, interleaved x16 rows): its decode steps are traced and replayed (the routing
     in tensors), and give the eager model's tokens and logprobs bit for bit, a sequence's alike alone and beside
