@@ -39,27 +39,33 @@ from pagedllm.layers.quantization.quantized_linear import QuantizedLinearMethod
 
 
 def experts_linear(
-    layer: Linear, x: torch.Tensor, token_ids: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int
+    layer: Linear, x: torch.Tensor, token_ids: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
+    pair_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[num_pairs, N]`` float: pair ``p``'s row ``x[token_ids[p]]`` times the rows of the expert whose range of
     ``expert_offsets`` (int32 ``[num_experts + 1]``) holds ``p``.
 
     ``layer``: the experts' stacked layer, ``[num_experts * N, K]``; ``x`` ``[num_tokens, K]`` float;
-    ``token_ids`` int32 ``[num_pairs]``, sorted by expert.
+    ``token_ids`` int32 ``[num_pairs]``, sorted by expert; ``pair_experts``: each pair's expert (int64
+    ``[num_pairs]``, where the caller has them: a bias is then added without reading the offsets into Python).
+
+    The grouped GGUF op reads the routing as tensors (it checks the offsets itself), so a step through it can be
+    traced and captured (``layer_is_grouped``); the per-expert loop of the other formats reads the offsets into
+    Python.
     """
     if layer.out_features % num_experts:
         raise ValueError(f"{layer.out_features} rows are not {num_experts} experts' stacked")
     if expert_offsets.shape != (num_experts + 1,):
         raise ValueError(f"expert_offsets must have {num_experts + 1} entries, got {tuple(expert_offsets.shape)}")
+    if x.dtype == torch.float32:
+        grouped = gguf_experts_layer(layer, x, token_ids, expert_offsets, num_experts, pair_experts)
+        if grouped is not None:
+            return grouped
     rows = layer.out_features // num_experts
     offsets = expert_offsets.tolist()
     num_pairs = token_ids.shape[0]
     if offsets[0] != 0 or offsets[-1] != num_pairs:
         raise ValueError(f"expert_offsets must run from 0 to the {num_pairs} pairs, got {offsets[0]}..{offsets[-1]}")
-    if x.dtype == torch.float32:
-        grouped = gguf_experts_layer(layer, x, token_ids, expert_offsets, num_experts)
-        if grouped is not None:
-            return grouped
     out = torch.empty(num_pairs, rows, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype,
                       device=x.device)
     gathered = x.index_select(0, token_ids)  # [num_pairs, K]: the pairs' rows, by expert
@@ -68,6 +74,12 @@ def experts_linear(
         if end > start:
             out[start:end] = expert_product(layer, gathered[start:end], expert, rows)
     return out
+
+
+def layer_is_grouped(layer: Linear) -> bool:
+    """Whether ``experts_linear`` multiplies ``layer`` by the grouped GGUF op (on float32 rows): the routing stays
+    in tensors, and a step through it can be captured."""
+    return type(layer.quant_method) is GGUFLinearMethod
 
 
 def expert_product(layer: Linear, x: torch.Tensor, expert: int, rows: int) -> torch.Tensor:

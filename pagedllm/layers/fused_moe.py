@@ -47,7 +47,7 @@ from torch import nn
 
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.layers.activation import gated_activation
-from pagedllm.layers.experts_linear import experts_linear
+from pagedllm.layers.experts_linear import experts_linear, layer_is_grouped
 from pagedllm.layers.linear import Linear, LinearMethod
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.quantization.expert_packed import expert_method
@@ -161,6 +161,14 @@ class ExpertWeights(nn.Module):
                                           input_start)
 
 
+def experts_capturable(model: nn.Module) -> bool:
+    """Whether every experts' layer of ``model`` is multiplied by the grouped GGUF op (``layer_is_grouped``), so
+    that its decode steps keep the routing in tensors and can be captured; the other formats' per-expert loop
+    reads the routing into Python and runs eagerly."""
+    return all(layer_is_grouped(m.gate_up) and layer_is_grouped(m.down)
+               for m in model.modules() if isinstance(m, ExpertWeights))
+
+
 class MoEBlock(nn.Module):
     """A sparse MLP of ``spec`` over the step's rows ``[num_tokens, hidden]`` (see the module docstring).
 
@@ -207,26 +215,44 @@ class MoEBlock(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights``."""
         # this step's tokens per expert, into the running counts (runner/expert_load.py)
-        self.expert_tokens.add_(torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts))
-        self.num_forwards.add_(1)
-        return routed_experts(self.experts, self.act_fn, x, weights, ids)
+        counts = expert_counts(ids, self.spec.num_experts)
+        self.expert_tokens.add_(counts)
+        # one made from the step's tensors: tracing would add a constant 1 for real (an op on constants only)
+        self.num_forwards.add_(counts.new_ones(1))
+        return routed_experts(self.experts, self.act_fn, x, weights, ids, counts)
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs per expert, int64 ``[num_experts]``, of the expert ids ``ids`` (any shape, each in
+    ``[0, num_experts)``): a sum into a tensor of fixed size (``bincount``'s size would be read from the data,
+    which a traced step cannot do); integer sums, the same in any order."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def routed_experts(
-    experts: ExpertWeights, act_fn: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    experts: ExpertWeights, act_fn: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_s weights[t, s] * expert_{ids[t, s]}(x[t])`` for each row ``t`` of ``x`` (the module docstring's
-    arithmetic; a family whose layer holds the experts without ``MoEBlock``'s router calls it too)."""
+    arithmetic; a family whose layer holds the experts without ``MoEBlock``'s router calls it too).
+    ``counts``: ``expert_counts(ids)`` where the caller has them.
+
+    Every size here is the step's rows or its pairs (``top_k`` per row), never read from the routing, so a
+    decode step through the grouped GGUF op traces and is captured (``runner/capture/``)."""
     num_tokens, top_k = ids.shape
     num_experts = experts.num_experts
     flat = ids.reshape(-1)  # pair p = token * top_k + slot
     order = torch.argsort(flat, stable=True)  # pairs by expert; within one, by token then slot
     token_ids = torch.div(order, top_k, rounding_mode="floor").to(torch.int32)
+    pair_experts = flat.index_select(0, order)  # [pairs]: each pair's expert, ascending
+    if counts is None:
+        counts = expert_counts(ids, num_experts)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
-    h = act_fn(experts_linear(experts.gate_up, x, token_ids, offsets, num_experts))  # [pairs, I]
+    offsets[1:] = torch.cumsum(counts, 0)
+    h = act_fn(experts_linear(experts.gate_up, x, token_ids, offsets, num_experts, pair_experts))  # [pairs, I]
     pair_rows = torch.arange(h.shape[0], dtype=torch.int32)
-    y = experts_linear(experts.down, h, pair_rows, offsets, num_experts)  # [pairs, H], by expert
+    y = experts_linear(experts.down, h, pair_rows, offsets, num_experts, pair_experts)  # [pairs, H], by expert
     by_slot = torch.empty_like(y)
     by_slot[order] = y  # back in (token, slot) order
     by_slot = by_slot.view(num_tokens, top_k, -1)

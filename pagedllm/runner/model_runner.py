@@ -193,7 +193,7 @@ class ModelRunner:
         # rank traces and replays the same steps, so their collectives stay in step (gloo's are not ops)
         shm = self.tp.shm if self.tp is not None else None
         capturable = self.tp is None or shm is not None
-        if config.enforce_eager or not capturable or not CapturedDecode.supports(self.backend, model_config):
+        if config.enforce_eager or not capturable or not CapturedDecode.supports(self.backend, model_config, self.model):
             return None
         # a verify step's tokens are rows of a captured step too: its last token and up to k drafts
         spec = config.speculative_config

@@ -240,3 +240,33 @@ def test_gpt_oss_mxfp4_gguf_keeps_the_experts_in_blocks(gpt_oss_mxfp4: tuple[str
     _check_against_transformers(llm, _hf(str(Path(folder).parent / "oracle")), _prompts(8))
     with pytest.raises(ValueError, match="convert_hf_to_gguf"):
         LLM(folder, **ENGINE)
+
+
+@pytest.mark.slow  # the MXFP4 file is converted in a subprocess (seconds)
+def test_gpt_oss_mxfp4_decode_steps_are_captured_with_the_eager_bits(gpt_oss_mxfp4: tuple[str, str]) -> None:
+    """The MXFP4 file's decode steps (the grouped op, the experts' biases added per pair, the top-k-then-softmax
+    router, the clamped SwiGLU, sinks and the window) are traced and replayed: the eager model's tokens and
+    logprobs bit for bit, a sequence's alike alone and among others, past the window; the expert-load
+    counters as the eager steps count them. Without prefix caching: the first prompt's second run would
+    prefill from its cached blocks, which moves a sinks model's logprobs in the last bits, eager or not."""
+    _, path = gpt_oss_mxfp4
+    prompts = [_prompts(9)[0], [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5)
+
+    def run(llm: LLM) -> tuple[list, list]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        blocks = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, MoEBlock)]
+        return ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
+                [[*b.expert_tokens.tolist(), int(b.num_forwards)] for b in blocks])
+
+    eager = LLM(path, **ENGINE, enable_prefix_caching=False, enforce_eager=True)
+    want, want_counts = run(eager)
+    del eager
+    llm = LLM(path, **ENGINE, enable_prefix_caching=False, capture_min_decode_steps=0)
+    got, got_counts = run(llm)
+    captured = llm.llm_engine.model_runner.captured_decode
+    assert captured.failed is None and captured.graphs
+    assert got == want and got[0] == got[-1]
+    assert got_counts == want_counts
+    assert all(sum(c[:-1]) == TOP_K * sum(len(p) + GENERATED - 1 for p in (*prompts, prompts[0])) for c in got_counts)

@@ -130,7 +130,7 @@ def test_qwen3_moe_folder_matches_transformers(qwen3_moe_dir: str) -> None:
     assert block.experts.down.out_features == NUM_EXPERTS * 64
     _check_against_transformers(llm, _hf(qwen3_moe_dir), _prompts(5))
     assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
-    # the routing reads the step's expert counts into Python: decode steps are not captured (not tried)
+    # float experts take the per-expert loop, which reads the offsets into Python: not captured (not tried)
     assert llm.llm_engine.model_runner.captured_decode is None
 
 
@@ -286,3 +286,42 @@ def test_a_split_of_the_experts_that_leaves_a_rank_nothing_is_refused_by_name() 
     assert ShardPlan.make(cfg, 0, 1).size == 1
     with pytest.raises(ValueError, match="more than each expert's intermediate size holds"):
         ShardPlan.make(cfg, 0, 2)
+
+
+def _generate_all(llm: LLM, prompts: list[list[int]]) -> list:  # noqa: ANN001
+    """Greedy outputs (tokens and top-5 logprobs) of ``prompts`` together, then of the first alone."""
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in (*together, *alone)]
+
+
+def _expert_counts(llm: LLM) -> list[list[int]]:
+    model = llm.llm_engine.model_runner.model
+    return [[*m.expert_tokens.tolist(), int(m.num_forwards)] for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+@pytest.mark.slow  # converts the checkpoint in a subprocess (seconds)
+def test_qwen3_moe_gguf_decode_steps_are_captured_with_the_eager_bits(qwen3_moe_ggufs: dict[str, str]) -> None:
+    """A Q8_0 file (the grouped op, interleaved x16 rows): its decode steps are traced and replayed (the routing
+    in tensors), and give the eager model's tokens and logprobs bit for bit, a sequence's alike alone and beside
+    others of other lengths (rows past a step's are never routed); the expert-load counters count what eager
+    steps count, the captured steps' included."""
+    path = qwen3_moe_ggufs["q8_0"]
+    prompts = [*_prompts(11), [7, 8, 9]]  # 33, 7 and 3 tokens: steps of 3 rows, then the one alone
+    eager = LLM(path, **ENGINE, enable_prefix_caching=False, enforce_eager=True)
+    assert eager.llm_engine.model_runner.captured_decode is None
+    want, want_counts = _generate_all(eager, prompts), _expert_counts(eager)
+    del eager
+    llm = LLM(path, **ENGINE, enable_prefix_caching=False, capture_min_decode_steps=0)
+    captured = llm.llm_engine.model_runner.captured_decode
+    assert captured is not None
+    got = _generate_all(llm, prompts)
+    assert captured.failed is None and captured.graphs
+    assert got == want
+    assert got[0] == got[-1]  # batch invariance: the first prompt alone as among the others
+    assert _expert_counts(llm) == want_counts
+    top_k = 2  # qwen3_moe_sparse_dir's
+    num_tokens = sum(len(p) + GENERATED - 1 for p in (*prompts, prompts[0]))  # the last token is never fed
+    assert all(sum(c[:-1]) == top_k * num_tokens for c in want_counts)
+    assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]

@@ -58,10 +58,13 @@ def gguf_experts_linear(
     token_ids: torch.Tensor,
     expert_offsets: torch.Tensor,
     bias: torch.Tensor | None = None,
+    pair_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[num_pairs, N]`` float32: each pair's token row of ``x`` (float32 ``[num_tokens, K]``) times its expert's
     rows of ``qweight`` (``[num_experts * N, row bytes]`` of ``ggml_type``, 512 + the type when interleaved),
-    plus its expert's ``bias`` rows (``[num_experts * N]``) where given. ValueError for a bad argument."""
+    plus its expert's ``bias`` rows (``[num_experts * N]``) where given. ``pair_experts``: each pair's expert
+    (int64 ``[num_pairs]``) where the caller has them; else they are expanded from the offsets (a size read
+    from the data: not in a traced step). ValueError for a bad argument."""
     if x.dtype != torch.float32:
         raise ValueError(f"GGUF expert layers compute in float32, got {x.dtype}")
     out = torch.ops.pagedllm.gguf_moe_linear(x.contiguous(), qweight, ggml_type, num_experts, token_ids,
@@ -69,14 +72,18 @@ def gguf_experts_linear(
     if bias is not None:
         if bias.shape != (qweight.shape[0],):
             raise ValueError(f"bias must be [{qweight.shape[0]}] (every expert's rows), got {tuple(bias.shape)}")
-        counts = (expert_offsets[1:] - expert_offsets[:-1]).long()  # [num_experts]: pairs per expert
-        pair_experts = torch.repeat_interleave(torch.arange(num_experts), counts)  # [num_pairs]
+        if pair_experts is None:
+            counts = (expert_offsets[1:] - expert_offsets[:-1]).long()  # [num_experts]: pairs per expert
+            pair_experts = torch.repeat_interleave(torch.arange(num_experts), counts)  # [num_pairs]
+        elif pair_experts.shape != (token_ids.shape[0],):
+            raise ValueError(f"pair_experts must be [{token_ids.shape[0]}], got {tuple(pair_experts.shape)}")
         out += bias.detach().view(num_experts, -1).index_select(0, pair_experts)
     return out
 
 
 def gguf_experts_layer(
-    layer: Linear, x: torch.Tensor, token_ids: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int
+    layer: Linear, x: torch.Tensor, token_ids: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
+    pair_experts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``gguf_experts_linear`` on a stacked experts' ``Linear`` whose method is ``GGUFLinearMethod`` (one block
     type); None for any other method (a fused layer of mixed types: the caller's per-expert loop)."""
@@ -84,4 +91,4 @@ def gguf_experts_layer(
     if type(method) is not GGUFLinearMethod:
         return None
     return gguf_experts_linear(x, layer.qweight, method.ggml_type, num_experts, token_ids, expert_offsets,
-                               layer.bias)
+                               layer.bias, pair_experts)

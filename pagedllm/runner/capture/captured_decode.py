@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata, DecodeMetadata
+from pagedllm.layers.fused_moe import experts_capturable
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.runner.capture.decode_graph import (
     CaptureError,
@@ -67,18 +68,21 @@ class CapturedDecode:
     """
 
     @staticmethod
-    def supports(backend: AttentionBackend, model_config: ModelArchConfig) -> bool:
+    def supports(backend: AttentionBackend, model_config: ModelArchConfig, model: nn.Module | None = None) -> bool:
         """Whether a decode step reads the step through tensors only: ``cpu_paged`` without score softcaps, and
-        no mixture of experts.
+        a mixture of experts only where ``model``'s experts are all GGUF blocks of one type per layer.
 
         ``cpu_paged`` decodes (windowed or not) take block tables and lengths
         as tensors; the SDPA decode path sizes its gather from the Python
-        lengths, which a trace would freeze, and a mixture of experts groups
-        the step's tokens by the experts their router chose, counts it reads
-        into Python (``layers/experts_linear.py``).
+        lengths, which a trace would freeze. A mixture of experts groups the
+        step's tokens by the experts their router chose: the grouped GGUF op
+        takes that grouping as tensors (``layers/fused_moe.py``), the
+        per-expert loop of the other formats reads it into Python
+        (``layers/experts_linear.py``), so those models decode eagerly.
         """
-        return (backend.name == "cpu_paged" and model_config.attn_logit_softcapping is None
-                and not model_config.num_experts)
+        if backend.name != "cpu_paged" or model_config.attn_logit_softcapping is not None:
+            return False
+        return not model_config.num_experts or (model is not None and experts_capturable(model))
 
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -117,33 +117,54 @@ def valid_rows(gm: fx.GraphModule, rows: Any, bindings: dict, max_rows: int) -> 
 class PythonCall:
     """One op with no native node, run from Python over the first rows of its static tensors.
 
-    ``row_args``: which tensor arguments have the step's rows as their first
-    dimension (cut to the rows run); ``out``: its static result, whose first
-    rows the op's result is copied to (``out_rows``) or whole.
+    A tensor argument whose first dimension is ``c`` times the step's rows
+    (``c`` = 1: the rows themselves; ``c`` = top_k: a mixture of experts'
+    (token, slot) pairs) is cut to ``c * n`` rows for a step of ``n``, as is
+    an integer argument that was ``c`` times the rows (``arange(num_pairs)``):
+    rows past the step's are never read, so stale values there (a larger
+    step's, or a buffer's first contents) cannot reach the result. ``out``:
+    its static result (or results, for an op that returns several), whose
+    first rows the op's result is copied to where it is over the rows, or whole.
     """
 
-    def __init__(self, op: Any, args: tuple, kwargs: dict, out: torch.Tensor | None, rows: Any,  # noqa: ANN401
-                 arg_vals: tuple, out_rows: bool) -> None:
-        self.op, self.kwargs, self.out, self.out_rows = op, kwargs, out, out_rows
+    def __init__(self, op: Any, args: tuple, kwargs: dict, out: Any, rows: Any,  # noqa: ANN401
+                 arg_vals: tuple, out_vals: Any) -> None:  # noqa: ANN401
+        self.op, self.kwargs = op, kwargs
         self.flat_args, self.spec = tree_flatten(args)
-        # per flat argument: cut to the rows (a tensor over the rows) or not
-        self.row_args = tuple(
-            isinstance(v, torch.Tensor) and v.dim() >= 1 and _is(v.shape[0], rows) for v in tree_flatten(arg_vals)[0]
-        )
+        # per flat argument: 0 (passed as is) or c (a tensor cut to c * n rows, an int replaced by c * n)
+        self.row_args = tuple(_arg_factor(v, rows) for v in tree_flatten(arg_vals)[0])
         if len(self.row_args) != len(self.flat_args):
             raise CaptureError(f"{op}: its arguments do not match their traced values")
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        vals = out_vals if isinstance(out_vals, (list, tuple)) else (out_vals,)
+        self.several = isinstance(out, (list, tuple))
+        # per result: its static buffer (None: nothing kept) and the factor of its rows (0: copied whole)
+        self.outs = [(o, _row_factor(v.shape[0], rows) if isinstance(v, torch.Tensor) and v.dim() >= 1 else 0)
+                     for o, v in zip(outs, vals)]
 
     def __call__(self, n: int) -> None:
         """Run the op over the first ``n`` rows."""
-        flat = [a.narrow(0, 0, n) if cut else a for a, cut in zip(self.flat_args, self.row_args)]
-        out = self.op(*tree_unflatten(flat, self.spec), **self.kwargs)
-        if self.out is not None:
-            (self.out.narrow(0, 0, n) if self.out_rows else self.out).copy_(out)
+        flat = [a if not c else (a.narrow(0, 0, c * n) if isinstance(a, torch.Tensor) else c * n)
+                for a, c in zip(self.flat_args, self.row_args)]
+        result = self.op(*tree_unflatten(flat, self.spec), **self.kwargs)
+        for (out, c), r in zip(self.outs, result if self.several else (result,)):
+            if out is not None:
+                (out.narrow(0, 0, c * n) if c else out).copy_(r)
 
 
-def _is(dim: Any, rows: Any) -> bool:  # noqa: ANN401
-    """Whether a traced size is the row symbol itself."""
-    return isinstance(dim, torch.SymInt) and dim.node.expr == rows
+def _row_factor(dim: Any, rows: Any) -> int:  # noqa: ANN401
+    """``c`` where a traced size is ``c`` times the row symbol (a positive integer), else 0."""
+    if not isinstance(dim, torch.SymInt):
+        return 0
+    ratio = dim.node.expr / rows
+    return int(ratio) if ratio.is_Integer and ratio > 0 else 0
+
+
+def _arg_factor(v: Any, rows: Any) -> int:  # noqa: ANN401
+    """What ``PythonCall`` cuts of a traced argument: a tensor over ``c`` times the rows, or such an int."""
+    if isinstance(v, torch.Tensor):
+        return _row_factor(v.shape[0], rows) if v.dim() >= 1 else 0
+    return _row_factor(v, rows)
 
 
 def num_programs(runs: list[Callable[[int], None]]) -> int:
@@ -245,14 +266,25 @@ class _Lowering:
 
     def _release(self, i: int) -> None:
         """Return the buffers whose last reader was node ``i`` to the pool."""
-        for node, buffer in list(self.owner.items()):
+        for node, owned in list(self.owner.items()):
             if self.last.get(node, 0) <= i:
-                self.free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+                for buffer in owned if isinstance(owned, tuple) else (owned,):
+                    self.free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
                 del self.owner[node]
 
-    def _buffer(self, node: fx.Node) -> torch.Tensor:
-        """A static buffer for ``node``'s new result: a free one of its shape, or a new one."""
-        val = node.meta["val"]
+    def _buffers(self, node: fx.Node, vals: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Static buffers for each of ``node``'s new results (``vals``, as traced), released together."""
+        outs = []
+        for val in vals:
+            outs.append(self._buffer(node, val))
+            del self.owner[node]
+        self.owner[node] = tuple(outs)
+        return tuple(outs)
+
+    def _buffer(self, node: fx.Node, val: torch.Tensor | None = None) -> torch.Tensor:
+        """A static buffer for ``node``'s new result (``val``: which one, where it has several): a free one of
+        its shape, or a new one."""
+        val = node.meta["val"] if val is None else val
         shape = tuple(int(d.node.expr.xreplace(self.bindings)) if isinstance(d, torch.SymInt) else d
                       for d in val.shape)
         pool = self.free.get((shape, val.dtype))
@@ -274,13 +306,19 @@ class _Lowering:
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):  # a size: its value here
             self.env[node] = op(*args, **kwargs)
             return
-        if isinstance(val, (list, tuple)) and not _aliases(node):
-            raise CaptureError(f"{op} returns several new tensors, which a step does not keep buffers for")
         if _aliases(node) and not _writes(op):  # a view: made once, of the static buffers
             self.env[node] = op(*args, **kwargs)
             return
         if not node.users and not _writes(op):
             return  # a result no one reads
+        if isinstance(val, (list, tuple)) and not _aliases(node):  # several new tensors (topk, sort): Python
+            if not all(isinstance(v, torch.Tensor) for v in val):
+                raise CaptureError(f"{op} returns several values that are not all tensors")
+            outs = self._buffers(node, val)
+            self.env[node] = outs
+            self._close_program()
+            self.runs.append(self._python_call(node, op, args, kwargs, outs))
+            return
         returns_new = isinstance(val, torch.Tensor) and not _aliases(node)
         out = self._buffer(node) if returns_new else None
         self.env[node] = out if returns_new else (args[0] if _aliases(node) else None)
@@ -297,13 +335,11 @@ class _Lowering:
         return a
 
     def _python_call(self, node: fx.Node, op: Any, args: tuple, kwargs: dict,  # noqa: ANN401
-                     out: torch.Tensor | None) -> PythonCall:
+                     out: torch.Tensor | tuple[torch.Tensor, ...] | None) -> PythonCall:
         if any(isinstance(v, torch.Tensor) for v in tree_flatten(kwargs)[0]):
             raise CaptureError(f"{op} takes tensor keywords, which a step does not cut to its rows")
         traced = tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, node.args)
-        val = node.meta.get("val")
-        out_rows = isinstance(val, torch.Tensor) and val.dim() >= 1 and _is(val.shape[0], self.rows)
-        return PythonCall(op, args, kwargs, out, self.rows, traced, out_rows)
+        return PythonCall(op, args, kwargs, out, self.rows, traced, node.meta.get("val"))
 
     def _add_to_program(self, op: Any, calls: list) -> bool:  # noqa: ANN401
         """Add ``calls`` to the current program; False when it refuses one (the op stays a Python call)."""
