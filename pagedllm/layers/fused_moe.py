@@ -186,8 +186,7 @@ class MoEBlock(nn.Module):
         self.experts = ExpertWeights(spec, hidden_size, quant_config, f"{prefix}.experts", start)
         # the routing's running counts (runner/expert_load.py reads them when asked, never per step): tokens
         # each expert was chosen for, and forward passes; tensors, so a traced step would count too
-        self.register_buffer("expert_tokens", torch.zeros(spec.num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("num_forwards", torch.zeros(1, dtype=torch.int64), persistent=False)
+        register_expert_counters(self, spec.num_experts)
         self.act_fn = gated_activation(spec.hidden_act, spec.swiglu_alpha, spec.swiglu_limit)
         if spec.shared_expert_intermediate_size:
             # under tensor parallelism this rank's slice of its rows, its partial sum joining the routed experts'
@@ -214,12 +213,26 @@ class MoEBlock(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights``."""
-        # this step's tokens per expert, into the running counts (runner/expert_load.py)
-        counts = expert_counts(ids, self.spec.num_experts)
-        self.expert_tokens.add_(counts)
-        # one made from the step's tensors: tracing would add a constant 1 for real (an op on constants only)
-        self.num_forwards.add_(counts.new_ones(1))
+        counts = count_routing(self, ids, self.spec.num_experts)
         return routed_experts(self.experts, self.act_fn, x, weights, ids, counts)
+
+
+def register_expert_counters(module: nn.Module, num_experts: int) -> None:
+    """Give ``module`` the routing's running counts (``runner/expert_load.py`` reads them when asked, never per
+    step): ``expert_tokens`` int64 ``[num_experts]``, the tokens each expert was chosen for, and
+    ``num_forwards`` int64 ``[1]``; tensors, so a traced step counts too."""
+    module.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+    module.register_buffer("num_forwards", torch.zeros(1, dtype=torch.int64), persistent=False)
+
+
+def count_routing(module: nn.Module, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Add this step's expert ids ``ids`` to ``module``'s counters (``register_expert_counters``); returns the
+    step's pairs per expert (``expert_counts``), which the grouping reuses."""
+    counts = expert_counts(ids, num_experts)
+    module.expert_tokens.add_(counts)
+    # one made from the step's tensors: tracing would add a constant 1 for real (an op on constants only)
+    module.num_forwards.add_(counts.new_ones(1))
+    return counts
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

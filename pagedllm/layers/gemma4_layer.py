@@ -31,7 +31,13 @@ from torch import nn
 from pagedllm.layers.activation import gated_activation
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.decoder import DecoderLayerSpec
-from pagedllm.layers.fused_moe import ExpertWeights, MoESpec, routed_experts
+from pagedllm.layers.fused_moe import (
+    ExpertWeights,
+    MoESpec,
+    count_routing,
+    register_expert_counters,
+    routed_experts,
+)
 from pagedllm.layers.gemma4_attention import Gemma4Attention, Gemma4AttentionShape
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.parallel import TensorParallelGroup
@@ -97,6 +103,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.router = Gemma4Router(spec.moe, hidden_size, norm.eps, quant_config, f"{prefix}.router")
             self.experts = ExpertWeights(spec.moe, hidden_size, quant_config, f"{prefix}.experts")
             self.experts_act = gated_activation(spec.moe.hidden_act)
+            register_expert_counters(self, spec.moe.num_experts)  # the expert load /metrics and bench show
             for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
                 setattr(self, name, norm.build(hidden_size))
         # a checkpoint buffer (transformers' nn.Buffer, saved with the weights): loaded like a parameter
@@ -108,7 +115,8 @@ class Gemma4DecoderLayer(nn.Module):
         if self.moe is None:
             return h
         weights, ids = self.router.route(x)
-        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids)
+        counts = count_routing(self, ids, self.moe.num_experts)
+        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids, counts)
         return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(e)
 
     def forward(

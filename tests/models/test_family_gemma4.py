@@ -137,6 +137,33 @@ def test_gemma4_moe_folder_matches_transformers(gemma4_moe_dir: str) -> None:
     layer = llm.llm_engine.model_runner.model.model.layers[2]
     assert layer.self_attn.v_proj is None and layer.self_attn.kv_repeat == 2
     assert layer.experts.gate_up.out_features == 4 * 2 * 32 and layer.mlp.gate_up_proj.out_features == 2 * 96
+    _check_expert_load(llm, gemma4_moe_dir)
+
+
+def _check_expert_load(llm: LLM, path: str) -> None:
+    """Every layer's expert counts (what /metrics and bench show) equal the top-2 choices of transformers' own
+    routers over the same tokens (a prompt, then each generated token but the last, each computed once)."""
+    from transformers import AutoModelForCausalLM
+
+    load = llm.llm_engine.model_runner.expert_load
+    assert load is not None and load.layers == [0, 1, 2]  # experts in every layer, beside the dense MLP
+    load.reset()
+    prompt = _prompts(21)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    computed = prompt + list(out.outputs[0].token_ids)[:-1]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    chosen: list[torch.Tensor] = []  # each router's top-k indices, layer by layer
+    routers = [m for name, m in hf.named_modules() if type(m).__name__ == "Gemma4TextRouter"]
+    hooks = [r.register_forward_hook(lambda _m, _i, o: chosen.append(o[2])) for r in routers]
+    with torch.inference_mode():
+        hf(input_ids=torch.tensor([computed]))
+    for h in hooks:
+        h.remove()
+    counts = load.counts()
+    assert len(chosen) == 3 and counts.num_steps == 4  # one prefill, then a decode per generated token but one
+    want = [torch.bincount(ids.reshape(-1), minlength=4).tolist() for ids in chosen]
+    assert [list(row) for row in counts.tokens] == want
 
 
 @pytest.fixture(scope="module")
