@@ -1,7 +1,6 @@
-"""Formats whose calls sit in blocks opened by a marker in the reply text (Qwen3-Coder, Mistral).
+"""Formats whose calls sit in blocks opened by a marker in the reply text (Hermes, Qwen3-Coder, Mistral).
 
-The text outside the blocks is content, as in the Hermes format
-(``hermes.py``): text that may be the start of the marker is held back until
+The text outside the blocks is content: text that may be the start of the marker is held back until
 it is not; once the reply has a call, a stretch of text between calls that
 is only whitespace is dropped. Inside a block the subclass reads its own
 syntax, one character at a time, and raises ValueError at the character
@@ -59,8 +58,7 @@ class TaggedToolParser(ToolParser):
         self._pending += ch
         if self._pending == self.start:
             self._pending = ""
-            self._mode, self._block = _BLOCK, [self.start]
-            self._open_block()
+            self._reopen_block()
             return
         while self._pending and not self.start.startswith(self._pending):
             self._content(self._pending[0])
@@ -76,6 +74,11 @@ class TaggedToolParser(ToolParser):
             self._live = True
             self._send_content(self._held + text)
             self._held = ""
+
+    def _reopen_block(self) -> None:
+        """A marker was read (in the text, or right after a call's end where the format allows): a block begins."""
+        self._mode, self._block = _BLOCK, [self.start]
+        self._open_block()
 
     def _block_done(self) -> None:
         """The subclass completed the block's call(s): back to text, a new stretch."""
