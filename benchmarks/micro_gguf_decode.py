@@ -19,7 +19,9 @@ shape): per-call time, and weight bytes per second.
 A/B two builds by running this with ``PYTHONPATH`` pointing at each checkout in
 turn (the kernels are built per checkout), alternating them in one session:
 the machine's other load moves absolute numbers, the alternation keeps the
-comparison fair. ``--stream`` also prints the read rate of a plain
+comparison fair. The weights lie in transparent huge pages, as the engine's
+loader puts them (``--small-pages``: torch's 4 KiB pages, as before that).
+``--stream`` also prints the read rate of a plain
 ``torch.sum`` over a buffer of the same size (a read-only floor of sorts; the
 repository's bandwidth probe is a C loop, see the benchmarks docs).
 """
@@ -36,12 +38,14 @@ from gguf import GGUFReader
 
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.quantization.gguf_linear import GGUF_INTERLEAVED
+from pagedllm.runner.huge_pages import empty_weight
 
 LAYER_WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def _load(path: str, num_layers: int, with_output: bool) -> list[tuple[str, str, int, int, torch.Tensor, int]]:
-    """(weight name, type name, out, in, interleaved blocks, kernel type) for the chosen weights, in step order."""
+def _load(path: str, num_layers: int, with_output: bool, huge_pages: bool) -> list[tuple[str, str, int, int, torch.Tensor, int]]:
+    """(weight name, type name, out, in, interleaved blocks, kernel type) for the chosen weights, in step order;
+    ``huge_pages``: each weight in transparent huge pages, as the engine's loader places it (runner/huge_pages.py)."""
     reader = GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     names = [f"blk.{i}.{w}.weight" for i in range(num_layers) for w in LAYER_WEIGHTS]
@@ -51,7 +55,9 @@ def _load(path: str, num_layers: int, with_output: bool) -> list[tuple[str, str,
     for name in names:
         t = tensors[name]
         in_features, out_features = int(t.shape[0]), int(t.shape[1])
-        blocks = torch.from_numpy(np.ascontiguousarray(t.data)).clone()
+        data = torch.from_numpy(np.ascontiguousarray(t.data))
+        blocks = empty_weight(tuple(data.shape), data.stride(), data.dtype) if huge_pages else torch.empty_like(data)
+        blocks.copy_(data)
         ggml_type = int(t.tensor_type)
         kernel_type = ggml_type
         if ggml_type in GGUF_INTERLEAVED and out_features % 16 == 0:
@@ -94,10 +100,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-output", action="store_true", help="leave the output matrix out")
     p.add_argument("--stream", action="store_true", help="also time a read-only torch.sum over as many bytes")
+    p.add_argument("--small-pages", action="store_true",
+                   help="weights in torch's 4 KiB pages rather than the engine's huge pages")
     args = p.parse_args()
     if load_kernels() is None:
         raise SystemExit("the GGUF kernels need the native build")
-    weights = _load(args.gguf, args.layers, not args.no_output)
+    weights = _load(args.gguf, args.layers, not args.no_output, not args.small_pages)
     total_bytes = sum(w[4].numel() for w in weights)
     print(f"{args.gguf}: {len(weights)} weights, {total_bytes / 1e6:.1f} MB")
     for threads in args.threads:

@@ -53,6 +53,7 @@ from pagedllm.layers.quantization.quantized_linear import (
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.models.registry import model_class
 from pagedllm.resolved_config import resolve_config
+from pagedllm.runner.huge_pages import empty_weight
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +273,9 @@ def load_model(
         weights.half = dequantized_checkpoint_names(model, quant_config)
     _warn_what_stays_float(config, quant_config, model, weights)
     # model.to_empty(device="cpu"), but through torch.empty_strided: to_empty's empty_like of a meta tensor runs
-    # torch._refs, which imports sympy (a second or more of a cold start)
-    model = model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu"))
+    # torch._refs, which imports sympy (a second or more of a cold start); large weights in huge pages
+    # (runner/huge_pages.py: a decode step streams them)
+    model = model._apply(lambda t: empty_weight(t.size(), t.stride(), t.dtype))
     model.load_weights(weights)  # each tensor through its layer's method's weight_loader
     # every weight rounded to dtype once; with bf16 matmuls only, held as float32 after that (exact)
     model = model.to(device=device, dtype=precision.weights)
