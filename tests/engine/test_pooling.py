@@ -1,0 +1,157 @@
+"""LLM(runner="pooling"): embeddings, classification and scores equal transformers' on tiny random Qwen3s.
+
+The oracle is transformers' own forward: its last hidden state (after the final norm) pooled by hand
+(last / mean / first token), its sequence-classification logits, and its LM head's yes / no logits on
+Qwen3-Reranker's prompt. Engines are module-scoped and tiny; prompts are prefilled in chunks
+(``max_num_batched_tokens=32``) so a pooled prompt spans steps.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from pooling_models import add_sentence_transformers, save_classifier, save_decoder
+
+from pagedllm import LLM
+from pagedllm.pooling.model_pooling import resolve_pooling_model
+from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.prompts import reranker_prompt
+
+TEXTS = ["The cat sat on the mat, and then it sat on the mat again for a long while. " * 2,
+         "Paged attention keeps KV blocks.", "hi"]
+ENGINE = dict(max_model_len=256, num_kv_blocks=48, block_size=16, max_num_batched_tokens=32)
+
+
+def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0))
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> tuple[str, torch.nn.Module]:  # noqa: ANN001
+    path = str(tmp_path_factory.mktemp("pool-qwen3"))
+    return path, save_decoder(path, smollm_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engines(decoder: tuple[str, torch.nn.Module]) -> dict[str, LLM]:
+    """One embedding engine per pooling type (not normalised: each request chooses)."""
+    path, _ = decoder
+    return {pt: LLM(path, runner="pooling", convert="embed", pooler_config={"pooling_type": pt, "normalize": False},
+                    **ENGINE) for pt in ("LAST", "MEAN", "CLS")}
+
+
+def hf_pooled(model: torch.nn.Module, ids: list[int], pooling: str) -> torch.Tensor:
+    with torch.no_grad():
+        h = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    return {"LAST": h[-1], "MEAN": h.mean(dim=0), "CLS": h[0]}[pooling]
+
+
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN", "CLS"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_embeddings_equal_transformers(engines: dict[str, LLM], decoder: tuple[str, torch.nn.Module],
+                                       pooling: str, normalize: bool) -> None:
+    llm, (_, hf) = engines[pooling], decoder
+    batched = llm.embed(TEXTS, PoolingParams(normalize=normalize))
+    alone = [llm.embed(t, PoolingParams(normalize=normalize))[0] for t in TEXTS]
+    for b, a in zip(batched, alone):
+        ref = hf_pooled(hf, b.prompt_token_ids, pooling)
+        got = torch.tensor(b.outputs.embedding)
+        assert b.outputs.hidden_size == 64
+        assert cos(got, ref) > 1 - 1e-5
+        assert abs(float(got.norm()) - (1.0 if normalize else float(ref.norm()))) < 1e-3 * max(1.0, float(ref.norm()))
+        assert cos(torch.tensor(a.outputs.embedding), got) > 1 - 1e-5
+    assert len(batched[0].prompt_token_ids) > 32  # the long prompt was pooled over several chunks
+
+
+def test_encode_and_dimensions(engines: dict[str, LLM], decoder: tuple[str, torch.nn.Module]) -> None:
+    llm, (_, hf) = engines["MEAN"], decoder
+    raw = llm.encode(TEXTS[1])[0]
+    ref = hf_pooled(hf, raw.prompt_token_ids, "MEAN")
+    assert torch.allclose(raw.outputs.data, ref, atol=1e-4)
+    cut = torch.tensor(llm.embed(TEXTS[1], PoolingParams(dimensions=16, normalize=True))[0].outputs.embedding)
+    assert cut.shape == (16,)
+    assert cos(cut, ref[:16]) > 1 - 1e-5 and abs(float(cut.norm()) - 1) < 1e-5
+    with pytest.raises(ValueError, match="dimensions"):
+        llm.embed(TEXTS[1], PoolingParams(dimensions=65))
+    ids = llm.embed({"prompt_token_ids": raw.prompt_token_ids}, PoolingParams(normalize=False))[0]
+    assert cos(torch.tensor(ids.outputs.embedding), ref) > 1 - 1e-5
+
+
+def test_last_pooling_takes_prefix_hits(engines: dict[str, LLM], decoder: tuple[str, torch.nn.Module]) -> None:
+    """A LAST-pooled prompt reuses a cached instruction prefix and still pools the right state."""
+    llm, (_, hf) = engines["LAST"], decoder
+    prefix = "Instruct: retrieve passages that answer the question about paged attention.\nQuery: " * 2
+    llm.embed(prefix + "first")
+    hits = llm.llm_engine.block_manager.num_prefix_hits
+    out = llm.embed(prefix + "second one")[0]
+    assert llm.llm_engine.block_manager.num_prefix_hits > hits
+    assert cos(torch.tensor(out.outputs.embedding), hf_pooled(hf, out.prompt_token_ids, "LAST")) > 1 - 1e-5
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks \
+        or not llm.llm_engine.requests  # nothing left running
+
+
+def test_bad_inputs(engines: dict[str, LLM]) -> None:
+    llm = engines["LAST"]
+    for bad in ([], 3, [1.5], [["a"]]):
+        with pytest.raises(ValueError):
+            llm.embed(bad)
+    with pytest.raises(ValueError, match="context length"):
+        llm.embed("word " * 400)
+    assert len(llm.embed("word " * 400, PoolingParams(truncate_prompt_tokens=100))[0].prompt_token_ids) == 100
+    with pytest.raises(ValueError, match="runner='generate'"):
+        llm.generate("hi")
+    with pytest.raises(ValueError, match="classify"):
+        llm.classify("hi")
+    assert not llm.llm_engine.requests
+
+
+def test_sentence_transformers_config(decoder: tuple[str, torch.nn.Module], tmp_path) -> None:  # noqa: ANN001
+    path, _ = decoder
+    copy = str(tmp_path / "st")
+    shutil.copytree(path, copy)
+    add_sentence_transformers(copy, "mean", normalize=False)
+    from pagedllm.loader import load_model_config
+
+    head = resolve_pooling_model(copy, load_model_config(copy), "auto", None)
+    assert (head.task, head.pooling_type, head.normalize) == ("embed", "MEAN", False)
+    plain = resolve_pooling_model(path, load_model_config(path), "auto", None)
+    assert (plain.pooling_type, plain.normalize) == ("LAST", True)  # Qwen3-Embedding's
+
+
+def test_cosine_score(engines: dict[str, LLM]) -> None:
+    llm = engines["MEAN"]
+    scores = [o.outputs.score for o in llm.score("Paged attention", ["Paged attention keeps KV blocks.", "hi"])]
+    a, b, c = (torch.tensor(o.outputs.embedding) for o in llm.embed(
+        ["Paged attention", "Paged attention keeps KV blocks.", "hi"]))
+    assert scores == pytest.approx([cos(a, b), cos(a, c)], abs=1e-5)
+
+
+def test_cross_encoder_equals_transformers(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> None:  # noqa: ANN001
+    path = str(tmp_path_factory.mktemp("pool-cls"))
+    hf = save_classifier(path, smollm_tokenizer, num_labels=1)
+    llm = LLM(path, runner="pooling", **ENGINE)  # convert="auto": a *ForSequenceClassification -> classify
+    docs = ["KV blocks are paged.", "The weather is nice today, isn't it?", "no"]
+    scores = [o.outputs.score for o in llm.score("what is paged attention?", docs)]
+    for d, s in zip(docs, scores):
+        ids = smollm_tokenizer("what is paged attention?", d)["input_ids"]
+        with torch.no_grad():
+            logit = hf(input_ids=torch.tensor([ids])).logits[0, 0]
+        assert s == pytest.approx(float(torch.sigmoid(logit)), abs=1e-5)
+    probs = llm.classify(docs[0])[0].outputs.probs
+    assert probs == pytest.approx([1.0])
+
+
+def test_yes_no_reranker_equals_transformers(decoder: tuple[str, torch.nn.Module], smollm_tokenizer) -> None:  # noqa: ANN001
+    path, hf = decoder
+    llm = LLM(path, runner="pooling", convert="score", **ENGINE)
+    no_id, yes_id = (smollm_tokenizer.encode(w, add_special_tokens=False)[0] for w in ("no", "yes"))
+    docs = ["KV blocks are paged.", "Bananas are yellow."]
+    outs = llm.score("what is paged attention?", docs)
+    for d, o in zip(docs, outs):
+        ids = smollm_tokenizer.encode(reranker_prompt("what is paged attention?", d), add_special_tokens=False)
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        want = float(torch.softmax(torch.stack([logits[no_id], logits[yes_id]]), dim=0)[1])
+        assert o.outputs.score == pytest.approx(want, abs=1e-5)
