@@ -108,3 +108,17 @@ def test_cross_encoder_rerank(tmp_path_factory: pytest.TempPathFactory, smollm_t
         assert [r["relevance_score"] for r in res] == pytest.approx([scores[i] for i in order[:2]], abs=1e-5)
         assert res[0]["document"] == {"text": TEXTS[order[0]]}
         assert_openai_error(httpx.post(url + "/v1/embeddings", json={"input": "hi"}), 400, "wrong_task")
+
+
+def test_a_generating_server_refuses_pooling_routes() -> None:
+    """The pooling routes of a generating server answer 400 (``wrong_runner``) and are not in its schema."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.protocol import APIError
+    from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
+
+    client = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(runner="generate")))
+    serving = OpenAIServingPooling(client, None, ("gen",))
+    with pytest.raises(APIError) as e:
+        serving._check("gen", "embed")
+    assert e.value.status_code == 400 and e.value.code == "wrong_runner"

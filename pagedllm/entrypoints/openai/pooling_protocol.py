@@ -3,13 +3,16 @@ and ``/score``, Jina's ``/v1/rerank`` and Cohere's ``/v2/rerank``."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from pagedllm.entrypoints.openai.protocol import _Body
 
-EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+EmbeddingInput = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+Texts = Text | Annotated[list[Text], Field(min_length=1)]
 PositiveInt = Field(default=None, gt=0)
 
 
@@ -39,8 +42,8 @@ class ScoreRequest(_Body):
     """``POST /score`` (vLLM's): ``text_1`` (one query, or N) against ``text_2`` (N documents)."""
 
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: Texts
+    text_2: Texts
     truncate_prompt_tokens: int | None = PositiveInt
 
 
@@ -48,8 +51,8 @@ class RerankRequest(_Body):
     """``POST /v1/rerank`` (Jina's) and ``POST /v2/rerank`` (Cohere's): documents ordered by relevance."""
 
     model: str | None = None
-    query: str
-    documents: list[str]
+    query: Text
+    documents: Annotated[list[Text], Field(min_length=1)]
     top_n: int | None = PositiveInt
     return_documents: bool | None = None
     truncate_prompt_tokens: int | None = PositiveInt

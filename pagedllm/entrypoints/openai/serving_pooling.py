@@ -207,27 +207,30 @@ def add_pooling_routes(app: FastAPI, client: EngineClient, prompts: PromptEncode
                 return OpenAIJSONResponse(err.body(), status_code=400)
             return await call_next(request)
 
-    @app.post("/v1/embeddings", dependencies=json_body, responses=_ERRORS)
+    # a generating server answers these 400 but does not describe them: its schema lists what it serves
+    described = serving.pooler is not None
+
+    @app.post("/v1/embeddings", dependencies=json_body, responses=_ERRORS, include_in_schema=described)
     async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
         """OpenAI's embeddings: one vector per input (float or base64), ``dimensions`` for Matryoshka models."""
         return await serving.embeddings(req)
 
-    @app.post("/pooling", dependencies=json_body, responses=_ERRORS)
+    @app.post("/pooling", dependencies=json_body, responses=_ERRORS, include_in_schema=described)
     async def pooling(req: PoolingRequest) -> dict[str, Any]:
         """vLLM's pooling: each input's pooled final hidden state, before normalisation or a head."""
         return await serving.pooling(req)
 
-    @app.post("/score", dependencies=json_body, responses=_ERRORS)
+    @app.post("/score", dependencies=json_body, responses=_ERRORS, include_in_schema=described)
     async def score(req: ScoreRequest) -> dict[str, Any]:
         """vLLM's score: relevance of text_1 (one, or N) to each of text_2."""
         return await serving.score(req)
 
-    @app.post("/v1/rerank", dependencies=json_body, responses=_ERRORS)
+    @app.post("/v1/rerank", dependencies=json_body, responses=_ERRORS, include_in_schema=described)
     async def rerank_v1(req: RerankRequest) -> dict[str, Any]:
         """Jina's rerank: documents by relevance to the query, best first (``top_n``, ``return_documents``)."""
         return await serving.rerank(req, cohere=False)
 
-    @app.post("/v2/rerank", dependencies=json_body, responses=_ERRORS)
+    @app.post("/v2/rerank", dependencies=json_body, responses=_ERRORS, include_in_schema=described)
     async def rerank_v2(req: RerankRequest) -> dict[str, Any]:
         """Cohere's rerank (v2): documents by relevance to the query, best first."""
         return await serving.rerank(req, cohere=True)
