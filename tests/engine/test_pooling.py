@@ -155,3 +155,27 @@ def test_yes_no_reranker_equals_transformers(decoder: tuple[str, torch.nn.Module
             logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
         want = float(torch.softmax(torch.stack([logits[no_id], logits[yes_id]]), dim=0)[1])
         assert o.outputs.score == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.slow  # transformers parses the bundled GGUF (the session's hf_smollm, shared with other slow tests)
+def test_bundled_model_embeddings_equal_transformers(hf_smollm) -> None:  # noqa: ANN001
+    """SmolLM2-135M Q4_1 on float32 activations (transformers' own computation of the dequantized blocks)."""
+    llm = LLM(runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False},
+              gguf_activations="float32", **ENGINE)
+    for out in llm.embed(TEXTS[:2]):
+        ref = hf_pooled(hf_smollm, out.prompt_token_ids, "MEAN")
+        assert cos(torch.tensor(out.outputs.embedding), ref) > 1 - 1e-5
+    last = LLM(runner="pooling", gguf_activations="float32", **ENGINE).embed(TEXTS[1])[0]
+    ref = torch.nn.functional.normalize(hf_pooled(hf_smollm, last.prompt_token_ids, "LAST"), dim=0)
+    assert cos(torch.tensor(last.outputs.embedding), ref) > 1 - 1e-5
+
+
+def test_tiny_qwen2_embeddings_equal_transformers(tiny_model_dirs: dict[str, str]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dirs["qwen2"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, runner="pooling", pooler_config={"pooling_type": "MEAN"}, **ENGINE)
+    for out in llm.embed(TEXTS):
+        ref = torch.nn.functional.normalize(hf_pooled(hf, out.prompt_token_ids, "MEAN"), dim=0)
+        assert cos(torch.tensor(out.outputs.embedding), ref) > 1 - 1e-5
