@@ -179,3 +179,19 @@ def test_tiny_qwen2_embeddings_equal_transformers(tiny_model_dirs: dict[str, str
     for out in llm.embed(TEXTS):
         ref = torch.nn.functional.normalize(hf_pooled(hf, out.prompt_token_ids, "MEAN"), dim=0)
         assert cos(torch.tensor(out.outputs.embedding), ref) > 1 - 1e-5
+
+
+@pytest.mark.parametrize("pooling", ["mean", pytest.param("lasttoken", marks=pytest.mark.slow),
+                                     pytest.param("cls", marks=pytest.mark.slow)])
+def test_sentence_transformers_encode(decoder: tuple[str, torch.nn.Module], tmp_path, pooling: str) -> None:  # noqa: ANN001
+    """A folder with sentence-transformers' pooling config: ``LLM.embed`` (convert="auto" reads it) equals
+    sentence-transformers' own ``encode`` of the same folder."""
+    st = pytest.importorskip("sentence_transformers")
+    path, _ = decoder
+    copy = str(tmp_path / "st")
+    shutil.copytree(path, copy)
+    add_sentence_transformers(copy, pooling, normalize=True)
+    want = st.SentenceTransformer(copy, device="cpu").encode(TEXTS[:2], batch_size=1, convert_to_tensor=True)
+    got = LLM(copy, runner="pooling", **ENGINE).embed(TEXTS[:2])
+    for g, w in zip(got, want):
+        assert cos(torch.tensor(g.outputs.embedding), w) > 1 - 1e-5
