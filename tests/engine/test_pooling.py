@@ -88,8 +88,7 @@ def test_last_pooling_takes_prefix_hits(engines: dict[str, LLM], decoder: tuple[
     out = llm.embed(prefix + "second one")[0]
     assert llm.llm_engine.block_manager.num_prefix_hits > hits
     assert cos(torch.tensor(out.outputs.embedding), hf_pooled(hf, out.prompt_token_ids, "LAST")) > 1 - 1e-5
-    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks \
-        or not llm.llm_engine.requests  # nothing left running
+    assert not llm.llm_engine.requests and llm.llm_engine.block_manager.num_used_blocks == 0  # every block back
 
 
 def test_bad_inputs(engines: dict[str, LLM]) -> None:
@@ -141,6 +140,14 @@ def test_cross_encoder_equals_transformers(tmp_path_factory: pytest.TempPathFact
         assert s == pytest.approx(float(torch.sigmoid(logit)), abs=1e-5)
     probs = llm.classify(docs[0])[0].outputs.probs
     assert probs == pytest.approx([1.0])
+    many = str(tmp_path_factory.mktemp("pool-cls3"))
+    hf3 = save_classifier(many, smollm_tokenizer, num_labels=3)
+    out = LLM(many, runner="pooling", convert="classify", **ENGINE).classify(docs)
+    for o in out:
+        with torch.no_grad():
+            want = torch.softmax(hf3(input_ids=torch.tensor([o.prompt_token_ids])).logits[0], dim=-1)
+        assert o.outputs.num_classes == 3
+        assert o.outputs.probs == pytest.approx(want.tolist(), abs=1e-5)
 
 
 def test_yes_no_reranker_equals_transformers(decoder: tuple[str, torch.nn.Module], smollm_tokenizer) -> None:  # noqa: ANN001
