@@ -473,7 +473,10 @@ class LLMEngine:
             if result.prompt_logprobs is not None:
                 self._add_prompt_logprobs(req, result)
             if getattr(req.params, "pooling_type", None) is not None:
-                self._add_pooled(req, s, result)  # a pooling prefill: nothing sampled
+                error = self._add_pooled(req, s, result)  # a pooling prefill: nothing sampled
+                if error is not None:  # this request's alone
+                    failed[req.request_id] = error
+                    continue
                 touched[req.request_id] = req
                 continue
             if s.num_draft_tokens:
@@ -544,11 +547,12 @@ class LLMEngine:
             for seq in req.seqs:
                 self.speculator.finish(seq)
 
-    def _add_pooled(self, req: Request, s: ScheduledSequence, result: StepResult) -> None:
+    def _add_pooled(self, req: Request, s: ScheduledSequence, result: StepResult) -> ValueError | None:
         """Fold a pooling prefill's share into ``req.pooled``; the step that completes the prompt ends it.
 
         A "MEAN" share is a sum over the step's tokens: a prompt recomputed from position 0 (after a
-        preemption) starts the sum again; the mean is taken at the end.
+        preemption) starts the sum again; the mean is taken at the end. Returns the error that fails the
+        request (its prompt ended with nothing pooled: the runner and the engine disagree), else None.
         """
         if result.pooled is not None:
             if req.params.pooling_type != "MEAN" or req.pooled is None or result.pooled_start == 0:
@@ -556,13 +560,14 @@ class LLMEngine:
             else:
                 req.pooled = [a + b for a, b in zip(req.pooled, result.pooled)]
         if s.num_computed_tokens + s.num_new_tokens < s.seq.num_prompt_tokens:
-            return
+            return None
         if req.pooled is None:
-            raise ValueError(f"pooling request {req.request_id} ended its prompt without pooled hidden states")
+            return ValueError(f"pooling request {req.request_id} ended its prompt without pooled hidden states")
         if req.params.pooling_type == "MEAN":
             req.pooled = [v / s.seq.num_prompt_tokens for v in req.pooled]
         s.seq.stop_reason = None
         self.scheduler.finish(s.seq, SequenceStatus.FINISHED_STOPPED)
+        return None
 
     def _add_prompt_logprobs(self, req: Request, result: StepResult) -> None:
         """A prompt in chunks brings its logprobs a chunk at a time; a recomputed one

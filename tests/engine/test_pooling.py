@@ -202,3 +202,28 @@ def test_sentence_transformers_encode(decoder: tuple[str, torch.nn.Module], tmp_
     got = LLM(copy, runner="pooling", **ENGINE).embed(TEXTS[:2])
     for g, w in zip(got, want):
         assert cos(torch.tensor(g.outputs.embedding), w) > 1 - 1e-5
+
+
+
+def test_mean_sum_starts_again_after_a_preemption() -> None:
+    """The engine's MEAN bookkeeping: a prompt recomputed from position 0 (after a preemption) drops its
+    earlier partial sum; the step that completes the prompt divides by its length and ends the sequence."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.step_result import StepResult
+
+    finished = []
+    engine = SimpleNamespace(scheduler=SimpleNamespace(finish=lambda seq, status: finished.append(status)))
+    req = SimpleNamespace(request_id="r", params=SimpleNamespace(pooling_type="MEAN"), pooled=None)
+    seq = SimpleNamespace(num_prompt_tokens=4, stop_reason="x")
+
+    def step(start: int, num: int, share: list[float]) -> object:
+        s = SimpleNamespace(num_computed_tokens=start, num_new_tokens=num, seq=seq)
+        return LLMEngine._add_pooled(engine, req, s, StepResult(pooled=share, pooled_start=start))
+
+    assert step(0, 2, [10.0, 10.0]) is None and step(0, 2, [1.0, 2.0]) is None  # preempted, run again
+    assert step(2, 2, [3.0, 6.0]) is None
+    assert req.pooled == [1.0, 2.0] and len(finished) == 1
+    req.pooled, req.params.pooling_type = None, "LAST"
+    assert isinstance(step(0, 4, None), ValueError)  # a prompt that ended with nothing pooled fails alone
