@@ -29,6 +29,7 @@ from pagedllm.config_record import (
     positive_multiple_of,
 )
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
+from pagedllm.pooling.pooler_config import PoolerConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.limits import GrammarLimits
 
@@ -46,6 +47,8 @@ GgufActivations = Literal["int8", "float32"]
 LinearBackend = Literal["auto", "packed", "onednn", "torch"]
 DistributedExecutor = Literal["auto", "mp", "torchrun"]
 AllReduceBackend = Literal["auto", "shm", "gloo"]
+Runner = Literal["generate", "pooling"]
+Convert = Literal["auto", "embed", "classify", "score"]
 
 DTYPES = get_args(Dtype)
 KV_CACHE_DTYPES = get_args(KvCacheDtype)
@@ -72,6 +75,7 @@ def _check_itl_target(value: object) -> object:
 ItlTarget = Annotated[PositiveFloat | Literal["auto"] | None, BeforeValidator(_check_itl_target)]
 GroupSize = Annotated[int | None, positive_multiple_of(32, optional=True)]
 SpeculativeField = Annotated[SpeculativeConfig | None, BeforeValidator(SpeculativeConfig.parse)]
+PoolerField = Annotated[PoolerConfig | None, BeforeValidator(PoolerConfig.parse)]
 
 
 @config_record
@@ -165,6 +169,16 @@ class EngineConfig:
             (prompt + max_tokens, or max_model_len when max_tokens is None) or
             "max_model_len" (as when the output length is unknown).
         seed: seed of the random stream of requests that bring no seed.
+        runner: "generate" (text generation) or "pooling" (embeddings,
+            classification and scores: docs/pooling.md), as vLLM's ``--runner``.
+        convert: what a pooling runner makes of the model (vLLM's
+            ``--convert``): "embed" (vectors), "classify" (a
+            sequence-classification head), "score" (a causal LM as a yes/no
+            reranker, Qwen3-Reranker's) or "auto" ("classify" for a
+            ``*ForSequenceClassification`` checkpoint, else "embed").
+        pooler_config: a pooling runner's pooling type, normalisation and
+            Matryoshka size, over what the checkpoint declares: a dict or
+            JSON text (``pooling/pooler_config.py``).
         generation_config: where the default sampling settings come from
             (vLLM's ``--generation-config``): "auto" (default) the model's
             own, its ``generation_config.json`` (a GGUF file: its
@@ -312,6 +326,9 @@ class EngineConfig:
     grammar_limits: GrammarLimits = GrammarLimits()
     batch_invariant: bool | None = None
     speculative_config: SpeculativeField = None
+    runner: Runner = "generate"
+    convert: Convert = "auto"
+    pooler_config: PoolerField = None
 
     @property
     def weight_group_size(self) -> int | None:
@@ -329,6 +346,8 @@ class EngineConfig:
         return prefix_caching(self)
 
     def __post_init__(self) -> None:
+        if self.runner != "pooling" and (self.convert != "auto" or self.pooler_config is not None):
+            raise ValueError("convert and pooler_config apply to runner='pooling' only")
         # pydantic checked each field against its declared type (choices, positive numbers, paths) and made
         # speculative_config's dict or JSON text the record; here: what fields say about each other
         if self.speculative_config is not None and self.kv_allocator != "paged":

@@ -56,6 +56,8 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     # set when the request failed on its own inside a step (finished, outputs "abort"); the others went on
     error: str | None = None
+    # a pooling request's pooled final hidden states, once finished (pagedllm/pooling/)
+    pooled: list[float] | None = None
 
 
 @dataclass

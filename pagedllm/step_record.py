@@ -28,6 +28,7 @@ with the context::
         num_kept_tokens               truncate the runner's tokens first (drafts a verify step rejected)
         num_draft_tokens              a verify step: the last new tokens are drafts, all positions sampled
         prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
+        pooling                       a pooling request's prefill: "LAST", "MEAN" or "CLS" (samples nothing)
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
       blocks_to_load: (block, bytes) ...  K/V read back from the prefix cache on disk, written first
 
@@ -149,6 +150,9 @@ class SequenceStep(NamedTuple):
     # the sequence's prompt length: a longrope model rotates every token of a longer-than-original prompt's
     # sequence with its long factors (layers/rotary.py's longrope_rows)
     num_prompt_tokens: int = 0
+    # a pooling request's prefill (pagedllm/pooling/): "LAST", "MEAN" or "CLS"; it samples nothing and its
+    # pooled final hidden states come back in StepResult.pooled
+    pooling: str | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -199,6 +203,7 @@ class ScheduledStep(NamedTuple):
     # drafts a verify step rejected (None: keep all)
     num_kept_tokens: int | None = None
     num_draft_tokens: int = 0  # a verify step: its last new tokens are drafts (SequenceStep's)
+    pooling: str | None = None  # a pooling request's prefill (SequenceStep's)
 
 
 @dataclass(frozen=True, slots=True)

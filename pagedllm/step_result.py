@@ -28,3 +28,7 @@ class StepResult:
     prompt_logprobs_start: int = 1  # the prompt position of prompt_logprobs[0]
     # set when this sequence alone failed (its sampling settings); the step's other results stand
     error: Exception | None = None
+    # a pooling prefill's share (runner/pooled_rows.py): the final hidden state of its last prompt token
+    # ("LAST"), its first ("CLS"), or the sum over this step's tokens ("MEAN"); None when the step has none
+    pooled: list[float] | None = None
+    pooled_start: int = 0  # the first prompt position this step ran (a MEAN sum starts again at 0)

@@ -21,6 +21,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.vllm_args import translate_vllm_args
 from pagedllm.loader import load_model_config, resolve_model_path, resolve_tokenizer_path
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.pooling.offline import PoolingMethods
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -67,7 +68,7 @@ def make_engine_config(
     )
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Batch generation with a paged KV cache.
 
     Args:
@@ -150,6 +151,8 @@ class LLM:
         [...]}``. Every prompt is validated before any is queued, so a bad
         one raises ValueError and leaves nothing behind.
         """
+        if self.llm_engine.config.runner == "pooling":
+            raise ValueError("a runner='pooling' LLM embeds and scores; generate needs runner='generate'")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):

@@ -265,7 +265,7 @@ class LLMEngine:
             reserve = self.config.max_model_len
         for seq in req.seqs:
             seq.reserve_len = reserve
-        if self.speculator is not None:
+        if self.speculator is not None and getattr(params, "pooling_type", None) is None:
             # every sample (n, best_of) speculates on its own; the runner applies the logits processors at
             # each verify position with the drafts before it counted, and a grammar's mask of that position
             # (drafts it rejects are cut before verify), so all stay lossless (docs/speculative-decoding.md).
@@ -493,6 +493,13 @@ class LLMEngine:
             req = self.requests[s.seq.request_id]
             if result.prompt_logprobs is not None:
                 self._add_prompt_logprobs(req, result)
+            if getattr(req.params, "pooling_type", None) is not None:
+                error = self._add_pooled(req, s, result)  # a pooling prefill: nothing sampled
+                if error is not None:  # this request's alone
+                    failed[req.request_id] = error
+                    continue
+                touched[req.request_id] = req
+                continue
             if s.num_draft_tokens:
                 try:
                     self._apply_verify_step(req, s, result)
@@ -523,6 +530,7 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self._finish_speculation(req)
                 outputs.append(self.output_processor.make_output(req))
+                outputs[-1].pooled = req.pooled
             elif (req.beam is None and req.params.num_samples == req.params.n
                   and req.params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 # with best_of > n the winners are known only at the end
@@ -559,6 +567,28 @@ class LLMEngine:
         if self.speculator is not None and req.beam is None:
             for seq in req.seqs:
                 self.speculator.finish(seq)
+
+    def _add_pooled(self, req: Request, s: ScheduledSequence, result: StepResult) -> ValueError | None:
+        """Fold a pooling prefill's share into ``req.pooled``; the step that completes the prompt ends it.
+
+        A "MEAN" share is a sum over the step's tokens: a prompt recomputed from position 0 (after a
+        preemption) starts the sum again; the mean is taken at the end. Returns the error that fails the
+        request (its prompt ended with nothing pooled: the runner and the engine disagree), else None.
+        """
+        if result.pooled is not None:
+            if req.params.pooling_type != "MEAN" or req.pooled is None or result.pooled_start == 0:
+                req.pooled = list(result.pooled)
+            else:
+                req.pooled = [a + b for a, b in zip(req.pooled, result.pooled)]
+        if s.num_computed_tokens + s.num_new_tokens < s.seq.num_prompt_tokens:
+            return None
+        if req.pooled is None:
+            return ValueError(f"pooling request {req.request_id} ended its prompt without pooled hidden states")
+        if req.params.pooling_type == "MEAN":
+            req.pooled = [v / s.seq.num_prompt_tokens for v in req.pooled]
+        s.seq.stop_reason = None
+        self.scheduler.finish(s.seq, SequenceStatus.FINISHED_STOPPED)
+        return None
 
     def _add_prompt_logprobs(self, req: Request, result: StepResult) -> None:
         """A prompt in chunks brings its logprobs a chunk at a time; a recomputed one

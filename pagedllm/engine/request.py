@@ -60,13 +60,18 @@ class Request:
         self.num_top_logprobs: int | None = params.logprobs
         self.arrival_time = time.monotonic()
         self.prompt_logprobs: list | None = None
+        # a pooling request's pooled final hidden states so far (pooling/params.py; engine/llm_engine.py)
+        self.pooled: list[float] | None = None
         self.seqs: list[Sequence] = []
         for i in range(params.num_samples):
             rng = random.Random(f"{params.seed}:{i}") if params.seed is not None else random.Random(
                 engine_rng.getrandbits(64)
             )
             seq = Sequence(prompt_token_ids, block_size, request_id, i, rng, arrival)
-            seq.allow_prefix_hits = params.prompt_logprobs is None
+            # a MEAN or CLS pooling request needs the hidden states of every (the first) prompt token, which a
+            # prefix-cache hit would skip; LAST needs only the last one, always computed
+            pooling = getattr(params, "pooling_type", None)
+            seq.allow_prefix_hits = params.prompt_logprobs is None and pooling in (None, "LAST")
             seq.scores_prompt = params.prompt_logprobs is not None
             if params.logprobs is not None:
                 seq.logprobs = []

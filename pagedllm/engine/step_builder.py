@@ -109,7 +109,8 @@ class StepRecordBuilder:
     ) -> ScheduledStep:
         """``s``'s entry of the record; a sequence the runner does not hold is appended to ``new`` whole."""
         uniforms: tuple[float, ...] = ()
-        if s.samples:
+        pooling = getattr(p, "pooling_type", None)  # a pooling request samples nothing (pooling/params.py)
+        if s.samples and pooling is None:
             # sampling_spec's greedy rule: the spec itself is built only for a sequence sent whole
             random_rows = p.temperature >= MIN_TEMPERATURE
             uniforms = tuple(seq.rng.random() if random_rows else 0.0 for seq in (s.seq, *s.forks))
@@ -132,7 +133,7 @@ class StepRecordBuilder:
         # positional (the field order of ScheduledStep): the fastest way to build one
         return ScheduledStep(
             s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, token_ids, block_ids, table,
-            uniforms, scored, targets, tuple(masks), kept, s.num_draft_tokens,
+            uniforms, scored, targets, tuple(masks), kept, s.num_draft_tokens, pooling,
         )
 
     def _rolled_back(self, s: ScheduledSequence) -> int | None:

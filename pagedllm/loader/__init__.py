@@ -90,7 +90,26 @@ def load_model_config(path: str) -> ModelArchConfig:
 def iter_weights(path: str, config: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     if path.endswith(".gguf"):
         return gguf_loader.iter_weights(path, config)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures):
+        return _classifier_body(hf_loader.iter_weights(path), config.tie_word_embeddings)
     return hf_loader.iter_weights(path)
+
+
+def _classifier_body(
+    weights: Iterator[tuple[str, torch.Tensor]], tied: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A sequence classifier's decoder weights: its ``score.weight`` is the pooling head's (read apart,
+    ``pooling/model_pooling.py``); an untied checkpoint has no LM head, so the embedding stands in for the
+    one the decoder is built with (never read by a pooling request)."""
+    embed, has_head = None, False
+    for name, tensor in weights:
+        if name == "score.weight":
+            continue
+        embed = tensor if name == "model.embed_tokens.weight" else embed
+        has_head = has_head or name == "lm_head.weight"
+        yield name, tensor
+    if not tied and not has_head and embed is not None:
+        yield "lm_head.weight", embed
 
 
 def model_file_bytes(path: str) -> int:

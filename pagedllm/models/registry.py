@@ -133,9 +133,11 @@ class ModelRegistry:
 
 
 MODEL_REGISTRY = ModelRegistry((
-    Family(LlamaForCausalLM, ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
+    Family(LlamaForCausalLM, ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                               # a pooling runner's cross-encoders: the decoder, score.weight read apart
+                               "LlamaForSequenceClassification", "Qwen3ForSequenceClassification"),
            ("llama", "mistral", "qwen3"), ("llama", "mistral", "qwen3")),
-    Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    Family(Qwen2ForCausalLM, ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"), ("qwen2",), ("qwen2",)),
     Family(Gemma3ForCausalLM, ("Gemma3ForCausalLM",), ("gemma3",), ("gemma3",)),
     Family(Gemma4ForCausalLM, ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), ("gemma4",), ("gemma4",)),
     Family(Gemma2ForCausalLM, ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),

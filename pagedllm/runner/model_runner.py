@@ -40,6 +40,7 @@ from pagedllm.runner.kv_cache import (
 from pagedllm.runner.kv_calibration import calibrate_kv_transforms, calibration_text
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
+from pagedllm.runner.pooled_rows import pooled_share
 from pagedllm.runner.prompt_scoring import ScoredPrompt, score_prompt_rows
 from pagedllm.runner.sampler import (
     Sampler,
@@ -366,6 +367,12 @@ class ModelRunner:
             elif results[i].error is None:
                 results[i].error = one.error  # this sequence's alone: the others keep theirs
             results[i].prompt_logprobs_start = steps[i].num_computed_tokens + 1
+        start = 0  # each step entry's first row in the hidden states (prepare's order: steps')
+        for i, s in enumerate(steps):
+            if s.pooling is not None:  # a pooling prefill: no sample, its pooled hidden states
+                results[i].pooled = pooled_share(hidden, s, start)
+                results[i].pooled_start = s.num_computed_tokens
+            start += s.num_new_tokens
         unordered: list[StepResult] = [StepResult()] * len(steps)
         for i, r in zip(order, results):
             unordered[i] = r

@@ -80,6 +80,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import check_model
+from pagedllm.entrypoints.openai.serving_pooling import add_pooling_routes
 from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.settings import ServerSettings
@@ -249,6 +250,7 @@ def build_app(
         prompts, tokenizer, name, engine.config.max_model_len, engine.model_config.vocab_size
     )
     tokenization.served_names = settings.served_names
+    add_pooling_routes(app, async_engine, prompts, settings.served_names)  # embeddings, score, rerank
     json_body = [Depends(require_json)]
 
     @app.post("/tokenize", response_model=None, dependencies=json_body, responses=_ERRORS)
