@@ -29,7 +29,7 @@ from pagedllm.config_record import (
     positive_multiple_of,
 )
 from pagedllm.distributed.cpu_bind import parse_cpu_bind
-from pagedllm.pooling.pooler_config import PoolerConfig
+from pagedllm.pooler_config import PoolerConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.limits import GrammarLimits
 
@@ -178,7 +178,7 @@ class EngineConfig:
             ``*ForSequenceClassification`` checkpoint, else "embed").
         pooler_config: a pooling runner's pooling type, normalisation and
             Matryoshka size, over what the checkpoint declares: a dict or
-            JSON text (``pooling/pooler_config.py``).
+            JSON text (``pooler_config.py``).
         generation_config: where the default sampling settings come from
             (vLLM's ``--generation-config``): "auto" (default) the model's
             own, its ``generation_config.json`` (a GGUF file: its

@@ -18,10 +18,10 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchParams
 from pagedllm.engine.chat_content import content_text
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.pooling_methods import PoolingMethods
 from pagedllm.engine.vllm_args import translate_vllm_args
 from pagedllm.loader import load_model_config, resolve_model_path, resolve_tokenizer_path
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedllm.pooling.offline import PoolingMethods
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.pooling.pooler_config import PoolerConfig
+from pagedllm.pooler_config import PoolerConfig
 
 Task = Literal["embed", "classify", "score"]
 # sentence-transformers' 1_Pooling/config.json keys, by the pooling type each turns on

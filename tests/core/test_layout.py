@@ -23,7 +23,10 @@ ALLOWED = {
     "distributed": {"loader", "kernels"},
     "models": {"layers", "loader"},  # loader: its config types only (test below)
     "loader": set(),
-    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output", "harmony", "kv_disk"},
+    "engine": {"loader", "runner", "distributed", "spec_decode", "structured_output", "harmony", "kv_disk", "pooling"},
+    # pooling models' heads, prompts and outputs (embed / classify / score): below the engine, whose
+    # pooling_methods.py (LLM.embed ...) and the server's pooling routes use them
+    "pooling": {"loader"},
     # the prefix cache on disk: its store is plain Python the block manager asks; its fingerprint reads the
     # model's config types
     "kv_disk": {"loader"},
@@ -38,7 +41,7 @@ ALLOWED = {
     # gpt-oss's harmony format (openai-harmony): its vocabulary, prompt rendering and detection; a leaf
     "harmony": set(),
     "entrypoints": {"clients", "engine", "loader", "structured_output", "kernels", "layers", "bench", "distributed",
-                    "harmony"},
+                    "harmony", "pooling"},
     "bench": {"engine", "loader", "distributed"},
 }
 # config_record: how config records are declared (pydantic); resolved_config: the config's "auto"s resolved,
@@ -46,10 +49,11 @@ ALLOWED = {
 # step_time: the fitted model of a step's time, a leaf both the engine and spec_decode read; expert_counts: a
 # mixture of experts' routing counts, which the runner fills and the server's metrics and the bench read;
 # thinking_budget: the rule that closes a reasoning block after N tokens (a pure function of the tokens), which
-# the request's sampling spec carries to the runner's logits rules
+# the request's sampling spec carries to the runner's logits rules; pooler_config: a pooling model's
+# pooling type, normalisation and dimensions, a field of the engine config
 DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
                 "step_result", "block_table", "cache_dir", "step_time", "device_memory", "expert_counts",
-                "thinking_budget"}
+                "thinking_budget", "pooler_config"}
 # the packages a top-level data module may import: plain Python that itself imports only these (and data
 # modules). Every package imports the data modules, so a data module importing anything higher (the runner,
 # the engine) would be an import running back up the layers. resolved_config alone also reads the machine

@@ -25,6 +25,7 @@ from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai.http_protocol import HTTPLimits
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.loader import bundled_model_path
+from pagedllm.pooler_config import PoolerConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.limits import GrammarLimits
 
@@ -70,6 +71,10 @@ VALUES: dict[str, tuple[list[str], object]] = {
                        GrammarLimits(max_depth=9, compile_timeout_s=2.5)),
     "batch_invariant": (["--no-batch-invariant"], False),
     "speculative_config": (["--speculative-config", '{"method": "suffix"}'], SpeculativeConfig(method="suffix")),
+    "runner": (["--runner", "pooling"], "pooling"),
+    "convert": (["--runner", "pooling", "--convert", "embed"], "embed"),
+    "pooler_config": (["--runner", "pooling", "--pooler-pooling-type", "MEAN", "--no-pooler-normalize",
+                       "--pooler-dimensions", "8"], PoolerConfig(pooling_type="MEAN", normalize=False, dimensions=8)),
 }
 
 
@@ -237,8 +242,9 @@ def test_every_field_has_a_flag_with_help_and_default(command: list[str]) -> Non
     by_dest = {a.dest: a for a in sub._actions}
     names = [f.name for f in dataclasses.fields(EngineConfig)]
     names += ["grammar_" + f.name for f in dataclasses.fields(GrammarLimits)]
+    names += ["pooler_" + f.name for f in dataclasses.fields(PoolerConfig)]
     for name in names:
-        if name == "grammar_limits":
+        if name in ("grammar_limits", "pooler_config"):  # records: a flag per field, above
             continue
         action = by_dest.get("engine_" + name) or by_dest[name]  # engine_: the command has a flag of its name
         assert action.help and "(default: " in action.help, name

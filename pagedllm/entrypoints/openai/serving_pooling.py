@@ -19,6 +19,7 @@ import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from pagedllm.engine.pooling_methods import Pooler
 from pagedllm.engine.protocol import EngineClient, Prompt
 from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.guards import require_json
@@ -33,7 +34,6 @@ from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import APIError, ErrorResponse, bad_request
 from pagedllm.entrypoints.openai.serving_engine import check_model
 from pagedllm.pooling.heads import check_dimensions, cosine, cross_encoder_score, embedding
-from pagedllm.pooling.offline import Pooler
 from pagedllm.pooling.params import engine_params
 from pagedllm.pooling.prompts import reranker_prompt
 
