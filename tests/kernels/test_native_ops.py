@@ -144,14 +144,33 @@ def test_no_native_ops_off_the_float32_cpu_path(tiny_model_dirs: dict[str, str])
     assert all(m.native is None for m in runner.model.model.layers[0].modules() if hasattr(m, "native"))
 
 
+_MAPPED_OPENMP = """
+import json, torch
+from pagedllm.kernels import load_kernels
+assert load_kernels() is not None
+torch.ops.pagedllm.silu_mul(torch.randn(4, 8))
+with open("/proc/self/maps") as f:
+    # the path field (the 6th) may end in " (deleted)" when a test's cache folder was removed since
+    rows = [line.split(maxsplit=5) for line in f]
+mapped = {row[5].strip().removesuffix(" (deleted)") for row in rows if len(row) == 6}
+print(json.dumps(sorted(mapped)))
+"""
+
+
 def test_the_kernels_run_on_torchs_own_openmp_runtime() -> None:
-    """One thread pool in the process: the kernels' OpenMP is the libgomp torch loaded, not a second copy."""
-    assert load_kernels() is not None
-    torch.ops.pagedllm.silu_mul(torch.randn(4, 8))
-    with open("/proc/self/maps") as f:
-        # the path field (the 6th) may end in " (deleted)" when a test's cache folder was removed since
-        mapped = {parts[5].removesuffix(" (deleted)") for line in f if len(parts := line.split(maxsplit=5)) == 6}
+    """One thread pool: the kernels' OpenMP is the libgomp torch loaded, not a second copy. In a fresh
+    interpreter, which loads torch and the kernels only (other tests import libraries with their own
+    libgomp, scikit-learn's through sentence-transformers, which says nothing about the kernels)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MAPPED_OPENMP], capture_output=True, text=True, timeout=300,
+                         check=True)
+    mapped = set(json.loads(out.stdout.strip().splitlines()[-1]))
     gomp = {p for p in mapped if "libgomp" in p.rsplit("/", 1)[-1]}
     assert len(gomp) == 1, gomp
     assert Path(gomp.pop()).parent == Path(torch.__file__).parent / "lib", "the kernels loaded an OpenMP runtime of their own"
     assert any("pagedllm_kernels" in p for p in mapped)
+
+
