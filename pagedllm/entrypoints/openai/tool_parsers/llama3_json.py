@@ -17,7 +17,8 @@ content at the first character that shows it is not.
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.tool_parsers.base import StreamedCall, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.base import StreamedCall
+from pagedllm.entrypoints.openai.tool_parsers.whole_reply import DROP, TEXT, WholeReplyToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 _JSON_WS = " \t\n\r"
@@ -27,11 +28,11 @@ _LEAD = "lead"  # before the first object: whitespace and the optional tag
 _OBJECT = "object"
 _AFTER = "after"  # after an object: whitespace, ';' or the end
 _NEXT = "next"  # after ';': whitespace, another object or the end
-_TEXT = "text"  # not calls: everything is content
-_DROP = "drop"  # a sent call broke: the rest is dropped
+_TEXT = TEXT  # not calls: everything is content
+_DROP = DROP  # a sent call broke: the rest is dropped
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(WholeReplyToolParser):
     """Tool calls as Llama 3's JSON (``name`` and ``parameters``, ``;`` between calls); vLLM's ``llama3_json``."""
 
     name = "llama3_json"
@@ -39,7 +40,6 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, max_calls: int | None = None, *, buffered: bool = False) -> None:
         super().__init__(max_calls, buffered=buffered)
         self._mode = _LEAD
-        self._raw: list[str] = []  # the reply so far, while it may still be content
         self._tag = ""  # the part of <|python_tag|> matched so far
         self._tagged = False
         self._calls: list[StreamedCall] = []
@@ -83,16 +83,6 @@ class Llama3JsonToolParser(ToolParser):
             self._mode = _NEXT
         else:
             raise ValueError("not a call")
-
-    def _not_calls(self, ch: str | None) -> None:
-        """The reply stops reading as calls: all of it is content, unless a call already went out."""
-        if any(call.sent for call in self._calls):
-            self.diverged = True
-            self._mode = _DROP
-            return
-        self._mode = _TEXT
-        self._send_content("".join(self._raw) + (ch or ""))
-        self._raw = []
 
     def _end(self) -> None:
         if self._mode in (_AFTER, _NEXT):

@@ -23,8 +23,8 @@ import ast
 import json
 import re
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.pieces import PieceCall
+from pagedllm.entrypoints.openai.tool_parsers.whole_reply import DROP, TEXT, WholeReplyToolParser
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
@@ -37,8 +37,8 @@ _LIST = "list"  # inside the list, between calls: whitespace, ',', ']' or a name
 _NAME = "name"  # a call's name, up to '('
 _CALL = "call"  # inside a call's parentheses
 _TRAIL = "trail"  # after ']': whitespace and the optional <|python_end|>
-_TEXT = "text"  # not calls: everything is content
-_DROP = "drop"  # a sent call broke: the rest is dropped
+_TEXT = TEXT  # not calls: everything is content
+_DROP = DROP  # a sent call broke: the rest is dropped
 
 
 def call_arguments(source: str) -> tuple[str, str]:
@@ -67,7 +67,7 @@ def call_arguments(source: str) -> tuple[str, str]:
     return node.func.id, text
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(WholeReplyToolParser):
     """Tool calls as a Python list of calls (Llama 3.2/4 pythonic); vLLM's ``pythonic`` parser."""
 
     name = "pythonic"
@@ -75,7 +75,6 @@ class PythonicToolParser(ToolParser):
     def __init__(self, max_calls: int | None = None, *, buffered: bool = False) -> None:
         super().__init__(max_calls, buffered=buffered)
         self._mode = _LEAD
-        self._raw: list[str] = []  # the reply so far, while it may still be content
         self._tag = ""  # the part of a python tag matched so far
         self._tagged = False
         self._source: list[str] = []  # the current call's text
@@ -164,16 +163,6 @@ class PythonicToolParser(ToolParser):
         if not self._calls:
             raise ValueError("an empty list is no call")
         self._mode, self._tagged = _TRAIL, False
-
-    def _not_calls(self, ch: str | None) -> None:
-        """The reply stops reading as calls: all of it is content, unless a call already went out."""
-        if any(call.sent for call in self._calls):
-            self.diverged = True
-            self._mode = _DROP
-            return
-        self._mode = _TEXT
-        self._send_content("".join(self._raw) + (ch or ""))
-        self._raw = []
 
     def _end(self) -> None:
         if self._mode == _TRAIL and not self._tag:
