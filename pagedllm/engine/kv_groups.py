@@ -32,6 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.loader.model_config import ModelArchConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,3 +118,9 @@ def kv_cache_layout(layer_windows: Sequence[int | None], max_model_len: int | No
         for start in range(0, len(kinds[window]), num_rows)
     )
     return KVCacheLayout(groups, num_rows)
+
+
+def model_kv_layout(model_config: ModelArchConfig) -> KVCacheLayout:
+    """The layout of a model's KV cache, from its per-layer windows: the one place the engine (block manager)
+    and the runner (cache tensor, attention metadata) both take it from, so the two always agree."""
+    return kv_cache_layout([model_config.sliding_window(i) for i in range(model_config.num_hidden_layers)])
