@@ -57,8 +57,9 @@ def test_window_groups_give_back_blocks_and_keep_the_tokens(gemma3) -> None:  # 
 
 def test_window_groups_fork_n2_and_preempt(gemma3) -> None:  # noqa: ANN001
     path, hf = gemma3
-    # 24 blocks of 4 tokens for 3 prompts of ~40 tokens growing by 24: they cannot all run at once
-    llm = LLM(path, num_kv_blocks=24, max_model_len=128, block_size=BS, max_num_batched_tokens=16)
+    # one request of 41 + 2 x 24 tokens ends holding 10 shared + 2 x 7 full-group blocks and about 2 x 2 x 3
+    # window blocks (36); 40 blocks cannot hold the three at once
+    llm = LLM(path, num_kv_blocks=40, max_model_len=128, block_size=BS, max_num_batched_tokens=16)
     prompts = _prompts([37, 30, 41], seed=5)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
