@@ -324,3 +324,35 @@ class GroupsMachine(RuleBasedStateMachine):
 
 GroupsMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_groups_pool_stays_whole = GroupsMachine.TestCase
+
+
+def test_disk_prefix_cache_across_groups(tmp_path):
+    """Every group's published blocks are saved under their own keys; after a restart a hit loads each full
+    group's blocks and a window group's inside the window only."""
+    from pagedllm.kv_disk.store import DiskBlockStore
+
+    payload = 8
+    store = DiskBlockStore(tmp_path, {"model": "groups-test"}, payload)
+    bm = BlockManager(16, BS, group_windows=(None, 8), disk=store)
+    a = mk(range(17))
+    assert bm.allocate(a)  # full [0..4], window [5..9]
+    bm.cache_full_blocks(a, 17)
+    bm.confirm_published()
+    saves = bm.take_saves()
+    assert sorted(block for block, _, _ in saves) == [0, 1, 2, 3, 5, 6, 7, 8]
+    for block, key, tokens in saves:
+        store.write(key, tokens, bytes([block]) * payload)  # the runner copies the block's bytes out
+    store.flush()
+    fresh = BlockManager(16, BS, group_windows=(None, 8), disk=store)  # a restart: RAM holds nothing
+    b = mk(list(range(16)) + [50])
+    assert fresh.num_cached_prefix_tokens(b) == 16
+    assert fresh.allocate(b)
+    # a query at 16 reads keys 9..: the window group loads logical blocks 2 and 3 only
+    assert b.num_cached_tokens == 16
+    # group by group: the loaded blocks, then the new one
+    assert b.block_table == [0, 1, 2, 3, 4] and b.group_tables == [[HOLE, HOLE, 5, 6, 7]]
+    loads = dict(fresh.take_loads())
+    # each fresh block gets the bytes of the block that held the same logical block of the same group
+    assert loads == {0: bytes([0]) * payload, 1: bytes([1]) * payload, 2: bytes([2]) * payload,
+                     3: bytes([3]) * payload, 5: bytes([7]) * payload, 6: bytes([8]) * payload}
+    store.close()
