@@ -356,3 +356,18 @@ def test_disk_prefix_cache_across_groups(tmp_path):
     assert loads == {0: bytes([0]) * payload, 1: bytes([1]) * payload, 2: bytes([2]) * payload,
                      3: bytes([3]) * payload, 5: bytes([7]) * payload, 6: bytes([8]) * payload}
     store.close()
+
+
+def test_bench_window_blocks_gemma3_figures():
+    """``bench memory --window-blocks``: at its last step a 32k Gemma 3 1B sequence holds the full group's 2048
+    blocks and, in each of 6 window groups, the blocks from the one holding key 32767 - 512 + 1 on."""
+    from pagedllm.bench.window_blocks import window_block_rows
+
+    rows = {(r["model"], r["context_len"]): r for r in window_block_rows(context_lens=(32768,))}
+    r = rows[("gemma-3-1b", 32768)]
+    assert r["blocks_before"] == 32768 // 16
+    assert r["blocks_after_last"] == 2048 + 6 * (2048 - (32767 - 512 + 1) // 16)
+    # the peak: the prompt's (32512 tokens) last chunk, 30720..32511: 2032 blocks in the full group, and in
+    # each window group those from the one holding key 30720 - 512 + 1 on
+    assert r["blocks_after_peak"] == 2032 + 6 * (2032 - (30720 - 512 + 1) // 16)
+    assert r["mib_before"] == 2048 * 26 * 16 * 256 * 2 * 2 / 2**20
