@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedllm.engine.block_manager import HOLE, BlockManager
 from pagedllm.engine.kv_groups import kv_cache_layout
-from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 
@@ -371,3 +371,26 @@ def test_bench_window_blocks_gemma3_figures():
     # each window group those from the one holding key 30720 - 512 + 1 on
     assert r["blocks_after_peak"] == 2032 + 6 * (2032 - (30720 - 512 + 1) // 16)
     assert r["mib_before"] == 2048 * 26 * 16 * 256 * 2 * 2 / 2**20
+
+
+def test_scheduler_steps_and_kv_snapshot_show_the_groups():
+    """Through the scheduler: a decode's step gives back the window block, and /kv's snapshot shows each group."""
+    from pagedllm.engine.kv_snapshot import build_kv_snapshot
+    from pagedllm.engine.scheduler import Scheduler
+
+    bm = BlockManager(16, BS, group_windows=(None, 8))
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    seq = Sequence(list(range(10)), BS, request_id="r")
+    sched.add(seq)
+    for token in (100, 101):
+        sched.update(sched.schedule())  # the prefill, then a decode at 10
+        seq.append_token(token)
+    assert seq.group_tables == [[3, 4, 5]]  # a query at 10 still reads keys 3..
+    sched.update(sched.schedule())  # the decode at 11: keys 4.. only
+    assert seq.block_table == [0, 1, 2] and seq.group_tables == [[HOLE, 4, 5]]
+    snap = build_kv_snapshot(sched)
+    assert snap["kv_groups"] == [{"window": None, "used_blocks": 3}, {"window": 8, "used_blocks": 2}]
+    assert snap["counters"]["window_released_blocks"] == 1 and snap["counters"]["used_blocks"] == 5
+    assert snap["requests"][0]["sequences"][0]["group_tables"] == [[HOLE, 4, 5]]
+    sched.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    assert bm.num_free_blocks == 16
