@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write one self-contained page replaying both block pools over time, side by side")
     p.add_argument("--model", default=None)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--window-blocks", action="store_true",
+                   help="print the KV blocks Gemma 3 (1B, 4B shapes) needs at 8k and 32k tokens with one KV cache "
+                        "group and with window groups (no model run: bench/window_blocks.py)")
 
 
 def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, reserve: str,
@@ -111,6 +114,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     peak_resident = runner.kv_resident_bytes
     timeline = {"t": [], "written": [], "empty": [], "free": [], "running": []}
     wastes: list[float] = []
+    # blocks held per KV cache group at the step that held the most (engine/kv_groups.py; one group without windows)
+    peak_group_blocks: list[int] = [0] * getattr(pool, "num_groups", 1)
     num_out = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -126,6 +131,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         timeline["empty"].append(reserved - written)
         timeline["free"].append(pool.num_free_blocks * bs)
         timeline["running"].append(scheduler.num_running)
+        if hasattr(pool, "num_used_blocks_per_group") and pool.num_used_blocks > sum(peak_group_blocks):
+            peak_group_blocks = pool.num_used_blocks_per_group()
         # mincore over the pool: the OS's own count (the contiguous baseline keeps no bookkeeping of it)
         peak_resident = max(peak_resident, runner.kv_resident_bytes)
         if frames is not None:
@@ -142,6 +149,7 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         "peak_running": max(running),
         "mean_running": round(sum(running) / len(running), 2),
         "fragmentation_waits": getattr(pool, "num_fragmentation_waits", 0),
+        "peak_blocks_per_group": peak_group_blocks,
         "num_preemptions": scheduler.num_preemptions,
         "num_steps": len(running),
         "output_tokens": num_out,
@@ -185,6 +193,14 @@ def plot(timelines: dict[str, dict], path: str, kv_slots: int) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if getattr(args, "window_blocks", False):
+        from pagedllm.bench.window_blocks import print_window_blocks, window_block_rows
+
+        rows = window_block_rows()
+        print_window_blocks(rows)
+        if args.json:
+            print(json.dumps({"window_blocks": rows}))
+        return {"window_blocks": rows}
     workload = MemoryWorkload(
         num_requests=args.num_requests, num_kv_slots=args.num_kv_slots, max_model_len=args.bench_max_model_len
     )

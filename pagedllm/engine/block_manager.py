@@ -50,6 +50,29 @@ count is above 1, ``append_slot`` gives it a private copy::
 The copies are recorded as (source, destination) pairs; the model runner
 copies the K/V data inside the cache tensor before the step runs. Full blocks
 are never written again, so they are never copied.
+
+KV cache groups (``engine/kv_groups.py``). A model with sliding-window layers
+splits its layers into groups, and a sequence holds one block table per group
+(``seq.block_table`` is group 0's, ``seq.group_tables`` the others'). Every
+group takes its blocks from the one free list above, so the ref counts, the
+prefix cache, copy-on-write and the disk store work on block ids as before;
+a group's block hash is the chain hash salted with the group (``_key``). The
+tables of one sequence always have the same length (logical block ``i`` in
+every group). A window group of ``W`` tokens gives back, before each step, the
+blocks that lie wholly before ``num_computed_tokens - W + 1``: no query still
+to be computed reads them. Their entries become ``HOLE``, which the runner
+maps to block 0 and the attention masks (it is never read for a result)::
+
+    window 8, block_size 4, 14 tokens computed: keys 7.. are still read
+    full group    [ 3,  5,  8, 11]
+    window group  [ H,  6,  9, 12]       block 4 (tokens 0-3) went back to the pool
+
+A released block goes back only when its ref count falls to 0 (a fork or a
+prefix-cache hit still holding it keeps it), and a published one stays in the
+prefix cache. A prefix hit at block ``k`` needs every full group's blocks
+``0..k-1`` and each window group's blocks from the one holding key
+``k * block_size - W + 1`` on. A model without windows has one group: its
+block ids are exactly those of the single-table manager.
 """
 
 from __future__ import annotations
@@ -66,12 +89,25 @@ from pagedllm.engine.sequence import Sequence
 from pagedllm.kv_disk.store import DiskBlockStore
 
 _NO_PARENT = 0
+HOLE = -1  # a window group's table entry for a block given back (out of the window): never read
 _LONG_ROPE_PARENT = 1  # the chain of a longrope model's long-prompt sequences (see the module docstring)
 
 
 def _check_max_new(max_num_new_tokens: int | None) -> None:
     if max_num_new_tokens is not None and max_num_new_tokens < 1:
         raise ValueError(f"max_num_new_tokens must be >= 1, got {max_num_new_tokens}")
+
+
+def _num_holes(table: list[int]) -> int:
+    """How many ``HOLE`` entries start ``table`` (they are always a prefix): a binary search."""
+    lo, hi = 0, len(table)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if table[mid] == HOLE:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def hash_block(parent_hash: int, token_ids: list[int]) -> int:
@@ -103,14 +139,28 @@ class BlockManager:
         longrope_switch_len: the model's longrope original length (``ModelArchConfig.longrope_switch_len``):
             sequences with longer prompts hash from their own root; None: every sequence from one.
         disk: the prefix cache on disk, or None (with prefix caching only).
+        group_windows: each KV cache group's sliding window in tokens, None for full attention
+            (``KVCacheLayout.windows``); the default is one full-attention group.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None,
+        group_windows: Sequence_[int | None] = (None,),
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
+        if not group_windows:
+            raise ValueError("a block manager needs at least one KV cache group")
+        bad = [w for w in group_windows if w is not None and w < 1]
+        if bad:
+            raise ValueError(f"a sliding window must be >= 1 token, got {bad[0]}")
+        self.group_windows: tuple[int | None, ...] = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        # the group each block was last handed out to (for the per-group counts of /kv and bench memory)
+        self.block_group: list[int] = [0] * num_blocks
+        # blocks window groups gave back because they left every window still to be read
+        self.num_window_released = 0
         # block_size is EngineConfig's, checked there
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -164,6 +214,14 @@ class BlockManager:
         """Blocks written since their pages were last given back: an upper bound on the pool's resident blocks."""
         return len(self._touched)
 
+    def num_used_blocks_per_group(self) -> list[int]:
+        """Blocks held by at least one sequence, per KV cache group."""
+        counts = [0] * self.num_groups
+        for block, refs in enumerate(self.ref_counts):
+            if refs:
+                counts[self.block_group[block]] += 1
+        return counts
+
     @property
     def usage(self) -> float:
         """Fraction of blocks held by sequences, 0..1."""
@@ -178,22 +236,66 @@ class BlockManager:
         extend_block_hashes(hashes, (seq.block_tokens(i) for i in range(len(hashes), num_full_blocks)), root)
         return hashes[:num_full_blocks]
 
-    def _lookup_prefix(self, seq: Sequence) -> list[int]:
-        """Physical blocks holding the longest cached prefix of ``seq``.
+    def _key(self, block_hash: int, group: int) -> int:
+        """The prefix-cache key of a block of ``group``: group 0's is the chain hash itself (one-group models
+        keep their keys and disk files), the others' salt it with the group."""
+        return block_hash if group == 0 else hash_block(block_hash, [-1 - group])
+
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        """The first logical block of ``group`` that a query at ``num_computed`` or later still reads."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        """``seq``'s block table of each group (the lists themselves)."""
+        return [seq.block_table, *seq.group_tables] if self.num_groups > 1 else [seq.block_table]
+
+    def _set_tables(self, seq: Sequence, tables: list[list[int]]) -> None:
+        seq.block_table = tables[0]
+        seq.group_tables = tables[1:]
+
+    def _cached_block(self, seq: Sequence, hashes: list[int], i: int, group: int) -> int | None:
+        """The cached block of ``group`` holding block ``i`` of ``seq`` (tokens compared), or None."""
+        block = self.hash_to_block.get(self._key(hashes[i], group))
+        if block is None or self.block_token_ids[block] != tuple(seq.block_tokens(i)):
+            return None
+        return block
+
+    def _lookup_prefix(self, seq: Sequence) -> list[list[int]]:
+        """Each group's blocks of the longest cached prefix of ``seq`` (window groups: ``HOLE`` before their window).
 
         Only blocks inside the first ``len(seq) - 1`` tokens count: the last
         token is always computed, because its logits are needed to sample.
         """
         if not self.enable_prefix_caching or not seq.allow_prefix_hits:
-            return []
-        num_lookup = (len(seq) - 1) // self.block_size
-        hits: list[int] = []
-        for i, h in enumerate(self._block_hashes(seq, num_lookup)):
-            block = self.hash_to_block.get(h)
-            if block is None or self.block_token_ids[block] != tuple(seq.block_tokens(i)):
-                break
-            hits.append(block)
-        return hits
+            return [[] for _ in range(self.num_groups)]
+        hashes = self._block_hashes(seq, (len(seq) - 1) // self.block_size)
+        num_hits = len(hashes)
+        runs: dict[int, list[int]] = {}
+        for g in (g for g, w in enumerate(self.group_windows) if w is None):
+            run: list[int] = []
+            for i in range(num_hits):
+                block = self._cached_block(seq, hashes, i, g)
+                if block is None:
+                    break
+                run.append(block)
+            runs[g] = run
+            num_hits = len(run)
+        found = {g: [self._cached_block(seq, hashes, i, g) for i in range(num_hits)]
+                 for g, w in enumerate(self.group_windows) if w is not None}
+        while num_hits and not all(
+            None not in blocks[self._first_needed(g, num_hits * self.block_size) : num_hits]
+            for g, blocks in found.items()
+        ):
+            num_hits -= 1  # a window group misses a block the queries after the hit still read
+        tables: list[list[int]] = []
+        for g in range(self.num_groups):
+            if g in runs:
+                tables.append(runs[g][:num_hits])
+            else:
+                first = self._first_needed(g, num_hits * self.block_size)
+                tables.append([HOLE] * first + [b for b in found[g][first:num_hits] if b is not None])
+        return tables
 
     def _num_disk_hits(self, seq: Sequence, num_ram_hits: int) -> int:
         """Blocks after the first ``num_ram_hits`` that the disk holds files of, in a row (contents unchecked)."""
@@ -203,25 +305,27 @@ class BlockManager:
         hashes = self._block_hashes(seq, num_lookup)
         num = 0
         for h in hashes[num_ram_hits:]:
-            if h in self.hash_to_block or not self.disk.contains(h):
-                break  # RAM holds it (another prompt's block, after a gap) or the disk does not
+            # RAM holds it (another prompt's block, after a gap) or the disk lacks a group's block
+            if h in self.hash_to_block or not all(self.disk.contains(self._key(h, g)) for g in range(self.num_groups)):
+                break
             num += 1
         return num
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that ``allocate(seq)`` would find cached right now (in RAM or on disk)."""
-        hits = self._lookup_prefix(seq)
-        return (len(hits) + self._num_disk_hits(seq, len(hits))) * self.block_size
+        num_hits = len(self._lookup_prefix(seq)[0])
+        return (num_hits + self._num_disk_hits(seq, num_hits)) * self.block_size
 
     # --- free list -----------------------------------------------------------
-    def _pop_free_block(self) -> int:
-        """Take the lowest empty block, else evict the least recently freed cached one."""
+    def _pop_free_block(self, group: int = 0) -> int:
+        """Take the lowest empty block for ``group``, else evict the least recently freed cached one."""
         if self._empty:
             block = heapq.heappop(self._empty)
         else:
             block, _ = self._cached_free.popitem(last=False)
             self._uncache(block)
         self.ref_counts[block] = 1
+        self.block_group[block] = group
         self._touched.add(block)
         return block
 
@@ -256,23 +360,24 @@ class BlockManager:
         """Whether ``allocate(seq, max_num_new_tokens)`` would succeed now."""
         _check_max_new(max_num_new_tokens)
         hits = self._lookup_prefix(seq)
-        num_disk = self._num_disk_hits(seq, len(hits))
+        num_disk = self._num_disk_hits(seq, len(hits[0]))
         return self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) <= 0
 
     def _num_blocks_needed(self, seq: Sequence, num_hits: int, max_num_new_tokens: int | None) -> int:
-        """Blocks covering the cached prefix (``num_hits`` blocks) plus the first chunk of new tokens."""
+        """Blocks (per group) covering the cached prefix (``num_hits`` blocks) plus the first chunk of new tokens."""
         num_tokens = len(seq)
         if max_num_new_tokens is not None:
             num_tokens = min(num_tokens, num_hits * self.block_size + max_num_new_tokens)
         return -(-num_tokens // self.block_size)
 
     def _num_blocks_short(
-        self, seq: Sequence, hits: list[int], max_num_new_tokens: int | None, num_disk: int = 0
+        self, seq: Sequence, hits: list[list[int]], max_num_new_tokens: int | None, num_disk: int = 0
     ) -> int:
         # hits that sit in the free list leave it when taken, so they count
         # against the free blocks as well; a disk hit takes a fresh block like a new one
-        num_new = self._num_blocks_needed(seq, len(hits) + num_disk, max_num_new_tokens) - len(hits)
-        num_free_hits = sum(1 for b in hits if self.ref_counts[b] == 0)
+        num_hits = len(hits[0])
+        num_new = (self._num_blocks_needed(seq, num_hits + num_disk, max_num_new_tokens) - num_hits) * self.num_groups
+        num_free_hits = sum(1 for table in hits for b in table if b != HOLE and self.ref_counts[b] == 0)
         return num_new + num_free_hits - self.num_free_blocks
 
     def allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
@@ -281,48 +386,63 @@ class BlockManager:
         Reuses cached prefix blocks where possible and sets
         ``seq.num_computed_tokens`` to the number of tokens whose K/V is
         already there. The new tokens after them get blocks up to
-        ``max_num_new_tokens`` (None: all of them); a prompt computed in
-        chunks takes the blocks of later chunks as it reaches them
-        (``append_slot``). Returns False, taking nothing, when the pool is
-        short.
+        ``max_num_new_tokens`` (None: all of them) in every group; a prompt
+        computed in chunks takes the blocks of later chunks as it reaches
+        them (``append_slot``). Returns False, taking nothing, when the pool
+        is short.
         """
-        if seq.block_table:
+        if seq.block_table or seq.group_tables:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         _check_max_new(max_num_new_tokens)
-        hits = self._lookup_prefix(seq)
-        num_disk = self._num_disk_hits(seq, len(hits))
-        if self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) > 0:
+        tables = self._lookup_prefix(seq)
+        num_ram = len(tables[0])
+        num_disk = self._num_disk_hits(seq, num_ram)
+        if self._num_blocks_short(seq, tables, max_num_new_tokens, num_disk) > 0:
             return False
         # read (and checked) before anything is taken: a bad file shortens the prefix, and fewer disk
         # hits never need more blocks than the check above counted
-        payloads = self._read_disk_blocks(seq, len(hits), num_disk)
-        for block in hits:
-            if self.ref_counts[block] == 0:
-                del self._cached_free[block]  # a hit holds a hash: it was free among the cached
-            self.ref_counts[block] += 1
-        table = list(hits)
-        for payload in payloads:
-            table.append(self._load_block(seq, len(table), payload))
-        num_hits = len(table)
-        for _ in range(self._num_blocks_needed(seq, num_hits, max_num_new_tokens) - num_hits):
-            table.append(self._pop_free_block())
-        seq.block_table = table
+        payloads = self._read_disk_blocks(seq, num_ram, num_disk)
+        num_hits = num_ram + min((len(p) for p in payloads), default=0)
+        firsts = [self._first_needed(g, num_hits * self.block_size) for g in range(self.num_groups)]
+        for first, table in zip(firsts, tables):
+            # blocks the disk hits moved out of a window group's window are not taken (their entries hold none)
+            table[: min(first, num_ram)] = [HOLE] * min(first, num_ram)
+            for block in table:
+                if block == HOLE:
+                    continue
+                if self.ref_counts[block] == 0:
+                    del self._cached_free[block]  # a hit holds a hash: it was free among the cached
+                self.ref_counts[block] += 1
+        num_needed = self._num_blocks_needed(seq, num_hits, max_num_new_tokens)
+        for g, (first, table) in enumerate(zip(firsts, tables)):
+            for i in range(num_ram, num_hits):
+                table.append(HOLE if i < first else self._load_block(seq, i, payloads[g][i - num_ram], g))
+            for _ in range(num_needed - num_hits):
+                table.append(self._pop_free_block(g))
+        self._set_tables(seq, tables)
         seq.num_cached_tokens = num_hits * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         return True
 
-    def _read_disk_blocks(self, seq: Sequence, first: int, num: int) -> list[bytes]:
-        """The K/V bytes of blocks ``first .. first + num - 1`` of ``seq`` from disk, up to the first bad one."""
+    def _read_disk_blocks(self, seq: Sequence, first: int, num: int) -> list[list[bytes]]:
+        """Per group, the K/V bytes of blocks ``first .. first + num - 1`` of ``seq`` from disk, up to the first
+        bad one (the caller uses as many blocks as every group read)."""
         if not num or self.disk is None:
             return []
         hashes = self._block_hashes(seq, first + num)[first:]
-        return self.disk.read_chain(hashes, [tuple(seq.block_tokens(i)) for i in range(first, first + num)])
+        tokens = [tuple(seq.block_tokens(i)) for i in range(first, first + num)]
+        payloads: list[list[bytes]] = []
+        for g in range(self.num_groups):
+            payloads.append(self.disk.read_chain([self._key(h, g) for h in hashes], tokens))
+            if not payloads[-1]:
+                break  # no use reading the other groups
+        return payloads
 
-    def _load_block(self, seq: Sequence, index: int, payload: bytes) -> int:
-        """A fresh block for block ``index`` of ``seq`` that the runner fills with ``payload``, published now
-        (an identical prompt admitted in this same step hits it, as a computed block)."""
-        block = self._pop_free_block()
-        h = self._block_hashes(seq, index + 1)[index]
+    def _load_block(self, seq: Sequence, index: int, payload: bytes, group: int = 0) -> int:
+        """A fresh block of ``group`` for block ``index`` of ``seq`` that the runner fills with ``payload``,
+        published now (an identical prompt admitted in this same step hits it, as a computed block)."""
+        block = self._pop_free_block(group)
+        h = self._key(self._block_hashes(seq, index + 1)[index], group)
         self.block_hash[block] = h
         self.block_token_ids[block] = tuple(seq.block_tokens(index))
         self.hash_to_block[h] = block
@@ -348,12 +468,14 @@ class BlockManager:
             self.num_prefix_queries += len(seq)
             self.num_prefix_hits += seq.num_cached_tokens
 
-    def _shared_write_blocks(self, seq: Sequence) -> list[int]:
-        """Logical indices of shared blocks that the next step writes into."""
+    def _shared_write_blocks(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(group, logical index) of the shared blocks that the next step writes into."""
         first = seq.num_computed_tokens // self.block_size
-        return [i for i in range(first, len(seq.block_table)) if self.ref_counts[seq.block_table[i]] > 1]
+        return [(g, i) for g, table in enumerate(self._tables(seq)) for i in range(first, len(table))
+                if table[i] != HOLE and self.ref_counts[table[i]] > 1]
 
     def _num_blocks_missing(self, seq: Sequence, num_new_tokens: int | None) -> int:
+        """Blocks each group's table lacks for the next ``num_new_tokens`` (None: up to ``len(seq)``)."""
         if num_new_tokens is not None and not 1 <= num_new_tokens <= len(seq) - seq.num_computed_tokens:
             raise ValueError(
                 f"num_new_tokens must be 1..{len(seq) - seq.num_computed_tokens} (the uncomputed tokens), "
@@ -362,19 +484,45 @@ class BlockManager:
         end = len(seq) if num_new_tokens is None else seq.num_computed_tokens + num_new_tokens
         return max(0, -(-end // self.block_size) - len(seq.block_table))
 
+    def num_missing_blocks(self, seq: Sequence) -> int:
+        """Fresh blocks (all groups together) that ``seq`` lacks for slots up to ``len(seq)``."""
+        return max(0, -(-len(seq) // self.block_size) - len(seq.block_table)) * self.num_groups
+
+    def _trim_windows(self, seq: Sequence) -> None:
+        """Give back each window group's blocks that no query from ``num_computed_tokens`` on reads.
+
+        Always safe: the computed length only moves back by ``rollback``,
+        which refuses to go below what these blocks held.
+        """
+        if self.num_groups == 1 and self.group_windows[0] is None:
+            return
+        for g, table in enumerate(self._tables(seq)):
+            if self.group_windows[g] is None:
+                continue
+            first = min(self._first_needed(g, seq.num_computed_tokens), len(table))
+            for i in range(first - 1, _num_holes(table) - 1, -1):
+                self._release(table[i])
+                table[i] = HOLE
+                self.num_window_released += 1
+
     def can_append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
-        """Whether ``append_slot(seq, num_new_tokens)`` would succeed now."""
-        missing = self._num_blocks_missing(seq, num_new_tokens)
+        """Whether ``append_slot(seq, num_new_tokens)`` would succeed now (window blocks left behind go back)."""
+        self._trim_windows(seq)
+        missing = self._num_blocks_missing(seq, num_new_tokens) * self.num_groups
         return missing + len(self._shared_write_blocks(seq)) <= self.num_free_blocks
 
     def num_appendable_tokens(self, seq: Sequence) -> int:
         """Tokens past ``num_computed_tokens`` that ``append_slot`` could give slots to now.
 
-        What the blocks already held and the free blocks cover, less one free
-        block for each shared block in the write range (its copy).
+        What the blocks already held and the free blocks cover (a new
+        logical block takes one block per group), less one free block for
+        each shared block in the write range (its copy). Window blocks left
+        behind go back to the pool first.
         """
+        self._trim_windows(seq)
         shared = len(self._shared_write_blocks(seq))
-        capacity = (len(seq.block_table) + self.num_free_blocks - shared) * self.block_size
+        num_new = max(0, self.num_free_blocks - shared) // self.num_groups
+        capacity = (len(seq.block_table) + num_new) * self.block_size
         return max(0, capacity - seq.num_computed_tokens)
 
     def append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
@@ -382,24 +530,28 @@ class BlockManager:
 
         Called before a step that computes ``num_new_tokens`` tokens of
         ``seq`` from ``num_computed_tokens`` on (None: up to ``len(seq)``;
-        a decode's one token, or the next chunk of a prompt). New blocks are
-        taken past the last one; a shared block in that range is first
-        copied (copy-on-write). Returns False, taking nothing, when the pool
-        is short.
+        a decode's one token, or the next chunk of a prompt). Window groups
+        first give back the blocks no query from here on reads. New blocks
+        are taken past the last one in every group; a shared block in that
+        range is first copied (copy-on-write). Returns False, taking
+        nothing more, when the pool is short.
         """
+        self._trim_windows(seq)
         shared = self._shared_write_blocks(seq)
         missing = self._num_blocks_missing(seq, num_new_tokens)
-        if missing + len(shared) > self.num_free_blocks:
+        if missing * self.num_groups + len(shared) > self.num_free_blocks:
             return False
-        for i in shared:
-            old = seq.block_table[i]
-            new = self._pop_free_block()
+        tables = self._tables(seq)
+        for g, i in shared:
+            old = tables[g][i]
+            new = self._pop_free_block(g)
             self.ref_counts[old] -= 1  # still > 0: others hold it
-            seq.block_table[i] = new
+            tables[g][i] = new
             self._pending_copies.append((old, new))
             self.num_cow_copies += 1
-        for _ in range(missing):
-            seq.block_table.append(self._pop_free_block())
+        for g, table in enumerate(tables):
+            for _ in range(missing):
+                table.append(self._pop_free_block(g))
         return True
 
     def rollback(self, seq: Sequence, num_computed_tokens: int) -> list[int]:
@@ -410,16 +562,24 @@ class BlockManager:
         there, and blocks past ``ceil(num_computed_tokens / block_size)``
         held nothing else, so they go back to the free list (no hash: they
         were never published, ``cache_full_blocks`` stops at the verified
-        token). The sequence then holds exactly the blocks a plain decode
-        would hold.
+        token), in every group. The sequence then holds exactly the blocks a
+        plain decode would hold. A window group's blocks already given back
+        cannot come back: a length whose window reads one is refused.
         """
         if not 0 <= num_computed_tokens <= seq.num_computed_tokens:
             raise ValueError(
                 f"rollback to {num_computed_tokens} tokens: must be 0..{seq.num_computed_tokens} (the computed ones)"
             )
+        tables = self._tables(seq)
+        for g, table in enumerate(tables):
+            if _num_holes(table) > self._first_needed(g, num_computed_tokens):
+                raise ValueError(f"rollback to {num_computed_tokens} tokens: group {g}'s window blocks before "
+                                 f"block {_num_holes(table)} were given back")
         keep = -(-num_computed_tokens // self.block_size)
-        freed = seq.block_table[keep:]
-        del seq.block_table[keep:]
+        freed: list[int] = []
+        for table in tables:
+            freed.extend(table[keep:])
+            del table[keep:]
         for block in reversed(freed):
             self._release(block)
         seq.num_computed_tokens = num_computed_tokens
@@ -428,12 +588,15 @@ class BlockManager:
         return freed
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` share every block of ``parent`` (ref counts go up)."""
-        if child.block_table:
+        """Let ``child`` share every block of ``parent`` in every group (ref counts go up)."""
+        if child.block_table or child.group_tables:
             raise ValueError(f"sequence {child.seq_id} already holds blocks")
-        child.block_table = list(parent.block_table)
-        for block in child.block_table:
-            self.ref_counts[block] += 1
+        tables = [list(table) for table in self._tables(parent)]
+        self._set_tables(child, tables)
+        for table in tables:
+            for block in table:
+                if block != HOLE:
+                    self.ref_counts[block] += 1
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies decided since the last call."""
@@ -450,17 +613,18 @@ class BlockManager:
             return
         num_full = min(num_tokens, len(seq)) // self.block_size
         hashes = self._block_hashes(seq, num_full)
-        for i in range(num_full - 1, -1, -1):
-            block = seq.block_table[i]
-            if self.block_hash[block] is not None:
-                break  # blocks before it were published earlier
-            h = hashes[i]
-            if h in self.hash_to_block:
-                continue  # same content already cached in another block
-            self.block_hash[block] = h
-            self.block_token_ids[block] = tuple(seq.block_tokens(i))
-            self.hash_to_block[h] = block
-            self._unconfirmed.append(block)
+        for g, table in enumerate(self._tables(seq)):
+            for i in range(num_full - 1, -1, -1):
+                block = table[i]
+                if block == HOLE or self.block_hash[block] is not None:
+                    break  # blocks before it were published earlier (or given back)
+                h = self._key(hashes[i], g)
+                if h in self.hash_to_block:
+                    continue  # same content already cached in another block
+                self.block_hash[block] = h
+                self.block_token_ids[block] = tuple(seq.block_tokens(i))
+                self.hash_to_block[h] = block
+                self._unconfirmed.append(block)
 
     def confirm_published(self) -> None:
         """The step planned with the blocks published since the last call has run: they hold their K/V."""
@@ -485,10 +649,13 @@ class BlockManager:
         self._pending_loads.clear()
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; blocks at ref count 0 become free."""
-        for block in reversed(seq.block_table):
-            self._release(block)
+        """Drop the sequence's references in every group; blocks at ref count 0 become free."""
+        for table in self._tables(seq):
+            for block in reversed(table):
+                if block != HOLE:
+                    self._release(block)
         seq.block_table = []
+        seq.group_tables = []
         seq.num_computed_tokens = 0
 
     def take_releasable(self) -> list[tuple[int, int]]:

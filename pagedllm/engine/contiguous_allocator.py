@@ -37,6 +37,7 @@ class ContiguousAllocator:
     """
 
     enable_prefix_caching = False
+    num_groups = 1  # one block table per sequence (no KV cache groups)
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
@@ -117,6 +118,10 @@ class ContiguousAllocator:
     def num_appendable_tokens(self, seq: Sequence) -> int:
         """Tokens past ``num_computed_tokens`` that the reserved run still has slots for."""
         return max(0, len(seq.block_table) * self.block_size - seq.num_computed_tokens)
+
+    def num_missing_blocks(self, seq: Sequence) -> int:
+        """Blocks ``seq`` lacks for slots up to ``len(seq)`` (0 while its reservation covers it)."""
+        return max(0, seq.num_blocks - len(seq.block_table))
 
     def append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
         """The reservation already covers the maximum length (every chunk); a longer sequence cannot grow."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.block_manager import HOLE, BlockManager
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 
@@ -46,10 +46,11 @@ def written_slots(seqs: list[Sequence], block_size: int) -> dict[int, int]:
     """Physical block -> slots written in it (K/V computed), the furthest holder's count."""
     written: dict[int, int] = {}
     for seq in seqs:
-        for i, block in enumerate(seq.block_table):
-            filled = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
-            if filled > written.get(block, -1):
-                written[block] = filled
+        for table in (seq.block_table, *seq.group_tables):  # every KV cache group's
+            for i, block in enumerate(table):
+                filled = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
+                if block != HOLE and filled > written.get(block, -1):
+                    written[block] = filled
     return written
 
 
@@ -72,6 +73,11 @@ def fill_levels(ref_counts: list[int], block_size: int, seqs: list[Sequence]) ->
     )
 
 
+def _group_usage(bm: BlockManager) -> list[int]:
+    """Blocks held per KV cache group (an allocator without groups: all its used blocks, one group)."""
+    return bm.num_used_blocks_per_group() if hasattr(bm, "num_used_blocks_per_group") else [bm.num_used_blocks]
+
+
 def _request_status(seqs: list[Sequence]) -> str:
     if any(s.status == SequenceStatus.RUNNING for s in seqs):
         return "running"
@@ -90,6 +96,7 @@ def _sequence(seq: Sequence) -> dict[str, Any]:
         "num_cached_tokens": seq.num_cached_tokens,
         "num_preemptions": seq.num_preemptions,
         "block_table": list(seq.block_table),
+        "group_tables": [list(t) for t in seq.group_tables],
     }
 
 
@@ -159,6 +166,9 @@ def build_kv_snapshot(
             "cow_copies": bm.num_cow_copies,
             "num_running_seqs": len(scheduler.running),
             "num_waiting_seqs": len(scheduler.waiting),
+            "window_released_blocks": getattr(bm, "num_window_released", 0),
         },
+        "kv_groups": [{"window": w, "used_blocks": n} for w, n in
+                      zip(getattr(bm, "group_windows", (None,)), _group_usage(bm))],
         "memory": None if bytes_per_block is None else kv_memory(bm, bytes_per_block, reserved_bytes or 0),
     }

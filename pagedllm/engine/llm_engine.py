@@ -25,6 +25,7 @@ from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, apply_beam
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
 from pagedllm.engine.inputs import InputProcessor, check_first_token, check_prompt_len
+from pagedllm.engine.kv_groups import model_kv_layout
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -132,11 +133,16 @@ class LLMEngine:
         # the prefix cache on disk (kv_disk/): blocks outlive RAM eviction and restarts; None when off
         self.kv_disk = open_kv_disk_store(config, self.model_config, self.model_runner)
         if config.kv_allocator == "contiguous":
+            if model_kv_layout(self.model_config).num_groups > 1:
+                raise ValueError("kv_allocator='contiguous' holds one block table per sequence; this model's "
+                                 "sliding-window layers need one per KV cache group (use kv_allocator='paged')")
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
             # a longrope model's long prompts rotate their keys their own way: their own prefix-cache chain
+            # one block table per KV cache group: sliding-window groups give back what leaves their window
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
-                                              self.model_config.longrope_switch_len, self.kv_disk)
+                                              self.model_config.longrope_switch_len, self.kv_disk,
+                                              model_kv_layout(self.model_config).windows)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
         self.step_times = StepTimeModel()

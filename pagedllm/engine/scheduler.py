@@ -182,7 +182,7 @@ class Scheduler:
     # --- queue management ----------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (status WAITING, no blocks)."""
-        if seq.block_table:
+        if seq.block_table or seq.group_tables:
             raise ValueError("a new sequence must not hold blocks")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -289,8 +289,10 @@ class Scheduler:
         if not draft_ids:
             return 0
         seq.add_draft_tokens(draft_ids)
-        missing = -(-len(seq) // self.block_manager.block_size) - len(seq.block_table)
-        if missing > self.block_manager.num_free_blocks - num_decodes_left or not self.block_manager.append_slot(seq):
+        missing = self.block_manager.num_missing_blocks(seq)
+        # each decode still to plan may need a block in every KV cache group
+        num_reserved = num_decodes_left * self.block_manager.num_groups
+        if missing > self.block_manager.num_free_blocks - num_reserved or not self.block_manager.append_slot(seq):
             seq.discard_draft_tokens()
             return 0
         return len(draft_ids)

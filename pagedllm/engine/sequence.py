@@ -70,8 +70,10 @@ class Sequence:
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens: int = len(token_ids)
         self.block_size = block_size
-        # logical block i -> physical block id
+        # logical block i -> physical block id (KV cache group 0's)
         self.block_table: list[int] = []
+        # the other KV cache groups' tables, as long as block_table (engine/kv_groups.py); empty with one group
+        self.group_tables: list[list[int]] = []
         # chained hashes of the full blocks, filled lazily by the block manager
         self.block_hashes: list[int] = []
         self.num_computed_tokens: int = 0
@@ -191,6 +193,7 @@ class Sequence:
         """Forget the cache state after preemption; tokens are kept (pending drafts are not: never accepted)."""
         self.discard_draft_tokens()
         self.block_table = []
+        self.group_tables = []
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
@@ -199,5 +202,6 @@ class Sequence:
         return (
             f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table}, "
+            f"{f'group_blocks={self.group_tables}, ' if self.group_tables else ''}"
             f"status={self.status.value})"
         )

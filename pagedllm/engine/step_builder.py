@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.engine.block_manager import HOLE
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.sampling_params import SamplingParams
@@ -40,6 +41,25 @@ def _prompt_scoring(s: ScheduledSequence, params: SamplingParams) -> tuple[int |
         return None, ()
     last = min(first + s.num_new_tokens, prompt_len - 1)  # exclusive
     return params.prompt_logprobs, tuple(s.seq.token_ids[first + 1 : last + 1])
+
+
+def runner_table(seq: Sequence, first: int, held: list[int] | None) -> list[int]:
+    """The table the runner holds of ``seq`` from logical block ``first`` on: its one table, or with KV cache
+    groups their interleaved tables (logical block ``i`` of group ``g`` at ``i * num_groups + g``).
+
+    A window group's hole (a block given back, ``block_manager.HOLE``) is never read for a result (the
+    attention masks it): the runner keeps the block it holds there (``held``), or reads block 0.
+    """
+    if not seq.group_tables and not (seq.block_table and seq.block_table[0] == HOLE):
+        return seq.block_table[first:]  # one table and no hole (holes are a prefix)
+    tables = [seq.block_table, *seq.group_tables]
+    num_groups = len(tables)
+    flat = [t[i] for i in range(first, len(seq.block_table)) for t in tables]
+    for j, block in enumerate(flat):
+        if block == HOLE:
+            k = first * num_groups + j
+            flat[j] = held[k] if held is not None and k < len(held) else 0
+    return flat
 
 
 @dataclass(slots=True)
@@ -181,7 +201,7 @@ class StepRecordBuilder:
     def _send_whole(self, s: ScheduledSequence, spec: SamplingSpec) -> NewSequence:
         """Remember ``s``'s sequence as held by the runner, and the record that sends it whole."""
         seq, end = s.seq, s.num_computed_tokens + s.num_new_tokens
-        table = list(seq.block_table)
+        table = runner_table(seq, 0, None)
         self._sent[seq.seq_id] = _Sent(seq, seq.num_preemptions, end, table)
         return NewSequence(seq.seq_id, seq.request_id, tuple(seq.token_ids[:end]), seq.num_prompt_tokens,
                            tuple(table), spec)
@@ -194,8 +214,20 @@ class StepRecordBuilder:
         if end > sent.num_tokens:
             token_ids = tuple(seq.token_ids[sent.num_tokens : end])
             sent.num_tokens = end
-        current, held = seq.block_table, sent.block_table
+        held = sent.block_table
         num_held = len(held)
+        if seq.group_tables or (seq.block_table and seq.block_table[0] == HOLE):
+            # only blocks from the first one this step writes can have changed (holes aside): compare from there
+            num_groups = 1 + len(seq.group_tables)
+            first = min(num_held, s.num_computed_tokens // seq.block_size * num_groups)
+            tail = runner_table(seq, first // num_groups, held)
+            if tail[: num_held - first] == held[first:]:
+                added = tuple(tail[num_held - first :])
+                held.extend(added)
+                return token_ids, added, None
+            current = runner_table(seq, 0, held)
+        else:
+            current = seq.block_table
         if current == held:
             return token_ids, (), None
         if len(current) >= num_held and current[:num_held] == held:

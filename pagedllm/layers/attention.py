@@ -82,6 +82,14 @@ class AttentionMetadata:
     num_computed: list[int]  # [num_seqs]: tokens whose K/V was cached before this step
     num_prefills: int  # sequences [0, num_prefills) are prefills
     block_size: int
+    # KV cache groups (engine/kv_groups.py): each group's own metadata (its block tables and slots), and the
+    # group of each layer; None: one group, this metadata itself
+    group_metas: tuple[AttentionMetadata, ...] | None = None
+    layer_groups: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer ``layer`` reads: its KV cache group's."""
+        return self if self.group_metas is None else self.group_metas[self.layer_groups[layer]]
 
     def __post_init__(self) -> None:
         # checked once per step, here, rather than in every layer: native
@@ -118,6 +126,13 @@ class DecodeMetadata:
     block_size: int
     num_prefills: ClassVar[int] = 0
     first_decode_token: ClassVar[int] = 0
+    # KV cache groups: each group's own metadata and each layer's group (AttentionMetadata's)
+    group_metas: tuple[DecodeMetadata, ...] | None = None
+    layer_groups: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> DecodeMetadata:
+        """The metadata layer ``layer`` reads: its KV cache group's."""
+        return self if self.group_metas is None else self.group_metas[self.layer_groups[layer]]
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -303,8 +303,8 @@ class CausalLM(NativeOpsMixin, nn.Module):
         """
         x = self.model.embed(input_ids)
         tables = self.model.rotary.cos_sin(positions, x.dtype)  # looked up once per step for all layers
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(tables.get(layer.rope_table), x, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            x = layer(tables.get(layer.rope_table), x, kv_cache, meta.for_layer(i))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

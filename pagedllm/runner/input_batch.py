@@ -13,12 +13,17 @@ and grow when a step needs more room:
                      factors (``rope_rows``, ``layers/rotary.py``'s ``longrope_rows``)
 
 The slot formula is ``block_table.batch_slot_mapping``, the one place it is
-written. The tensors handed out share memory with the buffers (on the CPU),
+written. With KV cache groups (``engine/kv_groups.py``) a sequence's table
+interleaves its groups' tables (logical block ``i`` of group ``g`` at entry
+``i * num_groups + g``, as ``engine/step_builder.py`` sends it); each group
+gets its own tables, slots and metadata (``AttentionMetadata.group_metas``). The tensors handed out share memory with the buffers (on the CPU),
 so they are valid until the next ``build``: the runner uses them within one
 step.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -37,9 +42,13 @@ class InputBatch:
         device: where the tensors go (CPU: views of the buffers; other devices: copies).
         longrope_switch_len: the model's RoPE tables hold longrope's short and long rows, the long ones
             for sequences past this length (``RotaryTables.switch_len``); None: a token's row is its position.
+        layer_groups: each layer's KV cache group (``KVCacheLayout.layer_slot``); empty: one group.
     """
 
-    def __init__(self, block_size: int, device: torch.device, longrope_switch_len: int | None = None) -> None:
+    def __init__(self, block_size: int, device: torch.device, longrope_switch_len: int | None = None,
+                 layer_groups: tuple[int, ...] = ()) -> None:
+        self.layer_groups = layer_groups
+        self.num_groups = max(layer_groups, default=0) + 1
         self.block_size = block_size
         self.device = device
         self.longrope_switch_len = longrope_switch_len
@@ -75,11 +84,12 @@ class InputBatch:
         num_new = [s.num_new_tokens for s in steps]
         seq_lens = [s.seq_len for s in steps]
         max_blocks = max(len(s.block_table) for s in steps)
+        num_groups = self.num_groups
         for s in steps:
-            if s.num_computed_tokens < 0 or s.seq_len > len(s.block_table) * bs:
+            if s.num_computed_tokens < 0 or s.seq_len > len(s.block_table) // num_groups * bs:
                 raise ValueError(
                     f"token range [{s.num_computed_tokens}, {s.seq_len}) does not fit "
-                    f"{len(s.block_table)} blocks of {bs}"
+                    f"{len(s.block_table) // num_groups} blocks of {bs}"
                 )
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=query_start_loc[1:])
@@ -95,9 +105,13 @@ class InputBatch:
         input_ids[:] = np.fromiter((t for s in steps for t in s.token_ids), dtype=np.int64, count=num_tokens)
         seq_index = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
         np.add(np.arange(num_tokens), np.repeat(np.asarray(num_computed) - query_start_loc[:-1], num_new), out=positions)
-        slots[:] = batch_slot_mapping(tables, seq_index, positions, bs)
         lens = self._seq_lens[:num_seqs]
         lens[:] = seq_lens
+        if num_groups > 1:
+            meta = self._group_meta(tables, seq_index, positions, query_start_loc.tolist(), seq_lens, num_computed,
+                                    sum(1 for n in num_new if n > 1), lens)
+            return self._tensor(input_ids), self._tensor(positions), meta
+        slots[:] = batch_slot_mapping(tables, seq_index, positions, bs)
 
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
@@ -110,6 +124,24 @@ class InputBatch:
             block_size=bs,
         )
         return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _group_meta(self, tables: np.ndarray, seq_index: np.ndarray, positions: np.ndarray, query_start_loc: list[int],
+                    seq_lens: list[int], num_computed: list[int], num_prefills: int, lens: np.ndarray,
+                    ) -> AttentionMetadata:
+        """The metadata of a step with several KV cache groups: group 0's, holding every group's (new arrays:
+        a step of such a model builds a few more of them than a one-group step)."""
+        bs, num_groups = self.block_size, self.num_groups
+        seq_lens_tensor = self._tensor(lens)
+        metas: list[AttentionMetadata] = []
+        for g in range(num_groups):
+            group_tables = np.ascontiguousarray(tables[:, g::num_groups])  # [num_seqs, max_blocks / num_groups]
+            metas.append(AttentionMetadata(
+                slot_mapping=self._tensor(batch_slot_mapping(group_tables, seq_index, positions, bs)),
+                block_tables=self._tensor(group_tables), seq_lens_tensor=seq_lens_tensor,
+                query_start_loc=query_start_loc, seq_lens=seq_lens, num_computed=num_computed,
+                num_prefills=num_prefills, block_size=bs,
+            ))
+        return dataclasses.replace(metas[0], group_metas=tuple(metas), layer_groups=self.layer_groups)
 
     def rope_rows(self, steps: list[SequenceStep], positions: torch.Tensor) -> torch.Tensor:
         """The RoPE table row of each token of the step ``build`` just built: ``positions`` itself, but for a
@@ -138,8 +170,12 @@ def as_decode_rows(meta: AttentionMetadata, positions: torch.Tensor) -> Attentio
                                                      1       10        11       T
                                                      2       11        12       T
 
-    ``positions`` is the step's ``[num_tokens]`` tensor; the slots are the step's own.
+    ``positions`` is the step's ``[num_tokens]`` tensor; the slots are the step's own (each KV cache
+    group's: its own rows, the same way).
     """
+    if meta.group_metas is not None:
+        groups = tuple(as_decode_rows(dataclasses.replace(g, group_metas=None), positions) for g in meta.group_metas)
+        return dataclasses.replace(groups[0], group_metas=groups, layer_groups=meta.layer_groups)
     num_new = torch.tensor([b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])])  # [num_seqs]
     tables = meta.block_tables.repeat_interleave(num_new.to(meta.block_tables.device), dim=0)  # [num_tokens, width]
     seq_lens_tensor = positions + 1  # [num_tokens]

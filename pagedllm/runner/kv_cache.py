@@ -5,6 +5,9 @@
     kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
     layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
 
+A model with sliding-window layers has KV cache groups (``engine/kv_groups.py``): the second dimension
+holds ``num_rows`` rows, and layer ``i`` uses row ``layer_slot(i)[1]`` in the blocks of its group's table.
+
 A model whose layers differ in kv heads or head size (Gemma 4's global
 layers) has one shape for all: the most kv heads and the largest head any
 layer has (``ModelArchConfig.cache_kv_heads`` / ``cache_head_dim``); a
@@ -46,6 +49,7 @@ import mmap
 
 import torch
 
+from pagedllm.engine.kv_groups import model_kv_layout
 from pagedllm.layers.kv_quant import (
     INT4_SCALE_BYTES,
     INT8_SCALE_BYTES,
@@ -74,11 +78,12 @@ def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V (an int8 / int4 cache's scales included)."""
+    """Bytes one block takes across its rows (every layer, or a KV cache group's), K and V (an int8 / int4 cache's
+    scales included)."""
     mc = model_config
     elem = torch.tensor([], dtype=dtype).element_size()
     width = cache_head_width(mc.cache_head_dim, dtype)
-    return 2 * mc.num_hidden_layers * block_size * mc.cache_kv_heads * width * elem
+    return 2 * model_kv_layout(mc).num_rows * block_size * mc.cache_kv_heads * width * elem
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -96,17 +101,24 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def allocate_kv_cache(
     model_config: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written)."""
+    """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written).
+
+    With KV cache groups (``engine/kv_groups.py``) the layer dimension holds one group's rows, and layer ``i``
+    views the row ``model_kv_layout(mc).layer_slot(i)`` names: layers of different groups share a row's tensor
+    and write disjoint blocks of it (their groups' block tables never hold the same block at once).
+    """
     mc = model_config
-    # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes: int8;
-    #  head_dim / 2 + 4 bytes: int4)]
-    shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.cache_kv_heads,
+    layout = model_kv_layout(mc)
+    # [2 (K, V), num_rows (num_layers without groups), num_kv_blocks, block_size, num_kv_heads,
+    #  head_dim (+ 4 scale bytes: int8; head_dim / 2 + 4 bytes: int4)]
+    shape = (2, layout.num_rows, num_blocks, block_size, mc.cache_kv_heads,
              cache_head_width(mc.cache_head_dim, dtype))
     if device.type == "cpu":
         kv_cache = _lazy_zeros(shape, dtype)
     else:
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-    return kv_cache, [(kv_cache[0, i], kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
+    rows = [layout.layer_slot(i)[1] for i in range(mc.num_hidden_layers)]
+    return kv_cache, [(kv_cache[0, r], kv_cache[1, r]) for r in rows]
 
 
 def release_kv_blocks(kv_cache: torch.Tensor, ranges: list[tuple[int, int]]) -> int:

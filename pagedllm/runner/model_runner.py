@@ -12,6 +12,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.device_memory import available_memory_bytes
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
+from pagedllm.engine.kv_groups import model_kv_layout
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
@@ -146,7 +147,11 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         # a longrope model's tokens look up the short or the long rows of its RoPE table (layers/rotary.py)
-        self.input_batch = InputBatch(self.block_size, self.device, self.model.model.rotary.switch_len)
+        # KV cache groups (engine/kv_groups.py): sliding-window layers read their group's block tables
+        self.kv_layout = model_kv_layout(model_config)
+        layer_groups = tuple(self.kv_layout.layer_slot(i)[0] for i in range(model_config.num_hidden_layers))
+        self.input_batch = InputBatch(self.block_size, self.device, self.model.model.rotary.switch_len,
+                                      layer_groups if self.kv_layout.num_groups > 1 else ())
         # every sequence's tokens, block table and sampling settings, kept from the incremental records
         self.sequence_states = SequenceStates()
         # decode steps run from an FX trace of the model's own forward (runner/capture/captured_decode.py),
@@ -203,6 +208,7 @@ class ModelRunner:
             self.model, self.kv_cache, self.kv_caches, min(config.max_num_seqs * rows_per_seq, MAX_CAPTURED_ROWS),
             self.block_size, -(-config.max_model_len // self.block_size),
             native_programs=self.native_ops is not None,
+            layer_groups=self.input_batch.layer_groups,
             shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
             # tensor-parallel ranks all trace at the first decode step, so none waits in a collective
             armed=config.capture_min_decode_steps == 0 or self.tp is not None,

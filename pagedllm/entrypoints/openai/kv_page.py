@@ -52,6 +52,9 @@ class KVSequence(BaseModel):
     num_cached_tokens: int = Field(description="prompt tokens found in the prefix cache at admission")
     num_preemptions: int
     block_table: list[int] = Field(description="logical block i -> physical block id; empty while waiting")
+    group_tables: list[list[int]] = Field(
+        default=[], description="the other KV cache groups' tables (KV group 1 on), -1 where a window group gave "
+                                "a block back; empty for a model with one group")
 
 
 class KVRequest(BaseModel):
@@ -78,6 +81,8 @@ class KVCounters(BaseModel):
     cow_copies: int = Field(description="copy-on-write block copies so far")
     num_running_seqs: int
     num_waiting_seqs: int
+    window_released_blocks: int = Field(
+        default=0, description="blocks sliding-window KV cache groups gave back as they left every window")
 
 
 class KVMemory(BaseModel):
@@ -90,6 +95,13 @@ class KVMemory(BaseModel):
         "while requests still run; an idle server keeps only its cached prefixes)"
     )
     resident_bytes: int = Field(description="resident_blocks * bytes_per_block, as pagedllm:kv_cache_resident_bytes")
+
+
+class KVGroup(BaseModel):
+    """One KV cache group (engine/kv_groups.py): layers sharing a block table per sequence."""
+
+    window: int | None = Field(description="the group's sliding window in tokens; null: full attention")
+    used_blocks: int = Field(description="blocks the group's tables hold now")
 
 
 class KVState(BaseModel):
@@ -106,6 +118,7 @@ class KVState(BaseModel):
     requests: list[KVRequest]
     counters: KVCounters
     memory: KVMemory
+    kv_groups: list[KVGroup] = Field(default=[], description="each KV cache group's window and blocks held")
 
 
 def page_html() -> bytes:

@@ -87,8 +87,11 @@ class CapturedDecode:
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_rows: int, block_size: int, max_width: int, native_programs: bool = False,
-        shared: tuple[torch.Tensor, ...] = (), armed: bool = True,
+        shared: tuple[torch.Tensor, ...] = (), armed: bool = True, layer_groups: tuple[int, ...] = (),
     ) -> None:
+        # KV cache groups (engine/kv_groups.py): each group's slots and tables are inputs of their own
+        self.layer_groups = layer_groups
+        self.num_groups = max(layer_groups, default=0) + 1
         self.model = model
         self.kv_caches = kv_caches
         self.max_rows = max_rows
@@ -128,6 +131,9 @@ class CapturedDecode:
                 logger.warning("decode steps cannot be captured, running the model directly: %s", e)
                 return self.model(input_ids, positions, self.kv_caches, meta)
         inputs = [input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_tensor]
+        if meta.group_metas is not None:
+            for group in meta.group_metas[1:]:
+                inputs += [group.slot_mapping, group.block_tables]
         return graph.replay(inputs, rows)
 
     def warm_up(self) -> None:
@@ -149,17 +155,24 @@ class CapturedDecode:
         w = max(self.max_width, _TRACE_ROWS) + (1 if max(self.max_width, _TRACE_ROWS) == n else 0)
         zeros = torch.zeros(n, dtype=torch.int64)  # [n]
         example = [zeros, zeros.clone(), zeros.clone(), torch.zeros(n, w, dtype=torch.int64), zeros + 1]
-        model, kv_caches, block_size = self.model, self.kv_caches, self.block_size
+        for _ in range(self.num_groups - 1):  # each further KV cache group's slots and tables
+            example += [zeros.clone(), torch.zeros(n, w, dtype=torch.int64)]
+        model, kv_caches, block_size, layer_groups = self.model, self.kv_caches, self.block_size, self.layer_groups
 
-        def step(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor) -> torch.Tensor:  # a plain function: make_fx counts a method's self
-            return model(ids, pos, kv_caches, DecodeMetadata(slots, tables, lens, block_size))
+        def step(*inputs: torch.Tensor) -> torch.Tensor:  # a plain function: make_fx counts a method's self
+            ids, pos, slots, tables, lens, *extra = inputs
+            meta = DecodeMetadata(slots, tables, lens, block_size)
+            if extra:
+                groups = [meta, *(DecodeMetadata(extra[i], extra[i + 1], lens, block_size)
+                                  for i in range(0, len(extra), 2))]
+                meta = DecodeMetadata(slots, tables, lens, block_size, tuple(groups), layer_groups)
+            return model(ids, pos, kv_caches, meta)
 
         gm = trace(step, example)
         self.num_traces += 1
         check_constants(gm, self._owned)
         dims = input_symbols(gm)
-        if len(dims) != 5 or isinstance(dims[0][0], int) or any(d[0] != dims[0][0] for d in dims):
+        if len(dims) != 3 + 2 * self.num_groups or isinstance(dims[0][0], int) or any(d[0] != dims[0][0] for d in dims):
             raise CaptureError("the trace fixed the step's row count")
         row_symbol = dims[0][0]
         width = dims[3][1]
@@ -174,7 +187,10 @@ class CapturedDecode:
             hi += 1
         inputs = [torch.zeros(hi, dtype=torch.int64) for _ in range(3)]  # [hi]: ids, positions, slots
         tables = torch.zeros(hi, self.max_width, dtype=torch.int64)  # [hi, max_width]
-        graph = lower(gm, [*inputs, tables, torch.ones(hi, dtype=torch.int64)], row_symbol,
-                      {**bindings, row_symbol: hi}, list(range(lo, hi + 1)), self.native_programs)
+        inputs += [tables, torch.ones(hi, dtype=torch.int64)]
+        for _ in range(self.num_groups - 1):
+            inputs += [torch.zeros(hi, dtype=torch.int64), torch.zeros(hi, self.max_width, dtype=torch.int64)]
+        graph = lower(gm, inputs, row_symbol, {**bindings, row_symbol: hi}, list(range(lo, hi + 1)),
+                      self.native_programs)
         self.graphs[(lo, hi)] = graph
         return graph

@@ -1,0 +1,74 @@
+"""KV cache groups end to end: a tiny Gemma 3 (window 8, blocks of 4) gives back its out-of-window blocks
+and still decodes transformers' greedy tokens, with chunked prompts, n=2 forks and preemption.
+
+Its 5 layers (sliding, full, sliding, sliding, full) make 3 groups of 2 rows (engine/kv_groups.py): full
+(1, 4), window (0, 2), window (3, padded). The oracle is transformers' own cache (``hf_greedy``); the
+block counts follow from the rule that a window group gives back a block once every key in it lies
+before ``num_computed_tokens - 8 + 1``. Long prompts, prefix hits and each backend are covered against
+transformers in tests/models/test_gemma3_sliding_window.py, which runs with the groups too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import TINY_WINDOW, hf_greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.kv_groups import model_kv_layout
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def gemma3(window_dirs: dict[str, str]):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    return window_dirs["gemma3"], AutoModelForCausalLM.from_pretrained(
+        window_dirs["gemma3"], dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+def test_window_groups_give_back_blocks_and_keep_the_tokens(gemma3) -> None:  # noqa: ANN001
+    path, hf = gemma3
+    # eager: captured steps with groups are tests/models/test_gemma3_sliding_window.py's (a trace costs seconds)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, block_size=BS, max_num_batched_tokens=6, enforce_eager=True)
+    engine = llm.llm_engine
+    layout = model_kv_layout(engine.model_config)
+    assert layout.windows == (None, TINY_WINDOW, TINY_WINDOW) and layout.num_rows == 2
+    assert engine.model_runner.kv_cache.shape[1] == 2  # the pool's rows: one group's, not 5 layers
+    prompt = _prompts([5], seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 40)
+    # the last step computes position 43: a window group gives back blocks 0..(43 - 8 + 1) // 4 - 1
+    bm = engine.block_manager
+    assert bm.num_window_released == 2 * ((43 - TINY_WINDOW + 1) // BS)
+    # at most: the full group's 11 blocks (44 tokens), each window group the blocks of keys
+    # c - 7 .. c + 5 (a chunk of 6): 5 blocks; without groups 3 x 11
+    assert engine.peak_used_blocks <= 11 + 2 * 5
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.slow
+def test_window_groups_fork_n2_and_preempt(gemma3) -> None:  # noqa: ANN001
+    path, hf = gemma3
+    # one request of 41 + 2 x 24 tokens ends holding 10 shared + 2 x 7 full-group blocks and about 2 x 2 x 3
+    # window blocks (36); 40 blocks cannot hold the three at once
+    llm = LLM(path, num_kv_blocks=40, max_model_len=128, block_size=BS, max_num_batched_tokens=16,
+              enforce_eager=True)
+    prompts = _prompts([37, 30, 41], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(hf, prompt, 24)
+        assert [o.token_ids for o in out.outputs] == [expected, expected]
+    engine = llm.llm_engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
