@@ -114,7 +114,7 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     peak_resident = runner.kv_resident_bytes
     timeline = {"t": [], "written": [], "empty": [], "free": [], "running": []}
     wastes: list[float] = []
-    # blocks held per KV cache group at the step that held the most (engine/kv_groups.py; one group without windows)
+    # blocks held per KV cache group at the step that held the most (kv_groups.py; one group without windows)
     peak_group_blocks: list[int] = [0] * getattr(pool, "num_groups", 1)
     num_out = 0
     start = time.perf_counter()

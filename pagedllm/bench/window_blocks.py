@@ -4,7 +4,7 @@ No weights: the block manager (``engine/block_manager.py``) runs one sequence
 of the real configs' shape through its steps, as the scheduler would (a
 prompt in chunks of ``max_num_batched_tokens``, then decodes), once with one
 group of every layer (the window only a mask: every block kept) and once with
-the KV cache groups of ``engine/kv_groups.py`` (out-of-window blocks given
+the KV cache groups of ``kv_groups.py`` (out-of-window blocks given
 back). Blocks of the two differ in size (a block holds a group's rows, not
 every layer's), so the table also gives bytes: ``blocks x rows x`` one row's K
 and V at bfloat16.
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.kv_groups import KVCacheLayout, kv_cache_layout
 from pagedllm.engine.sequence import Sequence
+from pagedllm.kv_groups import KVCacheLayout, kv_cache_layout
 
 NUM_DECODE_TOKENS = 256  # the context ends with this many decodes after the prompt
 

@@ -51,7 +51,7 @@ The copies are recorded as (source, destination) pairs; the model runner
 copies the K/V data inside the cache tensor before the step runs. Full blocks
 are never written again, so they are never copied.
 
-KV cache groups (``engine/kv_groups.py``). A model with sliding-window layers
+KV cache groups (``kv_groups.py``). A model with sliding-window layers
 splits its layers into groups, and a sequence holds one block table per group
 (``seq.block_table`` is group 0's, ``seq.group_tables`` the others'). Every
 group takes its blocks from the one free list above, so the ref counts, the

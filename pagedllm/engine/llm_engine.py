@@ -25,7 +25,6 @@ from pagedllm.engine.beam_search import BeamSearch, BeamSearchParams, apply_beam
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.contiguous_allocator import ContiguousAllocator
 from pagedllm.engine.inputs import InputProcessor, check_first_token, check_prompt_len
-from pagedllm.engine.kv_groups import model_kv_layout
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -33,6 +32,7 @@ from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
 from pagedllm.engine.step_builder import StepRecordBuilder
 from pagedllm.kv_disk.open_store import open_kv_disk_store
+from pagedllm.kv_groups import model_kv_layout
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.generation_defaults import load_generation_defaults
 from pagedllm.loader.tokenizer import Tokenizer

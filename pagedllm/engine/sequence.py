@@ -72,7 +72,7 @@ class Sequence:
         self.block_size = block_size
         # logical block i -> physical block id (KV cache group 0's)
         self.block_table: list[int] = []
-        # the other KV cache groups' tables, as long as block_table (engine/kv_groups.py); empty with one group
+        # the other KV cache groups' tables, as long as block_table (kv_groups.py); empty with one group
         self.group_tables: list[list[int]] = []
         # chained hashes of the full blocks, filled lazily by the block manager
         self.block_hashes: list[int] = []

@@ -82,7 +82,7 @@ class AttentionMetadata:
     num_computed: list[int]  # [num_seqs]: tokens whose K/V was cached before this step
     num_prefills: int  # sequences [0, num_prefills) are prefills
     block_size: int
-    # KV cache groups (engine/kv_groups.py): each group's own metadata (its block tables and slots), and the
+    # KV cache groups (kv_groups.py): each group's own metadata (its block tables and slots), and the
     # group of each layer; None: one group, this metadata itself
     group_metas: tuple[AttentionMetadata, ...] | None = None
     layer_groups: tuple[int, ...] = ()

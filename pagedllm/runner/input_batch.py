@@ -13,7 +13,7 @@ and grow when a step needs more room:
                      factors (``rope_rows``, ``layers/rotary.py``'s ``longrope_rows``)
 
 The slot formula is ``block_table.batch_slot_mapping``, the one place it is
-written. With KV cache groups (``engine/kv_groups.py``) a sequence's table
+written. With KV cache groups (``kv_groups.py``) a sequence's table
 interleaves its groups' tables (logical block ``i`` of group ``g`` at entry
 ``i * num_groups + g``, as ``engine/step_builder.py`` sends it); each group
 gets its own tables, slots and metadata (``AttentionMetadata.group_metas``). The tensors handed out share memory with the buffers (on the CPU),

@@ -5,7 +5,7 @@
     kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
     layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
 
-A model with sliding-window layers has KV cache groups (``engine/kv_groups.py``): the second dimension
+A model with sliding-window layers has KV cache groups (``kv_groups.py``): the second dimension
 holds ``num_rows`` rows, and layer ``i`` uses row ``layer_slot(i)[1]`` in the blocks of its group's table.
 
 A model whose layers differ in kv heads or head size (Gemma 4's global
@@ -49,7 +49,7 @@ import mmap
 
 import torch
 
-from pagedllm.engine.kv_groups import model_kv_layout
+from pagedllm.kv_groups import model_kv_layout
 from pagedllm.layers.kv_quant import (
     INT4_SCALE_BYTES,
     INT8_SCALE_BYTES,
@@ -103,7 +103,7 @@ def allocate_kv_cache(
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written).
 
-    With KV cache groups (``engine/kv_groups.py``) the layer dimension holds one group's rows, and layer ``i``
+    With KV cache groups (``kv_groups.py``) the layer dimension holds one group's rows, and layer ``i``
     views the row ``model_kv_layout(mc).layer_slot(i)`` names: layers of different groups share a row's tensor
     and write disjoint blocks of it (their groups' block tables never hold the same block at once).
     """

@@ -12,7 +12,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.device_memory import available_memory_bytes
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
-from pagedllm.engine.kv_groups import model_kv_layout
+from pagedllm.kv_groups import model_kv_layout
 from pagedllm.layers.attention import AttentionMetadata, make_backend
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
@@ -147,7 +147,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         # a longrope model's tokens look up the short or the long rows of its RoPE table (layers/rotary.py)
-        # KV cache groups (engine/kv_groups.py): sliding-window layers read their group's block tables
+        # KV cache groups (kv_groups.py): sliding-window layers read their group's block tables
         self.kv_layout = model_kv_layout(model_config)
         layer_groups = tuple(self.kv_layout.layer_slot(i)[0] for i in range(model_config.num_hidden_layers))
         self.input_batch = InputBatch(self.block_size, self.device, self.model.model.rotary.switch_len,

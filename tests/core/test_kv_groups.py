@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.engine.block_manager import HOLE, BlockManager
-from pagedllm.engine.kv_groups import kv_cache_layout
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.kv_groups import kv_cache_layout
 
 BS = 4
 

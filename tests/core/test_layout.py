@@ -53,7 +53,7 @@ ALLOWED = {
 # pooling type, normalisation and dimensions, a field of the engine config
 DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
                 "step_result", "block_table", "cache_dir", "step_time", "device_memory", "expert_counts",
-                "thinking_budget", "pooler_config"}
+                "thinking_budget", "pooler_config", "kv_groups"}
 # the packages a top-level data module may import: plain Python that itself imports only these (and data
 # modules). Every package imports the data modules, so a data module importing anything higher (the runner,
 # the engine) would be an import running back up the layers. resolved_config alone also reads the machine

@@ -2,7 +2,7 @@
 
 The tiny models have a window of 8 tokens (``conftest.TINY_WINDOW``) and
 blocks of 4, so prompts and generations run well past the window and whole
-blocks fall out of it (window KV cache groups give them back: engine/kv_groups.py). Gemma 3's
+blocks fall out of it (window KV cache groups give them back: kv_groups.py). Gemma 3's
 tiny config has both kinds of layer, linear RoPE scaling on its global
 layers, a final logit softcap and a score softcap (which transformers'
 Gemma 3 ignores, and so must we); it is untied, "gemma3_tied" tied.

@@ -1,7 +1,7 @@
 """KV cache groups end to end: a tiny Gemma 3 (window 8, blocks of 4) gives back its out-of-window blocks
 and still decodes transformers' greedy tokens, with chunked prompts, n=2 forks and preemption.
 
-Its 5 layers (sliding, full, sliding, sliding, full) make 3 groups of 2 rows (engine/kv_groups.py): full
+Its 5 layers (sliding, full, sliding, sliding, full) make 3 groups of 2 rows (kv_groups.py): full
 (1, 4), window (0, 2), window (3, padded). The oracle is transformers' own cache (``hf_greedy``); the
 block counts follow from the rule that a window group gives back a block once every key in it lies
 before ``num_computed_tokens - 8 + 1``. Long prompts, prefix hits and each backend are covered against
@@ -17,7 +17,7 @@ import torch
 from conftest import TINY_WINDOW, hf_greedy
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.kv_groups import model_kv_layout
+from pagedllm.kv_groups import model_kv_layout
 
 BS = 4
 

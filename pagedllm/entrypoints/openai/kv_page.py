@@ -98,7 +98,7 @@ class KVMemory(BaseModel):
 
 
 class KVGroup(BaseModel):
-    """One KV cache group (engine/kv_groups.py): layers sharing a block table per sequence."""
+    """One KV cache group (kv_groups.py): layers sharing a block table per sequence."""
 
     window: int | None = Field(description="the group's sliding window in tokens; null: full attention")
     used_blocks: int = Field(description="blocks the group's tables hold now")

@@ -89,7 +89,7 @@ class CapturedDecode:
         max_rows: int, block_size: int, max_width: int, native_programs: bool = False,
         shared: tuple[torch.Tensor, ...] = (), armed: bool = True, layer_groups: tuple[int, ...] = (),
     ) -> None:
-        # KV cache groups (engine/kv_groups.py): each group's slots and tables are inputs of their own
+        # KV cache groups (kv_groups.py): each group's slots and tables are inputs of their own
         self.layer_groups = layer_groups
         self.num_groups = max(layer_groups, default=0) + 1
         self.model = model
