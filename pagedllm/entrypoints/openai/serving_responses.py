@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 
 from pagedllm.engine.protocol import EngineDeadError, EngineStepError, RequestStream
-from pagedllm.entrypoints.openai.engine_errors import engine_failure, server_error, to_api_error
+from pagedllm.entrypoints.openai.engine_errors import engine_failure, server_error
 from pagedllm.entrypoints.openai.json_response import OpenAIJSONResponse
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -48,9 +48,7 @@ from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.sse import sse_response, watch_disconnect
-from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, ToolParser
-from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +92,10 @@ class OpenAIServingResponses:
     ) -> tuple[RequestStream, ToolParser | ReplyParser | None]:
         """Check and queue the chat request as the chat route does; its stream and the parser of its output."""
         chat = self.chat
-        try:
-            chat._check_servable(creq)  # the chat route's own checks (a template, auto tool choice)
-            tools: ToolSpec = await asyncio.to_thread(creq.tool_spec, chat.grammar_limits)
-            params = creq.to_sampling_params(tools, chat.default_max_tokens, chat.sampling_defaults)
-            params.output_kind = RequestOutputKind.DELTA  # both answers read the output step by step
-            if chat.harmony:
-                chat._harmony_params(params, tools)
-            await chat.compile_constraint(params, creq.constraint_param, request)
-            messages = creq.template_messages()
+        try:  # the chat route's own checks, defaults and rendering; its errors named as Responses names them
+            params, tools, encoded = await chat.prepare(creq, request, delta=True)  # both answers read step by step
         except APIError as e:
             raise _renamed(e) from e
-        try:
-            if chat.harmony:
-                encoded = await chat._harmony_prompt(messages, tools, creq.reasoning_effort, params)
-            else:
-                encoded = await chat.prompts.chat(messages, True, params, tools.template_tools(),
-                                                  creq.chat_template_kwargs)
-        except Exception as e:
-            raise _renamed(to_api_error(e, "input")) from e
         sub = await chat.add_requests(rid, [encoded], params, "input")
         parser: ToolParser | ReplyParser | None
         if chat.reasoning_parser is not None:
