@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.protocol import (
     describe_validation_error,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers import ReplyParser
+from pagedllm.entrypoints.openai.response_input_items import DEFAULT_LIMIT, give_ids, list_page
 from pagedllm.entrypoints.openai.response_items import (
     ResponseItemError,
     new_item_id,
@@ -178,7 +179,8 @@ class OpenAIServingResponses:
 
     def _keep(self, state: _ResponseState, body: dict[str, Any]) -> None:
         if state.req.store:
-            self.store.put(body["id"], body, state.conversation + state.output_items())
+            give_ids(state.conversation)  # the input items' ids, fixed once for GET .../input_items
+            self.store.put(body["id"], body, state.conversation + state.output_items(), len(state.conversation))
 
     def _stored(self, response_id: str, param: str | None) -> StoredResponse:
         """The stored response, or a 404 saying why it may be missing (``param``: the request field naming it)."""
@@ -193,6 +195,14 @@ class OpenAIServingResponses:
     def get(self, response_id: str) -> dict[str, Any]:
         """A stored response's body; 404 when it is not (or no longer) stored."""
         return self._stored(response_id, None).body
+
+    def input_items(
+        self, response_id: str, order: str, limit: int, after: str | None, before: str | None
+    ) -> dict[str, Any]:
+        """A page of the input items a stored response was generated from (``response_input_items.py``); 404
+        when it is not stored, 400 for a bad order, limit or cursor."""
+        entry = self._stored(response_id, None)
+        return list_page(entry.conversation[: entry.num_input_items], order, limit, after, before)
 
     def delete(self, response_id: str) -> dict[str, Any]:
         """Forget a stored response; 404 when it is not stored."""
@@ -307,7 +317,8 @@ def _renamed(e: APIError) -> APIError:
 
 
 def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, settings: ServerSettings) -> None:
-    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}`` (``app.state.responses``);
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``, ``GET
+    /v1/responses/{response_id}/input_items`` (``app.state.responses``);
     the store's bounds are the settings' (``--max-num-stored-responses``, ``--max-stored-response-bytes``)."""
     from pagedllm.entrypoints.openai.api_server import _ERRORS, _GENERATING
     from pagedllm.entrypoints.openai.guards import require_json
@@ -325,6 +336,15 @@ def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, settings: Server
     async def get_response(response_id: str) -> dict[str, Any]:
         """A stored response; 404 when it is not stored (``store`` false, evicted, or before a restart)."""
         return serving.get(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
+    async def list_input_items(
+        response_id: str, order: str = "desc", limit: int = DEFAULT_LIMIT, after: str | None = None,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        """The input items of a stored response, a page at a time (OpenAI's list: ``order``, ``limit``,
+        ``after``, ``before``); other query fields (``include``) are ignored: no hosted tools add to items here."""
+        return serving.input_items(response_id, order, limit, after, before)
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str) -> dict[str, Any]:
