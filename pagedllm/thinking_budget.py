@@ -113,6 +113,23 @@ class ThinkingBudget:
             return None  # the model closed the block itself, within the budget
         return self.forced[k]
 
+    def grammar_start(self, output: Sequence[int]) -> int | None:
+        """Where a structured output's grammar begins in ``output``: after the block, once it is closed.
+
+        Only for a block the prompt opened (``opened``; otherwise the output is
+        not reasoning and the grammar holds from its first token: 0). The model
+        closed it within the budget: the token after the closing marker; the
+        budget ran out: the token after the forced ones; not closed yet: None
+        (the reasoning is free text).
+        """
+        if not self.opened:
+            return 0
+        closed = self._after(output, self.close, 0, self.budget)
+        if closed >= 0:
+            return closed
+        end = self.budget + len(self.forced)
+        return end if len(output) >= end else None
+
     def _text(self, tokens: Sequence[int], lo: int, hi: int) -> tuple[str, list[int]]:
         """The marker-relevant text of ``tokens[lo:hi]`` and, per token, the character offset where it ends."""
         parts, ends, at = [], [], 0

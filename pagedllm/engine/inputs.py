@@ -184,15 +184,11 @@ def thinking_budget(
 ) -> ThinkingBudget | None:
     """``thinking_token_budget`` with its markers and forced tokens (not yet knowing the prompt); None without a budget.
 
-    ValueError for a marker that tokenizes to nothing, and with ``structured_outputs`` (a grammar
-    constrains the output from its first token, so it would have to allow the reasoning text and
-    the forced end, which it does not know of).
+    ValueError for a marker that tokenizes to nothing. With ``structured_outputs`` the engine
+    starts the grammar where the block ends (``ThinkingBudget.grammar_start``).
     """
     if params.thinking_token_budget is None:
         return None
-    if params.structured_outputs is not None:
-        raise ValueError("thinking_token_budget cannot be combined with structured outputs (response_format, "
-                         "structured_outputs or a forced tool_choice): the grammar would constrain the thinking too")
     if pieces is None:
         raise ValueError("thinking_token_budget needs the tokenizer's token texts, which this engine was not given")
     close_str = params.think_end_str.rstrip()

@@ -61,6 +61,17 @@ def test_the_prompt_leaves_the_block_open_however_its_end_tokenized() -> None:
     assert not b.with_prompt([A, B]).opened and not b.with_prompt([]).opened
 
 
+def test_where_a_grammar_begins() -> None:
+    """After the block: the model's own close, or the forced tokens; nothing before; 0 when no block was opened."""
+    opened = _budget(3).with_prompt([LT, THINK, GT])
+    assert opened.grammar_start([A, A]) is None  # thinking
+    # closed by the model within the budget (">\n" ends the marker)
+    assert _budget(4).with_prompt([LT, THINK, GT]).grammar_start([A, LTS, THINK, GTNL, B]) == 4
+    assert opened.grammar_start([A, A, A, CLOSE]) is None  # the forced end under way
+    assert opened.grammar_start([A, A, A, CLOSE, NLNL]) == 5  # after the forced tokens
+    assert _budget(3).grammar_start([A, B]) == 0  # the prompt opened no block: the grammar holds from the start
+
+
 def test_bad_budgets() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         _budget(-1)

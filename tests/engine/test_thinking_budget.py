@@ -84,7 +84,21 @@ def test_bad_budgets_are_value_errors(llm: LLM) -> None:
         SamplingParams(thinking_token_budget=-1)
     with pytest.raises(ValueError, match="think_end_str"):
         SamplingParams(thinking_token_budget=2, think_end_str="  ")
-    params = SamplingParams(thinking_token_budget=2, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
-    with pytest.raises(ValueError, match="structured outputs"):
-        llm.generate("Hi", params, use_tqdm=False)
     assert llm.llm_engine.has_unfinished_requests() is False
+
+
+def test_budget_then_a_grammar_from_the_block_end(llm: LLM) -> None:
+    """With structured outputs the thinking is free and the grammar holds from the block's end."""
+    prompt = _ids(llm, "Question: yes or no?\n<think>\n")
+    forced = _ids(llm, "</think>") + _ids(llm, "\n\n")
+    free = _greedy(llm, prompt, 4)
+    choices = ["maybe so", "no way"]
+    out = _greedy(llm, prompt, 40, thinking_token_budget=4,
+                  structured_outputs=StructuredOutputsParams(choice=choices))
+    head = 4 + len(forced)
+    assert out[:4] == free and out[4:head] == forced  # the thinking, unconstrained; then the forced end
+    assert llm.get_tokenizer().decode(out[head:], skip_special_tokens=True) in choices  # then the grammar's output, ended by it
+    # without an open block the grammar holds from the first token (there is no reasoning to skip)
+    plain = _greedy(llm, _ids(llm, "Question: yes or no?\n"), 40, thinking_token_budget=4,
+                    structured_outputs=StructuredOutputsParams(choice=choices))
+    assert llm.get_tokenizer().decode(plain, skip_special_tokens=True) in choices
