@@ -298,7 +298,8 @@ class SamplingParams(BaseModel):
             ``think_start_str`` (in the output, or left open by the prompt)
             has run this many tokens without closing, ``think_end_str`` is
             forced token by token and the answer follows
-            (``pagedllm/thinking_budget.py``). Not with ``structured_outputs``.
+            (``pagedllm/thinking_budget.py``). With ``structured_outputs``
+            and a block the prompt opened, the grammar holds from the block's end.
         think_start_str: the text that opens the reasoning block (Qwen3's ``<think>``).
         think_end_str: what is forced to close it: the closing marker (a block
             counts as closed once the model writes it), then the whitespace

@@ -17,12 +17,12 @@ Plain Python: the server's handlers call it without the runner.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from pagedllm.sampling_params import SamplingParams, check_text
 from pagedllm.step_record import LogitsRules
-from pagedllm.thinking_budget import ThinkingBudget
+from pagedllm.thinking_budget import ThinkingBudget, marker_pieces
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.grammar_state import RequestGrammar
@@ -140,11 +140,14 @@ def _check_something_allowed(
 
 
 def logits_rules(
-    params: SamplingParams, encode: Callable[[str], list[int]], eos_token_ids: Iterable[int], vocab_size: int
+    params: SamplingParams, encode: Callable[[str], list[int]], eos_token_ids: Iterable[int], vocab_size: int,
+    pieces: Callable[[tuple[str, ...]], Mapping[int, str]] | None = None,
 ) -> LogitsRules | None:
     """The logits processors of ``params`` for a model with ``vocab_size`` tokens; None when it has none.
 
-    ``encode`` tokenizes without special tokens (for ``bad_words``). Raises
+    ``encode`` tokenizes without special tokens (for ``bad_words``); ``pieces``
+    gives the tokens that can spell some markers (``thinking_budget.marker_pieces``;
+    needed for ``thinking_token_budget``). Raises
     ValueError for a token id outside the vocabulary, and for ``min_tokens``
     that would ban every allowed token.
     """
@@ -161,7 +164,7 @@ def logits_rules(
     if params.min_tokens:
         banned = tuple(sorted({t for t in (*eos_token_ids, *(params.stop_token_ids or ())) if 0 <= t < vocab_size}))
     _check_something_allowed(allowed, bad_words, banned)
-    thinking = thinking_budget(params, encode, vocab_size)
+    thinking = thinking_budget(params, encode, vocab_size, pieces)
     return LogitsRules(
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),
@@ -176,24 +179,24 @@ def logits_rules(
 
 
 def thinking_budget(
-    params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int
+    params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int,
+    pieces: Callable[[tuple[str, ...]], Mapping[int, str]] | None,
 ) -> ThinkingBudget | None:
-    """``thinking_token_budget`` and its markers as token ids (not yet knowing the prompt); None without a budget.
+    """``thinking_token_budget`` with its markers and forced tokens (not yet knowing the prompt); None without a budget.
 
-    ValueError for a marker that tokenizes to nothing, and with ``structured_outputs`` (a grammar
-    would have to allow the reasoning text and the forced end, which it does not know of).
+    ValueError for a marker that tokenizes to nothing. With ``structured_outputs`` the engine
+    starts the grammar where the block ends (``ThinkingBudget.grammar_start``).
     """
     if params.thinking_token_budget is None:
         return None
-    if params.structured_outputs is not None:
-        raise ValueError("thinking_token_budget cannot be combined with structured outputs (response_format, "
-                         "structured_outputs or a forced tool_choice)")
+    if pieces is None:
+        raise ValueError("thinking_token_budget needs the tokenizer's token texts, which this engine was not given")
     close_str = params.think_end_str.rstrip()
     suffix = params.think_end_str[len(close_str) :]
-    start, close = tuple(encode(params.think_start_str)), tuple(encode(close_str))
-    forced = close + (tuple(encode(suffix)) if suffix else ())
-    _check_vocab("think_start_str / think_end_str", (*start, *forced), vocab_size)
-    return ThinkingBudget(params.thinking_token_budget, start, close, forced)
+    start_str = params.think_start_str.strip()  # the whitespace around the opening marker may tokenize either way
+    forced = tuple(encode(close_str)) + (tuple(encode(suffix)) if suffix else ())
+    _check_vocab("think_start_str / think_end_str", forced, vocab_size)
+    return ThinkingBudget(params.thinking_token_budget, start_str, close_str, forced, pieces((start_str, close_str)))
 
 
 def check_first_token(rules: LogitsRules | None, grammar: RequestGrammar | None) -> None:
@@ -217,6 +220,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self._token_texts: Sequence[str] | None = None  # every token's text, decoded on the first thinking budget
+        self._pieces: dict[tuple[str, ...], Mapping[int, str]] = {}  # markers -> marker_pieces (a few per server)
 
     def process_prompt(self, prompt: str | dict, params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
         """Text or token ids -> (text or None, validated token ids), truncated and checked against the context."""
@@ -243,4 +248,28 @@ class InputProcessor:
             lambda word: self.tokenizer.encode(word, add_special_tokens=False),
             self.tokenizer.eos_token_ids,
             self.vocab_size,
+            self.marker_pieces,
         )
+
+    def marker_pieces(self, markers: tuple[str, ...]) -> Mapping[int, str]:
+        """The tokens that can spell part of ``markers`` (``thinking_budget.marker_pieces``), computed once per markers.
+
+        Two threads asking at once may both compute it; either result is the same.
+        """
+        found = self._pieces.get(markers)
+        if found is None:
+            if self._token_texts is None:
+                self._token_texts = token_texts(self.tokenizer, self.vocab_size)
+            found = self._pieces[markers] = marker_pieces(self._token_texts, markers)
+        return found
+
+
+def token_texts(tokenizer: PromptTokenizer, vocab_size: int) -> list[str]:
+    """Each token id's text alone (special tokens as their text; ids past the tokenizer's vocabulary: empty)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a ``tokenizers.Tokenizer``: decodes in Rust, at once
+    if backend is not None:
+        num_tokens = min(backend.get_vocab_size(with_added_tokens=True), vocab_size)
+        texts = list(backend.decode_batch([[i] for i in range(num_tokens)], skip_special_tokens=False))
+    else:
+        texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(vocab_size)]  # type: ignore[attr-defined]
+    return texts + [""] * (vocab_size - len(texts))

@@ -259,7 +259,13 @@ class LLMEngine:
             # the template may have opened the reasoning block in the prompt (budget counted from the output's start)
             rules = dataclasses.replace(rules, thinking=rules.thinking.with_prompt(ids))
         grammar = self.compile_grammar(params)
-        check_first_token(rules, grammar)
+        if grammar is not None and rules is not None and rules.thinking is not None and rules.thinking.opened:
+            if self.speculator is not None:
+                raise ValueError("thinking_token_budget with structured outputs on a reasoning block the prompt "
+                                 "opened is not served with speculative decoding (drafts would cross the block's end)")
+            grammar.starts_at = rules.thinking.grammar_start  # the model thinks freely; the grammar holds after
+        else:
+            check_first_token(rules, grammar)
         req = Request(
             request_id, text, ids, params, self.config.block_size, self._rng, next(self._arrivals)
         )

@@ -14,7 +14,7 @@ only when the first matcher is made, so the bookkeeping stays torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -46,29 +46,52 @@ class RequestGrammar:
     Each matcher remembers how many output tokens it accepted; ``bitmask``
     and ``accept`` first bring it in step with the sequence's output (a new
     fork replays its tokens; fewer tokens than accepted roll back).
+
+    ``starts_at``: where in an output the grammar begins (None: not yet, every
+    token allowed); a thinking budget's ``grammar_start``, so that a model
+    thinks freely and the grammar holds from the end of its reasoning block.
+    None: from the first output token.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, vocab_size: int,
+        starts_at: Callable[[Sequence[int]], int | None] | None = None,
+    ) -> None:
         self.compiled = compiled
         self.vocab_size = vocab_size
+        self.starts_at = starts_at
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
-        self._accepted: dict[int, int] = {}
+        self._accepted: dict[int, int] = {}  # output tokens accepted, counted from the grammar's start
+        self._starts: dict[int, int] = {}  # where each sequence's matcher began
         # one row, reused: fill_next_token_bitmask writes into it
         self._row = np.empty((1, xgrammar().get_bitmask_shape(1, vocab_size)[1]), dtype=np.int32)  # [1, ceil(vocab / 32)]
 
+    def start(self, seq: GrammarSequence, num_output: int | None = None) -> int | None:
+        """Where the grammar begins in the sequence's first ``num_output`` output tokens (default: all); None: not yet."""
+        if self.starts_at is None:
+            return 0
+        num_output = seq.num_output_tokens if num_output is None else num_output
+        return self.starts_at(seq.token_ids[seq.num_prompt_tokens : seq.num_prompt_tokens + num_output])
+
     def _synced(self, seq: GrammarSequence, num_output: int | None = None) -> xgr.GrammarMatcher:
         """The sequence's matcher, having accepted exactly its first ``num_output`` output tokens (default: all;
-        fewer leave out the drafts a sequence holds for a verify step)."""
+        fewer leave out the drafts a sequence holds for a verify step), from where the grammar begins
+        (the caller checked it has begun)."""
+        num_output = seq.num_output_tokens if num_output is None else num_output
+        begin = self.start(seq, num_output) or 0
+        if self._starts.get(seq.seq_id, begin) != begin:
+            self.release(seq.seq_id)  # rolled back before the grammar's start: a new matcher
         matcher = self._matchers.get(seq.seq_id)
         if matcher is None:
             matcher = self._matchers[seq.seq_id] = xgrammar().GrammarMatcher(self.compiled)
             self._accepted[seq.seq_id] = 0
+            self._starts[seq.seq_id] = begin
         accepted = self._accepted[seq.seq_id]
-        num_output = seq.num_output_tokens if num_output is None else num_output
-        if accepted > num_output:
-            matcher.rollback(accepted - num_output)
-            accepted = num_output
-        for token in seq.token_ids[seq.num_prompt_tokens + accepted : seq.num_prompt_tokens + num_output]:
+        if accepted > num_output - begin:
+            matcher.rollback(accepted - (num_output - begin))
+            accepted = num_output - begin
+        first = seq.num_prompt_tokens + begin
+        for token in seq.token_ids[first + accepted : seq.num_prompt_tokens + num_output]:
             if not matcher.accept_token(token):
                 raise GrammarRejectedError(f"the output's token {token} does not follow the structured output grammar")
             accepted += 1
@@ -78,8 +101,10 @@ class RequestGrammar:
     def bitmask(self, seq: GrammarSequence) -> bytes:
         """The packed allowed-token mask of the sequence's next token: int32 words, bit i of word w is token 32w+i.
 
-        Empty when every token is allowed (nothing to apply).
+        Empty when every token is allowed (nothing to apply), as before the grammar begins.
         """
+        if self.start(seq) is None:
+            return b""
         matcher = self._synced(seq)
         if not matcher.fill_next_token_bitmask(self._row, 0):
             return b""
@@ -137,8 +162,11 @@ class RequestGrammar:
 
         Returns whether the grammar is now terminated (it accepted a stop
         token at its end: the output is complete). GrammarRejectedError
-        when the grammar does not allow the token.
+        when the grammar does not allow the token. Before the grammar begins
+        the token is not its business (False).
         """
+        if self.start(seq) is None:
+            return False
         matcher = self._synced(seq)
         if matcher.is_terminated() or not matcher.accept_token(token_id):
             raise GrammarRejectedError(f"the sampled token {token_id} does not follow the structured output grammar")
@@ -149,3 +177,4 @@ class RequestGrammar:
         """Forget a finished sequence's matcher."""
         self._matchers.pop(seq_id, None)
         self._accepted.pop(seq_id, None)
+        self._starts.pop(seq_id, None)

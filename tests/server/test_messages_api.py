@@ -269,25 +269,50 @@ TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {
     "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}
 
 
+def _token_ids(url: str, text: str) -> list[int]:
+    resp = httpx.post(f"{url}/tokenize", json={"model": "smollm2", "prompt": text, "add_special_tokens": False},
+                      headers=BEARER)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["tokens"]
+
+
 def test_thinking_blocks_whole_and_streamed(server) -> None:  # noqa: ANN001
+    """``budget_tokens`` caps the thinking: after 6 tokens ``</think>`` is forced and the answer follows.
+
+    SmolLM2 has no ``<think>`` token: the template's ``<think>`` is three tokens, found as text.
+    """
     client, url = server["client"], server["url"]
-    thinking = {"type": "enabled", "budget_tokens": 8}
+    budget, max_tokens = 6, 16
+    thinking = {"type": "enabled", "budget_tokens": budget}
     prompt = _prompt(url, TIME_ASK, thinking=True)
     counted = client.messages.count_tokens(model="smollm2", messages=TIME_ASK, thinking=thinking)
     assert counted.input_tokens == len(prompt)
-    expected, reason, num_tokens = _raw_greedy(url, prompt, 12)
-    assert "</think>" not in expected and expected
-    out = client.messages.create(model="smollm2", max_tokens=12, messages=TIME_ASK, thinking=thinking,
+    thought, _, _ = _raw_greedy(url, prompt, budget)
+    assert "</think>" not in thought and thought
+    head = prompt + _token_ids(url, thought)
+    assert len(head) == len(prompt) + budget  # the thought round-trips through text
+    head += _token_ids(url, "</think>") + _token_ids(url, "\n\n")
+    answer, reason, num_tokens = _raw_greedy(url, head, max_tokens - (len(head) - len(prompt)))
+    expected = [("thinking", thought), ("text", answer.lstrip("\n"))] if answer.strip() else [("thinking", thought)]
+    out = client.messages.create(model="smollm2", max_tokens=max_tokens, messages=TIME_ASK, thinking=thinking,
                                  extra_body=GREEDY)
-    assert [(b.type, b.thinking) for b in out.content] == [("thinking", expected)]
-    assert (out.stop_reason, out.usage.output_tokens) == (reason, num_tokens)
-    with client.messages.stream(model="smollm2", max_tokens=12, messages=TIME_ASK, thinking=thinking,
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in out.content] == expected
+    assert (out.stop_reason, out.usage.output_tokens) == (reason, max_tokens)
+    with client.messages.stream(model="smollm2", max_tokens=max_tokens, messages=TIME_ASK, thinking=thinking,
                                 extra_body=GREEDY) as stream:
         events = list(stream)
         final = stream.get_final_message()
-    pieces = [e.delta.thinking for e in events if e.type == "content_block_delta"]
-    assert "".join(pieces) == expected
-    assert [b.type for b in final.content] == ["thinking"] and final.content[0].thinking == expected
+    pieces = [e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+    assert "".join(pieces) == thought
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == expected
+
+
+def test_thinking_with_a_forced_tool_is_refused(server) -> None:  # noqa: ANN001
+    with pytest.raises(anthropic.BadRequestError, match="thinking may not be enabled") as caught:
+        server["client"].messages.create(model="smollm2", max_tokens=32, messages=TIME_ASK, tools=[TIME],
+                                         thinking={"type": "enabled", "budget_tokens": 8},
+                                         tool_choice={"type": "any"})
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
 
 
 def test_without_thinking_the_reply_is_text(server) -> None:  # noqa: ANN001

@@ -1,4 +1,4 @@
-"""gpt-oss's harmony format on /v1/chat/completions, through the official openai client.
+"""gpt-oss's harmony format on /v1/chat/completions (the official openai client) and /v1/messages (anthropic's).
 
 The server runs a tiny random Llama with the o200k_harmony vocabulary and a
 harmony chat template (``tests/harmony_models.py``), so it picks the
@@ -9,11 +9,14 @@ token with a ``<`` in it, so that where the regex reaches ``<|channel|>`` the
 only token left that spells it is harmony's special one (not ``<|`` written
 out), and of +100 on the stop token the test wants (``<|return|>`` or
 ``<|call|>``). The expected reasoning, content
-and call are the literal pieces of the regex, not the server's output.
+and call are the literal pieces of the regex, not the server's output. The
+Messages API has no field for a regex or a bias: its tests give them to the
+engine's ``add_request`` for the one request (``_forcing_engine``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,7 +67,7 @@ def harmony_server(harmony_dir: dict) -> Iterator[dict]:
     llm = LLM(harmony_dir["path"], num_kv_blocks=64, max_model_len=1024, num_threads=1)
     with serve_in_thread(llm.llm_engine, model_name="tiny-harmony") as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
-        yield {"url": url, "client": client, "angled": harmony_dir["angled"]}
+        yield {"url": url, "client": client, "angled": harmony_dir["angled"], "engine": llm.llm_engine}
 
 
 def _forced(server: dict, regex: str, stop: int) -> dict:
@@ -162,3 +165,98 @@ def test_llm_chat_renders_harmony_and_parses(harmony_dir: dict) -> None:
     assert [(c.name, c.arguments) for c in found.tool_calls] == [("get_weather", ARGUMENTS)]
     with pytest.raises(ValueError, match="reasoning_effort"):
         llm.chat(ASK, params, use_tqdm=False, reasoning_effort="max")
+
+
+@contextlib.contextmanager
+def _forcing_engine(server: dict, regex: str, stop: int) -> Iterator[None]:
+    """Every request the engine takes meanwhile writes ``regex`` then ``stop`` (as ``_forced``'s fields)."""
+    from pagedllm import StructuredOutputsParams
+
+    engine = server["engine"]
+    add_request = engine.add_request
+    bias = {**{t: -100.0 for t in server["angled"]}, stop: 100.0}
+
+    def forced(request_id, prompt, params):  # noqa: ANN001, ANN202
+        params.structured_outputs = StructuredOutputsParams(regex=regex)
+        params.logit_bias = bias
+        params.temperature = 0.0
+        return add_request(request_id, prompt, params)
+
+    engine.add_request = forced
+    try:
+        yield
+    finally:
+        del engine.add_request  # the method again
+
+
+def _anthropic(server: dict):  # noqa: ANN202
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server["url"], api_key="x", max_retries=0, timeout=300)
+
+
+ANTHROPIC_WEATHER = {"name": "get_weather", "description": "The weather in a city",
+                     "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_messages_analysis_is_thinking_and_final_is_text(harmony_server) -> None:  # noqa: ANN001
+    """Harmony's ``analysis`` channel comes back as a thinking block, ``final`` as text, whole and streamed."""
+    client = _anthropic(harmony_server)
+    kwargs = {"model": "tiny-harmony", "max_tokens": 80, "system": ASK[0]["content"], "messages": ASK[1:]}
+    with _forcing_engine(harmony_server, FINAL_REGEX, RETURN):
+        out = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in out.content] == [
+        ("thinking", THOUGHT), ("text", ANSWER)]
+    assert out.stop_reason == "end_turn"
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
+        ("thinking", THOUGHT), ("text", ANSWER)]
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == THOUGHT
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == ANSWER
+    # count_tokens is openai-harmony's rendering of the same conversation
+    from pagedllm.harmony.prompt import render_prompt
+
+    counted = client.messages.count_tokens(model="tiny-harmony", system=ASK[0]["content"], messages=ASK[1:])
+    assert counted.input_tokens == len(render_prompt(ASK, None, None))
+    assert wait_kv_free(harmony_server["url"]) == 0.0
+
+
+def test_messages_commentary_call_is_tool_use_and_the_result_round_trip(harmony_server) -> None:  # noqa: ANN001
+    client = _anthropic(harmony_server)
+    kwargs = {"model": "tiny-harmony", "max_tokens": 80, "system": ASK[0]["content"], "messages": ASK[1:],
+              "tools": [ANTHROPIC_WEATHER]}
+    with _forcing_engine(harmony_server, CALL_REGEX, CALL):
+        out = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+    thinking, call = out.content
+    assert (thinking.type, thinking.thinking) == ("thinking", CALL_THOUGHT)
+    assert (call.type, call.name, call.input) == ("tool_use", "get_weather", json.loads(ARGUMENTS))
+    assert out.stop_reason == "tool_use" and final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["thinking", "tool_use"] and final.content[1].input == call.input
+    pieces = "".join(e.delta.partial_json for e in events
+                     if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert json.loads(pieces) == json.loads(ARGUMENTS)
+    # the call and its result go back; openai-harmony renders them as the chat route's messages would be
+    history = [*ASK[1:], {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}]
+    with _forcing_engine(harmony_server, FINAL_REGEX, RETURN):
+        again = client.messages.create(**{**kwargs, "messages": history})
+    assert [b.type for b in again.content] == ["thinking", "text"] and again.content[1].text == ANSWER
+    from pagedllm.harmony.prompt import render_prompt
+
+    chat_history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(call.input)}}]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    counted = client.messages.count_tokens(model="tiny-harmony", system=ASK[0]["content"], messages=history,
+                                           tools=[ANTHROPIC_WEATHER])
+    assert counted.input_tokens == len(render_prompt(chat_history, [WEATHER], None))
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        client.messages.create(**kwargs, tool_choice={"type": "any"})
+    assert wait_kv_free(harmony_server["url"]) == 0.0

@@ -141,6 +141,47 @@ def test_a_function_tool_round_trip(bundled) -> None:  # noqa: ANN001
     assert second.output_text == chat.choices[0].message.content
 
 
+def test_input_items_list_the_conversation_a_response_read(bundled) -> None:  # noqa: ANN001
+    """``responses.input_items.list``: the user's message, the earlier call and its output (through
+    ``previous_response_id``), newest first unless ``order="asc"``, a page at a time with ``after``."""
+    client, url = bundled["client"], bundled["url"]
+    first = client.responses.create(model="smollm2", input=ASK, tools=[WEATHER], tool_choice="required",
+                                    max_output_tokens=40, temperature=0)
+    (call,) = first.output
+    second = client.responses.create(
+        model="smollm2", previous_response_id=first.id, tools=[WEATHER], max_output_tokens=2, temperature=0,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+    )
+    listed = client.responses.input_items.list(second.id)
+    assert [item.type for item in listed.data] == ["function_call_output", "function_call", "message"]
+    output, called, asked = listed.data
+    assert (output.call_id, output.output, output.status) == (call.call_id, "Sunny, 21 C", "completed")
+    assert (called.id, called.call_id, called.name, called.arguments) == (call.id, call.call_id, call.name,
+                                                                        call.arguments)
+    assert asked.role == "user" and [(p.type, p.text) for p in asked.content] == [("input_text", ASK)]
+    assert (listed.first_id, listed.last_id, listed.has_more) == (output.id, asked.id, False)
+    assert len({item.id for item in listed.data}) == 3 and all(item.id for item in listed.data)
+    # the first response's own input is the message alone, with the same id (ids are kept once given)
+    assert [item.id for item in client.responses.input_items.list(first.id).data] == [asked.id]
+    # pages, oldest first: one at a time, each after the last
+    seen, after = [], None
+    while True:
+        page = client.responses.input_items.list(second.id, order="asc", limit=1,
+                                                 **({"after": after} if after else {}))
+        seen += [item.id for item in page.data]
+        after = page.last_id
+        if not page.has_more:
+            break
+    assert seen == [asked.id, called.id, output.id]
+    for query, param in [({"order": "up"}, "order"), ({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+                         ({"after": "msg_nothing"}, "after")]:
+        resp = httpx.get(f"{url}/v1/responses/{second.id}/input_items", params=query)
+        assert assert_openai_error(resp, 400)["param"] == param
+    unstored = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.input_items.list(unstored.id)
+
+
 def test_streamed_call_arguments(bundled) -> None:  # noqa: ANN001
     client = bundled["client"]
     events = list(client.responses.create(model="smollm2", input=ASK, tools=[WEATHER],

@@ -301,9 +301,14 @@ def test_thinking_token_budget_closes_the_block(thinking_tool_model, bundled) ->
             streamed[0] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             streamed[1] += choice.delta.content or ""
     assert streamed == [whole.message.reasoning_content, whole.message.content]
-    # no reasoning parser on the bundled server; a grammar cannot follow a forced end: both 400s
-    for server, extra in [(bundled, {}), (thinking_tool_model, {"response_format": {"type": "json_object"}})]:
-        with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
-            server["client"].chat.completions.create(
-                model=kwargs["model"] if server is thinking_tool_model else "smollm2", messages=ask, max_tokens=4,
-                extra_body={"thinking_token_budget": 4, **extra})
+    # with a grammar: the thinking is free, the grammar holds after the forced end
+    choices = ["yes indeed", "no"]
+    guided = client.chat.completions.create(
+        model="tiny-tools", messages=ask, temperature=0, max_tokens=24,
+        extra_body={"thinking_token_budget": 4, "structured_outputs": {"choice": choices}}).choices[0]
+    assert guided.message.reasoning_content == whole.message.reasoning_content
+    assert guided.message.content in choices
+    # no reasoning parser on the bundled server: a 400
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        bundled["client"].chat.completions.create(model="smollm2", messages=ask, max_tokens=4,
+                                                  extra_body={"thinking_token_budget": 4})

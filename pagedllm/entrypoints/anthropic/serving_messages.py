@@ -31,7 +31,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from pagedllm.engine.protocol import EngineDeadError, EngineStepError, Prompt, RequestStream
+from pagedllm.engine.protocol import EngineDeadError, EngineStepError, RequestStream
 from pagedllm.entrypoints.anthropic.content_blocks import ContentBlocks, stop_reason
 from pagedllm.entrypoints.anthropic.convert import to_chat_request
 from pagedllm.entrypoints.anthropic.errors import AnthropicErrorMiddleware, anthropic_error
@@ -45,7 +45,6 @@ from pagedllm.entrypoints.openai.sse import sse_response
 from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, ToolParser
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +59,7 @@ class AnthropicServingMessages:
         """Answer one messages request, streamed or whole."""
         chat = self.chat
         body = self._chat_request(req)
-        tools = await asyncio.to_thread(body.tool_spec, chat.grammar_limits)  # xgrammar checks each schema
-        params = body.to_sampling_params(tools, None, chat.sampling_defaults)
-        if req.stream:
-            params.output_kind = RequestOutputKind.DELTA
-        await chat.compile_constraint(params, body.constraint_param, request)
-        encoded = await self._prompt(body, tools, params)
+        params, tools, encoded = await chat.prepare(body, request, delta=req.stream)  # the chat route's rules
         rid = f"msg_{uuid.uuid4().hex}"
         sub = await chat.add_requests(rid, [encoded], params, "messages")
         header = {"id": rid, "type": "message", "role": "assistant", "model": req.model}
@@ -79,32 +73,32 @@ class AnthropicServingMessages:
         """The number of tokens of the prompt the same messages request would give the engine."""
         body = self._chat_request(req)
         tools = await asyncio.to_thread(body.tool_spec, self.chat.grammar_limits)
-        _, ids = await self._prompt(body, tools, None)
+        try:
+            _, ids = await self.chat.encode_prompt(body, tools, None)
+        except Exception as e:
+            raise to_api_error(e, "messages") from e
         return {"input_tokens": len(ids)}
 
     def _chat_request(self, req: CountTokensRequest) -> ChatCompletionRequest:
         """The request as a chat request; 404 for another model, 400 for what this server cannot serve."""
         chat = self.chat
         chat.check_model(req.model)
-        if chat.harmony:
-            raise bad_request("gpt-oss (harmony) models are not served on /v1/messages yet; use /v1/chat/completions",
-                              "model", "unsupported_model")
-        if not chat.has_template:
+        if not chat.has_template and not chat.harmony:
             raise bad_request("this model has no chat template, so it cannot chat; start the server with "
                               "--chat-template FILE", "messages", "no_chat_template")
         body = to_chat_request(req, chat.reasoning_parser is not None)
+        if chat.harmony:
+            # harmony's analysis channel has no text markers a budget could close (thinking.py): the model
+            # thinks as its reasoning effort says, and every analysis message comes back as a thinking block
+            body.thinking_token_budget = None
+        if body.thinking_token_budget is not None and body.tool_choice not in (None, "auto", "none"):
+            # as Anthropic's API: a forced call's grammar would constrain the thinking too (thinking_budget.py)
+            raise bad_request("thinking may not be enabled when tool_choice forces tool use (type 'any' or 'tool'); "
+                              "use tool_choice 'auto' or disable thinking", "thinking")
         if body.tools and body.tool_choice in (None, "auto") and not chat.enable_auto_tool_choice:
             raise bad_request('tool_choice "auto" needs the server started with --enable-auto-tool-choice '
                               '(it was started with --no-enable-auto-tool-choice)', "tool_choice")
         return body
-
-    async def _prompt(self, body: ChatCompletionRequest, tools: ToolSpec, params: SamplingParams | None) -> Prompt:
-        """The conversation through the chat template, tokenized (a 400 when it is malformed or too long)."""
-        try:
-            return await self.chat.prompts.chat(body.template_messages(), True, params,  # type: ignore[arg-type]
-                                                tools.template_tools(), body.chat_template_kwargs)
-        except Exception as e:
-            raise to_api_error(e, "messages") from e
 
     def _parser(self, prompt_text: str | None, tools: ToolSpec, buffered: bool) -> ToolParser | ReplyParser | None:
         """The reply's parser: the reasoning parser (if the server has one) before the tool parser (if any)."""

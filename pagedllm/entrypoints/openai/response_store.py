@@ -26,12 +26,14 @@ class StoredResponse:
     ``conversation``: every item the next turn continues from, as input
     items: the earlier turns', this request's input, then its output
     (``instructions`` are not part of it: OpenAI does not carry them over).
-    ``num_bytes``: the JSON size the store counts.
+    ``num_bytes``: the JSON size the store counts. ``num_input_items``: how
+    many of the conversation's items were the response's input (the rest are its output).
     """
 
     body: dict[str, Any]
     conversation: list[dict[str, Any]]
     num_bytes: int
+    num_input_items: int = 0
 
 
 class ResponseStore:
@@ -68,15 +70,19 @@ class ResponseStore:
     def __contains__(self, response_id: object) -> bool:
         return response_id in self._entries
 
-    def put(self, response_id: str, body: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Store a response (replacing one of the same id); False when it alone is over ``max_bytes``."""
+    def put(
+        self, response_id: str, body: dict[str, Any], conversation: list[dict[str, Any]], num_input_items: int = 0
+    ) -> bool:
+        """Store a response (replacing one of the same id); False when it alone is over ``max_bytes``.
+
+        ``num_input_items``: how many of ``conversation``'s first items were its input."""
         size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
         with self._lock:
             self._pop(response_id)
             if size > self.max_bytes:
                 return False
             self._evict(size)
-            self._entries[response_id] = StoredResponse(body, conversation, size)
+            self._entries[response_id] = StoredResponse(body, conversation, size, num_input_items)
             self.num_bytes += size
             return True
 

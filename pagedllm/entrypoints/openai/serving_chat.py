@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.engine.protocol import EngineClient, RequestStream
+from pagedllm.engine.protocol import EngineClient, Prompt, RequestStream
 from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
@@ -97,25 +97,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         """Answer one chat request, streamed or whole."""
         self.check_model(req.model)
-        self._check_servable(req)
-        tools = await asyncio.to_thread(req.tool_spec, self.grammar_limits)  # xgrammar checks each schema
-        params = req.to_sampling_params(tools, self.default_max_tokens, self.sampling_defaults)
-        if req.stream:
-            params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
-        if self.harmony:
-            self._harmony_params(params, tools)
-        if req.thinking_token_budget is not None:
-            apply_thinking_budget(params, req.thinking_token_budget, self.reasoning_parser)
-        await self.compile_constraint(params, req.constraint_param, request)
-        try:
-            messages = req.template_messages()
-            if self.harmony:
-                encoded = await self._harmony_prompt(messages, tools, req.reasoning_effort, params)
-            else:
-                encoded = await self.prompts.chat(messages, req.add_generation_prompt, params, tools.template_tools(),
-                                                  req.chat_template_kwargs)
-        except Exception as e:
-            raise to_api_error(e, "messages") from e
+        params, tools, encoded = await self.prepare(req, request, delta=req.stream)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         sub = await self.add_requests(rid, [encoded], params, "messages")
         created = int(time.time())
@@ -135,6 +117,42 @@ class OpenAIServingChat(OpenAIServing):
             lambda: usage(sub.prompt_token_counts[0], sum(tokens.values())),
         )
         return sse_response(events, on_close=sub.abort, writes=self.stream_writes)
+
+    async def prepare(
+        self, req: ChatCompletionRequest, request: Request, delta: bool
+    ) -> tuple[SamplingParams, ToolSpec, Prompt]:
+        """A chat request made ready to queue, as this route does it: (sampling params, tools, encoded prompt).
+
+        The other dialects (``/v1/responses``, ``/v1/messages``) translate their
+        requests into a chat request and call this, so every check, default and
+        rendering rule is the chat route's. ``delta``: the output is read step
+        by step (``RequestOutputKind.DELTA``). Raises APIError (400) for what
+        the server cannot serve; an error rendering the prompt names ``messages``.
+        """
+        self._check_servable(req)
+        tools = await asyncio.to_thread(req.tool_spec, self.grammar_limits)  # xgrammar checks each schema
+        params = req.to_sampling_params(tools, self.default_max_tokens, self.sampling_defaults)
+        if delta:
+            params.output_kind = RequestOutputKind.DELTA  # the engine sends each choice's new text, held back
+        if self.harmony:
+            self._harmony_params(params, tools)
+        if req.thinking_token_budget is not None:
+            apply_thinking_budget(params, req.thinking_token_budget, self.reasoning_parser)
+        await self.compile_constraint(params, req.constraint_param, request)
+        try:
+            encoded = await self.encode_prompt(req, tools, params)
+        except Exception as e:
+            raise to_api_error(e, "messages") from e
+        return params, tools, encoded
+
+    async def encode_prompt(self, req: ChatCompletionRequest, tools: ToolSpec, params: SamplingParams | None) -> Prompt:
+        """The request's conversation as the engine's prompt: openai-harmony's rendering for a gpt-oss model,
+        else the chat template; tokenized. ``params`` None: not truncated (a token count)."""
+        messages = req.template_messages()
+        if self.harmony:
+            return await self._harmony_prompt(messages, tools, req.reasoning_effort, params)
+        return await self.prompts.chat(messages, req.add_generation_prompt, params,  # type: ignore[arg-type]
+                                       tools.template_tools(), req.chat_template_kwargs)
 
     def _check_servable(self, req: ChatCompletionRequest) -> None:
         """400 for what this server was started without: a chat template, or auto tool choice."""
@@ -166,12 +184,15 @@ class OpenAIServingChat(OpenAIServing):
         params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(stops))
 
     async def _harmony_prompt(
-        self, messages: list[dict[str, Any]], tools: ToolSpec, effort: str | None, params: SamplingParams
+        self, messages: list[dict[str, Any]], tools: ToolSpec, effort: str | None, params: SamplingParams | None
     ) -> tuple[str | None, list[int]]:
         """The conversation rendered by openai-harmony (on a worker thread): (None, token ids)."""
         from pagedllm.harmony.prompt import render_prompt
 
         ids = await asyncio.to_thread(render_prompt, messages, tools.template_tools(), effort)
+        if params is None:
+            self.prompts.engine.check_prompt_len(len(ids), None)
+            return None, ids
         return await self.prompts.token_ids(ids, params)
 
     def _response(

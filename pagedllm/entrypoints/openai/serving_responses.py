@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 
 from pagedllm.engine.protocol import EngineDeadError, EngineStepError, RequestStream
-from pagedllm.entrypoints.openai.engine_errors import engine_failure, server_error, to_api_error
+from pagedllm.entrypoints.openai.engine_errors import engine_failure, server_error
 from pagedllm.entrypoints.openai.json_response import OpenAIJSONResponse
 from pagedllm.entrypoints.openai.protocol import (
     APIError,
@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.protocol import (
     describe_validation_error,
 )
 from pagedllm.entrypoints.openai.reasoning_parsers import ReplyParser
+from pagedllm.entrypoints.openai.response_input_items import DEFAULT_LIMIT, give_ids, list_page
 from pagedllm.entrypoints.openai.response_items import (
     ResponseItemError,
     new_item_id,
@@ -48,9 +49,7 @@ from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.entrypoints.openai.sse import sse_response, watch_disconnect
-from pagedllm.entrypoints.openai.tool_choice import ToolSpec
 from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, ToolParser
-from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +93,10 @@ class OpenAIServingResponses:
     ) -> tuple[RequestStream, ToolParser | ReplyParser | None]:
         """Check and queue the chat request as the chat route does; its stream and the parser of its output."""
         chat = self.chat
-        try:
-            chat._check_servable(creq)  # the chat route's own checks (a template, auto tool choice)
-            tools: ToolSpec = await asyncio.to_thread(creq.tool_spec, chat.grammar_limits)
-            params = creq.to_sampling_params(tools, chat.default_max_tokens, chat.sampling_defaults)
-            params.output_kind = RequestOutputKind.DELTA  # both answers read the output step by step
-            if chat.harmony:
-                chat._harmony_params(params, tools)
-            await chat.compile_constraint(params, creq.constraint_param, request)
-            messages = creq.template_messages()
+        try:  # the chat route's own checks, defaults and rendering; its errors named as Responses names them
+            params, tools, encoded = await chat.prepare(creq, request, delta=True)  # both answers read step by step
         except APIError as e:
             raise _renamed(e) from e
-        try:
-            if chat.harmony:
-                encoded = await chat._harmony_prompt(messages, tools, creq.reasoning_effort, params)
-            else:
-                encoded = await chat.prompts.chat(messages, True, params, tools.template_tools(),
-                                                  creq.chat_template_kwargs)
-        except Exception as e:
-            raise _renamed(to_api_error(e, "input")) from e
         sub = await chat.add_requests(rid, [encoded], params, "input")
         parser: ToolParser | ReplyParser | None
         if chat.reasoning_parser is not None:
@@ -195,7 +179,8 @@ class OpenAIServingResponses:
 
     def _keep(self, state: _ResponseState, body: dict[str, Any]) -> None:
         if state.req.store:
-            self.store.put(body["id"], body, state.conversation + state.output_items())
+            give_ids(state.conversation)  # the input items' ids, fixed once for GET .../input_items
+            self.store.put(body["id"], body, state.conversation + state.output_items(), len(state.conversation))
 
     def _stored(self, response_id: str, param: str | None) -> StoredResponse:
         """The stored response, or a 404 saying why it may be missing (``param``: the request field naming it)."""
@@ -210,6 +195,14 @@ class OpenAIServingResponses:
     def get(self, response_id: str) -> dict[str, Any]:
         """A stored response's body; 404 when it is not (or no longer) stored."""
         return self._stored(response_id, None).body
+
+    def input_items(
+        self, response_id: str, order: str, limit: int, after: str | None, before: str | None
+    ) -> dict[str, Any]:
+        """A page of the input items a stored response was generated from (``response_input_items.py``); 404
+        when it is not stored, 400 for a bad order, limit or cursor."""
+        entry = self._stored(response_id, None)
+        return list_page(entry.conversation[: entry.num_input_items], order, limit, after, before)
 
     def delete(self, response_id: str) -> dict[str, Any]:
         """Forget a stored response; 404 when it is not stored."""
@@ -324,7 +317,8 @@ def _renamed(e: APIError) -> APIError:
 
 
 def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, settings: ServerSettings) -> None:
-    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}`` (``app.state.responses``);
+    """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``, ``GET
+    /v1/responses/{response_id}/input_items`` (``app.state.responses``);
     the store's bounds are the settings' (``--max-num-stored-responses``, ``--max-stored-response-bytes``)."""
     from pagedllm.entrypoints.openai.api_server import _ERRORS, _GENERATING
     from pagedllm.entrypoints.openai.guards import require_json
@@ -342,6 +336,15 @@ def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, settings: Server
     async def get_response(response_id: str) -> dict[str, Any]:
         """A stored response; 404 when it is not stored (``store`` false, evicted, or before a restart)."""
         return serving.get(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
+    async def list_input_items(
+        response_id: str, order: str = "desc", limit: int = DEFAULT_LIMIT, after: str | None = None,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        """The input items of a stored response, a page at a time (OpenAI's list: ``order``, ``limit``,
+        ``after``, ``before``); other query fields (``include``) are ignored: no hosted tools add to items here."""
+        return serving.input_items(response_id, order, limit, after, before)
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str) -> dict[str, Any]:

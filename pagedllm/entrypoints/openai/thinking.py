@@ -6,7 +6,9 @@ those are the server's reasoning parser's (``think_markers``): ``<think>`` /
 ``</think>`` and a blank line for ``qwen3`` and ``deepseek_r1``, Granite's
 thought and response markers for ``granite``. Without a reasoning parser, or
 with one whose format has no text markers (``gpt_oss``), the field is a 400,
-as vLLM refuses it without a reasoning configuration.
+as vLLM refuses it without a reasoning configuration. With ``response_format``,
+``structured_outputs`` or a forced ``tool_choice`` the grammar holds from where
+the reasoning block ends (the engine's ``ThinkingBudget.grammar_start``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,5 @@ def apply_thinking_budget(params: SamplingParams, budget: int, parser: type[Reas
             f"thinking_token_budget needs a reasoning parser with text markers (qwen3, deepseek_r1, granite); "
             f"this server runs {what} (--reasoning-parser)", "thinking_token_budget",
         )
-    if params.structured_outputs is not None:
-        raise bad_request("thinking_token_budget cannot be combined with response_format, structured_outputs or a "
-                          "forced tool_choice", "thinking_token_budget")
     params.thinking_token_budget = budget
     params.think_start_str, params.think_end_str = parser.think_markers
