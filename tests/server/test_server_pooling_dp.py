@@ -14,7 +14,7 @@ from server_helpers import served
 
 from pagedllm import LLM
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TEXTS = ["Paged attention keeps the KV cache in blocks.", "Bananas are yellow.", "The KV cache grows with context.",
          "hi there"]
 QUERY = "what is paged attention?"
