@@ -1,6 +1,7 @@
-"""Qwen3-Embedding's query format (``Instruct: {task}\\nQuery:{query}``, its card's): a long instruction shared by
-many queries is computed once and then read from the prefix cache (the block manager's hit counter), and the
-embeddings are the same as an engine without a prefix cache computes."""
+"""How pooling prompts share the engine's work: a batch of prompts is one prefill-only step (no LM head, no
+sample), and Qwen3-Embedding's query format (``Instruct: {task}\\nQuery:{query}``, its card's) lets a long
+instruction shared by many queries be computed once and then read from the prefix cache (the block
+manager's hit counter), the embeddings the same as an engine without a prefix cache computes."""
 
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ def test_shared_instruction_is_computed_once(folder: str, smollm_tokenizer) -> N
     want = [o.outputs.embedding for o in plain.embed(prompts)]
     got = torch.tensor([first, *rest])
     assert torch.nn.functional.cosine_similarity(got, torch.tensor(want), dim=1).min() > 1 - 1e-5
+
+
+def test_a_batch_is_one_prefill_step(folder: str) -> None:
+    llm = LLM(folder, runner="pooling", convert="embed", enable_prefix_caching=False, **ENGINE)
+    runner = llm.llm_engine.model_runner
+    records = []
+    execute = runner.execute
+
+    def recorded(record):  # noqa: ANN001, ANN202
+        records.append(record)
+        return execute(record)
+
+    runner.execute = recorded
+    texts = [f"passage {i}: " + "paged blocks " * (i % 5 + 1) for i in range(12)]
+    batched = [o.outputs.embedding for o in llm.embed(texts)]
+    computed = [r for r in records if r.sequences]  # (a record may only tell the runner what finished)
+    assert len(computed) == 1  # every prompt whole, in one step
+    steps = computed[0].sequences
+    assert len(steps) == len(texts) and all(s.pooling == "LAST" and not s.uniforms for s in steps)  # nothing sampled
+    alone = [llm.embed(t)[0].outputs.embedding for t in texts]
+    assert torch.nn.functional.cosine_similarity(torch.tensor(batched), torch.tensor(alone), dim=1).min() > 1 - 1e-5
