@@ -40,6 +40,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -188,6 +189,12 @@ def _rates(seconds: float, num_seqs: int, num_tokens: int) -> dict[str, float]:
     return {"seconds": seconds, "seq_per_s": num_seqs / seconds, "tok_per_s": num_tokens / seconds}
 
 
+def _progress(name: str, rates: dict[str, float]) -> dict[str, float]:
+    """``rates`` as measured, also on stderr at once (a long run that is cut short keeps what it measured)."""
+    print(f"{name}: {json.dumps(rates)}", file=sys.stderr, flush=True)
+    return rates
+
+
 def _min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a, b, dim=1).min())
 
@@ -224,16 +231,16 @@ def main() -> None:
         path = with_st_config(model, tmp)
         if "hf" not in skip:
             seconds, vecs["pagedllm (hf)"] = run_pagedllm(path, prompts, args.threads, args.max_num_batched_tokens)
-            results["pagedllm (hf)"] = _rates(seconds, num_seqs, num_tokens)
+            results["pagedllm (hf)"] = _progress("pagedllm (hf)", _rates(seconds, num_seqs, num_tokens))
         if "st" not in skip:
             seconds, vecs["sentence-transformers"] = run_st(path, texts, args.threads, args.st_batch_size)
-            results["sentence-transformers"] = _rates(seconds, num_seqs, num_tokens)
+            results["sentence-transformers"] = _progress("sentence-transformers", _rates(seconds, num_seqs, num_tokens))
         if "gguf" not in skip:
             seconds, vecs["pagedllm (gguf)"] = run_pagedllm(gguf, prompts, args.threads, args.max_num_batched_tokens)
-            results["pagedllm (gguf)"] = _rates(seconds, num_seqs, num_tokens)
+            results["pagedllm (gguf)"] = _progress("pagedllm (gguf)", _rates(seconds, num_seqs, num_tokens))
         if "llama" not in skip:
             seconds, vecs["llama-server"] = run_llama(gguf, prompts, args.threads, args.llama_slots)
-            results["llama-server"] = _rates(seconds, num_seqs, num_tokens)
+            results["llama-server"] = _progress("llama-server", _rates(seconds, num_seqs, num_tokens))
     for a, b in (("pagedllm (hf)", "sentence-transformers"), ("pagedllm (gguf)", "llama-server")):
         if a in vecs and b in vecs:
             results[f"min_cosine {a} / {b}"] = _min_cosine(vecs[a], vecs[b])
