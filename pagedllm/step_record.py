@@ -29,6 +29,7 @@ with the context::
         num_draft_tokens              a verify step: the last new tokens are drafts, all positions sampled
         prompt_logprobs, prompt_targets  prompt tokens this chunk scores, if asked
         pooling                       a pooling request's prefill: "LAST", "MEAN" or "CLS" (samples nothing)
+        pooled_logit_ids              a LAST pooling prefill's token ids whose logits it returns (a reranker)
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
       blocks_to_load: (block, bytes) ...  K/V read back from the prefix cache on disk, written first
 
@@ -153,6 +154,9 @@ class SequenceStep(NamedTuple):
     # a pooling request's prefill (pagedllm/pooling/): "LAST", "MEAN" or "CLS"; it samples nothing and its
     # pooled final hidden states come back in StepResult.pooled
     pooling: str | None = None
+    # a LAST pooling prefill that asks for the LM head's logits of these token ids at its last prompt token
+    # instead of the hidden state (a yes/no reranker, pooling/params.py)
+    pooled_logit_ids: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -204,6 +208,7 @@ class ScheduledStep(NamedTuple):
     num_kept_tokens: int | None = None
     num_draft_tokens: int = 0  # a verify step: its last new tokens are drafts (SequenceStep's)
     pooling: str | None = None  # a pooling request's prefill (SequenceStep's)
+    pooled_logit_ids: tuple[int, ...] = ()  # (SequenceStep's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,12 +29,15 @@ def save_decoder(path: str, tokenizer) -> torch.nn.Module:  # noqa: ANN001
     return model
 
 
-def save_classifier(path: str, tokenizer, num_labels: int) -> torch.nn.Module:  # noqa: ANN001
+def save_classifier(path: str, tokenizer, num_labels: int,  # noqa: ANN001
+                    id2label: dict[int, str] | None = None) -> torch.nn.Module:
     """A tiny random Qwen3ForSequenceClassification with ``num_labels`` labels (no LM head saved)."""
     from transformers import Qwen3ForSequenceClassification
 
     torch.manual_seed(99)
-    model = Qwen3ForSequenceClassification(qwen3_config(num_labels=num_labels, pad_token_id=49151)).eval()
+    labels = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}} if id2label else {}
+    model = Qwen3ForSequenceClassification(qwen3_config(num_labels=num_labels, pad_token_id=49151,
+                                                        **labels)).eval()
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return model

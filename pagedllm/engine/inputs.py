@@ -151,6 +151,8 @@ def logits_rules(
     ValueError for a token id outside the vocabulary, and for ``min_tokens``
     that would ban every allowed token.
     """
+    # a yes/no reranker's pooling request reads these ids' logits (pooling/params.py), not logits processors
+    _check_vocab("pooled_logit_ids", getattr(params, "pooled_logit_ids", ()), vocab_size)
     if not params.has_logits_processors:
         return None
     bias = tuple(sorted((params.logit_bias or {}).items()))

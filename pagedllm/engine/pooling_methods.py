@@ -23,7 +23,7 @@ from pagedllm.pooling.outputs import (
     PoolingRequestOutput,
     ScoringOutput,
 )
-from pagedllm.pooling.params import PoolingParams, engine_params
+from pagedllm.pooling.params import PoolingParams, PoolingSamplingParams, engine_params
 from pagedllm.pooling.prompts import pooling_prompts, reranker_prompt, score_pairs
 
 
@@ -35,7 +35,8 @@ class Pooler:
         self.engine = engine
         self.model: PoolingModel = resolve_pooling_model(config.model, engine.model_config, config.convert,
                                                          config.pooler_config)
-        self.no_yes_ids: tuple[int, int] | None = None
+        # a yes/no reranker's requests ask the engine for these two logits at the last token (pooling/params.py)
+        self.no_yes_ids: tuple[int, ...] = ()
         if self.model.task == "score":
             self.no_yes_ids = (self._single_token("no"), self._single_token("yes"))
 
@@ -45,11 +46,17 @@ class Pooler:
             raise ValueError(f"convert='score' reads the logits of {word!r}, which is {len(ids)} tokens here")
         return ids[0]
 
+    def params(self, truncate_prompt_tokens: int | None = None, logits: bool = False) -> PoolingSamplingParams:
+        """The engine params of this model's pooling requests; ``logits``: a yes/no reranker's, which bring
+        back the [no, yes] logits of the last token instead of its hidden state."""
+        return engine_params(self.model.pooling_type, truncate_prompt_tokens, self.no_yes_ids if logits else ())
+
     def run(self, prompts: list[str | dict[str, Any]], truncate_prompt_tokens: int | None = None,
-            ) -> list[tuple[list[int], torch.Tensor]]:
-        """Each prompt's (token ids, pooled final hidden state), in order; every prompt is validated first."""
+            logits: bool = False) -> list[tuple[list[int], torch.Tensor]]:
+        """Each prompt's (token ids, pooled final hidden state, or [no, yes] logits with ``logits``), in order;
+        every prompt is validated first."""
         engine = self.engine
-        params = engine_params(self.model.pooling_type, truncate_prompt_tokens)
+        params = self.params(truncate_prompt_tokens, logits)
         checked = []
         for p in prompts:
             text, ids = engine.process_prompt(p, params)
@@ -75,12 +82,6 @@ class Pooler:
         if failed:
             raise RuntimeError(f"{len(failed)} pooling requests failed; the first: {failed[0].error}")
         return [(o.prompt_token_ids, torch.tensor(o.pooled, dtype=torch.float32)) for o in outs]
-
-    def score_logits(self, pooled: torch.Tensor) -> float:
-        """A yes/no reranker's score of one pooled (last-token) hidden state: the LM head's no / yes logits."""
-        logits = self.engine.model_runner.model.compute_logits(pooled.unsqueeze(0))
-        no_id, yes_id = self.no_yes_ids
-        return yes_no_score(logits[0], no_id, yes_id)
 
 
 class PoolingMethods:
@@ -147,8 +148,8 @@ class PoolingMethods:
             return [PoolingRequestOutput(str(i), ScoringOutput(cosine(vecs[q], vecs[d])), [])
                     for i, (q, d) in enumerate(pairs)]
         if task == "score":
-            rows = pooler.run([reranker_prompt(q, d, instruction) for q, d in pairs])
-            return [PoolingRequestOutput(str(i), ScoringOutput(pooler.score_logits(v)), ids)
+            rows = pooler.run([reranker_prompt(q, d, instruction) for q, d in pairs], logits=True)
+            return [PoolingRequestOutput(str(i), ScoringOutput(yes_no_score(v)), ids)
                     for i, (ids, v) in enumerate(rows)]
         tok = self.llm_engine.tokenizer.hf
         prompts = [{"prompt_token_ids": tok(q, d)["input_ids"]} for q, d in pairs]

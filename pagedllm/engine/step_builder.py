@@ -154,6 +154,7 @@ class StepRecordBuilder:
         return ScheduledStep(
             s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens, token_ids, block_ids, table,
             uniforms, scored, targets, tuple(masks), kept, s.num_draft_tokens, pooling,
+            getattr(p, "pooled_logit_ids", ()),
         )
 
     def _rolled_back(self, s: ScheduledSequence) -> int | None:

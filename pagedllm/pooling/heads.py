@@ -50,10 +50,12 @@ def cross_encoder_score(pooled: torch.Tensor, model: PoolingModel) -> float:
     return float(torch.softmax(logits, dim=-1)[-1])
 
 
-def yes_no_score(logits: torch.Tensor, no_id: int, yes_id: int) -> float:
-    """Qwen3-Reranker's score from the last token's logits ``[vocab]``: softmax over [no, yes], yes's share."""
-    pair = torch.stack([logits[no_id], logits[yes_id]]).float()
-    return float(torch.softmax(pair, dim=-1)[1])
+def yes_no_score(no_yes_logits: torch.Tensor) -> float:
+    """Qwen3-Reranker's score from the last token's ``[no, yes]`` logits (the engine's pooled share of a
+    request with ``pooled_logit_ids``): softmax over the two, yes's share."""
+    if no_yes_logits.shape != (2,):
+        raise ValueError(f"a yes/no score needs the [no, yes] logits, got shape {tuple(no_yes_logits.shape)}")
+    return float(torch.softmax(no_yes_logits.float(), dim=-1)[1])
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -40,12 +40,22 @@ class PoolingSamplingParams(SamplingParams):
     ``pooling_type`` tells the step builder and the runner to pool the
     prompt's final hidden states instead of sampling (``runner/pooled_rows.py``),
     and the engine to end the request once its prompt is computed.
+    ``pooled_logit_ids`` (LAST only): the runner returns the LM head's logits of
+    these token ids at the last prompt token instead of its hidden state, so
+    a yes/no reranker is scored inside the engine (its replica, its ranks).
     """
 
     pooling_type: Literal["LAST", "MEAN", "CLS"]
+    pooled_logit_ids: tuple[int, ...] = ()
+
+    def model_post_init(self, context: object) -> None:
+        super().model_post_init(context)
+        if self.pooled_logit_ids and self.pooling_type != "LAST":
+            raise ValueError(f"pooled_logit_ids need pooling_type 'LAST', got {self.pooling_type!r}")
 
 
-def engine_params(pooling_type: str, truncate_prompt_tokens: int | None = None) -> PoolingSamplingParams:
+def engine_params(pooling_type: str, truncate_prompt_tokens: int | None = None,
+                  pooled_logit_ids: tuple[int, ...] = ()) -> PoolingSamplingParams:
     """The engine params of a pooling request with ``pooling_type``; greedy, one token of room (never used)."""
     return PoolingSamplingParams(pooling_type=pooling_type, temperature=0.0, max_tokens=1,
-                                 truncate_prompt_tokens=truncate_prompt_tokens)
+                                 truncate_prompt_tokens=truncate_prompt_tokens, pooled_logit_ids=pooled_logit_ids)

@@ -14,6 +14,16 @@ RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 
 
+def embedding_query(task: str, query: str) -> str:
+    """Qwen3-Embedding's query with its task instruction, as its model card builds it (documents go without one).
+
+    Queries that share ``task`` share a token prefix: the prefix cache computes it once (docs/pooling.md).
+    """
+    if not isinstance(task, str) or not task or not isinstance(query, str):
+        raise ValueError("embedding_query needs a non-empty task string and a query string")
+    return f"Instruct: {task}\nQuery:{query}"
+
+
 def reranker_prompt(query: str, document: str, instruction: str | None = None) -> str:
     """The Qwen3-Reranker prompt of one (query, document) pair."""
     task = instruction if instruction is not None else RERANKER_INSTRUCTION

@@ -41,7 +41,7 @@ from pagedllm.runner.kv_cache import (
 from pagedllm.runner.kv_calibration import calibrate_kv_transforms, calibration_text
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
 from pagedllm.runner.model_loader import DTYPES, load_model, resolve_precision
-from pagedllm.runner.pooled_rows import pooled_share
+from pagedllm.runner.pooled_rows import pooled_shares
 from pagedllm.runner.prompt_scoring import ScoredPrompt, score_prompt_rows
 from pagedllm.runner.sampler import (
     Sampler,
@@ -359,6 +359,7 @@ class ModelRunner:
         steps = [full[i] for i in order]
         rows, logits, hidden = self._logits(steps)
         scored = self._score_prompts(steps, rows, hidden)
+        pooled = self._pooled(steps, hidden)
         if self.tp is not None and not self.tp.is_driver:
             return []
         logits = logits.cpu() if logits is not None else None
@@ -373,12 +374,9 @@ class ModelRunner:
             elif results[i].error is None:
                 results[i].error = one.error  # this sequence's alone: the others keep theirs
             results[i].prompt_logprobs_start = steps[i].num_computed_tokens + 1
-        start = 0  # each step entry's first row in the hidden states (prepare's order: steps')
-        for i, s in enumerate(steps):
-            if s.pooling is not None:  # a pooling prefill: no sample, its pooled hidden states
-                results[i].pooled = pooled_share(hidden, s, start)
-                results[i].pooled_start = s.num_computed_tokens
-            start += s.num_new_tokens
+        for i, share in pooled.items():  # a pooling prefill: no sample, its pooled hidden states (or logits)
+            results[i].pooled = share
+            results[i].pooled_start = steps[i].num_computed_tokens
         unordered: list[StepResult] = [StepResult()] * len(steps)
         for i, r in zip(order, results):
             unordered[i] = r
@@ -403,6 +401,18 @@ class ModelRunner:
                 raise
             raise DistributedError(f"tensor-parallel rank {self.tp.rank} failed in a step: {e}") from e
         return rows, logits, hidden
+
+    def _pooled(self, steps: list[SequenceStep], hidden: torch.Tensor) -> dict[int, list[float] | None]:
+        """Each pooling step entry's share (``runner/pooled_rows.py``); a reranker's LM-head rows run on
+        every tensor-parallel rank, as the prompt-logprob rows do."""
+        if not any(s.pooling is not None for s in steps):
+            return {}
+        try:
+            return pooled_shares(hidden, steps, self.model.compute_logits)
+        except Exception as e:
+            if self.tp is None or isinstance(e, DistributedError):
+                raise
+            raise DistributedError(f"tensor-parallel rank {self.tp.rank} failed in a step: {e}") from e
 
     def _score_prompts(
         self, steps: list[SequenceStep], rows: _LogitRows, hidden: torch.Tensor

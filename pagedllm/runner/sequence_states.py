@@ -73,7 +73,7 @@ class SequenceStates:
             state.request_id, s.num_computed_tokens, tuple(state.token_ids[s.num_computed_tokens : end]),
             tuple(state.block_table), state.sampling, s.uniforms, s.prompt_logprobs, s.prompt_targets,
             prompt_ids, output_ids, s.token_bitmasks, s.num_draft_tokens, state.num_prompt_tokens,
-            s.pooling,
+            s.pooling, s.pooled_logit_ids,
         )
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""Request bodies of the pooling routes (``serving_pooling.py``): OpenAI's embeddings, vLLM's ``/pooling``
-and ``/score``, Jina's ``/v1/rerank`` and Cohere's ``/v2/rerank``."""
+"""Request bodies of the pooling routes (``serving_pooling.py``): OpenAI's embeddings, vLLM's ``/pooling``,
+``/classify`` and ``/score``, Jina's ``/v1/rerank`` and Cohere's ``/v2/rerank``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ class PoolingRequest(_Body):
     model: str | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
+    truncate_prompt_tokens: int | None = PositiveInt
+
+
+class ClassificationRequest(_Body):
+    """``POST /classify`` (vLLM's): each input's class probabilities from a sequence-classification head."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    user: str | None = None
     truncate_prompt_tokens: int | None = PositiveInt
 
 

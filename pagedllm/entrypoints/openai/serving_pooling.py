@@ -1,4 +1,4 @@
-"""The pooling routes: ``/v1/embeddings``, ``/pooling``, ``/score``, ``/v1/rerank`` and ``/v2/rerank``.
+"""The pooling routes: ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``, ``/v1/rerank`` and ``/v2/rerank``.
 
 They answer on a ``--runner pooling`` server; a generating server answers
 them 400, and a pooling server answers the generating routes 400
@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.engine_errors import to_api_error
 from pagedllm.entrypoints.openai.guards import require_json
 from pagedllm.entrypoints.openai.json_response import OpenAIJSONResponse
 from pagedllm.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
@@ -33,8 +34,15 @@ from pagedllm.entrypoints.openai.pooling_protocol import (
 from pagedllm.entrypoints.openai.prompts import PromptEncoder
 from pagedllm.entrypoints.openai.protocol import APIError, ErrorResponse, bad_request
 from pagedllm.entrypoints.openai.serving_engine import check_model
-from pagedllm.pooling.heads import check_dimensions, cosine, cross_encoder_score, embedding
-from pagedllm.pooling.params import engine_params
+from pagedllm.pooling.heads import (
+    check_dimensions,
+    class_probs,
+    cosine,
+    cross_encoder_score,
+    embedding,
+    yes_no_score,
+)
+from pagedllm.pooling.params import PoolingSamplingParams
 from pagedllm.pooling.prompts import reranker_prompt
 
 # the generating routes a pooling server refuses
@@ -79,16 +87,18 @@ class OpenAIServingPooling:
             inputs = [inputs]
         if not inputs:
             raise bad_request(f"'{param}' must not be empty", param)
-        params = engine_params(self.pooler.model.pooling_type, truncate)
+        params = self.pooler.params(truncate)
         try:
             return [await (self.prompts.text(x, params) if isinstance(x, str) else self.prompts.token_ids(x, params))
                     for x in inputs]
         except Exception as e:
             raise to_api_error(e, param) from e
 
-    async def pooled(self, prompts: list[Prompt], param: str) -> list[torch.Tensor]:
-        """Each prompt's pooled final hidden state, in order, through the engine thread."""
-        params = engine_params(self.pooler.model.pooling_type)
+    async def pooled(self, prompts: list[Prompt], param: str, params: PoolingSamplingParams | None = None,
+                     ) -> list[torch.Tensor]:
+        """Each prompt's pooled final hidden state (or what ``params`` ask for), in order, through the engine
+        thread (one engine's, or a data-parallel replica's)."""
+        params = params if params is not None else self.pooler.params()
         try:
             sub = await self.client.add_requests(f"pool-{uuid.uuid4().hex}", prompts, params)
         except Exception as e:
@@ -126,9 +136,23 @@ class OpenAIServingPooling:
                 for i, v in enumerate(vecs)]
         return self._listing(data, prompts)
 
-    def _listing(self, data: list[dict[str, Any]], prompts: list[Prompt]) -> dict[str, Any]:
+    async def classify(self, req: ClassificationRequest) -> dict[str, Any]:
+        pooler = self._check(req.model, "classify")
+        prompts = await self._tokenized(req.input, "input", req.truncate_prompt_tokens)
+        vecs = await self.pooled(prompts, "input")
+        data = []
+        for i, v in enumerate(vecs):
+            probs = class_probs(v, pooler.model)
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": i, "label": pooler.model.labels[best],
+                         "probs": probs, "num_classes": len(probs)})
+        listing = self._listing(data, prompts, "classify")
+        listing["usage"].update(completion_tokens=0, prompt_tokens_details=None)  # vLLM's usage shape
+        return listing
+
+    def _listing(self, data: list[dict[str, Any]], prompts: list[Prompt], kind: str = "pool") -> dict[str, Any]:
         num = sum(len(ids) for _, ids in prompts)
-        return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                 "model": self.served_names[0], "data": data, "usage": {"prompt_tokens": num, "total_tokens": num}}
 
     async def scores(self, queries: list[str], documents: list[str], truncate: int | None,
@@ -142,7 +166,7 @@ class OpenAIServingPooling:
             prompts = await self._tokenized(texts, "documents", truncate)
             vecs = dict(zip(texts, await self.pooled(prompts, "documents")))
             return [cosine(vecs[q], vecs[d]) for q, d in zip(queries, documents)], sum(len(i) for _, i in prompts)
-        params = engine_params(pooler.model.pooling_type, truncate)
+        params = pooler.params(truncate, logits=task == "score")
         try:
             if task == "score":
                 prompts = [await self.prompts.text(reranker_prompt(q, d), params) for q, d in zip(queries, documents)]
@@ -152,9 +176,9 @@ class OpenAIServingPooling:
                 prompts = [await self.prompts.token_ids(ids, params) for ids in pairs]
         except Exception as e:
             raise to_api_error(e, "documents") from e
-        vecs = await self.pooled(prompts, "documents")
+        vecs = await self.pooled(prompts, "documents", params)
         if task == "score":
-            values = [pooler.score_logits(v) for v in vecs]
+            values = [yes_no_score(v) for v in vecs]
         else:
             values = [cross_encoder_score(v, pooler.model) for v in vecs]
         return values, sum(len(i) for _, i in prompts)
@@ -219,6 +243,12 @@ def add_pooling_routes(app: FastAPI, client: EngineClient, prompts: PromptEncode
     async def pooling(req: PoolingRequest) -> dict[str, Any]:
         """vLLM's pooling: each input's pooled final hidden state, before normalisation or a head."""
         return await serving.pooling(req)
+
+    @app.post("/classify", dependencies=json_body, responses=_ERRORS, include_in_schema=described)
+    async def classify(req: ClassificationRequest) -> dict[str, Any]:
+        """vLLM's classify: each input's class probabilities, most likely label and number of classes
+        (a ``--convert classify`` server: a sequence-classification checkpoint)."""
+        return await serving.classify(req)
 
     @app.post("/score", dependencies=json_body, responses=_ERRORS, include_in_schema=described)
     async def score(req: ScoreRequest) -> dict[str, Any]:
