@@ -303,3 +303,17 @@ def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, b
         _check_slots(bm, sched)
     assert bm.state_slots.num_free == max_num_seqs
     assert bm.num_free_blocks == bm.num_blocks and bm.ref_counts == [0] * num_blocks
+
+
+def test_the_kv_snapshot_shows_state_slots_and_snapshots() -> None:
+    from pagedllm.engine.kv_snapshot import build_kv_snapshot
+
+    bm = BlockManager(16, BS, num_state_slots=3, num_snapshot_slots=2)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=64)
+    sched.add(Sequence(list(range(10)), BS))
+    sched.update(sched.schedule())  # 8 tokens: cut at the snapshot point
+    bm.confirm_published()
+    assert build_kv_snapshot(sched)["state"] == {
+        "num_slots": 3, "used_slots": 1, "num_snapshot_slots": 2, "snapshots": 1, "snapshots_taken": 1,
+    }
+    assert build_kv_snapshot(Scheduler(BlockManager(4, BS), 1, 8))["state"] is None
