@@ -217,3 +217,18 @@ def test_state_slots_come_out_of_a_given_budget(lfm2_dir: str, oracle) -> None: 
     prompts = _prompts((3, 4, 3), 9)
     assert _greedy(small, prompts) == [[oracle(p)] for p in prompts]
     _pool_whole(small)
+
+
+def test_bench_memory_reports_the_state_slots(lfm2_dir: str) -> None:
+    """``bench memory`` on a hybrid model: the paged pool only (the contiguous one has no state slots), with its
+    state slots, their peak use, the snapshot slots and their bytes."""
+    from pagedllm.bench.memory import MemoryWorkload, _allocators, run_allocator
+
+    assert _allocators(lfm2_dir) == ("paged",)
+    workload = MemoryWorkload(num_requests=3, min_prompt=8, max_prompt=16, median_output=4, max_model_len=64,
+                              num_kv_slots=256)
+    summary, _ = run_allocator(lfm2_dir, workload, "paged", "max", None)
+    assert summary["state_slots"] == 64 and 1 <= summary["state_peak_used_slots"] <= 3  # max_num_seqs=64
+    assert summary["state_snapshot_slots"] == 0  # the benchmark runs without prefix caching
+    assert summary["state_bytes_per_slot"] == 3 * 2 * 64 * 4
+    assert summary["state_reserved_bytes"] == 64 * 3 * 2 * 64 * 4
