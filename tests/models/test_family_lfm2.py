@@ -265,3 +265,21 @@ def test_lfm2_gguf_from_llama_cpps_converter_matches_transformers(
         want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
     rows = [(len(prompt) - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
     assert max(abs(lp.logprob - float(want[r, t])) for r, lps in rows for t, lp in lps.items()) < LOGPROB_TOL
+
+
+def test_beam_forks_copy_the_running_state(llm: LLM, hf) -> None:  # noqa: ANN001
+    """Beam search forks running beams (their state copied before the next step): every beam's summed logprob
+    is transformers' teacher-forced one over its tokens, which a stale or zero state would not give."""
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    prompt = _prompts((20,), 77)[0]
+    (out,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6,
+                                                                            ignore_eos=True))
+    assert len(out.sequences) == 3
+    for beam in out.sequences:
+        tokens = beam.output_token_ids
+        with torch.inference_mode():
+            lp = hf(torch.tensor([prompt + tokens])).logits[0].double().log_softmax(-1)
+        want = sum(float(lp[len(prompt) + j - 1, t]) for j, t in enumerate(tokens))
+        assert beam.cum_logprob == pytest.approx(want, abs=1e-3)
+    _pool_whole(llm)
