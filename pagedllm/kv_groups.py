@@ -78,6 +78,10 @@ class KVCacheLayout:
         """The pool's share that padding takes: padded rows over all rows of all groups."""
         return self.num_padded_rows / (self.num_rows * len(self.groups))
 
+    def has_layer(self, layer: int) -> bool:
+        """Whether model layer ``layer`` has K/V in the pool (a hybrid model's state layers have none)."""
+        return any(layer in g.layers for g in self.groups)
+
     def layer_slot(self, layer: int) -> tuple[int, int]:
         """(group, row) of model layer ``layer``."""
         for g, group in enumerate(self.groups):
@@ -91,18 +95,26 @@ class KVCacheLayout:
         return sum(len(g.layers) for g in self.groups)
 
 
-def kv_cache_layout(layer_windows: Sequence[int | None], max_model_len: int | None = None) -> KVCacheLayout:
+def kv_cache_layout(
+    layer_windows: Sequence[int | None], max_model_len: int | None = None, layer_ids: Sequence[int] | None = None,
+) -> KVCacheLayout:
     """The groups of a model whose layer ``i`` has the window ``layer_windows[i]`` (None: full attention).
 
     Full-attention groups come first, then windows from the shortest. A window
     of ``max_model_len`` tokens or more counts as full attention. With one
     kind, one group of all the layers; with several, groups of as many layers
-    as the smallest kind has (see the module docstring).
+    as the smallest kind has (see the module docstring). ``layer_ids``: the
+    model layer of each entry (a hybrid model's attention layers); default
+    ``0 .. len(layer_windows) - 1``.
     """
     if not layer_windows:
         raise ValueError("a KV cache layout needs at least one layer")
+    if layer_ids is None:
+        layer_ids = range(len(layer_windows))
+    elif len(layer_ids) != len(layer_windows):
+        raise ValueError(f"{len(layer_ids)} layer ids for {len(layer_windows)} windows")
     kinds: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
+    for layer, window in zip(layer_ids, layer_windows):
         if window is not None and window < 1:
             raise ValueError(f"layer {layer}: a sliding window must be >= 1 token, got {window}")
         if window is not None and max_model_len is not None and window >= max_model_len:
@@ -121,6 +133,8 @@ def kv_cache_layout(layer_windows: Sequence[int | None], max_model_len: int | No
 
 
 def model_kv_layout(model_config: ModelArchConfig) -> KVCacheLayout:
-    """The layout of a model's KV cache, from its per-layer windows: the one place the engine (block manager)
-    and the runner (cache tensor, attention metadata) both take it from, so the two always agree."""
-    return kv_cache_layout([model_config.sliding_window(i) for i in range(model_config.num_hidden_layers)])
+    """The layout of a model's KV cache, from its attention layers' windows (a hybrid model's state layers
+    have no K/V): the one place the engine (block manager) and the runner (cache tensor, attention metadata)
+    both take it from, so the two always agree."""
+    layers = model_config.attention_layers
+    return kv_cache_layout([model_config.sliding_window(i) for i in layers], layer_ids=layers)

@@ -32,6 +32,8 @@ with the context::
         pooled_logit_ids              a LAST pooling prefill's token ids whose logits it returns (a reranker)
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
       blocks_to_load: (block, bytes) ...  K/V read back from the prefix cache on disk, written first
+      state_copies_before / _after: (src, dst) ...  a hybrid model's forks: state slots copied before / after
+                                      the step (docs/hybrid-models.md); NewSequence.state_slot: its slot
 
 ``SequenceStep`` is the runner's full view of one scheduled sequence, rebuilt
 from its state each step: the tensors are built from it as before the
@@ -157,6 +159,8 @@ class SequenceStep(NamedTuple):
     # a LAST pooling prefill that asks for the LM head's logits of these token ids at its last prompt token
     # instead of the hidden state (a yes/no reranker, pooling/params.py)
     pooled_logit_ids: tuple[int, ...] = ()
+    # a hybrid model's state slot (engine/state_slots.py); -1: the model has no state layers
+    state_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:
@@ -183,6 +187,7 @@ class NewSequence:
     num_prompt_tokens: int
     block_table: tuple[int, ...]
     sampling: SamplingSpec
+    state_slot: int = -1  # a hybrid model's state slot, held until the sequence finishes or is preempted
 
 
 class ScheduledStep(NamedTuple):
@@ -223,3 +228,6 @@ class StepRecord:
     release_blocks: tuple[tuple[int, int], ...] = ()
     # (block id, K/V bytes as the pool holds them) read from the prefix cache on disk (kv_disk/store.py)
     blocks_to_load: tuple[tuple[int, bytes], ...] = ()
+    # a hybrid model's forks: (source, destination) state slots copied before the step runs, and after it
+    state_copies_before: tuple[tuple[int, int], ...] = ()
+    state_copies_after: tuple[tuple[int, int], ...] = ()

@@ -73,6 +73,25 @@ prefix cache. A prefix hit at block ``k`` needs every full group's blocks
 ``0..k-1`` and each window group's blocks from the one holding key
 ``k * block_size - W + 1`` on. A model without windows has one group: its
 block ids are exactly those of the single-table manager.
+
+State slots (a hybrid model's, ``num_state_slots`` > 0: ``engine/state_slots.py``,
+docs/hybrid-models.md). Each running sequence holds one slot besides its
+blocks: ``allocate`` takes it (and one for each sample waiting to fork from
+the prompt, so its forks never find the pool empty), ``can_allocate`` says
+False when none is free, ``free`` gives it back (a preemption too). A fork's
+child gets its own slot and a (source, destination) state copy: before the
+step for a running parent (beam search), after it for a prompt that completes
+in the step its samples fork in (their state is the one this step computes)
+(``take_state_copies``). A slot holds the state after the sequence's computed
+tokens only, so a prefix hit needs the state at the hit point: with prefix
+caching, snapshots of it are kept at block boundaries (``num_snapshot_slots``,
+``engine/state_snapshots.py``) and a hit is cut to the longest cached prefix
+that has one. A prompt keeps at most two (``state_snapshot_points``): at its
+last full block (the next turn of a conversation extends the whole prompt),
+and where its cached blocks end without a snapshot there (the end of a prefix
+another prompt shares with it, a system prompt: the third prompt hits it).
+The scheduler ends a chunk at each point, the state is copied after that
+step. Disk hits are not taken for such a model (the disk keeps no states).
 """
 
 from __future__ import annotations
@@ -86,6 +105,8 @@ from collections.abc import Sequence as Sequence_
 import xxhash
 
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.state_slots import StateSlots
+from pagedllm.engine.state_snapshots import StateSnapshots
 from pagedllm.kv_disk.store import DiskBlockStore
 
 _NO_PARENT = 0
@@ -141,12 +162,15 @@ class BlockManager:
         disk: the prefix cache on disk, or None (with prefix caching only).
         group_windows: each KV cache group's sliding window in tokens, None for full attention
             (``KVCacheLayout.windows``); the default is one full-attention group.
+        num_state_slots: a hybrid model's state slots (one per running sequence); 0: the model has no state layers.
+        num_snapshot_slots: slots for state snapshots of cached prefixes (ids after the running ones; with prefix
+            caching and state slots only).
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None,
-        group_windows: Sequence_[int | None] = (None,),
+        group_windows: Sequence_[int | None] = (None,), num_state_slots: int = 0, num_snapshot_slots: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
@@ -192,6 +216,16 @@ class BlockManager:
         self._loaded: set[int] = set()
         # blocks a step computed and published, for the disk: (block id, hash, token ids)
         self._pending_saves: list[tuple[int, int, tuple[int, ...]]] = []
+        if num_state_slots < 0:
+            raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        if num_state_slots and self.num_groups > 1:
+            raise ValueError("state slots beside sliding-window KV cache groups are not supported yet")
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.snapshots = (StateSnapshots(num_state_slots, num_snapshot_slots)
+                          if num_state_slots and num_snapshot_slots and enable_prefix_caching else None)
+        # forks' (source, destination) state slot copies: before the next step, and after it
+        self._state_copies_before: list[tuple[int, int]] = []
+        self._state_copies_after: list[tuple[int, int]] = []
 
     # --- pool state ----------------------------------------------------------
     @property
@@ -267,6 +301,19 @@ class BlockManager:
         Only blocks inside the first ``len(seq) - 1`` tokens count: the last
         token is always computed, because its logits are needed to sample.
         """
+        tables = self._lookup_blocks(seq)
+        if self.state_slots is None or not tables[0]:
+            return tables
+        # a hybrid model's hit needs the state at its end: the longest prefix whose last block has a snapshot
+        # (a model with state slots has one KV cache group: __init__ refuses windows beside state layers)
+        hashes = self._block_hashes(seq, len(tables[0]))
+        num = len(tables[0])
+        while num and (self.snapshots is None or not self.snapshots.has(hashes[num - 1])):
+            num -= 1
+        return [tables[0][:num]]
+
+    def _lookup_blocks(self, seq: Sequence) -> list[list[int]]:
+        """Each group's blocks of the longest cached prefix of ``seq`` (K/V only; see ``_lookup_prefix``)."""
         if not self.enable_prefix_caching or not seq.allow_prefix_hits:
             return [[] for _ in range(self.num_groups)]
         hashes = self._block_hashes(seq, (len(seq) - 1) // self.block_size)
@@ -299,7 +346,7 @@ class BlockManager:
 
     def _num_disk_hits(self, seq: Sequence, num_ram_hits: int) -> int:
         """Blocks after the first ``num_ram_hits`` that the disk holds files of, in a row (contents unchecked)."""
-        if self.disk is None or not seq.allow_prefix_hits:
+        if self.disk is None or not seq.allow_prefix_hits or self.state_slots is not None:
             return 0
         num_lookup = (len(seq) - 1) // self.block_size
         hashes = self._block_hashes(seq, num_lookup)
@@ -334,6 +381,8 @@ class BlockManager:
         if h is not None:
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+                if self.snapshots is not None:  # a snapshot goes with its block
+                    self.snapshots.drop(h)
             self.block_hash[block] = None
             self.block_token_ids[block] = None
             if block in self._cached_free:  # free and now holding nothing: empty
@@ -359,9 +408,15 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
         """Whether ``allocate(seq, max_num_new_tokens)`` would succeed now."""
         _check_max_new(max_num_new_tokens)
+        if not self._has_state_slots_for(seq):
+            return False
         hits = self._lookup_prefix(seq)
         num_disk = self._num_disk_hits(seq, len(hits[0]))
         return self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) <= 0
+
+    def _has_state_slots_for(self, seq: Sequence) -> bool:
+        """Whether a slot is free for ``seq`` and each sample waiting to fork from it (always, without slots)."""
+        return self.state_slots is None or self.state_slots.num_free >= 1 + len(seq.fork_children)
 
     def _num_blocks_needed(self, seq: Sequence, num_hits: int, max_num_new_tokens: int | None) -> int:
         """Blocks (per group) covering the cached prefix (``num_hits`` blocks) plus the first chunk of new tokens."""
@@ -394,6 +449,8 @@ class BlockManager:
         if seq.block_table or seq.group_tables:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         _check_max_new(max_num_new_tokens)
+        if not self._has_state_slots_for(seq):
+            return False
         tables = self._lookup_prefix(seq)
         num_ram = len(tables[0])
         num_disk = self._num_disk_hits(seq, num_ram)
@@ -422,7 +479,43 @@ class BlockManager:
         self._set_tables(seq, tables)
         seq.num_cached_tokens = num_hits * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
+        if self.state_slots is not None:
+            for s in (seq, *seq.fork_children):
+                if s.state_slot is None:
+                    s.state_slot = self.state_slots.take()
+            self._plan_snapshots(seq, num_hits)
         return True
+
+    def _plan_snapshots(self, seq: Sequence, num_hits: int) -> None:
+        """A hybrid model's admitted sequence: its hit's state copied in, and where its state is snapshotted."""
+        seq.state_snapshot_points = []
+        if self.snapshots is None:
+            return
+        bs = self.block_size
+        if num_hits:
+            slot = self.snapshots.find(self._block_hashes(seq, num_hits)[num_hits - 1])
+            if slot is None:  # _lookup_prefix cut the hit to a snapshot
+                raise RuntimeError("a hybrid model's prefix hit has no state snapshot")
+            self._state_copies_before.append((slot, seq.state_slot))
+        shared = len(self._lookup_blocks(seq)[0]) * bs  # where the blocks another prompt cached end
+        last = (len(seq) - 1) // bs * bs  # the last full block a later lookup can reach
+        seq.state_snapshot_points = sorted({p for p in (shared, last) if p > num_hits * bs})
+
+    def next_snapshot_point(self, seq: Sequence) -> int | None:
+        """The first token count past ``seq``'s computed ones whose state is snapshotted (a chunk ends there)."""
+        return next((p for p in seq.state_snapshot_points if p > seq.num_computed_tokens), None)
+
+    def snapshot_state(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep a snapshot of ``seq``'s state after ``num_tokens`` tokens, computed in the step being planned,
+        where that is one of its points and the block it ends with is cached (a copy after the step)."""
+        if self.snapshots is None or num_tokens not in seq.state_snapshot_points or seq.state_slot is None:
+            return
+        h = self._block_hashes(seq, num_tokens // self.block_size)[-1]
+        if h not in self.hash_to_block:
+            return  # another block of the same content holds the hash, or none: nothing to key it by
+        slot = self.snapshots.take(h)
+        if slot is not None:
+            self._state_copies_after.append((seq.state_slot, slot))
 
     def _read_disk_blocks(self, seq: Sequence, first: int, num: int) -> list[list[bytes]]:
         """Per group, the K/V bytes of blocks ``first .. first + num - 1`` of ``seq`` from disk, up to the first
@@ -566,6 +659,8 @@ class BlockManager:
         plain decode would hold. A window group's blocks already given back
         cannot come back: a length whose window reads one is refused.
         """
+        if self.state_slots is not None and num_computed_tokens != seq.num_computed_tokens:
+            raise ValueError("a hybrid model's state cannot be rolled back to fewer tokens (docs/hybrid-models.md)")
         if not 0 <= num_computed_tokens <= seq.num_computed_tokens:
             raise ValueError(
                 f"rollback to {num_computed_tokens} tokens: must be 0..{seq.num_computed_tokens} (the computed ones)"
@@ -587,16 +682,48 @@ class BlockManager:
         del seq.block_hashes[len(seq) // self.block_size :]
         return freed
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` share every block of ``parent`` in every group (ref counts go up)."""
+    def fork(self, parent: Sequence, child: Sequence, state_after_step: bool = False) -> None:
+        """Let ``child`` share every block of ``parent`` in every group (ref counts go up).
+
+        With state slots the child gets its own (the one ``allocate`` reserved for a waiting sample, else a
+        free one) and a copy of the parent's: made before the next step runs, or after it with
+        ``state_after_step`` (the parent's prompt completes in the step being planned).
+        """
         if child.block_table or child.group_tables:
             raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        if self.state_slots is not None:
+            if parent.state_slot is None:
+                raise ValueError(f"sequence {parent.seq_id} holds no state slot to fork from")
+            if child.state_slot is None:
+                if not self.state_slots.num_free:
+                    # max_num_seqs bounds the running sequences and the pool holds that many (model_runner)
+                    raise RuntimeError("no state slot is free for a fork: the pool holds fewer than max_num_seqs")
+                child.state_slot = self.state_slots.take()
+            pending = self._state_copies_after if state_after_step else self._state_copies_before
+            pending.append((parent.state_slot, child.state_slot))
         tables = [list(table) for table in self._tables(parent)]
         self._set_tables(child, tables)
         for table in tables:
             for block in table:
                 if block != HOLE:
                     self.ref_counts[block] += 1
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The forks' (source, destination) state slot copies decided since the last call: (those the runner
+        makes before the step runs, those it makes after)."""
+        copies = (self._state_copies_before, self._state_copies_after)
+        self._state_copies_before, self._state_copies_after = [], []
+        return copies
+
+    def _give_back_state_slot(self, seq: Sequence) -> None:
+        """Return ``seq``'s slot to the pool; a copy into it not yet made is moot (its holder is gone)."""
+        slot = seq.state_slot
+        if slot is None or self.state_slots is None:
+            return
+        self.state_slots.give_back(slot)
+        seq.state_slot = None
+        self._state_copies_before = [c for c in self._state_copies_before if c[1] != slot]
+        self._state_copies_after = [c for c in self._state_copies_after if c[1] != slot]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies decided since the last call."""
@@ -628,6 +755,8 @@ class BlockManager:
 
     def confirm_published(self) -> None:
         """The step planned with the blocks published since the last call has run: they hold their K/V."""
+        if self.snapshots is not None:
+            self.snapshots.confirm()
         if self.disk is not None:
             for block in self._unconfirmed:
                 h = self.block_hash[block]
@@ -645,11 +774,14 @@ class BlockManager:
         for block in self._unconfirmed:
             self._uncache(block)
         self._unconfirmed.clear()
+        if self.snapshots is not None:
+            self.snapshots.drop_unconfirmed()
         self._loaded.clear()
         self._pending_loads.clear()
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references in every group; blocks at ref count 0 become free."""
+        """Drop the sequence's references in every group; blocks at ref count 0 become free. Its state slot goes
+        back, and those reserved for its samples still waiting to fork."""
         for table in self._tables(seq):
             for block in reversed(table):
                 if block != HOLE:
@@ -657,6 +789,8 @@ class BlockManager:
         seq.block_table = []
         seq.group_tables = []
         seq.num_computed_tokens = 0
+        for s in (seq, *seq.fork_children):
+            self._give_back_state_slot(s)
 
     def take_releasable(self) -> list[tuple[int, int]]:
         """Ranges ``[start, stop)`` of blocks written since last asked that are now free and hold nothing.
@@ -679,3 +813,5 @@ class BlockManager:
         """Forget every cached hash (blocks in use stay allocated)."""
         for block in range(self.num_blocks):
             self._uncache(block)
+        if self.snapshots is not None:
+            self.snapshots.clear()

@@ -136,13 +136,18 @@ class LLMEngine:
             if model_kv_layout(self.model_config).num_groups > 1:
                 raise ValueError("kv_allocator='contiguous' holds one block table per sequence; this model's "
                                  "sliding-window layers need one per KV cache group (use kv_allocator='paged')")
+            if self.model_runner.num_state_slots:
+                raise ValueError("kv_allocator='contiguous' has no state slots: a hybrid model needs 'paged'")
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
-            # a longrope model's long prompts rotate their keys their own way: their own prefix-cache chain
-            # one block table per KV cache group: sliding-window groups give back what leaves their window
+            # a longrope model's long prompts rotate their keys their own way: their own prefix-cache chain;
+            # one block table per KV cache group: sliding-window groups give back what leaves their window;
+            # a hybrid model's sequences hold a state slot each (engine/state_slots.py)
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
                                               self.model_config.longrope_switch_len, self.kv_disk,
-                                              model_kv_layout(self.model_config).windows)
+                                              model_kv_layout(self.model_config).windows,
+                                              self.model_runner.num_state_slots,
+                                              self.model_runner.num_snapshot_slots)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
         self.step_times = StepTimeModel()

@@ -106,13 +106,17 @@ class SchedulerOutput:
     pairs that must be copied in the cache before the step runs.
     ``blocks_to_load`` are blocks of admitted prompts read back from the
     prefix cache on disk: (block id, K/V bytes) the runner writes into the
-    pool first.
+    pool first. ``state_copies_before`` / ``state_copies_after``: a hybrid
+    model's forks, (source, destination) state slots the runner copies before
+    the step runs / after it (``BlockManager.fork``).
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
+    state_copies_before: list[tuple[int, int]] = field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -249,7 +253,8 @@ class Scheduler:
         forks = tuple(seq.fork_children)
         seq.fork_children = []
         for child in forks:
-            self.block_manager.fork(seq, child)
+            # the parent's state after its prompt is the one this step computes: copied after the step
+            self.block_manager.fork(seq, child, state_after_step=True)
             child.num_computed_tokens = seq.num_computed_tokens
             child.num_cached_tokens = seq.num_cached_tokens
             child.status = SequenceStatus.RUNNING
@@ -259,11 +264,15 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> ScheduledSequence:
         """Schedule as much of ``seq``'s pending tokens as ``budget`` allows (at least one)."""
         num_new = min(len(seq) - seq.num_computed_tokens, budget)
+        point = self.block_manager.next_snapshot_point(seq)
+        if point is not None and seq.num_computed_tokens + num_new > point:
+            num_new = point - seq.num_computed_tokens  # a hybrid model's state is snapshotted there
         completes = seq.num_computed_tokens + num_new == len(seq)
         forks = self._start_forks(seq) if completes else ()
         # published at once, so an identical prompt admitted next in this same
         # step already hits these blocks; only what this step computes
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        self.block_manager.snapshot_state(seq, seq.num_computed_tokens + num_new)
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, forks)
 
     def _verify_chunk(self, seq: Sequence) -> ScheduledSequence:
@@ -326,11 +335,14 @@ class Scheduler:
         # no admission after a preemption: the pool just proved too small for what is running
         if not preempted:
             prefills += self._admit(budget)
+        before, after = self.block_manager.take_state_copies()
         return SchedulerOutput(
             scheduled=prefills + planned_decodes,
             preempted=preempted,
             blocks_to_copy=self.block_manager.take_copies(),
             blocks_to_load=self.block_manager.take_loads(),
+            state_copies_before=before,
+            state_copies_after=after,
         )
 
     def _share_of_younger_prompts(self, prompt_budget: int) -> int:

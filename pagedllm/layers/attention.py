@@ -90,6 +90,10 @@ class AttentionMetadata:
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer ``layer`` reads: its KV cache group's."""
         return self if self.group_metas is None else self.group_metas[self.layer_groups[layer]]
+    # a hybrid model's state layers (docs/hybrid-models.md); None for a model without them
+    state_slots: torch.Tensor | None = None  # [num_seqs] int64: each sequence's state slot
+    # [num_seqs] bool: False where the sequence computes from position 0 (its state starts at zero)
+    has_initial_state: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # checked once per step, here, rather than in every layer: native

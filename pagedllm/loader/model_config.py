@@ -13,6 +13,7 @@ from typing import Any
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
 from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
+from pagedllm.loader.lfm2_config import lfm2_fields, lfm2_hf_dict
 from pagedllm.loader.moe_config import hf_moe_fields
 from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
@@ -58,7 +59,12 @@ def longrope_switch_len(scaling: Mapping[str, Any] | None, max_position: int) ->
 
 
 SUPPORTED_ROPE_SCALING = SUPPORTED_ROPE_TYPES  # computed by transformers' ROPE_INIT_FUNCTIONS (layers/rotary.py)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# attention layers keep K/V in the paged pool; the state layers (docs/hybrid-models.md) keep a fixed-size state
+# per sequence instead: "linear_attention" (Gated DeltaNet: Qwen3-Next, Qwen3.5), "conv" (LFM2's short conv),
+# "mamba" (Mamba-2)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+STATE_LAYER_TYPES = ("linear_attention", "conv", "mamba")
+LAYER_TYPES = ATTENTION_LAYER_TYPES + STATE_LAYER_TYPES
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,10 @@ class ModelArchConfig:
     global_head_dim: int = 0
     num_global_key_value_heads: int = 0
     attention_k_eq_v: bool = False
+    # a short conv's taps and whether it (and its projections) add biases: LFM2's "conv" layers
+    # (loader/lfm2_config.py); 0: no conv layers
+    conv_kernel_size: int = 0
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -223,12 +233,12 @@ class ModelArchConfig:
     def cache_kv_heads(self) -> int:
         """kv heads one layer's slice of the KV cache holds per token: the most any layer has (a layer with
         fewer repeats its heads into them, ``layers/gemma4_attention.py``)."""
-        return max(self.attention_shape(i)[0] for i in range(self.num_hidden_layers))
+        return max((self.attention_shape(i)[0] for i in self.attention_layers), default=self.num_key_value_heads)
 
     @property
     def cache_head_dim(self) -> int:
         """Head size of the KV cache: the largest any layer has (a smaller head is padded with zeros)."""
-        return max(self.attention_shape(i)[1] for i in range(self.num_hidden_layers))
+        return max((self.attention_shape(i)[1] for i in self.attention_layers), default=self.head_dim)
 
     def _check_experts(self) -> None:
         if not self.num_experts:
@@ -254,6 +264,21 @@ class ModelArchConfig:
     def longrope_switch_len(self) -> int | None:
         """Where longrope switches to its long factors (``longrope_switch_len``); None: one set of factors."""
         return longrope_switch_len(self.rope_scaling, self.max_position_embeddings)
+
+    def is_attention_layer(self, layer: int) -> bool:
+        """Whether ``layer`` keeps K/V in the paged pool (every layer of a model without ``layer_types``)."""
+        return not self.layer_types or self.layer_types[layer] in ATTENTION_LAYER_TYPES
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with K/V in the pool, in order: layer ``attention_layers[r]`` owns the pool's row ``r``
+        (``runner/kv_cache.py``'s ``kv_cache_rows``); the others are state layers."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_attention_layer(i))
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Whether any layer keeps a per-sequence state (a hybrid model: docs/hybrid-models.md)."""
+        return any(t in STATE_LAYER_TYPES for t in self.layer_types)
 
     @property
     def has_sliding_window(self) -> bool:
@@ -481,6 +506,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         cfg = {**(_GEMMA3_DEFAULTS if arch == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
     elif arch == "gemma4":
         cfg = gemma4_text_dict(cfg)
+    elif arch == "lfm2":
+        cfg = lfm2_hf_dict(cfg)
     missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
     if missing:
         raise ValueError(f"config.json ({model_type}) lacks {missing}")
@@ -520,7 +547,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg)
+    return lfm2_fields(hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

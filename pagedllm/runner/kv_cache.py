@@ -2,8 +2,15 @@
 
 ::
 
-    kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
-    layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache  [2 (K, V), num_kv_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
+    layer i:  (kv_cache[0, r], kv_cache[1, r])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
+              r = kv_cache_rows(config)[i]  (a row of layer i's KV cache group, kv_groups.py)
+
+Only attention layers have a row: a hybrid model's state layers (Gated
+DeltaNet, short conv, Mamba-2: ``ModelArchConfig.layer_types``) keep a
+per-sequence state instead (``runner/state_cache.py``), so a 3:1 hybrid
+reserves K/V for its attention quarter alone. ``kv_cache_rows`` is the one
+layer -> row map; a model without state layers has row ``i`` for layer ``i``.
 
 A model with sliding-window layers has KV cache groups (``kv_groups.py``): the second dimension
 holds ``num_rows`` rows, and layer ``i`` uses row ``layer_slot(i)[1]`` in the blocks of its group's table.
@@ -77,6 +84,13 @@ def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if dtype in QUANTIZED_CACHE_DTYPES else head_dim
 
 
+def kv_cache_rows(model_config: ModelArchConfig) -> list[int | None]:
+    """Each layer's row of the cache tensor's layer dimension (``model_kv_layout``'s: the attention layers in
+    order without KV cache groups, a group's row with them), None for a state layer (which has no K/V)."""
+    layout = model_kv_layout(model_config)
+    return [layout.layer_slot(i)[1] if layout.has_layer(i) else None for i in range(model_config.num_hidden_layers)]
+
+
 def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across its rows (every layer, or a KV cache group's), K and V (an int8 / int4 cache's
     scales included)."""
@@ -86,7 +100,7 @@ def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: to
     return 2 * model_kv_layout(mc).num_rows * block_size * mc.cache_kv_heads * width * elem
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in an anonymous private mapping: no page is resident until it is written."""
     numel = 1
     for n in shape:
@@ -100,8 +114,9 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def allocate_kv_cache(
     model_config: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written).
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written);
+    a state layer's entry is ``()`` (``runner/state_cache.py`` puts its state tensors there).
 
     With KV cache groups (``kv_groups.py``) the layer dimension holds one group's rows, and layer ``i``
     views the row ``model_kv_layout(mc).layer_slot(i)`` names: layers of different groups share a row's tensor
@@ -109,16 +124,15 @@ def allocate_kv_cache(
     """
     mc = model_config
     layout = model_kv_layout(mc)
-    # [2 (K, V), num_rows (num_layers without groups), num_kv_blocks, block_size, num_kv_heads,
+    # [2 (K, V), num_rows (the attention layers without groups), num_kv_blocks, block_size, num_kv_heads,
     #  head_dim (+ 4 scale bytes: int8; head_dim / 2 + 4 bytes: int4)]
     shape = (2, layout.num_rows, num_blocks, block_size, mc.cache_kv_heads,
              cache_head_width(mc.cache_head_dim, dtype))
     if device.type == "cpu":
-        kv_cache = _lazy_zeros(shape, dtype)
+        kv_cache = lazy_zeros(shape, dtype)
     else:
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-    rows = [layout.layer_slot(i)[1] for i in range(mc.num_hidden_layers)]
-    return kv_cache, [(kv_cache[0, r], kv_cache[1, r]) for r in rows]
+    return kv_cache, [() if r is None else (kv_cache[0, r], kv_cache[1, r]) for r in kv_cache_rows(mc)]
 
 
 def release_kv_blocks(kv_cache: torch.Tensor, ranges: list[tuple[int, int]]) -> int:

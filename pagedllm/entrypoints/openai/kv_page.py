@@ -104,6 +104,16 @@ class KVGroup(BaseModel):
     used_blocks: int = Field(description="blocks the group's tables hold now")
 
 
+class KVStateSlots(BaseModel):
+    """A hybrid model's per-sequence state slots and the state snapshots of cached prefixes (docs/hybrid-models.md)."""
+
+    num_slots: int = Field(description="state slots, one per sequence that may run")
+    used_slots: int = Field(description="slots held by running sequences")
+    num_snapshot_slots: int = Field(description="slots for state snapshots of cached prefixes")
+    snapshots: int = Field(description="snapshots kept now")
+    snapshots_taken: int = Field(description="snapshots taken so far")
+
+
 class KVState(BaseModel):
     """The KV block pool as the engine thread last published it (at most 4 times a second)."""
 
@@ -119,6 +129,7 @@ class KVState(BaseModel):
     counters: KVCounters
     memory: KVMemory
     kv_groups: list[KVGroup] = Field(default=[], description="each KV cache group's window and blocks held")
+    state: KVStateSlots | None = Field(default=None, description="null for a model without state layers")
 
 
 def page_html() -> bytes:
