@@ -1,0 +1,137 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet hybrids) against transformers on tiny random weights.
+
+Tiny random checkpoints of transformers' own config classes
+(``Qwen3NextConfig``, ``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig``):
+hidden 64, four layers, the fourth full (gated) attention and the other
+three Gated DeltaNet (2 key heads, 4 value heads of 16, conv of 4); the MoE
+ones with 4 experts, 2 per token, and a gated shared expert (Qwen3-Next's
+second layer dense, ``mlp_only_layers``). Weights drawn wide
+(``initializer_range`` 0.2), norms and the decay parameters at random, so
+that a wrong gate, norm, decay or state changes the greedy tokens.
+
+From each folder, on the native kernels with float32 activations: greedy
+tokens equal transformers' (its own cache: recurrent decode) and every
+logprob within ``LOGPROB_TOL``; prompts cut into chunks of 16 and 64
+tokens, and a prompt whose first blocks hit the prefix cache, give the
+whole prompt's tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pagedllm import LLM, SamplingParams
+
+LOGPROB_TOL = 1e-4
+GENERATED = 10
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, block_size=8, kv_cache_dtype="float32", max_num_seqs=4)
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def _config(family: str):  # noqa: ANN202
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**COMMON, **MOE, norm_topk_prob=True, mlp_only_layers=[1])
+    if family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**COMMON)
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**COMMON, **MOE)
+
+
+def _save(family: str, path, tokenizer) -> str:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(len(family))
+    model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # the gated norm multiplies by w itself
+                param.uniform_(0.5, 1.5)
+            elif "norm" in name:  # the others by 1 + w
+                param.uniform_(-0.5, 0.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.uniform_(-1.0, 1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
+    return {f: _save(f, tmp_path_factory.mktemp(f"tiny-{f}"), smollm_tokenizer) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def hf_models(folders: dict[str, str]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return {f: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for f, p in folders.items()}
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+def _max_logprob_error(hf, out) -> float:  # noqa: ANN001
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+    prompt_len = len(out.prompt_token_ids)
+    rows = [(i - 1, lps) for i, lps in enumerate(out.prompt_logprobs) if lps is not None]
+    rows += [(prompt_len - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
+    return max(abs(lp.logprob - float(want[row, token])) for row, lps in rows for token, lp in lps.items())
+
+
+def _generate(llm: LLM, prompts: list[list[int]], logprobs: bool = False) -> list:  # noqa: ANN001
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True,
+                            logprobs=5 if logprobs else None, prompt_logprobs=5 if logprobs else None)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_folder_matches_transformers(family: str, folders: dict[str, str], hf_models: dict) -> None:
+    """Greedy tokens and logprobs of two prompts batched (one over 64 tokens: two chunks of the kernel)."""
+    prompts = _prompts([70, 9], seed=1)
+    llm = LLM(folders[family], **ENGINE)
+    outs = _generate(llm, prompts, logprobs=True)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_models[family], prompt, GENERATED)
+        assert _max_logprob_error(hf_models[family], out) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_prompts_give_the_whole_prompts_tokens(family: str, chunk: int, folders: dict[str, str],
+                                                       hf_models: dict) -> None:
+    prompts = _prompts([90, 21], seed=2)
+    llm = LLM(folders[family], **ENGINE, max_num_batched_tokens=chunk)
+    for prompt, out in zip(prompts, _generate(llm, prompts), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_models[family], prompt, GENERATED)
+
+
+def test_a_prefix_hit_gives_the_whole_prompts_tokens(folders: dict[str, str], hf_models: dict) -> None:
+    prefix = _prompts([40], seed=3)[0]
+    prompts = [prefix + tail for tail in _prompts([5, 13], seed=4)]
+    llm = LLM(folders["qwen3_5"], **ENGINE)
+    first = _generate(llm, prompts[:1])
+    second = _generate(llm, prompts[1:])
+    assert second[0].num_cached_tokens > 0
+    for prompt, out in zip(prompts, first + second, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf_models["qwen3_5"], prompt, GENERATED)
