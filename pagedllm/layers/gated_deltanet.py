@@ -175,9 +175,12 @@ class GatedDeltaNet(CustomOp):
                                             meta.state_slots[:num_prefills], meta.has_initial_state[:num_prefills],
                                             core[:end], scale, self.spec.chunk_size)
         start = loc[num_prefills]
-        if start < x.shape[0]:  # the decodes: one token each, after the prompts
-            self.native.gated_delta_decode(q[start:], k[start:], v[start:], g[start:], beta[start:], rec,
-                                           meta.state_slots[num_prefills:], core[start:], scale)
+        if start < x.shape[0]:  # one token each, after the prompts: decodes, or prompts of a single token
+            slots, initial = meta.state_slots[num_prefills:], meta.has_initial_state[num_prefills:]
+            if not bool(initial.all()):  # a one-token prompt starts from zero, not from the slot's last owner
+                rec[slots[~initial]] = 0.0
+            self.native.gated_delta_decode(q[start:], k[start:], v[start:], g[start:], beta[start:], rec, slots,
+                                           core[start:], scale)
         return self._output(core, z)
 
     def forward_torch(

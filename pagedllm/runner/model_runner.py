@@ -128,12 +128,12 @@ class ModelRunner:
         self.state_shapes = layer_state_shapes(self.model, self.local_config) if model_config.has_state_layers else []
         self.state_bytes_per_slot = state_bytes_per_slot(self.state_shapes)
         self.num_state_slots = 0  # sized with the KV pool (_plan_kv_pool)
-        if self.state_shapes:
-            self._check_state_model(config)
 
         # what the cache stores; "auto" resolved once the weights' format is known
         self.kv_cache_dtype = KV_DTYPES[resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype,
                                                                keeps_gguf_blocks=bool(gguf_types_held(self.model)))]
+        if self.state_shapes:  # after kv_cache_dtype: the check reads it
+            self._check_state_model(config)
         self.block_size = config.block_size
         # the pool's size, and max_model_len lowered to it where fit_max_model_len allows (resolved_config.py)
         self.kv_pool = self._plan_kv_pool(available)

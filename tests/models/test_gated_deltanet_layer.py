@@ -97,14 +97,19 @@ def test_whole_chunked_and_decoded_prompts_give_transformers_outputs(family: str
         whole = layer(x[0], states, _meta([PROMPT], [3], [False], 1))
         torch.testing.assert_close(whole, want, atol=2e-5, rtol=1e-4)
         # another sequence in slot 1: 10 prompt tokens, 6 more continuing them, then one token per step,
-        # batched beside a fresh one-token prompt in slot 4 (a prefill and a decode in one step)
+        # batched after a 7-token prompt in slot 0 and beside a fresh one-token prompt in slot 4, which the
+        # runner counts among the decodes (num_prefills: sequences of more than one new token) and whose
+        # slot holds an earlier sequence's states
         parts = [layer(x[0, :10], states, _meta([10], [1], [False], 1)),
                  layer(x[0, 10:16], states, _meta([6], [1], [True], 1))]
         for t in range(16, PROMPT):
-            step = torch.cat([x[0, :1], x[0, t : t + 1]])
-            out = layer(step, states, _meta([1, 1], [4, 1], [False, True], 1))
-            torch.testing.assert_close(out[0], want[0], atol=2e-5, rtol=1e-4)
-            parts.append(out[1:])
+            for state in states:
+                state[4].normal_()
+            step = torch.cat([x[0, :7], x[0, t : t + 1], x[0, :1]])
+            out = layer(step, states, _meta([7, 1, 1], [0, 1, 4], [False, True, False], 1))
+            torch.testing.assert_close(out[:7], want[:7], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(out[8:], want[:1], atol=2e-5, rtol=1e-4)
+            parts.append(out[7:8])
     torch.testing.assert_close(torch.cat(parts), want, atol=2e-5, rtol=1e-4)
 
 
