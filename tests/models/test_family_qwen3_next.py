@@ -4,8 +4,8 @@ Tiny random checkpoints of transformers' own config classes
 (``Qwen3NextConfig``, ``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig``):
 hidden 64, four layers, the fourth full (gated) attention and the other
 three Gated DeltaNet (2 key heads, 4 value heads of 16, conv of 4); the MoE
-ones with 4 experts, 2 per token, and a gated shared expert (Qwen3-Next's
-second layer dense, ``mlp_only_layers``). Weights drawn wide
+ones with 4 experts, 2 per token, and a gated shared expert in every layer
+(llama.cpp's ``qwen3next`` files have no dense MLP). Weights drawn wide
 (``initializer_range`` 0.2), norms and the decay parameters at random, so
 that a wrong gate, norm, decay or state changes the greedy tokens.
 
@@ -44,7 +44,7 @@ def _config(family: str):  # noqa: ANN202
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig
 
-        return Qwen3NextConfig(**COMMON, **MOE, norm_topk_prob=True, mlp_only_layers=[1])
+        return Qwen3NextConfig(**COMMON, **MOE, norm_topk_prob=True)
     if family == "qwen3_5":
         from transformers import Qwen3_5TextConfig
 
