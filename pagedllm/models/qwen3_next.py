@@ -79,11 +79,12 @@ class Qwen3NextForCausalLM(CausalLM):
         attention = AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                   qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=norm,
                                   rotary_dim=rope.rotary_dim)
-        linear = gated_delta_spec(cfg)
+        # no layer_types: every layer full attention (a config read without the Gated DeltaNet fields)
+        linear = gated_delta_spec(cfg) if "linear_attention" in cfg.layer_types else None
         moe = cls.moe_spec(cfg) if cfg.num_experts else None
         layers = []
         for i in range(cfg.num_hidden_layers):
-            full = cfg.layer_types[i] == "full_attention"
+            full = linear is None or cfg.layer_types[i] == "full_attention"
             layers.append(HybridLayerSpec(
                 attention if full else dataclasses.replace(attention, rope=False), cfg.intermediate_size,
                 cfg.hidden_act, norm, rope_table="default" if full else None,
@@ -97,7 +98,9 @@ class Qwen3NextForCausalLM(CausalLM):
         """The shared map (MLP, experts) with the gated attention's and Gated DeltaNet's fused projections."""
         fused = CausalLM.checkpoint_fused_map(cfg, tp)
         q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        return {**fused, **gated_fused_map(q_size, kv_size), **GatedDeltaNet.fused_map(gated_delta_spec(cfg))}
+        fused = {**fused, **gated_fused_map(q_size, kv_size)}
+        return {**fused, **GatedDeltaNet.fused_map(gated_delta_spec(cfg))} if "linear_attention" in cfg.layer_types \
+            else fused
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Qwen3-Next's interleaved projections and every family's (query, gate) rows split, then loaded."""
@@ -109,5 +112,6 @@ class Qwen3NextForCausalLM(CausalLM):
         if cfg.checkpoint_format == "gguf":
             weights = gguf_hf_values(weights, cfg.architecture, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                      cfg.linear_num_key_heads * cfg.linear_key_head_dim)
-        weights = split_qwen3_next_projections(weights, gated_delta_spec(cfg))
+        if "linear_attention" in cfg.layer_types:
+            weights = split_qwen3_next_projections(weights, gated_delta_spec(cfg))
         return split_gated_queries(weights, self.config.head_dim)
