@@ -12,8 +12,8 @@ that a wrong gate, norm, decay or state changes the greedy tokens.
 From each folder, on the native kernels with float32 activations: greedy
 tokens equal transformers' (its own cache: recurrent decode) and every
 logprob within ``LOGPROB_TOL`` of transformers' in float64; prompts cut into chunks of 16 and 64
-tokens, and a prompt sharing its first blocks with an earlier one (a prefix
-hit where state snapshots are kept), give the whole prompt's tokens.
+tokens, and a prompt's next turn hitting its cached blocks and state snapshot,
+give the whole prompt's tokens.
 """
 
 from __future__ import annotations
@@ -96,10 +96,11 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
 
 
-# every test's prompts: one over 64 tokens (two chunks of the prompt kernel), and a short one sharing its first
-# 48 tokens (six blocks: a prefix hit where state snapshots are kept)
+# every test's prompts: one over 64 tokens (two chunks of the prompt kernel), and its next turn (9 tokens more),
+# which hits the state snapshot kept at the first prompt's last full block (8 blocks of 8: 64 tokens)
 _LONG, _TAIL = _prompts([70, 9], seed=1)
-PROMPTS = [_LONG, _LONG[:48] + _TAIL]
+PROMPTS = [_LONG, _LONG + _TAIL]
+PREFIX_HIT = 64
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +147,12 @@ def test_chunked_prompts_and_a_prefix_hit_give_the_whole_prompts_tokens(family: 
                                                                         folders: dict[str, str],
                                                                         hf_tokens: dict) -> None:
     """Prompts cut into chunks of ``chunk`` tokens (each continuing the conv and delta-rule states), the second
-    after the first has finished: its first blocks are the first prompt's (a hit, cut to whole blocks, where
-    state snapshots are kept; none until then: docs/hybrid-models.md)."""
+    (the first's next turn) after the first has finished: it hits the first's 8 full blocks and the state
+    snapshot kept after them (docs/hybrid-models.md), then computes only its last 15 tokens."""
     llm = LLM(folders[family], **ENGINE, max_num_batched_tokens=chunk)
     first = _generate(llm, PROMPTS[:1])
     second = _generate(llm, PROMPTS[1:])
-    assert second[0].num_cached_tokens % ENGINE["block_size"] == 0
+    assert second[0].num_cached_tokens == PREFIX_HIT
     assert [out.outputs[0].token_ids for out in first + second] == hf_tokens[family]
 
 
