@@ -232,3 +232,54 @@ def test_bench_memory_reports_the_state_slots(lfm2_dir: str) -> None:
     assert summary["state_snapshot_slots"] == 0  # the benchmark runs without prefix caching
     assert summary["state_bytes_per_slot"] == 3 * 2 * 64 * 4
     assert summary["state_reserved_bytes"] == 64 * 3 * 2 * 64 * 4
+
+
+@pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_lfm2_gguf_from_llama_cpps_converter_matches_transformers(
+    outtype: str, lfm2_dir: str, tmp_path_factory: pytest.TempPathFactory, gguf_converter  # noqa: ANN001
+) -> None:
+    """llama.cpp's converter writes LFM2 as 'lfm2' (head_count_kv 0 for conv layers, shortconv.* tensors,
+    token_embd_norm as the final norm): transformers' tokens and logprobs (its weights rounded as the file
+    stores its matrices) on float32 activations."""
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_converter.convert(lfm2_dir, outtype, str(tmp_path_factory.mktemp("lfm2-gguf") / f"lfm2-{outtype}.gguf"))
+    cfg = load_model_config(path)
+    assert (cfg.architecture, cfg.checkpoint_format, cfg.layer_types) == ("lfm2", "gguf", tuple(LAYER_TYPES))
+    assert (cfg.conv_kernel_size, cfg.qk_norm, cfg.num_key_value_heads, cfg.intermediate_size) == (3, True, 2, 128)
+    hf = AutoModelForCausalLM.from_pretrained(lfm2_dir, dtype=torch.float32).eval()
+    if outtype == "f16":  # the converter writes matrices in the outtype, vectors (and the conv filters) in F32
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.dim() == 2:
+                    p.copy_(p.half().float())
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    assert isinstance(llm.llm_engine.model_runner.model, Lfm2ForCausalLM)
+    prompt = _prompts((40,), 5)[0]
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, GENERATED)
+    ids = prompt + list(out.outputs[0].token_ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+    rows = [(len(prompt) - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
+    assert max(abs(lp.logprob - float(want[r, t])) for r, lps in rows for t, lp in lps.items()) < LOGPROB_TOL
+
+
+def test_beam_forks_copy_the_running_state(llm: LLM, hf) -> None:  # noqa: ANN001
+    """Beam search forks running beams (their state copied before the next step): every beam's summed logprob
+    is transformers' teacher-forced one over its tokens, which a stale or zero state would not give."""
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    prompt = _prompts((20,), 77)[0]
+    (out,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6,
+                                                                            ignore_eos=True))
+    assert len(out.sequences) == 3
+    for beam in out.sequences:
+        tokens = beam.output_token_ids
+        with torch.inference_mode():
+            lp = hf(torch.tensor([prompt + tokens])).logits[0].double().log_softmax(-1)
+        want = sum(float(lp[len(prompt) + j - 1, t]) for j, t in enumerate(tokens))
+        assert beam.cum_logprob == pytest.approx(want, abs=1e-3)
+    _pool_whole(llm)
