@@ -67,7 +67,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 _PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # model_types whose saved tokenizer transformers 5 rebuilds under another class (see the module docstring)
-_RETOKENIZED_MODEL_TYPES = ("qwen2",)
+_RETOKENIZED_MODEL_TYPES = ("qwen2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _RUN_WITH_SAVED_TOKENIZER = (
     "import runpy, sys\n"
     "from transformers import AutoTokenizer, PreTrainedTokenizerFast\n"
@@ -175,10 +175,18 @@ def _converter_env() -> dict[str, str]:
     return env
 
 
+# model types the converter exports a multi-token-prediction head for by default (it asserts there is one)
+_MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
 def _converter_args(model_dir: str, outtype: str, out_path: str) -> list[str]:
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
-    return [model_dir, "--outtype", outtype, "--outfile", out_path]
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    # a tiny checkpoint of these has no MTP layers: the converter is told so (--no-mtp)
+    no_mtp = cfg.get("model_type") in _MTP_MODEL_TYPES and not cfg.get("mtp_num_hidden_layers")
+    return [model_dir, "--outtype", outtype, "--outfile", out_path, *(["--no-mtp"] if no_mtp else [])]
 
 
 def _reads_saved_tokenizer(model_dir: str) -> bool:

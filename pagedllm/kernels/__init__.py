@@ -19,7 +19,11 @@ weights packed into column panels; ``packed_linear_bf16.cpp``: the same with
 bfloat16 weights and products; ``panel_f32.h``, ``panel_bf16.h`` and the
 ``panel_units.h`` they share), ``elementwise/`` (``elementwise.cpp``: RMSNorm
 with the residual add, RoPE after Qwen3's q/k norms, SiLU-and-multiply;
-``logit_stats.cpp``: per-row argmax and logsumexp of the logits), ``simd/``
+``logit_stats.cpp``: per-row argmax and logsumexp of the logits),
+``gated_delta/`` (the gated delta rule of Gated DeltaNet layers:
+``gated_delta_decode.cpp``, its recurrent form, one token per sequence
+updating its state slot in place; ``gated_delta_chunk.cpp``, its chunked
+form for prompts; ``gated_delta.h``), ``simd/``
 (``simd.h``, the one vector layer holding every SIMD intrinsic, one section
 per ISA: ``simd_avx512.h``, ``simd_avx2.h``, ``simd_scalar.h``) and ``step/``
 (``step_nodes.cpp`` runs kernel calls recorded as plain "nodes" in one OpenMP

@@ -108,6 +108,9 @@ def _register_in_place() -> None:
     reg(_NS + "paged_decode")(lambda q, k_cache, v_cache, tables, seq_lens, scale, out, window=0, sinks=None: None)
     reg(_NS + "prefill_attention")(lambda q, k, v, out, bounds, scale, sinks=None: None)
     reg(_NS + "paged_prefill")(lambda q, k_cache, v_cache, tables, bounds, seq_lens, scale, out, sinks=None: None)
+    reg(_NS + "gated_delta_decode")(lambda q, k, v, g, beta, state, slots, out, scale, qk_l2norm: None)
+    reg(_NS + "gated_delta_prefill")(
+        lambda q, k, v, g, beta, state, bounds, slots, has_initial, out, scale, qk_l2norm, chunk_size=64: None)
     reg(_NS + "shm_all_reduce")(lambda x, slots, flags, pids, rank, timeout_s: None)
 
 

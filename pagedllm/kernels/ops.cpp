@@ -36,6 +36,7 @@
 #include "kernels.h"
 #include "attention/paged_attention.h"
 #include "conv/conv.h"
+#include "gated_delta/gated_delta.h"
 #include "packed/panel_bf16.h"
 #include "packed/panel_f32.h"
 #include "step/step_nodes.h"
@@ -161,6 +162,17 @@ void check_index_vector(const Tensor &t, int64_t n, const char *op, const char *
     TORCH_CHECK_WITH(OutOfMemoryError, false, op, ": out of memory for its scratch buffers");
 }
 
+/* state slots [n] each inside a state of num_slots and none twice (two writers of one slot would race) */
+void check_state_slots(const int64_t *slots, int64_t n, int64_t num_slots, const char *op) {
+    std::vector<char> taken((size_t)num_slots, 0);
+    for (int64_t i = 0; i < n; i++) {
+        TORCH_CHECK_VALUE(slots[i] >= 0 && slots[i] < num_slots, op, ": state slot ", slots[i],
+                          " is outside the ", num_slots, " slots of the state");
+        TORCH_CHECK_VALUE(!taken[(size_t)slots[i]], op, ": state slot ", slots[i], " is given twice");
+        taken[(size_t)slots[i]] = 1;
+    }
+}
+
 /* The indices a node reads through, which its kernel trusts: gathered rows inside their table, slots inside
    the cache, each sequence's length within its block table and every block it reads inside the cache.
    Checked before every run: they are the step's values, not the tensors' shapes. */
@@ -179,6 +191,8 @@ void check_node_indices(const StepNode &node) {
         for (int64_t t = 0; t < node.rows; t++)
             TORCH_CHECK_VALUE(node.kv.slots[t] >= 0 && node.kv.slots[t] < node.kv.num_slots,
                               "slot mapping points outside the KV cache");
+    } else if (node.kind == NODE_GATED_DELTA_DECODE) {
+        check_state_slots(node.delta.slots, node.rows, node.delta.num_slots, "gated_delta_decode");
     } else if (node.kind == NODE_PAGED_DECODE) {
         const PagedDecodeNode &a = node.attn;
         const int64_t width = a.table_width, block_size = a.block_size;
@@ -763,6 +777,86 @@ void paged_prefill_op(const Tensor &q, const Tensor &k_cache, const Tensor &v_ca
     if (status != 0) out_of_memory(op);
 }
 
+// --- gated delta rule (linear attention) ---------------------------------------------
+
+/* q, k [rows, num_k_heads, head_k_dim], v and out [rows, num_v_heads, head_v_dim] (rows of whole heads, any
+   stride), g and beta [rows, num_v_heads] and a float32 state [num_slots, num_v_heads, head_k_dim,
+   head_v_dim]: the shapes both gated delta kernels trust */
+void check_gated_delta(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &g, const Tensor &beta,
+                       const Tensor &state, const Tensor &out, const char *op) {
+    TORCH_CHECK_VALUE(state.device().is_cpu() && state.scalar_type() == at::kFloat && state.dim() == 4 &&
+                          state.is_contiguous(),
+                      op, ": the state must be a contiguous float32 CPU tensor [num_slots, num_v_heads, head_k_dim, ",
+                      "head_v_dim], got ", dtype_name(state.scalar_type()), " ", shape_of(state));
+    const int64_t num_v_heads = state.size(1), head_k_dim = state.size(2), head_v_dim = state.size(3);
+    TORCH_CHECK_VALUE(head_k_dim >= 1 && head_k_dim <= GD_MAX_HEAD_DIM && head_v_dim >= 1 &&
+                          head_v_dim <= GD_MAX_HEAD_DIM && num_v_heads >= 1,
+                      op, ": head sizes must be 1 to ", GD_MAX_HEAD_DIM, ", got a state of ", shape_of(state));
+    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(1) >= 1 && num_v_heads % q.size(1) == 0, op, ": q ", shape_of(q),
+                      " must be [rows, num_k_heads, head_k_dim] with num_k_heads dividing the state's ", num_v_heads,
+                      " value heads");
+    const int64_t num_k_heads = q.size(1), rows = q.size(0);
+    check_head_rows(q, num_k_heads, head_k_dim, op, "q");
+    check_head_rows(k, num_k_heads, head_k_dim, op, "k");
+    check_head_rows(v, num_v_heads, head_v_dim, op, "v");
+    check_head_rows(out, num_v_heads, head_v_dim, op, "out");
+    TORCH_CHECK_VALUE(k.size(0) == rows && v.size(0) == rows && out.size(0) == rows, op,
+                      ": q, k, v and out must have as many rows");
+    check_tensor(g, at::kFloat, {rows, num_v_heads}, op, "g");
+    check_tensor(beta, at::kFloat, {rows, num_v_heads}, op, "beta");
+}
+
+StepNode gated_delta_decode_node(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &g,
+                                 const Tensor &beta, const Tensor &state, const Tensor &slots, const Tensor &out,
+                                 double scale, bool qk_l2norm) {
+    const char *op = "gated_delta_decode";
+    check_gated_delta(q, k, v, g, beta, state, out, op);
+    check_index_vector(slots, q.size(0), op, "slots");
+    StepNode node{NODE_GATED_DELTA_DECODE, q.size(0)};
+    node.delta = {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q.stride(0), k.stride(0),
+                  v.stride(0), g.data_ptr<float>(), beta.data_ptr<float>(), state.data_ptr<float>(),
+                  slots.data_ptr<int64_t>(), state.size(0), out.data_ptr<float>(), out.stride(0), (int)q.size(1),
+                  (int)state.size(1), (int)state.size(2), (int)state.size(3), (float)scale, qk_l2norm ? 1 : 0};
+    return node;
+}
+
+/* one token per sequence through the recurrent form, each sequence's state slot updated in place */
+void gated_delta_decode_op(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &g, const Tensor &beta,
+                           const Tensor &state, const Tensor &slots, const Tensor &out, double scale,
+                           bool qk_l2norm) {
+    const StepNode node = gated_delta_decode_node(q, k, v, g, beta, state, slots, out, scale, qk_l2norm);
+    check_node_indices(node);
+    run_node(node, threads_for(node.rows * state.numel() / state.size(0)), "gated_delta_decode");
+}
+
+/* prompts (sequence s: rows bounds[2s] .. bounds[2s+1]-1) through the chunked form, from their slots' states
+   (or zero where has_initial_state is false), leaving each slot at the state after its last row */
+void gated_delta_prefill_op(const Tensor &q, const Tensor &k, const Tensor &v, const Tensor &g, const Tensor &beta,
+                            const Tensor &state, const Tensor &bounds, const Tensor &slots,
+                            const Tensor &has_initial_state, const Tensor &out, double scale, bool qk_l2norm,
+                            int64_t chunk_size) {
+    const char *op = "gated_delta_prefill";
+    check_gated_delta(q, k, v, g, beta, state, out, op);
+    TORCH_CHECK_VALUE(chunk_size >= 1 && chunk_size <= GD_MAX_CHUNK, op, ": chunk_size must be 1 to ", GD_MAX_CHUNK,
+                      ", got ", chunk_size);
+    const int64_t num_seqs = slots.numel(), rows = q.size(0);
+    check_index_vector(slots, num_seqs, op, "slots");
+    check_index_vector(bounds, 2 * num_seqs, op, "bounds");
+    check_tensor(has_initial_state, at::kBool, {num_seqs}, op, "has_initial_state");
+    check_state_slots(slots.data_ptr<int64_t>(), num_seqs, state.size(0), op);
+    const int64_t *b = bounds.data_ptr<int64_t>();
+    for (int64_t s = 0; s < num_seqs; s++)
+        TORCH_CHECK_VALUE(0 <= b[2 * s] && b[2 * s] <= b[2 * s + 1] && b[2 * s + 1] <= rows, op, ": rows [", b[2 * s],
+                          ", ", b[2 * s + 1], ") of a prompt are outside the ", rows, " rows given");
+    const int status = gated_delta_chunked_f32(
+        q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(), v.stride(0),
+        g.data_ptr<float>(), beta.data_ptr<float>(), state.data_ptr<float>(), b, slots.data_ptr<int64_t>(),
+        (const uint8_t *)has_initial_state.data_ptr<bool>(), (int)num_seqs, out.data_ptr<float>(), out.stride(0),
+        (int)q.size(1), (int)state.size(1), (int)state.size(2), (int)state.size(3), (float)scale, qk_l2norm ? 1 : 0,
+        (int)chunk_size, num_threads());
+    if (status != 0) out_of_memory(op);
+}
+
 // --- sampling -------------------------------------------------------------------
 
 std::tuple<Tensor, Tensor> logit_stats(const Tensor &logits) {
@@ -907,6 +1001,12 @@ TORCH_LIBRARY(pagedllm, m) {
           "Tensor? sinks=None) -> ()");
     m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor bounds, "
           "Tensor seq_lens, float scale, Tensor(a!) out, Tensor? sinks=None) -> ()");
+    m.def("gated_delta_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
+          "Tensor slots, Tensor(b!) out, float scale, bool qk_l2norm) -> ()");
+    step_node("gated_delta_decode", gated_delta_decode_node);
+    m.def("gated_delta_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
+          "Tensor bounds, Tensor slots, Tensor has_initial_state, Tensor(b!) out, float scale, bool qk_l2norm, "
+          "int chunk_size=64) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
     m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor query_start_loc, "
           "Tensor state_slots, Tensor has_initial_state, str activation) -> Tensor");
@@ -938,6 +1038,8 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("paged_decode", &paged_decode_op);
     m.impl("prefill_attention", &prefill_attention_op);
     m.impl("paged_prefill", &paged_prefill_op);
+    m.impl("gated_delta_decode", &gated_delta_decode_op);
+    m.impl("gated_delta_prefill", &gated_delta_prefill_op);
     m.impl("logit_stats", &logit_stats);
     m.impl("causal_conv1d", &causal_conv1d);
     m.impl("shm_all_reduce", &shm_all_reduce);

@@ -59,3 +59,24 @@ class NativeOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` ``[num_tokens, inter]`` for rows ``[gate | up]`` of ``gate_up`` ``[num_tokens, 2 * inter]``."""
         return self._ops.silu_mul(gate_up)
+
+    def gated_delta_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        state: torch.Tensor, bounds: torch.Tensor, slots: torch.Tensor, has_initial_state: torch.Tensor,
+        out: torch.Tensor, scale: float, chunk_size: int, qk_l2norm: bool = True,
+    ) -> None:
+        """Prompts through the gated delta rule in chunks (``kernels/gated_delta/gated_delta_chunk.cpp``).
+
+        Sequence ``s``: rows ``bounds[2s] .. bounds[2s+1]-1`` of q, k ``[rows, num_k_heads, head_k_dim]``, v and
+        ``out`` ``[rows, num_v_heads, head_v_dim]``, g and beta ``[rows, num_v_heads]``; its state
+        ``state[slots[s]]``, zero first where ``has_initial_state[s]`` is False, left at its last row's.
+        """
+        self._ops.gated_delta_prefill(q, k, v, g, beta, state, bounds, slots, has_initial_state, out, scale,
+                                      qk_l2norm, chunk_size)
+
+    def gated_delta_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        state: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, scale: float, qk_l2norm: bool = True,
+    ) -> None:
+        """One token per sequence (row ``r``: slot ``slots[r]``) through the recurrent form, states in place."""
+        self._ops.gated_delta_decode(q, k, v, g, beta, state, slots, out, scale, qk_l2norm)

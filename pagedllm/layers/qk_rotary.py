@@ -141,7 +141,7 @@ class QKNormRotary(CustomOp):
             q, k = self._normed_rows(qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size])
             q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
             return self._rotate(q, cos_sin), self._rotate(k, cos_sin)
-        q_norm, k_norm = self._norms
-        q = q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
-        k = k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
+        # heads as rows: a partial rotation runs here with its norms native, which take rows
+        q, k = self._normed_rows(qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size])
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         return self._rotate(q, cos_sin), self._rotate(k, cos_sin)

@@ -27,6 +27,11 @@ from pagedllm.loader.config_fields import check_unread_gguf_metadata
 from pagedllm.loader.end_tokens import gguf_end_token_ids
 from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, gemma_gguf_settings
 from pagedllm.loader.gguf_gemma4 import GEMMA4_LAYER_NAMES, gemma4_base_shape, gemma4_gguf_settings
+from pagedllm.loader.gguf_qwen35 import (
+    QWEN35_ARCHITECTURES,
+    QWEN35_LAYER_NAMES,
+    qwen35_gguf_settings,
+)
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
 from pagedllm.loader.lfm2_config import lfm2_gguf_fields
@@ -81,6 +86,8 @@ _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     **dict.fromkeys(GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES),
     "gemma4": GEMMA4_LAYER_NAMES,
+    # Qwen3-Next / Qwen3.5: the Gated DeltaNet layers' ssm_* tensors (loader/gguf_qwen35.py)
+    **dict.fromkeys(QWEN35_ARCHITECTURES, QWEN35_LAYER_NAMES),
     # LFM2's short conv (the shared names of models/lfm2.py): its [hidden, width] filters and projections
     "lfm2": {"shortconv.conv.weight": "conv.conv_weight", "shortconv.in_proj.weight": "conv.in_proj.weight",
              "shortconv.out_proj.weight": "conv.out_proj.weight"},
@@ -401,6 +408,9 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         return dataclasses.replace(config, **gemma_gguf_settings(
             key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
             config.max_position_embeddings))
+    if arch in QWEN35_ARCHITECTURES:
+        return dataclasses.replace(config, **qwen35_gguf_settings(
+            key, arch, config.num_hidden_layers, config.head_dim, (t.name for t in reader.tensors)))
     return gguf_gpt_oss_fields(gguf_moe_family_fields(gguf_family_fields(config, key), key), key)
 
 

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
+from pagedllm.loader.gated_delta_config import (
+    GATED_DELTA_MODEL_TYPES,
+    gated_delta_dict,
+    hf_gated_delta_fields,
+)
 from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
 from pagedllm.loader.lfm2_config import lfm2_fields, lfm2_hf_dict
@@ -185,6 +190,12 @@ class ModelArchConfig:
     # (loader/lfm2_config.py); 0: no conv layers
     conv_kernel_size: int = 0
     conv_bias: bool = False
+    # Gated DeltaNet layers (Qwen3-Next, Qwen3.5: loader/gated_delta_config.py); 0: none
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -498,9 +509,9 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         model_type = cfg["model_type"]
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"config.json has no model_type (got {model_type!r})")
-    arch = _MODEL_TYPES.get(model_type, model_type)
+    arch = _MODEL_TYPES.get(model_type) or GATED_DELTA_MODEL_TYPES.get(model_type, model_type)
     # the config class's defaults where config.json leaves a key out (an experts' count, widths...)
-    cfg = {**MOE_FAMILY_DEFAULTS.get(arch, {}), **cfg}
+    cfg = gated_delta_dict({**MOE_FAMILY_DEFAULTS.get(arch, {}), **cfg}, arch)
     if arch in ("gemma2", "gemma3"):
         # the config class's defaults where config.json leaves a key out
         cfg = {**(_GEMMA3_DEFAULTS if arch == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
@@ -547,7 +558,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return lfm2_fields(hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg), cfg)
+    config = lfm2_fields(hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg), cfg)
+    return hf_gated_delta_fields(config, cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

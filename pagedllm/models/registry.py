@@ -40,6 +40,7 @@ from pagedllm.models.olmoe import OlmoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,8 @@ MODEL_REGISTRY = ModelRegistry((
     Family(OlmoeForCausalLM, ("OlmoeForCausalLM",), ("olmoe",), ("olmoe",)),
     Family(GraniteMoeForCausalLM, ("GraniteMoeForCausalLM",), ("granitemoe",), ("granitemoe",)),
     Family(GptOssForCausalLM, ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",)),
+    Family(Qwen3NextForCausalLM, ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+           ("qwen3next", "qwen35", "qwen35moe"), ("qwen3_next", "qwen3_5", "qwen3_5_moe")),
 ))
 
 

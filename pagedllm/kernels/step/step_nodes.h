@@ -39,6 +39,7 @@ enum StepNodeKind {
     NODE_WRITE_KV,
     NODE_PAGED_DECODE,
     NODE_ROW_AFFINE, /* x[r] = x[r] * mul + add per column, in place (an int4 cache's K/V change of variables) */
+    NODE_GATED_DELTA_DECODE, /* one token per sequence through its gated delta rule state (gated_delta/) */
 };
 
 typedef struct {
@@ -139,6 +140,21 @@ typedef struct {
     int64_t n, row_stride;
 } RowAffineNode;
 
+typedef struct {
+    const float *q, *k;   /* [rows, num_k_heads, head_k_dim], rows q_stride / k_stride floats apart */
+    const float *v;       /* [rows, num_v_heads, head_v_dim], rows v_stride apart */
+    int64_t q_stride, k_stride, v_stride;
+    const float *g, *beta; /* [rows, num_v_heads]: log decay, write strength */
+    float *state;          /* [num_slots, num_v_heads, head_k_dim, head_v_dim], updated in place */
+    const int64_t *slots;  /* [rows], distinct, each in [0, num_slots) */
+    int64_t num_slots;
+    float *out; /* [rows, num_v_heads, head_v_dim], rows out_stride apart */
+    int64_t out_stride;
+    int num_k_heads, num_v_heads, head_k_dim, head_v_dim;
+    float scale;
+    int l2norm; /* q and k L2-normalised first */
+} GatedDeltaDecodeNode;
+
 /* rows: the tokens (decode attention: the sequences) the node works on, row r of every [rows, ...] buffer
    its struct points to; every kind keeps it here, so a program cuts any node to its first n rows alike */
 typedef struct {
@@ -156,6 +172,7 @@ typedef struct {
         WriteKvNode kv;
         PagedDecodeNode attn;
         RowAffineNode affine;
+        GatedDeltaDecodeNode delta;
     };
 } StepNode;
 
@@ -178,4 +195,5 @@ void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed);          
 void gguf_gather_team(const GgufGatherNode *n, int64_t rows);                   /* gguf_linear.cpp */
 void write_kv_team(const WriteKvNode *n, int64_t rows);                         /* kv_write.cpp */
 void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed); /* paged_decode.cpp */
+void gated_delta_decode_team(const GatedDeltaDecodeNode *n, int64_t rows); /* gated_delta_decode.cpp */
 #endif

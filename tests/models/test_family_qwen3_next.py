@@ -1,0 +1,204 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet hybrids) against transformers on tiny random weights.
+
+Tiny random checkpoints of transformers' own config classes
+(``Qwen3NextConfig``, ``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig``):
+hidden 64, four layers, the fourth full (gated) attention and the other
+three Gated DeltaNet (2 key heads, 4 value heads of 16, conv of 4); the MoE
+ones with 4 experts, 2 per token, and a gated shared expert in every layer
+(llama.cpp's ``qwen3next`` files have no dense MLP). Weights drawn wide
+(``initializer_range`` 0.2), norms and the decay parameters at random, so
+that a wrong gate, norm, decay or state changes the greedy tokens.
+
+From each folder, on the native kernels with float32 activations: greedy
+tokens equal transformers' (its own cache: recurrent decode) and every
+logprob within ``LOGPROB_TOL`` of transformers' in float64; prompts cut into chunks of 16 and 64
+tokens, and a prompt's next turn hitting its cached blocks and state snapshot,
+give the whole prompt's tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pagedllm import LLM, SamplingParams
+
+# logprobs are compared with transformers' in float64: ours stay within 4.5e-4 of them (measured), while
+# transformers' own float32 ones are up to 2.4e-3 away on these wide weights (70 tokens through three states)
+LOGPROB_TOL = 1e-3
+GENERATED = 10
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, block_size=8, kv_cache_dtype="float32", max_num_seqs=4)
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def _config(family: str):  # noqa: ANN202
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**COMMON, **MOE, norm_topk_prob=True)
+    if family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**COMMON)
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**COMMON, **MOE)
+
+
+def _save(family: str, path, tokenizer) -> str:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(len(family))
+    model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # the gated norm multiplies by w itself
+                param.uniform_(0.5, 1.5)
+            elif "norm" in name:  # the others by 1 + w
+                param.uniform_(-0.5, 0.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.uniform_(-1.0, 1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> dict[str, str]:  # noqa: ANN001
+    return {f: _save(f, tmp_path_factory.mktemp(f"tiny-{f}"), smollm_tokenizer) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def hf_models(folders: dict[str, str]) -> dict:
+    """transformers' models in float32 (the greedy tokens) and float64 (the logprobs: ``(family, "f64")``)."""
+    from transformers import AutoModelForCausalLM
+
+    models = {f: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for f, p in folders.items()}
+    for f, p in folders.items():  # grouped_mm has no float64: the experts' eager loop
+        models[f, "f64"] = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float64,
+                                                                experts_implementation="eager").eval()
+    return models
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+# every test's prompts: one over 64 tokens (two chunks of the prompt kernel), and its next turn (9 tokens more),
+# which hits the state snapshot kept at the first prompt's last full block (8 blocks of 8: 64 tokens)
+_LONG, _TAIL = _prompts([70, 9], seed=1)
+PROMPTS = [_LONG, _LONG + _TAIL]
+PREFIX_HIT = 64
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_models: dict) -> dict:
+    """transformers' greedy tokens of ``PROMPTS`` per family, computed on first use."""
+
+    class Tokens(dict):
+        def __missing__(self, family: str) -> list[list[int]]:
+            self[family] = [hf_greedy(hf_models[family], p, GENERATED) for p in PROMPTS]
+            return self[family]
+
+    return Tokens()
+
+
+def _max_logprob_error(hf, out) -> float:  # noqa: ANN001
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)  # float64 model
+    prompt_len = len(out.prompt_token_ids)
+    rows = [(i - 1, lps) for i, lps in enumerate(out.prompt_logprobs) if lps is not None]
+    rows += [(prompt_len - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
+    return max(abs(lp.logprob - float(want[row, token])) for row, lps in rows for token, lp in lps.items())
+
+
+def _generate(llm: LLM, prompts: list[list[int]], logprobs: bool = False) -> list:  # noqa: ANN001
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True,
+                            logprobs=5 if logprobs else None, prompt_logprobs=5 if logprobs else None)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_folder_matches_transformers(family: str, folders: dict[str, str], hf_models: dict,
+                                     hf_tokens: dict) -> None:
+    """Greedy tokens and logprobs of the two prompts batched, from the folder on the native kernels."""
+    llm = LLM(folders[family], **ENGINE)
+    outs = _generate(llm, PROMPTS, logprobs=True)
+    assert [out.outputs[0].token_ids for out in outs] == hf_tokens[family]
+    for out in outs:
+        assert _max_logprob_error(hf_models[family, "f64"], out) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize(("family", "chunk"), [("qwen3_5", 16), ("qwen3_next", 64)])
+def test_chunked_prompts_and_a_prefix_hit_give_the_whole_prompts_tokens(family: str, chunk: int,
+                                                                        folders: dict[str, str],
+                                                                        hf_tokens: dict) -> None:
+    """Prompts cut into chunks of ``chunk`` tokens (each continuing the conv and delta-rule states), the second
+    (the first's next turn) after the first has finished: it hits the first's 8 full blocks and the state
+    snapshot kept after them (docs/hybrid-models.md), then computes only its last 15 tokens."""
+    llm = LLM(folders[family], **ENGINE, max_num_batched_tokens=chunk)
+    first = _generate(llm, PROMPTS[:1])
+    second = _generate(llm, PROMPTS[1:])
+    assert second[0].num_cached_tokens == PREFIX_HIT
+    assert [out.outputs[0].token_ids for out in first + second] == hf_tokens[family]
+
+
+@pytest.fixture(scope="module")
+def ggufs(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory, gguf_converter) -> dict:  # noqa: ANN001
+    """Each folder converted by llama.cpp's converter, per (family, outtype), on first use."""
+    out = tmp_path_factory.mktemp("qwen35-gguf")
+
+    class Files(dict):
+        def __missing__(self, key: tuple[str, str]) -> str:
+            family, outtype = key
+            self[key] = gguf_converter.convert(folders[family], outtype, str(out / f"{family}-{outtype}.gguf"))
+            return self[key]
+
+    return Files()
+
+
+def _rounded_to_f16(hf):  # noqa: ANN001, ANN202
+    """transformers' model with the matrices the converter writes in F16 rounded so (vectors, norms, the router
+    and the conv stay F32 in the file)."""
+    import copy
+
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "conv1d" not in name and not name.endswith("mlp.gate.weight"):
+                p.copy_(p.half().to(p.dtype))
+    return model
+
+
+@pytest.mark.slow  # converts the checkpoints in subprocesses (seconds each)
+@pytest.mark.parametrize(("family", "outtype"), [("qwen3_next", "f32"), ("qwen3_5", "f16"), ("qwen3_5_moe", "f32")])
+def test_converted_gguf_matches_transformers(family: str, outtype: str, ggufs: dict, hf_models: dict) -> None:
+    """llama.cpp's files (qwen3next, qwen35, qwen35moe): the ssm_* tensors, -exp(A_log), 1 + w norms and the
+    value heads reordered to tiled order (qwen35*: 4 value heads over 2 key heads) read back; transformers'
+    greedy tokens and logprobs on float32 activations (F16: on the weights rounded as the file holds them)."""
+    from pagedllm.loader import load_model_config
+
+    path = ggufs[family, outtype]
+    cfg = load_model_config(path)
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim) == (2, 4, 16)
+    hf, hf64 = hf_models[family], hf_models[family, "f64"]
+    if outtype == "f16":
+        hf, hf64 = _rounded_to_f16(hf), _rounded_to_f16(hf64)
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    for prompt, out in zip(PROMPTS, _generate(llm, PROMPTS, logprobs=True), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GENERATED)
+        assert _max_logprob_error(hf64, out) < LOGPROB_TOL
