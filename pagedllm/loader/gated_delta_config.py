@@ -20,10 +20,10 @@ read as transformers' classes read them:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from pagedllm.loader.model_config import ModelArchConfig
+# model_config imports this module, so the configuration is typed by a variable (a ModelArchConfig)
+ArchConfig = TypeVar("ArchConfig")
 
 # config.json model_type -> ModelArchConfig.architecture
 GATED_DELTA_MODEL_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
@@ -62,7 +62,7 @@ def _layer_types(cfg: dict[str, Any], arch: str) -> tuple[str, ...]:
     return tuple(types)
 
 
-def hf_gated_delta_fields(config: ModelArchConfig, cfg: dict[str, Any]) -> ModelArchConfig:
+def hf_gated_delta_fields(config: ArchConfig, cfg: dict[str, Any]) -> ArchConfig:
     """``config`` with the Gated DeltaNet models' fields of config.json ``cfg`` (other architectures: as it is)."""
     arch = config.architecture
     if arch not in GATED_DELTA_MODEL_TYPES.values():

@@ -30,6 +30,7 @@ from pagedllm.loader.gguf_gemma4 import GEMMA4_LAYER_NAMES, gemma4_base_shape, g
 from pagedllm.loader.gguf_qwen35 import (
     QWEN35_ARCHITECTURES,
     QWEN35_LAYER_NAMES,
+    gguf_hf_values,
     qwen35_gguf_settings,
 )
 from pagedllm.loader.gguf_split import split_part_paths
@@ -476,8 +477,13 @@ class GGUFWeights:
         return w
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for part in self.part_paths:
-            yield from self._iter_part(part)
+        cfg = self.config
+        weights = (named for part in self.part_paths for named in self._iter_part(part))
+        if cfg.architecture in QWEN35_ARCHITECTURES:
+            # the Gated DeltaNet tensors with the checkpoint's values and order (loader/gguf_qwen35.py)
+            weights = gguf_hf_values(weights, cfg.architecture, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                     cfg.linear_num_key_heads * cfg.linear_key_head_dim)
+        yield from weights
 
     def _iter_part(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors of one file of the model (the only one, or one part of a split model)."""

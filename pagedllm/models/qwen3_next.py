@@ -42,7 +42,6 @@ from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
 from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.layers.weights import FusedMap
-from pagedllm.loader.gguf_qwen35 import gguf_hf_values
 from pagedllm.loader.model_config import ModelArchConfig
 
 
@@ -109,9 +108,6 @@ class Qwen3NextForCausalLM(CausalLM):
     def _checkpoint_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
         weights = ((name, t) for name, t in weights if not name.startswith("mtp."))
-        if cfg.checkpoint_format == "gguf":
-            weights = gguf_hf_values(weights, cfg.architecture, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                                     cfg.linear_num_key_heads * cfg.linear_key_head_dim)
         if "linear_attention" in cfg.layer_types:
             weights = split_qwen3_next_projections(weights, gated_delta_spec(cfg))
         return split_gated_queries(weights, self.config.head_dim)
