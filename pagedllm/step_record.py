@@ -31,6 +31,8 @@ with the context::
         pooling                       a pooling request's prefill: "LAST", "MEAN" or "CLS" (samples nothing)
       blocks_to_copy: (src, dst) ...  copy-on-write before the step runs
       blocks_to_load: (block, bytes) ...  K/V read back from the prefix cache on disk, written first
+      state_copies_before / _after: (src, dst) ...  a hybrid model's forks: state slots copied before / after
+                                      the step (docs/hybrid-models.md); NewSequence.state_slot: its slot
 
 ``SequenceStep`` is the runner's full view of one scheduled sequence, rebuilt
 from its state each step: the tensors are built from it as before the
@@ -153,6 +155,8 @@ class SequenceStep(NamedTuple):
     # a pooling request's prefill (pagedllm/pooling/): "LAST", "MEAN" or "CLS"; it samples nothing and its
     # pooled final hidden states come back in StepResult.pooled
     pooling: str | None = None
+    # a hybrid model's state slot (engine/state_slots.py); -1: the model has no state layers
+    state_slot: int = -1
 
     @property
     def num_new_tokens(self) -> int:
@@ -179,6 +183,7 @@ class NewSequence:
     num_prompt_tokens: int
     block_table: tuple[int, ...]
     sampling: SamplingSpec
+    state_slot: int = -1  # a hybrid model's state slot, held until the sequence finishes or is preempted
 
 
 class ScheduledStep(NamedTuple):
@@ -218,3 +223,6 @@ class StepRecord:
     release_blocks: tuple[tuple[int, int], ...] = ()
     # (block id, K/V bytes as the pool holds them) read from the prefix cache on disk (kv_disk/store.py)
     blocks_to_load: tuple[tuple[int, bytes], ...] = ()
+    # a hybrid model's forks: (source, destination) state slots copied before the step runs, and after it
+    state_copies_before: tuple[tuple[int, int], ...] = ()
+    state_copies_after: tuple[tuple[int, int], ...] = ()

@@ -50,6 +50,18 @@ count is above 1, ``append_slot`` gives it a private copy::
 The copies are recorded as (source, destination) pairs; the model runner
 copies the K/V data inside the cache tensor before the step runs. Full blocks
 are never written again, so they are never copied.
+
+State slots (a hybrid model's, ``num_state_slots`` > 0: ``engine/state_slots.py``,
+docs/hybrid-models.md). Each running sequence holds one slot besides its
+blocks: ``allocate`` takes it (and one for each sample waiting to fork from
+the prompt, so its forks never find the pool empty), ``can_allocate`` says
+False when none is free, ``free`` gives it back (a preemption too). A fork's
+child gets its own slot and a (source, destination) state copy: before the
+step for a running parent (beam search), after it for a prompt that completes
+in the step its samples fork in (their state is the one this step computes)
+(``take_state_copies``). A slot holds the state after the sequence's computed
+tokens only, so a prefix hit would need the state at the hit point: until
+state snapshots exist, a model with state slots takes no prefix hits.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ from collections.abc import Sequence as Sequence_
 import xxhash
 
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.state_slots import StateSlots
 from pagedllm.kv_disk.store import DiskBlockStore
 
 _NO_PARENT = 0
@@ -103,11 +116,12 @@ class BlockManager:
         longrope_switch_len: the model's longrope original length (``ModelArchConfig.longrope_switch_len``):
             sequences with longer prompts hash from their own root; None: every sequence from one.
         disk: the prefix cache on disk, or None (with prefix caching only).
+        num_state_slots: a hybrid model's state slots (one per running sequence); 0: the model has no state layers.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-        longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None,
+        longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None, num_state_slots: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
@@ -142,6 +156,12 @@ class BlockManager:
         self._loaded: set[int] = set()
         # blocks a step computed and published, for the disk: (block id, hash, token ids)
         self._pending_saves: list[tuple[int, int, tuple[int, ...]]] = []
+        if num_state_slots < 0:
+            raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        # forks' (source, destination) state slot copies: before the next step, and after it
+        self._state_copies_before: list[tuple[int, int]] = []
+        self._state_copies_after: list[tuple[int, int]] = []
 
     # --- pool state ----------------------------------------------------------
     @property
@@ -184,7 +204,7 @@ class BlockManager:
         Only blocks inside the first ``len(seq) - 1`` tokens count: the last
         token is always computed, because its logits are needed to sample.
         """
-        if not self.enable_prefix_caching or not seq.allow_prefix_hits:
+        if not self.enable_prefix_caching or not seq.allow_prefix_hits or self.state_slots is not None:
             return []
         num_lookup = (len(seq) - 1) // self.block_size
         hits: list[int] = []
@@ -197,7 +217,7 @@ class BlockManager:
 
     def _num_disk_hits(self, seq: Sequence, num_ram_hits: int) -> int:
         """Blocks after the first ``num_ram_hits`` that the disk holds files of, in a row (contents unchecked)."""
-        if self.disk is None or not seq.allow_prefix_hits:
+        if self.disk is None or not seq.allow_prefix_hits or self.state_slots is not None:
             return 0
         num_lookup = (len(seq) - 1) // self.block_size
         hashes = self._block_hashes(seq, num_lookup)
@@ -255,9 +275,15 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, max_num_new_tokens: int | None = None) -> bool:
         """Whether ``allocate(seq, max_num_new_tokens)`` would succeed now."""
         _check_max_new(max_num_new_tokens)
+        if not self._has_state_slots_for(seq):
+            return False
         hits = self._lookup_prefix(seq)
         num_disk = self._num_disk_hits(seq, len(hits))
         return self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) <= 0
+
+    def _has_state_slots_for(self, seq: Sequence) -> bool:
+        """Whether a slot is free for ``seq`` and each sample waiting to fork from it (always, without slots)."""
+        return self.state_slots is None or self.state_slots.num_free >= 1 + len(seq.fork_children)
 
     def _num_blocks_needed(self, seq: Sequence, num_hits: int, max_num_new_tokens: int | None) -> int:
         """Blocks covering the cached prefix (``num_hits`` blocks) plus the first chunk of new tokens."""
@@ -289,6 +315,8 @@ class BlockManager:
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         _check_max_new(max_num_new_tokens)
+        if not self._has_state_slots_for(seq):
+            return False
         hits = self._lookup_prefix(seq)
         num_disk = self._num_disk_hits(seq, len(hits))
         if self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) > 0:
@@ -309,6 +337,10 @@ class BlockManager:
         seq.block_table = table
         seq.num_cached_tokens = num_hits * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
+        if self.state_slots is not None:
+            for s in (seq, *seq.fork_children):
+                if s.state_slot is None:
+                    s.state_slot = self.state_slots.take()
         return True
 
     def _read_disk_blocks(self, seq: Sequence, first: int, num: int) -> list[bytes]:
@@ -413,6 +445,8 @@ class BlockManager:
         token). The sequence then holds exactly the blocks a plain decode
         would hold.
         """
+        if self.state_slots is not None and num_computed_tokens != seq.num_computed_tokens:
+            raise ValueError("a hybrid model's state cannot be rolled back to fewer tokens (docs/hybrid-models.md)")
         if not 0 <= num_computed_tokens <= seq.num_computed_tokens:
             raise ValueError(
                 f"rollback to {num_computed_tokens} tokens: must be 0..{seq.num_computed_tokens} (the computed ones)"
@@ -427,13 +461,45 @@ class BlockManager:
         del seq.block_hashes[len(seq) // self.block_size :]
         return freed
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` share every block of ``parent`` (ref counts go up)."""
+    def fork(self, parent: Sequence, child: Sequence, state_after_step: bool = False) -> None:
+        """Let ``child`` share every block of ``parent`` (ref counts go up).
+
+        With state slots the child gets its own (the one ``allocate`` reserved for a waiting sample, else a
+        free one) and a copy of the parent's: made before the next step runs, or after it with
+        ``state_after_step`` (the parent's prompt completes in the step being planned).
+        """
         if child.block_table:
             raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        if self.state_slots is not None:
+            if parent.state_slot is None:
+                raise ValueError(f"sequence {parent.seq_id} holds no state slot to fork from")
+            if child.state_slot is None:
+                if not self.state_slots.num_free:
+                    # max_num_seqs bounds the running sequences and the pool holds that many (model_runner)
+                    raise RuntimeError("no state slot is free for a fork: the pool holds fewer than max_num_seqs")
+                child.state_slot = self.state_slots.take()
+            pending = self._state_copies_after if state_after_step else self._state_copies_before
+            pending.append((parent.state_slot, child.state_slot))
         child.block_table = list(parent.block_table)
         for block in child.block_table:
             self.ref_counts[block] += 1
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The forks' (source, destination) state slot copies decided since the last call: (those the runner
+        makes before the step runs, those it makes after)."""
+        copies = (self._state_copies_before, self._state_copies_after)
+        self._state_copies_before, self._state_copies_after = [], []
+        return copies
+
+    def _give_back_state_slot(self, seq: Sequence) -> None:
+        """Return ``seq``'s slot to the pool; a copy into it not yet made is moot (its holder is gone)."""
+        slot = seq.state_slot
+        if slot is None or self.state_slots is None:
+            return
+        self.state_slots.give_back(slot)
+        seq.state_slot = None
+        self._state_copies_before = [c for c in self._state_copies_before if c[1] != slot]
+        self._state_copies_after = [c for c in self._state_copies_after if c[1] != slot]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies decided since the last call."""
@@ -485,11 +551,14 @@ class BlockManager:
         self._pending_loads.clear()
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; blocks at ref count 0 become free."""
+        """Drop the sequence's references; blocks at ref count 0 become free. Its state slot goes back, and
+        those reserved for its samples still waiting to fork."""
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        for s in (seq, *seq.fork_children):
+            self._give_back_state_slot(s)
 
     def take_releasable(self) -> list[tuple[int, int]]:
         """Ranges ``[start, stop)`` of blocks written since last asked that are now free and hold nothing.

@@ -131,7 +131,7 @@ class ContiguousAllocator:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence, state_after_step: bool = False) -> None:
         raise ValueError("the contiguous allocator shares no blocks (n > 1, best_of and beam search need 'paged')")
 
     # --- no prefix cache, no copy-on-write -----------------------------------
@@ -150,6 +150,10 @@ class ContiguousAllocator:
 
     def take_copies(self) -> list[tuple[int, int]]:
         return []
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """No state slots here (the engine refuses a hybrid model with this allocator): no copies."""
+        return [], []
 
     def take_loads(self) -> list[tuple[int, bytes]]:
         """Blocks read back from a disk cache: never any (no prefix cache here)."""

@@ -132,11 +132,15 @@ class LLMEngine:
         # the prefix cache on disk (kv_disk/): blocks outlive RAM eviction and restarts; None when off
         self.kv_disk = open_kv_disk_store(config, self.model_config, self.model_runner)
         if config.kv_allocator == "contiguous":
+            if self.model_runner.num_state_slots:
+                raise ValueError("kv_allocator='contiguous' has no state slots: a hybrid model needs 'paged'")
             self.block_manager: BlockManager | ContiguousAllocator = ContiguousAllocator(num_blocks, config.block_size)
         else:
-            # a longrope model's long prompts rotate their keys their own way: their own prefix-cache chain
+            # a longrope model's long prompts rotate their keys their own way: their own prefix-cache chain;
+            # a hybrid model's sequences hold a state slot each (engine/state_slots.py)
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
-                                              self.model_config.longrope_switch_len, self.kv_disk)
+                                              self.model_config.longrope_switch_len, self.kv_disk,
+                                              self.model_runner.num_state_slots)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
         self.step_times = StepTimeModel()

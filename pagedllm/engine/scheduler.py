@@ -106,13 +106,17 @@ class SchedulerOutput:
     pairs that must be copied in the cache before the step runs.
     ``blocks_to_load`` are blocks of admitted prompts read back from the
     prefix cache on disk: (block id, K/V bytes) the runner writes into the
-    pool first.
+    pool first. ``state_copies_before`` / ``state_copies_after``: a hybrid
+    model's forks, (source, destination) state slots the runner copies before
+    the step runs / after it (``BlockManager.fork``).
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
+    state_copies_before: list[tuple[int, int]] = field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -249,7 +253,8 @@ class Scheduler:
         forks = tuple(seq.fork_children)
         seq.fork_children = []
         for child in forks:
-            self.block_manager.fork(seq, child)
+            # the parent's state after its prompt is the one this step computes: copied after the step
+            self.block_manager.fork(seq, child, state_after_step=True)
             child.num_computed_tokens = seq.num_computed_tokens
             child.num_cached_tokens = seq.num_cached_tokens
             child.status = SequenceStatus.RUNNING
@@ -324,11 +329,14 @@ class Scheduler:
         # no admission after a preemption: the pool just proved too small for what is running
         if not preempted:
             prefills += self._admit(budget)
+        before, after = self.block_manager.take_state_copies()
         return SchedulerOutput(
             scheduled=prefills + planned_decodes,
             preempted=preempted,
             blocks_to_copy=self.block_manager.take_copies(),
             blocks_to_load=self.block_manager.take_loads(),
+            state_copies_before=before,
+            state_copies_after=after,
         )
 
     def _share_of_younger_prompts(self, prompt_budget: int) -> int:

@@ -72,6 +72,8 @@ class Sequence:
         self.block_size = block_size
         # logical block i -> physical block id
         self.block_table: list[int] = []
+        # a hybrid model's state slot (engine/state_slots.py), held while the sequence runs; None otherwise
+        self.state_slot: int | None = None
         # chained hashes of the full blocks, filled lazily by the block manager
         self.block_hashes: list[int] = []
         self.num_computed_tokens: int = 0

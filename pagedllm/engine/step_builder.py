@@ -101,7 +101,9 @@ class StepRecordBuilder:
             self._unsent_finished.extend(finished)  # the runner must still hear of them
             raise
         return StepRecord(steps, tuple(output.blocks_to_copy), tuple(new), finished,
-                          blocks_to_load=tuple(output.blocks_to_load))
+                          blocks_to_load=tuple(output.blocks_to_load),
+                          state_copies_before=tuple(output.state_copies_before),
+                          state_copies_after=tuple(output.state_copies_after))
 
     def _step(
         self, s: ScheduledSequence, p: SamplingParams, top: int | None, rule: LogitsRules | None,
@@ -184,7 +186,7 @@ class StepRecordBuilder:
         table = list(seq.block_table)
         self._sent[seq.seq_id] = _Sent(seq, seq.num_preemptions, end, table)
         return NewSequence(seq.seq_id, seq.request_id, tuple(seq.token_ids[:end]), seq.num_prompt_tokens,
-                           tuple(table), spec)
+                           tuple(table), spec, -1 if seq.state_slot is None else seq.state_slot)
 
     def _changes(self, s: ScheduledSequence) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]:
         """What ``s`` adds to the runner's state: (new token ids, appended block ids, a whole new table or None)."""

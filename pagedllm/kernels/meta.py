@@ -88,6 +88,10 @@ def _register_returning() -> None:
     def _(x, packed, bias, out_features):  # noqa: ANN001, ANN202
         return _rows_out(x, out_features)  # [num_rows, out_features]
 
+    @reg(_NS + "causal_conv1d")
+    def _(x, weight, bias, conv_state, query_start_loc, state_slots, has_initial_state, activation):  # noqa: ANN001, ANN202
+        return torch.empty_like(x)  # [num_tokens, dim]; conv_state is updated in place
+
     @reg(_NS + "logit_stats")
     def _(logits):  # noqa: ANN001, ANN202
         rows = logits.shape[0]

@@ -35,6 +35,7 @@
 #include "gguf/gguf_x16.h"
 #include "kernels.h"
 #include "attention/paged_attention.h"
+#include "conv/conv.h"
 #include "packed/panel_bf16.h"
 #include "packed/panel_f32.h"
 #include "step/step_nodes.h"
@@ -775,6 +776,55 @@ std::tuple<Tensor, Tensor> logit_stats(const Tensor &logits) {
     return {argmax, lse};
 }
 
+// --- state layers ------------------------------------------------------------------------
+
+/* causal_conv1d (conv/causal_conv1d.cpp): the kernel trusts the slots, the token ranges and the width */
+Tensor causal_conv1d(const Tensor &x, const Tensor &weight, const OptTensor &bias, const Tensor &conv_state,
+                     const Tensor &query_start_loc, const Tensor &state_slots, const Tensor &has_initial_state,
+                     const std::string &activation) {
+    const char *op = "causal_conv1d";
+    TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be [num_tokens, dim], got ", shape_of(x));
+    check_tensor(x, at::kFloat, x.sizes(), op, "x");
+    const int64_t num_tokens = x.size(0), dim = x.size(1);
+    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == dim && weight.size(1) >= 1 &&
+                          weight.size(1) <= CONV_MAX_WIDTH,
+                      op, ": weight must be [dim=", dim, ", width] with width 1..", CONV_MAX_WIDTH, ", got ",
+                      shape_of(weight));
+    check_tensor(weight, at::kFloat, weight.sizes(), op, "weight");
+    const int64_t width = weight.size(1);
+    check_optional(bias, at::kFloat, {dim}, op, "bias");
+    TORCH_CHECK_VALUE(conv_state.dim() == 3 && conv_state.size(1) == width - 1 && conv_state.size(2) == dim, op,
+                      ": conv_state must be [num_slots, width - 1 = ", width - 1, ", dim = ", dim, "], got ",
+                      shape_of(conv_state));
+    check_tensor(conv_state, at::kFloat, conv_state.sizes(), op, "conv_state");
+    TORCH_CHECK_VALUE(state_slots.dim() == 1, op, ": state_slots must be [num_seqs], got ", shape_of(state_slots));
+    const int64_t num_seqs = state_slots.size(0), num_slots = conv_state.size(0);
+    check_tensor(state_slots, at::kLong, {num_seqs}, op, "state_slots");
+    check_tensor(query_start_loc, at::kLong, {num_seqs + 1}, op, "query_start_loc");
+    check_tensor(has_initial_state, at::kBool, {num_seqs}, op, "has_initial_state");
+    TORCH_CHECK_VALUE(activation == "none" || activation == "silu", op,
+                      ": activation must be \"none\" or \"silu\", got \"", activation, "\"");
+    const int64_t *loc = query_start_loc.data_ptr<int64_t>();
+    const int64_t *slots = state_slots.data_ptr<int64_t>();
+    TORCH_CHECK_VALUE(loc[0] == 0 && loc[num_seqs] == num_tokens, op, ": query_start_loc must run from 0 to ",
+                      num_tokens, " (the tokens of x), got ", loc[0], " .. ", loc[num_seqs]);
+    std::vector<bool> taken(num_slots, false);
+    for (int64_t s = 0; s < num_seqs; s++) {
+        TORCH_CHECK_VALUE(loc[s + 1] >= loc[s], op, ": query_start_loc must not decrease (sequence ", s, ")");
+        TORCH_CHECK_VALUE(slots[s] >= 0 && slots[s] < num_slots, op, ": state slot ", slots[s], " of sequence ", s,
+                          " is outside the ", num_slots, " slots");
+        TORCH_CHECK_VALUE(!taken[slots[s]], op, ": state slot ", slots[s], " is given to two sequences");
+        taken[slots[s]] = true;
+    }
+    Tensor out = at::empty({num_tokens, dim}, x.options());  // [num_tokens, dim]
+    const float *b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    causal_conv1d_f32(x.data_ptr<float>(), weight.data_ptr<float>(), b, conv_state.data_ptr<float>(),
+                      out.data_ptr<float>(), loc, slots, has_initial_state.data_ptr<bool>(), num_seqs, dim,
+                      static_cast<int>(width), activation == "silu" ? 1 : 0,
+                      threads_for(num_tokens * dim * width));
+    return out;
+}
+
 // --- tensor parallelism ------------------------------------------------------------------
 
 void shm_all_reduce(const Tensor &x, const Tensor &slots, const Tensor &flags, const Tensor &pids, int64_t rank,
@@ -858,6 +908,8 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor bounds, "
           "Tensor seq_lens, float scale, Tensor(a!) out, Tensor? sinks=None) -> ()");
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
+    m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor query_start_loc, "
+          "Tensor state_slots, Tensor has_initial_state, str activation) -> Tensor");
     m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) slots, Tensor(c!) flags, Tensor pids, int rank, float timeout_s) -> ()");
     // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key
     m.def("packed_linear_panel() -> int", &panel_f32);
@@ -887,5 +939,6 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("prefill_attention", &prefill_attention_op);
     m.impl("paged_prefill", &paged_prefill_op);
     m.impl("logit_stats", &logit_stats);
+    m.impl("causal_conv1d", &causal_conv1d);
     m.impl("shm_all_reduce", &shm_all_reduce);
 }

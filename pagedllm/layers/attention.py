@@ -82,6 +82,10 @@ class AttentionMetadata:
     num_computed: list[int]  # [num_seqs]: tokens whose K/V was cached before this step
     num_prefills: int  # sequences [0, num_prefills) are prefills
     block_size: int
+    # a hybrid model's state layers (docs/hybrid-models.md); None for a model without them
+    state_slots: torch.Tensor | None = None  # [num_seqs] int64: each sequence's state slot
+    # [num_seqs] bool: False where the sequence computes from position 0 (its state starts at zero)
+    has_initial_state: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # checked once per step, here, rather than in every layer: native

@@ -58,7 +58,12 @@ def longrope_switch_len(scaling: Mapping[str, Any] | None, max_position: int) ->
 
 
 SUPPORTED_ROPE_SCALING = SUPPORTED_ROPE_TYPES  # computed by transformers' ROPE_INIT_FUNCTIONS (layers/rotary.py)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# attention layers keep K/V in the paged pool; the state layers (docs/hybrid-models.md) keep a fixed-size state
+# per sequence instead: "linear_attention" (Gated DeltaNet: Qwen3-Next, Qwen3.5), "conv" (LFM2's short conv),
+# "mamba" (Mamba-2)
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+STATE_LAYER_TYPES = ("linear_attention", "conv", "mamba")
+LAYER_TYPES = ATTENTION_LAYER_TYPES + STATE_LAYER_TYPES
 
 
 @dataclass(frozen=True)
@@ -223,12 +228,12 @@ class ModelArchConfig:
     def cache_kv_heads(self) -> int:
         """kv heads one layer's slice of the KV cache holds per token: the most any layer has (a layer with
         fewer repeats its heads into them, ``layers/gemma4_attention.py``)."""
-        return max(self.attention_shape(i)[0] for i in range(self.num_hidden_layers))
+        return max((self.attention_shape(i)[0] for i in self.attention_layers), default=self.num_key_value_heads)
 
     @property
     def cache_head_dim(self) -> int:
         """Head size of the KV cache: the largest any layer has (a smaller head is padded with zeros)."""
-        return max(self.attention_shape(i)[1] for i in range(self.num_hidden_layers))
+        return max((self.attention_shape(i)[1] for i in self.attention_layers), default=self.head_dim)
 
     def _check_experts(self) -> None:
         if not self.num_experts:
@@ -254,6 +259,21 @@ class ModelArchConfig:
     def longrope_switch_len(self) -> int | None:
         """Where longrope switches to its long factors (``longrope_switch_len``); None: one set of factors."""
         return longrope_switch_len(self.rope_scaling, self.max_position_embeddings)
+
+    def is_attention_layer(self, layer: int) -> bool:
+        """Whether ``layer`` keeps K/V in the paged pool (every layer of a model without ``layer_types``)."""
+        return not self.layer_types or self.layer_types[layer] in ATTENTION_LAYER_TYPES
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with K/V in the pool, in order: layer ``attention_layers[r]`` owns the pool's row ``r``
+        (``runner/kv_cache.py``'s ``kv_cache_rows``); the others are state layers."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_attention_layer(i))
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Whether any layer keeps a per-sequence state (a hybrid model: docs/hybrid-models.md)."""
+        return any(t in STATE_LAYER_TYPES for t in self.layer_types)
 
     @property
     def has_sliding_window(self) -> bool:

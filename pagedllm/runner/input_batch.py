@@ -9,6 +9,8 @@ and grow when a step needs more room:
     seq_index        [0 0 0 0 0 1 2]           np.repeat(arange(num_seqs), num_new)
     positions        [0 1 2 3 4 9 4]           num_computed[seq_index] + (j - query_start_loc[seq_index])
     slots            block_tables[seq_index, positions // B] * B + positions % B
+    state slots      a hybrid model's: each sequence's slot, and whether it starts from a state
+                     (num_computed > 0) or from zero (``_state_fields``)
     RoPE rows        positions; a longrope model's: + original length where the token takes the long
                      factors (``rope_rows``, ``layers/rotary.py``'s ``longrope_rows``)
 
@@ -108,8 +110,24 @@ class InputBatch:
             num_computed=num_computed,
             num_prefills=sum(1 for n in num_new if n > 1),
             block_size=bs,
+            **self._state_fields(steps),
         )
         return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _state_fields(self, steps: list[SequenceStep]) -> dict[str, torch.Tensor]:
+        """A hybrid model's ``state_slots`` and ``has_initial_state`` (docs/hybrid-models.md); none for a model
+        without state layers (its sequences hold slot -1). A sequence that computes from position 0 starts
+        from a zero state; any other continues the state its slot holds after its computed tokens."""
+        if steps[0].state_slot < 0:
+            return {}
+        slots = [s.state_slot for s in steps]
+        if min(slots) < 0:
+            raise ValueError("a hybrid model's step needs a state slot for every sequence")
+        return {
+            "state_slots": torch.tensor(slots, dtype=torch.int64, device=self.device),
+            "has_initial_state": torch.tensor([s.num_computed_tokens > 0 for s in steps], dtype=torch.bool,
+                                              device=self.device),
+        }
 
     def rope_rows(self, steps: list[SequenceStep], positions: torch.Tensor) -> torch.Tensor:
         """The RoPE table row of each token of the step ``build`` just built: ``positions`` itself, but for a

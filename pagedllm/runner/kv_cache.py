@@ -2,8 +2,15 @@
 
 ::
 
-    kv_cache  [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
-    layer i:  (kv_cache[0, i], kv_cache[1, i])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache  [2 (K, V), num_kv_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
+    layer i:  (kv_cache[0, r], kv_cache[1, r])   each [num_kv_blocks, block_size, num_kv_heads, head_dim]
+              r = kv_cache_rows(config)[i]
+
+Only attention layers have a row: a hybrid model's state layers (Gated
+DeltaNet, short conv, Mamba-2: ``ModelArchConfig.layer_types``) keep a
+per-sequence state instead (``runner/state_cache.py``), so a 3:1 hybrid
+reserves K/V for its attention quarter alone. ``kv_cache_rows`` is the one
+layer -> row map; a model without state layers has row ``i`` for layer ``i``.
 
 A model whose layers differ in kv heads or head size (Gemma 4's global
 layers) has one shape for all: the most kv heads and the largest head any
@@ -73,15 +80,24 @@ def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if dtype in QUANTIZED_CACHE_DTYPES else head_dim
 
 
+def kv_cache_rows(model_config: ModelArchConfig) -> list[int | None]:
+    """Each layer's row of the cache tensor's layer dimension: the attention layers numbered in order, None for
+    a state layer (which has no K/V)."""
+    rows: list[int | None] = [None] * model_config.num_hidden_layers
+    for row, layer in enumerate(model_config.attention_layers):
+        rows[layer] = row
+    return rows
+
+
 def kv_bytes_per_block(model_config: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V (an int8 / int4 cache's scales included)."""
     mc = model_config
     elem = torch.tensor([], dtype=dtype).element_size()
     width = cache_head_width(mc.cache_head_dim, dtype)
-    return 2 * mc.num_hidden_layers * block_size * mc.cache_kv_heads * width * elem
+    return 2 * len(mc.attention_layers) * block_size * mc.cache_kv_heads * width * elem
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in an anonymous private mapping: no page is resident until it is written."""
     numel = 1
     for n in shape:
@@ -95,18 +111,19 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def allocate_kv_cache(
     model_config: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written)."""
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+    """The zero-filled cache tensor and its per-layer (K, V) views (on the CPU, resident only where written);
+    a state layer's entry is ``()`` (``runner/state_cache.py`` puts its state tensors there)."""
     mc = model_config
-    # [2 (K, V), num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes: int8;
+    # [2 (K, V), num_kv_layers, num_kv_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes: int8;
     #  head_dim / 2 + 4 bytes: int4)]
-    shape = (2, mc.num_hidden_layers, num_blocks, block_size, mc.cache_kv_heads,
+    shape = (2, len(mc.attention_layers), num_blocks, block_size, mc.cache_kv_heads,
              cache_head_width(mc.cache_head_dim, dtype))
     if device.type == "cpu":
-        kv_cache = _lazy_zeros(shape, dtype)
+        kv_cache = lazy_zeros(shape, dtype)
     else:
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-    return kv_cache, [(kv_cache[0, i], kv_cache[1, i]) for i in range(mc.num_hidden_layers)]
+    return kv_cache, [() if r is None else (kv_cache[0, r], kv_cache[1, r]) for r in kv_cache_rows(mc)]
 
 
 def release_kv_blocks(kv_cache: torch.Tensor, ranges: list[tuple[int, int]]) -> int:

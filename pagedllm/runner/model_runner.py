@@ -49,6 +49,13 @@ from pagedllm.runner.sampler import (
     token_logprobs,
 )
 from pagedllm.runner.sequence_states import SequenceStates
+from pagedllm.runner.state_cache import (
+    allocate_state_cache,
+    copy_state_slots,
+    layer_state_shapes,
+    plan_state_slots,
+    state_bytes_per_slot,
+)
 from pagedllm.step_record import NoTokenToSampleError, SamplingSpec, SequenceStep, StepRecord
 from pagedllm.step_result import StepResult, TokenLogprobs
 
@@ -117,6 +124,12 @@ class ModelRunner:
         self.load_seconds = loaded.load_seconds
         self.weight_bytes = loaded.weight_bytes
         self.weight_format = loaded.weight_format
+        # a hybrid model's state layers and what one sequence's state takes (runner/state_cache.py)
+        self.state_shapes = layer_state_shapes(self.model, self.local_config) if model_config.has_state_layers else []
+        self.state_bytes_per_slot = state_bytes_per_slot(self.state_shapes)
+        self.num_state_slots = 0  # sized with the KV pool (_plan_kv_pool)
+        if self.state_shapes:
+            self._check_state_model(config)
 
         # what the cache stores; "auto" resolved once the weights' format is known
         self.kv_cache_dtype = KV_DTYPES[resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype,
@@ -126,10 +139,16 @@ class ModelRunner:
         self.kv_pool = self._plan_kv_pool(available)
         self.num_kv_blocks = self.kv_pool.num_kv_blocks
         if self.kv_pool.lowered:  # everything after this reads the length the pool holds
-            self.config = config = dataclasses.replace(config, max_model_len=self.kv_pool.max_model_len)
+            self.config = dataclasses.replace(self.config, max_model_len=self.kv_pool.max_model_len)
+        config = self.config  # max_num_seqs too may be lowered to the state slots (_plan_state_slots)
         self.kv_cache, self.kv_caches = allocate_kv_cache(
             self.local_config, self.num_kv_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
+        # a state layer's entry is its state tensors, in the place an attention layer's (K, V) is
+        self.state_caches = allocate_state_cache(self.state_shapes, self.num_state_slots, self.device)
+        for i, states in enumerate(self.state_caches):
+            if states is not None:
+                self.kv_caches[i] = states
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()  # reserved, resident as written
         self.kv_bytes_released = 0  # pages given back to the OS so far (release_kv_blocks)
         # (weight bytes, KV cache bytes) each rank holds, by rank: measured there, gathered here
@@ -165,6 +184,8 @@ class ModelRunner:
                                             lazy=self.device.type == "cpu")
         if self.tp is not None:  # one block table addresses every rank's cache: all hold as many blocks
             num_blocks = self.tp.min_int(num_blocks)
+        if self.state_bytes_per_slot:
+            num_blocks = self._plan_state_slots(num_blocks, budget, per_block)
         plan = plan_kv_pool(self.config, num_blocks, budget, per_block)
         if self.tp is not None and self.tp.rank != 0:
             return plan
@@ -186,6 +207,37 @@ class ModelRunner:
             )
         logger.info("KV pool: %s (%s); max_model_len %d", pool, source, plan.max_model_len)
         return plan
+
+    def _check_state_model(self, config: EngineConfig) -> None:
+        """Refuse what a hybrid model's state layers do not do yet (docs/hybrid-models.md)."""
+        if self.tp is not None:
+            raise ValueError("tensor parallelism is not supported for models with state layers (hybrid models) yet")
+        if config.speculative_config is not None:
+            raise ValueError("speculative decoding is not supported for models with state layers (hybrid models) "
+                             "yet: a rejected draft would need the state rolled back")
+        if self.kv_cache_dtype == torch.uint8:
+            raise ValueError("kv_cache_dtype='int4' is not supported for models with state layers (its calibration "
+                             "runs attention layers only); use 'int8' or a float cache")
+
+    def _plan_state_slots(self, num_blocks: int, budget: int | None, per_block: int) -> int:
+        """Size the state slots (``num_state_slots``) out of the KV budget; the blocks the rest holds.
+
+        One slot per sequence ``max_num_seqs`` lets run; where fewer fit in half of a known budget,
+        max_num_seqs is lowered to them (a running sequence always has its slot, a fork never waits for one).
+        """
+        slots = plan_state_slots(self.config.max_num_seqs, self.state_bytes_per_slot, budget)
+        if slots < self.config.max_num_seqs:
+            logger.warning("max_num_seqs lowered from %d to %d: the KV budget holds %d state slots of %.2f MiB",
+                           self.config.max_num_seqs, slots, slots, self.state_bytes_per_slot / 2**20)
+            self.config = dataclasses.replace(self.config, max_num_seqs=slots)
+        self.num_state_slots = slots
+        state_bytes = slots * self.state_bytes_per_slot
+        if budget is not None:
+            num_blocks = max(1, min(num_blocks, (budget - state_bytes) // per_block))
+        logger.info("state slots: %d of %.3f MiB (%d state layers), %.2f MiB reserved beside the KV pool", slots,
+                    self.state_bytes_per_slot / 2**20, sum(1 for s in self.state_shapes if s is not None),
+                    state_bytes / 2**20)
+        return num_blocks
 
     def _make_captured_decode(self, config: EngineConfig, model_config: ModelArchConfig) -> CapturedDecode | None:
         """The captured decode where the backend reads a step through tensors and this process can replay the
@@ -349,9 +401,12 @@ class ModelRunner:
         if not full:
             return []
         self.copy_blocks(record.blocks_to_copy)
+        copy_state_slots(self.state_caches, list(record.state_copies_before))
         order = sorted(range(len(full)), key=lambda i: full[i].num_new_tokens == 1)
         steps = [full[i] for i in order]
         rows, logits, hidden = self._logits(steps)
+        # forks whose parent's prompt completed in this step take the state it computed
+        copy_state_slots(self.state_caches, list(record.state_copies_after))
         scored = self._score_prompts(steps, rows, hidden)
         if self.tp is not None and not self.tp.is_driver:
             return []

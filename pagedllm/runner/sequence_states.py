@@ -25,10 +25,12 @@ class SequenceState:
     num_prompt_tokens: int
     block_table: list[int]
     sampling: SamplingSpec
+    state_slot: int = -1  # a hybrid model's state slot (-1: none)
 
     @classmethod
     def of(cls, new: NewSequence) -> SequenceState:
-        return cls(new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_table), new.sampling)
+        return cls(new.request_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_table), new.sampling,
+                   new.state_slot)
 
 
 class SequenceStates:
@@ -73,7 +75,7 @@ class SequenceStates:
             state.request_id, s.num_computed_tokens, tuple(state.token_ids[s.num_computed_tokens : end]),
             tuple(state.block_table), state.sampling, s.uniforms, s.prompt_logprobs, s.prompt_targets,
             prompt_ids, output_ids, s.token_bitmasks, s.num_draft_tokens, state.num_prompt_tokens,
-            s.pooling,
+            s.pooling, state.state_slot,
         )
 
     @staticmethod

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.runner.kv_cache import _lazy_zeros, release_kv_blocks, resident_kv_bytes
+from pagedllm.runner.kv_cache import lazy_zeros, release_kv_blocks, resident_kv_bytes
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
 def test_lazy_pool_is_resident_where_written_and_released_pages_read_zero() -> None:
     # [2, layers, blocks, block_size, heads, head_dim]: one block of one slice is 4 pages of floats
-    kv = _lazy_zeros((2, 3, 64, 16, 4, 16), torch.float32)
+    kv = lazy_zeros((2, 3, 64, 16, 4, 16), torch.float32)
     block_bytes = 16 * 4 * 16 * 4
     assert block_bytes % mmap.PAGESIZE == 0
     assert resident_kv_bytes(kv) == 0
@@ -35,7 +35,7 @@ def test_lazy_pool_is_resident_where_written_and_released_pages_read_zero() -> N
 
 def test_release_keeps_pages_shared_with_live_blocks() -> None:
     # a block of 1 KiB: 4 blocks to a page, so releasing one block frees no page
-    kv = _lazy_zeros((2, 1, 64, 4, 1, 64), torch.float32)
+    kv = lazy_zeros((2, 1, 64, 4, 1, 64), torch.float32)
     kv[:, :, 0:4].fill_(2.0)
     assert release_kv_blocks(kv, [(1, 2)]) == 0
     assert torch.all(kv[:, :, 0:4] == 2.0)

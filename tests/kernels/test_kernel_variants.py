@@ -48,6 +48,7 @@ KERNEL_TESTS = [
     "kernels/test_attention_sinks.py",
     "kernels/test_kv_int8.py",
     "kernels/test_kv_int4.py",
+    "kernels/test_causal_conv1d.py",
     "models/test_bf16_cpu.py::test_packed_bf16_kernel_matches_a_float64_product_of_the_rounded_operands",
     "models/test_bf16_cpu.py::test_packed_bf16_rounds_activations_like_torch",
     "models/test_bf16_cpu.py::test_bf16_linear_backends_compute_the_same_scheme",

@@ -82,6 +82,8 @@ class CapturedDecode:
         """
         if backend.name != "cpu_paged" or model_config.attn_logit_softcapping is not None:
             return False
+        if model_config.has_state_layers:
+            return False  # a hybrid model's state layers read their slots through Python (docs/hybrid-models.md)
         return not model_config.num_experts or (model is not None and experts_capturable(model))
 
     def __init__(

@@ -1,0 +1,236 @@
+"""A hybrid model's state slots in the block manager and the scheduler (no torch).
+
+Exact slot ids on tiny pools, worked out from the rules (engine/state_slots.py,
+the block manager's docstring): lowest free slot first; one per running
+sequence, taken by ``allocate`` with one for each sample waiting to fork, given
+back by ``free`` (preemption too); a fork's child gets its own slot and a
+(source, destination) copy, after the step for samples of a prompt completing
+in it, before the next step for a running parent (beam search). Then a
+hypothesis property: random requests with n > 1, beam forks, preemptions and
+finishes; every slot and block comes back, none is held twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.state_slots import StateSlots
+
+BS = 4
+
+
+def test_slots_go_out_lowest_first_and_come_back() -> None:
+    slots = StateSlots(3)
+    assert [slots.take(), slots.take()] == [0, 1]
+    slots.give_back(0)
+    assert slots.free_slots == [0, 2] and slots.num_used == 1
+    assert slots.take() == 0
+    assert slots.take() == 2
+    with pytest.raises(ValueError, match="held"):
+        slots.take()
+    slots.give_back(1)
+    with pytest.raises(ValueError, match="not held"):
+        slots.give_back(1)
+    with pytest.raises(ValueError):
+        StateSlots(0)
+
+
+def test_allocate_takes_a_slot_and_waits_when_none_is_free() -> None:
+    bm = BlockManager(16, BS, num_state_slots=2)
+    a, b, c = (Sequence([i] * 5, BS) for i in range(3))
+    assert bm.allocate(a) and bm.allocate(b)
+    assert (a.state_slot, b.state_slot) == (0, 1)
+    free_blocks = bm.num_free_blocks
+    assert not bm.can_allocate(c)  # blocks enough, no slot
+    assert not bm.allocate(c)
+    assert c.state_slot is None and c.block_table == [] and bm.num_free_blocks == free_blocks
+    bm.free(a)
+    assert a.state_slot is None
+    assert bm.can_allocate(c) and bm.allocate(c)
+    assert c.state_slot == 0
+
+
+def test_samples_waiting_to_fork_reserve_their_slots() -> None:
+    bm = BlockManager(16, BS, num_state_slots=3)
+    parent = Sequence([1] * 6, BS)
+    parent.fork_children = [parent.fork(1), parent.fork(2)]
+    other = Sequence([2] * 3, BS)
+    assert bm.allocate(other)  # slot 0: two left for a parent with two samples, not enough
+    assert not bm.can_allocate(parent)
+    bm.free(other)
+    assert bm.allocate(parent)
+    assert [parent.state_slot] + [c.state_slot for c in parent.fork_children] == [0, 1, 2]
+    bm.free(parent)  # a preempted parent gives back its samples' slots too
+    assert bm.state_slots.num_free == 3
+    assert all(c.state_slot is None for c in parent.fork_children)
+
+
+def test_forks_of_a_completing_prompt_copy_the_state_after_the_step() -> None:
+    bm = BlockManager(16, BS, num_state_slots=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    other = Sequence([9] * 3, BS)
+    sched.add(other)
+    parent = Sequence([1] * 6, BS)
+    parent.fork_children = [parent.fork(1), parent.fork(2)]
+    sched.add(parent)
+    out = sched.schedule()
+    assert (other.state_slot, parent.state_slot) == (0, 1)
+    assert out.state_copies_before == []
+    assert out.state_copies_after == [(1, 2), (1, 3)]  # the prompt's state is the one this step computes
+    assert [c.state_slot for c in out.scheduled[1].forks] == [2, 3]
+    assert sched.schedule().state_copies_after == []  # taken once
+
+
+def test_a_beam_fork_copies_before_the_next_step() -> None:
+    bm = BlockManager(16, BS, num_state_slots=3)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=64)
+    parent = Sequence([1] * 5, BS)
+    sched.add(parent)
+    sched.update(sched.schedule())
+    parent.append_token(7)
+    child = parent.fork(1)
+    sched.fork_running(parent, child)
+    assert child.state_slot == 1
+    out = sched.schedule()
+    assert (out.state_copies_before, out.state_copies_after) == ([(0, 1)], [])
+
+
+def test_a_freed_fork_drops_its_pending_copy() -> None:
+    bm = BlockManager(16, BS, num_state_slots=3)
+    parent = Sequence([1] * 5, BS)
+    assert bm.allocate(parent)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    bm.free(child)  # finished (pruned beam) before any step ran
+    assert bm.take_state_copies() == ([], [])
+    assert bm.state_slots.num_free == 2
+
+
+def test_preemption_gives_the_slot_back() -> None:
+    # 3 blocks of 4: two sequences of 5 tokens hold 2 + 1 blocks after their prompts... the second's decode
+    # into a new block finds none free and preempts the newest
+    bm = BlockManager(3, BS, num_state_slots=2)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    a, b = Sequence([1] * 5, BS), Sequence([2] * 4, BS)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a, b] and (a.state_slot, b.state_slot) == (0, 1)
+    sched.update(out)
+    a.append_token(0)
+    b.append_token(0)  # b's 5th token needs a 4th block: none left
+    out = sched.schedule()
+    assert out.preempted == [b]
+    assert b.state_slot is None and bm.state_slots.free_slots == [1]
+
+
+def test_no_prefix_hit_without_the_state_at_the_hit_point() -> None:
+    bm = BlockManager(16, BS, num_state_slots=2)
+    a = Sequence(list(range(9)), BS)
+    assert bm.allocate(a)
+    bm.cache_full_blocks(a, 9)
+    bm.free(a)
+    b = Sequence(list(range(9)), BS)
+    assert bm.num_cached_prefix_tokens(b) == 0
+    assert bm.allocate(b) and b.num_computed_tokens == 0
+
+
+def test_rollback_is_refused_for_state_models() -> None:
+    bm = BlockManager(16, BS, num_state_slots=1)
+    a = Sequence(list(range(6)), BS)
+    assert bm.allocate(a)
+    a.num_computed_tokens = 6
+    with pytest.raises(ValueError, match="rolled back"):
+        bm.rollback(a, 4)
+
+
+def test_a_model_without_state_layers_holds_no_slots() -> None:
+    bm = BlockManager(4, BS)
+    a = Sequence([1] * 5, BS)
+    assert bm.allocate(a) and a.state_slot is None
+    assert bm.take_state_copies() == ([], [])
+
+
+# --- the property ---------------------------------------------------------------
+request = st.tuples(
+    st.integers(0, 5),  # arrival step
+    st.lists(st.integers(0, 2), min_size=1, max_size=9),  # prompt
+    st.integers(1, 5),  # max new tokens
+    st.integers(1, 3),  # n (samples forked when the prompt completes)
+)
+
+
+def _check_slots(bm: BlockManager, sched: Scheduler) -> None:
+    held = []
+    for s in sched.running:
+        assert s.state_slot is not None, "a running sequence without a state slot"
+        held.append(s.state_slot)
+        held += [c.state_slot for c in s.fork_children]
+    for w in sched.waiting:
+        assert w.state_slot is None and w.block_table == []
+    assert None not in held and len(set(held)) == len(held), f"slots held twice or missing: {held}"
+    assert sorted(held) == sorted(set(range(bm.state_slots.num_slots)) - set(bm.state_slots.free_slots))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    max_num_seqs=st.integers(1, 4),
+    extra_blocks=st.integers(0, 4),
+    requests=st.lists(request, min_size=1, max_size=6),
+    beam_forks=st.lists(st.booleans(), min_size=40, max_size=40),
+)
+def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, beam_forks) -> None:
+    requests = [(t, p, m, min(n, max_num_seqs)) for t, p, m, n in requests]
+    longest = max(len(p) + m for _, p, m, _ in requests)
+    # liveness: any one sequence fits at its longest; fewer blocks than the samples want preempt
+    num_blocks = -(-longest // BS) + extra_blocks
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=True, num_state_slots=max_num_seqs)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(4, longest))
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
+    max_tokens: dict[int, int] = {}
+    forked: set[int] = set()  # a sequence forks a beam once, a beam never: the work stays finite
+    step_no = 0
+    while pending or sched.has_unfinished():
+        assert step_no < 400, "no progress"
+        while pending and requests[pending[0]][0] <= step_no:
+            idx = pending.pop(0)
+            _, prompt, m, n = requests[idx]
+            seq = Sequence(prompt, BS, request_id=str(idx))
+            seq.fork_children = [seq.fork(i) for i in range(1, n)]
+            for s in (seq, *seq.fork_children):
+                max_tokens[s.seq_id] = m
+            sched.add(seq)
+        step_no += 1
+        if not sched.has_unfinished():
+            continue
+        out = sched.schedule()
+        if out.preempted:
+            event("preemption")
+        for src, dst in out.state_copies_before + out.state_copies_after:
+            assert dst in {s.state_slot for s in sched.running}
+            assert src != dst
+        _check_slots(bm, sched)
+        sched.update(out)
+        for s in out.scheduled:
+            samples = s.samples  # read before a token is appended to the parent
+            for seq in (s.seq, *s.forks):
+                if not samples or seq.status != SequenceStatus.RUNNING:
+                    continue
+                seq.append_token(seq.num_output_tokens % 3)
+                if seq.num_output_tokens >= max_tokens[seq.seq_id]:
+                    sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                elif (beam_forks[step_no % 40] and seq.index < 100 and seq.seq_id not in forked
+                      and len(sched.running) < max_num_seqs and bm.state_slots.num_free):
+                    forked.add(seq.seq_id)
+                    child = seq.fork(seq.index + 100)
+                    max_tokens[child.seq_id] = max_tokens[seq.seq_id]
+                    sched.fork_running(seq, child)
+                    event("beam fork")
+        _check_slots(bm, sched)
+    assert bm.state_slots.num_free == max_num_seqs
+    assert bm.num_free_blocks == bm.num_blocks and bm.ref_counts == [0] * num_blocks
