@@ -14,11 +14,11 @@ The scan (``SsdScan``) runs the native kernels (``kernels/ssm/``): the
 chunked form for prompts, the recurrent form for decodes (one token per
 sequence), each updating its sequence's slot in place; the torch form runs
 the recurrence token by token (the kernels' reference, and the path where
-they are not built). The conv runs the ``causal_conv1d`` op where the
-kernels have it, else ``causal_conv_torch``.
+they are not built). The conv is the hybrid layers' shared one
+(``layers/causal_conv1d.py``: its native op, or its torch twin).
 
 A layer's state is two tensors, one slot per running sequence (the engine's
-state slots, ``AttentionMetadata.state_slots``): ``conv_state``
+state slots, ``AttentionMetadata.state_slots``; docs/hybrid-models.md): ``conv_state``
 ``[num_slots, conv_kernel - 1, conv_dim]`` (the last inputs of the conv,
 oldest first) and ``ssm_state`` ``[num_slots, H, P, N]``, float32. A
 sequence whose ``has_initial_state`` is False starts from zeros (a new
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.causal_conv1d import causal_conv1d
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization.quant_config import QuantConfig
@@ -110,25 +111,6 @@ class StateStep:
         counts = qsl[1:] - qsl[:-1]
         recurrent = bool((counts[p:] == 1).all()) and bool(initial[p:].all())
         return cls(qsl, slots, initial, p if recurrent else len(meta.seq_lens))
-
-
-def causal_conv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                      step: StateStep) -> torch.Tensor:
-    """silu(causal depthwise conv1d) over each sequence's rows of ``x`` ``[num_tokens, dim]``, from its conv
-    state ``[num_slots, width - 1, dim]`` (or zeros), leaving the last ``width - 1`` inputs there."""
-    hist = weight.shape[1] - 1
-    out = torch.empty_like(x)
-    bounds = step.query_start_loc.tolist()
-    for i, slot in enumerate(step.state_slots.tolist()):
-        lo, hi = bounds[i], bounds[i + 1]
-        start = conv_state[slot] if bool(step.has_initial_state[i]) else x.new_zeros(hist, x.shape[1])
-        window = torch.cat([start, x[lo:hi]])  # [hist + n, dim], oldest first
-        # tap k multiplies the input width - 1 - k tokens back: an unfold over time, one filter per channel
-        frames = window.unfold(0, hist + 1, 1)  # [n, dim, width]
-        out[lo:hi] = (frames * weight).sum(-1) + (bias if bias is not None else 0.0)
-        if hist:
-            conv_state[slot] = window[window.shape[0] - hist:]
-    return F.silu(out)
 
 
 def ssd_scan_torch(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A: torch.Tensor,  # noqa: N803
@@ -216,23 +198,19 @@ class Mamba2Mixer(nn.Module):
         inter, bc = spec.intermediate_size, spec.num_groups * spec.state_size
         proj = self.in_proj(x)
         z, xbc, dt = proj.split([inter, spec.conv_dim, spec.num_heads], dim=-1)
-        xbc = self._conv(xbc.contiguous(), conv_state, step)
+        xbc = self._conv(xbc, conv_state, meta, step)
         # column slices of xbc: the scan reads strided rows; its inputs in float32 (the state is)
         xs, b, c = xbc.float().split([inter, bc, bc], dim=-1)
         A = -torch.exp(self.A_log.float())  # noqa: N806
         y = self.scan(xs, dt.float(), b, c, A, self.D.float(), self.dt_bias.float(), ssm_state, step)
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 
-    def _conv(self, xbc: torch.Tensor, conv_state: torch.Tensor, step: StateStep) -> torch.Tensor:
+    def _conv(self, xbc: torch.Tensor, conv_state: torch.Tensor, meta: AttentionMetadata,
+              step: StateStep) -> torch.Tensor:
         weight = self.conv1d.weight.view(self.spec.conv_dim, self.spec.conv_kernel)
-        bias = self.conv1d.bias
-        if self.scan.native is not None and xbc.dtype == torch.float32 and hasattr(torch.ops.pagedllm,
-                                                                                    "causal_conv1d"):
-            return torch.ops.pagedllm.causal_conv1d(xbc, weight.contiguous(), bias, conv_state,
-                                                    step.query_start_loc, step.state_slots,
-                                                    step.has_initial_state, "silu")
-        return causal_conv_torch(xbc.float(), weight.float(), None if bias is None else bias.float(), conv_state,
-                                 step).to(xbc.dtype)
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        return causal_conv1d(xbc.float(), weight.float(), bias, conv_state, meta.query_start_loc, step.state_slots,
+                             step.has_initial_state, "silu", native=self.scan.native is not None)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """rms_norm(y * silu(z)) * weight, the RMS taken over each group's channels, in float32."""

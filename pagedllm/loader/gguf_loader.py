@@ -29,6 +29,7 @@ from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, g
 from pagedllm.loader.gguf_gemma4 import GEMMA4_LAYER_NAMES, gemma4_base_shape, gemma4_gguf_settings
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
+from pagedllm.loader.granite_hybrid_config import gguf_granite_hybrid_fields, gguf_kv_heads
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.moe_config import gguf_moe_fields
 from pagedllm.loader.moe_families_config import gguf_moe_family_fields
@@ -82,6 +83,13 @@ _ARCH_LAYER_NAMES = {
     "gemma4": GEMMA4_LAYER_NAMES,
     # gpt-oss: the router's bias, and each expert projection's biases stacked [experts, rows] (split per expert
     # by models/gpt_oss.py)
+    # Granite 4.0-H's Mamba-2 layers: A as the converter stores it, -exp(A_log) (models/granitemoehybrid.py
+    # takes it back to A_log and the other tensors to the module's shapes)
+    "granitehybrid": {"ssm_in.weight": "mamba.in_proj.weight", "ssm_in.bias": "mamba.in_proj.bias",
+                      "ssm_conv1d.weight": "mamba.conv1d.weight", "ssm_conv1d.bias": "mamba.conv1d.bias",
+                      "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
+                      "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight",
+                      "ssm_out.bias": "mamba.out_proj.bias"},
     "gpt-oss": {"ffn_gate_inp.bias": "mlp.gate.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
                 "ffn_up_exps.bias": "mlp.experts.up_proj.bias", "ffn_down_exps.bias": "mlp.experts.down_proj.bias"},
 }
@@ -94,7 +102,7 @@ _GLOBAL_NAMES = {
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
-_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe")
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe", "granitehybrid")
 # read with the configuration (ModelArchConfig.rope_freq_factors, the longrope factors of rope_scaling), not weights
 _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_FACTORS_LONG = "rope_factors_long.weight"
@@ -346,7 +354,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     check_unread_gguf_metadata(key, arch, int(key("attention.key_length", hidden // num_heads)))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
+    # a hybrid's (granitehybrid) holds one count per layer, 0 for its state layers
+    num_kv_heads = gguf_kv_heads(key("attention.head_count_kv", num_heads))
     head_dim = int(key("attention.key_length", hidden // num_heads))
     if arch == "gemma4":  # the common fields hold its sliding layers' shape; the global ones' come after
         num_kv_heads, head_dim = gemma4_base_shape(key)
@@ -393,7 +402,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         return dataclasses.replace(config, **gemma_gguf_settings(
             key, arch, config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim,
             config.max_position_embeddings))
-    return gguf_gpt_oss_fields(gguf_moe_family_fields(gguf_family_fields(config, key), key), key)
+    config = gguf_gpt_oss_fields(gguf_moe_family_fields(gguf_family_fields(config, key), key), key)
+    return gguf_granite_hybrid_fields(config, key, (t.name for t in reader.tensors))
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from typing import Any
 from pagedllm.loader.config_fields import check_unread_fields, num_experts
 from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
+from pagedllm.loader.granite_hybrid_config import Mamba2Config, hf_granite_hybrid_fields
 from pagedllm.loader.moe_config import hf_moe_fields
 from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
@@ -180,6 +181,8 @@ class ModelArchConfig:
     global_head_dim: int = 0
     num_global_key_value_heads: int = 0
     attention_k_eq_v: bool = False
+    # Granite 4.0-H's Mamba-2 layers (loader/granite_hybrid_config.py); None: the model has none
+    mamba: Mamba2Config | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -540,7 +543,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    return hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg)
+    config = hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg)
+    return hf_granite_hybrid_fields(config, cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

@@ -27,6 +27,7 @@ from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.gemma4 import Gemma4ForCausalLM
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granitemoe import GraniteMoeForCausalLM
+from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedllm.models.llama import (
     GraniteForCausalLM,
     LlamaForCausalLM,
@@ -151,6 +152,7 @@ MODEL_REGISTRY = ModelRegistry((
     Family(OlmoeForCausalLM, ("OlmoeForCausalLM",), ("olmoe",), ("olmoe",)),
     Family(GraniteMoeForCausalLM, ("GraniteMoeForCausalLM",), ("granitemoe",), ("granitemoe",)),
     Family(GptOssForCausalLM, ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",)),
+    Family(GraniteMoeHybridForCausalLM, ("GraniteMoeHybridForCausalLM",), ("granitehybrid",), ("granitemoehybrid",)),
 ))
 
 

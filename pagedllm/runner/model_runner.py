@@ -215,7 +215,7 @@ class ModelRunner:
         if config.speculative_config is not None:
             raise ValueError("speculative decoding is not supported for models with state layers (hybrid models) "
                              "yet: a rejected draft would need the state rolled back")
-        if self.kv_cache_dtype == torch.uint8:
+        if config.kv_cache_dtype == "int4":
             raise ValueError("kv_cache_dtype='int4' is not supported for models with state layers (its calibration "
                              "runs attention layers only); use 'int8' or a float cache")
 

@@ -1,0 +1,184 @@
+"""Granite 4.0-H (``GraniteMoeHybridForCausalLM``, GGUF ``granitehybrid``) against transformers on tiny random weights.
+
+One tiny checkpoint of the real config class: 4 layers, Mamba-2, attention,
+Mamba-2, Mamba-2 (the published models' kind of mix), 8 Mamba heads of 16
+in 2 groups of B/C, state 16, conv 4; 4 experts, top 2, a shared MLP; no
+RoPE (Granite 4.0-H's ``position_embedding_type``); every Granite multiplier
+away from 1 so that a multiplier applied twice or not at all changes the
+tokens. ``A_log``, ``dt_bias``, ``D`` and the norms are drawn at random
+(transformers starts them at fixed values, which would hide a swap).
+
+transformers runs its own torch path on the CPU (the chunked scan and its
+cache for decodes) in float32: pagedllm's greedy tokens must be its, and
+every reported logprob within ``LOGPROB_TOL`` (only summation orders differ:
+the chunked and recurrent scans, the experts' sums; measured ~1e-5). The
+same from the files llama.cpp's converter writes (F32, F16: transformers then
+runs the matrices rounded as the file stores them), from a prompt computed
+in chunks of 16 and 64 tokens, and with prefix caching on and a shared
+prefix (docs/hybrid-models.md: a state model takes no prefix hit yet, so
+the second prompt is computed whole, and must still give its own tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.mamba2 import Mamba2Mixer
+from pagedllm.loader import load_model_config
+from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+
+LOGPROB_TOL = 1e-4
+GENERATED = 12
+LAYERS = ["mamba", "attention", "mamba", "mamba"]
+ENGINE = dict(max_model_len=256, num_kv_blocks=64, block_size=8, kv_cache_dtype="float32", max_num_seqs=4)
+
+
+def _tiny_config():  # noqa: ANN202
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, layer_types=LAYERS, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, embedding_multiplier=2.0,
+        residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=2.0, position_embedding_type=None,
+        rms_norm_eps=1e-6)
+
+
+@pytest.fixture(scope="module")
+def granite_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """The tiny checkpoint as a safetensors folder, its layer types named as the published config.json's."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(4321)
+    model = AutoModelForCausalLM.from_config(_tiny_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(0.0, 2.0)
+            elif name.endswith("dt_bias"):
+                param.uniform_(-2.0, 0.5)
+            elif name.endswith((".D", "norm.weight")):
+                param.uniform_(0.5, 1.5)
+    path = Path(tmp_path_factory.mktemp("tiny-granite-hybrid"))
+    model.save_pretrained(path, safe_serialization=True)
+    smollm_tokenizer.save_pretrained(path)
+    # transformers saves "linear_attention" / "full_attention"; the published checkpoints (and llama.cpp's
+    # converter, which looks for "attention") say "mamba" / "attention"
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = LAYERS
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(granite_dir: str):  # noqa: ANN201
+    return _hf(granite_dir)
+
+
+def _hf(path: str, round_matrices_to_f16: bool = False):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if round_matrices_to_f16:  # the converter writes matrices (experts included) in the outtype, vectors in F32
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if p.dim() >= 2 and "conv1d" not in name:
+                    p.copy_(p.half().float())
+    return hf
+
+
+def _prompts(seed: int, lengths: tuple[int, ...] = (70, 9)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+def _max_logprob_error(hf, out) -> float:  # noqa: ANN001
+    """Largest gap between pagedllm's logprobs (prompt and output, top 5 and chosen) and transformers'."""
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+    prompt_len = len(out.prompt_token_ids)
+    rows = [(i - 1, lps) for i, lps in enumerate(out.prompt_logprobs) if lps is not None]
+    rows += [(prompt_len - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
+    return max(abs(lp.logprob - float(want[row, token])) for row, lps in rows for token, lp in lps.items())
+
+
+def _check(llm: LLM, hf, prompts: list[list[int]], logprobs: bool = True) -> None:  # noqa: ANN001
+    """Greedy tokens equal transformers'; with ``logprobs``, every reported logprob within LOGPROB_TOL of its."""
+    top = 5 if logprobs else None
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=top, prompt_logprobs=top)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GENERATED)
+        if logprobs:
+            assert _max_logprob_error(hf, out) < LOGPROB_TOL
+    assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+
+
+def test_config_reads_the_hybrid(granite_dir: str) -> None:
+    cfg = load_model_config(granite_dir)
+    assert cfg.architecture == "granitemoehybrid"
+    assert cfg.layer_types == ("mamba", "full_attention", "mamba", "mamba")
+    assert cfg.attention_layers == (1,) and cfg.nope_layers == (0, 1, 2, 3)
+    m = cfg.mamba
+    assert (m.num_heads, m.head_dim, m.state_size, m.num_groups, m.conv_kernel, m.intermediate_size) == (
+        8, 16, 16, 2, 4, 128)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == (4, 2, 48)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attn_scale, cfg.logits_scaling) == (
+        2.0, 0.5, 0.25, 2.0)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_folder_matches_transformers(native: bool, granite_dir: str, hf_model) -> None:  # noqa: ANN001
+    """The folder's model, native kernels or torch layers: transformers' tokens and logprobs."""
+    llm = LLM(granite_dir, **ENGINE)
+    model = llm.llm_engine.model_runner.model
+    assert isinstance(model, GraniteMoeHybridForCausalLM)
+    mixers = [layer.mamba for layer in model.model.layers if layer.is_mamba]
+    assert len(mixers) == 3 and all(isinstance(m, Mamba2Mixer) for m in mixers)
+    assert mixers[0].scan.native is not None  # float32: the native path
+    if not native:
+        model.use_native_ops(None)
+    _check(llm, hf_model, _prompts(5), logprobs=True)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_prompts_give_the_whole_prompts_tokens(chunk: int, granite_dir: str, hf_model) -> None:  # noqa: ANN001
+    """A 150-token prompt computed 16 or 64 tokens a step (its state carried between chunks), beside another."""
+    llm = LLM(granite_dir, **ENGINE, max_num_batched_tokens=chunk)
+    _check(llm, hf_model, _prompts(6, (150, 20)), logprobs=False)
+
+
+def test_a_shared_prefix_gives_each_prompts_tokens(granite_dir: str, hf_model) -> None:  # noqa: ANN001
+    """Prefix caching on, two prompts sharing 48 tokens one after the other: each gets its own tokens."""
+    llm = LLM(granite_dir, **ENGINE, enable_prefix_caching=True)
+    prefix = _prompts(7, (48,))[0]
+    first, second = prefix + _prompts(8, (11,))[0], prefix + _prompts(9, (5,))[0]
+    _check(llm, hf_model, [first], logprobs=False)
+    _check(llm, hf_model, [second], logprobs=False)
+
+
+@pytest.mark.slow  # converts the checkpoint in a subprocess (seconds each)
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_converter_gguf_matches_transformers(outtype: str, granite_dir: str, tmp_path_factory,  # noqa: ANN001
+                                             gguf_converter) -> None:  # noqa: ANN001
+    """llama.cpp's converter writes 'granitehybrid' (A as -exp(A_log), the conv squeezed, the gated norm per
+    group, per-layer KV head counts): transformers' tokens and logprobs on float32 activations."""
+    out = tmp_path_factory.mktemp("granite-hybrid-gguf") / f"granite-hybrid-{outtype}.gguf"
+    path = gguf_converter.convert(granite_dir, outtype, str(out))
+    cfg = load_model_config(path)
+    assert (cfg.architecture, cfg.checkpoint_format) == ("granitehybrid", "gguf")
+    assert cfg.layer_types == ("mamba", "full_attention", "mamba", "mamba")
+    assert (cfg.mamba.num_heads, cfg.mamba.num_groups, cfg.mamba.state_size) == (8, 2, 16)
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    assert isinstance(llm.llm_engine.model_runner.model, GraniteMoeHybridForCausalLM)
+    _check(llm, _hf(granite_dir, round_matrices_to_f16=outtype == "f16"), _prompts(9))
