@@ -88,10 +88,11 @@ def _hf(path: str, round_matrices_to_f16: bool = False):  # noqa: ANN202
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if round_matrices_to_f16:  # the converter writes matrices (experts included) in the outtype, vectors in F32
+    if round_matrices_to_f16:
+        # the converter writes matrices (experts included) in the outtype; vectors, the conv and the router in F32
         with torch.no_grad():
             for name, p in hf.named_parameters():
-                if p.dim() >= 2 and "conv1d" not in name:
+                if p.dim() >= 2 and "conv1d" not in name and "router" not in name:
                     p.copy_(p.half().float())
     return hf
 
