@@ -138,18 +138,35 @@ def test_config_reads_the_hybrid(granite_dir: str) -> None:
         2.0, 0.5, 0.25, 2.0)
 
 
+@pytest.fixture(scope="module")
+def folder_llm(granite_dir: str) -> LLM:
+    """One engine of the folder, prefix caching on, shared by the folder's tests."""
+    return LLM(granite_dir, **ENGINE, enable_prefix_caching=True)
+
+
 @pytest.mark.parametrize("native", [True, False])
-def test_folder_matches_transformers(native: bool, granite_dir: str, hf_model) -> None:  # noqa: ANN001
+def test_folder_matches_transformers(native: bool, folder_llm: LLM, hf_model) -> None:  # noqa: ANN001
     """The folder's model, native kernels or torch layers: transformers' tokens and logprobs."""
-    llm = LLM(granite_dir, **ENGINE)
-    model = llm.llm_engine.model_runner.model
+    model = folder_llm.llm_engine.model_runner.model
     assert isinstance(model, GraniteMoeHybridForCausalLM)
     mixers = [layer.mamba for layer in model.model.layers if layer.is_mamba]
     assert len(mixers) == 3 and all(isinstance(m, Mamba2Mixer) for m in mixers)
-    assert mixers[0].scan.native is not None  # float32: the native path
+    native_ops = folder_llm.llm_engine.model_runner.native_ops
+    assert native_ops is not None and mixers[0].scan.native is not None  # float32: the native path
     if not native:
         model.use_native_ops(None)
-    _check(llm, hf_model, _prompts(5), logprobs=True)
+    try:
+        _check(folder_llm, hf_model, _prompts(5), logprobs=True)
+    finally:
+        model.use_native_ops(native_ops)
+
+
+def test_a_shared_prefix_gives_each_prompts_tokens(folder_llm: LLM, hf_model) -> None:  # noqa: ANN001
+    """Prefix caching on, two prompts sharing 48 tokens one after the other: each gets its own tokens."""
+    prefix = _prompts(7, (48,))[0]
+    first, second = prefix + _prompts(8, (11,))[0], prefix + _prompts(9, (5,))[0]
+    _check(folder_llm, hf_model, [first], logprobs=False)
+    _check(folder_llm, hf_model, [second], logprobs=False)
 
 
 @pytest.mark.parametrize("chunk", [16, 64])
@@ -157,15 +174,6 @@ def test_chunked_prompts_give_the_whole_prompts_tokens(chunk: int, granite_dir: 
     """A 150-token prompt computed 16 or 64 tokens a step (its state carried between chunks), beside another."""
     llm = LLM(granite_dir, **ENGINE, max_num_batched_tokens=chunk)
     _check(llm, hf_model, _prompts(6, (150, 20)), logprobs=False)
-
-
-def test_a_shared_prefix_gives_each_prompts_tokens(granite_dir: str, hf_model) -> None:  # noqa: ANN001
-    """Prefix caching on, two prompts sharing 48 tokens one after the other: each gets its own tokens."""
-    llm = LLM(granite_dir, **ENGINE, enable_prefix_caching=True)
-    prefix = _prompts(7, (48,))[0]
-    first, second = prefix + _prompts(8, (11,))[0], prefix + _prompts(9, (5,))[0]
-    _check(llm, hf_model, [first], logprobs=False)
-    _check(llm, hf_model, [second], logprobs=False)
 
 
 @pytest.mark.slow  # converts the checkpoint in a subprocess (seconds each)
