@@ -113,7 +113,8 @@ def _max_logprob_error(hf, out) -> float:  # noqa: ANN001
     return max(abs(lp.logprob - float(want[row, token])) for row, lps in rows for token, lp in lps.items())
 
 
-def _check(llm: LLM, hf, prompts: list[list[int]], logprobs: bool = True) -> None:  # noqa: ANN001
+def _check(llm: LLM, hf, prompts: list[list[int]], logprobs: bool = True,  # noqa: ANN001
+           num_blocks: int = ENGINE["num_kv_blocks"]) -> None:
     """Greedy tokens equal transformers'; with ``logprobs``, every reported logprob within LOGPROB_TOL of its."""
     top = 5 if logprobs else None
     params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=top, prompt_logprobs=top)
@@ -122,7 +123,7 @@ def _check(llm: LLM, hf, prompts: list[list[int]], logprobs: bool = True) -> Non
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GENERATED)
         if logprobs:
             assert _max_logprob_error(hf, out) < LOGPROB_TOL
-    assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+    assert llm.llm_engine.block_manager.num_free_blocks == num_blocks
 
 
 def test_config_reads_the_hybrid(granite_dir: str) -> None:
@@ -174,6 +175,14 @@ def test_chunked_prompts_give_the_whole_prompts_tokens(chunk: int, granite_dir: 
     """A 150-token prompt computed 16 or 64 tokens a step (its state carried between chunks), beside another."""
     llm = LLM(granite_dir, **ENGINE, max_num_batched_tokens=chunk)
     _check(llm, hf_model, _prompts(6, (150, 20)), logprobs=False)
+
+
+def test_preempted_sequences_give_their_tokens(granite_dir: str, hf_model) -> None:  # noqa: ANN001
+    """Three 60-token prompts in a pool of 24 blocks of 8: decoding past 64 tokens preempts one (its blocks and
+    state slot given back, its prompt computed again from zero later); every sequence still gets its tokens."""
+    llm = LLM(granite_dir, **{**ENGINE, "num_kv_blocks": 24, "max_num_seqs": 3, "max_model_len": 128})
+    _check(llm, hf_model, _prompts(10, (60, 60, 60)), logprobs=False, num_blocks=24)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.slow  # converts the checkpoint in a subprocess (seconds each)
