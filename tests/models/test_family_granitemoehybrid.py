@@ -32,7 +32,10 @@ from conftest import hf_greedy
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.mamba2 import Mamba2Mixer
 from pagedllm.loader import load_model_config
-from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+from pagedllm.models.granitemoehybrid import (
+    GraniteMoeHybridForCausalLM,
+    granite_hybrid_weight_names,
+)
 
 LOGPROB_TOL = 1e-4
 GENERATED = 12
@@ -137,6 +140,37 @@ def test_config_reads_the_hybrid(granite_dir: str) -> None:
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == (4, 2, 48)
     assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attn_scale, cfg.logits_scaling) == (
         2.0, 0.5, 0.25, 2.0)
+
+
+def test_without_experts_the_shared_mlp_is_the_dense_mlp() -> None:
+    """num_local_experts 0: each layer's MLP is the shared MLP (its width, its tensors), as transformers runs it."""
+    from pagedllm.layers.mlp import GatedMLP
+    from pagedllm.loader.model_config import from_hf_config
+
+    cfg = from_hf_config({**_tiny_config().to_dict(), "num_local_experts": 0, "layer_types": LAYERS})
+    assert cfg.num_experts == 0 and cfg.shared_expert_intermediate_size == 48
+    spec = GraniteMoeHybridForCausalLM.decoder_spec(cfg)
+    assert all(layer.moe is None and layer.intermediate_size == 48 for layer in spec.layers)
+    with torch.device("meta"):
+        model = GraniteMoeHybridForCausalLM(cfg, None)
+    assert isinstance(model.model.layers[0].mlp, GatedMLP)
+    assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (96, 64)
+    stacked = torch.arange(96 * 64, dtype=torch.float32).view(96, 64)
+    names = dict(granite_hybrid_weight_names([("model.layers.0.shared_mlp.input_linear.weight", stacked)], False))
+    assert torch.equal(names["model.layers.0.mlp.gate_proj.weight"], stacked[:48])
+    assert torch.equal(names["model.layers.0.mlp.up_proj.weight"], stacked[48:])
+
+
+def test_gguf_mamba_tensors_are_taken_back_to_the_modules_shapes() -> None:
+    """The converter's A (-exp(A_log), [H, 1]), D [H, 1], conv [channels, width] and norm [groups, inner / groups]
+    come back as A_log [H], D [H], conv1d.weight [channels, 1, width] and norm.weight [inner]."""
+    a_log = torch.tensor([0.1, 0.7, 1.5])
+    gguf = [("l.mamba.A", -torch.exp(a_log)[:, None]), ("l.mamba.D", torch.ones(3, 1)),
+            ("l.mamba.conv1d.weight", torch.ones(6, 4)), ("l.mamba.norm.weight", torch.ones(2, 5))]
+    names = dict(granite_hybrid_weight_names(gguf, True))
+    torch.testing.assert_close(names["l.mamba.A_log"], a_log)
+    assert names["l.mamba.D"].shape == (3,) and names["l.mamba.norm.weight"].shape == (10,)
+    assert names["l.mamba.conv1d.weight"].shape == (6, 1, 4)
 
 
 @pytest.fixture(scope="module")
