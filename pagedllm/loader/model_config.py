@@ -14,6 +14,7 @@ from pagedllm.loader.config_fields import check_unread_fields, num_experts
 from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
 from pagedllm.loader.granite_hybrid_config import Mamba2Config, hf_granite_hybrid_fields
+from pagedllm.loader.lfm2_config import lfm2_fields, lfm2_hf_dict
 from pagedllm.loader.moe_config import hf_moe_fields
 from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
 from pagedllm.loader.smollm3_granite_config import hf_family_fields
@@ -181,6 +182,10 @@ class ModelArchConfig:
     global_head_dim: int = 0
     num_global_key_value_heads: int = 0
     attention_k_eq_v: bool = False
+    # a short conv's taps and whether it (and its projections) add biases: LFM2's "conv" layers
+    # (loader/lfm2_config.py); 0: no conv layers
+    conv_kernel_size: int = 0
+    conv_bias: bool = False
     # Granite 4.0-H's Mamba-2 layers (loader/granite_hybrid_config.py); None: the model has none
     mamba: Mamba2Config | None = None
 
@@ -504,6 +509,8 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         cfg = {**(_GEMMA3_DEFAULTS if arch == "gemma3" else _GEMMA2_DEFAULTS), **cfg}
     elif arch == "gemma4":
         cfg = gemma4_text_dict(cfg)
+    elif arch == "lfm2":
+        cfg = lfm2_hf_dict(cfg)
     missing = [k for k in _REQUIRED_KEYS if cfg.get(k) is None]
     if missing:
         raise ValueError(f"config.json ({model_type}) lacks {missing}")
@@ -543,7 +550,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         checkpoint_format="hf",
         **extra,
     )
-    config = hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg)
+    config = lfm2_fields(hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg), cfg)
     return hf_granite_hybrid_fields(config, cfg)
 
 

@@ -1,0 +1,205 @@
+"""LFM2 (``Lfm2ForCausalLM``: short-conv layers beside attention) against transformers on tiny random weights.
+
+Three of the four layers are gated short convs, whose per-sequence conv state
+lives in a state slot (docs/hybrid-models.md); the third is attention with
+per-head q/k norms. The norm weights are drawn at random (transformers starts
+them at one) so that a norm loaded into the wrong place changes the result.
+The oracle is transformers' own greedy loop with its own cache
+(``conftest.hf_greedy``); logprobs within ``LOGPROB_TOL`` (float32 on both
+sides, summation order only, measured ~1e-5). Then the state's bookkeeping
+end to end: prompts in chunks of 16, 64 and 2048 tokens, two samples forked
+from one prompt, preempted requests recomputed, and a repeated prompt (no
+prefix hit: the state at the hit point is not kept) all give the whole
+prompt's greedy tokens, and every block and slot comes back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.loader import load_model_config
+from pagedllm.models.lfm2 import Lfm2ForCausalLM
+
+LOGPROB_TOL = 1e-4
+GENERATED = 12
+ENGINE = dict(max_model_len=1024, num_kv_blocks=200, block_size=8, kv_cache_dtype="float32", max_num_seqs=4,
+              itl_target_ms=None)
+LAYER_TYPES = ["conv", "conv", "full_attention", "conv"]
+
+
+@pytest.fixture(scope="session")
+def lfm2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """A tiny random LFM2 saved as a safetensors folder (hidden 64, 4 layers, 3 of them convs of 3 taps)."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    cfg = Lfm2Config(vocab_size=49152, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     layer_types=LAYER_TYPES, conv_L_cache=3, block_multiple_of=32, initializer_range=0.2,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(4321)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("tiny-lfm2")
+    model.save_pretrained(path, safe_serialization=True)
+    smollm_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf(lfm2_dir: str):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(lfm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(lfm2_dir: str) -> LLM:
+    """One engine for the module: its chunk size is set per test on the scheduler (engines cost seconds)."""
+    return LLM(lfm2_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def oracle(hf):  # noqa: ANN001, ANN201
+    """transformers' greedy tokens of a prompt, computed once per prompt."""
+    memo: dict[tuple[int, ...], list[int]] = {}
+
+    def tokens(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in memo:
+            memo[tuple(prompt)] = hf_greedy(hf, prompt, GENERATED)
+        return memo[tuple(prompt)]
+
+    return tokens
+
+
+def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int = 1) -> list[list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, n=n)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def _pool_whole(llm: LLM) -> None:
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.state_slots.num_free == bm.state_slots.num_slots
+
+
+def test_lfm2_config_and_layout(lfm2_dir: str, llm: LLM) -> None:
+    """Conv layers keep no K/V: the pool has one layer row (the attention layer's); one slot per sequence."""
+    cfg = load_model_config(lfm2_dir)
+    assert cfg.architecture == "lfm2" and cfg.layer_types == tuple(LAYER_TYPES)
+    assert cfg.intermediate_size == 128  # int(2 * 192 / 3), rounded up to a multiple of 32
+    assert (cfg.conv_kernel_size, cfg.conv_bias, cfg.qk_norm, cfg.rms_norm_eps) == (3, False, True, 1e-5)
+    runner = llm.llm_engine.model_runner
+    assert isinstance(runner.model, Lfm2ForCausalLM)
+    assert runner.kv_cache.shape[1] == 1
+    assert runner.num_state_slots == ENGINE["max_num_seqs"]
+    assert [None if s is None else tuple(t.shape) for s in runner.state_caches for t in (s or (None,))] == [
+        (4, 2, 64), (4, 2, 64), None, (4, 2, 64)]
+    assert runner.captured_decode is None  # state layers run eagerly (docs/hybrid-models.md)
+
+
+def test_lfm2_matches_transformers(llm: LLM, hf, oracle) -> None:  # noqa: ANN001
+    """Greedy tokens equal transformers'; every reported logprob (prompt and output) within LOGPROB_TOL."""
+    prompts = _prompts((150, 9), 9)
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == oracle(prompt)
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+        rows = [(i - 1, lps) for i, lps in enumerate(out.prompt_logprobs) if lps is not None]
+        rows += [(len(prompt) - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
+        assert max(abs(lp.logprob - float(want[r, t])) for r, lps in rows for t, lp in lps.items()) < LOGPROB_TOL
+    _pool_whole(llm)
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 2048])
+def test_prompts_in_chunks_give_the_whole_prompts_tokens(chunk: int, llm: LLM, oracle) -> None:  # noqa: ANN001
+    """Each chunk continues the conv state its slot holds: the tokens of transformers' whole-prompt run."""
+    prompts = _prompts((150, 9), 9)
+    scheduler = llm.llm_engine.scheduler
+    budget = scheduler.max_num_batched_tokens
+    scheduler.max_num_batched_tokens = chunk
+    chunks: list[int] = []
+    plan = scheduler.schedule
+
+    def recording():  # noqa: ANN202
+        out = plan()
+        chunks.extend(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        return out
+
+    scheduler.schedule = recording
+    try:
+        got = _greedy(llm, prompts)
+    finally:
+        scheduler.max_num_batched_tokens, scheduler.schedule = budget, plan
+    assert max(chunks) <= chunk and (chunk >= 150 or len(chunks) > 2)
+    assert got == [[oracle(p)] for p in prompts]
+    _pool_whole(llm)
+
+
+def test_forked_samples_take_the_prompts_state(llm: LLM, oracle) -> None:  # noqa: ANN001
+    """n=2: the second sample forks after the prompt's step and gets a copy of its state (a zero or stale
+    state would decode other tokens)."""
+    prompt = _prompts((9,), 9)[0]
+    want = oracle(prompt)
+    assert _greedy(llm, [prompt], n=2) == [[want, want]]
+    _pool_whole(llm)
+
+
+def test_preempted_requests_recompute_their_state(lfm2_dir: str, oracle) -> None:  # noqa: ANN001
+    """A pool too small for every request: the newest are preempted, give back their slots and blocks, and
+    start again from a zero state; every request still gets transformers' tokens."""
+    prompts = [*_prompts((150, 9), 9), *_prompts((60,), 33)]
+    tight = LLM(lfm2_dir, **{**ENGINE, "max_model_len": 176, "num_kv_blocks": 24, "max_num_batched_tokens": 24,
+                             "enable_prefix_caching": False})
+    got = _greedy(tight, prompts)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert got == [[oracle(p)] for p in prompts]
+    _pool_whole(tight)
+
+
+def test_a_repeated_prompt_is_computed_again(llm: LLM, oracle) -> None:  # noqa: ANN001
+    """No prefix hit without the state at the hit point: the second run computes the prompt from position 0
+    and gives the same tokens."""
+    prompt = _prompts((150,), 9)[0]
+    first, second = _greedy(llm, [prompt]), _greedy(llm, [prompt])
+    assert first == second == [[oracle(prompt)]]
+    _pool_whole(llm)
+
+
+def test_what_state_models_refuse(lfm2_dir: str) -> None:
+    with pytest.raises(ValueError, match="speculative decoding"):
+        LLM(lfm2_dir, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="contiguous"):
+        LLM(lfm2_dir, **ENGINE, kv_allocator="contiguous")
+
+
+def test_state_slots_come_out_of_a_given_budget(lfm2_dir: str, oracle) -> None:  # noqa: ANN001
+    """A KV budget that cannot spare half of itself for max_num_seqs slots holds fewer, and max_num_seqs
+    follows; the blocks take what the slots leave."""
+    per_slot = 3 * 2 * 64 * 4  # three conv layers of [2, 64] float32
+    per_block = 2 * 1 * 8 * 2 * 16 * 4  # K and V of the one attention layer: 8 tokens x 2 heads x 16
+    budget = 9000  # half of it holds 2 slots (4,500 // 1,536)
+    small = LLM(lfm2_dir, **{**ENGINE, "max_model_len": 16, "num_kv_blocks": None, "kv_cache_memory_bytes": budget})
+    runner = small.llm_engine.model_runner
+    assert runner.state_bytes_per_slot == per_slot
+    assert runner.num_state_slots == 2 and small.llm_engine.config.max_num_seqs == 2
+    assert runner.num_kv_blocks == (budget - 2 * per_slot) // per_block == 2
+    prompts = _prompts((3, 4, 3), 9)
+    assert _greedy(small, prompts) == [[oracle(p)] for p in prompts]
+    _pool_whole(small)
