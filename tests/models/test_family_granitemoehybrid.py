@@ -179,7 +179,7 @@ def folder_llm(granite_dir: str) -> LLM:
     return LLM(granite_dir, **ENGINE, enable_prefix_caching=True)
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_folder_matches_transformers(native: bool, folder_llm: LLM, hf_model) -> None:  # noqa: ANN001
     """The folder's model, native kernels or torch layers: transformers' tokens and logprobs."""
     model = folder_llm.llm_engine.model_runner.model
@@ -211,6 +211,7 @@ def test_chunked_prompts_give_the_whole_prompts_tokens(chunk: int, granite_dir: 
     _check(llm, hf_model, _prompts(6, (150, 20)), logprobs=False)
 
 
+@pytest.mark.slow  # a third engine, three prompts recomputed
 def test_preempted_sequences_give_their_tokens(granite_dir: str, hf_model) -> None:  # noqa: ANN001
     """Three 60-token prompts in a pool of 24 blocks of 8: decoding past 64 tokens preempts one (its blocks and
     state slot given back, its prompt computed again from zero later); every sequence still gets its tokens."""
