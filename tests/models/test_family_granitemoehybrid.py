@@ -235,3 +235,36 @@ def test_converter_gguf_matches_transformers(outtype: str, granite_dir: str, tmp
     llm = LLM(path, **ENGINE, gguf_activations="float32")
     assert isinstance(llm.llm_engine.model_runner.model, GraniteMoeHybridForCausalLM)
     _check(llm, _hf(granite_dir, round_matrices_to_f16=outtype == "f16"), _prompts(9))
+
+
+def _q8_0_rounded(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as Q8_0 holds it (llama.cpp's reference quantizer, in float32): per run of 32 weights of a row,
+    ``d = max |w| / 127``, ``q = roundf(w / d)`` (halves away from zero), ``d`` stored as float16."""
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks * torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (d.half().float() * q).reshape(w.shape)
+
+
+@pytest.mark.slow  # a converter run
+def test_q8_0_gguf_matches_transformers_on_the_rounded_weights(granite_dir: str, tmp_path_factory,  # noqa: ANN001
+                                                             gguf_converter) -> None:  # noqa: ANN001
+    """A Q8_0 file (the Mamba and expert projections kept as Q8_0 blocks) on float32 activations: transformers'
+    tokens on the weights rounded as the file rounds them (Q8_0 where a row is whole blocks of 32, else F16),
+    logprobs within 2e-3 (the file's block scales are rounded to float16 on the way in and out)."""
+    out = tmp_path_factory.mktemp("granite-hybrid-q8") / "granite-hybrid-q8_0.gguf"
+    path = gguf_converter.convert(granite_dir, "q8_0", str(out))
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    mixer = llm.llm_engine.model_runner.model.model.layers[0].mamba
+    assert mixer.in_proj.quant_method.name == "gguf-q8_0"
+    hf = _hf(granite_dir)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2 and "router" not in name and "conv1d" not in name:
+                p.copy_(_q8_0_rounded(p) if p.shape[-1] % 32 == 0 else p.half().float())
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+    prompt = _prompts(11)[0]
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == hf_greedy(hf, prompt, GENERATED)
+    assert _max_logprob_error(hf, got) < 2e-3
