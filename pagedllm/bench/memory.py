@@ -109,6 +109,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         engine.add_request(f"mem-{i}", {"prompt_token_ids": ids}, params)
     scheduler, pool, runner = engine.scheduler, engine.block_manager, engine.model_runner
     peak_resident = runner.kv_resident_bytes
+    state_slots = getattr(pool, "state_slots", None)  # a hybrid model's (docs/hybrid-models.md)
+    peak_slots = 0
     timeline = {"t": [], "written": [], "empty": [], "free": [], "running": []}
     wastes: list[float] = []
     num_out = 0
@@ -128,6 +130,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         timeline["running"].append(scheduler.num_running)
         # mincore over the pool: the OS's own count (the contiguous baseline keeps no bookkeeping of it)
         peak_resident = max(peak_resident, runner.kv_resident_bytes)
+        if state_slots is not None:
+            peak_slots = max(peak_slots, state_slots.num_used)
         if frames is not None:
             frames.append((timeline["t"][-1], fill_levels(pool.ref_counts, bs, scheduler.running),
                            scheduler.num_running))
@@ -154,7 +158,22 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     }
     if allocator == "contiguous":
         summary["reserve"] = reserve
+    if state_slots is not None:
+        summary.update(state_slots=state_slots.num_slots, state_peak_used_slots=peak_slots,
+                       state_snapshot_slots=runner.num_snapshot_slots, state_bytes_per_slot=runner.state_bytes_per_slot,
+                       state_reserved_bytes=(runner.num_state_slots + runner.num_snapshot_slots)
+                       * runner.state_bytes_per_slot)
     return summary, timeline
+
+
+def _allocators(model: str | None) -> tuple[str, ...]:
+    """The allocators to compare: a hybrid model's state slots live in the paged block manager only."""
+    if model is not None:
+        from pagedllm.loader import load_model_config
+
+        if load_model_config(model).has_state_layers:
+            return ("paged",)
+    return ("contiguous", "paged")
 
 
 def plot(timelines: dict[str, dict], path: str, kv_slots: int) -> None:
@@ -190,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     results, timelines, replays = {}, {}, {}
     html = getattr(args, "html", None)
-    for allocator in ("contiguous", "paged"):
+    for allocator in _allocators(args.model):
         frames: list[tuple[float, str, int]] | None = [] if html else None
         summary, timeline = run_allocator(
             args.model, workload, allocator, args.contiguous_reserve, args.num_threads, frames
@@ -205,12 +224,20 @@ def run(args: argparse.Namespace) -> dict:
     for allocator, r in results.items():
         print(f"{allocator:>10}    {r['kv_reserved_bytes'] / 2**20:9.1f}  {r['kv_peak_resident_bytes'] / 2**20:13.1f}"
               f"  {r['kv_drained_resident_bytes'] / 2**20:16.1f}  {r['kv_bytes_per_block']:13d}")
-    c, p = results["contiguous"], results["paged"]
-    ratios = {
-        "mean_running": round(p["mean_running"] / c["mean_running"], 2),
-        "output_tokens_per_s": round(p["output_tokens_per_s"] / c["output_tokens_per_s"], 2),
-    }
-    print(f"paged / contiguous: mean concurrency x{ratios['mean_running']}, throughput x{ratios['output_tokens_per_s']}")
+    p = results["paged"]
+    if "state_slots" in p:
+        print(f"state slots: {p['state_slots']} running (peak {p['state_peak_used_slots']} used) + "
+              f"{p['state_snapshot_slots']} snapshots, {p['state_bytes_per_slot'] / 2**20:.3f} MiB each, "
+              f"{p['state_reserved_bytes'] / 2**20:.1f} MiB reserved")
+    ratios = None
+    if "contiguous" in results:
+        c = results["contiguous"]
+        ratios = {
+            "mean_running": round(p["mean_running"] / c["mean_running"], 2),
+            "output_tokens_per_s": round(p["output_tokens_per_s"] / c["output_tokens_per_s"], 2),
+        }
+        print(f"paged / contiguous: mean concurrency x{ratios['mean_running']}, "
+              f"throughput x{ratios['output_tokens_per_s']}")
     if args.plot:
         plot(timelines, args.plot, workload.num_kv_slots)
         print(f"plot written to {args.plot}")

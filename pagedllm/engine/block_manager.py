@@ -60,8 +60,15 @@ child gets its own slot and a (source, destination) state copy: before the
 step for a running parent (beam search), after it for a prompt that completes
 in the step its samples fork in (their state is the one this step computes)
 (``take_state_copies``). A slot holds the state after the sequence's computed
-tokens only, so a prefix hit would need the state at the hit point: until
-state snapshots exist, a model with state slots takes no prefix hits.
+tokens only, so a prefix hit needs the state at the hit point: with prefix
+caching, snapshots of it are kept at block boundaries (``num_snapshot_slots``,
+``engine/state_snapshots.py``) and a hit is cut to the longest cached prefix
+that has one. A prompt keeps at most two (``state_snapshot_points``): at its
+last full block (the next turn of a conversation extends the whole prompt),
+and where its cached blocks end without a snapshot there (the end of a prefix
+another prompt shares with it, a system prompt: the third prompt hits it).
+The scheduler ends a chunk at each point, the state is copied after that
+step. Disk hits are not taken for such a model (the disk keeps no states).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ import xxhash
 
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.state_slots import StateSlots
+from pagedllm.engine.state_snapshots import StateSnapshots
 from pagedllm.kv_disk.store import DiskBlockStore
 
 _NO_PARENT = 0
@@ -117,11 +125,14 @@ class BlockManager:
             sequences with longer prompts hash from their own root; None: every sequence from one.
         disk: the prefix cache on disk, or None (with prefix caching only).
         num_state_slots: a hybrid model's state slots (one per running sequence); 0: the model has no state layers.
+        num_snapshot_slots: slots for state snapshots of cached prefixes (ids after the running ones; with prefix
+            caching and state slots only).
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None, num_state_slots: int = 0,
+        num_snapshot_slots: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
@@ -159,6 +170,8 @@ class BlockManager:
         if num_state_slots < 0:
             raise ValueError(f"num_state_slots must be >= 0, got {num_state_slots}")
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.snapshots = (StateSnapshots(num_state_slots, num_snapshot_slots)
+                          if num_state_slots and num_snapshot_slots and enable_prefix_caching else None)
         # forks' (source, destination) state slot copies: before the next step, and after it
         self._state_copies_before: list[tuple[int, int]] = []
         self._state_copies_after: list[tuple[int, int]] = []
@@ -204,7 +217,19 @@ class BlockManager:
         Only blocks inside the first ``len(seq) - 1`` tokens count: the last
         token is always computed, because its logits are needed to sample.
         """
-        if not self.enable_prefix_caching or not seq.allow_prefix_hits or self.state_slots is not None:
+        hits = self._lookup_blocks(seq)
+        if self.state_slots is None or not hits:
+            return hits
+        # a hybrid model's hit needs the state at its end: the longest prefix whose last block has a snapshot
+        hashes = self._block_hashes(seq, len(hits))
+        num = len(hits)
+        while num and (self.snapshots is None or not self.snapshots.has(hashes[num - 1])):
+            num -= 1
+        return hits[:num]
+
+    def _lookup_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks holding the longest cached prefix of ``seq`` (K/V only; see ``_lookup_prefix``)."""
+        if not self.enable_prefix_caching or not seq.allow_prefix_hits:
             return []
         num_lookup = (len(seq) - 1) // self.block_size
         hits: list[int] = []
@@ -250,6 +275,8 @@ class BlockManager:
         if h is not None:
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+                if self.snapshots is not None:  # a snapshot goes with its block
+                    self.snapshots.drop(h)
             self.block_hash[block] = None
             self.block_token_ids[block] = None
             if block in self._cached_free:  # free and now holding nothing: empty
@@ -341,7 +368,39 @@ class BlockManager:
             for s in (seq, *seq.fork_children):
                 if s.state_slot is None:
                     s.state_slot = self.state_slots.take()
+            self._plan_snapshots(seq, num_hits)
         return True
+
+    def _plan_snapshots(self, seq: Sequence, num_hits: int) -> None:
+        """A hybrid model's admitted sequence: its hit's state copied in, and where its state is snapshotted."""
+        seq.state_snapshot_points = []
+        if self.snapshots is None:
+            return
+        bs = self.block_size
+        if num_hits:
+            slot = self.snapshots.find(self._block_hashes(seq, num_hits)[num_hits - 1])
+            if slot is None:  # _lookup_prefix cut the hit to a snapshot
+                raise RuntimeError("a hybrid model's prefix hit has no state snapshot")
+            self._state_copies_before.append((slot, seq.state_slot))
+        shared = len(self._lookup_blocks(seq)) * bs  # where the blocks another prompt cached end
+        last = (len(seq) - 1) // bs * bs  # the last full block a later lookup can reach
+        seq.state_snapshot_points = sorted({p for p in (shared, last) if p > num_hits * bs})
+
+    def next_snapshot_point(self, seq: Sequence) -> int | None:
+        """The first token count past ``seq``'s computed ones whose state is snapshotted (a chunk ends there)."""
+        return next((p for p in seq.state_snapshot_points if p > seq.num_computed_tokens), None)
+
+    def snapshot_state(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep a snapshot of ``seq``'s state after ``num_tokens`` tokens, computed in the step being planned,
+        where that is one of its points and the block it ends with is cached (a copy after the step)."""
+        if self.snapshots is None or num_tokens not in seq.state_snapshot_points or seq.state_slot is None:
+            return
+        h = self._block_hashes(seq, num_tokens // self.block_size)[-1]
+        if h not in self.hash_to_block:
+            return  # another block of the same content holds the hash, or none: nothing to key it by
+        slot = self.snapshots.take(h)
+        if slot is not None:
+            self._state_copies_after.append((seq.state_slot, slot))
 
     def _read_disk_blocks(self, seq: Sequence, first: int, num: int) -> list[bytes]:
         """The K/V bytes of blocks ``first .. first + num - 1`` of ``seq`` from disk, up to the first bad one."""
@@ -530,6 +589,8 @@ class BlockManager:
 
     def confirm_published(self) -> None:
         """The step planned with the blocks published since the last call has run: they hold their K/V."""
+        if self.snapshots is not None:
+            self.snapshots.confirm()
         if self.disk is not None:
             for block in self._unconfirmed:
                 h = self.block_hash[block]
@@ -547,6 +608,8 @@ class BlockManager:
         for block in self._unconfirmed:
             self._uncache(block)
         self._unconfirmed.clear()
+        if self.snapshots is not None:
+            self.snapshots.drop_unconfirmed()
         self._loaded.clear()
         self._pending_loads.clear()
 
@@ -581,3 +644,5 @@ class BlockManager:
         """Forget every cached hash (blocks in use stay allocated)."""
         for block in range(self.num_blocks):
             self._uncache(block)
+        if self.snapshots is not None:
+            self.snapshots.clear()

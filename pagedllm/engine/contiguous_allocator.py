@@ -151,6 +151,13 @@ class ContiguousAllocator:
     def take_copies(self) -> list[tuple[int, int]]:
         return []
 
+    def next_snapshot_point(self, seq: Sequence) -> int | None:
+        """No state snapshots here: no chunk ends for one."""
+        return None
+
+    def snapshot_state(self, seq: Sequence, num_tokens: int) -> None:
+        """No state snapshots here."""
+
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """No state slots here (the engine refuses a hybrid model with this allocator): no copies."""
         return [], []

@@ -11,6 +11,8 @@ token to its slot as ``block_table.slot_for`` does)::
     requests      [{id, status, sequences: [{block_table, num_tokens, ...}]}]
     counters      used / cached / free blocks, hit rate, preemptions, copies, waste
     memory        bytes per block, the pool's reserved bytes, its resident blocks and bytes
+    state         a hybrid model's state slots (used / total) and prefix snapshots (kept / slots, taken so
+                  far); null for a model without state layers (docs/hybrid-models.md)
 
 Waste is what the chapter counts against paging: slots held but not yet
 written. Between steps a sequence's K/V fills every slot of its blocks but
@@ -122,6 +124,22 @@ def kv_memory(bm: BlockManager, bytes_per_block: int, reserved_bytes: int) -> di
     }
 
 
+def state_counters(bm: BlockManager) -> dict[str, int] | None:
+    """A hybrid model's state slots and snapshots (``engine/state_slots.py``, ``state_snapshots.py``); None
+    without state layers."""
+    slots = getattr(bm, "state_slots", None)
+    if slots is None:
+        return None
+    snapshots = bm.snapshots
+    return {
+        "num_slots": slots.num_slots,
+        "used_slots": slots.num_used,
+        "num_snapshot_slots": 0 if snapshots is None else snapshots.num_slots,
+        "snapshots": 0 if snapshots is None else len(snapshots),
+        "snapshots_taken": 0 if snapshots is None else snapshots.num_taken,
+    }
+
+
 def build_kv_snapshot(
     scheduler: Scheduler, bytes_per_block: int | None = None, reserved_bytes: int | None = None
 ) -> dict[str, Any]:
@@ -161,4 +179,5 @@ def build_kv_snapshot(
             "num_waiting_seqs": len(scheduler.waiting),
         },
         "memory": None if bytes_per_block is None else kv_memory(bm, bytes_per_block, reserved_bytes or 0),
+        "state": state_counters(bm),
     }

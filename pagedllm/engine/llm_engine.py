@@ -140,7 +140,8 @@ class LLMEngine:
             # a hybrid model's sequences hold a state slot each (engine/state_slots.py)
             self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching,
                                               self.model_config.longrope_switch_len, self.kv_disk,
-                                              self.model_runner.num_state_slots)
+                                              self.model_runner.num_state_slots,
+                                              self.model_runner.num_snapshot_slots)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
         self.step_times = StepTimeModel()

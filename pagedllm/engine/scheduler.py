@@ -264,11 +264,15 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> ScheduledSequence:
         """Schedule as much of ``seq``'s pending tokens as ``budget`` allows (at least one)."""
         num_new = min(len(seq) - seq.num_computed_tokens, budget)
+        point = self.block_manager.next_snapshot_point(seq)
+        if point is not None and seq.num_computed_tokens + num_new > point:
+            num_new = point - seq.num_computed_tokens  # a hybrid model's state is snapshotted there
         completes = seq.num_computed_tokens + num_new == len(seq)
         forks = self._start_forks(seq) if completes else ()
         # published at once, so an identical prompt admitted next in this same
         # step already hits these blocks; only what this step computes
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        self.block_manager.snapshot_state(seq, seq.num_computed_tokens + num_new)
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, forks)
 
     def _verify_chunk(self, seq: Sequence) -> ScheduledSequence:

@@ -74,6 +74,8 @@ class Sequence:
         self.block_table: list[int] = []
         # a hybrid model's state slot (engine/state_slots.py), held while the sequence runs; None otherwise
         self.state_slot: int | None = None
+        # a hybrid model's: the token counts whose state the block manager snapshots (a chunk ends there)
+        self.state_snapshot_points: list[int] = []
         # chained hashes of the full blocks, filled lazily by the block manager
         self.block_hashes: list[int] = []
         self.num_computed_tokens: int = 0

@@ -29,7 +29,8 @@ from pagedllm.loader.gguf_gemma import GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES, g
 from pagedllm.loader.gguf_gemma4 import GEMMA4_LAYER_NAMES, gemma4_base_shape, gemma4_gguf_settings
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
-from pagedllm.loader.granite_hybrid_config import gguf_granite_hybrid_fields, gguf_kv_heads
+from pagedllm.loader.granite_hybrid_config import gguf_granite_hybrid_fields
+from pagedllm.loader.lfm2_config import lfm2_gguf_fields
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.moe_config import gguf_moe_fields
 from pagedllm.loader.moe_families_config import gguf_moe_family_fields
@@ -81,8 +82,9 @@ _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     **dict.fromkeys(GEMMA_ARCHITECTURES, GEMMA_LAYER_NAMES),
     "gemma4": GEMMA4_LAYER_NAMES,
-    # gpt-oss: the router's bias, and each expert projection's biases stacked [experts, rows] (split per expert
-    # by models/gpt_oss.py)
+    # LFM2's short conv (the shared names of models/lfm2.py): its [hidden, width] filters and projections
+    "lfm2": {"shortconv.conv.weight": "conv.conv_weight", "shortconv.in_proj.weight": "conv.in_proj.weight",
+             "shortconv.out_proj.weight": "conv.out_proj.weight"},
     # Granite 4.0-H's Mamba-2 layers: A as the converter stores it, -exp(A_log) (models/granitemoehybrid.py
     # takes it back to A_log and the other tensors to the module's shapes)
     "granitehybrid": {"ssm_in.weight": "mamba.in_proj.weight", "ssm_in.bias": "mamba.in_proj.bias",
@@ -90,6 +92,8 @@ _ARCH_LAYER_NAMES = {
                       "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
                       "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight",
                       "ssm_out.bias": "mamba.out_proj.bias"},
+    # gpt-oss: the router's bias, and each expert projection's biases stacked [experts, rows] (split per expert
+    # by models/gpt_oss.py)
     "gpt-oss": {"ffn_gate_inp.bias": "mlp.gate.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
                 "ffn_up_exps.bias": "mlp.experts.up_proj.bias", "ffn_down_exps.bias": "mlp.experts.down_proj.bias"},
 }
@@ -354,8 +358,9 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
     check_unread_gguf_metadata(key, arch, int(key("attention.key_length", hidden // num_heads)))
-    # a hybrid's (granitehybrid) holds one count per layer, 0 for its state layers
-    num_kv_heads = gguf_kv_heads(key("attention.head_count_kv", num_heads))
+    num_kv_heads = key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):  # per layer: a hybrid's state layers have none (LFM2's convs: 0)
+        num_kv_heads = max(num_kv_heads)
     head_dim = int(key("attention.key_length", hidden // num_heads))
     if arch == "gemma4":  # the common fields hold its sliding layers' shape; the global ones' come after
         num_kv_heads, head_dim = gemma4_base_shape(key)
@@ -395,6 +400,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         checkpoint_format="gguf",
         **rope,
     )
+    if arch == "lfm2":
+        return lfm2_gguf_fields(config, key)
     if arch == "gemma4":
         return dataclasses.replace(config, **gemma4_gguf_settings(
             key, (t.name for t in reader.tensors), config.rope_freq_factors, max_position))
@@ -417,6 +424,8 @@ def _hf_name_or_none(gguf_name: str, arch: str = "") -> str | None:
     if m:
         suffix = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
         return None if suffix is None else f"model.layers.{m.group(1)}.{suffix}"
+    if arch == "lfm2" and gguf_name == "token_embd_norm.weight":
+        return "model.norm.weight"  # LFM2's final norm (transformers' embedding_norm)
     return _GLOBAL_NAMES.get(gguf_name)
 
 

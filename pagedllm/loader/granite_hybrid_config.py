@@ -140,13 +140,6 @@ def hf_granite_hybrid_fields(config: ArchConfig, cfg: dict[str, Any]) -> ArchCon
     return dataclasses.replace(config, **fields)
 
 
-def gguf_kv_heads(value: object) -> int:
-    """``attention.head_count_kv``: one number, or one per layer (a hybrid's, 0 for its state layers): the most."""
-    if isinstance(value, (list, tuple)):
-        return max((int(v) for v in value), default=0)
-    return int(value)
-
-
 def gguf_granite_hybrid_fields(config: ArchConfig, key: Callable[[str], object],
                                tensor_names: Iterable[str]) -> ArchConfig:
     """``config`` (a GGUF file's; ``key(name)`` reads ``<arch>.<name>``) with Granite 4.0-H's fields."""

@@ -11,6 +11,9 @@ Where its keys differ from Llama's, as ``Lfm2Config`` reads them:
   ``block_ff_dim`` replaces ``intermediate_size`` where present;
 - the short conv: ``conv_L_cache`` taps (default 3), ``conv_bias`` on the
   conv and both its projections (default False);
+- a GGUF file (llama.cpp's converter, ``lfm2``): ``attention.head_count_kv``
+  per layer, 0 for a conv layer; ``shortconv.l_cache`` the conv's taps; the
+  conv's biases are not written (LFM2's checkpoints have none);
 - q and k are RMS-normed per head (``q_layernorm`` / ``k_layernorm``);
   ``tie_embedding`` is ``tie_word_embeddings`` (default True); RoPE theta
   defaults to 1e6.
@@ -19,6 +22,7 @@ Where its keys differ from Llama's, as ``Lfm2Config`` reads them:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 # model_config imports this module, so the configuration is typed by a variable (a ModelArchConfig)
@@ -74,3 +78,18 @@ def lfm2_fields(config: ArchConfig, cfg: dict[str, Any]) -> ArchConfig:
         raise ValueError(f"lfm2: conv_L_cache must be an integer 1..8, got {width!r}")
     return dataclasses.replace(config, qk_norm=True, conv_kernel_size=width, conv_bias=bool(cfg.get("conv_bias")),
                                layer_types=tuple(cfg["layer_types"]))
+
+
+def lfm2_gguf_fields(config: ArchConfig, key: Callable[[str], object]) -> ArchConfig:
+    """``config`` read from an ``lfm2`` GGUF file with its layer kinds and short conv (``key(name)`` reads
+    ``lfm2.<name>``, None if absent)."""
+    per_layer = key("attention.head_count_kv")
+    n = config.num_hidden_layers  # type: ignore[attr-defined]
+    if not isinstance(per_layer, list) or len(per_layer) != n:
+        raise ValueError(f"lfm2 GGUF: attention.head_count_kv must list {n} layers (0 for a conv layer), "
+                         f"got {per_layer!r}")
+    width = key("shortconv.l_cache")
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= 8:
+        raise ValueError(f"lfm2 GGUF: shortconv.l_cache must be an integer 1..8, got {width!r}")
+    types = tuple("full_attention" if int(h) else "conv" for h in per_layer)
+    return dataclasses.replace(config, layer_types=types, conv_kernel_size=width, conv_bias=False)

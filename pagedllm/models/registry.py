@@ -147,7 +147,7 @@ MODEL_REGISTRY = ModelRegistry((
     Family(SmolLM3ForCausalLM, ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     Family(GraniteForCausalLM, ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family(Olmo2ForCausalLM, ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
-    Family(Lfm2ForCausalLM, ("Lfm2ForCausalLM",), (), ("lfm2",)),
+    Family(Lfm2ForCausalLM, ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     Family(Qwen3MoeForCausalLM, ("Qwen3MoeForCausalLM",), ("qwen3moe",), ("qwen3_moe",)),
     Family(MixtralForCausalLM, ("MixtralForCausalLM",), (), ("mixtral",), gguf_expert_architectures=("llama",)),
     Family(Qwen2MoeForCausalLM, ("Qwen2MoeForCausalLM",), ("qwen2moe",), ("qwen2_moe",)),

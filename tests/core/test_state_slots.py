@@ -140,6 +140,64 @@ def test_no_prefix_hit_without_the_state_at_the_hit_point() -> None:
     assert bm.allocate(b) and b.num_computed_tokens == 0
 
 
+def test_a_snapshot_at_the_last_full_block_gives_the_next_prompt_its_hit() -> None:
+    bm = BlockManager(32, BS, num_state_slots=2, num_snapshot_slots=2)
+    a = Sequence(list(range(10)), BS)  # a lookup reaches (10 - 1) // 4 = 2 blocks: the point is 8 tokens
+    assert bm.allocate(a) and a.state_snapshot_points == [8]
+    assert bm.next_snapshot_point(a) == 8
+    bm.cache_full_blocks(a, 8)
+    bm.snapshot_state(a, 8)
+    assert bm.take_state_copies() == ([], [(0, 2)])  # slot 0's state into snapshot slot 2, after the step
+    b = Sequence(list(range(8)) + [50, 51, 52], BS)
+    assert bm.num_cached_prefix_tokens(b) == 0  # the step has not run: the snapshot is not written yet
+    bm.confirm_published()
+    assert bm.num_cached_prefix_tokens(b) == 8
+    assert bm.allocate(b) and (b.state_slot, b.num_computed_tokens) == (1, 8)
+    assert bm.take_state_copies() == ([(2, 1)], [])  # the snapshot into b's slot, before its first step
+    assert b.state_snapshot_points == []  # (11 - 1) // 4 * 4 = 8: nothing past its hit
+
+
+def test_a_snapshot_goes_with_its_block() -> None:
+    bm = BlockManager(3, BS, num_state_slots=1, num_snapshot_slots=1)
+    a = Sequence(list(range(5)), BS)
+    assert bm.allocate(a)
+    bm.cache_full_blocks(a, 4)
+    bm.snapshot_state(a, 4)
+    bm.confirm_published()
+    bm.free(a)
+    again = Sequence(list(range(5)), BS)
+    assert bm.num_cached_prefix_tokens(again) == 4
+    other = Sequence([9] * 12, BS)  # takes all three blocks: the cached one is evicted
+    assert bm.allocate(other)
+    bm.free(other)
+    assert bm.num_cached_prefix_tokens(again) == 0 and len(bm.snapshots) == 0
+
+
+def test_a_shared_prefix_gets_its_own_snapshot_for_the_third_prompt() -> None:
+    """b shares a's first 2 blocks, but a's snapshot is at 12 tokens: b computes from 0, its chunks end at 8
+    (where its cached blocks end) and at 12 (its last full block), and c then hits the shared 8."""
+    bm = BlockManager(32, BS, num_state_slots=2, num_snapshot_slots=3)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    a = Sequence(list(range(14)), BS)
+    sched.add(a)
+    out = sched.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [12]  # cut at a's point
+    bm.confirm_published()
+    sched.update(out)
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    b = Sequence(list(range(8)) + [90 + i for i in range(6)], BS)
+    sched.add(b)
+    chunks = []
+    while b.num_computed_tokens < len(b):
+        out = sched.schedule()
+        chunks.append(out.scheduled[0].num_new_tokens)
+        bm.confirm_published()
+        sched.update(out)
+    assert chunks == [8, 4, 2]
+    c = Sequence(list(range(8)) + [70, 71, 72], BS)
+    assert bm.num_cached_prefix_tokens(c) == 8
+
+
 def test_rollback_is_refused_for_state_models() -> None:
     bm = BlockManager(16, BS, num_state_slots=1)
     a = Sequence(list(range(6)), BS)
@@ -183,13 +241,16 @@ def _check_slots(bm: BlockManager, sched: Scheduler) -> None:
     extra_blocks=st.integers(0, 4),
     requests=st.lists(request, min_size=1, max_size=6),
     beam_forks=st.lists(st.booleans(), min_size=40, max_size=40),
+    num_snapshots=st.integers(0, 3),
 )
-def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, beam_forks) -> None:
+def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, beam_forks, num_snapshots) -> None:
     requests = [(t, p, m, min(n, max_num_seqs)) for t, p, m, n in requests]
     longest = max(len(p) + m for _, p, m, _ in requests)
     # liveness: any one sequence fits at its longest; fewer blocks than the samples want preempt
     num_blocks = -(-longest // BS) + extra_blocks
-    bm = BlockManager(num_blocks, BS, enable_prefix_caching=True, num_state_slots=max_num_seqs)
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=True, num_state_slots=max_num_seqs,
+                      num_snapshot_slots=num_snapshots)
+    snapshot_slots = set(range(max_num_seqs, max_num_seqs + num_snapshots))
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(4, longest))
     pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
     max_tokens: dict[int, int] = {}
@@ -211,9 +272,17 @@ def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, b
         out = sched.schedule()
         if out.preempted:
             event("preemption")
-        for src, dst in out.state_copies_before + out.state_copies_after:
-            assert dst in {s.state_slot for s in sched.running}
-            assert src != dst
+        running_slots = {s.state_slot for s in sched.running}
+        for src, dst in out.state_copies_before:  # a fork's copy, or a prefix hit's snapshot
+            assert dst in running_slots and src in running_slots | snapshot_slots and src != dst
+            if src in snapshot_slots:
+                event("prefix hit from a snapshot")
+        for src, dst in out.state_copies_after:  # a fork's copy, or a new snapshot
+            assert src in running_slots and dst in running_slots | snapshot_slots and src != dst
+        for s in out.scheduled:  # a chunk never runs past a snapshot point
+            point = bm.next_snapshot_point(s.seq)
+            assert point is None or s.num_computed_tokens + s.num_new_tokens <= point
+        bm.confirm_published()
         _check_slots(bm, sched)
         sched.update(out)
         for s in out.scheduled:
@@ -234,3 +303,17 @@ def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, b
         _check_slots(bm, sched)
     assert bm.state_slots.num_free == max_num_seqs
     assert bm.num_free_blocks == bm.num_blocks and bm.ref_counts == [0] * num_blocks
+
+
+def test_the_kv_snapshot_shows_state_slots_and_snapshots() -> None:
+    from pagedllm.engine.kv_snapshot import build_kv_snapshot
+
+    bm = BlockManager(16, BS, num_state_slots=3, num_snapshot_slots=2)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=64)
+    sched.add(Sequence(list(range(10)), BS))
+    sched.update(sched.schedule())  # 8 tokens: cut at the snapshot point
+    bm.confirm_published()
+    assert build_kv_snapshot(sched)["state"] == {
+        "num_slots": 3, "used_slots": 1, "num_snapshot_slots": 2, "snapshots": 1, "snapshots_taken": 1,
+    }
+    assert build_kv_snapshot(Scheduler(BlockManager(4, BS), 1, 8))["state"] is None

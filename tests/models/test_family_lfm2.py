@@ -8,9 +8,9 @@ The oracle is transformers' own greedy loop with its own cache
 (``conftest.hf_greedy``); logprobs within ``LOGPROB_TOL`` (float32 on both
 sides, summation order only, measured ~1e-5). Then the state's bookkeeping
 end to end: prompts in chunks of 16, 64 and 2048 tokens, two samples forked
-from one prompt, preempted requests recomputed, and a repeated prompt (no
-prefix hit: the state at the hit point is not kept) all give the whole
-prompt's greedy tokens, and every block and slot comes back.
+from one prompt, preempted requests recomputed, and prefix hits restored from
+state snapshots all give the whole prompt's greedy tokens, and every block
+and slot comes back.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from conftest import hf_greedy
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.sequence import Sequence
 from pagedllm.loader import load_model_config
 from pagedllm.models.lfm2 import Lfm2ForCausalLM
 
@@ -105,9 +106,9 @@ def test_lfm2_config_and_layout(lfm2_dir: str, llm: LLM) -> None:
     runner = llm.llm_engine.model_runner
     assert isinstance(runner.model, Lfm2ForCausalLM)
     assert runner.kv_cache.shape[1] == 1
-    assert runner.num_state_slots == ENGINE["max_num_seqs"]
+    assert runner.num_state_slots == runner.num_snapshot_slots == ENGINE["max_num_seqs"]
     assert [None if s is None else tuple(t.shape) for s in runner.state_caches for t in (s or (None,))] == [
-        (4, 2, 64), (4, 2, 64), None, (4, 2, 64)]
+        (8, 2, 64), (8, 2, 64), None, (8, 2, 64)]  # 4 running slots, then 4 for snapshots
     assert runner.captured_decode is None  # state layers run eagerly (docs/hybrid-models.md)
 
 
@@ -143,6 +144,7 @@ def test_prompts_in_chunks_give_the_whole_prompts_tokens(chunk: int, llm: LLM, o
         return out
 
     scheduler.schedule = recording
+    llm.llm_engine.block_manager.reset_prefix_cache()  # computed from position 0, not hit from a snapshot
     try:
         got = _greedy(llm, prompts)
     finally:
@@ -173,12 +175,24 @@ def test_preempted_requests_recompute_their_state(lfm2_dir: str, oracle) -> None
     _pool_whole(tight)
 
 
-def test_a_repeated_prompt_is_computed_again(llm: LLM, oracle) -> None:  # noqa: ANN001
-    """No prefix hit without the state at the hit point: the second run computes the prompt from position 0
-    and gives the same tokens."""
-    prompt = _prompts((150,), 9)[0]
-    first, second = _greedy(llm, [prompt]), _greedy(llm, [prompt])
-    assert first == second == [[oracle(prompt)]]
+def test_prefix_hits_start_from_a_state_snapshot(llm: LLM, oracle) -> None:  # noqa: ANN001
+    """The next turn of a prompt hits it up to its last full block, and a prefix two prompts share is hit by
+    the third: each from the snapshot of the state there; the tokens are the whole prompt's."""
+    base = _prompts((150,), 9)[0]
+    bm = llm.llm_engine.block_manager
+    bm.reset_prefix_cache()  # no snapshot of earlier tests' prompts (they share base's first tokens)
+    _greedy(llm, [base])  # snapshot at 144 tokens ((150 - 1) // 8 * 8)
+    turn = base + _prompts((30,), 61)[0]
+    assert bm.num_cached_prefix_tokens(Sequence(turn, 8)) == 144
+    shared = base[:100] + _prompts((20,), 62)[0]  # shares 12 blocks with base, no snapshot there: no hit
+    assert bm.num_cached_prefix_tokens(Sequence(shared, 8)) == 0
+    third = base[:100] + _prompts((25,), 63)[0]
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True)
+    outs = []
+    for prompt in (turn, shared, third):  # one at a time: shared's snapshot (at 96) is taken before third
+        outs += llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [144, 0, 96]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [oracle(p) for p in (turn, shared, third)]
     _pool_whole(llm)
 
 
@@ -194,12 +208,78 @@ def test_state_slots_come_out_of_a_given_budget(lfm2_dir: str, oracle) -> None: 
     follows; the blocks take what the slots leave."""
     per_slot = 3 * 2 * 64 * 4  # three conv layers of [2, 64] float32
     per_block = 2 * 1 * 8 * 2 * 16 * 4  # K and V of the one attention layer: 8 tokens x 2 heads x 16
-    budget = 9000  # half of it holds 2 slots (4,500 // 1,536)
-    small = LLM(lfm2_dir, **{**ENGINE, "max_model_len": 16, "num_kv_blocks": None, "kv_cache_memory_bytes": budget})
+    budget = 13000  # half of it holds 2 slots and their 2 snapshots (6,500 // 3,072)
+    small = LLM(lfm2_dir, **{**ENGINE, "max_model_len": 24, "num_kv_blocks": None, "kv_cache_memory_bytes": budget})
     runner = small.llm_engine.model_runner
     assert runner.state_bytes_per_slot == per_slot
     assert runner.num_state_slots == 2 and small.llm_engine.config.max_num_seqs == 2
-    assert runner.num_kv_blocks == (budget - 2 * per_slot) // per_block == 2
+    assert runner.num_kv_blocks == (budget - 4 * per_slot) // per_block == 3
     prompts = _prompts((3, 4, 3), 9)
     assert _greedy(small, prompts) == [[oracle(p)] for p in prompts]
     _pool_whole(small)
+
+
+def test_bench_memory_reports_the_state_slots(lfm2_dir: str) -> None:
+    """``bench memory`` on a hybrid model: the paged pool only (the contiguous one has no state slots), with its
+    state slots, their peak use, the snapshot slots and their bytes."""
+    from pagedllm.bench.memory import MemoryWorkload, _allocators, run_allocator
+
+    assert _allocators(lfm2_dir) == ("paged",)
+    workload = MemoryWorkload(num_requests=3, min_prompt=8, max_prompt=16, median_output=4, max_model_len=64,
+                              num_kv_slots=256)
+    summary, _ = run_allocator(lfm2_dir, workload, "paged", "max", None)
+    assert summary["state_slots"] == 64 and 1 <= summary["state_peak_used_slots"] <= 3  # max_num_seqs=64
+    assert summary["state_snapshot_slots"] == 0  # the benchmark runs without prefix caching
+    assert summary["state_bytes_per_slot"] == 3 * 2 * 64 * 4
+    assert summary["state_reserved_bytes"] == 64 * 3 * 2 * 64 * 4
+
+
+@pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_lfm2_gguf_from_llama_cpps_converter_matches_transformers(
+    outtype: str, lfm2_dir: str, tmp_path_factory: pytest.TempPathFactory, gguf_converter  # noqa: ANN001
+) -> None:
+    """llama.cpp's converter writes LFM2 as 'lfm2' (head_count_kv 0 for conv layers, shortconv.* tensors,
+    token_embd_norm as the final norm): transformers' tokens and logprobs (its weights rounded as the file
+    stores its matrices) on float32 activations."""
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_converter.convert(lfm2_dir, outtype, str(tmp_path_factory.mktemp("lfm2-gguf") / f"lfm2-{outtype}.gguf"))
+    cfg = load_model_config(path)
+    assert (cfg.architecture, cfg.checkpoint_format, cfg.layer_types) == ("lfm2", "gguf", tuple(LAYER_TYPES))
+    assert (cfg.conv_kernel_size, cfg.qk_norm, cfg.num_key_value_heads, cfg.intermediate_size) == (3, True, 2, 128)
+    hf = AutoModelForCausalLM.from_pretrained(lfm2_dir, dtype=torch.float32).eval()
+    if outtype == "f16":  # the converter writes matrices in the outtype, vectors (and the conv filters) in F32
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.dim() == 2:
+                    p.copy_(p.half().float())
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    assert isinstance(llm.llm_engine.model_runner.model, Lfm2ForCausalLM)
+    prompt = _prompts((40,), 5)[0]
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=5)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, GENERATED)
+    ids = prompt + list(out.outputs[0].token_ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+    rows = [(len(prompt) - 1 + i, lps) for i, lps in enumerate(out.outputs[0].logprobs)]
+    assert max(abs(lp.logprob - float(want[r, t])) for r, lps in rows for t, lp in lps.items()) < LOGPROB_TOL
+
+
+def test_beam_forks_copy_the_running_state(llm: LLM, hf) -> None:  # noqa: ANN001
+    """Beam search forks running beams (their state copied before the next step): every beam's summed logprob
+    is transformers' teacher-forced one over its tokens, which a stale or zero state would not give."""
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    prompt = _prompts((20,), 77)[0]
+    (out,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6,
+                                                                            ignore_eos=True))
+    assert len(out.sequences) == 3
+    for beam in out.sequences:
+        tokens = beam.output_token_ids
+        with torch.inference_mode():
+            lp = hf(torch.tensor([prompt + tokens])).logits[0].double().log_softmax(-1)
+        want = sum(float(lp[len(prompt) + j - 1, t]) for j, t in enumerate(tokens))
+        assert beam.cum_logprob == pytest.approx(want, abs=1e-3)
+    _pool_whole(llm)

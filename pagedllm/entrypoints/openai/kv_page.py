@@ -92,6 +92,16 @@ class KVMemory(BaseModel):
     resident_bytes: int = Field(description="resident_blocks * bytes_per_block, as pagedllm:kv_cache_resident_bytes")
 
 
+class KVStateSlots(BaseModel):
+    """A hybrid model's per-sequence state slots and the state snapshots of cached prefixes (docs/hybrid-models.md)."""
+
+    num_slots: int = Field(description="state slots, one per sequence that may run")
+    used_slots: int = Field(description="slots held by running sequences")
+    num_snapshot_slots: int = Field(description="slots for state snapshots of cached prefixes")
+    snapshots: int = Field(description="snapshots kept now")
+    snapshots_taken: int = Field(description="snapshots taken so far")
+
+
 class KVState(BaseModel):
     """The KV block pool as the engine thread last published it (at most 4 times a second)."""
 
@@ -106,6 +116,7 @@ class KVState(BaseModel):
     requests: list[KVRequest]
     counters: KVCounters
     memory: KVMemory
+    state: KVStateSlots | None = Field(default=None, description="null for a model without state layers")
 
 
 def page_html() -> bytes:
