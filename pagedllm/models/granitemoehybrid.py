@@ -96,14 +96,15 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         """Per layer: its mixer (Mamba-2 where ``layer_types`` says "mamba"), then the experts and the shared MLP
         (or the shared MLP alone), each branch scaled by ``residual_multiplier``."""
         norm = NormSpec(cfg.rms_norm_eps)
-        mamba = mamba_spec(cfg)
+        # no layer_types: every layer attention (as the plumbing reads it); a Mamba layer needs the Mamba fields
+        kinds = cfg.layer_types or ("full_attention",) * cfg.num_hidden_layers
+        mamba = mamba_spec(cfg) if "mamba" in kinds else None
         moe = None
         if cfg.num_experts:
             moe = MoESpec(RouterSpec(cfg.num_experts, cfg.num_experts_per_tok, order="topk_softmax"),
                           cfg.moe_intermediate_size, cfg.hidden_act,
                           shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
         residual = None if cfg.residual_multiplier == 1.0 else cfg.residual_multiplier
-        kinds = cfg.layer_types or ("mamba",) * cfg.num_hidden_layers
         layers = tuple(
             HybridLayerSpec(
                 AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
