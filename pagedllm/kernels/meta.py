@@ -114,8 +114,23 @@ def _register_in_place() -> None:
     reg(_NS + "shm_all_reduce")(lambda x, slots, flags, pids, rank, timeout_s: None)
 
 
+def _register_ssm() -> None:
+    # the Mamba-2 scan (kernels/ssm/ssd_ops.cpp): a new output; the state is updated in place
+    reg = torch.library.register_fake
+
+    @reg(_NS + "ssd_decode")
+    def _(x, dt, B, C, A, D, dt_bias, state, slots, dt_min=0.0, dt_max=None):  # noqa: ANN001, ANN202, N803
+        return x.new_empty(x.shape[0], state.shape[1] * state.shape[2])  # [num_seqs, num_heads * head_dim]
+
+    @reg(_NS + "ssd_prefill")
+    def _(x, dt, B, C, A, D, dt_bias, state, slots, bounds, has_initial_state, chunk_size,  # noqa: ANN001, ANN202, N803
+          dt_min=0.0, dt_max=None):
+        return x.new_empty(x.shape[0], state.shape[1] * state.shape[2])  # [num_tokens, num_heads * head_dim]
+
+
 @functools.cache
 def register_fakes() -> None:
     """Register every op's fake implementation (once per process; the ops must be loaded)."""
     _register_returning()
     _register_in_place()
+    _register_ssm()

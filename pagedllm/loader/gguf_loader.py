@@ -35,6 +35,7 @@ from pagedllm.loader.gguf_qwen35 import (
 )
 from pagedllm.loader.gguf_split import split_part_paths
 from pagedllm.loader.gpt_oss_config import gguf_gpt_oss_fields
+from pagedllm.loader.granite_hybrid_config import gguf_granite_hybrid_fields
 from pagedllm.loader.lfm2_config import lfm2_gguf_fields
 from pagedllm.loader.model_config import ModelArchConfig
 from pagedllm.loader.moe_config import gguf_moe_fields
@@ -92,6 +93,13 @@ _ARCH_LAYER_NAMES = {
     # LFM2's short conv (the shared names of models/lfm2.py): its [hidden, width] filters and projections
     "lfm2": {"shortconv.conv.weight": "conv.conv_weight", "shortconv.in_proj.weight": "conv.in_proj.weight",
              "shortconv.out_proj.weight": "conv.out_proj.weight"},
+    # Granite 4.0-H's Mamba-2 layers: A as the converter stores it, -exp(A_log) (models/granitemoehybrid.py
+    # takes it back to A_log and the other tensors to the module's shapes)
+    "granitehybrid": {"ssm_in.weight": "mamba.in_proj.weight", "ssm_in.bias": "mamba.in_proj.bias",
+                      "ssm_conv1d.weight": "mamba.conv1d.weight", "ssm_conv1d.bias": "mamba.conv1d.bias",
+                      "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A", "ssm_d": "mamba.D",
+                      "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight",
+                      "ssm_out.bias": "mamba.out_proj.bias"},
     # gpt-oss: the router's bias, and each expert projection's biases stacked [experts, rows] (split per expert
     # by models/gpt_oss.py)
     "gpt-oss": {"ffn_gate_inp.bias": "mlp.gate.bias", "ffn_gate_exps.bias": "mlp.experts.gate_proj.bias",
@@ -106,7 +114,7 @@ _GLOBAL_NAMES = {
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
-_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe")
+_PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe", "granitehybrid")
 # read with the configuration (ModelArchConfig.rope_freq_factors, the longrope factors of rope_scaling), not weights
 _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_FACTORS_LONG = "rope_factors_long.weight"
@@ -412,7 +420,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     if arch in QWEN35_ARCHITECTURES:
         return dataclasses.replace(config, **qwen35_gguf_settings(
             key, arch, config.num_hidden_layers, config.head_dim, (t.name for t in reader.tensors)))
-    return gguf_gpt_oss_fields(gguf_moe_family_fields(gguf_family_fields(config, key), key), key)
+    config = gguf_gpt_oss_fields(gguf_moe_family_fields(gguf_family_fields(config, key), key), key)
+    return gguf_granite_hybrid_fields(config, key, (t.name for t in reader.tensors))
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

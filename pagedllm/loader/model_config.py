@@ -18,6 +18,7 @@ from pagedllm.loader.gated_delta_config import (
 )
 from pagedllm.loader.gemma4_config import gemma4_settings, gemma4_text_dict, multimodal_text_dict
 from pagedllm.loader.gpt_oss_config import hf_gpt_oss_fields
+from pagedllm.loader.granite_hybrid_config import Mamba2Config, hf_granite_hybrid_fields
 from pagedllm.loader.lfm2_config import lfm2_fields, lfm2_hf_dict
 from pagedllm.loader.moe_config import hf_moe_fields
 from pagedllm.loader.moe_families_config import MOE_FAMILY_DEFAULTS, hf_moe_family_fields
@@ -196,6 +197,8 @@ class ModelArchConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # Granite 4.0-H's Mamba-2 layers (loader/granite_hybrid_config.py); None: the model has none
+    mamba: Mamba2Config | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -559,7 +562,7 @@ def from_hf_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None
         **extra,
     )
     config = lfm2_fields(hf_gpt_oss_fields(hf_moe_family_fields(hf_family_fields(config, cfg), cfg), cfg), cfg)
-    return hf_gated_delta_fields(config, cfg)
+    return hf_granite_hybrid_fields(hf_gated_delta_fields(config, cfg), cfg)
 
 
 def from_hf_folder(path: str) -> ModelArchConfig:

@@ -134,3 +134,13 @@ def _granite_gguf(key: Callable[[str], object], num_layers: int) -> dict[str, An
     if key("rope.scaling.finetuned") is False:
         fields["nope_layers"] = tuple(range(num_layers))
     return fields
+
+
+def granite_multipliers_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers read from config.json (Granite 4.0-H's reading, ``granite_hybrid_config.py``)."""
+    return _granite_hf(cfg)
+
+
+def granite_multipliers_gguf(key: Callable[[str], object], num_layers: int) -> dict[str, Any]:
+    """Granite's multipliers (and its RoPE switch) read from GGUF metadata, as for ``granite``."""
+    return _granite_gguf(key, num_layers)

@@ -27,6 +27,7 @@ from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.gemma4 import Gemma4ForCausalLM
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.granitemoe import GraniteMoeForCausalLM
+from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedllm.models.lfm2 import Lfm2ForCausalLM
 from pagedllm.models.llama import (
     GraniteForCausalLM,
@@ -156,6 +157,7 @@ MODEL_REGISTRY = ModelRegistry((
     Family(GptOssForCausalLM, ("GptOssForCausalLM",), ("gpt-oss",), ("gpt_oss",)),
     Family(Qwen3NextForCausalLM, ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
            ("qwen3next", "qwen35", "qwen35moe"), ("qwen3_next", "qwen3_5", "qwen3_5_moe")),
+    Family(GraniteMoeHybridForCausalLM, ("GraniteMoeHybridForCausalLM",), ("granitehybrid",), ("granitemoehybrid",)),
 ))
 
 

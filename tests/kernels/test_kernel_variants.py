@@ -78,6 +78,7 @@ KERNEL_TESTS = [
     "kernels/test_gguf_iq4_mxfp4.py::test_bad_inputs_are_value_errors",
     "kernels/test_gguf_moe_linear.py",
     "kernels/test_gated_delta.py",
+    "kernels/test_ssd_scan.py",
 ]
 
 

@@ -347,7 +347,7 @@ def test_registry_tells_mixtral_from_llama_in_gguf() -> None:
         MODEL_REGISTRY.model_class(dataclasses.replace(sparse, architecture="qwen2"))
     assert MODEL_REGISTRY.supported("hf", experts=True) == [
         "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "GptOssForCausalLM", "GraniteMoeForCausalLM",
-        "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
+        "GraniteMoeHybridForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 
 
 def _routing(cfg: ModelArchConfig) -> tuple:
