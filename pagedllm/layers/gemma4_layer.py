@@ -48,6 +48,7 @@ from pagedllm.layers.fused_moe import (
 )
 from pagedllm.layers.gemma4_attention import Gemma4Attention, Gemma4AttentionShape
 from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.moe_pairs import PairGrouping
 from pagedllm.layers.parallel import TensorParallelGroup
 from pagedllm.layers.quantization.quant_config import QuantConfig
 from pagedllm.layers.router import Router
@@ -113,6 +114,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.experts = ExpertWeights(spec.moe, hidden_size, quant_config, f"{prefix}.experts", start)
             self.experts_act = gated_activation(spec.moe.hidden_act)
             register_expert_counters(self, spec.moe.num_experts)  # the expert load /metrics and bench show
+            self.grouping = PairGrouping(spec.moe.num_experts)
             for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
                 setattr(self, name, norm.build(hidden_size))
         # a checkpoint buffer (transformers' nn.Buffer, saved with the weights): loaded like a parameter
@@ -124,8 +126,9 @@ class Gemma4DecoderLayer(nn.Module):
         if self.moe is None:
             return h
         weights, ids = self.router.route(x)
-        counts = count_routing(self, ids, self.moe.num_experts)
-        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids, counts)
+        groups = self.grouping(ids)
+        count_routing(self, groups.counts)
+        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids, groups)
         if self.tp is not None:  # each a partial sum over this rank's rows: both summed in one all-reduce
             both = self.tp.all_reduce_(torch.cat((h, e.to(h.dtype)), dim=-1))
             h, e = (part.contiguous() for part in both.split(h.shape[-1], dim=-1))
