@@ -16,6 +16,7 @@ import random
 
 import pytest
 from test_family_gemma4 import WINDOW, _save, _tiny_config
+from test_family_gemma4_gguf import gemma4_ggufs  # noqa: F401 (a fixture)
 from test_tensor_parallel import TwoRankEngines, _restore_threads, _tokens, _tp, two_ranks  # noqa: F401
 
 from pagedllm import SamplingParams
@@ -111,3 +112,17 @@ def test_gemma4_moe_on_two_ranks_equals_one(gemma4_tp_dirs: dict[str, str],
     load.reset()
     assert _run(two, prompts) == expected
     assert load.counts().tokens == one_counts.tokens and sum(one_counts.tokens[0]) > 0
+
+
+@pytest.mark.slow  # converts the checkpoint in a subprocess (seconds)
+def test_gemma4_dense_f16_gguf_on_two_ranks_equals_one(gemma4_ggufs, two_ranks: TwoRankEngines) -> None:  # noqa: ANN001, F811
+    """llama.cpp's converter's F16 file of the dense shape (``test_family_gemma4_gguf.py``'s): each layer's q/k/v
+    rows of its own head size cut from the file's tensors, o_proj's and down's columns."""
+    path = gemma4_ggufs["dense", "f16"]
+    prompts = [[p % 500 + 10 for p in prompt] for prompt in _prompts(11)]  # the file's vocabulary is 512
+    one = _tp(path, 1, block_size=8)
+    expected = _run(one, prompts)
+    one.shutdown()
+    two = two_ranks.shared(path, block_size=8)
+    assert _rank0_layer(two, 2).self_attn.k_proj.out_features == 32  # one of the global layer's 2 kv heads of 32
+    assert _run(two, prompts) == expected
