@@ -16,6 +16,7 @@ code (``experts_linear`` on each rank's pairs, gate/up, SiLU-and-multiply, down)
 the slower rank's time.
 
     .venv/bin/python benchmarks/moe_tp_split.py [--tokens 1 4 16 64] [--draws 15]
+    .venv/bin/python benchmarks/moe_tp_split.py --hidden 256 --experts 32 --inter 512 --top-k 4   (a small MoE)
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from pagedllm.layers.experts_linear import experts_linear
 from pagedllm.layers.fused_moe import stacked_experts_layer
 from pagedllm.layers.linear import Linear
 
-HIDDEN, NUM_EXPERTS, EXPERT_INTER, TOP_K, RANKS = 2048, 128, 768, 8, 2
+RANKS = 2
 
 
-def _layers(num_experts: int, inter: int) -> tuple[Linear, Linear]:
-    gate_up = stacked_experts_layer(HIDDEN, 2 * inter, num_experts, False, None, "gate_up")
-    down = stacked_experts_layer(inter, HIDDEN, num_experts, False, None, "down")
+def _layers(hidden: int, num_experts: int, inter: int) -> tuple[Linear, Linear]:
+    gate_up = stacked_experts_layer(hidden, 2 * inter, num_experts, False, None, "gate_up")
+    down = stacked_experts_layer(inter, hidden, num_experts, False, None, "down")
     with torch.no_grad():
         for layer in (gate_up, down):
             layer.weight.normal_(0, 0.02)
@@ -61,21 +62,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--draws", type=int, default=15)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--inter", type=int, default=768, help="each expert's intermediate size")
+    p.add_argument("--top-k", type=int, default=8)
     args = p.parse_args()
+    if args.experts % RANKS or args.inter % RANKS or not 1 <= args.top_k <= args.experts:
+        raise ValueError(f"experts and inter must split over {RANKS} ranks, top-k within the experts")
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    per_rank = NUM_EXPERTS // RANKS
-    sliced = _layers(NUM_EXPERTS, EXPERT_INTER // RANKS)  # rank 0's slice of every expert (rank 1's alike)
-    whole = _layers(per_rank, EXPERT_INTER)  # one rank's whole experts (the other rank's alike)
+    hidden, num_experts, top_k = args.hidden, args.experts, args.top_k
+    per_rank = num_experts // RANKS
+    sliced = _layers(hidden, num_experts, args.inter // RANKS)  # rank 0's slice of every expert (rank 1's alike)
+    whole = _layers(hidden, per_rank, args.inter)  # one rank's whole experts (the other rank's alike)
     print(f"{'tokens':>6} {'slice ms':>9} {'whole ms':>9} {'whole/slice':>11} {'pairs max/mean (whole)':>23}")
     for num_tokens in args.tokens:
-        x = torch.randn(num_tokens, HIDDEN)
+        x = torch.randn(num_tokens, hidden)
         t_slice, t_whole, skew = [], [], []
         for _ in range(args.draws):
-            ids = torch.topk(torch.softmax(torch.randn(num_tokens, NUM_EXPERTS), -1), TOP_K, -1).indices
+            ids = torch.topk(torch.softmax(torch.randn(num_tokens, num_experts), -1), top_k, -1).indices
             flat = ids.reshape(-1)
-            tokens = torch.arange(num_tokens).repeat_interleave(TOP_K)
-            t_slice.append(_grouped(sliced, x, tokens, flat, NUM_EXPERTS))
+            tokens = torch.arange(num_tokens).repeat_interleave(top_k)
+            t_slice.append(_grouped(sliced, x, tokens, flat, num_experts))
             ranks = []
             for r in range(RANKS):
                 mine = (flat // per_rank) == r

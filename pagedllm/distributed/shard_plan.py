@@ -68,6 +68,8 @@ class ShardPlan:
     total_expert_intermediate: int = 0
     # the shared expert's slice (Qwen2-MoE), split like a routed expert's; (0, 0) without one
     shared_expert_intermediate: tuple[int, int] = (0, 0)
+    # Gemma 4's global layers' own kv heads (``num_global_key_value_heads``): this rank's slice; (0, 0) without
+    global_kv_heads: tuple[int, int] = (0, 0)
 
     @classmethod
     def make(cls, cfg: ModelArchConfig, rank: int, size: int) -> ShardPlan:
@@ -101,6 +103,7 @@ class ShardPlan:
             expert_intermediate=expert_split(cfg, size)[rank] if cfg.num_experts else (0, 0),
             total_expert_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0,
             shared_expert_intermediate=shared_expert_split(cfg, size)[rank] if cfg.num_experts else (0, 0),
+            global_kv_heads=global_kv_split(cfg, size)[rank],
         )
 
     def local_config(self, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -114,6 +117,7 @@ class ShardPlan:
             intermediate_size=self.intermediate[1],
             moe_intermediate_size=self.expert_intermediate[1],
             shared_expert_intermediate_size=self.shared_expert_intermediate[1],
+            num_global_key_value_heads=self.global_kv_heads[1],
         )
 
     @property
@@ -149,6 +153,24 @@ def expert_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:
     largest unit of ``GGUF_EXPERT_UNITS`` dividing the expert size). ValueError when a rank would hold none.
     """
     return _rows_split(cfg, cfg.moe_intermediate_size, size, "each expert's")
+
+
+def global_kv_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of every rank's slice of a Gemma 4 global layer's kv heads (``(0, 0)`` each for a model
+    whose layers share one shape).
+
+    A rank's query heads are the same slice in every layer (its o_proj columns are), so both kinds of layer must
+    split their kv heads evenly: then each rank holds ``heads / size`` query heads and the kv heads they read in
+    sliding and global layers alike. ValueError otherwise (Gemma 4 26B-A4B: 8 and 2 kv heads, 1 or 2 ranks).
+    """
+    total = cfg.num_global_key_value_heads
+    if not total:
+        return [(0, 0)] * size
+    if cfg.num_key_value_heads % size or total % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the {cfg.num_key_value_heads} kv heads of the "
+                         f"sliding layers and the {total} of the global layers evenly: a rank's query heads must be "
+                         "the same slice in both kinds of layer; use a size that divides both")
+    return split_evenly(total, size)
 
 
 def shared_expert_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:

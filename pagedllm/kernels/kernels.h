@@ -24,6 +24,12 @@ void packed_linear_bf16_pack(const float *w, int64_t n, int64_t k, uint16_t *pac
 void logit_stats_f32(const float *logits, int64_t rows, int64_t vocab, int64_t *argmax, float *lse,
                      int num_threads);
 
+/* moe_group.cpp: the pairs ids [num_pairs] (each token's top_k expert ids, pair p = token * top_k + slot)
+   sorted by expert, stably: counts [num_experts], offsets [num_experts + 1], and per sorted pair its index in
+   ids (order), its token (token_ids) and its expert (pair_experts); 2 for an id outside [0, num_experts) */
+int moe_group_pairs(const int64_t *ids, int64_t num_pairs, int64_t top_k, int64_t num_experts, int64_t *counts,
+                    int32_t *offsets, int64_t *order, int32_t *token_ids, int64_t *pair_experts);
+
 /* prefill_attention.cpp */
 int prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
                           int64_t v_stride, float *out, int64_t out_stride, const int64_t *bounds, int num_seqs,

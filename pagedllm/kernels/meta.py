@@ -97,6 +97,18 @@ def _register_returning() -> None:
         rows = logits.shape[0]
         return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows)  # argmax [rows], lse [rows]
 
+    @reg(_NS + "moe_route")
+    def _(logits, top_k, kind, renormalize, correction_bias, scaling_factor):  # noqa: ANN001, ANN202
+        rows = logits.shape[0]  # weights float32 [rows, top_k], ids int64 [rows, top_k]
+        return (logits.new_empty(rows, top_k, dtype=torch.float32),
+                logits.new_empty(rows, top_k, dtype=torch.int64))
+
+    @reg(_NS + "moe_group")
+    def _(ids, num_experts):  # noqa: ANN001, ANN202
+        pairs = ids.shape[0] * ids.shape[1]  # order, token_ids, pair_experts [pairs]; counts, offsets
+        return (ids.new_empty(pairs), ids.new_empty(pairs, dtype=torch.int32), ids.new_empty(pairs),
+                ids.new_empty(num_experts), ids.new_empty(num_experts + 1, dtype=torch.int32))
+
 
 def _register_in_place() -> None:
     # ops that only write into their (a!) arguments: nothing to make, but

@@ -917,6 +917,77 @@ Tensor causal_conv1d(const Tensor &x, const Tensor &weight, const OptTensor &bia
                       static_cast<int>(width), activation == "silu" ? 1 : 0,
                       threads_for(num_tokens * dim * width));
     return out;
+
+
+// --- mixture-of-experts routing ---------------------------------------------------------
+
+/* Router kinds (layers/router.py's RouterSpec): softmax over every expert then the top k; the top k logits then
+   a softmax over them; sigmoid scores, chosen by score plus an optional correction bias */
+constexpr int64_t ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1, ROUTE_SIGMOID = 2;
+
+/* (weights float32 [rows, top_k], ids int64 [rows, top_k]) of router logits [rows, num_experts], as
+   route_logits (layers/router.py) computes them. The scores, the top-k and the renormalising sum are torch's
+   own CPU kernels called from here, on purpose: their bits (torch's vectorised exp, its reduction order, its
+   top-k's order among equal scores) are then the torch routing's on every variant of these kernels, which a
+   SIMD softmax of ours could not promise. What this op saves is the Python dispatch of each small op. */
+std::tuple<Tensor, Tensor> moe_route(const Tensor &logits, int64_t top_k, int64_t kind, bool renormalize,
+                                     const std::optional<Tensor> &correction_bias, double scaling_factor) {
+    const char *op = "moe_route";
+    TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) >= 1, op, ": logits must be [rows, num_experts], got ",
+                      shape_of(logits));
+    TORCH_CHECK_VALUE(logits.is_floating_point() && logits.device().is_cpu(), op,
+                      ": logits must be a floating-point CPU tensor");
+    const int64_t num_experts = logits.size(1);
+    TORCH_CHECK_VALUE(top_k >= 1 && top_k <= num_experts, op, ": top_k must be between 1 and ", num_experts,
+                      ", got ", top_k);
+    TORCH_CHECK_VALUE(kind >= ROUTE_SOFTMAX_TOPK && kind <= ROUTE_SIGMOID, op, ": unknown router kind ", kind);
+    TORCH_CHECK_VALUE(scaling_factor > 0, op, ": the routed scaling factor must be positive, got ", scaling_factor);
+    TORCH_CHECK_VALUE(!correction_bias.has_value() || kind == ROUTE_SIGMOID, op,
+                      ": a correction bias is added to sigmoid scores only");
+    if (correction_bias.has_value())
+        TORCH_CHECK_VALUE(correction_bias->dim() == 1 && correction_bias->size(0) == num_experts &&
+                              correction_bias->is_floating_point(), op, ": correction_bias must be [", num_experts,
+                          "] floating point, got ", shape_of(*correction_bias));
+    const Tensor l = logits.to(at::kFloat);
+    Tensor weights, ids;
+    if (kind == ROUTE_SIGMOID) {
+        const Tensor scores = l.sigmoid();
+        const Tensor choice = correction_bias.has_value() ? scores.add(correction_bias->to(at::kFloat)) : scores;
+        ids = std::get<1>(choice.topk(top_k, -1));
+        weights = scores.gather(1, ids);
+        if (renormalize) weights = weights.div(weights.sum(-1, true).add(1e-20));
+    } else if (kind == ROUTE_TOPK_SOFTMAX) {
+        Tensor top;
+        std::tie(top, ids) = l.topk(top_k, -1);
+        weights = top.softmax(-1);
+    } else {
+        std::tie(weights, ids) = l.softmax(-1).topk(top_k, -1);
+        if (renormalize) weights = weights.div(weights.sum(-1, true));
+    }
+    if (scaling_factor != 1.0) weights = weights.mul(scaling_factor);
+    return {weights, ids};
+}
+
+/* The pairs of expert ids [rows, top_k] (int64, each in [0, num_experts)) grouped by expert, stably
+   (moe_group.cpp): (order int64 [pairs], token_ids int32 [pairs], pair_experts int64 [pairs],
+   counts int64 [num_experts], offsets int32 [num_experts + 1]); what a stable argsort of the ids gives */
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> moe_group(const Tensor &ids, int64_t num_experts) {
+    const char *op = "moe_group";
+    TORCH_CHECK_VALUE(ids.dim() == 2 && ids.size(1) >= 1, op, ": ids must be [rows, top_k], got ", shape_of(ids));
+    TORCH_CHECK_VALUE(num_experts >= 1, op, ": num_experts must be positive, got ", num_experts);
+    check_tensor(ids, at::kLong, ids.sizes(), op, "ids");
+    const int64_t num_pairs = ids.numel();
+    TORCH_CHECK_VALUE(num_pairs < INT32_MAX, op, ": too many pairs for int32 offsets: ", num_pairs);
+    const auto longs = ids.options(), ints = ids.options().dtype(at::kInt);
+    Tensor order = at::empty({num_pairs}, longs), token_ids = at::empty({num_pairs}, ints);
+    Tensor pair_experts = at::empty({num_pairs}, longs), counts = at::empty({num_experts}, longs);
+    Tensor offsets = at::empty({num_experts + 1}, ints);
+    const int status = moe_group_pairs(ids.data_ptr<int64_t>(), num_pairs, ids.size(1), num_experts,
+                                       counts.data_ptr<int64_t>(), offsets.data_ptr<int32_t>(),
+                                       order.data_ptr<int64_t>(), token_ids.data_ptr<int32_t>(),
+                                       pair_experts.data_ptr<int64_t>());
+    TORCH_CHECK_VALUE(status == 0, op, ": an expert id is outside [0, ", num_experts, ")");
+    return {order, token_ids, pair_experts, counts, offsets};
 }
 
 // --- tensor parallelism ------------------------------------------------------------------
@@ -1010,6 +1081,10 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
     m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor query_start_loc, "
           "Tensor state_slots, Tensor has_initial_state, str activation) -> Tensor");
+    m.def("moe_route(Tensor logits, int top_k, int kind, bool renormalize, Tensor? correction_bias, "
+          "float scaling_factor) -> (Tensor weights, Tensor ids)");
+    m.def("moe_group(Tensor ids, int num_experts) -> (Tensor order, Tensor token_ids, Tensor pair_experts, "
+          "Tensor counts, Tensor offsets)");
     m.def("shm_all_reduce(Tensor(a!) x, Tensor(b!) slots, Tensor(c!) flags, Tensor pids, int rank, float timeout_s) -> ()");
     // what this build was compiled for: no tensor arguments, so one kernel for every dispatch key
     m.def("packed_linear_panel() -> int", &panel_f32);
@@ -1042,5 +1117,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("gated_delta_prefill", &gated_delta_prefill_op);
     m.impl("logit_stats", &logit_stats);
     m.impl("causal_conv1d", &causal_conv1d);
+    m.impl("moe_route", &moe_route);
+    m.impl("moe_group", &moe_group);
     m.impl("shm_all_reduce", &shm_all_reduce);
 }

@@ -50,6 +50,7 @@ from pagedllm.layers.activation import gated_activation
 from pagedllm.layers.experts_linear import experts_linear, layer_is_grouped
 from pagedllm.layers.linear import Linear, LinearMethod
 from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.moe_pairs import PairGrouping, PairGroups
 from pagedllm.layers.quantization.expert_packed import expert_method
 from pagedllm.layers.quantization.gguf_dequantized import has_gguf_kernel
 from pagedllm.layers.quantization.gguf_linear import (
@@ -187,6 +188,7 @@ class MoEBlock(nn.Module):
         # the routing's running counts (runner/expert_load.py reads them when asked, never per step): tokens
         # each expert was chosen for, and forward passes; tensors, so a traced step would count too
         register_expert_counters(self, spec.num_experts)
+        self.grouping = PairGrouping(spec.num_experts)  # the pairs by expert (a native counting sort where built)
         self.act_fn = gated_activation(spec.hidden_act, spec.swiglu_alpha, spec.swiglu_limit)
         if spec.shared_expert_intermediate_size:
             # under tensor parallelism this rank's slice of its rows, its partial sum joining the routed experts'
@@ -213,8 +215,9 @@ class MoEBlock(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights``."""
-        counts = count_routing(self, ids, self.spec.num_experts)
-        return routed_experts(self.experts, self.act_fn, x, weights, ids, counts)
+        groups = self.grouping(ids)
+        count_routing(self, groups.counts)
+        return routed_experts(self.experts, self.act_fn, x, weights, ids, groups)
 
 
 def register_expert_counters(module: nn.Module, num_experts: int) -> None:
@@ -225,44 +228,27 @@ def register_expert_counters(module: nn.Module, num_experts: int) -> None:
     module.register_buffer("num_forwards", torch.zeros(1, dtype=torch.int64), persistent=False)
 
 
-def count_routing(module: nn.Module, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Add this step's expert ids ``ids`` to ``module``'s counters (``register_expert_counters``); returns the
-    step's pairs per expert (``expert_counts``), which the grouping reuses."""
-    counts = expert_counts(ids, num_experts)
+def count_routing(module: nn.Module, counts: torch.Tensor) -> None:
+    """Add this step's pairs per expert ``counts`` (``PairGroups.counts``) to ``module``'s counters
+    (``register_expert_counters``)."""
     module.expert_tokens.add_(counts)
     # one made from the step's tensors: tracing would add a constant 1 for real (an op on constants only)
     module.num_forwards.add_(counts.new_ones(1))
-    return counts
-
-
-def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Pairs per expert, int64 ``[num_experts]``, of the expert ids ``ids`` (any shape, each in
-    ``[0, num_experts)``): a sum into a tensor of fixed size (``bincount``'s size would be read from the data,
-    which a traced step cannot do); integer sums, the same in any order."""
-    flat = ids.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def routed_experts(
     experts: ExpertWeights, act_fn: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    counts: torch.Tensor | None = None,
+    groups: PairGroups,
 ) -> torch.Tensor:
     """``sum_s weights[t, s] * expert_{ids[t, s]}(x[t])`` for each row ``t`` of ``x`` (the module docstring's
     arithmetic; a family whose layer holds the experts without ``MoEBlock``'s router calls it too).
-    ``counts``: ``expert_counts(ids)`` where the caller has them.
+    ``groups``: the pairs of ``ids`` by expert (``PairGrouping``).
 
     Every size here is the step's rows or its pairs (``top_k`` per row), never read from the routing, so a
     decode step through the grouped GGUF op traces and is captured (``runner/capture/``)."""
     num_tokens, top_k = ids.shape
     num_experts = experts.num_experts
-    flat = ids.reshape(-1)  # pair p = token * top_k + slot
-    order = torch.argsort(flat, stable=True)  # pairs by expert; within one, by token then slot
-    token_ids = torch.div(order, top_k, rounding_mode="floor").to(torch.int32)
-    pair_experts = flat.index_select(0, order)  # [pairs]: each pair's expert, ascending
-    if counts is None:
-        counts = expert_counts(ids, num_experts)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(counts, 0)
+    order, token_ids, pair_experts, _, offsets = groups
     h = act_fn(experts_linear(experts.gate_up, x, token_ids, offsets, num_experts, pair_experts))  # [pairs, I]
     pair_rows = torch.arange(h.shape[0], dtype=torch.int32)
     y = experts_linear(experts.down, h, pair_rows, offsets, num_experts, pair_experts)  # [pairs, H], by expert

@@ -17,6 +17,14 @@ reads kv head ``h // (num_heads / num_kv_heads)``), and q, k and v are padded
 with zeros to ``cache_head_dim`` (zeros add nothing to a score, and the
 padded columns of the output are dropped). The cost is cache memory: such a
 layer's blocks are as large as the widest layer's.
+
+Under tensor parallelism (``distributed/shard_plan.py``) a rank holds the same
+slice of query heads in every layer and the kv heads they read: a sliding
+layer's of ``num_key_value_heads``, a global layer's of its own
+(``ShardPlan.global_kv_heads``); q, k and v are column-parallel (their rows
+come through the model's fused map, ``models/gemma4.py``), o_proj
+row-parallel, the per-head norms whole. The KV cache then has this rank's
+share of ``cache_kv_heads``, fitted as above.
 """
 
 from __future__ import annotations
@@ -27,10 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.kv_transform import KvTransform
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import NormSpec
+from pagedllm.layers.parallel import RowParallelLinear
 from pagedllm.layers.quantization.quant_config import QuantConfig
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.layers.self_attention import AttentionSpec, CosSin
@@ -39,11 +49,23 @@ from pagedllm.layers.self_attention import AttentionSpec, CosSin
 @dataclass(frozen=True)
 class Gemma4AttentionShape:
     """What a Gemma 4 layer's attention adds to ``AttentionSpec``: values shared with keys (no v projection),
-    and the KV cache's shape per token (kv heads, head size) that the layer's own heads are fitted into."""
+    the KV cache's shape per token (kv heads, head size) that the layer's own heads are fitted into, and whether
+    it is a global layer (its kv heads its own: which slice a tensor-parallel rank takes)."""
 
     k_eq_v: bool
     cache_kv_heads: int
     cache_head_dim: int
+    global_layer: bool = False
+
+
+def head_rows(shape: Gemma4AttentionShape, head_dim: int, tp: TensorParallelGroup | None) -> tuple[int, int] | None:
+    """The first row of the whole model's q_proj and of its k_proj / v_proj that a tensor-parallel rank's slice
+    of a layer of ``shape`` and ``head_dim`` starts at; None in one process."""
+    if tp is None or tp.size == 1:
+        return None
+    plan = tp.plan
+    kv_first = plan.global_kv_heads[0] if shape.global_layer and plan.global_kv_heads[1] else plan.kv_heads[0]
+    return plan.q_heads[0] * head_dim, kv_first * head_dim
 
 
 class Gemma4Attention(nn.Module):
@@ -51,7 +73,7 @@ class Gemma4Attention(nn.Module):
 
     def __init__(
         self, spec: AttentionSpec, shape: Gemma4AttentionShape, norm: NormSpec, backend: AttentionBackend,
-        quant_config: QuantConfig | None = None, prefix: str = "",
+        quant_config: QuantConfig | None = None, prefix: str = "", tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -67,7 +89,9 @@ class Gemma4Attention(nn.Module):
         self.k_proj = Linear(spec.hidden_size, kv_size, bias, quant_config, f"{prefix}.k_proj")
         self.v_proj = None if shape.k_eq_v else Linear(spec.hidden_size, kv_size, bias, quant_config,
                                                        f"{prefix}.v_proj")
-        self.o_proj = Linear(q_size, spec.hidden_size, spec.o_bias, quant_config, f"{prefix}.o_proj")
+        rows = head_rows(shape, self.head_dim, tp)
+        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, spec.o_bias, tp, rows[0] if rows else 0,
+                                        quant_config, f"{prefix}.o_proj")
         self.q_norm = norm.build(self.head_dim)
         self.k_norm = norm.build(self.head_dim)
         self.eps = norm.eps

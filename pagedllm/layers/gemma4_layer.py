@@ -18,6 +18,14 @@ renormalised to sum to one, each multiplied by its expert's
 (``experts.gate_up_proj``, ``experts.down_proj``). Every norm is an RMSNorm
 whose weight multiplies in float32 (Gemma 4 stores the weight itself, not
 Gemma 2/3's offset from 1).
+
+Under tensor parallelism a rank holds its slice of the attention's heads
+(``layers/gemma4_attention.py``), of the dense MLP's intermediate rows and
+of every expert's (``ShardPlan.expert_intermediate``, as ``MoEBlock``
+splits them); the router is whole on every rank. The dense MLP's and the
+experts' outputs are then partial sums, each normed after its own sum: the
+two are all-reduced together, one all-reduce of ``[num_tokens, 2 * hidden]``
+per layer rather than two.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from pagedllm.layers.fused_moe import (
 )
 from pagedllm.layers.gemma4_attention import Gemma4Attention, Gemma4AttentionShape
 from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.moe_pairs import PairGrouping
 from pagedllm.layers.parallel import TensorParallelGroup
 from pagedllm.layers.quantization.quant_config import QuantConfig
 from pagedllm.layers.router import Router
@@ -87,23 +96,25 @@ class Gemma4DecoderLayer(nn.Module):
         tp: TensorParallelGroup | None = None, quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("Gemma 4 does not support tensor parallelism yet (tensor_parallel_size must be 1)")
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.rope_table = spec.rope_table
         norm = spec.norm
         self.self_attn = Gemma4Attention(spec.attention, spec.shape, norm, backend, quant_config,
-                                         f"{prefix}.self_attn")
+                                         f"{prefix}.self_attn", self.tp)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, norm.build(hidden_size))
-        self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, None, quant_config, f"{prefix}.mlp",
-                            bias=spec.mlp_bias)
         self.moe = spec.moe
+        # with experts beside it, the dense MLP's partial sum waits for the experts' (one all-reduce of both)
+        self.mlp = GatedMLP(hidden_size, spec.intermediate_size, spec.hidden_act, self.tp, quant_config,
+                            f"{prefix}.mlp", bias=spec.mlp_bias, reduce=spec.moe is None)
         if spec.moe is not None:
             self.router = Gemma4Router(spec.moe, hidden_size, norm.eps, quant_config, f"{prefix}.router")
-            self.experts = ExpertWeights(spec.moe, hidden_size, quant_config, f"{prefix}.experts")
+            start = self.tp.plan.expert_intermediate[0] if self.tp is not None else 0
+            self.experts = ExpertWeights(spec.moe, hidden_size, quant_config, f"{prefix}.experts", start)
             self.experts_act = gated_activation(spec.moe.hidden_act)
             register_expert_counters(self, spec.moe.num_experts)  # the expert load /metrics and bench show
+            self.grouping = PairGrouping(spec.moe.num_experts)
             for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
                 setattr(self, name, norm.build(hidden_size))
         # a checkpoint buffer (transformers' nn.Buffer, saved with the weights): loaded like a parameter
@@ -115,8 +126,12 @@ class Gemma4DecoderLayer(nn.Module):
         if self.moe is None:
             return h
         weights, ids = self.router.route(x)
-        counts = count_routing(self, ids, self.moe.num_experts)
-        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids, counts)
+        groups = self.grouping(ids)
+        count_routing(self, groups.counts)
+        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids, groups)
+        if self.tp is not None:  # each a partial sum over this rank's rows: both summed in one all-reduce
+            both = self.tp.all_reduce_(torch.cat((h, e.to(h.dtype)), dim=-1))
+            h, e = (part.contiguous() for part in both.split(h.shape[-1], dim=-1))
         return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(e)
 
     def forward(

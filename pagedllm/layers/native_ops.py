@@ -80,3 +80,16 @@ class NativeOps:
     ) -> None:
         """One token per sequence (row ``r``: slot ``slots[r]``) through the recurrent form, states in place."""
         self._ops.gated_delta_decode(q, k, v, g, beta, state, slots, out, scale, qk_l2norm)
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, kind: int, renormalize: bool, correction_bias: torch.Tensor | None,
+        scaling_factor: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A router's (weights float32, expert ids int64), each ``[rows, top_k]``, from its logits ``[rows,
+        num_experts]``: ``route_logits``' bits (``layers/router.py``; ``kind`` as its ``ROUTER_KINDS``)."""
+        return self._ops.moe_route(logits, top_k, kind, renormalize, correction_bias, scaling_factor)
+
+    def moe_group(self, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+        """Expert ids ``[rows, top_k]`` as pairs grouped by expert, stably: (order, token_ids, pair_experts,
+        counts, offsets) (``layers/moe_pairs.py``'s ``PairGroups``)."""
+        return self._ops.moe_group(ids, num_experts)

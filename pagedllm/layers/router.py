@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import Linear, QuantConfig, UnquantizedLinearMethod
 from pagedllm.layers.quantization.packed_linear import PackedLinearMethod, packed_linear_available
 from pagedllm.layers.quantization.quantized_linear import QuantizedLinearMethod
@@ -96,6 +97,39 @@ def route_logits(
     return weights, ids
 
 
+# RouterSpec's (scoring, order) -> the native op's kind (kernels/ops.cpp)
+ROUTER_KINDS = {("softmax", "softmax_topk"): 0, ("softmax", "topk_softmax"): 1, ("sigmoid", "softmax_topk"): 2}
+
+
+class RouterScores(CustomOp):
+    """Logits ``[num_tokens, num_experts]`` -> (weights float32, expert ids int64), each ``[num_tokens, top_k]``,
+    as ``spec`` routes: ``route_logits`` in torch, or ``torch.ops.pagedllm.moe_route`` natively.
+
+    The native op gives ``route_logits``' bits on every variant of the kernels: it calls torch's own CPU
+    kernels for the scores (softmax, sigmoid), the top-k and the renormalising sum, from C++ (their exp, their
+    reduction order and their order among equal scores are torch's, which a softmax of our own could not
+    promise to match). What it saves is the Python dispatch of each small op."""
+
+    def __init__(self, spec: RouterSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.kind = ROUTER_KINDS[(spec.scoring, spec.order)]
+
+    def forward_torch(
+        self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route_logits``: torch ops one by one."""
+        return route_logits(logits, self.spec, correction_bias)
+
+    def forward_native(
+        self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One native call, ``route_logits``' bits."""
+        spec = self.spec
+        return self.native.moe_route(logits, spec.top_k, self.kind, spec.renormalize, correction_bias,
+                                     float(spec.routed_scaling_factor))
+
+
 class Router(Linear):
     """The gate ``[num_experts, hidden]`` (Hugging Face's ``mlp.gate``) and, for a corrected sigmoid router, its
     ``e_score_correction_bias`` ``[num_experts]``; ``route`` gives each token's experts and weights.
@@ -108,6 +142,8 @@ class Router(Linear):
                  prefix: str = "") -> None:
         super().__init__(hidden_size, spec.num_experts, bias=spec.bias, quant_config=quant_config, prefix=prefix)
         self.spec = spec
+        # the logits' arithmetic: torch ops, or one native call with their bits (RouterScores, below)
+        self.scores = RouterScores(spec)
         if isinstance(self.quant_method, QuantizedLinearMethod):
             self._keep_float()
         if spec.correction_bias:
@@ -125,4 +161,5 @@ class Router(Linear):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``x`` ``[num_tokens, hidden]`` -> (weights float32 ``[num_tokens, top_k]``, expert ids int64)."""
         bias = self.e_score_correction_bias if self.spec.correction_bias else None
-        return route_logits(self(x), self.spec, bias)
+        return self.scores(self(x), bias)
+

@@ -22,7 +22,9 @@ A Gemma4ForConditionalGeneration folder (the Hub's releases) runs its text
 model: ``model.language_model.*`` loads as ``model.*``, and its vision and
 audio towers and their embedders are not loaded (text prompts only).
 Per-layer embeddings (E2B/E4B) and KV sharing between layers are refused
-when the configuration is read (``loader/gemma4_config.py``). No tensor parallelism. GGUF files of
+when the configuration is read (``loader/gemma4_config.py``). Tensor parallelism splits each layer's heads
+(the same query heads in every layer; a global layer's own kv heads), the dense MLP and every expert
+(``layers/gemma4_layer.py``). GGUF files of
 llama.cpp's converter (architecture ``gemma4``) load under the same names
 (``loader/gguf_gemma4.py``).
 """
@@ -35,7 +37,7 @@ import torch
 
 from pagedllm.layers.decoder import CausalLM, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec, moe_fused_projections
-from pagedllm.layers.gemma4_attention import Gemma4AttentionShape
+from pagedllm.layers.gemma4_attention import Gemma4AttentionShape, head_rows
 from pagedllm.layers.gemma4_layer import Gemma4DecoderLayer, Gemma4LayerSpec
 from pagedllm.layers.norm import NormSpec
 from pagedllm.layers.parallel import TensorParallelGroup
@@ -90,7 +92,8 @@ class Gemma4ForCausalLM(CausalLM):
             attention = AttentionSpec(cfg.hidden_size, cfg.num_attention_heads, num_kv_heads, head_dim,
                                       qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, scale=cfg.attn_scale,
                                       sliding_window=cfg.sliding_window(i))
-            shape = Gemma4AttentionShape(cfg.attention_k_eq_v and is_global, cfg.cache_kv_heads, cfg.cache_head_dim)
+            shape = Gemma4AttentionShape(cfg.attention_k_eq_v and is_global, cfg.cache_kv_heads, cfg.cache_head_dim,
+                                         global_layer=is_global and bool(cfg.global_head_dim))
             layers.append(Gemma4LayerSpec(attention, cfg.intermediate_size, cfg.hidden_act, norm,
                                           rope_table="full" if is_global else "local", post_norms=True,
                                           mlp_bias=False, moe=moe, shape=shape))
@@ -103,15 +106,38 @@ class Gemma4ForCausalLM(CausalLM):
                            embed_scale=cfg.hidden_size**0.5, final_logit_softcap=cfg.final_logit_softcapping,
                            tie_word_embeddings=cfg.tie_word_embeddings)
 
-    @staticmethod
-    def checkpoint_fused_map(cfg: ModelArchConfig, tp: TensorParallelGroup | None) -> FusedMap:
+    @classmethod
+    def checkpoint_fused_map(cls, cfg: ModelArchConfig, tp: TensorParallelGroup | None) -> FusedMap:
         """Only the dense MLP's gate/up (and the experts' parts) fuse: q, k and v are separate layers here,
-        their sizes differing between sliding and global layers."""
-        fused = {part: where for part, where in fused_projections(0, 0, cfg.intermediate_size).items()
+        their sizes differing between sliding and global layers. Under tensor parallelism each layer's q, k and
+        v take this rank's rows of the checkpoint's (entries of their own, each layer's head size), gate/up and
+        the experts' gate/up this rank's intermediate rows."""
+        sharded = tp is not None and tp.size > 1
+        plan = tp.plan if sharded else None
+        fused = {part: where for part, where in fused_projections(0, 0, cfg.intermediate_size, plan).items()
                  if part in ("gate_proj", "up_proj")}
+        if sharded:
+            fused = {**cls._attention_rows(cfg, tp), **fused}
         if cfg.num_experts:
-            fused = {**moe_fused_projections(cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size), **fused}
+            fused = {**moe_fused_projections(cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size,
+                                             expert_start=plan.expert_intermediate[0] if sharded else None),
+                     **fused}
         return fused
+
+    @classmethod
+    def _attention_rows(cls, cfg: ModelArchConfig, tp: TensorParallelGroup) -> FusedMap:
+        """Each layer's q/k/v (``layers.{i}.self_attn.q_proj``...) -> this rank's rows of the whole model's
+        tensor (``cfg``: this rank's shape)."""
+        rows: FusedMap = {}
+        for i, layer in enumerate(cls.decoder_spec(cfg).layers):
+            head_dim = layer.attention.head_dim
+            q_first, kv_first = head_rows(layer.shape, head_dim, tp)
+            q_size, kv_size = layer.attention.num_heads * head_dim, layer.attention.num_kv_heads * head_dim
+            for part, first, size in (("q_proj", q_first, q_size), ("k_proj", kv_first, kv_size),
+                                      ("v_proj", kv_first, kv_size)):
+                name = f"layers.{i}.self_attn.{part}"
+                rows[name] = (name, 0, size, first)
+        return rows
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As ``CausalLM.load_weights``; a Gemma4ForConditionalGeneration checkpoint's text model only."""

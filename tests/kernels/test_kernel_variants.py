@@ -44,6 +44,7 @@ TESTS = Path(__file__).resolve().parents[1]
 # kernel-level tests: each compares a native op with its torch reference at edge shapes
 KERNEL_TESTS = [
     "kernels/test_native_ops.py",
+    "kernels/test_moe_route.py",
     "kernels/test_attention.py",
     "kernels/test_attention_sinks.py",
     "kernels/test_kv_int8.py",

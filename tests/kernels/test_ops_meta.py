@@ -47,6 +47,12 @@ def test_fake_shapes_match_the_kernels() -> None:
     real_stats, fake_stats = both(ops.logit_stats, torch.randn(3, 100, generator=gen))
     for real, fake in zip(real_stats, fake_stats, strict=True):
         _same_meta(real, fake)
+    for logits in (torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen).to(torch.bfloat16)):
+        for real, fake in zip(*both(ops.moe_route, logits, 4, 0, True, None, 1.0), strict=True):
+            _same_meta(real, fake)
+    ids = torch.tensor([[3, 1], [0, 3], [2, 1]])
+    for real, fake in zip(*both(ops.moe_group, ids, 4), strict=True):
+        _same_meta(real, fake)
 
 
 def test_in_place_ops_run_on_meta_tensors() -> None:
@@ -64,7 +70,7 @@ def test_in_place_ops_run_on_meta_tensors() -> None:
 
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "silu_mul", "packed_linear", "quantized_linear", "logit_stats",
-                                  "write_kv"])
+                                  "moe_route", "moe_group", "write_kv"])
 def test_opcheck(case: str) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 16, generator=gen)
@@ -79,6 +85,10 @@ def test_opcheck(case: str) -> None:
         op, args = ops.quantized_linear.default, (torch.randn(4, 32, generator=gen), blocks, 4, 32, 32, None)
     elif case == "logit_stats":
         op, args = ops.logit_stats.default, (x,)
+    elif case == "moe_route":  # sigmoid scores, a correction bias, renormalised and scaled
+        op, args = ops.moe_route.default, (x, 4, 2, True, torch.randn(16, generator=gen), 2.5)
+    elif case == "moe_group":
+        op, args = ops.moe_group.default, (torch.tensor([[3, 1], [0, 3], [2, 1]]), 4)
     else:
         cache = torch.zeros(4, 2, 2, 8)  # [blocks, block_size, kv_heads, head_dim]
         kv = x.view(4, 2, 8)
