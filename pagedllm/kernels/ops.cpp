@@ -917,7 +917,7 @@ Tensor causal_conv1d(const Tensor &x, const Tensor &weight, const OptTensor &bia
                       static_cast<int>(width), activation == "silu" ? 1 : 0,
                       threads_for(num_tokens * dim * width));
     return out;
-
+}
 
 // --- mixture-of-experts routing ---------------------------------------------------------
 
