@@ -24,45 +24,18 @@ llama.cpp's converter splits gate from up itself (``ffn_gate_exps``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
 from pagedllm.layers.decoder import CausalLM, DecoderLayerSpec, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.granite_moe_names import granitemoe_weight_names
 from pagedllm.layers.norm import NormSpec
 from pagedllm.layers.rotary import RopeSpec
 from pagedllm.layers.router import RouterSpec
 from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.loader.model_config import ModelArchConfig
-
-_MOE = ".block_sparse_moe."
-
-
-def granitemoe_weight_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A GraniteMoE folder's tensors under the shared blocks' names, the stacked experts one expert at a time."""
-    for name, tensor in weights:
-        owner, moe, part = name.partition(_MOE)
-        if not moe:
-            yield name, tensor
-        elif part in ("router.layer.weight", "router.weight"):  # as saved; as transformers 5 holds it
-            yield f"{owner}.mlp.gate.weight", tensor
-        elif part == "input_linear.weight":
-            if tensor.dim() != 3 or tensor.shape[1] % 2:
-                raise ValueError(f"{name}: expected [experts, 2 * intermediate, hidden], got {tuple(tensor.shape)}")
-            inter = tensor.shape[1] // 2
-            for e, rows in enumerate(tensor):
-                yield f"{owner}.mlp.experts.{e}.gate_proj.weight", rows[:inter]
-                yield f"{owner}.mlp.experts.{e}.up_proj.weight", rows[inter:]
-        elif part == "output_linear.weight":
-            if tensor.dim() != 3:
-                raise ValueError(f"{name}: expected [experts, hidden, intermediate], got {tuple(tensor.shape)}")
-            for e, rows in enumerate(tensor):
-                yield f"{owner}.mlp.experts.{e}.down_proj.weight", rows
-        elif part.startswith("experts."):  # transformers 5's in-memory form, split where CausalLM loads it
-            yield f"{owner}.mlp.{part}", tensor
-        else:
-            raise ValueError(f"unexpected GraniteMoE tensor {name!r}")
 
 
 class GraniteMoeForCausalLM(CausalLM):

@@ -30,6 +30,7 @@ import torch
 
 from pagedllm.layers.decoder import CausalLM, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
+from pagedllm.layers.granite_moe_names import granitemoe_weight_names
 from pagedllm.layers.mamba2 import Mamba2Spec
 from pagedllm.layers.mamba2_layer import HybridDecoderLayer, HybridLayerSpec
 from pagedllm.layers.norm import NormSpec
@@ -39,7 +40,6 @@ from pagedllm.layers.router import RouterSpec
 from pagedllm.layers.self_attention import AttentionSpec
 from pagedllm.layers.weights import FusedMap
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.models.granitemoe import granitemoe_weight_names
 
 _SHARED = ".shared_mlp."
 
