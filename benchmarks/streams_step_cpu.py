@@ -12,9 +12,14 @@ invariance: a stream's tokens do not depend on its batch-mates either way).
     PYTHONPATH=<checkout> .venv/bin/python benchmarks/streams_step_cpu.py /work/peer-data/llama1b-q4_k_m.gguf \\
         --streams 64 --output 32 --threads 1 [--phases] [--torch-profile]
 
+A profile of the decode steps alone (the prefill steps left out):
+
+    mkfifo /tmp/ctl && PYTHONPATH=<checkout> perf record -F 999 -D -1 --control=fifo:/tmp/ctl -o perf.data \\
+        .venv/bin/python benchmarks/streams_step_cpu.py FILE --streams 64 --threads 1 --runs 1 --perf-ctl /tmp/ctl
+
 ``--phases`` wraps the runner's and engine's step phases in wall-clock timers
 (from outside; the engine carries no profiling code) and prints each phase's
-share of the decode steps' time.
+share of the whole run's wall time (prefill steps included).
 """
 
 from __future__ import annotations

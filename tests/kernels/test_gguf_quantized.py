@@ -217,7 +217,8 @@ def test_long_k_quant_rows_summed_a_slice_of_the_tile_at_a_time(ggml_type: GGMLQ
     """A tile of 16 channels of a long input (4864 inputs, 19 super-blocks: 44-64 KiB) is summed a slice of
     about 32 KiB at a time, every row per slice, the partial sums left in the output between slices (and the
     bias added once, after the last): the float64 product's bound as in one pass, and a row's bits whatever its
-    batch (one row, a few, a block of rows, several blocks)."""
+    batch (one row, a few, a block of rows, several blocks). Up to 8 rows (one pass) are summed in one slice,
+    so the single rows check the sliced sums against the unsliced ones bit for bit."""
     in_features, out_features = 4864, 48
     raw = random_blocks(ggml_type, out_features, in_features, seed=11)
     weight, reference = interleaved(raw, ggml_type), reference_weights(raw, ggml_type)

@@ -633,10 +633,12 @@ static int64_t ktile_slice(int type, int64_t k) {
     return (nsb + slices - 1) / slices;
 }
 
-/* rows [row0, row0 + m) against tile t, a slice of its inputs at a time (ktile_slice), every row per slice */
+/* rows [row0, row0 + m) against tile t, a slice of its inputs at a time (ktile_slice), every row per slice; in
+   one slice where one pass of X16_MR rows takes them all (no later pass would find the slice in L1) */
 template <int TYPE>
 static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int64_t row0, int64_t m) {
-    const int64_t nsb = n->in_features / 256, slice = ktile_slice(TYPE, n->in_features);
+    const int64_t nsb = n->in_features / 256;
+    const int64_t slice = m > X16_MR ? ktile_slice(TYPE, n->in_features) : n->in_features;
     for (int h = 0; h < X16_TILE / X16_VL; h++) {
         for (int64_t sb0 = 0;; sb0 += slice) {
             const int64_t sb1 = sb0 + slice < nsb ? sb0 + slice : nsb;
@@ -659,12 +661,16 @@ static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int6
     }
 }
 
-/* bytes of int8 rows per block (a block's copies, k bytes and 16 per 32 inputs each, stay in L2 across the tiles):
+/* bytes of int8 rows per block (a block's copies stay in L2 across the tiles, x16_block_rows):
    three quarters of this core's L2 as the C library reports it (the weights pass through L1 in slices), 192 KiB
    where it reports none; a block of more rows reads each weight from memory fewer times */
 static int64_t x16_block_bytes() {
     static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
         const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+        const long l2 = 0;  // a C library that does not say (not glibc)
+#endif
         const int64_t three_quarters = l2 > 0 ? (int64_t)l2 / 4 * 3 : 192 * 1024;
         return three_quarters < 192 * 1024 ? 192 * 1024 : (three_quarters > 1536 * 1024 ? 1536 * 1024 : three_quarters);
     }();
@@ -692,7 +698,8 @@ static void type_tile_rows(const LinearNode *n, const QRows &qr, int64_t t, int6
     }
 }
 
-/* rows per block of a long input: a block's int8 copies (k bytes and 16 per 32 inputs each) stay in L2 */
+/* rows per block of a long input: a block's int8 copies stay in L2 (k bytes and, of the 24 per 32 inputs
+   the scratch keeps, the 16 or so that one type's kernel reads) */
 static int64_t x16_block_rows(int64_t k) {
     const int64_t block_rows = x16_block_bytes() / (k + 16 * (k / GGUF_BLOCK)) / X16_MR * X16_MR;
     return block_rows < X16_MR ? X16_MR : block_rows;
