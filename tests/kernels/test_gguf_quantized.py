@@ -212,6 +212,29 @@ def test_interleaved_rows_do_not_depend_on_their_batch(ggml_type: GGMLQuantizati
             assert torch.equal(part, together[r : r + n])
 
 
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_long_k_quant_rows_summed_a_slice_of_the_tile_at_a_time(ggml_type: GGMLQuantizationType) -> None:
+    """A tile of 16 channels of a long input (4864 inputs, 19 super-blocks: 44-64 KiB) is summed a slice of
+    about 32 KiB at a time, every row per slice, the partial sums left in the output between slices (and the
+    bias added once, after the last): the float64 product's bound as in one pass, and a row's bits whatever its
+    batch (one row, a few, a block of rows, several blocks). Up to 8 rows (one pass) are summed in one slice,
+    so the single rows check the sliced sums against the unsliced ones bit for bit."""
+    in_features, out_features = 4864, 48
+    raw = random_blocks(ggml_type, out_features, in_features, seed=11)
+    weight, reference = interleaved(raw, ggml_type), reference_weights(raw, ggml_type)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, in_features, generator=gen) * 3
+    bias = torch.randn(out_features, generator=gen)
+    together = torch.ops.pagedllm.gguf_linear(x, weight, X16[ggml_type], in_features, bias)
+    rounded = q8_rows(x).double()
+    want = rounded @ reference.T + bias.double()
+    bound = in_features * torch.finfo(torch.float32).eps * (rounded.abs() @ reference.abs().T) + 1e-5
+    assert ((together.double() - want).abs() <= bound).all()
+    for r, n in ((0, 1), (7, 1), (150, 9), (299, 1), (0, 70)):
+        part = torch.ops.pagedllm.gguf_linear(x[r : r + n].contiguous(), weight, X16[ggml_type], in_features, bias)
+        assert torch.equal(part, together[r : r + n])
+
+
 def test_activations_are_rounded_to_int8_exactly_as_llama_cpp_rounds_them() -> None:
     """Q8_0 rows that each pick one input (quant 1, scale 1) make y the rounded input itself, dx * round(x / dx):
     every value of q8_rows, bitwise, including ties to even, a block of zeros, tiny values and a NaN (the

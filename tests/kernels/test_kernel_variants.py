@@ -69,6 +69,7 @@ KERNEL_TESTS = [
     "kernels/test_gguf_quantized.py::test_a_step_program_runs_gguf_nodes_as_the_ops_do",
     "kernels/test_gguf_quantized.py::test_interleaved_linear_is_the_float64_product_of_rounded_activations",
     "kernels/test_gguf_quantized.py::test_interleaved_rows_do_not_depend_on_their_batch",
+    "kernels/test_gguf_quantized.py::test_long_k_quant_rows_summed_a_slice_of_the_tile_at_a_time",
     "kernels/test_gguf_quantized.py::test_interleaving_keeps_every_weight",
     "kernels/test_gguf_quantized.py::test_activations_are_rounded_to_int8_exactly_as_llama_cpp_rounds_them",
     "kernels/test_gguf_quantized.py::test_a_step_program_runs_interleaved_nodes_as_the_ops_do",

@@ -59,7 +59,13 @@
  *   Q6_K         y += float(sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi - 32 sx_hi)) d dx
  *
  * (isum_lo / sx_lo over the run's first 16 inputs; every product fits
- * float32's 24 bits, so the conversions are exact).
+ * float32's 24 bits, so the conversions are exact; Q6_K's isum_lo starts at
+ * -32 sx_lo rather than 0, the same integer with no subtraction per row).
+ * A tile of a long input is summed a slice of about 32 KiB of its
+ * super-blocks at a time, every row of the block per slice, so the slice
+ * stays in L1; a row's sum goes on from where the previous slice left it
+ * (stored in the output as float32 and loaded back: the same operations in
+ * the same order as in one pass).
  *
  * Q2_K and Q3_K keep their 2-bit quants four to a byte, a run's 8 chunks of
  * 4 inputs in two vectors (chunk u at bits 2 (u % 4) of vector u / 4, byte
@@ -136,7 +142,8 @@ static inline int64_t group_run_bytes(int type) { return type == GROUP_I8 ? 512 
 /* ---- entry points ---- */
 
 /* bytes the team needs in LinearNode.scratch for `rows` rows of `in_features` inputs: the rows in int8,
-   then each block's dx (float32), sx (int32) and sum of its first 16 quants (int32) */
+   then each block's dx (float32), sx (int32), sum of its first 16 quants (int32), dx sx (float32, the min
+   terms' factor) and -32 times its two half sums (int32 x 2, where Q6_K's integer sums start) */
 int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features);
 
 /* rows [tile0 * 16, tile1 * 16) of a [rows, row bytes] tensor of `type` (x16_takes: a ggml type, or

@@ -25,6 +25,7 @@
 
 #include <math.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../simd/simd.h"
 
@@ -41,14 +42,18 @@
 
 int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features) {
     const int64_t quants = (rows * in_features + 63) / 64 * 64;
-    return quants + rows * (in_features / GGUF_BLOCK) * 12;
+    return quants + rows * (in_features / GGUF_BLOCK) * 24;
 }
 
 typedef struct {
-    const int8_t *q;  /* [rows, k] */
-    const float *d;   /* [rows, k / 32]: each block's dx */
-    const int32_t *s; /* [rows, k / 32]: each block's sx */
-    const int32_t *h; /* [rows, k / 32]: the sum of each block's first 16 quants (Q6_K's sub-blocks) */
+    const int8_t *q;   /* [rows, k] */
+    const float *d;    /* [rows, k / 32]: each block's dx */
+    const int32_t *s;  /* [rows, k / 32]: each block's sx */
+    const int32_t *h;  /* [rows, k / 32]: the sum of each block's first 16 quants (Q6_K's sub-blocks) */
+    const float *ds;   /* [rows, k / 32]: dx * float(sx), the min terms' factor (Q4_1, Q5_1, Q4_K, Q5_K), rounded
+                          once per row here rather than once per (row, tile) in the kernels: the same float */
+    const int32_t *o;  /* [rows, k / 32, 2]: -32 times the sums of each block's first and last 16 quants, where
+                          Q6_K's two sums of a run start (sum (q - 32) x in integers with no subtraction after) */
 } QRows;
 
 /* the parts of a scratch of `rows` rows of k inputs (gguf_x16_scratch_bytes) */
@@ -56,7 +61,8 @@ static QRows qrows_at(const void *scratch, int64_t rows, int64_t k) {
     const uint8_t *base = (const uint8_t *)scratch;
     const int64_t quants = (rows * k + 63) / 64 * 64, nb = rows * (k / GGUF_BLOCK);
     return {(const int8_t *)base, (const float *)(base + quants), (const int32_t *)(base + quants + 4 * nb),
-            (const int32_t *)(base + quants + 8 * nb)};
+            (const int32_t *)(base + quants + 8 * nb), (const float *)(base + quants + 12 * nb),
+            (const int32_t *)(base + quants + 16 * nb)};
 }
 
 static QRows scratch_rows(const LinearNode *n, int64_t rows) { return qrows_at(n->scratch, rows, n->in_features); }
@@ -66,7 +72,8 @@ static QRows scratch_rows(const LinearNode *n, int64_t rows) { return qrows_at(n
    Every step is exact or one float operation per value in the same order, so the vector and the plain C
    code give the same integers and dx in every build (a NaN input too: max and min keep their other operand,
    as fmaxf / fminf do) */
-static inline void quantize_block(const float *xb, int8_t *q, float *d, int32_t *s, int32_t *h) {
+static inline void quantize_block(const float *xb, int8_t *q, float *d, int32_t *s, int32_t *h, float *ds,
+                                  int32_t *o) {
 #if SIMD_F32X8
     f32x8 v[4], m = f32x8_zero();
     for (int i = 0; i < 4; i++) {
@@ -80,6 +87,8 @@ static inline void quantize_block(const float *xb, int8_t *q, float *d, int32_t 
     *h = i32x8_hsum(i32x8_add(qi[0], qi[1]));
     *s = *h + i32x8_hsum(i32x8_add(qi[2], qi[3]));
     *d = dx;
+    *ds = dx * (float)*s;
+    o[0] = -32 * *h, o[1] = -32 * (*s - *h);
     i8x32_store_i32(q, qi[0], qi[1], qi[2], qi[3]);
 #else
     float amax = 0.0f;
@@ -95,13 +104,32 @@ static inline void quantize_block(const float *xb, int8_t *q, float *d, int32_t 
     }
     *d = dx;
     *s = sum;
+    *ds = dx * (float)sum;
+    o[0] = -32 * *h, o[1] = -32 * (sum - *h);
 #endif
 }
 
+/* row `row` of a scratch's parts (qrows_at), writable */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    int32_t *h;
+    float *ds;
+    int32_t *o;
+} QRow;
+
+static QRow qrow_of(const QRows &qr, int64_t k, int64_t row) {
+    const int64_t nb = k / GGUF_BLOCK;
+    return {(int8_t *)qr.q + row * k, (float *)qr.d + row * nb, (int32_t *)qr.s + row * nb, (int32_t *)qr.h + row * nb,
+            (float *)qr.ds + row * nb, (int32_t *)qr.o + 2 * row * nb};
+}
+
 /* one row's k inputs as int8 blocks of 32 (quantize_block) */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s, int32_t *h) {
+static void quantize_row(const float *x, int64_t k, const QRow &out) {
     for (int64_t b = 0; b < k / GGUF_BLOCK; b++)
-        quantize_block(x + b * GGUF_BLOCK, q + b * GGUF_BLOCK, d + b, s + b, h + b);
+        quantize_block(x + b * GGUF_BLOCK, out.q + b * GGUF_BLOCK, out.d + b, out.s + b, out.h + b, out.ds + b,
+                       out.o + 2 * b);
 }
 
 /* ---- the tile kernel ---- */
@@ -213,15 +241,25 @@ static inline __attribute__((always_inline)) void mxfp4_run_sums(vq_tab tab, con
 #define MXFP4_OFFSET X16_Q8_OFFSET
 #endif
 
-/* y[r0 + r][the lanes' channels of tile t] = acc[r] (+ bias) */
+/* y[r0 + r][the lanes' channels of tile t] = acc[r] (+ bias; `partial`: acc[r] alone, a sum that a later slice
+   of the inputs goes on with, see load_rows) */
 template <int MR>
 static inline __attribute__((always_inline)) void store_rows(const LinearNode *n, const vq_float *acc, int64_t t,
-                                                             int64_t r0, int h) {
+                                                             int64_t r0, int h, bool partial = false) {
     const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
     for (int r = 0; r < MR; r++) {
-        const vq_float v = n->bias ? vq_fadd(acc[r], vq_fload(n->bias + c0)) : acc[r];
+        const vq_float v = n->bias && !partial ? vq_fadd(acc[r], vq_fload(n->bias + c0)) : acc[r];
         vq_fstore(n->y + (r0 + r) * cols + c0, v);
     }
+}
+
+/* acc[r] = the partial sum store_rows left in y[r0 + r] (an exact float32 round trip: the sum goes on with the
+   same operations in the same order as in one pass) */
+template <int MR>
+static inline __attribute__((always_inline)) void load_rows(const LinearNode *n, vq_float *acc, int64_t t, int64_t r0,
+                                                            int h) {
+    const int64_t c0 = t * X16_TILE + h * X16_VL, cols = n->out_features;
+    for (int r = 0; r < MR; r++) acc[r] = vq_fload(n->y + (r0 + r) * cols + c0);
 }
 
 /* chunks u0, u0 + 1 of a k-quant run (qs: its low 4 bits, qh: the bits above) against rows xq, xq + k, ...:
@@ -280,7 +318,7 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
             const vq_float m = vq_fhalves(blk + 32 + 2 * X16_VL * h);
             for (int r = 0; r < MR; r++) {
                 const int64_t i = (r0 + r) * nb + b;
-                acc[r] = vq_ffma(m, vq_fset1(qr.d[i] * (float)qr.s[i]), acc[r]);
+                acc[r] = vq_ffma(m, vq_fset1(qr.ds[i]), acc[r]);
             }
         }
     }
@@ -389,28 +427,41 @@ static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, 
    - a run's scaled integer sum times the row's dx goes into a per-super-block sum (sacc), times the
      channels' d once per super-block, not once per run;
    - Q4_K / Q5_K's min term, -dmin m_j dx sx, is one fma per (row, run): the channels' -dmin m_j (one
-     conversion and product per run, for every row) times the row's dx sx (one float product) */
+     conversion and product per run, for every row) times the row's dx sx (rounded once per row, QRows.ds).
+   Super-blocks [sb0, sb1) only (a slice of the tile that stays in L1 while every row of the block passes,
+   ktile_slice): the sum starts from the previous slice's, left in y, unless sb0 is 0; `first`: these rows are
+   the slice's first pass (its lines are asked for ahead) */
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n, const QRows &qr, int64_t t,
-                                                             int64_t r0, int h) {
+                                                             int64_t r0, int h, int64_t sb0, int64_t sb1, bool first) {
     constexpr int type = TYPE;
     const int64_t k = n->in_features, nb = k / GGUF_BLOCK, nsb = k / 256, sb_bytes = gguf_block_bytes(type);
     const uint8_t *tile = (const uint8_t *)n->weight + t * X16_TILE * nsb * sb_bytes;
     const int lane_bytes = 4 * X16_VL;
     vq_float acc[MR];
-    for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
-    for (int64_t sb = 0; sb < nsb; sb++) {
+    if (sb0 == 0)
+        for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
+    else
+        load_rows<MR>(n, acc, t, r0, h);
+    for (int64_t sb = sb0; sb < sb1; sb++) {
         const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
         const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
         const vq_float neg_dmin = type == GGUF_Q6_K ? vq_fzero() : vq_fmul(vq_fhalves(blk + 32 + 2 * X16_VL * h), vq_fset1(-1.0f));
         vq_float sacc[MR];  // this super-block's sum of float(scaled isum) dx per row, times d at its end
         for (int r = 0; r < MR; r++) sacc[r] = vq_fzero();
         for (int j = 0; j < 8; j++) {
-            if (h == 0 && r0 < X16_MR) x16_prefetch_run(blk, X16_TILE * sb_bytes, j);  // the tile's first pass
+            if (h == 0 && first) x16_prefetch_run(blk, X16_TILE * sb_bytes, j);  // the slice's first pass
             const uint8_t *qs = blk + kq_qs_offset(type, j) + lane_bytes * h;
             const uint8_t *qh = blk + kq_qh_offset(type, j) + lane_bytes * h;
             vq_int isum[MR], isum_hi[MR];  // Q6_K: isum over the run's first 16 inputs, isum_hi the last 16
-            for (int r = 0; r < MR; r++) isum[r] = vq_zero(), isum_hi[r] = vq_zero();
+            if (type == GGUF_Q6_K) {  // from -32 sx of each half: the sums of (q - 32) x (the same integers)
+                for (int r = 0; r < MR; r++) {
+                    const int32_t *o = qr.o + 2 * ((r0 + r) * nb + sb * 8 + j);
+                    isum[r] = vq_set1(o[0]), isum_hi[r] = vq_set1(o[1]);
+                }
+            } else {
+                for (int r = 0; r < MR; r++) isum[r] = vq_zero();
+            }
             const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
             if (type == GGUF_Q6_K) {  // chunks 0, 1 are the first 16 inputs, 2, 3 the last (two sums)
                 kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
@@ -424,8 +475,7 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
                 const vq_int sc_lo = vq_lanes_s8(sc + 16 * (2 * j)), sc_hi = vq_lanes_s8(sc + 16 * (2 * j + 1));
                 for (int r = 0; r < MR; r++) {
                     const int64_t i = (r0 + r) * nb + sb * 8 + j;
-                    const int32_t sx_lo = qr.h[i], sx_hi = qr.s[i] - qr.h[i];
-                    const vq_int sum = vq_add(vq_mul(vq_sub1(isum[r], 32 * sx_lo), sc_lo), vq_mul(vq_sub1(isum_hi[r], 32 * sx_hi), sc_hi));
+                    const vq_int sum = vq_add(vq_mul(isum[r], sc_lo), vq_mul(isum_hi[r], sc_hi));
                     sacc[r] = vq_ffma(vq_fcvt(sum), vq_fset1(qr.d[i]), sacc[r]);
                 }
             } else {
@@ -435,13 +485,13 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
                 for (int r = 0; r < MR; r++) {
                     const int64_t i = (r0 + r) * nb + sb * 8 + j;
                     sacc[r] = vq_ffma(vq_fcvt(vq_mul(isum[r], scale)), vq_fset1(qr.d[i]), sacc[r]);
-                    acc[r] = vq_ffma(min_term, vq_fset1(qr.d[i] * (float)qr.s[i]), acc[r]);
+                    acc[r] = vq_ffma(min_term, vq_fset1(qr.ds[i]), acc[r]);
                 }
             }
         }
         for (int r = 0; r < MR; r++) acc[r] = vq_ffma(sacc[r], d, acc[r]);
     }
-    store_rows<MR>(n, acc, t, r0, h);
+    store_rows<MR>(n, acc, t, r0, h, sb1 < nsb);
 }
 
 /* GROUP_I8 / GROUP_I4: rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL), a group at a
@@ -549,11 +599,14 @@ static inline __attribute__((always_inline)) void lktile_rows(const LinearNode *
     store_rows<MR>(n, acc, t, r0, h);
 }
 
+/* rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL): the k-quants over super-blocks
+   [sb0, sb1) (ktile_rows), the other types over all their inputs (one slice) */
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void rows_against_tile(const LinearNode *n, const QRows &qr, int64_t t,
-                                                                    int64_t r0, int h) {
+                                                                    int64_t r0, int h, int64_t sb0, int64_t sb1,
+                                                                    bool first) {
     if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K || TYPE == GGUF_Q6_K)
-        ktile_rows<MR, TYPE>(n, qr, t, r0, h);
+        ktile_rows<MR, TYPE>(n, qr, t, r0, h, sb0, sb1, first);
     else if constexpr (TYPE == GROUP_I8 || TYPE == GROUP_I4)
         gtile_rows<MR, TYPE>(n, qr, t, r0, h);
     else if constexpr (TYPE == GGUF_Q2_K || TYPE == GGUF_Q3_K)
@@ -566,29 +619,63 @@ static inline __attribute__((always_inline)) void rows_against_tile(const Linear
         tile_rows<MR, TYPE>(n, qr, t, r0, h);
 }
 
-/* rows [row0, row0 + m) against tile t */
+/* bytes of a k-quant tile's slice that every row of a block meets in L1 (ktile_rows): a tile of 16 channels of
+   a long input (Q6_K at 8192 inputs: 105 KiB) is cut into slices of about this size, else each pass of
+   X16_MR rows would read it again from L2 */
+#define X16_SLICE_BYTES (32 * 1024)
+
+/* super-blocks per slice of a tile of `type` over `k` inputs (all of them for the types that are not sliced):
+   the fewest slices of at most X16_SLICE_BYTES, of equal length but the last */
+static int64_t ktile_slice(int type, int64_t k) {
+    if (type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K) return k;  // more than any count of blocks
+    const int64_t nsb = k / 256, tile_bytes = X16_TILE * nsb * gguf_block_bytes(type);
+    const int64_t slices = (tile_bytes + X16_SLICE_BYTES - 1) / X16_SLICE_BYTES;
+    return (nsb + slices - 1) / slices;
+}
+
+/* rows [row0, row0 + m) against tile t, a slice of its inputs at a time (ktile_slice), every row per slice; in
+   one slice where one pass of X16_MR rows takes them all (no later pass would find the slice in L1) */
 template <int TYPE>
 static void tile_team_rows(const LinearNode *n, const QRows &qr, int64_t t, int64_t row0, int64_t m) {
+    const int64_t nsb = n->in_features / 256;
+    const int64_t slice = m > X16_MR ? ktile_slice(TYPE, n->in_features) : n->in_features;
     for (int h = 0; h < X16_TILE / X16_VL; h++) {
-        int64_t r = row0;
-        for (; r + X16_MR <= row0 + m; r += X16_MR) rows_against_tile<X16_MR, TYPE>(n, qr, t, r, h);
-        switch (row0 + m - r) {
+        for (int64_t sb0 = 0;; sb0 += slice) {
+            const int64_t sb1 = sb0 + slice < nsb ? sb0 + slice : nsb;
+            int64_t r = row0;
+            for (; r + X16_MR <= row0 + m; r += X16_MR) rows_against_tile<X16_MR, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0);
+            switch (row0 + m - r) {
 #if X16_MR > 4
-            case 7: rows_against_tile<7, TYPE>(n, qr, t, r, h); break;
-            case 6: rows_against_tile<6, TYPE>(n, qr, t, r, h); break;
-            case 5: rows_against_tile<5, TYPE>(n, qr, t, r, h); break;
-            case 4: rows_against_tile<4, TYPE>(n, qr, t, r, h); break;
+                case 7: rows_against_tile<7, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0); break;
+                case 6: rows_against_tile<6, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0); break;
+                case 5: rows_against_tile<5, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0); break;
+                case 4: rows_against_tile<4, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0); break;
 #endif
-            case 3: rows_against_tile<3, TYPE>(n, qr, t, r, h); break;
-            case 2: rows_against_tile<2, TYPE>(n, qr, t, r, h); break;
-            case 1: rows_against_tile<1, TYPE>(n, qr, t, r, h); break;
-            default: break;
+                case 3: rows_against_tile<3, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0); break;
+                case 2: rows_against_tile<2, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0); break;
+                case 1: rows_against_tile<1, TYPE>(n, qr, t, r, h, sb0, sb1, r == row0); break;
+                default: break;
+            }
+            if (sb1 >= nsb) break;  // the last slice (the only one for the types that are not sliced)
         }
     }
 }
 
-/* int8 rows per block: a block's copies (k bytes and 12 per 32 inputs each) stay in L2 across the tiles */
-#define X16_BLOCK_BYTES (192 * 1024)
+/* bytes of int8 rows per block (a block's copies stay in L2 across the tiles, x16_block_rows):
+   three quarters of this core's L2 as the C library reports it (the weights pass through L1 in slices), 192 KiB
+   where it reports none; a block of more rows reads each weight from memory fewer times */
+static int64_t x16_block_bytes() {
+    static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+        const long l2 = 0;  // a C library that does not say (not glibc)
+#endif
+        const int64_t three_quarters = l2 > 0 ? (int64_t)l2 / 4 * 3 : 192 * 1024;
+        return three_quarters < 192 * 1024 ? 192 * 1024 : (three_quarters > 1536 * 1024 ? 1536 * 1024 : three_quarters);
+    }();
+    return bytes;
+}
 
 /* rows [row0, row0 + m) of qr against tile t, the kernel of the node's type */
 static void type_tile_rows(const LinearNode *n, const QRows &qr, int64_t t, int64_t row0, int64_t m) {
@@ -611,19 +698,18 @@ static void type_tile_rows(const LinearNode *n, const QRows &qr, int64_t t, int6
     }
 }
 
-/* rows per block of a long input: a block's int8 copies (k bytes and 12 per 32 inputs each) stay in L2 */
+/* rows per block of a long input: a block's int8 copies stay in L2 (k bytes and, of the 24 per 32 inputs
+   the scratch keeps, the 16 or so that one type's kernel reads) */
 static int64_t x16_block_rows(int64_t k) {
-    const int64_t block_rows = X16_BLOCK_BYTES / (k + 12 * (k / GGUF_BLOCK)) / X16_MR * X16_MR;
+    const int64_t block_rows = x16_block_bytes() / (k + 16 * (k / GGUF_BLOCK)) / X16_MR * X16_MR;
     return block_rows < X16_MR ? X16_MR : block_rows;
 }
 
 void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
-    const int64_t k = n->in_features, nb = k / GGUF_BLOCK, num_tiles = n->out_features / X16_TILE;
+    const int64_t k = n->in_features, num_tiles = n->out_features / X16_TILE;
     const QRows qr = scratch_rows(n, rows);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        quantize_row(n->x + r * k, k, (int8_t *)qr.q + r * k, (float *)qr.d + r * nb, (int32_t *)qr.s + r * nb,
-                     (int32_t *)qr.h + r * nb);
+    for (int64_t r = 0; r < rows; r++) quantize_row(n->x + r * k, k, qrow_of(qr, k, r));
     const int64_t block_rows = x16_block_rows(k);
     for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
         const int64_t m = rows - row0 < block_rows ? rows - row0 : block_rows;
@@ -635,10 +721,7 @@ void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
 /* ---- the pieces of a grouped-expert matmul (gguf_moe_linear.cpp) ---- */
 
 void gguf_x16_quantize_row(const float *x, int64_t k, void *scratch, int64_t rows, int64_t row) {
-    const QRows qr = qrows_at(scratch, rows, k);
-    const int64_t nb = k / GGUF_BLOCK;
-    quantize_row(x, k, (int8_t *)qr.q + row * k, (float *)qr.d + row * nb, (int32_t *)qr.s + row * nb,
-                 (int32_t *)qr.h + row * nb);
+    quantize_row(x, k, qrow_of(qrows_at(scratch, rows, k), k, row));
 }
 
 void gguf_x16_copy_row(const void *src, int64_t src_rows, int64_t src_row, void *dst, int64_t dst_rows,
@@ -649,6 +732,8 @@ void gguf_x16_copy_row(const void *src, int64_t src_rows, int64_t src_row, void 
     memcpy((float *)to.d + dst_row * nb, from.d + src_row * nb, (size_t)nb * sizeof(float));
     memcpy((int32_t *)to.s + dst_row * nb, from.s + src_row * nb, (size_t)nb * sizeof(int32_t));
     memcpy((int32_t *)to.h + dst_row * nb, from.h + src_row * nb, (size_t)nb * sizeof(int32_t));
+    memcpy((float *)to.ds + dst_row * nb, from.ds + src_row * nb, (size_t)nb * sizeof(float));
+    memcpy((int32_t *)to.o + 2 * dst_row * nb, from.o + 2 * src_row * nb, (size_t)nb * 2 * sizeof(int32_t));
 }
 
 void gguf_x16_tiles(const LinearNode *n, const void *scratch, int64_t rows, int64_t row0, int64_t m, int64_t t0,
