@@ -343,11 +343,12 @@ def test_registry_tells_mixtral_from_llama_in_gguf() -> None:
     sparse = dataclasses.replace(base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
     assert MODEL_REGISTRY.model_class(sparse) is MixtralForCausalLM
     with pytest.raises(ValueError, match=r"architecture 'qwen2' with 4 experts .* supported: \[.*'granitemoe', "
-                                         r"'llama', 'olmoe', 'qwen2moe', 'qwen3moe'\]"):
+                                         r"'llama', 'olmoe', 'qwen2moe', 'qwen35', 'qwen35moe', 'qwen3moe', 'qwen3next'\]"):
         MODEL_REGISTRY.model_class(dataclasses.replace(sparse, architecture="qwen2"))
     assert MODEL_REGISTRY.supported("hf", experts=True) == [
         "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "GptOssForCausalLM", "GraniteMoeForCausalLM",
-        "GraniteMoeHybridForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
+        "GraniteMoeHybridForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 def _routing(cfg: ModelArchConfig) -> tuple:
