@@ -169,8 +169,8 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     if state_slots is not None:
         summary.update(state_slots=state_slots.num_slots, state_peak_used_slots=peak_slots,
                        state_snapshot_slots=runner.num_snapshot_slots, state_bytes_per_slot=runner.state_bytes_per_slot,
-                       state_reserved_bytes=(runner.num_state_slots + runner.num_snapshot_slots)
-                       * runner.state_bytes_per_slot)
+                       state_reserved_bytes=(runner.num_state_slots + runner.num_snapshot_slots
+                                             + runner.num_checkpoint_slots) * runner.state_bytes_per_slot)
     return summary, timeline
 
 

@@ -171,6 +171,7 @@ class BlockManager:
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None,
         group_windows: Sequence_[int | None] = (None,), num_state_slots: int = 0, num_snapshot_slots: int = 0,
+        num_checkpoint_slots: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
@@ -223,6 +224,11 @@ class BlockManager:
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.snapshots = (StateSnapshots(num_state_slots, num_snapshot_slots)
                           if num_state_slots and num_snapshot_slots and enable_prefix_caching else None)
+        if num_checkpoint_slots < 0:
+            raise ValueError(f"num_checkpoint_slots must be >= 0, got {num_checkpoint_slots}")
+        # speculative decoding's checkpoints (the state before a verify step's drafts), after the snapshots
+        self.checkpoints = (StateSlots(num_checkpoint_slots, num_state_slots + num_snapshot_slots)
+                            if num_state_slots and num_checkpoint_slots else None)
         # forks' (source, destination) state slot copies: before the next step, and after it
         self._state_copies_before: list[tuple[int, int]] = []
         self._state_copies_after: list[tuple[int, int]] = []
@@ -647,6 +653,51 @@ class BlockManager:
                 table.append(self._pop_free_block(g))
         return True
 
+    def can_checkpoint_state(self) -> bool:
+        """Whether a verify step may be planned now: a model without state layers needs no checkpoint, a
+        hybrid one needs a free checkpoint slot (without them, its decodes stay plain)."""
+        if self.state_slots is None:
+            return True
+        return self.checkpoints is not None and self.checkpoints.num_free > 0
+
+    def checkpoint_state(self, seq: Sequence) -> None:
+        """A hybrid model's ``seq`` is planned as a verify step: its state after its computed tokens is copied
+        into a checkpoint slot before the step runs, so ``rollback`` can restore it. No-op without state slots.
+        """
+        if self.state_slots is None:
+            return
+        if seq.state_slot is None or seq.state_checkpoint is not None:
+            raise ValueError(f"sequence {seq.seq_id} holds no state slot, or a checkpoint already")
+        if self.checkpoints is None or not self.checkpoints.num_free:
+            raise ValueError("no state checkpoint slot is free (can_checkpoint_state says so first)")
+        slot = self.checkpoints.take()
+        seq.state_checkpoint = (slot, seq.num_computed_tokens)
+        self._state_copies_before.append((seq.state_slot, slot))
+
+    def _give_back_checkpoint(self, seq: Sequence) -> None:
+        """Return ``seq``'s checkpoint slot; a copy into it not yet made is moot."""
+        if seq.state_checkpoint is None or self.checkpoints is None:
+            return
+        slot = seq.state_checkpoint[0]
+        self.checkpoints.give_back(slot)
+        seq.state_checkpoint = None
+        self._state_copies_before = [c for c in self._state_copies_before if c[1] != slot]
+
+    def _restore_checkpoint(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """A hybrid model's rollback: the computed length it can go back to, its checkpoint's (the state
+        after exactly those tokens, copied back into its slot before the next step), or ``num_computed_tokens``
+        itself where it keeps every computed token. The checkpoint slot goes back either way."""
+        checkpoint = seq.state_checkpoint
+        if num_computed_tokens != seq.num_computed_tokens:
+            if checkpoint is None or checkpoint[1] > num_computed_tokens or seq.state_slot is None:
+                raise ValueError(f"a hybrid model's state can be rolled back only to a checkpoint at or before "
+                                 f"{num_computed_tokens} tokens (docs/hybrid-models.md)")
+            # the copy is listed before any later checkpoint into the same slot: the runner copies in order
+            self._state_copies_before.append((checkpoint[0], seq.state_slot))
+            num_computed_tokens = checkpoint[1]
+        self._give_back_checkpoint(seq)
+        return num_computed_tokens
+
     def rollback(self, seq: Sequence, num_computed_tokens: int) -> list[int]:
         """Move ``seq``'s computed length back to ``num_computed_tokens`` (rejected drafts); returns the freed blocks.
 
@@ -658,9 +709,14 @@ class BlockManager:
         token), in every group. The sequence then holds exactly the blocks a
         plain decode would hold. A window group's blocks already given back
         cannot come back: a length whose window reads one is refused.
+
+        A hybrid model's state cannot be taken back token by token: it goes
+        back to the sequence's checkpoint (``checkpoint_state``, taken before
+        the verify step), which is further back than asked when some drafts
+        were accepted; the next step computes the accepted tokens again, as a
+        chunk, from the restored state. Keeping every computed token gives the
+        checkpoint back unused.
         """
-        if self.state_slots is not None and num_computed_tokens != seq.num_computed_tokens:
-            raise ValueError("a hybrid model's state cannot be rolled back to fewer tokens (docs/hybrid-models.md)")
         if not 0 <= num_computed_tokens <= seq.num_computed_tokens:
             raise ValueError(
                 f"rollback to {num_computed_tokens} tokens: must be 0..{seq.num_computed_tokens} (the computed ones)"
@@ -670,6 +726,8 @@ class BlockManager:
             if _num_holes(table) > self._first_needed(g, num_computed_tokens):
                 raise ValueError(f"rollback to {num_computed_tokens} tokens: group {g}'s window blocks before "
                                  f"block {_num_holes(table)} were given back")
+        if self.state_slots is not None:
+            num_computed_tokens = self._restore_checkpoint(seq, num_computed_tokens)
         keep = -(-num_computed_tokens // self.block_size)
         freed: list[int] = []
         for table in tables:
@@ -789,6 +847,7 @@ class BlockManager:
         seq.block_table = []
         seq.group_tables = []
         seq.num_computed_tokens = 0
+        self._give_back_checkpoint(seq)
         for s in (seq, *seq.fork_children):
             self._give_back_state_slot(s)
 

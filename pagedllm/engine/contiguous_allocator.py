@@ -163,6 +163,13 @@ class ContiguousAllocator:
     def snapshot_state(self, seq: Sequence, num_tokens: int) -> None:
         """No state snapshots here."""
 
+    def can_checkpoint_state(self) -> bool:
+        """No state slots here: a verify step needs no checkpoint."""
+        return True
+
+    def checkpoint_state(self, seq: Sequence) -> None:
+        """No state slots here: nothing to checkpoint."""
+
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """No state slots here (the engine refuses a hybrid model with this allocator): no copies."""
         return [], []

@@ -290,9 +290,11 @@ class Scheduler:
 
         Drafts take blocks only while every running sequence not yet planned
         could still get one (a draft never preempts anyone); when the pool
-        cannot hold them, the decode stays plain.
+        cannot hold them, the decode stays plain. A hybrid model's verify step
+        needs a checkpoint of the state before the drafts (``checkpoint_state``):
+        with none free, the decode stays plain too.
         """
-        if self.drafts is None or budget < 1:
+        if self.drafts is None or budget < 1 or not self.block_manager.can_checkpoint_state():
             return 0
         draft_ids = self.drafts.propose(seq, budget, len(self.running))
         if not draft_ids:
@@ -304,6 +306,7 @@ class Scheduler:
         if missing > self.block_manager.num_free_blocks - num_reserved or not self.block_manager.append_slot(seq):
             seq.discard_draft_tokens()
             return 0
+        self.block_manager.checkpoint_state(seq)
         return len(draft_ids)
 
     def schedule(self) -> SchedulerOutput:

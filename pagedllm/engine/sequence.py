@@ -78,6 +78,9 @@ class Sequence:
         self.state_slot: int | None = None
         # a hybrid model's: the token counts whose state the block manager snapshots (a chunk ends there)
         self.state_snapshot_points: list[int] = []
+        # a hybrid model's verify step (speculative decoding): (checkpoint slot, tokens computed) holding the
+        # state before the drafts, until the step's rejected drafts are rolled back; None otherwise
+        self.state_checkpoint: tuple[int, int] | None = None
         # chained hashes of the full blocks, filled lazily by the block manager
         self.block_hashes: list[int] = []
         self.num_computed_tokens: int = 0

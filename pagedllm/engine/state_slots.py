@@ -25,14 +25,19 @@ class StateSlots:
     """A fixed pool of ``num_slots`` state slots, handed out lowest id first.
 
     Args:
-        num_slots: slots in the pool (the state tensors' first dimension), >= 1.
+        num_slots: slots in the pool, >= 1.
+        first_slot: the pool's lowest slot id (the state tensors hold other pools before it: the running
+            slots, then the snapshots, then the speculative decoding checkpoints), >= 0.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, first_slot: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if first_slot < 0:
+            raise ValueError(f"first_slot must be >= 0, got {first_slot}")
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots))  # already a heap
+        self.first_slot = first_slot
+        self._free: list[int] = list(range(first_slot, first_slot + num_slots))  # already a heap
         self._held: set[int] = set()
 
     @property

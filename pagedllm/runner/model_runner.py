@@ -130,6 +130,7 @@ class ModelRunner:
         self.state_bytes_per_slot = state_bytes_per_slot(self.state_shapes)
         self.num_state_slots = 0  # sized with the KV pool (_plan_kv_pool)
         self.num_snapshot_slots = 0  # state snapshots of cached prefixes, after the running slots
+        self.num_checkpoint_slots = 0  # speculative decoding's state checkpoints, after the snapshots
         if self.state_shapes:
             self._check_state_model(config)
 
@@ -147,8 +148,9 @@ class ModelRunner:
             self.local_config, self.num_kv_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         # a state layer's entry is its state tensors, in the place an attention layer's (K, V) is
-        self.state_caches = allocate_state_cache(self.state_shapes, self.num_state_slots + self.num_snapshot_slots,
-                                                 self.device)
+        self.state_caches = allocate_state_cache(
+            self.state_shapes, self.num_state_slots + self.num_snapshot_slots + self.num_checkpoint_slots, self.device
+        )
         for i, states in enumerate(self.state_caches):
             if states is not None:
                 self.kv_caches[i] = states
@@ -220,9 +222,6 @@ class ModelRunner:
         """Refuse what a hybrid model's state layers do not do yet (docs/hybrid-models.md)."""
         if self.tp is not None:
             raise ValueError("tensor parallelism is not supported for models with state layers (hybrid models) yet")
-        if config.speculative_config is not None:
-            raise ValueError("speculative decoding is not supported for models with state layers (hybrid models) "
-                             "yet: a rejected draft would need the state rolled back")
         if config.kv_cache_dtype == "int4":
             raise ValueError("kv_cache_dtype='int4' is not supported for models with state layers (its calibration "
                              "runs attention layers only); use 'int8' or a float cache")
@@ -232,21 +231,26 @@ class ModelRunner:
 
         One slot per sequence ``max_num_seqs`` lets run; where fewer fit in half of a known budget,
         max_num_seqs is lowered to them (a running sequence always has its slot, a fork never waits for one).
-        With prefix caching as many again hold state snapshots of cached prefixes (engine/state_snapshots.py).
+        With prefix caching as many again hold state snapshots of cached prefixes (engine/state_snapshots.py);
+        with speculative decoding as many again hold the checkpoints a verify step's rejected drafts roll back to.
         """
-        copies = 2 if self.config.prefix_caching else 1
+        snapshots = self.config.prefix_caching
+        checkpoints = self.config.speculative_config is not None
+        copies = 1 + int(snapshots) + int(checkpoints)
         slots = plan_state_slots(self.config.max_num_seqs, copies * self.state_bytes_per_slot, budget)
         if slots < self.config.max_num_seqs:
             logger.warning("max_num_seqs lowered from %d to %d: the KV budget holds %d state slots of %.2f MiB",
                            self.config.max_num_seqs, slots, slots, self.state_bytes_per_slot / 2**20)
             self.config = dataclasses.replace(self.config, max_num_seqs=slots)
         self.num_state_slots = slots
-        self.num_snapshot_slots = slots if copies == 2 else 0
+        self.num_snapshot_slots = slots if snapshots else 0
+        self.num_checkpoint_slots = slots if checkpoints else 0
         state_bytes = copies * slots * self.state_bytes_per_slot
         if budget is not None:
             num_blocks = max(1, min(num_blocks, (budget - state_bytes) // per_block))
-        logger.info("state slots: %d running + %d snapshots of %.3f MiB (%d state layers), %.2f MiB reserved beside "
-                    "the KV pool", slots, self.num_snapshot_slots, self.state_bytes_per_slot / 2**20,
+        logger.info("state slots: %d running + %d snapshots + %d checkpoints of %.3f MiB (%d state layers), %.2f MiB "
+                    "reserved beside the KV pool", slots, self.num_snapshot_slots, self.num_checkpoint_slots,
+                    self.state_bytes_per_slot / 2**20,
                     sum(1 for s in self.state_shapes if s is not None), state_bytes / 2**20)
         return num_blocks
 

@@ -5,9 +5,12 @@ the block manager's docstring): lowest free slot first; one per running
 sequence, taken by ``allocate`` with one for each sample waiting to fork, given
 back by ``free`` (preemption too); a fork's child gets its own slot and a
 (source, destination) copy, after the step for samples of a prompt completing
-in it, before the next step for a running parent (beam search). Then a
-hypothesis property: random requests with n > 1, beam forks, preemptions and
-finishes; every slot and block comes back, none is held twice.
+in it, before the next step for a running parent (beam search); speculative
+decoding's checkpoints: taken before a verify step (a copy of the slot), given
+back by the rollback after it (a rejection copies it back and moves the
+computed length to it) or by ``free``. Then a hypothesis property: random
+requests with n > 1, beam forks, drafts right and wrong, preemptions and
+finishes; every slot, checkpoint and block comes back, none is held twice.
 """
 
 from __future__ import annotations
@@ -198,13 +201,99 @@ def test_a_shared_prefix_gets_its_own_snapshot_for_the_third_prompt() -> None:
     assert bm.num_cached_prefix_tokens(c) == 8
 
 
-def test_rollback_is_refused_for_state_models() -> None:
+def test_rollback_without_a_checkpoint_is_refused_for_state_models() -> None:
     bm = BlockManager(16, BS, num_state_slots=1)
     a = Sequence(list(range(6)), BS)
     assert bm.allocate(a)
     a.num_computed_tokens = 6
+    assert not bm.can_checkpoint_state()  # no checkpoint slots at all: decodes stay plain
     with pytest.raises(ValueError, match="rolled back"):
         bm.rollback(a, 4)
+    assert bm.rollback(a, 6) == [] and a.num_computed_tokens == 6  # keeping every token needs none
+
+
+def _verify_planned(bm: BlockManager, seq: Sequence, drafts: list[int]) -> None:
+    """What the scheduler does for a verify step: drafts appended, their blocks taken, the state checkpointed."""
+    seq.add_draft_tokens(drafts)
+    assert bm.append_slot(seq)
+    bm.checkpoint_state(seq)
+
+
+def _verified(seq: Sequence, emitted: list[int]) -> None:
+    """What the engine does after it: the drafts dropped, the emitted tokens appended, all computed."""
+    seq.num_computed_tokens = len(seq)
+    seq.discard_draft_tokens()
+    for t in emitted:
+        seq.append_token(t)
+
+
+def test_a_checkpoint_is_taken_before_a_verify_step_and_restored_after_a_rejection() -> None:
+    # slots: 0-1 running, 2-3 snapshots, 4-5 checkpoints
+    bm = BlockManager(16, BS, enable_prefix_caching=True, num_state_slots=2, num_snapshot_slots=2,
+                      num_checkpoint_slots=2)
+    a = Sequence([7] * 6, BS)
+    assert bm.allocate(a) and a.state_slot == 0
+    a.num_computed_tokens = 6
+    a.append_token(8)  # 7 tokens, 6 computed: a decode
+    bm.take_state_copies()
+    _verify_planned(bm, a, [9, 9, 9])  # tokens 6..9 verified: blocks 0, 1, 2
+    assert a.state_checkpoint == (4, 6) and a.block_table == [0, 1, 2]
+    assert bm.take_state_copies() == ([(0, 4)], []) and bm.checkpoints.free_slots == [5]
+    _verified(a, [9, 5])  # one draft accepted, the second rejected: 9 tokens, the last one new
+    freed = bm.rollback(a, len(a) - 1)
+    # the state holds the three drafts: back to the checkpoint (6 tokens); tokens 6..8 computed again next step
+    assert a.num_computed_tokens == 6 and freed == [2] and a.block_table == [0, 1]
+    assert bm.take_state_copies() == ([(4, 0)], []) and a.state_checkpoint is None
+    assert bm.checkpoints.free_slots == [4, 5]
+
+
+def test_a_verify_step_that_keeps_every_draft_gives_its_checkpoint_back_unused() -> None:
+    bm = BlockManager(16, BS, num_state_slots=1, num_checkpoint_slots=1)
+    a = Sequence([7] * 5, BS)
+    assert bm.allocate(a)
+    a.num_computed_tokens = 5
+    a.append_token(8)
+    _verify_planned(bm, a, [9, 9])
+    assert a.state_checkpoint == (1, 5) and not bm.can_checkpoint_state()  # the one checkpoint slot is held
+    assert bm.take_state_copies() == ([(0, 1)], [])
+    _verified(a, [9, 9, 3])
+    assert bm.rollback(a, len(a) - 1) == [] and a.num_computed_tokens == 8
+    assert bm.take_state_copies() == ([], []) and a.state_checkpoint is None and bm.can_checkpoint_state()
+
+
+def test_free_gives_a_checkpoint_back_and_drops_its_copy() -> None:
+    bm = BlockManager(16, BS, num_state_slots=2, num_checkpoint_slots=2)
+    a, b = Sequence([1] * 5, BS), Sequence([2] * 5, BS)
+    assert bm.allocate(a) and bm.allocate(b)
+    for s in (a, b):
+        s.num_computed_tokens = 5
+        s.append_token(3)
+        _verify_planned(bm, s, [4])
+    assert (a.state_checkpoint, b.state_checkpoint) == ((2, 5), (3, 5))
+    bm.free(a)  # preempted while its verify step was planned: the copy into its checkpoint is moot
+    assert a.state_checkpoint is None and bm.checkpoints.free_slots == [2]
+    assert bm.take_state_copies() == ([(1, 3)], [])
+    with pytest.raises(ValueError, match="checkpoint"):
+        bm.checkpoint_state(b)  # one at a time
+
+
+def test_the_scheduler_drafts_only_with_a_checkpoint_slot_free() -> None:
+    class TwoDrafts:
+        def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
+            return [5, 5][:max_num_tokens]
+
+    bm = BlockManager(32, BS, num_state_slots=2, num_checkpoint_slots=1)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, drafts=TwoDrafts())
+    a, b = Sequence([1] * 5, BS), Sequence([2] * 5, BS)
+    sched.add(a)
+    sched.add(b)
+    sched.update(sched.schedule())  # both prompts
+    for s in (a, b):
+        s.append_token(3)
+    out = sched.schedule()
+    # a (the oldest) takes the one checkpoint slot and verifies two drafts; b decodes plainly
+    assert [(s.seq, s.num_new_tokens, s.num_draft_tokens) for s in out.scheduled] == [(a, 3, 2), (b, 1, 0)]
+    assert out.state_copies_before == [(a.state_slot, 2)]
 
 
 def test_a_model_without_state_layers_holds_no_slots() -> None:
@@ -233,6 +322,41 @@ def _check_slots(bm: BlockManager, sched: Scheduler) -> None:
         assert w.state_slot is None and w.block_table == []
     assert None not in held and len(set(held)) == len(held), f"slots held twice or missing: {held}"
     assert sorted(held) == sorted(set(range(bm.state_slots.num_slots)) - set(bm.state_slots.free_slots))
+    checkpoints = [s.state_checkpoint[0] for s in sched.running if s.state_checkpoint is not None]
+    assert all(s.state_checkpoint is None for s in sched.waiting)
+    if bm.checkpoints is not None:
+        assert len(set(checkpoints)) == len(checkpoints) == bm.checkpoints.num_used
+    else:
+        assert not checkpoints
+
+
+class _PlannedDrafts:
+    """Drafts of the tokens' pattern, as many as ``plan`` says for each decode in turn (0: none), as the
+    speculator after a sequence's first output token."""
+
+    def __init__(self, plan: list[int]) -> None:
+        self.plan = plan
+        self.num_proposed = 0
+
+    def propose(self, seq: Sequence, max_num_tokens: int, batch_size: int) -> list[int]:
+        if not seq.num_output_tokens:
+            return []  # a prompt's last token (its samples fork after it): decodes draft
+        self.num_proposed += 1
+        return [0] * min(max_num_tokens, self.plan[self.num_proposed % len(self.plan)])
+
+
+def _apply_verify(sched: Scheduler, seq: Sequence, num_accepted: int, max_tokens: int) -> None:
+    """What the engine does after a verify step: the drafts dropped, the accepted ones and one more token
+    appended until the sequence is done, the rest rolled back."""
+    drafts = seq.discard_draft_tokens()
+    num_accepted = min(num_accepted, len(drafts))
+    for t in [*drafts[:num_accepted], 1]:
+        seq.append_token(t)
+        if seq.num_output_tokens >= max_tokens:
+            sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            return
+    event("drafts: all accepted" if num_accepted == len(drafts) else "drafts: some rejected")
+    sched.block_manager.rollback(seq, len(seq) - 1)
 
 
 @settings(max_examples=150, deadline=None)
@@ -242,16 +366,22 @@ def _check_slots(bm: BlockManager, sched: Scheduler) -> None:
     requests=st.lists(request, min_size=1, max_size=6),
     beam_forks=st.lists(st.booleans(), min_size=40, max_size=40),
     num_snapshots=st.integers(0, 3),
+    num_checkpoints=st.integers(0, 4),
+    draft_plan=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    accept_plan=st.lists(st.integers(0, 3), min_size=40, max_size=40),
 )
-def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, beam_forks, num_snapshots) -> None:
+def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, beam_forks, num_snapshots,
+                                         num_checkpoints, draft_plan, accept_plan) -> None:
     requests = [(t, p, m, min(n, max_num_seqs)) for t, p, m, n in requests]
     longest = max(len(p) + m for _, p, m, _ in requests)
     # liveness: any one sequence fits at its longest; fewer blocks than the samples want preempt
     num_blocks = -(-longest // BS) + extra_blocks
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=True, num_state_slots=max_num_seqs,
-                      num_snapshot_slots=num_snapshots)
+                      num_snapshot_slots=num_snapshots, num_checkpoint_slots=num_checkpoints)
     snapshot_slots = set(range(max_num_seqs, max_num_seqs + num_snapshots))
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(4, longest))
+    checkpoint_slots = set(range(max_num_seqs + num_snapshots, max_num_seqs + num_snapshots + num_checkpoints))
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(4, longest),
+                      drafts=_PlannedDrafts(draft_plan))
     pending = sorted(range(len(requests)), key=lambda i: requests[i][0])
     max_tokens: dict[int, int] = {}
     forked: set[int] = set()  # a sequence forks a beam once, a beam never: the work stays finite
@@ -273,10 +403,14 @@ def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, b
         if out.preempted:
             event("preemption")
         running_slots = {s.state_slot for s in sched.running}
-        for src, dst in out.state_copies_before:  # a fork's copy, or a prefix hit's snapshot
-            assert dst in running_slots and src in running_slots | snapshot_slots and src != dst
+        for src, dst in out.state_copies_before:  # a fork's copy, a prefix hit's snapshot, a checkpoint
+            assert dst in running_slots | checkpoint_slots and src != dst
+            assert src in running_slots | snapshot_slots | checkpoint_slots
+            assert (src in checkpoint_slots) + (dst in checkpoint_slots) <= 1
             if src in snapshot_slots:
                 event("prefix hit from a snapshot")
+            if src in checkpoint_slots:
+                event("a checkpoint restored")
         for src, dst in out.state_copies_after:  # a fork's copy, or a new snapshot
             assert src in running_slots and dst in running_slots | snapshot_slots and src != dst
         for s in out.scheduled:  # a chunk never runs past a snapshot point
@@ -286,6 +420,10 @@ def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, b
         _check_slots(bm, sched)
         sched.update(out)
         for s in out.scheduled:
+            if s.num_draft_tokens:
+                if s.seq.status == SequenceStatus.RUNNING:
+                    _apply_verify(sched, s.seq, accept_plan[step_no % 40], max_tokens[s.seq.seq_id])
+                continue
             samples = s.samples  # read before a token is appended to the parent
             for seq in (s.seq, *s.forks):
                 if not samples or seq.status != SequenceStatus.RUNNING:
@@ -302,6 +440,7 @@ def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, b
                     event("beam fork")
         _check_slots(bm, sched)
     assert bm.state_slots.num_free == max_num_seqs
+    assert bm.checkpoints is None or bm.checkpoints.num_free == num_checkpoints
     assert bm.num_free_blocks == bm.num_blocks and bm.ref_counts == [0] * num_blocks
 
 

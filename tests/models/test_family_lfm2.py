@@ -197,8 +197,6 @@ def test_prefix_hits_start_from_a_state_snapshot(llm: LLM, oracle) -> None:  # n
 
 
 def test_what_state_models_refuse(lfm2_dir: str) -> None:
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(lfm2_dir, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="contiguous"):
         LLM(lfm2_dir, **ENGINE, kv_allocator="contiguous")
 
