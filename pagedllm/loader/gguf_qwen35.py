@@ -25,6 +25,14 @@ Hugging Face terms (``models/qwen3_next.py`` then loads them like a folder):
   head (value head ``h`` reads key head ``h / group``) to tiled (key head
   ``h % num_k_heads``) in every tensor with a value-head axis; this is
   undone here, rows or columns moved in whole heads (as stored bytes too).
+- **Gated queries.** ``attn_q`` (the model's ``q_proj`` rows, per head query
+  then gate) is split into ``q_proj`` and ``attn_gate`` by whole rows, so as
+  stored bytes too: ``gated_query_types`` gives ``attn_gate`` the file's type
+  of ``q_proj``, and the fused ``qkv_proj`` keeps the file's blocks (before
+  it, the full-attention layers' q, k and v were dequantized to float32).
+- **Moved columns.** ``out_proj``'s value heads are columns: moved as stored
+  bytes only where a head is whole blocks of its type
+  (``columns_moved_in_values``: else dequantized, then moved).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QWEN35_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 _TILED_ARCHITECTURES = ("qwen35", "qwen35moe")
@@ -50,6 +59,26 @@ QWEN35_LAYER_NAMES = {
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
 _FULL_ATTENTION_INTERVAL = 4
+
+
+def gated_query_types(quantized: dict[str, int]) -> dict[str, int]:
+    """The ggml types of the ``self_attn.attn_gate`` rows the model splits from each quantized
+    ``self_attn.q_proj`` (``layers/gated_attention.py``): whole rows, so the stored blocks of the same type."""
+    suffix = ".self_attn.q_proj.weight"
+    return {name.removesuffix(suffix) + ".self_attn.attn_gate.weight": kind
+            for name, kind in quantized.items() if name.endswith(suffix)}
+
+
+def columns_moved_in_values(
+    quantized: dict[str, int], arch: str, num_k_heads: int, num_v_heads: int, head_v_dim: int
+) -> set[str]:
+    """The quantized ``linear_attn.out_proj`` tensors of a tiled file whose value heads (columns, moved back to
+    grouped order) are not whole blocks of their type (Q4_K's 256 columns over heads of 128): these must be
+    dequantized before their columns move, never taken as stored."""
+    if arch not in _TILED_ARCHITECTURES or num_v_heads <= num_k_heads:
+        return set()
+    return {name for name, kind in quantized.items() if name.endswith(".linear_attn.out_proj.weight")
+            and head_v_dim % GGML_QUANT_SIZES[GGMLQuantizationType(kind)][0]}
 
 
 def _int_key(key: Callable[[str], object], arch: str, name: str) -> int:

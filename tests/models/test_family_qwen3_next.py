@@ -202,3 +202,51 @@ def test_converted_gguf_matches_transformers(family: str, outtype: str, ggufs: d
     for prompt, out in zip(PROMPTS, _generate(llm, PROMPTS, logprobs=True), strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GENERATED)
         assert _max_logprob_error(hf64, out) < LOGPROB_TOL
+
+
+@pytest.mark.slow  # a converter run
+def test_q8_0_file_kept_in_blocks_matches_it_dequantized(ggufs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q8_0 ``qwen35`` file (4 value heads tiled over 2 key heads, heads of 16 columns: half a block): the
+    full-attention layer's fused ``qkv_proj`` holds the file's blocks (``attn_q``'s query and gate rows split
+    in whole rows), ``out_proj``, whose heads' columns are not whole blocks, is dequantized before they move;
+    tokens and logprobs are those of the same file dequantized whole (finite: moving half blocks made NaNs)."""
+    path = ggufs["qwen3_5", "q8_0"]
+    llm = LLM(path, **ENGINE, gguf_activations="float32")
+    layers = llm.llm_engine.model_runner.model.model.layers
+    assert layers[3].self_attn.qkv_proj.quant_method.name == "gguf-q8_0"
+    assert layers[0].linear_attn.in_proj.quant_method.name == "gguf-q8_0"
+    kept = _generate(llm, PROMPTS[:1], logprobs=True)[0]
+    del llm, layers
+    # every quantized tensor dropped from the file's list: all dequantized to float32, moved as values
+    monkeypatch.setattr("pagedllm.loader.gguf_loader.columns_moved_in_values", lambda quantized, *_: set(quantized))
+    whole = _generate(LLM(path, **ENGINE, gguf_activations="float32"), PROMPTS[:1], logprobs=True)[0]
+    assert kept.outputs[0].token_ids == whole.outputs[0].token_ids
+    errors = [abs(got[t].logprob - want[t].logprob) for got, want in zip(kept.outputs[0].logprobs,
+                                                                          whole.outputs[0].logprobs, strict=True)
+              for t in want if t in got]
+    assert errors and max(errors) < 1e-4  # NaN fails this too
+
+
+@pytest.mark.slow  # a converter run
+def test_real_size_script_writes_the_converters_layout(ggufs: dict, tmp_path) -> None:  # noqa: ANN001
+    """benchmarks/real_size_hybrid_gguf.py at this module's tiny config: the converter's F16 file's metadata
+    keys (but the size label; the bundled tokenizer's two flags more) with the same values (the tokenizer's
+    aside: the bundled file's), tensor names, shapes, types and order."""
+    from gguf import GGUFReader
+
+    from benchmarks.real_size_hybrid_gguf import HybridShape, write_f16
+
+    shape = HybridShape(64, 4, 96, 4, 2, 16, 2, 4, 16, 16, 4, 49152, False, rope_theta=10000.0, context_len=1024)
+    write_f16(shape, tmp_path / "ours.gguf", "tiny")
+    ours = GGUFReader(tmp_path / "ours.gguf")
+    theirs = GGUFReader(ggufs["qwen3_5", "f16"])
+
+    def fields(reader: GGUFReader) -> dict:
+        skipped = ("GGUF.kv_count", "general.name", "general.size_label", "tokenizer.ggml.add_space_prefix",
+                   "tokenizer.ggml.add_bos_token")
+        return {f.name: (f.types, None if f.name.startswith("tokenizer.") else f.contents())
+                for f in reader.fields.values() if f.name not in skipped}
+
+    assert list(fields(ours).items()) == list(fields(theirs).items())
+    assert [(t.name, list(t.shape), t.tensor_type) for t in ours.tensors] == \
+        [(t.name, list(t.shape), t.tensor_type) for t in theirs.tensors]
