@@ -52,22 +52,9 @@ static inline void gd_scale(float *y, float a, int64_t n) {
     for (; j < n; j++) y[j] *= a;
 }
 
-/* sum of a[i] * b[i] over n floats */
-static inline float gd_dot(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float sum = 0.0f;
-#if SIMD_F32_WIDTH
-    vf32 acc = vf32_zero();
-    for (; i + SIMD_F32_WIDTH <= n; i += SIMD_F32_WIDTH) acc = vf32_fma(vf32_load(a + i), vf32_load(b + i), acc);
-    sum = vf32_hsum(acc);
-#endif
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
 /* dst = src * mul, times 1 / sqrt(sum src^2 + eps) when l2norm is set */
 static inline void gd_load_head(float *dst, const float *src, int64_t n, int l2norm, float mul) {
-    if (l2norm) mul /= sqrtf(gd_dot(src, src, n) + GD_L2_EPS);
+    if (l2norm) mul /= sqrtf(vf32_dot(src, src, n) + GD_L2_EPS);
     for (int64_t i = 0; i < n; i++) dst[i] = src[i] * mul;
 }
 

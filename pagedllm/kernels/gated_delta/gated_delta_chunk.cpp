@@ -84,14 +84,14 @@ static void gd_solve_and_read(const GdPrompt *p, const GdScratch *b, int64_t t0,
     for (int64_t t = 1; t < n; t++) {
         float *ut = b->u + t * dv;
         for (int64_t s = 0; s < t; s++) {
-            const float a = b->beta[t] * expf(b->cum[t] - b->cum[s]) * gd_dot(b->kc + t * dk, b->kc + s * dk, dk);
+            const float a = b->beta[t] * expf(b->cum[t] - b->cum[s]) * vf32_dot(b->kc + t * dk, b->kc + s * dk, dk);
             gd_axpy(ut, -a, b->u + s * dv, dv);
         }
     }
     for (int64_t t = 0; t < n; t++) {
         float *ot = b->o + t * dv;
         for (int64_t s = 0; s <= t; s++)
-            gd_axpy(ot, expf(b->cum[t] - b->cum[s]) * gd_dot(b->qc + t * dk, b->kc + s * dk, dk), b->u + s * dv, dv);
+            gd_axpy(ot, expf(b->cum[t] - b->cum[s]) * vf32_dot(b->qc + t * dk, b->kc + s * dk, dk), b->u + s * dv, dv);
         memcpy(p->out + (t0 + t) * p->out_stride + h * dv, ot, sizeof(float) * (size_t)dv);
     }
 }

@@ -54,7 +54,7 @@ static void gd_decode_head(const GatedDeltaDecodeNode *n, int64_t r, int h) {
     for (int64_t i = 0; i < dk; i++) gd_axpy(state + i * dv, kn[i], delta, dv);
     float *o = n->out + r * n->out_stride + h * dv;
     memcpy(o, qs, sizeof(float) * (size_t)dv);
-    gd_axpy(o, gd_dot(kn, qn, dk), delta, dv);
+    gd_axpy(o, vf32_dot(kn, qn, dk), delta, dv);
 }
 
 void gated_delta_decode_team(const GatedDeltaDecodeNode *n, int64_t rows) {

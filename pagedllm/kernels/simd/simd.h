@@ -27,7 +27,8 @@
  *   vf32, vf32_*     the widest float vector of the build, SIMD_F32_WIDTH
  *                    floats (16, 8; 0 where the build has none: the
  *                    kernels then take their plain C paths): load, store,
- *                    set1, zero, add, mul, fma, horizontal sum.
+ *                    set1, zero, add, mul, fma, horizontal sum; vf32_dot
+ *                    (a dot product of n floats on them).
  *   vq_*             the int8 dot products of the x16 GGUF kernels
  *                    (gguf_x16.h): SIMD_Q_LANES int32 lanes, one output
  *                    channel each (16, 8, or 1 in plain C), each summing
@@ -118,5 +119,20 @@ typedef f32x8 vf32;
 #else
 #define SIMD_F32_WIDTH 0
 #endif
+
+
+/* sum of a[i] * b[i] over n floats: vector lanes, their horizontal sum, then the tail in order (the state
+   layers' kernels, gated_delta/ and ssm/, share it so their sums are summed the one same way) */
+static inline float vf32_dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if SIMD_F32_WIDTH
+    vf32 acc = vf32_zero();
+    for (; i + SIMD_F32_WIDTH <= n; i += SIMD_F32_WIDTH) acc = vf32_fma(vf32_load(a + i), vf32_load(b + i), acc);
+    sum = vf32_hsum(acc);
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
 
 #endif

@@ -11,19 +11,6 @@
 
 #include "../simd/simd.h"
 
-/* sum_i a[i] * b[i] */
-static inline float ssd_dot(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float sum = 0.0f;
-#if SIMD_F32_WIDTH
-    vf32 acc = vf32_zero();
-    for (; i + SIMD_F32_WIDTH <= n; i += SIMD_F32_WIDTH) acc = vf32_fma(vf32_load(a + i), vf32_load(b + i), acc);
-    sum = vf32_hsum(acc);
-#endif
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
 /* y = s * y + a * x */
 static inline void ssd_scale_axpy(float *y, float s, float a, const float *x, int64_t n) {
     int64_t i = 0;

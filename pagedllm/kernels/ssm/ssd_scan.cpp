@@ -50,11 +50,11 @@ void chunk_head(const SsdLayer *l, const SsdRows *r, float *s, int64_t t0, int n
         float *y = r->out + t * r->out_stride + h * P;
         // the state at the chunk's start, decayed to token i and read through C_i
         const float start = expf(log_decay[i]);
-        for (int64_t p = 0; p < P; p++) y[p] = start * ssd_dot(s + p * N, c, N) + l->D[h] * x[p];
+        for (int64_t p = 0; p < P; p++) y[p] = start * vf32_dot(s + p * N, c, N) + l->D[h] * x[p];
         // the chunk's tokens j <= i: decay from j to i (a difference of sums: at most 0, no overflow)
         for (int j = 0; j <= i; j++) {
             const float *bj = r->B + (t0 + j) * r->b_stride + g * N;
-            const float w = expf(log_decay[i] - log_decay[j]) * dts[j] * ssd_dot(c, bj, N);
+            const float w = expf(log_decay[i] - log_decay[j]) * dts[j] * vf32_dot(c, bj, N);
             ssd_axpy(y, w, r->x + (t0 + j) * r->x_stride + h * P, P);
         }
     }
