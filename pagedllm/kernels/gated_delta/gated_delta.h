@@ -31,17 +31,6 @@
 /* the L2 norm's epsilon, the models' (inside the square root) */
 #define GD_L2_EPS 1e-6f
 
-/* y += a * x over n floats */
-static inline void gd_axpy(float *y, float a, const float *x, int64_t n) {
-    int64_t j = 0;
-#if SIMD_F32_WIDTH
-    const vf32 va = vf32_set1(a);
-    for (; j + SIMD_F32_WIDTH <= n; j += SIMD_F32_WIDTH)
-        vf32_store(y + j, vf32_fma(va, vf32_load(x + j), vf32_load(y + j)));
-#endif
-    for (; j < n; j++) y[j] += a * x[j];
-}
-
 /* y *= a over n floats */
 static inline void gd_scale(float *y, float a, int64_t n) {
     int64_t j = 0;

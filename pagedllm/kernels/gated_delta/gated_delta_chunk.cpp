@@ -64,8 +64,8 @@ static void gd_read_state(const GdPrompt *p, const GdScratch *b, const float *s0
         for (int64_t i = 0; i < dk; i++) {
             const float *row = s0 + i * dv;
             for (int64_t t = 0; t < n; t++) {
-                gd_axpy(b->u + t * dv, b->kc[t * dk + i], row, dv);
-                gd_axpy(b->o + t * dv, b->qc[t * dk + i], row, dv);
+                vf32_axpy(b->u + t * dv, b->kc[t * dk + i], row, dv);
+                vf32_axpy(b->o + t * dv, b->qc[t * dk + i], row, dv);
             }
         }
     }
@@ -85,13 +85,13 @@ static void gd_solve_and_read(const GdPrompt *p, const GdScratch *b, int64_t t0,
         float *ut = b->u + t * dv;
         for (int64_t s = 0; s < t; s++) {
             const float a = b->beta[t] * expf(b->cum[t] - b->cum[s]) * vf32_dot(b->kc + t * dk, b->kc + s * dk, dk);
-            gd_axpy(ut, -a, b->u + s * dv, dv);
+            vf32_axpy(ut, -a, b->u + s * dv, dv);
         }
     }
     for (int64_t t = 0; t < n; t++) {
         float *ot = b->o + t * dv;
         for (int64_t s = 0; s <= t; s++)
-            gd_axpy(ot, expf(b->cum[t] - b->cum[s]) * vf32_dot(b->qc + t * dk, b->kc + s * dk, dk), b->u + s * dv, dv);
+            vf32_axpy(ot, expf(b->cum[t] - b->cum[s]) * vf32_dot(b->qc + t * dk, b->kc + s * dk, dk), b->u + s * dv, dv);
         memcpy(p->out + (t0 + t) * p->out_stride + h * dv, ot, sizeof(float) * (size_t)dv);
     }
 }
@@ -105,7 +105,7 @@ static void gd_write_state(const GdPrompt *p, const GdScratch *b, float *state, 
     for (int64_t i = 0; i < dk; i++) {
         float *row = state + i * dv;
         gd_scale(row, decay, dv);
-        for (int64_t s = 0; s < n; s++) gd_axpy(row, b->w[s] * b->kc[s * dk + i], b->u + s * dv, dv);
+        for (int64_t s = 0; s < n; s++) vf32_axpy(row, b->w[s] * b->kc[s * dk + i], b->u + s * dv, dv);
     }
 }
 

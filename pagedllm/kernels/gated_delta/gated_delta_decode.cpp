@@ -51,10 +51,10 @@ static void gd_decode_head(const GatedDeltaDecodeNode *n, int64_t r, int h) {
     const float *v = n->v + r * n->v_stride + h * dv;
     float *delta = kv;  // kv is read once more, here: delta takes its place
     for (int64_t j = 0; j < dv; j++) delta[j] = beta * (v[j] - kv[j]);
-    for (int64_t i = 0; i < dk; i++) gd_axpy(state + i * dv, kn[i], delta, dv);
+    for (int64_t i = 0; i < dk; i++) vf32_axpy(state + i * dv, kn[i], delta, dv);
     float *o = n->out + r * n->out_stride + h * dv;
     memcpy(o, qs, sizeof(float) * (size_t)dv);
-    gd_axpy(o, vf32_dot(kn, qn, dk), delta, dv);
+    vf32_axpy(o, vf32_dot(kn, qn, dk), delta, dv);
 }
 
 void gated_delta_decode_team(const GatedDeltaDecodeNode *n, int64_t rows) {

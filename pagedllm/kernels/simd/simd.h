@@ -28,7 +28,7 @@
  *                    floats (16, 8; 0 where the build has none: the
  *                    kernels then take their plain C paths): load, store,
  *                    set1, zero, add, mul, fma, horizontal sum; vf32_dot
- *                    (a dot product of n floats on them).
+ *                    and vf32_axpy (a dot product, y += a * x, of n floats).
  *   vq_*             the int8 dot products of the x16 GGUF kernels
  *                    (gguf_x16.h): SIMD_Q_LANES int32 lanes, one output
  *                    channel each (16, 8, or 1 in plain C), each summing
@@ -120,6 +120,17 @@ typedef f32x8 vf32;
 #define SIMD_F32_WIDTH 0
 #endif
 
+
+/* y += a * x over n floats (the state layers' kernels, gated_delta/ and ssm/) */
+static inline void vf32_axpy(float *y, float a, const float *x, int64_t n) {
+    int64_t j = 0;
+#if SIMD_F32_WIDTH
+    const vf32 va = vf32_set1(a);
+    for (; j + SIMD_F32_WIDTH <= n; j += SIMD_F32_WIDTH)
+        vf32_store(y + j, vf32_fma(va, vf32_load(x + j), vf32_load(y + j)));
+#endif
+    for (; j < n; j++) y[j] += a * x[j];
+}
 
 /* sum of a[i] * b[i] over n floats: vector lanes, their horizontal sum, then the tail in order (the state
    layers' kernels, gated_delta/ and ssm/, share it so their sums are summed the one same way) */

@@ -22,17 +22,6 @@ static inline void ssd_scale_axpy(float *y, float s, float a, const float *x, in
     for (; i < n; i++) y[i] = s * y[i] + a * x[i];
 }
 
-/* y += a * x */
-static inline void ssd_axpy(float *y, float a, const float *x, int64_t n) {
-    int64_t i = 0;
-#if SIMD_F32_WIDTH
-    const vf32 va = vf32_set1(a);
-    for (; i + SIMD_F32_WIDTH <= n; i += SIMD_F32_WIDTH)
-        vf32_store(y + i, vf32_fma(va, vf32_load(x + i), vf32_load(y + i)));
-#endif
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
 /* One token's step of one state row: row = decay * row + coef * b, then the
    row's dot product with c (the output's contribution), in one pass. */
 static inline float ssd_step_row(float *row, float decay, float coef, const float *b, const float *c, int64_t n) {

@@ -55,7 +55,7 @@ void chunk_head(const SsdLayer *l, const SsdRows *r, float *s, int64_t t0, int n
         for (int j = 0; j <= i; j++) {
             const float *bj = r->B + (t0 + j) * r->b_stride + g * N;
             const float w = expf(log_decay[i] - log_decay[j]) * dts[j] * vf32_dot(c, bj, N);
-            ssd_axpy(y, w, r->x + (t0 + j) * r->x_stride + h * P, P);
+            vf32_axpy(y, w, r->x + (t0 + j) * r->x_stride + h * P, P);
         }
     }
     // state = decay over the chunk * state + sum_j (decay from j to the end) * dt_j * x_j B_j^T
