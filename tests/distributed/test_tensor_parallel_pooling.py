@@ -8,6 +8,7 @@ and KV cache) and on one process of the same settings, with prompts prefilled in
 
 - ``embed``: the final norm's output is whole on every rank (the row-parallel projections all-reduce), so
   rank 0's pooled rows (last / mean / first token) are one process's to float rounding;
+  also the bundled GGUF file (3 KV heads: 2 + 1 per rank; a tied embedding split by vocabulary rows);
 - ``classify``: the classifier's ``score.weight`` is read apart on rank 0 and applied there, whole
   (replicated: no rank holds a slice of it); the workers load the decoder alone;
 - ``score`` (Qwen3-Reranker's yes/no logits): each rank's LM head holds its slice of the vocabulary and the
@@ -92,6 +93,15 @@ def test_embeddings_on_two_ranks_equal_one_process(two_ranks: TwoRankEngines,  #
     # a bi-encoder's scores: the cosine of two embeddings made on the two ranks
     assert [o.outputs.score for o in two.score(QUERY, DOCS)] == pytest.approx(
         [o.outputs.score for o in one.score(QUERY, DOCS)], abs=1e-5)
+
+
+def test_bundled_gguf_embeddings_on_two_ranks(two_ranks: TwoRankEngines) -> None:  # noqa: F811
+    """SmolLM2's 3 KV heads split unevenly (2 + 1) and its tied, vocabulary-split embedding: mean-pooled
+    embeddings of the GGUF file (float32 activations) on two ranks are one process's."""
+    one, two = _pair(two_ranks, None, convert="embed", pooler_config={"pooling_type": "MEAN", "normalize": True})
+    for w, g in zip(one.embed(TEXTS), two.embed(TEXTS)):
+        assert g.prompt_token_ids == w.prompt_token_ids
+        assert _cos(torch.tensor(g.outputs.embedding), torch.tensor(w.outputs.embedding)) > 1 - 1e-5
 
 
 def test_sequence_classifier_on_two_ranks(two_ranks: TwoRankEngines,  # noqa: F811
