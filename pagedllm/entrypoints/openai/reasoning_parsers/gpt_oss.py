@@ -31,6 +31,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
+from pagedllm.harmony.thinking import (
+    ANALYSIS_OPEN,
+    END,
+    FINAL_OPEN,
+    analysis_header_ids,
+    opens_analysis,
+)
 from pagedllm.harmony.vocab import harmony_encoding
 
 FUNCTIONS = "functions."
@@ -47,6 +54,9 @@ class GptOssReasoningParser(ReasoningParser):
 
     name = "gpt_oss"
     parses_tool_calls = True
+    # a thinking budget ends the analysis message and opens the final one (harmony/thinking.py sets them, with
+    # the closing marker <|end|> alone: the model may end its analysis itself and go on to a call)
+    think_markers = (ANALYSIS_OPEN, END + FINAL_OPEN)
 
     def __init__(
         self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None
@@ -60,6 +70,9 @@ class GptOssReasoningParser(ReasoningParser):
         self._call: int | None = None  # the open call's index
         self._broken: list[int] = []  # tokens after the format broke, sent as text at the end
         self.diverged = False
+        if opens_analysis(prompt_text):  # a thinking budget's prompt opened the analysis message (harmony/thinking.py)
+            for token in analysis_header_ids():
+                self._parser.process(token)
 
     def _read(self, text: str, token_ids: Sequence[int]) -> None:
         for token in token_ids:
