@@ -23,6 +23,10 @@ cannot change what it sends. Output that breaks the format (a cut header, a
 token harmony does not expect) stops the reading: the tokens from there on
 are decoded, special ones spelled out, and sent as content when the output
 ends (whole, so no UTF-8 character is split), so nothing the model wrote is lost.
+
+With a thinking budget the prompt opens the analysis message itself
+(``harmony/thinking.py``): told a ``prompt_text`` that ends with the analysis
+header, the parser reads that header first, so the output is the message's text.
 """
 
 from __future__ import annotations
