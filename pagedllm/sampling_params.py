@@ -304,6 +304,12 @@ class SamplingParams(BaseModel):
         think_end_str: what is forced to close it: the closing marker (a block
             counts as closed once the model writes it), then the whitespace
             after it (Qwen3's ``</think>`` and a blank line).
+        think_close_str: the closing marker, where more than whitespace
+            follows it in ``think_end_str`` (None: ``think_end_str`` without
+            its trailing whitespace). gpt-oss's: ``<|end|>``, with
+            ``think_end_str`` ``<|end|><|start|>assistant<|channel|>final<|message|>``
+            (the analysis message ends, the final one opens); ``think_end_str``
+            must start with it.
         structured_outputs: a ``StructuredOutputsParams`` constraint (JSON
             schema, regex, choice, grammar, any JSON object) the output
             follows: tokens that would break it are masked before sampling
@@ -352,6 +358,7 @@ class SamplingParams(BaseModel):
     thinking_token_budget: Count | None = None
     think_start_str: str = "<think>"
     think_end_str: str = "</think>\n\n"
+    think_close_str: str | None = None
     structured_outputs: InstanceOf[StructuredOutputsParams] | None = None
     output_kind: InstanceOf[RequestOutputKind] = RequestOutputKind.CUMULATIVE
 
@@ -389,6 +396,9 @@ class SamplingParams(BaseModel):
                 if not getattr(self, name).strip():
                     raise ValueError(f"{name} must not be empty (or blank) with thinking_token_budget")
                 check_text(name, getattr(self, name))
+            close = self.think_close_str
+            if close is not None and (not close.strip() or not self.think_end_str.startswith(close)):
+                raise ValueError("think_close_str must be non-blank and begin think_end_str")
         self._check_choice_reaches_min_tokens()
 
     def _check_choice_reaches_min_tokens(self) -> None:

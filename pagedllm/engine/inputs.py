@@ -193,7 +193,9 @@ def thinking_budget(
         return None
     if pieces is None:
         raise ValueError("thinking_token_budget needs the tokenizer's token texts, which this engine was not given")
-    close_str = params.think_end_str.rstrip()
+    # the closing marker the model may write itself, then what else is forced after it (whitespace, or harmony's
+    # next message header)
+    close_str = params.think_close_str if params.think_close_str is not None else params.think_end_str.rstrip()
     suffix = params.think_end_str[len(close_str) :]
     start_str = params.think_start_str.strip()  # the whitespace around the opening marker may tokenize either way
     forced = tuple(encode(close_str)) + (tuple(encode(suffix)) if suffix else ())

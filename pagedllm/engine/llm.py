@@ -248,14 +248,20 @@ class LLM(PoolingMethods):
         self, conversations: list[list[dict[str, Any]]], sampling_params: SamplingParams | SequenceABC[SamplingParams]
         | None, use_tqdm: bool, tools: list[dict[str, Any]] | None, reasoning_effort: str | None,
     ) -> list[RequestOutput]:
-        """``chat`` for a harmony model: openai-harmony's prompt tokens, harmony's stop tokens added."""
+        """``chat`` for a harmony model: openai-harmony's prompt tokens, harmony's stop tokens added.
+
+        A ``thinking_token_budget`` binds the analysis channel: harmony's markers replace the
+        ``think_*`` ones, and the prompt opens the analysis message (``harmony/thinking.py``;
+        its text is the output's ``prompt``, for ``parse_reply(..., prompt_text=out.prompt)``).
+        """
+        from pagedllm.harmony import thinking
         from pagedllm.harmony.prompt import render_prompt
         from pagedllm.harmony.vocab import harmony_encoding
 
         for c in conversations:
             if not isinstance(c, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in c):
                 raise ValueError("each conversation must be a list of {'role': str, 'content': str} dicts")
-        prompts = [{"prompt_token_ids": render_prompt(c, tools, reasoning_effort)} for c in conversations]
+        rendered = [render_prompt(c, tools, reasoning_effort) for c in conversations]
         stops = set(harmony_encoding().stop_tokens_for_assistant_actions())
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -265,6 +271,17 @@ class LLM(PoolingMethods):
             if isinstance(p, SamplingParams) else p
             for p in (sampling_params if many else [sampling_params])
         ]
+        if many and len(params) != len(rendered):
+            raise ValueError(f"{len(params)} sampling params for {len(rendered)} conversations")
+        prompts: list[dict[str, Any]] = []
+        for i, ids in enumerate(rendered):
+            p = params[i if many else 0]
+            if isinstance(p, SamplingParams) and p.thinking_token_budget is not None:
+                thinking.set_budget_markers(p)  # a copy (above): the caller's params are left as they were
+                ids = thinking.open_analysis(ids)
+                prompts.append({"prompt": harmony_encoding().decode(ids), "prompt_token_ids": ids})
+            else:
+                prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, params if many else params[0], use_tqdm)
 
     def beam_search(

@@ -77,3 +77,55 @@ def test_bad_budgets() -> None:
         _budget(-1)
     with pytest.raises(ValueError, match="markers"):
         ThinkingBudget(1, "", "</think>", FORCED, {})
+
+
+# harmony's markers as gpt-oss's vocabulary has them: special tokens, and the channel names as ordinary words
+H_TEXTS = ["a", "<|start|>", "assistant", "<|channel|>", "analysis", "<|message|>", "<|end|>", "final", "commentary",
+           "<|", "end", "|>"]
+H_A, H_START, H_ASSISTANT, H_CHANNEL, H_ANALYSIS, H_MESSAGE, H_END, H_FINAL, H_COMMENTARY, H_LT, H_WORD_END, H_GT = (
+    range(len(H_TEXTS)))
+
+
+def _harmony_encode(text: str) -> list[int]:
+    """The hand-made vocabulary's tokenization: its longest token at each place."""
+    ids = []
+    while text:
+        token = max((i for i, t in enumerate(H_TEXTS) if text.startswith(t)), key=lambda i: len(H_TEXTS[i]))
+        ids.append(token)
+        text = text[len(H_TEXTS[token]) :]
+    return ids
+
+
+def test_harmony_markers_close_the_analysis_and_open_the_final_channel() -> None:
+    """``think_close_str`` ``<|end|>``: the model may end its analysis itself (then write anything, a call); past
+    the budget the whole ``think_end_str`` is forced, ``<|end|>`` and the final channel's header."""
+    from pagedllm.engine.inputs import thinking_budget
+    from pagedllm.harmony.thinking import ANALYSIS_OPEN, END, FINAL_OPEN
+    from pagedllm.sampling_params import SamplingParams
+
+    params = SamplingParams(thinking_token_budget=2, think_start_str=ANALYSIS_OPEN, think_end_str=END + FINAL_OPEN,
+                            think_close_str=END)
+    budget = thinking_budget(params, _harmony_encode, len(H_TEXTS), lambda m: marker_pieces(H_TEXTS, m))
+    assert budget.forced == (H_END, H_START, H_ASSISTANT, H_CHANNEL, H_FINAL, H_MESSAGE)
+    opened = budget.with_prompt([H_START, H_ASSISTANT, H_CHANNEL, H_ANALYSIS, H_MESSAGE])
+    assert opened.opened and not budget.with_prompt([H_START, H_ASSISTANT]).opened
+    out = [H_A, H_A]
+    for expected in budget.forced:
+        assert opened.forced_token(out) == expected
+        out.append(expected)
+    assert opened.forced_token(out) is None  # the answer is the model's
+    # ended by the model within the budget, then a commentary message: nothing forced
+    own = [H_A, H_END, H_START, H_ASSISTANT, H_CHANNEL, H_COMMENTARY, H_MESSAGE]
+    assert all(opened.forced_token(own[:k]) is None for k in range(len(own) + 1))
+    # the analysis header written by the model (a prompt that opened none) starts the count too
+    header = [H_CHANNEL, H_ANALYSIS, H_MESSAGE]
+    assert budget.forced_token([*header, H_A]) is None and budget.forced_token([*header, H_A, H_A]) == H_END
+    assert opened.grammar_start([H_A, H_A, *budget.forced]) == 8
+
+
+def test_think_close_str_must_begin_think_end_str() -> None:
+    from pagedllm.sampling_params import SamplingParams
+
+    for close in ("<|call|>", "  "):
+        with pytest.raises(ValueError, match="think_close_str"):
+            SamplingParams(thinking_token_budget=1, think_end_str="<|end|><|start|>", think_close_str=close)

@@ -219,3 +219,25 @@ def test_the_store_evicts_by_count_and_bytes_least_recently_used_first() -> None
     assert store.delete("d") and not store.delete("d") and store.num_bytes == size
     with pytest.raises(ValueError, match="max_bytes"):
         store.resize(1, 0)
+
+
+def test_input_items_include_values() -> None:
+    """Every value of the openai client's ``ResponseIncludable`` is served or refused by name, none ignored."""
+    import typing
+
+    from openai.types.responses import ResponseIncludable
+
+    from pagedllm.entrypoints.openai.response_input_items import check_include, list_page
+
+    items = [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"}]
+    assert "encrypted_content" not in list_page(items)["data"][0]
+    assert list_page(items, include=["reasoning.encrypted_content"])["data"][0]["encrypted_content"] == "x"
+    for value in typing.get_args(ResponseIncludable):
+        if value == "reasoning.encrypted_content":
+            assert check_include([value]) == {value}
+            continue
+        with pytest.raises(APIError) as e:
+            check_include([value])
+        assert (e.value.status_code, e.value.param, e.value.code) == (400, "include", "unsupported_value")
+    with pytest.raises(APIError, match="unknown value"):
+        check_include(["reasoning.summary"])

@@ -260,3 +260,141 @@ def test_messages_commentary_call_is_tool_use_and_the_result_round_trip(harmony_
     with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         client.messages.create(**kwargs, tool_choice={"type": "any"})
     assert wait_kv_free(harmony_server["url"]) == 0.0
+
+
+# a thinking budget on the analysis channel: the random model is kept off every harmony special token and every
+# ordinary token with a "<" (so it can neither end its analysis nor spell a marker), and the budget ends it
+BUDGET = 5
+CLOSE_TO_FINAL = "<|end|><|start|>assistant<|channel|>final<|message|>"
+
+
+def _no_markers(angled: list[int]) -> dict[int, float]:
+    from harmony_models import VOCAB_SIZE
+
+    return {t: -100.0 for t in [*angled, *range(NUM_RANKS, VOCAB_SIZE)]}
+
+
+def _harmony_ids(text: str) -> list[int]:
+    from pagedllm.harmony.vocab import harmony_encoding
+
+    return harmony_encoding().encode(text, allowed_special="all")
+
+
+@pytest.fixture(scope="module")
+def budget_reference(harmony_dir: dict) -> dict:
+    """``LLM.chat``'s greedy outputs of ASK with budgets 5 and 0 (and without), for the server tests to match."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(harmony_dir["path"], num_kv_blocks=32, max_model_len=512, num_threads=1)
+    bias = _no_markers(harmony_dir["angled"])
+    outs = {}
+    for budget in (BUDGET, 0, None):
+        params = SamplingParams(temperature=0.0, max_tokens=BUDGET + 10, logit_bias=bias,
+                                thinking_token_budget=budget)
+        (outs[budget],) = llm.chat(ASK, params, use_tqdm=False)
+        assert params.think_start_str == "<think>"  # the caller's params are left as they were
+    outs["llm"] = llm
+    return outs
+
+
+def test_llm_chat_thinking_budget_ends_the_analysis(budget_reference: dict) -> None:
+    """With a budget of N the prompt opens the analysis message, N tokens of it follow, then harmony's tokens
+    that end it and open the final channel (openai-harmony's ids), then the answer; ``parse_reply`` agrees."""
+    from pagedllm import SamplingParams, StructuredOutputsParams
+    from pagedllm.entrypoints.openai.reasoning_parsers import parse_reply
+    from pagedllm.harmony.prompt import render_prompt
+    from pagedllm.harmony.vocab import harmony_encoding
+
+    forced = _harmony_ids(CLOSE_TO_FINAL)
+    assert len(forced) == 6
+    for budget in (BUDGET, 0):
+        out = budget_reference[budget]
+        assert out.prompt_token_ids == render_prompt(ASK) + _harmony_ids("<|channel|>analysis<|message|>")
+        ids = list(out.outputs[0].token_ids)
+        assert len(ids) == BUDGET + 10
+        assert all(t < NUM_RANKS for t in ids[:budget])  # the analysis: ordinary tokens only
+        assert ids[budget : budget + 6] == forced
+        assert all(t < NUM_RANKS for t in ids[budget + 6 :])  # the final answer
+        found = parse_reply(ids, prompt_text=out.prompt)
+        assert found.reasoning_content == (harmony_encoding().decode(ids[:budget]) or None)
+        assert found.content == harmony_encoding().decode(ids[budget + 6 :])
+    # without a budget the prompt stops at <|start|>assistant and nothing is forced (no special token)
+    free = budget_reference[None]
+    assert free.prompt_token_ids == render_prompt(ASK)
+    assert all(t < NUM_RANKS for t in free.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="structured outputs"):
+        budget_reference["llm"].chat(ASK, SamplingParams(thinking_token_budget=2, structured_outputs=
+                                                         StructuredOutputsParams(regex="a")), use_tqdm=False)
+
+
+def test_chat_thinking_token_budget_on_harmony(harmony_server, budget_reference: dict) -> None:  # noqa: ANN001
+    """``thinking_token_budget`` through the openai client: the reply's tokens (logprobs, as bytes) are
+    ``LLM.chat``'s, with the forced ones at N; the analysis is the reasoning, the rest the content."""
+    import openai
+
+    from pagedllm.harmony.vocab import harmony_encoding
+
+    client = harmony_server["client"]
+    bias = {str(t): b for t, b in _no_markers(harmony_server["angled"]).items()}
+    kwargs = {"messages": ASK, "temperature": 0, "max_tokens": BUDGET + 10, "logit_bias": bias,
+              "extra_body": {"thinking_token_budget": BUDGET}}
+    out = client.chat.completions.create(model="tiny-harmony", **kwargs, logprobs=True)
+    ids = list(budget_reference[BUDGET].outputs[0].token_ids)
+    encoding = harmony_encoding()
+    # each token's text (whole characters here: the greedy reply repeats one ordinary token)
+    assert [bytes(p.bytes) for p in out.choices[0].logprobs.content] == [encoding.decode([t]).encode() for t in ids]
+    assert [p.token for p in out.choices[0].logprobs.content[BUDGET : BUDGET + 6]] == [
+        "<|end|>", "<|start|>", "assistant", "<|channel|>", "final", "<|message|>"]
+    message = out.choices[0].message
+    assert message.reasoning_content == encoding.decode(ids[:BUDGET])
+    assert message.content == encoding.decode(ids[BUDGET + 6 :])
+    assert out.usage.prompt_tokens == len(budget_reference[BUDGET].prompt_token_ids)
+    streamed = _stream(client, **kwargs)
+    assert (streamed["reasoning"], streamed["content"]) == (message.reasoning_content, message.content)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-harmony", **{**kwargs, "extra_body": {"thinking_token_budget": 2,
+                                                                   "structured_outputs": {"regex": "a"}}})
+    assert e.value.body["param"] == "thinking_token_budget"
+    assert wait_kv_free(harmony_server["url"]) == 0.0
+
+
+@contextlib.contextmanager
+def _biased_engine(server: dict, bias: dict[int, float]) -> Iterator[None]:
+    """Every request the engine takes meanwhile is greedy with ``bias`` (the Messages API has no such fields)."""
+    engine = server["engine"]
+    add_request = engine.add_request
+
+    def biased(request_id, prompt, params):  # noqa: ANN001, ANN202
+        params.logit_bias = bias
+        params.temperature = 0.0
+        return add_request(request_id, prompt, params)
+
+    engine.add_request = biased
+    try:
+        yield
+    finally:
+        del engine.add_request
+
+
+def test_messages_budget_tokens_on_harmony(harmony_server, budget_reference: dict) -> None:  # noqa: ANN001
+    """``thinking.budget_tokens`` through the anthropic client: the thinking block is the N analysis tokens of
+    ``LLM.chat``'s output, the text block what follows the forced final header, whole and streamed."""
+    from pagedllm.harmony.vocab import harmony_encoding
+
+    client = _anthropic(harmony_server)
+    ids = list(budget_reference[BUDGET].outputs[0].token_ids)
+    encoding = harmony_encoding()
+    kwargs = {"model": "tiny-harmony", "max_tokens": BUDGET + 10, "system": ASK[0]["content"], "messages": ASK[1:],
+              "thinking": {"type": "enabled", "budget_tokens": BUDGET}}
+    with _biased_engine(harmony_server, _no_markers(harmony_server["angled"])):
+        out = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            final = stream.get_final_message()
+    expected = [("thinking", encoding.decode(ids[:BUDGET])), ("text", encoding.decode(ids[BUDGET + 6 :]))]
+    for reply in (out, final):
+        assert [(b.type, getattr(b, "thinking", None) or b.text) for b in reply.content] == expected
+        assert reply.usage.output_tokens == len(ids) and reply.stop_reason == "max_tokens"
+    counted = client.messages.count_tokens(model="tiny-harmony", system=ASK[0]["content"], messages=ASK[1:],
+                                           thinking={"type": "enabled", "budget_tokens": BUDGET})
+    assert counted.input_tokens == len(budget_reference[BUDGET].prompt_token_ids)
+    assert wait_kv_free(harmony_server["url"]) == 0.0

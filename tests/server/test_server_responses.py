@@ -182,6 +182,36 @@ def test_input_items_list_the_conversation_a_response_read(bundled) -> None:  # 
         client.responses.input_items.list(unstored.id)
 
 
+def test_input_items_include(bundled) -> None:  # noqa: ANN001
+    """``include``: ``reasoning.encrypted_content`` keeps a reasoning input item's ``encrypted_content`` (left
+    out without it), sent as the openai client sends it (``include[]=``) or as ``include=``; the values this
+    server cannot serve (hosted tools, images, logprobs) and unknown ones are 400s naming ``include``."""
+    client, url = bundled["client"], bundled["url"]
+    reasoning = {"type": "reasoning", "id": "rs_earlier", "summary": [], "encrypted_content": "opaque-state"}
+    stored = client.responses.create(
+        model="smollm2", max_output_tokens=2, temperature=0,
+        input=[{"role": "user", "content": ASK}, reasoning, {"role": "assistant", "content": "Sunny."},
+               {"role": "user", "content": "And in Rome?"}],
+    )
+    plain = client.responses.input_items.list(stored.id, order="asc")
+    assert [item.type for item in plain.data] == ["message", "reasoning", "message", "message"]
+    assert plain.data[1].id == "rs_earlier" and plain.data[1].encrypted_content is None
+    assert "encrypted_content" not in plain.data[1].model_dump(exclude_unset=True)
+    included = client.responses.input_items.list(stored.id, order="asc", include=["reasoning.encrypted_content"])
+    assert included.data[1].encrypted_content == "opaque-state"
+    assert [item.model_dump() for i, item in enumerate(included.data) if i != 1] == [
+        item.model_dump() for i, item in enumerate(plain.data) if i != 1]
+    resp = httpx.get(f"{url}/v1/responses/{stored.id}/input_items",
+                     params={"order": "asc", "include": "reasoning.encrypted_content"})
+    assert resp.status_code == 200 and resp.json()["data"][1]["encrypted_content"] == "opaque-state"
+    for value in ("message.output_text.logprobs", "web_search_call.results", "message.input_image.image_url"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.input_items.list(stored.id, include=["reasoning.encrypted_content", value])
+        assert e.value.body["param"] == "include" and value in e.value.body["message"]
+    resp = httpx.get(f"{url}/v1/responses/{stored.id}/input_items", params={"include": "reasoning.everything"})
+    assert assert_openai_error(resp, 400)["param"] == "include"
+
+
 def test_streamed_call_arguments(bundled) -> None:  # noqa: ANN001
     client = bundled["client"]
     events = list(client.responses.create(model="smollm2", input=ASK, tools=[WEATHER],

@@ -12,6 +12,7 @@ What maps onto what:
   ``none`` -> ``auto`` / ``required`` / the named function / ``none``;
   ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``;
 - ``thinking`` ``enabled`` / ``disabled`` -> the template variable ``enable_thinking`` true / false;
+  ``enabled``'s ``budget_tokens`` -> ``thinking_token_budget`` (gpt-oss's analysis channel included);
 - ``stop_sequences`` -> ``stop``; ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` as they are.
 
 Image and document blocks are refused (the model takes no images), and so
@@ -67,6 +68,10 @@ def to_chat_request(req: CountTokensRequest, can_think: bool) -> ChatCompletionR
     body.update(_tools(req))
     if req.thinking is not None and req.thinking.type != "adaptive":
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
+    if isinstance(req.thinking, ThinkingEnabled):
+        # the block is closed after this many tokens (thinking.py); a count too: on harmony the budget's
+        # prompt opens the analysis message (harmony/thinking.py), so it counts those tokens
+        body["thinking_token_budget"] = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
         body.update(_sampling(req))
     try:
@@ -81,8 +86,6 @@ def _sampling(req: MessagesRequest) -> dict[str, Any]:
                           f"({req.max_tokens})", "thinking")
     fields = {"max_tokens": req.max_tokens, "stop": req.stop_sequences, "temperature": req.temperature,
               "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream}
-    if isinstance(req.thinking, ThinkingEnabled):  # the block is closed after this many tokens (thinking.py)
-        fields["thinking_token_budget"] = req.thinking.budget_tokens
     return {k: v for k, v in fields.items() if v is not None}
 
 

@@ -145,8 +145,9 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 class ThinkingEnabled(_Strict):
     """Thinking on: the template is asked for it, and the reasoning parser's output is sent as thinking blocks.
 
-    ``budget_tokens`` must be below ``max_tokens`` (Anthropic's rule; not its minimum of 1,024), and
-    bounds nothing more than ``max_tokens`` does (see docs/messages-api.md).
+    ``budget_tokens`` must be below ``max_tokens`` (Anthropic's rule; not its minimum of 1,024); the
+    thinking is closed after that many tokens (the chat route's ``thinking_token_budget``, gpt-oss's
+    analysis channel included; see docs/messages-api.md).
     """
 
     type: Literal["enabled"]

@@ -87,10 +87,6 @@ class AnthropicServingMessages:
             raise bad_request("this model has no chat template, so it cannot chat; start the server with "
                               "--chat-template FILE", "messages", "no_chat_template")
         body = to_chat_request(req, chat.reasoning_parser is not None)
-        if chat.harmony:
-            # harmony's analysis channel has no text markers a budget could close (thinking.py): the model
-            # thinks as its reasoning effort says, and every analysis message comes back as a thinking block
-            body.thinking_token_budget = None
         if body.thinking_token_budget is not None and body.tool_choice not in (None, "auto", "none"):
             # as Anthropic's API: a forced call's grammar would constrain the thinking too (thinking_budget.py)
             raise bad_request("thinking may not be enabled when tool_choice forces tool use (type 'any' or 'tool'); "

@@ -150,7 +150,8 @@ class OpenAIServingChat(OpenAIServing):
         else the chat template; tokenized. ``params`` None: not truncated (a token count)."""
         messages = req.template_messages()
         if self.harmony:
-            return await self._harmony_prompt(messages, tools, req.reasoning_effort, params)
+            opened = req.thinking_token_budget is not None  # the budget counts the analysis the prompt opens
+            return await self._harmony_prompt(messages, tools, req.reasoning_effort, params, opened)
         return await self.prompts.chat(messages, req.add_generation_prompt, params,  # type: ignore[arg-type]
                                        tools.template_tools(), req.chat_template_kwargs)
 
@@ -184,16 +185,26 @@ class OpenAIServingChat(OpenAIServing):
         params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | set(stops))
 
     async def _harmony_prompt(
-        self, messages: list[dict[str, Any]], tools: ToolSpec, effort: str | None, params: SamplingParams | None
+        self, messages: list[dict[str, Any]], tools: ToolSpec, effort: str | None, params: SamplingParams | None,
+        open_analysis: bool = False,
     ) -> tuple[str | None, list[int]]:
-        """The conversation rendered by openai-harmony (on a worker thread): (None, token ids)."""
+        """The conversation rendered by openai-harmony (on a worker thread): (text or None, token ids).
+
+        ``open_analysis``: the prompt opens the analysis message (a thinking budget's, ``harmony/thinking.py``);
+        its text then comes back too, for the reply parser to know the output starts inside that message.
+        """
+        from pagedllm.harmony import thinking
         from pagedllm.harmony.prompt import render_prompt
+        from pagedllm.harmony.vocab import harmony_encoding
 
         ids = await asyncio.to_thread(render_prompt, messages, tools.template_tools(), effort)
+        if open_analysis:
+            ids = thinking.open_analysis(ids)
         if params is None:
             self.prompts.engine.check_prompt_len(len(ids), None)
             return None, ids
-        return await self.prompts.token_ids(ids, params)
+        _, ids = await self.prompts.token_ids(ids, params)
+        return (harmony_encoding().decode(ids) if open_analysis else None), ids
 
     def _response(
         self, header: dict[str, Any], sub: RequestStream, out: RequestOutput, top_n: int, tools: ToolSpec,

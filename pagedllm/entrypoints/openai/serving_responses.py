@@ -19,10 +19,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
@@ -197,12 +197,13 @@ class OpenAIServingResponses:
         return self._stored(response_id, None).body
 
     def input_items(
-        self, response_id: str, order: str, limit: int, after: str | None, before: str | None
+        self, response_id: str, order: str, limit: int, after: str | None, before: str | None,
+        include: Sequence[str] = (),
     ) -> dict[str, Any]:
         """A page of the input items a stored response was generated from (``response_input_items.py``); 404
-        when it is not stored, 400 for a bad order, limit or cursor."""
+        when it is not stored, 400 for a bad order, limit, cursor or ``include`` value."""
         entry = self._stored(response_id, None)
-        return list_page(entry.conversation[: entry.num_input_items], order, limit, after, before)
+        return list_page(entry.conversation[: entry.num_input_items], order, limit, after, before, include)
 
     def delete(self, response_id: str) -> dict[str, Any]:
         """Forget a stored response; 404 when it is not stored."""
@@ -340,11 +341,14 @@ def add_responses_routes(app: FastAPI, chat: OpenAIServingChat, settings: Server
     @app.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
     async def list_input_items(
         response_id: str, order: str = "desc", limit: int = DEFAULT_LIMIT, after: str | None = None,
-        before: str | None = None,
+        before: str | None = None, include: Annotated[list[str] | None, Query()] = None,
+        include_brackets: Annotated[list[str] | None, Query(alias="include[]")] = None,
     ) -> dict[str, Any]:
         """The input items of a stored response, a page at a time (OpenAI's list: ``order``, ``limit``,
-        ``after``, ``before``); other query fields (``include``) are ignored: no hosted tools add to items here."""
-        return serving.input_items(response_id, order, limit, after, before)
+        ``after``, ``before``, ``include``: repeated as ``include=`` or, as the openai client sends it,
+        ``include[]=``; values this server cannot serve are a 400, ``response_input_items.check_include``)."""
+        return serving.input_items(response_id, order, limit, after, before, [*(include or ()),
+                                                                             *(include_brackets or ())])
 
     @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
     async def delete_response(response_id: str) -> dict[str, Any]:

@@ -101,7 +101,8 @@ def parse_reply(
     """A finished output split into ``reasoning_content``, ``content`` and (harmony's) ``tool_calls``.
 
     For ``LLM.chat``'s outputs: ``parse_reply(out.outputs[0].token_ids)`` for
-    gpt-oss; the ``<think>`` parsers read ``text`` (and ``prompt_text``).
+    gpt-oss (``prompt_text=out.prompt`` with a thinking budget, whose prompt opens
+    the analysis message); the ``<think>`` parsers read ``text`` (and ``prompt_text``).
     """
     cls = get_reasoning_parser(parser)
     if cls is None:

@@ -23,6 +23,10 @@ cannot change what it sends. Output that breaks the format (a cut header, a
 token harmony does not expect) stops the reading: the tokens from there on
 are decoded, special ones spelled out, and sent as content when the output
 ends (whole, so no UTF-8 character is split), so nothing the model wrote is lost.
+
+With a thinking budget the prompt opens the analysis message itself
+(``harmony/thinking.py``): told a ``prompt_text`` that ends with the analysis
+header, the parser reads that header first, so the output is the message's text.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningParser
+from pagedllm.harmony.thinking import (
+    ANALYSIS_OPEN,
+    END,
+    FINAL_OPEN,
+    analysis_header_ids,
+    opens_analysis,
+)
 from pagedllm.harmony.vocab import harmony_encoding
 
 FUNCTIONS = "functions."
@@ -47,6 +58,9 @@ class GptOssReasoningParser(ReasoningParser):
 
     name = "gpt_oss"
     parses_tool_calls = True
+    # a thinking budget ends the analysis message and opens the final one (harmony/thinking.py sets them, with
+    # the closing marker <|end|> alone: the model may end its analysis itself and go on to a call)
+    think_markers = (ANALYSIS_OPEN, END + FINAL_OPEN)
 
     def __init__(
         self, *, prompt_text: str | None = None, calls_allowed: bool = False, max_calls: int | None = None
@@ -60,6 +74,9 @@ class GptOssReasoningParser(ReasoningParser):
         self._call: int | None = None  # the open call's index
         self._broken: list[int] = []  # tokens after the format broke, sent as text at the end
         self.diverged = False
+        if opens_analysis(prompt_text):  # a thinking budget's prompt opened the analysis message (harmony/thinking.py)
+            for token in analysis_header_ids():
+                self._parser.process(token)
 
     def _read(self, text: str, token_ids: Sequence[int]) -> None:
         for token in token_ids:
