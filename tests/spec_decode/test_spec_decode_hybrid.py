@@ -5,11 +5,13 @@ state: before each verify step the sequence's state is copied to a checkpoint
 slot, and a rejection restores it and computes the accepted tokens again
 (docs/hybrid-models.md). The prompts repeat token patterns; the weights are
 drawn with ``initializer_range`` 0.05 (Qwen3.5's embeddings tied: untied, its
-seeded model never repeats a token of the context), where the seeded models fall into short
-loops that prompt lookup drafts from, and leave them, so drafts are both
-accepted and rejected: each test asserts both happened (the engine's counters,
-and the rollbacks: to a checkpoint, and keeping every draft), so none passes
-with speculation idle. Every block, state slot and checkpoint comes back.
+seeded model never repeats a token of the context; Granite 4.0-H's 0.02, tied,
+its embedding multiplier 3: at 0.05 it never repeats one either), where the
+seeded models fall into short loops that prompt lookup drafts from, and leave
+them, so drafts are both accepted and rejected: each test asserts both
+happened (the engine's counters, and the rollbacks: to a checkpoint, and
+keeping every draft), so none passes with speculation idle. Every block,
+state slot and checkpoint comes back.
 """
 
 from __future__ import annotations
