@@ -1,18 +1,22 @@
-"""Speculative decoding on hybrid models (tiny random LFM2 and Qwen3.5): greedy is plain decoding.
+"""Speculative decoding on hybrid models (tiny random LFM2, Qwen3.5, Granite 4.0-H): greedy is plain decoding.
 
 A hybrid model's state layers cannot drop a rejected draft's tokens from their
 state: before each verify step the sequence's state is copied to a checkpoint
 slot, and a rejection restores it and computes the accepted tokens again
 (docs/hybrid-models.md). The prompts repeat token patterns; the weights are
 drawn with ``initializer_range`` 0.05 (Qwen3.5's embeddings tied: untied, its
-seeded model never repeats a token of the context), where the seeded models fall into short
-loops that prompt lookup drafts from, and leave them, so drafts are both
-accepted and rejected: each test asserts both happened (the engine's counters,
-and the rollbacks: to a checkpoint, and keeping every draft), so none passes
-with speculation idle. Every block, state slot and checkpoint comes back.
+seeded model never repeats a token of the context; Granite 4.0-H's 0.02, tied,
+its embedding multiplier 3: at 0.05 it never repeats one either), where the
+seeded models fall into short loops that prompt lookup drafts from, and leave
+them, so drafts are both accepted and rejected: each test asserts both
+happened (the engine's counters, and the rollbacks: to a checkpoint, and
+keeping every draft), so none passes with speculation idle. Every block,
+state slot and checkpoint comes back.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -30,7 +34,8 @@ PROMPTS = [
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 ENGINE = dict(max_model_len=256, num_kv_blocks=128, block_size=4, kv_cache_dtype="float32", max_num_seqs=4,
               itl_target_ms=None)
-FAMILIES = ("lfm2", "qwen3_5")
+FAMILIES = ("lfm2", "qwen3_5", "granitemoehybrid")
+GRANITE_LAYERS = ["mamba", "attention", "mamba", "mamba"]
 
 
 def _config(family: str):  # noqa: ANN202
@@ -42,6 +47,18 @@ def _config(family: str):  # noqa: ANN202
                           layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3,
                           block_multiple_of=32, initializer_range=0.05, bos_token_id=1, eos_token_id=2,
                           pad_token_id=0)
+    if family == "granitemoehybrid":
+        from transformers import GraniteMoeHybridConfig
+
+        # Mamba-2 state layers (and their conv) around one attention layer, experts and a shared MLP; the
+        # embedding scaled up (tied): the seeded model repeats context tokens, which prompt lookup drafts from
+        return GraniteMoeHybridConfig(
+            vocab_size=49152, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.02, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, layer_types=GRANITE_LAYERS, num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+            mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, position_embedding_type=None,
+            embedding_multiplier=3.0)
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -63,6 +80,10 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> di
         model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
         model.save_pretrained(path, safe_serialization=True)
         smollm_tokenizer.save_pretrained(path)
+        if family == "granitemoehybrid":  # the published config.json's names for the layer types
+            config = json.loads((path / "config.json").read_text())
+            config["layer_types"] = GRANITE_LAYERS
+            (path / "config.json").write_text(json.dumps(config))
         dirs[family] = str(path)
     return dirs
 
