@@ -196,10 +196,15 @@ def test_state_slots_come_out_of_a_given_budget(lfm2_dir: str, oracle) -> None: 
     _pool_whole(small)
 
 
-def test_bench_memory_reports_the_state_slots(lfm2_dir: str) -> None:
+def test_bench_memory_reports_the_state_slots(lfm2_dir: str, capsys: pytest.CaptureFixture) -> None:
     """``bench memory`` on a hybrid model: the paged pool only (the contiguous one has no state slots), with its
     state slots, their peak use, the snapshot slots and their bytes."""
-    from pagedllm.bench.memory import MemoryWorkload, _allocators, run_allocator
+    from pagedllm.bench.memory import (
+        MemoryWorkload,
+        _allocators,
+        print_groups_and_state,
+        run_allocator,
+    )
 
     assert _allocators(lfm2_dir) == ("paged",)
     workload = MemoryWorkload(num_requests=3, min_prompt=8, max_prompt=16, median_output=4, max_model_len=64,
@@ -209,6 +214,19 @@ def test_bench_memory_reports_the_state_slots(lfm2_dir: str) -> None:
     assert summary["state_snapshot_slots"] == 0  # the benchmark runs without prefix caching
     assert summary["state_bytes_per_slot"] == 3 * 2 * 64 * 4
     assert summary["state_reserved_bytes"] == 64 * 3 * 2 * 64 * 4
+    assert (summary["state_slot_bytes"], summary["state_snapshot_bytes"], summary["state_checkpoint_bytes"]) == (
+        64 * 3 * 2 * 64 * 4, 0, 0)
+    assert (summary["state_checkpoint_slots"], summary["state_peak_snapshots"]) == (0, 0)
+    # one KV cache group: the attention layer (layer 2), full
+    [group] = summary["kv_groups"]
+    assert (group["kind"], group["window"], group["layers"]) == ("full", None, [2])
+    assert group["peak_blocks"] == summary["peak_blocks_per_group"][0] >= 1
+    assert group["peak_bytes"] == group["peak_blocks"] * summary["kv_bytes_per_block"]
+    print_groups_and_state(summary)
+    out = capsys.readouterr().out
+    assert "state slots (0.001 MiB each)" in out
+    running = next(line for line in out.splitlines() if line.strip().startswith("running"))
+    assert running.split()[1:3] == ["64", str(summary["state_peak_used_slots"])]
 
 
 @pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)
