@@ -130,7 +130,7 @@ class KVSlotHolder(BaseModel):
     request_id: str | None
 
 
-class KVSlotHolderCheckpoint(BaseModel):
+class KVCheckpointHolder(BaseModel):
     """A held checkpoint slot: whose, and after how many of its tokens."""
 
     slot: int
@@ -155,7 +155,7 @@ class KVStateSlots(BaseModel):
                                                             "one dropped) first; those of the step being run not yet")
     num_checkpoint_slots: int = Field(default=0, description="speculative decoding's checkpoint slots")
     used_checkpoint_slots: int = Field(default=0)
-    checkpoints: list[KVSlotHolderCheckpoint] = Field(default=[], description="the held checkpoint slots")
+    checkpoints: list[KVCheckpointHolder] = Field(default=[], description="the held checkpoint slots")
 
 
 class KVState(BaseModel):
