@@ -301,3 +301,28 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     from wheel_build import build_and_install
 
     return build_and_install(tmp_path_factory.mktemp("wheel"))
+
+
+# a tiny LFM2 (tests/models/test_family_lfm2.py, and the hybrid model of the /kv page's tests)
+LFM2_LAYER_TYPES = ["conv", "conv", "full_attention", "conv"]
+
+
+@pytest.fixture(scope="session")
+def lfm2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """A tiny random LFM2 saved as a safetensors folder (hidden 64, 4 layers, 3 of them convs of 3 taps)."""
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    cfg = Lfm2Config(vocab_size=49152, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     layer_types=LFM2_LAYER_TYPES, conv_L_cache=3, block_multiple_of=32, initializer_range=0.2,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(4321)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("tiny-lfm2")
+    model.save_pretrained(path, safe_serialization=True)
+    smollm_tokenizer.save_pretrained(path)
+    return str(path)

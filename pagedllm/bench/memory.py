@@ -113,7 +113,7 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     scheduler, pool, runner = engine.scheduler, engine.block_manager, engine.model_runner
     peak_resident = runner.kv_resident_bytes
     state_slots = getattr(pool, "state_slots", None)  # a hybrid model's (docs/hybrid-models.md)
-    peak_slots = 0
+    peak_slots = peak_snapshots = 0
     timeline = {"t": [], "written": [], "empty": [], "free": [], "running": []}
     wastes: list[float] = []
     # blocks held per KV cache group at the step that held the most (kv_groups.py; one group without windows)
@@ -139,6 +139,7 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         peak_resident = max(peak_resident, runner.kv_resident_bytes)
         if state_slots is not None:
             peak_slots = max(peak_slots, state_slots.num_used)
+            peak_snapshots = max(peak_snapshots, 0 if pool.snapshots is None else len(pool.snapshots))
         if frames is not None:
             frames.append((timeline["t"][-1], fill_levels(pool.ref_counts, bs, scheduler.running),
                            scheduler.num_running))
@@ -154,6 +155,7 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
         "mean_running": round(sum(running) / len(running), 2),
         "fragmentation_waits": getattr(pool, "num_fragmentation_waits", 0),
         "peak_blocks_per_group": peak_group_blocks,
+        "kv_groups": kv_group_summary(runner, peak_group_blocks),
         "num_preemptions": scheduler.num_preemptions,
         "num_steps": len(running),
         "output_tokens": num_out,
@@ -167,11 +169,58 @@ def run_allocator(model: str | None, workload: MemoryWorkload, allocator: str, r
     if allocator == "contiguous":
         summary["reserve"] = reserve
     if state_slots is not None:
-        summary.update(state_slots=state_slots.num_slots, state_peak_used_slots=peak_slots,
-                       state_snapshot_slots=runner.num_snapshot_slots, state_bytes_per_slot=runner.state_bytes_per_slot,
-                       state_reserved_bytes=(runner.num_state_slots + runner.num_snapshot_slots
-                                             + runner.num_checkpoint_slots) * runner.state_bytes_per_slot)
+        summary.update(state_summary(runner, peak_slots, peak_snapshots))
     return summary, timeline
+
+
+def kv_group_summary(runner: object, peak_blocks: list[int]) -> list[dict]:
+    """Each KV cache group of the runner's layout (kv_groups.py): kind, window, layers, and the blocks (and
+    bytes: every block of the one pool has the same size) it held at the step that held the most."""
+    layout = getattr(runner, "kv_layout", None)
+    if layout is None or len(layout.groups) != len(peak_blocks):  # an allocator without groups
+        return [{"group": 0, "kind": "full", "window": None, "layers": [], "peak_blocks": sum(peak_blocks),
+                 "peak_bytes": sum(peak_blocks) * runner.kv_bytes_per_block}]
+    return [
+        {"group": g, "kind": "full" if group.window is None else "window", "window": group.window,
+         "layers": list(group.layers), "peak_blocks": n, "peak_bytes": n * runner.kv_bytes_per_block}
+        for g, (group, n) in enumerate(zip(layout.groups, peak_blocks))
+    ]
+
+
+def state_summary(runner: object, peak_slots: int, peak_snapshots: int) -> dict:
+    """A hybrid model's state slots (docs/hybrid-models.md): running, snapshot and checkpoint slots, each
+    with its bytes (rows of the same state tensors, ``state_bytes_per_slot`` each), and the peaks used."""
+    per_slot = runner.state_bytes_per_slot
+    return {
+        "state_slots": runner.num_state_slots, "state_peak_used_slots": peak_slots,
+        "state_snapshot_slots": runner.num_snapshot_slots, "state_peak_snapshots": peak_snapshots,
+        "state_checkpoint_slots": runner.num_checkpoint_slots, "state_bytes_per_slot": per_slot,
+        "state_slot_bytes": runner.num_state_slots * per_slot,
+        "state_snapshot_bytes": runner.num_snapshot_slots * per_slot,
+        "state_checkpoint_bytes": runner.num_checkpoint_slots * per_slot,
+        "state_reserved_bytes": (runner.num_state_slots + runner.num_snapshot_slots
+                                 + runner.num_checkpoint_slots) * per_slot,
+    }
+
+
+def print_groups_and_state(summary: dict) -> None:
+    """The paged run's KV cache groups and state slots, for a terminal."""
+    print("KV cache groups (peak: the step holding the most blocks)")
+    print(f"{'group':>5}  {'kind':<10} {'layers':<24} {'peak blocks':>11} {'MiB':>9}")
+    for g in summary["kv_groups"]:
+        kind = "full" if g["window"] is None else f"window {g['window']}"
+        layers = " ".join(map(str, g["layers"])) or "all"
+        print(f"{g['group']:>5}  {kind:<10} {layers:<24} {g['peak_blocks']:>11} {g['peak_bytes'] / 2**20:>9.2f}")
+    if "state_slots" not in summary:
+        return
+    mib = summary["state_bytes_per_slot"] / 2**20
+    print(f"state slots ({mib:.3f} MiB each)   slots  peak used      MiB")
+    for name, key, peak in (("running", "state_slots", "state_peak_used_slots"),
+                            ("prefix snapshots", "state_snapshot_slots", "state_peak_snapshots"),
+                            ("spec. checkpoints", "state_checkpoint_slots", None)):
+        used = "-" if peak is None else summary[peak]
+        print(f"  {name:<28} {summary[key]:>5}  {used:>9}  {summary[key] * mib:>7.2f}")
+    print(f"  {'reserved':<28} {'':>5}  {'':>9}  {summary['state_reserved_bytes'] / 2**20:>7.2f}")
 
 
 def _allocators(model: str | None) -> tuple[str, ...]:
@@ -241,10 +290,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{allocator:>10}    {r['kv_reserved_bytes'] / 2**20:9.1f}  {r['kv_peak_resident_bytes'] / 2**20:13.1f}"
               f"  {r['kv_drained_resident_bytes'] / 2**20:16.1f}  {r['kv_bytes_per_block']:13d}")
     p = results["paged"]
-    if "state_slots" in p:
-        print(f"state slots: {p['state_slots']} running (peak {p['state_peak_used_slots']} used) + "
-              f"{p['state_snapshot_slots']} snapshots, {p['state_bytes_per_slot'] / 2**20:.3f} MiB each, "
-              f"{p['state_reserved_bytes'] / 2**20:.1f} MiB reserved")
+    print_groups_and_state(p)
     ratios = None
     if "contiguous" in results:
         c = results["contiguous"]

@@ -86,7 +86,10 @@ class KVSnapshotPublisher:
     def publish(self, engine: LLMEngine, now: float | None = None) -> PublishedSnapshot:
         """Build and swap in a snapshot now (the engine's thread, or before it starts)."""
         runner = engine.model_runner
-        snap = build_kv_snapshot(engine.scheduler, runner.kv_bytes_per_block, runner.kv_cache_bytes)
+        layout = getattr(runner, "kv_layout", None)
+        snap = build_kv_snapshot(engine.scheduler, runner.kv_bytes_per_block, runner.kv_cache_bytes,
+                                 getattr(runner, "state_bytes_per_slot", 0),
+                                 None if layout is None else [g.layers for g in layout.groups])
         snapshot_id = self.num_published + 1
         snap = {"snapshot_id": snapshot_id, "time": time.time(), **snap}
         published = PublishedSnapshot(snapshot_id, json.dumps(snap, separators=(",", ":")).encode())

@@ -186,6 +186,7 @@ class BlockManager:
         self.block_group: list[int] = [0] * num_blocks
         # blocks window groups gave back because they left every window still to be read
         self.num_window_released = 0
+        self.window_released_per_group: list[int] = [0] * self.num_groups  # the same, per group
         # block_size is EngineConfig's, checked there
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -603,6 +604,7 @@ class BlockManager:
                 self._release(table[i])
                 table[i] = HOLE
                 self.num_window_released += 1
+                self.window_released_per_group[g] += 1
 
     def can_append_slot(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
         """Whether ``append_slot(seq, num_new_tokens)`` would succeed now (window blocks left behind go back)."""

@@ -11,8 +11,12 @@ token to its slot as ``block_table.slot_for`` does)::
     requests      [{id, status, sequences: [{block_table, num_tokens, ...}]}]
     counters      used / cached / free blocks, hit rate, preemptions, copies, waste
     memory        bytes per block, the pool's reserved bytes, its resident blocks and bytes
-    state         a hybrid model's state slots (used / total) and prefix snapshots (kept / slots, taken so
-                  far); null for a model without state layers (docs/hybrid-models.md)
+    block_groups  [0, 0, 1, -1, ...] the KV cache group a held or cached block belongs to, -1 free
+    kv_groups     per group: its kind (full / window W), layers, blocks held / shared / cached, the holes
+                  in its tables and the blocks it gave back (kv_groups.py)
+    state         a hybrid model's state slots (used / free / total, which sequence holds which), prefix
+                  snapshots (kept / slots, bytes, least recently used first) and speculative decoding's
+                  checkpoint slots; null for a model without state layers (docs/hybrid-models.md)
 
 Waste is what the chapter counts against paging: slots held but not yet
 written. Between steps a sequence's K/V fills every slot of its blocks but
@@ -75,9 +79,47 @@ def fill_levels(ref_counts: list[int], block_size: int, seqs: list[Sequence]) ->
     )
 
 
-def _group_usage(bm: BlockManager) -> list[int]:
-    """Blocks held per KV cache group (an allocator without groups: all its used blocks, one group)."""
-    return bm.num_used_blocks_per_group() if hasattr(bm, "num_used_blocks_per_group") else [bm.num_used_blocks]
+def block_groups(bm: BlockManager, states: str) -> list[int]:
+    """Per physical block, the KV cache group it is held by or cached for; -1 for a block holding nothing.
+
+    A block belongs to the group it was last handed out to (``BlockManager.block_group``): a cached block
+    keeps it, as its prefix-cache key is salted with the group. An allocator without groups: group 0.
+    """
+    owner = getattr(bm, "block_group", None)
+    return [-1 if st == FREE else (0 if owner is None else owner[b]) for b, st in enumerate(states)]
+
+
+def kv_group_rows(
+    bm: BlockManager, states: str, groups: list[int], seqs: list[Sequence],
+    layers: list[tuple[int, ...]] | None = None,
+) -> list[dict[str, Any]]:
+    """Each KV cache group: kind, window, layers, blocks held / shared / cached, holes, blocks given back.
+
+    ``groups`` is ``block_groups``'s list; ``seqs`` the queued sequences (their holes are counted);
+    ``layers`` each group's model layers (the runner's ``KVCacheLayout``), [] where unknown.
+    """
+    windows = getattr(bm, "group_windows", (None,))
+    released = getattr(bm, "window_released_per_group", [0] * len(windows))
+    rows = []
+    for g, window in enumerate(windows):
+        mine = [st for st, owner in zip(states, groups) if owner == g]
+        rows.append({
+            "group": g,
+            "kind": "full" if window is None else "window",
+            "window": window,
+            "layers": list(layers[g]) if layers is not None else [],
+            "used_blocks": mine.count(HELD) + mine.count(SHARED),
+            "shared_blocks": mine.count(SHARED),
+            "cached_blocks": mine.count(CACHED),
+            "hole_entries": sum(t.count(HOLE) for s in seqs for t in _tables(s)[g : g + 1]),
+            "released_blocks": released[g],
+        })
+    return rows
+
+
+def _tables(seq: Sequence) -> list[list[int]]:
+    """Every KV cache group's table of ``seq``, group 0 first."""
+    return [seq.block_table, *seq.group_tables]
 
 
 def _request_status(seqs: list[Sequence]) -> str:
@@ -99,6 +141,9 @@ def _sequence(seq: Sequence) -> dict[str, Any]:
         "num_preemptions": seq.num_preemptions,
         "block_table": list(seq.block_table),
         "group_tables": [list(t) for t in seq.group_tables],
+        "state_slot": seq.state_slot,
+        "state_checkpoint": None if seq.state_checkpoint is None else
+        {"slot": seq.state_checkpoint[0], "num_tokens": seq.state_checkpoint[1]},
     }
 
 
@@ -131,33 +176,57 @@ def kv_memory(bm: BlockManager, bytes_per_block: int, reserved_bytes: int) -> di
     }
 
 
-def state_counters(bm: BlockManager) -> dict[str, int] | None:
-    """A hybrid model's state slots and snapshots (``engine/state_slots.py``, ``state_snapshots.py``); None
-    without state layers."""
+def state_counters(bm: BlockManager, seqs: list[Sequence], bytes_per_slot: int = 0) -> dict[str, Any] | None:
+    """A hybrid model's state slots, snapshots and checkpoints (``engine/state_slots.py``,
+    ``state_snapshots.py``); None without state layers. ``seqs``: the queued sequences (who holds which
+    slot); ``bytes_per_slot``: one sequence's state over all state layers (the runner's), 0 where unknown."""
     slots = getattr(bm, "state_slots", None)
     if slots is None:
         return None
-    snapshots = bm.snapshots
+    holders = {s.state_slot: s for s in seqs if s.state_slot is not None}
+    snapshots, checkpoints = bm.snapshots, bm.checkpoints
+    num_snapshots = 0 if snapshots is None else len(snapshots)
     return {
+        "bytes_per_slot": bytes_per_slot,
         "num_slots": slots.num_slots,
         "used_slots": slots.num_used,
+        "free_slots": slots.num_free,
+        "slot_holders": [
+            {"slot": slot, "seq_id": holders[slot].seq_id if slot in holders else None,
+             "request_id": holders[slot].request_id if slot in holders else None}
+            for slot in slots.held_slots
+        ],
         "num_snapshot_slots": 0 if snapshots is None else snapshots.num_slots,
-        "snapshots": 0 if snapshots is None else len(snapshots),
+        "snapshots": num_snapshots,
         "snapshots_taken": 0 if snapshots is None else snapshots.num_taken,
+        "snapshot_bytes": num_snapshots * bytes_per_slot,
+        "snapshot_lru": [] if snapshots is None else snapshots.lru_slots,
+        "num_checkpoint_slots": 0 if checkpoints is None else checkpoints.num_slots,
+        "used_checkpoint_slots": 0 if checkpoints is None else checkpoints.num_used,
+        "checkpoints": [
+            {"slot": s.state_checkpoint[0], "seq_id": s.seq_id, "num_tokens": s.state_checkpoint[1]}
+            for s in sorted(seqs, key=lambda s: s.state_checkpoint[0] if s.state_checkpoint else -1)
+            if s.state_checkpoint is not None
+        ],
     }
 
 
 def build_kv_snapshot(
-    scheduler: Scheduler, bytes_per_block: int | None = None, reserved_bytes: int | None = None
+    scheduler: Scheduler, bytes_per_block: int | None = None, reserved_bytes: int | None = None,
+    state_bytes_per_slot: int = 0, group_layers: list[tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
     """The pool, the requests in the scheduler's queues and the counters, as JSON-ready data.
 
     Call it between steps, on the thread that owns the scheduler: it reads
     live lists and copies what it keeps. ``bytes_per_block`` and
     ``reserved_bytes`` (the model runner's) fill ``memory``; without them it is None.
+    ``state_bytes_per_slot`` (a hybrid model's, the runner's) sizes the state slots and snapshots;
+    ``group_layers`` (the runner's ``KVCacheLayout``) names each KV cache group's layers.
     """
     bm = scheduler.block_manager
     states = block_states(bm)
+    owners = block_groups(bm, states)
+    queued = [*scheduler.running, *scheduler.waiting]
     held_seqs = [s for s in scheduler.running if s.block_table]
     written = written_slots(held_seqs, bm.block_size)
     held_blocks = [b for b, ref in enumerate(bm.ref_counts) if ref > 0]
@@ -186,8 +255,8 @@ def build_kv_snapshot(
             "num_waiting_seqs": len(scheduler.waiting),
             "window_released_blocks": getattr(bm, "num_window_released", 0),
         },
-        "kv_groups": [{"window": w, "used_blocks": n} for w, n in
-                      zip(getattr(bm, "group_windows", (None,)), _group_usage(bm))],
+        "block_groups": owners,
+        "kv_groups": kv_group_rows(bm, states, owners, queued, group_layers),
         "memory": None if bytes_per_block is None else kv_memory(bm, bytes_per_block, reserved_bytes or 0),
-        "state": state_counters(bm),
+        "state": state_counters(bm, queued, state_bytes_per_slot),
     }

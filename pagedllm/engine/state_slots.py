@@ -66,6 +66,11 @@ class StateSlots:
         heapq.heappush(self._free, slot)
 
     @property
+    def held_slots(self) -> list[int]:
+        """The held slots, lowest id first (the /kv page lists who holds each)."""
+        return sorted(self._held)
+
+    @property
     def free_slots(self) -> list[int]:
         """The free slots in the order they would be handed out."""
         return sorted(self._free)

@@ -42,6 +42,16 @@ class StateSnapshots:
     def __len__(self) -> int:
         return len(self._ready) + len(self._unconfirmed)
 
+    @property
+    def lru_slots(self) -> list[int]:
+        """The slots of the ready snapshots, least recently used (the next one dropped) first."""
+        return list(self._ready.values())
+
+    @property
+    def num_unconfirmed(self) -> int:
+        """Snapshots taken for the step being planned, not yet found by lookups."""
+        return len(self._unconfirmed)
+
     def find(self, block_hash: int) -> int | None:
         """The slot of a ready snapshot under ``block_hash`` (marked recently used), else None."""
         slot = self._ready.get(block_hash)

@@ -6,7 +6,7 @@ scores scaled by ``attention_multiplier``); every layer's MLP is a mixture
 of experts routed as GraniteMoE's (the top-k router logits, then a softmax
 over those) plus a shared MLP added to every token, or the shared MLP alone
 where the model has no experts. Granite's multipliers as ``granitemoe.py``
-applies them. The layers are ``layers/mamba2_layer.py``'s.
+applies them. The layers are ``layers/hybrid_decoder.py``'s.
 
 Weights. A folder stores the experts stacked (``block_sparse_moe.input_linear``
 / ``output_linear`` / ``router.layer``, as GraniteMoE: renamed by
@@ -31,8 +31,8 @@ import torch
 from pagedllm.layers.decoder import CausalLM, DecoderSpec
 from pagedllm.layers.fused_moe import MoESpec
 from pagedllm.layers.granite_moe_names import granitemoe_weight_names
+from pagedllm.layers.hybrid_decoder import HybridDecoderLayer, HybridLayerSpec
 from pagedllm.layers.mamba2 import Mamba2Spec
-from pagedllm.layers.mamba2_layer import HybridDecoderLayer, HybridLayerSpec
 from pagedllm.layers.norm import NormSpec
 from pagedllm.layers.parallel import TensorParallelGroup
 from pagedllm.layers.rotary import RopeSpec

@@ -389,7 +389,10 @@ def test_scheduler_steps_and_kv_snapshot_show_the_groups():
     sched.update(sched.schedule())  # the decode at 11: keys 4.. only
     assert seq.block_table == [0, 1, 2] and seq.group_tables == [[HOLE, 4, 5]]
     snap = build_kv_snapshot(sched)
-    assert snap["kv_groups"] == [{"window": None, "used_blocks": 3}, {"window": 8, "used_blocks": 2}]
+    # block 3 (keys 0..3, a full prompt block, published) stays cached for a prefix hit: group 1's still
+    assert [(g["kind"], g["window"], g["used_blocks"], g["cached_blocks"], g["hole_entries"], g["released_blocks"])
+            for g in snap["kv_groups"]] == [("full", None, 3, 0, 0, 0), ("window", 8, 2, 1, 1, 1)]
+    assert snap["block_groups"] == [0, 0, 0, 1, 1, 1] + [-1] * 10
     assert snap["counters"]["window_released_blocks"] == 1 and snap["counters"]["used_blocks"] == 5
     assert snap["requests"][0]["sequences"][0]["group_tables"] == [[HOLE, 4, 5]]
     sched.finish(seq, SequenceStatus.FINISHED_STOPPED)

@@ -449,10 +449,14 @@ def test_the_kv_snapshot_shows_state_slots_and_snapshots() -> None:
 
     bm = BlockManager(16, BS, num_state_slots=3, num_snapshot_slots=2)
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=64)
-    sched.add(Sequence(list(range(10)), BS))
+    seq = Sequence(list(range(10)), BS, request_id="r")
+    sched.add(seq)
     sched.update(sched.schedule())  # 8 tokens: cut at the snapshot point
     bm.confirm_published()
     assert build_kv_snapshot(sched)["state"] == {
-        "num_slots": 3, "used_slots": 1, "num_snapshot_slots": 2, "snapshots": 1, "snapshots_taken": 1,
+        "bytes_per_slot": 0, "num_slots": 3, "used_slots": 1, "free_slots": 2,
+        "slot_holders": [{"slot": 0, "seq_id": seq.seq_id, "request_id": "r"}],
+        "num_snapshot_slots": 2, "snapshots": 1, "snapshots_taken": 1, "snapshot_bytes": 0, "snapshot_lru": [3],
+        "num_checkpoint_slots": 0, "used_checkpoint_slots": 0, "checkpoints": [],
     }
     assert build_kv_snapshot(Scheduler(BlockManager(4, BS), 1, 8))["state"] is None

@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from conftest import LFM2_LAYER_TYPES as LAYER_TYPES
 from conftest import hf_greedy
 
 from pagedllm import LLM, SamplingParams
@@ -30,28 +31,6 @@ LOGPROB_TOL = 1e-4
 GENERATED = 12
 ENGINE = dict(max_model_len=1024, num_kv_blocks=200, block_size=8, kv_cache_dtype="float32", max_num_seqs=4,
               itl_target_ms=None)
-LAYER_TYPES = ["conv", "conv", "full_attention", "conv"]
-
-
-@pytest.fixture(scope="session")
-def lfm2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
-    """A tiny random LFM2 saved as a safetensors folder (hidden 64, 4 layers, 3 of them convs of 3 taps)."""
-    from transformers import AutoModelForCausalLM, Lfm2Config
-
-    cfg = Lfm2Config(vocab_size=49152, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                     layer_types=LAYER_TYPES, conv_L_cache=3, block_multiple_of=32, initializer_range=0.2,
-                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(4321)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("tiny-lfm2")
-    model.save_pretrained(path, safe_serialization=True)
-    smollm_tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +196,15 @@ def test_state_slots_come_out_of_a_given_budget(lfm2_dir: str, oracle) -> None: 
     _pool_whole(small)
 
 
-def test_bench_memory_reports_the_state_slots(lfm2_dir: str) -> None:
+def test_bench_memory_reports_the_state_slots(lfm2_dir: str, capsys: pytest.CaptureFixture) -> None:
     """``bench memory`` on a hybrid model: the paged pool only (the contiguous one has no state slots), with its
     state slots, their peak use, the snapshot slots and their bytes."""
-    from pagedllm.bench.memory import MemoryWorkload, _allocators, run_allocator
+    from pagedllm.bench.memory import (
+        MemoryWorkload,
+        _allocators,
+        print_groups_and_state,
+        run_allocator,
+    )
 
     assert _allocators(lfm2_dir) == ("paged",)
     workload = MemoryWorkload(num_requests=3, min_prompt=8, max_prompt=16, median_output=4, max_model_len=64,
@@ -230,6 +214,19 @@ def test_bench_memory_reports_the_state_slots(lfm2_dir: str) -> None:
     assert summary["state_snapshot_slots"] == 0  # the benchmark runs without prefix caching
     assert summary["state_bytes_per_slot"] == 3 * 2 * 64 * 4
     assert summary["state_reserved_bytes"] == 64 * 3 * 2 * 64 * 4
+    assert (summary["state_slot_bytes"], summary["state_snapshot_bytes"], summary["state_checkpoint_bytes"]) == (
+        64 * 3 * 2 * 64 * 4, 0, 0)
+    assert (summary["state_checkpoint_slots"], summary["state_peak_snapshots"]) == (0, 0)
+    # one KV cache group: the attention layer (layer 2), full
+    [group] = summary["kv_groups"]
+    assert (group["kind"], group["window"], group["layers"]) == ("full", None, [2])
+    assert group["peak_blocks"] == summary["peak_blocks_per_group"][0] >= 1
+    assert group["peak_bytes"] == group["peak_blocks"] * summary["kv_bytes_per_block"]
+    print_groups_and_state(summary)
+    out = capsys.readouterr().out
+    assert "state slots (0.001 MiB each)" in out
+    running = next(line for line in out.splitlines() if line.strip().startswith("running"))
+    assert running.split()[1:3] == ["64", str(summary["state_peak_used_slots"])]
 
 
 @pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)

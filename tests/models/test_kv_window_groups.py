@@ -72,3 +72,29 @@ def test_window_groups_fork_n2_and_preempt(gemma3) -> None:  # noqa: ANN001
     engine = llm.llm_engine
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_bench_memory_prints_each_groups_blocks(window_dirs: dict[str, str], capsys: pytest.CaptureFixture) -> None:
+    """``bench memory`` on the windowed model: one 18-token prompt and 10 tokens out, in blocks of 4. The
+    prompt's step holds the most blocks, 5 in every group (ceil(18 / 4)); a decode of token t holds
+    ceil((t + 1) / 4) full blocks and at most 3 in each window group (keys t - 7 .. t span 3 blocks), so
+    never more: 7 + 3 + 3 at t = 26, the last decode."""
+    from pagedllm.bench.memory import MemoryWorkload, print_groups_and_state, run_allocator
+
+    workload = MemoryWorkload(num_requests=1, min_prompt=18, max_prompt=18, median_output=10, sigma=0.0,
+                              max_model_len=64, block_size=BS, num_kv_slots=256)
+    assert workload.requests()[0][1] == 10
+    summary, _ = run_allocator(window_dirs["gemma3"], workload, "paged", "max", None)
+    per_block = summary["kv_bytes_per_block"]
+    assert summary["kv_groups"] == [
+        {"group": 0, "kind": "full", "window": None, "layers": [1, 4], "peak_blocks": 5, "peak_bytes": 5 * per_block},
+        {"group": 1, "kind": "window", "window": TINY_WINDOW, "layers": [0, 2], "peak_blocks": 5,
+         "peak_bytes": 5 * per_block},
+        {"group": 2, "kind": "window", "window": TINY_WINDOW, "layers": [3], "peak_blocks": 5,
+         "peak_bytes": 5 * per_block},
+    ]
+    assert "state_slots" not in summary
+    print_groups_and_state(summary)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].split() == ["1", "window", str(TINY_WINDOW), "0", "2", "5", f"{5 * per_block / 2**20:.2f}"]
+    assert len(lines) == 5  # the title, the header, 3 groups; no state slots

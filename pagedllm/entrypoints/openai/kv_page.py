@@ -40,6 +40,13 @@ POLL_S = 0.05
 PING_S = 15
 
 
+class KVCheckpoint(BaseModel):
+    """A state checkpoint slot: the state after ``num_tokens`` tokens, kept for a verify step's rollback."""
+
+    slot: int
+    num_tokens: int
+
+
 class KVSequence(BaseModel):
     """One sequence of a request: its block table in logical order and its progress."""
 
@@ -55,6 +62,9 @@ class KVSequence(BaseModel):
     group_tables: list[list[int]] = Field(
         default=[], description="the other KV cache groups' tables (KV group 1 on), -1 where a window group gave "
                                 "a block back; empty for a model with one group")
+    state_slot: int | None = Field(default=None, description="a hybrid model's state slot; null: none held")
+    state_checkpoint: KVCheckpoint | None = Field(
+        default=None, description="the speculative decoding checkpoint a verify step holds; null: none")
 
 
 class KVRequest(BaseModel):
@@ -98,20 +108,54 @@ class KVMemory(BaseModel):
 
 
 class KVGroup(BaseModel):
-    """One KV cache group (kv_groups.py): layers sharing a block table per sequence."""
+    """One KV cache group (kv_groups.py): layers sharing a block table per sequence, blocks from the one pool."""
 
+    group: int = Field(default=0, description="the group's index: its table is block_table (0) or group_tables[g-1]")
+    kind: str = Field(default="full", description="full (attention over every token) or window")
     window: int | None = Field(description="the group's sliding window in tokens; null: full attention")
+    layers: list[int] = Field(default=[], description="the model layers whose K/V the group holds")
     used_blocks: int = Field(description="blocks the group's tables hold now")
+    shared_blocks: int = Field(default=0, description="of those, blocks with a reference count above 1")
+    cached_blocks: int = Field(default=0, description="free blocks still holding a cached prefix of this group")
+    hole_entries: int = Field(default=0, description="-1 entries in the queued sequences' tables of this group "
+                                                     "(blocks given back as they left the window)")
+    released_blocks: int = Field(default=0, description="blocks this window group gave back so far")
+
+
+class KVSlotHolder(BaseModel):
+    """A held state slot and the sequence holding it."""
+
+    slot: int
+    seq_id: int | None = Field(description="null: a sequence not in the queues (a beam between its forks)")
+    request_id: str | None
+
+
+class KVCheckpointHolder(BaseModel):
+    """A held checkpoint slot: whose, and after how many of its tokens."""
+
+    slot: int
+    seq_id: int
+    num_tokens: int
 
 
 class KVStateSlots(BaseModel):
-    """A hybrid model's per-sequence state slots and the state snapshots of cached prefixes (docs/hybrid-models.md)."""
+    """A hybrid model's per-sequence state slots, the state snapshots of cached prefixes and speculative
+    decoding's checkpoints (docs/hybrid-models.md); slots of all three are rows of the same state tensors."""
 
+    bytes_per_slot: int = Field(default=0, description="one sequence's state over every state layer")
     num_slots: int = Field(description="state slots, one per sequence that may run")
     used_slots: int = Field(description="slots held by running sequences")
+    free_slots: int = Field(default=0, description="slots no sequence holds")
+    slot_holders: list[KVSlotHolder] = Field(default=[], description="the held slots, lowest first")
     num_snapshot_slots: int = Field(description="slots for state snapshots of cached prefixes")
     snapshots: int = Field(description="snapshots kept now")
     snapshots_taken: int = Field(description="snapshots taken so far")
+    snapshot_bytes: int = Field(default=0, description="snapshots * bytes_per_slot")
+    snapshot_lru: list[int] = Field(default=[], description="the snapshots' slots, least recently used (the next "
+                                                            "one dropped) first; those of the step being run not yet")
+    num_checkpoint_slots: int = Field(default=0, description="speculative decoding's checkpoint slots")
+    used_checkpoint_slots: int = Field(default=0)
+    checkpoints: list[KVCheckpointHolder] = Field(default=[], description="the held checkpoint slots")
 
 
 class KVState(BaseModel):
@@ -128,7 +172,9 @@ class KVState(BaseModel):
     requests: list[KVRequest]
     counters: KVCounters
     memory: KVMemory
-    kv_groups: list[KVGroup] = Field(default=[], description="each KV cache group's window and blocks held")
+    block_groups: list[int] = Field(
+        default=[], description="per physical block, the KV cache group holding it or cached for it; -1 free")
+    kv_groups: list[KVGroup] = Field(default=[], description="each KV cache group's kind, layers and blocks")
     state: KVStateSlots | None = Field(default=None, description="null for a model without state layers")
 
 
