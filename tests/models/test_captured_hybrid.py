@@ -26,7 +26,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.capture.decode_graph import PythonCall
 
-ENGINE = dict(max_model_len=256, num_kv_blocks=28, block_size=8, kv_cache_dtype="float32", max_num_seqs=6,
+ENGINE = dict(max_model_len=96, num_kv_blocks=14, block_size=8, kv_cache_dtype="float32", max_num_seqs=6,
               max_num_batched_tokens=32, enable_prefix_caching=False, capture_min_decode_steps=0)
 COMMON = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
