@@ -123,7 +123,30 @@ def _run(llm: LLM) -> dict[str, list[tuple[list[int], Any]]]:  # noqa: ANN401
 
 
 def test_captured_hybrid_decode_equals_eager(folder: str) -> None:
-    llm = LLM(folder, **ENGINE)
+    _check_replayed_equals_eager(LLM(folder, **ENGINE))
+
+
+@pytest.mark.slow  # converts the checkpoint in a subprocess
+def test_captured_moe_hybrid_gguf_equals_eager(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer,  # noqa: ANN001
+                                               gguf_converter) -> None:  # noqa: ANN001
+    """Qwen3-Next (every MLP a mixture of experts) from llama.cpp's Q8_0 file: its experts are grouped GGUF
+    blocks, whose routing stays in tensors, so its decode is captured too (a folder's experts are not)."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(**COMMON, intermediate_size=96, head_dim=16, linear_num_key_heads=2,
+                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                          linear_conv_kernel_dim=4, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=True)
+    torch.manual_seed(4321)
+    folder = tmp_path_factory.mktemp("tiny-qwen3_next")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder, safe_serialization=True)
+    smollm_tokenizer.save_pretrained(folder)
+    path = gguf_converter.convert(str(folder), "q8_0", str(folder / "qwen3_next-q8_0.gguf"))
+    _check_replayed_equals_eager(LLM(path, **ENGINE, gguf_activations="float32"))
+
+
+def _check_replayed_equals_eager(llm: LLM) -> None:
+    """The schedule replayed, then eager on the same engine: equal outputs, steps really replayed."""
     runner = llm.llm_engine.model_runner
     captured = runner.captured_decode
     assert isinstance(captured, CapturedDecode) and captured.state_layers
