@@ -15,7 +15,9 @@ chunked form for prompts, the recurrent form for decodes (one token per
 sequence), each updating its sequence's slot in place; the torch form runs
 the recurrence token by token (the kernels' reference, and the path where
 they are not built). The conv is the hybrid layers' shared one
-(``layers/causal_conv1d.py``: its native op, or its torch twin).
+(``layers/causal_conv1d.py``: its native op, or its torch twin). A captured
+decode step (``DecodeMetadata``) reads the step as tensors only: the conv's
+decode form and ``SsdScan.decode`` (``ssd_decode``, a step program node).
 
 A layer's state is two tensors, one slot per running sequence (the engine's
 state slots, ``AttentionMetadata.state_slots``; docs/hybrid-models.md): ``conv_state``

@@ -26,6 +26,12 @@ step) run the model directly. Where the traced forward branched on the row
 count (a linear method that changes kernels past some rows), the trace
 holds for the row counts its shape guards allow, and a step outside them is
 traced again (``num_traces``).
+
+A hybrid model's state layers (``state_layers``) read the step's state
+slots as one more input, after the KV cache groups' (``DecodeMetadata.state_slots``),
+and their state tensors in place, as memory the graph owns; a step whose
+rows do not each continue their own state (a one-token prompt from zero, a
+verify step's rows of one sequence) runs the model directly.
 """
 
 from __future__ import annotations
