@@ -123,6 +123,8 @@ def _run(llm: LLM) -> dict[str, list[tuple[list[int], Any]]]:  # noqa: ANN401
 
 
 def test_captured_hybrid_decode_equals_eager(folder: str) -> None:
+    """Qwen3.5, LFM2 and Granite 4.0-H (no experts) folders: replayed decode steps give the eager tokens and
+    logprobs exactly, through joins, leaves, an n=2 fork and preemptions."""
     _check_replayed_equals_eager(LLM(folder, **ENGINE))
 
 
