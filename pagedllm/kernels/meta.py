@@ -92,6 +92,10 @@ def _register_returning() -> None:
     def _(x, weight, bias, conv_state, query_start_loc, state_slots, has_initial_state, activation):  # noqa: ANN001, ANN202
         return torch.empty_like(x)  # [num_tokens, dim]; conv_state is updated in place
 
+    @reg(_NS + "causal_conv1d_decode")
+    def _(x, weight, bias, conv_state, state_slots, silu):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape)  # [num_seqs, dim], contiguous; conv_state is updated in place
+
     @reg(_NS + "logit_stats")
     def _(logits):  # noqa: ANN001, ANN202
         rows = logits.shape[0]

@@ -193,6 +193,10 @@ void check_node_indices(const StepNode &node) {
                               "slot mapping points outside the KV cache");
     } else if (node.kind == NODE_GATED_DELTA_DECODE) {
         check_state_slots(node.delta.slots, node.rows, node.delta.num_slots, "gated_delta_decode");
+    } else if (node.kind == NODE_CONV_DECODE) {
+        check_state_slots(node.conv.slots, node.rows, node.conv.num_slots, "causal_conv1d_decode");
+    } else if (node.kind == NODE_SSD_DECODE) {
+        check_state_slots(node.ssd.slots, node.rows, node.ssd.num_slots, "ssd_decode");
     } else if (node.kind == NODE_PAGED_DECODE) {
         const PagedDecodeNode &a = node.attn;
         const int64_t width = a.table_width, block_size = a.block_size;
@@ -919,6 +923,45 @@ Tensor causal_conv1d(const Tensor &x, const Tensor &weight, const OptTensor &bia
     return out;
 }
 
+/* one token per sequence (row r: the sequence whose conv state is slot slots[r]) continuing its slot: the rows of
+   causal_conv1d for a decode step, as a step program's node. x rows may be strided (a column slice). */
+StepNode causal_conv1d_decode_node(const Tensor &x, const Tensor &weight, const OptTensor &bias,
+                                   const Tensor &conv_state, const Tensor &state_slots, bool silu, const Tensor &out) {
+    const char *op = "causal_conv1d_decode";
+    TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+                          (x.size(0) <= 1 || x.stride(0) >= x.size(1)),
+                      op, ": x must be float32 rows [num_seqs, dim], each contiguous, got ", shape_of(x));
+    const int64_t rows = x.size(0), dim = x.size(1);
+    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == dim && weight.size(1) >= 2 &&
+                          weight.size(1) <= CONV_MAX_WIDTH,
+                      op, ": weight must be [dim=", dim, ", width] with width 2..", CONV_MAX_WIDTH, ", got ",
+                      shape_of(weight));
+    check_tensor(weight, at::kFloat, weight.sizes(), op, "weight");
+    const int64_t width = weight.size(1);
+    check_optional(bias, at::kFloat, {dim}, op, "bias");
+    TORCH_CHECK_VALUE(conv_state.dim() == 3 && conv_state.size(1) == width - 1 && conv_state.size(2) == dim, op,
+                      ": conv_state must be [num_slots, width - 1 = ", width - 1, ", dim = ", dim, "], got ",
+                      shape_of(conv_state));
+    check_tensor(conv_state, at::kFloat, conv_state.sizes(), op, "conv_state");
+    check_index_vector(state_slots, rows, op, "state_slots");
+    check_tensor(out, at::kFloat, {rows, dim}, op, "out");
+    StepNode node{NODE_CONV_DECODE, rows};
+    node.conv = {x.data_ptr<float>(), rows > 1 ? x.stride(0) : dim, weight.data_ptr<float>(),
+                 ptr_or_null<float>(bias), conv_state.data_ptr<float>(), state_slots.data_ptr<int64_t>(),
+                 conv_state.size(0), out.data_ptr<float>(), dim, (int)width, silu ? 1 : 0};
+    return node;
+}
+
+Tensor causal_conv1d_decode(const Tensor &x, const Tensor &weight, const OptTensor &bias, const Tensor &conv_state,
+                            const Tensor &state_slots, bool silu) {
+    TORCH_CHECK_VALUE(x.dim() == 2, "causal_conv1d_decode: x must be [num_seqs, dim], got ", shape_of(x));
+    Tensor out = at::empty({x.size(0), x.size(1)}, x.options().memory_format(at::MemoryFormat::Contiguous));
+    const StepNode node = causal_conv1d_decode_node(x, weight, bias, conv_state, state_slots, silu, out);
+    check_node_indices(node);
+    run_node(node, threads_for(out.numel() * weight.size(1)), "causal_conv1d_decode");
+    return out;
+}
+
 // --- mixture-of-experts routing ---------------------------------------------------------
 
 /* Router kinds (layers/router.py's RouterSpec): softmax over every expert then the top k; the top k logits then
@@ -1021,6 +1064,11 @@ int64_t bf16_native() { return packed_linear_bf16_native(); }
 
 #include "step/step_program.h"
 
+/* ssm/ssd_ops.cpp: the Mamba-2 decode's node (its schema is that file's fragment) */
+StepNode ssd_decode_node(const at::Tensor &x, const at::Tensor &dt, const at::Tensor &B, const at::Tensor &C,
+                         const at::Tensor &A, const at::Tensor &D, const at::Tensor &dt_bias, const at::Tensor &state,
+                         const at::Tensor &slots, double dt_min, double dt_max, const at::Tensor &out);
+
 /* An op a step program runs has its node builder registered by step_node (step_program.h) after its schema,
    which the builder's parameters must follow (checked there). */
 TORCH_LIBRARY(pagedllm, m) {
@@ -1081,6 +1129,10 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("logit_stats(Tensor logits) -> (Tensor argmax, Tensor lse)");
     m.def("causal_conv1d(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor query_start_loc, "
           "Tensor state_slots, Tensor has_initial_state, str activation) -> Tensor");
+    m.def("causal_conv1d_decode(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor state_slots, "
+          "bool silu) -> Tensor");
+    step_node("causal_conv1d_decode", causal_conv1d_decode_node);
+    step_node("ssd_decode", ssd_decode_node);  // "float? dt_max": a float, None as infinity
     m.def("moe_route(Tensor logits, int top_k, int kind, bool renormalize, Tensor? correction_bias, "
           "float scaling_factor) -> (Tensor weights, Tensor ids)");
     m.def("moe_group(Tensor ids, int num_experts) -> (Tensor order, Tensor token_ids, Tensor pair_experts, "
@@ -1117,6 +1169,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("gated_delta_prefill", &gated_delta_prefill_op);
     m.impl("logit_stats", &logit_stats);
     m.impl("causal_conv1d", &causal_conv1d);
+    m.impl("causal_conv1d_decode", &causal_conv1d_decode);
     m.impl("moe_route", &moe_route);
     m.impl("moe_group", &moe_group);
     m.impl("shm_all_reduce", &shm_all_reduce);

@@ -133,6 +133,9 @@ class DecodeMetadata:
     # KV cache groups: each group's own metadata and each layer's group (AttentionMetadata's)
     group_metas: tuple[DecodeMetadata, ...] | None = None
     layer_groups: tuple[int, ...] = ()
+    # a hybrid model's state layers: each sequence's state slot, which it continues (a decode row always
+    # continues its state: a step with a sequence starting from zero is not captured)
+    state_slots: torch.Tensor | None = None  # [num_seqs] int64
 
     def for_layer(self, layer: int) -> DecodeMetadata:
         """The metadata layer ``layer`` reads: its KV cache group's."""

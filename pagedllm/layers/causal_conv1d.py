@@ -15,6 +15,12 @@ the whole prompt's result.
 ``torch.ops.pagedllm.causal_conv1d`` (``kernels/conv/causal_conv1d.cpp``) is
 the native kernel; ``causal_conv1d_torch`` the same in torch ops, for a
 machine without the kernels (and other dtypes or devices).
+
+``causal_conv1d_decode`` is the form a captured decode step runs
+(``DecodeMetadata``: one token per sequence, each continuing its slot): it
+reads the step through tensors only, so a trace replays it for any number of
+sequences, and its native op (``causal_conv1d_decode``) is a step program
+node computing the same bits as ``causal_conv1d`` on a decode row.
 """
 
 from __future__ import annotations
@@ -66,6 +72,29 @@ def causal_conv1d(
                                                 has_initial_state, activation)
     return causal_conv1d_torch(x, weight, bias, conv_state, query_start_loc, state_slots, has_initial_state,
                                activation)
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+    state_slots: torch.Tensor, activation: str = "none", native: bool = True,
+) -> torch.Tensor:
+    """One token per sequence (row ``i``: the sequence of slot ``state_slots[i]``), each continuing its slot's
+    state: ``causal_conv1d`` of a decode step, with nothing of the step read into Python.
+
+    ``x`` ``[num_seqs, dim]`` (rows may be strided), ``weight`` ``[dim, width]`` (width >= 2), ``conv_state``
+    ``[num_slots, width - 1, dim]``; returns ``[num_seqs, dim]``, contiguous.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if native and x.device.type == "cpu" and x.dtype == torch.float32 and _native_loaded():
+        return torch.ops.pagedllm.causal_conv1d_decode(x, weight, bias, conv_state, state_slots, activation == "silu")
+    past = conv_state.index_select(0, state_slots).to(x.dtype)  # [num_seqs, width - 1, dim]
+    window = torch.cat([past, x.unsqueeze(1)], dim=1)  # [num_seqs, width, dim]
+    acc = (window * weight.t().to(x.dtype)).sum(1)
+    if bias is not None:
+        acc = acc + bias
+    conv_state.index_copy_(0, state_slots, window[:, 1:].to(conv_state.dtype))
+    return F.silu(acc) if activation == "silu" else acc
 
 
 def _native_loaded() -> bool:

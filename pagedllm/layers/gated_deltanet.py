@@ -25,7 +25,9 @@ Qwen3.5's names as the checkpoint streams in.
 The rule runs through ``torch.ops.pagedllm.gated_delta_prefill`` (chunks of
 ``chunk_size`` tokens) for a step's prompts and ``gated_delta_decode`` for its
 decodes (``kernels/gated_delta/``); ``forward_torch`` runs the same
-recurrence token by token in torch ops (no kernels, or another dtype).
+recurrence token by token in torch ops (no kernels, or another dtype). A
+captured decode step (``DecodeMetadata``) reads the step as tensors only:
+``causal_conv1d_decode`` and ``gated_delta_decode``, both step program nodes.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.causal_conv1d import causal_conv1d
+from pagedllm.layers.attention import AttentionMetadata, DecodeMetadata
+from pagedllm.layers.causal_conv1d import causal_conv1d, causal_conv1d_decode
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization.quant_config import QuantConfig
@@ -146,8 +148,12 @@ class GatedDeltaNet(CustomOp):
         s = self.spec
         proj = self.in_proj(x)  # [num_tokens, conv_dim + value_dim + 2 * num_v_heads]
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel_size)
-        mixed = causal_conv1d(proj[:, : s.conv_dim], weight, None, states[0], meta.query_start_loc,
-                              meta.state_slots, meta.has_initial_state, "silu", native=self.native is not None)
+        if isinstance(meta, DecodeMetadata):  # a captured decode step: the step's sizes stay tensors
+            mixed = causal_conv1d_decode(proj[:, : s.conv_dim], weight, None, states[0], meta.state_slots, "silu",
+                                         native=self.native is not None)
+        else:
+            mixed = causal_conv1d(proj[:, : s.conv_dim], weight, None, states[0], meta.query_start_loc,
+                                  meta.state_slots, meta.has_initial_state, "silu", native=self.native is not None)
         n = x.shape[0]
         q = mixed[:, : s.key_dim].view(n, s.num_k_heads, s.head_k_dim)
         k = mixed[:, s.key_dim : 2 * s.key_dim].view(n, s.num_k_heads, s.head_k_dim)
@@ -167,6 +173,9 @@ class GatedDeltaNet(CustomOp):
         q, k, v, z, g, beta = self._inputs(x, states, meta)
         core = torch.empty_like(v)  # [num_tokens, num_v_heads, head_v_dim]
         scale = self.spec.head_k_dim**-0.5
+        if isinstance(meta, DecodeMetadata):  # a captured decode step: every row continues its slot
+            self.native.gated_delta_decode(q, k, v, g, beta, states[1], meta.state_slots, core, scale)
+            return self._output(core, z)
         loc, num_prefills, rec = meta.query_start_loc, meta.num_prefills, states[1]
         if num_prefills:
             end = loc[num_prefills]

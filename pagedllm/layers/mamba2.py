@@ -15,7 +15,9 @@ chunked form for prompts, the recurrent form for decodes (one token per
 sequence), each updating its sequence's slot in place; the torch form runs
 the recurrence token by token (the kernels' reference, and the path where
 they are not built). The conv is the hybrid layers' shared one
-(``layers/causal_conv1d.py``: its native op, or its torch twin).
+(``layers/causal_conv1d.py``: its native op, or its torch twin). A captured
+decode step (``DecodeMetadata``) reads the step as tensors only: the conv's
+decode form and ``SsdScan.decode`` (``ssd_decode``, a step program node).
 
 A layer's state is two tensors, one slot per running sequence (the engine's
 state slots, ``AttentionMetadata.state_slots``; docs/hybrid-models.md): ``conv_state``
@@ -35,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.causal_conv1d import causal_conv1d
+from pagedllm.layers.attention import AttentionMetadata, DecodeMetadata
+from pagedllm.layers.causal_conv1d import causal_conv1d, causal_conv1d_decode
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization.quant_config import QuantConfig
@@ -167,6 +169,26 @@ class SsdScan(CustomOp):
                                         step.state_slots[step.num_prefills:], lo, hi))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def decode(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,  # noqa: N803
+               A: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, ssm_state: torch.Tensor,  # noqa: N803
+               slots: torch.Tensor) -> torch.Tensor:
+        """One token per sequence (row ``i``: slot ``slots[i]``), each continuing its state, with nothing of the
+        step read into Python (a captured decode step): ``ssd_decode``, or the same recurrence in torch ops."""
+        lo, hi = self.dt_limits
+        if self.native is not None:
+            return torch.ops.pagedllm.ssd_decode(x, dt, B, C, A, D, dt_bias, ssm_state, slots, lo, hi)
+        n = x.shape[0]
+        num_heads, head_dim, state_size = ssm_state.shape[1:]
+        per_group = num_heads // (B.shape[1] // state_size)
+        steps = F.softplus(dt + dt_bias).clamp(lo, hi)  # [n, H]
+        xt = x.reshape(n, num_heads, head_dim)
+        bt = B.reshape(n, -1, state_size).repeat_interleave(per_group, 1)  # [n, H, N]
+        ct = C.reshape(n, -1, state_size).repeat_interleave(per_group, 1)
+        s = ssm_state.index_select(0, slots)  # [n, H, P, N]
+        s = s * torch.exp(steps * A)[:, :, None, None] + (steps[:, :, None] * xt)[..., None] * bt[:, :, None, :]
+        ssm_state.index_copy_(0, slots, s)
+        return (torch.einsum("shpn,shn->shp", s, ct) + D[None, :, None] * xt).reshape(n, -1)
+
 
 class Mamba2Mixer(nn.Module):
     """One Mamba-2 mixer (Hugging Face's ``mamba`` module of a layer); see the module docstring."""
@@ -194,7 +216,8 @@ class Mamba2Mixer(nn.Module):
         """``x`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``; each sequence's slots of ``state`` move on."""
         spec = self.spec
         conv_state, ssm_state = state
-        step = StateStep.from_metadata(meta)
+        # a captured decode step (DecodeMetadata) reads the step as tensors only: every row continues its slot
+        step = None if isinstance(meta, DecodeMetadata) else StateStep.from_metadata(meta)
         inter, bc = spec.intermediate_size, spec.num_groups * spec.state_size
         proj = self.in_proj(x)
         z, xbc, dt = proj.split([inter, spec.conv_dim, spec.num_heads], dim=-1)
@@ -202,13 +225,20 @@ class Mamba2Mixer(nn.Module):
         # column slices of xbc: the scan reads strided rows; its inputs in float32 (the state is)
         xs, b, c = xbc.float().split([inter, bc, bc], dim=-1)
         A = -torch.exp(self.A_log.float())  # noqa: N806
-        y = self.scan(xs, dt.float(), b, c, A, self.D.float(), self.dt_bias.float(), ssm_state, step)
+        if step is None:
+            y = self.scan.decode(xs, dt.float(), b, c, A, self.D.float(), self.dt_bias.float(), ssm_state,
+                                 meta.state_slots)
+        else:
+            y = self.scan(xs, dt.float(), b, c, A, self.D.float(), self.dt_bias.float(), ssm_state, step)
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 
     def _conv(self, xbc: torch.Tensor, conv_state: torch.Tensor, meta: AttentionMetadata,
-              step: StateStep) -> torch.Tensor:
+              step: StateStep | None) -> torch.Tensor:
         weight = self.conv1d.weight.view(self.spec.conv_dim, self.spec.conv_kernel)
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        if step is None:  # a captured decode step
+            return causal_conv1d_decode(xbc.float(), weight.float(), bias, conv_state, meta.state_slots, "silu",
+                                        native=self.scan.native is not None)
         return causal_conv1d(xbc.float(), weight.float(), bias, conv_state, meta.query_start_loc, step.state_slots,
                              step.has_initial_state, "silu", native=self.scan.native is not None)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.causal_conv1d import causal_conv1d
+from pagedllm.layers.attention import AttentionMetadata, DecodeMetadata
+from pagedllm.layers.causal_conv1d import causal_conv1d, causal_conv1d_decode
 from pagedllm.layers.decoder import DecoderLayerSpec
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantization.quant_config import QuantConfig
@@ -48,10 +48,15 @@ class ShortConv(nn.Module):
 
     def forward(self, h: torch.Tensor, states: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """``h`` ``[num_tokens, hidden]`` (normed) -> the mixer's output ``[num_tokens, hidden]``."""
-        if meta.state_slots is None or meta.has_initial_state is None:
+        decode = isinstance(meta, DecodeMetadata)  # a captured decode step: the step's sizes stay tensors
+        if meta.state_slots is None or (not decode and meta.has_initial_state is None):
             raise ValueError("an LFM2 conv layer needs the step's state slots (AttentionMetadata.state_slots)")
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
         conv_state = states[0][:, : self.width - 1]  # [num_slots, width - 1, hidden]
+        if decode:
+            y = causal_conv1d_decode((b * x).contiguous(), self.conv_weight, self.conv_bias, conv_state,
+                                     meta.state_slots, "none", native=conv_state.is_contiguous())
+            return self.out_proj(c * y)
         y = causal_conv1d((b * x).contiguous(), self.conv_weight, self.conv_bias, conv_state, meta.query_start_loc,
                           meta.state_slots, meta.has_initial_state, "none", native=conv_state.is_contiguous())
         return self.out_proj(c * y)

@@ -274,6 +274,7 @@ class ModelRunner:
             shared=(shm.slots, shm.flags, shm.pids) if shm is not None else (),
             # tensor-parallel ranks all trace at the first decode step, so none waits in a collective
             armed=config.capture_min_decode_steps == 0 or self.tp is not None,
+            state_layers=bool(self.state_shapes),
         )
 
     def _calibrate_kv_transforms(self) -> None:

@@ -149,3 +149,33 @@ def test_fake_implementation_gives_the_output_shape(ops) -> None:  # noqa: ANN00
                                               torch.tensor(initial))]
         out = ops.causal_conv1d(*args, "none")
     assert out.shape == x.shape and out.dtype == x.dtype
+
+
+@pytest.mark.parametrize(("dim", "width"), [(7, 2), (64, 3), (136, 4)])
+def test_decode_form_matches_the_recurrence_and_the_general_op_bit_for_bit(ops, dim: int, width: int) -> None:  # noqa: ANN001
+    """``causal_conv1d_decode`` (one token per sequence, x rows strided, slots scattered): the float64
+    recurrence's outputs and states, and exactly what ``causal_conv1d`` computes for the same decode rows."""
+    from pagedllm.layers.causal_conv1d import causal_conv1d_decode
+
+    x, weight, bias, states, loc, slots, _ = _case(dim, width, [1, 1, 1, 1], 3)
+    wide = torch.randn(4, dim + 5)  # x as a column slice of wider rows
+    wide[:, 2 : 2 + dim] = x
+    strided = wide[:, 2 : 2 + dim]
+    for activation in ("none", "silu"):
+        want, after = _reference(x, weight, bias, states, loc, slots, [True] * 4, activation)
+        mine, general = states.clone(), states.clone()
+        slot_t = torch.tensor(slots)
+        got = causal_conv1d_decode(strided, weight, bias, mine, slot_t, activation)
+        eager = ops.causal_conv1d(x, weight, bias, general, torch.tensor(loc), slot_t, torch.ones(4, dtype=torch.bool),
+                                  activation)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got, eager) and torch.equal(mine, general)
+        for slot, state in after.items():
+            torch.testing.assert_close(mine[slot].double(), state, rtol=1e-6, atol=1e-6)
+        # the torch form (a machine without the kernels) reads the step as tensors too
+        twin = states.clone()
+        torch.testing.assert_close(causal_conv1d_decode(strided, weight, bias, twin, slot_t, activation, native=False),
+                                   got, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(twin, mine, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="given twice"):
+        causal_conv1d_decode(x, weight, bias, states.clone(), torch.tensor([1, 3, 1, 5]), "none")

@@ -32,8 +32,9 @@ PROMPTS = [
     {"prompt_token_ids": [5000, 17, 4242, 999] * 5},
 ]
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# decode steps captured from the first (the verify steps, their checkpoints copied before them, run eagerly)
 ENGINE = dict(max_model_len=256, num_kv_blocks=128, block_size=4, kv_cache_dtype="float32", max_num_seqs=4,
-              itl_target_ms=None)
+              itl_target_ms=None, capture_min_decode_steps=0)
 FAMILIES = ("lfm2", "qwen3_5", "granitemoehybrid")
 GRANITE_LAYERS = ["mamba", "attention", "mamba", "mamba"]
 
@@ -104,6 +105,10 @@ def _run(path: str, speculative_config: dict | None) -> tuple[list, LLM, list[tu
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert not llm.llm_engine.requests and bm.num_free_blocks == bm.num_blocks
     assert bm.state_slots.num_used == 0
+    runner = llm.llm_engine.model_runner
+    captured = runner.captured_decode
+    if not runner.model_config.num_experts:  # experts not in GGUF blocks read their routing into Python: eager
+        assert captured is not None and captured.failed is None and captured.num_traces >= 1
     if bm.checkpoints is not None:
         assert bm.checkpoints.num_used == 0
     return outs, llm, rollbacks

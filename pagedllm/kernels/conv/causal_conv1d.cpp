@@ -20,6 +20,7 @@
 
 #include "conv.h"
 #include "../simd/simd.h"
+#include "../step/step_nodes.h"
 
 #define CONV_BLOCK 64
 
@@ -76,6 +77,22 @@ void causal_conv1d_f32(const float *x, const float *weight, const float *bias, f
             const int64_t nc = dim - c0 < CONV_BLOCK ? dim - c0 : CONV_BLOCK;
             conv_block(x, weight, bias, states + slots[s] * slot_elems, out, query_start_loc[s],
                        query_start_loc[s + 1], dim, width, c0, nc, has_initial_state[s] ? 1 : 0, silu);
+        }
+    }
+}
+
+/* Decodes, one token per row continuing its slot (a step program's node, step_nodes.h): the same blocks as
+   causal_conv1d_f32's, so a decode computes the same bits through either. Orphaned: the caller's team shares it. */
+void conv_decode_team(const ConvDecodeNode *n, int64_t rows) {
+    const int64_t num_blocks = (n->dim + CONV_BLOCK - 1) / CONV_BLOCK;
+    const int64_t slot_elems = (int64_t)(n->width - 1) * n->dim;
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t blk = 0; blk < num_blocks; blk++) {
+            const int64_t c0 = blk * CONV_BLOCK;
+            const int64_t nc = n->dim - c0 < CONV_BLOCK ? n->dim - c0 : CONV_BLOCK;
+            conv_block(n->x + r * n->x_stride, n->weight, n->bias, n->state + n->slots[r] * slot_elems,
+                       n->out + r * n->dim, 0, 1, n->dim, n->width, c0, nc, 1, n->silu);
         }
     }
 }

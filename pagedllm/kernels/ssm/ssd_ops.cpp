@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ssd_scan.h"
+#include "../step/step_nodes.h"
 
 namespace {
 
@@ -132,6 +133,28 @@ Tensor ssd_prefill(const Tensor &x, const Tensor &dt, const Tensor &B, const Ten
 }
 
 }  // namespace
+
+/* ssd_decode as a step program's node (registered by ops.cpp): out [tokens, num_heads * head_dim] given; the
+   slots' values are checked before every run (ops.cpp's check_node_indices) */
+StepNode ssd_decode_node(const Tensor &x, const Tensor &dt, const Tensor &B, const Tensor &C, const Tensor &A,
+                         const Tensor &D, const Tensor &dt_bias, const Tensor &state, const Tensor &slots,
+                         double dt_min, double dt_max, const Tensor &out) {
+    const char *op = "ssd_decode";
+    const SsdLayer layer = check_layer(state, B, A, D, dt_bias, dt_min, dt_max, op);
+    const int64_t tokens = x.dim() == 2 ? x.size(0) : -1, inner = (int64_t)layer.num_heads * layer.head_dim;
+    check_rows(x, tokens, inner, op, "x");
+    check_rows(dt, tokens, layer.num_heads, op, "dt");
+    check_rows(B, tokens, (int64_t)layer.num_groups * layer.state_size, op, "B");
+    check_rows(C, tokens, (int64_t)layer.num_groups * layer.state_size, op, "C");
+    check_rows(out, tokens, inner, op, "out");
+    check_vector(slots, at::kLong, tokens, op, "slots");
+    StepNode node{NODE_SSD_DECODE, tokens};
+    node.ssd = {layer,
+                SsdRows{x.data_ptr<float>(), dt.data_ptr<float>(), B.data_ptr<float>(), C.data_ptr<float>(),
+                        out.data_ptr<float>(), x.stride(0), dt.stride(0), B.stride(0), C.stride(0), out.stride(0)},
+                state.data_ptr<float>(), slots.data_ptr<int64_t>(), state.size(0)};
+    return node;
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
     m.def("ssd_decode(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor A, Tensor D, Tensor dt_bias, "

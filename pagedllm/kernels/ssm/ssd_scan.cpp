@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "ssd_rows.h"
+#include "../step/step_nodes.h"
 
 namespace {
 
@@ -79,6 +80,17 @@ void ssd_decode_f32(const SsdLayer *layer, const SsdRows *rows, float *state, co
     for (int64_t k = 0; k < tasks; k++) {
         const int64_t seq = k / layer->num_heads;
         decode_head(layer, rows, state, slots[seq], seq, (int)(k % layer->num_heads));
+    }
+}
+
+/* ssd_decode_f32's tasks as a step program's node (step_nodes.h): the same head function, so the same bits;
+   orphaned, the caller's team shares it */
+void ssd_decode_team(const SsdDecodeNode *n, int64_t rows) {
+    const int64_t tasks = rows * n->layer.num_heads;
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < tasks; k++) {
+        const int64_t seq = k / n->layer.num_heads;
+        decode_head(&n->layer, &n->rows, n->state, n->slots[seq], seq, (int)(k % n->layer.num_heads));
     }
 }
 

@@ -55,6 +55,8 @@ static void run_node(const StepNode *node, int *failed) {
         case NODE_PAGED_DECODE: paged_decode_team(&node->attn, rows, failed); break;
         case NODE_ROW_AFFINE: row_affine_team(&node->affine, rows); break;
         case NODE_GATED_DELTA_DECODE: gated_delta_decode_team(&node->delta, rows); break;
+        case NODE_CONV_DECODE: conv_decode_team(&node->conv, rows); break;
+        case NODE_SSD_DECODE: ssd_decode_team(&node->ssd, rows); break;
         default: break; /* ops.cpp makes no other kind */
     }
 }

@@ -25,6 +25,8 @@
 #define PAGEDLLM_STEP_NODES_H
 #include <stdint.h>
 
+#include "../ssm/ssd_scan.h"
+
 enum StepNodeKind {
     NODE_GATHER_ROWS, /* out[r] = table[index[r]]  (embedding, cos/sin lookup) */
     NODE_COPY_ROWS,   /* dst[r] = src[r], rows src_stride / dst_stride apart (a strided view made contiguous, a part of a cat) */
@@ -40,6 +42,8 @@ enum StepNodeKind {
     NODE_PAGED_DECODE,
     NODE_ROW_AFFINE, /* x[r] = x[r] * mul + add per column, in place (an int4 cache's K/V change of variables) */
     NODE_GATED_DELTA_DECODE, /* one token per sequence through its gated delta rule state (gated_delta/) */
+    NODE_CONV_DECODE,        /* one token per sequence through its causal conv1d state (conv/) */
+    NODE_SSD_DECODE,         /* one token per sequence through its Mamba-2 scan state (ssm/) */
 };
 
 typedef struct {
@@ -155,6 +159,27 @@ typedef struct {
     int l2norm; /* q and k L2-normalised first */
 } GatedDeltaDecodeNode;
 
+typedef struct {
+    const float *x;      /* [rows, dim], rows x_stride floats apart */
+    int64_t x_stride;
+    const float *weight; /* [dim, width] */
+    const float *bias;   /* [dim] or NULL */
+    float *state;        /* [num_slots, width - 1, dim], updated in place */
+    const int64_t *slots; /* [rows], distinct, each in [0, num_slots) */
+    int64_t num_slots;
+    float *out; /* [rows, dim], contiguous */
+    int64_t dim;
+    int width, silu;
+} ConvDecodeNode;
+
+typedef struct {
+    SsdLayer layer;
+    SsdRows rows;         /* [rows, ...] token rows (strided) and the output */
+    float *state;         /* [num_slots, num_heads, head_dim, state_size], updated in place */
+    const int64_t *slots; /* [rows], distinct, each in [0, num_slots) */
+    int64_t num_slots;
+} SsdDecodeNode;
+
 /* rows: the tokens (decode attention: the sequences) the node works on, row r of every [rows, ...] buffer
    its struct points to; every kind keeps it here, so a program cuts any node to its first n rows alike */
 typedef struct {
@@ -173,6 +198,8 @@ typedef struct {
         PagedDecodeNode attn;
         RowAffineNode affine;
         GatedDeltaDecodeNode delta;
+        ConvDecodeNode conv;
+        SsdDecodeNode ssd;
     };
 } StepNode;
 
@@ -196,4 +223,6 @@ void gguf_gather_team(const GgufGatherNode *n, int64_t rows);                   
 void write_kv_team(const WriteKvNode *n, int64_t rows);                         /* kv_write.cpp */
 void paged_decode_team(const PagedDecodeNode *n, int64_t num_seqs, int *failed); /* paged_decode.cpp */
 void gated_delta_decode_team(const GatedDeltaDecodeNode *n, int64_t rows); /* gated_delta_decode.cpp */
+void conv_decode_team(const ConvDecodeNode *n, int64_t rows);               /* causal_conv1d.cpp */
+void ssd_decode_team(const SsdDecodeNode *n, int64_t rows);                 /* ssd_scan.cpp */
 #endif

@@ -178,6 +178,7 @@ std::string schema_codes(const std::string &op) {
         else if (type->kind() == c10::TypeKind::IntType) codes += 'i';
         else if (type->kind() == c10::TypeKind::BoolType) codes += 'b';
         else if (type->kind() == c10::TypeKind::FloatType) codes += 'f';
+        else if (optional && optional->getElementType()->kind() == c10::TypeKind::FloatType) codes += 'f';
         else codes += '?';
     }
     const auto &returns = handle->schema().returns();

@@ -26,6 +26,12 @@ step) run the model directly. Where the traced forward branched on the row
 count (a linear method that changes kernels past some rows), the trace
 holds for the row counts its shape guards allow, and a step outside them is
 traced again (``num_traces``).
+
+A hybrid model's state layers (``state_layers``) read the step's state
+slots as one more input, after the KV cache groups' (``DecodeMetadata.state_slots``),
+and their state tensors in place, as memory the graph owns; a step whose
+rows do not each continue their own state (a one-token prompt from zero, a
+verify step's rows of one sequence) runs the model directly.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ class CapturedDecode:
         """Whether a decode step reads the step through tensors only: ``cpu_paged`` without score softcaps, and
         a mixture of experts only where ``model``'s experts are all GGUF blocks of one type per layer.
 
+        A hybrid model's state layers read a decode step's state slots as a
+        tensor (``DecodeMetadata.state_slots``, docs/hybrid-models.md), so
+        they are captured too.
+
         ``cpu_paged`` decodes (windowed or not) take block tables and lengths
         as tensors; the SDPA decode path sizes its gather from the Python
         lengths, which a trace would freeze. A mixture of experts groups the
@@ -82,14 +92,13 @@ class CapturedDecode:
         """
         if backend.name != "cpu_paged" or model_config.attn_logit_softcapping is not None:
             return False
-        if model_config.has_state_layers:
-            return False  # a hybrid model's state layers read their slots through Python (docs/hybrid-models.md)
         return not model_config.num_experts or (model is not None and experts_capturable(model))
 
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_rows: int, block_size: int, max_width: int, native_programs: bool = False,
         shared: tuple[torch.Tensor, ...] = (), armed: bool = True, layer_groups: tuple[int, ...] = (),
+        state_layers: bool = False,
     ) -> None:
         # KV cache groups (kv_groups.py): each group's slots and tables are inputs of their own
         self.layer_groups = layer_groups
@@ -99,7 +108,11 @@ class CapturedDecode:
         self.max_rows = max_rows
         self.block_size = block_size
         self.max_width = max_width
-        self._owned = [kv_cache, *model_tensors(model), *shared]
+        # a hybrid model's state slots are one more input of the graph (after the KV cache groups'); its state
+        # tensors, which ``kv_caches`` holds in its state layers' places, are memory the graph owns
+        self.state_layers = state_layers
+        states = [t for entry in kv_caches for t in entry] if state_layers else []
+        self._owned = [kv_cache, *states, *model_tensors(model), *shared]
         self.failed: str | None = None  # why capturing was given up, once it was
         self.num_traces = 0
         # False: decode steps run the model directly until ``warm_up`` (the engine calls it once a trace
@@ -118,7 +131,17 @@ class CapturedDecode:
         return (
             self.armed and self.failed is None and meta.num_prefills == 0 and num_tokens == meta.num_seqs
             and num_tokens <= self.max_rows and meta.block_tables.shape[1] <= self.max_width
+            and (not self.state_layers or self._continues_states(meta, num_tokens))
         )
+
+    @staticmethod
+    def _continues_states(meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether every row of a hybrid model's step continues its own state slot: a step with a one-token
+        prompt (its state starts at zero) or a verify step's rows (``as_decode_rows``: one slot, several
+        tokens, which the recurrence takes in turn) runs the model directly."""
+        slots, initial = meta.state_slots, meta.has_initial_state
+        return (slots is not None and slots.shape[0] == num_tokens
+                and (initial is None or bool(initial.all())))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[num_tokens, hidden]``, as the model's forward; valid until the next step."""
@@ -136,6 +159,8 @@ class CapturedDecode:
         if meta.group_metas is not None:
             for group in meta.group_metas[1:]:
                 inputs += [group.slot_mapping, group.block_tables]
+        if self.state_layers:
+            inputs.append(meta.state_slots)
         return graph.replay(inputs, rows)
 
     def warm_up(self) -> None:
@@ -159,22 +184,26 @@ class CapturedDecode:
         example = [zeros, zeros.clone(), zeros.clone(), torch.zeros(n, w, dtype=torch.int64), zeros + 1]
         for _ in range(self.num_groups - 1):  # each further KV cache group's slots and tables
             example += [zeros.clone(), torch.zeros(n, w, dtype=torch.int64)]
+        if self.state_layers:  # the state slots, distinct (as a step's are)
+            example.append(torch.arange(n, dtype=torch.int64))
         model, kv_caches, block_size, layer_groups = self.model, self.kv_caches, self.block_size, self.layer_groups
+        state_layers = self.state_layers
 
         def step(*inputs: torch.Tensor) -> torch.Tensor:  # a plain function: make_fx counts a method's self
             ids, pos, slots, tables, lens, *extra = inputs
-            meta = DecodeMetadata(slots, tables, lens, block_size)
+            state_slots = extra.pop() if state_layers else None
+            meta = DecodeMetadata(slots, tables, lens, block_size, state_slots=state_slots)
             if extra:
-                groups = [meta, *(DecodeMetadata(extra[i], extra[i + 1], lens, block_size)
+                groups = [meta, *(DecodeMetadata(extra[i], extra[i + 1], lens, block_size, state_slots=state_slots)
                                   for i in range(0, len(extra), 2))]
-                meta = DecodeMetadata(slots, tables, lens, block_size, tuple(groups), layer_groups)
+                meta = DecodeMetadata(slots, tables, lens, block_size, tuple(groups), layer_groups, state_slots)
             return model(ids, pos, kv_caches, meta)
 
         gm = trace(step, example)
         self.num_traces += 1
         check_constants(gm, self._owned)
         dims = input_symbols(gm)
-        if len(dims) != 3 + 2 * self.num_groups or isinstance(dims[0][0], int) or any(d[0] != dims[0][0] for d in dims):
+        if len(dims) != 3 + 2 * self.num_groups + self.state_layers or isinstance(dims[0][0], int) or any(d[0] != dims[0][0] for d in dims):
             raise CaptureError("the trace fixed the step's row count")
         row_symbol = dims[0][0]
         width = dims[3][1]
@@ -192,6 +221,8 @@ class CapturedDecode:
         inputs += [tables, torch.ones(hi, dtype=torch.int64)]
         for _ in range(self.num_groups - 1):
             inputs += [torch.zeros(hi, dtype=torch.int64), torch.zeros(hi, self.max_width, dtype=torch.int64)]
+        if self.state_layers:
+            inputs.append(torch.arange(hi, dtype=torch.int64))  # [hi]: the state slots
         graph = lower(gm, inputs, row_symbol, {**bindings, row_symbol: hi}, list(range(lo, hi + 1)),
                       self.native_programs)
         self.graphs[(lo, hi)] = graph

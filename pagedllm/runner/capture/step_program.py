@@ -27,6 +27,7 @@ with builders of their own.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -58,6 +59,8 @@ def _schema_call(op: Any, args: tuple, kwargs: dict, out: torch.Tensor | None) -
             ints.append(int(value))
         elif kind == "float":
             floats.append(float(value))
+        elif kind == "Optional[float]":  # a limit, None for none (ssd_decode's dt_max)
+            floats.append(math.inf if value is None else float(value))
         else:
             return None
     if out is not None:
