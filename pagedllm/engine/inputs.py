@@ -196,6 +196,8 @@ def thinking_budget(
     # the closing marker the model may write itself, then what else is forced after it (whitespace, or harmony's
     # next message header)
     close_str = params.think_close_str if params.think_close_str is not None else params.think_end_str.rstrip()
+    if not params.think_end_str.startswith(close_str):  # checked at construction; the fields may be set later
+        raise ValueError(f"think_close_str {close_str!r} must begin think_end_str {params.think_end_str!r}")
     suffix = params.think_end_str[len(close_str) :]
     start_str = params.think_start_str.strip()  # the whitespace around the opening marker may tokenize either way
     forced = tuple(encode(close_str)) + (tuple(encode(suffix)) if suffix else ())

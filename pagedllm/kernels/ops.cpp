@@ -1132,7 +1132,13 @@ TORCH_LIBRARY(pagedllm, m) {
     m.def("causal_conv1d_decode(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor state_slots, "
           "bool silu) -> Tensor");
     step_node("causal_conv1d_decode", causal_conv1d_decode_node);
+    // the Mamba-2 scan (implemented in ssm/ssd_ops.cpp)
+    m.def("ssd_decode(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor A, Tensor D, Tensor dt_bias, "
+          "Tensor(a!) state, Tensor slots, float dt_min=0.0, float? dt_max=None) -> Tensor");
     step_node("ssd_decode", ssd_decode_node);  // "float? dt_max": a float, None as infinity
+    m.def("ssd_prefill(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor A, Tensor D, Tensor dt_bias, "
+          "Tensor(a!) state, Tensor slots, Tensor bounds, Tensor has_initial_state, int chunk_size, "
+          "float dt_min=0.0, float? dt_max=None) -> Tensor");
     m.def("moe_route(Tensor logits, int top_k, int kind, bool renormalize, Tensor? correction_bias, "
           "float scaling_factor) -> (Tensor weights, Tensor ids)");
     m.def("moe_group(Tensor ids, int num_experts) -> (Tensor order, Tensor token_ids, Tensor pair_experts, "

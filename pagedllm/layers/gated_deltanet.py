@@ -196,6 +196,11 @@ class GatedDeltaNet(CustomOp):
         self, x: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """The rule token by token in torch ops (float32 state, any activations' dtype)."""
+        if isinstance(meta, DecodeMetadata):
+            # the loop below reads the step's sequences into Python, which a trace cannot: say so plainly
+            # (the capture gives up with this message; the native form is the one captured)
+            raise ValueError("Gated DeltaNet's torch form is not traced for captured decode steps: "
+                             "it reads the step's sizes into Python (the native kernels are captured)")
         q, k, v, z, g, beta = self._inputs(x, states, meta)
         core = torch.empty_like(v)
         loc, rec = meta.query_start_loc, states[1]

@@ -48,8 +48,11 @@ class HybridLayerSpec(DecoderLayerSpec):
         super().__post_init__()
         if self.linear is not None and self.mamba is not None:
             raise ValueError("a hybrid layer's mixer is Gated DeltaNet or Mamba-2, not both")
-        if (self.linear is not None or self.mamba is not None) and (self.post_norms or not self.pre_norms):
-            raise ValueError("a state layer (Gated DeltaNet, Mamba-2) is a pre-norm layer")
+        # HybridDecoderLayer has the pre-norm path only, for every mixer: refuse what it would not build
+        if self.post_norms or not self.pre_norms:
+            raise ValueError("a hybrid model's layers are pre-norm (post_norms / pre_norms=False are not built)")
+        if self.gated_attention and (self.linear is not None or self.mamba is not None):
+            raise ValueError("gated_attention is for an attention layer, not a Gated DeltaNet or Mamba-2 one")
 
 
 class HybridDecoderLayer(nn.Module):

@@ -87,7 +87,7 @@ class Qwen3NextForCausalLM(CausalLM):
             layers.append(HybridLayerSpec(
                 attention if full else dataclasses.replace(attention, rope=False), cfg.intermediate_size,
                 cfg.hidden_act, norm, rope_table="default" if full else None,
-                moe=moe if cfg.is_sparse(i) else None, linear=None if full else linear, gated_attention=True,
+                moe=moe if cfg.is_sparse(i) else None, linear=None if full else linear, gated_attention=full,
             ))
         return DecoderSpec(cfg.vocab_size, cfg.hidden_size, tuple(layers), norm, {"default": rope},
                            tie_word_embeddings=cfg.tie_word_embeddings)

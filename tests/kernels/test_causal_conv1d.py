@@ -179,3 +179,34 @@ def test_decode_form_matches_the_recurrence_and_the_general_op_bit_for_bit(ops, 
         torch.testing.assert_close(twin, mine, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="given twice"):
         causal_conv1d_decode(x, weight, bias, states.clone(), torch.tensor([1, 3, 1, 5]), "none")
+
+
+def _decode_case() -> dict:
+    gen = torch.Generator().manual_seed(3)
+    return dict(x=torch.randn(3, 8, generator=gen), weight=torch.randn(8, 4, generator=gen),
+                bias=torch.randn(8, generator=gen), conv_state=torch.randn(5, 3, 8, generator=gen),
+                state_slots=torch.tensor([4, 0, 2]), silu=True)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(state_slots=torch.tensor([4, -1, 2])), "outside the 5 slots"),
+    (dict(state_slots=torch.tensor([4, 5, 2])), "outside the 5 slots"),
+    (dict(state_slots=torch.tensor([4, 0, 4])), "given twice"),
+    (dict(state_slots=torch.tensor([4, 0])), "state_slots"),
+    (dict(state_slots=torch.tensor([4.0, 0.0, 2.0])), "state_slots"),
+    (dict(x=torch.zeros(3, 8, dtype=torch.float64)), "x must be float32 rows"),
+    (dict(x=torch.zeros(8, 3).t()), "x must be float32 rows"),
+    (dict(weight=torch.zeros(8, 9)), "weight must be"),
+    (dict(conv_state=torch.zeros(5, 2, 8)), "conv_state must be"),
+    (dict(conv_state=torch.zeros(5, 3, 8, dtype=torch.float16)), "conv_state"),
+    (dict(conv_state=torch.zeros(5, 8, 3).transpose(1, 2)), "conv_state"),
+    (dict(bias=torch.zeros(7)), "bias"),
+])
+def test_bad_decode_inputs_are_value_errors(ops, change: dict, message: str) -> None:  # noqa: ANN001
+    """``causal_conv1d_decode``'s checks: slots out of the state (negative too), repeated or of the wrong
+    length or type, and every tensor of the wrong type, shape or layout; the state is untouched."""
+    args = _decode_case() | change
+    before = args["conv_state"].clone()
+    with pytest.raises(ValueError, match=message):
+        ops.causal_conv1d_decode(**args)
+    assert torch.equal(args["conv_state"], before)

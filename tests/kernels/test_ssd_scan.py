@@ -234,3 +234,33 @@ def test_fake_implementations_give_the_output_shape(ops) -> None:  # noqa: ANN00
         bounds, starts = mode.from_tensor(torch.tensor([0, 1, 2])), mode.from_tensor(torch.tensor([True, False]))
         out = ops.ssd_prefill(**args, bounds=bounds, has_initial_state=starts, chunk_size=8)
         assert out.shape == (2, NUM_HEADS * HEAD_DIM)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+@pytest.mark.parametrize("limits", [(0.0, math.inf), (0.05, 0.8)])
+def test_torch_decode_form_equals_the_recurrence(num_groups: int, limits: tuple[float, float]) -> None:
+    """``SsdScan.decode`` without the native kernels (the torch form a captured step traces where they are not
+    loaded): scattered slots, each row one step of the float64 recurrence from its slot, other slots untouched."""
+    from pagedllm.layers.mamba2 import Mamba2Spec, SsdScan
+
+    gen = torch.Generator().manual_seed(17 + num_groups)
+    A, D, dt_bias = make_layer(gen)  # noqa: N806
+    x, dt, B, C = make_tokens(gen, 3, num_groups)  # noqa: N806
+    dt = dt * 4  # time steps on both sides of the limits
+    spec = Mamba2Spec(hidden_size=8, num_heads=NUM_HEADS, head_dim=HEAD_DIM, state_size=STATE_SIZE,
+                      num_groups=num_groups, conv_kernel=4, intermediate_size=NUM_HEADS * HEAD_DIM,
+                      dt_min=limits[0], dt_max=limits[1])
+    scan = SsdScan(spec)
+    scan.select_impl(None)
+    assert scan.native is None
+    state = torch.randn(6, NUM_HEADS, HEAD_DIM, STATE_SIZE, generator=gen)
+    before = state.clone()
+    slots = torch.tensor([4, 1, 2])
+    out = scan.decode(x, dt, B, C, A, D, dt_bias, state, slots)
+    xs, dts, Bs, Cs = shaped(x, dt, B, C, num_groups)  # noqa: N806
+    for i, slot in enumerate(slots.tolist()):
+        want, want_state = reference_scan(xs[i:i + 1], dts[i:i + 1], Bs[i:i + 1], Cs[i:i + 1], A, D, dt_bias,
+                                          before[slot], *limits)
+        torch.testing.assert_close(out[i].double(), want.reshape(-1), **TOL)
+        torch.testing.assert_close(state[slot].double(), want_state, **TOL)
+    assert torch.equal(state[[0, 3, 5]], before[[0, 3, 5]])

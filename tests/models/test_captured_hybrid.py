@@ -93,10 +93,15 @@ class _Counting:
 
 
 def _schedule() -> list[tuple[int, str, list[int], SamplingParams]]:
-    """(engine step it joins at, id, prompt, params): lengths 5 to 37, 6 to 30 new tokens, one n=2 request."""
+    """(engine step it joins at, id, prompt, params): lengths 1 to 37, 6 to 30 new tokens, one n=2 request.
+
+    The one-token prompt (r5) joins among decodes: its step is one token per sequence like a decode step, but
+    its row starts from a zero state, not from its slot's last owner's (the captured path leaves that step to
+    the eager model; a slot read as a continuation would change r5's tokens)."""
     gen = torch.Generator().manual_seed(11)
     out = []
-    for i, (join, length, new) in enumerate([(0, 5, 30), (0, 23, 12), (3, 37, 20), (6, 9, 6), (9, 14, 25)]):
+    for i, (join, length, new) in enumerate([(0, 5, 30), (0, 23, 12), (3, 37, 20), (6, 9, 6), (9, 14, 25),
+                                             (12, 1, 10)]):
         prompt = torch.randint(100, 40000, (length,), generator=gen).tolist()
         out.append((join, f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=2)))
     fork = torch.randint(100, 40000, (11,), generator=gen).tolist()
@@ -164,7 +169,7 @@ def _check_replayed_equals_eager(llm: LLM) -> None:
     # decode steps of several sizes were replayed (the sequences joined and left), and the pool was tight
     assert len(counting.rows) >= 20 and len(set(counting.rows)) >= 3, counting.rows
     assert preempted > 0 and scheduler.num_preemptions == 2 * preempted
-    assert sorted(replayed) == sorted(eager) == ["fork", "r0", "r1", "r2", "r3", "r4"]
+    assert sorted(replayed) == sorted(eager) == ["fork", "r0", "r1", "r2", "r3", "r4", "r5"]
     assert len(replayed["fork"]) == 2 and replayed["fork"][0][0] != replayed["fork"][1][0]
     for rid in eager:
         assert replayed[rid] == eager[rid], rid

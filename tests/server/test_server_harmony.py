@@ -147,6 +147,15 @@ def test_harmony_refusals(harmony_server) -> None:  # noqa: ANN001
         client.chat.completions.create(model="tiny-harmony", messages=ASK, reasoning_effort="extreme")
 
 
+def test_a_non_harmony_reasoning_parser_is_refused_at_start(harmony_server) -> None:  # noqa: ANN001
+    """qwen3's ``<think>`` markers never occur in harmony's channels: the server refuses to start with it, naming
+    the parser that reads the format, rather than serve replies it cannot split (or a budget that never fires)."""
+    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
+
+    with pytest.raises(ValueError, match="gpt_oss reasoning parser reads, not the qwen3 one"):
+        create_server_app(harmony_server["engine"], ServerSettings(port=1, reasoning_parser="qwen3"))
+
+
 def test_llm_chat_renders_harmony_and_parses(harmony_dir: dict) -> None:
     """``LLM.chat`` renders with openai-harmony and stops at <|call|>; ``parse_reply`` reads the output."""
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams

@@ -89,6 +89,10 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is not None and self.reasoning_parser.parses_tool_calls and not self.harmony:
             raise ValueError(f"the {self.reasoning_parser.name} reasoning parser reads harmony output; "
                              "this model does not use the harmony format")
+        if self.harmony and self.reasoning_parser is not None and not self.reasoning_parser.parses_tool_calls:
+            # harmony's channels are read by the gpt_oss parser only; another one's markers never occur in them
+            raise ValueError(f"this model writes the harmony format, which the gpt_oss reasoning parser reads, "
+                             f"not the {self.reasoning_parser.name} one (--reasoning-parser gpt_oss, or leave it auto)")
         if self.harmony:
             from pagedllm.harmony.vocab import harmony_encoding
 

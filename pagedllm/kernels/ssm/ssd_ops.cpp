@@ -156,13 +156,8 @@ StepNode ssd_decode_node(const Tensor &x, const Tensor &dt, const Tensor &B, con
     return node;
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-    m.def("ssd_decode(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor A, Tensor D, Tensor dt_bias, "
-          "Tensor(a!) state, Tensor slots, float dt_min=0.0, float? dt_max=None) -> Tensor");
-    m.def("ssd_prefill(Tensor x, Tensor dt, Tensor B, Tensor C, Tensor A, Tensor D, Tensor dt_bias, "
-          "Tensor(a!) state, Tensor slots, Tensor bounds, Tensor has_initial_state, int chunk_size, "
-          "float dt_min=0.0, float? dt_max=None) -> Tensor");
-}
+// the schemas of ssd_decode / ssd_prefill are in ops.cpp's TORCH_LIBRARY, beside every other op's: the
+// step node of ssd_decode is checked against its schema there, which must be declared first
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("ssd_decode", &ssd_decode);
