@@ -153,7 +153,7 @@ def test_a_non_harmony_reasoning_parser_is_refused_at_start(harmony_server) -> N
     from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
 
     with pytest.raises(ValueError, match="gpt_oss reasoning parser reads, not the qwen3 one"):
-        create_server_app(harmony_server["engine"], ServerSettings(port=1, reasoning_parser="qwen3"))
+        create_server_app(harmony_server["engine"], ServerSettings(port=1, model_name="tiny-harmony", reasoning_parser="qwen3"))
 
 
 def test_llm_chat_renders_harmony_and_parses(harmony_dir: dict) -> None:
