@@ -68,6 +68,7 @@ falls back to SDPA; quantization="int8" / "int4" is refused).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -77,6 +78,7 @@ import platform
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -194,18 +196,39 @@ def _loaded_builds() -> list[str]:
 
 
 # cpp_extension waits, without end, while its lock file exists; a build killed
-# mid-way (a timeout, Ctrl-C) leaves it behind. No build here takes this long
-# (measured: 4 minutes at most on 2 loaded cores), so an older lock is stale.
+# mid-way (a timeout, Ctrl-C) leaves it behind. Every build and load here runs
+# under an OS lock of the folder (``_build_lock``), which the OS releases when
+# its process dies: a lock file found while holding it was left by a killed
+# build. Where there is no OS lock (no fcntl), a lock file older than any build
+# (measured: 4 minutes at most on 2 loaded cores) is taken as stale.
 _STALE_LOCK_SECONDS = 20 * 60
 
 
-def _clear_stale_lock(lock: Path) -> None:
-    """Remove a build lock left by a killed build, so the next build does not wait forever."""
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[bool]:
+    """Hold an exclusive OS lock on ``build_dir`` (``fcntl.flock``, waiting for another process's build);
+    yields whether it is held (False where the platform has no ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the age rule alone
+        yield False
+        return
+    with open(build_dir / ".build-lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _clear_stale_lock(lock: Path, sole_builder: bool = False) -> None:
+    """Remove cpp_extension's lock file left by a killed build, so the next build does not wait forever:
+    always when ``sole_builder`` (this process holds ``_build_lock``), else when it is older than any build."""
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return
-    if age > _STALE_LOCK_SECONDS:
+    if sole_builder or age > _STALE_LOCK_SECONDS:
         logger.warning("removing the kernel build lock %s, left %.0f minutes ago by a build that did not finish",
                        lock, age / 60)
         lock.unlink(missing_ok=True)
@@ -225,17 +248,18 @@ def _compile(build_dir: Path, flags: list[str]) -> str:
         raise RuntimeError(f"this process already loaded another build of the kernels ({loaded[0]}); "
                            "one variant per process")
     build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir / "lock")
-    # a first build takes minutes: say so before and after, or the first run looks hung
-    building = not Path(path).exists()
-    if building:
-        logger.info("building the native CPU kernels into %s (once per machine and source version; "
-                    "a few minutes)", build_dir)
-    start = time.perf_counter()
-    cpp_extension.load(
-        name=_LIBRARY_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=list(flags),
-        extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False, verbose=False,
-    )
+    with _build_lock(build_dir) as sole_builder:
+        _clear_stale_lock(build_dir / "lock", sole_builder)
+        # a first build takes minutes: say so before and after, or the first run looks hung
+        building = not Path(path).exists()
+        if building:
+            logger.info("building the native CPU kernels into %s (once per machine and source version; "
+                        "a few minutes)", build_dir)
+        start = time.perf_counter()
+        cpp_extension.load(
+            name=_LIBRARY_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=list(flags),
+            extra_ldflags=list(_LDFLAGS), build_directory=str(build_dir), is_python_module=False, verbose=False,
+        )
     if building:
         logger.info("built the native CPU kernels in %.0f s", time.perf_counter() - start)
     return path

@@ -209,6 +209,37 @@ def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path) 
     kernels._clear_stale_lock(lock)  # nothing there: nothing to do
 
 
+def test_a_fresh_lock_of_a_killed_build_is_cleared_by_the_next_builder(tmp_path) -> None:  # noqa: ANN001
+    """A build killed a minute ago leaves cpp_extension's lock file, which it would wait on forever: the OS lock
+    (``_build_lock``) dies with the killed process, so the next builder holds it and removes the file at once;
+    while a live builder holds the OS lock, another process cannot take it."""
+    import fcntl
+    import signal
+    import subprocess
+    import sys
+
+    from pagedllm import kernels
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from pagedllm import kernels\n"
+         f"with kernels._build_lock(Path({str(tmp_path)!r})):\n"
+         f"    Path({str(tmp_path / 'lock')!r}).touch(); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with open(tmp_path / ".build-lock", "a+") as handle, pytest.raises(BlockingIOError):
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the live builder holds it
+        kernels._clear_stale_lock(tmp_path / "lock")
+        assert (tmp_path / "lock").exists()  # fresh, and no OS lock held: kept
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    with kernels._build_lock(tmp_path) as sole_builder:  # released by the OS with the killed process
+        assert sole_builder
+        kernels._clear_stale_lock(tmp_path / "lock", sole_builder)
+    assert not (tmp_path / "lock").exists()
+
+
 def test_two_checkouts_of_the_same_sources_build_in_two_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # cpp_extension records the sources' paths in build.ninja: a shared folder would rebuild on every load
     import pagedllm.kernels as kernels
