@@ -876,6 +876,24 @@ std::tuple<Tensor, Tensor> logit_stats(const Tensor &logits) {
 
 // --- state layers ------------------------------------------------------------------------
 
+/* the width of a depthwise conv's weight [dim, width] (min_width..CONV_MAX_WIDTH), checked with its bias [dim] and
+   its state [num_slots, width - 1, dim] (causal_conv1d, causal_conv1d_decode) */
+static int64_t check_conv_weights(const Tensor &weight, const OptTensor &bias, const Tensor &conv_state, int64_t dim,
+                                  int64_t min_width, const char *op) {
+    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == dim && weight.size(1) >= min_width &&
+                          weight.size(1) <= CONV_MAX_WIDTH,
+                      op, ": weight must be [dim=", dim, ", width] with width ", min_width, "..", CONV_MAX_WIDTH,
+                      ", got ", shape_of(weight));
+    check_tensor(weight, at::kFloat, weight.sizes(), op, "weight");
+    const int64_t width = weight.size(1);
+    check_optional(bias, at::kFloat, {dim}, op, "bias");
+    TORCH_CHECK_VALUE(conv_state.dim() == 3 && conv_state.size(1) == width - 1 && conv_state.size(2) == dim, op,
+                      ": conv_state must be [num_slots, width - 1 = ", width - 1, ", dim = ", dim, "], got ",
+                      shape_of(conv_state));
+    check_tensor(conv_state, at::kFloat, conv_state.sizes(), op, "conv_state");
+    return width;
+}
+
 /* causal_conv1d (conv/causal_conv1d.cpp): the kernel trusts the slots, the token ranges and the width */
 Tensor causal_conv1d(const Tensor &x, const Tensor &weight, const OptTensor &bias, const Tensor &conv_state,
                      const Tensor &query_start_loc, const Tensor &state_slots, const Tensor &has_initial_state,
@@ -884,17 +902,7 @@ Tensor causal_conv1d(const Tensor &x, const Tensor &weight, const OptTensor &bia
     TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be [num_tokens, dim], got ", shape_of(x));
     check_tensor(x, at::kFloat, x.sizes(), op, "x");
     const int64_t num_tokens = x.size(0), dim = x.size(1);
-    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == dim && weight.size(1) >= 1 &&
-                          weight.size(1) <= CONV_MAX_WIDTH,
-                      op, ": weight must be [dim=", dim, ", width] with width 1..", CONV_MAX_WIDTH, ", got ",
-                      shape_of(weight));
-    check_tensor(weight, at::kFloat, weight.sizes(), op, "weight");
-    const int64_t width = weight.size(1);
-    check_optional(bias, at::kFloat, {dim}, op, "bias");
-    TORCH_CHECK_VALUE(conv_state.dim() == 3 && conv_state.size(1) == width - 1 && conv_state.size(2) == dim, op,
-                      ": conv_state must be [num_slots, width - 1 = ", width - 1, ", dim = ", dim, "], got ",
-                      shape_of(conv_state));
-    check_tensor(conv_state, at::kFloat, conv_state.sizes(), op, "conv_state");
+    const int64_t width = check_conv_weights(weight, bias, conv_state, dim, 1, op);
     TORCH_CHECK_VALUE(state_slots.dim() == 1, op, ": state_slots must be [num_seqs], got ", shape_of(state_slots));
     const int64_t num_seqs = state_slots.size(0), num_slots = conv_state.size(0);
     check_tensor(state_slots, at::kLong, {num_seqs}, op, "state_slots");
@@ -932,17 +940,7 @@ StepNode causal_conv1d_decode_node(const Tensor &x, const Tensor &weight, const 
                           (x.size(0) <= 1 || x.stride(0) >= x.size(1)),
                       op, ": x must be float32 rows [num_seqs, dim], each contiguous, got ", shape_of(x));
     const int64_t rows = x.size(0), dim = x.size(1);
-    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) == dim && weight.size(1) >= 2 &&
-                          weight.size(1) <= CONV_MAX_WIDTH,
-                      op, ": weight must be [dim=", dim, ", width] with width 2..", CONV_MAX_WIDTH, ", got ",
-                      shape_of(weight));
-    check_tensor(weight, at::kFloat, weight.sizes(), op, "weight");
-    const int64_t width = weight.size(1);
-    check_optional(bias, at::kFloat, {dim}, op, "bias");
-    TORCH_CHECK_VALUE(conv_state.dim() == 3 && conv_state.size(1) == width - 1 && conv_state.size(2) == dim, op,
-                      ": conv_state must be [num_slots, width - 1 = ", width - 1, ", dim = ", dim, "], got ",
-                      shape_of(conv_state));
-    check_tensor(conv_state, at::kFloat, conv_state.sizes(), op, "conv_state");
+    const int64_t width = check_conv_weights(weight, bias, conv_state, dim, 2, op);
     check_index_vector(state_slots, rows, op, "state_slots");
     check_tensor(out, at::kFloat, {rows, dim}, op, "out");
     StepNode node{NODE_CONV_DECODE, rows};
