@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -157,3 +157,14 @@ def serve_in_thread(engine, **settings) -> Iterator[str]:  # noqa: ANN001
         server.should_exit = True
         thread.join(30)
         torch.set_num_threads(threads)
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 60, what: str = "condition") -> object:
+    """``cond()``'s first truthy value, polled every 20 ms; an AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

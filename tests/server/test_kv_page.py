@@ -10,6 +10,7 @@ so, where those are missing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -19,9 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from browser_helpers import chromium_driver
-from server_helpers import free_port, metrics, wait_healthy, wait_kv_free
+from server_helpers import metrics, serve_in_thread, wait_for, wait_kv_free
 
 pytestmark = pytest.mark.slow  # real servers or subprocesses: outside the fast tier
 
@@ -29,50 +29,26 @@ NUM_BLOCKS, BLOCK_SIZE = 40, 8
 API_KEY = "sk-kv-test"
 
 
-def start_server(model_dir: str, api_key: str | None = None, kv_page: bool = True) -> tuple[Callable[[], None], str]:
-    """A uvicorn server on a thread; returns (stop, url)."""
-    import uvicorn
-
+@contextlib.contextmanager
+def kv_server(model_dir: str, api_key: str | None = None, kv_page: bool = True) -> Iterator[str]:
+    """A real server on a thread around a small pool of ``model_dir``; yields its URL."""
     from pagedllm import LLM
-    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
 
     llm = LLM(model_dir, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=256, num_threads=1)
-    port = free_port()
-    settings = ServerSettings(model_name="tiny", port=port, api_key=api_key, kv_page=kv_page)
-    server = uvicorn.Server(uvicorn.Config(create_server_app(llm.llm_engine, settings), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(30)
-
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
-    return stop, url
+    with serve_in_thread(llm.llm_engine, model_name="tiny", api_key=api_key, kv_page=kv_page) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def open_server(tiny_model_dirs: dict[str, str]) -> Iterator[str]:
-    threads = torch.get_num_threads()
-    stop, url = start_server(tiny_model_dirs["llama"])
-    try:
+    with kv_server(tiny_model_dirs["llama"]) as url:
         yield url
-    finally:
-        stop()
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model_dirs: dict[str, str]) -> Iterator[str]:
-    threads = torch.get_num_threads()
-    stop, url = start_server(tiny_model_dirs["llama"], api_key=API_KEY)
-    try:
+    with kv_server(tiny_model_dirs["llama"], api_key=API_KEY) as url:
         yield url
-    finally:
-        stop()
-        torch.set_num_threads(threads)
 
 
 def state(url: str) -> dict:
@@ -100,16 +76,6 @@ def run_requests(url: str, headers: dict | None = None, n: int = 3, num_requests
     t = threading.Thread(target=all_of_them, daemon=True)
     t.start()
     return t
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 60, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # --- the JSON and the event stream ---------------------------------------------------------
@@ -195,15 +161,10 @@ def test_no_kv_page_removes_the_routes(tiny_model_dirs: dict[str, str]) -> None:
     from pagedllm.entrypoints.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--no-kv-page"]).kv_page is False
-    threads = torch.get_num_threads()
-    stop, url = start_server(tiny_model_dirs["llama"], kv_page=False)
-    try:
+    with kv_server(tiny_model_dirs["llama"], kv_page=False) as url:
         for route in ("/kv", "/kv/state", "/kv/events"):
             assert httpx.get(f"{url}{route}", timeout=5).status_code == 404
         assert httpx.get(f"{url}/metrics").status_code == 200
-    finally:
-        stop()
-        torch.set_num_threads(threads)
 
 
 # --- the page in a real browser ------------------------------------------------------------

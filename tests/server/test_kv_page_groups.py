@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
 from browser_helpers import chromium_driver
 from conftest import TINY_WINDOW
-from server_helpers import free_port, wait_healthy
+from server_helpers import serve_in_thread, wait_for
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.clients.kv_publisher import KVSnapshotPublisher
@@ -97,42 +96,15 @@ def test_a_hybrid_model_publishes_its_state_slots_and_snapshots(lfm2_dir: str) -
 # --- the page in a real browser ------------------------------------------------------------
 
 
-def start_server(model_dir: str) -> tuple[Callable[[], None], str]:
-    """A uvicorn server on a thread; returns (stop, url)."""
-    import uvicorn
-
-    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
-
-    llm = LLM(model_dir, num_kv_blocks=256, **ENGINE)
-    port = free_port()
-    settings = ServerSettings(model_name="tiny", port=port)
-    server = uvicorn.Server(uvicorn.Config(create_server_app(llm.llm_engine, settings), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(30)
-
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
-    return stop, url
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     yield from chromium_driver()
 
 
 def served(model_dir: str) -> Iterator[str]:
-    threads = torch.get_num_threads()
-    stop, url = start_server(model_dir)
-    try:
+    llm = LLM(model_dir, num_kv_blocks=256, **ENGINE)
+    with serve_in_thread(llm.llm_engine, model_name="tiny") as url:
         yield url
-    finally:
-        stop()
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -153,18 +125,6 @@ def background_request(url: str, prompt: str, max_tokens: int) -> threading.Thre
     t = threading.Thread(target=one, daemon=True)
     t.start()
     return t
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 60, what: str = "condition") -> object:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # the page's per-group grids as drawn, with the snapshot they show (read in one script: no redraw between)
