@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("model", choices=sorted(SHAPES))
     parser.add_argument("out", type=Path)
     parser.add_argument("--type", default="Q4_K_M", help="llama-quantize's type, or F16 to keep the F16 file")
-    parser.add_argument("--quantize", default="/work/peer-venvs/llamacpp/src/llama_cpp_python-0.3.36/build/bin/llama-quantize")
+    parser.add_argument("--quantize", default="/work/peer-venvs/llamacpp/bin/llama-quantize")
     parser.add_argument("--f16", type=Path, help="the F16 file (default OUT.f16.gguf; reused when it exists)")
     parser.add_argument("--keep-f16", action="store_true", help="keep the F16 file after quantizing")
     parser.add_argument("--threads", type=int, default=2)
