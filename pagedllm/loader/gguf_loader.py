@@ -360,7 +360,12 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     if not isinstance(arch, str) or not arch:
         raise ValueError(f"GGUF file has no general.architecture (got {arch!r})")
     def key(name: str, default: object = None) -> object:
-        return _field(reader, f"{arch}.{name}", default)
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None and name == "feed_forward_length" and arch == "qwen35moe":
+            # Qwen3.5-MoE's config has no dense width, so the converter writes none: the experts' stands in,
+            # unread (every layer is sparse), as for its config.json (gated_delta_config.gated_delta_dict)
+            return _field(reader, f"{arch}.expert_feed_forward_length")
+        return value
 
     missing = [f"{arch}.{k}" for k in _REQUIRED_KEYS if key(k) is None]
     if missing:
