@@ -115,6 +115,9 @@ _GLOBAL_NAMES = {
 # metadata every decoder's GGUF file carries under its architecture's prefix
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# [1, hidden] matrices that llama-quantize writes as vectors (ggml drops a shape's trailing 1s; the converter
+# writes [1, hidden]): the shared expert's sigmoid gate of the Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE files
+_ONE_ROW_MATRICES = ("mlp.shared_expert_gate.weight",)
 # architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
 _PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe", "granitehybrid")
 # read with the configuration (ModelArchConfig.rope_freq_factors, the longrope factors of rope_scaling), not weights
@@ -527,6 +530,8 @@ class GGUFWeights:
                 w = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.data.shape[0], -1)
             else:
                 w = _dequantized(t, path)
+            if w.ndim == 1 and name.endswith(_ONE_ROW_MATRICES):
+                w = w.reshape(1, -1)
             w = self._rows_in_hf_order(name, w)
             if not w.flags.writeable or not w.flags.c_contiguous:
                 w = np.array(w, order="C")

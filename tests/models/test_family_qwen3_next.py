@@ -289,3 +289,37 @@ def test_real_size_script_moe_file_loads_and_generates(tmp_path) -> None:  # noq
     out = _generate(LLM(path, **ENGINE, gguf_activations="float32"), PROMPTS[:1], logprobs=True)[0]
     assert len(out.outputs[0].token_ids) == GENERATED
     assert all(math.isfinite(lp.logprob) for lps in out.outputs[0].logprobs for lp in lps.values())
+
+
+def _with_vector_shared_expert_gates(src: str, dst: str) -> None:
+    """``src`` (an F32 file) rewritten with every ``ffn_gate_inp_shexp`` a vector of ``hidden`` values, as
+    llama-quantize writes it (ggml drops a shape's trailing 1s), where the converter writes ``[1, hidden]``."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for f in reader.fields.values():
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data).reshape(-1) if t.name.endswith("gate_inp_shexp.weight") else t.data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow  # a converter run
+def test_quantized_files_vector_shared_expert_gate_is_read_as_its_row(ggufs: dict, hf_models: dict,
+                                                                      tmp_path) -> None:  # noqa: ANN001
+    """llama-quantize's files (every published Qwen3.5-MoE one) hold the shared expert's gate as a vector; read
+    as the ``[1, hidden]`` row it is, the converter's file so rewritten gives transformers' greedy tokens."""
+    from gguf import GGUFReader
+
+    path = str(tmp_path / "vector-gates.gguf")
+    _with_vector_shared_expert_gates(ggufs["qwen3_5_moe", "f32"], path)
+    assert {tuple(t.shape) for t in GGUFReader(path).tensors if t.name.endswith("gate_inp_shexp.weight")} == {(64,)}
+    out = _generate(LLM(path, **ENGINE, gguf_activations="float32"), PROMPTS[:1])[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_models["qwen3_5_moe"], PROMPTS[0], GENERATED)
