@@ -115,6 +115,9 @@ _GLOBAL_NAMES = {
 # metadata every decoder's GGUF file carries under its architecture's prefix
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# [1, hidden] matrices that llama-quantize writes as vectors (ggml drops a shape's trailing 1s; the converter
+# writes [1, hidden]): the shared expert's sigmoid gate of the Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE files
+_ONE_ROW_MATRICES = ("mlp.shared_expert_gate.weight",)
 # architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and the models built on it)
 _PERMUTED_QK = ("llama", "mistral", "smollm3", "granite", "granitemoe", "granitehybrid")
 # read with the configuration (ModelArchConfig.rope_freq_factors, the longrope factors of rope_scaling), not weights
@@ -360,7 +363,12 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
     if not isinstance(arch, str) or not arch:
         raise ValueError(f"GGUF file has no general.architecture (got {arch!r})")
     def key(name: str, default: object = None) -> object:
-        return _field(reader, f"{arch}.{name}", default)
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None and name == "feed_forward_length" and arch == "qwen35moe":
+            # Qwen3.5-MoE's config has no dense width, so the converter writes none: the experts' stands in,
+            # unread (every layer is sparse), as for its config.json (gated_delta_config.gated_delta_dict)
+            return _field(reader, f"{arch}.expert_feed_forward_length")
+        return value
 
     missing = [f"{arch}.{k}" for k in _REQUIRED_KEYS if key(k) is None]
     if missing:
@@ -522,6 +530,8 @@ class GGUFWeights:
                 w = np.ascontiguousarray(t.data).view(np.uint8).reshape(t.data.shape[0], -1)
             else:
                 w = _dequantized(t, path)
+            if w.ndim == 1 and name.endswith(_ONE_ROW_MATRICES):
+                w = w.reshape(1, -1)
             w = self._rows_in_hf_order(name, w)
             if not w.flags.writeable or not w.flags.c_contiguous:
                 w = np.array(w, order="C")

@@ -7,7 +7,9 @@ three Gated DeltaNet (2 key heads, 4 value heads of 16, conv of 4); the MoE
 ones with 4 experts, 2 per token, and a gated shared expert in every layer
 (llama.cpp's ``qwen3next`` files have no dense MLP). Weights drawn wide
 (``initializer_range`` 0.2), norms and the decay parameters at random, so
-that a wrong gate, norm, decay or state changes the greedy tokens.
+that a wrong gate, norm, decay or state changes the greedy tokens. The
+Qwen3.5-MoE config has no dense ``intermediate_size``, as Qwen3.5-35B-A3B's
+has none (so its converted file has no ``feed_forward_length``).
 
 From each folder, on the native kernels with float32 activations: greedy
 tokens equal transformers' (its own cache: recurrent decode) and every
@@ -18,6 +20,7 @@ give the whole prompt's tokens.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -50,7 +53,7 @@ def _config(family: str):  # noqa: ANN202
         return Qwen3_5TextConfig(**COMMON)
     from transformers import Qwen3_5MoeTextConfig
 
-    return Qwen3_5MoeTextConfig(**COMMON, **MOE)
+    return Qwen3_5MoeTextConfig(**{k: v for k, v in COMMON.items() if k != "intermediate_size"}, **MOE)
 
 
 def _save(family: str, path, tokenizer) -> str:  # noqa: ANN001
@@ -186,9 +189,10 @@ def _rounded_to_f16(hf):  # noqa: ANN001, ANN202
 @pytest.mark.slow  # converts the checkpoints in subprocesses (seconds each)
 @pytest.mark.parametrize(("family", "outtype"), [("qwen3_next", "f32"), ("qwen3_5", "f16"), ("qwen3_5_moe", "f32")])
 def test_converted_gguf_matches_transformers(family: str, outtype: str, ggufs: dict, hf_models: dict) -> None:
-    """llama.cpp's files (qwen3next, qwen35, qwen35moe): the ssm_* tensors, -exp(A_log), 1 + w norms and the
-    value heads reordered to tiled order (qwen35*: 4 value heads over 2 key heads) read back; transformers'
-    greedy tokens and logprobs on float32 activations (F16: on the weights rounded as the file holds them)."""
+    """llama.cpp's files (qwen3next, qwen35, qwen35moe: without feed_forward_length, its config having no
+    dense width): the ssm_* tensors, -exp(A_log), 1 + w norms and the value heads reordered to tiled order
+    (qwen35*: 4 value heads over 2 key heads) read back; transformers' greedy tokens and logprobs on float32
+    activations (F16: on the weights rounded as the file holds them)."""
     from pagedllm.loader import load_model_config
 
     path = ggufs[family, outtype]
@@ -227,26 +231,95 @@ def test_q8_0_file_kept_in_blocks_matches_it_dequantized(ggufs: dict, monkeypatc
     assert errors and max(errors) < 1e-4  # NaN fails this too
 
 
+def _script_shape(family: str):  # noqa: ANN202
+    """benchmarks/real_size_hybrid_gguf.py's shape of this module's tiny config of ``family``; the MoE one
+    eight layers long, cut to the first four as ``--layers 4`` does."""
+    from benchmarks.real_size_hybrid_gguf import ExpertShape, HybridShape, first_layers
+
+    if family == "qwen3_5":
+        return HybridShape(64, 4, 96, 4, 2, 16, 2, 4, 16, 16, 4, 49152, False, rope_theta=10000.0, context_len=1024)
+    experts = ExpertShape(MOE["num_experts"], MOE["num_experts_per_tok"], MOE["moe_intermediate_size"],
+                          MOE["shared_expert_intermediate_size"])
+    return first_layers(HybridShape(64, 8, None, 4, 2, 16, 2, 4, 16, 16, 4, 49152, False, rope_theta=10000.0,
+                                    context_len=1024, experts=experts), 4)
+
+
+def _gguf_fields(reader) -> dict:  # noqa: ANN001
+    """A file's metadata but its name, size label and the bundled tokenizer's two flags more; the tokenizer's
+    values aside (the script's are the bundled file's)."""
+    skipped = ("GGUF.kv_count", "general.name", "general.size_label", "tokenizer.ggml.add_space_prefix",
+               "tokenizer.ggml.add_bos_token")
+    return {f.name: (f.types, None if f.name.startswith("tokenizer.") else f.contents())
+            for f in reader.fields.values() if f.name not in skipped}
+
+
 @pytest.mark.slow  # a converter run
-def test_real_size_script_writes_the_converters_layout(ggufs: dict, tmp_path) -> None:  # noqa: ANN001
-    """benchmarks/real_size_hybrid_gguf.py at this module's tiny config: the converter's F16 file's metadata
-    keys (but the size label; the bundled tokenizer's two flags more) with the same values (the tokenizer's
-    aside: the bundled file's), tensor names, shapes, types and order."""
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_real_size_script_writes_the_converters_layout(family: str, ggufs: dict, tmp_path) -> None:  # noqa: ANN001
+    """benchmarks/real_size_hybrid_gguf.py at this module's tiny config (``qwen35``; ``qwen35moe``: stacked
+    experts, F32 routers, the ``expert_*`` keys and no ``feed_forward_length``): the converter's F16 file's
+    metadata keys with the same values, tensor names, shapes, types and order."""
     from gguf import GGUFReader
 
-    from benchmarks.real_size_hybrid_gguf import HybridShape, write_f16
+    from benchmarks.real_size_hybrid_gguf import write_f16
 
-    shape = HybridShape(64, 4, 96, 4, 2, 16, 2, 4, 16, 16, 4, 49152, False, rope_theta=10000.0, context_len=1024)
-    write_f16(shape, tmp_path / "ours.gguf", "tiny")
+    write_f16(_script_shape(family), tmp_path / "ours.gguf", "tiny")
     ours = GGUFReader(tmp_path / "ours.gguf")
-    theirs = GGUFReader(ggufs["qwen3_5", "f16"])
-
-    def fields(reader: GGUFReader) -> dict:
-        skipped = ("GGUF.kv_count", "general.name", "general.size_label", "tokenizer.ggml.add_space_prefix",
-                   "tokenizer.ggml.add_bos_token")
-        return {f.name: (f.types, None if f.name.startswith("tokenizer.") else f.contents())
-                for f in reader.fields.values() if f.name not in skipped}
-
-    assert list(fields(ours).items()) == list(fields(theirs).items())
+    theirs = GGUFReader(ggufs[family, "f16"])
+    assert list(_gguf_fields(ours).items()) == list(_gguf_fields(theirs).items())
     assert [(t.name, list(t.shape), t.tensor_type) for t in ours.tensors] == \
         [(t.name, list(t.shape), t.tensor_type) for t in theirs.tensors]
+
+
+@pytest.mark.slow  # loads a model
+def test_real_size_script_moe_file_loads_and_generates(tmp_path) -> None:  # noqa: ANN001
+    """The script's ``qwen35moe`` file (random weights, ``--layers 4`` of the tiny shape): read as the
+    converter's file of the same config is (the layout test above; test_converted_gguf_matches_transformers
+    checks that reading against transformers), with every layer's experts and shared expert, and generates
+    finite logprobs on the native kernels."""
+    from benchmarks.real_size_hybrid_gguf import write_f16
+    from pagedllm.loader import load_model_config
+
+    path = str(tmp_path / "ours.gguf")
+    write_f16(_script_shape("qwen3_5_moe"), path, "tiny")
+    cfg = load_model_config(path)
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size, cfg.dense_layers) == (4, 4, 2, 32, 48, ())
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    out = _generate(LLM(path, **ENGINE, gguf_activations="float32"), PROMPTS[:1], logprobs=True)[0]
+    assert len(out.outputs[0].token_ids) == GENERATED
+    assert all(math.isfinite(lp.logprob) for lps in out.outputs[0].logprobs for lp in lps.values())
+
+
+def _with_vector_shared_expert_gates(src: str, dst: str) -> None:
+    """``src`` (an F32 file) rewritten with every ``ffn_gate_inp_shexp`` a vector of ``hidden`` values, as
+    llama-quantize writes it (ggml drops a shape's trailing 1s), where the converter writes ``[1, hidden]``."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for f in reader.fields.values():
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data).reshape(-1) if t.name.endswith("gate_inp_shexp.weight") else t.data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow  # a converter run
+def test_quantized_files_vector_shared_expert_gate_is_read_as_its_row(ggufs: dict, hf_models: dict,
+                                                                      tmp_path) -> None:  # noqa: ANN001
+    """llama-quantize's files (every published Qwen3.5-MoE one) hold the shared expert's gate as a vector; read
+    as the ``[1, hidden]`` row it is, the converter's file so rewritten gives transformers' greedy tokens."""
+    from gguf import GGUFReader
+
+    path = str(tmp_path / "vector-gates.gguf")
+    _with_vector_shared_expert_gates(ggufs["qwen3_5_moe", "f32"], path)
+    assert {tuple(t.shape) for t in GGUFReader(path).tensors if t.name.endswith("gate_inp_shexp.weight")} == {(64,)}
+    out = _generate(LLM(path, **ENGINE, gguf_activations="float32"), PROMPTS[:1])[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_models["qwen3_5_moe"], PROMPTS[0], GENERATED)
