@@ -50,14 +50,14 @@ rng = random.Random(0)
 def params(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 if mode == "single":
-    llm = LLM(model=path, max_model_len=a + b + 16, max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(model=path, max_model_len=a + b + 16, max_num_seqs=1, enable_prefix_caching=False, capture_min_decode_steps=0)
     prompt = {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(a)]}
     llm.generate([prompt], params(b + 1), use_tqdm=False)  # warm-up, as long as the timed run (decode capture)
     t = time.perf_counter(); llm.generate([prompt], params(1), use_tqdm=False); prefill = time.perf_counter() - t
     t = time.perf_counter(); llm.generate([prompt], params(b + 1), use_tqdm=False); whole = time.perf_counter() - t
     print(json.dumps({"prefill_tok_s": a / prefill, "decode_tok_s": b / max(whole - prefill, 1e-9)}))
 else:
-    llm = LLM(model=path, max_model_len=32 + b + 16, max_num_seqs=a, enable_prefix_caching=False)
+    llm = LLM(model=path, max_model_len=32 + b + 16, max_num_seqs=a, enable_prefix_caching=False, capture_min_decode_steps=0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(32)]} for _ in range(a)]
     llm.generate(prompts[:2], params(b), use_tqdm=False)  # warm-up (decode capture)
     t = time.perf_counter()
