@@ -59,7 +59,7 @@ if mode == "single":
 else:
     llm = LLM(model=path, max_model_len=32 + b + 16, max_num_seqs=a, enable_prefix_caching=False, capture_min_decode_steps=0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(32)]} for _ in range(a)]
-    llm.generate(prompts[:2], params(b), use_tqdm=False)  # warm-up (decode capture)
+    llm.generate(prompts, params(4), use_tqdm=False)  # warm-up: decode capture at the timed run's row count
     t = time.perf_counter()
     outs = llm.generate(prompts, params(b), use_tqdm=False)
     elapsed = time.perf_counter() - t
