@@ -262,64 +262,28 @@ static inline __attribute__((always_inline)) void load_rows(const LinearNode *n,
     for (int r = 0; r < MR; r++) acc[r] = vq_fload(n->y + (r0 + r) * cols + c0);
 }
 
-/* chunk u of a k-quant run (qs: its low 4 bits, qh: the bits above) as two vectors of 4-input weights: *lo the
-   chunk's inputs 8u..8u + 3, *hi 8u + 4..8u + 7 (4, 5 or 6 bits: Q4_K, Q5_K, Q6_K) */
-template <int TYPE>
-static inline __attribute__((always_inline)) void kchunk_weights(const uint8_t *qs, const uint8_t *qh, int u,
-                                                                 vq_int *lo, vq_int *hi) {
-    const vq_int w = vq_load(qs + 64 * u);
-    *lo = vq_nib_lo(w), *hi = vq_nib_hi(w);
-    if (TYPE == GGUF_Q5_K) {
-        const vq_int top = vq_load(qh);
-        *lo = vq_or(*lo, vq_shl4(vq_bits(top, u, 1)));
-        *hi = vq_or(*hi, vq_shl4(vq_bits(top, u + 4, 1)));
-    } else if (TYPE == GGUF_Q6_K) {
-        const vq_int top = vq_load(qh + 64 * (u / 2));
-        *lo = vq_or(*lo, vq_shl4(vq_bits(top, 4 * (u % 2), 3)));
-        *hi = vq_or(*hi, vq_shl4(vq_bits(top, 4 * (u % 2) + 2, 3)));
-    }
-}
-
-#if SIMD_Q_SUM16
-/* chunks a k-quant's 16-bit lanes hold before they widen: a vpmaddubsw lane is two products of a weight below
-   2^b and an int8 (|x| <= 128), 2^(b + 8) at most, so 2^(15 - b - 8) of them fit in a 16-bit lane, two per chunk:
-   Q4_K 8 (4 chunks: a run's half, 4 x 2 x 3840 = 30720), Q5_K 4 (2 chunks), Q6_K 2 (1 chunk, 2 x 16128 = 32256) */
-#define KQ_CHUNKS16(TYPE) ((TYPE) == GGUF_Q4_K ? 4 : (TYPE) == GGUF_Q5_K ? 2 : 1)
-#endif
-
-/* chunks [u0, u0 + NU) of a k-quant run against rows xq, xq + k, ...: isum[r] += the integer dot products of
-   their 8 NU inputs. Without VNNI (SIMD_Q_SUM16) the vpmaddubsw sums add in 16-bit lanes and widen (one
-   vpmaddwd) only as often as they could overflow (KQ_CHUNKS16): a third to a half of the multiplies of widening
-   each product, and the same integers */
-template <int MR, int TYPE, int NU>
+/* chunks u0, u0 + 1 of a k-quant run (qs: its low 4 bits, qh: the bits above) against rows xq, xq + k, ...:
+   isum[r] += the integer dot products of their 16 inputs */
+template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void kchunks(const uint8_t *qs, const uint8_t *qh, int u0,
                                                           const int8_t *xq, int64_t k, vq_int *isum) {
-#if SIMD_Q_SUM16
-    constexpr int per_widen = KQ_CHUNKS16(TYPE) < NU ? KQ_CHUNKS16(TYPE) : NU;
-    static_assert(NU % per_widen == 0, "a widening covers whole chunks");
-    for (int u1 = u0; u1 < u0 + NU; u1 += per_widen) {
-        vq_int acc16[MR];
-        for (int r = 0; r < MR; r++) acc16[r] = vq_zero();
-        for (int u = u1; u < u1 + per_widen; u++) {
-            vq_int lo, hi;
-            kchunk_weights<TYPE>(qs, qh, u, &lo, &hi);
-            for (int r = 0; r < MR; r++) {
-                acc16[r] = vq_madd16(acc16[r], lo, vq_quad(xq + r * k + 8 * u));
-                acc16[r] = vq_madd16(acc16[r], hi, vq_quad(xq + r * k + 8 * u + 4));
-            }
+    for (int u = u0; u < u0 + 2; u++) {
+        const vq_int w = vq_load(qs + 64 * u);
+        vq_int lo = vq_nib_lo(w), hi = vq_nib_hi(w);
+        if (TYPE == GGUF_Q5_K) {
+            const vq_int top = vq_load(qh);
+            lo = vq_or(lo, vq_shl4(vq_bits(top, u, 1)));
+            hi = vq_or(hi, vq_shl4(vq_bits(top, u + 4, 1)));
+        } else if (TYPE == GGUF_Q6_K) {
+            const vq_int top = vq_load(qh + 64 * (u / 2));
+            lo = vq_or(lo, vq_shl4(vq_bits(top, 4 * (u % 2), 3)));
+            hi = vq_or(hi, vq_shl4(vq_bits(top, 4 * (u % 2) + 2, 3)));
         }
-        for (int r = 0; r < MR; r++) isum[r] = vq_widen16(isum[r], acc16[r], 1);
-    }
-#else
-    for (int u = u0; u < u0 + NU; u++) {
-        vq_int lo, hi;
-        kchunk_weights<TYPE>(qs, qh, u, &lo, &hi);
         for (int r = 0; r < MR; r++) {
             isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xq + r * k + 8 * u));
             isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
         }
     }
-#endif
 }
 
 /* rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL) of its 16 channels; TYPE the
@@ -339,7 +303,8 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
         vq_int isum[MR];
         for (int r = 0; r < MR; r++) isum[r] = vq_zero();
         if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
-            kchunks<MR, GGUF_Q5_K, 4>(qs, qs + 256, 0, qr.q + r0 * k + b * 32, k, isum);
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 0, qr.q + r0 * k + b * 32, k, isum);
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 2, qr.q + r0 * k + b * 32, k, isum);
         } else {
             run_sums<MR>(type == GGUF_Q8_0, qs, qr.q + r0 * k + b * 32, k, isum);
         }
@@ -499,10 +464,11 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
             }
             const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
             if (type == GGUF_Q6_K) {  // chunks 0, 1 are the first 16 inputs, 2, 3 the last (two sums)
-                kchunks<MR, TYPE, 2>(qs, qh, 0, xq, k, isum);
-                kchunks<MR, TYPE, 2>(qs, qh, 2, xq, k, isum_hi);
+                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
+                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum_hi);
             } else {
-                kchunks<MR, TYPE, 4>(qs, qh, 0, xq, k, isum);
+                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
+                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum);
             }
             if (type == GGUF_Q6_K) {
                 const uint8_t *sc = blk + 32 + X16_VL * h;
