@@ -14,6 +14,10 @@ For each file (made by ``benchmarks/real_size_gguf.py``), with the same threads:
 * ``bandwidth``: the machine's copy bandwidth (numpy, 256 MB arrays: read + write bytes / s) and the
   decode bound it gives, the file's tensor bytes read once per token.
 
+pagedllm's engines capture their decode steps from the first one, as a server does before it serves
+(``capture_min_decode_steps=0``; the library's default waits for 512 steps ahead, which 32 output tokens never
+reach), and each warm-up runs what is timed, so the trace is made before the clock starts.
+
 One JSON line per measurement, with ``ratio`` = pagedllm / llama.cpp (higher is better for rates, lower
 for time and memory). The machine's state (other processes) is not controlled: say so with the numbers.
 
