@@ -272,21 +272,23 @@ def test_bench_throughput_structured_keeps_the_workload_lengths(capsys):
 def test_bench_throughput_compare_transformers(tiny_model_dirs, capsys):
     """Our line, then one line per transformers peer, on the same workload and model."""
     proc = run_in_process(
-        capsys, "bench", "throughput", "--model", tiny_model_dirs["llama"], "--num-requests", "5", "--min-len", "4",
-        "--max-len", "12", "--json", "--compare", "transformers", "--peer-batch-size", "2",
+        capsys, "bench", "throughput", "--model", tiny_model_dirs["llama"], "--num-requests", "3", "--min-len", "4",
+        "--max-len", "8", "--json", "--compare", "transformers", "--peer-batch-size", "2",
         "--num-kv-blocks", "64", "--max-model-len", "256", "--num-threads", "1",
     )
     assert proc.returncode == 0, proc.stderr
     assert_no_traceback(proc)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["engine"] for r in lines] == ["pagedllm", "transformers-generate-padded", "transformers-continuous-batching"]
-    want_out = sum(r.output_len for r in make_workload(5, 4, 12, 1234))
+    want_out = sum(r.output_len for r in make_workload(3, 4, 8, 1234))
     for r in lines:
-        assert r["num_requests"] == 5 and r["output_tokens"] == want_out
+        assert r["num_requests"] == 3 and r["output_tokens"] == want_out
     padded = lines[1]
-    # batches of 2, 2, 1 each generate their longest output for every row
-    lengths = [r.output_len for r in make_workload(5, 4, 12, 1234)]
-    assert padded["generated_tokens_incl_padding"] == 2 * max(lengths[0:2]) + 2 * max(lengths[2:4]) + lengths[4]
+    # batches of 2 and 1 each generate their longest output for every row (the first two requests' output
+    # lengths differ, so the padding counts)
+    lengths = [r.output_len for r in make_workload(3, 4, 8, 1234)]
+    assert lengths[0] != lengths[1]
+    assert padded["generated_tokens_incl_padding"] == 2 * max(lengths[0:2]) + lengths[2]
     for peer in lines[1:]:
         assert peer["pagedllm_speedup"] == pytest.approx(
             lines[0]["output_tokens_per_s"] / peer["output_tokens_per_s"], rel=0.02

@@ -24,7 +24,8 @@ def test_same_prompt_with_the_mode_on_gives_one_answer(tmp_path: Path) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     args = ["--modes", "on", "--num-requests", "8", "--concurrency", "4", "--background", "2",
-            "--max-tokens", "12", "--warmup", "1", "--json", "--log-dir", str(tmp_path),
+            # a needle of 12 lines of GPL-3 (still prefilled beside the background's steps), 8 tokens each
+            "--needle-lines", "12", "--max-tokens", "8", "--warmup", "1", "--json", "--log-dir", str(tmp_path),
             "--server-args", "--num-threads 1 --max-model-len 4096 --num-kv-blocks 512"]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
                           timeout=600, env=env, cwd=tmp_path)

@@ -460,8 +460,13 @@ def write_quantized_gguf(
     return rounded
 
 
-@pytest.mark.parametrize("ggml_type", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3: `make test`
+# The block type and the family are independent here (the type decides the linear layers' kernels, the
+# family the model around them): every type on Llama, and Qwen3 (q/k norms) on one of them; Qwen3 on K-quant
+# blocks is test_tiny_q4_k_m_models_match_transformers_on_the_blocks_weights[qwen3-Q4_K_M]'s
+@pytest.mark.parametrize(("arch", "ggml_type"), [
+    ("llama", Q.Q4_0), ("llama", Q.Q4_1), ("llama", Q.Q8_0),
+    pytest.param("qwen3", Q.Q8_0, marks=pytest.mark.slow),  # qwen3: `make test`
+], ids=["llama-Q4_0", "llama-Q4_1", "llama-Q8_0", "qwen3-Q8_0"])
 def test_tiny_gguf_models_match_transformers_on_the_dequantized_weights(
     arch: str, ggml_type: GGMLQuantizationType, tiny_model_dirs: dict[str, str], hf_tiny: dict,
     tmp_path_factory: pytest.TempPathFactory,
