@@ -1,9 +1,13 @@
 """Batch invariance (issue 35, docs/batch-invariance.md): a needle request gives the same bits whatever its company.
 
 The needle (a paragraph of the GPL, greedy and seeded, ``logprobs=5``, ``prompt_logprobs=5``) is computed
-alone in a fresh eager engine; then, with ``batch_invariant=True``, in engines of every chunk size
-(``max_num_batched_tokens`` 16, 64, 2048), captured and eager: alone, inside batches of random neighbours
-(compositions drawn by hypothesis), after a prefix-cache hit and under a pool small enough to preempt it.
+alone, its whole prompt in one step, in a fresh engine (captured; eager for the weight-only formats); then, with
+``batch_invariant=True``, in engines of other chunk sizes (``max_num_batched_tokens`` 16, 64, 2048), captured
+and eager: alone, inside batches of random neighbours (compositions drawn by hypothesis), after a prefix-cache
+hit and under a pool small enough to preempt it. Each engine kind runs once per kernel path: 16-token chunks
+eager (the prompt in chunks, steps mixed with the neighbours' decodes), whole prompts captured (decode steps of
+the whole company replayed), 64-token chunks eager under preemption, and, for the weight-only formats, 16-token
+chunks captured against an eager reference.
 Every token id and every float (sampled and top-k logprobs, prompt logprobs) is compared with ``==``.
 
 The inverse (``test_the_default_engine_is_not_invariant``) shows the harness can fail: without the mode a
@@ -72,32 +76,30 @@ def neighbours(lengths: list[int], seed: int) -> tuple[list[str], list[SamplingP
     return prompts, sps
 
 
-def needle_in(llm: LLM, sp: SamplingParams, lengths: list[int], position: int, seed: int) -> tuple:
-    """The needle's fingerprint when run at ``position`` among neighbours of ``lengths``."""
+def needles_in(llm: LLM, lengths: list[int], positions: tuple[int, int], seed: int) -> dict[bool, tuple]:
+    """The fingerprints of the greedy and the seeded needle (keyed by ``seeded``), run in one batch at
+    ``positions`` among neighbours of ``lengths``: each needle is the other's company too. Both ask for prompt
+    logprobs, so neither takes a prefix hit from the other (every prompt position is computed)."""
     prompts, sps = neighbours(lengths, seed)
-    position = min(position, len(prompts))
-    prompts.insert(position, NEEDLE)
-    sps.insert(position, sp)
-    return fingerprint(llm.generate(prompts, sps, use_tqdm=False)[position])
+    tags: list[bool | None] = [None] * len(prompts)
+    for seeded, position in zip((False, True), positions):
+        position = min(position, len(prompts))
+        prompts.insert(position, NEEDLE)
+        sps.insert(position, params(seeded))
+        tags.insert(position, seeded)
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    return {tag: fingerprint(out) for tag, out in zip(tags, outs) if tag is not None}
 
 
 @functools.cache
-def references(model: str) -> dict[tuple[bool, bool], tuple]:
-    """The needle alone in a fresh eager engine, whole prompt in one step (the mode on), keyed by (seeded,
-    prompt logprobs): one engine computes them one request at a time, with no prefix caching, so each request
+def references(model: str) -> dict[bool, tuple]:
+    """The needle alone in a fresh eager engine of a weight-only format, whole prompt in one step (the mode on),
+    keyed by ``seeded``: one engine computes them one request at a time, with no prefix caching, so each request
     computes its whole prompt as in an engine of its own."""
     llm = LLM(enforce_eager=True, batch_invariant=True, enable_prefix_caching=False, **COMMON, **ALL_MODELS[model])
-    with_prompt_logprobs = (True, False) if model in KV_MODELS else (True,)  # the prefix-hit test asks for False
-    refs = {(seeded, prompt_logprobs): fingerprint(
-        llm.generate([NEEDLE], params(seeded, prompt_logprobs), use_tqdm=False)[0])
-        for seeded in (False, True) for prompt_logprobs in with_prompt_logprobs}
+    refs = {seeded: fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) for seeded in (False, True)}
     assert_idle(llm)
     return refs
-
-
-def reference(model: str, seeded: bool, prompt_logprobs: bool = True) -> tuple:
-    """The needle's fingerprint alone in a fresh eager engine of ``model``."""
-    return references(model)[seeded, prompt_logprobs]
 
 
 def assert_idle(llm: LLM) -> None:
@@ -115,54 +117,89 @@ def make(model: str, chunk: int, captured: bool, **kwargs: object) -> LLM:
     return CapturingLLM(**options) if captured else LLM(enforce_eager=True, **options)
 
 
+class WholeEngines:
+    """The captured engines of whole prompts (``max_num_batched_tokens=2048``), one per model of ``KV_MODELS``,
+    built once per module. Each first computes its model's references: the needle alone, keyed by (seeded,
+    prompt logprobs), one request at a time with the prefix cache emptied before each, so each computes its
+    whole prompt in one step as in an engine of its own. The engine then serves the needle tests and the
+    prefix-hit test, which takes it out at its last use (so the module holds at most three); the references
+    stay, for the preemption test. The other engines (eager ones, chunked ones) are held to these references."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, LLM] = {}
+        self.refs: dict[str, dict[tuple[bool, bool], tuple]] = {}
+
+    def engine(self, model: str, last_use: bool = False) -> LLM:
+        """``make(model, 2048, captured=True)``, its references taken first; checked idle before it is lent."""
+        llm = self.engines.pop(model, None) if last_use else self.engines.get(model)
+        if llm is None:
+            llm = make(model, 2048, captured=True)
+            if model not in self.refs:
+                self.refs[model] = self._references(llm)
+            if not last_use:
+                self.engines[model] = llm
+        assert_idle(llm)
+        return llm
+
+    def reference(self, model: str, seeded: bool, prompt_logprobs: bool = True) -> tuple:
+        """The needle's fingerprint alone, its whole prompt computed in one step, in a fresh engine of ``model``."""
+        if model not in self.refs:
+            self.engine(model, last_use=True)  # built for its references only
+        return self.refs[model][seeded, prompt_logprobs]
+
+    @staticmethod
+    def _references(llm: LLM) -> dict[tuple[bool, bool], tuple]:
+        refs = {}
+        for seeded in (False, True):
+            for prompt_logprobs in (True, False):  # the prefix-hit test asks for sampled logprobs only
+                llm.reset_prefix_cache()
+                refs[seeded, prompt_logprobs] = fingerprint(
+                    llm.generate([NEEDLE], params(seeded, prompt_logprobs), use_tqdm=False)[0])
+        assert_idle(llm)
+        return refs
+
+
 @pytest.fixture(scope="module")
-def captured_64() -> dict[str, LLM]:
-    """The captured engines of 64-token chunks, one per model, shared by the needle tests and the prefix-hit
-    test (which takes each out at its last use, so the module holds at most three)."""
-    return {}
-
-
-def captured_64_engine(engines: dict[str, LLM], model: str, last_use: bool = False) -> LLM:
-    """``make(model, 64, captured=True)``, built once for the module; checked idle before it is lent."""
-    llm = engines.pop(model, None) if last_use else engines.get(model)
-    if llm is None:
-        llm = make(model, 64, captured=True)
-        if not last_use:
-            engines[model] = llm
-    assert_idle(llm)
-    return llm
+def whole() -> WholeEngines:
+    """The module's whole-prompt engines and their references."""
+    return WholeEngines()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("chunk, captured", [(16, False), (64, True), (2048, True)])
-def test_the_needle_is_the_same_in_any_company(
-    model: str, chunk: int, captured: bool, captured_64: dict[str, LLM]
-) -> None:
-    llm = captured_64_engine(captured_64, model) if (chunk, captured) == (64, True) else make(model, chunk, captured)
+# 16-token chunks eager chunk the needle's prompt among the neighbours' steps; whole prompts captured run the
+# company's decode steps replayed. 64-token chunks captured showed no more than these two together (most steps
+# among neighbours are mixed and run eager); 64-token chunks eager run each model here under preemption below,
+# and 16-token chunks captured the weight-only formats.
+@pytest.mark.parametrize("chunk, captured", [(16, False), (2048, True)])
+def test_the_needle_is_the_same_in_any_company(model: str, chunk: int, captured: bool, whole: WholeEngines) -> None:
+    llm = whole.engine(model) if captured else make(model, chunk, captured)
+    want = {seeded: whole.reference(model, seeded) for seeded in (False, True)}
     for seeded in (False, True):
-        want = reference(model, seeded)
-        assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want
+        assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want[seeded]
 
-        @settings(max_examples=2, deadline=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-        @given(lengths=st.lists(st.integers(20, 600), min_size=1, max_size=4), position=st.integers(0, 4),
-               seed=st.integers(0, 1000))
-        def in_a_batch(lengths: list[int], position: int, seed: int) -> None:
-            assert needle_in(llm, params(seeded), lengths, position, seed) == want  # noqa: B023
+    # the greedy and the seeded needle in one batch of each drawn composition (two compositions, as each needle
+    # had on its own): both are checked in every batch
+    @settings(max_examples=2, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(lengths=st.lists(st.integers(20, 600), min_size=1, max_size=4),
+           positions=st.tuples(st.integers(0, 4), st.integers(0, 5)), seed=st.integers(0, 1000))
+    def in_a_batch(lengths: list[int], positions: tuple[int, int], seed: int) -> None:
+        assert needles_in(llm, lengths, positions, seed) == want
 
-        in_a_batch()
+    in_a_batch()
     assert_idle(llm)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(KV_MODELS))
-def test_a_prefix_cache_hit_gives_the_same_bits(model: str, captured_64: dict[str, LLM]) -> None:
+def test_a_prefix_cache_hit_gives_the_same_bits(model: str, whole: WholeEngines) -> None:
     # prompt logprobs need every prompt position computed, so those requests take no prefix hit: the
-    # needle here asks for sampled logprobs only
-    llm = captured_64_engine(captured_64, model, last_use=True)
+    # needle here asks for sampled logprobs only. The rest of the prompt after the hit is computed in one step
+    # (it was in an engine of 64-token chunks too), continuing the cached blocks.
+    llm = whole.engine(model, last_use=True)
     for seeded in (False, True):
-        want = reference(model, seeded, prompt_logprobs=False)
+        want = whole.reference(model, seeded, prompt_logprobs=False)
         llm.generate([NEEDLE[:300]], params(seeded, False), use_tqdm=False)  # caches the needle's first blocks
         out = llm.generate([NEEDLE], params(seeded, False), use_tqdm=False)[0]
         assert out.num_cached_tokens > 0
@@ -172,10 +209,10 @@ def test_a_prefix_cache_hit_gives_the_same_bits(model: str, captured_64: dict[st
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(KV_MODELS))
-def test_a_preempted_needle_gives_the_same_bits(model: str) -> None:
+def test_a_preempted_needle_gives_the_same_bits(model: str, whole: WholeEngines) -> None:
     # 12 blocks of 16 tokens for the needle (~110 + 8 tokens) and neighbours of ~120 tokens decoding 40 each
     llm = make(model, 64, captured=False, num_kv_blocks=32)
-    want = reference(model, True)
+    want = whole.reference(model, True)
     prompts, sps = neighbours([500] * 5, seed=5)
     sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(len(sps))]
     outs = llm.generate([NEEDLE, *prompts], [params(True), *sps], use_tqdm=False)
@@ -188,29 +225,32 @@ def test_a_preempted_needle_gives_the_same_bits(model: str) -> None:
 @pytest.mark.parametrize("weights", WEIGHTS, ids=["int8", "int4", "int8-float-activations", "int4-float-activations"])
 def test_weight_only_int8_and_int4_give_the_needle_the_same_bits(weights: dict) -> None:
     """Weight-only int8/int4 (the bundled file's weights rounded again at load), on 8-bit activations (the
-    blocks interleaved) and on float ones (one row alone dequantized in registers): the needle alone, in
-    16-token chunks among neighbours, and captured in 64-token chunks, bitwise."""
+    blocks interleaved) and on float ones (one row alone dequantized in registers): the needle alone and
+    among neighbours, in 16-token chunks with its decode steps captured, bitwise."""
     _check_alone_chunked_and_captured("weight-only " + ", ".join(f"{k}={v}" for k, v in weights.items()))
 
 
 @pytest.mark.slow
 def test_gguf_blocks_on_float_activations_give_the_needle_the_same_bits() -> None:
     """The bundled file's own blocks (Q4_1 + Q8_0) on float activations: a lone decode row dequantizes each
-    block in registers in the order a batch's rows sum the dequantized strip, so the needle alone, in
-    16-token chunks among neighbours, and captured in 64-token chunks gives the same bits."""
+    block in registers in the order a batch's rows sum the dequantized strip, so the needle alone and among
+    neighbours, in 16-token chunks with its decode steps captured, gives the same bits."""
     _check_alone_chunked_and_captured("gguf blocks, gguf_activations=float32")
 
 
 def _check_alone_chunked_and_captured(name: str) -> None:
-    """Greedy and seeded: the needle alone and among neighbours, in 16-token chunks eager and in 64-token chunks
-    captured, equals the engine's reference for ``name`` bit for bit (one engine of each kind serves both)."""
-    for chunk, captured in ((16, False), (64, True)):
-        llm = make(name, chunk, captured)
-        for seeded in (False, True):
-            want = reference(name, seeded)
-            assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want
-            assert needle_in(llm, params(seeded), [300, 40, 500], 1, seed=3) == want
-        assert_idle(llm)
+    """Greedy and seeded: the needle alone and among neighbours, in 16-token chunks with decode steps captured,
+    equals the engine's reference for ``name`` bit for bit (one engine serves both). One engine shows what an
+    eager 16-token and a captured 64-token engine showed apart: the prompt in chunks, the steps that mix its
+    decode rows with the neighbours' chunks run eager, and its decode-only steps, alone and in company, replayed."""
+    llm = make(name, 16, captured=True)
+    want = references(name)
+    for seeded in (False, True):
+        assert fingerprint(llm.generate([NEEDLE], params(seeded), use_tqdm=False)[0]) == want[seeded]
+    assert needles_in(llm, [300, 40, 500], (1, 3), seed=3) == want  # both needles in one batch
+    captured = llm.llm_engine.model_runner.captured_decode  # its decode-only steps did run replayed
+    assert captured is not None and captured.failed is None and captured.num_traces >= 1
+    assert_idle(llm)
 
 
 @pytest.mark.slow  # ~6 s: `make test`

@@ -225,13 +225,11 @@ def test_the_command_lines_sampling_is_its_flags_then_the_models_then_its_own() 
     assert fields(params(["--top-k", "5"], {"temperature": 0.2})) == (0.2, 0.9, 5, 1.0, 64)
 
 
-@pytest.mark.slow  # llama.cpp's converter runs in a subprocess (seconds)
+@pytest.mark.slow  # llama.cpp's converter runs in the session's converter process (seconds)
 def test_a_converted_gguf_carries_the_defaults_and_stops_at_end_of_turn(
-    model_dir: str, oracle, tmp_path_factory: pytest.TempPathFactory,  # noqa: ANN001
+    model_dir: str, oracle, tmp_path_factory: pytest.TempPathFactory, gguf_converter,  # noqa: ANN001
 ) -> None:
-    from gguf_convert import convert
-
-    path = convert(model_dir, "f32", str(tmp_path_factory.mktemp("gendef-gguf") / "tiny-gendef-f32.gguf"))
+    path = gguf_converter.convert(model_dir, "f32", str(tmp_path_factory.mktemp("gendef-gguf") / "tiny-gendef-f32.gguf"))
     llm = LLM(path, gguf_activations="float32", **ENGINE)
     defaults = llm.llm_engine.generation_defaults
     # the converter copies every sampling key but max_new_tokens
