@@ -7,11 +7,11 @@ since and holding nothing (``LLMEngine._give_back_kv_pages``); blocks that
 hold a cached prefix stay resident by design, so a later prompt can hit them.
 
 The burst: 64 completions of unique 40-token prompts (token ids, first ids
-all different, so no prompt hits another's blocks), 64 tokens each with EOS
-ignored. In 16-token blocks a request computes K/V for 103 tokens: six full
+all different, so no prompt hits another's blocks), 24 tokens each with EOS
+ignored. In 16-token blocks a request computes K/V for 63 tokens: three full
 blocks, published to the prefix cache, and a partial one, which is not.
 
-- Prefix caching on (the default): idle, the server must hold exactly the 384
+- Prefix caching on (the default): idle, the server must hold exactly the 192
   cached blocks (``/kv/state``'s ``cached_blocks``, ``/metrics``' resident
   bytes). Little goes back: a request's partial block, freed when it ends, is
   handed out again to the requests still running (lowest id first), so only
@@ -42,8 +42,9 @@ from pagedllm.loader import bundled_model_path
 
 pytestmark = pytest.mark.slow  # a real server in a subprocess
 
-NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS, BLOCK_SIZE = 64, 40, 64, 16
-# full blocks among the 103 tokens whose K/V each request computes (the last sampled token never runs)
+# 24 completion tokens (64 before): as many requests and blocks written at once, in fewer decode steps
+NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS, BLOCK_SIZE = 64, 40, 24, 16
+# full blocks among the 63 tokens whose K/V each request computes (the last sampled token never runs)
 CACHED_PER_REQUEST = (PROMPT_LEN + MAX_TOKENS - 1) // BLOCK_SIZE
 # how long an idle server may take to show its pages given back (it does so in the step that drains it)
 SETTLE_S = 15
