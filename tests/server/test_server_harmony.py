@@ -304,6 +304,7 @@ def budget_reference(harmony_dir: dict, harmony_llm) -> dict:  # noqa: ANN001
     from pagedllm import SamplingParams
 
     llm = harmony_llm
+    llm.reset_prefix_cache()  # computed whole, as by a fresh engine: no prefix of an earlier test's prompts
     bias = _no_markers(harmony_dir["angled"])
     outs = {}
     for budget in (BUDGET, 0, None):
