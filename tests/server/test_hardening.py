@@ -227,9 +227,10 @@ def _stream_gaps(url: str, during: threading.Event, done: threading.Event, start
     return gaps
 
 
-def test_a_16mb_tokenize_stalls_neither_running_nor_new_streams(hard_server) -> None:  # noqa: ANN001
+def test_an_8mb_tokenize_stalls_neither_running_nor_new_streams(hard_server) -> None:  # noqa: ANN001
     url = hard_server["url"]
-    text = ("The quick brown fox jumps over the lazy dog; " * 400_000)[: 16 << 20]
+    # 8 MB (16 MB before): a stall would still be seconds long, far past the bound below
+    text = ("The quick brown fox jumps over the lazy dog; " * 200_000)[: 8 << 20]
     during, done, started = threading.Event(), threading.Event(), threading.Event()
     result: dict = {}
 
@@ -251,16 +252,16 @@ def test_a_16mb_tokenize_stalls_neither_running_nor_new_streams(hard_server) -> 
     before, while_big = sorted(gaps["before"]), gaps["during"]
     assert len(before) >= 5 and len(while_big) >= 20
     typical = before[len(before) // 2]
-    print(f"stream gaps: median before {typical * 1e3:.1f} ms, max during the 16 MB tokenize "
+    print(f"stream gaps: median before {typical * 1e3:.1f} ms, max during the 8 MB tokenize "
           f"{max(while_big) * 1e3:.1f} ms over {len(while_big)} gaps; the tokenize took {result['seconds']:.2f} s")
-    # A stall (tokenizing on the engine thread or the event loop) is the whole tokenize, ~17 s
-    # here; so is a new stream's wait for its prompt when every text queues for one tokenizer
+    # A stall (tokenizing on the engine thread or the event loop) is the whole tokenize, ~8 s
+    # here (~17 s for 16 MB); so is a new stream's wait for its prompt when every text queues for one tokenizer
     # process (the gaps include each new stream's admission and first token). What is allowed: the event loop still parses the 16 MB body and sends the answer
-    # (0.1-0.4 s with the tokenizer process and the engine's two threads on two cores).
+    # (0.1-0.4 s for 16 MB with the tokenizer process and the engine's two threads on two cores).
     assert max(while_big) < min(2.0, result["seconds"] / 5), (typical, max(while_big), result["seconds"])
     resp = result["resp"]
     assert resp.status_code == 200
-    assert resp.json()["count"] > 3_000_000
+    assert resp.json()["count"] > 1_500_000
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
@@ -465,13 +466,17 @@ def _fuzz_one(url: str, route: str, body: dict) -> None:
         assert "error" in resp.json(), resp.text[:300]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+# 100 examples a route (150 before): the schema-driven fuzz (test_server_openapi.py) covers every route as well
+FUZZ_EXAMPLES = 100
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(body=st.one_of(COMPLETION, SANE_COMPLETION))
 def _fuzz_completions(url: str, body: dict) -> None:
     _fuzz_one(url, "/v1/completions", body)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(body=st.one_of(CHAT, SANE_CHAT))
 def _fuzz_chat(url: str, body: dict) -> None:
     _fuzz_one(url, "/v1/chat/completions", body)

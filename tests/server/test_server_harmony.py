@@ -156,13 +156,22 @@ def test_a_non_harmony_reasoning_parser_is_refused_at_start(harmony_server) -> N
         create_server_app(harmony_server["engine"], ServerSettings(port=1, model_name="tiny-harmony", reasoning_parser="qwen3"))
 
 
-def test_llm_chat_renders_harmony_and_parses(harmony_dir: dict) -> None:
+@pytest.fixture(scope="module")
+def harmony_llm(harmony_dir: dict):  # noqa: ANN201
+    """One offline engine of the tiny harmony model for the ``LLM.chat`` tests (each request finishes in its
+    ``chat`` call, so one test's requests leave nothing behind for the next)."""
+    from pagedllm import LLM
+
+    return LLM(harmony_dir["path"], num_kv_blocks=32, max_model_len=512, num_threads=1)
+
+
+def test_llm_chat_renders_harmony_and_parses(harmony_dir: dict, harmony_llm) -> None:  # noqa: ANN001
     """``LLM.chat`` renders with openai-harmony and stops at <|call|>; ``parse_reply`` reads the output."""
-    from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+    from pagedllm import SamplingParams, StructuredOutputsParams
     from pagedllm.entrypoints.openai.reasoning_parsers import parse_reply
     from pagedllm.harmony.prompt import render_prompt
 
-    llm = LLM(harmony_dir["path"], num_kv_blocks=32, max_model_len=512, num_threads=1)
+    llm = harmony_llm
     bias = {**{t: -100.0 for t in harmony_dir["angled"]}, CALL: 100.0}
     params = SamplingParams(temperature=0.0, max_tokens=80, logit_bias=bias,
                             structured_outputs=StructuredOutputsParams(regex=CALL_REGEX))
@@ -290,11 +299,12 @@ def _harmony_ids(text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def budget_reference(harmony_dir: dict) -> dict:
+def budget_reference(harmony_dir: dict, harmony_llm) -> dict:  # noqa: ANN001
     """``LLM.chat``'s greedy outputs of ASK with budgets 5 and 0 (and without), for the server tests to match."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
-    llm = LLM(harmony_dir["path"], num_kv_blocks=32, max_model_len=512, num_threads=1)
+    llm = harmony_llm
+    llm.reset_prefix_cache()  # computed whole, as by a fresh engine: no prefix of an earlier test's prompts
     bias = _no_markers(harmony_dir["angled"])
     outs = {}
     for budget in (BUDGET, 0, None):

@@ -45,7 +45,9 @@ FUZZ_CHECKS = [
     response_headers_conformance,
     response_schema_conformance,
 ]
-NUM_EXAMPLES = 30
+# per operation and mode (30 before): every operation is still fuzzed both ways, and test_hardening.py's
+# fuzz sends hundreds more bodies to the two generating routes
+NUM_EXAMPLES = 20
 
 # 400s to a schema-valid request that no JSON Schema could rule out: each error message (a regex) is a rule
 # about relations between values or messages, what a string holds, or how text tokenizes
@@ -161,7 +163,7 @@ def test_fuzzed_requests_get_no_5xx_and_follow_the_schema(api_schema: schemathes
         assert all(code < 500 for codes in statuses.values() for code in codes)
 
 
-SURROGATE_EXAMPLES = 25  # per operation with a body: ~100 requests, most refused at validation
+SURROGATE_EXAMPLES = 16  # per operation with a body (25 before), most refused at validation
 
 
 def _with_surrogates(value: object, data: st.DataObject, found: list[int]) -> object:
@@ -210,7 +212,7 @@ def test_fuzzed_bodies_with_lone_surrogates_get_no_5xx(fuzz_server: dict, api_sc
                 assert response.status_code == 400 and "lone surrogate" in err["message"], response.text
 
         fuzz()
-    assert num_with >= 20  # the draws did put surrogates in
+    assert num_with >= 20, num_with  # the draws did put surrogates in
 
 
 def test_the_pool_is_whole_after_fuzzing(fuzz_server: dict) -> None:

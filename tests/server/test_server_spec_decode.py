@@ -1,7 +1,8 @@
 """Speculative decoding through ``pagedllm serve``: streamed greedy text is plain decoding's.
 
-Two real servers in subprocesses, one per configuration (module-scoped):
-one plain, one with ``--speculative-config`` (ngram, k = 4). The official
+Two real servers in subprocesses, one per configuration (module-scoped, started
+together so that they load side by side): one plain, one with
+``--speculative-config`` (ngram, k = 4). The official
 ``openai`` client streams the same greedy code-repeat request from both; the
 texts must be equal, and the speculating server's ``/metrics`` must count
 accepted drafts, so the test cannot pass with speculation idle.
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
-from server_helpers import metrics, served
+from server_helpers import free_port, launch_server, metrics, stop_server, wait_healthy
 from spec_prompts import REPEAT
 
 from pagedllm.loader import bundled_model_path
@@ -28,18 +31,30 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "cost_model": False}
 MAX_TOKENS = 80
 
 
-def _serve(tmp_path_factory: pytest.TempPathFactory, extra: list[str]) -> Iterator[str]:
-    yield from served([*ENGINE, *extra], tmp_path_factory.mktemp("server"))
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Both servers' URLs by name: launched at once (one core each while they load), then waited for."""
+    launched: dict[str, tuple[str, subprocess.Popen, Path]] = {}
+    try:
+        for name, extra in (("plain", []), ("spec", ["--speculative-config", json.dumps(NGRAM)])):
+            port, log = free_port(), tmp_path_factory.mktemp(name) / "server.log"
+            launched[name] = (f"http://127.0.0.1:{port}", launch_server(["--port", str(port), *ENGINE, *extra], log), log)
+        for url, proc, log in launched.values():
+            wait_healthy(url, proc, log)
+        yield {name: url for name, (url, _, _) in launched.items()}
+    finally:
+        for _, proc, _ in launched.values():
+            stop_server(proc)
 
 
 @pytest.fixture(scope="module")
-def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from _serve(tmp_path_factory, [])
+def plain_server(servers: dict[str, str]) -> str:
+    return servers["plain"]
 
 
 @pytest.fixture(scope="module")
-def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from _serve(tmp_path_factory, ["--speculative-config", json.dumps(NGRAM)])
+def spec_server(servers: dict[str, str]) -> str:
+    return servers["spec"]
 
 
 def _stream_chat(url: str, **extra: object) -> dict[int, tuple[str, str | None]]:
