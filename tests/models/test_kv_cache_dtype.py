@@ -47,6 +47,7 @@ class SharedEngines:
 
     def __init__(self) -> None:
         self._built: dict[str, LLM] = {}
+        self._float32_tokens: dict[tuple, list[list[int]]] = {}
 
     def __call__(self, kv_cache_dtype: str) -> LLM:
         llm = self._built.get(kv_cache_dtype)
@@ -54,6 +55,16 @@ class SharedEngines:
             llm = self._built[kv_cache_dtype] = _engine(kv_cache_dtype)
         assert not llm.llm_engine.has_unfinished_requests() and _pool_whole(llm)
         return llm
+
+    def float32_greedy(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
+        """The float32-cache engine's greedy tokens of ``prompts`` (the same run whichever test asks: generated
+        once and kept for the module)."""
+        key = (tuple(prompts), max_tokens)
+        if key not in self._float32_tokens:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            outs = self("float32").generate(prompts, params, use_tqdm=False)
+            self._float32_tokens[key] = [list(o.outputs[0].token_ids) for o in outs]
+        return self._float32_tokens[key]
 
 
 @pytest.fixture(scope="module")
@@ -185,15 +196,17 @@ def test_int8_cache_holds_the_blocks_its_bytes_allow(float32_llm: LLM, int8_llm:
     assert runner.kv_cache_bytes == 342 * 195840 <= MEMORY
 
 
-def _greedy_against_float32(llm: LLM, float32_llm: LLM) -> tuple[list[int], float]:
+def _greedy_against_float32(llm: LLM, engines: SharedEngines) -> tuple[list[int], float]:
     """32 greedy tokens of INT8_PROMPTS: per prompt, how many lead tokens equal a float32 cache's, and the
     worst gap (nats) between the token ``llm`` chose and float32's best, teacher-forced on ``llm``'s tokens."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, ignore_eos=True)
     got = llm.generate(INT8_PROMPTS, params, use_tqdm=False)
-    want = float32_llm.generate(INT8_PROMPTS, params, use_tqdm=False)
+    float32_llm = engines("float32")
+    want = engines.float32_greedy(INT8_PROMPTS, 32)
     agree = []
-    for a, b in zip(got, want):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+    for a, tb in zip(got, want):
+        ta = a.outputs[0].token_ids
+        assert len(ta) == len(tb) == 32
         agree.append(next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta)))
     tok = llm.get_tokenizer()
     prompt_ids = [tok(p)["input_ids"] for p in INT8_PROMPTS]
@@ -210,12 +223,12 @@ def _greedy_against_float32(llm: LLM, float32_llm: LLM) -> tuple[list[int], floa
 
 
 @pytest.mark.slow
-def test_int8_cache_keeps_greedy_tokens_close_to_float32(float32_llm: LLM, int8_llm: LLM) -> None:
+def test_int8_cache_keeps_greedy_tokens_close_to_float32(float32_llm: LLM, int8_llm: LLM, engines: SharedEngines) -> None:
     """Measured on these 8 prompts, 32 greedy tokens each: every prompt's first 5 tokens match a float32
     cache's, 3 of 8 match all 32 (first differences at tokens 5-27), and where they part, the token int8
     chose is within 0.07 nats of float32's best (teacher-forced). Asserted with some room: the first 4
     tokens of every prompt, 2 prompts whole, 0.15 nats."""
-    agree, worst_gap = _greedy_against_float32(int8_llm, float32_llm)
+    agree, worst_gap = _greedy_against_float32(int8_llm, engines)
     assert min(agree) >= 4, agree
     assert sum(n == 32 for n in agree) >= 2, agree
     assert worst_gap <= 0.15, worst_gap
@@ -251,7 +264,7 @@ def test_int4_cache_holds_the_blocks_its_bytes_allow(int4_llm: LLM) -> None:
 
 
 @pytest.mark.slow
-def test_int4_cache_keeps_greedy_tokens_near_float32(float32_llm: LLM, int4_llm: LLM) -> None:
+def test_int4_cache_keeps_greedy_tokens_near_float32(float32_llm: LLM, int4_llm: LLM, engines: SharedEngines) -> None:
     """int4 is coarse on this 135M model (its K rows carry most of the loss). Measured on the 8 prompts, 32
     greedy tokens each, with the fitted K transform and the keys' searched clip: first differences from a
     float32 cache at tokens [10, 6, 12, 10, 8, 3, 1, 1] (before them: [19, 3, 1, 3, 3, 8, 0, 0]), and the worst
@@ -260,8 +273,8 @@ def test_int4_cache_keeps_greedy_tokens_near_float32(float32_llm: LLM, int4_llm:
     median prompt's worst under 1.7."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, ignore_eos=True)
     got = int4_llm.generate(INT8_PROMPTS, params, use_tqdm=False)
-    want = float32_llm.generate(INT8_PROMPTS, params, use_tqdm=False)
-    agree = [next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x != y), 32)
+    want = engines.float32_greedy(INT8_PROMPTS, 32)
+    agree = [next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b)) if x != y), 32)
              for a, b in zip(got, want)]
     assert sum(n >= 3 for n in agree) >= 5, agree
     tok = int4_llm.get_tokenizer()
@@ -299,7 +312,7 @@ def test_fp8_cache_holds_int8s_blocks_and_keeps_greedy_tokens_near_float32(
     assert runner.kv_cache.dtype == want_dtype and runner.kv_cache.shape[-1] == 64 + 4
     assert runner.kv_bytes_per_block == 195840 and runner.num_kv_blocks == 342
     min_lead, past_four, max_gap = FP8_BOUNDS[kv_cache_dtype]
-    agree, worst_gap = _greedy_against_float32(llm, float32_llm)
+    agree, worst_gap = _greedy_against_float32(llm, engines)
     assert min(agree) >= min_lead and sum(n > 4 for n in agree) >= past_four, agree
     assert worst_gap <= max_gap, worst_gap
     assert _pool_whole(llm)

@@ -374,10 +374,20 @@ def rounded_hf(hf_tiny: dict) -> Callable[[str, str, int | None], nn.Module]:
     return oracle
 
 
+# Llama in every weight format; Qwen3 (q/k norms) and Qwen2 (biases) in both bit widths, one per-channel /
+# default-group and one 32-group format each between them: the groups are the linear method's, the same
+# kernels whatever the family around them
+WEIGHT_FORMATS = {
+    "llama": [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)],
+    "qwen3": [("int8", None), ("int4", 32)],
+    "qwen2": [("int8", 32), ("int4", None)],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["float32", "int8"])
-@pytest.mark.parametrize(("quantization", "group_size"), [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize(("arch", "quantization", "group_size"),
+                         [(arch, *f) for arch, formats in WEIGHT_FORMATS.items() for f in formats])
 def test_tiny_models_match_transformers_on_the_rounded_weights(
     arch: str, quantization: str, group_size: int | None, activations: str, tiny_model_dirs: dict[str, str],
     rounded_hf: Callable[[str, str, int | None], nn.Module],
