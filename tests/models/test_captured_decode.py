@@ -51,13 +51,14 @@ def _tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
 FORMATS = [("float32", "auto", None), ("float32", "float16", None), ("bfloat16", "auto", None),
            ("float32", "auto", "int8"), ("float32", "bfloat16", "int8"), ("float32", "auto", "int4"),
            ("float32", "int8", None), ("float32", "int4", None)]
-# The other families differ from Llama before the cache and around the linears: Qwen2's q/k/v biases (added
-# by each weight format's linear: float32, bfloat16, int8 and int4 kept), Qwen3's q/k norms and Llama 3's
-# scaled RoPE table (float32 and bfloat16 activations kept). The KV cache formats read and write the same
-# kernels whatever the family, so Llama's run of each (the fast tier, below) covers them for the others.
+# Qwen3 (head_dim 32 against the others' 16, q/k norms) replays in every format too: its heads take other
+# cache and linear shapes. Qwen2 and Llama 3 differ from Llama only around the linears and in the RoPE table,
+# with Llama's head and cache shapes: Qwen2's q/k/v biases in each weight format (float32, bfloat16, int8,
+# int4), Llama 3's scaled RoPE table in float32 and bfloat16 activations; their caches are read and written
+# by the kernels, at the shapes, that Llama's runs of every cache format (the fast tier) cover.
 FAMILY_FORMATS = {
     "qwen2": [FORMATS[0], FORMATS[2], FORMATS[3], FORMATS[5]],
-    "qwen3": [FORMATS[0], FORMATS[2]],
+    "qwen3": FORMATS,
     "llama3": [FORMATS[0], FORMATS[2]],
 }
 

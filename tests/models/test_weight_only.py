@@ -374,12 +374,12 @@ def rounded_hf(hf_tiny: dict) -> Callable[[str, str, int | None], nn.Module]:
     return oracle
 
 
-# Llama in every weight format; Qwen3 (q/k norms) and Qwen2 (biases) in both bit widths, one per-channel /
-# default-group and one 32-group format each between them: the groups are the linear method's, the same
-# kernels whatever the family around them
+# Llama and Qwen3 (head_dim 32 and q/k norms: projections of other shapes, o_proj's 128 inputs taking the
+# default group of 128) in every weight format; Qwen2 (biases on Llama's shapes) in both bit widths, one
+# per-channel / default-group format and one of 32-groups: its shapes' groups are Llama's, the same kernels
 WEIGHT_FORMATS = {
     "llama": [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)],
-    "qwen3": [("int8", None), ("int4", 32)],
+    "qwen3": [("int8", None), ("int8", 32), ("int4", None), ("int4", 32)],
     "qwen2": [("int8", 32), ("int4", None)],
 }
 
