@@ -44,28 +44,41 @@ def smollm() -> LLM:
     return LLM(num_kv_blocks=512, max_model_len=1024)
 
 
+SMOLLM_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+SMOLLM_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def smollm_prompts_and_hf_tokens(hf_smollm, smollm_tokenizer) -> list[tuple[list[int], list[int]]]:  # noqa: ANN001
+    """(prompt ids, transformers' greedy tokens) of each of ``SMOLLM_TEXTS``: the oracle both activations' tests
+    compare with, computed once for the module."""
+    prompts = [smollm_tokenizer.encode(t) for t in SMOLLM_TEXTS]
+    return [(p, hf_greedy(hf_smollm, p, SMOLLM_NEW)) for p in prompts]
+
+
 @pytest.mark.slow
-def test_smollm_gguf_greedy_matches_transformers(smollm: LLM, hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
+def test_smollm_gguf_greedy_matches_transformers(smollm: LLM, hf_smollm, smollm_prompts_and_hf_tokens) -> None:  # noqa: ANN001
     """The bundled Q4_1/Q8_0 blocks, multiplied on activations rounded to 8 bits per block of 32 (the x16
     kernels, the default): transformers' tokens on the dequantized weights, or parting from them at a
     near-tie only (``assert_greedy_within_q8_noise``)."""
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-    prompts = [smollm_tokenizer.encode(t) for t in texts]
-    outs = smollm.generate(_token_prompts(prompts), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for text, prompt, out in zip(texts, prompts, outs):
-        gap = assert_greedy_within_q8_noise(hf_smollm, prompt, out.outputs[0].token_ids)
+    prompts = [p for p, _ in smollm_prompts_and_hf_tokens]
+    outs = smollm.generate(_token_prompts(prompts), SamplingParams(temperature=0, max_tokens=SMOLLM_NEW, ignore_eos=True))
+    for text, (prompt, want), out in zip(SMOLLM_TEXTS, smollm_prompts_and_hf_tokens, outs):
+        ours = out.outputs[0].token_ids
+        assert len(ours) == SMOLLM_NEW
+        # equal to the shared oracle tokens, or checked where they part (the helper recomputes them)
+        gap = None if ours == want else assert_greedy_within_q8_noise(hf_smollm, prompt, ours)
         print(f"{text!r}: {'equal' if gap is None else f'parts at a logit gap of {gap:.3f}'}")
 
 
 @pytest.mark.slow
-def test_smollm_float32_activations_match_transformers(hf_smollm, smollm_tokenizer) -> None:  # noqa: ANN001
+def test_smollm_float32_activations_match_transformers(smollm_prompts_and_hf_tokens) -> None:  # noqa: ANN001
     """gguf_activations="float32": the file's blocks on float32 activations, transformers' own computation."""
     llm = LLM(num_kv_blocks=128, max_model_len=1024, gguf_activations="float32")
     assert llm.llm_engine.model_runner.model.lm_head.quant_method.name == "gguf-q8_0"  # the file's order
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-    prompts = [smollm_tokenizer.encode(t) for t in texts]
-    outs = llm.generate(_token_prompts(prompts), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_smollm, p, 24) for p in prompts]
+    prompts = [p for p, _ in smollm_prompts_and_hf_tokens]
+    outs = llm.generate(_token_prompts(prompts), SamplingParams(temperature=0, max_tokens=SMOLLM_NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [want for _, want in smollm_prompts_and_hf_tokens]
 
 
 @pytest.mark.slow

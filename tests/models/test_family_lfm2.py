@@ -231,7 +231,10 @@ def test_bench_memory_reports_the_state_slots(lfm2_dir: str, capsys: pytest.Capt
 
 
 @pytest.mark.slow  # converts the checkpoint in subprocesses (seconds each)
-@pytest.mark.parametrize("outtype", ["f32", "f16"])
+# F16 only: the converter writes this family's own tensors (vectors, norms, the conv filters) in F32 in either outtype, so
+# its F16 file holds both types; an all-F32 file's matrices are read as any family's (tests/models/
+# test_gguf_converted.py's Llama F32 file)
+@pytest.mark.parametrize("outtype", ["f16"])
 def test_lfm2_gguf_from_llama_cpps_converter_matches_transformers(
     outtype: str, lfm2_dir: str, tmp_path_factory: pytest.TempPathFactory, gguf_converter  # noqa: ANN001
 ) -> None:

@@ -309,34 +309,35 @@ def test_phi3_bad_configs_are_refused() -> None:
 
 @pytest.mark.slow  # converts the checkpoints in subprocesses (seconds each), fetches the converter once
 def test_phi3_converted_gguf_match_transformers(phi3_dirs: dict[str, str], tmp_path_factory, gguf_converter) -> None:  # noqa: ANN001
-    """llama.cpp's converter's F32 and F16 files of both checkpoints (attn_qkv, ffn_up, rope_factors_short/long,
-    attn_factor, rope.dimension_count, sliding_window): transformers' tokens and logprobs on the file's weights."""
+    """llama.cpp's converter's files (attn_qkv, ffn_up, rope_factors_short/long, attn_factor,
+    rope.dimension_count, sliding_window): transformers' tokens and logprobs on the file's weights. Phi-3.5's
+    F32 file and Phi-4-mini's F16 one: each checkpoint's fields and each outtype's weights (the F16 fused
+    tensors split by rows of blocks), the fields being stored alike in either outtype."""
     from gguf_convert import ConvertedModels
 
     converted = ConvertedModels(phi3_dirs, tmp_path_factory.mktemp("phi3-gguf"), gguf_converter)
     folder_configs = {name: load_model_config(path) for name, path in phi3_dirs.items()}
     prompts = _prompts([50, 12], seed=9)
-    for name in ("phi35", "phi4mini"):
+    for name, outtype in (("phi35", "f32"), ("phi4mini", "f16")):
         hf_folder = phi3_dirs[name]
-        for outtype in ("f32", "f16"):
-            path = converted(name, outtype)
-            cfg, want = load_model_config(path), folder_configs[name]
-            assert cfg.architecture == "phi3" and cfg.checkpoint_format == "gguf"
-            assert cfg.partial_rotary_factor == want.partial_rotary_factor
-            assert cfg.sliding_windows == want.sliding_windows and cfg.tie_word_embeddings == want.tie_word_embeddings
-            # the factors as the file stores them (float32), the converter's attention factor
-            assert cfg.rope_scaling["long_factor"] == pytest.approx(LONG[name], rel=1e-7)
-            assert cfg.rope_scaling["short_factor"] == pytest.approx(SHORT[name], rel=1e-7)
-            freq, factor = rope_parameters(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                           cfg.rope_scaling, partial_rotary_factor=cfg.partial_rotary_factor)
-            want_freq, want_factor = rope_parameters(want.head_dim, want.max_position_embeddings, want.rope_theta,
-                                                     want.rope_scaling,
-                                                     partial_rotary_factor=want.partial_rotary_factor)
-            torch.testing.assert_close(freq, want_freq, rtol=0, atol=0)
-            assert factor == pytest.approx(want_factor, rel=1e-7)
-            llm = LLM(path, **ENGINE, gguf_activations="float32")
-            if outtype == "f16":  # the fused F16 attn_qkv / ffn_up kept as stored, split by rows of blocks
-                mlp = llm.llm_engine.model_runner.model.model.layers[0].mlp
-                assert mlp.gate_up_proj.quant_method.name.startswith("gguf-f16")
-            _check_against(llm, _hf(hf_folder, path), prompts, GENERATED)
-            del llm
+        path = converted(name, outtype)
+        cfg, want = load_model_config(path), folder_configs[name]
+        assert cfg.architecture == "phi3" and cfg.checkpoint_format == "gguf"
+        assert cfg.partial_rotary_factor == want.partial_rotary_factor
+        assert cfg.sliding_windows == want.sliding_windows and cfg.tie_word_embeddings == want.tie_word_embeddings
+        # the factors as the file stores them (float32), the converter's attention factor
+        assert cfg.rope_scaling["long_factor"] == pytest.approx(LONG[name], rel=1e-7)
+        assert cfg.rope_scaling["short_factor"] == pytest.approx(SHORT[name], rel=1e-7)
+        freq, factor = rope_parameters(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                       cfg.rope_scaling, partial_rotary_factor=cfg.partial_rotary_factor)
+        want_freq, want_factor = rope_parameters(want.head_dim, want.max_position_embeddings, want.rope_theta,
+                                                 want.rope_scaling,
+                                                 partial_rotary_factor=want.partial_rotary_factor)
+        torch.testing.assert_close(freq, want_freq, rtol=0, atol=0)
+        assert factor == pytest.approx(want_factor, rel=1e-7)
+        llm = LLM(path, **ENGINE, gguf_activations="float32")
+        if outtype == "f16":  # the fused F16 attn_qkv / ffn_up kept as stored, split by rows of blocks
+            mlp = llm.llm_engine.model_runner.model.model.layers[0].mlp
+            assert mlp.gate_up_proj.quant_method.name.startswith("gguf-f16")
+        _check_against(llm, _hf(hf_folder, path), prompts, GENERATED)
+        del llm

@@ -253,18 +253,33 @@ def _gguf_fields(reader) -> dict:  # noqa: ANN001
             for f in reader.fields.values() if f.name not in skipped}
 
 
+@pytest.fixture(scope="module")
+def script_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """benchmarks/real_size_hybrid_gguf.py's F16 file of ``_script_shape(family)``, per family, written on first
+    use and read by the tests below (none writes to it)."""
+    from benchmarks.real_size_hybrid_gguf import write_f16
+
+    out = tmp_path_factory.mktemp("qwen35-script-gguf")
+
+    class Files(dict):
+        def __missing__(self, family: str) -> str:
+            path = out / f"{family}.gguf"
+            write_f16(_script_shape(family), path, "tiny")
+            self[family] = str(path)
+            return self[family]
+
+    return Files()
+
+
 @pytest.mark.slow  # a converter run
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_real_size_script_writes_the_converters_layout(family: str, ggufs: dict, tmp_path) -> None:  # noqa: ANN001
+def test_real_size_script_writes_the_converters_layout(family: str, ggufs: dict, script_ggufs: dict) -> None:
     """benchmarks/real_size_hybrid_gguf.py at this module's tiny config (``qwen35``; ``qwen35moe``: stacked
     experts, F32 routers, the ``expert_*`` keys and no ``feed_forward_length``): the converter's F16 file's
     metadata keys with the same values, tensor names, shapes, types and order."""
     from gguf import GGUFReader
 
-    from benchmarks.real_size_hybrid_gguf import write_f16
-
-    write_f16(_script_shape(family), tmp_path / "ours.gguf", "tiny")
-    ours = GGUFReader(tmp_path / "ours.gguf")
+    ours = GGUFReader(script_ggufs[family])
     theirs = GGUFReader(ggufs[family, "f16"])
     assert list(_gguf_fields(ours).items()) == list(_gguf_fields(theirs).items())
     assert [(t.name, list(t.shape), t.tensor_type) for t in ours.tensors] == \
@@ -272,16 +287,14 @@ def test_real_size_script_writes_the_converters_layout(family: str, ggufs: dict,
 
 
 @pytest.mark.slow  # loads a model
-def test_real_size_script_moe_file_loads_and_generates(tmp_path) -> None:  # noqa: ANN001
+def test_real_size_script_moe_file_loads_and_generates(script_ggufs: dict) -> None:
     """The script's ``qwen35moe`` file (random weights, ``--layers 4`` of the tiny shape): read as the
     converter's file of the same config is (the layout test above; test_converted_gguf_matches_transformers
     checks that reading against transformers), with every layer's experts and shared expert, and generates
     finite logprobs on the native kernels."""
-    from benchmarks.real_size_hybrid_gguf import write_f16
     from pagedllm.loader import load_model_config
 
-    path = str(tmp_path / "ours.gguf")
-    write_f16(_script_shape("qwen3_5_moe"), path, "tiny")
+    path = script_ggufs["qwen3_5_moe"]  # the layout test's file, written once
     cfg = load_model_config(path)
     assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
             cfg.shared_expert_intermediate_size, cfg.dense_layers) == (4, 4, 2, 32, 48, ())
