@@ -115,6 +115,10 @@ _GLOBAL_NAMES = {
 # metadata every decoder's GGUF file carries under its architecture's prefix
 _REQUIRED_KEYS = ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# (architecture, key) -> the key read where a file has none: Qwen3.5-MoE's config has no dense width, so the
+# converter writes no feed_forward_length; the experts' stands in, unread (every layer is sparse), as for its
+# config.json (gated_delta_config.gated_delta_dict)
+_KEY_STAND_INS = {("qwen35moe", "feed_forward_length"): "expert_feed_forward_length"}
 # [1, hidden] matrices that llama-quantize writes as vectors (ggml drops a shape's trailing 1s; the converter
 # writes [1, hidden]): the shared expert's sigmoid gate of the Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE files
 _ONE_ROW_MATRICES = ("mlp.shared_expert_gate.weight",)
@@ -364,11 +368,8 @@ def read_config(reader: GGUFReader) -> ModelArchConfig:
         raise ValueError(f"GGUF file has no general.architecture (got {arch!r})")
     def key(name: str, default: object = None) -> object:
         value = _field(reader, f"{arch}.{name}", default)
-        if value is None and name == "feed_forward_length" and arch == "qwen35moe":
-            # Qwen3.5-MoE's config has no dense width, so the converter writes none: the experts' stands in,
-            # unread (every layer is sparse), as for its config.json (gated_delta_config.gated_delta_dict)
-            return _field(reader, f"{arch}.expert_feed_forward_length")
-        return value
+        stand_in = _KEY_STAND_INS.get((arch, name))
+        return _field(reader, f"{arch}.{stand_in}") if value is None and stand_in else value
 
     missing = [f"{arch}.{k}" for k in _REQUIRED_KEYS if key(k) is None]
     if missing:
