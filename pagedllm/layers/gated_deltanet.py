@@ -61,6 +61,11 @@ class GatedDeltaNetSpec:
     conv_kernel_size: int
     norm_eps: float
     chunk_size: int = 64
+    # out_proj's input columns hold the value heads tiled (value head h of key head h % num_k_heads), as
+    # llama.cpp's converter writes a qwen35 file with more value than key heads: the layer hands out_proj its
+    # heads in that order instead of the loader moving the file's columns (a head of 128 columns is half a
+    # Q4_K block: moved, the layer would be widened to float32, 7x the bytes a decode step reads)
+    out_proj_tiled: bool = False
 
     def __post_init__(self) -> None:
         sizes = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, self.conv_kernel_size)
@@ -164,7 +169,14 @@ class GatedDeltaNet(CustomOp):
         return q, k, v, z, g.contiguous(), b.sigmoid().contiguous()
 
     def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(self.norm(core, z).flatten(1))
+        """out_proj of the gated norm of the rule's output ``core`` ``[num_tokens, num_v_heads, head_v_dim]``."""
+        s = self.spec
+        o = self.norm(core, z)  # [num_tokens, num_v_heads, head_v_dim], heads grouped by key head
+        if s.out_proj_tiled and s.num_v_heads > s.num_k_heads:
+            group = s.num_v_heads // s.num_k_heads
+            # grouped (k, g) -> tiled (g, k): the order of the file's out_proj columns
+            o = o.view(o.shape[0], s.num_k_heads, group, s.head_v_dim).transpose(1, 2)
+        return self.out_proj(o.reshape(o.shape[0], -1))
 
     def forward_native(
         self, x: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata

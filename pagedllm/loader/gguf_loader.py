@@ -30,7 +30,6 @@ from pagedllm.loader.gguf_gemma4 import GEMMA4_LAYER_NAMES, gemma4_base_shape, g
 from pagedllm.loader.gguf_qwen35 import (
     QWEN35_ARCHITECTURES,
     QWEN35_LAYER_NAMES,
-    columns_moved_in_values,
     gated_query_types,
     gguf_hf_values,
     qwen35_gguf_settings,
@@ -486,9 +485,6 @@ class GGUFWeights:
         }
         if config.architecture in QWEN35_ARCHITECTURES:  # the gate rows the model splits from q_proj, as stored
             self.quantized.update(gated_query_types(self.quantized))
-            for name in columns_moved_in_values(self.quantized, config.architecture, config.linear_num_key_heads,
-                                                config.linear_num_value_heads, config.linear_value_head_dim):
-                del self.quantized[name]
         self.keep: set[str] = set()
         self.half: set[str] = set()
 

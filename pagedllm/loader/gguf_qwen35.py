@@ -30,9 +30,11 @@ Hugging Face terms (``models/qwen3_next.py`` then loads them like a folder):
   stored bytes too: ``gated_query_types`` gives ``attn_gate`` the file's type
   of ``q_proj``, and the fused ``qkv_proj`` keeps the file's blocks (before
   it, the full-attention layers' q, k and v were dequantized to float32).
-- **Moved columns.** ``out_proj``'s value heads are columns: moved as stored
-  bytes only where a head is whole blocks of its type
-  (``columns_moved_in_values``: else dequantized, then moved).
+- **Columns left tiled.** ``out_proj``'s value heads are its input columns:
+  they stay in the file's tiled order (``linear_out_proj_tiled``) and the
+  layer hands them its output in that order, so a Q4_K ``ssm_out`` (heads of
+  128 columns, half a block) keeps its blocks rather than being widened to
+  float32 to move them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QWEN35_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 _TILED_ARCHITECTURES = ("qwen35", "qwen35moe")
@@ -67,18 +68,6 @@ def gated_query_types(quantized: dict[str, int]) -> dict[str, int]:
     suffix = ".self_attn.q_proj.weight"
     return {name.removesuffix(suffix) + ".self_attn.attn_gate.weight": kind
             for name, kind in quantized.items() if name.endswith(suffix)}
-
-
-def columns_moved_in_values(
-    quantized: dict[str, int], arch: str, num_k_heads: int, num_v_heads: int, head_v_dim: int
-) -> set[str]:
-    """The quantized ``linear_attn.out_proj`` tensors of a tiled file whose value heads (columns, moved back to
-    grouped order) are not whole blocks of their type (Q4_K's 256 columns over heads of 128): these must be
-    dequantized before their columns move, never taken as stored."""
-    if arch not in _TILED_ARCHITECTURES or num_v_heads <= num_k_heads:
-        return set()
-    return {name for name, kind in quantized.items() if name.endswith(".linear_attn.out_proj.weight")
-            and head_v_dim % GGML_QUANT_SIZES[GGMLQuantizationType(kind)][0]}
 
 
 def _int_key(key: Callable[[str], object], arch: str, name: str) -> int:
@@ -109,6 +98,7 @@ def qwen35_gguf_settings(
         linear_key_head_dim=_int_key(key, arch, "ssm.state_size"), linear_value_head_dim=inner // num_v_heads,
         linear_conv_kernel_dim=_int_key(key, arch, "ssm.conv_kernel"), layer_types=types, qk_norm=True,
         partial_rotary_factor=(int(rotated) / head_dim) if rotated is not None else 0.25,
+        linear_out_proj_tiled=arch in _TILED_ARCHITECTURES and num_v_heads > num_k_heads,
     )
     if arch != "qwen35":
         fields["norm_topk_prob"] = True
@@ -128,7 +118,8 @@ def gguf_hf_values(
     weights: Iterable[tuple[str, torch.Tensor]], arch: str, num_k_heads: int, num_v_heads: int, key_dim: int,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A converted file's tensors (Hugging Face names) with the checkpoint's values: ``A_log`` from ``-exp(A_log)``,
-    the conv weight ``[channels, 1, kernel]``, value heads grouped by key head again (``qwen35`` / ``qwen35moe``).
+    the conv weight ``[channels, 1, kernel]``, value heads grouped by key head again (``qwen35`` / ``qwen35moe``;
+    out_proj's columns excepted, ``linear_out_proj_tiled``).
 
     ``key_dim``: the width of q (and of k) in ``in_proj_qkv`` and the conv's channels.
     """
@@ -151,6 +142,4 @@ def _grouped(name: str, t: torch.Tensor, num_k_heads: int, group: int, key_dim: 
         return torch.cat([t[: 2 * key_dim], _tiled_to_grouped(t[2 * key_dim:], 0, num_k_heads, group)])
     if name.endswith((".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
         return _tiled_to_grouped(t, 0, num_k_heads, group)
-    if name.endswith(".out_proj.weight"):  # columns; stored bytes too (each head's columns whole bytes)
-        return _tiled_to_grouped(t, 1, num_k_heads, group)
-    return t
+    return t  # out_proj's columns stay tiled (linear_out_proj_tiled)

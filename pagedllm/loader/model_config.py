@@ -197,6 +197,9 @@ class ModelArchConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # out_proj's value heads in the converter's tiled order (qwen35 / qwen35moe GGUFs with more value than key
+    # heads: layers/gated_deltanet.py's GatedDeltaNetSpec.out_proj_tiled); False: grouped, as checkpoints hold them
+    linear_out_proj_tiled: bool = False
     # Granite 4.0-H's Mamba-2 layers (loader/granite_hybrid_config.py); None: the model has none
     mamba: Mamba2Config | None = None
 

@@ -49,7 +49,7 @@ def gated_delta_spec(cfg: ModelArchConfig) -> GatedDeltaNetSpec:
     """A Gated DeltaNet layer of ``cfg`` (its ``linear_*`` fields)."""
     return GatedDeltaNetSpec(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                              cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
-                             cfg.rms_norm_eps)
+                             cfg.rms_norm_eps, out_proj_tiled=cfg.linear_out_proj_tiled)
 
 
 class Qwen3NextForCausalLM(CausalLM):

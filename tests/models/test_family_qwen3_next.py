@@ -210,20 +210,32 @@ def test_converted_gguf_matches_transformers(family: str, outtype: str, ggufs: d
 
 @pytest.mark.slow  # a converter run
 def test_q8_0_file_kept_in_blocks_matches_it_dequantized(ggufs: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Q8_0 ``qwen35`` file (4 value heads tiled over 2 key heads, heads of 16 columns: half a block): the
-    full-attention layer's fused ``qkv_proj`` holds the file's blocks (``attn_q``'s query and gate rows split
-    in whole rows), ``out_proj``, whose heads' columns are not whole blocks, is dequantized before they move;
-    tokens and logprobs are those of the same file dequantized whole (finite: moving half blocks made NaNs)."""
+    """A Q8_0 ``qwen35`` file (4 value heads tiled over 2 key heads): the full-attention layer's fused ``qkv_proj``
+    holds the file's blocks (``attn_q``'s query and gate rows split in whole rows), and so does ``out_proj``,
+    whose columns stay in the file's tiled order (the layer hands it its heads in that order); tokens and
+    logprobs are those of the same file dequantized whole (finite: moving half blocks made NaNs once)."""
+    from pagedllm.loader.gguf_loader import GGUFWeights
+
     path = ggufs["qwen3_5", "q8_0"]
     llm = LLM(path, **ENGINE, gguf_activations="float32")
     layers = llm.llm_engine.model_runner.model.model.layers
     assert layers[3].self_attn.qkv_proj.quant_method.name == "gguf-q8_0"
     assert layers[0].linear_attn.in_proj.quant_method.name == "gguf-q8_0"
+    assert layers[0].linear_attn.out_proj.quant_method.name == "gguf-q8_0"
+    assert layers[0].linear_attn.spec.out_proj_tiled
     kept = _generate(llm, PROMPTS[:1], logprobs=True)[0]
     del llm, layers
-    # every quantized tensor dropped from the file's list: all dequantized to float32, moved as values
-    monkeypatch.setattr("pagedllm.loader.gguf_loader.columns_moved_in_values", lambda quantized, *_: set(quantized))
-    whole = _generate(LLM(path, **ENGINE, gguf_activations="float32"), PROMPTS[:1], logprobs=True)[0]
+    init = GGUFWeights.__init__
+
+    def dequantize_all(self: GGUFWeights, *args: object) -> None:  # no tensor taken as stored: all float32
+        init(self, *args)
+        self.quantized.clear()
+
+    monkeypatch.setattr(GGUFWeights, "__init__", dequantize_all)
+    whole_llm = LLM(path, **ENGINE, gguf_activations="float32")
+    assert type(whole_llm.llm_engine.model_runner.model.model.layers[0].linear_attn.out_proj.quant_method).__name__ \
+        != "GGUFLinearMethod"
+    whole = _generate(whole_llm, PROMPTS[:1], logprobs=True)[0]
     assert kept.outputs[0].token_ids == whole.outputs[0].token_ids
     errors = [abs(got[t].logprob - want[t].logprob) for got, want in zip(kept.outputs[0].logprobs,
                                                                           whole.outputs[0].logprobs, strict=True)
