@@ -32,6 +32,10 @@ def _register_returning() -> None:
     def _(gate_up):  # noqa: ANN001, ANN202
         return _rows_out(gate_up, gate_up.shape[1] // 2)  # [num_tokens, inter]
 
+    @reg(_NS + "moe_slot_sum")
+    def _(y, weights, shared, gate):  # noqa: ANN001, ANN202
+        return y.new_empty(y.shape[0], y.shape[2])  # [num_tokens, hidden]
+
     @reg(_NS + "gguf_linear")
     def _(x, weight, type, in_features, bias):  # noqa: ANN001, ANN202, A002
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]

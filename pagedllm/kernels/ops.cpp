@@ -304,6 +304,40 @@ Tensor silu_mul(const Tensor &gate_up) {
     return out;
 }
 
+/* out [rows, hidden] = sum over slots, in order, of weights[r, s] * y[r, s] (+ sigmoid(gate[r]) * shared[r], or
+   + shared[r] with no gate): a mixture of experts' weighted sum of each token's top-k outputs (elementwise.cpp) */
+StepNode moe_slot_sum_node(const Tensor &y, const Tensor &weights, const OptTensor &shared, const OptTensor &gate,
+                           const Tensor &out) {
+    const char *op = "native moe_slot_sum";
+    TORCH_CHECK_VALUE(y.dim() == 3 && y.size(1) >= 1, op, ": y must be [num_tokens, top_k, hidden], got ", shape_of(y));
+    const int64_t rows = y.size(0), top_k = y.size(1), hidden = y.size(2);
+    check_tensor(y, at::kFloat, y.sizes(), op, "y");
+    TORCH_CHECK_VALUE(y.is_contiguous(), op, ": y must be contiguous");
+    check_tensor(weights, at::kFloat, {rows, top_k}, op, "weights");
+    TORCH_CHECK_VALUE(weights.is_contiguous(), op, ": weights must be contiguous");
+    TORCH_CHECK_VALUE(shared.has_value() || !gate.has_value(), op, ": a gate needs a shared expert's output");
+    if (shared.has_value()) check_f32_rows(*shared, hidden, op, "shared");
+    TORCH_CHECK_VALUE(!shared.has_value() || shared->size(0) == rows, op, ": shared must have ", rows, " rows");
+    if (gate.has_value()) {
+        check_tensor(*gate, at::kFloat, {rows, 1}, op, "gate");
+        TORCH_CHECK_VALUE(gate->is_contiguous(), op, ": gate must be contiguous");
+    }
+    check_tensor(out, at::kFloat, {rows, hidden}, op, "the output");
+    StepNode node{NODE_MOE_SLOT_SUM, rows};
+    node.slot_sum = {y.data_ptr<float>(), weights.data_ptr<float>(),
+                     shared.has_value() ? shared->data_ptr<float>() : nullptr,
+                     gate.has_value() ? gate->data_ptr<float>() : nullptr, out.data_ptr<float>(), top_k, hidden};
+    return node;
+}
+
+Tensor moe_slot_sum(const Tensor &y, const Tensor &weights, const OptTensor &shared, const OptTensor &gate) {
+    TORCH_CHECK_VALUE(y.dim() == 3, "native moe_slot_sum: y must be [num_tokens, top_k, hidden], got ", shape_of(y));
+    Tensor out = at::empty({y.size(0), y.size(2)}, y.options());  // [num_tokens, hidden]
+    const StepNode node = moe_slot_sum_node(y, weights, shared, gate, out);
+    run_node(node, threads_for(y.numel()), "native moe_slot_sum");
+    return out;
+}
+
 StepNode row_affine_node(const Tensor &x, const OptTensor &mul, const OptTensor &add) {
     const char *op = "native row_affine_";
     TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
@@ -1086,6 +1120,8 @@ TORCH_LIBRARY(pagedllm, m) {
     step_node("qk_norm_rope", qk_norm_rope_node);
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     step_node("silu_mul", silu_mul_node);
+    m.def("moe_slot_sum(Tensor y, Tensor weights, Tensor? shared, Tensor? gate) -> Tensor");
+    step_node("moe_slot_sum", moe_slot_sum_node);
     m.def("row_affine_(Tensor(a!) x, Tensor? mul, Tensor? add) -> ()");
     step_node("row_affine_", row_affine_node);
     m.def("gguf_linear(Tensor x, Tensor weight, int type, int in_features, Tensor? bias) -> Tensor");
@@ -1152,6 +1188,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("add_rms_norm", &add_rms_norm);
     m.impl("qk_norm_rope", &qk_norm_rope);
     m.impl("silu_mul", &silu_mul);
+    m.impl("moe_slot_sum", &moe_slot_sum);
     m.impl("row_affine_", &row_affine_);
     m.impl("gguf_linear", &gguf_linear);
     m.impl("gguf_embedding", &gguf_embedding);

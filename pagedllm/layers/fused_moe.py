@@ -51,6 +51,7 @@ from pagedllm.layers.experts_linear import experts_linear, layer_is_grouped
 from pagedllm.layers.linear import Linear, LinearMethod
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.moe_pairs import PairGrouping, PairGroups
+from pagedllm.layers.moe_slot_sum import SlotSum
 from pagedllm.layers.quantization.expert_packed import expert_method
 from pagedllm.layers.quantization.gguf_dequantized import has_gguf_kernel
 from pagedllm.layers.quantization.gguf_linear import (
@@ -189,6 +190,7 @@ class MoEBlock(nn.Module):
         # each expert was chosen for, and forward passes; tensors, so a traced step would count too
         register_expert_counters(self, spec.num_experts)
         self.grouping = PairGrouping(spec.num_experts)  # the pairs by expert (a native counting sort where built)
+        self.slot_sum = SlotSum()  # the top-k outputs' weighted sum, with the shared expert's (one native pass)
         self.act_fn = gated_activation(spec.hidden_act, spec.swiglu_alpha, spec.swiglu_limit)
         if spec.shared_expert_intermediate_size:
             # under tensor parallelism this rank's slice of its rows, its partial sum joining the routed experts'
@@ -204,20 +206,22 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
         weights, ids = self.gate.route(x)  # [num_tokens, top_k] each
-        out = self.routed(x, weights, ids)
+        shared = gate = None
         if self.spec.shared_expert_intermediate_size:
-            shared = self.shared_expert(x)
+            shared = self.shared_expert(x)  # [num_tokens, hidden]
             if self.spec.shared_expert_gate:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out.add_(shared)
+                gate = self.shared_expert_gate(x)  # [num_tokens, 1]: logits, sigmoid in the slot sum
+        out = self.routed(x, weights, ids, shared, gate)
         # each rank's out sums its slice of every expert's down columns: the ranks' sum is the block's output
         return self.tp.all_reduce_(out) if self.tp is not None else out
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights``."""
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None = None,
+               gate: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum for rows ``x`` sent to experts ``ids`` with ``weights`` (plus a shared
+        expert's output ``shared``, times ``sigmoid(gate)`` where given)."""
         groups = self.grouping(ids)
         count_routing(self, groups.counts)
-        return routed_experts(self.experts, self.act_fn, x, weights, ids, groups)
+        return routed_experts(self.experts, self.act_fn, x, weights, ids, groups, self.slot_sum, shared, gate)
 
 
 def register_expert_counters(module: nn.Module, num_experts: int) -> None:
@@ -238,11 +242,12 @@ def count_routing(module: nn.Module, counts: torch.Tensor) -> None:
 
 def routed_experts(
     experts: ExpertWeights, act_fn: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    groups: PairGroups,
+    groups: PairGroups, slot_sum: SlotSum, shared: torch.Tensor | None = None, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_s weights[t, s] * expert_{ids[t, s]}(x[t])`` for each row ``t`` of ``x`` (the module docstring's
-    arithmetic; a family whose layer holds the experts without ``MoEBlock``'s router calls it too).
-    ``groups``: the pairs of ``ids`` by expert (``PairGrouping``).
+    arithmetic; a family whose layer holds the experts without ``MoEBlock``'s router calls it too), plus
+    ``shared`` (times ``sigmoid(gate)``) where given, in ``x``'s dtype. ``groups``: the pairs of ``ids`` by expert
+    (``PairGrouping``); ``slot_sum``: the layer's ``SlotSum`` (``layers/moe_slot_sum.py``).
 
     Every size here is the step's rows or its pairs (``top_k`` per row), never read from the routing, so a
     decode step through the grouped GGUF op traces and is captured (``runner/capture/``)."""
@@ -254,9 +259,4 @@ def routed_experts(
     y = experts_linear(experts.down, h, pair_rows, offsets, num_experts, pair_experts)  # [pairs, H], by expert
     by_slot = torch.empty_like(y)
     by_slot[order] = y  # back in (token, slot) order
-    by_slot = by_slot.view(num_tokens, top_k, -1)
-    w = weights.to(y.dtype)
-    out = by_slot[:, 0] * w[:, :1]
-    for slot in range(1, top_k):  # a fixed order: a row's sum never depends on the other rows
-        out.add_(by_slot[:, slot] * w[:, slot : slot + 1])
-    return out.to(x.dtype)
+    return slot_sum(by_slot.view(num_tokens, top_k, -1), weights, shared, gate).to(x.dtype)

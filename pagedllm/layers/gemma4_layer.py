@@ -49,6 +49,7 @@ from pagedllm.layers.fused_moe import (
 from pagedllm.layers.gemma4_attention import Gemma4Attention, Gemma4AttentionShape
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.moe_pairs import PairGrouping
+from pagedllm.layers.moe_slot_sum import SlotSum
 from pagedllm.layers.parallel import TensorParallelGroup
 from pagedllm.layers.quantization.quant_config import QuantConfig
 from pagedllm.layers.router import Router
@@ -115,6 +116,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.experts_act = gated_activation(spec.moe.hidden_act)
             register_expert_counters(self, spec.moe.num_experts)  # the expert load /metrics and bench show
             self.grouping = PairGrouping(spec.moe.num_experts)
+            self.slot_sum = SlotSum()
             for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
                 setattr(self, name, norm.build(hidden_size))
         # a checkpoint buffer (transformers' nn.Buffer, saved with the weights): loaded like a parameter
@@ -128,7 +130,8 @@ class Gemma4DecoderLayer(nn.Module):
         weights, ids = self.router.route(x)
         groups = self.grouping(ids)
         count_routing(self, groups.counts)
-        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids, groups)
+        e = routed_experts(self.experts, self.experts_act, self.pre_feedforward_layernorm_2(x), weights, ids, groups,
+                           self.slot_sum)
         if self.tp is not None:  # each a partial sum over this rank's rows: both summed in one all-reduce
             both = self.tp.all_reduce_(torch.cat((h, e.to(h.dtype)), dim=-1))
             h, e = (part.contiguous() for part in both.split(h.shape[-1], dim=-1))

@@ -89,6 +89,13 @@ class NativeOps:
         num_experts]``: ``route_logits``' bits (``layers/router.py``; ``kind`` as its ``ROUTER_KINDS``)."""
         return self._ops.moe_route(logits, top_k, kind, renormalize, correction_bias, scaling_factor)
 
+    def moe_slot_sum(self, y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                     gate: torch.Tensor | None) -> torch.Tensor:
+        """``[num_tokens, hidden]``: each token's ``top_k`` expert outputs ``y`` ``[num_tokens, top_k, hidden]``
+        weighted by ``weights`` ``[num_tokens, top_k]`` and summed in slot order, plus ``shared`` (times
+        ``sigmoid(gate)`` ``[num_tokens, 1]`` where given)."""
+        return self._ops.moe_slot_sum(y, weights, shared, gate)
+
     def moe_group(self, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
         """Expert ids ``[rows, top_k]`` as pairs grouped by expert, stably: (order, token_ids, pair_experts,
         counts, offsets) (``layers/moe_pairs.py``'s ``PairGroups``)."""

@@ -5,7 +5,9 @@ softmax then top-k (renormalised or not, Qwen3-MoE / Mixtral), top-k then softma
 sigmoid with and without a correction bias (DeepSeek-V3-style), with a routed scaling factor; over logits
 with many exact ties (integers), where the order among equal scores is the one thing a top-k of its own
 would get wrong. ``moe_group`` must give ``PairGrouping``'s torch tensors (a stable argsort): tokens spread
-over every expert, all on one, most experts empty, no rows. Bad input is a ValueError, not a crash.
+over every expert, all on one, most experts empty, no rows. ``moe_slot_sum`` must give ``SlotSum``'s torch
+loop's bits for the weighted sum of the slots (and the shared expert's term to float rounding), a row alike
+alone and among others. Bad input is a ValueError, not a crash.
 ``tests/kernels/test_kernel_variants.py`` runs this file on every kernel variant the CPU runs.
 """
 
@@ -16,6 +18,7 @@ import torch
 
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.moe_pairs import PairGrouping
+from pagedllm.layers.moe_slot_sum import SlotSum
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.router import ROUTER_KINDS, RouterScores, RouterSpec, route_logits
 
@@ -113,3 +116,72 @@ def test_bad_input_is_a_value_error(ops: NativeOps) -> None:
         ops.moe_group(torch.tensor([[-1, 2]]), 8)
     with pytest.raises(ValueError, match="int64"):
         ops.moe_group(torch.tensor([[0, 1]], dtype=torch.int32), 8)
+
+
+def _slot_sums(ops: NativeOps) -> tuple[SlotSum, SlotSum]:
+    torch_sum, native_sum = SlotSum(), SlotSum()
+    native_sum.select_impl(ops)
+    return torch_sum, native_sum
+
+
+@pytest.mark.parametrize(("rows", "top_k", "hidden"), [(1, 8, 2048), (7, 2, 33), (64, 8, 96), (5, 1, 16), (0, 4, 8)])
+def test_moe_slot_sum_gives_the_torch_loops_bits(ops: NativeOps, rows: int, top_k: int, hidden: int) -> None:
+    """The slots' weighted sum: the bits of the torch loop (each product rounded, then added, slot by slot)."""
+    g = torch.Generator().manual_seed(rows * 7 + top_k)
+    y = torch.randn(rows, top_k, hidden, generator=g) * 10
+    weights = torch.rand(rows, top_k, generator=g)
+    torch_sum, native_sum = _slot_sums(ops)
+    want = torch_sum(y, weights)
+    got = native_sum(y, weights)
+    assert got.shape == (rows, hidden) and got.dtype == torch.float32
+    assert torch.equal(got, want)
+    # and against float64: the sum it claims to be
+    if rows:
+        exact = (y.double() * weights.double().unsqueeze(-1)).sum(1)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_moe_slot_sum_adds_the_shared_expert(ops: NativeOps, gated: bool) -> None:
+    """``+ shared`` (Qwen3.5-MoE's shared expert), ``+ sigmoid(gate) * shared`` (with its gate): the torch terms
+    to float rounding (the slots' part bit for bit: no gate, plain adds)."""
+    g = torch.Generator().manual_seed(11)
+    y, weights = torch.randn(9, 4, 40, generator=g), torch.rand(9, 4, generator=g)
+    shared, gate = torch.randn(9, 40, generator=g), (torch.randn(9, 1, generator=g) * 4 if gated else None)
+    torch_sum, native_sum = _slot_sums(ops)
+    want, got = torch_sum(y, weights, shared, gate), native_sum(y, weights, shared, gate)
+    if gated:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        exact = (y.double() * weights.double().unsqueeze(-1)).sum(1) + torch.sigmoid(gate.double()) * shared.double()
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_moe_slot_sum_of_a_row_is_the_same_alone_and_among_others(ops: NativeOps) -> None:
+    g = torch.Generator().manual_seed(5)
+    y, weights = torch.randn(64, 8, 300, generator=g), torch.rand(64, 8, generator=g)
+    shared, gate = torch.randn(64, 300, generator=g), torch.randn(64, 1, generator=g)
+    _, native_sum = _slot_sums(ops)
+    batch = native_sum(y, weights, shared, gate)
+    for i in (0, 17, 63):
+        alone = native_sum(y[i : i + 1], weights[i : i + 1], shared[i : i + 1], gate[i : i + 1])
+        assert torch.equal(alone[0], batch[i])
+
+
+@pytest.mark.parametrize("case", ["2-D y", "weights' shape", "gate without shared", "shared rows", "bf16 y"])
+def test_moe_slot_sum_refuses_bad_input(ops: NativeOps, case: str) -> None:
+    y, w = torch.randn(3, 2, 8), torch.rand(3, 2)
+    shared, gate = None, None
+    if case == "2-D y":
+        y = y.view(3, 16)
+    elif case == "weights' shape":
+        w = torch.rand(3, 3)
+    elif case == "gate without shared":
+        gate = torch.randn(3, 1)
+    elif case == "shared rows":
+        shared = torch.randn(2, 8)
+    else:
+        y = y.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="moe_slot_sum"):
+        ops.moe_slot_sum(y, w, shared, gate)

@@ -8,7 +8,11 @@
  *                 their per-head RMSNorm where the model has one (Qwen3)
  *   silu_mul      out = silu(gate) * up, gate_up = [gate | up] per row
  *   row_affine_   x = x * mul + add per column, in place (either may be absent)
+ *   moe_slot_sum  out = sum over slots s = 0..top_k-1, in that order, of w[s] * y[s] (each product rounded,
+ *                 then added: the torch loop's arithmetic), + sigmoid(gate) * shared (or + shared)
  */
+#include <math.h>
+
 #include "elementwise.h"
 #include "../step/step_nodes.h"
 
@@ -40,6 +44,35 @@ void silu_mul_team(const SiluMulNode *n, int64_t rows) {
     for (int64_t r = 0; r < rows; r++)
         silu_mul_row(n->gate_up + r * 2 * inter, n->gate_up + r * 2 * inter + inter, n->out + r * inter, inter);
 }
+
+/* Each row's sum runs over its own slots in slot order, whatever the other rows: batch invariant. Each product
+   is rounded before it is added (contraction off here: the build's -ffp-contract=fast would fuse the two into
+   an FMA in the vector loop and not in its tail), so the slots' sum is the bits of the torch loop it replaces. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void moe_slot_sum_team(const MoeSlotSumNode *n, int64_t rows) {
+    const int64_t k = n->top_k, h = n->hidden;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *y = n->y + r * k * h, *w = n->weights + r * k;
+        float *out = n->out + r * h;
+        for (int64_t i = 0; i < h; i++) out[i] = y[i] * w[0];
+        for (int64_t s = 1; s < k; s++) {
+            const float ws = w[s], *ys = y + s * h;
+            for (int64_t i = 0; i < h; i++) out[i] += ys[i] * ws;
+        }
+        if (n->shared != NULL) {
+            const float *sh = n->shared + r * h;
+            if (n->gate != NULL) {
+                const float g = 1.0f / (1.0f + expf(-n->gate[r]));
+                for (int64_t i = 0; i < h; i++) out[i] += g * sh[i];
+            } else {
+                for (int64_t i = 0; i < h; i++) out[i] += sh[i];
+            }
+        }
+    }
+}
+#pragma GCC pop_options
 
 void row_affine_team(const RowAffineNode *n, int64_t rows) {
 #pragma omp for schedule(static)

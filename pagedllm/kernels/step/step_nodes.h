@@ -44,6 +44,7 @@ enum StepNodeKind {
     NODE_GATED_DELTA_DECODE, /* one token per sequence through its gated delta rule state (gated_delta/) */
     NODE_CONV_DECODE,        /* one token per sequence through its causal conv1d state (conv/) */
     NODE_SSD_DECODE,         /* one token per sequence through its Mamba-2 scan state (ssm/) */
+    NODE_MOE_SLOT_SUM,       /* a mixture of experts' weighted sum of each token's top-k outputs (elementwise/) */
 };
 
 typedef struct {
@@ -180,6 +181,15 @@ typedef struct {
     int64_t num_slots;
 } SsdDecodeNode;
 
+typedef struct {
+    const float *y;       /* [rows, top_k, hidden]: each token's experts' outputs, in slot order */
+    const float *weights; /* [rows, top_k] */
+    const float *shared;  /* [rows, hidden] a shared expert's output, added last, or NULL */
+    const float *gate;    /* [rows]: its gate's logit (the output times sigmoid of it), or NULL */
+    float *out;           /* [rows, hidden] */
+    int64_t top_k, hidden;
+} MoeSlotSumNode;
+
 /* rows: the tokens (decode attention: the sequences) the node works on, row r of every [rows, ...] buffer
    its struct points to; every kind keeps it here, so a program cuts any node to its first n rows alike */
 typedef struct {
@@ -200,6 +210,7 @@ typedef struct {
         GatedDeltaDecodeNode delta;
         ConvDecodeNode conv;
         SsdDecodeNode ssd;
+        MoeSlotSumNode slot_sum;
     };
 } StepNode;
 
@@ -216,6 +227,7 @@ void add_rms_norm_team(const AddRmsNormNode *n, int64_t rows);                  
 void qk_norm_rope_team(const QkNormRopeNode *n, int64_t rows);                  /* elementwise.cpp */
 void row_affine_team(const RowAffineNode *n, int64_t rows);                  /* elementwise.cpp */
 void silu_mul_team(const SiluMulNode *n, int64_t rows);                         /* elementwise.cpp */
+void moe_slot_sum_team(const MoeSlotSumNode *n, int64_t rows);                  /* elementwise.cpp */
 void packed_linear_f32_team(const LinearNode *n, int64_t rows);                 /* packed_linear.cpp */
 void packed_linear_bf16_team(const LinearNode *n, int64_t rows);                /* packed_linear_bf16.cpp */
 void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed);          /* gguf_linear.cpp */
