@@ -36,6 +36,10 @@ def _register_returning() -> None:
     def _(y, weights, shared, gate):  # noqa: ANN001, ANN202
         return y.new_empty(y.shape[0], y.shape[2])  # [num_tokens, hidden]
 
+    @reg(_NS + "gated_rms_norm")
+    def _(x, z, weight, eps, tiled_k_heads):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape[0], x.shape[1] * x.shape[2])  # [num_tokens, num_heads * head_dim]
+
     @reg(_NS + "gguf_linear")
     def _(x, weight, type, in_features, bias):  # noqa: ANN001, ANN202, A002
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # [num_rows, out_features]

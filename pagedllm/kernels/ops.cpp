@@ -338,6 +338,43 @@ Tensor moe_slot_sum(const Tensor &y, const Tensor &weights, const OptTensor &sha
     return out;
 }
 
+/* out [rows, num_heads * head_dim] = rms_norm(x) * weight * silu(z) per head of x, z [rows, num_heads, head_dim]
+   (each row contiguous, rows any stride apart); tiled_k_heads > 0 writes the heads tiled over that many key heads
+   (elementwise.cpp) */
+StepNode gated_rms_norm_node(const Tensor &x, const Tensor &z, const Tensor &weight, double eps,
+                             int64_t tiled_k_heads, const Tensor &out) {
+    const char *op = "native gated_rms_norm";
+    TORCH_CHECK_VALUE(x.dim() == 3 && z.dim() == 3 && x.sizes() == z.sizes(), op,
+                      ": x and z must be [num_tokens, num_heads, head_dim] alike, got ", shape_of(x), " and ",
+                      shape_of(z));
+    const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
+    TORCH_CHECK_VALUE(d >= 1 && d <= 1024, op, ": head_dim must be in [1, 1024], got ", d);
+    for (const Tensor *t : {&x, &z}) {
+        TORCH_CHECK_VALUE(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->stride(2) == 1 &&
+                              t->stride(1) == d && (rows <= 1 || t->stride(0) >= heads * d),
+                          op, ": x and z must be float32 rows of contiguous heads, got ", shape_of(*t));
+    }
+    check_tensor(weight, at::kFloat, {d}, op, "weight");
+    TORCH_CHECK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous");
+    TORCH_CHECK_VALUE(tiled_k_heads >= 0 && (tiled_k_heads == 0 || heads % tiled_k_heads == 0), op,
+                      ": tiled_k_heads must be 0 or divide the ", heads, " heads, got ", tiled_k_heads);
+    check_tensor(out, at::kFloat, {rows, heads * d}, op, "the output");
+    TORCH_CHECK_VALUE(out.is_contiguous(), op, ": the output must be contiguous");
+    StepNode node{NODE_GATED_RMS_NORM, rows};
+    node.gated_norm = {x.data_ptr<float>(), z.data_ptr<float>(), x.stride(0), z.stride(0), weight.data_ptr<float>(),
+                       out.data_ptr<float>(), heads, d, tiled_k_heads, (float)eps};
+    return node;
+}
+
+Tensor gated_rms_norm(const Tensor &x, const Tensor &z, const Tensor &weight, double eps, int64_t tiled_k_heads) {
+    TORCH_CHECK_VALUE(x.dim() == 3, "native gated_rms_norm: x must be [num_tokens, num_heads, head_dim], got ",
+                      shape_of(x));
+    Tensor out = at::empty({x.size(0), x.size(1) * x.size(2)}, x.options());  // [num_tokens, num_heads * head_dim]
+    const StepNode node = gated_rms_norm_node(x, z, weight, eps, tiled_k_heads, out);
+    run_node(node, threads_for(out.numel()), "native gated_rms_norm");
+    return out;
+}
+
 StepNode row_affine_node(const Tensor &x, const OptTensor &mul, const OptTensor &add) {
     const char *op = "native row_affine_";
     TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
@@ -1122,6 +1159,8 @@ TORCH_LIBRARY(pagedllm, m) {
     step_node("silu_mul", silu_mul_node);
     m.def("moe_slot_sum(Tensor y, Tensor weights, Tensor? shared, Tensor? gate) -> Tensor");
     step_node("moe_slot_sum", moe_slot_sum_node);
+    m.def("gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps, int tiled_k_heads) -> Tensor");
+    step_node("gated_rms_norm", gated_rms_norm_node);
     m.def("row_affine_(Tensor(a!) x, Tensor? mul, Tensor? add) -> ()");
     step_node("row_affine_", row_affine_node);
     m.def("gguf_linear(Tensor x, Tensor weight, int type, int in_features, Tensor? bias) -> Tensor");
@@ -1189,6 +1228,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
     m.impl("qk_norm_rope", &qk_norm_rope);
     m.impl("silu_mul", &silu_mul);
     m.impl("moe_slot_sum", &moe_slot_sum);
+    m.impl("gated_rms_norm", &gated_rms_norm);
     m.impl("row_affine_", &row_affine_);
     m.impl("gguf_linear", &gguf_linear);
     m.impl("gguf_embedding", &gguf_embedding);

@@ -99,18 +99,34 @@ class _Conv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
 
 
-class GatedRMSNorm(nn.Module):
-    """``rms_norm(x) * weight * silu(gate)`` per value head (``[head_v_dim]`` weight), in float32."""
+class GatedRMSNorm(CustomOp):
+    """``rms_norm(x) * weight * silu(gate)`` per value head (``[head_v_dim]`` weight), in float32, the heads
+    flattened: ``[num_tokens, num_heads, head_dim]`` twice -> ``[num_tokens, num_heads * head_dim]``.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    ``tiled_k_heads`` > 0: the heads come out tiled over that many key heads (head ``k * group + g`` at
+    ``g * tiled_k_heads + k``), the order of a converted qwen35 file's out_proj columns
+    (``GatedDeltaNetSpec.out_proj_tiled``). Natively one pass per row (``torch.ops.pagedllm.gated_rms_norm``,
+    a node of a captured decode step's program) instead of about ten torch ops.
+    """
+
+    def __init__(self, dim: int, eps: float, tiled_k_heads: int = 0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.tiled_k_heads = tiled_k_heads
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``x``, ``gate`` ``[..., dim]`` -> the gated norm, in ``x``'s dtype."""
+    def forward_torch(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """In torch ops, in ``x``'s dtype."""
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return ((self.weight * normed.to(x.dtype)).float() * F.silu(gate.float())).to(x.dtype)
+        o = ((self.weight * normed.to(x.dtype)).float() * F.silu(gate.float())).to(x.dtype)
+        if self.tiled_k_heads:
+            # grouped (k, g) -> tiled (g, k)
+            o = o.view(o.shape[0], self.tiled_k_heads, o.shape[1] // self.tiled_k_heads, o.shape[-1]).transpose(1, 2)
+        return o.flatten(1)
+
+    def forward_native(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """One native pass (float32)."""
+        return self.native.gated_rms_norm(x, gate, self.weight, self.eps, self.tiled_k_heads)
 
 
 class GatedDeltaNet(CustomOp):
@@ -125,7 +141,8 @@ class GatedDeltaNet(CustomOp):
         self.conv1d = _Conv(s.conv_dim, s.conv_kernel_size)
         self.A_log = nn.Parameter(torch.empty(s.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads), requires_grad=False)
-        self.norm = GatedRMSNorm(s.head_v_dim, s.norm_eps)
+        tiled = s.num_k_heads if s.out_proj_tiled and s.num_v_heads > s.num_k_heads else 0
+        self.norm = GatedRMSNorm(s.head_v_dim, s.norm_eps, tiled)
         self.out_proj = Linear(s.value_dim, s.hidden_size, False, quant_config, f"{prefix}.out_proj")
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -169,14 +186,9 @@ class GatedDeltaNet(CustomOp):
         return q, k, v, z, g.contiguous(), b.sigmoid().contiguous()
 
     def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """out_proj of the gated norm of the rule's output ``core`` ``[num_tokens, num_v_heads, head_v_dim]``."""
-        s = self.spec
-        o = self.norm(core, z)  # [num_tokens, num_v_heads, head_v_dim], heads grouped by key head
-        if s.out_proj_tiled and s.num_v_heads > s.num_k_heads:
-            group = s.num_v_heads // s.num_k_heads
-            # grouped (k, g) -> tiled (g, k): the order of the file's out_proj columns
-            o = o.view(o.shape[0], s.num_k_heads, group, s.head_v_dim).transpose(1, 2)
-        return self.out_proj(o.reshape(o.shape[0], -1))
+        """out_proj of the gated norm of the rule's output ``core`` ``[num_tokens, num_v_heads, head_v_dim]`` (its
+        heads in the order of out_proj's columns: tiled where ``out_proj_tiled``)."""
+        return self.out_proj(self.norm(core, z))
 
     def forward_native(
         self, x: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata

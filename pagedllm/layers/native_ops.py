@@ -96,6 +96,12 @@ class NativeOps:
         ``sigmoid(gate)`` ``[num_tokens, 1]`` where given)."""
         return self._ops.moe_slot_sum(y, weights, shared, gate)
 
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                       tiled_k_heads: int) -> torch.Tensor:
+        """``[num_tokens, num_heads * head_dim]``: ``rms_norm(x) * weight * silu(z)`` per head of ``x``, ``z``
+        ``[num_tokens, num_heads, head_dim]``, heads written tiled over ``tiled_k_heads`` key heads (0: as given)."""
+        return self._ops.gated_rms_norm(x, z, weight, eps, tiled_k_heads)
+
     def moe_group(self, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
         """Expert ids ``[rows, top_k]`` as pairs grouped by expert, stably: (order, token_ids, pair_experts,
         counts, offsets) (``layers/moe_pairs.py``'s ``PairGroups``)."""

@@ -1,4 +1,5 @@
-"""Native elementwise ops (RMSNorm + residual, RoPE, SiLU-and-multiply) against their torch twins."""
+"""Native elementwise ops (RMSNorm + residual, RoPE, SiLU-and-multiply, Gated DeltaNet's gated norm) against
+their torch twins."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conftest import CapturingLLM as LLM  # decode steps captured from the first
 
 from pagedllm import SamplingParams
 from pagedllm.kernels import load_kernels
+from pagedllm.layers.gated_deltanet import GatedRMSNorm
 from pagedllm.layers.native_ops import NativeOps
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -95,6 +97,40 @@ def test_silu_mul_matches_torch(ops: NativeOps, rows: int, inter: int) -> None:
     gate_up[0, :inter] = float("nan")
     got = ops.silu_mul(gate_up)
     assert got[0].isnan().all() and not got[1:].isnan().any()
+
+
+@pytest.mark.parametrize(("rows", "heads", "head_dim", "tiled"), [(1, 32, 128, 16), (5, 4, 16, 2), (300, 8, 24, 0),
+                                                             (3, 6, 7, 3), (0, 4, 8, 0)])
+def test_gated_rms_norm_matches_torch(ops: NativeOps, rows: int, heads: int, head_dim: int, tiled: int) -> None:
+    """``rms_norm(x) * w * silu(z)`` per head, heads written as given or tiled over key heads; z a strided view of
+    a wider projection (as Gated DeltaNet's in_proj output hands it); against torch and against float64."""
+    gen = torch.Generator().manual_seed(rows + heads)
+    norm = GatedRMSNorm(head_dim, 1e-6, tiled)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(head_dim, generator=gen))
+    x = torch.randn(rows, heads, head_dim, generator=gen) * 3
+    proj = torch.randn(rows, heads * head_dim + 5, generator=gen)
+    z = proj[:, 2 : 2 + heads * head_dim].view(rows, heads, head_dim)
+    want = norm(x, z)  # the torch path
+    norm.select_impl(ops)
+    got = norm(x, z)
+    assert got.shape == (rows, heads * head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    xd, zd = x.double(), z.double()
+    exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double() * F.silu(zd)
+    if tiled:  # head k * group + g at g * tiled + k
+        exact = exact.view(rows, tiled, heads // tiled, head_dim).transpose(1, 2)
+    torch.testing.assert_close(got.double(), exact.flatten(1), rtol=1e-4, atol=1e-4)
+    if rows > 1:  # a row alike alone and among others
+        assert torch.equal(norm(x[1:2], z[1:2])[0], got[1])
+
+
+def test_gated_rms_norm_refuses_bad_input(ops: NativeOps) -> None:
+    x, w = torch.randn(3, 4, 8), torch.ones(8)
+    for args in ((x, torch.randn(3, 4, 9), w, 0), (x, x, torch.ones(7), 0), (x, x, w, 3),
+                 (x.transpose(1, 2).contiguous().transpose(1, 2), x, w, 0), (x.double(), x.double(), w, 0)):
+        with pytest.raises(ValueError, match="gated_rms_norm"):
+            ops.gated_rms_norm(args[0], args[1], args[2], 1e-6, args[3])
 
 
 def test_native_ops_refuse_what_they_cannot_run(ops: NativeOps) -> None:

@@ -53,6 +53,8 @@ def test_fake_shapes_match_the_kernels() -> None:
     ids = torch.tensor([[3, 1], [0, 3], [2, 1]])
     for real, fake in zip(*both(ops.moe_group, ids, 4), strict=True):
         _same_meta(real, fake)
+    _same_meta(*both(ops.gated_rms_norm, torch.randn(3, 4, 8, generator=gen), torch.randn(3, 4, 8, generator=gen),
+                     torch.ones(8), 1e-6, 2))
     _same_meta(*both(ops.moe_slot_sum, torch.randn(3, 2, 8, generator=gen), torch.rand(3, 2, generator=gen),
                      torch.randn(3, 8, generator=gen), torch.randn(3, 1, generator=gen)))
 
@@ -72,7 +74,8 @@ def test_in_place_ops_run_on_meta_tensors() -> None:
 
 
 @pytest.mark.parametrize("case", ["add_rms_norm", "silu_mul", "packed_linear", "quantized_linear", "logit_stats",
-                                  "moe_route", "moe_group", "moe_slot_sum", "write_kv"])
+                                  "moe_route", "moe_group", "moe_slot_sum", "gated_rms_norm",
+                                  "write_kv"])
 def test_opcheck(case: str) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 16, generator=gen)
@@ -91,6 +94,9 @@ def test_opcheck(case: str) -> None:
         op, args = ops.moe_route.default, (x, 4, 2, True, torch.randn(16, generator=gen), 2.5)
     elif case == "moe_group":
         op, args = ops.moe_group.default, (torch.tensor([[3, 1], [0, 3], [2, 1]]), 4)
+    elif case == "gated_rms_norm":  # tiled over 2 key heads
+        op, args = ops.gated_rms_norm.default, (x.view(4, 2, 8), torch.randn(4, 2, 8, generator=gen), torch.rand(8),
+                                                1e-6, 2)
     elif case == "moe_slot_sum":  # a shared expert with its gate
         op, args = ops.moe_slot_sum.default, (x.view(4, 2, 8), torch.rand(4, 2, generator=gen),
                                               torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen))

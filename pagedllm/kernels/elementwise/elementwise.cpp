@@ -10,6 +10,7 @@
  *   row_affine_   x = x * mul + add per column, in place (either may be absent)
  *   moe_slot_sum  out = sum over slots s = 0..top_k-1, in that order, of w[s] * y[s] (each product rounded,
  *                 then added: the torch loop's arithmetic), + sigmoid(gate) * shared (or + shared)
+ *   gated_rms_norm  out = rms_norm(x) * w * silu(z) per head, heads written grouped or tiled
  */
 #include <math.h>
 
@@ -73,6 +74,20 @@ void moe_slot_sum_team(const MoeSlotSumNode *n, int64_t rows) {
     }
 }
 #pragma GCC pop_options
+
+/* head_dim <= 1024 (ops.cpp checks it) */
+void gated_rms_norm_team(const GatedRmsNormNode *n, int64_t rows) {
+    const int64_t heads = n->num_heads, d = n->head_dim, k = n->tiled_k_heads, group = k ? heads / k : 1;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float tmp[1024];
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = k ? (h % group) * k + h / group : h;  /* grouped (h / group, h % group) -> tiled */
+            rms_norm_row(n->x + r * n->x_stride + h * d, n->weight, tmp, d, n->eps);
+            silu_mul_row(n->z + r * n->z_stride + h * d, tmp, n->out + (r * heads + at) * d, d);
+        }
+    }
+}
 
 void row_affine_team(const RowAffineNode *n, int64_t rows) {
 #pragma omp for schedule(static)

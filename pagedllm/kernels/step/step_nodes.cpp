@@ -58,6 +58,7 @@ static void run_node(const StepNode *node, int *failed) {
         case NODE_CONV_DECODE: conv_decode_team(&node->conv, rows); break;
         case NODE_SSD_DECODE: ssd_decode_team(&node->ssd, rows); break;
         case NODE_MOE_SLOT_SUM: moe_slot_sum_team(&node->slot_sum, rows); break;
+        case NODE_GATED_RMS_NORM: gated_rms_norm_team(&node->gated_norm, rows); break;
         default: break; /* ops.cpp makes no other kind */
     }
 }

@@ -45,6 +45,7 @@ enum StepNodeKind {
     NODE_CONV_DECODE,        /* one token per sequence through its causal conv1d state (conv/) */
     NODE_SSD_DECODE,         /* one token per sequence through its Mamba-2 scan state (ssm/) */
     NODE_MOE_SLOT_SUM,       /* a mixture of experts' weighted sum of each token's top-k outputs (elementwise/) */
+    NODE_GATED_RMS_NORM,     /* rms_norm(x) * w * silu(z) per head (Gated DeltaNet's output norm; elementwise/) */
 };
 
 typedef struct {
@@ -190,6 +191,16 @@ typedef struct {
     int64_t top_k, hidden;
 } MoeSlotSumNode;
 
+typedef struct {
+    const float *x, *z;   /* [rows, num_heads, head_dim] each, rows x_stride / z_stride floats apart */
+    int64_t x_stride, z_stride;
+    const float *weight;  /* [head_dim] */
+    float *out;           /* [rows, num_heads * head_dim], contiguous */
+    int64_t num_heads, head_dim;
+    int64_t tiled_k_heads; /* 0: heads out in x's order; k: head h = k' * group + g goes to g * k + k' (tiled) */
+    float eps;
+} GatedRmsNormNode;
+
 /* rows: the tokens (decode attention: the sequences) the node works on, row r of every [rows, ...] buffer
    its struct points to; every kind keeps it here, so a program cuts any node to its first n rows alike */
 typedef struct {
@@ -211,6 +222,7 @@ typedef struct {
         ConvDecodeNode conv;
         SsdDecodeNode ssd;
         MoeSlotSumNode slot_sum;
+        GatedRmsNormNode gated_norm;
     };
 } StepNode;
 
@@ -228,6 +240,7 @@ void qk_norm_rope_team(const QkNormRopeNode *n, int64_t rows);                  
 void row_affine_team(const RowAffineNode *n, int64_t rows);                  /* elementwise.cpp */
 void silu_mul_team(const SiluMulNode *n, int64_t rows);                         /* elementwise.cpp */
 void moe_slot_sum_team(const MoeSlotSumNode *n, int64_t rows);                  /* elementwise.cpp */
+void gated_rms_norm_team(const GatedRmsNormNode *n, int64_t rows);              /* elementwise.cpp */
 void packed_linear_f32_team(const LinearNode *n, int64_t rows);                 /* packed_linear.cpp */
 void packed_linear_bf16_team(const LinearNode *n, int64_t rows);                /* packed_linear_bf16.cpp */
 void gguf_linear_team(const LinearNode *n, int64_t rows, int *failed);          /* gguf_linear.cpp */
