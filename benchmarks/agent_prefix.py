@@ -129,8 +129,9 @@ def _computed(url: str) -> int:
 
 
 def _hit_turns(out: dict, ask: Callable[[list[int]], tuple[float, int]], turns: list[list[int]]) -> None:
-    """Ask each new turn after the prefix was seen; the last one is the RAM-hit figure. A hybrid model keeps
-    its state at the end of a shared prefix once a second prompt shares it, so its hit comes on the second
+    """Ask each new turn after the prefix was seen; the last one is the RAM-hit figure. A hybrid model's first
+    of these turns hits the prefix up to its last periodic state snapshot inside it (``state_snapshot_interval``);
+    the state at the prefix's end is kept once a second prompt shares it, so its whole hit comes on the second
     of these turns (``--hits 2``)."""
     for turn in turns:
         seconds, computed = ask(turn)

@@ -155,6 +155,16 @@ class EngineConfig:
             step takes up to ``max_num_batched_tokens`` whatever it delays.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes;
             None means on for the paged allocator, off for the contiguous one.
+        state_snapshot_interval: tokens between a hybrid model's periodic
+            prefix-cache state snapshots, a multiple of ``block_size`` (0:
+            none; None, the default: 1024, rounded down to a multiple of
+            ``block_size``). With prefix caching, a prompt's state is also
+            kept every this many tokens of its prefill (its last 4 such
+            points, at most a quarter of the snapshot pool), so the second
+            prompt sharing a system prompt with a cached one already hits it
+            up to the last such point inside it, not only the third
+            (docs/hybrid-models.md). A model without state layers refuses a
+            value (it keeps no state to snapshot).
         kv_cache_dir: a folder where full prefix blocks are also kept on
             disk, named by their hash chain under a fingerprint of the model
             and KV format (docs/disk-prefix-cache.md): a prompt whose prefix
@@ -304,6 +314,7 @@ class EngineConfig:
     max_num_batched_tokens: PositiveInt = 8192
     itl_target_ms: ItlTarget = "auto"
     enable_prefix_caching: bool | None = None
+    state_snapshot_interval: NonNegativeInt | None = None
     kv_cache_dir: Path | None = None
     kv_cache_dir_max_bytes: PositiveInt | None = None
     kv_allocator: KvAllocator = "paged"
@@ -339,6 +350,13 @@ class EngineConfig:
         return weight_group_size(self)
 
     @property
+    def snapshot_interval(self) -> int:
+        """``state_snapshot_interval`` once the default is resolved (0: no periodic snapshot points)."""
+        from pagedllm.resolved_config import state_snapshot_interval
+
+        return state_snapshot_interval(self)
+
+    @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on, once the default is resolved."""
         from pagedllm.resolved_config import prefix_caching
@@ -358,6 +376,8 @@ class EngineConfig:
             raise ValueError("the contiguous allocator has no prefix caching; leave enable_prefix_caching unset")
         if self.kv_cache_dir is not None or self.kv_cache_dir_max_bytes is not None:
             self._check_kv_cache_dir()
+        if self.state_snapshot_interval is not None:
+            self._check_snapshot_interval()
         if self.quantization in ("int8", "int4"):
             self._check_weight_only()
         elif self.quantization_group_size is not None:
@@ -389,6 +409,15 @@ class EngineConfig:
                              "over ranks")
         if os.path.exists(self.kv_cache_dir) and not os.path.isdir(self.kv_cache_dir):
             raise ValueError(f"kv_cache_dir={str(self.kv_cache_dir)!r} exists and is not a folder")
+
+    def _check_snapshot_interval(self) -> None:
+        """ValueError for a state_snapshot_interval the block manager cannot use."""
+        if self.state_snapshot_interval % self.block_size:
+            raise ValueError(f"state_snapshot_interval={self.state_snapshot_interval} must be a multiple of "
+                             f"block_size={self.block_size} (a snapshot is kept at the end of a block)")
+        if not self.prefix_caching:
+            raise ValueError("state_snapshot_interval places prefix-cache state snapshots: it needs prefix caching "
+                             "(the paged allocator, enable_prefix_caching not False)")
 
     def _check_weight_only(self) -> None:
         """ValueError for what quantization='int8' / 'int4' cannot run."""

@@ -40,6 +40,9 @@ ResolvedAllReduce = Literal["shm", "gloo"]
 ResolvedKvCacheDtype = Literal["float32", "bfloat16", "float16", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2"]
 # weights per group of int4 when quantization_group_size is None; int8 defaults to one group per channel
 DEFAULT_INT4_GROUP_SIZE = 128
+# a hybrid model's periodic state snapshot points when state_snapshot_interval is None, in tokens (rounded down
+# to a multiple of block_size): the reasoning is in the block manager's docstring and docs/hybrid-models.md
+DEFAULT_STATE_SNAPSHOT_INTERVAL = 1024
 
 
 @config_record
@@ -194,6 +197,17 @@ def weight_group_size(config: EngineConfig) -> int | None:
     if config.quantization_group_size is None and config.quantization == "int4":
         return DEFAULT_INT4_GROUP_SIZE
     return config.quantization_group_size
+
+
+def state_snapshot_interval(config: EngineConfig) -> int:
+    """Tokens between a hybrid model's periodic state snapshot points once the default is resolved (0: none).
+
+    None: ``DEFAULT_STATE_SNAPSHOT_INTERVAL`` rounded down to a multiple of ``block_size``, at least one block.
+    """
+    if config.state_snapshot_interval is not None:
+        return config.state_snapshot_interval
+    bs = config.block_size
+    return max(bs, DEFAULT_STATE_SNAPSHOT_INTERVAL // bs * bs)
 
 
 def prefix_caching(config: EngineConfig) -> bool:

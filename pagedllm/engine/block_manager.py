@@ -86,12 +86,37 @@ in the step its samples fork in (their state is the one this step computes)
 tokens only, so a prefix hit needs the state at the hit point: with prefix
 caching, snapshots of it are kept at block boundaries (``num_snapshot_slots``,
 ``engine/state_snapshots.py``) and a hit is cut to the longest cached prefix
-that has one. A prompt keeps at most two (``state_snapshot_points``): at its
-last full block (the next turn of a conversation extends the whole prompt),
-and where its cached blocks end without a snapshot there (the end of a prefix
-another prompt shares with it, a system prompt: the third prompt hits it).
+that has one. A prompt's points (``state_snapshot_points``, past its hit):
+
+- its last full block: the next turn of a conversation extends the whole prompt;
+- where its cached blocks end without a snapshot there: the end of a prefix
+  another prompt shares with it (a system prompt), which the third prompt hits;
+- periodic points, every ``state_snapshot_interval`` tokens from token 0 (a
+  multiple of the block size, so prompts sharing a prefix have the same
+  points in it), of which it keeps the last ``MAX_PERIODIC_SNAPSHOTS`` (at
+  most a quarter of the pool): the second prompt sharing a system prompt
+  hits its last periodic point inside it, before the end of it is known::
+
+    block 16, interval 1024, system prompt S of 3000 tokens (its full blocks end at 2992)
+    A = S + 200 tokens: no hit, points 1024, 2048, 3072 (periodic), 3184 (its last full block)
+    B = S + 300 others: hits 2048, points 2992 (its cached blocks end), 3072, 3296
+    C = S + 100 others: hits 2992
+
 The scheduler ends a chunk at each point, the state is copied after that
-step. Disk hits are not taken for such a model (the disk keeps no states).
+step. Each point costs a chunk end (one more step for the prompt: the weights
+read once more and the step's fixed cost, small beside a chunk of 1024
+tokens, and nothing where chunks are shorter anyway) and a snapshot slot
+(the pool is fixed: as many as the running slots, so the points decide only
+what it keeps); the cap bounds both per prompt: at most 4 + 2 points, so a
+pool of ``max_num_seqs`` = 128 keeps the snapshots of 21 long prompts at
+least, and a small pool gives one prompt a quarter of it. The interval, 1024
+by default: the second prompt recomputes at most one interval of the shared
+part; 512 would halve that but double the chunk ends, and reach half as far
+back from a prompt's end under the same cap. Why the last periodic points:
+a hit saves the tokens before it, so the points late in a long shared part
+save the most (a long system prompt of tools), and a shared part that ends
+before them is still hit by the third prompt at its end. Disk hits are not
+taken for such a model (the disk keeps no states).
 """
 
 from __future__ import annotations
@@ -112,6 +137,8 @@ from pagedllm.kv_disk.store import DiskBlockStore
 _NO_PARENT = 0
 HOLE = -1  # a window group's table entry for a block given back (out of the window): never read
 _LONG_ROPE_PARENT = 1  # the chain of a longrope model's long-prompt sequences (see the module docstring)
+# the most periodic state snapshot points a prompt keeps (its last ones; see the module docstring)
+MAX_PERIODIC_SNAPSHOTS = 4
 
 
 def _check_max_new(max_num_new_tokens: int | None) -> None:
@@ -165,13 +192,15 @@ class BlockManager:
         num_state_slots: a hybrid model's state slots (one per running sequence); 0: the model has no state layers.
         num_snapshot_slots: slots for state snapshots of cached prefixes (ids after the running ones; with prefix
             caching and state slots only).
+        state_snapshot_interval: tokens between a prompt's periodic state snapshot points, a multiple of
+            ``block_size`` (``EngineConfig.snapshot_interval``); 0: none (with snapshot slots only).
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None,
         group_windows: Sequence_[int | None] = (None,), num_state_slots: int = 0, num_snapshot_slots: int = 0,
-        num_checkpoint_slots: int = 0,
+        num_checkpoint_slots: int = 0, state_snapshot_interval: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
@@ -225,6 +254,10 @@ class BlockManager:
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.snapshots = (StateSnapshots(num_state_slots, num_snapshot_slots)
                           if num_state_slots and num_snapshot_slots and enable_prefix_caching else None)
+        if state_snapshot_interval < 0 or state_snapshot_interval % block_size:
+            raise ValueError(f"state_snapshot_interval must be a multiple of block_size={block_size} (0: none), "
+                             f"got {state_snapshot_interval}")
+        self.state_snapshot_interval = state_snapshot_interval
         if num_checkpoint_slots < 0:
             raise ValueError(f"num_checkpoint_slots must be >= 0, got {num_checkpoint_slots}")
         # speculative decoding's checkpoints (the state before a verify step's drafts), after the snapshots
@@ -506,7 +539,17 @@ class BlockManager:
             self._state_copies_before.append((slot, seq.state_slot))
         shared = len(self._lookup_blocks(seq)[0]) * bs  # where the blocks another prompt cached end
         last = (len(seq) - 1) // bs * bs  # the last full block a later lookup can reach
-        seq.state_snapshot_points = sorted({p for p in (shared, last) if p > num_hits * bs})
+        points = {p for p in (shared, last) if p > num_hits * bs}
+        seq.state_snapshot_points = sorted(points.union(self._periodic_points(num_hits * bs, last)))
+
+    def _periodic_points(self, start: int, end: int) -> range:
+        """The periodic snapshot points strictly between ``start`` and ``end`` tokens that a prompt keeps: the
+        multiples of the interval there, the last ``MAX_PERIODIC_SNAPSHOTS`` of them (a quarter of the pool)."""
+        interval = self.state_snapshot_interval
+        keep = min(MAX_PERIODIC_SNAPSHOTS, self.snapshots.num_slots // 4) if self.snapshots is not None else 0
+        if not interval or not keep:
+            return range(0)
+        return range(start // interval * interval + interval, end, interval)[-keep:]
 
     def next_snapshot_point(self, seq: Sequence) -> int | None:
         """The first token count past ``seq``'s computed ones whose state is snapshotted (a chunk ends there)."""

@@ -148,7 +148,8 @@ class LLMEngine:
                                               model_kv_layout(self.model_config).windows,
                                               self.model_runner.num_state_slots,
                                               self.model_runner.num_snapshot_slots,
-                                              self.model_runner.num_checkpoint_slots)
+                                              self.model_runner.num_checkpoint_slots,
+                                              state_snapshot_interval=config.snapshot_interval)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
         self.step_times = StepTimeModel()

@@ -133,6 +133,9 @@ class ModelRunner:
         self.num_checkpoint_slots = 0  # speculative decoding's state checkpoints, after the snapshots
         if self.state_shapes:
             self._check_state_model(config)
+        elif config.state_snapshot_interval is not None:
+            raise ValueError("state_snapshot_interval places a hybrid model's state snapshots; this model has no "
+                             "state layers: leave it unset")
 
         # what the cache stores; "auto" resolved once the weights' format is known
         self.kv_cache_dtype = KV_DTYPES[resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype,

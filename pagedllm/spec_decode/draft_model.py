@@ -59,6 +59,7 @@ def draft_engine_config(target: EngineConfig, model: str) -> EngineConfig:
         quantization=None, quantization_group_size=None, num_kv_blocks=None, kv_cache_memory_bytes=None,
         enable_prefix_caching=True, cpu_bind=None, batch_invariant=None, generation_config="vllm",
         kv_cache_dir=None, kv_cache_dir_max_bytes=None,  # the target's blocks only (a draft recomputes cheaply)
+        state_snapshot_interval=None,  # set for the target model: the draft keeps its default
         # the draft runs every target sequence: it must hold the target's (possibly fitted) length
         fit_max_model_len=False,
     )

@@ -10,7 +10,14 @@ decoding's checkpoints: taken before a verify step (a copy of the slot), given
 back by the rollback after it (a rejection copies it back and moves the
 computed length to it) or by ``free``. Then a hypothesis property: random
 requests with n > 1, beam forks, drafts right and wrong, preemptions and
-finishes; every slot, checkpoint and block comes back, none is held twice.
+finishes, periodic snapshot points or none; every slot, checkpoint and block
+comes back, none is held twice, the snapshot pool and a prompt's points stay
+bounded.
+
+Snapshot points (the block manager's docstring): a prompt's last full block,
+where its cached blocks end, and the last few multiples of
+``state_snapshot_interval`` below its last full block, so the second prompt
+sharing a system prompt hits the last of them inside it, the third its end.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -201,6 +209,87 @@ def test_a_shared_prefix_gets_its_own_snapshot_for_the_third_prompt() -> None:
     assert bm.num_cached_prefix_tokens(c) == 8
 
 
+def _prefill(sched: Scheduler, seq: Sequence) -> list[int]:
+    """Run ``seq``'s prompt alone, each step confirmed as the engine does, then abort it; its chunk sizes."""
+    sched.add(seq)
+    chunks = []
+    while seq.num_computed_tokens < len(seq):
+        out = sched.schedule()
+        chunks.append(out.scheduled[0].num_new_tokens)
+        sched.block_manager.confirm_published()
+        sched.update(out)
+    sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    return chunks
+
+
+def test_periodic_points_let_the_second_prompt_hit_a_shared_prefix() -> None:
+    """A system prompt of 22 tokens (its full blocks end at 20), interval 8: a's points are the multiples of 8
+    below its last full block (28) and 28; b hits 16, the last of them inside the shared part, and keeps its
+    points 20 (its cached blocks end), 24, 28; c hits 20."""
+    bm = BlockManager(64, BS, num_state_slots=2, num_snapshot_slots=16, state_snapshot_interval=8)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    system = list(range(22))
+    a = Sequence(system + [100 + i for i in range(10)], BS)  # 32 tokens: (32 - 1) // 4 * 4 = 28
+    assert _prefill(sched, a) == [8, 8, 8, 4, 4]  # a chunk ends at each point
+    assert a.state_snapshot_points == [8, 16, 24, 28]
+    b = Sequence(system + [200 + i for i in range(8)], BS)  # 30 tokens: its last full block ends at 28
+    assert bm.num_cached_prefix_tokens(b) == 16  # blocks up to 20 are a's, the state is kept at 16
+    assert _prefill(sched, b) == [4, 4, 4, 2]
+    assert (b.num_cached_tokens, b.state_snapshot_points) == (16, [20, 24, 28])
+    c = Sequence(system + [300 + i for i in range(6)], BS)
+    assert bm.num_cached_prefix_tokens(c) == 20  # the shared part's end, which b kept
+    assert bm.allocate(c) and c.num_computed_tokens == 20
+    # snapshot slots 2.. go out lowest first: a's 8, 16, 24, 28 in 2-5, b's 20, 24, 28 in 6-8
+    assert bm.take_state_copies() == ([(6, 0)], [])
+
+
+def test_without_periodic_points_the_second_prompt_misses_the_shared_prefix() -> None:
+    bm = BlockManager(64, BS, num_state_slots=2, num_snapshot_slots=16)  # interval 0: none
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64)
+    system = list(range(22))
+    a = Sequence(system + [100 + i for i in range(10)], BS)
+    assert _prefill(sched, a) == [28, 4] and a.state_snapshot_points == [28]
+    assert bm.num_cached_prefix_tokens(Sequence(system + [200 + i for i in range(8)], BS)) == 0
+
+
+@pytest.mark.parametrize(("num_snapshot_slots", "points"), [
+    (16, [80, 84, 88, 92, 96]),  # the last 4 periodic points and the last full block
+    (7, [92, 96]),  # a quarter of 7 slots: one periodic point
+    (3, [96]),  # under 4 slots: none
+])
+def test_a_long_prompt_keeps_its_last_periodic_points_only(num_snapshot_slots: int, points: list[int]) -> None:
+    bm = BlockManager(64, BS, num_state_slots=1, num_snapshot_slots=num_snapshot_slots, state_snapshot_interval=4)
+    seq = Sequence(list(range(100)), BS)  # (100 - 1) // 4 * 4 = 96: 23 multiples of 4 below it
+    assert bm.allocate(seq) and seq.state_snapshot_points == points
+
+
+def test_one_long_prompt_does_not_flush_the_snapshot_pool() -> None:
+    """8 prompts' snapshots, then a prompt with 24 periodic candidates: it adds 5 (4 periodic, its last
+    block), so all 8 stay in a pool of 16."""
+    bm = BlockManager(128, BS, num_state_slots=1, num_snapshot_slots=16, state_snapshot_interval=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=256)
+    shorts = [Sequence([1000 * (i + 1) + t for t in range(6)], BS) for i in range(8)]
+    for seq in shorts:
+        assert _prefill(sched, seq) == [4, 2]  # one point: its last full block (periodic ones lie below it)
+    long = Sequence(list(range(100)), BS)
+    assert _prefill(sched, long) == [80, 4, 4, 4, 4, 4]
+    assert len(bm.snapshots) == 8 + 5 <= bm.snapshots.num_slots
+    assert all(bm.num_cached_prefix_tokens(Sequence([*s.token_ids[:6], 7], BS)) == 4 for s in shorts)
+
+
+def test_the_snapshot_interval_is_checked() -> None:
+    with pytest.raises(ValueError, match="multiple of block_size=4"):
+        BlockManager(8, BS, num_state_slots=1, num_snapshot_slots=4, state_snapshot_interval=6)
+    with pytest.raises(ValueError, match="multiple of block_size=16"):
+        EngineConfig(model="m", state_snapshot_interval=24)
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        EngineConfig(model="m", state_snapshot_interval=32, enable_prefix_caching=False)
+    assert EngineConfig(model="m").snapshot_interval == 1024  # the default, rounded to block_size 16
+    assert EngineConfig(model="m", block_size=48).snapshot_interval == 1008
+    assert EngineConfig(model="m", block_size=2048).snapshot_interval == 2048  # at least one block
+    assert EngineConfig(model="m", state_snapshot_interval=0).snapshot_interval == 0
+
+
 def test_rollback_without_a_checkpoint_is_refused_for_state_models() -> None:
     bm = BlockManager(16, BS, num_state_slots=1)
     a = Sequence(list(range(6)), BS)
@@ -365,19 +454,21 @@ def _apply_verify(sched: Scheduler, seq: Sequence, num_accepted: int, max_tokens
     extra_blocks=st.integers(0, 4),
     requests=st.lists(request, min_size=1, max_size=6),
     beam_forks=st.lists(st.booleans(), min_size=40, max_size=40),
-    num_snapshots=st.integers(0, 3),
+    num_snapshots=st.integers(0, 8),  # 4 and more: periodic snapshot points (a quarter of the pool)
+    interval=st.sampled_from([0, BS, 2 * BS]),
     num_checkpoints=st.integers(0, 4),
     draft_plan=st.lists(st.integers(0, 3), min_size=1, max_size=8),
     accept_plan=st.lists(st.integers(0, 3), min_size=40, max_size=40),
 )
-def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, beam_forks, num_snapshots,
+def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, beam_forks, num_snapshots, interval,
                                          num_checkpoints, draft_plan, accept_plan) -> None:
     requests = [(t, p, m, min(n, max_num_seqs)) for t, p, m, n in requests]
     longest = max(len(p) + m for _, p, m, _ in requests)
     # liveness: any one sequence fits at its longest; fewer blocks than the samples want preempt
     num_blocks = -(-longest // BS) + extra_blocks
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=True, num_state_slots=max_num_seqs,
-                      num_snapshot_slots=num_snapshots, num_checkpoint_slots=num_checkpoints)
+                      num_snapshot_slots=num_snapshots, num_checkpoint_slots=num_checkpoints,
+                      state_snapshot_interval=interval)
     snapshot_slots = set(range(max_num_seqs, max_num_seqs + num_snapshots))
     checkpoint_slots = set(range(max_num_seqs + num_snapshots, max_num_seqs + num_snapshots + num_checkpoints))
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max(4, longest),
@@ -416,6 +507,12 @@ def test_every_slot_and_block_comes_back(max_num_seqs, extra_blocks, requests, b
         for s in out.scheduled:  # a chunk never runs past a snapshot point
             point = bm.next_snapshot_point(s.seq)
             assert point is None or s.num_computed_tokens + s.num_new_tokens <= point
+            # at most the last full block, the shared part's end and a quarter of the pool's periodic points
+            assert len(s.seq.state_snapshot_points) <= 2 + num_snapshots // 4
+            if interval and any(p % interval == 0 and p < (len(s.seq) - 1) // BS * BS
+                                for p in s.seq.state_snapshot_points):
+                event("a periodic snapshot point")
+        assert bm.snapshots is None or len(bm.snapshots) <= num_snapshots
         bm.confirm_published()
         _check_slots(bm, sched)
         sched.update(out)

@@ -48,6 +48,7 @@ VALUES: dict[str, tuple[list[str], object]] = {
     "max_num_batched_tokens": (["--max-num-batched-tokens", "999"], 999),
     "itl_target_ms": (["--itl-target-ms", "off"], None),
     "enable_prefix_caching": (["--no-prefix-caching"], False),
+    "state_snapshot_interval": (["--state-snapshot-interval", "512"], 512),
     "kv_allocator": (["--kv-allocator", "contiguous"], "contiguous"),
     "kv_cache_dir": (["--kv-cache-dir", "/some/kv"], "/some/kv"),
     "kv_cache_dir_max_bytes": (["--kv-cache-dir", "/some/kv", "--kv-cache-dir-max-bytes", "1000"], 1000),

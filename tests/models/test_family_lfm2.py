@@ -9,7 +9,8 @@ The oracle is transformers' own greedy loop with its own cache
 sides, summation order only, measured ~1e-5). Then the state's bookkeeping
 end to end: prompts in chunks of 16, 64 and 2048 tokens, two samples forked
 from one prompt, preempted requests recomputed, and prefix hits restored from
-state snapshots all give the whole prompt's greedy tokens, and every block
+state snapshots (the second prompt sharing a prefix hitting it at a periodic
+snapshot point) all give the whole prompt's greedy tokens, and every block
 and slot comes back.
 """
 
@@ -174,6 +175,30 @@ def test_prefix_hits_start_from_a_state_snapshot(llm: LLM, oracle) -> None:  # n
     assert [o.num_cached_tokens for o in outs] == [144, 0, 96]
     assert [list(o.outputs[0].token_ids) for o in outs] == [oracle(p) for p in (turn, shared, third)]
     _pool_whole(llm)
+
+
+def test_the_second_prompt_hits_a_shared_prefix_at_a_periodic_point(lfm2_dir: str, oracle) -> None:  # noqa: ANN001
+    """Snapshots every 32 tokens: a (a 90-token system prompt and 20 more) keeps points 32, 64, 96 and its last
+    full block 104; b (the system prompt and 20 others) hits 64, the last inside the shared 88 tokens (11
+    blocks), and c hits 88, where b's cached blocks ended. Each gives the whole prompt's greedy tokens (the
+    oracle: transformers on the prompt, no cache)."""
+    periodic = LLM(lfm2_dir, **{**ENGINE, "max_num_seqs": 16, "state_snapshot_interval": 32})
+    bm = periodic.llm_engine.block_manager
+    assert (bm.state_snapshot_interval, bm.snapshots.num_slots) == (32, 16)  # 16 slots: up to 4 periodic points
+    system = _prompts((90,), 71)[0]
+    prompts = [system + tail for tail in _prompts((20, 20, 25), 72)]
+    params = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True)
+    outs = []
+    for prompt in prompts:  # one at a time: each one's snapshots are taken before the next is looked up
+        outs += periodic.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 88]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [oracle(p) for p in prompts]
+    _pool_whole(periodic)
+
+
+def test_a_model_without_state_layers_refuses_a_snapshot_interval(tiny_model_dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="no state layers"):
+        LLM(tiny_model_dirs["llama"], max_model_len=64, num_kv_blocks=16, state_snapshot_interval=32)
 
 
 def test_what_state_models_refuse(lfm2_dir: str) -> None:
