@@ -34,6 +34,8 @@ with the context::
       blocks_to_load: (block, bytes) ...  K/V read back from the prefix cache on disk, written first
       state_copies_before / _after: (src, dst) ...  a hybrid model's forks: state slots copied before / after
                                       the step (docs/hybrid-models.md); NewSequence.state_slot: its slot
+      states_to_load: (slot, bytes) ...  a hybrid model's states read back from the prefix cache on disk,
+                                      written into the slots first
 
 ``SequenceStep`` is the runner's full view of one scheduled sequence, rebuilt
 from its state each step: the tensors are built from it as before the
@@ -231,3 +233,5 @@ class StepRecord:
     # a hybrid model's forks: (source, destination) state slots copied before the step runs, and after it
     state_copies_before: tuple[tuple[int, int], ...] = ()
     state_copies_after: tuple[tuple[int, int], ...] = ()
+    # a hybrid model's states read back from the prefix cache on disk: (state slot, the slot's bytes)
+    states_to_load: tuple[tuple[int, bytes], ...] = ()

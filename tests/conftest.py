@@ -326,3 +326,30 @@ def lfm2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:
     model.save_pretrained(path, safe_serialization=True)
     smollm_tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
+    """A tiny random Qwen3.5 saved as a safetensors folder (hidden 64, 4 layers: 3 Gated DeltaNet, then full
+    attention), its norms and decay parameters spread as tests/models/test_family_qwen3_next.py's."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                            linear_conv_kernel_dim=4, max_position_embeddings=1024, initializer_range=0.2,
+                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # the gated norm multiplies by w itself
+                param.uniform_(0.5, 1.5)
+            elif "norm" in name:  # the others by 1 + w
+                param.uniform_(-0.5, 0.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.uniform_(-1.0, 1.0)
+    path = tmp_path_factory.mktemp("tiny-qwen3_5")
+    model.save_pretrained(path, safe_serialization=True)
+    smollm_tokenizer.save_pretrained(path)
+    return str(path)

@@ -115,8 +115,17 @@ part; 512 would halve that but double the chunk ends, and reach half as far
 back from a prompt's end under the same cap. Why the last periodic points:
 a hit saves the tokens before it, so the points late in a long shared part
 save the most (a long system prompt of tools), and a shared part that ends
-before them is still hit by the third prompt at its end. Disk hits are not
-taken for such a model (the disk keeps no states).
+before them is still hit by the third prompt at its end.
+
+With the prefix cache on disk (``state_disk``, a store of its own
+beside the K/V one), each snapshot is also written to a state file under its
+block's hash once its step has run (``take_state_saves``: the runner copies
+the snapshot slot out); a lookup past RAM counts disk blocks too and is cut
+to the longest prefix whose last block has a state, a snapshot in RAM or a
+state file. A state file is read (and checked) at admission, as the K/V
+files are, and its bytes wait in ``take_state_loads`` for the runner to write
+into the sequence's slot before its first step; a bad one shortens the hit
+to the next state further back (or none: the prompt is computed from zero).
 """
 
 from __future__ import annotations
@@ -194,6 +203,9 @@ class BlockManager:
             caching and state slots only).
         state_snapshot_interval: tokens between a prompt's periodic state snapshot points, a multiple of
             ``block_size`` (``EngineConfig.snapshot_interval``); 0: none (with snapshot slots only).
+        num_checkpoint_slots: slots for speculative decoding's state checkpoints (ids after the snapshots').
+        state_disk: a hybrid model's state snapshots on disk, keyed by block hash like ``disk``'s blocks (with
+            ``disk`` and snapshots only; None: the disk's K/V blocks are not used for such a model).
     """
 
     def __init__(
@@ -201,6 +213,7 @@ class BlockManager:
         longrope_switch_len: int | None = None, disk: DiskBlockStore | None = None,
         group_windows: Sequence_[int | None] = (None,), num_state_slots: int = 0, num_snapshot_slots: int = 0,
         num_checkpoint_slots: int = 0, state_snapshot_interval: int = 0,
+        state_disk: DiskBlockStore | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")  # computed by the runner
@@ -266,6 +279,12 @@ class BlockManager:
         # forks' (source, destination) state slot copies: before the next step, and after it
         self._state_copies_before: list[tuple[int, int]] = []
         self._state_copies_after: list[tuple[int, int]] = []
+        # a hybrid model's states on disk: without it no disk hit can start from a state
+        self.state_disk = state_disk if self.snapshots is not None and self.disk is not None else None
+        # states read back from disk: (state slot, bytes) for the runner, before the step runs
+        self._pending_state_loads: list[tuple[int, bytes]] = []
+        # snapshots a step computed, for the disk: (snapshot slot, block hash, the block's token ids)
+        self._pending_state_saves: list[tuple[int, int, tuple[int, ...]]] = []
 
     # --- pool state ----------------------------------------------------------
     @property
@@ -335,25 +354,37 @@ class BlockManager:
             return None
         return block
 
-    def _lookup_prefix(self, seq: Sequence) -> list[list[int]]:
-        """Each group's blocks of the longest cached prefix of ``seq`` (window groups: ``HOLE`` before their window).
+    def _prefix_hits(self, seq: Sequence) -> tuple[list[list[int]], int]:
+        """Each group's RAM blocks of the longest usable cached prefix of ``seq`` (window groups: ``HOLE`` before
+        their window), and how many blocks right after them the disk holds files of.
 
         Only blocks inside the first ``len(seq) - 1`` tokens count: the last
         token is always computed, because its logits are needed to sample.
+        A hybrid model's hit needs the state at its end: it is cut to the
+        longest prefix whose last block has one (a snapshot in RAM, or a
+        state file on disk).
         """
         tables = self._lookup_blocks(seq)
-        if self.state_slots is None or not tables[0]:
-            return tables
-        # a hybrid model's hit needs the state at its end: the longest prefix whose last block has a snapshot
+        num_ram = len(tables[0])
+        num_disk = self._num_disk_hits(seq, num_ram)
+        if self.state_slots is None or not num_ram + num_disk:
+            return tables, num_disk
         # (a model with state slots has one KV cache group: __init__ refuses windows beside state layers)
-        hashes = self._block_hashes(seq, len(tables[0]))
-        num = len(tables[0])
-        while num and (self.snapshots is None or not self.snapshots.has(hashes[num - 1])):
+        num = num_ram + num_disk
+        hashes = self._block_hashes(seq, num)
+        while num and not self._has_state(hashes[num - 1]):
             num -= 1
-        return [tables[0][:num]]
+        return [tables[0][: min(num, num_ram)]], max(0, num - num_ram)
+
+    def _has_state(self, block_hash: int) -> bool:
+        """Whether the state after the block ``block_hash`` is kept: a snapshot in RAM, or a file on disk
+        (its contents are checked only when read)."""
+        if self.snapshots is not None and self.snapshots.has(block_hash):
+            return True
+        return self.state_disk is not None and self.state_disk.contains(block_hash)
 
     def _lookup_blocks(self, seq: Sequence) -> list[list[int]]:
-        """Each group's blocks of the longest cached prefix of ``seq`` (K/V only; see ``_lookup_prefix``)."""
+        """Each group's blocks of the longest cached prefix of ``seq`` (K/V only; see ``_prefix_hits``)."""
         if not self.enable_prefix_caching or not seq.allow_prefix_hits:
             return [[] for _ in range(self.num_groups)]
         hashes = self._block_hashes(seq, (len(seq) - 1) // self.block_size)
@@ -386,7 +417,7 @@ class BlockManager:
 
     def _num_disk_hits(self, seq: Sequence, num_ram_hits: int) -> int:
         """Blocks after the first ``num_ram_hits`` that the disk holds files of, in a row (contents unchecked)."""
-        if self.disk is None or not seq.allow_prefix_hits or self.state_slots is not None:
+        if self.disk is None or not seq.allow_prefix_hits or (self.state_slots is not None and self.state_disk is None):
             return 0
         num_lookup = (len(seq) - 1) // self.block_size
         hashes = self._block_hashes(seq, num_lookup)
@@ -400,8 +431,8 @@ class BlockManager:
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that ``allocate(seq)`` would find cached right now (in RAM or on disk)."""
-        num_hits = len(self._lookup_prefix(seq)[0])
-        return (num_hits + self._num_disk_hits(seq, num_hits)) * self.block_size
+        tables, num_disk = self._prefix_hits(seq)
+        return (len(tables[0]) + num_disk) * self.block_size
 
     # --- free list -----------------------------------------------------------
     def _pop_free_block(self, group: int = 0) -> int:
@@ -450,8 +481,7 @@ class BlockManager:
         _check_max_new(max_num_new_tokens)
         if not self._has_state_slots_for(seq):
             return False
-        hits = self._lookup_prefix(seq)
-        num_disk = self._num_disk_hits(seq, len(hits[0]))
+        hits, num_disk = self._prefix_hits(seq)
         return self._num_blocks_short(seq, hits, max_num_new_tokens, num_disk) <= 0
 
     def _has_state_slots_for(self, seq: Sequence) -> bool:
@@ -491,15 +521,22 @@ class BlockManager:
         _check_max_new(max_num_new_tokens)
         if not self._has_state_slots_for(seq):
             return False
-        tables = self._lookup_prefix(seq)
+        tables, num_disk = self._prefix_hits(seq)
         num_ram = len(tables[0])
-        num_disk = self._num_disk_hits(seq, num_ram)
         if self._num_blocks_short(seq, tables, max_num_new_tokens, num_disk) > 0:
             return False
         # read (and checked) before anything is taken: a bad file shortens the prefix, and fewer disk
         # hits never need more blocks than the check above counted
-        payloads = self._read_disk_blocks(seq, num_ram, num_disk)
-        num_hits = num_ram + min((len(p) for p in payloads), default=0)
+        state: bytes | None = None
+        if self.state_slots is None:
+            payloads = self._read_disk_blocks(seq, num_ram, num_disk)
+            num_hits = num_ram + min((len(p) for p in payloads), default=0)
+        else:
+            num_hits, payloads, state = self._read_hybrid_hit(seq, num_ram, num_disk)
+            if num_hits < num_ram:
+                tables, num_ram = [tables[0][:num_hits]], num_hits
+                if self._num_blocks_short(seq, tables, max_num_new_tokens) > 0:
+                    return False  # RAM hits another sequence holds are computed afresh now: the pool is short
         firsts = [self._first_needed(g, num_hits * self.block_size) for g in range(self.num_groups)]
         for first, table in zip(firsts, tables):
             # blocks the disk hits moved out of a window group's window are not taken (their entries hold none)
@@ -523,18 +560,53 @@ class BlockManager:
             for s in (seq, *seq.fork_children):
                 if s.state_slot is None:
                     s.state_slot = self.state_slots.take()
-            self._plan_snapshots(seq, num_hits)
+            self._plan_snapshots(seq, num_hits, state)
         return True
 
-    def _plan_snapshots(self, seq: Sequence, num_hits: int) -> None:
-        """A hybrid model's admitted sequence: its hit's state copied in, and where its state is snapshotted."""
+    def _read_hybrid_hit(
+        self, seq: Sequence, num_ram: int, num_disk: int
+    ) -> tuple[int, list[list[bytes]], bytes | None]:
+        """A hybrid model's hit of at most ``num_ram + num_disk`` blocks, read and checked: the state at its end
+        first (a bad state file: the next state further back), then the disk blocks up to it (a bad one: the hit
+        ends at a state before it). Returns the hit's length in blocks, the disk blocks' bytes (group 0's list,
+        as ``_read_disk_blocks``) and the state's bytes (None: a snapshot in RAM holds it, or there is no hit)."""
+        num = num_ram + num_disk
+        while True:
+            num, state = self._find_state(seq, num)
+            if num <= num_ram:
+                return num, [], state
+            payloads = self._read_disk_blocks(seq, num_ram, num - num_ram)
+            got = num_ram + min((len(p) for p in payloads), default=0)
+            if got == num:
+                return num, payloads, state
+            num = got  # a K/V file before the state was bad: the state further back, if any
+
+    def _find_state(self, seq: Sequence, num_hits: int) -> tuple[int, bytes | None]:
+        """The longest hit of at most ``num_hits`` blocks of ``seq`` whose state is kept, and the state's bytes
+        where a file on disk holds it (None: a snapshot in RAM does). 0 blocks: no state, no hit."""
+        hashes = self._block_hashes(seq, num_hits)
+        for num in range(num_hits, 0, -1):
+            h = hashes[num - 1]
+            if self.snapshots is not None and self.snapshots.has(h):
+                return num, None
+            if self.state_disk is not None and self.state_disk.contains(h):
+                found = self.state_disk.read_chain([h], [tuple(seq.block_tokens(num - 1))])
+                if found:
+                    return num, found[0]
+        return 0, None
+
+    def _plan_snapshots(self, seq: Sequence, num_hits: int, state: bytes | None = None) -> None:
+        """A hybrid model's admitted sequence: its hit's state copied in (from a snapshot slot, or ``state``'s
+        bytes read from disk), and where its state is snapshotted."""
         seq.state_snapshot_points = []
         if self.snapshots is None:
             return
         bs = self.block_size
-        if num_hits:
+        if num_hits and state is not None:
+            self._pending_state_loads.append((seq.state_slot, state))
+        elif num_hits:
             slot = self.snapshots.find(self._block_hashes(seq, num_hits)[num_hits - 1])
-            if slot is None:  # _lookup_prefix cut the hit to a snapshot
+            if slot is None:  # _find_state cut the hit to a snapshot
                 raise RuntimeError("a hybrid model's prefix hit has no state snapshot")
             self._state_copies_before.append((slot, seq.state_slot))
         shared = len(self._lookup_blocks(seq)[0]) * bs  # where the blocks another prompt cached end
@@ -598,6 +670,18 @@ class BlockManager:
         """The (block id, K/V bytes) pairs read from disk since the last call: the runner writes them first."""
         loads, self._pending_loads = self._pending_loads, []
         return loads
+
+    def take_state_loads(self) -> list[tuple[int, bytes]]:
+        """A hybrid model's (state slot, state bytes) pairs read from disk since the last call: the runner
+        writes them into the slots before the step runs."""
+        loads, self._pending_state_loads = self._pending_state_loads, []
+        return loads
+
+    def take_state_saves(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(snapshot slot, block hash, the block's token ids) of the state snapshots the steps confirmed since
+        the last call took, not yet on disk: the runner copies their slots out for the state store to write."""
+        saves, self._pending_state_saves = self._pending_state_saves, []
+        return saves
 
     def take_saves(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """(block id, hash, token ids) of the blocks computed and published by the steps confirmed since the
@@ -827,6 +911,7 @@ class BlockManager:
         seq.state_slot = None
         self._state_copies_before = [c for c in self._state_copies_before if c[1] != slot]
         self._state_copies_after = [c for c in self._state_copies_after if c[1] != slot]
+        self._pending_state_loads = [c for c in self._pending_state_loads if c[0] != slot]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies decided since the last call."""
@@ -859,7 +944,10 @@ class BlockManager:
     def confirm_published(self) -> None:
         """The step planned with the blocks published since the last call has run: they hold their K/V."""
         if self.snapshots is not None:
-            self.snapshots.confirm()
+            for h, slot in self.snapshots.confirm():
+                block = self.hash_to_block.get(h)
+                if self.state_disk is not None and block is not None and not self.state_disk.contains(h):
+                    self._pending_state_saves.append((slot, h, self.block_token_ids[block]))
         if self.disk is not None:
             for block in self._unconfirmed:
                 h = self.block_hash[block]
@@ -881,6 +969,7 @@ class BlockManager:
             self.snapshots.drop_unconfirmed()
         self._loaded.clear()
         self._pending_loads.clear()
+        self._pending_state_loads.clear()
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references in every group; blocks at ref count 0 become free. Its state slot goes

@@ -178,6 +178,10 @@ class ContiguousAllocator:
         """Blocks read back from a disk cache: never any (no prefix cache here)."""
         return []
 
+    def take_state_loads(self) -> list[tuple[int, bytes]]:
+        """States read back from a disk cache: never any (no state slots here)."""
+        return []
+
     def confirm_published(self) -> None:
         pass
 

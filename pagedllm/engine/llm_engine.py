@@ -31,7 +31,7 @@ from pagedllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOut
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.step_budget import StepCostModel
 from pagedllm.engine.step_builder import StepRecordBuilder
-from pagedllm.kv_disk.open_store import open_kv_disk_store
+from pagedllm.kv_disk.open_store import open_kv_disk_store, open_state_disk_store
 from pagedllm.kv_groups import model_kv_layout
 from pagedllm.loader import iter_weights, load_model_config
 from pagedllm.loader.generation_defaults import load_generation_defaults
@@ -132,6 +132,8 @@ class LLMEngine:
         num_blocks = self.model_runner.num_kv_blocks
         # the prefix cache on disk (kv_disk/): blocks outlive RAM eviction and restarts; None when off
         self.kv_disk = open_kv_disk_store(config, self.model_config, self.model_runner)
+        # a hybrid model's state snapshots beside them, so its disk hits have the state at their end
+        self.state_disk = open_state_disk_store(config, self.model_config, self.model_runner)
         if config.kv_allocator == "contiguous":
             if model_kv_layout(self.model_config).num_groups > 1:
                 raise ValueError("kv_allocator='contiguous' holds one block table per sequence; this model's "
@@ -148,7 +150,7 @@ class LLMEngine:
                                               model_kv_layout(self.model_config).windows,
                                               self.model_runner.num_state_slots,
                                               self.model_runner.num_snapshot_slots,
-                                              self.model_runner.num_checkpoint_slots,
+                                              self.model_runner.num_checkpoint_slots, self.state_disk,
                                               state_snapshot_interval=config.snapshot_interval)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read
@@ -358,6 +360,8 @@ class LLMEngine:
             self.draft_proposer.engine.shutdown()
         if self.kv_disk is not None:
             self.kv_disk.close()
+        if self.state_disk is not None:
+            self.state_disk.close()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -476,14 +480,19 @@ class LLMEngine:
 
     def _save_to_disk(self) -> None:
         """Hand the blocks the step computed and published to the disk store: their K/V is copied out of the
-        pool now (the blocks may be reused by the next step), and written by the store's own thread."""
+        pool now (the blocks may be reused by the next step), and written by the store's own thread. A hybrid
+        model's state snapshots the step took go to the state store the same way."""
         if self.kv_disk is None:
             return
         saves = self.block_manager.take_saves()
-        if not saves:
-            return
-        for (_, h, tokens), payload in zip(saves, self.model_runner.read_blocks([b for b, _, _ in saves])):
-            self.kv_disk.write(h, tokens, payload)
+        if saves:
+            for (_, h, tokens), payload in zip(saves, self.model_runner.read_blocks([b for b, _, _ in saves])):
+                self.kv_disk.write(h, tokens, payload)
+        if self.state_disk is not None:
+            states = self.block_manager.take_state_saves()
+            slots = [slot for slot, _, _ in states]
+            for (_, h, tokens), payload in zip(states, self.model_runner.read_state_slots(slots)):
+                self.state_disk.write(h, tokens, payload)
 
     def _process(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         """Append each sequence's sampled tokens, apply beam steps, and make the step's outputs."""

@@ -108,7 +108,9 @@ class SchedulerOutput:
     prefix cache on disk: (block id, K/V bytes) the runner writes into the
     pool first. ``state_copies_before`` / ``state_copies_after``: a hybrid
     model's forks, (source, destination) state slots the runner copies before
-    the step runs / after it (``BlockManager.fork``).
+    the step runs / after it (``BlockManager.fork``). ``states_to_load``: a
+    hybrid model's states of admitted prompts read back from disk, (state
+    slot, bytes) the runner writes into the slots first.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -117,6 +119,7 @@ class SchedulerOutput:
     blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
     state_copies_before: list[tuple[int, int]] = field(default_factory=list)
     state_copies_after: list[tuple[int, int]] = field(default_factory=list)
+    states_to_load: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -346,6 +349,7 @@ class Scheduler:
             blocks_to_load=self.block_manager.take_loads(),
             state_copies_before=before,
             state_copies_after=after,
+            states_to_load=self.block_manager.take_state_loads(),
         )
 
     def _share_of_younger_prompts(self, prompt_budget: int) -> int:

@@ -18,6 +18,11 @@ reset). A snapshot is taken after the step that computes it (a copy the
 runner makes after the step) and is found by lookups only once that step has
 run (``confirm``), as a block's K/V.
 
+With the prefix cache on disk, each snapshot is written beside its block's
+K/V file once its step has run (keyed by the same hash), and a lookup past
+RAM reads a state file back into the sequence's slot
+(``engine/block_manager.py``, docs/hybrid-models.md).
+
 Torch-free: it hands out slot ids; the runner copies the data.
 """
 
@@ -78,10 +83,13 @@ class StateSnapshots:
         self.num_taken += 1
         return slot
 
-    def confirm(self) -> None:
-        """The step planned with the snapshots taken since the last call has run: lookups find them."""
+    def confirm(self) -> list[tuple[int, int]]:
+        """The step planned with the snapshots taken since the last call has run: lookups find them.
+        Returns their (hash, slot) pairs (the prefix cache on disk writes them)."""
+        confirmed = list(self._unconfirmed.items())
         self._ready.update(self._unconfirmed)
         self._unconfirmed.clear()
+        return confirmed
 
     def drop_unconfirmed(self) -> None:
         """The step failed: its snapshots were never written."""

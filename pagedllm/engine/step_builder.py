@@ -123,7 +123,8 @@ class StepRecordBuilder:
         return StepRecord(steps, tuple(output.blocks_to_copy), tuple(new), finished,
                           blocks_to_load=tuple(output.blocks_to_load),
                           state_copies_before=tuple(output.state_copies_before),
-                          state_copies_after=tuple(output.state_copies_after))
+                          state_copies_after=tuple(output.state_copies_after),
+                          states_to_load=tuple(output.states_to_load))
 
     def _step(
         self, s: ScheduledSequence, p: SamplingParams, top: int | None, rule: LogitsRules | None,

@@ -11,6 +11,13 @@ tensor-parallel rank (each fits its own heads; the ranks run the prefill's
 collectives together, as they run a step), so the stored bits of a token
 never depend on anything but its own K/V.
 
+A hybrid model (state layers beside attention, docs/hybrid-models.md) runs
+the same prefill through its whole forward: its state layers compute from a
+zero state in a scratch slot (the first running slot: no sequence holds one
+yet, and a sequence that starts from position 0 ignores what the slot held),
+so each attention layer's statistics are those of the activations it sees
+when it serves a request.
+
 Cost: one prefill of ~600 tokens at start-up (SmolLM2-135M: well under a
 second on two cores); caches of other dtypes skip it.
 """
@@ -43,10 +50,12 @@ def calibrate_kv_transforms(
     token_ids: list[int],
     block_size: int,
     max_tokens: int,
+    state_slot: int | None = None,
 ) -> int:
     """Run ``token_ids`` (cut to ``max_tokens``: the pool and the model's length bound it) as one prefill
     with every ``KvTransform`` of ``model`` recording, fit them, and give back the blocks written.
-    Returns the number of tokens the fit saw."""
+    ``state_slot``: a hybrid model's scratch state slot, which its state layers start from zero in (None
+    for a model without state layers). Returns the number of tokens the fit saw."""
     transforms = [m for m in model.modules() if isinstance(m, KvTransform)]
     if not transforms:
         return 0
@@ -56,6 +65,10 @@ def calibrate_kv_transforms(
     device = kv_cache.device
     num_tokens = len(ids)
     num_blocks = -(-num_tokens // block_size)
+    states: dict[str, torch.Tensor] = {}
+    if state_slot is not None:  # the prompt computes from position 0: its state starts at zero
+        states = {"state_slots": torch.tensor([state_slot], dtype=torch.int64, device=device),
+                  "has_initial_state": torch.tensor([False], device=device)}
     meta = AttentionMetadata(
         slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),  # blocks 0, 1, ... in order
         block_tables=torch.arange(num_blocks, dtype=torch.int64, device=device).unsqueeze(0),  # [1, num_blocks]
@@ -65,6 +78,7 @@ def calibrate_kv_transforms(
         num_computed=[0],
         num_prefills=1,
         block_size=block_size,
+        **states,
     )
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
     rows = np.arange(num_tokens, dtype=np.int64)  # the RoPE rows the model looks up: the positions, but

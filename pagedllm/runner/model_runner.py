@@ -51,12 +51,14 @@ from pagedllm.runner.sampler import (
 )
 from pagedllm.runner.sequence_states import SequenceStates
 from pagedllm.runner.state_cache import (
+    STATE_DTYPE,
     allocate_state_cache,
     copy_state_slots,
     layer_state_shapes,
     plan_state_slots,
     state_bytes_per_slot,
 )
+from pagedllm.runner.state_slot_bytes import read_state_bytes, write_state_bytes
 from pagedllm.step_record import NoTokenToSampleError, SamplingSpec, SequenceStep, StepRecord
 from pagedllm.step_result import StepResult, TokenLogprobs
 
@@ -128,11 +130,12 @@ class ModelRunner:
         # a hybrid model's state layers and what one sequence's state takes (runner/state_cache.py)
         self.state_shapes = layer_state_shapes(self.model, self.local_config) if model_config.has_state_layers else []
         self.state_bytes_per_slot = state_bytes_per_slot(self.state_shapes)
+        self.state_dtype = STATE_DTYPE  # what the state tensors hold (the disk store's fingerprint names it)
         self.num_state_slots = 0  # sized with the KV pool (_plan_kv_pool)
         self.num_snapshot_slots = 0  # state snapshots of cached prefixes, after the running slots
         self.num_checkpoint_slots = 0  # speculative decoding's state checkpoints, after the snapshots
         if self.state_shapes:
-            self._check_state_model(config)
+            self._check_state_model()
         elif config.state_snapshot_interval is not None:
             raise ValueError("state_snapshot_interval places a hybrid model's state snapshots; this model has no "
                              "state layers: leave it unset")
@@ -221,13 +224,10 @@ class ModelRunner:
         logger.info("KV pool: %s (%s); max_model_len %d", pool, source, plan.max_model_len)
         return plan
 
-    def _check_state_model(self, config: EngineConfig) -> None:
+    def _check_state_model(self) -> None:
         """Refuse what a hybrid model's state layers do not do yet (docs/hybrid-models.md)."""
         if self.tp is not None:
             raise ValueError("tensor parallelism is not supported for models with state layers (hybrid models) yet")
-        if config.kv_cache_dtype == "int4":
-            raise ValueError("kv_cache_dtype='int4' is not supported for models with state layers (its calibration "
-                             "runs attention layers only); use 'int8' or a float cache")
 
     def _plan_state_slots(self, num_blocks: int, budget: int | None, per_block: int) -> int:
         """Size the state slots (``num_state_slots``) out of the KV budget; the blocks the rest holds.
@@ -285,7 +285,9 @@ class ModelRunner:
         tokenizer = Tokenizer(self.config.tokenizer or self.config.model, self.model_config.eos_token_ids)
         ids = tokenizer.encode(calibration_text(), add_special_tokens=False)
         room = min(self.num_kv_blocks * self.block_size, self.config.max_model_len)
-        seen = calibrate_kv_transforms(self.model, self.kv_caches, self.kv_cache, ids, self.block_size, room)
+        # a hybrid model's state layers run the prompt too, in the first running slot: no sequence holds it yet
+        scratch = 0 if self.state_shapes else None
+        seen = calibrate_kv_transforms(self.model, self.kv_caches, self.kv_cache, ids, self.block_size, room, scratch)
         logger.info("int4 KV cache: K/V transforms fitted on %d calibration tokens", seen)
 
     def _gather_rank_figures(self) -> None:
@@ -393,6 +395,10 @@ class ModelRunner:
         """The bytes of each block's K/V in every layer (``runner/kv_block_bytes.py``), copied out of the pool."""
         return read_block_bytes(self.kv_cache, block_ids)
 
+    def read_state_slots(self, slots: list[int]) -> list[bytes]:
+        """A hybrid model's state of each slot in every state layer (``runner/state_slot_bytes.py``), copied out."""
+        return read_state_bytes(self.state_caches, slots)
+
     @torch.inference_mode()
     def execute(self, record: StepRecord) -> list[StepResult]:
         """Run one step from its record (``pagedllm/step_record.py``), after folding it into the sequence
@@ -418,6 +424,7 @@ class ModelRunner:
             raise DistributedError(f"tensor-parallel rank {self.tp.rank} could not apply a step record: {e}") from e
         # blocks read back from the prefix cache on disk, before anything reads them
         write_block_bytes(self.kv_cache, list(record.blocks_to_load))
+        write_state_bytes(self.state_caches, list(record.states_to_load))  # a hybrid model's, from disk too
         if not full:
             return []
         self.copy_blocks(record.blocks_to_copy)
