@@ -240,12 +240,13 @@ def _one_and_two(two_ranks: TwoRankEngines, path: str) -> tuple:  # noqa: F811
     """(one process's tokens, the two-rank engine, its tokens) of ``path``, each with its prefix hit checked."""
     one = _tp(path, 1, **ENGINE)
     expected, hit = _turns(one)
+    num_params = one.llm_engine.model_runner.num_params
     one.shutdown()
     assert hit == PREFIX_HIT
     two = two_ranks.shared(path, **ENGINE)
     got, hit = _turns(two)
     assert hit == PREFIX_HIT
-    return expected, two, got
+    return expected, num_params, two, got
 
 
 def test_qwen3_5_folder_two_ranks_equal_one_and_transformers(folders: dict[str, str],  # noqa: F811
@@ -254,8 +255,10 @@ def test_qwen3_5_folder_two_ranks_equal_one_and_transformers(folders: dict[str, 
     heads and their states, one KV head and two query heads with their gate rows; chunked prompt, prefix hit
     and captured decode steps give one process's and transformers' tokens."""
     path = folders["qwen3_5"]
-    expected, two, got = _one_and_two(two_ranks, path)
+    expected, num_params, two, got = _one_and_two(two_ranks, path)
     runner = two.llm_engine.model_runner
+    # every weight counted once over the ranks: the replicated norms, the gated ones included, not twice
+    assert runner.num_params == num_params
     gdn = runner.model.model.layers[0].linear_attn
     assert (gdn.spec.num_k_heads, gdn.spec.num_v_heads, gdn.out_proj.in_features) == (1, 2, 32)
     assert [tuple(t.shape[1:]) for t in runner.state_caches[0]] == [(3, 64), (2, 16, 16)]  # this rank's heads
@@ -269,7 +272,7 @@ def test_qwen3_5_gguf_two_ranks_equal_one(ggufs: dict, two_ranks: TwoRankEngines
     """llama.cpp's qwen35 file (F16 blocks as stored, value heads reordered back to grouped order before the
     split) over 2 ranks: one process's tokens."""
     path = ggufs["qwen3_5", "f16"]
-    expected, two, got = _one_and_two(two_ranks, path)
+    expected, _, two, got = _one_and_two(two_ranks, path)
     gdn = two.llm_engine.model_runner.model.model.layers[0].linear_attn
     assert gdn.in_proj.quant_method.name.startswith("gguf")
     assert got == expected
@@ -278,8 +281,9 @@ def test_qwen3_5_gguf_two_ranks_equal_one(ggufs: dict, two_ranks: TwoRankEngines
 def test_lfm2_two_ranks_equal_one_and_transformers(lfm2_dir: str, two_ranks: TwoRankEngines) -> None:  # noqa: F811
     """LFM2 over 2 ranks: each rank 32 of the short convs' 64 channels and their conv state, one KV head of the
     attention layer; chunked prompt and prefix hit give one process's and transformers' tokens."""
-    expected, two, got = _one_and_two(two_ranks, lfm2_dir)
+    expected, num_params, two, got = _one_and_two(two_ranks, lfm2_dir)
     runner = two.llm_engine.model_runner
+    assert runner.num_params == num_params
     assert runner.model.model.layers[0].conv.channels == 32
     assert [tuple(t.shape[1:]) for t in runner.state_caches[0]] == [(2, 32)]
     assert got == expected
@@ -295,7 +299,7 @@ def test_hybrids_with_experts_two_ranks_equal_one(family: str, request: pytest.F
     both with experts and a shared expert, over 2 ranks: one process's tokens."""
     path = request.getfixturevalue("folders")["qwen3_next"] if family == "qwen3_next" \
         else request.getfixturevalue("granite_dir")
-    expected, two, got = _one_and_two(two_ranks, path)
+    expected, _, two, got = _one_and_two(two_ranks, path)
     layer = two.llm_engine.model_runner.model.model.layers[0]
     if family == "granite":
         assert (layer.mamba.spec.num_heads, layer.mamba.spec.num_groups) == (4, 1)
