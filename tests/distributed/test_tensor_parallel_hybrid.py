@@ -7,7 +7,8 @@ all-reduce adds) must be the whole layer's output, and each rank's state its hea
 layer's state (Gated DeltaNet, Mamba-2, LFM2's short conv). Then two real ranks (processes, gloo and shared
 memory) against one process and transformers, on the tiny checkpoints of the families' own tests: Qwen3.5
 (Gated DeltaNet and gated attention) from its folder and its converted GGUF file, and LFM2; in the slow tier
-Qwen3-Next (interleaved projections, experts) and Granite 4.0-H (Mamba-2, experts) against one process. Each
+Qwen3-Next (interleaved projections), Qwen3.5-MoE and Granite 4.0-H (Mamba-2), all with experts, against one
+process. Each
 two-rank engine runs a prompt cut into chunks, then its next turn, which hits the first's cached blocks and
 state snapshot.
 """
@@ -291,14 +292,14 @@ def test_lfm2_two_ranks_equal_one_and_transformers(lfm2_dir: str, two_ranks: Two
 
 
 @pytest.mark.slow  # two more engines of each family, beside the dense ones above
-@pytest.mark.parametrize("family", ["qwen3_next", "granite"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "granite"])
 def test_hybrids_with_experts_two_ranks_equal_one(family: str, request: pytest.FixtureRequest,
                                                   two_ranks: TwoRankEngines) -> None:  # noqa: F811
     """Qwen3-Next (its interleaved in_proj_qkvz / in_proj_ba split by the whole model's key heads, then each
-    rank's rows taken) and Granite 4.0-H (each rank 4 of the Mamba-2 mixers' 8 heads and 1 of their 2 groups),
-    both with experts and a shared expert, over 2 ranks: one process's tokens."""
-    path = request.getfixturevalue("folders")["qwen3_next"] if family == "qwen3_next" \
-        else request.getfixturevalue("granite_dir")
+    rank's rows taken), Qwen3.5-MoE and Granite 4.0-H (each rank 4 of the Mamba-2 mixers' 8 heads and 1 of their
+    2 groups), all with experts and a gated or plain shared expert, over 2 ranks: one process's tokens."""
+    path = request.getfixturevalue("granite_dir") if family == "granite" \
+        else request.getfixturevalue("folders")[family]
     expected, _, two, got = _one_and_two(two_ranks, path)
     layer = two.llm_engine.model_runner.model.model.layers[0]
     if family == "granite":
