@@ -8,9 +8,8 @@ layer's state (Gated DeltaNet, Mamba-2, LFM2's short conv). Then two real ranks 
 memory) against one process and transformers, on the tiny checkpoints of the families' own tests: Qwen3.5
 (Gated DeltaNet and gated attention) from its folder and its converted GGUF file, and LFM2; in the slow tier
 Qwen3-Next (interleaved projections), Qwen3.5-MoE and Granite 4.0-H (Mamba-2), all with experts, against one
-process. Each
-two-rank engine runs a prompt cut into chunks, then its next turn, which hits the first's cached blocks and
-state snapshot.
+process. Each two-rank engine runs a prompt cut into chunks, then its next turn, which hits the first's cached
+blocks and state snapshot.
 """
 
 from __future__ import annotations
