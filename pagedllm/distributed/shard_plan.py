@@ -25,6 +25,15 @@ weights where the expert size is a multiple of it, else 32: every block
 type's size divides one of these), so a rank's slice of a row is whole
 blocks; a split that leaves a rank no block is refused. docs/parallelism.md
 says why this split and not whole experts per rank.
+
+A hybrid model's state layers split by heads as vLLM's do, each rank keeping
+the state of its heads only (its ``state_bytes_per_slot`` is its share):
+Gated DeltaNet by key heads and the value heads that read them (``linear_k_heads``,
+``linear_v_heads``: q, k, v rows of its input projection and conv channels,
+z/b/a rows, the decay parameters), Mamba-2 by groups and the heads that read
+them (``mamba_heads``, ``mamba_groups``), LFM2's short conv by channels
+(``conv_channels``); each ends in a row-parallel ``out_proj``. Heads or groups
+that do not divide by the ranks are refused (``state_layer_split``).
 """
 
 from __future__ import annotations
@@ -70,6 +79,13 @@ class ShardPlan:
     shared_expert_intermediate: tuple[int, int] = (0, 0)
     # Gemma 4's global layers' own kv heads (``num_global_key_value_heads``): this rank's slice; (0, 0) without
     global_kv_heads: tuple[int, int] = (0, 0)
+    # a hybrid model's state layers (state_layer_split): Gated DeltaNet's key and value heads, Mamba-2's heads and
+    # groups, LFM2's short-conv channels; (0, 0) for a model without such layers
+    linear_k_heads: tuple[int, int] = (0, 0)
+    linear_v_heads: tuple[int, int] = (0, 0)
+    mamba_heads: tuple[int, int] = (0, 0)
+    mamba_groups: tuple[int, int] = (0, 0)
+    conv_channels: tuple[int, int] = (0, 0)
 
     @classmethod
     def make(cls, cfg: ModelArchConfig, rank: int, size: int) -> ShardPlan:
@@ -104,6 +120,7 @@ class ShardPlan:
             total_expert_intermediate=cfg.moe_intermediate_size if cfg.num_experts else 0,
             shared_expert_intermediate=shared_expert_split(cfg, size)[rank] if cfg.num_experts else (0, 0),
             global_kv_heads=global_kv_split(cfg, size)[rank],
+            **{field: pieces[rank] for field, pieces in state_layer_split(cfg, size).items()},
         )
 
     def local_config(self, cfg: ModelArchConfig) -> ModelArchConfig:
@@ -118,6 +135,14 @@ class ShardPlan:
             moe_intermediate_size=self.expert_intermediate[1],
             shared_expert_intermediate_size=self.shared_expert_intermediate[1],
             num_global_key_value_heads=self.global_kv_heads[1],
+            linear_num_key_heads=self.linear_k_heads[1] or cfg.linear_num_key_heads,
+            linear_num_value_heads=self.linear_v_heads[1] or cfg.linear_num_value_heads,
+            mamba=cfg.mamba if not self.mamba_heads[1] else dataclasses.replace(
+                cfg.mamba, num_heads=self.mamba_heads[1], num_groups=self.mamba_groups[1],
+                intermediate_size=self.mamba_heads[1] * cfg.mamba.head_dim),
+            # a rank's value heads are one run of grouped out_proj columns, not of tiled ones: the GGUF loader
+            # moves a qwen35 file's back (GGUFWeights.untile_out_proj)
+            linear_out_proj_tiled=False,
         )
 
     @property
@@ -153,6 +178,36 @@ def expert_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:
     largest unit of ``GGUF_EXPERT_UNITS`` dividing the expert size). ValueError when a rank would hold none.
     """
     return _rows_split(cfg, cfg.moe_intermediate_size, size, "each expert's")
+
+
+def state_layer_split(cfg: ModelArchConfig, size: int) -> dict[str, list[tuple[int, int]]]:
+    """Every rank's ``(start, size)`` of the state layers' heads, by ``ShardPlan`` field (none for a model
+    without state layers).
+
+    Gated DeltaNet: the key heads evenly, and with them the value heads that read them (value head ``h`` reads key
+    head ``h / group``); Mamba-2: the groups of B and C evenly, and the heads that read them; LFM2's short conv:
+    its channels (the hidden size) as evenly as they go. ValueError where the key heads or the groups do not
+    divide by ``size``: a rank's heads must read its own key heads and groups only.
+    """
+    kinds = set(cfg.layer_types)
+    out: dict[str, list[tuple[int, int]]] = {}
+    if "linear_attention" in kinds:
+        k, v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if k % size or v % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the Gated DeltaNet layers' {k} key heads "
+                             f"and {v} value heads evenly: each rank holds whole key heads and the value heads that "
+                             "read them; use a size that divides both")
+        out["linear_k_heads"], out["linear_v_heads"] = split_evenly(k, size), split_evenly(v, size)
+    if "mamba" in kinds and cfg.mamba is not None:
+        heads, groups = cfg.mamba.num_heads, cfg.mamba.num_groups
+        if heads % size or groups % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the Mamba-2 layers' {groups} groups and "
+                             f"{heads} heads evenly: each rank holds whole groups of B and C and the heads that read "
+                             "them; use a size that divides both")
+        out["mamba_heads"], out["mamba_groups"] = split_evenly(heads, size), split_evenly(groups, size)
+    if "conv" in kinds:
+        out["conv_channels"] = split_evenly(cfg.hidden_size, size)
+    return out
 
 
 def global_kv_split(cfg: ModelArchConfig, size: int) -> list[tuple[int, int]]:

@@ -7,7 +7,10 @@ the end of the fused projection, ``qkv_proj`` = ``[q | k | v | gate]``, so q,
 k and v are where ``SelfAttention`` reads them (its q/k norms and RoPE run
 unchanged); ``split_gated_queries`` de-interleaves the checkpoint's rows
 into ``q_proj`` and ``attn_gate`` as the weights stream in, and
-``gated_fused_map`` says where each goes.
+``gated_fused_map`` says where each goes. Under tensor parallelism a rank
+holds its query heads' query and gate rows and its KV heads' k and v rows
+(the gate multiplies its own heads' outputs, before the row-parallel
+``o_proj``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from pagedllm.distributed.shard_plan import ShardPlan
 from pagedllm.layers.attention import AttentionBackend, AttentionMetadata
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.parallel import TensorParallelGroup
@@ -31,8 +35,6 @@ class GatedSelfAttention(SelfAttention):
         self, spec: AttentionSpec, backend: AttentionBackend, tp: TensorParallelGroup | None = None,
         quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError("gated attention (Qwen3-Next, Qwen3.5) does not run tensor-parallel yet")
         super().__init__(spec, backend, tp, quant_config, prefix)
         self.qkv_proj = Linear(spec.hidden_size, 2 * self.q_size + 2 * self.kv_size, spec.qkv_bias, quant_config,
                                f"{prefix}.qkv_proj")
@@ -53,13 +55,17 @@ class GatedSelfAttention(SelfAttention):
         return self.o_proj(out.flatten(1) * torch.sigmoid(gate))
 
 
-def gated_fused_map(q_size: int, kv_size: int) -> FusedMap:
-    """Where q, k, v and the gate rows go in ``qkv_proj`` (one process: whole tensors)."""
+def gated_fused_map(q_size: int, kv_size: int, plan: ShardPlan | None = None) -> FusedMap:
+    """Where q, k, v and the gate rows go in ``qkv_proj`` (sizes: this process's); ``plan``: a tensor-parallel
+    rank's first rows of each (its query heads' of q and the gate, its KV heads' of k and v); None: whole tensors."""
+    q_start = kv_start = None
+    if plan is not None and plan.size > 1:
+        q_start, kv_start = plan.q_rows[0], plan.kv_rows[0]
     return {
-        "q_proj": ("qkv_proj", 0, q_size, None),
-        "k_proj": ("qkv_proj", q_size, kv_size, None),
-        "v_proj": ("qkv_proj", q_size + kv_size, kv_size, None),
-        "attn_gate": ("qkv_proj", q_size + 2 * kv_size, q_size, None),
+        "q_proj": ("qkv_proj", 0, q_size, q_start),
+        "k_proj": ("qkv_proj", q_size, kv_size, kv_start),
+        "v_proj": ("qkv_proj", q_size + kv_size, kv_size, kv_start),
+        "attn_gate": ("qkv_proj", q_size + 2 * kv_size, q_size, q_start),
     }
 
 

@@ -22,6 +22,13 @@ stores the same rows interleaved per key head (``in_proj_qkvz``,
 ``in_proj_ba``), which ``split_qwen3_next_projections`` rewrites into
 Qwen3.5's names as the checkpoint streams in.
 
+Under tensor parallelism (``distributed/shard_plan.py``) ``spec`` is a rank's:
+its key heads and the value heads that read them. It holds their rows of q, k
+and v (``qkv_row_spans``: three pieces of the checkpoint's ``in_proj_qkv``
+rows and conv channels), of z, b and a, their ``A_log`` / ``dt_bias`` and its
+state; the gated norm is per head (replicated), and ``out_proj`` is
+row-parallel: its value heads' columns, the partial sums all-reduced.
+
 The rule runs through ``torch.ops.pagedllm.gated_delta_prefill`` (chunks of
 ``chunk_size`` tokens) for a step's prompts and ``gated_delta_decode`` for its
 decodes (``kernels/gated_delta/``); ``forward_torch`` runs the same
@@ -32,6 +39,7 @@ captured decode step (``DecodeMetadata``) reads the step as tensors only:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -43,8 +51,9 @@ from pagedllm.layers.attention import AttentionMetadata, DecodeMetadata
 from pagedllm.layers.causal_conv1d import causal_conv1d, causal_conv1d_decode
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.parallel import RowParallelLinear, RowShardedParams, TensorParallelGroup
 from pagedllm.layers.quantization.quant_config import QuantConfig
-from pagedllm.layers.weights import FusedMap
+from pagedllm.layers.weights import FusedMap, RowSpans
 
 L2_EPS = 1e-6  # the models' l2norm epsilon (inside the square root)
 
@@ -91,12 +100,29 @@ class GatedDeltaNetSpec:
         return 2 * self.key_dim + self.value_dim
 
 
-class _Conv(nn.Module):
-    """Holds the depthwise conv's weight under the checkpoint's name (``conv1d.weight`` ``[conv_dim, 1, kernel]``)."""
+def _sharded(tp: TensorParallelGroup | None) -> bool:
+    return tp is not None and tp.size > 1
 
-    def __init__(self, channels: int, kernel: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+
+def whole_model_spec(spec: GatedDeltaNetSpec, size: int) -> GatedDeltaNetSpec:
+    """The whole model's layer of which ``spec`` is one of ``size`` tensor-parallel ranks' (the key heads split
+    evenly): the shape a checkpoint's tensors have. ``spec`` itself for one process."""
+    if size == 1:
+        return spec
+    return dataclasses.replace(spec, num_k_heads=spec.num_k_heads * size, num_v_heads=spec.num_v_heads * size)
+
+
+def qkv_row_spans(spec: GatedDeltaNetSpec, tp: TensorParallelGroup | None) -> RowSpans:
+    """The rows of the checkpoint's q | k | v (``in_proj_qkv``'s rows, the conv's channels) this process holds:
+    under tensor parallelism (``spec`` a rank's) its key heads' rows of q and of k and its value heads' of v,
+    else all of them."""
+    if not _sharded(tp):
+        return ((0, spec.conv_dim),)
+    plan = tp.plan
+    whole_key_dim = spec.key_dim * plan.size  # the key heads split evenly (shard_plan.state_layer_split)
+    q0 = plan.linear_k_heads[0] * spec.head_k_dim
+    v0 = plan.linear_v_heads[0] * spec.head_v_dim
+    return (q0, spec.key_dim), (whole_key_dim + q0, spec.key_dim), (2 * whole_key_dim + v0, spec.value_dim)
 
 
 class GatedRMSNorm(CustomOp):
@@ -132,18 +158,35 @@ class GatedRMSNorm(CustomOp):
 class GatedDeltaNet(CustomOp):
     """The layer (``linear_attn`` in the checkpoints); ``forward(x, states, meta)`` -> ``[num_tokens, hidden]``."""
 
-    def __init__(self, spec: GatedDeltaNetSpec, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+    def __init__(
+        self, spec: GatedDeltaNetSpec, quant_config: QuantConfig | None = None, prefix: str = "",
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
         s = spec
         self.in_proj = Linear(s.hidden_size, s.conv_dim + s.value_dim + 2 * s.num_v_heads, False, quant_config,
                               f"{prefix}.in_proj")
-        self.conv1d = _Conv(s.conv_dim, s.conv_kernel_size)
+        # the depthwise conv's weight under the checkpoint's name (conv1d.weight [conv_dim, 1, kernel])
+        self.conv1d = RowShardedParams({"weight": (s.conv_dim, 1, s.conv_kernel_size)}, qkv_row_spans(s, tp), tp)
         self.A_log = nn.Parameter(torch.empty(s.num_v_heads), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads), requires_grad=False)
         tiled = s.num_k_heads if s.out_proj_tiled and s.num_v_heads > s.num_k_heads else 0
         self.norm = GatedRMSNorm(s.head_v_dim, s.norm_eps, tiled)
-        self.out_proj = Linear(s.value_dim, s.hidden_size, False, quant_config, f"{prefix}.out_proj")
+        # this rank's first value head in the checkpoint's (None: one process, every head)
+        self.first_v_head = tp.plan.linear_v_heads[0] if _sharded(tp) else None
+        if self.first_v_head is not None and tiled:  # a rank's heads are not one run of tiled columns
+            raise ValueError("a Gated DeltaNet layer whose out_proj columns are tiled is not split over "
+                             "tensor-parallel ranks (the loader moves them back to grouped order first)")
+        v_start = (self.first_v_head or 0) * s.head_v_dim
+        self.out_proj = RowParallelLinear(s.value_dim, s.hidden_size, False, tp, v_start, quant_config,
+                                          f"{prefix}.out_proj")
+
+    def checkpoint_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's value heads of the checkpoint's ``A_log`` / ``dt_bias`` (one process: all of them)."""
+        if self.first_v_head is None:
+            return tensor
+        return tensor.narrow(0, self.first_v_head, self.spec.num_v_heads)
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """One sequence's states: the conv's last inputs, then the rule's state."""
@@ -151,16 +194,21 @@ class GatedDeltaNet(CustomOp):
         return (s.conv_kernel_size - 1, s.conv_dim), (s.num_v_heads, s.head_k_dim, s.head_v_dim)
 
     @staticmethod
-    def fused_map(spec: GatedDeltaNetSpec) -> FusedMap:
-        """Where Qwen3.5's separate input projections go in ``in_proj``."""
+    def fused_map(spec: GatedDeltaNetSpec, tp: TensorParallelGroup | None = None) -> FusedMap:
+        """Where Qwen3.5's separate input projections go in ``in_proj`` (``spec``: this process's), and under
+        tensor parallelism which rows of each a rank takes: its pieces of q | k | v, its value heads' z, b, a."""
         s = spec
         z_at = s.conv_dim
         b_at = z_at + s.value_dim
+        qkv = v_head = v_row = None
+        if _sharded(tp):
+            qkv, v_head = qkv_row_spans(s, tp), tp.plan.linear_v_heads[0]
+            v_row = v_head * s.head_v_dim
         return {
-            "in_proj_qkv": ("in_proj", 0, s.conv_dim, None),
-            "in_proj_z": ("in_proj", z_at, s.value_dim, None),
-            "in_proj_b": ("in_proj", b_at, s.num_v_heads, None),
-            "in_proj_a": ("in_proj", b_at + s.num_v_heads, s.num_v_heads, None),
+            "in_proj_qkv": ("in_proj", 0, s.conv_dim, qkv),
+            "in_proj_z": ("in_proj", z_at, s.value_dim, v_row),
+            "in_proj_b": ("in_proj", b_at, s.num_v_heads, v_head),
+            "in_proj_a": ("in_proj", b_at + s.num_v_heads, s.num_v_heads, v_head),
         }
 
     def _inputs(

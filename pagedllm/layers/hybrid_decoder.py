@@ -9,7 +9,9 @@ blocks: ``GatedSelfAttention`` (``layers/gated_attention.py``, Qwen's,
 rotating part of each head) where ``gated_attention``, else ``SelfAttention``.
 Whichever the mixer, the layer is pre-norm, and the norms, the MLP (dense or
 a mixture of experts with its shared expert, ``layers/fused_moe.py``) and
-Granite's residual multiplier are ``DecoderLayer``'s::
+Granite's residual multiplier are ``DecoderLayer``'s; under tensor parallelism
+each mixer holds its rank's heads (``distributed/shard_plan.py``) and ends in
+a row-parallel ``out_proj`` / ``o_proj``::
 
     x += scale * mixer(input_layernorm(x))
     x += scale * mlp(post_attention_layernorm(x))
@@ -64,16 +66,14 @@ class HybridDecoderLayer(nn.Module):
         tp: TensorParallelGroup | None = None, quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("hybrid layers (Qwen3-Next, Qwen3.5, Granite 4.0-H) do not run tensor-parallel yet")
         self.rope_table = spec.rope_table
         self.input_layernorm = spec.norm.build(hidden_size)
         self.linear_attn: GatedDeltaNet | None = None
         self.mamba: Mamba2Mixer | None = None
         if spec.linear is not None:
-            self.linear_attn = GatedDeltaNet(spec.linear, quant_config, f"{prefix}.linear_attn")
+            self.linear_attn = GatedDeltaNet(spec.linear, quant_config, f"{prefix}.linear_attn", tp)
         elif spec.mamba is not None:
-            self.mamba = Mamba2Mixer(spec.mamba, quant_config, f"{prefix}.mamba")
+            self.mamba = Mamba2Mixer(spec.mamba, quant_config, f"{prefix}.mamba", tp)
         else:
             attention = GatedSelfAttention if spec.gated_attention else SelfAttention
             self.self_attn = attention(spec.attention, backend, tp, quant_config, f"{prefix}.self_attn")

@@ -40,8 +40,14 @@ from torch import nn
 from pagedllm.layers.attention import AttentionMetadata, DecodeMetadata
 from pagedllm.layers.causal_conv1d import causal_conv1d, causal_conv1d_decode
 from pagedllm.layers.custom_op import CustomOp
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.parallel import (
+    RowParallelLinear,
+    RowShardedParams,
+    SegmentedColumnLinear,
+    TensorParallelGroup,
+)
 from pagedllm.layers.quantization.quant_config import QuantConfig
+from pagedllm.layers.weights import RowSpans
 
 MambaState = tuple[torch.Tensor, torch.Tensor]  # (conv_state, ssm_state)
 
@@ -190,27 +196,55 @@ class SsdScan(CustomOp):
         return (torch.einsum("shpn,shn->shp", s, ct) + D[None, :, None] * xt).reshape(n, -1)
 
 
-class Mamba2Mixer(nn.Module):
-    """One Mamba-2 mixer (Hugging Face's ``mamba`` module of a layer); see the module docstring."""
+def mamba_row_spans(spec: Mamba2Spec, tp: TensorParallelGroup | None) -> tuple[RowSpans, RowSpans, RowSpans]:
+    """This process's rows of the checkpoint's ``in_proj`` (z | x | B | C | dt), of the conv's channels (x | B | C)
+    and of the heads' channels (the gated norm's weight): under tensor parallelism (``spec`` a rank's) its heads'
+    rows of z, x and dt and its groups' of B and C; else all of them."""
+    inter, bc, heads = spec.intermediate_size, spec.num_groups * spec.state_size, spec.num_heads
+    if tp is None or tp.size <= 1:
+        return ((0, inter + spec.conv_dim + heads),), ((0, spec.conv_dim),), ((0, inter),)
+    plan = tp.plan
+    whole_inter, whole_bc = inter * plan.size, bc * plan.size  # heads and groups split evenly
+    h0, g0 = plan.mamba_heads[0], plan.mamba_groups[0] * spec.state_size
+    x0 = h0 * spec.head_dim
+    conv = ((x0, inter), (whole_inter + g0, bc), (whole_inter + whole_bc + g0, bc))
+    proj = ((x0, inter), *((whole_inter + start, rows) for start, rows in conv),
+            (2 * whole_inter + 2 * whole_bc + h0, heads))
+    return proj, conv, ((x0, inter),)
 
-    def __init__(self, spec: Mamba2Spec, quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba-2 mixer (Hugging Face's ``mamba`` module of a layer); see the module docstring.
+
+    Under tensor parallelism (``spec`` a rank's: its groups and the heads that read them) it holds their rows of
+    ``in_proj``, the conv and the norm, their ``A_log`` / ``D`` / ``dt_bias`` and their state; ``out_proj`` is
+    row-parallel (its heads' columns, the partial sums all-reduced). The gated norm's groups are whole on a rank.
+    """
+
+    def __init__(self, spec: Mamba2Spec, quant_config: QuantConfig | None = None, prefix: str = "",
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.spec = spec
         inter, heads = spec.intermediate_size, spec.num_heads
-        self.in_proj = Linear(spec.hidden_size, inter + spec.conv_dim + heads, spec.proj_bias, quant_config,
-                              f"{prefix}.in_proj")
+        proj_rows, conv_rows, head_rows = mamba_row_spans(spec, tp)
+        self.in_proj = SegmentedColumnLinear(spec.hidden_size, proj_rows, spec.proj_bias, tp, quant_config,
+                                             f"{prefix}.in_proj")
         # Hugging Face's nn.Conv1d names and shape: weight [conv_dim, 1, width]
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(spec.conv_dim, 1, spec.conv_kernel), requires_grad=False)
-        self.conv1d.bias = (nn.Parameter(torch.empty(spec.conv_dim), requires_grad=False) if spec.conv_bias
-                            else None)
+        self.conv1d = RowShardedParams({"weight": (spec.conv_dim, 1, spec.conv_kernel),
+                                        "bias": (spec.conv_dim,) if spec.conv_bias else None}, conv_rows, tp)
         self.dt_bias = nn.Parameter(torch.empty(heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(heads), requires_grad=False)
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.empty(inter), requires_grad=False)
-        self.out_proj = Linear(inter, spec.hidden_size, spec.proj_bias, quant_config, f"{prefix}.out_proj")
+        self.norm = RowShardedParams({"weight": (inter,)}, head_rows, tp)
+        # this rank's first head in the checkpoint's (None: one process, every head)
+        self.first_head = tp.plan.mamba_heads[0] if tp is not None and tp.size > 1 else None
+        self.out_proj = RowParallelLinear(inter, spec.hidden_size, spec.proj_bias, tp, head_rows[0][0], quant_config,
+                                          f"{prefix}.out_proj")
         self.scan = SsdScan(spec)
+
+    def checkpoint_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of the checkpoint's ``dt_bias`` / ``A_log`` / ``D`` (one process: all of them)."""
+        return tensor if self.first_head is None else tensor.narrow(0, self.first_head, self.spec.num_heads)
 
     def forward(self, x: torch.Tensor, state: MambaState, meta: AttentionMetadata) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``; each sequence's slots of ``state`` move on."""

@@ -30,13 +30,12 @@ class MixerDecoderLayer(nn.Module):
         tp: TensorParallelGroup | None = None, quant_config: QuantConfig | None = None, prefix: str = "",
     ) -> None:
         super().__init__()
-        if tp is not None and tp.size > 1:
-            raise ValueError("a layer with a short conv does not run under tensor parallelism yet")
         self.rope_table = spec.rope_table
         self.input_layernorm = spec.norm.build(hidden_size)
         self.conv: ShortConv | None = None
         if isinstance(spec, ShortConvLayerSpec):
-            self.conv = ShortConv(hidden_size, spec.conv_kernel_size, spec.conv_bias, quant_config, f"{prefix}.conv")
+            self.conv = ShortConv(hidden_size, spec.conv_kernel_size, spec.conv_bias, quant_config, f"{prefix}.conv",
+                                  tp)
         else:
             self.self_attn = SelfAttention(spec.attention, backend, tp, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = spec.norm.build(hidden_size)

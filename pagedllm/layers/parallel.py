@@ -14,6 +14,12 @@ other ranks (``distributed/shard_plan.py`` draws the whole split):
   (OLMo 2's q/k norms span every head): this rank's slice of the weight,
   each token's sum of squares all-reduced before each rank scales its slice.
 
+Two hold a slice without talking: ``SegmentedColumnLinear``, a
+column-parallel layer whose checkpoint rows are segments of which a rank
+takes its part of each (LFM2's B | C | x, Mamba-2's z | x | B | C | dt), and
+``RowShardedParams``, a state layer's per-channel tensors (a conv's
+weight and bias, a gated norm's weight) cut the same way.
+
 With ``tp=None`` (one process) each is its plain counterpart. Each layer
 knows which slice of a checkpoint tensor it takes (``checkpoint_slice``),
 so a rank copies only its slice of each tensor while loading.
@@ -34,6 +40,7 @@ from torch import nn
 from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.layers.linear import Linear, LinearMethod, QuantConfig, QuantMethod, replace_parameter
 from pagedllm.layers.norm import NormSpec, RMSNorm
+from pagedllm.layers.weights import RowSpans, take_rows
 
 
 def _sharded(tp: TensorParallelGroup | None) -> bool:
@@ -83,6 +90,51 @@ class RowParallelLinear(Linear):
         if tensor.dtype == torch.uint8:  # GGUF blocks kept as stored
             return _quantized_columns(tensor, self.input_start, self.in_features, self._buffers.get("qweight"))
         return tensor.narrow(1, self.input_start, self.in_features)
+
+
+class SegmentedColumnLinear(Linear):
+    """A column-parallel layer whose rows are this rank's part of each segment of the checkpoint's rows.
+
+    ``row_spans``: ``(start, rows)`` of the checkpoint's weight per segment, in order (LFM2's ``in_proj``: its
+    channels of B, of C, of x); the layer's rows are their concatenation. One process (``tp`` None or of one
+    rank) takes the whole tensor, its spans being the whole rows.
+    """
+
+    def __init__(
+        self, in_features: int, row_spans: RowSpans, bias: bool = False, tp: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None, prefix: str = "",
+    ) -> None:
+        super().__init__(in_features, sum(rows for _, rows in row_spans), bias, quant_config, prefix)
+        self.tp = tp
+        self.row_spans = tuple(row_spans)
+
+    def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of checkpoint tensor ``param`` ("weight" floats or GGUF rows of blocks, "bias")."""
+        return take_rows(tensor, self.row_spans) if _sharded(self.tp) else tensor
+
+
+class RowShardedParams(nn.Module):
+    """Parameters along a state layer's channels (a conv's ``weight`` and ``bias``, a norm's ``weight``) of which a
+    rank holds the rows ``row_spans`` of the checkpoint's: the same cut as the layer's input projection.
+
+    ``shapes``: name -> this rank's shape (rows first); None for a parameter the checkpoint does not have
+    (a conv without bias).
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...] | None], row_spans: RowSpans,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        rows = sum(n for _, n in row_spans)
+        for name, shape in shapes.items():
+            if shape is not None and shape[0] != rows:
+                raise ValueError(f"RowShardedParams: {name} has {shape[0]} rows, its spans {rows}")
+            setattr(self, name, None if shape is None else nn.Parameter(torch.empty(shape), requires_grad=False))
+        self.tp = tp
+        self.row_spans = tuple(row_spans)
+
+    def checkpoint_slice(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of checkpoint tensor ``param``."""
+        return take_rows(tensor, self.row_spans) if _sharded(self.tp) else tensor
 
 
 class EmbeddingMethod(QuantMethod):

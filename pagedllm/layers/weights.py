@@ -20,9 +20,27 @@ from torch import nn
 from pagedllm.distributed.shard_plan import ShardPlan
 from pagedllm.layers.linear import load_rows
 
+# the rows of a checkpoint tensor a tensor-parallel rank takes in pieces, ``(start, rows)`` each, in order (a Gated
+# DeltaNet's q | k | v rows: its heads' rows of each)
+RowSpans = tuple[tuple[int, int], ...]
+
 # checkpoint part -> (fused parameter, row offset, rows, first row of the checkpoint's tensor a
-# tensor-parallel rank takes; None: the whole tensor, one process)
-FusedMap = dict[str, tuple[str, int, int, int | None]]
+# tensor-parallel rank takes, or its pieces; None: the whole tensor, one process)
+FusedMap = dict[str, tuple[str, int, int, int | RowSpans | None]]
+
+
+def take_rows(tensor: torch.Tensor, spans: RowSpans) -> torch.Tensor:
+    """Rows ``[start, start + rows)`` of ``tensor`` for each span, in order: one tensor (a view for one span).
+
+    Whatever the rows hold (floats, a GGUF file's ``[rows, row bytes]`` blocks); ValueError where a span falls
+    outside the tensor's rows.
+    """
+    for start, rows in spans:
+        if start < 0 or rows < 0 or start + rows > tensor.shape[0]:
+            raise ValueError(f"checkpoint has {tensor.shape[0]} rows, the shard needs rows {start}..{start + rows}")
+    if len(spans) == 1:
+        return tensor.narrow(0, *spans[0])
+    return torch.cat([tensor.narrow(0, start, rows) for start, rows in spans])
 
 
 def fused_projections(
@@ -45,7 +63,7 @@ def fused_projections(
     }
 
 
-def fused_part(name: str, fused: FusedMap) -> tuple[str, int, int, int | None] | None:
+def fused_part(name: str, fused: FusedMap) -> tuple[str, int, int, int | RowSpans | None] | None:
     """Where checkpoint tensor ``name`` goes if it is a part of a fused parameter: (the parameter's name, row
     offset, rows, first row a tensor-parallel rank takes); None for a tensor of its own."""
     # the longest part named wins: a shared expert's "shared_expert.gate_proj" holds the dense "gate_proj". The
@@ -104,10 +122,11 @@ def _checkpoint_part(
     if part is not None:
         target, offset, size, start = part
         if start is not None:
-            if tensor.shape[0] < start + size:
-                raise ValueError(f"{name}: checkpoint has {tensor.shape[0]} rows, the shard needs "
-                                 f"rows {start}..{start + size}")
-            tensor = tensor.narrow(0, start, size)
+            spans = ((start, size),) if isinstance(start, int) else start
+            try:
+                tensor = take_rows(tensor, spans)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         return target, offset, size, tensor
     owner_name, _, param_name = name.rpartition(".")
     owner = modules.get(owner_name)

@@ -30,6 +30,7 @@ from pagedllm.loader.gguf_gemma4 import GEMMA4_LAYER_NAMES, gemma4_base_shape, g
 from pagedllm.loader.gguf_qwen35 import (
     QWEN35_ARCHITECTURES,
     QWEN35_LAYER_NAMES,
+    columns_moved_in_values,
     gated_query_types,
     gguf_hf_values,
     qwen35_gguf_settings,
@@ -487,6 +488,17 @@ class GGUFWeights:
             self.quantized.update(gated_query_types(self.quantized))
         self.keep: set[str] = set()
         self.half: set[str] = set()
+        self.out_proj_untiled = False  # untile_out_proj
+
+    def untile_out_proj(self) -> None:
+        """Hand a qwen35 file's ``out_proj`` over with its value-head columns in grouped order, as a checkpoint
+        holds them (tensor parallelism: a rank's heads one run of columns; ``ShardPlan.local_config``); those whose
+        heads are not whole blocks of their type come out dequantized. Call it before the model is built."""
+        cfg = self.config
+        self.out_proj_untiled = True
+        for name in columns_moved_in_values(self.quantized, cfg.architecture, cfg.linear_num_key_heads,
+                                            cfg.linear_num_value_heads, cfg.linear_value_head_dim):
+            del self.quantized[name]
 
     def _rows_in_hf_order(self, name: str, w: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's Q/K row permutation (rows are output channels, whole in either form)."""
@@ -503,7 +515,7 @@ class GGUFWeights:
         if cfg.architecture in QWEN35_ARCHITECTURES:
             # the Gated DeltaNet tensors with the checkpoint's values and order (loader/gguf_qwen35.py)
             weights = gguf_hf_values(weights, cfg.architecture, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                                     cfg.linear_num_key_heads * cfg.linear_key_head_dim)
+                                     cfg.linear_num_key_heads * cfg.linear_key_head_dim, self.out_proj_untiled)
         yield from weights
 
     def _iter_part(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:

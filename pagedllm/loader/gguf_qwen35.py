@@ -34,7 +34,10 @@ Hugging Face terms (``models/qwen3_next.py`` then loads them like a folder):
   they stay in the file's tiled order (``linear_out_proj_tiled``) and the
   layer hands them its output in that order, so a Q4_K ``ssm_out`` (heads of
   128 columns, half a block) keeps its blocks rather than being widened to
-  float32 to move them.
+  float32 to move them. Under tensor parallelism a rank's heads must be one
+  run of columns, so there they are moved back to grouped order
+  (``untile_out_proj``): as stored bytes where a head is whole blocks of its
+  type, else dequantized first (``columns_moved_in_values``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QWEN35_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 _TILED_ARCHITECTURES = ("qwen35", "qwen35moe")
@@ -68,6 +72,18 @@ def gated_query_types(quantized: dict[str, int]) -> dict[str, int]:
     suffix = ".self_attn.q_proj.weight"
     return {name.removesuffix(suffix) + ".self_attn.attn_gate.weight": kind
             for name, kind in quantized.items() if name.endswith(suffix)}
+
+
+def columns_moved_in_values(
+    quantized: dict[str, int], arch: str, num_k_heads: int, num_v_heads: int, head_v_dim: int
+) -> set[str]:
+    """The quantized ``linear_attn.out_proj`` tensors of a tiled file whose value heads (columns, moved back to
+    grouped order under tensor parallelism) are not whole blocks of their type (Q4_K's 256 columns over heads of
+    128): these must be dequantized before their columns move, never taken as stored."""
+    if arch not in _TILED_ARCHITECTURES or num_v_heads <= num_k_heads:
+        return set()
+    return {name for name, kind in quantized.items() if name.endswith(".linear_attn.out_proj.weight")
+            and head_v_dim % GGML_QUANT_SIZES[GGMLQuantizationType(kind)][0]}
 
 
 def _int_key(key: Callable[[str], object], arch: str, name: str) -> int:
@@ -116,10 +132,11 @@ def _tiled_to_grouped(t: torch.Tensor, dim: int, num_k_heads: int, group: int) -
 
 def gguf_hf_values(
     weights: Iterable[tuple[str, torch.Tensor]], arch: str, num_k_heads: int, num_v_heads: int, key_dim: int,
+    untile_out_proj: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A converted file's tensors (Hugging Face names) with the checkpoint's values: ``A_log`` from ``-exp(A_log)``,
     the conv weight ``[channels, 1, kernel]``, value heads grouped by key head again (``qwen35`` / ``qwen35moe``;
-    out_proj's columns excepted, ``linear_out_proj_tiled``).
+    out_proj's columns excepted, ``linear_out_proj_tiled``, unless ``untile_out_proj``).
 
     ``key_dim``: the width of q (and of k) in ``in_proj_qkv`` and the conv's channels.
     """
@@ -131,15 +148,18 @@ def gguf_hf_values(
         elif name.endswith("linear_attn.conv1d.weight"):
             t = t.reshape(t.shape[0], 1, -1)
         if tiled and ".linear_attn." in name:
-            t = _grouped(name, t, num_k_heads, group, key_dim)
+            t = _grouped(name, t, num_k_heads, group, key_dim, untile_out_proj)
         yield name, t
 
 
-def _grouped(name: str, t: torch.Tensor, num_k_heads: int, group: int, key_dim: int) -> torch.Tensor:
+def _grouped(name: str, t: torch.Tensor, num_k_heads: int, group: int, key_dim: int,
+             untile_out_proj: bool) -> torch.Tensor:
     """One Gated DeltaNet tensor of a tiled file with its value heads grouped by key head again."""
     if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
         # q and k rows (or channels) first, then the value heads'
         return torch.cat([t[: 2 * key_dim], _tiled_to_grouped(t[2 * key_dim:], 0, num_k_heads, group)])
     if name.endswith((".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
         return _tiled_to_grouped(t, 0, num_k_heads, group)
+    if untile_out_proj and name.endswith(".out_proj.weight"):  # columns; stored bytes too (each head's whole bytes)
+        return _tiled_to_grouped(t, 1, num_k_heads, group)
     return t  # out_proj's columns stay tiled (linear_out_proj_tiled)

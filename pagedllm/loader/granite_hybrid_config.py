@@ -133,6 +133,9 @@ def hf_granite_hybrid_fields(config: ArchConfig, cfg: dict[str, Any]) -> ArchCon
         num_experts=experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]) if experts else 0,
         moe_intermediate_size=config.intermediate_size if experts else 0, norm_topk_prob=bool(experts),
         shared_expert_intermediate_size=int(cfg["shared_intermediate_size"]), dense_layers=(),
+        # without experts the shared MLP is the dense one: its width is the model's (what a tensor-parallel
+        # rank's MLP rows are cut from)
+        intermediate_size=config.intermediate_size if experts else int(cfg["shared_intermediate_size"]),
         **granite_multipliers_hf(cfg),
     )
     if cfg.get("position_embedding_type") != "rope":
@@ -161,10 +164,13 @@ def gguf_granite_hybrid_fields(config: ArchConfig, key: Callable[[str], object],
                          int(key("ssm.group_count")), int(key("ssm.conv_kernel")), inner,
                          conv_bias=any(t.endswith("ssm_conv1d.bias") for t in names),
                          proj_bias=any(t.endswith("ssm_in.bias") for t in names))
+    shared = int(key("expert_shared_feed_forward_length") or 0)
     fields: dict[str, Any] = dict(
         layer_types=tuple("mamba" if int(h) == 0 else "full_attention" for h in per_layer), mamba=mamba,
-        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length") or 0),
+        shared_expert_intermediate_size=shared,
         norm_topk_prob=bool(config.num_experts),
+        # without experts the shared MLP is the dense one (as the folder's fields say)
+        intermediate_size=config.intermediate_size if config.num_experts or not shared else shared,
         moe_intermediate_size=config.intermediate_size if config.num_experts else 0,
     )
     from pagedllm.loader.smollm3_granite_config import granite_multipliers_gguf

@@ -18,6 +18,11 @@ renormalise with ``norm_topk_prob`` and skip ``mlp_only_layers`` /
 ``decoder_sparse_step``; Qwen3.5-MoE always renormalises and every layer is
 sparse. Both MoEs add a shared expert gated by ``sigmoid(shared_expert_gate(x))``.
 A checkpoint's multi-token-prediction head (``mtp.*``) is not read.
+
+Under tensor parallelism (``cfg`` a rank's) each rank holds its Gated
+DeltaNet key heads and the value heads that read them, and its attention
+heads' query and gate rows (``distributed/shard_plan.py``); Qwen3-Next's
+interleaved rows are split by the whole model's heads first.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pagedllm.layers.gated_deltanet import (
     GatedDeltaNet,
     GatedDeltaNetSpec,
     split_qwen3_next_projections,
+    whole_model_spec,
 )
 from pagedllm.layers.hybrid_decoder import HybridDecoderLayer, HybridLayerSpec
 from pagedllm.layers.norm import NormSpec
@@ -97,9 +103,9 @@ class Qwen3NextForCausalLM(CausalLM):
         """The shared map (MLP, experts) with the gated attention's and Gated DeltaNet's fused projections."""
         fused = CausalLM.checkpoint_fused_map(cfg, tp)
         q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        fused = {**fused, **gated_fused_map(q_size, kv_size)}
-        return {**fused, **GatedDeltaNet.fused_map(gated_delta_spec(cfg))} if "linear_attention" in cfg.layer_types \
-            else fused
+        fused = {**fused, **gated_fused_map(q_size, kv_size, tp.plan if tp is not None else None)}
+        return {**fused, **GatedDeltaNet.fused_map(gated_delta_spec(cfg), tp)} \
+            if "linear_attention" in cfg.layer_types else fused
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Qwen3-Next's interleaved projections and every family's (query, gate) rows split, then loaded."""
@@ -109,5 +115,7 @@ class Qwen3NextForCausalLM(CausalLM):
         cfg = self.config
         weights = ((name, t) for name, t in weights if not name.startswith("mtp."))
         if "linear_attention" in cfg.layer_types:
-            weights = split_qwen3_next_projections(weights, gated_delta_spec(cfg))
+            # the checkpoint interleaves every key head's rows, not only this rank's
+            spec = whole_model_spec(gated_delta_spec(cfg), self.tp.size if self.tp is not None else 1)
+            weights = split_qwen3_next_projections(weights, spec)
         return split_gated_queries(weights, self.config.head_dim)

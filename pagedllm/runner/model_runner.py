@@ -14,6 +14,7 @@ from pagedllm.device_memory import available_memory_bytes
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
 from pagedllm.kv_groups import model_kv_layout
 from pagedllm.layers.attention import AttentionMetadata, make_backend
+from pagedllm.layers.gated_deltanet import GatedRMSNorm
 from pagedllm.layers.kv_quant import indexable, kv_format_name
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import ParallelRMSNorm
@@ -119,6 +120,8 @@ class ModelRunner:
 
         # measured before loading: the default KV budget is what the weights leave of it
         available = available_memory_bytes(self.device)
+        if self.tp is not None and hasattr(weights, "untile_out_proj"):
+            weights.untile_out_proj()  # a rank's value heads: one run of grouped columns (local_config)
         loaded = load_model(config, self.local_config, weights, self.backend, self.device, self.tp)
         self.model = loaded.model
         self.linear_backend = loaded.linear_backend
@@ -134,9 +137,7 @@ class ModelRunner:
         self.num_state_slots = 0  # sized with the KV pool (_plan_kv_pool)
         self.num_snapshot_slots = 0  # state snapshots of cached prefixes, after the running slots
         self.num_checkpoint_slots = 0  # speculative decoding's state checkpoints, after the snapshots
-        if self.state_shapes:
-            self._check_state_model()
-        elif config.state_snapshot_interval is not None:
+        if not self.state_shapes and config.state_snapshot_interval is not None:
             raise ValueError("state_snapshot_interval places a hybrid model's state snapshots; this model has no "
                              "state layers: leave it unset")
 
@@ -202,6 +203,8 @@ class ModelRunner:
             num_blocks = self.tp.min_int(num_blocks)
         if self.state_bytes_per_slot:
             num_blocks = self._plan_state_slots(num_blocks, budget, per_block)
+            if self.tp is not None:  # each rank's states are its heads' (state_bytes_per_slot): blocks again
+                num_blocks = self.tp.min_int(num_blocks)
         plan = plan_kv_pool(self.config, num_blocks, budget, per_block)
         if self.tp is not None and self.tp.rank != 0:
             return plan
@@ -224,11 +227,6 @@ class ModelRunner:
         logger.info("KV pool: %s (%s); max_model_len %d", pool, source, plan.max_model_len)
         return plan
 
-    def _check_state_model(self) -> None:
-        """Refuse what a hybrid model's state layers do not do yet (docs/hybrid-models.md)."""
-        if self.tp is not None:
-            raise ValueError("tensor parallelism is not supported for models with state layers (hybrid models) yet")
-
     def _plan_state_slots(self, num_blocks: int, budget: int | None, per_block: int) -> int:
         """Size the state slots (``num_state_slots``) out of the KV budget; the blocks the rest holds.
 
@@ -241,6 +239,8 @@ class ModelRunner:
         checkpoints = self.config.speculative_config is not None
         copies = 1 + int(snapshots) + int(checkpoints)
         slots = plan_state_slots(self.config.max_num_seqs, copies * self.state_bytes_per_slot, budget)
+        if self.tp is not None:  # the driver's block manager hands out slots every rank holds
+            slots = self.tp.min_int(slots)
         if slots < self.config.max_num_seqs:
             logger.warning("max_num_seqs lowered from %d to %d: the KV budget holds %d state slots of %.2f MiB",
                            self.config.max_num_seqs, slots, slots, self.state_bytes_per_slot / 2**20)
@@ -293,9 +293,11 @@ class ModelRunner:
     def _gather_rank_figures(self) -> None:
         """Every tensor-parallel rank's bytes held (``rank_bytes``), and the whole model's parameter count
         (the norms every rank holds a copy of counted once)."""
-        # OLMo 2's q/k norms are split over the ranks (ParallelRMSNorm), not copied: counted by every rank's share
+        # OLMo 2's q/k norms are split over the ranks (ParallelRMSNorm), not copied: counted by every rank's share;
+        # a Gated DeltaNet's per-head gated norm is copied
         norm_params = sum(p.numel() for m in self.model.modules()
-                          if isinstance(m, RMSNorm) and not isinstance(m, ParallelRMSNorm) for p in m.parameters())
+                          if isinstance(m, (RMSNorm, GatedRMSNorm)) and not isinstance(m, ParallelRMSNorm)
+                          for p in m.parameters())
         gathered = self.tp.all_gather_ints([self.weight_bytes, self.kv_cache_bytes, self.num_params])
         self.rank_bytes = [[w, kv] for w, kv, _ in gathered]
         self.num_params = sum(n for _, _, n in gathered) - (self.tp.size - 1) * norm_params
