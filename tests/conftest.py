@@ -328,6 +328,20 @@ def lfm2_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:
     return str(path)
 
 
+
+def spread_gated_delta_params(model: torch.nn.Module) -> None:
+    """Give a freshly initialised Qwen3-Next / Qwen3.5 checkpoint's norms and decay parameters values away from
+    transformers' defaults (ones, zeros), so that a loader mixing up ``w`` and ``1 + w`` or the decay's terms
+    changes the tokens: the gated norm multiplies by ``w`` itself, the others by ``1 + w``."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif "norm" in name:
+                param.uniform_(-0.5, 0.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.uniform_(-1.0, 1.0)
+
 @pytest.fixture(scope="session")
 def qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> str:  # noqa: ANN001
     """A tiny random Qwen3.5 saved as a safetensors folder (hidden 64, 4 layers: 3 Gated DeltaNet, then full
@@ -341,14 +355,7 @@ def qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory, smollm_tokenizer) -> s
                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):  # the gated norm multiplies by w itself
-                param.uniform_(0.5, 1.5)
-            elif "norm" in name:  # the others by 1 + w
-                param.uniform_(-0.5, 0.5)
-            elif name.endswith(("A_log", "dt_bias")):
-                param.uniform_(-1.0, 1.0)
+    spread_gated_delta_params(model)
     path = tmp_path_factory.mktemp("tiny-qwen3_5")
     model.save_pretrained(path, safe_serialization=True)
     smollm_tokenizer.save_pretrained(path)

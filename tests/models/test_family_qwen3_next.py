@@ -25,7 +25,7 @@ import random
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, spread_gated_delta_params
 
 from pagedllm import LLM, SamplingParams
 
@@ -61,14 +61,7 @@ def _save(family: str, path, tokenizer) -> str:  # noqa: ANN001
 
     torch.manual_seed(len(family))
     model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):  # the gated norm multiplies by w itself
-                param.uniform_(0.5, 1.5)
-            elif "norm" in name:  # the others by 1 + w
-                param.uniform_(-0.5, 0.5)
-            elif name.endswith(("A_log", "dt_bias")):
-                param.uniform_(-1.0, 1.0)
+    spread_gated_delta_params(model)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return str(path)
