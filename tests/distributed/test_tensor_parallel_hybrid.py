@@ -114,6 +114,25 @@ def _random(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Te
     return {name: torch.randn(*shape, generator=gen) * 0.3 for name, shape in shapes.items()}
 
 
+def _zero_states(shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+    """A layer's states of ``NUM_SLOTS`` slots, zeros."""
+    return tuple(torch.zeros(NUM_SLOTS, *shape) for shape in shapes)
+
+
+def _state_rows(heads: int, widths: tuple[int, ...], shares: tuple[int, ...]):  # noqa: ANN202
+    """``state_rows`` for ``_check_shards`` of a layer with a conv state and a per-head state: rank r's
+    ``heads`` heads of state 1 (dim 1), and of the conv state (state 0) its ``shares[j]`` channels of each
+    segment ``j`` of ``widths`` (q | k | v, x | B | C), joined."""
+
+    def rows(r: int, i: int, state: torch.Tensor) -> torch.Tensor:
+        if i == 1:
+            return state[:, heads * r : heads * (r + 1)]
+        parts = state.split(list(widths), dim=-1)
+        return torch.cat([p[..., n * r : n * (r + 1)] for p, n in zip(parts, shares, strict=True)], dim=-1)
+
+    return rows
+
+
 def _check_shards(whole: torch.nn.Module, ranks: list[torch.nn.Module], make_states, hidden: int,  # noqa: ANN001
                   state_rows) -> None:  # noqa: ANN001
     """The ranks' partial outputs add up to the whole layer's; each rank's states are ``state_rows(rank, whole's
@@ -146,17 +165,9 @@ def test_gated_deltanet_shards_add_up_to_the_whole_layer() -> None:
         ranks.append(_load(GatedDeltaNet(local, tp=tp), "linear_attn", weights, GatedDeltaNet.fused_map(local, tp)))
     assert ranks[1].out_proj.input_start == 32 and ranks[1].conv1d.weight.shape == (64, 1, 4)
 
-    def states(layer: GatedDeltaNet) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(NUM_SLOTS, *shape) for shape in layer.state_shapes())
-
-    def rank_rows(r: int, i: int, state: torch.Tensor) -> torch.Tensor:
-        if i == 1:  # the recurrent state [slots, value heads, dk, dv]: this rank's value heads
-            return state[:, 2 * r : 2 * r + 2]
-        q, k, v = state.split([32, 32, 64], dim=-1)  # the conv state's channels: q | k | v
-        return torch.cat([q[..., 16 * r : 16 * r + 16], k[..., 16 * r : 16 * r + 16], v[..., 32 * r : 32 * r + 32]],
-                         dim=-1)
-
-    _check_shards(whole, ranks, states, 64, rank_rows)
+    # the recurrent state [slots, value heads, dk, dv]: 2 value heads a rank; the conv state's channels q | k | v
+    _check_shards(whole, ranks, lambda layer: _zero_states(layer.state_shapes()), 64,
+                  _state_rows(2, (32, 32, 64), (16, 16, 32)))
 
 
 def test_qwen3_next_rows_split_by_the_whole_models_heads() -> None:
@@ -182,17 +193,9 @@ def test_mamba2_shards_add_up_to_the_whole_mixer() -> None:
                    {}) for r in range(2)]
     assert ranks[1].in_proj.out_features == 64 + local.conv_dim + 4
 
-    def states(layer: Mamba2Mixer) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(NUM_SLOTS, *shape) for shape in layer.spec.state_shapes())
-
-    def rank_rows(r: int, i: int, state: torch.Tensor) -> torch.Tensor:
-        if i == 1:  # the SSM state [slots, heads, head_dim, state]
-            return state[:, 4 * r : 4 * r + 4]
-        x, b, c = state.split([128, 32, 32], dim=-1)  # the conv state's channels: x | B | C
-        return torch.cat([x[..., 64 * r : 64 * r + 64], b[..., 16 * r : 16 * r + 16], c[..., 16 * r : 16 * r + 16]],
-                         dim=-1)
-
-    _check_shards(whole, ranks, states, 64, rank_rows)
+    # the SSM state [slots, heads, head_dim, state]: 4 heads a rank; the conv state's channels x | B | C
+    _check_shards(whole, ranks, lambda layer: _zero_states(layer.spec.state_shapes()), 64,
+                  _state_rows(4, (128, 32, 32), (64, 16, 16)))
 
 
 def test_short_conv_shards_add_up_to_the_whole_conv() -> None:
