@@ -236,6 +236,29 @@ def test_q8_0_file_kept_in_blocks_matches_it_dequantized(ggufs: dict, monkeypatc
     assert errors and max(errors) < 1e-4  # NaN fails this too
 
 
+@pytest.mark.slow  # a converter run
+def test_q8_0_files_out_proj_moved_back_to_grouped_columns_for_tensor_parallelism(ggufs: dict) -> None:
+    """``GGUFWeights.untile_out_proj`` (a tensor-parallel rank's heads must be one run of columns): the Q8_0
+    ``ssm_out``, whose heads of 16 columns are half a block, comes out dequantized with its value heads grouped
+    by key head again: the tiled columns it is read with otherwise, moved (head ``k * group + g`` from tiled
+    position ``g * num_k_heads + k``)."""
+    from pagedllm.loader import load_model_config
+    from pagedllm.loader.gguf_loader import iter_weights
+
+    path = ggufs["qwen3_5", "q8_0"]
+    config = load_model_config(path)
+    assert config.linear_out_proj_tiled and (config.linear_num_key_heads, config.linear_num_value_heads) == (2, 4)
+    name = "model.layers.0.linear_attn.out_proj.weight"
+    tiled = dict(iter_weights(path, config))[name]  # nothing kept as stored: every tensor float32
+    weights = iter_weights(path, config)
+    weights.untile_out_proj()
+    assert name not in weights.quantized  # half-block heads: dequantized, never moved as bytes
+    grouped = dict(weights)[name]
+    hidden, dv = tiled.shape[0], config.linear_value_head_dim
+    want = tiled.view(hidden, 2, 2, dv).transpose(1, 2).reshape(hidden, -1)  # [g, k] -> [k, g]
+    assert torch.equal(grouped, want)
+
+
 def _script_shape(family: str):  # noqa: ANN202
     """benchmarks/real_size_hybrid_gguf.py's shape of this module's tiny config of ``family``; the MoE one
     eight layers long, cut to the first four as ``--layers 4`` does."""
