@@ -350,13 +350,6 @@ class EngineConfig:
         return weight_group_size(self)
 
     @property
-    def snapshot_interval(self) -> int:
-        """``state_snapshot_interval`` once the default is resolved (0: no periodic snapshot points)."""
-        from pagedllm.resolved_config import state_snapshot_interval
-
-        return state_snapshot_interval(self)
-
-    @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on, once the default is resolved."""
         from pagedllm.resolved_config import prefix_caching

@@ -67,6 +67,8 @@ class ResolvedConfig:
         itl_target_ms: a fixed latency target of steps with prompt tokens
             while decodes run; None: none given (see ``itl_auto``).
         itl_auto: the target follows the measured decode steps (4x theirs).
+        state_snapshot_interval: tokens between a hybrid model's periodic state snapshot points, a multiple
+            of the block size (0: none; ``state_snapshot_interval``).
     """
 
     attention_backend: ResolvedAttention
@@ -78,6 +80,7 @@ class ResolvedConfig:
     weight_group_size: PositiveInt | None
     itl_target_ms: PositiveFloat | None
     itl_auto: bool
+    state_snapshot_interval: int
 
 
 def _compute_dtype(config: EngineConfig) -> str:
@@ -234,6 +237,7 @@ def resolve_config(config: EngineConfig) -> ResolvedConfig:
         weight_group_size=weight_group_size(config),
         itl_target_ms=None if target in ("auto", None) else float(target),
         itl_auto=target == "auto",
+        state_snapshot_interval=state_snapshot_interval(config),
     )
 
 

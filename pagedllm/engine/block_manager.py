@@ -202,7 +202,7 @@ class BlockManager:
         num_snapshot_slots: slots for state snapshots of cached prefixes (ids after the running ones; with prefix
             caching and state slots only).
         state_snapshot_interval: tokens between a prompt's periodic state snapshot points, a multiple of
-            ``block_size`` (``EngineConfig.snapshot_interval``); 0: none (with snapshot slots only).
+            ``block_size`` (``ResolvedConfig.state_snapshot_interval``); 0: none (with snapshot slots only).
         num_checkpoint_slots: slots for speculative decoding's state checkpoints (ids after the snapshots').
         state_disk: a hybrid model's state snapshots on disk, keyed by block hash like ``disk``'s blocks (with
             ``disk`` and snapshots only; None: the disk's K/V blocks are not used for such a model).

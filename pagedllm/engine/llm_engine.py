@@ -151,7 +151,7 @@ class LLMEngine:
                                               self.model_runner.num_state_slots,
                                               self.model_runner.num_snapshot_slots,
                                               self.model_runner.num_checkpoint_slots,
-                                              state_snapshot_interval=config.snapshot_interval,
+                                              state_snapshot_interval=self.resolved_config.state_snapshot_interval,
                                               state_disk=self.state_disk)
         # every timed step fitted into one model of a step's time (step_time.py), which the prefill cap
         # and the drafting cost both read

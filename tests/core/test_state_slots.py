@@ -31,6 +31,7 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.state_slots import StateSlots
+from pagedllm.resolved_config import state_snapshot_interval
 
 BS = 4
 
@@ -284,10 +285,11 @@ def test_the_snapshot_interval_is_checked() -> None:
         EngineConfig(model="m", state_snapshot_interval=24)
     with pytest.raises(ValueError, match="needs prefix caching"):
         EngineConfig(model="m", state_snapshot_interval=32, enable_prefix_caching=False)
-    assert EngineConfig(model="m").snapshot_interval == 1024  # the default, rounded to block_size 16
-    assert EngineConfig(model="m", block_size=48).snapshot_interval == 1008
-    assert EngineConfig(model="m", block_size=2048).snapshot_interval == 2048  # at least one block
-    assert EngineConfig(model="m", state_snapshot_interval=0).snapshot_interval == 0
+    # the default resolved once (ResolvedConfig.state_snapshot_interval): 1024 rounded down to block_size
+    assert state_snapshot_interval(EngineConfig(model="m")) == 1024
+    assert state_snapshot_interval(EngineConfig(model="m", block_size=48)) == 1008
+    assert state_snapshot_interval(EngineConfig(model="m", block_size=2048)) == 2048  # at least one block
+    assert state_snapshot_interval(EngineConfig(model="m", state_snapshot_interval=0)) == 0
 
 
 def test_rollback_without_a_checkpoint_is_refused_for_state_models() -> None:
