@@ -52,6 +52,9 @@ void silu_mul_team(const SiluMulNode *n, int64_t rows) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 void moe_slot_sum_team(const MoeSlotSumNode *n, int64_t rows) {
+#ifdef __clang__
+#pragma clang fp contract(off) /* clang ignores GCC's optimize pragma */
+#endif
     const int64_t k = n->top_k, h = n->hidden;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
