@@ -262,28 +262,121 @@ static inline __attribute__((always_inline)) void load_rows(const LinearNode *n,
     for (int r = 0; r < MR; r++) acc[r] = vq_fload(n->y + (r0 + r) * cols + c0);
 }
 
-/* chunks u0, u0 + 1 of a k-quant run (qs: its low 4 bits, qh: the bits above) against rows xq, xq + k, ...:
-   isum[r] += the integer dot products of their 16 inputs */
+/* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
+   channel (gguf_k_scale_min, for X16_VL channels at once) */
+static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, int j, vq_int *scale, vq_int *min) {
+    if (j < 4) {
+        *scale = vq_and1(vq_lanes_u8(S + 16 * j), 63);
+        *min = vq_and1(vq_lanes_u8(S + 16 * (j + 4)), 63);
+        return;
+    }
+    const vq_int low = vq_lanes_u8(S + 16 * (j + 4)), top_s = vq_lanes_u8(S + 16 * (j - 4)), top_m = vq_lanes_u8(S + 16 * j);
+    *scale = vq_or(vq_and1(low, 15), vq_sll(vq_srl(top_s, 6), 4));
+    *min = vq_or(vq_srl(low, 4), vq_sll(vq_srl(top_m, 6), 4));
+}
+
+/* chunk u of a k-quant run (qs: its low 4 bits, qh: the bits above) as unsigned weights: lo for its inputs
+   8u..8u + 3, hi for 8u + 4..8u + 7 (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) */
+template <int TYPE>
+static inline __attribute__((always_inline)) void kchunk_weights(const uint8_t *qs, const uint8_t *qh, int u,
+                                                                 vq_int *lo, vq_int *hi) {
+    const vq_int w = vq_load(qs + 64 * u);
+    *lo = vq_nib_lo(w), *hi = vq_nib_hi(w);
+    if (TYPE == GGUF_Q5_K) {
+        const vq_int top = vq_load(qh);
+        *lo = vq_or(*lo, vq_shl4(vq_bits(top, u, 1)));
+        *hi = vq_or(*hi, vq_shl4(vq_bits(top, u + 4, 1)));
+    } else if (TYPE == GGUF_Q6_K) {
+        const vq_int top = vq_load(qh + 64 * (u / 2));
+        *lo = vq_or(*lo, vq_shl4(vq_bits(top, 4 * (u % 2), 3)));
+        *hi = vq_or(*hi, vq_shl4(vq_bits(top, 4 * (u % 2) + 2, 3)));
+    }
+}
+
+/* chunks u0, u0 + 1 of a k-quant run against rows xq, xq + k, ...: isum[r] += the integer dot products of
+   their 16 inputs */
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void kchunks(const uint8_t *qs, const uint8_t *qh, int u0,
                                                           const int8_t *xq, int64_t k, vq_int *isum) {
     for (int u = u0; u < u0 + 2; u++) {
-        const vq_int w = vq_load(qs + 64 * u);
-        vq_int lo = vq_nib_lo(w), hi = vq_nib_hi(w);
-        if (TYPE == GGUF_Q5_K) {
-            const vq_int top = vq_load(qh);
-            lo = vq_or(lo, vq_shl4(vq_bits(top, u, 1)));
-            hi = vq_or(hi, vq_shl4(vq_bits(top, u + 4, 1)));
-        } else if (TYPE == GGUF_Q6_K) {
-            const vq_int top = vq_load(qh + 64 * (u / 2));
-            lo = vq_or(lo, vq_shl4(vq_bits(top, 4 * (u % 2), 3)));
-            hi = vq_or(hi, vq_shl4(vq_bits(top, 4 * (u % 2) + 2, 3)));
-        }
+        vq_int lo, hi;
+        kchunk_weights<TYPE>(qs, qh, u, &lo, &hi);
         for (int r = 0; r < MR; r++) {
             isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xq + r * k + 8 * u));
             isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
         }
     }
+}
+
+#if SIMD_Q_SUM16
+/* chunks [u0, u1) of a k-quant run against rows xq, xq + k, ...: ssum[r] += m times their integer dot
+   products, summed first in 16-bit lanes (vpmaddubsw's pairs, no vpmaddwd per product) and widened once by
+   the channels' scale m (vq_pair16's form): the same integers as m times kchunks' sums. The 16-bit lanes
+   hold 2 (u1 - u0) products of a weight and |x| <= 127: Q4_K 8 x 2 x 15 x 127 = 30480 (a run), Q5_K
+   4 x 2 x 31 x 127 = 31496 (half a run), Q6_K 2 x 2 x 63 x 127 = 32004 (a chunk), each < 2^15 */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void kchunks16(const uint8_t *qs, const uint8_t *qh, int u0, int u1,
+                                                            const int8_t *xq, int64_t k, vq_int m, vq_int *ssum) {
+    vq_int lo[4], hi[4];  // the chunks' weights, split once for every row (at most 8 registers)
+    for (int u = u0; u < u1; u++) kchunk_weights<TYPE>(qs, qh, u, &lo[u - u0], &hi[u - u0]);
+    for (int r = 0; r < MR; r++) {  // a row's products added one after another (vq_keep), into one register
+        const int8_t *xr = xq + r * k;
+        vq_int acc16 = vq_zero();
+        for (int u = u0; u < u1; u++) {
+            acc16 = vq_keep(vq_madd16(acc16, lo[u - u0], vq_quad(xr + 8 * u)));
+            acc16 = vq_keep(vq_madd16(acc16, hi[u - u0], vq_quad(xr + 8 * u + 4)));
+        }
+        ssum[r] = vq_widen16_by(ssum[r], acc16, m);
+    }
+}
+#endif
+
+/* a k-quant run j of rows [r0, r0 + MR) against the lanes of a tile super-block (qs, qh: the run's bits; sc:
+   Q6_K's scales of the lanes, S: Q4_K / Q5_K's packed scales and mins): ssum[r] = the run's integer sum
+   scaled per channel (gguf_x16.h: Q4_K / Q5_K s_j isum, Q6_K sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi -
+   32 sx_hi)); *min: Q4_K / Q5_K's 6-bit mins m_j of the lanes */
+template <int MR, int TYPE>
+static inline __attribute__((always_inline)) void krun_sums(const QRows &qr, const uint8_t *qs, const uint8_t *qh,
+                                                            const uint8_t *sc, const uint8_t *S, int j,
+                                                            const int8_t *xq, int64_t k, int64_t i0, int64_t nb,
+                                                            vq_int *ssum, vq_int *min) {
+    if (TYPE == GGUF_Q6_K) {
+        const vq_int sc_lo = vq_lanes_s8(sc + 16 * (2 * j)), sc_hi = vq_lanes_s8(sc + 16 * (2 * j + 1));
+#if SIMD_Q_SUM16
+        for (int r = 0; r < MR; r++) {  // sc_lo (-32 sx_lo) + sc_hi (-32 sx_hi), then the chunks' products
+            const int32_t *o = qr.o + 2 * (i0 + r * nb);
+            ssum[r] = vq_add(vq_mul(vq_set1(o[0]), sc_lo), vq_mul(vq_set1(o[1]), sc_hi));
+        }
+        const vq_int m_lo = vq_pair16(sc_lo), m_hi = vq_pair16(sc_hi);
+        for (int u = 0; u < 4; u++) kchunks16<MR, TYPE>(qs, qh, u, u + 1, xq, k, u < 2 ? m_lo : m_hi, ssum);
+#else
+        vq_int isum[MR], isum_hi[MR];  // from -32 sx of each half: the sums of (q - 32) x (the same integers)
+        for (int r = 0; r < MR; r++) {
+            const int32_t *o = qr.o + 2 * (i0 + r * nb);
+            isum[r] = vq_set1(o[0]), isum_hi[r] = vq_set1(o[1]);
+        }
+        kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);  // chunks 0, 1 are the first 16 inputs, 2, 3 the last
+        kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum_hi);
+        for (int r = 0; r < MR; r++) ssum[r] = vq_add(vq_mul(isum[r], sc_lo), vq_mul(isum_hi[r], sc_hi));
+#endif
+        return;
+    }
+    vq_int scale;
+    k_scale_min(S, j, &scale, min);
+    for (int r = 0; r < MR; r++) ssum[r] = vq_zero();
+#if SIMD_Q_SUM16
+    const vq_int m = vq_pair16(scale);
+    if (TYPE == GGUF_Q4_K) {
+        kchunks16<MR, TYPE>(qs, qh, 0, 4, xq, k, m, ssum);
+    } else {
+        kchunks16<MR, TYPE>(qs, qh, 0, 2, xq, k, m, ssum);
+        kchunks16<MR, TYPE>(qs, qh, 2, 4, xq, k, m, ssum);
+    }
+#else
+    kchunks<MR, TYPE>(qs, qh, 0, xq, k, ssum);
+    kchunks<MR, TYPE>(qs, qh, 2, xq, k, ssum);
+    for (int r = 0; r < MR; r++) ssum[r] = vq_mul(ssum[r], scale);
+#endif
 }
 
 /* rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL) of its 16 channels; TYPE the
@@ -408,19 +501,6 @@ static inline __attribute__((always_inline)) void x16_prefetch_run(const uint8_t
     for (int64_t l = 0; l < per_run; l += 64) simd_prefetch_l1(blk + X16_PREFETCH_BYTES + j * per_run + l);
 }
 
-/* sub-block j's 6-bit scale and min of the lanes' channels: S = the tile's S[12][16] + the lanes' first
-   channel (gguf_k_scale_min, for X16_VL channels at once) */
-static inline __attribute__((always_inline)) void k_scale_min(const uint8_t *S, int j, vq_int *scale, vq_int *min) {
-    if (j < 4) {
-        *scale = vq_and1(vq_lanes_u8(S + 16 * j), 63);
-        *min = vq_and1(vq_lanes_u8(S + 16 * (j + 4)), 63);
-        return;
-    }
-    const vq_int low = vq_lanes_u8(S + 16 * (j + 4)), top_s = vq_lanes_u8(S + 16 * (j - 4)), top_m = vq_lanes_u8(S + 16 * j);
-    *scale = vq_or(vq_and1(low, 15), vq_sll(vq_srl(top_s, 6), 4));
-    *min = vq_or(vq_srl(low, 4), vq_sll(vq_srl(top_m, 6), 4));
-}
-
 /* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL),
    a 32-input run at a time, summed in integers per run and scaled as gguf_x16.h writes, with the float work
    per (row, run) kept to the least (it is as many instructions as the dot products for a batch of rows):
@@ -453,38 +533,17 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
             if (h == 0 && first) x16_prefetch_run(blk, X16_TILE * sb_bytes, j);  // the slice's first pass
             const uint8_t *qs = blk + kq_qs_offset(type, j) + lane_bytes * h;
             const uint8_t *qh = blk + kq_qh_offset(type, j) + lane_bytes * h;
-            vq_int isum[MR], isum_hi[MR];  // Q6_K: isum over the run's first 16 inputs, isum_hi the last 16
-            if (type == GGUF_Q6_K) {  // from -32 sx of each half: the sums of (q - 32) x (the same integers)
-                for (int r = 0; r < MR; r++) {
-                    const int32_t *o = qr.o + 2 * ((r0 + r) * nb + sb * 8 + j);
-                    isum[r] = vq_set1(o[0]), isum_hi[r] = vq_set1(o[1]);
-                }
-            } else {
-                for (int r = 0; r < MR; r++) isum[r] = vq_zero();
-            }
             const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
-            if (type == GGUF_Q6_K) {  // chunks 0, 1 are the first 16 inputs, 2, 3 the last (two sums)
-                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
-                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum_hi);
-            } else {
-                kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);
-                kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum);
-            }
+            const int64_t i0 = r0 * nb + sb * 8 + j;  // row r0's block of this run (row r: i0 + r nb)
+            vq_int ssum[MR], min;
+            krun_sums<MR, TYPE>(qr, qs, qh, blk + 32 + X16_VL * h, blk + 64 + X16_VL * h, j, xq, k, i0, nb, ssum, &min);
             if (type == GGUF_Q6_K) {
-                const uint8_t *sc = blk + 32 + X16_VL * h;
-                const vq_int sc_lo = vq_lanes_s8(sc + 16 * (2 * j)), sc_hi = vq_lanes_s8(sc + 16 * (2 * j + 1));
-                for (int r = 0; r < MR; r++) {
-                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
-                    const vq_int sum = vq_add(vq_mul(isum[r], sc_lo), vq_mul(isum_hi[r], sc_hi));
-                    sacc[r] = vq_ffma(vq_fcvt(sum), vq_fset1(qr.d[i]), sacc[r]);
-                }
+                for (int r = 0; r < MR; r++) sacc[r] = vq_ffma(vq_fcvt(ssum[r]), vq_fset1(qr.d[i0 + r * nb]), sacc[r]);
             } else {
-                vq_int scale, min;
-                k_scale_min(blk + 64 + X16_VL * h, j, &scale, &min);
                 const vq_float min_term = vq_fmul(vq_fcvt(min), neg_dmin);  // -dmin m_j of the lanes' channels
                 for (int r = 0; r < MR; r++) {
-                    const int64_t i = (r0 + r) * nb + sb * 8 + j;
-                    sacc[r] = vq_ffma(vq_fcvt(vq_mul(isum[r], scale)), vq_fset1(qr.d[i]), sacc[r]);
+                    const int64_t i = i0 + r * nb;
+                    sacc[r] = vq_ffma(vq_fcvt(ssum[r]), vq_fset1(qr.d[i]), sacc[r]);
                     acc[r] = vq_ffma(min_term, vq_fset1(qr.ds[i]), acc[r]);
                 }
             }

@@ -230,6 +230,20 @@ SIMD_INLINE vq_int vq_madd16(vq_int acc16, vq_int w, vq_int x) {
 SIMD_INLINE vq_int vq_widen16(vq_int acc, vq_int acc16, int16_t m) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(m)));
 }
+/* acc + the sums of acc16's lane pairs times m's 16-bit halves (a channel's multiplier in both: vq_pair16) */
+SIMD_INLINE vq_int vq_widen16_by(vq_int acc, vq_int acc16, vq_int m) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, m));
+}
+/* v, pinned in a register at this point: a chain of sums kept a chain (the compiler would otherwise regroup
+   it into a tree of many live products, more than AVX2's 16 registers, and spill them) */
+SIMD_INLINE vq_int vq_keep(vq_int v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+/* each 32-bit lane's value (|v| < 2^15) in both of its 16-bit halves: a multiplier per channel for vq_widen16_by */
+SIMD_INLINE vq_int vq_pair16(vq_int v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
 /* a table of 16 bytes (the non-linear 4-bit types' values, sign flipped as Q8 weights are stored), in both
    128-bit halves for vpshufb */
 typedef __m256i vq_tab;
