@@ -25,6 +25,7 @@
 
 #include <math.h>
 #include <string.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include "../simd/simd.h"
@@ -764,6 +765,15 @@ static int64_t x16_block_rows(int64_t k) {
     return block_rows < X16_MR ? X16_MR : block_rows;
 }
 
+/* tiles a thread of the team takes at a time against a batch of rows (compute-bound): about 16 chunks per
+   thread, taken as threads free up, so that a core slowed by another load (a shared host, a hyperthread's
+   sibling) leaves its chunks to the others instead of holding back the whole call. Which thread sums a tile
+   does not change its bits */
+static int64_t x16_tile_chunk(int64_t num_tiles) {
+    const int64_t chunk = num_tiles / (16 * (int64_t)omp_get_num_threads());
+    return chunk > 1 ? chunk : 1;
+}
+
 void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
     const int64_t k = n->in_features, num_tiles = n->out_features / X16_TILE;
     const QRows qr = scratch_rows(n, rows);
@@ -772,8 +782,14 @@ void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
     const int64_t block_rows = x16_block_rows(k);
     for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
         const int64_t m = rows - row0 < block_rows ? rows - row0 : block_rows;
+        if (m < X16_MR) {  // a few rows (memory-bound, short): a static split, no thread waits on a late one
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < num_tiles; t++) type_tile_rows(n, qr, t, row0, m);
+            for (int64_t t = 0; t < num_tiles; t++) type_tile_rows(n, qr, t, row0, m);
+        } else {
+            const int64_t chunk = x16_tile_chunk(num_tiles);
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t t = 0; t < num_tiles; t++) type_tile_rows(n, qr, t, row0, m);
+        }
     }
 }
 
