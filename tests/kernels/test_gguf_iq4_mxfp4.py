@@ -61,7 +61,7 @@ def random_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: i
 FP16_SCALES_AT = {Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 # the digest's types beyond TYPES: those whose AVX2 sums take another path than the scalar build's (16-bit
 # lanes widened in batches: run_sums, kchunks)
-DIGEST_TYPES = [*TYPES, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+DIGEST_TYPES = [*TYPES, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def reference(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:

@@ -142,26 +142,20 @@ static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_
                                                            vq_int *isum) {
 #if SIMD_Q_SUM16
     /* vpmaddubsw without VNNI: a run's 8 products per lane pair add up in 16 bits and widen once; a q8 weight
-       (stored q + 128, SIMD_Q8_OFFSET) is two 4-bit digits, 16 hi + lo, each summed so and widened apart */
+       (stored q + 128, SIMD_Q8_OFFSET) is two 4-bit digits, 16 hi + lo, each summed so and widened apart (the
+       4-bit types take kchunks16, tile_rows) */
+    (void)q8;
     vq_int lo16[MR], hi16[MR];
     for (int r = 0; r < MR; r++) lo16[r] = vq_zero(), hi16[r] = vq_zero();
-    for (int u = 0; u < (q8 ? 8 : 4); u++) {
+    for (int u = 0; u < 8; u++) {
         const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
         for (int r = 0; r < MR; r++) {
-            if (q8) {
-                const vq_int x = vq_quad(xq + r * k + 4 * u);
-                lo16[r] = vq_madd16(lo16[r], lo, x);
-                hi16[r] = vq_madd16(hi16[r], hi, x);
-            } else {
-                lo16[r] = vq_madd16(lo16[r], lo, vq_quad(xq + r * k + 8 * u));
-                lo16[r] = vq_madd16(lo16[r], hi, vq_quad(xq + r * k + 8 * u + 4));
-            }
+            const vq_int x = vq_quad(xq + r * k + 4 * u);
+            lo16[r] = vq_madd16(lo16[r], lo, x);
+            hi16[r] = vq_madd16(hi16[r], hi, x);
         }
     }
-    for (int r = 0; r < MR; r++) {
-        isum[r] = vq_widen16(isum[r], lo16[r], 1);
-        if (q8) isum[r] = vq_widen16(isum[r], hi16[r], 16);
-    }
+    for (int r = 0; r < MR; r++) isum[r] = vq_widen16(vq_widen16(isum[r], lo16[r], 1), hi16[r], 16);
 #else
     if (q8) {
         for (int u = 0; u < 8; u++) {
@@ -396,6 +390,15 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
         const uint8_t *blk = tile + b * X16_TILE * block_bytes, *qs = blk + head + lane_bytes * h;
         vq_int isum[MR];
         for (int r = 0; r < MR; r++) isum[r] = vq_zero();
+#if SIMD_Q_SUM16
+        const vq_int ones = vq_pair16(vq_set1(1));  // 16-bit sums widened as they are (kchunks16)
+        if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
+            kchunks16<MR, GGUF_Q5_K>(qs, qs + 256, 0, 2, qr.q + r0 * k + b * 32, k, ones, isum);
+            kchunks16<MR, GGUF_Q5_K>(qs, qs + 256, 2, 4, qr.q + r0 * k + b * 32, k, ones, isum);
+        } else if constexpr (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // nibbles as a Q4_K run's
+            kchunks16<MR, GGUF_Q4_K>(qs, qs, 0, 4, qr.q + r0 * k + b * 32, k, ones, isum);
+        } else
+#endif
         if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
             kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 0, qr.q + r0 * k + b * 32, k, isum);
             kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 2, qr.q + r0 * k + b * 32, k, isum);
