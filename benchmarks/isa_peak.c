@@ -13,6 +13,10 @@
  *   f32 FMA ymm (vfmadd231ps)                       8   (float32 GEMM, AVX2)
  *   int8 AVX2 (vpmaddubsw + vpmaddwd + vpaddd)     32   (8-bit activations, AVX2 without VNNI;
  *                                                        one MAC = u8 x s8, three instructions)
+ *   int8 AVX2, 16-bit sums (vpmaddubsw + vpaddw)   32   (the same, the products of a run of inputs
+ *                                                        added in 16-bit lanes and widened once per
+ *                                                        run, as our AVX2 kernels do for 4- to 6-bit
+ *                                                        weights: two instructions per 32 MACs)
  *   f32 FMA zmm                                    16   (float32 GEMM, AVX-512)
  *   bf16 dot zmm (vdpbf16ps)                       32   (bfloat16 GEMM, AVX512-BF16)
  *   int8 VNNI zmm (vpdpbusd)                       64   (8-bit activations, AVX512-VNNI)
@@ -79,6 +83,18 @@ __attribute__((target("avx2"))) static float int8_ymm(void) {
     return s;
 }
 
+/* vpmaddubsw's 16-bit pairs added in 16-bit lanes (vpaddw), the widening left out (one per run of 8 or so) */
+__attribute__((target("avx2"))) static float int8_sum16_ymm(void) {
+    __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
+#define STEP2(k, unused) { __m256i t; asm volatile("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" \
+                                                   : "+x"(c##k), "=&x"(t) : "x"(a), "x"(b)); }
+    REP12(DECL, __m256i, EPI32_256)
+    for (long i = 0; i < ITERS; i++) { REP12(STEP2, 0) }
+    float s = 0;
+    REP12(FOLD, _mm256_cvtsi256_si32)
+    return s;
+}
+
 static void report(const char *name, int supported, float (*loop)(void), int macs_per_instr) {
     if (!supported) {
         printf("%-44s  not on this CPU\n", name);
@@ -98,6 +114,7 @@ int main(void) {
     int avx512 = __builtin_cpu_supports("avx512f");
     report("f32 FMA ymm (AVX2), 8 MAC", avx2, fma_ymm, 8);
     report("int8 maddubs+madd+add ymm (AVX2), 32 MAC", avx2, int8_ymm, 32);
+    report("int8 maddubs+add16 ymm (AVX2), 32 MAC", avx2, int8_sum16_ymm, 32);
     report("f32 FMA zmm (AVX-512), 16 MAC", avx512, fma_zmm, 16);
     report("bf16 vdpbf16ps zmm (AVX512-BF16), 32 MAC", avx512 && __builtin_cpu_supports("avx512bf16"), bf16_zmm, 32);
     report("int8 vpdpbusd zmm (AVX512-VNNI), 64 MAC", avx512 && __builtin_cpu_supports("avx512vnni"), vnni_zmm, 64);

@@ -240,12 +240,6 @@ SIMD_INLINE vq_int vq_keep(vq_int v) {
     __asm__("" : "+x"(v));
     return v;
 }
-/* p, computed here (not hoisted out of the loops: the compiler would keep one address per row and input
-   offset, more than the 16 general registers, and reload them from the stack) */
-SIMD_INLINE const int8_t *simd_keep_ptr(const int8_t *p) {
-    __asm__("" : "+r"(p));
-    return p;
-}
 /* each 32-bit lane's value (|v| < 2^15) in both of its 16-bit halves: a multiplier per channel for vq_widen16_by */
 SIMD_INLINE vq_int vq_pair16(vq_int v) {
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
