@@ -151,8 +151,8 @@ static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_
         const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
         for (int r = 0; r < MR; r++) {
             const vq_int x = vq_quad(xq + r * k + 4 * u);
-            lo16[r] = vq_madd16(lo16[r], lo, x);
-            hi16[r] = vq_madd16(hi16[r], hi, x);
+            lo16[r] = vq_keep(vq_madd16(lo16[r], lo, x));  // chains kept chains (vq_keep), not trees that spill
+            hi16[r] = vq_keep(vq_madd16(hi16[r], hi, x));
         }
     }
     for (int r = 0; r < MR; r++) isum[r] = vq_widen16(vq_widen16(isum[r], lo16[r], 1), hi16[r], 16);
@@ -193,8 +193,8 @@ static inline __attribute__((always_inline)) void table_run_sums(vq_tab tab, con
             const vq_int idx = e ? vq_nib_hi(w) : vq_nib_lo(w), lo = vq_lookup(tab_lo, idx), hi = vq_lookup(tab_hi, idx);
             for (int r = 0; r < MR; r++) {
                 const vq_int x = vq_quad(xq + r * k + 8 * u + 4 * e);
-                lo16[r] = vq_madd16(lo16[r], lo, x);
-                hi16[r] = vq_madd16(hi16[r], hi, x);
+                lo16[r] = vq_keep(vq_madd16(lo16[r], lo, x));  // chains kept chains (vq_keep)
+                hi16[r] = vq_keep(vq_madd16(hi16[r], hi, x));
             }
         }
     }
@@ -225,8 +225,8 @@ static inline __attribute__((always_inline)) void mxfp4_run_sums(vq_tab tab, con
         for (int u = 2 * half; u < 2 * half + 2; u++) {
             const vq_int w = vq_load(qs + 64 * u), lo = vq_lookup(tab, vq_nib_lo(w)), hi = vq_lookup(tab, vq_nib_hi(w));
             for (int r = 0; r < MR; r++) {
-                acc16[r] = vq_madd16(acc16[r], lo, vq_quad(xq + r * k + 8 * u));
-                acc16[r] = vq_madd16(acc16[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+                acc16[r] = vq_keep(vq_madd16(acc16[r], lo, vq_quad(xq + r * k + 8 * u)));  // chains kept (vq_keep)
+                acc16[r] = vq_keep(vq_madd16(acc16[r], hi, vq_quad(xq + r * k + 8 * u + 4)));
             }
         }
         for (int r = 0; r < MR; r++) isum[r] = vq_widen16(isum[r], acc16[r], 1);
