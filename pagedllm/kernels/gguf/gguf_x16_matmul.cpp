@@ -142,8 +142,9 @@ static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_
                                                            vq_int *isum) {
 #if SIMD_Q_SUM16
     /* vpmaddubsw without VNNI: a run's 8 products per lane pair add up in 16 bits and widen once; a q8 weight
-       (stored q + 128, SIMD_Q8_OFFSET) is two 4-bit digits, 16 hi + lo, each summed so and widened apart (the
-       4-bit types take kchunks16, tile_rows) */
+       (stored q + 128, SIMD_Q8_OFFSET) is two 4-bit digits, 16 hi + lo, each summed so and widened apart. Only
+       the 8-bit weights come here: the 4-bit types (Q4_0, Q4_1, GROUP_I4) take kchunks16 (tile_rows,
+       gtile_rows) */
     (void)q8;
     vq_int lo16[MR], hi16[MR];
     for (int r = 0; r < MR; r++) lo16[r] = vq_zero(), hi16[r] = vq_zero();
@@ -579,7 +580,12 @@ static inline __attribute__((always_inline)) void gtile_rows(const LinearNode *n
             const int64_t b = g * num_runs + j;
             vq_int isum[MR];
             for (int r = 0; r < MR; r++) isum[r] = vq_zero();
-            run_sums<MR>(TYPE == GROUP_I8, qs, qr.q + r0 * k + b * 32, k, isum);
+#if SIMD_Q_SUM16
+            if constexpr (TYPE == GROUP_I4)  // nibbles as a Q4_K run's, 16-bit sums widened as they are
+                kchunks16<MR, GGUF_Q4_K>(qs, qs, 0, 4, qr.q + r0 * k + b * 32, k, vq_pair16(vq_set1(1)), isum);
+            else
+#endif
+                run_sums<MR>(TYPE == GROUP_I8, qs, qr.q + r0 * k + b * 32, k, isum);
             for (int r = 0; r < MR; r++) {
                 const int64_t i = (r0 + r) * nb + b;
                 const vq_int sum = TYPE == GROUP_I8 && X16_Q8_OFFSET ? vq_sub1(isum[r], X16_Q8_OFFSET * qr.s[i]) : isum[r];
