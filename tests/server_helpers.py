@@ -141,12 +141,19 @@ def serve_in_thread(engine, **settings) -> Iterator[str]:  # noqa: ANN001
     import torch
     import uvicorn
 
-    from pagedllm.entrypoints.openai.api_server import ServerSettings, create_server_app
+    from pagedllm.entrypoints.openai.api_server import (
+        SHUTDOWN_GRACE_S,
+        ServerSettings,
+        create_server_app,
+    )
 
     threads = torch.get_num_threads()
     port = free_port()
     app = create_server_app(engine, ServerSettings(port=port, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # the real server's grace: a stream left open (a browser's /kv page) would otherwise hold the stop (and the
+    # join below) for its whole 30 s
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
