@@ -165,6 +165,18 @@ def release_kv_blocks(kv_cache: torch.Tensor, ranges: list[tuple[int, int]]) -> 
     return released
 
 
+def trim_heap() -> None:
+    """Hand the C allocator's free memory back to the OS (glibc's ``malloc_trim``; nothing where the C library
+    has none).
+
+    Called as the engine goes idle, beside the KV pages: a burst's activations leave freed chunks in the
+    allocator's arenas, which glibc keeps for the next allocation unless trimmed (a server idle after a
+    burst of 32 requests on the bundled model kept 100-190 MiB of them)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def resident_kv_bytes(kv_cache: torch.Tensor) -> int:
     """Bytes of the cache tensor the OS holds in memory now (``mincore``); its full size where that is unknown."""
     nbytes = kv_cache.numel() * kv_cache.element_size()

@@ -38,6 +38,7 @@ from pagedllm.runner.kv_cache import (
     kv_bytes_per_block,
     release_kv_blocks,
     resident_kv_bytes,
+    trim_heap,
 )
 from pagedllm.runner.kv_calibration import calibrate_kv_transforms, calibration_text
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
@@ -414,8 +415,9 @@ class ModelRunner:
         """
         if self.tp is not None and self.tp.is_driver:
             self.tp.broadcast_record(record)
-        if record.release_blocks:
+        if record.release_blocks:  # the engine has gone idle: its pages, and the allocator's free memory
             self.kv_bytes_released += release_kv_blocks(self.kv_cache, list(record.release_blocks))
+            trim_heap()
         # first, before anything that may fail: the engine counts on the runner holding what it sent
         try:
             full = self.sequence_states.apply(record)
