@@ -135,46 +135,6 @@ static void quantize_row(const float *x, int64_t k, const QRow &out) {
 
 /* ---- the tile kernel ---- */
 
-/* one run of 32 inputs of a tile's lanes against rows xq, xq + k, ...: isum[r] += the integer dot products,
-   from 8 chunks of signed 8-bit quants (q8, the sign flipped as stored) or 4 chunks of nibble pairs */
-template <int MR>
-static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_t *qs, const int8_t *xq, int64_t k,
-                                                           vq_int *isum) {
-#if SIMD_Q_SUM16
-    /* vpmaddubsw without VNNI: a run's 8 products per lane pair add up in 16 bits and widen once; a q8 weight
-       (stored q + 128, SIMD_Q8_OFFSET) is two 4-bit digits, 16 hi + lo, each summed so and widened apart. Only
-       the 8-bit weights come here: the 4-bit types (Q4_0, Q4_1, GROUP_I4) take kchunks16 (tile_rows,
-       gtile_rows) */
-    (void)q8;
-    vq_int lo16[MR], hi16[MR];
-    for (int r = 0; r < MR; r++) lo16[r] = vq_zero(), hi16[r] = vq_zero();
-    for (int u = 0; u < 8; u++) {
-        const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
-        for (int r = 0; r < MR; r++) {
-            const vq_int x = vq_quad(xq + r * k + 4 * u);
-            lo16[r] = vq_keep(vq_madd16(lo16[r], lo, x));  // chains kept chains (vq_keep), not trees that spill
-            hi16[r] = vq_keep(vq_madd16(hi16[r], hi, x));
-        }
-    }
-    for (int r = 0; r < MR; r++) isum[r] = vq_widen16(vq_widen16(isum[r], lo16[r], 1), hi16[r], 16);
-#else
-    if (q8) {
-        for (int u = 0; u < 8; u++) {
-            const vq_int w = vq_load(qs + 64 * u);
-            for (int r = 0; r < MR; r++) isum[r] = vq_dot_q8(isum[r], w, vq_quad(xq + r * k + 4 * u));
-        }
-        return;
-    }
-    for (int u = 0; u < 4; u++) {
-        const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
-        for (int r = 0; r < MR; r++) {
-            isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xq + r * k + 8 * u));
-            isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
-        }
-    }
-#endif
-}
-
 /* one run of 32 inputs of a non-linear 4-bit type (4 chunks of nibble pairs) against rows xq, xq + k, ...:
    each nibble looked up to its table value, stored as a Q8 weight is (the sign flipped: vq_table), and
    isum[r] += the integer dot products as run_sums sums Q8_0's quants (less SIMD_Q8_OFFSET sx, the caller's) */
@@ -327,6 +287,48 @@ static inline __attribute__((always_inline)) void kchunks16(const uint8_t *qs, c
 }
 #endif
 
+/* one run of 32 inputs of a tile's lanes against rows xq, xq + k, ...: isum[r] += the integer dot products,
+   from 8 chunks of signed 8-bit quants (q8, the sign flipped as stored) or 4 chunks of nibble pairs */
+template <int MR>
+static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_t *qs, const int8_t *xq, int64_t k,
+                                                           vq_int *isum) {
+#if SIMD_Q_SUM16
+    /* vpmaddubsw without VNNI: a run's 8 products per lane pair add up in 16 bits and widen once. Nibbles
+       (Q4_0, Q4_1, GROUP_I4) as a Q4_K run's (kchunks16); a q8 weight (stored q + 128, SIMD_Q8_OFFSET) is two
+       4-bit digits, 16 hi + lo, each summed so and widened apart */
+    if (!q8) {
+        kchunks16<MR, GGUF_Q4_K>(qs, qs, 0, 4, xq, k, vq_pair16(vq_set1(1)), isum);
+        return;
+    }
+    vq_int lo16[MR], hi16[MR];
+    for (int r = 0; r < MR; r++) lo16[r] = vq_zero(), hi16[r] = vq_zero();
+    for (int u = 0; u < 8; u++) {
+        const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
+        for (int r = 0; r < MR; r++) {
+            const vq_int x = vq_quad(xq + r * k + 4 * u);
+            lo16[r] = vq_keep(vq_madd16(lo16[r], lo, x));  // chains kept chains (vq_keep), not trees that spill
+            hi16[r] = vq_keep(vq_madd16(hi16[r], hi, x));
+        }
+    }
+    for (int r = 0; r < MR; r++) isum[r] = vq_widen16(vq_widen16(isum[r], lo16[r], 1), hi16[r], 16);
+#else
+    if (q8) {
+        for (int u = 0; u < 8; u++) {
+            const vq_int w = vq_load(qs + 64 * u);
+            for (int r = 0; r < MR; r++) isum[r] = vq_dot_q8(isum[r], w, vq_quad(xq + r * k + 4 * u));
+        }
+        return;
+    }
+    for (int u = 0; u < 4; u++) {
+        const vq_int w = vq_load(qs + 64 * u), lo = vq_nib_lo(w), hi = vq_nib_hi(w);
+        for (int r = 0; r < MR; r++) {
+            isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xq + r * k + 8 * u));
+            isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+        }
+    }
+#endif
+}
+
 /* a k-quant run j of rows [r0, r0 + MR) against the lanes of a tile super-block (qs, qh: the run's bits; sc:
    Q6_K's scales of the lanes, S: Q4_K / Q5_K's packed scales and mins): ssum[r] = the run's integer sum
    scaled per channel (gguf_x16.h: Q4_K / Q5_K s_j isum, Q6_K sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi -
@@ -396,8 +398,6 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
         if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
             kchunks16<MR, GGUF_Q5_K>(qs, qs + 256, 0, 2, qr.q + r0 * k + b * 32, k, ones, isum);
             kchunks16<MR, GGUF_Q5_K>(qs, qs + 256, 2, 4, qr.q + r0 * k + b * 32, k, ones, isum);
-        } else if constexpr (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // nibbles as a Q4_K run's
-            kchunks16<MR, GGUF_Q4_K>(qs, qs, 0, 4, qr.q + r0 * k + b * 32, k, ones, isum);
         } else
 #endif
         if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
@@ -580,12 +580,7 @@ static inline __attribute__((always_inline)) void gtile_rows(const LinearNode *n
             const int64_t b = g * num_runs + j;
             vq_int isum[MR];
             for (int r = 0; r < MR; r++) isum[r] = vq_zero();
-#if SIMD_Q_SUM16
-            if constexpr (TYPE == GROUP_I4)  // nibbles as a Q4_K run's, 16-bit sums widened as they are
-                kchunks16<MR, GGUF_Q4_K>(qs, qs, 0, 4, qr.q + r0 * k + b * 32, k, vq_pair16(vq_set1(1)), isum);
-            else
-#endif
-                run_sums<MR>(TYPE == GROUP_I8, qs, qr.q + r0 * k + b * 32, k, isum);
+            run_sums<MR>(TYPE == GROUP_I8, qs, qr.q + r0 * k + b * 32, k, isum);
             for (int r = 0; r < MR; r++) {
                 const int64_t i = (r0 + r) * nb + b;
                 const vq_int sum = TYPE == GROUP_I8 && X16_Q8_OFFSET ? vq_sub1(isum[r], X16_Q8_OFFSET * qr.s[i]) : isum[r];
