@@ -123,7 +123,10 @@ def test_events_follow_the_pool_while_requests_run(open_server: str) -> None:
 
     def busy_then_idle(events: list[dict]) -> bool:
         busy = [i for i, e in enumerate(events) if e["counters"]["used_blocks"] > 0]
-        return bool(busy) and not worker.is_alive() and events[-1]["counters"]["used_blocks"] == 0
+        # the idle snapshot: no request queued. A snapshot between two requests (one done, the next still
+        # waiting) also holds no block, but its pages are given back only once the engine has no request
+        last = events[-1]
+        return bool(busy) and not worker.is_alive() and last["requests"] == [] and last["counters"]["used_blocks"] == 0
 
     events = read_events(open_server, busy_then_idle)
     worker.join(60)
