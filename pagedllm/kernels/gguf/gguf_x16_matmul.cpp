@@ -249,17 +249,28 @@ static inline __attribute__((always_inline)) void kchunk_weights(const uint8_t *
     }
 }
 
-/* chunks u0, u0 + 1 of a k-quant run against rows xq, xq + k, ...: isum[r] += the integer dot products of
-   their 16 inputs */
+/* the rows' int8 inputs xq, xq + k, ... as MR pointers, each held in a register: a row's input is then its
+   pointer plus a constant. Left to itself GCC keeps every (row, input) offset of a run on the stack and loads
+   one for each broadcast (64 loads a run for 8 rows) */
+template <int MR>
+static inline __attribute__((always_inline)) void row_pointers(const int8_t *xq, int64_t k, const int8_t **xr) {
+    for (int r = 0; r < MR; r++) {
+        xr[r] = xq + r * k;
+        __asm__("" : "+r"(xr[r]));  // opaque: not folded back into xq + offset
+    }
+}
+
+/* chunks u0, u0 + 1 of a k-quant run against rows xr[0..MR) (row_pointers; the run's inputs at xr[r] + xo):
+   isum[r] += the integer dot products of their 16 inputs */
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void kchunks(const uint8_t *qs, const uint8_t *qh, int u0,
-                                                          const int8_t *xq, int64_t k, vq_int *isum) {
+                                                          const int8_t *const *xr, int64_t xo, vq_int *isum) {
     for (int u = u0; u < u0 + 2; u++) {
         vq_int lo, hi;
         kchunk_weights<TYPE>(qs, qh, u, &lo, &hi);
         for (int r = 0; r < MR; r++) {
-            isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xq + r * k + 8 * u));
-            isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xq + r * k + 8 * u + 4));
+            isum[r] = vq_dot_u4(isum[r], lo, vq_quad(xr[r] + xo + 8 * u));
+            isum[r] = vq_dot_u4(isum[r], hi, vq_quad(xr[r] + xo + 8 * u + 4));
         }
     }
 }
@@ -330,14 +341,16 @@ static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_
 }
 
 /* a k-quant run j of rows [r0, r0 + MR) against the lanes of a tile super-block (qs, qh: the run's bits; sc:
-   Q6_K's scales of the lanes, S: Q4_K / Q5_K's packed scales and mins): ssum[r] = the run's integer sum
-   scaled per channel (gguf_x16.h: Q4_K / Q5_K s_j isum, Q6_K sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi -
-   32 sx_hi)); *min: Q4_K / Q5_K's 6-bit mins m_j of the lanes */
+   Q6_K's scales of the lanes, S: Q4_K / Q5_K's packed scales and mins; the rows' inputs at xq, xq + k, ...
+   for the 16-bit path, at xr[r] + xo for kchunks): ssum[r] = the run's integer sum scaled per channel
+   (gguf_x16.h: Q4_K / Q5_K s_j isum, Q6_K sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi - 32 sx_hi)); *min:
+   Q4_K / Q5_K's 6-bit mins m_j of the lanes */
 template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void krun_sums(const QRows &qr, const uint8_t *qs, const uint8_t *qh,
                                                             const uint8_t *sc, const uint8_t *S, int j,
-                                                            const int8_t *xq, int64_t k, int64_t i0, int64_t nb,
-                                                            vq_int *ssum, vq_int *min) {
+                                                            const int8_t *xq, int64_t k,
+                                                            const int8_t *const *xr, int64_t xo, int64_t i0,
+                                                            int64_t nb, vq_int *ssum, vq_int *min) {
     if (TYPE == GGUF_Q6_K) {
         const vq_int sc_lo = vq_lanes_s8(sc + 16 * (2 * j)), sc_hi = vq_lanes_s8(sc + 16 * (2 * j + 1));
 #if SIMD_Q_SUM16
@@ -353,8 +366,8 @@ static inline __attribute__((always_inline)) void krun_sums(const QRows &qr, con
             const int32_t *o = qr.o + 2 * (i0 + r * nb);
             isum[r] = vq_set1(o[0]), isum_hi[r] = vq_set1(o[1]);
         }
-        kchunks<MR, TYPE>(qs, qh, 0, xq, k, isum);  // chunks 0, 1 are the first 16 inputs, 2, 3 the last
-        kchunks<MR, TYPE>(qs, qh, 2, xq, k, isum_hi);
+        kchunks<MR, TYPE>(qs, qh, 0, xr, xo, isum);  // chunks 0, 1 are the first 16 inputs, 2, 3 the last
+        kchunks<MR, TYPE>(qs, qh, 2, xr, xo, isum_hi);
         for (int r = 0; r < MR; r++) ssum[r] = vq_add(vq_mul(isum[r], sc_lo), vq_mul(isum_hi[r], sc_hi));
 #endif
         return;
@@ -371,8 +384,8 @@ static inline __attribute__((always_inline)) void krun_sums(const QRows &qr, con
         kchunks16<MR, TYPE>(qs, qh, 2, 4, xq, k, m, ssum);
     }
 #else
-    kchunks<MR, TYPE>(qs, qh, 0, xq, k, ssum);
-    kchunks<MR, TYPE>(qs, qh, 2, xq, k, ssum);
+    kchunks<MR, TYPE>(qs, qh, 0, xr, xo, ssum);
+    kchunks<MR, TYPE>(qs, qh, 2, xr, xo, ssum);
     for (int r = 0; r < MR; r++) ssum[r] = vq_mul(ssum[r], scale);
 #endif
 }
@@ -401,8 +414,10 @@ static inline __attribute__((always_inline)) void tile_rows(const LinearNode *n,
         } else
 #endif
         if constexpr (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {  // nibbles and fifth bits as a Q5_K run's
-            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 0, qr.q + r0 * k + b * 32, k, isum);
-            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 2, qr.q + r0 * k + b * 32, k, isum);
+            const int8_t *xr[MR];
+            row_pointers<MR>(qr.q + r0 * k + b * 32, k, xr);
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 0, xr, 0, isum);
+            kchunks<MR, GGUF_Q5_K>(qs, qs + 256, 2, xr, 0, isum);
         } else {
             run_sums<MR>(type == GGUF_Q8_0, qs, qr.q + r0 * k + b * 32, k, isum);
         }
@@ -528,6 +543,8 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
         for (int r = 0; r < MR; r++) acc[r] = vq_fzero();
     else
         load_rows<MR>(n, acc, t, r0, h);
+    const int8_t *xr[MR];
+    row_pointers<MR>(qr.q + r0 * k, k, xr);
     for (int64_t sb = sb0; sb < sb1; sb++) {
         const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
         const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
@@ -541,7 +558,8 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
             const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
             const int64_t i0 = r0 * nb + sb * 8 + j;  // row r0's block of this run (row r: i0 + r nb)
             vq_int ssum[MR], min;
-            krun_sums<MR, TYPE>(qr, qs, qh, blk + 32 + X16_VL * h, blk + 64 + X16_VL * h, j, xq, k, i0, nb, ssum, &min);
+            krun_sums<MR, TYPE>(qr, qs, qh, blk + 32 + X16_VL * h, blk + 64 + X16_VL * h, j, xq, k, xr,
+                                sb * 256 + 32 * j, i0, nb, ssum, &min);
             if (type == GGUF_Q6_K) {
                 for (int r = 0; r < MR; r++) sacc[r] = vq_ffma(vq_fcvt(ssum[r]), vq_fset1(qr.d[i0 + r * nb]), sacc[r]);
             } else {
