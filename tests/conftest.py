@@ -203,18 +203,21 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
 
 
 @contextlib.contextmanager
-def q8_linear_inputs(model, skip: tuple = ()) -> Iterator:  # noqa: ANN001
+def q8_linear_inputs(model, skip: tuple = (), group: int = 32) -> Iterator:  # noqa: ANN001
     """Within the block, every ``nn.Linear`` of a transformers model (but those in ``skip``) sees its input
     rounded as llama.cpp's Q8 activations.
 
-    Each run of 32 features of a row becomes ``dx * round(x / dx)`` with ``dx = max |x| / 127`` (ties to
-    even): what pagedllm's integer kernels over interleaved Q4_0 / Q4_1 / Q8_0 blocks multiply (see
-    ``kernels/gguf/gguf_x16.h``), so transformers on the dequantized weights with these inputs is the oracle
-    for a model held in those blocks. Written from that definition, not from the kernels.
+    Each run of ``group`` features of a row becomes ``dx * round(x / dx)`` with ``dx = max |x| / 127`` (ties
+    to even): with 32, what pagedllm's integer kernels over interleaved Q4_0 / Q4_1 / Q8_0 blocks multiply;
+    with 256, what those over the k-quants multiply (llama.cpp's Q8_K; see ``kernels/gguf/gguf_x16.h``). An
+    input whose width is not a multiple of ``group`` goes in runs of 32 (a narrow k-quant layer falls back to
+    Q5_0 / Q5_1). So transformers on the dequantized weights with these inputs is the oracle for a model held
+    in those blocks. Written from that definition, not from the kernels.
     """
     def hook(module: torch.nn.Module, args: tuple) -> tuple:
         x = args[0]
-        blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+        run = group if x.shape[-1] % group == 0 else 32
+        blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // run, run)
         dx = blocks.abs().amax(-1, keepdim=True) / 127
         inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
         rounded = torch.round(blocks * inv).clamp(-127, 127) * dx
@@ -241,14 +244,17 @@ def q8_linear_inputs(model, skip: tuple = ()) -> Iterator:  # noqa: ANN001
 FLOAT_ACTIVATIONS = {"gguf_activations": "float32"}
 
 
-def assert_greedy_within_q8_noise(hf, prompt: list[int], ours: list[int]) -> float | None:  # noqa: ANN001
+def assert_greedy_within_q8_noise(hf, prompt: list[int], ours: list[int], group: int = 32) -> float | None:  # noqa: ANN001
     """``ours`` (greedy tokens of a model held in interleaved blocks, 8-bit activations) against greedy
     transformers on the dequantized weights, unrounded: equal, or parting at a near-tie only.
 
     Where they first part, transformers' own logit gap between its token and ours must be no larger than
-    the largest change that rounding the linear inputs to 8 bits (``q8_linear_inputs``, transformers
-    again: an independent measure) makes to the gap between the top two tokens at any position of
-    transformers' continuation. Returns the gap at the parting (None when equal).
+    the largest change that rounding the linear inputs to 8 bits (``q8_linear_inputs`` in runs of ``group``:
+    256 for a model with k-quant layers; transformers again: an independent measure) makes to the gap between
+    the top two tokens at any position of transformers' continuation. Or ``ours`` are transformers' own greedy
+    tokens with its linear inputs rounded so (the oracle itself: in a small random model one coarse rounding
+    can raise a third token past a gap the top two keep, and the continuations then part for good). Returns
+    the gap at the parting (None when equal).
     """
     plain = hf_greedy(hf, prompt, len(ours))
     if ours == plain:
@@ -257,8 +263,10 @@ def assert_greedy_within_q8_noise(hf, prompt: list[int], ours: list[int]) -> flo
     ids = torch.tensor([prompt + plain])
     with torch.inference_mode():
         logits = hf(ids).logits[0, len(prompt) - 1 :]  # [len(ours) + 1, vocab]: each continuation position
-        with q8_linear_inputs(hf):
+        with q8_linear_inputs(hf, group=group):
             rounded = hf(ids).logits[0, len(prompt) - 1 :]
+            if ours == hf_greedy(hf, prompt, len(ours)):
+                return float(logits[i, plain[i]] - logits[i, ours[i]])
     top2 = logits.topk(2).indices  # [positions, 2]
     moved = ((logits.gather(1, top2) @ torch.tensor([1.0, -1.0])) - (rounded.gather(1, top2) @ torch.tensor([1.0, -1.0])))
     gap = float(logits[i, plain[i]] - logits[i, ours[i]])

@@ -318,7 +318,7 @@ def test_a_q4_k_m_file_with_mixed_qkv_on_two_ranks(tiny_model_dirs: dict[str, st
         "gguf-q4_k-x16+q4_k-x16+q6_k-x16")
     outs = two.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert_greedy_within_q8_noise(hf, prompt["prompt_token_ids"], out.outputs[0].token_ids)
+        assert_greedy_within_q8_noise(hf, prompt["prompt_token_ids"], out.outputs[0].token_ids, group=256)
 
 
 # fp8 is not run here: its head rows have int8's layout and rules (values, then one float32 scale per token

@@ -55,7 +55,7 @@ static void gather_team(const MoeLinearArgs *a) {
     }
     uint8_t *tokens = (uint8_t *)a->scratch, *pairs = tokens + token_rows_bytes(a->num_tokens, k);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < a->num_tokens; t++) gguf_x16_quantize_row(a->x + t * k, k, tokens, a->num_tokens, t);
+    for (int64_t t = 0; t < a->num_tokens; t++) gguf_x16_quantize_row(a->x + t * k, k, a->type, tokens, a->num_tokens, t);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < a->num_pairs; p++)
         gguf_x16_copy_row(tokens, a->num_tokens, a->token_ids[p], pairs, a->num_pairs, p, k);

@@ -53,21 +53,29 @@
  *     the top two bits of q[c][8u + i], bits 4e + 2, 4e + 3 those of q[c][8u + 4 + i];
  *   Q6_K sc[s][c]: channel c's scale of its 16-weight sub-block s.
  *
- * and a run sums, per channel, as a Q4 run does, scaled in integers:
+ * A row's super-block of 256 inputs is rounded on one grid: dx = its max |x| /
+ * 127, the same for its 8 blocks (llama.cpp's Q8_K, where the other types
+ * round each block of 32 on its own, as Q8_0). So a run sums, per channel, as a
+ * Q4 run does, scaled in integers, and the super-block's runs add up in
+ * integers before its one float step:
  *
- *   Q4_K / Q5_K  y += float(s_j isum) d dx  +  float(m_j sx) (-dmin) dx
- *   Q6_K         y += float(sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi - 32 sx_hi)) d dx
+ *   Q4_K / Q5_K  isacc = sum_j s_j isum_j,  imin = sum_j m_j sx_j
+ *                y += float(isacc) (d dx)  +  float(imin) (-dmin dx)
+ *   Q6_K         isacc = sum_j sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi - 32 sx_hi)
+ *                y += float(isacc) (d dx)
  *
- * (isum_lo / sx_lo over the run's first 16 inputs; every product fits
- * float32's 24 bits, so the conversions are exact; Q6_K's isum_lo starts at
- * -32 sx_lo rather than 0, the same integer with no subtraction per row).
+ * (isum_lo / sx_lo over the run's first 16 inputs; Q6_K's isum_lo starts at
+ * -32 sx_lo rather than 0, the same integer with no subtraction per row; every
+ * sum fits int32, |isacc| < 2^28, and its conversion to float32 rounds once,
+ * alike in every build).
  * A tile of a long input is summed a slice of about 32 KiB of its
  * super-blocks at a time, every row of the block per slice, so the slice
  * stays in L1; a row's sum goes on from where the previous slice left it
  * (stored in the output as float32 and loaded back: the same operations in
  * the same order as in one pass).
  *
- * Q2_K and Q3_K keep their 2-bit quants four to a byte, a run's 8 chunks of
+ * Q2_K and Q3_K (their rows rounded per block of 32, as the 4-bit types')
+ * keep their 2-bit quants four to a byte, a run's 8 chunks of
  * 4 inputs in two vectors (chunk u at bits 2 (u % 4) of vector u / 4, byte
  * 4c + i), and Q3_K each quant's third bit at bit u of a third vector:
  *
@@ -162,11 +170,11 @@ void gguf_x16_linear_team(const LinearNode *n, int64_t rows);
 /* The pieces of a grouped-expert matmul (gguf_moe_linear.cpp), each on the calling thread, over scratches of
    gguf_x16_scratch_bytes(rows, k) bytes:
    gguf_x16_quantize_row: the k inputs x rounded to int8 into row `row` of a scratch of `rows` rows, as
-     gguf_x16_linear_team rounds each of its rows;
+     gguf_x16_linear_team rounds each of its rows for a weight of `type`;
    gguf_x16_copy_row: row src_row of one scratch (its int8 inputs and block sums) to row dst_row of another;
    gguf_x16_tiles: rows [row0, row0 + m) of a scratch of `rows` rows against tiles [t0, t1) of n's weight,
      into n->y's rows row0.. (n->x and n->scratch unused), with gguf_x16_linear_team's kernels and blocks */
-void gguf_x16_quantize_row(const float *x, int64_t k, void *scratch, int64_t rows, int64_t row);
+void gguf_x16_quantize_row(const float *x, int64_t k, int type, void *scratch, int64_t rows, int64_t row);
 void gguf_x16_copy_row(const void *src, int64_t src_rows, int64_t src_row, void *dst, int64_t dst_rows,
                        int64_t dst_row, int64_t k);
 void gguf_x16_tiles(const LinearNode *n, const void *scratch, int64_t rows, int64_t row0, int64_t m, int64_t t0,

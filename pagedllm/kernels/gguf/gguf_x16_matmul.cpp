@@ -39,6 +39,12 @@
 #endif
 #define X16_Q8_OFFSET SIMD_Q8_OFFSET
 
+static constexpr bool x16_is_kquant(int type) { return type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K; }
+
+/* inputs that share one activation grid dx: a k-quant's super-block (256: llama.cpp's Q8_K, so a super-block's
+   runs sum in integers and its float work happens once), 32 for the other types (llama.cpp's Q8_0 / Q8_1) */
+static int64_t x16_act_group(int type) { return x16_is_kquant(x16_base_type(type)) ? 256 : GGUF_BLOCK; }
+
 /* ---- 8-bit activations ---- */
 
 int64_t gguf_x16_scratch_bytes(int64_t rows, int64_t in_features) {
@@ -68,23 +74,33 @@ static QRows qrows_at(const void *scratch, int64_t rows, int64_t k) {
 
 static QRows scratch_rows(const LinearNode *n, int64_t rows) { return qrows_at(n->scratch, rows, n->in_features); }
 
-/* one block of 32 inputs rounded to int8 as llama.cpp's Q8 activations: dx = max |x| / 127, q = round(x / dx)
-   (nearbyintf: half to even), clamped to [-127, 127]; *s = the sum of the 32 quants, *h that of the first 16.
-   Every step is exact or one float operation per value in the same order, so the vector and the plain C
-   code give the same integers and dx in every build (a NaN input too: max and min keep their other operand,
-   as fmaxf / fminf do) */
-static inline void quantize_block(const float *xb, int8_t *q, float *d, int32_t *s, int32_t *h, float *ds,
-                                  int32_t *o) {
+/* max |x| over n inputs (a multiple of 8): a NaN is skipped (max keeps its other operand, as fmaxf does), so
+   the vector and the plain C code give the same float */
+static inline float inputs_amax(const float *xb, int64_t n) {
 #if SIMD_F32X8
-    f32x8 v[4], m = f32x8_zero();
-    for (int i = 0; i < 4; i++) {
-        v[i] = f32x8_load(xb + 8 * i);
-        m = f32x8_max(f32x8_abs(v[i]), m);
-    }
-    const float dx = f32x8_hmax(m) / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    f32x8 m = f32x8_zero();
+    for (int64_t i = 0; i < n; i += 8) m = f32x8_max(f32x8_abs(f32x8_load(xb + i)), m);
+    return f32x8_hmax(m);
+#else
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(xb[i]));
+    return amax;
+#endif
+}
+
+/* one block of 32 inputs rounded to int8 on the grid dx (its group's max |x| / 127, x16_act_group): q =
+   round(x / dx) (nearbyintf: half to even), clamped to [-127, 127]; *d = dx, *s = the sum of the 32 quants, *h
+   that of the first 16. Every step is exact or one float operation per value in the same order, so the vector
+   and the plain C code give the same integers in every build (a NaN input too: max and min keep their other
+   operand, as fmaxf / fminf do) */
+static inline void quantize_block(const float *xb, float dx, int8_t *q, float *d, int32_t *s, int32_t *h, float *ds,
+                                  int32_t *o) {
+    const float inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+#if SIMD_F32X8
     const f32x8 vinv = f32x8_set1(inv), lo = f32x8_set1(-127.0f), hi = f32x8_set1(127.0f);
     i32x8 qi[4];
-    for (int i = 0; i < 4; i++) qi[i] = i32x8_from_f32(f32x8_min(f32x8_max(f32x8_round(f32x8_mul(v[i], vinv)), lo), hi));
+    for (int i = 0; i < 4; i++)
+        qi[i] = i32x8_from_f32(f32x8_min(f32x8_max(f32x8_round(f32x8_mul(f32x8_load(xb + 8 * i), vinv)), lo), hi));
     *h = i32x8_hsum(i32x8_add(qi[0], qi[1]));
     *s = *h + i32x8_hsum(i32x8_add(qi[2], qi[3]));
     *d = dx;
@@ -92,9 +108,6 @@ static inline void quantize_block(const float *xb, int8_t *q, float *d, int32_t 
     o[0] = -32 * *h, o[1] = -32 * (*s - *h);
     i8x32_store_i32(q, qi[0], qi[1], qi[2], qi[3]);
 #else
-    float amax = 0.0f;
-    for (int i = 0; i < GGUF_BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-    const float dx = amax / 127.0f, inv = dx > 0.0f ? 1.0f / dx : 0.0f;
     int32_t sum = 0;
     for (int i = 0; i < GGUF_BLOCK; i++) {
         float v = nearbyintf(xb[i] * inv);
@@ -126,11 +139,15 @@ static QRow qrow_of(const QRows &qr, int64_t k, int64_t row) {
             (float *)qr.ds + row * nb, (int32_t *)qr.o + 2 * row * nb};
 }
 
-/* one row's k inputs as int8 blocks of 32 (quantize_block) */
-static void quantize_row(const float *x, int64_t k, const QRow &out) {
-    for (int64_t b = 0; b < k / GGUF_BLOCK; b++)
-        quantize_block(x + b * GGUF_BLOCK, out.q + b * GGUF_BLOCK, out.d + b, out.s + b, out.h + b, out.ds + b,
-                       out.o + 2 * b);
+/* one row's k inputs as int8 blocks of 32 (quantize_block), on one grid per `group` inputs (32, or 256 for the
+   k-quants: x16_act_group); every block of a group keeps the group's dx */
+static void quantize_row(const float *x, int64_t k, int64_t group, const QRow &out) {
+    for (int64_t g = 0; g < k; g += group) {
+        const float dx = inputs_amax(x + g, group) / 127.0f;
+        for (int64_t b = g / GGUF_BLOCK; b < (g + group) / GGUF_BLOCK; b++)
+            quantize_block(x + b * GGUF_BLOCK, dx, out.q + b * GGUF_BLOCK, out.d + b, out.s + b, out.h + b, out.ds + b,
+                           out.o + 2 * b);
+    }
 }
 
 /* ---- the tile kernel ---- */
@@ -342,7 +359,7 @@ static inline __attribute__((always_inline)) void run_sums(bool q8, const uint8_
 
 /* a k-quant run j of rows [r0, r0 + MR) against the lanes of a tile super-block (qs, qh: the run's bits; sc:
    Q6_K's scales of the lanes, S: Q4_K / Q5_K's packed scales and mins; the rows' inputs at xq, xq + k, ...
-   for the 16-bit path, at xr[r] + xo for kchunks): ssum[r] = the run's integer sum scaled per channel
+   for the 16-bit path, at xr[r] + xo for kchunks): ssum[r] += the run's integer sum scaled per channel
    (gguf_x16.h: Q4_K / Q5_K s_j isum, Q6_K sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi - 32 sx_hi)); *min:
    Q4_K / Q5_K's 6-bit mins m_j of the lanes */
 template <int MR, int TYPE>
@@ -356,7 +373,7 @@ static inline __attribute__((always_inline)) void krun_sums(const QRows &qr, con
 #if SIMD_Q_SUM16
         for (int r = 0; r < MR; r++) {  // sc_lo (-32 sx_lo) + sc_hi (-32 sx_hi), then the chunks' products
             const int32_t *o = qr.o + 2 * (i0 + r * nb);
-            ssum[r] = vq_add(vq_mul(vq_set1(o[0]), sc_lo), vq_mul(vq_set1(o[1]), sc_hi));
+            ssum[r] = vq_add(ssum[r], vq_add(vq_mul(vq_set1(o[0]), sc_lo), vq_mul(vq_set1(o[1]), sc_hi)));
         }
         const vq_int m_lo = vq_pair16(sc_lo), m_hi = vq_pair16(sc_hi);
         for (int u = 0; u < 4; u++) kchunks16<MR, TYPE>(qs, qh, u, u + 1, xq, k, u < 2 ? m_lo : m_hi, ssum);
@@ -368,13 +385,12 @@ static inline __attribute__((always_inline)) void krun_sums(const QRows &qr, con
         }
         kchunks<MR, TYPE>(qs, qh, 0, xr, xo, isum);  // chunks 0, 1 are the first 16 inputs, 2, 3 the last
         kchunks<MR, TYPE>(qs, qh, 2, xr, xo, isum_hi);
-        for (int r = 0; r < MR; r++) ssum[r] = vq_add(vq_mul(isum[r], sc_lo), vq_mul(isum_hi[r], sc_hi));
+        for (int r = 0; r < MR; r++) ssum[r] = vq_add(ssum[r], vq_add(vq_mul(isum[r], sc_lo), vq_mul(isum_hi[r], sc_hi)));
 #endif
         return;
     }
     vq_int scale;
     k_scale_min(S, j, &scale, min);
-    for (int r = 0; r < MR; r++) ssum[r] = vq_zero();
 #if SIMD_Q_SUM16
     const vq_int m = vq_pair16(scale);
     if (TYPE == GGUF_Q4_K) {
@@ -384,9 +400,11 @@ static inline __attribute__((always_inline)) void krun_sums(const QRows &qr, con
         kchunks16<MR, TYPE>(qs, qh, 2, 4, xq, k, m, ssum);
     }
 #else
-    kchunks<MR, TYPE>(qs, qh, 0, xr, xo, ssum);
-    kchunks<MR, TYPE>(qs, qh, 2, xr, xo, ssum);
-    for (int r = 0; r < MR; r++) ssum[r] = vq_mul(ssum[r], scale);
+    vq_int isum[MR];
+    for (int r = 0; r < MR; r++) isum[r] = vq_zero();
+    kchunks<MR, TYPE>(qs, qh, 0, xr, xo, isum);
+    kchunks<MR, TYPE>(qs, qh, 2, xr, xo, isum);
+    for (int r = 0; r < MR; r++) ssum[r] = vq_add(ssum[r], vq_mul(isum[r], scale));
 #endif
 }
 
@@ -521,13 +539,14 @@ static inline __attribute__((always_inline)) void x16_prefetch_run(const uint8_t
     for (int64_t l = 0; l < per_run; l += 64) simd_prefetch_l1(blk + X16_PREFETCH_BYTES + j * per_run + l);
 }
 
-/* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL),
-   a 32-input run at a time, summed in integers per run and scaled as gguf_x16.h writes, with the float work
-   per (row, run) kept to the least (it is as many instructions as the dot products for a batch of rows):
-   - a run's scaled integer sum times the row's dx goes into a per-super-block sum (sacc), times the
-     channels' d once per super-block, not once per run;
-   - Q4_K / Q5_K's min term, -dmin m_j dx sx, is one fma per (row, run): the channels' -dmin m_j (one
-     conversion and product per run, for every row) times the row's dx sx (rounded once per row, QRows.ds).
+/* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL). A
+   row's super-block of 256 inputs shares one grid dx (x16_act_group, llama.cpp's Q8_K), so the super-block sums
+   in integers and its float work happens once, not once per run of 32 (an fma costs about one vpdpbusd on Zen 4,
+   docs/performance.md):
+   - isacc[r] = the sum over its 8 runs of each run's scaled integer sum (gguf_x16.h: Q4_K / Q5_K s_j isum_j,
+     Q6_K sc_2j (isum_lo - 32 sx_lo) + sc_2j+1 (isum_hi - 32 sx_hi));
+   - Q4_K / Q5_K: imin[r] = sum_j m_j sx_j, the 6-bit mins times the runs' sums of quants;
+   - y += float(isacc) (d dx) + float(imin) (-dmin dx).
    Super-blocks [sb0, sb1) only (a slice of the tile that stays in L1 while every row of the block passes,
    ktile_slice): the sum starts from the previous slice's, left in y, unless sb0 is 0; `first`: these rows are
    the slice's first pass (its lines are asked for ahead) */
@@ -547,31 +566,40 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
     row_pointers<MR>(qr.q + r0 * k, k, xr);
     for (int64_t sb = sb0; sb < sb1; sb++) {
         const uint8_t *blk = tile + sb * X16_TILE * sb_bytes;
-        const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
-        const vq_float neg_dmin = type == GGUF_Q6_K ? vq_fzero() : vq_fmul(vq_fhalves(blk + 32 + 2 * X16_VL * h), vq_fset1(-1.0f));
-        vq_float sacc[MR];  // this super-block's sum of float(scaled isum) dx per row, times d at its end
-        for (int r = 0; r < MR; r++) sacc[r] = vq_fzero();
+        vq_int isacc[MR], min_pairs[4];  // min_pairs[p]: runs 2p and 2p + 1's mins, a 16-bit pair per lane
+        for (int r = 0; r < MR; r++) isacc[r] = vq_zero();
         for (int j = 0; j < 8; j++) {
             if (h == 0 && first) x16_prefetch_run(blk, X16_TILE * sb_bytes, j);  // the slice's first pass
             const uint8_t *qs = blk + kq_qs_offset(type, j) + lane_bytes * h;
             const uint8_t *qh = blk + kq_qh_offset(type, j) + lane_bytes * h;
-            const int8_t *xq = qr.q + r0 * k + sb * 256 + 32 * j;
-            const int64_t i0 = r0 * nb + sb * 8 + j;  // row r0's block of this run (row r: i0 + r nb)
-            vq_int ssum[MR], min;
-            krun_sums<MR, TYPE>(qr, qs, qh, blk + 32 + X16_VL * h, blk + 64 + X16_VL * h, j, xq, k, xr,
-                                sb * 256 + 32 * j, i0, nb, ssum, &min);
-            if (type == GGUF_Q6_K) {
-                for (int r = 0; r < MR; r++) sacc[r] = vq_ffma(vq_fcvt(ssum[r]), vq_fset1(qr.d[i0 + r * nb]), sacc[r]);
-            } else {
-                const vq_float min_term = vq_fmul(vq_fcvt(min), neg_dmin);  // -dmin m_j of the lanes' channels
-                for (int r = 0; r < MR; r++) {
-                    const int64_t i = i0 + r * nb;
-                    sacc[r] = vq_ffma(vq_fcvt(ssum[r]), vq_fset1(qr.d[i]), sacc[r]);
-                    acc[r] = vq_ffma(min_term, vq_fset1(qr.ds[i]), acc[r]);
-                }
-            }
+            vq_int min = vq_zero();  // Q4_K / Q5_K: this run's mins (krun_sums)
+            krun_sums<MR, TYPE>(qr, qs, qh, blk + 32 + X16_VL * h, blk + 64 + X16_VL * h, j,
+                                qr.q + r0 * k + sb * 256 + 32 * j, k, xr, sb * 256 + 32 * j, r0 * nb + sb * 8 + j, nb,
+                                isacc, &min);
+            if (type != GGUF_Q6_K) min_pairs[j / 2] = j % 2 ? vq_or(min_pairs[j / 2], vq_sll(min, 16)) : min;
         }
-        for (int r = 0; r < MR; r++) acc[r] = vq_ffma(sacc[r], d, acc[r]);
+        const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
+        const int64_t i0 = r0 * nb + sb * 8;  // row r0's first block of this super-block (row r: i0 + r nb)
+        if (type == GGUF_Q6_K) {
+            for (int r = 0; r < MR; r++)
+                acc[r] = vq_ffma(vq_fcvt(isacc[r]), vq_fmul(d, vq_fset1(qr.d[i0 + r * nb])), acc[r]);
+            continue;
+        }
+        // imin in 16-bit pairs of runs (vpdpwssd / vpmaddwd): m_j < 64 and |sx_j| <= 32 x 127 fit int16
+        vq_int imin[MR];
+        for (int r = 0; r < MR; r++) {
+            const int32_t *sx = qr.s + i0 + r * nb;
+            imin[r] = vq_zero();
+            for (int p = 0; p < 4; p++)
+                imin[r] = vq_madd_pairs(imin[r], min_pairs[p],
+                                        vq_set1((int32_t)(((uint32_t)sx[2 * p] & 0xffffu) | ((uint32_t)sx[2 * p + 1] << 16))));
+        }
+        const vq_float neg_dmin = vq_fmul(vq_fhalves(blk + 32 + 2 * X16_VL * h), vq_fset1(-1.0f));
+        for (int r = 0; r < MR; r++) {
+            const vq_float dx = vq_fset1(qr.d[i0 + r * nb]);
+            acc[r] = vq_ffma(vq_fcvt(isacc[r]), vq_fmul(d, dx), acc[r]);
+            acc[r] = vq_ffma(vq_fcvt(imin[r]), vq_fmul(neg_dmin, dx), acc[r]);
+        }
     }
     store_rows<MR>(n, acc, t, r0, h, sb1 < nsb);
 }
@@ -799,8 +827,9 @@ static int64_t x16_tile_chunk(int64_t num_tiles) {
 void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
     const int64_t k = n->in_features, num_tiles = n->out_features / X16_TILE;
     const QRows qr = scratch_rows(n, rows);
+    const int64_t group = x16_act_group(n->weight_type);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) quantize_row(n->x + r * k, k, qrow_of(qr, k, r));
+    for (int64_t r = 0; r < rows; r++) quantize_row(n->x + r * k, k, group, qrow_of(qr, k, r));
     const int64_t block_rows = x16_block_rows(k);
     for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
         const int64_t m = rows - row0 < block_rows ? rows - row0 : block_rows;
@@ -817,8 +846,8 @@ void gguf_x16_linear_team(const LinearNode *n, int64_t rows) {
 
 /* ---- the pieces of a grouped-expert matmul (gguf_moe_linear.cpp) ---- */
 
-void gguf_x16_quantize_row(const float *x, int64_t k, void *scratch, int64_t rows, int64_t row) {
-    quantize_row(x, k, qrow_of(qrows_at(scratch, rows, k), k, row));
+void gguf_x16_quantize_row(const float *x, int64_t k, int type, void *scratch, int64_t rows, int64_t row) {
+    quantize_row(x, k, x16_act_group(type), qrow_of(qrows_at(scratch, rows, k), k, row));
 }
 
 void gguf_x16_copy_row(const void *src, int64_t src_rows, int64_t src_row, void *dst, int64_t dst_rows,

@@ -285,6 +285,8 @@ SIMD_INLINE vq_int vq_lanes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_
 SIMD_INLINE vq_int vq_lanes_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 SIMD_INLINE vq_int vq_mul(vq_int a, vq_int b) { return _mm256_mullo_epi32(a, b); }
 SIMD_INLINE vq_int vq_add(vq_int a, vq_int b) { return _mm256_add_epi32(a, b); }
+/* acc + the products of a's and b's signed 16-bit halves, low with low, high with high, per 32-bit lane */
+SIMD_INLINE vq_int vq_madd_pairs(vq_int acc, vq_int a, vq_int b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 SIMD_INLINE vq_int vq_set1(int32_t v) { return _mm256_set1_epi32(v); }
 SIMD_INLINE vq_int vq_and1(vq_int a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
 SIMD_INLINE vq_int vq_srl(vq_int a, int s) { return _mm256_srli_epi32(a, s); }

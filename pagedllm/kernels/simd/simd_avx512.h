@@ -167,6 +167,12 @@ SIMD_INLINE vq_int vq_lanes_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_
 SIMD_INLINE vq_int vq_lanes_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 SIMD_INLINE vq_int vq_mul(vq_int a, vq_int b) { return _mm512_mullo_epi32(a, b); }
 SIMD_INLINE vq_int vq_add(vq_int a, vq_int b) { return _mm512_add_epi32(a, b); }
+/* acc + the products of a's and b's signed 16-bit halves, low with low, high with high, per 32-bit lane */
+#if defined(__AVX512VNNI__)
+SIMD_INLINE vq_int vq_madd_pairs(vq_int acc, vq_int a, vq_int b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#else
+SIMD_INLINE vq_int vq_madd_pairs(vq_int acc, vq_int a, vq_int b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
 SIMD_INLINE vq_int vq_set1(int32_t v) { return _mm512_set1_epi32(v); }
 SIMD_INLINE vq_int vq_and1(vq_int a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
 SIMD_INLINE vq_int vq_srl(vq_int a, int s) { return _mm512_srli_epi32(a, s); }

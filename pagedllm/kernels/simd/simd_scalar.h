@@ -95,6 +95,10 @@ SIMD_INLINE vq_int vq_lanes_u8(const uint8_t *p) { return p[0]; }
 SIMD_INLINE vq_int vq_lanes_s8(const uint8_t *p) { return (int8_t)p[0]; }
 SIMD_INLINE vq_int vq_mul(vq_int a, vq_int b) { return a * b; }
 SIMD_INLINE vq_int vq_add(vq_int a, vq_int b) { return a + b; }
+/* acc + the products of a's and b's signed 16-bit halves, low with low, high with high (vpmaddwd's pairs) */
+SIMD_INLINE vq_int vq_madd_pairs(vq_int acc, vq_int a, vq_int b) {
+    return acc + (int32_t)(int16_t)(a & 0xffff) * (int16_t)(b & 0xffff) + (int32_t)(int16_t)(a >> 16) * (int16_t)(b >> 16);
+}
 SIMD_INLINE vq_int vq_set1(int32_t v) { return v; }
 SIMD_INLINE vq_int vq_and1(vq_int a, int32_t m) { return a & m; }
 SIMD_INLINE vq_int vq_srl(vq_int a, int s) { return (int32_t)((uint32_t)a >> s); }
