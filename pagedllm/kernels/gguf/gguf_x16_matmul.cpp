@@ -539,6 +539,15 @@ static inline __attribute__((always_inline)) void x16_prefetch_run(const uint8_t
     for (int64_t l = 0; l < per_run; l += 64) simd_prefetch_l1(blk + X16_PREFETCH_BYTES + j * per_run + l);
 }
 
+/* whether ktile_rows keeps each run's mins, in 16-bit pairs, from the run (AVX-512's 32 registers) or unpacks
+   them again after the super-block's runs (AVX2's 16: four more live vectors spill the run sums, -17% at 64
+   rows where unpacking again is +6-10%) */
+#if SIMD_Q_SUM16
+#define X16_CARRY_MINS 0
+#else
+#define X16_CARRY_MINS 1
+#endif
+
 /* The k-quants (Q4_K, Q5_K, Q6_K): rows [r0, r0 + MR) against tile t, lanes [h * X16_VL, (h + 1) * X16_VL). A
    row's super-block of 256 inputs shares one grid dx (x16_act_group, llama.cpp's Q8_K), so the super-block sums
    in integers and its float work happens once, not once per run of 32 (an fma costs about one vpdpbusd on Zen 4,
@@ -576,7 +585,8 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
             krun_sums<MR, TYPE>(qr, qs, qh, blk + 32 + X16_VL * h, blk + 64 + X16_VL * h, j,
                                 qr.q + r0 * k + sb * 256 + 32 * j, k, xr, sb * 256 + 32 * j, r0 * nb + sb * 8 + j, nb,
                                 isacc, &min);
-            if (type != GGUF_Q6_K) min_pairs[j / 2] = j % 2 ? vq_or(min_pairs[j / 2], vq_sll(min, 16)) : min;
+            if (X16_CARRY_MINS && type != GGUF_Q6_K)
+                min_pairs[j / 2] = j % 2 ? vq_or(min_pairs[j / 2], vq_sll(min, 16)) : min;
         }
         const vq_float d = vq_fhalves(blk + 2 * X16_VL * h);
         const int64_t i0 = r0 * nb + sb * 8;  // row r0's first block of this super-block (row r: i0 + r nb)
@@ -584,6 +594,12 @@ static inline __attribute__((always_inline)) void ktile_rows(const LinearNode *n
             for (int r = 0; r < MR; r++)
                 acc[r] = vq_ffma(vq_fcvt(isacc[r]), vq_fmul(d, vq_fset1(qr.d[i0 + r * nb])), acc[r]);
             continue;
+        }
+        for (int p = 0; !X16_CARRY_MINS && p < 4; p++) {  // unpacked again: registers kept for the runs
+            vq_int scale, m_lo, m_hi;
+            k_scale_min(blk + 64 + X16_VL * h, 2 * p, &scale, &m_lo);
+            k_scale_min(blk + 64 + X16_VL * h, 2 * p + 1, &scale, &m_hi);
+            min_pairs[p] = vq_or(m_lo, vq_sll(m_hi, 16));
         }
         // imin in 16-bit pairs of runs (vpdpwssd / vpmaddwd): m_j < 64 and |sx_j| <= 32 x 127 fit int16
         vq_int imin[MR];
