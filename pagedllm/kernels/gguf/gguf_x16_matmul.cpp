@@ -39,11 +39,12 @@
 #endif
 #define X16_Q8_OFFSET SIMD_Q8_OFFSET
 
-static constexpr bool x16_is_kquant(int type) { return type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K; }
+/* the k-quants whose tiles ktile_rows sums (Q2_K and Q3_K have their own kernel, lktile_rows, and blocks of 32) */
+static constexpr bool x16_ktile_type(int type) { return type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K; }
 
 /* inputs that share one activation grid dx: a k-quant's super-block (256: llama.cpp's Q8_K, so a super-block's
    runs sum in integers and its float work happens once), 32 for the other types (llama.cpp's Q8_0 / Q8_1) */
-static int64_t x16_act_group(int type) { return x16_is_kquant(x16_base_type(type)) ? 256 : GGUF_BLOCK; }
+static int64_t x16_act_group(int type) { return x16_ktile_type(x16_base_type(type)) ? 256 : GGUF_BLOCK; }
 
 /* ---- 8-bit activations ---- */
 
@@ -731,7 +732,7 @@ template <int MR, int TYPE>
 static inline __attribute__((always_inline)) void rows_against_tile(const LinearNode *n, const QRows &qr, int64_t t,
                                                                     int64_t r0, int h, int64_t sb0, int64_t sb1,
                                                                     bool first) {
-    if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K || TYPE == GGUF_Q6_K)
+    if constexpr (x16_ktile_type(TYPE))
         ktile_rows<MR, TYPE>(n, qr, t, r0, h, sb0, sb1, first);
     else if constexpr (TYPE == GROUP_I8 || TYPE == GROUP_I4)
         gtile_rows<MR, TYPE>(n, qr, t, r0, h);
@@ -753,7 +754,7 @@ static inline __attribute__((always_inline)) void rows_against_tile(const Linear
 /* super-blocks per slice of a tile of `type` over `k` inputs (all of them for the types that are not sliced):
    the fewest slices of at most X16_SLICE_BYTES, of equal length but the last */
 static int64_t ktile_slice(int type, int64_t k) {
-    if (type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K) return k;  // more than any count of blocks
+    if (!x16_ktile_type(type)) return k;  // more than any count of blocks
     const int64_t nsb = k / 256, tile_bytes = X16_TILE * nsb * gguf_block_bytes(type);
     const int64_t slices = (tile_bytes + X16_SLICE_BYTES - 1) / X16_SLICE_BYTES;
     return (nsb + slices - 1) / slices;
