@@ -57,9 +57,9 @@ typedef struct {
     const int8_t *q;   /* [rows, k] */
     const float *d;    /* [rows, k / 32]: each block's dx */
     const int32_t *s;  /* [rows, k / 32]: each block's sx */
-    const int32_t *h;  /* [rows, k / 32]: the sum of each block's first 16 quants (Q6_K's sub-blocks) */
-    const float *ds;   /* [rows, k / 32]: dx * float(sx), the min terms' factor (Q4_1, Q5_1, Q4_K, Q5_K), rounded
-                          once per row here rather than once per (row, tile) in the kernels: the same float */
+    const int32_t *h;  /* [rows, k / 32]: the sum of each block's first 16 quants (Q2_K / Q3_K's sub-blocks) */
+    const float *ds;   /* [rows, k / 32]: dx * float(sx), the min terms' factor (Q4_1, Q5_1; Q4_K / Q5_K sum m sx in
+                          integers), rounded once per row here rather than once per (row, tile): the same float */
     const int32_t *o;  /* [rows, k / 32, 2]: -32 times the sums of each block's first and last 16 quants, where
                           Q6_K's two sums of a run start (sum (q - 32) x in integers with no subtraction after) */
 } QRows;
