@@ -50,8 +50,6 @@ slice; when its blocks empty, ``release_kv_blocks`` gives their pages back
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import mmap
 
 import torch
@@ -64,14 +62,9 @@ from pagedllm.layers.kv_quant import (
     hadamard_block,
 )
 from pagedllm.loader.model_config import ModelArchConfig
+from pagedllm.runner.c_heap import libc
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)  # 4 on Linux
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    """The C library, for madvise on an address (Python's mmap.madvise wants the mapping object)."""
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def cache_head_width(head_dim: int, dtype: torch.dtype) -> int:
@@ -152,29 +145,17 @@ def release_kv_blocks(kv_cache: torch.Tensor, ranges: list[tuple[int, int]]) -> 
     base = kv_cache.data_ptr()
     page = mmap.PAGESIZE
     released = 0
-    libc = _libc()
+    c = libc()
     for s in range(num_slices):
         for start, stop in ranges:
             lo = base + s * slice_bytes + start * block_bytes
             hi = base + s * slice_bytes + stop * block_bytes
             lo, hi = -(-lo // page) * page, hi // page * page  # whole pages inside the range
             if hi > lo:
-                if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+                if c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
                     raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on the KV cache")
                 released += hi - lo
     return released
-
-
-def trim_heap() -> None:
-    """Hand the C allocator's free memory back to the OS (glibc's ``malloc_trim``; nothing where the C library
-    has none).
-
-    Called as the engine goes idle, beside the KV pages: a burst's activations leave freed chunks in the
-    allocator's arenas, which glibc keeps for the next allocation unless trimmed (a server idle after a
-    burst of 32 requests on the bundled model kept 100-190 MiB of them)."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def resident_kv_bytes(kv_cache: torch.Tensor) -> int:
@@ -186,7 +167,7 @@ def resident_kv_bytes(kv_cache: torch.Tensor) -> int:
     start = kv_cache.data_ptr() // page * page
     num_pages = -(-(kv_cache.data_ptr() + nbytes - start) // page)
     vec = (ctypes.c_ubyte * num_pages)()
-    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(num_pages * page), vec) != 0:
+    if libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(num_pages * page), vec) != 0:
         return nbytes
     # the low bit of each byte says whether that page is resident (the others are reserved)
     return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and_(1).sum()) * page

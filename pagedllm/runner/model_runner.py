@@ -28,6 +28,7 @@ from pagedllm.resolved_config import (
     resolve_config,
     resolve_kv_cache_dtype,
 )
+from pagedllm.runner.c_heap import keep_freed_heap, trim_heap
 from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.expert_load import ExpertLoad
@@ -38,7 +39,6 @@ from pagedllm.runner.kv_cache import (
     kv_bytes_per_block,
     release_kv_blocks,
     resident_kv_bytes,
-    trim_heap,
 )
 from pagedllm.runner.kv_calibration import calibrate_kv_transforms, calibration_text
 from pagedllm.runner.logits_processors import apply_logits_rules, apply_token_bitmasks
@@ -193,6 +193,9 @@ class ModelRunner:
         # a mixture of experts' routing counts, from zero now that loading and calibration are done (read by
         # /metrics and bench when they ask: runner/expert_load.py); None for a dense model
         self.expert_load = ExpertLoad(self.model) if model_config.num_experts else None
+        if self.device.type == "cpu":  # steps' activations reused from the C heap, not faulted in anew (c_heap.py)
+            trim_heap()  # loading's freed temporaries go back first
+            keep_freed_heap()
 
     def _plan_kv_pool(self, available: int) -> KvPoolPlan:
         """The pool's blocks (the fewest any tensor-parallel rank has room for) and the ``max_model_len``
