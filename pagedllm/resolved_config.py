@@ -309,18 +309,24 @@ def default_kv_budget(available_bytes: int, weight_bytes: int, lazy: bool = True
 
 
 def kv_pool_blocks(
-    config: EngineConfig, bytes_per_block: int, available_bytes: int, weight_bytes: int, lazy: bool = True
+    config: EngineConfig, bytes_per_block: int, available_bytes: int, weight_bytes: int, lazy: bool = True,
+    num_groups: int = 1,
 ) -> tuple[int, int | None]:
     """``(blocks, budget bytes or None)``: ``num_kv_blocks`` if given, else what the budget holds.
 
     The default budget (``default_kv_budget``) names no more blocks than ``max_num_seqs`` sequences of
     ``max_model_len`` tokens can ever hold at once: a small model's blocks are a few KiB, and a pool of
-    millions of them would only cost the block manager's bookkeeping. On the CPU each of
+    millions of them would only cost the block manager's bookkeeping. A model with ``num_groups`` KV cache
+    groups (``kv_groups.py``: sliding windows) holds a block table per group, and a window group keeps
+    every block of a prompt its step computes at once, so a sequence may hold up to ``num_groups`` times
+    its length's blocks. On the CPU each of
     ``tensor_parallel_size`` ranks (``weight_bytes``: its slice) measures the same free memory, so each
     takes its share of the default, not the whole of it.
     """
     if bytes_per_block <= 0:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, None
     budget = config.kv_cache_memory_bytes
@@ -328,7 +334,7 @@ def kv_pool_blocks(
     if budget is None:
         ranks = config.tensor_parallel_size if lazy else 1  # a GPU rank has a GPU of its own
         budget = default_kv_budget(available_bytes, ranks * weight_bytes, lazy) // ranks
-        return max(1, min(budget // bytes_per_block, config.max_num_seqs * blocks_per_seq)), budget
+        return max(1, min(budget // bytes_per_block, config.max_num_seqs * num_groups * blocks_per_seq)), budget
     return max(1, budget // bytes_per_block), budget
 
 

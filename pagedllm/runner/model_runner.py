@@ -202,7 +202,8 @@ class ModelRunner:
         they hold; logs both, and warns where max_model_len was lowered to fit."""
         per_block = kv_bytes_per_block(self.local_config, self.block_size, self.kv_cache_dtype)
         num_blocks, budget = kv_pool_blocks(self.config, per_block, available, self.weight_bytes,
-                                            lazy=self.device.type == "cpu")
+                                            lazy=self.device.type == "cpu",
+                                            num_groups=model_kv_layout(self.model_config).num_groups)
         if self.tp is not None:  # one block table addresses every rank's cache: all hold as many blocks
             num_blocks = self.tp.min_int(num_blocks)
         if self.state_bytes_per_slot:

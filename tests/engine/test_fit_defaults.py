@@ -110,6 +110,10 @@ def test_pool_sources_and_cap() -> None:
     # the default never names more blocks than max_num_seqs sequences of max_model_len hold
     small = _config(256, fit=False, max_num_seqs=4)
     assert kv_pool_blocks(small, 4096, 100 * GIB, 0) == (4 * 16, 50 * GIB)
+    # a model with 3 KV cache groups (sliding windows) may hold each sequence's blocks once per group
+    assert kv_pool_blocks(small, 4096, 100 * GIB, 0, num_groups=3) == (3 * 4 * 16, 50 * GIB)
+    with pytest.raises(ValueError, match="num_groups"):
+        kv_pool_blocks(small, 4096, 100 * GIB, 0, num_groups=0)
     # two CPU ranks (0.5 GiB of weights each) share the machine: a quarter each of the 20 GiB left
     two = _config(131072, fit=True, tensor_parallel_size=2)
     assert kv_pool_blocks(two, MIB, 21 * GIB, GIB // 2) == (5120, 5 * GIB)

@@ -56,6 +56,19 @@ def test_window_groups_give_back_blocks_and_keep_the_tokens(gemma3) -> None:  # 
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_the_default_pool_holds_a_whole_prompt_in_every_group(gemma3) -> None:  # noqa: ANN001
+    # The default pool was capped at max_num_seqs x max_model_len's blocks, one group's worth: a 60-token
+    # prompt computed in one step holds 15 blocks in each of the 3 groups (its keys are all still in a window
+    # while the step runs), 45 > 16, and the scheduler stalled with a RuntimeError
+    path, hf = gemma3
+    llm = LLM(path, max_model_len=64, max_num_seqs=1, block_size=BS, enforce_eager=True)
+    assert llm.llm_engine.block_manager.num_blocks == 3 * (64 // BS)
+    prompt = _prompts([60], seed=5)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+
+
 @pytest.mark.slow
 def test_window_groups_fork_n2_and_preempt(gemma3) -> None:  # noqa: ANN001
     path, hf = gemma3
