@@ -697,14 +697,27 @@ class LLMEngine:
     def _resolve_stall(self) -> list[RequestOutput]:
         """Nothing could be scheduled although requests are unfinished.
 
-        Only beam search gets here: admitted beams wait for siblings that the
+        Beam search gets here when admitted beams wait for siblings that the
         pool cannot admit (after a preemption the beams no longer share
-        blocks). The newest such request is ended with finish_reason "abort",
+        blocks): the newest such request is ended with finish_reason "abort",
         keeping the hypotheses found so far, and its blocks are freed.
+
+        Without beams, a request that holds nothing still cannot start: a
+        model with sliding-window KV cache groups needs a prompt step's blocks
+        in every group at once, which a pool given by ``num_kv_blocks`` /
+        ``kv_cache_memory_bytes`` may not hold (one group's worth of
+        ``max_model_len`` is all ``fit_max_model_len`` checks). The oldest
+        request fails alone with an error naming the ways out; the others go on.
         """
         stalled = [r for r in self.requests.values() if r.beam is not None]
         if not stalled:
-            raise RuntimeError("the scheduler made no progress with no beam search in flight")
+            req = min(self.requests.values(), key=lambda r: r.seqs[0].arrival)
+            bm = self.block_manager
+            return [self._fail_request(req.request_id, ValueError(
+                f"the KV pool ({bm.num_blocks} blocks of {self.config.block_size} tokens, {bm.num_groups} KV cache "
+                f"group(s)) cannot hold this request's blocks with nothing else running; give the cache more "
+                f"blocks (num_kv_blocks= / --num-kv-blocks, kv_cache_memory_bytes=) or compute prompts in "
+                f"smaller steps (max_num_batched_tokens=)"))]
         req = max(stalled, key=lambda r: r.seqs[0].arrival)
         logger.warning("request %s: the KV pool cannot hold its %d beams; aborting it",
                        req.request_id, req.beam.params.beam_width)

@@ -17,6 +17,7 @@ import torch
 from conftest import TINY_WINDOW, hf_greedy
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.llm import RequestFailedError
 from pagedllm.kv_groups import model_kv_layout
 
 BS = 4
@@ -67,6 +68,28 @@ def test_the_default_pool_holds_a_whole_prompt_in_every_group(gemma3) -> None:  
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+
+
+def test_a_prompt_step_the_pool_cannot_hold_fails_alone(gemma3) -> None:  # noqa: ANN001
+    # 30 blocks hold one group's 16 for max_model_len, not the 45 a 60-token prompt computed in one step
+    # holds in 3 groups: that request fails with the ways out named, a short one beside it still runs
+    path, hf = gemma3
+    llm = LLM(path, num_kv_blocks=30, max_model_len=64, block_size=BS, enforce_eager=True)
+    long, short = _prompts([60, 6], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(RequestFailedError, match="num_kv_blocks") as failed:
+        llm.generate([{"prompt_token_ids": long}, {"prompt_token_ids": short}], params, use_tqdm=False)
+    bad, good = failed.value.outputs
+    assert bad.error is not None and "max_num_batched_tokens" in bad.error
+    assert good.error is None and good.outputs[0].token_ids == hf_greedy(hf, short, 4)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # nothing leaked
+    # with prompts computed 8 tokens a step the window groups give blocks back as they go: at most 16 full
+    # blocks and 5 in each window group (keys c - 7 .. c + 7), 26 <= 30
+    chunked = LLM(path, num_kv_blocks=30, max_model_len=64, block_size=BS, max_num_batched_tokens=8,
+                  enforce_eager=True)
+    out = chunked.generate([{"prompt_token_ids": long}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, long, 4)
 
 
 @pytest.mark.slow
