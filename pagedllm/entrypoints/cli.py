@@ -14,9 +14,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from pagedllm.c_heap import share_one_arena
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.arg_fields import add_record_arguments, record_kwargs
-from pagedllm.runner.c_heap import share_one_arena
 from pagedllm.sampling_params import SamplingParams, with_defaults
 
 if TYPE_CHECKING:
@@ -495,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one ``pagedllm`` command; its exit status (2: a refused value, 130: interrupted)."""
-    share_one_arena()  # before any thread allocates: the engine thread's steps reuse the heap (runner/c_heap.py)
+    share_one_arena()  # before any thread allocates: the engine thread's steps reuse the heap (pagedllm/c_heap.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     # warnings, and the one line before and after a first-run kernel build (pagedllm/kernels/__init__.py)

@@ -54,6 +54,7 @@ import mmap
 
 import torch
 
+from pagedllm.c_heap import libc
 from pagedllm.kv_groups import model_kv_layout
 from pagedllm.layers.kv_quant import (
     INT4_SCALE_BYTES,
@@ -62,7 +63,6 @@ from pagedllm.layers.kv_quant import (
     hadamard_block,
 )
 from pagedllm.loader.model_config import ModelArchConfig
-from pagedllm.runner.c_heap import libc
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)  # 4 on Linux
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.c_heap import keep_freed_heap, trim_heap
 from pagedllm.config import EngineConfig
 from pagedllm.device_memory import available_memory_bytes
 from pagedllm.distributed.group import DistributedError, TensorParallelGroup
@@ -28,7 +29,6 @@ from pagedllm.resolved_config import (
     resolve_config,
     resolve_kv_cache_dtype,
 )
-from pagedllm.runner.c_heap import keep_freed_heap, trim_heap
 from pagedllm.runner.capture.captured_decode import CapturedDecode
 from pagedllm.runner.draft_verifier import verify_drafts
 from pagedllm.runner.expert_load import ExpertLoad

@@ -50,10 +50,11 @@ ALLOWED = {
 # mixture of experts' routing counts, which the runner fills and the server's metrics and the bench read;
 # thinking_budget: the rule that closes a reasoning block after N tokens (a pure function of the tokens), which
 # the request's sampling spec carries to the runner's logits rules; pooler_config: a pooling model's
-# pooling type, normalisation and dimensions, a field of the engine config
+# pooling type, normalisation and dimensions, a field of the engine config; c_heap: the C allocator's
+# process-wide settings (ctypes only), which the runner, the command and a data-parallel replica's process set
 DATA_MODULES = {"config", "config_record", "resolved_config", "sampling_params", "outputs", "step_record",
                 "step_result", "block_table", "cache_dir", "step_time", "device_memory", "expert_counts",
-                "thinking_budget", "pooler_config", "kv_groups"}
+                "thinking_budget", "pooler_config", "kv_groups", "c_heap"}
 # the packages a top-level data module may import: plain Python that itself imports only these (and data
 # modules). Every package imports the data modules, so a data module importing anything higher (the runner,
 # the engine) would be an import running back up the layers. resolved_config alone also reads the machine

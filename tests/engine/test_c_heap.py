@@ -1,5 +1,5 @@
 """The C heap under the steps' activations: a freed large tensor is reused without page faults once the runner
-has set glibc up (``runner/c_heap.py``), from a thread too after ``share_one_arena``, and ``trim_heap`` gives
+has set glibc up (``pagedllm/c_heap.py``), from a thread too after ``share_one_arena``, and ``trim_heap`` gives
 the memory back.
 
 Each case runs in a process of its own: the settings are process-wide and glibc fixes its arenas when a
@@ -19,7 +19,7 @@ import pytest
 # prints the minor faults of the last four layers and the resident set before and after trim_heap.
 _CHILD = r"""
 import json, resource, sys, threading
-from pagedllm.runner import c_heap
+from pagedllm import c_heap
 mode, where = sys.argv[1], sys.argv[2]
 if mode == "set":
     c_heap.share_one_arena()

@@ -47,6 +47,7 @@ from array import array
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedllm.c_heap import share_one_arena
 from pagedllm.clients.async_engine import AsyncEngine
 from pagedllm.clients.kv_publisher import KVSnapshotPublisher
 from pagedllm.clients.metrics import ServerMetrics, engine_stats
@@ -203,6 +204,7 @@ def run_replica(
         kv_page: publish /kv snapshots.
         heartbeat_interval: seconds between two heartbeats once the engine is ready.
     """
+    share_one_arena()  # before any thread allocates: the engine thread's steps reuse the heap (pagedllm/c_heap.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s replica {index} %(name)s: %(message)s")
     if cpus:

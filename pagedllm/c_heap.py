@@ -9,8 +9,9 @@ freed there, as a caching allocator does; ``trim_heap``, called as the engine go
 back to the OS. Where the C library is not glibc (no ``mallopt`` / ``malloc_trim``) both do nothing.
 
 A thread other than the main one allocates from an arena of its own, whose blocks over 64 MiB are mapped
-one by one whatever the settings: ``share_one_arena``, called by the CLI before any thread starts, puts
-every thread on the main arena, so the server's engine thread reuses the heap as ``LLM.generate`` does.
+one by one whatever the settings: ``share_one_arena``, called by the ``pagedllm`` command and by a
+data-parallel replica's process before any thread starts, puts every thread on the main arena, so the
+server's engine thread reuses the heap as ``LLM.generate`` does.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def share_one_arena() -> bool:
     """Have every thread allocate from the C allocator's main arena; True where the C library took it.
 
     glibc fixes the number of arenas when a second thread first allocates, so this only counts before that:
-    the ``pagedllm`` command calls it first thing. Threads here allocate little but the engine thread's
-    steps, so one arena costs no contention worth measuring and keeps those steps' blocks in the heap
-    that ``keep_freed_heap`` keeps.
+    the ``pagedllm`` command and a data-parallel replica's process call it first thing. Threads here
+    allocate little but the engine thread's steps, so one arena costs no contention worth measuring and
+    keeps those steps' blocks in the heap that ``keep_freed_heap`` keeps.
     """
     mallopt = getattr(libc(), "mallopt", None)
     return mallopt is not None and bool(mallopt(_M_ARENA_MAX, 1))
