@@ -146,6 +146,8 @@ class ModelRunner:
         self.kv_cache_dtype = KV_DTYPES[resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype,
                                                                keeps_gguf_blocks=bool(gguf_types_held(self.model)))]
         self.block_size = config.block_size
+        # KV cache groups (kv_groups.py): each holds a block table per sequence, so the pool's size counts them
+        self.kv_layout = model_kv_layout(model_config)
         # the pool's size, and max_model_len lowered to it where fit_max_model_len allows (resolved_config.py)
         self.kv_pool = self._plan_kv_pool(available)
         self.num_kv_blocks = self.kv_pool.num_kv_blocks
@@ -179,7 +181,6 @@ class ModelRunner:
         self.sampler = Sampler()
         # a longrope model's tokens look up the short or the long rows of its RoPE table (layers/rotary.py)
         # KV cache groups (kv_groups.py): sliding-window layers read their group's block tables
-        self.kv_layout = model_kv_layout(model_config)
         layer_groups = tuple(self.kv_layout.layer_slot(i)[0] if self.kv_layout.has_layer(i) else 0
                              for i in range(model_config.num_hidden_layers))
         self.input_batch = InputBatch(self.block_size, self.device, self.model.model.rotary.switch_len,
@@ -203,7 +204,7 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.local_config, self.block_size, self.kv_cache_dtype)
         num_blocks, budget = kv_pool_blocks(self.config, per_block, available, self.weight_bytes,
                                             lazy=self.device.type == "cpu",
-                                            num_groups=model_kv_layout(self.model_config).num_groups)
+                                            num_groups=self.kv_layout.num_groups)
         if self.tp is not None:  # one block table addresses every rank's cache: all hold as many blocks
             num_blocks = self.tp.min_int(num_blocks)
         if self.state_bytes_per_slot:
